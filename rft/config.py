@@ -1,0 +1,358 @@
+"""The one typed configuration tree of an rft run.
+
+YAML is only the serialisation: a file is loaded, `${ENV_VAR}` references are expanded, `--set a.b=v`
+overrides are applied, and the result is validated into the dataclasses below. Every error names the
+file and the full dotted key path (unknown keys come with a did-you-mean), and is raised as `ConfigError`
+before any process starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+MODES = ("sync", "off_policy", "async", "offline", "explore", "train")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration: the message names the source and the dotted key."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections. Each field's default is the sensible default; fields without one are required.
+
+
+@dataclass
+class RunConfig:
+    name: str = "rft-run"
+    mode: Literal["sync", "off_policy", "async", "offline", "explore", "train"] = "off_policy"
+    max_staleness: int = 1
+    seed: int = 0
+    output_dir: str = "runs"
+    max_steps: int = 10
+    explorer_timeout_s: float = 60.0
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    tokenizer: str = ""  # empty: same as path
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_prompt_len: int = 256
+    max_response_len: int = 64
+
+
+@dataclass
+class KafkaConfig:
+    bootstrap_servers: str = "embedded"
+    topic_prefix: str = ""  # empty: the run name
+    partitions: int = 4
+    replication_factor: int = 1
+    max_record_bytes: int = 8 * 1024 * 1024
+    compression: Optional[Literal["gzip", "snappy", "lz4", "zstd"]] = None
+    request_timeout_ms: int = 30000
+    session_timeout_ms: int = 6000
+    max_poll_interval_ms: int = 5000
+    security: dict[str, Any] = field(default_factory=dict)  # passed to kafka clients verbatim
+
+
+@dataclass
+class ExplorerConfig:
+    replicas: int = 1
+    engine: Literal["vllm"] = "vllm"
+    tensor_parallel_size: int = 1
+    n_samples: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 32
+    tasks_per_batch: int = 8
+    workflow: str = "single_turn"
+    reward: str = "exact_match"
+    reward_weights: dict[str, float] = field(default_factory=dict)
+    gpu_memory_utilization: float = 0.5
+    cpu_kvcache_gb: float = 1.0
+
+
+@dataclass
+class TrainerConfig:
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+    groups_per_step: int = 8
+    micro_batch_size: int = 8
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    checkpoint_every: int = 10
+    poll_timeout_s: float = 600.0
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    off_policy_correction: bool = False
+    importance_cap: float = 2.0
+    dpo_beta: float = 0.1
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    format: Literal["jsonl", "parquet", "hf_disk", "generated"] = "jsonl"
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    prompt_template: str = "{prompt}"
+    epochs: int = 1
+    shuffle_seed: Optional[int] = 0
+    selector: str = "shuffle"
+
+
+@dataclass
+class SyncConfig:
+    method: Literal["push", "pull"] = "pull"
+    weight_store: str = ""  # empty: <run dir>/weights
+    bucket_mb: int = 64
+    keep_versions: int = 2
+    timeout_s: float = 120.0
+
+
+@dataclass
+class MonitorConfig:
+    jsonl: bool = True
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "rft"
+    prometheus_port: int = 0  # 0: off
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    explorer: ExplorerConfig = field(default_factory=ExplorerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+    def topic(self, kind: Literal["tasks", "experiences", "control", "dead_letter"]) -> str:
+        """Topic names follow `<prefix>.<kind>`; the prefix defaults to the run name."""
+        return f"{self.kafka.topic_prefix or self.run.name}.{kind}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading.
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
+    """Load, interpolate, override and validate. `overrides` are `a.b.c=value` strings (YAML values)."""
+    source = str(path) if path else "<defaults>"
+    raw: dict[str, Any] = {}
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"{source}: cannot read config file: {e.strerror}") from None
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{source}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: top level must be a mapping of sections, got {type(raw).__name__}")
+    raw = _interpolate(raw, source, "")
+    for item in overrides:
+        _apply_override(raw, item)
+    cfg = _build(Config, raw, source, "")
+    _check_semantics(cfg, source)
+    return cfg
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
+    cfg = _build(Config, _interpolate(raw, source, ""), source, "")
+    _check_semantics(cfg, source)
+    return cfg
+
+
+def _interpolate(node: Any, source: str, key: str) -> Any:
+    if isinstance(node, dict):
+        return {k: _interpolate(v, source, f"{key}.{k}" if key else str(k)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_interpolate(v, source, f"{key}[{i}]") for i, v in enumerate(node)]
+    if isinstance(node, str) and "${" in node:
+        def replace(m: re.Match) -> str:
+            name, default = m.group(1), m.group(2)
+            if name in os.environ:
+                return os.environ[name]
+            if default is not None:
+                return default
+            raise ConfigError(f"{source}: {key}: environment variable ${{{name}}} is not set "
+                              f"(set it, or write ${{{name}:-default}})")
+        value = _ENV_REF.sub(replace, node)
+        # A whole-value reference takes the YAML type of what it expands to ("4" -> 4).
+        return yaml.safe_load(value) if _ENV_REF.fullmatch(node) and value else value
+    return node
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key.path=value")
+    key, value = item.split("=", 1)
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {item!r}: {part} is not a section")
+    try:
+        node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError:
+        node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: {prefix or '<top>'}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            path = f"{prefix}.{key}" if prefix else str(key)
+            near = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean '{near[0]}'?)" if near else f" (valid keys: {', '.join(names)})"
+            raise ConfigError(f"{source}: {path}: unknown key{hint}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}.{f.name}" if prefix else f.name
+        if f.name in raw:
+            kwargs[f.name] = _coerce(hints[f.name], raw[f.name], source, path)
+        elif dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = _build(hints[f.name], {}, source, path)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, source: str, path: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value if value is not None else {}, source, path)
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, source, path)
+    if origin is Literal:
+        if value not in args:
+            near = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            raise ConfigError(f"{source}: {path}: must be one of {', '.join(map(str, args))}; got {value!r}{hint}")
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {path}: expected a mapping, got {_describe(value)}")
+        return {str(k): _coerce(args[1], v, source, f"{path}.{k}") for k, v in value.items()}
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}: {path}: expected a list, got {_describe(value)}")
+        return [_coerce(args[0], v, source, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool and not isinstance(value, bool) or tp is not bool and isinstance(value, bool):
+        raise ConfigError(f"{source}: {path}: expected {tp.__name__}, got {_describe(value)}")
+    if not isinstance(value, tp):
+        raise ConfigError(f"{source}: {path}: expected {tp.__name__}, got {_describe(value)}")
+    return value
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {json.dumps(value, default=str)[:60]}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Semantic checks: ranges and cross-field constraints.
+
+def _check_semantics(cfg: Config, source: str) -> None:
+    def require(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"{source}: {key}: {message}")
+
+    positive = {
+        "run.max_steps": cfg.run.max_steps, "kafka.partitions": cfg.kafka.partitions,
+        "kafka.replication_factor": cfg.kafka.replication_factor,
+        "kafka.max_record_bytes": cfg.kafka.max_record_bytes, "explorer.n_samples": cfg.explorer.n_samples,
+        "explorer.max_tokens": cfg.explorer.max_tokens, "explorer.tasks_per_batch": cfg.explorer.tasks_per_batch,
+        "explorer.tensor_parallel_size": cfg.explorer.tensor_parallel_size,
+        "trainer.tensor_parallel": cfg.trainer.tensor_parallel, "trainer.pipeline_parallel": cfg.trainer.pipeline_parallel,
+        "trainer.data_parallel": cfg.trainer.data_parallel, "trainer.groups_per_step": cfg.trainer.groups_per_step,
+        "trainer.micro_batch_size": cfg.trainer.micro_batch_size, "sync.bucket_mb": cfg.sync.bucket_mb,
+        "sync.keep_versions": cfg.sync.keep_versions, "data.epochs": cfg.data.epochs,
+        "model.max_prompt_len": cfg.model.max_prompt_len, "model.max_response_len": cfg.model.max_response_len,
+    }
+    for key, value in positive.items():
+        require(value >= 1, key, f"must be >= 1, got {value}")
+    require(cfg.run.max_staleness >= 0, "run.max_staleness", f"must be >= 0, got {cfg.run.max_staleness}")
+    require(cfg.explorer.replicas >= 0, "explorer.replicas", f"must be >= 0, got {cfg.explorer.replicas}")
+    require(cfg.explorer.temperature >= 0, "explorer.temperature", f"must be >= 0, got {cfg.explorer.temperature}")
+    require(0 < cfg.explorer.top_p <= 1, "explorer.top_p", f"must be in (0, 1], got {cfg.explorer.top_p}")
+    require(cfg.trainer.lr > 0, "trainer.lr", f"must be > 0, got {cfg.trainer.lr}")
+    require(cfg.algorithm.clip_eps > 0, "algorithm.clip_eps", f"must be > 0, got {cfg.algorithm.clip_eps}")
+    require(cfg.algorithm.importance_cap >= 1, "algorithm.importance_cap",
+            f"must be >= 1, got {cfg.algorithm.importance_cap}")
+    require(cfg.algorithm.kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {cfg.algorithm.kl_coef}")
+    require(bool(cfg.run.name) and re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name) is not None, "run.name",
+            f"must be non-empty letters, digits, '.', '_' or '-' (it names topics and directories); got {cfg.run.name!r}")
+    require(cfg.run.mode in ("offline", "train") or cfg.explorer.replicas >= 1 or cfg.run.mode == "explore",
+            "explorer.replicas", f"mode {cfg.run.mode} needs at least one explorer")
+    require(bool(cfg.model.path), "model.path", "required: a Hugging Face model directory")
+    _check_model_shape(cfg, source, require)
+
+
+def _check_model_shape(cfg: Config, source: str, require) -> None:
+    """Cross-check parallel sizes against the model's own config.json when the model is on disk."""
+    hf_config = Path(cfg.model.path) / "config.json"
+    if not hf_config.is_file():
+        return
+    try:
+        hf = json.loads(hf_config.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{source}: model.path: {hf_config} is not readable JSON: {e}") from None
+    tp, pp = cfg.trainer.tensor_parallel, cfg.trainer.pipeline_parallel
+    heads, kv_heads = hf.get("num_attention_heads"), hf.get("num_key_value_heads", hf.get("num_attention_heads"))
+    layers = hf.get("num_hidden_layers")
+    if heads:
+        require(heads % tp == 0, "trainer.tensor_parallel",
+                f"{tp} does not divide the model's {heads} attention heads ({hf_config})")
+    if kv_heads:
+        require(kv_heads % tp == 0, "trainer.tensor_parallel",
+                f"{tp} does not divide the model's {kv_heads} key/value heads ({hf_config})")
+    if layers:
+        require(layers % pp == 0, "trainer.pipeline_parallel",
+                f"{pp} does not divide the model's {layers} layers ({hf_config})")

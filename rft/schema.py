@@ -1,0 +1,289 @@
+"""Records that cross Kafka: tasks, experience groups and control messages (schema version 1).
+
+Every message value is one msgpack map; arrays are raw little-endian buffers (msgpack `bin`) with
+fixed dtypes, so any language's msgpack library reads them without numpy. The schema version and the
+record type travel in Kafka headers (`rft-schema`, `rft-type`) and again inside the value, so a
+consumer can reject a foreign record before decoding it. No pickle anywhere. `docs/schema.md` is
+the field-by-field description; keep the two in step.
+
+Invariant: `decode_*(encode(x)) == x` for every valid record, and every decode of invalid bytes raises
+`RecordError` with a reason (it never returns a half-valid record).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+HEADER_SCHEMA = "rft-schema"
+HEADER_TYPE = "rft-type"
+HEADER_ERROR = "rft-error"  # on dead-letter records: why the record was rejected
+
+TYPE_TASK = "task"
+TYPE_EXPERIENCE = "experience_group"
+TYPE_CONTROL = "control"
+
+# Wire dtypes of the array fields (little-endian, fixed whatever the host).
+TOKEN_DTYPE = np.dtype("<i4")
+LOGPROB_DTYPE = np.dtype("<f4")
+MASK_DTYPE = np.dtype("u1")
+
+
+class RecordError(ValueError):
+    """A record that cannot be decoded or is not valid; the message is the dead-letter reason."""
+
+
+@dataclass
+class TaskRecord:
+    """One task (prompt) to explore. `task_id` is stable across epochs; `(task_id, epoch)` names a group."""
+    run_id: str
+    task_id: str
+    epoch: int
+    prompt: str
+    answer: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def group_id(self) -> str:
+        return group_id_for(self.run_id, self.task_id, self.epoch)
+
+
+def group_id_for(run_id: str, task_id: str, epoch: int) -> str:
+    """Deterministic group id: re-exploring the same task in the same epoch gives the same id."""
+    return f"{run_id}/{task_id}/e{epoch}"
+
+
+@dataclass
+class Sample:
+    """One response to a task's prompt. Arrays: prompt/response tokens int32, logprobs float32, mask uint8."""
+    sample_index: int
+    prompt_tokens: np.ndarray
+    response_tokens: np.ndarray
+    logprobs: np.ndarray  # behaviour log-prob of each response token under the generating policy
+    loss_mask: np.ndarray  # 1 where the token is the model's own and enters the loss
+    reward: float
+    reward_components: dict[str, float] = field(default_factory=dict)
+    finish_reason: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sample):
+            return NotImplemented
+        return (self.sample_index == other.sample_index and self.reward == other.reward
+                and self.reward_components == other.reward_components
+                and self.finish_reason == other.finish_reason and self.metadata == other.metadata
+                and all(np.array_equal(getattr(self, k), getattr(other, k), equal_nan=True)
+                        for k in ("prompt_tokens", "response_tokens", "logprobs", "loss_mask")))
+
+
+@dataclass
+class ExperienceGroup:
+    """All samples of one task from one explorer attempt: one Kafka message, so a group arrives whole."""
+    run_id: str
+    task_id: str
+    group_id: str
+    attempt: int
+    explorer_id: str
+    policy_version: int  # oldest weights version used to generate any sample of the group
+    samples: list[Sample]
+    answer: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+
+    def sample_id(self, sample: Sample) -> str:
+        return f"{self.group_id}/s{sample.sample_index}"
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return np.array([s.reward for s in self.samples], dtype=np.float64)
+
+
+@dataclass
+class ControlMessage:
+    """Run lifecycle, versions, heartbeats and fleet membership. `kind` says which; `body` is free-form."""
+    kind: str
+    sender: str
+    body: dict[str, Any] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+
+
+# --------------------------------------------------------------------------------------------------
+# Encoding
+
+
+def headers_for(record_type: str) -> list[tuple[str, bytes]]:
+    return [(HEADER_SCHEMA, str(SCHEMA_VERSION).encode()), (HEADER_TYPE, record_type.encode())]
+
+
+def encode(record: TaskRecord | ExperienceGroup | ControlMessage) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """Return (value, headers) for one record."""
+    if isinstance(record, TaskRecord):
+        body, kind = {
+            "run_id": record.run_id, "task_id": record.task_id, "epoch": record.epoch,
+            "prompt": record.prompt, "answer": record.answer, "metadata": record.metadata,
+            "created_at": record.created_at,
+        }, TYPE_TASK
+    elif isinstance(record, ExperienceGroup):
+        body, kind = {
+            "run_id": record.run_id, "task_id": record.task_id, "group_id": record.group_id,
+            "attempt": record.attempt, "explorer_id": record.explorer_id,
+            "policy_version": record.policy_version, "answer": record.answer,
+            "metadata": record.metadata, "created_at": record.created_at,
+            "samples": [_encode_sample(s) for s in record.samples],
+        }, TYPE_EXPERIENCE
+    elif isinstance(record, ControlMessage):
+        body, kind = {"kind": record.kind, "sender": record.sender, "body": record.body,
+                      "created_at": record.created_at}, TYPE_CONTROL
+    else:
+        raise TypeError(f"not an rft record: {type(record).__name__}")
+    body["schema"] = SCHEMA_VERSION
+    body["type"] = kind
+    return msgpack.packb(body, use_bin_type=True), headers_for(kind)
+
+
+def _encode_sample(s: Sample) -> dict[str, Any]:
+    return {
+        "sample_index": s.sample_index,
+        "prompt_tokens": _array_bytes(s.prompt_tokens, TOKEN_DTYPE),
+        "response_tokens": _array_bytes(s.response_tokens, TOKEN_DTYPE),
+        "logprobs": _array_bytes(s.logprobs, LOGPROB_DTYPE),
+        "loss_mask": _array_bytes(s.loss_mask, MASK_DTYPE),
+        "reward": float(s.reward), "reward_components": {k: float(v) for k, v in s.reward_components.items()},
+        "finish_reason": s.finish_reason, "metadata": s.metadata,
+    }
+
+
+def _array_bytes(values: Any, dtype: np.dtype) -> bytes:
+    return np.ascontiguousarray(np.asarray(values), dtype=dtype).tobytes()
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoding (strict: every failure is a RecordError with a reason)
+
+
+def record_type(value: bytes, headers: list[tuple[str, bytes]] | None) -> str:
+    """The record type from the headers, checking the schema version; RecordError if foreign."""
+    hdr = {k: v for k, v in (headers or [])}
+    if HEADER_SCHEMA not in hdr:
+        raise RecordError(f"missing header {HEADER_SCHEMA!r}: not an rft record")
+    version = hdr[HEADER_SCHEMA].decode(errors="replace")
+    if version != str(SCHEMA_VERSION):
+        raise RecordError(f"schema version {version!r} is not supported (this build reads {SCHEMA_VERSION})")
+    return hdr.get(HEADER_TYPE, b"").decode(errors="replace")
+
+
+def decode(value: bytes, headers: list[tuple[str, bytes]] | None = None) -> TaskRecord | ExperienceGroup | ControlMessage:
+    """Decode any rft record. Headers are checked when given; the body is always checked."""
+    expected = record_type(value, headers) if headers is not None else None
+    body = _unpack(value)
+    kind = body.get("type")
+    if expected is not None and kind != expected:
+        raise RecordError(f"header type {expected!r} does not match body type {kind!r}")
+    if kind == TYPE_TASK:
+        return _decode_task(body)
+    if kind == TYPE_EXPERIENCE:
+        return _decode_group(body)
+    if kind == TYPE_CONTROL:
+        return ControlMessage(kind=_get(body, "kind", str), sender=_get(body, "sender", str),
+                              body=_get(body, "body", dict), created_at=_get(body, "created_at", float))
+    raise RecordError(f"unknown record type {kind!r}")
+
+
+def decode_group(value: bytes, headers: list[tuple[str, bytes]] | None = None) -> ExperienceGroup:
+    record = decode(value, headers)
+    if not isinstance(record, ExperienceGroup):
+        raise RecordError(f"expected an experience group, got a {type(record).__name__}")
+    return record
+
+
+def decode_task(value: bytes, headers: list[tuple[str, bytes]] | None = None) -> TaskRecord:
+    record = decode(value, headers)
+    if not isinstance(record, TaskRecord):
+        raise RecordError(f"expected a task, got a {type(record).__name__}")
+    return record
+
+
+def _unpack(value: bytes) -> dict[str, Any]:
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise RecordError("record value is empty")
+    try:
+        body = msgpack.unpackb(value, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types for garbage
+        raise RecordError(f"not msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(body, dict):
+        raise RecordError(f"record body must be a map, got {type(body).__name__}")
+    if body.get("schema") != SCHEMA_VERSION:
+        raise RecordError(f"schema version {body.get('schema')!r} is not supported (this build reads {SCHEMA_VERSION})")
+    return body
+
+
+def _get(body: dict[str, Any], key: str, tp: type, optional: bool = False) -> Any:
+    if key not in body:
+        if optional:
+            return None
+        raise RecordError(f"missing field {key!r}")
+    value = body[key]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise RecordError(f"field {key!r}: expected {tp.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _decode_task(body: dict[str, Any]) -> TaskRecord:
+    return TaskRecord(run_id=_get(body, "run_id", str), task_id=_get(body, "task_id", str),
+                      epoch=_get(body, "epoch", int), prompt=_get(body, "prompt", str),
+                      answer=body.get("answer"), metadata=_get(body, "metadata", dict),
+                      created_at=_get(body, "created_at", float))
+
+
+def _decode_group(body: dict[str, Any]) -> ExperienceGroup:
+    samples_raw = _get(body, "samples", list)
+    if not samples_raw:
+        raise RecordError("experience group has no samples")
+    return ExperienceGroup(
+        run_id=_get(body, "run_id", str), task_id=_get(body, "task_id", str),
+        group_id=_get(body, "group_id", str), attempt=_get(body, "attempt", int),
+        explorer_id=_get(body, "explorer_id", str), policy_version=_get(body, "policy_version", int),
+        answer=body.get("answer"), metadata=_get(body, "metadata", dict),
+        created_at=_get(body, "created_at", float),
+        samples=[_decode_sample(s, i) for i, s in enumerate(samples_raw)])
+
+
+def _decode_sample(raw: Any, position: int) -> Sample:
+    if not isinstance(raw, dict):
+        raise RecordError(f"samples[{position}]: expected a map")
+    where = f"samples[{position}]"
+    try:
+        arrays = {k: _array(raw, k, dt) for k, dt in (("prompt_tokens", TOKEN_DTYPE), ("response_tokens", TOKEN_DTYPE),
+                                                       ("logprobs", LOGPROB_DTYPE), ("loss_mask", MASK_DTYPE))}
+        n = len(arrays["response_tokens"])
+        for k in ("logprobs", "loss_mask"):
+            if len(arrays[k]) != n:
+                raise RecordError(f"{k} has {len(arrays[k])} entries for {n} response tokens")
+        if not np.all(np.isfinite(arrays["logprobs"])):
+            raise RecordError("logprobs contain NaN or infinity")
+        reward = _get(raw, "reward", float)
+        components = {str(k): float(v) for k, v in _get(raw, "reward_components", dict).items()}
+        if not math.isfinite(reward) or not all(math.isfinite(v) for v in components.values()):
+            raise RecordError("reward is NaN or infinite")
+        return Sample(sample_index=_get(raw, "sample_index", int), reward=reward, reward_components=components,
+                      finish_reason=_get(raw, "finish_reason", str), metadata=_get(raw, "metadata", dict),
+                      **arrays)
+    except RecordError as e:
+        raise RecordError(f"{where}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise RecordError(f"{where}: {e}") from None
+
+
+def _array(raw: dict[str, Any], key: str, dtype: np.dtype) -> np.ndarray:
+    buf = _get(raw, key, bytes)
+    if len(buf) % dtype.itemsize:
+        raise RecordError(f"{key}: {len(buf)} bytes is not a whole number of {dtype.name} values (truncated?)")
+    return np.frombuffer(buf, dtype=dtype).astype(dtype.newbyteorder("="))

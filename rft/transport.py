@@ -1,0 +1,391 @@
+"""Kafka behind one small interface; the only module of rft that imports kafka.
+
+- `RecordSink` (producer): acks=all, idempotent where the broker allows; a record over
+  `kafka.max_record_bytes` is refused here, before it is sent, with its size and the limit (brokers
+  differ in whether they enforce it). `send()` is asynchronous; a record is durable once `flush()` or
+  the returned future's `get()` returns. Thread-safe (kafka-python's producer is).
+- `RecordSource` (consumer): raw bytes only (never a kafka-python deserializer), manual commits,
+  `seek()` to externally stored offsets, replay by offset or time range. Delivery is at-least-once
+  unless the caller stores offsets with its own state and seeks to them (what the trainer does for
+  exactly-once). Not thread-safe: use it from one thread.
+- `DeadLetter`: decodes records and routes any that fail to the dead-letter topic with the reason in
+  the `rft-error` header and the origin in `rft-origin`; consumption goes on.
+- `Admin`: topic creation, description (offsets, consumer-group lag).
+
+Offsets everywhere are "next offset to read", keyed by `"topic:partition"` strings so that they can
+be stored in JSON checkpoints.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import NewTopic
+from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
+
+from rft.config import KafkaConfig
+from rft.schema import HEADER_ERROR, RecordError, encode
+
+log = logging.getLogger(__name__)
+
+HEADER_ORIGIN = "rft-origin"
+_OVERHEAD_BYTES = 64 * 1024  # room for the batch and header framing around one maximal record
+
+
+class TransportError(RuntimeError):
+    pass
+
+
+class RecordTooLarge(TransportError):
+    pass
+
+
+@dataclass(frozen=True)
+class Message:
+    topic: str
+    partition: int
+    offset: int
+    key: Optional[bytes]
+    value: bytes
+    headers: list[tuple[str, bytes]]
+    timestamp_ms: int
+
+    @property
+    def position(self) -> str:
+        return offset_key(self.topic, self.partition)
+
+
+def offset_key(topic: str, partition: int) -> str:
+    return f"{topic}:{partition}"
+
+
+def parse_offset_key(key: str) -> TopicPartition:
+    topic, _, partition = key.rpartition(":")
+    return TopicPartition(topic, int(partition))
+
+
+def _client_settings(cfg: KafkaConfig, bootstrap: str) -> dict[str, Any]:
+    return {"bootstrap_servers": bootstrap.split(","), "request_timeout_ms": cfg.request_timeout_ms,
+            **cfg.security}
+
+
+def _connect(factory: Callable[..., Any], what: str, bootstrap: str, **settings: Any) -> Any:
+    try:
+        return factory(**settings)
+    except KafkaTimeoutError:
+        raise TransportError(f"no Kafka broker reachable at {bootstrap} (creating the {what}); "
+                             "check kafka.bootstrap_servers, or use `embedded` for a local broker") from None
+
+
+_PROBE_KEYS = ("bootstrap_servers", "client_id", "request_timeout_ms", "security_protocol", "ssl_context",
+               "ssl_check_hostname", "ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_password", "sasl_mechanism",
+               "sasl_plain_username", "sasl_plain_password", "sasl_oauth_token_provider",
+               "max_partition_fetch_bytes", "fetch_max_bytes")
+
+
+class RecordSink:
+    """Produces records to Kafka. See the module docstring for delivery semantics."""
+
+    def __init__(self, cfg: KafkaConfig, bootstrap: str, *, client_id: str = "rft", linger_ms: int = 5):
+        self.limit = cfg.max_record_bytes
+        self._producer = _connect(
+            KafkaProducer, "producer", bootstrap, **_client_settings(cfg, bootstrap), client_id=client_id,
+            acks="all", enable_idempotence=True, linger_ms=linger_ms, compression_type=cfg.compression,
+            max_request_size=self.limit + _OVERHEAD_BYTES, batch_size=1 << 20)
+
+    def send(self, topic: str, value: bytes, *, key: bytes | str | None = None,
+             headers: list[tuple[str, bytes]] | None = None, partition: int | None = None,
+             timestamp_ms: int | None = None, check_size: bool = True):
+        """Queue one record; returns a future whose `get(timeout)` gives its metadata (offset).
+        `check_size=False` is for records that already exist (dead letters, imports): never lose them."""
+        key_bytes = key.encode() if isinstance(key, str) else key
+        size = len(value) + len(key_bytes or b"") + sum(len(k) + len(v) for k, v in headers or [])
+        if check_size and size > self.limit:
+            raise RecordTooLarge(f"record for topic {topic!r} is {size} bytes, over the limit of {self.limit} "
+                                 "bytes (kafka.max_record_bytes); it was not sent")
+        return self._producer.send(topic, value=value, key=key_bytes, headers=headers or [],
+                                   partition=partition, timestamp_ms=timestamp_ms)
+
+    def send_record(self, topic: str, record: Any, *, key: str | None = None):
+        value, headers = encode(record)
+        return self.send(topic, value, key=key, headers=headers)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        self._producer.flush(timeout=timeout_s)
+
+    def close(self) -> None:
+        self._producer.close()
+
+
+class RecordSource:
+    """Consumes raw records. `group` joins a consumer group (subscribe); without one, partitions are
+    assigned explicitly with `assign()` / `seek()` (replay, trainer with stored offsets)."""
+
+    def __init__(self, cfg: KafkaConfig, bootstrap: str, *, group: str | None = None,
+                 topics: Iterable[str] = (), client_id: str = "rft", from_beginning: bool = True,
+                 group_instance_id: str | None = None):
+        settings = dict(_client_settings(cfg, bootstrap), client_id=client_id, group_id=group,
+                        enable_auto_commit=False, auto_offset_reset="earliest" if from_beginning else "latest",
+                        session_timeout_ms=cfg.session_timeout_ms, max_poll_interval_ms=cfg.max_poll_interval_ms,
+                        heartbeat_interval_ms=max(500, cfg.session_timeout_ms // 4),
+                        max_partition_fetch_bytes=max(1 << 20, cfg.max_record_bytes + _OVERHEAD_BYTES),
+                        fetch_max_bytes=max(50 << 20, cfg.max_record_bytes + _OVERHEAD_BYTES),
+                        receive_buffer_bytes=4 << 20)
+        if group_instance_id:
+            settings["group_instance_id"] = group_instance_id
+        self._consumer = _connect(KafkaConsumer, "consumer", bootstrap, **settings)
+        self.group = group
+        if topics:
+            if group is None:
+                raise TransportError("subscribing to topics needs a consumer group; use assign() without one")
+            self._consumer.subscribe(list(topics))
+
+    # -- reading
+    def poll(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[Message]:
+        batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        out = [Message(r.topic, r.partition, r.offset, r.key, r.value, list(r.headers or []), r.timestamp)
+               for records in batches.values() for r in records]
+        out.sort(key=lambda m: (m.topic, m.partition, m.offset))
+        return out
+
+    def __iter__(self) -> Iterator[Message]:
+        while True:
+            yield from self.poll()
+
+    # -- positions
+    def partitions(self, topic: str) -> list[TopicPartition]:
+        parts = self._consumer.partitions_for_topic(topic)
+        if not parts:
+            raise TransportError(f"topic {topic!r} does not exist (or has no partitions)")
+        return [TopicPartition(topic, p) for p in sorted(parts)]
+
+    def assign(self, topics: Iterable[str]) -> list[TopicPartition]:
+        tps = [tp for t in topics for tp in self.partitions(t)]
+        self._consumer.assign(tps)
+        return tps
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self._consumer.assignment())
+
+    def seek(self, offsets: dict[str, int]) -> None:
+        """Position at stored offsets ("topic:partition" -> next offset); assigns them if unassigned."""
+        tps = {parse_offset_key(k): v for k, v in offsets.items()}
+        if self.group is None:
+            missing = set(tps) - self.assignment()
+            if missing:
+                self._consumer.assign(list(self.assignment() | set(tps)))
+        for tp, offset in tps.items():
+            self._consumer.seek(tp, offset)
+
+    def seek_to_beginning(self) -> None:
+        self._consumer.seek_to_beginning()
+
+    def positions(self) -> dict[str, int]:
+        return {offset_key(tp.topic, tp.partition): self._consumer.position(tp) for tp in self.assignment()}
+
+    def commit(self, offsets: dict[str, int] | None = None) -> None:
+        """Commit to the group: the given offsets, or the current positions."""
+        from kafka.structs import OffsetAndMetadata
+        if offsets is None:
+            self._consumer.commit()
+        else:
+            self._consumer.commit({parse_offset_key(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()})
+
+    def committed(self, topic: str) -> dict[str, int | None]:
+        return {offset_key(tp.topic, tp.partition): self._consumer.committed(tp) for tp in self.partitions(topic)}
+
+    def end_offsets(self, topic: str) -> dict[str, int]:
+        """One past the last record of each partition.
+
+        The broker's answer is verified by reading the last batch: Tansu reports the base offset of
+        the last batch + 1 instead of the high watermark, so a batch of 10 records reads as end 1.
+        On Apache Kafka the probe only confirms what the broker said."""
+        tps = self.partitions(topic)
+        reported = self._consumer.end_offsets(tps)
+        starts = self._consumer.beginning_offsets(tps)
+        probe_at = {tp: o - 1 for tp, o in reported.items() if o > starts[tp]}
+        true_ends = {tp: max(o, starts[tp]) for tp, o in reported.items()}
+        if probe_at:
+            true_ends.update(self._probe_last_offsets(probe_at))
+        return {offset_key(tp.topic, tp.partition): o for tp, o in true_ends.items()}
+
+    def _probe_last_offsets(self, probe_at: dict[TopicPartition, int], timeout_s: float = 10.0) -> dict[TopicPartition, int]:
+        probe = KafkaConsumer(**{k: v for k, v in self._consumer.config.items() if k in _PROBE_KEYS})
+        try:
+            probe.assign(list(probe_at))
+            for tp, offset in probe_at.items():
+                probe.seek(tp, offset)
+            last = {tp: offset for tp, offset in probe_at.items()}
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                for tp, records in probe.poll(timeout_ms=200).items():
+                    last[tp] = max(last[tp], records[-1].offset)
+                if all(probe.position(tp) is not None and probe.position(tp) > last[tp] for tp in probe_at) \
+                        and not probe.poll(timeout_ms=50):
+                    break
+            return {tp: o + 1 for tp, o in last.items()}
+        finally:
+            probe.close(autocommit=False)
+
+    def beginning_offsets(self, topic: str) -> dict[str, int]:
+        starts = self._consumer.beginning_offsets(self.partitions(topic))
+        return {offset_key(tp.topic, tp.partition): o for tp, o in starts.items()}
+
+    def offsets_for_time(self, topic: str, timestamp_ms: int) -> dict[str, int]:
+        """First offset at or after `timestamp_ms` per partition (the end offset when none is).
+
+        Brokers differ for a time past the last record (Tansu answers 0, Kafka None), so the answer is
+        checked against the record actually at that offset rather than trusted."""
+        tps = self.partitions(topic)
+        found = self._consumer.offsets_for_times({tp: timestamp_ms for tp in tps})
+        ends = self.end_offsets(topic)
+        out = {}
+        for tp in tps:
+            key, hit = offset_key(tp.topic, tp.partition), found.get(tp)
+            offset = ends[key] if hit is None else hit.offset
+            if hit is not None and hit.timestamp is not None and hit.timestamp < timestamp_ms:
+                offset = ends[key]
+            out[key] = offset
+        return out
+
+    def read_range(self, topic: str, *, start: dict[str, int] | None = None, end: dict[str, int] | None = None,
+                   from_time_ms: int | None = None, to_time_ms: int | None = None,
+                   idle_timeout_s: float = 10.0) -> Iterator[Message]:
+        """Replay `[start, end)` offsets (default: whole topic as of now), optionally bounded by record
+        time `[from_time_ms, to_time_ms)`. Needs a source without a group. Yields in partition order."""
+        if self.group is not None:
+            raise TransportError("read_range needs a source without a consumer group")
+        self.assign([topic])
+        begin = dict(self.beginning_offsets(topic))
+        if from_time_ms is not None:
+            begin.update(self.offsets_for_time(topic, from_time_ms))
+        if start:
+            begin.update({k: max(v, begin.get(k, 0)) for k, v in start.items()})
+        stop = dict(self.end_offsets(topic))
+        if end:
+            stop.update({k: min(v, stop.get(k, v)) for k, v in end.items()})
+        pending = {k for k in begin if begin[k] < stop[k]}
+        self.seek(begin)
+        last_progress = time.monotonic()
+        while pending:
+            messages = self.poll(timeout_s=0.5)
+            if messages:
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > idle_timeout_s:
+                raise TransportError(f"replay of {topic!r} stalled: partitions {sorted(pending)} "
+                                     f"returned nothing for {idle_timeout_s:.0f} s")
+            for m in messages:
+                if m.position not in pending or m.offset >= stop[m.position]:
+                    continue
+                if to_time_ms is None or m.timestamp_ms < to_time_ms:
+                    yield m
+                if m.offset + 1 >= stop[m.position]:
+                    pending.discard(m.position)
+            for key in list(pending):
+                if self._consumer.position(parse_offset_key(key)) >= stop[key]:
+                    pending.discard(key)
+
+    def close(self) -> None:
+        self._consumer.close(autocommit=False)
+
+
+class DeadLetter:
+    """Decode-or-divert: `decode(messages)` returns the decoded records and sends every record that
+    fails to decode, byte-for-byte, to the dead-letter topic with the reason. Counts by reason."""
+
+    def __init__(self, sink: RecordSink, topic: str):
+        self.sink, self.topic = sink, topic
+        self.count = 0
+        self.reasons: dict[str, int] = {}
+
+    def decode(self, messages: Iterable[Message], decoder: Callable[[bytes, list], Any]) -> list[tuple[Message, Any]]:
+        out = []
+        for m in messages:
+            try:
+                out.append((m, decoder(m.value, m.headers)))
+            except RecordError as e:
+                self.divert(m, str(e))
+        return out
+
+    def divert(self, m: Message, reason: str) -> None:
+        log.warning("dead-letter %s@%d: %s", m.position, m.offset, reason)
+        headers = [h for h in m.headers if h[0] not in (HEADER_ERROR, HEADER_ORIGIN)]
+        headers += [(HEADER_ERROR, reason.encode()[:4096]), (HEADER_ORIGIN, f"{m.position}@{m.offset}".encode())]
+        self.sink.send(self.topic, m.value or b"", key=m.key, headers=headers, check_size=False)
+        self.count += 1
+        kind = reason.split(":")[0][:80]
+        self.reasons[kind] = self.reasons.get(kind, 0) + 1
+
+
+def _group_name(group: Any) -> str:
+    if isinstance(group, dict):
+        return group.get("group_id") or group.get("group") or str(group)
+    return group[0] if isinstance(group, tuple) else str(group)
+
+
+@dataclass
+class PartitionInfo:
+    partition: int
+    beginning: int
+    end: int
+
+
+class Admin:
+    """Topic administration and description."""
+
+    def __init__(self, cfg: KafkaConfig, bootstrap: str):
+        self.cfg, self.bootstrap = cfg, bootstrap
+        self._admin = _connect(KafkaAdminClient, "admin client", bootstrap, **_client_settings(cfg, bootstrap))
+
+    def create_topics(self, names: Iterable[str], partitions: int | None = None) -> list[str]:
+        """Create missing topics; returns those created. Existing topics are left as they are."""
+        existing = set(self._admin.list_topics())
+        wanted = [n for n in names if n not in existing]
+        if not wanted:
+            return []
+        new = [NewTopic(n, num_partitions=partitions or self.cfg.partitions,
+                        replication_factor=self.cfg.replication_factor) for n in wanted]
+        try:
+            self._admin.create_topics(new)
+        except TopicAlreadyExistsError:
+            pass
+        self._wait_for_metadata(wanted)
+        return wanted
+
+    def _wait_for_metadata(self, names: list[str], timeout_s: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if set(names) <= set(self._admin.list_topics()):
+                return
+            time.sleep(0.1)
+        raise TransportError(f"topics {names} were created but did not appear within {timeout_s:.0f} s")
+
+    def list_topics(self) -> list[str]:
+        return sorted(t for t in self._admin.list_topics() if not t.startswith("__"))
+
+    def describe(self, topic: str) -> list[PartitionInfo]:
+        source = RecordSource(self.cfg, self.bootstrap)
+        try:
+            starts, ends = source.beginning_offsets(topic), source.end_offsets(topic)
+        finally:
+            source.close()
+        return [PartitionInfo(parse_offset_key(k).partition, starts[k], ends[k]) for k in sorted(ends)]
+
+    def groups(self) -> list[str]:
+        return sorted(_group_name(g) for g in self._admin.list_groups())
+
+    def group_offsets(self, group: str) -> dict[str, int]:
+        offsets = self._admin.list_group_offsets(group).get(group, {})
+        return {offset_key(tp.topic, tp.partition): om.offset for tp, om in offsets.items()}
+
+    def delete_topics(self, names: Iterable[str]) -> None:
+        try:
+            self._admin.delete_topics(list(names))
+        except KafkaError as e:
+            raise TransportError(f"deleting topics {list(names)} failed: {e}") from None
+
+    def close(self) -> None:
+        self._admin.close()

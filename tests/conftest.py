@@ -1,0 +1,45 @@
+"""Shared fixtures: a real local broker (Tansu over TCP), tiny HF models, a unique topic prefix."""
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+
+import pytest
+
+from rft.broker import LocalBroker
+from rft.config import KafkaConfig
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def broker():
+    """One real Kafka-protocol broker for the whole session; tests isolate by topic name."""
+    with LocalBroker() as b:
+        yield b
+
+
+@pytest.fixture
+def bootstrap(broker) -> str:
+    return broker.bootstrap_servers
+
+
+@pytest.fixture
+def kafka_cfg() -> KafkaConfig:
+    return KafkaConfig(partitions=2, session_timeout_ms=6000, max_poll_interval_ms=5000)
+
+
+_counter = itertools.count()
+
+
+@pytest.fixture
+def topic_prefix() -> str:
+    return f"t{next(_counter)}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The default tiny Qwen2 model (GQA, tied embeddings), generated once per session."""
+    from rft.tiny_model import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2")
