@@ -84,7 +84,7 @@ def tiny_model_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rft tiny-model", description="Write a tiny seeded HF model.")
     parser.add_argument("out_dir")
     parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
-    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)

@@ -25,8 +25,8 @@ def build_tokenizer():
     return tok
 
 
-def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", hidden_size: int = 64, layers: int = 2,
-                    heads: int = 4, kv_heads: int = 2, intermediate_size: int = 128,
+def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", hidden_size: int = 128, layers: int = 2,
+                    heads: int = 4, kv_heads: int = 2, intermediate_size: int = 256,
                     tie_word_embeddings: bool = True, vocab_size: int | None = None, seed: int = 0,
                     max_position_embeddings: int = 512) -> Path:
     """Write a tiny HF model directory and return its path. `vocab_size` above the tokenizer's size
@@ -61,3 +61,6 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", hidden_size: in
     fast.save_pretrained(out)
     (out / "rft_tiny_model.json").write_text(json.dumps({"arch": arch, "seed": seed}) + "\n")
     return out
+
+# head_dim = hidden_size / heads must be one that vLLM's CPU attention supports (32 works; 16 crashes
+# the engine at start without a message), hence 128 / 4.
