@@ -169,6 +169,7 @@ class Config:
 # --------------------------------------------------------------------------------------------------
 # Loading.
 
+_YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -285,6 +286,8 @@ def _coerce(tp: Any, value: Any, source: str, path: str) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
+        return float(value)  # PyYAML (YAML 1.1) reads `1e-5` as a string; everyone means a float
     if tp is bool and not isinstance(value, bool) or tp is not bool and isinstance(value, bool):
         raise ConfigError(f"{source}: {path}: expected {tp.__name__}, got {_describe(value)}")
     if not isinstance(value, tp):

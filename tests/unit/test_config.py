@@ -1,0 +1,132 @@
+"""The typed config tree: defaults, overrides, interpolation, and an error naming file and key for each kind of
+invalid config. `rft validate` is exercised as a real subprocess (exit codes 0 and 2)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rft.config import Config, ConfigError, load_config
+
+
+def write(tmp_path: Path, body: dict, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    """A model directory with only a config.json: enough for the parallel-size checks."""
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2,
+                                               "num_hidden_layers": 2}))
+    return d
+
+
+def minimal(model_dir: Path, **sections) -> dict:
+    body = {"model": {"path": str(model_dir)}}
+    for section, values in sections.items():
+        body.setdefault(section, {}).update(values)
+    return body
+
+
+def test_defaults_fill_every_section(tmp_path, model_dir):
+    cfg = load_config(write(tmp_path, minimal(model_dir)))
+    assert isinstance(cfg, Config)
+    assert cfg.run.mode == "off_policy" and cfg.kafka.bootstrap_servers == "embedded"
+    assert cfg.topic("experiences") == "rft-run.experiences"
+    assert cfg.to_dict().keys() == {"run", "model", "kafka", "explorer", "trainer", "algorithm", "data", "sync",
+                                    "monitor"}
+
+
+def test_overrides_take_yaml_types(tmp_path, model_dir):
+    cfg = load_config(write(tmp_path, minimal(model_dir)),
+                      ["trainer.lr=3e-4", "run.max_staleness=2", "algorithm.off_policy_correction=true",
+                       "kafka.security.security_protocol=SASL_SSL"])
+    assert cfg.trainer.lr == 3e-4 and cfg.run.max_staleness == 2 and cfg.algorithm.off_policy_correction is True
+    assert cfg.kafka.security == {"security_protocol": "SASL_SSL"}
+
+
+def test_env_interpolation(tmp_path, model_dir, monkeypatch):
+    monkeypatch.setenv("RFT_TEST_BOOTSTRAP", "kafka-1:9092,kafka-2:9092")
+    monkeypatch.setenv("RFT_TEST_PARTS", "12")
+    body = minimal(model_dir, kafka={"bootstrap_servers": "${RFT_TEST_BOOTSTRAP}", "partitions": "${RFT_TEST_PARTS}"},
+                   run={"name": "r-${RFT_TEST_UNSET:-default}"})
+    cfg = load_config(write(tmp_path, body))
+    assert cfg.kafka.bootstrap_servers == "kafka-1:9092,kafka-2:9092"
+    assert cfg.kafka.partitions == 12
+    assert cfg.run.name == "r-default"
+
+
+def test_saved_resolved_config_round_trips(tmp_path, model_dir):
+    cfg = load_config(write(tmp_path, minimal(model_dir, trainer={"lr": 0.01})))
+    again = load_config(write(tmp_path, yaml.safe_load(cfg.to_yaml()), "resolved.yaml"))
+    assert again == cfg
+
+
+@pytest.mark.parametrize("body_patch, override, expected", [
+    ({"trainer": {"lrr": 1.0}}, [], r"run.yaml: trainer.lrr: unknown key \(did you mean 'lr'\?\)"),
+    ({"trainre": {}}, [], r"trainre: unknown key \(did you mean 'trainer'\?\)"),
+    ({"trainer": {"lr": "fast"}}, [], r"trainer.lr: expected float, got str"),
+    ({"run": {"max_staleness": -1}}, [], r"run.max_staleness: must be >= 0, got -1"),
+    ({"run": {"mode": "offpolicy"}}, [], r"run.mode: must be one of .* \(did you mean 'off_policy'\?\)"),
+    ({"trainer": {"tensor_parallel": 3}}, [], r"trainer.tensor_parallel: 3 does not divide the model's 4 attention heads"),
+    ({"trainer": {"pipeline_parallel": 4}}, [], r"trainer.pipeline_parallel: 4 does not divide the model's 2 layers"),
+    ({"model": {"path": ""}}, [], r"model.path: required"),
+    ({"monitor": {"jsonl": "yes"}}, [], r"monitor.jsonl: expected bool, got str"),
+    ({"kafka": {"partitions": True}}, [], r"kafka.partitions: expected int, got bool"),
+    ({}, ["trainer.micro_batch_size=0"], r"trainer.micro_batch_size: must be >= 1, got 0"),
+    ({"kafka": {"bootstrap_servers": "${RFT_SURELY_UNSET_VAR}"}}, [], r"kafka.bootstrap_servers: environment variable"),
+])
+def test_invalid_configs_name_file_and_key(tmp_path, model_dir, body_patch, override, expected):
+    body = minimal(model_dir)
+    for section, values in body_patch.items():
+        body.setdefault(section, {}).update(values)
+    with pytest.raises(ConfigError, match=expected) as info:
+        load_config(write(tmp_path, body), override)
+    assert "run.yaml" in str(info.value)
+
+
+def test_not_a_mapping_and_bad_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        load_config(bad)
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rft.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_validate_command_exit_codes(tmp_path, model_dir):
+    good = write(tmp_path, minimal(model_dir), "good.yaml")
+    result = run_cli("validate", str(good))
+    assert result.returncode == 0, result.stderr
+    assert "valid" in result.stdout
+
+    bad = write(tmp_path, minimal(model_dir, explorer={"n_sample": 4}), "bad.yaml")
+    result = run_cli("validate", str(bad))
+    assert result.returncode == 2
+    assert "bad.yaml: explorer.n_sample: unknown key (did you mean 'n_samples'?)" in result.stderr
+
+    result = run_cli("validate", str(good), "--set", "run.max_staleness=-3")
+    assert result.returncode == 2 and "run.max_staleness" in result.stderr
+
+
+def test_shipped_configs_validate():
+    """Every config in configs/ validates (model paths that only exist on GPU machines are not required to)."""
+    configs = sorted(Path(__file__).resolve().parents[2].joinpath("configs").glob("*.yaml"))
+    assert configs, "configs/ holds no YAML"
+    for path in configs:
+        load_config(path)
