@@ -54,7 +54,8 @@ class ModelConfig:
 class KafkaConfig:
     bootstrap_servers: str = "embedded"
     topic_prefix: str = ""  # empty: the run name
-    partitions: int = 4
+    partitions: int = 4  # tasks and control topics (explorers share the tasks topic by partitions)
+    experience_partitions: int = 1  # 1 keeps the trainer's batches identical across restarts (see trainer/feed.py)
     replication_factor: int = 1
     max_record_bytes: int = 8 * 1024 * 1024
     compression: Optional[Literal["gzip", "snappy", "lz4", "zstd"]] = None
@@ -106,6 +107,7 @@ class AlgorithmConfig:
     off_policy_correction: bool = False
     importance_cap: float = 2.0
     dpo_beta: float = 0.1
+    std_normalize: bool = True  # GRPO: divide group-centred rewards by the group std (False: Dr.GRPO-style)
 
 
 @dataclass
@@ -309,6 +311,7 @@ def _check_semantics(cfg: Config, source: str) -> None:
 
     positive = {
         "run.max_steps": cfg.run.max_steps, "kafka.partitions": cfg.kafka.partitions,
+        "kafka.experience_partitions": cfg.kafka.experience_partitions,
         "kafka.replication_factor": cfg.kafka.replication_factor,
         "kafka.max_record_bytes": cfg.kafka.max_record_bytes, "explorer.n_samples": cfg.explorer.n_samples,
         "explorer.max_tokens": cfg.explorer.max_tokens, "explorer.tasks_per_batch": cfg.explorer.tasks_per_batch,

@@ -1,0 +1,103 @@
+"""Metrics: one JSON object per line in `<run dir>/<name>.jsonl` always; TensorBoard and W&B when configured
+(W&B in offline mode unless WANDB_MODE says otherwise); a reward curve PNG from the JSONL."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from rft.config import MonitorConfig
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+class MetricsLogger:
+    """Appends metrics; safe to reopen after a restart (the file is appended to, never truncated)."""
+
+    def __init__(self, run_dir: str | os.PathLike, cfg: MonitorConfig, *, name: str = "metrics",
+                 run_name: str = "rft"):
+        self.path = Path(run_dir) / f"{name}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1)
+        self._tb = self._wandb = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        if cfg.wandb:
+            import wandb
+            os.environ.setdefault("WANDB_MODE", "offline")
+            self._wandb = wandb.init(project=cfg.wandb_project, name=run_name, dir=str(run_dir), resume="allow")
+
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        record = _jsonable({"time": time.time(), **metrics})
+        self._file.write(json.dumps(record) + "\n")
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        step = step if step is not None else record.get("step")
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Metrics lines; after a resume a step may appear twice, and the last one wins."""
+    by_step: dict[Any, dict] = {}
+    lines = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            if "step" in record:
+                by_step[record["step"]] = record
+            else:
+                lines.append(record)
+    return [by_step[s] for s in sorted(by_step)] + lines
+
+
+def plot_rewards(metrics_path: str | os.PathLike, out_png: str | os.PathLike, *, title: str = "") -> Path:
+    """Reward against step and against wall-clock time, as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in read_metrics(metrics_path) if r.get("reward_mean") is not None]
+    if not records:
+        raise ValueError(f"{metrics_path}: no step has a reward_mean to plot")
+    steps = [r["step"] for r in records]
+    rewards = [r["reward_mean"] for r in records]
+    start = records[0]["time"]
+    minutes = [(r["time"] - start) / 60 for r in records]
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 4))
+    by_step.plot(steps, rewards, marker=".")
+    by_step.set(xlabel="step (policy version)", ylabel="mean reward", title="reward by step")
+    by_time.plot(minutes, rewards, marker=".", color="tab:orange")
+    by_time.set(xlabel="wall-clock (minutes)", ylabel="mean reward", title="reward by time")
+    for ax in (by_step, by_time):
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(out_png)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

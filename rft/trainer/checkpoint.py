@@ -1,0 +1,88 @@
+"""Trainer checkpoints: model + optimizer (megatron dist checkpoint, through the policy), and the trainer state
+(step = policy version, the feed's Kafka offsets and taken group ids, RNG states) as JSON.
+
+Layout: `<run dir>/checkpoints/step_000012/{model/, trainer_state.json}` and `<run dir>/checkpoints/latest`, a
+text file holding the directory name of the newest *complete* checkpoint. `latest` is replaced atomically after
+everything else is written, so a crash mid-save leaves the previous checkpoint in force: the records consumed
+since then are consumed again, exactly once, by the restarted trainer.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rft.trainer.feed import FeedState
+
+
+@dataclass
+class TrainerState:
+    step: int
+    feed: FeedState
+    counters: dict[str, float]
+    rng: dict
+
+
+def capture_rng() -> dict:
+    state = random.getstate()
+    return {"python": [state[0], list(state[1]), state[2]],
+            "numpy": _numpy_rng_json(np.random.get_state()),
+            "torch": torch.get_rng_state().tolist()}
+
+
+def restore_rng(rng: dict) -> None:
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = rng["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
+
+
+def _numpy_rng_json(state) -> list:
+    name, keys, pos, has_gauss, cached = state
+    return [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+
+
+class CheckpointDir:
+    def __init__(self, run_dir: str | os.PathLike, *, keep: int = 2):
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep = keep
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step_{step:06d}"
+
+    def latest(self) -> Path | None:
+        pointer = self.root / "latest"
+        if not pointer.is_file():
+            return None
+        path = self.root / pointer.read_text().strip()
+        if not (path / "trainer_state.json").is_file():
+            raise RuntimeError(f"{pointer} names {path}, which is not a complete checkpoint")
+        return path
+
+    def read_state(self, path: Path) -> TrainerState:
+        data = json.loads((path / "trainer_state.json").read_text())
+        return TrainerState(step=int(data["step"]), feed=FeedState.from_json(data["feed"]),
+                            counters=data.get("counters", {}), rng=data["rng"])
+
+    def write_state(self, path: Path, state: TrainerState) -> None:
+        body = {"step": state.step, "policy_version": state.step, "feed": state.feed.to_json(),
+                "counters": state.counters, "rng": state.rng}
+        tmp = path / "trainer_state.json.tmp"
+        tmp.write_text(json.dumps(body))
+        os.replace(tmp, path / "trainer_state.json")
+
+    def commit(self, step: int) -> None:
+        """Make step's checkpoint the latest (atomic), then drop old ones."""
+        pointer_tmp = self.root / "latest.tmp"
+        pointer_tmp.write_text(self.step_dir(step).name + "\n")
+        os.replace(pointer_tmp, self.root / "latest")
+        complete = sorted(p for p in self.root.glob("step_*") if (p / "trainer_state.json").is_file())
+        for old in complete[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)

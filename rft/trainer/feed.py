@@ -1,0 +1,127 @@
+"""The trainer's experience feed: whole groups from the experiences topic, exactly once across restarts.
+
+Contract:
+- The feed reads the experiences topic without a consumer group, from offsets it is given (the trainer's
+  checkpoint) or from the beginning. Per partition it takes records strictly in log order.
+- Each record is either *taken* into a batch, or *skipped* with a counted reason: `dead_letter` (does not decode;
+  the record goes to the dead-letter topic), `duplicate` (its group id was already taken: explorers deliver
+  at-least-once), `stale` (the staleness tracker refuses it), `foreign` (another run's record).
+- `FeedState` (offsets + the ids of groups taken) describes exactly what has been consumed. The trainer stores the
+  state of step s in the checkpoint of step s; a trainer restarted from it sees every later record once and no
+  earlier one. Records polled but not yet consumed are not part of the state.
+- With a single-partition experiences topic (the default, `kafka.experience_partitions: 1`) the order of groups
+  is the log order, so a restarted trainer assembles exactly the batches an uninterrupted one would have. With
+  several partitions, the guarantee is the same set of groups, each once, in arrival order.
+Not thread-safe; one feed per trainer (global rank 0 reads, then broadcasts).
+"""
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from rft.schema import ExperienceGroup, RecordError, decode_group
+from rft.transport import DeadLetter, Message, RecordSink, RecordSource
+
+
+class FeedTimeout(TimeoutError):
+    pass
+
+
+@dataclass
+class FeedState:
+    """What has been consumed: next offset per partition ("topic:partition") and the group ids taken."""
+    offsets: dict[str, int] = field(default_factory=dict)
+    taken_groups: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"offsets": dict(self.offsets), "taken_groups": list(self.taken_groups)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "FeedState":
+        return cls(offsets={str(k): int(v) for k, v in data.get("offsets", {}).items()},
+                   taken_groups=[str(g) for g in data.get("taken_groups", [])])
+
+
+@dataclass
+class Batch:
+    groups: list[ExperienceGroup]
+    messages: list[Message]  # the records taken, in order (raw bytes, for broadcasting to other ranks)
+    skipped: dict[str, int]  # reason -> count, for records consumed while assembling this batch
+
+
+# A decision on one decoded group: None to take it, or a skip reason.
+Admit = Callable[[ExperienceGroup], Optional[str]]
+
+
+class ExperienceFeed:
+    def __init__(self, source: RecordSource, *, topic: str, run_id: str, dead_letter: DeadLetter,
+                 state: FeedState | None = None):
+        self.source, self.topic, self.run_id, self.dead_letter = source, topic, run_id, dead_letter
+        self.state = state or FeedState()
+        self._taken = set(self.state.taken_groups)
+        self._buffer: collections.deque[Message] = collections.deque()
+        partitions = source.assign([topic])
+        starts = source.beginning_offsets(topic)
+        for tp in partitions:
+            key = f"{tp.topic}:{tp.partition}"
+            self.state.offsets.setdefault(key, starts[key])
+        source.seek(self.state.offsets)
+
+    def next_batch(self, n_groups: int, *, admit: Admit = lambda g: None, timeout_s: float = 600.0,
+                   on_wait: Callable[[int], None] | None = None) -> Batch:
+        """Consume records until `n_groups` groups are taken. Raises FeedTimeout if no record arrives for
+        `timeout_s` (what was consumed so far stays consumed and is in `state`)."""
+        batch = Batch(groups=[], messages=[], skipped=collections.Counter())
+        last_record = time.monotonic()
+        while len(batch.groups) < n_groups:
+            if not self._buffer:
+                self._buffer.extend(self.source.poll(timeout_s=0.5))
+                if not self._buffer:
+                    if time.monotonic() - last_record > timeout_s:
+                        raise FeedTimeout(f"no experience arrived on {self.topic!r} for {timeout_s:.0f} s "
+                                          f"({len(batch.groups)}/{n_groups} groups of this batch)")
+                    if on_wait:
+                        on_wait(len(batch.groups))
+                    continue
+            last_record = time.monotonic()
+            message = self._buffer.popleft()
+            reason = self._consume(message, batch, admit)
+            if reason:
+                batch.skipped[reason] += 1
+        return batch
+
+    def _consume(self, message: Message, batch: Batch, admit: Admit) -> str | None:
+        self.state.offsets[message.position] = message.offset + 1
+        try:
+            group = decode_group(message.value, message.headers)
+        except RecordError as e:
+            self.dead_letter.divert(message, str(e))
+            return "dead_letter"
+        if group.run_id != self.run_id:
+            self.dead_letter.divert(message, f"foreign record: run {group.run_id!r}, this run is {self.run_id!r}")
+            return "foreign"
+        if group.group_id in self._taken:
+            return "duplicate"
+        reason = admit(group)
+        if reason:
+            return reason
+        self._taken.add(group.group_id)
+        self.state.taken_groups.append(group.group_id)
+        batch.groups.append(group)
+        batch.messages.append(message)
+        return None
+
+    def snapshot(self) -> FeedState:
+        return FeedState.from_json(self.state.to_json())
+
+
+def open_feed(kafka_cfg, bootstrap: str, *, topic: str, dead_letter_topic: str, run_id: str,
+              state: FeedState | None = None) -> tuple[ExperienceFeed, RecordSink, RecordSource]:
+    """Build a feed with its own source and dead-letter sink; the caller closes both."""
+    source = RecordSource(kafka_cfg, bootstrap, client_id=f"{run_id}-trainer")
+    sink = RecordSink(kafka_cfg, bootstrap, client_id=f"{run_id}-trainer-dlq")
+    feed = ExperienceFeed(source, topic=topic, run_id=run_id, dead_letter=DeadLetter(sink, dead_letter_topic),
+                          state=state)
+    return feed, sink, source

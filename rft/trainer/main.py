@@ -1,0 +1,202 @@
+"""`rft trainer CONFIG`: the Megatron trainer, one process per rank (torchrun or srun).
+
+The loop, per step s (policy version s-1 -> s):
+  1. global rank 0 takes `trainer.groups_per_step` whole groups from the experiences topic (skipping dead letters,
+     duplicates and samples too stale for the mode), and broadcasts their raw bytes to every rank;
+  2. every rank computes advantages and its data-parallel share of micro-batches; the policy runs forward/backward
+     through the pipeline schedule and one optimizer step;
+  3. the new weights (version s) are published for the explorers (weight store + control-topic announcement);
+  4. every `trainer.checkpoint_every` steps: model/optimizer checkpoint + the Kafka offsets consumed (exactly-once
+     resume), then metrics.
+Resume: the newest complete checkpoint is loaded and the feed seeks to its offsets; `consumed.jsonl` (the record
+of which group trained in which step) is cut back to that step so that it always describes the effective run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rft.cli import add_config_arguments, config_from_args
+from rft.config import Config
+from rft.schema import ControlMessage, decode_group
+from rft.trainer import distributed as dist_io
+from rft.trainer.batch import micro_batches_for_rank, rows_from_groups
+from rft.trainer.checkpoint import CheckpointDir, TrainerState, capture_rng, restore_rng
+from rft.trainer.feed import FeedState, open_feed
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rft trainer", description="Run the trainer (one process per rank).")
+    add_config_arguments(parser)
+    parser.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    if cfg.kafka.bootstrap_servers == "embedded":
+        print("rft trainer: kafka.bootstrap_servers is 'embedded', which only `rft run` can provide; pass "
+              "--set kafka.bootstrap_servers=HOST:PORT", file=sys.stderr)
+        return 2
+    trainer = Trainer(cfg, resume=not args.no_resume)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    return 0
+
+
+class Trainer:
+    def __init__(self, cfg: Config, *, resume: bool = True):
+        from megatron_bridge.policy import MegatronPolicy
+        from rft.algorithms import build_algorithm
+        from rft.staleness import StalenessTracker
+
+        self.cfg = cfg
+        t = cfg.trainer
+        self.policy = MegatronPolicy(cfg.model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, lr=t.lr,
+                                     weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                                     betas=(t.adam_beta1, t.adam_beta2), seed=cfg.run.seed, dtype=cfg.model.dtype)
+        self.algorithm = build_algorithm(cfg.algorithm)
+        self.staleness = StalenessTracker(mode=cfg.run.mode, max_staleness=cfg.run.max_staleness)
+        self.is_reader = dist_io.rank() == 0
+        self.checkpoints = CheckpointDir(cfg.run_dir)
+        self.step, feed_state, self.counters = 0, FeedState(), {"samples": 0.0, "dropped_stale": 0.0}
+        latest = self.checkpoints.latest() if resume else None
+        if latest is not None:
+            state = self.checkpoints.read_state(latest)
+            self.policy.load_checkpoint(latest / "model")
+            restore_rng(state.rng)
+            self.step, feed_state, self.counters = state.step, state.feed, state.counters
+        if self.is_reader:
+            self._open_io(feed_state)
+
+    # -- rank 0's Kafka side
+    def _open_io(self, feed_state: FeedState) -> None:
+        from rft.monitor import MetricsLogger
+        from rft.transport import RecordSink
+        from rft.weight_store import WeightStore
+
+        cfg = self.cfg
+        self.feed, self._dlq_sink, self._source = open_feed(
+            cfg.kafka, cfg.kafka.bootstrap_servers, topic=cfg.topic("experiences"),
+            dead_letter_topic=cfg.topic("dead_letter"), run_id=cfg.run.name, state=feed_state)
+        self.control = RecordSink(cfg.kafka, cfg.kafka.bootstrap_servers, client_id=f"{cfg.run.name}-trainer")
+        self.store = WeightStore(cfg.sync.weight_store or cfg.run_dir / "weights", keep=cfg.sync.keep_versions)
+        self.metrics = MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name)
+        self.consumed_path = cfg.run_dir / "consumed.jsonl"
+        _truncate_consumed(self.consumed_path, self.step)
+        self._announce("trainer_started", {"step": self.step})
+
+    def _announce(self, kind: str, body: dict) -> None:
+        self.control.send_record(self.cfg.topic("control"), ControlMessage(kind=kind, sender="trainer", body=body))
+        self.control.flush()
+
+    # -- the loop
+    def run(self) -> None:
+        if self.step == 0 and self.is_reader:
+            self._publish_weights(0)  # explorers start from version 0 = the initial weights
+        while self.step < self.cfg.run.max_steps:
+            step = self.step + 1
+            started = time.time()
+            groups, skipped = self._next_groups(step)
+            metrics = self._train(step, groups)
+            self.step = step
+            if self.is_reader:
+                self._publish_weights(step)
+            if step % self.cfg.trainer.checkpoint_every == 0 or step == self.cfg.run.max_steps:
+                self._checkpoint(step)
+            if self.is_reader:
+                self._log(step, groups, skipped, metrics, started)
+        if self.is_reader:
+            self._announce("trainer_finished", {"step": self.step})
+
+    def _next_groups(self, step: int):
+        skipped: dict[str, int] = {}
+        raw = None
+        if self.is_reader:
+            batch = self.feed.next_batch(self.cfg.trainer.groups_per_step,
+                                         admit=lambda g: self.staleness.check(g, step),
+                                         timeout_s=self.cfg.trainer.poll_timeout_s)
+            raw, skipped = [m.value for m in batch.messages], dict(batch.skipped)
+        groups = [decode_group(value) for value in dist_io.broadcast_bytes(raw)]
+        return groups, skipped
+
+    def _train(self, step: int, groups) -> dict:
+        t = self.cfg.trainer
+        advantages = self.algorithm.advantages([g.rewards for g in groups])
+        rows = rows_from_groups(groups, advantages,
+                                max_len=self.cfg.model.max_prompt_len + self.cfg.model.max_response_len)
+        micro_batches = micro_batches_for_rank(rows, dp_rank=self.policy.dp_rank, dp_size=self.policy.dp_size,
+                                               micro_batch_size=t.micro_batch_size)
+        if self.algorithm.needs_reference:
+            for mb, ref in zip(micro_batches, self.policy.reference_logprobs(micro_batches)):
+                mb["ref_logprobs"] = ref
+        return self.policy.train_step(micro_batches, self.algorithm.loss_fn)
+
+    def _publish_weights(self, version: int) -> None:
+        path = self.store.publish(version, self.policy.iter_hf_buckets(self.cfg.sync.bucket_mb << 20),
+                                  hf_dir=self.cfg.model.path)
+        self._announce("weights", {"version": version, "path": str(path),
+                                   "consumed_groups": len(self.feed.state.taken_groups)})
+
+    def _checkpoint(self, step: int) -> None:
+        path = self.checkpoints.step_dir(step)
+        path.mkdir(parents=True, exist_ok=True)
+        self.policy.save_checkpoint(path / "model")
+        dist_io.barrier()
+        if self.is_reader:
+            self.checkpoints.write_state(path, TrainerState(step=step, feed=self.feed.snapshot(),
+                                                            counters=self.counters, rng=capture_rng()))
+            self.checkpoints.commit(step)
+        dist_io.barrier()
+
+    def _log(self, step: int, groups, skipped: dict[str, int], metrics: dict, started: float) -> None:
+        with open(self.consumed_path, "a") as f:
+            for g in groups:
+                f.write(json.dumps({"step": step, "group_id": g.group_id, "policy_version": g.policy_version,
+                                    "staleness": (step - 1) - g.policy_version}) + "\n")
+        samples = sum(len(g.samples) for g in groups)
+        tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for g in groups for s in g.samples)
+        elapsed = max(time.time() - started, 1e-9)
+        self.counters["samples"] += samples
+        self.counters["dropped_stale"] += skipped.get("stale", 0)
+        rewards = np.concatenate([g.rewards for g in groups])
+        record = {
+            "step": step, "policy_version": step, "samples": samples,
+            "reward_mean": float(rewards.mean()),
+            "response_len_mean": float(np.mean([len(s.response_tokens) for g in groups for s in g.samples])),
+            "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+            "skipped": skipped, **{k: _scalar(v) for k, v in metrics.items()},
+            **self.staleness.step_metrics(step),
+        }
+        self.metrics.log(record, step=step)
+        if self.cfg.monitor.progress:
+            print(f"[trainer] step {step}/{self.cfg.run.max_steps} reward {record['reward_mean']:.3f} "
+                  f"loss {record.get('loss', float('nan')):.4f} staleness max {record.get('staleness_max', 0)} "
+                  f"{elapsed:.1f}s", flush=True)
+
+    def close(self) -> None:
+        if self.is_reader and hasattr(self, "feed"):
+            self.metrics.close()
+            self.control.close()
+            self._dlq_sink.close()
+            self._source.close()
+        self.policy.close()
+
+
+def _scalar(value):
+    return value.item() if hasattr(value, "item") else value
+
+
+def _truncate_consumed(path: Path, step: int) -> None:
+    """Keep only the lines of steps up to `step` (those after it are redone after a resume)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
