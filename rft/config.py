@@ -68,18 +68,50 @@ class KafkaConfig:
 @dataclass
 class ExplorerConfig:
     replicas: int = 1
-    engine: Literal["vllm"] = "vllm"
+    engine: Literal["vllm", "transformers"] = "vllm"  # transformers: HF generate in-process (reference, slow)
     tensor_parallel_size: int = 1
     n_samples: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 32
     tasks_per_batch: int = 8
-    workflow: str = "single_turn"
-    reward: str = "exact_match"
-    reward_weights: dict[str, float] = field(default_factory=dict)
+    workflow: str = "single_turn"  # registered name (single_turn, multi_turn) or package.module:Class
+    reward: str = "exact_match"  # registered name, `weighted` (uses reward_weights) or package.module:function
+    reward_weights: dict[str, float] = field(default_factory=dict)  # reward name -> weight, for reward: weighted
     gpu_memory_utilization: float = 0.5
     cpu_kvcache_gb: float = 1.0
+    environment: str = "retry"  # multi_turn: registered environment name or package.module:Class
+    max_turns: int = 2  # multi_turn: model turns per episode
+    judge_model: str = ""  # reward judge: HF model directory of the judge
+    judge_template: str = ("Question: {prompt}\nReference answer: {answer}\nResponse: {response}\n"  # reward judge
+                           "Is the response correct? Answer Yes or No.\nAnswer:")
+    judge_yes: str = " Yes"  # reward judge: the single token that means correct
+    judge_no: str = " No"  # reward judge: the single token that means wrong
+    admission: str = "all"  # all, or package.module:factory taking (config, explorer_id) -> Admission
+    heartbeat_s: float = 5.0  # seconds between explorer heartbeats on the control topic
+    max_batch_s: float = 300.0  # longest one batch may take before the consumer group presumes the explorer dead
+
+    def __post_init__(self) -> None:
+        """Resolve the workflow, environment and reward names now, so a typo fails at load time."""
+        from rft.rewards import RewardError, check_reward_config, import_object
+        from rft.workflows import WorkflowError, check_workflow_config
+
+        if self.max_turns < 1:
+            raise ConfigError(f"explorer.max_turns: must be >= 1, got {self.max_turns}")
+        if self.heartbeat_s <= 0:
+            raise ConfigError(f"explorer.heartbeat_s: must be > 0, got {self.heartbeat_s}")
+        if self.max_batch_s <= 0:
+            raise ConfigError(f"explorer.max_batch_s: must be > 0, got {self.max_batch_s}")
+        try:
+            check_reward_config(self)
+            check_workflow_config(self)
+        except (RewardError, WorkflowError) as e:
+            raise ConfigError(str(e)) from None
+        if self.admission != "all":
+            try:
+                import_object(self.admission, what="admission")
+            except RewardError as e:
+                raise ConfigError(f"explorer.admission: {e}") from None
 
 
 @dataclass
@@ -120,6 +152,7 @@ class DataConfig:
     epochs: int = 1
     shuffle_seed: Optional[int] = 0
     selector: str = "shuffle"
+    generated_tasks: int = 1000  # format generated: how many tasks of the toy task that data.path names
 
 
 @dataclass
@@ -339,6 +372,16 @@ def _check_semantics(cfg: Config, source: str) -> None:
             "explorer.replicas", f"mode {cfg.run.mode} needs at least one explorer")
     require(bool(cfg.model.path), "model.path", "required: a Hugging Face model directory")
     _check_model_shape(cfg, source, require)
+    _check_registered_names(cfg, source)
+
+
+def _check_registered_names(cfg: Config, source: str) -> None:
+    """Names resolved through registries (or `pkg.mod:obj` import paths) must resolve now, not mid-run."""
+    from rft.algorithms import resolve_algorithm
+    try:
+        resolve_algorithm(cfg.algorithm.name)
+    except (ValueError, ImportError, AttributeError) as e:
+        raise ConfigError(f"{source}: algorithm.name: {e}") from None
 
 
 def _check_model_shape(cfg: Config, source: str, require) -> None:

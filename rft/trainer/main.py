@@ -64,7 +64,7 @@ class Trainer:
         self.staleness = StalenessTracker(mode=cfg.run.mode, max_staleness=cfg.run.max_staleness)
         self.is_reader = dist_io.rank() == 0
         self.checkpoints = CheckpointDir(cfg.run_dir)
-        self.step, feed_state, self.counters = 0, FeedState(), {"samples": 0.0, "dropped_stale": 0.0}
+        self.step, feed_state, self.counters = 0, FeedState(), {"samples": 0.0}
         latest = self.checkpoints.latest() if resume else None
         if latest is not None:
             state = self.checkpoints.read_state(latest)
@@ -163,7 +163,6 @@ class Trainer:
         tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for g in groups for s in g.samples)
         elapsed = max(time.time() - started, 1e-9)
         self.counters["samples"] += samples
-        self.counters["dropped_stale"] += skipped.get("stale", 0)
         rewards = np.concatenate([g.rewards for g in groups])
         record = {
             "step": step, "policy_version": step, "samples": samples,

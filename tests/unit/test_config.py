@@ -130,3 +130,8 @@ def test_shipped_configs_validate():
     assert configs, "configs/ holds no YAML"
     for path in configs:
         load_config(path)
+
+
+def test_unknown_algorithm_is_a_config_error(tmp_path, model_dir):
+    with pytest.raises(ConfigError, match=r"run.yaml: algorithm.name: .*grpp"):
+        load_config(write(tmp_path, minimal(model_dir, algorithm={"name": "grpp"})))

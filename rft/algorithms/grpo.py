@@ -1,0 +1,113 @@
+"""GRPO: group-normalised advantages, the clipped-ratio PPO objective, optional KL, optional off-policy correction.
+
+Advantages, for one group of n samples (one task) with rewards r_1..r_n:
+    A_i = (r_i - mean(r)) / (std(r) + eps)     std with Bessel's correction, as TRL and verl; a group of one gets 0
+    A_i = r_i - mean(r)                         with algorithm.std_normalize: false (Dr. GRPO)
+
+Loss of response token t of sample i (A_i broadcast over the sample's tokens):
+    rho_t = exp(logp_t - prox_t)
+    l_t   = -w_t * min(rho_t * A_i, clip(rho_t, 1 - clip_eps, 1 + clip_eps) * A_i)  +  kl_coef * k3_t
+    k3_t  = exp(ref_t - logp_t) - (ref_t - logp_t) - 1       (Schulman's k3 estimator of KL(pi_theta || pi_ref))
+reduced to the step loss by `algorithm.loss_agg` (see aggregation.py).
+
+Which log-probs play which role:
+- logp  = `token_logprobs`: the current policy pi_theta, the only differentiated input.
+- behav = `old_logprobs`: the behaviour policy, i.e. the weights (policy_version) the explorer sampled with.
+- ref   = `ref_logprobs`: the frozen reference model (only read when kl_coef > 0).
+- prox  = the proximal policy, the centre of the trust region:
+  * `off_policy_correction: false` (standard PPO): prox = behav and w_t = 1. With stale samples rho drifts away
+    from 1 and clipping silences their gradients.
+  * `off_policy_correction: true` (decoupled PPO, Hilton et al. 2022, as in AReaL): prox = the policy the step
+    starts from, and w_t = min(exp(prox_t - behav_t), importance_cap) is the behaviour importance weight, a
+    constant (no gradient). A micro-batch may carry `prox_logprobs`; without them prox = `token_logprobs`
+    detached, which is exact because one step is one optimizer update, so every micro-batch is evaluated with
+    the weights the step started from: rho = 1 in value and the loss is a truncated importance-weighted policy
+    gradient. AReaL *drops* tokens whose weight exceeds its cap; here the weight is *truncated* at the cap.
+Tokens outside `loss_mask` never reach the loss: their log-ratios are zeroed before exponentiation.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+
+from rft.algorithms.aggregation import aggregate, check_micro_batch, token_metric
+from rft.algorithms.registry import Metrics, MicroBatch, register
+
+if TYPE_CHECKING:
+    from rft.config import AlgorithmConfig
+
+ADVANTAGE_EPS = 1e-6
+
+
+@register("grpo")
+class GRPO:
+    """Subclasses that only change `group_advantages` (or `advantages`) are the REINFORCE-style variants."""
+
+    def __init__(self, cfg: "AlgorithmConfig"):
+        self.cfg = cfg
+        self.needs_reference = cfg.kl_coef > 0
+        # Recorded experiences of any age are usable only when the loss corrects for the behaviour policy.
+        self.supports_replay = cfg.off_policy_correction
+
+    # ---------------------------------------------------------------------------------------------- advantages
+
+    def advantages(self, rewards_per_group: Sequence[np.ndarray]) -> list[np.ndarray]:
+        groups = [finite_rewards(r, i) for i, r in enumerate(rewards_per_group)]
+        return [self.group_advantages(r).astype(np.float32) for r in groups]
+
+    def group_advantages(self, rewards: np.ndarray) -> np.ndarray:
+        if len(rewards) < 2:
+            return np.zeros_like(rewards)
+        centred = rewards - rewards.mean()
+        return centred / (rewards.std(ddof=1) + ADVANTAGE_EPS) if self.cfg.std_normalize else centred
+
+    # ---------------------------------------------------------------------------------------------------- loss
+
+    def loss_fn(self, token_logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
+        keys = ["loss_mask", "old_logprobs", "advantages", "global_tokens", "global_sequences"]
+        check_micro_batch(token_logprobs, micro_batch, keys + (["ref_logprobs"] if self.needs_reference else []),
+                          algorithm=self.name)
+        logp, mask = token_logprobs.float(), micro_batch["loss_mask"] > 0
+        advantage = micro_batch["advantages"].float()[:, None]
+        prox, weight = self._proximal(logp, micro_batch)
+
+        ratio = torch.exp(torch.where(mask, logp - prox, 0.0))
+        clipped = ratio.clamp(1 - self.cfg.clip_eps, 1 + self.cfg.clip_eps)
+        per_token = -weight * torch.minimum(ratio * advantage, clipped * advantage)
+        metrics = {"pg_loss": aggregate(per_token, micro_batch, self.cfg.loss_agg).detach(),
+                   "clip_frac": token_metric((clipped * advantage < ratio * advantage).float(), micro_batch),
+                   "importance_weight_mean": token_metric(weight, micro_batch),
+                   "neg_logprob": token_metric(-logp, micro_batch)}
+        if self.cfg.off_policy_correction:
+            metrics["importance_weight_truncated_frac"] = token_metric(
+                (weight >= self.cfg.importance_cap).float(), micro_batch)
+        if self.needs_reference:
+            kl = _k3(logp, micro_batch["ref_logprobs"], mask)
+            per_token = per_token + self.cfg.kl_coef * kl
+            metrics["kl"] = token_metric(kl, micro_batch)
+        return aggregate(per_token, micro_batch, self.cfg.loss_agg), metrics
+
+    def _proximal(self, logp: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prox log-probs, behaviour importance weight w); see the module docstring for the roles."""
+        behav = micro_batch["old_logprobs"]
+        if not self.cfg.off_policy_correction:
+            return behav, torch.ones_like(logp)
+        prox = micro_batch["prox_logprobs"] if "prox_logprobs" in micro_batch else logp.detach()
+        log_weight = torch.where(micro_batch["loss_mask"] > 0, prox - behav, 0.0)
+        return prox, torch.exp(log_weight).clamp(max=self.cfg.importance_cap)
+
+
+def _k3(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    log_ratio = torch.where(mask, ref - logp, 0.0)
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def finite_rewards(rewards: np.ndarray, index: int) -> np.ndarray:
+    rewards = np.asarray(rewards, dtype=np.float64)
+    if rewards.ndim != 1:
+        raise ValueError(f"advantages: group {index} rewards must be 1-D, got shape {rewards.shape}")
+    if not np.all(np.isfinite(rewards)):
+        raise ValueError(f"advantages: group {index} has non-finite rewards {rewards.tolist()}")
+    return rewards

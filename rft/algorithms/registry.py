@@ -1,0 +1,101 @@
+"""Algorithm registry: `algorithm.name` -> an object with `advantages` and `loss_fn`.
+
+A name is either a registered key (`grpo`, `rloo`, `reinforce_pp`, `dpo`, `sft`) or an import path
+`package.module:object`, where the object is a class or factory called with the `AlgorithmConfig`. Either way
+the result is checked against the `Algorithm` interface below, so a bad name fails when the run is built,
+with a message that says what is wrong.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from rft.config import AlgorithmConfig
+
+MicroBatch = dict[str, torch.Tensor]  # the batch contract's micro-batch
+Metrics = dict[str, torch.Tensor]
+
+
+class Algorithm(Protocol):
+    """What the trainer needs from an algorithm.
+
+    - `advantages(rewards_per_group)`: one float32 array per group (same order, same lengths) from the rewards
+      of whole groups. Called once per optimizer step with *all* groups of the step (some algorithms normalise
+      over the whole batch).
+    - `loss_fn(token_logprobs, micro_batch) -> (loss, metrics)`: per the batch contract, `loss` is this
+      micro-batch's contribution to the step loss and every metric is a contribution to a step-wide sum.
+    - `needs_reference`: the micro-batch must carry `ref_logprobs`.
+    - `supports_replay`: the loss is correct on recorded experiences of any age (offline replay).
+    """
+    name: str
+    needs_reference: bool
+    supports_replay: bool
+
+    def advantages(self, rewards_per_group: Sequence[np.ndarray]) -> list[np.ndarray]: ...
+
+    def loss_fn(self, token_logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, Metrics]: ...
+
+
+ALGORITHMS: dict[str, Callable[["AlgorithmConfig"], Algorithm]] = {}
+
+
+def register(name: str):
+    """Class decorator: make an algorithm selectable as `algorithm.name: <name>`."""
+    def add(cls):
+        if name in ALGORITHMS:
+            raise ValueError(f"algorithm {name!r} is registered twice ({ALGORITHMS[name]} and {cls})")
+        ALGORITHMS[name] = cls
+        cls.name = name
+        return cls
+    return add
+
+
+def resolve_algorithm(name: str) -> Callable[["AlgorithmConfig"], Algorithm]:
+    """The class or factory for `name` (a registered key or `pkg.mod:obj`); ValueError saying why not."""
+    if ":" in name:
+        return _import_object(name)
+    if name not in ALGORITHMS:
+        near = difflib.get_close_matches(name, ALGORITHMS, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise ValueError(f"algorithm.name: unknown algorithm {name!r} ({hint}registered: "
+                         f"{', '.join(sorted(ALGORITHMS))}; or give an import path 'package.module:object')")
+    return ALGORITHMS[name]
+
+
+def build_algorithm(cfg: "AlgorithmConfig") -> Algorithm:
+    """Instantiate the algorithm named by `cfg.name` with `cfg`, and check it has the `Algorithm` interface."""
+    algorithm = resolve_algorithm(cfg.name)(cfg)
+    missing = [attr for attr in ("advantages", "loss_fn", "needs_reference", "supports_replay")
+               if not hasattr(algorithm, attr)]
+    if missing:
+        raise ValueError(f"algorithm.name: {cfg.name!r} built a {type(algorithm).__name__} without "
+                         f"{', '.join(missing)} (see rft.algorithms.Algorithm)")
+    return algorithm
+
+
+def _import_object(path: str) -> Any:
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"algorithm.name: import path {path!r} must look like 'package.module:object'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"algorithm.name: cannot import module {module_name!r} from {path!r}: {e}") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"algorithm.name: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"algorithm.name: {path!r} is a {type(obj).__name__}, not a class or factory")
+    return obj
+
+
+def zero_advantages(rewards_per_group: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """`advantages` of algorithms whose loss ignores them (SFT, DPO): zeros of the right shapes."""
+    return [np.zeros(len(r), dtype=np.float32) for r in rewards_per_group]

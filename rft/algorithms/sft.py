@@ -1,0 +1,32 @@
+"""SFT: masked negative log-likelihood of the response tokens (rewards and advantages are ignored).
+
+    l_t = -logp_t,   reduced by `algorithm.loss_agg` (token_mean: per token; seq_mean: per sequence, then mean).
+Uses recorded experiences only, so it runs in offline replay; no reference model.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from rft.algorithms.aggregation import aggregate, check_micro_batch, token_metric
+from rft.algorithms.registry import Metrics, MicroBatch, register, zero_advantages
+
+if TYPE_CHECKING:
+    from rft.config import AlgorithmConfig
+
+
+@register("sft")
+class SFT:
+    needs_reference = False
+    supports_replay = True
+    advantages = staticmethod(zero_advantages)
+
+    def __init__(self, cfg: "AlgorithmConfig"):
+        self.cfg = cfg
+
+    def loss_fn(self, token_logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
+        check_micro_batch(token_logprobs, micro_batch, ["loss_mask", "global_tokens", "global_sequences"],
+                          algorithm=self.name)
+        nll = -token_logprobs.float()
+        return aggregate(nll, micro_batch, self.cfg.loss_agg), {"neg_logprob": token_metric(nll, micro_batch)}

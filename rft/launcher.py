@@ -1,0 +1,188 @@
+"""`rft run CONFIG`: everything a run needs on one machine, as child processes, stopped together.
+
+Starts, in order: the local broker (when `kafka.bootstrap_servers: embedded`), the topics, the task publisher,
+the trainer under torchrun (TP x PP x DP processes), and `explorer.replicas` explorers (the weight-broadcast
+coordinator is a role of the trainer's publishing rank: see rft/trainer/main.py). Which parts start follows
+`run.mode`: `explore` starts no trainer, `train` and `offline` no explorers.
+
+Shutdown: when the trainer finishes, the explorers are stopped and the run ends with 0. When the trainer dies,
+or every explorer has died, everything is stopped and the run ends with 1, printing the failed part's last log
+lines. A single explorer dying is reported and tolerated while others remain (fleets are elastic). Ctrl-C stops
+everything. Each part's output goes to `<run dir>/logs/<part>.log`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rft.broker import KafkaEndpoint
+from rft.cli import add_config_arguments, config_from_args
+from rft.config import Config
+
+ROLES_BY_MODE = {
+    "sync": ("trainer", "explorers"), "off_policy": ("trainer", "explorers"), "async": ("trainer", "explorers"),
+    "train": ("trainer",), "offline": ("trainer",), "explore": ("explorers",),
+}
+
+
+@dataclass
+class Part:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rft run", description=__doc__.split("\n")[0])
+    add_config_arguments(parser)
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    return run(cfg)
+
+
+def run(cfg: Config) -> int:
+    run_dir = cfg.run_dir
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    with KafkaEndpoint(cfg.kafka, log_path=run_dir / "logs" / "broker.log") as bootstrap:
+        cfg.kafka.bootstrap_servers = bootstrap
+        config_path = run_dir / "config.yaml"
+        config_path.write_text(cfg.to_yaml())
+        print(f"[rft] run {cfg.run.name!r} mode {cfg.run.mode} -> {run_dir} (kafka {bootstrap})", flush=True)
+        _create_topics(cfg)
+        roles = ROLES_BY_MODE[cfg.run.mode]
+        if "explorers" in roles:
+            _publish_tasks(cfg)
+        runner = PartRunner(run_dir)
+        try:
+            if "trainer" in roles:
+                runner.start("trainer", _trainer_command(cfg, config_path))
+            if "explorers" in roles:
+                for i in range(cfg.explorer.replicas):
+                    runner.start(f"explorer-{i}", [sys.executable, "-m", "rft.cli", "explorer", str(config_path),
+                                                   "--explorer-id", f"explorer-{i}"])
+            code = runner.supervise(main_part="trainer" if "trainer" in roles else None)
+        except KeyboardInterrupt:
+            print("\n[rft] interrupted: stopping every part", flush=True)
+            code = 130
+        finally:
+            runner.stop_all()
+        if code == 0 and "trainer" in roles:
+            _plot(cfg)
+        return code
+
+
+def _create_topics(cfg: Config) -> None:
+    from rft.transport import Admin
+
+    admin = Admin(cfg.kafka, cfg.kafka.bootstrap_servers)
+    try:
+        admin.create_topics([cfg.topic("tasks"), cfg.topic("control"), cfg.topic("dead_letter")])
+        admin.create_topics([cfg.topic("experiences")], partitions=cfg.kafka.experience_partitions)
+    finally:
+        admin.close()
+
+
+def _publish_tasks(cfg: Config) -> None:
+    from rft.explorer.tasks import publish_tasks
+
+    count = publish_tasks(cfg)
+    print(f"[rft] published {count} tasks to {cfg.topic('tasks')}", flush=True)
+
+
+def _trainer_command(cfg: Config, config_path: Path) -> list[str]:
+    t = cfg.trainer
+    nproc = t.tensor_parallel * t.pipeline_parallel * t.data_parallel
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "rft.cli", "trainer", str(config_path)]
+
+
+def _plot(cfg: Config) -> None:
+    from rft.monitor import plot_rewards
+
+    metrics = cfg.run_dir / "metrics.jsonl"
+    if metrics.exists():
+        png = plot_rewards(metrics, cfg.run_dir / "reward.png", title=cfg.run.name)
+        print(f"[rft] reward curve: {png}", flush=True)
+
+
+class PartRunner:
+    """Child processes of a run, each in its own process group, each logging to its own file."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.parts: dict[str, Part] = {}
+
+    def start(self, name: str, command: list[str]) -> None:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        log = open(log_path, "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.parts[name] = Part(name, process, log_path)
+        print(f"[rft] started {name} (pid {process.pid}, log {log_path})", flush=True)
+
+    def supervise(self, main_part: str | None, poll_s: float = 0.5) -> int:
+        reported: set[str] = set()
+        while True:
+            for part in list(self.parts.values()):
+                code = part.process.poll()
+                if code is None or part.name in reported:
+                    continue
+                reported.add(part.name)
+                if part.name == main_part:
+                    if code == 0:
+                        print(f"[rft] {part.name} finished", flush=True)
+                        return 0
+                    self._report_failure(part, code)
+                    return 1
+                if code != 0:
+                    self._report_failure(part, code)
+            explorers = [p for p in self.parts.values() if p.name.startswith("explorer")]
+            if explorers and all(p.process.poll() is not None for p in explorers):
+                if main_part is None:
+                    return 0 if all(p.process.returncode == 0 for p in explorers) else 1
+                print("[rft] every explorer has stopped: stopping the run", flush=True)
+                return 1
+            time.sleep(poll_s)
+
+    def _report_failure(self, part: Part, code: int) -> None:
+        tail = part.log_path.read_text(errors="replace").splitlines()[-25:]
+        print(f"[rft] {part.name} exited with code {code}; last lines of {part.log_path}:", file=sys.stderr)
+        for line in tail:
+            print(f"    {line}", file=sys.stderr)
+        sys.stderr.flush()
+
+    def stop_all(self, grace_s: float = 15.0) -> None:
+        alive = [p for p in self.parts.values() if p.process.poll() is None]
+        for part in alive:
+            _signal_group(part.process, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for part in alive:
+            try:
+                part.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(part.process, signal.SIGKILL)
+                part.process.wait()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def replay_main(argv: list[str]) -> int:
+    """`rft replay CONFIG --from ... --to ...`: offline training from a recorded experiences topic."""
+    parser = argparse.ArgumentParser(prog="rft replay", description="Offline training from an experiences topic.")
+    add_config_arguments(parser)
+    parser.add_argument("--from", dest="start", help="start: offsets 'P:O,P:O' or a time (ISO 8601 or ms)")
+    parser.add_argument("--to", dest="end", help="end (exclusive): offsets or a time")
+    args = parser.parse_args(argv)
+    print("rft replay: offline replay is not implemented in this build", file=sys.stderr)
+    return 3

@@ -1,0 +1,328 @@
+"""Algorithms against textbook formulas written independently in NumPy (loops over samples and tokens).
+
+Each loss is checked in value and in gradient (torch autograd w.r.t. token_logprobs vs the analytic derivative),
+and for invariance under splitting the batch into micro-batches and data-parallel shards.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rft.algorithms import ALGORITHMS, build_algorithm, resolve_algorithm
+from rft.config import AlgorithmConfig
+
+EPS = 1e-6
+
+
+# ------------------------------------------------------------------------------------------------ random batches
+
+def random_batch(seed: int, *, rows: int = 7, length: int = 9, stale: float = 0.3) -> dict[str, np.ndarray]:
+    """Right-padded rows: a prompt, then response tokens in the loss; the last row is a padding row."""
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((rows, length), np.float32)
+    for i in range(rows - 1):
+        start = rng.integers(1, 4)
+        mask[i, start:rng.integers(start + 1, length + 1)] = 1.0
+    logp = -rng.exponential(1.0, (rows, length)).astype(np.float32)
+    return {
+        "logp": logp,
+        "loss_mask": mask,
+        "old_logprobs": ((logp + rng.normal(0, stale, logp.shape)) * mask).astype(np.float32),
+        "ref_logprobs": ((logp + rng.normal(0, 0.3, logp.shape)) * mask).astype(np.float32),
+        "advantages": rng.normal(0, 1, rows).astype(np.float32),
+        "global_tokens": np.float32(mask.sum()),
+        "global_sequences": np.float32(rows - 1),
+    }
+
+
+def to_torch(batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    logp = torch.tensor(batch["logp"], requires_grad=True)
+    micro = {k: torch.as_tensor(v) for k, v in batch.items() if k != "logp"}
+    return logp, micro
+
+
+def torch_loss_and_grad(algorithm, batch):
+    logp, micro = to_torch(batch)
+    loss, metrics = algorithm.loss_fn(logp, micro)
+    loss.backward()
+    return loss.item(), logp.grad.numpy(), {k: v.item() for k, v in metrics.items()}
+
+
+# ------------------------------------------------------------------------------------- NumPy textbook references
+
+def ppo_reference(b, *, clip_eps, agg, kl_coef=0.0, correction=False, cap=np.inf, prox=None):
+    """Clipped surrogate, textbook form: per token -w * min(r A, clip(r) A) + beta * k3, and d/d logp of it."""
+    logp, behav, mask = b["logp"].astype(np.float64), b["old_logprobs"], b["loss_mask"]
+    loss, grad, clipped_tokens, weight_sum = 0.0, np.zeros_like(logp), 0, 0.0
+    n_tokens, n_seqs = float(b["global_tokens"]), float(b["global_sequences"])
+    for i in range(logp.shape[0]):
+        length = mask[i].sum()
+        if length == 0:
+            continue
+        scale = 1.0 / n_tokens if agg == "token_mean" else 1.0 / (length * n_seqs)
+        A = float(b["advantages"][i])
+        for t in range(logp.shape[1]):
+            if mask[i, t] == 0:
+                continue
+            if correction:
+                p = logp[i, t] if prox is None else prox[i, t]
+                w = min(math.exp(p - behav[i, t]), cap)
+            else:
+                p, w = behav[i, t], 1.0
+            r = math.exp(logp[i, t] - p)
+            r_clip = min(max(r, 1 - clip_eps), 1 + clip_eps)
+            if r * A <= r_clip * A:
+                value, d_value = -w * r * A, -w * r * A  # d/dlogp of -w r A is -w r A
+            else:
+                value, d_value = -w * r_clip * A, 0.0  # the clipped term is constant in logp
+                clipped_tokens += 1
+            weight_sum += w
+            delta = b["ref_logprobs"][i, t] - logp[i, t]
+            value += kl_coef * (math.exp(delta) - delta - 1)
+            d_value += kl_coef * (1 - math.exp(delta))
+            loss += scale * value
+            grad[i, t] = scale * d_value
+    return loss, grad, clipped_tokens / n_tokens, weight_sum / n_tokens
+
+
+def sft_reference(b, *, agg):
+    logp, mask = b["logp"], b["loss_mask"]
+    loss, grad = 0.0, np.zeros_like(logp, dtype=np.float64)
+    for i in range(logp.shape[0]):
+        length = mask[i].sum()
+        for t in range(logp.shape[1]):
+            if mask[i, t]:
+                scale = 1.0 / b["global_tokens"] if agg == "token_mean" else 1.0 / (length * b["global_sequences"])
+                loss += -scale * logp[i, t]
+                grad[i, t] = -scale
+    return loss, grad
+
+
+def dpo_reference(b, *, beta):
+    """Rows (2k, 2k+1) are pair k; pair_chosen says which one is preferred."""
+    logp, ref, mask = b["logp"].astype(np.float64), b["ref_logprobs"], b["loss_mask"]
+    n_pairs = b["global_sequences"] / 2
+    loss, grad = 0.0, np.zeros_like(logp)
+    for k in range(logp.shape[0] // 2):
+        c, r = (2 * k, 2 * k + 1) if b["pair_chosen"][2 * k] else (2 * k + 1, 2 * k)
+        z_c = sum(mask[c, t] * (logp[c, t] - ref[c, t]) for t in range(logp.shape[1]))
+        z_r = sum(mask[r, t] * (logp[r, t] - ref[r, t]) for t in range(logp.shape[1]))
+        u = beta * (z_c - z_r)
+        loss += math.log1p(math.exp(-u)) / n_pairs
+        d_u = -1.0 / (1.0 + math.exp(u)) / n_pairs  # d/du of -log sigmoid(u) = -sigmoid(-u)
+        grad[c] = d_u * beta * mask[c]
+        grad[r] = -d_u * beta * mask[r]
+    return loss, grad
+
+
+# ---------------------------------------------------------------------------------------------- policy gradient
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_grpo_loss_and_gradient_match_textbook(agg, kl_coef):
+    batch = random_batch(seed=1)
+    algo = build_algorithm(AlgorithmConfig(name="grpo", clip_eps=0.2, kl_coef=kl_coef, loss_agg=agg))
+    loss, grad, metrics = torch_loss_and_grad(algo, batch)
+    ref_loss, ref_grad, clip_frac, _ = ppo_reference(batch, clip_eps=0.2, agg=agg, kl_coef=kl_coef)
+    assert clip_frac > 0.1, "the batch must exercise clipping"
+    assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-6)
+    assert metrics["clip_frac"] == pytest.approx(clip_frac, rel=1e-5)
+    assert ("kl" in metrics) == (kl_coef > 0) and algo.needs_reference == (kl_coef > 0)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize("explicit_prox", [False, True])
+def test_truncated_importance_correction_matches_textbook(name, explicit_prox):
+    batch = random_batch(seed=2, stale=1.0)  # behaviour far from the current policy: weights above the cap
+    rng = np.random.default_rng(3)
+    prox = (batch["logp"] + rng.normal(0, 0.3, batch["logp"].shape)).astype(np.float32) if explicit_prox else None
+    if explicit_prox:
+        batch["prox_logprobs"] = prox
+    algo = build_algorithm(AlgorithmConfig(name=name, off_policy_correction=True, importance_cap=2.0))
+    loss, grad, metrics = torch_loss_and_grad(algo, batch)
+    ref_loss, ref_grad, clip_frac, weight_mean = ppo_reference(
+        batch, clip_eps=0.2, agg="token_mean", correction=True, cap=2.0, prox=prox)
+    assert metrics["importance_weight_truncated_frac"] > 0.05, "the batch must exercise truncation"
+    assert (clip_frac > 0) == explicit_prox  # with prox = current policy the ratio is exactly 1
+    assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-6)
+    assert metrics["importance_weight_mean"] == pytest.approx(weight_mean, rel=1e-5)
+    assert algo.supports_replay
+
+
+def test_without_correction_the_ratio_is_taken_against_the_behaviour_policy():
+    batch = random_batch(seed=4)
+    algo = build_algorithm(AlgorithmConfig(name="grpo"))
+    assert not algo.supports_replay
+    _, _, metrics = torch_loss_and_grad(algo, batch)
+    assert metrics["importance_weight_mean"] == pytest.approx(1.0)
+
+
+# --------------------------------------------------------------------------------------------------- advantages
+
+def grpo_advantages_reference(groups, *, std_normalize):
+    out = []
+    for r in groups:
+        n = len(r)
+        mean = sum(r) / n
+        std = math.sqrt(sum((x - mean) ** 2 for x in r) / (n - 1)) if n > 1 else 0.0
+        out.append([0.0 if n < 2 else (x - mean) / (std + EPS) if std_normalize else x - mean for x in r])
+    return out
+
+
+def rloo_advantages_reference(groups):
+    return [[0.0 if len(r) < 2 else r[i] - sum(r[j] for j in range(len(r)) if j != i) / (len(r) - 1)
+             for i in range(len(r))] for r in groups]
+
+
+def reinforce_pp_advantages_reference(groups):
+    flat = [x for r in groups for x in r]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((x - mean) ** 2 for x in flat) / len(flat))
+    return [[(x - mean) / (std + EPS) for x in r] for r in groups]
+
+
+@pytest.mark.parametrize("name, std_normalize, reference", [
+    ("grpo", True, lambda g: grpo_advantages_reference(g, std_normalize=True)),
+    ("grpo", False, lambda g: grpo_advantages_reference(g, std_normalize=False)),
+    ("rloo", True, rloo_advantages_reference),
+    ("reinforce_pp", True, reinforce_pp_advantages_reference),
+])
+def test_advantages_match_textbook(name, std_normalize, reference):
+    rng = np.random.default_rng(5)
+    groups = [rng.normal(0, 1, 8), rng.integers(0, 2, 4).astype(float), np.ones(5), np.array([0.7])]
+    algo = build_algorithm(AlgorithmConfig(name=name, std_normalize=std_normalize))
+    got = algo.advantages(groups)
+    assert [len(a) for a in got] == [len(g) for g in groups] and all(a.dtype == np.float32 for a in got)
+    for mine, theirs in zip(got, reference([list(g) for g in groups])):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_non_finite_rewards_are_refused_with_the_group_named():
+    algo = build_algorithm(AlgorithmConfig(name="grpo"))
+    with pytest.raises(ValueError, match="group 1 has non-finite rewards"):
+        algo.advantages([np.ones(2), np.array([1.0, np.nan])])
+
+
+# ----------------------------------------------------------------------------------------------------- SFT, DPO
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
+def test_sft_is_masked_nll(agg):
+    batch = random_batch(seed=6)
+    algo = build_algorithm(AlgorithmConfig(name="sft", loss_agg=agg))
+    loss, grad, _ = torch_loss_and_grad(algo, {k: v for k, v in batch.items() if k != "old_logprobs"})
+    ref_loss, ref_grad = sft_reference(batch, agg=agg)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-7)
+    assert algo.supports_replay and not algo.needs_reference
+
+
+def dpo_batch(seed: int, pairs: int = 4) -> dict[str, np.ndarray]:
+    batch = random_batch(seed, rows=2 * pairs + 1)
+    rng = np.random.default_rng(seed)
+    batch = {k: v[:2 * pairs] if k not in ("global_tokens", "global_sequences") else v for k, v in batch.items()}
+    chosen_first = rng.integers(0, 2, pairs).astype(bool)
+    batch["pair_chosen"] = np.stack([chosen_first, ~chosen_first], axis=1).reshape(-1)
+    batch["pair_index"] = np.repeat(np.arange(pairs) * 10 + 3, 2).astype(np.int64)  # any ids, not 0..k-1
+    batch["global_sequences"] = np.float32(2 * pairs)
+    return batch
+
+
+def test_dpo_matches_textbook():
+    batch = dpo_batch(seed=7)
+    algo = build_algorithm(AlgorithmConfig(name="dpo", dpo_beta=0.5))
+    loss, grad, metrics = torch_loss_and_grad(algo, batch)
+    ref_loss, ref_grad = dpo_reference(batch, beta=0.5)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-7)
+    assert 0.0 <= metrics["dpo_accuracy"] <= 1.0
+    assert algo.needs_reference and algo.supports_replay
+
+
+def test_dpo_refuses_a_pair_split_across_micro_batches():
+    batch = dpo_batch(seed=8)
+    logp, micro = to_torch(batch)
+    half = {k: (v[:3] if v.ndim else v) for k, v in micro.items()}
+    with pytest.raises(ValueError, match=r"pairs \[13\] do not have exactly one chosen and one rejected"):
+        build_algorithm(AlgorithmConfig(name="dpo")).loss_fn(logp[:3], half)
+
+
+# ----------------------------------------------------------------------------- micro-batch and data-parallel splits
+
+SPLIT_CASES = [
+    ("grpo", dict(loss_agg="token_mean", kl_coef=0.1)),
+    ("grpo", dict(loss_agg="seq_mean", kl_coef=0.1)),
+    ("rloo", dict(off_policy_correction=True)),
+    ("reinforce_pp", dict(loss_agg="seq_mean")),
+    ("sft", dict(loss_agg="seq_mean")),
+    ("dpo", dict()),
+]
+
+
+def loss_over_parts(algorithm, batch, parts):
+    """Sum of the loss contributions of row subsets (micro-batches on ranks), backpropagated once."""
+    logp, micro = to_torch(batch)
+    total, metrics = 0.0, {}
+    for rows in parts:
+        index = torch.as_tensor(rows)
+        loss, part_metrics = algorithm.loss_fn(logp[index], {k: (v[index] if v.ndim else v) for k, v in micro.items()})
+        total = total + loss
+        for key, value in part_metrics.items():
+            metrics[key] = metrics.get(key, 0.0) + value.item()
+    total.backward()
+    return total.item(), logp.grad.numpy(), metrics
+
+
+@pytest.mark.parametrize("name, options", SPLIT_CASES)
+def test_splitting_into_micro_batches_and_shards_changes_nothing(name, options):
+    batch = dpo_batch(seed=9, pairs=6) if name == "dpo" else random_batch(seed=9, rows=12)
+    algo = build_algorithm(AlgorithmConfig(name=name, **options))
+    rows = np.arange(12)
+    pairs = rows.reshape(6, 2)
+    whole = loss_over_parts(algo, batch, [rows])
+    # 2 data-parallel shards dealt round-robin (by pair for DPO), each split into micro-batches of 2 or 3 rows.
+    if name == "dpo":
+        shards = [pairs[0::2].reshape(-1), pairs[1::2].reshape(-1)]
+        micro = [shards[0][:2], shards[0][2:], shards[1][:4], shards[1][4:]]
+    else:
+        shards = [rows[0::2], rows[1::2]]
+        micro = [shards[0][:3], shards[0][3:], shards[1][:2], shards[1][2:4], shards[1][4:]]
+    split = loss_over_parts(algo, batch, micro)
+    assert split[0] == pytest.approx(whole[0], rel=1e-5, abs=1e-7)
+    np.testing.assert_allclose(split[1], whole[1], rtol=1e-5, atol=1e-7)
+    assert split[2].keys() == whole[2].keys()
+    for key in whole[2]:
+        assert split[2][key] == pytest.approx(whole[2][key], rel=1e-5, abs=1e-7), key
+
+
+# ------------------------------------------------------------------------------------------------------ registry
+
+def test_registry_names_and_capabilities():
+    assert set(ALGORITHMS) == {"grpo", "rloo", "reinforce_pp", "dpo", "sft"}
+    table = {name: build_algorithm(AlgorithmConfig(name=name)) for name in ALGORITHMS}
+    assert {n for n, a in table.items() if a.needs_reference} == {"dpo"}
+    assert {n for n, a in table.items() if a.supports_replay} == {"dpo", "sft"}
+
+
+def test_unknown_name_and_import_paths():
+    with pytest.raises(ValueError, match="unknown algorithm 'gpro' \\(did you mean 'grpo'"):
+        resolve_algorithm("gpro")
+    assert build_algorithm(AlgorithmConfig(name="rft.algorithms.sft:SFT")).supports_replay
+    with pytest.raises(ValueError, match="module 'rft.algorithms.sft' has no attribute 'Nope'"):
+        resolve_algorithm("rft.algorithms.sft:Nope")
+    with pytest.raises(ValueError, match="cannot import module 'no_such_pkg.mod'.*No module named 'no_such_pkg'"):
+        resolve_algorithm("no_such_pkg.mod:f")
+    with pytest.raises(ValueError, match="without advantages, loss_fn"):
+        build_algorithm(AlgorithmConfig(name="builtins:repr"))
+
+
+def test_missing_micro_batch_key_is_named():
+    batch = random_batch(seed=10)
+    del batch["ref_logprobs"]
+    logp, micro = to_torch(batch)
+    with pytest.raises(ValueError, match="grpo loss: micro-batch lacks ref_logprobs"):
+        build_algorithm(AlgorithmConfig(name="grpo", kl_coef=0.1)).loss_fn(logp, micro)

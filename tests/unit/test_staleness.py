@@ -1,0 +1,202 @@
+"""Admission control and staleness tracking: known inputs, then simulated runs (explorers, topic, trainer)."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from rft.schema import ExperienceGroup, Sample
+from rft.staleness import AdmissionController, AdmissionState, StalenessTracker, staleness_bound
+
+
+# ---------------------------------------------------------------------------------------------- known inputs
+
+def test_capacity_follows_the_formula_through_reserve_finish_fail_version_and_resync():
+    ctrl = AdmissionController(groups_per_step=4, max_staleness=1)
+    assert ctrl.capacity() == (1 + 0 + 1) * 4  # 8
+    assert ctrl.reserve(10) == 8 and ctrl.capacity() == 0 and ctrl.reserve(1) == 0
+    ctrl.finish(3)  # accepted 3 + running 5: still full
+    assert ctrl.capacity() == 0 and ctrl.state() == AdmissionState(version=0, accepted=3, running=5)
+    ctrl.set_version(1)
+    assert ctrl.capacity() == (1 + 1 + 1) * 4 - 8  # 4
+    ctrl.fail(1)
+    assert ctrl.capacity() == 5
+    ctrl.resync(trainer_version=1, backlog=2)  # accepted = 1 * 4 + 2
+    assert ctrl.state() == AdmissionState(version=1, accepted=6, running=4)
+    assert ctrl.capacity() == 12 - 10
+
+
+def test_modes_set_the_bound():
+    assert [staleness_bound(m, 3) for m in ("sync", "off_policy", "async", "explore", "train", "offline")] == \
+        [0, 3, None, None, None, None]
+    assert AdmissionController.for_mode("sync", max_staleness=5, groups_per_step=2).capacity() == 2
+    unbounded = AdmissionController.for_mode("async", max_staleness=0, groups_per_step=2, max_running=7)
+    assert unbounded.reserve(100) == 7 and unbounded.capacity() == 0
+    with pytest.raises(ValueError, match="run.mode: unknown mode 'offpolicy'"):
+        staleness_bound("offpolicy", 1)
+
+
+def test_controller_refuses_impossible_updates():
+    ctrl = AdmissionController(groups_per_step=2, max_staleness=0, version=3)
+    ctrl.reserve(1)
+    with pytest.raises(ValueError, match=r"finish\(2\) with 1 groups running"):
+        ctrl.finish(2)
+    with pytest.raises(ValueError, match="version 2 is older than the current 3"):
+        ctrl.set_version(2)
+    with pytest.raises(ValueError, match="trainer.groups_per_step: must be >= 1"):
+        AdmissionController(groups_per_step=0, max_staleness=1)
+
+
+def group(policy_version: int, n_samples: int = 3) -> ExperienceGroup:
+    samples = [Sample(sample_index=i, prompt_tokens=np.arange(3), response_tokens=np.arange(2),
+                      logprobs=np.zeros(2, np.float32), loss_mask=np.ones(2, np.uint8), reward=0.0)
+               for i in range(n_samples)]
+    return ExperienceGroup(run_id="r", task_id=f"t{policy_version}", group_id=f"r/t{policy_version}/e0", attempt=0,
+                           explorer_id="e", policy_version=policy_version, samples=samples)
+
+
+def test_tracker_decides_and_reports_per_step():
+    tracker = StalenessTracker(mode="off_policy", max_staleness=1)
+    # step 3 -> staleness (3 - 1) - v: versions 2, 1, 1, 0, 3 -> 0, 1, 1, 2, -1
+    reasons = [tracker.check(group(v), 3) for v in (2, 1, 1, 0, 3)]
+    assert reasons == [None, None, None, "stale", "future_version"]
+    assert tracker.step_metrics(3) == {"staleness_mean": (0 * 3 + 1 * 6) / 9, "staleness_max": 1,
+                                       "staleness_hist": {0: 3, 1: 6}, "dropped_stale": 3, "dropped_future": 3}
+    assert tracker.step_metrics(3)["staleness_hist"] == {}  # popped
+
+
+def test_sync_drops_anything_stale_and_async_keeps_everything():
+    sync = StalenessTracker(mode="sync", max_staleness=4)
+    assert [sync.observe(step=5, policy_version=v, n_samples=1) for v in (4, 3)] == [True, False]
+    assert sync.step_metrics(5)["dropped_stale"] == 1
+    unbounded = StalenessTracker(mode="async", max_staleness=0)
+    assert all(unbounded.observe(step=5, policy_version=v, n_samples=1) for v in (4, 0, 9))
+    assert unbounded.step_metrics(5)["staleness_hist"] == {-5: 1, 0: 1, 4: 1}
+
+
+# ------------------------------------------------------------------------------------------------- simulation
+
+@dataclass
+class Simulation:
+    """Explorers admit rollouts through the controller; finished groups go to a topic (a list, in arrival order);
+    the trainer takes B groups per step through the tracker, trains for `train_ticks`, then publishes weights
+    that reach the explorers `sync_ticks` later, with a resync from (version, backlog) as a coordinator would."""
+    mode: str
+    k: int
+    duration: callable  # rng -> ticks a rollout takes
+    groups_per_step: int = 4
+    steps: int = 15
+    max_running: int = 6
+    train_ticks: int = 3
+    sync_ticks: int = 1
+    fail_rate: float = 0.0
+    admission: bool = True
+    explorer_restart_at: int | None = None
+    seed: int = 0
+    metrics: list[dict] = field(default_factory=list)
+
+    def run(self) -> "Simulation":
+        self.rng, self.tracker = random.Random(self.seed), StalenessTracker(mode=self.mode, max_staleness=self.k)
+        self.ctrl, self.explorer_version = self._controller(version=0), 0
+        self.running, self.topic = [], []  # running: (finish tick, policy version); topic: policy versions
+        self.read, self.committed = 0, {0: 0}  # trainer's topic position; its position at the end of each step
+        self.arrivals, self.step, self.taken, self.train_done = {}, 1, 0, None
+        for tick in range(5000):
+            if tick in self.arrivals:
+                self._load_weights(self.arrivals.pop(tick))
+            if tick == self.explorer_restart_at:  # a new fleet: rollouts in flight are lost
+                self.running, self.ctrl = [], self._controller(version=self.explorer_version)
+                self._load_weights(self.explorer_version)
+            self._explore(tick)
+            self._train(tick)
+            if len(self.metrics) == self.steps:
+                return self
+        raise AssertionError(f"deadlock: {len(self.metrics)}/{self.steps} steps in 5000 ticks")
+
+    def _load_weights(self, version: int) -> None:
+        self.explorer_version = version
+        self.ctrl.set_version(version)
+        self.ctrl.resync(trainer_version=version, backlog=len(self.topic) - self.committed[version])
+
+    def _explore(self, tick: int) -> None:
+        admitted = self.ctrl.reserve(self.max_running)
+        self.running += [(tick + self.duration(self.rng), self.explorer_version) for _ in range(admitted)]
+        for rollout in [r for r in self.running if r[0] == tick]:
+            self.running.remove(rollout)
+            if self.rng.random() < self.fail_rate:
+                self.ctrl.fail()
+            else:
+                self.topic.append(rollout[1])
+                self.ctrl.finish()
+
+    def _train(self, tick: int) -> None:
+        if self.train_done is None:
+            while self.taken < self.groups_per_step and self.read < len(self.topic):
+                self.taken += self.tracker.observe(step=self.step, policy_version=self.topic[self.read], n_samples=1)
+                self.read += 1
+            if self.taken == self.groups_per_step:
+                self.train_done = tick + self.train_ticks
+        elif tick == self.train_done:  # step done: version `step` exists and is published
+            self.committed[self.step] = self.read
+            self.arrivals[tick + self.sync_ticks] = self.step
+            self.metrics.append(self.tracker.step_metrics(self.step))
+            self.step, self.taken, self.train_done = self.step + 1, 0, None
+
+    def _controller(self, version: int) -> AdmissionController:
+        if not self.admission:
+            return AdmissionController(groups_per_step=self.groups_per_step, max_staleness=None,
+                                       max_running=self.max_running, version=version)
+        return AdmissionController.for_mode(self.mode, max_staleness=self.k, groups_per_step=self.groups_per_step,
+                                            max_running=self.max_running, version=version)
+
+    @property
+    def used(self) -> dict[int, int]:
+        """Samples used in training, by staleness, over the whole run."""
+        total: dict[int, int] = {}
+        for m in self.metrics:
+            for s, n in m["staleness_hist"].items():
+                total[s] = total.get(s, 0) + n
+        return total
+
+    @property
+    def dropped(self) -> int:
+        return sum(m["dropped_stale"] + m["dropped_future"] for m in self.metrics)
+
+
+def constant(ticks):
+    return lambda rng: ticks
+
+
+def uniform(low, high):
+    return lambda rng: rng.randint(low, high)
+
+
+@pytest.mark.parametrize("mode, k", [("sync", 0), ("off_policy", 1), ("off_policy", 3)])
+def test_admission_alone_keeps_every_sample_within_k_when_rollouts_finish_in_order(mode, k):
+    sim = Simulation(mode=mode, k=k, duration=constant(2), max_running=64).run()
+    assert len(sim.metrics) == sim.steps and sim.dropped == 0
+    assert max(sim.used) == k, "fast explorers run ahead exactly as far as the bound allows"
+    assert sum(sim.used.values()) == sim.steps * sim.groups_per_step
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_with_stragglers_the_tracker_drops_the_few_beyond_k(seed):
+    k = 1
+    with_admission = Simulation(mode="off_policy", k=k, duration=uniform(1, 9), fail_rate=0.1, seed=seed).run()
+    assert max(with_admission.used) <= k and min(with_admission.used) >= 0
+    without = Simulation(mode="off_policy", k=k, duration=uniform(1, 9), fail_rate=0.1, seed=seed,
+                         admission=False, max_running=32).run()
+    assert max(without.used) <= k  # the tracker still enforces the bound ...
+    assert without.dropped > 3 * max(1, with_admission.dropped)  # ... but only admission avoids throwing work away
+
+
+def test_an_explorer_restart_rebuilds_the_controller_from_version_and_backlog():
+    sim = Simulation(mode="off_policy", k=2, duration=constant(2), max_running=64, explorer_restart_at=20).run()
+    assert len(sim.metrics) == sim.steps and sim.dropped == 0 and max(sim.used) <= 2
+
+
+def test_async_is_unbounded_but_recorded():
+    sim = Simulation(mode="async", k=0, duration=constant(1), max_running=64).run()
+    assert sim.dropped == 0 and max(sim.used) > 3
