@@ -169,7 +169,7 @@ def _array_bytes(values: Any, dtype: np.dtype) -> bytes:
 
 def record_type(value: bytes, headers: list[tuple[str, bytes]] | None) -> str:
     """The record type from the headers, checking the schema version; RecordError if foreign."""
-    hdr = {k: v for k, v in (headers or [])}
+    hdr = {k: v or b"" for k, v in (headers or [])}  # a null header value (other clients) reads as empty
     if HEADER_SCHEMA not in hdr:
         raise RecordError(f"missing header {HEADER_SCHEMA!r}: not an rft record")
     version = hdr[HEADER_SCHEMA].decode(errors="replace")

@@ -102,7 +102,7 @@ class RecordSink:
         """Queue one record; returns a future whose `get(timeout)` gives its metadata (offset).
         `check_size=False` is for records that already exist (dead letters, imports): never lose them."""
         key_bytes = key.encode() if isinstance(key, str) else key
-        size = len(value) + len(key_bytes or b"") + sum(len(k) + len(v) for k, v in headers or [])
+        size = len(value or b"") + len(key_bytes or b"") + sum(len(k) + len(v or b"") for k, v in headers or [])
         if check_size and size > self.limit:
             raise RecordTooLarge(f"record for topic {topic!r} is {size} bytes, over the limit of {self.limit} "
                                  "bytes (kafka.max_record_bytes); it was not sent")
@@ -235,10 +235,12 @@ class RecordSource:
         return {offset_key(tp.topic, tp.partition): o for tp, o in starts.items()}
 
     def offsets_for_time(self, topic: str, timestamp_ms: int) -> dict[str, int]:
-        """First offset at or after `timestamp_ms` per partition (the end offset when none is).
+        """First offset at or after `timestamp_ms` per partition (the end offset when none is), as the
+        broker answers it: a starting point, not a filter.
 
-        Brokers differ for a time past the last record (Tansu answers 0, Kafka None), so the answer is
-        checked against the record actually at that offset rather than trusted."""
+        Brokers differ: for a time past the last record Kafka answers None (-> the end offset here);
+        Tansu 0.6 answers offset 0 stamped with its own append time whatever the records' timestamps.
+        `read_range` therefore also filters every record by its own timestamp."""
         tps = self.partitions(topic)
         found = self._consumer.offsets_for_times({tp: timestamp_ms for tp in tps})
         ends = self.end_offsets(topic)
@@ -255,10 +257,17 @@ class RecordSource:
                    from_time_ms: int | None = None, to_time_ms: int | None = None,
                    idle_timeout_s: float = 10.0) -> Iterator[Message]:
         """Replay `[start, end)` offsets (default: whole topic as of now), optionally bounded by record
-        time `[from_time_ms, to_time_ms)`. Needs a source without a group. Yields in partition order."""
-        if self.group is not None:
-            raise TransportError("read_range needs a source without a consumer group")
-        self.assign([topic])
+        time `[from_time_ms, to_time_ms)` (each record's own timestamp). Needs a source without a group.
+        Each partition's records come in offset order; partitions interleave."""
+        begin, stop = self.replay_bounds(topic, start=start, end=end, from_time_ms=from_time_ms)
+        yield from self.read_offsets(begin, stop, from_time_ms=from_time_ms, to_time_ms=to_time_ms,
+                                     idle_timeout_s=idle_timeout_s)
+
+    def replay_bounds(self, topic: str, *, start: dict[str, int] | None = None, end: dict[str, int] | None = None,
+                      from_time_ms: int | None = None) -> tuple[dict[str, int], dict[str, int]]:
+        """`(begin, stop)` offsets per partition of `topic` for a replay: the topic's current extent,
+        narrowed by `start`/`end` ("topic:partition" -> offset) and by the first record at or after
+        `from_time_ms`. A partition with nothing to read has `begin >= stop`."""
         begin = dict(self.beginning_offsets(topic))
         if from_time_ms is not None:
             begin.update(self.offsets_for_time(topic, from_time_ms))
@@ -267,20 +276,32 @@ class RecordSource:
         stop = dict(self.end_offsets(topic))
         if end:
             stop.update({k: min(v, stop.get(k, v)) for k, v in end.items()})
-        pending = {k for k in begin if begin[k] < stop[k]}
-        self.seek(begin)
+        return begin, stop
+
+    def read_offsets(self, begin: dict[str, int], stop: dict[str, int], *, from_time_ms: int | None = None,
+                     to_time_ms: int | None = None, idle_timeout_s: float = 10.0) -> Iterator[Message]:
+        """Yield the records in `[begin, stop)` of each partition named in `begin`, only those stamped
+        in `[from_time_ms, to_time_ms)` when given. Only partitions with something to read are
+        assigned, so `read_offsets({one partition}, ...)` fetches nothing else. Needs a source without
+        a group; leaves the source assigned to those partitions."""
+        if self.group is not None:
+            raise TransportError("read_range / read_offsets need a source without a consumer group")
+        pending = {k for k in begin if begin[k] < stop.get(k, 0)}
+        self._consumer.assign([parse_offset_key(k) for k in sorted(pending)])
+        self.seek({k: begin[k] for k in pending})
         last_progress = time.monotonic()
         while pending:
             messages = self.poll(timeout_s=0.5)
             if messages:
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > idle_timeout_s:
-                raise TransportError(f"replay of {topic!r} stalled: partitions {sorted(pending)} "
+                raise TransportError(f"replay stalled: partitions {sorted(pending)} "
                                      f"returned nothing for {idle_timeout_s:.0f} s")
             for m in messages:
                 if m.position not in pending or m.offset >= stop[m.position]:
                     continue
-                if to_time_ms is None or m.timestamp_ms < to_time_ms:
+                if (from_time_ms is None or m.timestamp_ms >= from_time_ms) and \
+                        (to_time_ms is None or m.timestamp_ms < to_time_ms):
                     yield m
                 if m.offset + 1 >= stop[m.position]:
                     pending.discard(m.position)
