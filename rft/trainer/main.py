@@ -97,7 +97,7 @@ class Trainer:
 
     # -- the loop
     def run(self) -> None:
-        if self.step == 0 and self.is_reader:
+        if self.step == 0:
             self._publish_weights(0)  # explorers start from version 0 = the initial weights
         while self.step < self.cfg.run.max_steps:
             step = self.step + 1
@@ -105,8 +105,7 @@ class Trainer:
             groups, skipped = self._next_groups(step)
             metrics = self._train(step, groups)
             self.step = step
-            if self.is_reader:
-                self._publish_weights(step)
+            self._publish_weights(step)
             if step % self.cfg.trainer.checkpoint_every == 0 or step == self.cfg.run.max_steps:
                 self._checkpoint(step)
             if self.is_reader:
@@ -130,7 +129,7 @@ class Trainer:
         advantages = self.algorithm.advantages([g.rewards for g in groups])
         rows = rows_from_groups(groups, advantages,
                                 max_len=self.cfg.model.max_prompt_len + self.cfg.model.max_response_len)
-        micro_batches = micro_batches_for_rank(rows, dp_rank=self.policy.dp_rank, dp_size=self.policy.dp_size,
+        micro_batches = micro_batches_for_rank(rows, dp_rank=self.policy.layout.dp_rank, dp_size=self.policy.layout.dp,
                                                micro_batch_size=t.micro_batch_size)
         if self.algorithm.needs_reference:
             for mb, ref in zip(micro_batches, self.policy.reference_logprobs(micro_batches)):
@@ -138,8 +137,13 @@ class Trainer:
         return self.policy.train_step(micro_batches, self.algorithm.loss_fn)
 
     def _publish_weights(self, version: int) -> None:
-        path = self.store.publish(version, self.policy.iter_hf_buckets(self.cfg.sync.bucket_mb << 20),
-                                  hf_dir=self.cfg.model.path)
+        """Collective: every rank takes part in gathering the buckets; rank 0 writes and announces."""
+        buckets = self.policy.iter_hf_buckets(self.cfg.sync.bucket_mb << 20)
+        if not self.is_reader:
+            for _ in buckets:
+                pass
+            return
+        path = self.store.publish(version, buckets, hf_dir=self.cfg.model.path)
         self._announce("weights", {"version": version, "path": str(path),
                                    "consumed_groups": len(self.feed.state.taken_groups)})
 

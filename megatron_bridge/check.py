@@ -1,0 +1,191 @@
+"""`python -m megatron_bridge.check HF_DIR --tp T --pp P [--tolerance 1e-4]`: verify the bridge on a model.
+
+Loads HF_DIR into a TP x PP megatron GPTModel, runs one seeded random token batch through megatron's
+pipeline schedule and through `transformers`, and prints the largest absolute logit difference; then
+exports the megatron weights back (bucketed, gathered over TP and PP) and checks every HF tensor is
+reproduced bit for bit. Exit status 0 when the logits are within the tolerance and the round trip is
+exact, 1 otherwise, 2 on bad arguments. Started outside torchrun with T*P > 1, it relaunches itself
+under `torch.distributed.run --standalone` with T*P processes.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m megatron_bridge.check", description=__doc__.split("\n\n")[0])
+    p.add_argument("hf_dir", help="Hugging Face model directory (safetensors)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed |logit difference|")
+    p.add_argument("--batch", type=int, default=2, help="sequences in the random batch")
+    p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--bucket-mb", type=float, default=16.0, help="export bucket size for the round trip")
+    args = p.parse_args(argv)
+    for name in ("tp", "pp", "batch", "seq_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def under_launcher() -> bool:
+    return "RANK" in os.environ or "SLURM_PROCID" in os.environ
+
+
+def relaunch(argv: list[str], nprocs: int) -> int:
+    """Run this command again under torch.distributed.run with `nprocs` local processes."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
+               "-m", "megatron_bridge.check", *argv]
+    print(f"launching {nprocs} processes: {' '.join(command[1:])}", flush=True)
+    return subprocess.call(command)
+
+
+@dataclass
+class LogitReport:
+    max_abs_diff: float
+    shape: tuple[int, ...]
+
+
+def random_batch(args: argparse.Namespace, vocab_size: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, vocab_size, (args.batch, args.seq_len), generator=generator)
+    return {"input_ids": ids, "position_ids": torch.arange(args.seq_len).expand(args.batch, -1).contiguous()}
+
+
+def compare_logits(models, args: argparse.Namespace) -> LogitReport:
+    """Max |megatron - transformers| logit difference, known on every rank."""
+    from megatron_bridge import parallel, schedule
+    from megatron_bridge.logprobs import gather_logits
+    from megatron_bridge.model import unwrap
+
+    info = unwrap(models[0]).bridge_info
+    batch = random_batch(args, info.dims.vocab_size)
+    outputs = schedule.run(models, [batch], lambda logits, mb: gather_logits(logits, info.dims.vocab_size),
+                           forward_only=True)
+    where = parallel.layout()
+    diff = torch.zeros((), dtype=torch.float64)
+    if where.is_last_stage and where.tp_rank == 0 and where.dp_rank == 0:
+        reference = transformers_logits(args, batch)
+        diff = (outputs[0].float().cpu() - reference).abs().max().double()
+    _all_max(diff)
+    return LogitReport(max_abs_diff=float(diff), shape=tuple(batch["input_ids"].shape))
+
+
+def _all_max(value: torch.Tensor) -> None:
+    """Replace `value` (a CPU tensor) by its maximum over all ranks."""
+    from megatron_bridge import device
+
+    moved = value.to(device.compute_device())
+    dist.all_reduce(moved, op=dist.ReduceOp.MAX)
+    value.copy_(moved.cpu())
+
+
+def transformers_logits(args: argparse.Namespace, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=dtype)
+    with torch.no_grad():
+        return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits.float()
+
+
+def round_trip(models, args: argparse.Namespace) -> list[str]:
+    """Problems found comparing the exported tensors with the HF checkpoint (rank 0; [] elsewhere)."""
+    from megatron_bridge import parallel
+    from megatron_bridge.export import iter_hf_buckets
+    from megatron_bridge.hf_checkpoint import HFCheckpoint
+    from megatron_bridge.model import unwrap
+
+    info = unwrap(models[0]).bridge_info
+    problems: list[str] = []
+    seen: set[str] = set()
+    source = HFCheckpoint(args.hf_dir) if parallel.layout().is_publisher else None
+    for bucket in iter_hf_buckets(models, int(args.bucket_mb * (1 << 20))):
+        for name, tensor in bucket.items():
+            seen.add(name)
+            if name not in source:
+                problems.append(f"{name}: exported but not in the checkpoint")
+                continue
+            expected = source.read(name).to(tensor.dtype)  # the load cast to the model dtype, if any
+            if not _identical(tensor.cpu(), expected):
+                problems.append(f"{name}: differs (max |diff| {_max_diff(tensor.cpu(), expected):.3g})")
+    if source is not None:
+        missing = set(source.names()) - seen
+        if info.bridge.tied_embeddings:
+            missing.discard("lm_head.weight")  # a tied checkpoint may carry a copy of the embedding
+        problems += [f"{name}: in the checkpoint but not exported" for name in sorted(missing)]
+        source.close()
+    return problems
+
+
+def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a.double() - b.double()).abs().max())
+
+
+def worker(args: argparse.Namespace) -> int:
+    from megatron_bridge import parallel
+    from megatron_bridge.model import build_model, unwrap
+
+    where = parallel.initialize(args.tp, args.pp, seed=args.seed)
+    try:
+        models = build_model(args.hf_dir, dtype=args.dtype)
+        info = unwrap(models[0]).bridge_info
+        say = print if where.is_publisher else (lambda *a, **k: None)
+        say(f"{args.hf_dir}: {info.bridge.hf_class}, tp={where.tp} pp={where.pp} dp={where.dp} "
+            f"({where.backend}), dtype {args.dtype}, vocab {info.dims.vocab_size} padded to "
+            f"{info.dims.padded_vocab_size}, transformer_engine={info.transformer_engine}", flush=True)
+        logits = compare_logits(models, args)
+        logits_ok = logits.max_abs_diff <= args.tolerance
+        say(f"logits: random batch {logits.shape[0]}x{logits.shape[1]}, max |megatron - transformers| = "
+            f"{logits.max_abs_diff:.3e} (tolerance {args.tolerance:.1e})  {'OK' if logits_ok else 'FAIL'}",
+            flush=True)
+        problems = round_trip(models, args)
+        say(f"round trip HF -> megatron -> HF: {'every tensor identical  OK' if not problems else 'FAIL'}",
+            flush=True)
+        for problem in problems:
+            say(f"  {problem}", flush=True)
+        failed = torch.tensor(0 if logits_ok and not problems else 1)
+        _all_max(failed)
+        return int(failed)
+    finally:
+        parallel.destroy()
+
+
+def quiet_known_warnings() -> None:
+    """Hide the import-time notices of megatron-core without TE/Apex, so the report stays readable."""
+    for message in ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                    "When using async grad allreduce", r"`torch.distributed.all_gather_into_tensor` is deprecated",
+                    "full scope is deprecated"):
+        warnings.filterwarnings("ignore", message=message)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    quiet_known_warnings()
+    args = parse_args(argv)
+    nprocs = args.tp * args.pp
+    if not under_launcher() and nprocs > 1:
+        return relaunch(argv, nprocs)
+    return worker(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Export a TP/PP-sharded megatron model back to Hugging Face tensors, streamed in buckets.
+
+Protocol (call on every rank, and consume the iterator to the end on every rank):
+for each HF tensor group in a fixed global order (embedding, layer 0..L-1, final norm, output layer),
+the owning pipeline stage's TP ranks of data-parallel replica 0 gather their shards to TP rank 0
+(`dist.gather` over the TP group); that rank merges them into full HF tensors and, when it is not
+global rank 0, sends them point-to-point to global rank 0 (a small shape/dtype header, then the
+data). Global rank 0, the publishing rank, packs them into buckets; other ranks take part in the
+collectives and yield nothing. Replicas with data-parallel rank > 0 hold identical weights and are
+idle.
+
+Memory bound on the publishing rank: one bucket (at most `bucket_bytes`, or a single larger tensor)
+plus the HF tensors of the one parameter being converted. Yielded tensors live on the compute device
+(CUDA on GPU, CPU otherwise); the consumer must drop a bucket before asking for the next.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_bridge import device, parallel
+from megatron_bridge.hf_checkpoint import HFDirectoryWriter
+from megatron_bridge.mapping import ParamMapping
+from megatron_bridge.model import BridgeInfo, unwrap
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_HEADER_LEN = 6  # ndim, up to 4 dims, dtype code
+
+
+def _gather_tp(mapping: ParamMapping, local: torch.Tensor, info: BridgeInfo,
+               where: parallel.ParallelLayout) -> dict[str, torch.Tensor] | None:
+    """Full HF tensors on TP rank 0 (None on the other TP ranks, which contribute their shard)."""
+    from megatron.core import parallel_state as ps
+
+    if not mapping.tp_sharded or where.tp == 1:
+        return mapping.merge_shards([local], info.dims) if where.tp_rank == 0 else None
+    group = ps.get_tensor_model_parallel_group()
+    root = dist.get_process_group_ranks(group)[0]
+    shards = [torch.empty_like(local) for _ in range(where.tp)] if where.tp_rank == 0 else None
+    dist.gather(local.contiguous(), gather_list=shards, dst=root, group=group)
+    return mapping.merge_shards(shards, info.dims) if where.tp_rank == 0 else None
+
+
+def _send(tensor: torch.Tensor, dst: int) -> None:
+    header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=tensor.device)
+    header[0] = tensor.dim()
+    header[1:1 + tensor.dim()] = torch.tensor(tensor.shape)
+    header[-1] = _DTYPES.index(tensor.dtype)
+    dist.send(header, dst)
+    dist.send(tensor.contiguous(), dst)
+
+
+def _recv(src: int) -> torch.Tensor:
+    header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=device.compute_device())
+    dist.recv(header, src)
+    ndim = int(header[0])
+    out = torch.empty(tuple(int(d) for d in header[1:1 + ndim]), dtype=_DTYPES[int(header[-1])],
+                      device=device.compute_device())
+    dist.recv(out, src)
+    return out
+
+
+def _fetch(mapping: ParamMapping, params: dict[str, torch.Tensor], info: BridgeInfo,
+           where: parallel.ParallelLayout) -> dict[str, torch.Tensor] | None:
+    """This parameter's HF tensors on global rank 0; None elsewhere (after taking part)."""
+    from megatron.core import parallel_state as ps
+
+    stage = info.owner_stage(mapping.megatron)
+    if where.dp_rank != 0:  # other replicas hold the same weights
+        return None
+    if where.pp_rank == stage:
+        local = params[info.local_name(mapping.megatron, stage)].detach()
+        tensors = _gather_tp(mapping, local, info, where)
+        if where.is_publisher:
+            return tensors
+        if tensors is not None:  # TP rank 0 of a later stage: hand over to the publisher
+            for name in mapping.hf_names:
+                _send(tensors[name], dst=0)
+        return None
+    if where.is_publisher:
+        sender = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[stage]
+        return {name: _recv(sender) for name in mapping.hf_names}
+    return None
+
+
+def iter_hf_buckets(models: list[torch.nn.Module], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield {HF name: full tensor} buckets of at most `bucket_bytes` on global rank 0 (see module doc).
+
+    A single tensor larger than `bucket_bytes` comes alone in its own bucket. Tensor names and
+    shapes are exactly those of the HF checkpoint (vocabulary padding removed; no `lm_head.weight`
+    for tied embeddings).
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    model = unwrap(models[0])
+    info: BridgeInfo = model.bridge_info
+    params = dict(model.named_parameters())
+    where = parallel.layout()
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    with torch.no_grad():
+        for mapping in info.resolved_mappings():
+            tensors = _fetch(mapping, params, info, where)
+            for name, tensor in (tensors or {}).items():
+                nbytes = tensor.numel() * tensor.element_size()
+                if bucket and size + nbytes > bucket_bytes:
+                    yield bucket
+                    bucket, size = {}, 0
+                bucket[name] = tensor
+                size += nbytes
+            tensors = None
+    if bucket:
+        yield bucket
+
+
+def save_hf(models: list[torch.nn.Module], out_dir: str | Path, *, bucket_bytes: int = 256 << 20) -> Path | None:
+    """Write an HF model directory (safetensors shards, index, config, tokenizer files) from global rank 0.
+
+    Call on every rank. Returns the directory on rank 0 and None elsewhere, after a barrier, so the
+    directory is complete when any rank returns.
+    """
+    info: BridgeInfo = unwrap(models[0]).bridge_info
+    writer = HFDirectoryWriter(out_dir, info.hf_dir) if parallel.layout().is_publisher else None
+    dtype = None
+    for bucket in iter_hf_buckets(models, bucket_bytes):
+        dtype = next(iter(bucket.values())).dtype
+        writer.add_bucket({k: v.cpu() for k, v in bucket.items()})
+    result = None
+    if writer is not None:
+        result = writer.finish()
+        _set_config_dtype(result / "config.json", dtype)
+    dist.barrier()
+    return result
+
+
+def _set_config_dtype(config_file: Path, dtype: torch.dtype | None) -> None:
+    if dtype is None or not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text())
+    name = str(dtype).removeprefix("torch.")
+    config.update({"dtype": name} if "torch_dtype" not in config else {"torch_dtype": name})
+    config_file.write_text(json.dumps(config, indent=2) + "\n")

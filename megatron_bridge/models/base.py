@@ -1,0 +1,192 @@
+"""The architecture registry and the shared translation of a dense decoder's HF config to megatron.
+
+An architecture file (qwen2.py, llama.py) subclasses `DecoderBridge`, registers it under the HF class
+name found in `config.json`'s `architectures`, and declares its parameter mapping table. This module
+turns the HF config into megatron's `TransformerConfig` plus the `GPTModel` arguments, and refuses
+options megatron (or this bridge) cannot reproduce exactly, naming each one.
+
+Parameter names in the tables are those of megatron's local layer spec; `megatron_bridge.model`
+renames the two fused-norm parameters when the Transformer Engine spec is used.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from megatron_bridge.mapping import ModelDims, ParamMapping
+
+OUTPUT_LAYER = "output_layer.weight"
+_REGISTRY: dict[str, type["DecoderBridge"]] = {}
+
+# megatron's RotaryEmbedding hard-codes these Llama 3 scaling constants; other values are refused.
+_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+class UnsupportedModelError(ValueError):
+    """The HF model uses an architecture or option this bridge cannot convert exactly."""
+
+
+def register(hf_class_name: str):
+    """Class decorator: make `bridge_for` pick this bridge for configs naming `hf_class_name`."""
+    def decorate(cls: type["DecoderBridge"]) -> type["DecoderBridge"]:
+        if hf_class_name in _REGISTRY:
+            raise ValueError(f"a bridge for {hf_class_name} is already registered ({_REGISTRY[hf_class_name]})")
+        cls.hf_class = hf_class_name
+        _REGISTRY[hf_class_name] = cls
+        return cls
+    return decorate
+
+
+def registered_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def bridge_for(hf_config) -> "DecoderBridge":
+    """The bridge for an HF config object (`transformers.PretrainedConfig`); raises UnsupportedModelError."""
+    names = list(getattr(hf_config, "architectures", None) or [])
+    for name in names:
+        if name in _REGISTRY:
+            return _REGISTRY[name](hf_config)
+    raise UnsupportedModelError(f"unsupported architecture {names or '(config has no architectures)'}; "
+                                f"supported: {', '.join(registered_architectures())}")
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Round the vocabulary up so every TP rank gets an equal, aligned slice.
+
+    The alignment unit is the largest power of two up to 128 that already divides `vocab_size`
+    (as NVIDIA Megatron-Bridge does), times tp; a vocabulary that needs no padding gets none.
+    """
+    unit = 128
+    while vocab_size % unit:
+        unit //= 2
+    multiple = unit * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def _dtype(name: str | torch.dtype) -> torch.dtype:
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in table:
+        raise ValueError(f"unsupported dtype {name!r}; use one of {', '.join(table)}")
+    return table[name]
+
+
+class DecoderBridge:
+    """A dense decoder-only transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
+
+    Subclasses set `mapping_table` (with the `output_layer.weight` entry; it is dropped for tied
+    embeddings) and `qkv_bias`, and may add refusals in `unsupported_options`.
+    """
+
+    hf_class: ClassVar[str] = ""
+    qkv_bias: ClassVar[bool] = False
+    mapping_table: ClassVar[tuple[ParamMapping, ...]] = ()
+
+    def __init__(self, hf_config):
+        self.hf = hf_config
+        problems = self.unsupported_options()
+        if problems:
+            raise UnsupportedModelError(f"{self.hf_class}: unsupported option(s): " + "; ".join(problems))
+
+    # ---- what the HF config says
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return bool(getattr(self.hf, "tie_word_embeddings", False))
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.hf, "head_dim", None) or self.hf.hidden_size // self.hf.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf, "num_key_value_heads", None) or self.hf.num_attention_heads
+
+    def rope(self) -> dict[str, Any]:
+        """HF rope settings as one dict with `rope_type` and `rope_theta` (transformers 4 and 5 layouts)."""
+        params = dict(getattr(self.hf, "rope_parameters", None) or {})
+        if not params:
+            params = dict(getattr(self.hf, "rope_scaling", None) or {})
+            params.setdefault("rope_theta", getattr(self.hf, "rope_theta", 10000.0))
+        params.setdefault("rope_type", params.pop("type", "default"))
+        return params
+
+    def unsupported_options(self) -> list[str]:
+        """Human-readable reasons this config cannot be converted exactly (empty: supported)."""
+        hf, problems = self.hf, []
+        if getattr(hf, "hidden_act", "silu") != "silu":
+            problems.append(f"hidden_act={hf.hidden_act!r} (only 'silu', i.e. SwiGLU)")
+        if hf.num_attention_heads % self.num_kv_heads:
+            problems.append(f"num_attention_heads={hf.num_attention_heads} not a multiple of "
+                            f"num_key_value_heads={self.num_kv_heads}")
+        rope = self.rope()
+        if rope["rope_type"] == "llama3":
+            wrong = {k: rope.get(k) for k, v in _MEGATRON_LLAMA3_ROPE.items() if float(rope.get(k, -1)) != v}
+            if wrong:
+                problems.append(f"llama3 rope scaling with {wrong} (megatron-core fixes {_MEGATRON_LLAMA3_ROPE})")
+        elif rope["rope_type"] != "default":
+            problems.append(f"rope_type={rope['rope_type']!r} (supported: default, llama3)")
+        return problems
+
+    # ---- what megatron gets
+
+    def dims(self, tp: int) -> ModelDims:
+        hf = self.hf
+        return ModelDims(hidden_size=hf.hidden_size, ffn_hidden_size=hf.intermediate_size,
+                         num_layers=hf.num_hidden_layers, num_heads=hf.num_attention_heads,
+                         num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, vocab_size=hf.vocab_size,
+                         padded_vocab_size=padded_vocab_size(hf.vocab_size, tp))
+
+    def check_parallel_sizes(self, tp: int, pp: int) -> None:
+        """Raise ValueError naming the size that does not divide the model."""
+        hf = self.hf
+        for what, count in (("attention heads", hf.num_attention_heads), ("key/value heads", self.num_kv_heads),
+                            ("intermediate_size", hf.intermediate_size)):
+            if count % tp:
+                raise ValueError(f"tensor parallel size {tp} does not divide the model's {count} {what}")
+        if hf.num_hidden_layers % pp:
+            raise ValueError(f"pipeline parallel size {pp} does not divide the model's "
+                             f"{hf.num_hidden_layers} layers")
+
+    def transformer_config(self, *, tp: int, pp: int, dtype: str | torch.dtype, on_cpu: bool):
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        self.check_parallel_sizes(tp, pp)
+        hf, torch_dtype = self.hf, _dtype(dtype)
+        return TransformerConfig(
+            num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, ffn_hidden_size=hf.intermediate_size,
+            num_attention_heads=hf.num_attention_heads, num_query_groups=self.num_kv_heads,
+            kv_channels=self.head_dim, normalization="RMSNorm", layernorm_epsilon=hf.rms_norm_eps,
+            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=self.qkv_bias,
+            hidden_dropout=0.0, attention_dropout=float(getattr(hf, "attention_dropout", 0.0) or 0.0),
+            init_method_std=getattr(hf, "initializer_range", 0.02), attention_softmax_in_fp32=True,
+            bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+            persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
+            params_dtype=torch_dtype, pipeline_dtype=torch_dtype, bf16=torch_dtype == torch.bfloat16,
+            fp16=torch_dtype == torch.float16, variable_seq_lengths=True,
+            moe_token_dispatcher_type="alltoall",  # no MoE; the default ("allgather") forbids variable lengths
+            # perform_initialization=False would skip tagging weights as tensor-parallel, and megatron's
+            # grad norm and checkpoints would then treat TP shards as duplicates; we overwrite the values.
+            use_cpu_initialization=on_cpu, perform_initialization=True,
+            # loss_fn contributions are already global (batch contract): megatron must neither divide
+            # them by the number of micro-batches nor average gradients over data-parallel ranks.
+            calculate_per_token_loss=True)
+
+    def gpt_model_kwargs(self, tp: int) -> dict[str, Any]:
+        """Arguments of megatron's GPTModel other than config, spec and pipeline position."""
+        rope = self.rope()
+        llama3 = rope["rope_type"] == "llama3"
+        return dict(vocab_size=padded_vocab_size(self.hf.vocab_size, tp),
+                    max_sequence_length=self.hf.max_position_embeddings, position_embedding_type="rope",
+                    rotary_base=rope["rope_theta"], rope_scaling=llama3,
+                    rope_scaling_factor=float(rope.get("factor", 8.0)) if llama3 else 8.0,
+                    share_embeddings_and_output_weights=self.tied_embeddings, parallel_output=True)
+
+    def mappings(self) -> list[ParamMapping]:
+        """The mapping table for this config (no output layer entry when embeddings are tied)."""
+        return [m for m in self.mapping_table if not (self.tied_embeddings and m.megatron == OUTPUT_LAYER)]

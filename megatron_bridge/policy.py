@@ -1,0 +1,253 @@
+"""`MegatronPolicy`: the trainer's model — a TP/PP/DP-sharded megatron GPTModel loaded from HF, with
+megatron's DDP, optimizer and pipeline schedule, behind the few operations the trainer needs.
+
+Every method is collective: create one policy per process on every rank (torchrun / srun) and call
+the methods on all ranks in the same order. Data parallelism: each data-parallel rank passes its own
+micro-batches (the same list on every TP and PP rank of one replica).
+
+Optimizer: always megatron's `get_megatron_optimizer` (Adam, decoupled weight decay not applied to
+biases and norm weights; gradients clipped to `grad_clip` by the global norm over all model-parallel
+ranks, each tensor-parallel duplicate counted once: megatron's `clip_grad_by_total_norm_fp32`).
+On CPU, `megatron_bridge.device` makes its CUDA type assertions accept CPU tensors. With Transformer
+Engine or Apex installed (GPU production) it is megatron's distributed optimizer (state sharded over
+data-parallel ranks, fused Adam). Without them (CPU, or a bare GPU install) megatron falls back to
+torch's AdamW, and megatron-core 0.16.1's distributed optimizer then cannot reload a checkpoint
+(`_set_main_param_and_optimizer_states` expects a per-parameter "step" tensor that the
+fully-reshardable format does not store: KeyError 'step'), so there the non-distributed megatron
+optimizer is used (state replicated over data-parallel ranks), which reshards correctly.
+`distributed_optimizer` tells which one a policy has. Learning rate and weight decay are constant
+(megatron's `OptimizerParamScheduler`, stepped once per optimizer step).
+
+Loss scaling contract (batch contract): `loss_fn` returns each micro-batch's contribution to the
+global step loss. megatron runs in per-token-loss mode, so it neither divides by the number of
+micro-batches nor averages gradients over data-parallel ranks: gradients are those of the sum of
+contributions, which is the global loss.
+
+Checkpoints: megatron `dist_checkpointing` (PyTorch distributed checkpoint format, "torch_dist"),
+model and optimizer in the fully reshardable layout, so a checkpoint saved at one TP/PP/DP reloads
+at another; it works on CPU under gloo. Beside it, `rft_policy.json` records the step count and the
+layout it was saved at. Megatron's checkpoint writer starts a `multiprocessing` manager with the
+"spawn" method, which re-imports the `__main__` module: the program's entry point must keep its
+work under `if __name__ == "__main__":` (a console script or `python -m` module does).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_bridge import device, export, parallel, schedule
+from megatron_bridge.logprobs import token_logprobs
+from megatron_bridge.model import build_model, unwrap
+
+LossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+POLICY_FILE = "rft_policy.json"
+
+
+class MegatronPolicy:
+    """A sharded causal LM that trains on batch-contract micro-batches (see the module docstring)."""
+
+    def __init__(self, hf_dir: str | Path, *, tp: int = 1, pp: int = 1, lr: float, weight_decay: float = 0.0,
+                 grad_clip: float = 1.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 seed: int = 0, dtype: str = "float32"):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        if lr <= 0 or weight_decay < 0 or grad_clip < 0:
+            raise ValueError(f"need lr > 0, weight_decay >= 0, grad_clip >= 0; got lr={lr} "
+                             f"weight_decay={weight_decay} grad_clip={grad_clip}")
+        self.layout = parallel.initialize(tp, pp, seed=seed)
+        models = build_model(hf_dir, dtype=dtype)
+        self.info = models[0].bridge_info
+        self.config = models[0].config
+        self.distributed_optimizer = distributed_optimizer_available()
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=self.distributed_optimizer)
+        self.models = [DistributedDataParallel(self.config, ddp_config, m) for m in models]
+        self.optimizer, self.scheduler = _build_optimizer(
+            self.models, lr=lr, weight_decay=weight_decay, grad_clip=grad_clip, betas=betas, eps=eps, dtype=dtype,
+            distributed=self.distributed_optimizer)
+        self.steps = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.dims.vocab_size
+
+    # ---- training
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over this DP rank's micro-batches. Returns, on every rank, `loss` and each
+        metric summed over micro-batches and data-parallel ranks, plus `grad_norm` (before clipping)
+        and `step_skipped` (1.0 when megatron skipped the update, e.g. non-finite gradients)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        _require_targets(micro_batches)
+        for model in self.models:
+            model.train()
+            model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+        def on_logits(logits, mb):
+            loss, metrics = loss_fn(token_logprobs(logits, mb["target_ids"], self.vocab_size), mb)
+            return loss, {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+
+        per_micro_batch = schedule.run(self.models, micro_batches, on_logits, forward_only=False)
+        finalize_model_grads(self.models)
+        succeeded, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(1)
+        self.steps += 1
+        totals = self._sum_over_replicas(per_micro_batch)
+        totals["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        totals["step_skipped"] = 0.0 if succeeded else 1.0
+        return totals
+
+    def forward_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """token_logprobs [b, T] (float32, CPU) for each micro-batch, without gradients, on every rank
+        of this replica (the last stage computes them and broadcasts over the pipeline group)."""
+        _require_targets(micro_batches)
+        for model in self.models:
+            model.eval()
+        with torch.no_grad():
+            results = schedule.run(
+                self.models, micro_batches,
+                lambda logits, mb: token_logprobs(logits, mb["target_ids"], self.vocab_size), forward_only=True)
+        return [_from_last_stage(results[i] if results else None, tuple(mb["target_ids"].shape))
+                for i, mb in enumerate(micro_batches)]
+
+    def _sum_over_replicas(self, per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Sum metric dicts over micro-batches (last stage), then data-parallel ranks; same dict everywhere."""
+        from megatron.core import parallel_state as ps
+
+        names = sorted(per_micro_batch[0]) if per_micro_batch else None
+        names = _broadcast_names(names)
+        values = torch.zeros(len(names), dtype=torch.float64, device=device.compute_device())
+        if self.layout.is_last_stage:
+            for metrics in per_micro_batch:
+                values += torch.stack([metrics[n].double().to(values.device).reshape(()) for n in names])
+            dist.all_reduce(values, group=ps.get_data_parallel_group())
+        values = _from_last_stage(values, tuple(values.shape), dtype=torch.float64)
+        return {name: float(v) for name, v in zip(names, values.tolist())}
+
+    # ---- weights out
+
+    def iter_hf_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """HF-layout weight buckets on global rank 0 (nothing elsewhere); see megatron_bridge.export."""
+        return export.iter_hf_buckets(self.models, bucket_bytes)
+
+    def save_hf(self, out_dir: str | Path) -> Path | None:
+        """An HF model directory written by global rank 0; returns its path there, None elsewhere."""
+        return export.save_hf(self.models, out_dir)
+
+    # ---- checkpoints
+
+    def _sharded_state(self, *, is_loading: bool) -> dict:
+        model_state = unwrap(self.models[0]).sharded_state_dict()
+        return {"model": model_state,
+                "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading,
+                                                               metadata=OPTIMIZER_SHARDING),
+                "scheduler": self.scheduler.state_dict()}
+
+    def save_checkpoint(self, checkpoint_dir: str | Path) -> Path:
+        """Model + optimizer + scheduler with megatron dist_checkpointing (reloadable at any TP/PP/DP)."""
+        from megatron.core import dist_checkpointing
+
+        out = Path(checkpoint_dir)
+        if self.layout.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state(is_loading=False), str(out))
+        if self.layout.rank == 0:
+            (out / POLICY_FILE).write_text(json.dumps(
+                {"steps": self.steps, "tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp,
+                 "architecture": self.info.bridge.hf_class, "hf_dir": str(self.info.hf_dir)}, indent=2) + "\n")
+        dist.barrier()
+        return out
+
+    def load_checkpoint(self, checkpoint_dir: str | Path) -> None:
+        """Restore a checkpoint written by `save_checkpoint`, whatever layout it was saved at."""
+        from megatron.core import dist_checkpointing
+
+        src = Path(checkpoint_dir)
+        meta_file = src / POLICY_FILE
+        if not meta_file.is_file():
+            raise FileNotFoundError(f"{src}: not a policy checkpoint (no {POLICY_FILE})")
+        meta = json.loads(meta_file.read_text())
+        if meta["architecture"] != self.info.bridge.hf_class:
+            raise ValueError(f"{src}: checkpoint of a {meta['architecture']}, this policy is a "
+                             f"{self.info.bridge.hf_class}")
+        state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(src))
+        unwrap(self.models[0]).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps = int(meta["steps"])
+
+    def close(self) -> None:
+        """Tear down megatron's parallel state and the process group."""
+        parallel.destroy()
+
+
+def _require_targets(micro_batches: list[dict[str, torch.Tensor]]) -> None:
+    for i, mb in enumerate(micro_batches):
+        if "target_ids" not in mb or "input_ids" not in mb:
+            raise ValueError(f"micro-batch {i}: needs input_ids and target_ids (has {sorted(mb)})")
+        if mb["target_ids"].shape != mb["input_ids"].shape:
+            raise ValueError(f"micro-batch {i}: target_ids {tuple(mb['target_ids'].shape)} and input_ids "
+                             f"{tuple(mb['input_ids'].shape)} differ in shape")
+
+
+def distributed_optimizer_available() -> bool:
+    """True when megatron's optimizer runs on TE's or Apex's fused Adam (checkpoint resharding of the
+    distributed optimizer breaks on torch's AdamW in megatron-core 0.16.1, see the module docstring)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    return bool(distrib_optimizer.HAVE_APEX_OR_TE)
+
+
+def _build_optimizer(models, *, lr: float, weight_decay: float, grad_clip: float, betas: tuple[float, float],
+                     eps: float, dtype: str, distributed: bool):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay,
+                             adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=eps, clip_grad=grad_clip,
+                             bf16=dtype == "bfloat16", fp16=dtype == "float16",
+                             params_dtype=getattr(torch, dtype), use_distributed_optimizer=distributed)
+    # On CPU the default process groups are gloo already; megatron's extra gloo groups are not created.
+    optimizer = get_megatron_optimizer(config, models, use_gloo_process_groups=not device.is_installed())
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0,
+                                        lr_decay_steps=1, lr_decay_style="constant", start_wd=weight_decay,
+                                        end_wd=weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+    return optimizer, scheduler
+
+
+def _broadcast_names(names: list[str] | None) -> list[str]:
+    """Metric names from the last pipeline stage to every stage (as UTF-8 JSON, not pickle)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return names or []
+    payload = json.dumps(names or []).encode() if ps.is_pipeline_last_stage() else b""
+    length = _from_last_stage(torch.tensor([len(payload)], dtype=torch.int64), (1,), dtype=torch.int64)
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else None
+    data = _from_last_stage(data, (int(length[0]),), dtype=torch.uint8)
+    return json.loads(bytes(data.tolist()).decode())
+
+
+def _from_last_stage(tensor: torch.Tensor | None, shape: tuple[int, ...], *,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`tensor` as held by the last pipeline stage, on every stage of this pipeline (CPU result)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return tensor.cpu()
+    group = ps.get_pipeline_model_parallel_group()
+    last = dist.get_process_group_ranks(group)[-1]
+    if ps.is_pipeline_last_stage():
+        buffer = tensor.to(device.compute_device(), dtype).contiguous()
+    else:
+        buffer = torch.empty(shape, dtype=dtype, device=device.compute_device())
+    dist.broadcast(buffer, src=last, group=group)
+    return buffer.cpu()

@@ -1,0 +1,72 @@
+"""Megatron's pipeline schedule (`get_forward_backward_func()`) over batch-contract micro-batches.
+
+Every rank of a model replica (all its TP and PP ranks) passes the same list of micro-batches; the
+first stage embeds `input_ids`, the last stage turns its vocabulary-parallel logits into results.
+`run(...)` returns, on the last pipeline stage, one result per micro-batch in order; on other
+stages an empty list.
+
+Megatron's rotary embedding uses positions 0..T-1 whatever `position_ids` says, so position_ids
+must be that (right-padded rows, no packing); `check_micro_batch` refuses anything else.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+import torch
+
+from megatron_bridge import device
+
+REQUIRED_KEYS = ("input_ids", "position_ids")
+
+
+def check_micro_batch(mb: dict[str, torch.Tensor], index: int) -> None:
+    """Raise ValueError naming the key when a micro-batch breaks the contract the model relies on."""
+    for key in REQUIRED_KEYS:
+        if key not in mb:
+            raise ValueError(f"micro-batch {index}: missing {key!r} (has {sorted(mb)})")
+    ids, pos = mb["input_ids"], mb["position_ids"]
+    if ids.dim() != 2 or ids.dtype != torch.int64:
+        raise ValueError(f"micro-batch {index}: input_ids must be int64 [b, T], got {ids.dtype} {tuple(ids.shape)}")
+    expected = torch.arange(ids.shape[1], device=pos.device).expand_as(ids)
+    if pos.shape != ids.shape or not torch.equal(pos, expected):
+        raise ValueError(f"micro-batch {index}: position_ids must be 0..T-1 on every row "
+                         "(right padding, no packing): megatron's rotary embedding ignores them")
+
+
+def to_compute_device(mb: dict[str, Any]) -> dict[str, Any]:
+    target = device.compute_device()
+    return {k: v.to(target, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+
+
+def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tensor]],
+        on_logits: Callable[[torch.Tensor, dict], Any], *, forward_only: bool) -> list[Any]:
+    """Run the schedule; `on_logits(logits_shard [b, T, V/tp], micro_batch)` runs on the last stage.
+
+    Training (`forward_only=False`): `on_logits` returns `(loss, metrics)`; backward runs on `loss`
+    unscaled (megatron's per-token-loss mode: no division by micro-batch count, DDP sums instead of
+    averaging). Returns the list of `metrics` dicts. Forward only: returns `on_logits`'s results.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        raise ValueError("no micro-batches")
+    for i, mb in enumerate(micro_batches):
+        check_micro_batch(mb, i)
+
+    def loss_func(mb, output_tensor, non_loss_data=False):
+        if forward_only:
+            return on_logits(output_tensor, mb)
+        loss, metrics = on_logits(output_tensor, mb)
+        return loss, torch.ones((), dtype=torch.int), metrics
+
+    def forward_step(data_iterator, model):
+        mb = to_compute_device(next(data_iterator))
+        logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=None)
+        return logits, partial(loss_func, mb)
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=models,
+        num_microbatches=len(micro_batches), seq_length=max(mb["input_ids"].shape[1] for mb in micro_batches),
+        micro_batch_size=max(mb["input_ids"].shape[0] for mb in micro_batches), forward_only=forward_only,
+        collect_non_loss_data=forward_only)

@@ -1,0 +1,87 @@
+"""torchrun worker for tests/distributed/test_megatron_bridge.py: HF -> megatron -> HF conversion cases.
+
+Usage: torchrun --nproc-per-node N _worker_bridge.py SPEC.json. The spec lists cases
+{"name", "hf_dir", "tp", "pp"} and an output directory. For every case, in one process group:
+- `<name>.logits.safetensors` (written by the rank holding the full logits): `input_ids` of a seeded
+  random batch and megatron's logits for it, gathered over TP, padding columns dropped;
+- `<name>.hf/`: the model exported with `save_hf` (bucketed, gathered over TP and PP);
+- `<name>.export.json` (rank 0): a second, bucketed export, with the bucket contents' sizes and the
+  peak resident memory of the process during it above the level at its start (VmHWM after
+  resetting it through /proc/self/clear_refs). The test launches this script with
+  MALLOC_MMAP_THRESHOLD_=65536 so that glibc returns every freed tensor of 64 KiB or more to the OS
+  at once; resident memory then follows the tensors actually held, including gloo's own buffers.
+The assertions (against transformers) are in the test; this script only produces results.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from megatron_bridge import parallel, schedule
+from megatron_bridge.export import iter_hf_buckets, save_hf
+from megatron_bridge.logprobs import gather_logits
+from megatron_bridge.model import build_model
+
+
+def random_batch(vocab_size: int, *, batch: int = 2, seq_len: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (batch, seq_len), generator=generator)
+    return {"input_ids": ids, "position_ids": torch.arange(seq_len).expand(batch, -1).contiguous()}
+
+
+def _memory_kib(field: str) -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(rf"{field}:\s+(\d+) kB", status).group(1))
+
+
+def peak_memory_during(run) -> int:
+    """Peak resident bytes while `run()` executes, above the resident level at its start."""
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current VmRSS
+    start = _memory_kib("VmRSS")
+    run()
+    return (_memory_kib("VmHWM") - start) * 1024
+
+
+def measured_export(models, bucket_bytes: int) -> dict:
+    buckets: list[dict] = []
+
+    def consume():
+        for bucket in iter_hf_buckets(models, bucket_bytes):
+            buckets.append({name: t.numel() * t.element_size() for name, t in bucket.items()})
+            del bucket
+
+    peak = peak_memory_during(consume)
+    return {"peak_bytes": peak, "bucket_bytes": bucket_bytes, "buckets": buckets}
+
+
+def run_case(case: dict, out: Path, bucket_bytes: int) -> None:
+    where = parallel.initialize(case["tp"], case["pp"])
+    models = build_model(case["hf_dir"])
+    vocab = models[0].bridge_info.dims.vocab_size
+    batch = random_batch(vocab)
+    logits = schedule.run(models, [batch], lambda shard, mb: gather_logits(shard, vocab), forward_only=True)
+    if where.is_last_stage and where.tp_rank == 0 and where.dp_rank == 0:
+        save_file({"input_ids": batch["input_ids"], "logits": logits[0].contiguous()},
+                  out / f"{case['name']}.logits.safetensors")
+    save_hf(models, out / f"{case['name']}.hf")
+    export = measured_export(models, bucket_bytes)
+    if where.is_publisher:
+        (out / f"{case['name']}.export.json").write_text(json.dumps(export))
+    parallel.destroy(keep_process_group=True)
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(spec["out_dir"])
+    for case in spec["cases"]:
+        run_case(case, out, spec["bucket_bytes"])
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""torchrun worker for tests/distributed/test_megatron_policy.py: MegatronPolicy training steps and
+checkpoints at several layouts, in one 2-process group.
+
+Usage: torchrun --nproc-per-node 2 _worker_policy.py SPEC.json, with SPEC {"out_dir", "qwen", "llama"}
+(HF model directories). Cases, in order (world size 2, so tp=pp=1 means dp=2):
+- qwen_tp2: forward_logprobs of batch 1 -> `qwen_tp2.logprobs.safetensors`; step on batch 1 -> export
+  `qwen_tp2.step1.hf`, checkpoint `qwen_tp2.ckpt`; step on batch 2 -> export `qwen_tp2.step2.hf`.
+- qwen_pp2: step on batch 1 -> `qwen_pp2.step1.hf`.
+- qwen_dp2: step on batch 1, micro-batches split over the two data-parallel ranks -> `qwen_dp2.step1.hf`.
+- qwen_dp2_resumed: a fresh DP=2 policy loads `qwen_tp2.ckpt` (saved at TP=2) ->
+  `qwen_dp2_resumed.loaded.hf`; step on batch 2 -> `qwen_dp2_resumed.step2.hf`.
+- llama_pp2: step on batch 1 -> `llama_pp2.step1.hf`, checkpoint `llama_pp2.ckpt`.
+- llama_tp2: load `llama_pp2.ckpt` (saved at PP=2) -> `llama_tp2.loaded.hf`.
+Step metrics go to `<case>.metrics.json` (rank 0). The data and the loss function below are also
+imported by the test, which computes the unsharded reference with transformers and torch's AdamW.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+HYPERPARAMETERS = dict(lr=1e-3, weight_decay=0.1, grad_clip=1.0, betas=(0.9, 0.95))
+MICRO_BATCHES, ROWS, SEQ_LEN = 4, 2, 12
+
+
+def micro_batches(seed: int, vocab_size: int) -> list[dict[str, torch.Tensor]]:
+    """Batch-contract micro-batches: random prompt and response lengths, right padding with id 0."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(MICRO_BATCHES):
+        tokens = torch.randint(3, vocab_size, (ROWS, SEQ_LEN + 1), generator=generator)
+        prompt = torch.randint(2, 5, (ROWS,), generator=generator)
+        length = torch.randint(7, SEQ_LEN + 2, (ROWS,), generator=generator)
+        position = torch.arange(SEQ_LEN + 1).expand(ROWS, -1)
+        tokens = tokens.masked_fill(position >= length[:, None], 0)
+        target_position = torch.arange(1, SEQ_LEN + 1).expand(ROWS, -1)
+        loss_mask = ((target_position >= prompt[:, None]) & (target_position < length[:, None])).float()
+        batches.append({"input_ids": tokens[:, :-1].contiguous(), "target_ids": tokens[:, 1:].contiguous(),
+                        "position_ids": torch.arange(SEQ_LEN).expand(ROWS, -1).contiguous(),
+                        "loss_mask": loss_mask})
+    total_tokens = sum(b["loss_mask"].sum() for b in batches)
+    for b in batches:
+        b["global_tokens"] = total_tokens.clone()
+        b["global_sequences"] = torch.tensor(float(MICRO_BATCHES * ROWS))
+    return batches
+
+
+def token_mean_nll(token_logprobs: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-mean negative log-likelihood over the whole step (batch contract: divide by global_tokens)."""
+    mask = mb["loss_mask"].to(token_logprobs.device)
+    loss = -(token_logprobs * mask).sum() / mb["global_tokens"]
+    return loss, {"token_fraction": mask.sum() / mb["global_tokens"]}
+
+
+def shard_for_data_parallel(batches: list, dp_rank: int, dp: int) -> list:
+    per_rank = len(batches) // dp
+    return batches[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+
+
+def run_case(spec: dict, *, name: str, model: str, tp: int, pp: int, steps: list[int],
+             load: str | None = None, save_after: int | None = None, logprobs: bool = False) -> None:
+    from safetensors.torch import save_file
+
+    from megatron_bridge import parallel
+    from megatron_bridge.policy import MegatronPolicy
+
+    out = Path(spec["out_dir"])
+    policy = MegatronPolicy(spec[model], tp=tp, pp=pp, seed=0, **HYPERPARAMETERS)
+    where = policy.layout
+    metrics = {}
+    if load:
+        policy.load_checkpoint(out / load)
+        policy.save_hf(out / f"{name}.loaded.hf")
+    for step in steps:
+        batches = shard_for_data_parallel(micro_batches(step, policy.vocab_size), where.dp_rank, where.dp)
+        if logprobs and step == steps[0]:
+            values = policy.forward_logprobs(batches)
+            if where.rank == 0:
+                save_file({f"mb{i}": v.contiguous() for i, v in enumerate(values)},
+                          out / f"{name}.logprobs.safetensors")
+        metrics[f"step{step}"] = policy.train_step(batches, token_mean_nll)
+        policy.save_hf(out / f"{name}.step{step}.hf")
+        if save_after == step:
+            policy.save_checkpoint(out / f"{name}.ckpt")
+    if where.rank == 0:
+        (out / f"{name}.metrics.json").write_text(json.dumps({"rank0": metrics,
+                                                              "layout": [where.tp, where.pp, where.dp]}))
+    parallel.destroy(keep_process_group=True)
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    run_case(spec, name="qwen_tp2", model="qwen", tp=2, pp=1, steps=[1, 2], save_after=1, logprobs=True)
+    run_case(spec, name="qwen_pp2", model="qwen", tp=1, pp=2, steps=[1])
+    run_case(spec, name="qwen_dp2", model="qwen", tp=1, pp=1, steps=[1])
+    run_case(spec, name="qwen_dp2_resumed", model="qwen", tp=1, pp=1, steps=[2], load="qwen_tp2.ckpt")
+    run_case(spec, name="llama_pp2", model="llama", tp=1, pp=2, steps=[1], save_after=1)
+    run_case(spec, name="llama_tp2", model="llama", tp=2, pp=1, steps=[], load="llama_pp2.ckpt")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The trainer under torchrun, fed from a real broker: an uninterrupted run, then a run SIGKILLed at a random
+point and restarted. The (group id, step) sequence the restarted run trains on equals the uninterrupted one:
+no group missing, none twice, even though the kill can fall between a step and its checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rft.config import KafkaConfig
+from rft.schema import encode
+from rft.transport import Admin, RecordSink
+from tests.records import make_group
+
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.integration]
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, GROUPS_PER_STEP = 6, 2
+
+
+def write_config(path: Path, *, run_name: str, output_dir: Path, model: Path, bootstrap: str) -> Path:
+    path.write_text(yaml.safe_dump({
+        "run": {"name": run_name, "mode": "async", "max_steps": STEPS, "output_dir": str(output_dir)},
+        "model": {"path": str(model)},
+        "kafka": {"bootstrap_servers": bootstrap, "partitions": 1},
+        "trainer": {"groups_per_step": GROUPS_PER_STEP, "micro_batch_size": 4, "lr": 1e-3, "checkpoint_every": 2,
+                    "poll_timeout_s": 60},
+        "monitor": {"progress": True},
+    }))
+    return path
+
+
+def start_trainer(config: Path, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+         "-m", "rft.cli", "trainer", str(config)],
+        cwd=REPO, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def consumed(run_dir: Path) -> list[tuple[str, int]]:
+    path = run_dir / "consumed.jsonl"
+    if not path.exists():
+        return []
+    return [(r["group_id"], r["step"]) for r in map(json.loads, path.read_text().splitlines())]
+
+
+def wait(process: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
+    try:
+        code = process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError(f"trainer did not finish in {timeout_s} s:\n{log.read_text()[-3000:]}")
+    assert code == 0, f"trainer exited with {code}:\n{log.read_text()[-3000:]}"
+
+
+def test_sigkill_and_resume_trains_each_group_once(tmp_path, tiny_model, bootstrap, topic_prefix):
+    run_name = topic_prefix
+    cfg = KafkaConfig(partitions=1)
+    Admin(cfg, bootstrap).create_topics([f"{run_name}.{t}" for t in ("experiences", "control", "dead_letter")])
+    groups = [make_group(run_name, i, n_samples=4) for i in range(STEPS * GROUPS_PER_STEP)]
+    sink = RecordSink(cfg, bootstrap)
+    for i, g in enumerate(groups):
+        value, headers = encode(g)
+        sink.send(f"{run_name}.experiences", value, key=g.group_id, headers=headers)
+        if i == 3:  # an explorer's duplicate delivery and a record that does not decode
+            sink.send(f"{run_name}.experiences", value, key=g.group_id, headers=headers)
+            sink.send(f"{run_name}.experiences", b"\x00not-a-record", headers=headers)
+    sink.flush()
+
+    reference_dir = tmp_path / "reference"
+    config = write_config(tmp_path / "reference.yaml", run_name=run_name, output_dir=reference_dir,
+                          model=tiny_model, bootstrap=bootstrap)
+    wait(start_trainer(config, tmp_path / "reference.log"), tmp_path / "reference.log")
+    expected = consumed(reference_dir / run_name)
+    assert expected == [(g.group_id, 1 + i // GROUPS_PER_STEP) for i, g in enumerate(groups)]
+
+    killed_dir = tmp_path / "killed"
+    config = write_config(tmp_path / "killed.yaml", run_name=run_name, output_dir=killed_dir, model=tiny_model,
+                          bootstrap=bootstrap)
+    log = tmp_path / "killed.log"
+    kill_after = random.Random(os.getpid()).randint(1, STEPS - 2) * GROUPS_PER_STEP + random.randint(0, 1)
+    process = start_trainer(config, log)
+    deadline = time.monotonic() + 240
+    while len(consumed(killed_dir / run_name)) < kill_after:
+        assert process.poll() is None, f"trainer exited early:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"trainer made no progress:\n{log.read_text()[-3000:]}"
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    wait(start_trainer(config, log), log)
+
+    assert consumed(killed_dir / run_name) == expected
+    metrics = [json.loads(line) for line in (killed_dir / run_name / "metrics.jsonl").read_text().splitlines()]
+    assert max(m["step"] for m in metrics) == STEPS
