@@ -80,10 +80,11 @@ class ExplorerConfig:
     reward_weights: dict[str, float] = field(default_factory=dict)  # reward name -> weight, for reward: weighted
     gpu_memory_utilization: float = 0.5
     cpu_kvcache_gb: float = 1.0
+    vllm_in_process: Optional[bool] = None  # null: in-process on CPU with TP 1 (fast start), own process otherwise
     environment: str = "retry"  # multi_turn: registered environment name or package.module:Class
     max_turns: int = 2  # multi_turn: model turns per episode
     judge_model: str = ""  # reward judge: HF model directory of the judge
-    judge_template: str = ("Question: {prompt}\nReference answer: {answer}\nResponse: {response}\n"  # reward judge
+    judge_template: str = ("Question: {prompt}\nReference answer: {answer}\nResponse: {response}\n"  # reward judge: its prompt
                            "Is the response correct? Answer Yes or No.\nAnswer:")
     judge_yes: str = " Yes"  # reward judge: the single token that means correct
     judge_no: str = " No"  # reward judge: the single token that means wrong
@@ -165,6 +166,14 @@ class SyncConfig:
 
 
 @dataclass
+class ReplayConfig:
+    """Offline training (`run.mode: offline`, `rft replay`) from a recorded experiences topic."""
+    topic: str = ""  # empty: this run's experiences topic
+    start: str = ""  # P:O[,P:O...] offsets, an ISO 8601 time, or epoch ms; empty: the topic's beginning
+    end: str = ""  # exclusive, same forms; empty: the topic's end when the replay starts
+
+
+@dataclass
 class MonitorConfig:
     jsonl: bool = True
     tensorboard: bool = False
@@ -184,6 +193,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     @property

@@ -178,11 +178,28 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
 
 
 def replay_main(argv: list[str]) -> int:
-    """`rft replay CONFIG --from ... --to ...`: offline training from a recorded experiences topic."""
-    parser = argparse.ArgumentParser(prog="rft replay", description="Offline training from an experiences topic.")
+    """`rft replay CONFIG [--from X] [--to Y]`: offline training from a recorded experiences topic."""
+    parser = argparse.ArgumentParser(prog="rft replay", description="Offline training from an experiences topic. "
+                                     "X and Y are P:O[,P:O...] offsets, ISO 8601 times or epoch milliseconds.")
     add_config_arguments(parser)
-    parser.add_argument("--from", dest="start", help="start: offsets 'P:O,P:O' or a time (ISO 8601 or ms)")
-    parser.add_argument("--to", dest="end", help="end (exclusive): offsets or a time")
+    parser.add_argument("--from", dest="start", default=None, help="start (default: replay.start, or the beginning)")
+    parser.add_argument("--to", dest="end", default=None, help="end, exclusive (default: replay.end, or the end)")
+    parser.add_argument("--topic", default=None, help="topic to replay (default: replay.topic, or the run's)")
     args = parser.parse_args(argv)
-    print("rft replay: offline replay is not implemented in this build", file=sys.stderr)
-    return 3
+    args.overrides.append("run.mode=offline")
+    for key, value in (("start", args.start), ("end", args.end), ("topic", args.topic)):
+        if value is not None:
+            args.overrides.append(f"replay.{key}={value}")
+    cfg = config_from_args(args)
+    if cfg.kafka.bootstrap_servers == "embedded":
+        print("rft replay: replay reads an existing topic: set kafka.bootstrap_servers to the broker that holds it",
+              file=sys.stderr)
+        return 2
+    from rft.algorithms import build_algorithm
+
+    if not build_algorithm(cfg.algorithm).supports_replay:
+        print(f"rft replay: algorithm {cfg.algorithm.name!r} cannot train on recorded experiences as configured "
+              "(use sft, dpo, or a policy-gradient algorithm with algorithm.off_policy_correction: true)",
+              file=sys.stderr)
+        return 2
+    return run(cfg)

@@ -4,6 +4,12 @@ Every data-parallel rank builds the same global list of rows from the same group
 the normalisers (`global_tokens`, `global_sequences`) are known everywhere without communication. All micro-batches
 of a step have the same shape [micro_batch_size, T] (padding rows carry loss_mask 0) because the pipeline schedule
 sends fixed-shape activations between stages.
+
+Preference pairs (algorithms with `pairwise = True`, i.e. DPO): one ExperienceGroup is one pair, exactly 2 samples
+with different rewards; the higher reward is the chosen response (`preference_pair_problem` says why a group is
+not a pair). Rows then carry the pair's number in the step, and a pair is the unit that is dealt to data-parallel
+ranks and packed into micro-batches, so both rows of a pair are always in the same micro-batch; micro-batches get
+`pair_chosen` / `pair_index` (padding rows: pair_index -1).
 """
 from __future__ import annotations
 
@@ -22,45 +28,100 @@ class Row:
     loss_mask: np.ndarray  # over response tokens
     old_logprobs: np.ndarray  # over response tokens
     advantage: float
+    pair_index: int = -1  # preference pairs: the pair's number in the step (both rows); -1 outside pairs
+    chosen: bool = False  # preference pairs: True for the preferred row
 
 
-def rows_from_groups(groups: list[ExperienceGroup], advantages: list[np.ndarray], *, max_len: int | None = None) -> list[Row]:
+def preference_pair_problem(group: ExperienceGroup) -> str | None:
+    """None when `group` encodes a preference pair (2 samples, different rewards), else the reason it does not, in
+    the shape of the feed's skip reasons."""
+    if len(group.samples) != 2:
+        return "not_a_pair"
+    if group.rewards[0] == group.rewards[1]:
+        return "tied_pair"
+    return None
+
+
+def rows_from_groups(groups: list[ExperienceGroup], advantages: list[np.ndarray], *, max_len: int | None = None,
+                     pairs: bool = False) -> list[Row]:
     """One row per sample; `advantages[i][j]` belongs to sample j of group i. Sequences longer than `max_len`
-    are cut at the end (the cut tokens leave the loss)."""
+    are cut at the end (the cut tokens leave the loss). With `pairs`, group i is preference pair i (ValueError
+    naming the group when it is not one) and its rows are marked chosen / rejected."""
     rows = []
-    for group, group_adv in zip(groups, advantages, strict=True):
-        for sample, adv in zip(group.samples, group_adv, strict=True):
-            tokens = np.concatenate([sample.prompt_tokens, sample.response_tokens]).astype(np.int64)
-            mask = sample.loss_mask.astype(np.float32)
-            logprobs = sample.logprobs.astype(np.float32)
-            if max_len is not None and len(tokens) > max_len:
-                keep = max(0, max_len - len(sample.prompt_tokens))
-                tokens, mask, logprobs = tokens[:max_len], mask[:keep], logprobs[:keep]
-            rows.append(Row(tokens, len(sample.prompt_tokens), mask, logprobs, float(adv)))
+    for index, (group, group_adv) in enumerate(zip(groups, advantages, strict=True)):
+        group_rows = [_row(sample, float(adv), max_len) for sample, adv in zip(group.samples, group_adv, strict=True)]
+        if pairs:
+            _mark_pair(group_rows, group, index)
+        rows += group_rows
     return rows
+
+
+def _row(sample, advantage: float, max_len: int | None) -> Row:
+    tokens = np.concatenate([sample.prompt_tokens, sample.response_tokens]).astype(np.int64)
+    mask = sample.loss_mask.astype(np.float32)
+    logprobs = sample.logprobs.astype(np.float32)
+    if max_len is not None and len(tokens) > max_len:
+        keep = max(0, max_len - len(sample.prompt_tokens))
+        tokens, mask, logprobs = tokens[:max_len], mask[:keep], logprobs[:keep]
+    return Row(tokens, len(sample.prompt_tokens), mask, logprobs, advantage)
+
+
+def _mark_pair(rows: list[Row], group: ExperienceGroup, index: int) -> None:
+    problem = preference_pair_problem(group)
+    if problem:
+        raise ValueError(f"group {group.group_id}: {problem}, not a preference pair (a pair is a group of exactly "
+                         f"2 samples with different rewards; rewards {group.rewards.tolist()})")
+    chosen = int(np.argmax(group.rewards))
+    for j, row in enumerate(rows):
+        row.pair_index, row.chosen = index, j == chosen
 
 
 def micro_batches_for_rank(rows: list[Row], *, dp_rank: int, dp_size: int, micro_batch_size: int,
                            pad_id: int = 0) -> list[dict[str, torch.Tensor]]:
-    """This rank's micro-batches. Rows are dealt round-robin over data-parallel ranks; every rank gets the same
-    number of micro-batches of the same shape."""
+    """This rank's micro-batches. Rows (preference pairs, when the rows are pairs) are dealt round-robin over
+    data-parallel ranks; every rank gets the same number of micro-batches of the same shape."""
+    units = _units(rows)
+    pairwise = rows[0].pair_index >= 0
+    rows_per_unit = 2 if pairwise else 1
+    if micro_batch_size % rows_per_unit:
+        raise ValueError(f"trainer.micro_batch_size must be even for preference pairs (both rows of a pair go in "
+                         f"one micro-batch), got {micro_batch_size}")
+    units_per_micro = micro_batch_size // rows_per_unit
     seq_len = max(len(r.tokens) for r in rows) - 1
     global_tokens = float(sum(r.loss_mask.sum() for r in rows))
     global_sequences = float(len(rows))
-    per_rank = -(-len(rows) // dp_size)
-    n_micro = max(1, -(-per_rank // micro_batch_size))
-    mine = rows[dp_rank::dp_size]
-    return [_pack(mine[i * micro_batch_size:(i + 1) * micro_batch_size], micro_batch_size, seq_len, pad_id,
-                  global_tokens, global_sequences) for i in range(n_micro)]
+    per_rank = -(-len(units) // dp_size)
+    n_micro = max(1, -(-per_rank // units_per_micro))
+    mine = units[dp_rank::dp_size]
+    return [_pack([row for unit in mine[i * units_per_micro:(i + 1) * units_per_micro] for row in unit],
+                  micro_batch_size, seq_len, pad_id, global_tokens, global_sequences, pairwise=pairwise)
+            for i in range(n_micro)]
+
+
+def _units(rows: list[Row]) -> list[list[Row]]:
+    """What is dealt and packed whole: single rows, or the two rows of each preference pair (adjacent)."""
+    if not rows:
+        raise ValueError("no rows to build micro-batches from")
+    if rows[0].pair_index < 0:
+        if any(r.pair_index >= 0 for r in rows):
+            raise ValueError("rows mix preference pairs and single rows")
+        return [[r] for r in rows]
+    units = [rows[i:i + 2] for i in range(0, len(rows), 2)]
+    for unit in units:
+        if len(unit) != 2 or unit[0].pair_index != unit[1].pair_index or unit[0].chosen == unit[1].chosen:
+            raise ValueError(f"preference pair {unit[0].pair_index}: needs its 2 rows adjacent, one chosen")
+    return units
 
 
 def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_tokens: float,
-          global_sequences: float) -> dict[str, torch.Tensor]:
+          global_sequences: float, *, pairwise: bool) -> dict[str, torch.Tensor]:
     input_ids = np.full((batch_size, seq_len), pad_id, dtype=np.int64)
     target_ids = np.full((batch_size, seq_len), pad_id, dtype=np.int64)
     loss_mask = np.zeros((batch_size, seq_len), dtype=np.float32)
     old_logprobs = np.zeros((batch_size, seq_len), dtype=np.float32)
     advantages = np.zeros(batch_size, dtype=np.float32)
+    pair_index = np.full(batch_size, -1, dtype=np.int64)
+    pair_chosen = np.zeros(batch_size, dtype=bool)
     for i, row in enumerate(rows):
         n = len(row.tokens) - 1
         input_ids[i, :n], target_ids[i, :n] = row.tokens[:-1], row.tokens[1:]
@@ -69,10 +130,13 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
         loss_mask[i, start:start + r] = row.loss_mask
         old_logprobs[i, start:start + r] = row.old_logprobs
         advantages[i] = row.advantage
+        pair_index[i], pair_chosen[i] = row.pair_index, row.chosen
+    pairs = {"pair_index": torch.from_numpy(pair_index), "pair_chosen": torch.from_numpy(pair_chosen)}
     return {
         "input_ids": torch.from_numpy(input_ids), "target_ids": torch.from_numpy(target_ids),
         "position_ids": torch.arange(seq_len, dtype=torch.int64).expand(batch_size, seq_len).contiguous(),
         "loss_mask": torch.from_numpy(loss_mask), "old_logprobs": torch.from_numpy(old_logprobs),
         "advantages": torch.from_numpy(advantages),
         "global_tokens": torch.tensor(global_tokens), "global_sequences": torch.tensor(global_sequences),
+        **(pairs if pairwise else {}),
     }

@@ -16,11 +16,15 @@ _CONTROL_GROUP = None
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    """This process's global rank; before torch.distributed starts, as torchrun (RANK) or srun (SLURM_PROCID) set it."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
 
 
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    """The number of trainer processes; before torch.distributed starts, from WORLD_SIZE or SLURM_NTASKS (else 1)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
 
 
 def _control_group():

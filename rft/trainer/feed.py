@@ -29,6 +29,39 @@ class FeedTimeout(TimeoutError):
     pass
 
 
+class EndOfReplay(Exception):
+    """The replay window is exhausted; `batch` holds the groups taken since the last full batch."""
+
+    def __init__(self, batch: "Batch"):
+        super().__init__(f"replay window exhausted ({len(batch.groups)} groups in the last, partial batch)")
+        self.batch = batch
+
+
+@dataclass
+class ReplayWindow:
+    """A finite slice of a topic: offsets `[begin, stop)` per partition, and optionally only the records
+    stamped in `[from_time_ms, to_time_ms)`. Resolved once when a replay starts and saved with the run, so
+    that a resumed or repeated replay reads exactly the same records."""
+    begin: dict[str, int]
+    stop: dict[str, int]
+    from_time_ms: Optional[int] = None
+    to_time_ms: Optional[int] = None
+
+    def to_json(self) -> dict:
+        return {"begin": self.begin, "stop": self.stop, "from_time_ms": self.from_time_ms,
+                "to_time_ms": self.to_time_ms}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ReplayWindow":
+        return cls(begin={k: int(v) for k, v in data["begin"].items()},
+                   stop={k: int(v) for k, v in data["stop"].items()},
+                   from_time_ms=data.get("from_time_ms"), to_time_ms=data.get("to_time_ms"))
+
+    def contains_time(self, timestamp_ms: int) -> bool:
+        return ((self.from_time_ms is None or timestamp_ms >= self.from_time_ms)
+                and (self.to_time_ms is None or timestamp_ms < self.to_time_ms))
+
+
 @dataclass
 class FeedState:
     """What has been consumed: next offset per partition ("topic:partition") and the group ids taken."""
@@ -56,10 +89,14 @@ Admit = Callable[[ExperienceGroup], Optional[str]]
 
 
 class ExperienceFeed:
-    def __init__(self, source: RecordSource, *, topic: str, run_id: str, dead_letter: DeadLetter,
-                 state: FeedState | None = None):
+    def __init__(self, source: RecordSource, *, topic: str, run_id: str | None, dead_letter: DeadLetter,
+                 state: FeedState | None = None, window: ReplayWindow | None = None):
+        """`run_id=None` accepts records of any run (replaying another run's topic)."""
         self.source, self.topic, self.run_id, self.dead_letter = source, topic, run_id, dead_letter
+        self.window = window
         self.state = state or FeedState()
+        if window is not None and not self.state.offsets:  # a replay's first start (a resume has offsets)
+            self.state.offsets = dict(window.begin)
         self._taken = set(self.state.taken_groups)
         self._buffer: collections.deque[Message] = collections.deque()
         partitions = source.assign([topic])
@@ -77,7 +114,9 @@ class ExperienceFeed:
         last_record = time.monotonic()
         while len(batch.groups) < n_groups:
             if not self._buffer:
-                self._buffer.extend(self.source.poll(timeout_s=0.5))
+                if self._window_done():
+                    raise EndOfReplay(batch)
+                self._buffer.extend(self._poll())
                 if not self._buffer:
                     if time.monotonic() - last_record > timeout_s:
                         raise FeedTimeout(f"no experience arrived on {self.topic!r} for {timeout_s:.0f} s "
@@ -92,14 +131,26 @@ class ExperienceFeed:
                 batch.skipped[reason] += 1
         return batch
 
+    def _poll(self) -> list[Message]:
+        messages = self.source.poll(timeout_s=0.5)
+        if self.window is not None:  # records at or past a partition's stop are never consumed
+            messages = [m for m in messages if m.offset < self.window.stop.get(m.position, 0)]
+        return messages
+
+    def _window_done(self) -> bool:
+        return self.window is not None and all(
+            self.state.offsets.get(k, 0) >= stop for k, stop in self.window.stop.items())
+
     def _consume(self, message: Message, batch: Batch, admit: Admit) -> str | None:
         self.state.offsets[message.position] = message.offset + 1
+        if self.window is not None and not self.window.contains_time(message.timestamp_ms):
+            return "out_of_window"
         try:
             group = decode_group(message.value, message.headers)
         except RecordError as e:
             self.dead_letter.divert(message, str(e))
             return "dead_letter"
-        if group.run_id != self.run_id:
+        if self.run_id is not None and group.run_id != self.run_id:
             self.dead_letter.divert(message, f"foreign record: run {group.run_id!r}, this run is {self.run_id!r}")
             return "foreign"
         if group.group_id in self._taken:
@@ -117,11 +168,32 @@ class ExperienceFeed:
         return FeedState.from_json(self.state.to_json())
 
 
-def open_feed(kafka_cfg, bootstrap: str, *, topic: str, dead_letter_topic: str, run_id: str,
-              state: FeedState | None = None) -> tuple[ExperienceFeed, RecordSink, RecordSource]:
+def open_feed(kafka_cfg, bootstrap: str, *, topic: str, dead_letter_topic: str, run_id: str | None,
+              state: FeedState | None = None, window: ReplayWindow | None = None,
+              client_id: str = "rft-trainer") -> tuple[ExperienceFeed, RecordSink, RecordSource]:
     """Build a feed with its own source and dead-letter sink; the caller closes both."""
-    source = RecordSource(kafka_cfg, bootstrap, client_id=f"{run_id}-trainer")
-    sink = RecordSink(kafka_cfg, bootstrap, client_id=f"{run_id}-trainer-dlq")
+    source = RecordSource(kafka_cfg, bootstrap, client_id=client_id)
+    sink = RecordSink(kafka_cfg, bootstrap, client_id=f"{client_id}-dlq")
     feed = ExperienceFeed(source, topic=topic, run_id=run_id, dead_letter=DeadLetter(sink, dead_letter_topic),
-                          state=state)
+                          state=state, window=window)
     return feed, sink, source
+
+
+def resolve_window(source: RecordSource, topic: str, *, start: str = "", end: str = "") -> ReplayWindow:
+    """A replay window from the `replay.start` / `replay.end` specs: `P:O[,P:O...]` offsets, a time (ISO 8601
+    or milliseconds since the epoch), or empty for the topic's beginning / its end as of now."""
+    from rft.topics import parse_positions, parse_time_ms
+
+    partitions = len(source.partitions(topic))
+
+    def parse(spec: str, option: str) -> tuple[dict[str, int] | None, int | None]:
+        if not spec:
+            return None, None
+        if ":" in spec and not any(c in spec for c in "-T"):
+            return parse_positions(spec.split(","), topic, option, partitions), None
+        return None, parse_time_ms(spec, option)
+
+    start_offsets, from_ms = parse(start, "replay.start")
+    end_offsets, to_ms = parse(end, "replay.end")
+    begin, stop = source.replay_bounds(topic, start=start_offsets, end=end_offsets, from_time_ms=from_ms)
+    return ReplayWindow(begin=begin, stop=stop, from_time_ms=from_ms, to_time_ms=to_ms)

@@ -28,7 +28,7 @@ from rft.schema import ControlMessage, decode_group
 from rft.trainer import distributed as dist_io
 from rft.trainer.batch import micro_batches_for_rank, rows_from_groups
 from rft.trainer.checkpoint import CheckpointDir, TrainerState, capture_rng, restore_rng
-from rft.trainer.feed import FeedState, open_feed
+from rft.trainer.feed import EndOfReplay, FeedState, ReplayWindow, open_feed, resolve_window
 
 
 def main(argv: list[str]) -> int:
@@ -71,6 +71,7 @@ class Trainer:
             self.policy.load_checkpoint(latest / "model")
             restore_rng(state.rng)
             self.step, feed_state, self.counters = state.step, state.feed, state.counters
+        self._last_checkpoint = self.step
         if self.is_reader:
             self._open_io(feed_state)
 
@@ -81,9 +82,12 @@ class Trainer:
         from rft.weight_store import WeightStore
 
         cfg = self.cfg
+        offline = cfg.run.mode == "offline"
+        topic = (cfg.replay.topic or cfg.topic("experiences")) if offline else cfg.topic("experiences")
         self.feed, self._dlq_sink, self._source = open_feed(
-            cfg.kafka, cfg.kafka.bootstrap_servers, topic=cfg.topic("experiences"),
-            dead_letter_topic=cfg.topic("dead_letter"), run_id=cfg.run.name, state=feed_state)
+            cfg.kafka, cfg.kafka.bootstrap_servers, topic=topic, dead_letter_topic=cfg.topic("dead_letter"),
+            run_id=None if offline else cfg.run.name, state=feed_state, client_id=f"{cfg.run.name}-trainer",
+            window=self._replay_window(topic) if offline else None)
         self.control = RecordSink(cfg.kafka, cfg.kafka.bootstrap_servers, client_id=f"{cfg.run.name}-trainer")
         self.store = WeightStore(cfg.sync.weight_store or cfg.run_dir / "weights", keep=cfg.sync.keep_versions)
         self.metrics = MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name)
@@ -91,38 +95,66 @@ class Trainer:
         _truncate_consumed(self.consumed_path, self.step)
         self._announce("trainer_started", {"step": self.step})
 
+    def _replay_window(self, topic: str) -> ReplayWindow:
+        """Resolved on the first start and saved, so a resumed replay reads the same records."""
+        from rft.transport import RecordSource
+
+        path = self.cfg.run_dir / "replay_window.json"
+        if path.exists():
+            return ReplayWindow.from_json(json.loads(path.read_text()))
+        source = RecordSource(self.cfg.kafka, self.cfg.kafka.bootstrap_servers)
+        try:
+            window = resolve_window(source, topic, start=self.cfg.replay.start, end=self.cfg.replay.end)
+        finally:
+            source.close()
+        path.write_text(json.dumps({"topic": topic, **window.to_json()}))
+        return window
+
     def _announce(self, kind: str, body: dict) -> None:
         self.control.send_record(self.cfg.topic("control"), ControlMessage(kind=kind, sender="trainer", body=body))
         self.control.flush()
 
     # -- the loop
     def run(self) -> None:
-        if self.step == 0:
+        serves_explorers = self.cfg.run.mode != "offline"
+        if self.step == 0 and serves_explorers:
             self._publish_weights(0)  # explorers start from version 0 = the initial weights
         while self.step < self.cfg.run.max_steps:
             step = self.step + 1
             started = time.time()
-            groups, skipped = self._next_groups(step)
+            groups, skipped, exhausted = self._next_groups(step)
+            if not groups:
+                break
             metrics = self._train(step, groups)
             self.step = step
-            self._publish_weights(step)
-            if step % self.cfg.trainer.checkpoint_every == 0 or step == self.cfg.run.max_steps:
+            if serves_explorers:
+                self._publish_weights(step)
+            if step % self.cfg.trainer.checkpoint_every == 0:
                 self._checkpoint(step)
             if self.is_reader:
                 self._log(step, groups, skipped, metrics, started)
+            if exhausted:
+                break
+        if self.step != self._last_checkpoint:
+            self._checkpoint(self.step)  # the last step, when the loop did not just checkpoint it
+        self._export_final()
         if self.is_reader:
             self._announce("trainer_finished", {"step": self.step})
 
     def _next_groups(self, step: int):
+        """This step's groups on every rank, the skip counts (rank 0), and whether a replay is exhausted."""
         skipped: dict[str, int] = {}
-        raw = None
+        raw, exhausted = None, False
         if self.is_reader:
-            batch = self.feed.next_batch(self.cfg.trainer.groups_per_step,
-                                         admit=lambda g: self.staleness.check(g, step),
-                                         timeout_s=self.cfg.trainer.poll_timeout_s)
+            try:
+                batch = self.feed.next_batch(self.cfg.trainer.groups_per_step,
+                                             admit=lambda g: self.staleness.check(g, step),
+                                             timeout_s=self.cfg.trainer.poll_timeout_s)
+            except EndOfReplay as end:
+                batch, exhausted = end.batch, True
             raw, skipped = [m.value for m in batch.messages], dict(batch.skipped)
         groups = [decode_group(value) for value in dist_io.broadcast_bytes(raw)]
-        return groups, skipped
+        return groups, skipped, dist_io.broadcast_flag(exhausted)
 
     def _train(self, step: int, groups) -> dict:
         t = self.cfg.trainer
@@ -147,7 +179,14 @@ class Trainer:
         self._announce("weights", {"version": version, "path": str(path),
                                    "consumed_groups": len(self.feed.state.taken_groups)})
 
+    def _export_final(self) -> None:
+        """The final weights as a Hugging Face directory (`<run dir>/final`), for evaluation and serving."""
+        final = self.cfg.run_dir / "final"
+        if self.step and not final.exists():
+            self.policy.save_hf(final)
+
     def _checkpoint(self, step: int) -> None:
+        self._last_checkpoint = step
         path = self.checkpoints.step_dir(step)
         path.mkdir(parents=True, exist_ok=True)
         self.policy.save_checkpoint(path / "model")
