@@ -27,7 +27,10 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ]; then (apt-get install -y -q kcat >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q kcat >/dev/null)); \
 	  else echo "kcat missing: sudo apt-get install kcat" >&2; exit 1; fi; }
 
-quickstart: venv
+assets/tiny-qwen2/config.json: | $(STAMP)
+	$(BIN)/rft tiny-model assets/tiny-qwen2
+
+quickstart: venv assets/tiny-qwen2/config.json
 	$(BIN)/rft run configs/quickstart.yaml
 
 test: venv system-deps

@@ -6,7 +6,8 @@ Public API:
 - `parallel.initialize(tp, pp, seed=)` / `parallel.destroy()` / `parallel.layout()`: process groups.
 - `build_model(hf_dir, dtype=)` -> [GPTModel]: this rank's TP/PP shard, weights read from safetensors.
 - `iter_hf_buckets(models, bucket_bytes)`, `save_hf(models, out_dir)`: export back to HF, bucketed.
-- `MegatronPolicy`: the trainer's model (train_step, forward_logprobs, export, dist checkpoints).
+- `MegatronPolicy`: the trainer's model (train_step with an entropy metric, forward_logprobs, a frozen
+  reference model with reference_logprobs, export, dist checkpoints).
 - `bridge_for(hf_config)`, `register(hf_class_name)`: the architecture registry (Qwen2, Llama).
 - `python -m megatron_bridge.check HF_DIR --tp T --pp P`: verify logits and the round trip on a model.
 """

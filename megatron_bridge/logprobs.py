@@ -1,14 +1,18 @@
-"""Token log-probabilities and full logits from vocabulary-parallel logits.
+"""Token log-probabilities, entropies and full logits from vocabulary-parallel logits.
 
 Under TP each rank's output layer produces logits for its slice of the (padded) vocabulary. The
 padding columns (ids >= the HF vocab size) are not part of the model: they are set to -inf before
-the softmax so log-probs equal those of the unpadded HF model exactly. `token_logprobs` is
-differentiable (megatron's vocab-parallel cross entropy: one max and two sums all-reduced over the
-TP group, never the full [b, T, V] tensor on one rank).
+the softmax (or left out) so results equal those of the unpadded HF model exactly. `token_logprobs`
+is differentiable (megatron's vocab-parallel cross entropy: one max and two sums all-reduced over the
+TP group, never the full [b, T, V] tensor on one rank). `entropy_sum` is a metric (no gradient),
+computed the same vocab-parallel way, in chunks of positions to bound its memory.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+
+ENTROPY_CHUNK_TOKENS = 1024  # positions per chunk in `entropy_sum`: bounds its copy to [chunk, V/tp] float32
 
 
 def _vocab_start(shard_width: int) -> int:
@@ -47,3 +51,46 @@ def gather_logits(logits_shard: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
     with torch.no_grad():
         return gather_from_tensor_model_parallel_region(logits_shard)[..., :vocab_size]
+
+
+def entropy_sum(logits_shard: torch.Tensor, loss_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Sum over positions with loss_mask > 0 of the entropy -sum_v p_v log p_v of softmax(logits) (the
+    padding columns left out): a float64 scalar, no gradient, the same on every TP rank.
+
+    Vocabulary-parallel as verl's `vocab_parallel_entropy`: with s = logits - max (max all-reduced over
+    the TP group) and Z = sum_v exp(s_v), H = log Z - sum_v exp(s_v) s_v / Z; both sums are one
+    all-reduce. Works on `ENTROPY_CHUNK_TOKENS` selected positions at a time (AReaL chunks the same
+    way), so the extra memory is [chunk, V/tp] whatever b * T is. Call it before `token_logprobs`,
+    which overwrites `logits_shard`. Collective over the TP group: every TP rank holds the same mask.
+    """
+    width = logits_shard.shape[-1]
+    real_width = max(0, min(width, vocab_size - _vocab_start(width)))
+    with torch.no_grad():
+        flat = logits_shard.reshape(-1, width)
+        positions = torch.nonzero(loss_mask.reshape(-1) > 0).flatten().to(flat.device)
+        total = torch.zeros((), dtype=torch.float64, device=flat.device)
+        for start in range(0, len(positions), ENTROPY_CHUNK_TOKENS):
+            logits = flat.index_select(0, positions[start:start + ENTROPY_CHUNK_TOKENS])[:, :real_width].float()
+            total += _vocab_parallel_entropy(logits).double().sum()
+    return total
+
+
+def _vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy per row [n] of [n, V/tp] logit shards (this rank's real columns only)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    sharded = parallel_state.get_tensor_model_parallel_world_size() > 1
+    if logits.shape[-1]:
+        row_max = logits.max(-1).values
+    else:  # every column of this shard is vocabulary padding
+        row_max = torch.full(logits.shape[:1], float("-inf"), device=logits.device)
+    if sharded:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - row_max[:, None]
+    exp = shifted.exp()
+    sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1)])
+    if sharded:
+        dist.all_reduce(sums, group=group)
+    partition, weighted = sums
+    return partition.log() - weighted / partition

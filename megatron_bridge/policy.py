@@ -18,6 +18,15 @@ optimizer is used (state replicated over data-parallel ranks), which reshards co
 `distributed_optimizer` tells which one a policy has. Learning rate and weight decay are constant
 (megatron's `OptimizerParamScheduler`, stepped once per optimizer step).
 
+Reference model (`reference=True`, for KL penalties and DPO): a second, frozen copy of the HF
+weights at `hf_dir` (the initial policy, whatever checkpoint the policy loads later) with the same
+TP/PP sharding; no DDP wrapper, no optimizer, no gradients, always in eval mode. It doubles the
+model's parameter memory on each rank, not the optimizer's.
+
+Metrics of `train_step` besides the loss function's: `entropy`, the mean entropy of the current
+policy's next-token distribution over loss tokens (a sum in the batch-contract sense: sum over
+this micro-batch's loss tokens / global_tokens), computed vocab-parallel without gradients.
+
 Loss scaling contract (batch contract): `loss_fn` returns each micro-batch's contribution to the
 global step loss. megatron runs in per-token-loss mode, so it neither divides by the number of
 micro-batches nor averages gradients over data-parallel ranks: gradients are those of the sum of
@@ -40,12 +49,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_bridge import device, export, parallel, schedule
-from megatron_bridge.logprobs import token_logprobs
+from megatron_bridge.logprobs import entropy_sum, token_logprobs
 from megatron_bridge.model import build_model, unwrap
 
 LossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 POLICY_FILE = "rft_policy.json"
+POLICY_METRICS = ("loss", "entropy")  # train_step's own metric names; a loss function may not return them
 
 
 class MegatronPolicy:
@@ -53,7 +63,7 @@ class MegatronPolicy:
 
     def __init__(self, hf_dir: str | Path, *, tp: int = 1, pp: int = 1, lr: float, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 seed: int = 0, dtype: str = "float32"):
+                 seed: int = 0, dtype: str = "float32", reference: bool = False):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         if lr <= 0 or weight_decay < 0 or grad_clip < 0:
@@ -70,6 +80,7 @@ class MegatronPolicy:
         self.optimizer, self.scheduler = _build_optimizer(
             self.models, lr=lr, weight_decay=weight_decay, grad_clip=grad_clip, betas=betas, eps=eps, dtype=dtype,
             distributed=self.distributed_optimizer)
+        self.reference_models = _frozen(build_model(hf_dir, dtype=dtype)) if reference else None
         self.steps = 0
 
     @property
@@ -79,20 +90,24 @@ class MegatronPolicy:
     # ---- training
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over this DP rank's micro-batches. Returns, on every rank, `loss` and each
-        metric summed over micro-batches and data-parallel ranks, plus `grad_norm` (before clipping)
+        """One optimizer step over this DP rank's micro-batches. Returns, on every rank, `loss`, `entropy`
+        and each metric summed over micro-batches and data-parallel ranks, plus `grad_norm` (before clipping)
         and `step_skipped` (1.0 when megatron skipped the update, e.g. non-finite gradients)."""
         from megatron.core.distributed import finalize_model_grads
 
-        _require_targets(micro_batches)
+        _check_micro_batches(micro_batches, extra=("loss_mask", "global_tokens"))
         for model in self.models:
             model.train()
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
         def on_logits(logits, mb):
+            entropy = entropy_sum(logits, mb["loss_mask"], self.vocab_size) / mb["global_tokens"].clamp(min=1)
             loss, metrics = loss_fn(token_logprobs(logits, mb["target_ids"], self.vocab_size), mb)
-            return loss, {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+            reserved = sorted(set(metrics) & set(POLICY_METRICS))
+            if reserved:
+                raise ValueError(f"loss function returned metrics {reserved}, names that train_step reports itself")
+            return loss, {"loss": loss.detach(), "entropy": entropy, **{k: v.detach() for k, v in metrics.items()}}
 
         per_micro_batch = schedule.run(self.models, micro_batches, on_logits, forward_only=False)
         finalize_model_grads(self.models)
@@ -107,12 +122,22 @@ class MegatronPolicy:
     def forward_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """token_logprobs [b, T] (float32, CPU) for each micro-batch, without gradients, on every rank
         of this replica (the last stage computes them and broadcasts over the pipeline group)."""
-        _require_targets(micro_batches)
         for model in self.models:
             model.eval()
+        return self._logprobs(self.models, micro_batches)
+
+    def reference_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """As `forward_logprobs`, from the frozen reference model (the weights at `hf_dir`); needs a
+        policy built with `reference=True`."""
+        if self.reference_models is None:
+            raise RuntimeError("reference_logprobs: this MegatronPolicy was built without reference=True")
+        return self._logprobs(self.reference_models, micro_batches)
+
+    def _logprobs(self, models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tensor]]):
+        _check_micro_batches(micro_batches)
         with torch.no_grad():
             results = schedule.run(
-                self.models, micro_batches,
+                models, micro_batches,
                 lambda logits, mb: token_logprobs(logits, mb["target_ids"], self.vocab_size), forward_only=True)
         return [_from_last_stage(results[i] if results else None, tuple(mb["target_ids"].shape))
                 for i, mb in enumerate(micro_batches)]
@@ -189,10 +214,19 @@ class MegatronPolicy:
         parallel.destroy()
 
 
-def _require_targets(micro_batches: list[dict[str, torch.Tensor]]) -> None:
+def _frozen(models: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """`models` in eval mode with gradients off (the reference model)."""
+    for model in models:
+        model.eval()
+        model.requires_grad_(False)
+    return models
+
+
+def _check_micro_batches(micro_batches: list[dict[str, torch.Tensor]], *, extra: tuple[str, ...] = ()) -> None:
     for i, mb in enumerate(micro_batches):
-        if "target_ids" not in mb or "input_ids" not in mb:
-            raise ValueError(f"micro-batch {i}: needs input_ids and target_ids (has {sorted(mb)})")
+        missing = [k for k in ("input_ids", "target_ids", *extra) if k not in mb]
+        if missing:
+            raise ValueError(f"micro-batch {i}: needs {', '.join(missing)} (has {sorted(mb)})")
         if mb["target_ids"].shape != mb["input_ids"].shape:
             raise ValueError(f"micro-batch {i}: target_ids {tuple(mb['target_ids'].shape)} and input_ids "
                              f"{tuple(mb['input_ids'].shape)} differ in shape")

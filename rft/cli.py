@@ -13,7 +13,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("rft.launcher:main", "all-in-one local run: broker, task publisher, explorers, trainer, coordinator"),
     "trainer": ("rft.trainer.main:main", "the Megatron trainer (one process per rank, under torchrun or srun)"),
     "explorer": ("rft.explorer.main:main", "one or more explorers joining a run"),
-    "coordinator": ("rft.coordinator:main", "the weight-broadcast coordinator"),
     "publish": ("rft.explorer.tasks:main", "publish a dataset's tasks to the run's tasks topic"),
     "replay": ("rft.launcher:replay_main", "offline training from an experiences topic (by offsets or time)"),
     "validate": ("rft.cli:validate_main", "check a config file; exit 2 naming the bad key"),
@@ -21,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "topics": ("rft.topics:main", "list | describe | tail | export | import topics"),
     "bench": ("rft.cli:bench_main", "benchmarks: transport | generate | modes"),
     "tiny-model": ("rft.cli:tiny_model_main", "write a tiny seeded HF model (tests, quickstart)"),
+    "bridge-check": ("megatron_bridge.check:main", "check HF <-> Megatron on a model: logits vs transformers, round trip"),
 }
 
 BENCHMARKS = {

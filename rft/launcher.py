@@ -13,6 +13,7 @@ everything. Each part's output goes to `<run dir>/logs/<part>.log`.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -66,7 +67,8 @@ def run(cfg: Config) -> int:
                 for i in range(cfg.explorer.replicas):
                     runner.start(f"explorer-{i}", [sys.executable, "-m", "rft.cli", "explorer", str(config_path),
                                                    "--explorer-id", f"explorer-{i}"])
-            code = runner.supervise(main_part="trainer" if "trainer" in roles else None)
+            progress = MetricsProgress(run_dir / "metrics.jsonl", cfg.run.max_steps) if cfg.monitor.progress else None
+            code = runner.supervise(main_part="trainer" if "trainer" in roles else None, on_tick=progress)
         except KeyboardInterrupt:
             print("\n[rft] interrupted: stopping every part", flush=True)
             code = 130
@@ -126,9 +128,11 @@ class PartRunner:
         self.parts[name] = Part(name, process, log_path)
         print(f"[rft] started {name} (pid {process.pid}, log {log_path})", flush=True)
 
-    def supervise(self, main_part: str | None, poll_s: float = 0.5) -> int:
+    def supervise(self, main_part: str | None, *, on_tick=None, poll_s: float = 0.5) -> int:
         reported: set[str] = set()
         while True:
+            if on_tick is not None:
+                on_tick()
             for part in list(self.parts.values()):
                 code = part.process.poll()
                 if code is None or part.name in reported:
@@ -168,6 +172,29 @@ class PartRunner:
             except subprocess.TimeoutExpired:
                 _signal_group(part.process, signal.SIGKILL)
                 part.process.wait()
+
+
+class MetricsProgress:
+    """Prints one console line per trainer step as metrics.jsonl grows (the trainer's own log has more)."""
+
+    def __init__(self, path: Path, max_steps: int):
+        self.path, self.max_steps, self.offset = path, max_steps, 0
+        self.started = time.time()
+
+    def __call__(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path) as f:
+            f.seek(self.offset)
+            lines = f.readlines()
+            if lines and not lines[-1].endswith("\n"):
+                lines.pop()  # a line still being written
+            self.offset += sum(len(line) for line in lines)
+        for line in lines:
+            m = json.loads(line)
+            print(f"[rft] step {m['step']:>4}/{self.max_steps}  reward {m.get('reward_mean', float('nan')):.3f}  "
+                  f"loss {m.get('loss', float('nan')):+.4f}  staleness max {m.get('staleness_max', 0)}  "
+                  f"dropped {m.get('dropped_stale', 0)}  {time.time() - self.started:6.0f} s", flush=True)
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:

@@ -137,6 +137,7 @@ class RecordSource:
         if group_instance_id:
             settings["group_instance_id"] = group_instance_id
         self._consumer = _connect(KafkaConsumer, "consumer", bootstrap, **settings)
+        self._probe = None
         self.group = group
         if topics:
             if group is None:
@@ -213,7 +214,9 @@ class RecordSource:
         return {offset_key(tp.topic, tp.partition): o for tp, o in true_ends.items()}
 
     def _probe_last_offsets(self, probe_at: dict[TopicPartition, int], timeout_s: float = 10.0) -> dict[TopicPartition, int]:
-        probe = KafkaConsumer(**{k: v for k, v in self._consumer.config.items() if k in _PROBE_KEYS})
+        if self._probe is None:  # kept for the life of the source: end offsets are asked for often
+            self._probe = KafkaConsumer(**{k: v for k, v in self._consumer.config.items() if k in _PROBE_KEYS})
+        probe = self._probe
         try:
             probe.assign(list(probe_at))
             for tp, offset in probe_at.items():
@@ -228,7 +231,7 @@ class RecordSource:
                     break
             return {tp: o + 1 for tp, o in last.items()}
         finally:
-            probe.close(autocommit=False)
+            probe.assign([])
 
     def beginning_offsets(self, topic: str) -> dict[str, int]:
         starts = self._consumer.beginning_offsets(self.partitions(topic))
@@ -310,6 +313,8 @@ class RecordSource:
                     pending.discard(key)
 
     def close(self) -> None:
+        if self._probe is not None:
+            self._probe.close(autocommit=False)
         self._consumer.close(autocommit=False)
 
 

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 class DPO:
     needs_reference = True
     supports_replay = True
+    pairwise = True  # the trainer builds pair rows: one group = one pair (rft/trainer/batch.py)
     advantages = staticmethod(zero_advantages)
 
     def __init__(self, cfg: "AlgorithmConfig"):

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from rft.algorithms.aggregation import aggregate, check_micro_batch, token_metric
+from rft.algorithms.aggregation import aggregate, check_micro_batch, k3, token_metric
 from rft.algorithms.registry import Metrics, MicroBatch, register
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ class GRPO:
             metrics["importance_weight_truncated_frac"] = token_metric(
                 (weight >= self.cfg.importance_cap).float(), micro_batch)
         if self.needs_reference:
-            kl = _k3(logp, micro_batch["ref_logprobs"], mask)
+            kl = k3(micro_batch["ref_logprobs"] - logp, mask)  # KL(pi_theta || pi_ref), tokens drawn from pi_theta
             per_token = per_token + self.cfg.kl_coef * kl
             metrics["kl"] = token_metric(kl, micro_batch)
         return aggregate(per_token, micro_batch, self.cfg.loss_agg), metrics
@@ -97,11 +97,6 @@ class GRPO:
         prox = micro_batch["prox_logprobs"] if "prox_logprobs" in micro_batch else logp.detach()
         log_weight = torch.where(micro_batch["loss_mask"] > 0, prox - behav, 0.0)
         return prox, torch.exp(log_weight).clamp(max=self.cfg.importance_cap)
-
-
-def _k3(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    log_ratio = torch.where(mask, ref - logp, 0.0)
-    return torch.exp(log_ratio) - log_ratio - 1
 
 
 def finite_rewards(rewards: np.ndarray, index: int) -> np.ndarray:

@@ -31,6 +31,9 @@ class Algorithm(Protocol):
       micro-batch's contribution to the step loss and every metric is a contribution to a step-wide sum.
     - `needs_reference`: the micro-batch must carry `ref_logprobs`.
     - `supports_replay`: the loss is correct on recorded experiences of any age (offline replay).
+    - `pairwise` (optional, False when absent): rows are preference pairs, one group per pair; micro-batches keep
+      both rows of a pair together and carry `pair_chosen` / `pair_index` (see rft/trainer/batch.py).
+    Every algorithm reports a `kl` metric: the trainer wraps `loss_fn` with `aggregation.with_kl_metric`.
     """
     name: str
     needs_reference: bool

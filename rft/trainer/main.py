@@ -23,12 +23,15 @@ from pathlib import Path
 import numpy as np
 
 from rft.cli import add_config_arguments, config_from_args
-from rft.config import Config
+from rft.config import Config, ConfigError, TrainerConfig
 from rft.schema import ControlMessage, decode_group
 from rft.trainer import distributed as dist_io
-from rft.trainer.batch import micro_batches_for_rank, rows_from_groups
+from rft.trainer.batch import micro_batches_for_rank, preference_pair_problem, rows_from_groups
 from rft.trainer.checkpoint import CheckpointDir, TrainerState, capture_rng, restore_rng
 from rft.trainer.feed import EndOfReplay, FeedState, ReplayWindow, open_feed, resolve_window
+
+
+WAIT_ANNOUNCE_S = 2.0
 
 
 def main(argv: list[str]) -> int:
@@ -41,7 +44,11 @@ def main(argv: list[str]) -> int:
         print("rft trainer: kafka.bootstrap_servers is 'embedded', which only `rft run` can provide; pass "
               "--set kafka.bootstrap_servers=HOST:PORT", file=sys.stderr)
         return 2
-    trainer = Trainer(cfg, resume=not args.no_resume)
+    try:
+        trainer = Trainer(cfg, resume=not args.no_resume)
+    except ConfigError as e:
+        print(f"rft trainer: invalid config: {e}", file=sys.stderr)
+        return 2
     try:
         trainer.run()
     finally:
@@ -53,14 +60,19 @@ class Trainer:
     def __init__(self, cfg: Config, *, resume: bool = True):
         from megatron_bridge.policy import MegatronPolicy
         from rft.algorithms import build_algorithm
+        from rft.algorithms.aggregation import with_kl_metric
         from rft.staleness import StalenessTracker
 
         self.cfg = cfg
         t = cfg.trainer
+        check_parallel_layout(t, dist_io.world_size())
+        self.algorithm = build_algorithm(cfg.algorithm)
+        self.loss_fn = with_kl_metric(self.algorithm.loss_fn)  # `kl` is logged whatever the algorithm
+        self.pairwise = getattr(self.algorithm, "pairwise", False)
         self.policy = MegatronPolicy(cfg.model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, lr=t.lr,
                                      weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                                     betas=(t.adam_beta1, t.adam_beta2), seed=cfg.run.seed, dtype=cfg.model.dtype)
-        self.algorithm = build_algorithm(cfg.algorithm)
+                                     betas=(t.adam_beta1, t.adam_beta2), seed=cfg.run.seed, dtype=cfg.model.dtype,
+                                     reference=self.algorithm.needs_reference)
         self.staleness = StalenessTracker(mode=cfg.run.mode, max_staleness=cfg.run.max_staleness)
         self.is_reader = dist_io.rank() == 0
         self.checkpoints = CheckpointDir(cfg.run_dir)
@@ -92,8 +104,10 @@ class Trainer:
         self.store = WeightStore(cfg.sync.weight_store or cfg.run_dir / "weights", keep=cfg.sync.keep_versions)
         self.metrics = MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name)
         self.consumed_path = cfg.run_dir / "consumed.jsonl"
+        self._last_wait_note = 0.0
         _truncate_consumed(self.consumed_path, self.step)
-        self._announce("trainer_started", {"step": self.step})
+        self._announce("trainer_started", {"step": self.step, "version": self.step,
+                                           "offsets": dict(self.feed.state.offsets)})
 
     def _replay_window(self, topic: str) -> ReplayWindow:
         """Resolved on the first start and saved, so a resumed replay reads the same records."""
@@ -109,6 +123,14 @@ class Trainer:
             source.close()
         path.write_text(json.dumps({"topic": topic, **window.to_json()}))
         return window
+
+    def _waiting(self, groups_so_far: int) -> None:
+        """While starved, tell the explorers what has been consumed (admission control reads it)."""
+        now = time.monotonic()
+        if now - self._last_wait_note >= WAIT_ANNOUNCE_S:
+            self._last_wait_note = now
+            self._announce("trainer_waiting", {"version": self.step, "offsets": dict(self.feed.state.offsets),
+                                               "groups_in_batch": groups_so_far})
 
     def _announce(self, kind: str, body: dict) -> None:
         self.control.send_record(self.cfg.topic("control"), ControlMessage(kind=kind, sender="trainer", body=body))
@@ -148,7 +170,7 @@ class Trainer:
         if self.is_reader:
             try:
                 batch = self.feed.next_batch(self.cfg.trainer.groups_per_step,
-                                             admit=lambda g: self.staleness.check(g, step),
+                                             admit=lambda g: self._admit(g, step),
                                              timeout_s=self.cfg.trainer.poll_timeout_s)
             except EndOfReplay as end:
                 batch, exhausted = end.batch, True
@@ -156,17 +178,23 @@ class Trainer:
         groups = [decode_group(value) for value in dist_io.broadcast_bytes(raw)]
         return groups, skipped, dist_io.broadcast_flag(exhausted)
 
+    def _admit(self, group, step: int) -> str | None:
+        """The feed's admission: None to train on `group`, else the reason it is skipped (and counted)."""
+        if self.pairwise and (problem := preference_pair_problem(group)):
+            return problem
+        return self.staleness.check(group, step)
+
     def _train(self, step: int, groups) -> dict:
         t = self.cfg.trainer
         advantages = self.algorithm.advantages([g.rewards for g in groups])
-        rows = rows_from_groups(groups, advantages,
+        rows = rows_from_groups(groups, advantages, pairs=self.pairwise,
                                 max_len=self.cfg.model.max_prompt_len + self.cfg.model.max_response_len)
         micro_batches = micro_batches_for_rank(rows, dp_rank=self.policy.layout.dp_rank, dp_size=self.policy.layout.dp,
                                                micro_batch_size=t.micro_batch_size)
         if self.algorithm.needs_reference:
             for mb, ref in zip(micro_batches, self.policy.reference_logprobs(micro_batches)):
                 mb["ref_logprobs"] = ref
-        return self.policy.train_step(micro_batches, self.algorithm.loss_fn)
+        return self.policy.train_step(micro_batches, self.loss_fn)
 
     def _publish_weights(self, version: int) -> None:
         """Collective: every rank takes part in gathering the buckets; rank 0 writes and announces."""
@@ -176,7 +204,7 @@ class Trainer:
                 pass
             return
         path = self.store.publish(version, buckets, hf_dir=self.cfg.model.path)
-        self._announce("weights", {"version": version, "path": str(path),
+        self._announce("weights", {"version": version, "path": str(path), "offsets": dict(self.feed.state.offsets),
                                    "consumed_groups": len(self.feed.state.taken_groups)})
 
     def _export_final(self) -> None:
@@ -228,6 +256,21 @@ class Trainer:
             self._dlq_sink.close()
             self._source.close()
         self.policy.close()
+
+
+def check_parallel_layout(t: TrainerConfig, world_size: int) -> None:
+    """ConfigError unless world_size = tensor_parallel x pipeline_parallel x data_parallel (the launchers start that
+    many processes; a hand-written srun or torchrun line may not)."""
+    model_parallel = t.tensor_parallel * t.pipeline_parallel
+    if world_size % model_parallel:
+        raise ConfigError(f"trainer.tensor_parallel x trainer.pipeline_parallel = {t.tensor_parallel} x "
+                          f"{t.pipeline_parallel} does not divide the world size {world_size} (trainer processes)")
+    expected = world_size // model_parallel
+    if t.data_parallel != expected:
+        raise ConfigError(f"trainer.data_parallel is {t.data_parallel}, but world size {world_size} (trainer "
+                          f"processes) / (tensor_parallel {t.tensor_parallel} x pipeline_parallel "
+                          f"{t.pipeline_parallel}) = {expected}: set trainer.data_parallel={expected} or start "
+                          f"{model_parallel * t.data_parallel} processes")
 
 
 def _scalar(value):

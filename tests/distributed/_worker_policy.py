@@ -5,14 +5,17 @@ Usage: torchrun --nproc-per-node 2 _worker_policy.py SPEC.json, with SPEC {"out_
 (HF model directories). Cases, in order (world size 2, so tp=pp=1 means dp=2):
 - qwen_tp2: forward_logprobs of batch 1 -> `qwen_tp2.logprobs.safetensors`; step on batch 1 -> export
   `qwen_tp2.step1.hf`, checkpoint `qwen_tp2.ckpt`; step on batch 2 -> export `qwen_tp2.step2.hf`.
-- qwen_pp2: step on batch 1 -> `qwen_pp2.step1.hf`.
+- qwen_pp2 (with a reference model): step on batch 1 -> `qwen_pp2.step1.hf`; then reference_logprobs of
+  batch 1 -> `qwen_pp2.reference.safetensors` (must still be the initial model's).
 - qwen_dp2: step on batch 1, micro-batches split over the two data-parallel ranks -> `qwen_dp2.step1.hf`.
 - qwen_dp2_resumed: a fresh DP=2 policy loads `qwen_tp2.ckpt` (saved at TP=2) ->
   `qwen_dp2_resumed.loaded.hf`; step on batch 2 -> `qwen_dp2_resumed.step2.hf`.
 - llama_pp2: step on batch 1 -> `llama_pp2.step1.hf`, checkpoint `llama_pp2.ckpt`.
 - llama_tp2: load `llama_pp2.ckpt` (saved at PP=2) -> `llama_tp2.loaded.hf`.
-Step metrics go to `<case>.metrics.json` (rank 0). The data and the loss function below are also
-imported by the test, which computes the unsharded reference with transformers and torch's AdamW.
+Step metrics go to `<case>.metrics.json` (rank 0). The entropy metric is computed in chunks of
+`ENTROPY_CHUNK_TOKENS` positions (7 here, so that micro-batches span several chunks, one of them
+partial). The data and the loss function below are also imported by the test, which computes the
+unsharded reference with transformers and torch's AdamW.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch
 
 HYPERPARAMETERS = dict(lr=1e-3, weight_decay=0.1, grad_clip=1.0, betas=(0.9, 0.95))
 MICRO_BATCHES, ROWS, SEQ_LEN = 4, 2, 12
+ENTROPY_CHUNK_TOKENS = 7
 
 
 def micro_batches(seed: int, vocab_size: int) -> list[dict[str, torch.Tensor]]:
@@ -61,14 +65,13 @@ def shard_for_data_parallel(batches: list, dp_rank: int, dp: int) -> list:
 
 
 def run_case(spec: dict, *, name: str, model: str, tp: int, pp: int, steps: list[int],
-             load: str | None = None, save_after: int | None = None, logprobs: bool = False) -> None:
-    from safetensors.torch import save_file
-
+             load: str | None = None, save_after: int | None = None, logprobs: bool = False,
+             reference: bool = False) -> None:
     from megatron_bridge import parallel
     from megatron_bridge.policy import MegatronPolicy
 
     out = Path(spec["out_dir"])
-    policy = MegatronPolicy(spec[model], tp=tp, pp=pp, seed=0, **HYPERPARAMETERS)
+    policy = MegatronPolicy(spec[model], tp=tp, pp=pp, seed=0, reference=reference, **HYPERPARAMETERS)
     where = policy.layout
     metrics = {}
     if load:
@@ -77,12 +80,11 @@ def run_case(spec: dict, *, name: str, model: str, tp: int, pp: int, steps: list
     for step in steps:
         batches = shard_for_data_parallel(micro_batches(step, policy.vocab_size), where.dp_rank, where.dp)
         if logprobs and step == steps[0]:
-            values = policy.forward_logprobs(batches)
-            if where.rank == 0:
-                save_file({f"mb{i}": v.contiguous() for i, v in enumerate(values)},
-                          out / f"{name}.logprobs.safetensors")
+            save_logprobs(policy.forward_logprobs(batches), out / f"{name}.logprobs.safetensors")
         metrics[f"step{step}"] = policy.train_step(batches, token_mean_nll)
         policy.save_hf(out / f"{name}.step{step}.hf")
+        if reference and step == steps[0]:
+            save_logprobs(policy.reference_logprobs(batches), out / f"{name}.reference.safetensors")
         if save_after == step:
             policy.save_checkpoint(out / f"{name}.ckpt")
     if where.rank == 0:
@@ -91,10 +93,20 @@ def run_case(spec: dict, *, name: str, model: str, tp: int, pp: int, steps: list
     parallel.destroy(keep_process_group=True)
 
 
+def save_logprobs(values: list[torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    if torch.distributed.get_rank() == 0:
+        save_file({f"mb{i}": v.contiguous() for i, v in enumerate(values)}, path)
+
+
 def main() -> None:
+    from megatron_bridge import logprobs
+
+    logprobs.ENTROPY_CHUNK_TOKENS = ENTROPY_CHUNK_TOKENS
     spec = json.loads(Path(sys.argv[1]).read_text())
     run_case(spec, name="qwen_tp2", model="qwen", tp=2, pp=1, steps=[1, 2], save_after=1, logprobs=True)
-    run_case(spec, name="qwen_pp2", model="qwen", tp=1, pp=2, steps=[1])
+    run_case(spec, name="qwen_pp2", model="qwen", tp=1, pp=2, steps=[1], reference=True)
     run_case(spec, name="qwen_dp2", model="qwen", tp=1, pp=1, steps=[1])
     run_case(spec, name="qwen_dp2_resumed", model="qwen", tp=1, pp=1, steps=[2], load="qwen_tp2.ckpt")
     run_case(spec, name="llama_pp2", model="llama", tp=1, pp=2, steps=[1], save_after=1)

@@ -1,5 +1,6 @@
 """MegatronPolicy under torchrun with gloo: one optimizer step at TP=2, PP=2 and DP=2 equals the unsharded
-step (transformers + torch AdamW, computed here), and dist checkpoints reload across layouts.
+step (transformers + torch AdamW, computed here), including the entropy metric; dist checkpoints reload
+across layouts; the reference model stays the initial model after an optimizer step.
 
 One 2-process launch (_worker_policy.py) runs every case and writes exported weights and metrics.
 """
@@ -52,21 +53,30 @@ class Reference:
                   {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(groups, lr=hp["lr"], betas=hp["betas"], eps=1e-8)
 
-    def token_logprobs(self, mb: dict) -> torch.Tensor:
+    def log_softmax(self, mb: dict) -> torch.Tensor:
         logits = self.model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits.float()
-        return torch.log_softmax(logits, dim=-1).gather(-1, mb["target_ids"][..., None])[..., 0]
+        return torch.log_softmax(logits, dim=-1)
+
+    def token_logprobs(self, mb: dict) -> torch.Tensor:
+        return self.log_softmax(mb).gather(-1, mb["target_ids"][..., None])[..., 0]
 
     def step(self, batches: list[dict]) -> dict[str, float]:
+        """Metrics as train_step reports them; `entropy`: -sum_v p log p over the full vocabulary, summed over
+        loss tokens / global_tokens."""
         self.optimizer.zero_grad()
-        total, fraction = 0.0, 0.0
+        total, fraction, entropy = 0.0, 0.0, 0.0
         for mb in batches:
-            loss, metrics = cases.token_mean_nll(self.token_logprobs(mb), mb)
+            log_probs = self.log_softmax(mb)
+            token_logprobs = log_probs.gather(-1, mb["target_ids"][..., None])[..., 0]
+            loss, metrics = cases.token_mean_nll(token_logprobs, mb)
             loss.backward()
             total += loss.item()
             fraction += metrics["token_fraction"].item()
+            per_position = -(log_probs.exp() * log_probs).sum(-1).detach()
+            entropy += (per_position[mb["loss_mask"] > 0].sum() / mb["global_tokens"]).item()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cases.HYPERPARAMETERS["grad_clip"])
         self.optimizer.step()
-        return {"loss": total, "token_fraction": fraction, "grad_norm": grad_norm.item()}
+        return {"loss": total, "token_fraction": fraction, "grad_norm": grad_norm.item(), "entropy": entropy}
 
     def state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -125,11 +135,28 @@ def test_forward_logprobs_match_transformers(results, models):
             assert (saved[f"mb{i}"] - ref.token_logprobs(mb)).abs().max().item() < 1e-5
 
 
+def test_reference_logprobs_stay_the_initial_models_after_a_step(results, models):
+    """qwen_pp2 was built with reference=True and took an optimizer step (checked to change the weights in
+    test_one_step_matches_the_unsharded_step) before computing reference log-probs."""
+    ref = Reference(models["qwen"])
+    batches = cases.micro_batches(1, ref.model.config.vocab_size)
+    saved = load_file(results / "qwen_pp2.reference.safetensors")
+    assert sorted(saved) == [f"mb{i}" for i in range(len(batches))]
+    with torch.no_grad():
+        initial = [ref.token_logprobs(mb) for mb in batches]
+    ref.step(batches)
+    with torch.no_grad():
+        stepped = [ref.token_logprobs(mb) for mb in batches]
+    for i in range(len(batches)):
+        assert (saved[f"mb{i}"] - initial[i]).abs().max().item() < 1e-5
+        assert (saved[f"mb{i}"] - stepped[i]).abs().max().item() > 1e-3  # the step is visible in log-probs
+
+
 @pytest.mark.parametrize("case", ["qwen_tp2", "qwen_pp2", "qwen_dp2"])
 def test_one_step_matches_the_unsharded_step(results, reference, case):
     expected_metrics, expected_weights = reference["qwen"][0]
     got = metrics(results, case)["step1"]
-    for key in ("loss", "grad_norm", "token_fraction"):
+    for key in ("loss", "grad_norm", "token_fraction", "entropy"):
         assert got[key] == pytest.approx(expected_metrics[key], rel=RELATIVE), key
     assert got["step_skipped"] == 0.0
     initial = load_file(Path(json.loads((results / "spec.json").read_text())["qwen"]) / "model.safetensors")
@@ -143,6 +170,7 @@ def test_llama_untied_step_at_pp2_matches_the_unsharded_step(results, reference)
     got = metrics(results, "llama_pp2")["step1"]
     assert got["loss"] == pytest.approx(expected_metrics["loss"], rel=RELATIVE)
     assert got["grad_norm"] == pytest.approx(expected_metrics["grad_norm"], rel=RELATIVE)
+    assert got["entropy"] == pytest.approx(expected_metrics["entropy"], rel=RELATIVE)
     assert_weights_close(exported(results, "llama_pp2.step1.hf"), expected_weights, steps=1)
 
 

@@ -101,3 +101,4 @@ def test_sigkill_and_resume_trains_each_group_once(tmp_path, tiny_model, bootstr
     assert consumed(killed_dir / run_name) == expected
     metrics = [json.loads(line) for line in (killed_dir / run_name / "metrics.jsonl").read_text().splitlines()]
     assert max(m["step"] for m in metrics) == STEPS
+    assert all(m["entropy"] > 0 and m["kl"] >= 0 for m in metrics)  # logged every step (kl: behaviour k3 here)

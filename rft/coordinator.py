@@ -1,0 +1,133 @@
+"""The coordinator: how explorers learn the run's state, and how bounded staleness is enforced fleet-wide.
+
+Where the weight-broadcast role lives: in the trainer's publishing rank (global rank 0). After each optimizer
+step s it writes version s to the weight store and then announces it on the control topic (kind `weights`,
+body: version, path, and the trainer's consumed offsets). Ordering contract of the pull path:
+  1. a version directory is complete (written to a temporary name, renamed) before LATEST points to it, and
+     LATEST is updated before the announcement is sent;
+  2. a published version is never rewritten; the store keeps the newest `sync.keep_versions`, so an explorer
+     may find an announced version already gone and then takes the newest one (it retries);
+  3. an explorer loads the newest version before it joins the tasks consumer group (late joiners generate
+     nothing with old weights), and before every batch;
+  4. every experience group carries the version that generated it; the trainer, not the explorer, has the
+     last word on staleness (it drops and counts what exceeds the bound).
+
+Admission control (`FleetAdmission`, selected by `explorer.admission: staleness`, the default) follows AReaL's
+staleness manager, fleet-wide: with B = trainer.groups_per_step and k the staleness bound of the mode,
+
+    capacity = (k + v_explorer + 1) * B - (v_trainer * B + backlog)
+
+where v_explorer is the weights version this explorer has loaded, v_trainer the trainer's newest version, and
+backlog = experience records produced but not yet consumed by the trainer (the experiences topic's end offsets
+minus the trainer's consumed offsets, as last announced). This is AReaL's
+(k + version + 1) * B - (accepted + running) with accepted = v_trainer * B + backlog: a group started now at
+v_explorer is consumed at step v_trainer + backlog / B + 1 at the latest, so its staleness stays <= k.
+The trainer announces its consumed offsets after every step and, while it waits for data, every few seconds
+(kind `trainer_waiting`), so records it skipped (stale, duplicate) never block admission. Each of the n live
+explorers (seen on the control topic within three heartbeat intervals) may start capacity / n rollouts, so the
+fleet as a whole never starts more than the capacity. A restarted trainer announces its rewound offsets, the
+backlog grows by what it will consume again, and admission tightens by itself.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from rft.config import Config
+from rft.schema import ControlMessage, RecordError, decode
+from rft.staleness import staleness_bound
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FleetView:
+    """What the control topic has said so far: the trainer's newest announcement and explorers' last signs."""
+    trainer_version: int = 0
+    trainer_offsets: dict[str, int] = field(default_factory=dict)
+    explorers_seen: dict[str, float] = field(default_factory=dict)  # explorer id -> time of its last message
+    finished: bool = False
+
+    def apply(self, message: ControlMessage, now: float) -> None:
+        body = message.body
+        if message.sender == "trainer":
+            if message.kind in ("weights", "trainer_started", "trainer_waiting"):
+                self.trainer_version = int(body.get("version", self.trainer_version))
+                self.trainer_offsets = {str(k): int(v) for k, v in body.get("offsets", {}).items()}
+            self.finished = message.kind == "trainer_finished"
+        elif message.kind.startswith("explorer_"):
+            explorer = str(body.get("explorer_id", message.sender))
+            if message.kind == "explorer_leave":
+                self.explorers_seen.pop(explorer, None)
+            else:
+                self.explorers_seen[explorer] = now
+
+    def live_explorers(self, now: float, horizon_s: float) -> int:
+        return sum(1 for seen in self.explorers_seen.values() if now - seen <= horizon_s)
+
+
+class FleetAdmission:
+    """`Admission` for one explorer (see rft/explorer/main.py): `admit(n)` returns how many of n tasks may start
+    now under the formula in the module docstring. Not thread-safe: call from the explorer loop."""
+
+    def __init__(self, cfg: Config, explorer_id: str, *, source=None, refresh_s: float = 0.5):
+        from rft.transport import RecordSource
+
+        self.cfg, self.explorer_id = cfg, explorer_id
+        self.bound = staleness_bound(cfg.run.mode, cfg.run.max_staleness)
+        self.view = FleetView()
+        self.refresh_s = refresh_s
+        self._last_refresh = 0.0
+        self._source = source or RecordSource(cfg.kafka, cfg.kafka.bootstrap_servers,
+                                              client_id=f"{explorer_id}-admission")
+        self._source.assign([cfg.topic("control")])
+        self._source.seek(self._source.beginning_offsets(cfg.topic("control")))
+        self._experience_ends: dict[str, int] = {}
+        self.explorer_version = 0
+
+    def set_version(self, version: int) -> None:
+        """Called by the explorer after it loaded weights `version`."""
+        self.explorer_version = version
+
+    def admit(self, n: int) -> int:
+        if self.bound is None:
+            return n
+        self._refresh()
+        now = time.time()
+        explorers = max(1, self.view.live_explorers(now, 3 * self.cfg.explorer.heartbeat_s))
+        share = self.capacity() // explorers
+        return max(0, min(n, share))
+
+    def capacity(self) -> int:
+        """Groups the whole fleet may still start (see the module docstring)."""
+        b = self.cfg.trainer.groups_per_step
+        return (self.bound + self.explorer_version + 1) * b - (self.view.trainer_version * b + self.backlog())
+
+    def backlog(self) -> int:
+        consumed = self.view.trainer_offsets
+        return sum(max(0, end - consumed.get(key, 0)) for key, end in self._experience_ends.items())
+
+    def _refresh(self) -> None:
+        if time.monotonic() - self._last_refresh < self.refresh_s:
+            return
+        self._last_refresh = time.monotonic()
+        now = time.time()
+        for m in self._source.poll(timeout_s=0, max_records=10_000):
+            if m.topic != self.cfg.topic("control"):
+                continue
+            try:
+                message = decode(m.value, m.headers)
+            except RecordError:
+                continue
+            if isinstance(message, ControlMessage):
+                self.view.apply(message, now)
+        self._experience_ends = self._source.end_offsets(self.cfg.topic("experiences"))
+
+    def close(self) -> None:
+        self._source.close()
+
+
+def fleet_admission(cfg: Config, explorer_id: str) -> FleetAdmission:
+    """Factory for `explorer.admission: staleness`."""
+    return FleetAdmission(cfg, explorer_id)
