@@ -18,6 +18,7 @@ be stored in JSON checkpoints.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -33,6 +34,51 @@ log = logging.getLogger(__name__)
 
 HEADER_ORIGIN = "rft-origin"
 _OVERHEAD_BYTES = 64 * 1024  # room for the batch and header framing around one maximal record
+
+
+def _nudge_stuck_waits() -> None:
+    """Work around a kafka-python 3.0.x hang (dpkp/kafka-python#3121, fixed upstream by #3123/#3124, not in
+    3.0.12, the newest release): a caller thread blocks in `NetworkSelector.run()` on `event.wait()` with no
+    timeout while the IO thread sits idle in select(), so `poll(timeout_ms=500)` never returns. Seen here: the
+    trainer's feed hung in poll mid-run. This is kafka-python's own run() with one change: the caller waits in
+    one-second slices and wakes the IO loop between them."""
+    from kafka.net import selector
+
+    if getattr(selector.NetworkSelector.run, "_rft_nudged", False):
+        return
+    original = selector.NetworkSelector.run
+
+    def run(self, coro, *args):
+        if self._io_thread is None or threading.current_thread() is self._io_thread or self._exception:
+            return original(self, coro, *args)
+        event = threading.Event()
+        state = {"value": None, "exception": None}
+
+        async def waiter():
+            try:
+                state["value"] = await self._invoke(coro, *args)
+            except BaseException as exc:
+                if state["exception"] is None:
+                    state["exception"] = exc
+            finally:
+                with self._pending_waiters_lock:
+                    self._pending_waiters.pop(event, None)
+                event.set()
+
+        with self._pending_waiters_lock:
+            self._pending_waiters[event] = state
+        self.call_soon_threadsafe(waiter)
+        while not event.wait(1.0):
+            self.wakeup()
+        if state["exception"] is not None:
+            raise state["exception"]
+        return state["value"]
+
+    run._rft_nudged = True
+    selector.NetworkSelector.run = run
+
+
+_nudge_stuck_waits()
 
 
 class TransportError(RuntimeError):
