@@ -91,8 +91,18 @@ def _create_topics(cfg: Config) -> None:
 
 
 def _publish_tasks(cfg: Config) -> None:
+    """Publish the task set, unless the tasks topic already holds tasks (a resumed run on a durable broker)."""
     from rft.explorer.tasks import publish_tasks
+    from rft.transport import RecordSource
 
+    source = RecordSource(cfg.kafka, cfg.kafka.bootstrap_servers)
+    try:
+        existing = sum(source.end_offsets(cfg.topic("tasks")).values())
+    finally:
+        source.close()
+    if existing:
+        print(f"[rft] {cfg.topic('tasks')} already holds {existing} tasks: not publishing again", flush=True)
+        return
     count = publish_tasks(cfg)
     print(f"[rft] published {count} tasks to {cfg.topic('tasks')}", flush=True)
 

@@ -1,0 +1,1 @@
+"""Ray launcher for explorer fleets (see fleet.py)."""

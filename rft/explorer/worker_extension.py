@@ -1,0 +1,45 @@
+"""vLLM worker extension: reload weights in place from a directory of safetensors files.
+
+vLLM mixes this class into its worker (`LLM(worker_extension_cls=...)`); `VLLMEngine.load_weights`
+calls `rft_reload_weights(path)` on every worker through `llm.collective_rpc`. Only the path string
+crosses the process boundary: each worker streams the tensors from disk itself and hands them to
+`model_runner.reload_weights(..., is_checkpoint_format=True)`, which runs the model's own checkpoint
+loader (renames, QKV / gate-up fusing, TP sharding, and the CPU backend's weight repacking).
+vLLM's `weight_transfer` backends (NCCL, CUDA IPC, RDT) need GPUs and a live trainer connection; this
+pull path works from a shared filesystem on any device.
+
+Tied embeddings: the checkpoint has no `lm_head.weight`, so vLLM's layerwise reload processes only
+the embedding and puts the output layer's old kernel tensors back. On the CPU backend the output
+layer computes with a copy packed at load time (`dispatch_cpu_unquantized_gemm`), which then keeps
+serving the *old* embedding. After a reload of a tied model the output layer is therefore processed
+again, from the (shared, now updated) embedding weight. Checked by tests/integration/test_engine.py
+against Hugging Face greedy decoding of the reloaded weights.
+"""
+from __future__ import annotations
+
+
+class WeightReloadExtension:
+    """Methods added to vLLM's worker. `self.model_runner` is the worker's model runner."""
+
+    def rft_reload_weights(self, path: str) -> int:
+        """Load every tensor of the safetensors files in `path` into the running model; returns how many."""
+        from rft.weight_store import iter_safetensors
+
+        count = 0
+
+        def counted():
+            nonlocal count
+            for item in iter_safetensors(path):
+                count += 1
+                yield item
+
+        self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        self._reprocess_tied_output_layer()
+        return count
+
+    def _reprocess_tied_output_layer(self) -> None:
+        hf_config = self.model_runner.model_config.hf_text_config
+        lm_head = getattr(self.model_runner.get_model(), "lm_head", None)
+        quant_method = getattr(lm_head, "quant_method", None)
+        if getattr(hf_config, "tie_word_embeddings", False) and quant_method is not None:
+            quant_method.process_weights_after_loading(lm_head)

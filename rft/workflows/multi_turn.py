@@ -1,0 +1,169 @@
+"""multi_turn: the model and an environment take turns; environment tokens are masked out of the loss.
+
+Episode: prompt -> model turn -> environment observation -> model turn -> ... until the environment
+says done, `explorer.max_turns` model turns were taken, or the response budget
+(`model.max_response_len` tokens, model and environment tokens together) is spent.
+A sample's response is the concatenation of all turns. Model tokens have loss_mask 1 and their
+behaviour log-probs; environment tokens have loss_mask 0 and log-prob 0. The episode's reward is the
+configured reward of the *last* model turn (components add `turns`, the number of model turns).
+
+Environments are registered by name (`@register_environment`) or given as `package.module:Class`;
+an environment class is built per episode as `cls(task, reward)` and answers `step(model_text)`.
+Observations are raw text appended after the model's turn (chat templates are the environment's job).
+"""
+from __future__ import annotations
+
+import difflib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+from rft.explorer.engine import SamplingSettings
+from rft.schema import TaskRecord
+from rft.workflows import GroupResult, WorkflowError, build_sample, encode_prompt, import_by_path, register_workflow
+
+if TYPE_CHECKING:
+    from rft.config import Config
+    from rft.explorer.engine import Completion, Engine
+    from rft.rewards import Reward
+
+
+@dataclass(frozen=True)
+class EnvStep:
+    observation: str  # appended to the conversation (masked out of the loss); ignored when done
+    done: bool
+
+
+class Environment(Protocol):
+    def step(self, model_text: str) -> EnvStep: ...
+
+
+_ENVIRONMENTS: dict[str, Any] = {}
+
+
+def register_environment(name: str) -> Callable[[type], type]:
+    def decorate(cls: type) -> type:
+        if name in _ENVIRONMENTS:
+            raise WorkflowError(f"environment {name!r} is already registered")
+        _ENVIRONMENTS[name] = cls
+        return cls
+    return decorate
+
+
+def resolve_environment(spec: str) -> Any:
+    if spec in _ENVIRONMENTS:
+        return _ENVIRONMENTS[spec]
+    if ":" in spec:
+        return import_by_path(spec, "environment")
+    near = difflib.get_close_matches(spec, list(_ENVIRONMENTS), n=1)
+    hint = f" (did you mean '{near[0]}'?)" if near else ""
+    raise WorkflowError(f"unknown environment {spec!r}{hint}; registered: {', '.join(sorted(_ENVIRONMENTS))}")
+
+
+@register_environment("retry")
+class RetryEnvironment:
+    """Scores each model turn with the run's reward; a perfect score ends the episode, anything else
+    gets the score back and another try."""
+
+    def __init__(self, task: TaskRecord, reward: "Reward"):
+        self.task, self.reward = task, reward
+
+    def step(self, model_text: str) -> EnvStep:
+        score = self.reward.score([model_text], self.task)[0].score
+        return EnvStep(observation=f"\nscore {score:.2f}, try again:\n", done=score >= 1.0)
+
+
+@dataclass
+class _Episode:
+    """One sample's conversation so far."""
+    task_index: int
+    sample_index: int
+    prompt: list[int]
+    environment: Environment
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    last_text: str = ""
+    finish_reason: str = ""
+    turns: int = 0
+    done: bool = False
+
+    def add_model_turn(self, c: "Completion") -> None:
+        self.tokens += c.token_ids
+        self.logprobs += c.logprobs
+        self.mask += [1] * len(c.token_ids)
+        self.versions.append(c.weights_version)
+        self.last_text, self.finish_reason = c.text, c.finish_reason
+        self.turns += 1
+
+    def add_environment_turn(self, token_ids: list[int]) -> None:
+        self.tokens += token_ids
+        self.logprobs += [0.0] * len(token_ids)
+        self.mask += [0] * len(token_ids)
+
+
+@register_workflow("multi_turn")
+class MultiTurn:
+    def __init__(self, cfg: "Config", reward: "Reward"):
+        self.sampling = SamplingSettings.from_config(cfg)
+        self.max_prompt_len = cfg.model.max_prompt_len
+        self.max_response_len = cfg.model.max_response_len
+        self.max_turns = cfg.explorer.max_turns
+        self.environment_cls = resolve_environment(cfg.explorer.environment)
+        self.reward = reward
+
+    def explore(self, tasks: Sequence[TaskRecord], engine: "Engine") -> list[GroupResult]:
+        results = [GroupResult(task) for task in tasks]
+        episodes = []
+        for i, task in enumerate(tasks):
+            prompt = encode_prompt(engine, task, self.max_prompt_len)
+            if isinstance(prompt, str):
+                results[i].error = prompt
+                continue
+            episodes += [_Episode(i, k, prompt, self.environment_cls(task, self.reward)) for k in range(self.sampling.n)]
+        for turn in range(self.max_turns):
+            active = [e for e in episodes if not e.done]
+            if not active:
+                break
+            self._model_turn(active, engine)
+            for episode in active:
+                self._environment_turn(episode, engine, last_turn=turn == self.max_turns - 1)
+        self._score(episodes, tasks, results)
+        return results
+
+    def _model_turn(self, episodes: list[_Episode], engine: "Engine") -> None:
+        by_budget: dict[int, list[_Episode]] = defaultdict(list)
+        for e in episodes:
+            by_budget[min(self.sampling.max_tokens, self.max_response_len - len(e.tokens))].append(e)
+        for budget, batch in by_budget.items():
+            settings = SamplingSettings(n=1, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                                        max_tokens=budget)
+            generations = engine.generate([e.prompt + e.tokens for e in batch], settings)
+            for episode, generation in zip(batch, generations):
+                episode.add_model_turn(generation.completions[0])
+
+    def _environment_turn(self, episode: _Episode, engine: "Engine", *, last_turn: bool) -> None:
+        if last_turn or len(episode.tokens) >= self.max_response_len:
+            episode.done = True
+            return
+        step = episode.environment.step(episode.last_text)
+        observation = engine.encode(step.observation, add_special_tokens=False) if not step.done else []
+        # an observation must leave room for at least one model token
+        if step.done or len(episode.tokens) + len(observation) >= self.max_response_len:
+            episode.done = True
+            return
+        episode.add_environment_turn(observation)
+
+    def _score(self, episodes: list[_Episode], tasks: Sequence[TaskRecord], results: list[GroupResult]) -> None:
+        by_task: dict[int, list[_Episode]] = defaultdict(list)
+        for e in episodes:
+            by_task[e.task_index].append(e)
+        for i, group in by_task.items():
+            rewards = self.reward.score([e.last_text for e in group], tasks[i])
+            results[i].samples = [
+                build_sample(e.sample_index, prompt=e.prompt, tokens=e.tokens, logprobs=e.logprobs, loss_mask=e.mask,
+                             reward=r, finish_reason=e.finish_reason, metadata={"turns": e.turns},
+                             extra_components={"turns": float(e.turns)})
+                for e, r in zip(group, rewards)]
+            results[i].policy_version = min(v for e in group for v in e.versions)

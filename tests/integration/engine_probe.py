@@ -1,0 +1,54 @@
+"""Run in a subprocess by test_engine.py (vLLM's LLM must be built under __main__): starts one VLLMEngine on
+the given model, exercises it, and prints one JSON object with everything the test checks.
+
+argv: MODEL_DIR WORK_DIR
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main(model_dir: str, work_dir: str) -> dict:
+    import torch
+
+    from rft.explorer.engine import SamplingSettings, VLLMEngine
+    from rft.weight_store import WeightStore, iter_safetensors
+
+    started = time.monotonic()
+    engine = VLLMEngine(model_dir, max_model_len=128, cpu_kvcache_gb=0.25, seed=0)
+    out: dict = {"start_s": time.monotonic() - started}
+    prompts = [engine.encode(p) for p in (":3", ":8", "+1")]
+    out["prompts"] = prompts
+    sampled = engine.generate(prompts, SamplingSettings(n=4, temperature=0.8, top_p=1.0, max_tokens=12))
+    out["sampled"] = [[{"tokens": c.token_ids, "logprobs": c.logprobs, "text": c.text, "finish": c.finish_reason,
+                        "version": c.weights_version} for c in g.completions] for g in sampled]
+    out["sampled_prompt_ids"] = [g.prompt_token_ids for g in sampled]
+    nucleus = engine.generate(prompts, SamplingSettings(n=4, temperature=1.3, top_p=0.6, max_tokens=12))
+    out["nucleus"] = [[{"tokens": c.token_ids, "logprobs": c.logprobs} for c in g.completions] for g in nucleus]
+    greedy = SamplingSettings(n=1, temperature=0.0, max_tokens=12)
+    out["greedy_before"] = [g.completions[0].token_ids for g in engine.generate(prompts, greedy)]
+    out["judge_candidates"] = engine.encode("10", add_special_tokens=False)
+    out["judge_probs"] = engine.next_token_probs(prompts, out["judge_candidates"])
+
+    store = WeightStore(Path(work_dir) / "store")
+    generator = torch.Generator().manual_seed(1)
+    perturbed = {name: t + 0.3 * torch.randn(t.shape, generator=generator)
+                 for name, t in iter_safetensors(model_dir)}
+    path = store.publish(7, [perturbed], model_dir)
+    started = time.monotonic()
+    engine.load_weights(path, 7)
+    out["reload_s"] = time.monotonic() - started
+    out["weights_version"] = engine.weights_version
+    after = engine.generate(prompts, greedy)
+    out["greedy_after"] = [g.completions[0].token_ids for g in after]
+    out["version_after"] = [g.completions[0].weights_version for g in after]
+    out["store_path"] = str(path)
+    engine.close()
+    return out
+
+
+if __name__ == "__main__":
+    print("PROBE-RESULT " + json.dumps(main(sys.argv[1], sys.argv[2])), flush=True)

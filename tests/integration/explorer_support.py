@@ -1,0 +1,131 @@
+"""Shared by the explorer integration tests: a run config for the tiny model, explorers as `rft explorer`
+subprocesses, and readers that collect what explorers wrote to the experiences and control topics."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from rft.config import Config, load_config
+from rft.schema import ControlMessage, ExperienceGroup, decode
+from rft.transport import Admin, RecordSource
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_config(path: Path, *, run: str, bootstrap: str, model: Path, store: Path, partitions: int = 2,
+                 **explorer) -> Path:
+    """A small explore-mode run on the tiny model: copy_char tasks, one-token answers."""
+    raw = {
+        "run": {"name": run, "mode": "explore"},
+        "model": {"path": str(model), "max_prompt_len": 16, "max_response_len": 8},
+        "kafka": {"bootstrap_servers": bootstrap, "partitions": partitions},
+        "explorer": {"n_samples": 4, "max_tokens": 1, "tasks_per_batch": 2, "reward": "char_accuracy",
+                     "heartbeat_s": 1.0, "cpu_kvcache_gb": 0.1, **explorer},
+        "data": {"path": "copy_char", "format": "generated", "generated_tasks": 16},
+        "sync": {"weight_store": str(store)},
+    }
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def create_topics(cfg: Config) -> None:
+    admin = Admin(cfg.kafka, cfg.kafka.bootstrap_servers)
+    try:
+        admin.create_topics([cfg.topic(k) for k in ("tasks", "experiences", "control", "dead_letter")])
+    finally:
+        admin.close()
+
+
+def subprocess_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                PYTHONUNBUFFERED="1")
+
+
+def start_explorer(config: Path, explorer_id: str, log_dir: Path, *overrides: str, replicas: int = 1) -> subprocess.Popen:
+    """`rft explorer CONFIG --explorer-id ID [--replicas N]` in its own process group."""
+    sets = [a for o in overrides for a in ("--set", o)]
+    log = open(log_dir / f"{explorer_id}.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "rft.cli", "explorer", str(config), "--explorer-id", explorer_id,
+                             "--replicas", str(replicas), *sets], stdout=log, stderr=subprocess.STDOUT,
+                            env=subprocess_env(), start_new_session=True)
+
+
+def kill_tree(process: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal a process, its process group and every descendant (replicas run in sessions of their own)."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    for pid in [process.pid] + [d.pid for d in descendants]:
+        try:
+            os.killpg(pid, sig) if pid == process.pid else os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def log_tail(log_dir: Path, lines: int = 30) -> str:
+    out = []
+    for log in sorted(log_dir.glob("*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- {log.name}\n" + "\n".join(tail))
+    return "\n".join(out)
+
+
+class TopicReader:
+    """Everything written to one topic since the start, decoded; `wait_for` polls until a condition holds."""
+
+    def __init__(self, cfg: Config, topic: str):
+        self.source = RecordSource(cfg.kafka, cfg.kafka.bootstrap_servers)
+        self.source.assign([topic])
+        self.source.seek_to_beginning()
+        self.records: list = []
+        self.raw = []
+
+    def poll(self) -> None:
+        for m in self.source.poll(timeout_s=0.5):
+            self.raw.append(m)
+            try:
+                self.records.append(decode(m.value, m.headers))
+            except ValueError:
+                self.records.append(None)
+
+    def wait_for(self, condition: Callable[[], bool], *, timeout_s: float, what: str,
+                 alive: list[subprocess.Popen] = (), log_dir: Path | None = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            dead = [p.args for p in alive if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                reason = f"explorer exited: {dead}" if dead else f"timed out after {timeout_s:.0f} s"
+                raise AssertionError(f"waiting for {what}: {reason}\n{log_tail(log_dir) if log_dir else ''}")
+            self.poll()
+
+    def close(self) -> None:
+        self.source.close()
+
+
+class Experiences(TopicReader):
+    @property
+    def groups(self) -> list[ExperienceGroup]:
+        return [r for r in self.records if isinstance(r, ExperienceGroup)]
+
+    def by(self, explorer_id: str) -> list[ExperienceGroup]:
+        return [g for g in self.groups if g.explorer_id == explorer_id]
+
+
+class Control(TopicReader):
+    def messages(self, kind: str, sender: str | None = None) -> list[ControlMessage]:
+        return [r for r in self.records if isinstance(r, ControlMessage) and r.kind == kind
+                and (sender is None or r.sender == sender)]
+
+
+def load(config: Path) -> Config:
+    return load_config(config)

@@ -1,0 +1,58 @@
+"""`rft explorer` / `rft publish` refuse what they cannot serve, before starting an engine; explorer config checks."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from rft.cli import main as rft
+from rft.config import ConfigError, config_from_dict
+
+
+@pytest.fixture
+def config(tmp_path):
+    def write(**sections):
+        raw = {"model": {"path": str(tmp_path)}, **sections}
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        return str(path)
+    return write
+
+
+def test_explorer_needs_a_broker_address(config, capsys):
+    assert rft(["explorer", config()]) == 2
+    assert "kafka.bootstrap_servers is 'embedded'" in capsys.readouterr().err
+
+
+def test_explorer_refuses_modes_without_explorers(config, capsys):
+    assert rft(["explorer", config(run={"mode": "offline"}, kafka={"bootstrap_servers": "localhost:1"})]) == 2
+    assert "run.mode offline runs no explorers" in capsys.readouterr().err
+
+
+def test_explorer_replicas_must_be_positive(config, capsys):
+    assert rft(["explorer", config(kafka={"bootstrap_servers": "localhost:1"}), "--replicas", "0"]) == 2
+    assert "--replicas must be >= 1" in capsys.readouterr().err
+
+
+def test_publish_needs_a_broker_address(config, capsys):
+    assert rft(["publish", config()]) == 2
+    assert "publishing needs the run's broker address" in capsys.readouterr().err
+
+
+def test_invalid_explorer_config_exits_2_naming_the_key(config, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        rft(["explorer", config(explorer={"reward": "nope"})])
+    assert exit_info.value.code == 2
+    assert "explorer.reward: unknown reward 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("explorer,message", [
+    ({"max_turns": 0}, "explorer.max_turns: must be >= 1"),
+    ({"heartbeat_s": 0}, "explorer.heartbeat_s: must be > 0"),
+    ({"max_batch_s": -1}, "explorer.max_batch_s: must be > 0"),
+    ({"admission": "staleness"}, "explorer.admission: admission import path 'staleness' must look like package.module:name"),
+    ({"admission": "rft.staleness:nothing"}, "explorer.admission: .*has no callable 'nothing'"),
+    ({"engine": "sglang"}, "explorer.engine: must be one of vllm, transformers"),
+])
+def test_explorer_config_errors(explorer, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({"model": {"path": "unused"}, "explorer": explorer})

@@ -1,0 +1,84 @@
+"""WeightStore: atomic versions, LATEST only forward, garbage collection, round trip of tensors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rft.weight_store import WeightStore, WeightStoreError, iter_safetensors
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (d / "tokenizer.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"old weights, must not be copied")
+    return d
+
+
+def buckets(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [{"a.weight": torch.randn(3, 4, generator=g), "b.bias": torch.randn(4, generator=g)},
+            {"c.weight": torch.randn(2, 2, generator=g).t()}]  # non-contiguous on purpose
+
+
+def test_publish_round_trip_and_layout(tmp_path, hf_dir):
+    store = WeightStore(tmp_path / "store")
+    assert store.latest() is None
+    expected = {k: v.clone() for b in buckets(1) for k, v in b.items()}
+    path = store.publish(3, buckets(1), hf_dir)
+    assert path.name == "v00000003" and store.latest() == (3, path)
+    assert sorted(p.name for p in path.iterdir()) == [
+        "config.json", "model-00000.safetensors", "model-00001.safetensors", "model.safetensors.index.json",
+        "tokenizer.json"]
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {"a.weight": "model-00000.safetensors", "b.bias": "model-00000.safetensors",
+                                   "c.weight": "model-00001.safetensors"}
+    loaded = dict(store.iter_tensors(3))
+    assert loaded.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor)
+    assert dict(iter_safetensors(path)).keys() == expected.keys()
+    assert not [p for p in (tmp_path / "store").iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_latest_only_moves_forward_and_republish_is_idempotent(tmp_path, hf_dir):
+    store = WeightStore(tmp_path, keep=5)
+    store.publish(2, buckets(1), hf_dir)
+    store.publish(1, buckets(2), hf_dir)  # an older version published late
+    assert store.latest()[0] == 2
+    before = dict(store.iter_tensors(2))
+    store.publish(2, buckets(3), hf_dir)  # same number again: the first publish stands
+    assert all(torch.equal(before[k], v) for k, v in store.iter_tensors(2))
+
+
+def test_garbage_collection_keeps_newest(tmp_path, hf_dir):
+    store = WeightStore(tmp_path, keep=2)
+    for v in range(5):
+        store.publish(v, buckets(v), hf_dir)
+    assert store.versions() == [3, 4]
+    assert store.latest()[0] == 4
+    with pytest.raises(FileNotFoundError, match="version 0 is not there"):
+        store.iter_tensors(0)
+
+
+def test_failed_publish_leaves_nothing_visible(tmp_path, hf_dir):
+    store = WeightStore(tmp_path / "store")
+    duplicated = [{"a.weight": torch.zeros(1)}, {"a.weight": torch.ones(1)}]
+    with pytest.raises(WeightStoreError, match="'a.weight' appears in more than one bucket"):
+        store.publish(0, duplicated, hf_dir)
+    with pytest.raises(WeightStoreError, match="no config.json"):
+        store.publish(0, buckets(0), tmp_path / "nowhere")
+    with pytest.raises(WeightStoreError, match="no tensors"):
+        store.publish(0, [], hf_dir)
+    assert store.latest() is None and store.versions() == []
+    assert list((tmp_path / "store").iterdir()) == []
+
+
+def test_corrupt_latest_is_a_clear_error(tmp_path):
+    (tmp_path / "LATEST").write_text("garbage")
+    with pytest.raises(WeightStoreError, match="LATEST is corrupt"):
+        WeightStore(tmp_path).latest()

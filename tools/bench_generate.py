@@ -1,0 +1,128 @@
+"""`rft bench generate`: generation throughput of the explorer's vLLM engine vs Hugging Face `generate`.
+
+Same model, same prompts (toy `copy_char` prompts, all the same length, so HF needs no padding), same
+sampling (temperature, top-p, n samples per prompt, at most `--max-tokens` new tokens), one process.
+Each side generates the whole batch `--repeats` times after a short warm-up; tokens/s is the best
+repeat (the machine may be shared) and every repeat is reported. Tokens count up to and including EOS
+(what an explorer keeps). Engine start is reported, not timed. HF runs first: vLLM's CPU backend
+changes torch's thread settings when it starts. vLLM's log goes to stderr, so `--json` prints one line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _prompts(count: int, seed: int) -> list[str]:
+    from rft.workflows.toy_tasks import generate_rows
+    return [row["prompt"] for row in generate_rows("copy_char", count, seed=seed)]
+
+
+def _timed(generate, repeats: int) -> dict:
+    """Run `generate() -> tokens` `repeats` times; the best rate and every repeat's seconds."""
+    runs = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        tokens = generate()
+        runs.append((tokens, time.perf_counter() - started))
+    tokens, seconds = max(runs, key=lambda r: r[0] / r[1])
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "repeat_seconds": [round(s, 3) for _, s in runs]}
+
+
+def bench_transformers(model_dir: str, prompts: list[str], *, n: int, max_tokens: int, temperature: float,
+                       top_p: float, repeats: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts])
+    settings = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0, num_return_sequences=n,
+                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+
+    def generate() -> int:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, **settings)
+        return sum(_kept_length(row.tolist(), tokenizer.eos_token_id) for row in out[:, ids.shape[1]:])
+
+    with torch.no_grad():
+        model.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), max_new_tokens=2, **settings)  # warm-up
+    return {**_timed(generate, repeats), "torch_threads": torch.get_num_threads()}
+
+
+def _kept_length(row: list[int], eos: int) -> int:
+    return row.index(eos) + 1 if eos in row else len(row)
+
+
+def bench_vllm(model_dir: str, prompts: list[str], *, n: int, max_tokens: int, temperature: float, top_p: float,
+               cpu_kvcache_gb: float, in_process: bool | None, repeats: int) -> dict:
+    from rft.explorer.engine import SamplingSettings, VLLMEngine
+
+    started = time.perf_counter()
+    engine = VLLMEngine(model_dir, max_model_len=max_tokens + 16, cpu_kvcache_gb=cpu_kvcache_gb, in_process=in_process)
+    start_s = time.perf_counter() - started
+    encoded = [engine.encode(p) for p in prompts]
+    sampling = SamplingSettings(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+
+    def generate() -> int:
+        return sum(len(c.token_ids) for g in engine.generate(encoded, sampling) for c in g.completions)
+
+    try:
+        engine.generate(encoded[:2], SamplingSettings(n=n, temperature=temperature, top_p=top_p, max_tokens=2))
+        timed = _timed(generate, repeats)
+    finally:
+        engine.close()
+    return {**timed, "engine_start_s": start_s, "in_process": engine.in_process}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rft bench generate", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="HF model directory (default: a fresh tiny model)")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--cpu-kvcache-gb", type=float, default=0.5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per side (best one reported)")
+    parser.add_argument("--vllm-in-process", choices=["auto", "yes", "no"], default="auto",
+                        help="vLLM engine core in this process (explorer.vllm_in_process; auto: yes on CPU)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    with tempfile.TemporaryDirectory(prefix="rft-bench-") as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            from rft.tiny_model import make_tiny_model
+            model_dir = str(make_tiny_model(Path(tmp) / "tiny"))
+        prompts = _prompts(args.prompts, args.seed)
+        sampling = dict(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+        hf = bench_transformers(model_dir, prompts, repeats=args.repeats, **sampling)
+        in_process = {"auto": None, "yes": True, "no": False}[args.vllm_in_process]
+        vllm = bench_vllm(model_dir, prompts, cpu_kvcache_gb=args.cpu_kvcache_gb, in_process=in_process,
+                          repeats=args.repeats, **sampling)
+    result = {"model": args.model or "tiny (rft.tiny_model defaults)", "prompts": args.prompts, **sampling,
+              "repeats": args.repeats,
+              "vllm": vllm, "transformers": hf, "speedup": vllm["tokens_per_s"] / hf["tokens_per_s"]}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{args.prompts} prompts x {args.n} samples, <= {args.max_tokens} tokens, T={args.temperature}, "
+              f"top_p={args.top_p}")
+        for name in ("vllm", "transformers"):
+            r = result[name]
+            print(f"  {name:<13} {r['tokens']:>7} tokens  {r['seconds']:7.2f} s  {r['tokens_per_s']:10.0f} tokens/s")
+        print(f"  speedup       {result['speedup']:.1f}x (vLLM engine start {vllm['engine_start_s']:.1f} s, not timed; "
+              f"{'in-process' if vllm['in_process'] else 'separate'} engine core)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
