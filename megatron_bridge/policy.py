@@ -63,9 +63,15 @@ class MegatronPolicy:
 
     def __init__(self, hf_dir: str | Path, *, tp: int = 1, pp: int = 1, lr: float, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 seed: int = 0, dtype: str = "float32", reference: bool = False):
+                 seed: int = 0, dtype: str = "float32", reference: bool = False, temperature: float = 1.0):
+        """`temperature`: the sampling temperature of the explorers. Log-probs (and entropy) are those of
+        softmax(logits / temperature), the distribution the behaviour log-probs in the records come from, so
+        that importance ratios compare like with like."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (greedy sampling has no log-probs to train on), got {temperature}")
+        self.temperature = temperature
         if lr <= 0 or weight_decay < 0 or grad_clip < 0:
             raise ValueError(f"need lr > 0, weight_decay >= 0, grad_clip >= 0; got lr={lr} "
                              f"weight_decay={weight_decay} grad_clip={grad_clip}")
@@ -102,6 +108,7 @@ class MegatronPolicy:
         self.optimizer.zero_grad()
 
         def on_logits(logits, mb):
+            logits = self._tempered(logits)
             entropy = entropy_sum(logits, mb["loss_mask"], self.vocab_size) / mb["global_tokens"].clamp(min=1)
             loss, metrics = loss_fn(token_logprobs(logits, mb["target_ids"], self.vocab_size), mb)
             reserved = sorted(set(metrics) & set(POLICY_METRICS))
@@ -138,9 +145,13 @@ class MegatronPolicy:
         with torch.no_grad():
             results = schedule.run(
                 models, micro_batches,
-                lambda logits, mb: token_logprobs(logits, mb["target_ids"], self.vocab_size), forward_only=True)
+                lambda logits, mb: token_logprobs(self._tempered(logits), mb["target_ids"], self.vocab_size),
+                forward_only=True)
         return [_from_last_stage(results[i] if results else None, tuple(mb["target_ids"].shape))
                 for i, mb in enumerate(micro_batches)]
+
+    def _tempered(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.temperature == 1.0 else logits / self.temperature
 
     def _sum_over_replicas(self, per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """Sum metric dicts over micro-batches (last stage), then data-parallel ranks; same dict everywhere."""

@@ -88,7 +88,7 @@ class ExplorerConfig:
                            "Is the response correct? Answer Yes or No.\nAnswer:")
     judge_yes: str = " Yes"  # reward judge: the single token that means correct
     judge_no: str = " No"  # reward judge: the single token that means wrong
-    admission: str = "all"  # all, or package.module:factory taking (config, explorer_id) -> Admission
+    admission: str = "staleness"  # staleness (the mode's bound, fleet-wide), all, or package.module:factory(config, explorer_id)
     heartbeat_s: float = 5.0  # seconds between explorer heartbeats on the control topic
     max_batch_s: float = 300.0  # longest one batch may take before the consumer group presumes the explorer dead
 
@@ -108,7 +108,7 @@ class ExplorerConfig:
             check_workflow_config(self)
         except (RewardError, WorkflowError) as e:
             raise ConfigError(str(e)) from None
-        if self.admission != "all":
+        if self.admission not in ("all", "staleness"):
             try:
                 import_object(self.admission, what="admission")
             except RewardError as e:
@@ -301,7 +301,11 @@ def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
             kwargs[f.name] = _coerce(hints[f.name], raw[f.name], source, path)
         elif dataclasses.is_dataclass(hints[f.name]):
             kwargs[f.name] = _build(hints[f.name], {}, source, path)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # a section's own checks (__post_init__) know the key, not the file
+        message = str(e)
+        raise ConfigError(message if message.startswith(source) else f"{source}: {message}") from None
 
 
 def _coerce(tp: Any, value: Any, source: str, path: str) -> Any:

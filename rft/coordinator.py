@@ -48,10 +48,16 @@ class FleetView:
     trainer_offsets: dict[str, int] = field(default_factory=dict)
     explorers_seen: dict[str, float] = field(default_factory=dict)  # explorer id -> time of its last message
     finished: bool = False
+    trainer_time: float = 0.0  # created_at of the trainer message in force
 
     def apply(self, message: ControlMessage, now: float) -> None:
+        """Messages arrive in partition order, not time order: a trainer message older than the one in force
+        is ignored, so the view never goes back in time."""
         body = message.body
         if message.sender == "trainer":
+            if message.created_at < self.trainer_time:
+                return
+            self.trainer_time = message.created_at
             if message.kind in ("weights", "trainer_started", "trainer_waiting"):
                 self.trainer_version = int(body.get("version", self.trainer_version))
                 self.trainer_offsets = {str(k): int(v) for k, v in body.get("offsets", {}).items()}
@@ -72,17 +78,12 @@ class FleetAdmission:
     now under the formula in the module docstring. Not thread-safe: call from the explorer loop."""
 
     def __init__(self, cfg: Config, explorer_id: str, *, source=None, refresh_s: float = 0.5):
-        from rft.transport import RecordSource
-
         self.cfg, self.explorer_id = cfg, explorer_id
         self.bound = staleness_bound(cfg.run.mode, cfg.run.max_staleness)
         self.view = FleetView()
         self.refresh_s = refresh_s
         self._last_refresh = 0.0
-        self._source = source or RecordSource(cfg.kafka, cfg.kafka.bootstrap_servers,
-                                              client_id=f"{explorer_id}-admission")
-        self._source.assign([cfg.topic("control")])
-        self._source.seek(self._source.beginning_offsets(cfg.topic("control")))
+        self._source = source or self._open_source()
         self._experience_ends: dict[str, int] = {}
         self.explorer_version = 0
 
@@ -108,10 +109,36 @@ class FleetAdmission:
         consumed = self.view.trainer_offsets
         return sum(max(0, end - consumed.get(key, 0)) for key, end in self._experience_ends.items())
 
+    def _open_source(self):
+        """A source on the control topic from its beginning (the view is rebuilt by replaying it)."""
+        from rft.transport import RecordSource
+
+        source = RecordSource(self.cfg.kafka, self.cfg.kafka.bootstrap_servers,
+                              client_id=f"{self.explorer_id}-admission")
+        source.assign([self.cfg.topic("control")])
+        source.seek(source.beginning_offsets(self.cfg.topic("control")))
+        return source
+
     def _refresh(self) -> None:
+        """Read new control messages and the experiences topic's end. On a transport failure the last view
+        is kept and the source is rebuilt (admission errs on the side of waiting, never of overshooting)."""
+        from rft.transport import TransportError
+
         if time.monotonic() - self._last_refresh < self.refresh_s:
             return
         self._last_refresh = time.monotonic()
+        try:
+            self._read_control()
+            self._experience_ends = self._source.end_offsets(self.cfg.topic("experiences"))
+        except TransportError as e:
+            log.warning("admission: %s; reconnecting", e)
+            old, self._source = self._source, self._open_source()
+            try:
+                old.close()
+            except Exception:
+                pass
+
+    def _read_control(self) -> None:
         now = time.time()
         for m in self._source.poll(timeout_s=0, max_records=10_000):
             if m.topic != self.cfg.topic("control"):
@@ -122,7 +149,6 @@ class FleetAdmission:
                 continue
             if isinstance(message, ControlMessage):
                 self.view.apply(message, now)
-        self._experience_ends = self._source.end_offsets(self.cfg.topic("experiences"))
 
     def close(self) -> None:
         self._source.close()

@@ -59,6 +59,11 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", hidden_size: in
                                    bos_token="<bos>", unk_token="<pad>")
     fast.chat_template = None
     fast.save_pretrained(out)
+    # Keep transformers' AutoTokenizer on this exact tokenizer (for a qwen2 config it would otherwise pick
+    # Qwen2Tokenizer, whose byte-level pre-tokenizer drops spaces and newlines of a character vocabulary).
+    tok_config = out / "tokenizer_config.json"
+    tok_config.write_text(json.dumps({**json.loads(tok_config.read_text()),
+                                      "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
     (out / "rft_tiny_model.json").write_text(json.dumps({"arch": arch, "seed": seed}) + "\n")
     return out
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
-from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
+from kafka.errors import KafkaError, KafkaTimeoutError, OffsetOutOfRangeError, TopicAlreadyExistsError
 
 from rft.config import KafkaConfig
 from rft.schema import HEADER_ERROR, RecordError, encode
@@ -36,12 +36,22 @@ HEADER_ORIGIN = "rft-origin"
 _OVERHEAD_BYTES = 64 * 1024  # room for the batch and header framing around one maximal record
 
 
+_STUCK_CALL_S = 20.0
+
+
+class StuckClientError(RuntimeError):
+    """A kafka-python call that would have blocked forever (see `_nudge_stuck_waits`). Not a KafkaError, so
+    that kafka-python's own handlers (which swallow KafkaTimeoutError in poll) let it through."""
+
+
 def _nudge_stuck_waits() -> None:
     """Work around a kafka-python 3.0.x hang (dpkp/kafka-python#3121, fixed upstream by #3123/#3124, not in
     3.0.12, the newest release): a caller thread blocks in `NetworkSelector.run()` on `event.wait()` with no
     timeout while the IO thread sits idle in select(), so `poll(timeout_ms=500)` never returns. Seen here: the
-    trainer's feed hung in poll mid-run. This is kafka-python's own run() with one change: the caller waits in
-    one-second slices and wakes the IO loop between them."""
+    trainer's feed hung in poll, an explorer in end_offsets. This is kafka-python's own run() with two changes:
+    the caller waits in one-second slices and wakes the IO loop between them, and gives up after
+    `_STUCK_CALL_S` (a timed wait: after its own timeout) with StuckClientError. RecordSource turns that into
+    TransportError; callers that hold their own positions (the trainer's feed, admission) reconnect."""
     from kafka.net import selector
 
     if getattr(selector.NetworkSelector.run, "_rft_nudged", False):
@@ -68,7 +78,16 @@ def _nudge_stuck_waits() -> None:
         with self._pending_waiters_lock:
             self._pending_waiters[event] = state
         self.call_soon_threadsafe(waiter)
-        while not event.wait(1.0):
+        limit_s = _STUCK_CALL_S
+        if getattr(coro, "__name__", "") == "wait_for" and args and isinstance(args[-1], (int, float)):
+            limit_s = args[-1] / 1000 + 2.0  # a timed wait (poll's fetch wait): its own timeout, plus slack
+        deadline = time.monotonic() + limit_s
+        while not event.wait(min(1.0, limit_s)):
+            if time.monotonic() > deadline:
+                with self._pending_waiters_lock:
+                    self._pending_waiters.pop(event, None)
+                raise StuckClientError(f"kafka-python call {getattr(coro, '__name__', coro)} did not complete "
+                                       f"in {limit_s:.1f} s (dpkp/kafka-python#3121)")
             self.wakeup()
         if state["exception"] is not None:
             raise state["exception"]
@@ -166,6 +185,15 @@ class RecordSink:
         self._producer.close()
 
 
+def _reset_policy(group: str | None, from_beginning: bool) -> str:
+    """Group-less sources hold their own positions and never jump: Tansu reports a partition's end as its last
+    batch's base offset + 1, so a consumer past it gets OFFSET_OUT_OF_RANGE, and kafka-python's reset policy
+    would rewind it to the beginning. With "none" the error reaches `poll`, which stays put and retries."""
+    if group is None:
+        return "none"
+    return "earliest" if from_beginning else "latest"
+
+
 class RecordSource:
     """Consumes raw records. `group` joins a consumer group (subscribe); without one, partitions are
     assigned explicitly with `assign()` / `seek()` (replay, trainer with stored offsets)."""
@@ -174,7 +202,7 @@ class RecordSource:
                  topics: Iterable[str] = (), client_id: str = "rft", from_beginning: bool = True,
                  group_instance_id: str | None = None):
         settings = dict(_client_settings(cfg, bootstrap), client_id=client_id, group_id=group,
-                        enable_auto_commit=False, auto_offset_reset="earliest" if from_beginning else "latest",
+                        enable_auto_commit=False, auto_offset_reset=_reset_policy(group, from_beginning),
                         session_timeout_ms=cfg.session_timeout_ms, max_poll_interval_ms=cfg.max_poll_interval_ms,
                         heartbeat_interval_ms=max(500, cfg.session_timeout_ms // 4),
                         max_partition_fetch_bytes=max(1 << 20, cfg.max_record_bytes + _OVERHEAD_BYTES),
@@ -192,11 +220,30 @@ class RecordSource:
 
     # -- reading
     def poll(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[Message]:
-        batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        """Records in (topic, partition, offset) order. TransportError if the client is wedged (see
+        `_nudge_stuck_waits`): the caller reconnects from the positions it keeps."""
+        try:
+            batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+            if not batches:
+                self._unstick_validation()
+        except OffsetOutOfRangeError as e:
+            for tp, offset in e.args[0].items():  # see _reset_policy: stay at the position and try again
+                self._consumer.seek(tp, offset)
+            time.sleep(min(timeout_s, 0.2))
+            return []
+        except (KafkaTimeoutError, StuckClientError) as e:
+            raise TransportError(f"poll: {e}") from None
         out = [Message(r.topic, r.partition, r.offset, r.key, r.value, list(r.headers or []), r.timestamp)
                for records in batches.values() for r in records]
         out.sort(key=lambda m: (m.topic, m.partition, m.offset))
         return out
+
+    def _unstick_validation(self) -> None:
+        """kafka-python 3.0.12 can stop fetching a partition whose position awaits leader-epoch validation
+        (dpkp/kafka-python#3106: poll() schedules the validation but never waits for it, and keeps returning
+        nothing). position() waits for it; seen here as a trainer starving beside a full experiences topic."""
+        for tp in self._consumer.assignment():
+            self._consumer.position(tp)
 
     def __iter__(self) -> Iterator[Message]:
         while True:
@@ -251,8 +298,11 @@ class RecordSource:
         the last batch + 1 instead of the high watermark, so a batch of 10 records reads as end 1.
         On Apache Kafka the probe only confirms what the broker said."""
         tps = self.partitions(topic)
-        reported = self._consumer.end_offsets(tps)
-        starts = self._consumer.beginning_offsets(tps)
+        try:
+            reported = self._consumer.end_offsets(tps)
+            starts = self._consumer.beginning_offsets(tps)
+        except (KafkaTimeoutError, StuckClientError) as e:
+            raise TransportError(f"end_offsets({topic!r}): {e}") from None
         probe_at = {tp: o - 1 for tp, o in reported.items() if o > starts[tp]}
         true_ends = {tp: max(o, starts[tp]) for tp, o in reported.items()}
         if probe_at:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -86,9 +87,13 @@ class AdmitAll:
 
 
 def build_admission(cfg: Config, explorer_id: str) -> Admission:
-    """`explorer.admission`: `all`, or `package.module:factory` called as factory(cfg, explorer_id)."""
+    """`explorer.admission`: `staleness` (the run mode's bound, fleet-wide: rft/coordinator.py), `all`, or
+    `package.module:factory` called as factory(cfg, explorer_id)."""
     if cfg.explorer.admission == "all":
         return AdmitAll()
+    if cfg.explorer.admission == "staleness":
+        from rft.coordinator import FleetAdmission
+        return FleetAdmission(cfg, explorer_id)
     from rft.rewards import import_object
     return import_object(cfg.explorer.admission, what="explorer.admission")(cfg, explorer_id)
 
@@ -150,6 +155,7 @@ class ExplorerStats:
     groups: int = 0
     batches: int = 0
     dead_letters: int = 0
+    admission_waits: int = 0  # polls in which admission control let no task start (waiting for the trainer)
     partitions: list[int] = dataclasses.field(default_factory=list)
 
 
@@ -252,6 +258,7 @@ class Explorer:
             return 0
         admitted = self._admit(messages)
         if not admitted:
+            self.stats.admission_waits += 1
             time.sleep(IDLE_SLEEP_S)
             return 0
         sources, tasks = self._decode(admitted)
@@ -331,6 +338,7 @@ class Explorer:
 
     def close(self, reason: str) -> None:
         self._heartbeat_stop.set()
+        log.info("final stats: %s", json.dumps(dataclasses.asdict(self.stats)))
         try:
             self.announce("explorer_leave", reason=reason, groups=self.stats.groups)
             self.sink.flush(timeout_s=10)

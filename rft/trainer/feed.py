@@ -17,12 +17,15 @@ Not thread-safe; one feed per trainer (global rank 0 reads, then broadcasts).
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from rft.schema import ExperienceGroup, RecordError, decode_group
-from rft.transport import DeadLetter, Message, RecordSink, RecordSource
+from rft.transport import DeadLetter, Message, RecordSink, RecordSource, TransportError
+
+log = logging.getLogger(__name__)
 
 
 class FeedTimeout(TimeoutError):
@@ -90,8 +93,11 @@ Admit = Callable[[ExperienceGroup], Optional[str]]
 
 class ExperienceFeed:
     def __init__(self, source: RecordSource, *, topic: str, run_id: str | None, dead_letter: DeadLetter,
-                 state: FeedState | None = None, window: ReplayWindow | None = None):
-        """`run_id=None` accepts records of any run (replaying another run's topic)."""
+                 state: FeedState | None = None, window: ReplayWindow | None = None,
+                 reconnect: Callable[[], RecordSource] | None = None):
+        """`run_id=None` accepts records of any run (replaying another run's topic). `reconnect` makes a new
+        source when the current one fails (TransportError); the feed re-seeks it to its own state."""
+        self.reconnect = reconnect
         self.source, self.topic, self.run_id, self.dead_letter = source, topic, run_id, dead_letter
         self.window = window
         self.state = state or FeedState()
@@ -132,16 +138,37 @@ class ExperienceFeed:
         return batch
 
     def _poll(self) -> list[Message]:
-        messages = self.source.poll(timeout_s=0.5)
+        try:
+            messages = self.source.poll(timeout_s=0.5)
+        except TransportError as e:
+            if self.reconnect is None:
+                raise
+            log.warning("experience feed: %s; reconnecting at %s", e, self.state.offsets)
+            self._reopen()
+            return []
         if self.window is not None:  # records at or past a partition's stop are never consumed
             messages = [m for m in messages if m.offset < self.window.stop.get(m.position, 0)]
         return messages
+
+    def _reopen(self) -> None:
+        """A fresh source positioned at what has been consumed (records polled but not consumed are
+        dropped from the buffer and read again)."""
+        old, self.source = self.source, self.reconnect()
+        self._buffer.clear()
+        self.source.assign([self.topic])
+        self.source.seek(self.state.offsets)
+        try:
+            old.close()
+        except Exception as e:  # the wedged client may not close cleanly; it is abandoned either way
+            log.warning("closing the old experience source failed: %s", e)
 
     def _window_done(self) -> bool:
         return self.window is not None and all(
             self.state.offsets.get(k, 0) >= stop for k, stop in self.window.stop.items())
 
     def _consume(self, message: Message, batch: Batch, admit: Admit) -> str | None:
+        if message.offset < self.state.offsets.get(message.position, 0):
+            return "already_consumed"  # a client that rewound (it should not): never consume twice
         self.state.offsets[message.position] = message.offset + 1
         if self.window is not None and not self.window.contains_time(message.timestamp_ms):
             return "out_of_window"
@@ -172,10 +199,13 @@ def open_feed(kafka_cfg, bootstrap: str, *, topic: str, dead_letter_topic: str, 
               state: FeedState | None = None, window: ReplayWindow | None = None,
               client_id: str = "rft-trainer") -> tuple[ExperienceFeed, RecordSink, RecordSource]:
     """Build a feed with its own source and dead-letter sink; the caller closes both."""
-    source = RecordSource(kafka_cfg, bootstrap, client_id=client_id)
+    def new_source() -> RecordSource:
+        return RecordSource(kafka_cfg, bootstrap, client_id=client_id)
+
+    source = new_source()
     sink = RecordSink(kafka_cfg, bootstrap, client_id=f"{client_id}-dlq")
     feed = ExperienceFeed(source, topic=topic, run_id=run_id, dead_letter=DeadLetter(sink, dead_letter_topic),
-                          state=state, window=window)
+                          state=state, window=window, reconnect=new_source)
     return feed, sink, source
 
 

@@ -72,7 +72,8 @@ class Trainer:
         self.policy = MegatronPolicy(cfg.model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, lr=t.lr,
                                      weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                                      betas=(t.adam_beta1, t.adam_beta2), seed=cfg.run.seed, dtype=cfg.model.dtype,
-                                     reference=self.algorithm.needs_reference)
+                                     reference=self.algorithm.needs_reference,
+                                     temperature=cfg.explorer.temperature or 1.0)  # 0 = greedy: untempered
         self.staleness = StalenessTracker(mode=cfg.run.mode, max_staleness=cfg.run.max_staleness)
         self.is_reader = dist_io.rank() == 0
         self.checkpoints = CheckpointDir(cfg.run_dir)
@@ -96,7 +97,7 @@ class Trainer:
         cfg = self.cfg
         offline = cfg.run.mode == "offline"
         topic = (cfg.replay.topic or cfg.topic("experiences")) if offline else cfg.topic("experiences")
-        self.feed, self._dlq_sink, self._source = open_feed(
+        self.feed, self._dlq_sink, _ = open_feed(
             cfg.kafka, cfg.kafka.bootstrap_servers, topic=topic, dead_letter_topic=cfg.topic("dead_letter"),
             run_id=None if offline else cfg.run.name, state=feed_state, client_id=f"{cfg.run.name}-trainer",
             window=self._replay_window(topic) if offline else None)
@@ -171,7 +172,7 @@ class Trainer:
             try:
                 batch = self.feed.next_batch(self.cfg.trainer.groups_per_step,
                                              admit=lambda g: self._admit(g, step),
-                                             timeout_s=self.cfg.trainer.poll_timeout_s)
+                                             timeout_s=self.cfg.trainer.poll_timeout_s, on_wait=self._waiting)
             except EndOfReplay as end:
                 batch, exhausted = end.batch, True
             raw, skipped = [m.value for m in batch.messages], dict(batch.skipped)
@@ -254,7 +255,7 @@ class Trainer:
             self.metrics.close()
             self.control.close()
             self._dlq_sink.close()
-            self._source.close()
+            self.feed.source.close()
         self.policy.close()
 
 
