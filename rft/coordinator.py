@@ -25,7 +25,8 @@ v_explorer is consumed at step v_trainer + backlog / B + 1 at the latest, so its
 The trainer announces its consumed offsets after every step and, while it waits for data, every few seconds
 (kind `trainer_waiting`), so records it skipped (stale, duplicate) never block admission. Each of the n live
 explorers (seen on the control topic within three heartbeat intervals) may start capacity / n rollouts, so the
-fleet as a whole never starts more than the capacity. A restarted trainer announces its rewound offsets, the
+fleet as a whole never starts more than the capacity; between two reads of the topic's end (every
+`refresh_s`) an explorer also counts what it admitted itself meanwhile. A restarted trainer announces its rewound offsets, the
 backlog grows by what it will consume again, and admission tightens by itself.
 """
 from __future__ import annotations
@@ -85,6 +86,7 @@ class FleetAdmission:
         self._last_refresh = 0.0
         self._source = source or self._open_source()
         self._experience_ends: dict[str, int] = {}
+        self._admitted_unseen = 0  # admitted since the experiences topic's end was last read
         self.explorer_version = 0
 
     def set_version(self, version: int) -> None:
@@ -97,8 +99,10 @@ class FleetAdmission:
         self._refresh()
         now = time.time()
         explorers = max(1, self.view.live_explorers(now, 3 * self.cfg.explorer.heartbeat_s))
-        share = self.capacity() // explorers
-        return max(0, min(n, share))
+        share = self.capacity() // explorers - self._admitted_unseen
+        admitted = max(0, min(n, share))
+        self._admitted_unseen += admitted
+        return admitted
 
     def capacity(self) -> int:
         """Groups the whole fleet may still start (see the module docstring)."""
@@ -130,6 +134,7 @@ class FleetAdmission:
         try:
             self._read_control()
             self._experience_ends = self._source.end_offsets(self.cfg.topic("experiences"))
+            self._admitted_unseen = 0  # the explorer produces synchronously: what it admitted is in the topic now
         except TransportError as e:
             log.warning("admission: %s; reconnecting", e)
             old, self._source = self._source, self._open_source()

@@ -1,0 +1,64 @@
+"""Fleet-wide admission (rft/coordinator.py) against the real broker: capacity follows
+(k + v_explorer + 1) * B - (v_trainer * B + backlog), the trainer's newest announcement wins whatever partition
+it arrived on, live explorers share the capacity, and what an explorer admitted counts until the topic shows it."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rft.config import config_from_dict
+from rft.coordinator import FleetAdmission
+from rft.schema import ControlMessage, encode
+from rft.transport import Admin, RecordSink
+from tests.records import make_group
+
+pytestmark = pytest.mark.integration
+
+
+def test_capacity_follows_versions_and_backlog(bootstrap, topic_prefix, tiny_model):
+    cfg = config_from_dict({
+        "run": {"name": topic_prefix, "mode": "off_policy", "max_staleness": 1},
+        "model": {"path": str(tiny_model)},
+        "kafka": {"bootstrap_servers": bootstrap, "partitions": 2},
+        "trainer": {"groups_per_step": 4},
+        "explorer": {"heartbeat_s": 5.0},
+    })
+    Admin(cfg.kafka, bootstrap).create_topics([cfg.topic("control")])
+    Admin(cfg.kafka, bootstrap).create_topics([cfg.topic("experiences")], partitions=1)
+    sink = RecordSink(cfg.kafka, bootstrap)
+    experiences = cfg.topic("experiences")
+    for i in range(10):
+        sink.send_record(experiences, make_group(topic_prefix, i), key=f"g{i}")
+    older, newer = time.time() - 10, time.time()
+    # the newer announcement goes to partition 0, the older one to partition 1: partition order != time order
+    for partition, (version, consumed, created) in ((0, (2, 8, newer)), (1, (1, 4, older))):
+        message = ControlMessage(kind="weights", sender="trainer", created_at=created,
+                                 body={"version": version, "offsets": {f"{experiences}:0": consumed}})
+        value, headers = encode(message)
+        sink.send(cfg.topic("control"), value, headers=headers, partition=partition)
+    for other in ("explorer-a", "explorer-b"):
+        sink.send_record(cfg.topic("control"), ControlMessage(kind="explorer_join", sender=other,
+                                                              body={"explorer_id": other}))
+    sink.flush()
+
+    admission = FleetAdmission(cfg, "me", refresh_s=0.0)
+    admission.set_version(2)
+    deadline = time.monotonic() + 20
+    while admission.view.trainer_version != 2 and time.monotonic() < deadline:
+        admission.admit(0)
+        time.sleep(0.2)
+    assert admission.view.trainer_version == 2 and admission.view.trainer_offsets == {f"{experiences}:0": 8}
+    assert admission.backlog() == 2  # 10 produced, 8 consumed
+    assert admission.capacity() == (1 + 2 + 1) * 4 - (2 * 4 + 2)  # = 6
+    assert admission.admit(10) == 3  # two live explorers share 6
+
+    admission.set_version(1)  # an explorer one version behind may start fewer
+    assert admission.capacity() == (1 + 1 + 1) * 4 - (2 * 4 + 2)
+
+    admission.refresh_s = 3600  # no new read of the topic's end: own admissions count meanwhile
+    admission.set_version(2)
+    admission._admitted_unseen = 0
+    assert admission.admit(10) == 3 and admission.admit(10) == 0
+    admission.close()
+    sink.close()
