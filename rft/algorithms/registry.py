@@ -8,11 +8,12 @@ with a message that says what is wrong.
 from __future__ import annotations
 
 import difflib
-import importlib
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
+
+from rft.imports import import_object
 
 if TYPE_CHECKING:
     from rft.config import AlgorithmConfig
@@ -61,7 +62,7 @@ def register(name: str):
 def resolve_algorithm(name: str) -> Callable[["AlgorithmConfig"], Algorithm]:
     """The class or factory for `name` (a registered key or `pkg.mod:obj`); ValueError saying why not."""
     if ":" in name:
-        return _import_object(name)
+        return import_object(name, what="algorithm.name")
     if name not in ALGORITHMS:
         near = difflib.get_close_matches(name, ALGORITHMS, n=1)
         hint = f"did you mean {near[0]!r}? " if near else ""
@@ -79,24 +80,6 @@ def build_algorithm(cfg: "AlgorithmConfig") -> Algorithm:
         raise ValueError(f"algorithm.name: {cfg.name!r} built a {type(algorithm).__name__} without "
                          f"{', '.join(missing)} (see rft.algorithms.Algorithm)")
     return algorithm
-
-
-def _import_object(path: str) -> Any:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"algorithm.name: import path {path!r} must look like 'package.module:object'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"algorithm.name: cannot import module {module_name!r} from {path!r}: {e}") from None
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"algorithm.name: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"algorithm.name: {path!r} is a {type(obj).__name__}, not a class or factory")
-    return obj
 
 
 def zero_advantages(rewards_per_group: Sequence[np.ndarray]) -> list[np.ndarray]:

@@ -20,10 +20,11 @@ Rewards are chosen by name from the registry (`explorer.reward`), or by import p
 from __future__ import annotations
 
 import difflib
-import importlib
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+from rft.imports import import_object as _import_object
 
 if TYPE_CHECKING:
     from rft.config import Config, ExplorerConfig
@@ -145,18 +146,8 @@ def resolve(spec: str) -> tuple[str, Any]:
 
 
 def import_object(spec: str, *, what: str) -> Any:
-    """Import `package.module:attr` and return the attribute; errors name the spec."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise RewardError(f"{what} import path {spec!r} must look like package.module:name")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise RewardError(f"{what} import path {spec!r}: cannot import {module_name!r}: {e}") from None
-    obj = getattr(module, attr, None)
-    if obj is None or not callable(obj):
-        raise RewardError(f"{what} import path {spec!r}: {module_name} has no callable {attr!r}")
-    return obj
+    """`rft.imports.import_object` raising RewardError (what the explorer config checks catch)."""
+    return _import_object(spec, what=what, error=RewardError)
 
 
 def check_reward_config(explorer: "ExplorerConfig") -> None:
