@@ -162,7 +162,9 @@ class SyncConfig:
     weight_store: str = ""  # empty: <run dir>/weights
     bucket_mb: int = 64
     keep_versions: int = 2
-    timeout_s: float = 120.0
+    timeout_s: float = 120.0  # push: longest wait for the fleet to join, and for one version to be delivered
+    push_host: str = ""  # push: the address explorers reach the trainer's publishing rank at (empty: this host's IP)
+    push_port: int = 0  # push: the group's TCP port on that host (0: a free one, announced on the control topic)
 
 
 @dataclass
@@ -384,6 +386,8 @@ def _check_semantics(cfg: Config, source: str) -> None:
             f"must be non-empty letters, digits, '.', '_' or '-' (it names topics and directories); got {cfg.run.name!r}")
     require(cfg.run.mode in ("offline", "train") or cfg.explorer.replicas >= 1 or cfg.run.mode == "explore",
             "explorer.replicas", f"mode {cfg.run.mode} needs at least one explorer")
+    require(cfg.sync.method != "push" or cfg.run.mode in ("offline", "train") or cfg.explorer.replicas >= 1,
+            "sync.method", "push needs a fixed fleet: set explorer.replicas to the number of explorers")
     require(bool(cfg.model.path), "model.path", "required: a Hugging Face model directory")
     _check_model_shape(cfg, source, require)
     _check_registered_names(cfg, source)

@@ -1,8 +1,12 @@
-"""The coordinator: how explorers learn the run's state, and how bounded staleness is enforced fleet-wide.
+"""The coordinator: how explorers get weights and learn the run's state, and how bounded staleness is enforced
+fleet-wide.
 
-Where the weight-broadcast role lives: in the trainer's publishing rank (global rank 0). After each optimizer
-step s it writes version s to the weight store and then announces it on the control topic (kind `weights`,
-body: version, path, and the trainer's consumed offsets). Ordering contract of the pull path:
+Where the weight-broadcast role lives: in the trainer's publishing rank (global rank 0), as `WeightCoordinator`.
+After each optimizer step s the trainer streams version s in HF layout (megatron_bridge buckets) to it, and it
+delivers the version by the configured path (`sync.method`):
+
+Pull (elastic fleets, the default). Version s is written to the weight store, then announced on the control
+topic (kind `weights`, body: version, path, and the trainer's consumed offsets). Ordering contract:
   1. a version directory is complete (written to a temporary name, renamed) before LATEST points to it, and
      LATEST is updated before the announcement is sent;
   2. a published version is never rewritten; the store keeps the newest `sync.keep_versions`, so an explorer
@@ -11,6 +15,18 @@ body: version, path, and the trainer's consumed offsets). Ordering contract of t
      nothing with old weights), and before every batch;
   4. every experience group carries the version that generated it; the trainer, not the explorer, has the
      last word on staleness (it drops and counts what exceeds the bound).
+
+Push (fixed fleets: `explorer.replicas` engines of `explorer.tensor_parallel_size` workers). The coordinator hosts
+a process group (rft.weight_push; gloo on CPU, NCCL on GPU) and announces it (kind `push_group`) every few seconds
+until every engine worker has joined, at most `sync.timeout_s`. Then, per version:
+  1. it announces `weights_push` {group_id, version, offsets} and broadcasts the buckets;
+  2. explorers take part between two batches (never during generation), load the tensors in place and ack;
+  3. the broadcast returns after every member acked: only then does the trainer start the next step (the
+     buffers may be reused), and each explorer resumes generating with the version it just acked.
+  If the group cannot be formed in time, or a push fails or times out (an explorer died: a fixed group cannot
+  lose a member), the coordinator announces `push_abandoned` and uses the pull path for the rest of the run,
+  starting with the version whose push failed; explorers then pull. A restarted trainer forms a new group
+  (new group_id); explorers leave the old one and join it.
 
 Admission control (`FleetAdmission`, selected by `explorer.admission: staleness`, the default) follows AReaL's
 staleness manager, fleet-wide: with B = trainer.groups_per_step and k the staleness bound of the mode,
@@ -32,8 +48,11 @@ backlog grows by what it will consume again, and admission tightens by itself.
 from __future__ import annotations
 
 import logging
+import socket
 import time
+import uuid
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 from rft.config import Config
 from rft.schema import ControlMessage, RecordError, decode
@@ -59,7 +78,7 @@ class FleetView:
             if message.created_at < self.trainer_time:
                 return
             self.trainer_time = message.created_at
-            if message.kind in ("weights", "trainer_started", "trainer_waiting"):
+            if message.kind in ("weights", "weights_push", "trainer_started", "trainer_waiting"):
                 self.trainer_version = int(body.get("version", self.trainer_version))
                 self.trainer_offsets = {str(k): int(v) for k, v in body.get("offsets", {}).items()}
             self.finished = message.kind == "trainer_finished"
@@ -162,3 +181,86 @@ class FleetAdmission:
 def fleet_admission(cfg: Config, explorer_id: str) -> FleetAdmission:
     """Factory for `explorer.admission: staleness`."""
     return FleetAdmission(cfg, explorer_id)
+
+
+# --------------------------------------------------------------------------------------------------
+# Weight delivery (trainer side)
+
+
+class WeightCoordinator:
+    """The trainer's publishing rank's delivery of each version (module docstring: pull and push contracts).
+    `announce(kind, body)` sends a control message; `store` is the run's WeightStore."""
+
+    ANNOUNCE_EVERY_S = 2.0
+
+    def __init__(self, cfg: Config, store, announce: Callable[[str, dict], None]):
+        self.cfg, self.store, self.announce = cfg, store, announce
+        self.method = cfg.sync.method
+        self.sender = None
+        if self.method == "push":
+            from rft.weight_push import PushSender
+
+            e = cfg.explorer
+            self.sender = PushSender.host(host=cfg.sync.push_host or _this_host(), port=cfg.sync.push_port,
+                                          world_size=1 + e.replicas * e.tensor_parallel_size,
+                                          group_id=uuid.uuid4().hex[:12], timeout_s=cfg.sync.timeout_s)
+        self._connected = False
+
+    def deliver(self, version: int, buckets: Iterable[dict], offsets: dict[str, int]) -> bool:
+        """Deliver `version`. False when a push failed: the caller gathers the buckets again and calls again,
+        which then takes the pull path."""
+        if self.method == "push":
+            return self._push(version, buckets, offsets)
+        path = self.store.publish(version, buckets, hf_dir=self.cfg.model.path)
+        self.announce("weights", {"version": version, "path": str(path), "offsets": offsets})
+        return True
+
+    def _push(self, version: int, buckets: Iterable[dict], offsets: dict[str, int]) -> bool:
+        from rft.weight_push import PushError
+
+        try:
+            if not self._connected:
+                self._form_group()
+            self.announce("weights_push", {"group_id": self.sender.spec.group_id, "version": version,
+                                           "offsets": offsets})
+            started = time.monotonic()
+            sent = self.sender.send(version, buckets)
+            log.info("pushed version %d (%.1f MB) in %.2f s", version, sent / 1e6, time.monotonic() - started)
+            return True
+        except PushError as e:
+            log.warning("weight push failed, switching to the pull path for the rest of the run: %s", e)
+            self.announce("push_abandoned", {"group_id": self.sender.spec.group_id, "version": version,
+                                             "reason": str(e)[:500]})
+            self.sender.close()
+            self.method, self.sender = "pull", None
+            return False
+
+    def _form_group(self) -> None:
+        from rft.weight_push import PushError
+
+        spec, members = self.sender.spec, self.sender.spec.world_size - 1
+        deadline = time.monotonic() + spec.timeout_s
+        while (joined := self.sender.members_joined()) < members:
+            if time.monotonic() > deadline:
+                raise PushError(f"only {joined} of {members} explorer engine workers joined the push group within "
+                                f"sync.timeout_s={spec.timeout_s:g}")
+            self.announce("push_group", spec.to_json())
+            time.sleep(self.ANNOUNCE_EVERY_S)
+        try:
+            self.sender.connect()
+        except RuntimeError as e:
+            raise PushError(f"connecting the push group: {e}") from e
+        self._connected = True
+        log.info("push group %s formed with %d explorer engine workers", spec.group_id, members)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+
+
+def _this_host() -> str:
+    """An address of this host that explorers on other hosts can reach (sync.push_host overrides it)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"

@@ -89,6 +89,16 @@ class Engine(Protocol):
         """Replace the weights in place with the safetensors files in `path`; record `version`."""
         ...
 
+    def join_push_group(self, spec: dict) -> None:
+        """Join the trainer's push group (rft.weight_push.PushGroupSpec as JSON); blocks until it is complete."""
+        ...
+
+    def receive_pushed_weights(self) -> int:
+        """Take part in the next pushed version, load it in place, record and return its version."""
+        ...
+
+    def leave_push_group(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -209,6 +219,20 @@ class VLLMEngine(_TokenizerMixin):
         log.info("reloaded %s tensors of version %d from %s in %.2f s", loaded[0], version, path,
                  time.monotonic() - started)
 
+    def join_push_group(self, spec: dict) -> None:
+        self.llm.collective_rpc("rft_join_push_group", args=(spec,))
+
+    def receive_pushed_weights(self) -> int:
+        started = time.monotonic()
+        versions = self.llm.collective_rpc("rft_receive_pushed_weights")
+        self.llm.reset_prefix_cache()
+        self._set_version(versions[0])
+        log.info("received pushed weights version %d in %.2f s", versions[0], time.monotonic() - started)
+        return versions[0]
+
+    def leave_push_group(self) -> None:
+        self.llm.collective_rpc("rft_leave_push_group")
+
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
@@ -284,16 +308,33 @@ class TransformersEngine(_TokenizerMixin):
     def load_weights(self, path: str | os.PathLike, version: int) -> None:
         from rft.weight_store import iter_safetensors
 
-        state = dict(iter_safetensors(path))
+        self._load_state(iter_safetensors(path), source=str(path))
+        self.weights_version = version
+
+    def join_push_group(self, spec: dict) -> None:
+        from rft.weight_push import PushGroupSpec, PushReceiver
+
+        self._push = PushReceiver.join(PushGroupSpec.from_json(spec))
+
+    def receive_pushed_weights(self) -> int:
+        from rft.weight_push import receive_into
+
+        self.weights_version = receive_into(self._push, lambda tensors: self._load_state(tensors, source="the push"))
+        return self.weights_version
+
+    def leave_push_group(self) -> None:
+        self._push = None
+
+    def _load_state(self, tensors, *, source: str) -> None:
+        state = {name: tensor.clone() for name, tensor in tensors}
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         unexpected = [k for k in unexpected if k != "lm_head.weight"]
         missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
         if missing or unexpected:
-            raise EngineError(f"weights in {path} do not match the model: missing {missing[:5]}, "
+            raise EngineError(f"weights from {source} do not match the model: missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]}")
         if self.model.config.tie_word_embeddings:
             self.model.tie_weights()
-        self.weights_version = version
 
     def close(self) -> None:
         self.model = None

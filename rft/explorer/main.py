@@ -22,7 +22,8 @@ Control topic. Sent (sender = explorer id):
                       every explorer.heartbeat_s; partitions: the tasks partitions it held at its last poll
   explorer_weights    {explorer_id, version, seconds}  after each in-place reload
   explorer_leave      {explorer_id, reason, groups}
-Read: kind `weights` {version, path} (the trainer's announcements of published versions).
+Read (sender trainer): `weights` {version, path} (versions published to the weight store); with
+`sync.method: push`, also `push_group`, `weights_push` and `push_abandoned` (see PushMembership).
 
 Shutdown: SIGTERM or Ctrl-C finishes the batch in progress (produce, ack, commit), sends
 explorer_leave and leaves the consumer group; a second signal aborts at once.
@@ -110,15 +111,19 @@ def _notify(admission: Admission, hook: str, value: int) -> None:
 
 class WeightUpdates:
     """The newest weights version this explorer knows of: the store's LATEST or a `weights`
-    announcement on the control topic, whichever is newer. Not thread-safe."""
+    announcement on the control topic, whichever is newer; and, for the push path, the newest push group
+    and the versions pushed in it so far. Not thread-safe."""
 
     def __init__(self, store: "WeightStore", control_source: "RecordSource"):
         """`control_source` is assigned to the control topic, positioned where announcements should be read."""
         self.store, self.control_source = store, control_source
         self.announced: tuple[int, Path] | None = None
+        self.push_group: dict | None = None  # the newest `push_group` announcement's body
+        self.pushed: dict[str, list[int]] = {}  # group id -> versions announced as pushed, in order
+        self.abandoned: set[str] = set()  # push groups the trainer gave up
 
     def newest(self) -> tuple[int, Path] | None:
-        self._read_announcements()
+        self.read_announcements()
         known = [v for v in (self.store.latest(), self._announced_here()) if v is not None]
         return max(known, key=lambda v: v[0]) if known else None
 
@@ -133,17 +138,84 @@ class WeightUpdates:
                 return version, candidate
         return None
 
-    def _read_announcements(self) -> None:
+    def read_announcements(self) -> None:
         for m in self.control_source.poll(timeout_s=0):
             try:
                 msg = decode(m.value, m.headers)
             except ValueError:
                 continue  # not ours to judge: other roles read the control topic too
-            if isinstance(msg, ControlMessage) and msg.kind == "weights":
-                version, path = msg.body.get("version"), msg.body.get("path")
-                if isinstance(version, int) and isinstance(path, str) and \
-                        (self.announced is None or version > self.announced[0]):
-                    self.announced = (version, Path(path))
+            if isinstance(msg, ControlMessage) and msg.sender == "trainer":
+                self._apply(msg.kind, msg.body)
+
+    def _apply(self, kind: str, body: dict) -> None:
+        version, group = body.get("version"), body.get("group_id")
+        if kind == "weights":
+            path = body.get("path")
+            if isinstance(version, int) and isinstance(path, str) and \
+                    (self.announced is None or version > self.announced[0]):
+                self.announced = (version, Path(path))
+        elif kind == "push_group":
+            self.push_group = body
+        elif kind == "weights_push" and isinstance(version, int):
+            self.pushed.setdefault(str(group), []).append(version)
+        elif kind == "push_abandoned":
+            self.abandoned.add(str(group))
+
+
+class PushMembership:
+    """This explorer's part in the trainer's push group (rft.coordinator, push contract): join a newly
+    announced group, take part in every version pushed in it, leave it when the trainer abandons it. Any
+    failure here makes the explorer leave the group and fall back to pulling from the weight store."""
+
+    def __init__(self, engine: "Engine", updates: WeightUpdates):
+        self.engine, self.updates = engine, updates
+        self.group_id: str | None = None
+        self.received = 0  # versions received in the current group
+
+    def sync(self) -> list[int]:
+        """Join / receive as the announcements say; returns the versions received now."""
+        self.updates.read_announcements()
+        announced = self.updates.push_group
+        if self.group_id is not None and self.group_id in self.updates.abandoned:
+            self._leave("the trainer abandoned the push group")
+        if announced and announced.get("group_id") not in (self.group_id, *self.updates.abandoned):
+            self._join(announced)
+        if self.group_id is None:
+            return []
+        received = []
+        for expected in self.updates.pushed.get(self.group_id, [])[self.received:]:
+            try:
+                version = self.engine.receive_pushed_weights()
+            except Exception as e:  # gloo / NCCL / vLLM errors: fall back to the pull path
+                self._leave(f"receiving version {expected} failed: {e}")
+                break
+            self.received += 1
+            if version != expected:
+                self._leave(f"received version {version}, the trainer announced {expected}")
+                break
+            received.append(version)
+        return received
+
+    def _join(self, spec: dict) -> None:
+        if self.group_id is not None:
+            self._leave("a new push group was announced")
+        try:
+            self.engine.join_push_group(spec)
+        except Exception as e:
+            log.warning("could not join push group %s (pulling instead): %s", spec.get("group_id"), e)
+            self.updates.abandoned.add(str(spec.get("group_id")))
+            return
+        self.group_id, self.received = str(spec["group_id"]), 0
+        log.info("joined push group %s", self.group_id)
+
+    def _leave(self, reason: str) -> None:
+        log.warning("leaving push group %s: %s", self.group_id, reason)
+        self.updates.abandoned.add(str(self.group_id))
+        self.group_id = None
+        try:
+            self.engine.leave_push_group()
+        except Exception:
+            pass
 
 
 # --------------------------------------------------------------------------------------------------
@@ -183,6 +255,7 @@ class Explorer:
         control_source.assign([cfg.topic("control")])
         control_source.seek(control_source.end_offsets(cfg.topic("control")))
         self.weights = WeightUpdates(WeightStore.for_config(cfg), control_source)
+        self.push = PushMembership(engine, self.weights) if cfg.sync.method == "push" else None
         self.tasks = None  # joins the consumer group in run(), after the newest weights are loaded
         self._heartbeat_stop = threading.Event()
 
@@ -198,8 +271,12 @@ class Explorer:
 
     # -- weights
     def refresh_weights(self) -> None:
-        """Reload in place if a newer version is known; retries (a version can be garbage-collected
-        between reading LATEST and loading it), and raises if the engine cannot be brought up to date."""
+        """Take part in pushed versions (push path), then reload in place if a newer version is in the store
+        (pull path); retries (a version can be garbage-collected between reading LATEST and loading it), and
+        raises if the engine cannot be brought up to date."""
+        if self.push is not None:
+            for version in self.push.sync():
+                self._loaded(version, seconds=None)
         for attempt in range(RELOAD_TRIES):
             newest = self.weights.newest()
             if newest is None or newest[0] <= self.engine.weights_version:
@@ -213,13 +290,15 @@ class Explorer:
                             version, path, attempt + 1, RELOAD_TRIES, e)
                 time.sleep(0.5)
                 continue
-            seconds = round(time.monotonic() - started, 3)
-            log.info("loaded weights version %d in %.2f s", version, seconds)
-            self.announce("explorer_weights", version=version, seconds=seconds)
-            _notify(self.admission, "set_version", version)
+            self._loaded(version, seconds=round(time.monotonic() - started, 3))
             return
         raise RuntimeError(f"explorer {self.explorer_id}: could not load weights version {newest[0]} "
                            f"from {newest[1]} after {RELOAD_TRIES} tries")
+
+    def _loaded(self, version: int, *, seconds: float | None) -> None:
+        log.info("loaded weights version %d%s", version, f" in {seconds:.2f} s" if seconds is not None else " (pushed)")
+        self.announce("explorer_weights", version=version, seconds=seconds)
+        _notify(self.admission, "set_version", version)
 
     # -- the loop
     def join(self) -> None:

@@ -90,6 +90,7 @@ class Trainer:
 
     # -- rank 0's Kafka side
     def _open_io(self, feed_state: FeedState) -> None:
+        from rft.coordinator import WeightCoordinator
         from rft.monitor import MetricsLogger
         from rft.transport import RecordSink
         from rft.weight_store import WeightStore
@@ -102,7 +103,7 @@ class Trainer:
             run_id=None if offline else cfg.run.name, state=feed_state, client_id=f"{cfg.run.name}-trainer",
             window=self._replay_window(topic) if offline else None)
         self.control = RecordSink(cfg.kafka, cfg.kafka.bootstrap_servers, client_id=f"{cfg.run.name}-trainer")
-        self.store = WeightStore(cfg.sync.weight_store or cfg.run_dir / "weights", keep=cfg.sync.keep_versions)
+        self.weights = WeightCoordinator(cfg, WeightStore.for_config(cfg), self._announce)
         self.metrics = MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name)
         self.consumed_path = cfg.run_dir / "consumed.jsonl"
         self._last_wait_note = 0.0
@@ -198,15 +199,21 @@ class Trainer:
         return self.policy.train_step(micro_batches, self.loss_fn)
 
     def _publish_weights(self, version: int) -> None:
-        """Collective: every rank takes part in gathering the buckets; rank 0 writes and announces."""
+        """Collective: every rank takes part in gathering the buckets; rank 0 delivers them (rft.coordinator).
+        A failed push is redone once by the pull path, which needs the buckets gathered again."""
+        delivered = self._deliver(version)
+        if not dist_io.broadcast_flag(not delivered):
+            return
+        if not self._deliver(version):
+            raise RuntimeError(f"weights version {version} could not be delivered")
+
+    def _deliver(self, version: int) -> bool:
         buckets = self.policy.iter_hf_buckets(self.cfg.sync.bucket_mb << 20)
         if not self.is_reader:
             for _ in buckets:
                 pass
-            return
-        path = self.store.publish(version, buckets, hf_dir=self.cfg.model.path)
-        self._announce("weights", {"version": version, "path": str(path), "offsets": dict(self.feed.state.offsets),
-                                   "consumed_groups": len(self.feed.state.taken_groups)})
+            return True
+        return self.weights.deliver(version, buckets, offsets=dict(self.feed.state.offsets))
 
     def _export_final(self) -> None:
         """The final weights as a Hugging Face directory (`<run dir>/final`), for evaluation and serving."""
@@ -253,6 +260,7 @@ class Trainer:
     def close(self) -> None:
         if self.is_reader and hasattr(self, "feed"):
             self.metrics.close()
+            self.weights.close()
             self.control.close()
             self._dlq_sink.close()
             self.feed.source.close()

