@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("rft.cli:validate_main", "check a config file; exit 2 naming the bad key"),
     "broker": ("rft.cli:broker_main", "run a local Kafka-protocol broker for development"),
     "topics": ("rft.topics:main", "list | describe | tail | export | import topics"),
-    "bench": ("rft.cli:bench_main", "benchmarks: transport | generate"),
+    "bench": ("rft.cli:bench_main", "benchmarks: transport | generate | modes"),
     "tiny-model": ("rft.cli:tiny_model_main", "write a tiny seeded HF model (tests, quickstart)"),
     "bridge-check": ("megatron_bridge.check:main", "check HF <-> Megatron on a model: logits vs transformers, round trip"),
 }
@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHMARKS = {
     "transport": "tools.bench_transport:main",
     "generate": "tools.bench_generate:main",
+    "modes": "tools.bench_modes:main",
 }
 
 

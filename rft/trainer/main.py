@@ -170,6 +170,7 @@ class Trainer:
         skipped: dict[str, int] = {}
         raw, exhausted = None, False
         if self.is_reader:
+            waiting_since = time.time()
             try:
                 batch = self.feed.next_batch(self.cfg.trainer.groups_per_step,
                                              admit=lambda g: self._admit(g, step),
@@ -177,6 +178,7 @@ class Trainer:
             except EndOfReplay as end:
                 batch, exhausted = end.batch, True
             raw, skipped = [m.value for m in batch.messages], dict(batch.skipped)
+            self._data_wait_s = time.time() - waiting_since
         groups = [decode_group(value) for value in dist_io.broadcast_bytes(raw)]
         return groups, skipped, dist_io.broadcast_flag(exhausted)
 
@@ -248,6 +250,7 @@ class Trainer:
             "reward_mean": float(rewards.mean()),
             "response_len_mean": float(np.mean([len(s.response_tokens) for g in groups for s in g.samples])),
             "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+            "data_wait_s": self._data_wait_s,  # of step_time_s: waiting for experiences (trainer idle)
             "skipped": skipped, **{k: _scalar(v) for k, v in metrics.items()},
             **self.staleness.step_metrics(step),
         }
