@@ -21,11 +21,15 @@ $(STAMP): setup.py $(CONSTRAINTS)
 	$(BIN)/python -c "import rft.broker as b; print('broker binary:', b.tansu_binary())"
 	touch $(STAMP)
 
-# Debian tools the tests use as independent peers (kcat: a standard Kafka client).
+# Debian tools the tests use as independent peers (kcat: a standard Kafka client; slurm-wlm and munge: a real
+# single-node Slurm for the launcher tests in tests/slurm). COMMAND:PACKAGE pairs.
+SYSTEM_DEPS := kcat:kcat sbatch:slurm-wlm slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge
 system-deps:
-	@command -v kcat >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then (apt-get install -y -q kcat >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q kcat >/dev/null)); \
-	  else echo "kcat missing: sudo apt-get install kcat" >&2; exit 1; fi; }
+	@missing=$$(for d in $(SYSTEM_DEPS); do PATH=$$PATH:/usr/sbin command -v $${d%%:*} >/dev/null || echo $${d#*:}; done | sort -u); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then export DEBIAN_FRONTEND=noninteractive; \
+	    (apt-get install -y -q $$missing >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q $$missing >/dev/null)); \
+	  else echo "missing: sudo apt-get install $$(echo $$missing)" >&2; exit 1; fi; fi
 
 assets/tiny-qwen2/config.json: | $(STAMP)
 	$(BIN)/rft tiny-model assets/tiny-qwen2

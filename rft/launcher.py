@@ -48,6 +48,8 @@ def main(argv: list[str]) -> int:
 
 
 def run(cfg: Config) -> int:
+    from rft.topics import create_run_topics
+
     run_dir = cfg.run_dir
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     with KafkaEndpoint(cfg.kafka, log_path=run_dir / "logs" / "broker.log") as bootstrap:
@@ -55,7 +57,7 @@ def run(cfg: Config) -> int:
         config_path = run_dir / "config.yaml"
         config_path.write_text(cfg.to_yaml())
         print(f"[rft] run {cfg.run.name!r} mode {cfg.run.mode} -> {run_dir} (kafka {bootstrap})", flush=True)
-        _create_topics(cfg)
+        create_run_topics(cfg)
         roles = ROLES_BY_MODE[cfg.run.mode]
         if "explorers" in roles:
             _publish_tasks(cfg)
@@ -77,17 +79,6 @@ def run(cfg: Config) -> int:
         if code == 0 and "trainer" in roles:
             _plot(cfg)
         return code
-
-
-def _create_topics(cfg: Config) -> None:
-    from rft.transport import Admin
-
-    admin = Admin(cfg.kafka, cfg.kafka.bootstrap_servers)
-    try:
-        admin.create_topics([cfg.topic("tasks"), cfg.topic("control"), cfg.topic("dead_letter")])
-        admin.create_topics([cfg.topic("experiences")], partitions=cfg.kafka.experience_partitions)
-    finally:
-        admin.close()
 
 
 def _publish_tasks(cfg: Config) -> None:

@@ -44,6 +44,15 @@ PARQUET_BYTES_PER_GROUP = 64 << 20
 TOKENS_SHOWN = 32  # token ids printed per array when no tokenizer is given
 
 
+def create_run_topics(cfg) -> None:
+    """Create a run's topics where missing: tasks, control, dead letters (kafka.partitions) and experiences
+    (kafka.experience_partitions). `rft run` and `rft publish` call it, so trainers and explorers started on
+    their own (Slurm, Ray) find every topic."""
+    with closing(Admin(cfg.kafka, cfg.kafka.bootstrap_servers)) as admin:
+        admin.create_topics([cfg.topic("tasks"), cfg.topic("control"), cfg.topic("dead_letter")])
+        admin.create_topics([cfg.topic("experiences")], partitions=cfg.kafka.experience_partitions)
+
+
 class TopicsError(Exception):
     """A user-facing error; `main` prints it and returns 1."""
 

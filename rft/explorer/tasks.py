@@ -163,15 +163,18 @@ def publish_tasks(cfg: Config, *, bootstrap: str | None = None, progress: bool |
 def main(argv: list[str]) -> int:
     from rft.cli import add_config_arguments, config_from_args
 
-    parser = argparse.ArgumentParser(prog="rft publish", description="Publish a dataset's tasks to the run's "
-                                     "tasks topic (every epoch, seeded shuffle).")
+    parser = argparse.ArgumentParser(prog="rft publish", description="Create the run's topics where missing "
+                                     "and publish a dataset's tasks to its tasks topic (every epoch, seeded shuffle).")
     add_config_arguments(parser)
     cfg = config_from_args(parser.parse_args(argv))
     if cfg.kafka.bootstrap_servers == "embedded":
         print("rft publish: kafka.bootstrap_servers is 'embedded'; publishing needs the run's broker address "
               "(--set kafka.bootstrap_servers=HOST:PORT)", file=sys.stderr)
         return 2
+    from rft.topics import create_run_topics
+
     try:
+        create_run_topics(cfg)
         count = publish_tasks(cfg)
     except DatasetError as e:
         print(f"rft publish: {e}", file=sys.stderr)

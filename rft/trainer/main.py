@@ -218,9 +218,11 @@ class Trainer:
         return self.weights.deliver(version, buckets, offsets=dict(self.feed.state.offsets))
 
     def _export_final(self) -> None:
-        """The final weights as a Hugging Face directory (`<run dir>/final`), for evaluation and serving."""
+        """The final weights as a Hugging Face directory (`<run dir>/final`), for evaluation and serving. Rank 0
+        decides for every rank: on a shared filesystem another rank could see the directory rank 0 has begun to
+        write, skip the collective gather, and leave rank 0 waiting."""
         final = self.cfg.run_dir / "final"
-        if self.step and not final.exists():
+        if self.step and not dist_io.broadcast_flag(final.exists()):
             self.policy.save_hf(final)
 
     def _checkpoint(self, step: int) -> None:
