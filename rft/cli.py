@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("rft.cli:validate_main", "check a config file; exit 2 naming the bad key"),
     "broker": ("rft.cli:broker_main", "run a local Kafka-protocol broker for development"),
     "topics": ("rft.topics:main", "list | describe | tail | export | import topics"),
+    "status": ("rft.status:main", "a live run: trainer, explorer fleet, weight versions, lag, throughput"),
     "bench": ("rft.cli:bench_main", "benchmarks: transport | generate | modes"),
     "tiny-model": ("rft.cli:tiny_model_main", "write a tiny seeded HF model (tests, quickstart)"),
     "bridge-check": ("megatron_bridge.check:main", "check HF <-> Megatron on a model: logits vs transformers, round trip"),

@@ -181,7 +181,7 @@ class MonitorConfig:
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "rft"
-    prometheus_port: int = 0  # 0: off
+    prometheus_port: int = 0  # 0: off; the trainer serves /metrics on this port, explorers on the next free ones
     progress: bool = True
 
 

@@ -129,8 +129,9 @@ class FleetAdmission:
         return (self.bound + self.explorer_version + 1) * b - (self.view.trainer_version * b + self.backlog())
 
     def backlog(self) -> int:
-        consumed = self.view.trainer_offsets
-        return sum(max(0, end - consumed.get(key, 0)) for key, end in self._experience_ends.items())
+        from rft.transport import lag
+
+        return lag(self._experience_ends, self.view.trainer_offsets)
 
     def _open_source(self):
         """A source on the control topic from its beginning (the view is rebuilt by replaying it)."""

@@ -123,6 +123,12 @@ class Message:
         return offset_key(self.topic, self.partition)
 
 
+def lag(end: dict[str, int], consumed: dict[str, int], partitions: Iterable[str] | None = None) -> int:
+    """Records between `consumed` and `end` ("topic:partition" -> offset), over `partitions` (default: all of end)."""
+    keys = end if partitions is None else [k for k in partitions if k in end]
+    return sum(max(0, end[k] - consumed.get(k, 0)) for k in keys)
+
+
 def offset_key(topic: str, partition: int) -> str:
     return f"{topic}:{partition}"
 

@@ -91,7 +91,7 @@ class Trainer:
     # -- rank 0's Kafka side
     def _open_io(self, feed_state: FeedState) -> None:
         from rft.coordinator import WeightCoordinator
-        from rft.monitor import MetricsLogger
+        from rft.monitor import MetricsLogger, metrics_endpoint
         from rft.transport import RecordSink
         from rft.weight_store import WeightStore
 
@@ -105,6 +105,8 @@ class Trainer:
         self.control = RecordSink(cfg.kafka, cfg.kafka.bootstrap_servers, client_id=f"{cfg.run.name}-trainer")
         self.weights = WeightCoordinator(cfg, WeightStore.for_config(cfg), self._announce)
         self.metrics = MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name)
+        self.prometheus = metrics_endpoint(cfg, role="trainer", instance="0")
+        self._experiences_topic = topic
         self.consumed_path = cfg.run_dir / "consumed.jsonl"
         self._last_wait_note = 0.0
         _truncate_consumed(self.consumed_path, self.step)
@@ -256,14 +258,37 @@ class Trainer:
             "skipped": skipped, **{k: _scalar(v) for k, v in metrics.items()},
             **self.staleness.step_metrics(step),
         }
+        record["consumer_lag"] = self._consumer_lag()
         self.metrics.log(record, step=step)
+        if self.prometheus is not None:
+            self.counters["dropped_stale"] = self.counters.get("dropped_stale", 0) + record.get("dropped_stale", 0)
+            self.prometheus.update({
+                "rft_trainer_step": step, "rft_trainer_weights_version": step,
+                "rft_trainer_samples_total": self.counters["samples"],
+                "rft_trainer_dropped_stale_samples_total": self.counters["dropped_stale"],
+                "rft_trainer_tokens_per_second": record["tokens_per_s"], "rft_trainer_reward_mean": record["reward_mean"],
+                "rft_trainer_staleness_max": record["staleness_max"], "rft_trainer_staleness_mean": record["staleness_mean"],
+                "rft_trainer_data_wait_seconds": record["data_wait_s"], "rft_trainer_step_seconds": elapsed,
+                "rft_trainer_consumer_lag_records": record["consumer_lag"] if record["consumer_lag"] is not None else -1,
+            })
         if self.cfg.monitor.progress:
             print(f"[trainer] step {step}/{self.cfg.run.max_steps} reward {record['reward_mean']:.3f} "
                   f"loss {record.get('loss', float('nan')):.4f} staleness max {record.get('staleness_max', 0)} "
                   f"{elapsed:.1f}s", flush=True)
 
+    def _consumer_lag(self) -> int | None:
+        """Experience records on the topic not consumed yet (None when the broker does not answer)."""
+        from rft.transport import TransportError, lag
+
+        try:
+            return lag(self.feed.source.end_offsets(self._experiences_topic), self.feed.state.offsets)
+        except TransportError:
+            return None
+
     def close(self) -> None:
         if self.is_reader and hasattr(self, "feed"):
+            if self.prometheus is not None:
+                self.prometheus.close()
             self.metrics.close()
             self.weights.close()
             self.control.close()

