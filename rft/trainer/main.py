@@ -8,6 +8,8 @@ The loop, per step s (policy version s-1 -> s):
   3. the new weights (version s) are published for the explorers (weight store + control-topic announcement);
   4. every `trainer.checkpoint_every` steps: model/optimizer checkpoint + the Kafka offsets consumed (exactly-once
      resume), then metrics.
+With `replay_buffer.groups_per_step` > 0, rank 0 also re-reads a few earlier groups in 1., chosen by priority (see
+rft/trainer/replay_buffer.py); the buffer's state is checkpointed with the offsets.
 Resume: the newest complete checkpoint is loaded and the feed seeks to its offsets; `consumed.jsonl` (the record
 of which group trained in which step) is cut back to that step so that it always describes the effective run.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -77,21 +80,24 @@ class Trainer:
         self.staleness = StalenessTracker(mode=cfg.run.mode, max_staleness=cfg.run.max_staleness)
         self.is_reader = dist_io.rank() == 0
         self.checkpoints = CheckpointDir(cfg.run_dir)
-        self.step, feed_state, self.counters = 0, FeedState(), {"samples": 0.0}
+        self.step, feed_state, self.counters, replay_state = 0, FeedState(), {"samples": 0.0}, {}
         latest = self.checkpoints.latest() if resume else None
         if latest is not None:
             state = self.checkpoints.read_state(latest)
             self.policy.load_checkpoint(latest / "model")
             restore_rng(state.rng)
             self.step, feed_state, self.counters = state.step, state.feed, state.counters
+            replay_state = state.replay_buffer
         self._last_checkpoint = self.step
+        self.replay, self._replayed, self._reuse = None, [], []  # rank 0: the replay buffer, this step's replays
         if self.is_reader:
-            self._open_io(feed_state)
+            self._open_io(feed_state, replay_state)
 
     # -- rank 0's Kafka side
-    def _open_io(self, feed_state: FeedState) -> None:
+    def _open_io(self, feed_state: FeedState, replay_state: dict) -> None:
         from rft.monitor import MetricsLogger
-        from rft.transport import RecordSink
+        from rft.trainer.replay_buffer import open_replay
+        from rft.transport import RecordSink, RecordSource
         from rft.weight_store import WeightStore
 
         cfg = self.cfg
@@ -101,6 +107,9 @@ class Trainer:
             cfg.kafka, cfg.kafka.bootstrap_servers, topic=topic, dead_letter_topic=cfg.topic("dead_letter"),
             run_id=None if offline else cfg.run.name, state=feed_state, client_id=f"{cfg.run.name}-trainer",
             window=self._replay_window(topic) if offline else None)
+        if cfg.replay_buffer.groups_per_step:
+            self.replay = open_replay(cfg, state=replay_state, topic_source=lambda: RecordSource(
+                cfg.kafka, cfg.kafka.bootstrap_servers, client_id=f"{cfg.run.name}-trainer-replay"))
         self.control = RecordSink(cfg.kafka, cfg.kafka.bootstrap_servers, client_id=f"{cfg.run.name}-trainer")
         self.store = WeightStore(cfg.sync.weight_store or cfg.run_dir / "weights", keep=cfg.sync.keep_versions)
         self.metrics = MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name)
@@ -169,13 +178,19 @@ class Trainer:
         skipped: dict[str, int] = {}
         raw, exhausted = None, False
         if self.is_reader:
+            replayed = self.replay.replay(step) if self.replay else []  # chosen before this step's fresh groups
             try:
                 batch = self.feed.next_batch(self.cfg.trainer.groups_per_step,
                                              admit=lambda g: self._admit(g, step),
                                              timeout_s=self.cfg.trainer.poll_timeout_s, on_wait=self._waiting)
             except EndOfReplay as end:
                 batch, exhausted = end.batch, True
-            raw, skipped = [m.value for m in batch.messages], dict(batch.skipped)
+            if self.replay:
+                self.replay.remember(step, batch.messages, batch.groups)
+            self._replayed = replayed
+            self._reuse = [0] * len(batch.messages) + [r.reuse for r in replayed]
+            raw = [m.value for m in batch.messages] + [r.message.value for r in replayed]
+            skipped = dict(batch.skipped)
         groups = [decode_group(value) for value in dist_io.broadcast_bytes(raw)]
         return groups, skipped, dist_io.broadcast_flag(exhausted)
 
@@ -211,8 +226,12 @@ class Trainer:
     def _export_final(self) -> None:
         """The final weights as a Hugging Face directory (`<run dir>/final`), for evaluation and serving."""
         final = self.cfg.run_dir / "final"
-        if self.step and not final.exists():
-            self.policy.save_hf(final)
+        if self.step and not final.exists():  # written aside and renamed: a later stage may start from it
+            partial = self.cfg.run_dir / "final.partial"
+            if self.is_reader:
+                shutil.rmtree(partial, ignore_errors=True)
+            if self.policy.save_hf(partial) is not None:
+                os.rename(partial, final)
 
     def _checkpoint(self, step: int) -> None:
         self._last_checkpoint = step
@@ -221,21 +240,23 @@ class Trainer:
         self.policy.save_checkpoint(path / "model")
         dist_io.barrier()
         if self.is_reader:
-            self.checkpoints.write_state(path, TrainerState(step=step, feed=self.feed.snapshot(),
-                                                            counters=self.counters, rng=capture_rng()))
+            self.checkpoints.write_state(path, TrainerState(
+                step=step, feed=self.feed.snapshot(), counters=self.counters, rng=capture_rng(),
+                replay_buffer=self.replay.buffer.to_json() if self.replay else {}))
             self.checkpoints.commit(step)
         dist_io.barrier()
 
     def _log(self, step: int, groups, skipped: dict[str, int], metrics: dict, started: float) -> None:
         with open(self.consumed_path, "a") as f:
-            for g in groups:
+            for g, reuse in zip(groups, self._reuse):
                 f.write(json.dumps({"step": step, "group_id": g.group_id, "policy_version": g.policy_version,
-                                    "staleness": (step - 1) - g.policy_version}) + "\n")
+                                    "staleness": (step - 1) - g.policy_version, "reuse": reuse}) + "\n")
         samples = sum(len(g.samples) for g in groups)
         tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for g in groups for s in g.samples)
         elapsed = max(time.time() - started, 1e-9)
         self.counters["samples"] += samples
-        rewards = np.concatenate([g.rewards for g in groups])
+        fresh = [g for g, reuse in zip(groups, self._reuse) if reuse == 0] or groups
+        rewards = np.concatenate([g.rewards for g in fresh])  # of the policy's own recent rollouts
         record = {
             "step": step, "policy_version": step, "samples": samples,
             "reward_mean": float(rewards.mean()),
@@ -243,6 +264,7 @@ class Trainer:
             "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
             "skipped": skipped, **{k: _scalar(v) for k, v in metrics.items()},
             **self.staleness.step_metrics(step),
+            **(self.replay.step_metrics(step, self._replayed) if self.replay else {}),
         }
         self.metrics.log(record, step=step)
         if self.cfg.monitor.progress:
@@ -256,6 +278,8 @@ class Trainer:
             self.control.close()
             self._dlq_sink.close()
             self.feed.source.close()
+            if self.replay:
+                self.replay.reader.close()
         self.policy.close()
 
 
