@@ -49,9 +49,11 @@ class Stage:
         return self.run_dir / "final"
 
     def digest(self) -> str:
-        """Of the resolved config, less the broker address (a fresh local broker has a new port every run)."""
+        """Of the resolved config, less what does not change the stage's result: the broker address (a fresh local
+        broker has a new port every run) and `monitor`."""
         body = self.config.to_dict()
         body["kafka"].pop("bootstrap_servers")
+        body.pop("monitor")
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     def done(self) -> dict | None:

@@ -74,10 +74,9 @@ class Candidate:
 class ReplayBuffer:
     """Candidates in insertion order (that order, with the seed, makes the choice reproducible)."""
 
-    def __init__(self, *, max_reuse: int, decay: float, capacity: int, seed: int,
-                 candidates: list[Candidate] | None = None):
+    def __init__(self, *, max_reuse: int, decay: float, capacity: int, seed: int):
         self.max_reuse, self.decay, self.capacity, self.seed = max_reuse, decay, capacity, seed
-        self.candidates: list[Candidate] = list(candidates or [])
+        self.candidates: list[Candidate] = []
 
     def __len__(self) -> int:
         return len(self.candidates)

@@ -37,10 +37,10 @@ def test_stages_inherit_the_base_and_chain_weights(base, tmp_path):
     assert sft.digest() != grpo.digest() and all(not s.config.stages for s in (sft, collect, grpo))
 
 
-def test_the_digest_ignores_only_the_broker_address(base):
+def test_the_digest_ignores_only_the_broker_address_and_monitoring(base):
     cfg = config_from_dict({**base, "stages": [{"name": "a"}]})
     (stage,) = resolve_stages(cfg)
-    cfg.kafka.bootstrap_servers = "host:9092"
+    cfg.kafka.bootstrap_servers, cfg.monitor.wandb = "host:9092", True
     assert resolve_stages(cfg)[0].digest() == stage.digest()
     cfg.trainer.lr = 0.5
     assert resolve_stages(cfg)[0].digest() != stage.digest()
@@ -89,3 +89,29 @@ def test_replay_buffer_with_a_correct_algorithm_validates(base):
                             "algorithm": {"off_policy_correction": True}})
     assert cfg.replay_buffer.groups_per_step == 2 and cfg.replay_buffer.seed is None
     assert Path(cfg.run_dir).name == "pipeline"
+
+
+def test_rerun_skips_done_stages_and_refuses_inconsistent_ones(base, capsys):
+    """`rft run` on a staged config whose stages are all marked done starts nothing (no broker is contacted:
+    the address is unreachable); a done stage whose config changed, or a later stage that ran before an
+    unfinished one, stops the run with exit 2 and says what to delete."""
+    from rft.launcher import run_stages
+
+    cfg = config_from_dict({**base, "kafka": {"bootstrap_servers": "127.0.0.1:9"},
+                            "stages": [{"name": "a", "run": {"mode": "train"}}, {"name": "b"}]})
+    a, b = resolve_stages(cfg)
+    for stage in (a, b):
+        stage.run_dir.mkdir(parents=True)
+        stage.mark_done()
+    assert run_stages(cfg) == 0
+    assert capsys.readouterr().out.count("is done") == 2
+
+    changed = config_from_dict({**base, "kafka": {"bootstrap_servers": "127.0.0.1:9"},
+                                "stages": [{"name": "a", "run": {"mode": "train", "max_steps": 7}}, {"name": "b"}]})
+    assert run_stages(changed) == 2
+    assert f"stage 'a' finished with another config than stages[0] now describes: delete {a.run_dir}" in \
+        capsys.readouterr().err
+
+    (a.run_dir / "stage_done.json").unlink()
+    assert run_stages(cfg) == 2
+    assert f"stage 'a' is not done but later stages ran ({b.run_dir})" in capsys.readouterr().err
