@@ -173,6 +173,7 @@ class ReplayConfig:
     topic: str = ""  # empty: this run's experiences topic
     start: str = ""  # P:O[,P:O...] offsets, an ISO 8601 time, or epoch ms; empty: the topic's beginning
     end: str = ""  # exclusive, same forms; empty: the topic's end when the replay starts
+    from_data: bool = False  # first fill an empty topic with `data`'s (prompt, answer) rows as one-sample groups (SFT demonstrations, rft/demonstrations.py)
 
 
 @dataclass
@@ -183,6 +184,32 @@ class MonitorConfig:
     wandb_project: str = "rft"
     prometheus_port: int = 0  # 0: off; the trainer serves /metrics on this port, explorers on the next free ones
     progress: bool = True
+
+
+@dataclass
+class ReplayBufferConfig:
+    """Prioritised replay: each step also re-trains on earlier groups, re-read from the experiences topic by offset
+    (rft/trainer/replay_buffer.py)."""
+    groups_per_step: int = 0  # replayed groups per step, on top of trainer.groups_per_step fresh ones; 0: off
+    max_reuse: int = 1  # times one group may be replayed after its fresh use
+    priority: str = "reward_variance"  # reward_variance, uniform, or package.module:function(group) -> score >= 0
+    decay: float = 0.9  # recency: priority = score x decay^(steps since the group trained fresh), in (0, 1]
+    capacity: int = 1024  # candidates remembered (metadata only, not records); beyond it the oldest are forgotten
+    seed: Optional[int] = None  # of the weighted choice; null: run.seed
+
+    def __post_init__(self) -> None:
+        from rft.trainer.replay_buffer import resolve_priority
+
+        for key in ("groups_per_step", "max_reuse", "capacity"):
+            minimum = 0 if key == "groups_per_step" else 1
+            if getattr(self, key) < minimum:
+                raise ConfigError(f"replay_buffer.{key}: must be >= {minimum}, got {getattr(self, key)}")
+        if not 0 < self.decay <= 1:
+            raise ConfigError(f"replay_buffer.decay: must be in (0, 1], got {self.decay}")
+        try:
+            resolve_priority(self.priority)
+        except ValueError as e:
+            raise ConfigError(f"replay_buffer.priority: {e}") from None
 
 
 @dataclass
@@ -197,6 +224,8 @@ class Config:
     sync: SyncConfig = field(default_factory=SyncConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    replay_buffer: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)
+    stages: list[dict[str, Any]] = field(default_factory=list)  # multi-stage run: [{name, <section>: overrides}], see rft/stages.py
 
     @property
     def run_dir(self) -> Path:
@@ -391,6 +420,22 @@ def _check_semantics(cfg: Config, source: str) -> None:
     require(bool(cfg.model.path), "model.path", "required: a Hugging Face model directory")
     _check_model_shape(cfg, source, require)
     _check_registered_names(cfg, source)
+    _check_replay_sources(cfg, source, require)
+    if cfg.stages:
+        from rft.stages import resolve_stages
+        resolve_stages(cfg, source)
+
+
+def _check_replay_sources(cfg: Config, source: str, require) -> None:
+    """Old experiences need an algorithm that is correct on them; demonstrations only fill an offline replay."""
+    from rft.algorithms import build_algorithm
+
+    require(not cfg.replay.from_data or cfg.run.mode == "offline", "replay.from_data",
+            f"fills the topic of an offline replay: needs run.mode offline, not {cfg.run.mode}")
+    if cfg.replay_buffer.groups_per_step and not build_algorithm(cfg.algorithm).supports_replay:
+        raise ConfigError(f"{source}: replay_buffer.groups_per_step: replayed groups are old, and algorithm "
+                          f"{cfg.algorithm.name!r} is not correct on old experiences as configured (set "
+                          "algorithm.off_policy_correction: true, or use sft or dpo)")
 
 
 def _check_registered_names(cfg: Config, source: str) -> None:

@@ -9,6 +9,9 @@ Shutdown: when the trainer finishes, the explorers are stopped and the run ends 
 or every explorer has died, everything is stopped and the run ends with 1, printing the failed part's last log
 lines. A single explorer dying is reported and tolerated while others remain (fleets are elastic). Ctrl-C stops
 everything. Each part's output goes to `<run dir>/logs/<part>.log`.
+
+A config with `stages:` runs its stages in order, each as above in `<run dir>/stages/<run>.<stage>/`, on one
+broker; finished stages (`stage_done.json`) are skipped on a re-run (see rft/stages.py).
 """
 from __future__ import annotations
 
@@ -50,6 +53,8 @@ def main(argv: list[str]) -> int:
 def run(cfg: Config) -> int:
     from rft.topics import create_run_topics
 
+    if cfg.stages:
+        return run_stages(cfg)
     run_dir = cfg.run_dir
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     with KafkaEndpoint(cfg.kafka, log_path=run_dir / "logs" / "broker.log") as bootstrap:
@@ -61,6 +66,8 @@ def run(cfg: Config) -> int:
         roles = ROLES_BY_MODE[cfg.run.mode]
         if "explorers" in roles:
             _publish_tasks(cfg)
+        if cfg.replay.from_data and not _publish_demonstrations(cfg):
+            return 2
         runner = PartRunner(run_dir)
         try:
             if "trainer" in roles:
@@ -96,6 +103,59 @@ def _publish_tasks(cfg: Config) -> None:
         return
     count = publish_tasks(cfg)
     print(f"[rft] published {count} tasks to {cfg.topic('tasks')}", flush=True)
+
+
+def _publish_demonstrations(cfg: Config) -> bool:
+    """Fill the offline replay's topic from the dataset, unless it already holds records (a resumed stage).
+    False (the error printed) when the dataset is not usable."""
+    from rft.demonstrations import publish_demonstrations
+    from rft.explorer.tasks import DatasetError
+
+    try:
+        count = publish_demonstrations(cfg)
+    except DatasetError as e:
+        print(f"[rft] demonstrations: {e}", file=sys.stderr)
+        return False
+    topic = cfg.replay.topic or cfg.topic("experiences")
+    print(f"[rft] {topic}: " + (f"published {count} demonstrations" if count else "holds records already: not "
+                                "publishing demonstrations again"), flush=True)
+    return True
+
+
+def run_stages(cfg: Config) -> int:
+    """The stages of `cfg` in order, on one broker; a finished stage is skipped, a failed one ends the run."""
+    from rft.stages import resolve_stages
+
+    (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    with KafkaEndpoint(cfg.kafka, log_path=cfg.run_dir / "logs" / "broker.log") as bootstrap:
+        cfg.kafka.bootstrap_servers = bootstrap
+        (cfg.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        stages = resolve_stages(cfg)
+        for stage in stages:
+            done = stage.done()
+            if done and done.get("config_digest") != stage.digest():
+                print(f"[rft] stage {stage.name!r} finished with another config than stages[{stage.index}] now "
+                      f"describes: delete {stage.run_dir} to run it again, or restore its config", file=sys.stderr)
+                return 2
+            if done:
+                print(f"[rft] stage {stage.name!r} is done ({stage.run_dir / 'stage_done.json'}): skipping it",
+                      flush=True)
+                continue
+            later = [s.run_dir for s in stages[stage.index + 1:] if s.run_dir.exists()]
+            if later:
+                print(f"[rft] stage {stage.name!r} is not done but later stages ran ({', '.join(map(str, later))}); "
+                      "they started from other weights: delete them to go on", file=sys.stderr)
+                return 2
+            print(f"[rft] stage {stage.index + 1}/{len(stages)} {stage.name!r} -> {stage.run_dir}", flush=True)
+            code = run(stage.config)
+            if code != 0:
+                return code
+            if not stage.weights_out.is_dir():
+                print(f"[rft] stage {stage.name!r} ended without final weights ({stage.weights_out}; did it train "
+                      "any step?)", file=sys.stderr)
+                return 1
+            stage.mark_done()
+    return 0
 
 
 def _trainer_command(cfg: Config, config_path: Path) -> list[str]:
@@ -219,7 +279,7 @@ def replay_main(argv: list[str]) -> int:
         if value is not None:
             args.overrides.append(f"replay.{key}={value}")
     cfg = config_from_args(args)
-    if cfg.kafka.bootstrap_servers == "embedded":
+    if cfg.kafka.bootstrap_servers == "embedded" and not cfg.replay.from_data:
         print("rft replay: replay reads an existing topic: set kafka.bootstrap_servers to the broker that holds it",
               file=sys.stderr)
         return 2

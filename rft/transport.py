@@ -414,6 +414,21 @@ class RecordSource:
                 if self._consumer.position(parse_offset_key(key)) >= stop[key]:
                     pending.discard(key)
 
+    def fetch(self, position: str, offset: int, *, idle_timeout_s: float = 10.0) -> Optional[Message]:
+        """The record at `offset` of `position` ("topic:partition"), re-read by seeking to it; None when the
+        partition no longer holds it (deleted by retention or compaction). Needs a source without a group;
+        leaves it assigned to that partition. TransportError if the broker returns nothing for `idle_timeout_s`
+        (a wedged client, or an offset past the partition's end)."""
+        tp = parse_offset_key(position)
+        try:
+            if offset < self._consumer.beginning_offsets([tp])[tp]:
+                return None
+        except (KafkaTimeoutError, StuckClientError) as e:
+            raise TransportError(f"fetch {position}@{offset}: {e}") from None
+        for message in self.read_offsets({position: offset}, {position: offset + 1}, idle_timeout_s=idle_timeout_s):
+            return message
+        return None
+
     def close(self) -> None:
         if self._probe is not None:
             self._probe.close(autocommit=False)

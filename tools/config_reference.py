@@ -60,6 +60,11 @@ def render() -> str:
     root_hints = typing.get_type_hints(config_module.Config)
     for section in dataclasses.fields(config_module.Config):
         cls = root_hints[section.name]
+        if not dataclasses.is_dataclass(cls):  # a top-level key that is not a section (`stages`)
+            parts.append(f"\n## `{section.name}`\n\n| key | type | default | meaning |\n|---|---|---|---|\n"
+                         f"| `{section.name}` | {_type_name(cls)} | {_default(section)} | "
+                         f"{_comments(config_module.Config).get(section.name, '')} |")
+            continue
         doc = inspect.getdoc(cls)
         parts.append(f"\n## `{section.name}`\n")
         if doc and not doc.startswith(cls.__name__ + "("):

@@ -1,5 +1,6 @@
 """Trainer checkpoints: model + optimizer (megatron dist checkpoint, through the policy), and the trainer state
-(step = policy version, the feed's Kafka offsets and taken group ids, RNG states) as JSON.
+(step = policy version, the feed's Kafka offsets and taken group ids, RNG states, the replay buffer's candidates)
+as JSON.
 
 Layout: `<run dir>/checkpoints/step_000012/{model/, trainer_state.json}` and `<run dir>/checkpoints/latest`, a
 text file holding the directory name of the newest *complete* checkpoint. `latest` is replaced atomically after
@@ -12,7 +13,7 @@ import json
 import os
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ class TrainerState:
     feed: FeedState
     counters: dict[str, float]
     rng: dict
+    replay_buffer: dict = field(default_factory=dict)  # ReplayBuffer.to_json(); empty without replay
 
 
 def capture_rng() -> dict:
@@ -69,11 +71,12 @@ class CheckpointDir:
     def read_state(self, path: Path) -> TrainerState:
         data = json.loads((path / "trainer_state.json").read_text())
         return TrainerState(step=int(data["step"]), feed=FeedState.from_json(data["feed"]),
-                            counters=data.get("counters", {}), rng=data["rng"])
+                            counters=data.get("counters", {}), rng=data["rng"],
+                            replay_buffer=data.get("replay_buffer", {}))
 
     def write_state(self, path: Path, state: TrainerState) -> None:
         body = {"step": state.step, "policy_version": state.step, "feed": state.feed.to_json(),
-                "counters": state.counters, "rng": state.rng}
+                "counters": state.counters, "rng": state.rng, "replay_buffer": state.replay_buffer}
         tmp = path / "trainer_state.json.tmp"
         tmp.write_text(json.dumps(body))
         os.replace(tmp, path / "trainer_state.json")

@@ -8,6 +8,8 @@ The loop, per step s (policy version s-1 -> s):
   3. the new weights (version s) are published for the explorers (weight store + control-topic announcement);
   4. every `trainer.checkpoint_every` steps: model/optimizer checkpoint + the Kafka offsets consumed (exactly-once
      resume), then metrics.
+With `replay_buffer.groups_per_step` > 0, rank 0 also re-reads a few earlier groups in 1., chosen by priority (see
+rft/trainer/replay_buffer.py); the buffer's state is checkpointed with the offsets.
 Resume: the newest complete checkpoint is loaded and the feed seeks to its offsets; `consumed.jsonl` (the record
 of which group trained in which step) is cut back to that step so that it always describes the effective run.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -77,22 +80,25 @@ class Trainer:
         self.staleness = StalenessTracker(mode=cfg.run.mode, max_staleness=cfg.run.max_staleness)
         self.is_reader = dist_io.rank() == 0
         self.checkpoints = CheckpointDir(cfg.run_dir)
-        self.step, feed_state, self.counters = 0, FeedState(), {"samples": 0.0}
+        self.step, feed_state, self.counters, replay_state = 0, FeedState(), {"samples": 0.0}, {}
         latest = self.checkpoints.latest() if resume else None
         if latest is not None:
             state = self.checkpoints.read_state(latest)
             self.policy.load_checkpoint(latest / "model")
             restore_rng(state.rng)
             self.step, feed_state, self.counters = state.step, state.feed, state.counters
+            replay_state = state.replay_buffer
         self._last_checkpoint = self.step
+        self.replay, self._replayed, self._reuse = None, [], []  # rank 0: the replay buffer, this step's replays
         if self.is_reader:
-            self._open_io(feed_state)
+            self._open_io(feed_state, replay_state)
 
     # -- rank 0's Kafka side
-    def _open_io(self, feed_state: FeedState) -> None:
+    def _open_io(self, feed_state: FeedState, replay_state: dict) -> None:
         from rft.coordinator import WeightCoordinator
         from rft.monitor import MetricsLogger, metrics_endpoint
-        from rft.transport import RecordSink
+        from rft.trainer.replay_buffer import open_replay
+        from rft.transport import RecordSink, RecordSource
         from rft.weight_store import WeightStore
 
         cfg = self.cfg
@@ -102,6 +108,9 @@ class Trainer:
             cfg.kafka, cfg.kafka.bootstrap_servers, topic=topic, dead_letter_topic=cfg.topic("dead_letter"),
             run_id=None if offline else cfg.run.name, state=feed_state, client_id=f"{cfg.run.name}-trainer",
             window=self._replay_window(topic) if offline else None)
+        if cfg.replay_buffer.groups_per_step:
+            self.replay = open_replay(cfg, state=replay_state, topic_source=lambda: RecordSource(
+                cfg.kafka, cfg.kafka.bootstrap_servers, client_id=f"{cfg.run.name}-trainer-replay"))
         self.control = RecordSink(cfg.kafka, cfg.kafka.bootstrap_servers, client_id=f"{cfg.run.name}-trainer")
         self.weights = WeightCoordinator(cfg, WeightStore.for_config(cfg), self._announce)
         self.metrics = MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name)
@@ -172,6 +181,7 @@ class Trainer:
         skipped: dict[str, int] = {}
         raw, exhausted = None, False
         if self.is_reader:
+            replayed = self.replay.replay(step) if self.replay else []  # chosen before this step's fresh groups
             waiting_since = time.time()
             try:
                 batch = self.feed.next_batch(self.cfg.trainer.groups_per_step,
@@ -179,8 +189,13 @@ class Trainer:
                                              timeout_s=self.cfg.trainer.poll_timeout_s, on_wait=self._waiting)
             except EndOfReplay as end:
                 batch, exhausted = end.batch, True
-            raw, skipped = [m.value for m in batch.messages], dict(batch.skipped)
             self._data_wait_s = time.time() - waiting_since
+            if self.replay:
+                self.replay.remember(step, batch.messages, batch.groups)
+            self._replayed = replayed
+            self._reuse = [0] * len(batch.messages) + [r.reuse for r in replayed]
+            raw = [m.value for m in batch.messages] + [r.message.value for r in replayed]
+            skipped = dict(batch.skipped)
         groups = [decode_group(value) for value in dist_io.broadcast_bytes(raw)]
         return groups, skipped, dist_io.broadcast_flag(exhausted)
 
@@ -224,8 +239,14 @@ class Trainer:
         decides for every rank: on a shared filesystem another rank could see the directory rank 0 has begun to
         write, skip the collective gather, and leave rank 0 waiting."""
         final = self.cfg.run_dir / "final"
+        # rank 0 decides for all ranks (on a shared filesystem another rank may see rank 0's directory appear);
+        # written aside and renamed: a later stage may start from it
         if self.step and not dist_io.broadcast_flag(final.exists()):
-            self.policy.save_hf(final)
+            partial = self.cfg.run_dir / "final.partial"
+            if self.is_reader:
+                shutil.rmtree(partial, ignore_errors=True)
+            if self.policy.save_hf(partial) is not None:
+                os.rename(partial, final)
 
     def _checkpoint(self, step: int) -> None:
         self._last_checkpoint = step
@@ -234,21 +255,23 @@ class Trainer:
         self.policy.save_checkpoint(path / "model")
         dist_io.barrier()
         if self.is_reader:
-            self.checkpoints.write_state(path, TrainerState(step=step, feed=self.feed.snapshot(),
-                                                            counters=self.counters, rng=capture_rng()))
+            self.checkpoints.write_state(path, TrainerState(
+                step=step, feed=self.feed.snapshot(), counters=self.counters, rng=capture_rng(),
+                replay_buffer=self.replay.buffer.to_json() if self.replay else {}))
             self.checkpoints.commit(step)
         dist_io.barrier()
 
     def _log(self, step: int, groups, skipped: dict[str, int], metrics: dict, started: float) -> None:
         with open(self.consumed_path, "a") as f:
-            for g in groups:
+            for g, reuse in zip(groups, self._reuse):
                 f.write(json.dumps({"step": step, "group_id": g.group_id, "policy_version": g.policy_version,
-                                    "staleness": (step - 1) - g.policy_version}) + "\n")
+                                    "staleness": (step - 1) - g.policy_version, "reuse": reuse}) + "\n")
         samples = sum(len(g.samples) for g in groups)
         tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for g in groups for s in g.samples)
         elapsed = max(time.time() - started, 1e-9)
         self.counters["samples"] += samples
-        rewards = np.concatenate([g.rewards for g in groups])
+        fresh = [g for g, reuse in zip(groups, self._reuse) if reuse == 0] or groups
+        rewards = np.concatenate([g.rewards for g in fresh])  # of the policy's own recent rollouts
         record = {
             "step": step, "policy_version": step, "samples": samples,
             "reward_mean": float(rewards.mean()),
@@ -257,6 +280,7 @@ class Trainer:
             "data_wait_s": self._data_wait_s,  # of step_time_s: waiting for experiences (trainer idle)
             "skipped": skipped, **{k: _scalar(v) for k, v in metrics.items()},
             **self.staleness.step_metrics(step),
+            **(self.replay.step_metrics(step, self._replayed) if self.replay else {}),
         }
         record["consumer_lag"] = self._consumer_lag()
         self.metrics.log(record, step=step)
@@ -294,6 +318,8 @@ class Trainer:
             self.control.close()
             self._dlq_sink.close()
             self.feed.source.close()
+            if self.replay:
+                self.replay.reader.close()
         self.policy.close()
 
 

@@ -26,7 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS, GROUPS_PER_STEP = 6, 2
 
 
-def write_config(path: Path, *, run_name: str, output_dir: Path, model: Path, bootstrap: str) -> Path:
+def write_config(path: Path, *, run_name: str, output_dir: Path, model: Path, bootstrap: str,
+                 sections: dict | None = None) -> Path:
+    """The trainer's config; `sections` adds sections (or replaces whole ones)."""
     path.write_text(yaml.safe_dump({
         "run": {"name": run_name, "mode": "async", "max_steps": STEPS, "output_dir": str(output_dir)},
         "model": {"path": str(model)},
@@ -34,6 +36,7 @@ def write_config(path: Path, *, run_name: str, output_dir: Path, model: Path, bo
         "trainer": {"groups_per_step": GROUPS_PER_STEP, "micro_batch_size": 4, "lr": 1e-3, "checkpoint_every": 2,
                     "poll_timeout_s": 60},
         "monitor": {"progress": True},
+        **(sections or {}),
     }))
     return path
 
@@ -62,6 +65,19 @@ def wait(process: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
     assert code == 0, f"trainer exited with {code}:\n{log.read_text()[-3000:]}"
 
 
+def kill_and_resume(config: Path, log: Path, run_dir: Path, *, kill_after: int) -> None:
+    """Start the trainer, SIGKILL it once `consumed.jsonl` has `kill_after` lines, restart it to the end."""
+    process = start_trainer(config, log)
+    deadline = time.monotonic() + 240
+    while len(consumed(run_dir)) < kill_after:
+        assert process.poll() is None, f"trainer exited early:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"trainer made no progress:\n{log.read_text()[-3000:]}"
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    wait(start_trainer(config, log), log)
+
+
 def test_sigkill_and_resume_trains_each_group_once(tmp_path, tiny_model, bootstrap, topic_prefix):
     run_name = topic_prefix
     cfg = KafkaConfig(partitions=1)
@@ -86,17 +102,8 @@ def test_sigkill_and_resume_trains_each_group_once(tmp_path, tiny_model, bootstr
     killed_dir = tmp_path / "killed"
     config = write_config(tmp_path / "killed.yaml", run_name=run_name, output_dir=killed_dir, model=tiny_model,
                           bootstrap=bootstrap)
-    log = tmp_path / "killed.log"
     kill_after = random.Random(os.getpid()).randint(1, STEPS - 2) * GROUPS_PER_STEP + random.randint(0, 1)
-    process = start_trainer(config, log)
-    deadline = time.monotonic() + 240
-    while len(consumed(killed_dir / run_name)) < kill_after:
-        assert process.poll() is None, f"trainer exited early:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"trainer made no progress:\n{log.read_text()[-3000:]}"
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    wait(start_trainer(config, log), log)
+    kill_and_resume(config, tmp_path / "killed.log", killed_dir / run_name, kill_after=kill_after)
 
     assert consumed(killed_dir / run_name) == expected
     metrics = [json.loads(line) for line in (killed_dir / run_name / "metrics.jsonl").read_text().splitlines()]

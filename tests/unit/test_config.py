@@ -42,7 +42,7 @@ def test_defaults_fill_every_section(tmp_path, model_dir):
     assert cfg.run.mode == "off_policy" and cfg.kafka.bootstrap_servers == "embedded"
     assert cfg.topic("experiences") == "rft-run.experiences"
     assert cfg.to_dict().keys() == {"run", "model", "kafka", "explorer", "trainer", "algorithm", "data", "sync",
-                                    "replay", "monitor"}
+                                    "replay", "monitor", "replay_buffer", "stages"}
 
 
 def test_overrides_take_yaml_types(tmp_path, model_dir):

@@ -1,0 +1,87 @@
+"""SFT demonstrations: a dataset's (prompt, answer) rows as one-sample experience groups on a topic.
+
+`rft run` publishes them before the trainer starts when `replay.from_data: true` (an offline run, e.g. the SFT
+stage of a multi-stage run), into the replay's topic (`replay.topic`, else the run's experiences topic), unless
+that topic already holds records (a resumed run). The rows, prompt templates, epochs, seeded shuffles and task ids
+are the task publisher's (rft/explorer/tasks.py); each task becomes one ExperienceGroup (group id
+`<run>/<task id>/e<epoch>`) with one Sample:
+- prompt tokens: the prompt encoded with the tokenizer's special tokens, as explorers encode prompts;
+- response tokens: the answer (`str()` of it unless it is a string) encoded without special tokens, then the
+  tokenizer's EOS token when it has one (so the model learns to stop); loss mask all ones;
+- behaviour log-probs 0 (there is no behaviour policy: for `sft`, not for policy-gradient algorithms), reward 1,
+  policy version 0.
+A row with no answer, or whose prompt or response is over `model.max_prompt_len` / `model.max_response_len`
+tokens, is an error naming the row; nothing is published then.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from rft.config import Config
+from rft.explorer.tasks import DatasetError, iter_epochs, load_rows, rows_to_tasks
+from rft.schema import ExperienceGroup, Sample, TaskRecord
+
+
+def demonstration_groups(cfg: Config, tokenizer) -> Iterator[ExperienceGroup]:
+    """Every epoch's demonstrations in publishing order (all rows are checked first)."""
+    tasks = rows_to_tasks(load_rows(cfg.data), cfg)
+    samples = {task.task_id: _sample(task, tokenizer, cfg, row=i) for i, task in enumerate(tasks)}
+    for task in iter_epochs(tasks, epochs=cfg.data.epochs, shuffle_seed=cfg.data.shuffle_seed):
+        yield ExperienceGroup(run_id=task.run_id, task_id=task.task_id, group_id=task.group_id, attempt=0,
+                              explorer_id="demonstrations", policy_version=0, samples=[samples[task.task_id]],
+                              answer=task.answer)
+
+
+def _sample(task: TaskRecord, tokenizer, cfg: Config, *, row: int) -> Sample:
+    where = f"{cfg.data.path} row {row}"
+    if task.answer is None:
+        raise DatasetError(f"{where}: a demonstration needs an answer (data.answer_key is empty)")
+    prompt = tokenizer(task.prompt, add_special_tokens=True)["input_ids"]
+    answer = task.answer if isinstance(task.answer, str) else str(task.answer)
+    response = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id is not None:
+        response = response + [tokenizer.eos_token_id]
+    for what, tokens, limit, key in (("prompt", prompt, cfg.model.max_prompt_len, "max_prompt_len"),
+                                     ("answer", response, cfg.model.max_response_len, "max_response_len")):
+        if not tokens or len(tokens) > limit:
+            raise DatasetError(f"{where}: the {what} is {len(tokens)} tokens; a demonstration needs 1 to "
+                               f"model.{key}={limit}")
+    return Sample(sample_index=0, prompt_tokens=np.asarray(prompt, dtype=np.int32),
+                  response_tokens=np.asarray(response, dtype=np.int32),
+                  logprobs=np.zeros(len(response), dtype=np.float32),
+                  loss_mask=np.ones(len(response), dtype=np.uint8), reward=1.0)
+
+
+def publish_demonstrations(cfg: Config, *, bootstrap: str | None = None) -> int:
+    """Publish the demonstrations to the replay's topic (created if missing) unless it holds records already;
+    returns how many were published (0 when it held records), once the broker acknowledged every one."""
+    from transformers import AutoTokenizer
+
+    from rft.transport import Admin, RecordSink, RecordSource
+
+    bootstrap = bootstrap or cfg.kafka.bootstrap_servers
+    topic = cfg.replay.topic or cfg.topic("experiences")
+    admin = Admin(cfg.kafka, bootstrap)
+    try:
+        admin.create_topics([topic], partitions=cfg.kafka.experience_partitions)
+    finally:
+        admin.close()
+    source = RecordSource(cfg.kafka, bootstrap)
+    try:
+        if any(source.end_offsets(topic)[k] > start for k, start in source.beginning_offsets(topic).items()):
+            return 0
+    finally:
+        source.close()
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+    groups = list(demonstration_groups(cfg, tokenizer))
+    sink = RecordSink(cfg.kafka, bootstrap, client_id=f"{cfg.run.name}-demonstrations")
+    try:
+        futures = [sink.send_record(topic, group, key=group.group_id) for group in groups]
+        sink.flush()
+        for future in futures:
+            future.get(timeout=cfg.kafka.request_timeout_ms / 1000)
+    finally:
+        sink.close()
+    return len(groups)

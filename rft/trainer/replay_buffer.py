@@ -1,0 +1,225 @@
+"""Prioritised replay from the experiences topic: besides its fresh groups, each step re-trains on a few earlier
+groups, chosen by priority and re-read from the topic by offset.
+
+`ReplayBuffer` holds metadata only, one `Candidate` per group that may be replayed: where the record is
+("topic:partition", offset), its group id, its priority score, the step that trained it fresh and how often it was
+replayed. Never the records: `ExperienceReplay` re-reads a chosen group with `RecordSource.fetch` (seek + fetch).
+
+Per step s, with R = `replay_buffer.groups_per_step`, M = `max_reuse`, d = `decay` (rank 0, before the feed):
+  1. choose min(R, size) candidates, without replacement, with probability proportional to
+         priority = score x d^(s - first_step)
+     by weighted sampling seeded with (seed, s) (Efraimidis-Spirakis keys: log(u) / priority, the largest win).
+     The choice is a pure function of (candidates, s, seed): nothing else (no RNG state) needs saving;
+  2. re-read them from the topic; each one's reuse count goes up by one; a candidate that reached M leaves;
+  3. the step's fresh groups (the ExperienceFeed's, as without replay) become candidates with reuse 0 and their
+     score (`replay_buffer.priority`: `reward_variance` by default; a group scored 0, e.g. equal rewards = zero
+     GRPO advantage, is never chosen and is not kept); beyond `capacity` the oldest candidates are forgotten.
+The fresh groups of a step are therefore never replayed in that same step, and a group trains at most 1 + M times.
+The buffer's state after step s goes into the checkpoint of step s with the feed's offsets, so a trainer restarted
+from it trains on the same (group, reuse) pairs in every later step as one that never stopped (same topic; with
+one experiences partition, as for the feed). `consumed.jsonl` records `reuse` (0 = fresh) for every group.
+
+Staleness: a replayed group is old by construction. It is never dropped for staleness (whatever `run.mode`
+bounds), and it is counted apart (`replay_staleness_mean`, `replay_staleness_max`), so that `staleness_*` keep
+describing the fresh groups the mode's bound governs. The importance correction is the algorithm's
+(`algorithm.off_policy_correction`), applied to fresh and replayed rows alike; the config refuses replay with an
+algorithm that is not correct on old experiences. A group no longer on the topic (retention, or a recreated topic)
+leaves the buffer and is counted (`replay_missing`); the step goes on without it.
+Not thread-safe; rank 0 only.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+import numpy as np
+
+from rft.imports import import_object
+from rft.schema import ExperienceGroup, RecordError, decode_group
+
+if TYPE_CHECKING:  # the config resolves priorities through this module without importing kafka
+    from rft.transport import Message, RecordSource
+
+log = logging.getLogger(__name__)
+
+Score = Callable[[ExperienceGroup], float]
+
+PRIORITIES: dict[str, Score] = {
+    "reward_variance": lambda group: float(np.var(group.rewards)),
+    "uniform": lambda group: 1.0,
+}
+
+
+def resolve_priority(name: str) -> Score:
+    """A registered priority name, or `package.module:function` (group -> score >= 0); ValueError if neither."""
+    if ":" in name:
+        return import_object(name, what="replay_buffer.priority")
+    if name not in PRIORITIES:
+        raise ValueError(f"unknown priority {name!r} (registered: {', '.join(sorted(PRIORITIES))}; or an import "
+                         "path 'package.module:function')")
+    return PRIORITIES[name]
+
+
+@dataclass
+class Candidate:
+    position: str  # "topic:partition"
+    offset: int
+    group_id: str
+    score: float
+    step: int  # the step that trained the group fresh
+    reuse: int = 0  # times replayed so far
+
+
+class ReplayBuffer:
+    """Candidates in insertion order (that order, with the seed, makes the choice reproducible)."""
+
+    def __init__(self, *, max_reuse: int, decay: float, capacity: int, seed: int):
+        self.max_reuse, self.decay, self.capacity, self.seed = max_reuse, decay, capacity, seed
+        self.candidates: list[Candidate] = []
+
+    def __len__(self) -> int:
+        return len(self.candidates)
+
+    def priorities(self, step: int) -> np.ndarray:
+        scores = np.array([c.score for c in self.candidates], dtype=np.float64)
+        ages = np.array([step - c.step for c in self.candidates], dtype=np.float64)
+        return scores * self.decay ** ages
+
+    def choose(self, n: int, step: int) -> list[Candidate]:
+        """Up to `n` distinct candidates for `step`, in draw order; pure (the buffer is not changed)."""
+        weights = self.priorities(step)
+        eligible = np.flatnonzero(weights > 0)
+        if n <= 0 or not len(eligible):
+            return []
+        rng = np.random.default_rng([self.seed % (1 << 63), step])
+        uniforms = 1.0 - rng.random(len(self.candidates))  # in (0, 1]: log is finite
+        keys = np.log(uniforms[eligible]) / weights[eligible]
+        order = sorted(range(len(eligible)), key=lambda i: (-keys[i], eligible[i]))
+        return [self.candidates[eligible[i]] for i in order[:n]]
+
+    def mark_replayed(self, chosen: list[Candidate]) -> None:
+        for c in chosen:
+            c.reuse += 1
+        self.candidates = [c for c in self.candidates if c.reuse < self.max_reuse]
+
+    def forget(self, gone: list[Candidate]) -> None:
+        ids = {id(c) for c in gone}
+        self.candidates = [c for c in self.candidates if id(c) not in ids]
+
+    def add(self, fresh: list[Candidate]) -> None:
+        self.candidates.extend(c for c in fresh if c.score > 0)
+        del self.candidates[:max(0, len(self.candidates) - self.capacity)]
+
+    def to_json(self) -> dict:
+        return {"candidates": [asdict(c) for c in self.candidates]}
+
+    def load_json(self, data: dict) -> None:
+        self.candidates = [Candidate(**c) for c in data.get("candidates", [])]
+
+
+@dataclass
+class Replayed:
+    message: Message
+    group: ExperienceGroup
+    reuse: int  # 1 = its first replay
+
+
+class ExperienceReplay:
+    """The trainer's side: choose, re-read and remember groups (see the module docstring for the order)."""
+
+    def __init__(self, buffer: ReplayBuffer, *, groups_per_step: int, score: Score, reader: RecordReader):
+        self.buffer, self.groups_per_step, self.score, self.reader = buffer, groups_per_step, score, reader
+        self.missing = 0
+
+    def replay(self, step: int) -> list[Replayed]:
+        """This step's replayed groups, re-read from the topic (steps 1 and 2)."""
+        chosen = self.buffer.choose(self.groups_per_step, step)
+        found, gone = [], []
+        for candidate in chosen:
+            message = self.reader.fetch(candidate.position, candidate.offset)
+            group = _decode_if(message, candidate.group_id)
+            if group is None:
+                log.warning("replay: %s@%d (group %s) is no longer on the topic", candidate.position,
+                            candidate.offset, candidate.group_id)
+                gone.append(candidate)
+                continue
+            found.append(Replayed(message, group, candidate.reuse + 1))
+        self.missing += len(gone)
+        self.buffer.forget(gone)
+        self.buffer.mark_replayed([c for c in chosen if all(c is not g for g in gone)])
+        return found
+
+    def remember(self, step: int, messages: list[Message], groups: list[ExperienceGroup]) -> None:
+        """The step's fresh groups become candidates (step 3)."""
+        self.buffer.add([Candidate(m.position, m.offset, g.group_id, self._score(g), step)
+                         for m, g in zip(messages, groups)])
+
+    def _score(self, group: ExperienceGroup) -> float:
+        score = float(self.score(group))
+        if not np.isfinite(score) or score < 0:
+            raise ValueError(f"replay_buffer.priority gave {score} for group {group.group_id}: scores must be "
+                             "finite and >= 0")
+        return score
+
+    def step_metrics(self, step: int, replayed: list[Replayed]) -> dict:
+        """The step's replay metrics (staleness over the replayed samples; `replay_missing`: candidates found gone
+        since the last call)."""
+        samples = [((step - 1) - r.group.policy_version, len(r.group.samples)) for r in replayed]
+        n = sum(count for _, count in samples)
+        missing, self.missing = self.missing, 0
+        return {"replay_groups": len(replayed), "replay_buffer_size": len(self.buffer), "replay_missing": missing,
+                "replay_staleness_mean": sum(s * count for s, count in samples) / n if n else 0.0,
+                "replay_staleness_max": max((s for s, _ in samples), default=0)}
+
+
+def _decode_if(message: Message | None, group_id: str) -> ExperienceGroup | None:
+    """The group in `message` if it is the one expected there (a recreated topic holds others)."""
+    if message is None:
+        return None
+    try:
+        group = decode_group(message.value, message.headers)
+    except RecordError:
+        return None
+    return group if group.group_id == group_id else None
+
+
+def open_replay(cfg, *, topic_source: Callable[[], RecordSource], state: dict | None) -> ExperienceReplay:
+    """The trainer's ExperienceReplay from `cfg.replay_buffer`, reading through sources made by `topic_source`
+    (a fresh one after a TransportError) and restored from a checkpoint's `state`; the caller closes its
+    `reader`."""
+    section = cfg.replay_buffer
+    buffer = ReplayBuffer(max_reuse=section.max_reuse, decay=section.decay, capacity=section.capacity,
+                          seed=cfg.run.seed if section.seed is None else section.seed)
+    buffer.load_json(state or {})
+    return ExperienceReplay(buffer, groups_per_step=section.groups_per_step,
+                            score=resolve_priority(section.priority), reader=RecordReader(topic_source))
+
+
+class RecordReader:
+    """Seek + fetch through its own RecordSource (the feed's keeps its position); one retry on a new source."""
+
+    def __init__(self, new_source: Callable[[], RecordSource]):
+        self.new_source, self.source = new_source, None
+
+    def fetch(self, position: str, offset: int) -> Optional[Message]:
+        from rft.transport import TransportError
+
+        for attempt in (1, 2):
+            if self.source is None:
+                self.source = self.new_source()
+            try:
+                return self.source.fetch(position, offset)
+            except TransportError as e:
+                log.warning("replay: fetching %s@%d: %s; reconnecting", position, offset, e)
+                self.close()
+                if attempt == 2:
+                    raise
+
+    def close(self) -> None:
+        if self.source is not None:
+            try:
+                self.source.close()
+            except Exception as e:  # a wedged client may not close cleanly; it is abandoned either way
+                log.warning("closing the replay source failed: %s", e)
+            self.source = None
