@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from rft.config import Config
 from rft.schema import ControlMessage, ExperienceGroup, decode, decode_task
@@ -146,6 +146,30 @@ class WeightUpdates:
                     self.announced = (version, Path(path))
 
 
+def load_newest_weights(engine: "Engine", newest: Callable[[], tuple[int, Path] | None], *,
+                        tries: int = RELOAD_TRIES) -> tuple[int, float] | None:
+    """Reload `engine` in place with the version `newest()` names when it is newer than the engine's; returns
+    (version, seconds) after a reload, None when the engine is current. Retries, reading `newest()` again (a version
+    can be garbage-collected between reading LATEST and loading it); RuntimeError when all tries fail."""
+    for attempt in range(tries):
+        found = newest()
+        if found is None or found[0] <= engine.weights_version:
+            return None
+        version, path = found
+        started = time.monotonic()
+        try:
+            engine.load_weights(path, version)
+        except Exception as e:  # vLLM wraps worker errors in its own types
+            log.warning("loading weights version %d from %s failed (try %d/%d): %s", version, path, attempt + 1,
+                        tries, e)
+            time.sleep(0.5)
+            continue
+        seconds = round(time.monotonic() - started, 3)
+        log.info("loaded weights version %d in %.2f s", version, seconds)
+        return version, seconds
+    raise RuntimeError(f"could not load weights version {found[0]} from {found[1]} after {tries} tries")
+
+
 # --------------------------------------------------------------------------------------------------
 # The explorer
 
@@ -198,28 +222,17 @@ class Explorer:
 
     # -- weights
     def refresh_weights(self) -> None:
-        """Reload in place if a newer version is known; retries (a version can be garbage-collected
-        between reading LATEST and loading it), and raises if the engine cannot be brought up to date."""
-        for attempt in range(RELOAD_TRIES):
-            newest = self.weights.newest()
-            if newest is None or newest[0] <= self.engine.weights_version:
-                return
-            version, path = newest
-            started = time.monotonic()
-            try:
-                self.engine.load_weights(path, version)
-            except Exception as e:  # vLLM wraps worker errors in its own types
-                log.warning("loading weights version %d from %s failed (try %d/%d): %s",
-                            version, path, attempt + 1, RELOAD_TRIES, e)
-                time.sleep(0.5)
-                continue
-            seconds = round(time.monotonic() - started, 3)
-            log.info("loaded weights version %d in %.2f s", version, seconds)
-            self.announce("explorer_weights", version=version, seconds=seconds)
-            _notify(self.admission, "set_version", version)
+        """Reload in place if a newer version is known (see `load_newest_weights`); raises if the engine cannot be
+        brought up to date."""
+        try:
+            loaded = load_newest_weights(self.engine, self.weights.newest)
+        except RuntimeError as e:
+            raise RuntimeError(f"explorer {self.explorer_id}: {e}") from None
+        if loaded is None:
             return
-        raise RuntimeError(f"explorer {self.explorer_id}: could not load weights version {newest[0]} "
-                           f"from {newest[1]} after {RELOAD_TRIES} tries")
+        version, seconds = loaded
+        self.announce("explorer_weights", version=version, seconds=seconds)
+        _notify(self.admission, "set_version", version)
 
     # -- the loop
     def join(self) -> None:
@@ -398,7 +411,7 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {explorer_id} %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)
     stop = threading.Event()
-    _install_signal_handlers(stop)
+    install_stop_signals(stop)
     engine = build_engine(cfg)
     explorer = None
     reason = "error"
@@ -415,11 +428,12 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
         engine.close()
 
 
-def _install_signal_handlers(stop: threading.Event) -> None:
+def install_stop_signals(stop: threading.Event) -> None:
+    """SIGTERM / SIGINT set `stop` (finish the work in progress, then leave); a second one aborts."""
     def on_signal(signum, frame):
         if stop.is_set():
             raise KeyboardInterrupt  # second signal: abort now
-        log.info("signal %d: finishing the current batch, then leaving", signum)
+        log.info("signal %d: finishing the work in progress, then leaving", signum)
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
