@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "explorer": ("rft.explorer.main:main", "one or more explorers joining a run"),
     "publish": ("rft.explorer.tasks:main", "publish a dataset's tasks to the run's tasks topic"),
     "replay": ("rft.launcher:replay_main", "offline training from an experiences topic (by offsets or time)"),
+    "eval": ("rft.evaluation.main:main", "evaluate checkpoints on eval.sets: accuracy, pass@k, mean@k"),
     "validate": ("rft.cli:validate_main", "check a config file; exit 2 naming the bad key"),
     "broker": ("rft.cli:broker_main", "run a local Kafka-protocol broker for development"),
     "topics": ("rft.topics:main", "list | describe | tail | export | import topics"),

@@ -143,10 +143,13 @@ class AlgorithmConfig:
     std_normalize: bool = True  # GRPO: divide group-centred rewards by the group std (False: Dr.GRPO-style)
 
 
+DataFormat = Literal["jsonl", "parquet", "hf_disk", "generated"]
+
+
 @dataclass
 class DataConfig:
     path: str = ""
-    format: Literal["jsonl", "parquet", "hf_disk", "generated"] = "jsonl"
+    format: DataFormat = "jsonl"
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     prompt_template: str = "{prompt}"
@@ -213,6 +216,41 @@ class ReplayBufferConfig:
 
 
 @dataclass
+class EvalSetConfig:
+    """One evaluation task set: where its rows come from, as in `data` (see rft/explorer/tasks.py)."""
+    name: str = ""  # required: metrics are eval/<name>/accuracy, eval/<name>/pass@<k>, eval/<name>/mean@<k>
+    path: str = ""  # as data.path: a file, an HF dataset directory (path:split), or a toy task for format generated
+    format: DataFormat = "jsonl"
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    prompt_template: str = "{prompt}"
+    generated_tasks: int = 100  # format generated: how many tasks
+    seed: int = 1  # format generated: generator seed (data.shuffle_seed seeds the training rows)
+    reward: str = ""  # registered name or package.module:function; empty: explorer.reward
+
+    def to_data(self) -> DataConfig:
+        """The same source as a `data` section, for the task loader."""
+        return DataConfig(path=self.path, format=self.format, prompt_key=self.prompt_key, answer_key=self.answer_key,
+                          prompt_template=self.prompt_template, shuffle_seed=self.seed,
+                          generated_tasks=self.generated_tasks)
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation (`rft eval`, and every `every_steps` versions during a run): n samples per task with the
+    explorer's engine and workflow; a sample is correct when its reward >= `correct_threshold`."""
+    sets: list[EvalSetConfig] = field(default_factory=list)  # task sets: a list of mappings with the keys below
+    n_samples: int = 8  # samples per task
+    k: int = 4  # pass@k and mean@k (unbiased estimates from n_samples samples); <= n_samples
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 0  # 0: explorer.max_tokens
+    correct_threshold: float = 1.0  # reward at or above which a sample counts as correct
+    every_steps: int = 0  # > 0: `rft run` also starts an evaluator on every every_steps-th published version
+    finish_timeout_s: float = 600.0  # after the trainer finished, how long `rft run` waits for the final evaluation
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -225,6 +263,7 @@ class Config:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     replay_buffer: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     stages: list[dict[str, Any]] = field(default_factory=list)  # multi-stage run: [{name, <section>: overrides}], see rft/stages.py
 
     @property
@@ -421,6 +460,7 @@ def _check_semantics(cfg: Config, source: str) -> None:
     _check_model_shape(cfg, source, require)
     _check_registered_names(cfg, source)
     _check_replay_sources(cfg, source, require)
+    _check_eval(cfg.eval, require)
     if cfg.stages:
         from rft.stages import resolve_stages
         resolve_stages(cfg, source)
@@ -436,6 +476,39 @@ def _check_replay_sources(cfg: Config, source: str, require) -> None:
         raise ConfigError(f"{source}: replay_buffer.groups_per_step: replayed groups are old, and algorithm "
                           f"{cfg.algorithm.name!r} is not correct on old experiences as configured (set "
                           "algorithm.off_policy_correction: true, or use sft or dpo)")
+
+
+def _check_eval(e: EvalConfig, require) -> None:
+    from rft.rewards import WEIGHTED, RewardError, resolve
+    from rft.workflows.toy_tasks import TOY_TASKS
+
+    require(e.n_samples >= 1, "eval.n_samples", f"must be >= 1, got {e.n_samples}")
+    require(1 <= e.k <= e.n_samples, "eval.k", f"must be in [1, eval.n_samples={e.n_samples}], got {e.k}")
+    require(e.temperature >= 0, "eval.temperature", f"must be >= 0, got {e.temperature}")
+    require(0 < e.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {e.top_p}")
+    require(e.max_tokens >= 0, "eval.max_tokens", f"must be >= 0 (0: explorer.max_tokens), got {e.max_tokens}")
+    require(0 <= e.correct_threshold <= 1, "eval.correct_threshold", f"must be in [0, 1], got {e.correct_threshold}")
+    require(e.every_steps >= 0, "eval.every_steps", f"must be >= 0 (0: off), got {e.every_steps}")
+    require(e.finish_timeout_s > 0, "eval.finish_timeout_s", f"must be > 0, got {e.finish_timeout_s}")
+    require(bool(e.sets) or not e.every_steps, "eval.sets", "eval.every_steps is set but there is no task set")
+    seen: set[str] = set()
+    for i, s in enumerate(e.sets):
+        key = f"eval.sets[{i}]"
+        require(re.fullmatch(r"[A-Za-z0-9._-]+", s.name) is not None, f"{key}.name",
+                f"required: letters, digits, '.', '_' or '-' (it names the metrics); got {s.name!r}")
+        require(s.name not in seen, f"{key}.name", f"{s.name!r} names two task sets")
+        seen.add(s.name)
+        require(bool(s.path), f"{key}.path", "required: a dataset file or directory, or a toy task name")
+        require(s.format != "generated" or s.path in TOY_TASKS, f"{key}.path",
+                f"format generated needs a toy task name ({', '.join(TOY_TASKS)}); got {s.path!r}")
+        require(s.generated_tasks >= 1, f"{key}.generated_tasks", f"must be >= 1, got {s.generated_tasks}")
+        require(s.reward != WEIGHTED, f"{key}.reward",
+                "a weighted reward is configured in explorer.reward / explorer.reward_weights; leave this empty")
+        if s.reward:
+            try:
+                resolve(s.reward)
+            except RewardError as err:
+                require(False, f"{key}.reward", str(err))
 
 
 def _check_registered_names(cfg: Config, source: str) -> None:

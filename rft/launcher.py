@@ -33,6 +33,7 @@ ROLES_BY_MODE = {
     "sync": ("trainer", "explorers"), "off_policy": ("trainer", "explorers"), "async": ("trainer", "explorers"),
     "train": ("trainer",), "offline": ("trainer",), "explore": ("explorers",),
 }
+EVALUATOR = "evaluator"
 
 
 @dataclass
@@ -76,8 +77,12 @@ def run(cfg: Config) -> int:
                 for i in range(cfg.explorer.replicas):
                     runner.start(f"explorer-{i}", [sys.executable, "-m", "rft.cli", "explorer", str(config_path),
                                                    "--explorer-id", f"explorer-{i}"])
+            _start_evaluator(cfg, runner, config_path, roles)
             progress = MetricsProgress(run_dir / "metrics.jsonl", cfg.run.max_steps) if cfg.monitor.progress else None
             code = runner.supervise(main_part="trainer" if "trainer" in roles else None, on_tick=progress)
+            if code == 0 and EVALUATOR in runner.parts:
+                runner.stop_all(keep=(EVALUATOR,))
+                runner.finish(EVALUATOR, timeout_s=cfg.eval.finish_timeout_s, on_tick=progress)
         except KeyboardInterrupt:
             print("\n[rft] interrupted: stopping every part", flush=True)
             code = 130
@@ -86,6 +91,19 @@ def run(cfg: Config) -> int:
         if code == 0 and "trainer" in roles:
             _plot(cfg)
         return code
+
+
+def _start_evaluator(cfg: Config, runner: "PartRunner", config_path: Path, roles: tuple[str, ...]) -> None:
+    """Periodic evaluation (`eval.every_steps`): `rft eval --follow` beside the trainer, reading the weight store
+    (see rft/evaluation/main.py); it never blocks training."""
+    if not cfg.eval.every_steps or "trainer" not in roles:
+        return
+    if cfg.run.mode == "offline":
+        print("[rft] eval.every_steps: an offline replay publishes no weights to evaluate; use `rft eval "
+              "--checkpoint` on its final weights", flush=True)
+        return
+    runner.start(EVALUATOR, [sys.executable, "-m", "rft.cli", "eval", str(config_path), "--follow"],
+                 blocked_signals=(signal.SIGUSR1,))  # until it can take `finish` (see PartRunner.finish)
 
 
 def _publish_tasks(cfg: Config) -> None:
@@ -181,11 +199,15 @@ class PartRunner:
         self.run_dir = run_dir
         self.parts: dict[str, Part] = {}
 
-    def start(self, name: str, command: list[str]) -> None:
+    def start(self, name: str, command: list[str], *, blocked_signals: tuple[int, ...] = ()) -> None:
+        """`blocked_signals` start blocked (pending until the part installs its handler and unblocks them), so a
+        signal sent early neither kills it nor gets lost."""
         log_path = self.run_dir / "logs" / f"{name}.log"
         log = open(log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        block = (lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked_signals)) if blocked_signals else None
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                   preexec_fn=block)
         self.parts[name] = Part(name, process, log_path)
         print(f"[rft] started {name} (pid {process.pid}, log {log_path})", flush=True)
 
@@ -222,8 +244,30 @@ class PartRunner:
             print(f"    {line}", file=sys.stderr)
         sys.stderr.flush()
 
-    def stop_all(self, grace_s: float = 15.0) -> None:
-        alive = [p for p in self.parts.values() if p.process.poll() is None]
+    def finish(self, name: str, *, timeout_s: float, on_tick=None, poll_s: float = 0.5) -> None:
+        """Ask a part to finish its work and exit (SIGUSR1, to its main process only) and wait at most `timeout_s`
+        (after that, stop_all stops it)."""
+        part = self.parts[name]
+        if part.process.poll() is not None:
+            return
+        print(f"[rft] waiting for the {name} to finish (at most {timeout_s:.0f} s)", flush=True)
+        part.process.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + timeout_s
+        while part.process.poll() is None and time.monotonic() < deadline:
+            if on_tick is not None:
+                on_tick()
+            time.sleep(poll_s)
+        if on_tick is not None:
+            on_tick()
+        code = part.process.poll()
+        if code is None:
+            print(f"[rft] the {name} did not finish within {timeout_s:.0f} s: stopping it", flush=True)
+        elif code != 0:
+            self._report_failure(part, code)
+
+    def stop_all(self, grace_s: float = 15.0, *, keep: tuple[str, ...] = ()) -> None:
+        """SIGTERM to every part still running (but those named in `keep`), SIGKILL after `grace_s`."""
+        alive = [p for p in self.parts.values() if p.process.poll() is None and p.name not in keep]
         for part in alive:
             _signal_group(part.process, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -253,9 +297,19 @@ class MetricsProgress:
             self.offset += sum(len(line) for line in lines)
         for line in lines:
             m = json.loads(line)
+            if "eval/checkpoint" in m:
+                print(f"[rft] eval {m['eval/checkpoint']}: {_eval_summary(m)}", flush=True)
+                continue
             print(f"[rft] step {m['step']:>4}/{self.max_steps}  reward {m.get('reward_mean', float('nan')):.3f}  "
                   f"loss {m.get('loss', float('nan')):+.4f}  staleness max {m.get('staleness_max', 0)}  "
                   f"dropped {m.get('dropped_stale', 0)}  {time.time() - self.started:6.0f} s", flush=True)
+
+
+def _eval_summary(record: dict) -> str:
+    """`<set>/accuracy 0.520  <set>/pass@4 0.830  <set>/mean@4 0.610 ...` from an evaluation's metrics record."""
+    shown = ("accuracy", "pass@", "mean@")
+    return "  ".join(f"{key.removeprefix('eval/')} {value:.3f}" for key, value in record.items()
+                     if key.startswith("eval/") and key.rsplit("/", 1)[-1].startswith(shown))
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:

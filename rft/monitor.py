@@ -61,14 +61,16 @@ class MetricsLogger:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Metrics lines; after a resume a step may appear twice, and the last one wins."""
+    """Metrics lines, one record per step: the lines of a step (the trainer's, an evaluation's; after a resume a step
+    may appear twice) are merged, later values winning, except `time`, which stays the step's first."""
     by_step: dict[Any, dict] = {}
     lines = []
     for line in Path(path).read_text().splitlines():
         if line.strip():
             record = json.loads(line)
             if "step" in record:
-                by_step[record["step"]] = record
+                merged = by_step.setdefault(record["step"], {})
+                merged.update({k: v for k, v in record.items() if k != "time" or "time" not in merged})
             else:
                 lines.append(record)
     return [by_step[s] for s in sorted(by_step)] + lines

@@ -49,6 +49,12 @@ def version_dirname(version: int) -> str:
     return f"v{version:08d}"
 
 
+def version_of(path: str | os.PathLike) -> int | None:
+    """The version a store directory `.../vNNNNNNNN` holds; None for any other path."""
+    m = _VERSION_DIR.fullmatch(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of every `*.safetensors` file in `path`, files in name order.
     Tensors are read one at a time (memory stays at one tensor plus the page cache)."""

@@ -70,11 +70,21 @@ def render() -> str:
         if doc and not doc.startswith(cls.__name__ + "("):
             parts.append(doc + "\n")
         parts.append("| key | type | default | meaning |\n|---|---|---|---|")
-        hints, comments = typing.get_type_hints(cls), _comments(cls)
-        for f in dataclasses.fields(cls):
-            parts.append(f"| `{section.name}.{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | "
-                         f"{comments.get(f.name, '')} |")
+        parts.extend(_rows(cls, section.name))
     return "\n".join(parts) + "\n"
+
+
+def _rows(cls: type, prefix: str) -> list[str]:
+    """One row per field; a list of sections (e.g. `eval.sets`) is followed by its items' fields as `key[].field`."""
+    rows = []
+    hints, comments = typing.get_type_hints(cls), _comments(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        rows.append(f"| `{prefix}.{f.name}` | {_type_name(tp)} | {_default(f)} | {comments.get(f.name, '')} |")
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        if item is not None and dataclasses.is_dataclass(item):
+            rows.extend(_rows(item, f"{prefix}.{f.name}[]"))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from rft.config import Config
 from rft.schema import ControlMessage, ExperienceGroup, decode, decode_task
@@ -219,6 +219,30 @@ class PushMembership:
             pass
 
 
+def load_newest_weights(engine: "Engine", newest: Callable[[], tuple[int, Path] | None], *,
+                        tries: int = RELOAD_TRIES) -> tuple[int, float] | None:
+    """Reload `engine` in place with the version `newest()` names when it is newer than the engine's; returns
+    (version, seconds) after a reload, None when the engine is current. Retries, reading `newest()` again (a version
+    can be garbage-collected between reading LATEST and loading it); RuntimeError when all tries fail."""
+    for attempt in range(tries):
+        found = newest()
+        if found is None or found[0] <= engine.weights_version:
+            return None
+        version, path = found
+        started = time.monotonic()
+        try:
+            engine.load_weights(path, version)
+        except Exception as e:  # vLLM wraps worker errors in its own types
+            log.warning("loading weights version %d from %s failed (try %d/%d): %s", version, path, attempt + 1,
+                        tries, e)
+            time.sleep(0.5)
+            continue
+        seconds = round(time.monotonic() - started, 3)
+        log.info("loaded weights version %d in %.2f s", version, seconds)
+        return version, seconds
+    raise RuntimeError(f"could not load weights version {found[0]} from {found[1]} after {tries} tries")
+
+
 # --------------------------------------------------------------------------------------------------
 # The explorer
 
@@ -281,32 +305,20 @@ class Explorer:
 
     # -- weights
     def refresh_weights(self) -> None:
-        """Take part in pushed versions (push path), then reload in place if a newer version is in the store
-        (pull path); retries (a version can be garbage-collected between reading LATEST and loading it), and
-        raises if the engine cannot be brought up to date."""
+        """Take part in pushed versions (push path), then reload in place if a newer version is in the store (pull
+        path, see `load_newest_weights`); raises if the engine cannot be brought up to date."""
         if self.push is not None:
             for version in self.push.sync():
+                log.info("loaded weights version %d (pushed)", version)
                 self._loaded(version, seconds=None)
-        for attempt in range(RELOAD_TRIES):
-            newest = self.weights.newest()
-            if newest is None or newest[0] <= self.engine.weights_version:
-                return
-            version, path = newest
-            started = time.monotonic()
-            try:
-                self.engine.load_weights(path, version)
-            except Exception as e:  # vLLM wraps worker errors in its own types
-                log.warning("loading weights version %d from %s failed (try %d/%d): %s",
-                            version, path, attempt + 1, RELOAD_TRIES, e)
-                time.sleep(0.5)
-                continue
-            self._loaded(version, seconds=round(time.monotonic() - started, 3))
-            return
-        raise RuntimeError(f"explorer {self.explorer_id}: could not load weights version {newest[0]} "
-                           f"from {newest[1]} after {RELOAD_TRIES} tries")
+        try:
+            loaded = load_newest_weights(self.engine, self.weights.newest)
+        except RuntimeError as e:
+            raise RuntimeError(f"explorer {self.explorer_id}: {e}") from None
+        if loaded is not None:
+            self._loaded(*loaded)
 
-    def _loaded(self, version: int, *, seconds: float | None) -> None:
-        log.info("loaded weights version %d%s", version, f" in {seconds:.2f} s" if seconds is not None else " (pushed)")
+    def _loaded(self, version: int, seconds: float | None) -> None:
         self.announce("explorer_weights", version=version, seconds=seconds)
         _notify(self.admission, "set_version", version)
 
@@ -512,7 +524,7 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {explorer_id} %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)
     stop = threading.Event()
-    _install_signal_handlers(stop)
+    install_stop_signals(stop)
     engine = build_engine(cfg)
     explorer = None
     reason = "error"
@@ -529,11 +541,12 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
         engine.close()
 
 
-def _install_signal_handlers(stop: threading.Event) -> None:
+def install_stop_signals(stop: threading.Event) -> None:
+    """SIGTERM / SIGINT set `stop` (finish the work in progress, then leave); a second one aborts."""
     def on_signal(signum, frame):
         if stop.is_set():
             raise KeyboardInterrupt  # second signal: abort now
-        log.info("signal %d: finishing the current batch, then leaving", signum)
+        log.info("signal %d: finishing the work in progress, then leaving", signum)
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)

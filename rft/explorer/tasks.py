@@ -34,20 +34,20 @@ class DatasetError(ValueError):
     pass
 
 
-def load_rows(data: DataConfig) -> list[dict[str, Any]]:
-    """The dataset's rows as plain dicts (JSON-compatible values)."""
+def load_rows(data: DataConfig, *, section: str = "data") -> list[dict[str, Any]]:
+    """The dataset's rows as plain dicts (JSON-compatible values). Errors name `<section>.path`."""
     if data.format == "generated":
         from rft.workflows.toy_tasks import generate_rows
         try:
             return generate_rows(data.path, data.generated_tasks, seed=data.shuffle_seed or 0)
         except ValueError as e:
-            raise DatasetError(f"data.path: {e}") from None
+            raise DatasetError(f"{section}.path: {e}") from None
     path = Path(data.path.split(":")[0] if data.format == "hf_disk" else data.path)
     if not data.path or not path.exists():
-        raise DatasetError(f"data.path: dataset {data.path!r} does not exist")
+        raise DatasetError(f"{section}.path: dataset {data.path!r} does not exist")
     rows = {"jsonl": _jsonl_rows, "parquet": _parquet_rows, "hf_disk": _hf_disk_rows}[data.format](data.path)
     if not rows:
-        raise DatasetError(f"data.path: dataset {data.path} has no rows")
+        raise DatasetError(f"{section}.path: dataset {data.path} has no rows")
     return rows
 
 
@@ -91,21 +91,23 @@ def task_id_for(index: int, prompt: str, answer: Any) -> str:
     return f"r{index:07d}-{digest}"
 
 
-def rows_to_tasks(rows: list[dict[str, Any]], cfg: Config) -> list[TaskRecord]:
-    """Epoch 0's tasks, in dataset order (validates every row)."""
-    data = cfg.data
+def rows_to_tasks(rows: list[dict[str, Any]], cfg: Config, *, data: DataConfig | None = None,
+                  section: str = "data") -> list[TaskRecord]:
+    """Epoch 0's tasks, in dataset order (validates every row). `data` (default `cfg.data`) says how rows become
+    tasks; errors name its keys as `<section>.key`."""
+    data = data or cfg.data
     tasks = []
     for index, row in enumerate(rows):
         where = f"{data.path} row {index}"
         if data.prompt_key not in row:
-            raise DatasetError(f"{where}: no field {data.prompt_key!r} (data.prompt_key); fields: {sorted(row)}")
+            raise DatasetError(f"{where}: no field {data.prompt_key!r} ({section}.prompt_key); fields: {sorted(row)}")
         if data.answer_key and data.answer_key not in row:
-            raise DatasetError(f"{where}: no field {data.answer_key!r} (data.answer_key); fields: {sorted(row)}")
+            raise DatasetError(f"{where}: no field {data.answer_key!r} ({section}.answer_key); fields: {sorted(row)}")
         fields = {**row, "prompt": row[data.prompt_key]}
         try:
             prompt = data.prompt_template.format(**fields)
         except (KeyError, IndexError, ValueError) as e:
-            raise DatasetError(f"{where}: data.prompt_template {data.prompt_template!r} does not format: "
+            raise DatasetError(f"{where}: {section}.prompt_template {data.prompt_template!r} does not format: "
                                f"{type(e).__name__}: {e}") from None
         answer = row[data.answer_key] if data.answer_key else None
         metadata = {k: v for k, v in row.items() if k not in (data.prompt_key, data.answer_key)}

@@ -2,7 +2,6 @@
 invalid config. `rft validate` is exercised as a real subprocess (exit codes 0 and 2)."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -19,16 +18,6 @@ def write(tmp_path: Path, body: dict, name: str = "run.yaml") -> Path:
     return path
 
 
-@pytest.fixture
-def model_dir(tmp_path) -> Path:
-    """A model directory with only a config.json: enough for the parallel-size checks."""
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2,
-                                               "num_hidden_layers": 2}))
-    return d
-
-
 def minimal(model_dir: Path, **sections) -> dict:
     body = {"model": {"path": str(model_dir)}}
     for section, values in sections.items():
@@ -42,7 +31,7 @@ def test_defaults_fill_every_section(tmp_path, model_dir):
     assert cfg.run.mode == "off_policy" and cfg.kafka.bootstrap_servers == "embedded"
     assert cfg.topic("experiences") == "rft-run.experiences"
     assert cfg.to_dict().keys() == {"run", "model", "kafka", "explorer", "trainer", "algorithm", "data", "sync",
-                                    "replay", "monitor", "replay_buffer", "stages"}
+                                    "replay", "monitor", "replay_buffer", "eval", "stages"}
 
 
 def test_overrides_take_yaml_types(tmp_path, model_dir):

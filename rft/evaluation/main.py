@@ -1,0 +1,272 @@
+"""`rft eval CONFIG`: evaluate weights on the task sets of `eval.sets` with the explorer's stack (engine, workflow,
+reward); no trainer, no broker.
+
+    rft eval CONFIG --checkpoint initial --checkpoint runs/NAME/final    # the named checkpoints, in order
+    rft eval CONFIG --follow                                             # the versions a live run publishes
+
+Each task set's tasks are built as the task publisher builds them (rft/explorer/tasks.py); each task is sampled
+`eval.n_samples` times with eval's sampling settings and scored by the set's reward (default `explorer.reward`);
+metrics are defined in rft/evaluation/metrics.py. One engine serves all checkpoints: it starts on the first and
+loads the others in place, as explorers reload weights, so they must share the architecture (a run's checkpoints
+do). Every evaluation appends one record to `<run dir>/metrics.jsonl`: `step` (when the checkpoint's step is known),
+`eval/checkpoint`, and `eval/<set>/accuracy`, `eval/<set>/pass@<k>`, `eval/<set>/mean@<k>`, `eval/<set>/tasks`,
+`eval/<set>/errors`. `--checkpoint` prints a table at the end.
+
+Periodic evaluation in a live run (`eval.every_steps: N`) is `--follow`, which `rft run` starts as its `evaluator`
+part. It runs in its own process and reads the weight store (the pull path explorers use), so the trainer never
+waits for it. It evaluates versions 0, N, 2N, ...; when it fell so far behind that a due version was
+garbage-collected (`sync.keep_versions`), it evaluates the newest version instead, and the record carries that
+version as its step. SIGUSR1 (sent by `rft run` once the trainer has finished) makes it evaluate the newest version,
+unless done already, and exit; SIGTERM / Ctrl-C stop it after the evaluation in progress (a second one aborts).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rft.config import Config, ConfigError, EvalSetConfig
+from rft.evaluation.checkpoints import Checkpoint, CheckpointError, resolve_checkpoint
+from rft.evaluation.metrics import SetScores, score_tasks
+
+if TYPE_CHECKING:
+    from rft.explorer.engine import Engine
+    from rft.schema import TaskRecord
+    from rft.weight_store import WeightStore
+    from rft.workflows import Workflow
+
+log = logging.getLogger("rft.eval")
+
+TASKS_PER_CALL = 256  # tasks per workflow call: the engine batches all of their samples
+POLL_S = 1.0  # --follow: pause between looks at the weight store
+
+
+@dataclass
+class TaskSet:
+    name: str
+    tasks: list["TaskRecord"]
+    workflow: "Workflow"
+
+
+def sampling_config(cfg: Config, eval_set: EvalSetConfig) -> Config:
+    """The config as the explorer stack sees it for one task set: eval's sampling settings and the set's reward."""
+    e = cfg.eval
+    explorer = dataclasses.replace(
+        cfg.explorer, n_samples=e.n_samples, temperature=e.temperature, top_p=e.top_p,
+        max_tokens=e.max_tokens or cfg.explorer.max_tokens, reward=eval_set.reward or cfg.explorer.reward,
+        reward_weights={} if eval_set.reward else cfg.explorer.reward_weights)
+    return dataclasses.replace(cfg, explorer=explorer)
+
+
+def load_task_sets(cfg: Config) -> list[TaskSet]:
+    """Every `eval.sets` entry's tasks and its workflow; a DatasetError names the set's key (`eval.sets[i].path`)."""
+    from rft.explorer.tasks import load_rows, rows_to_tasks
+    from rft.rewards import build_reward
+    from rft.workflows import build_workflow
+
+    task_sets = []
+    for i, eval_set in enumerate(cfg.eval.sets):
+        section, data = f"eval.sets[{i}]", eval_set.to_data()
+        tasks = rows_to_tasks(load_rows(data, section=section), cfg, data=data, section=section)
+        view = sampling_config(cfg, eval_set)
+        task_sets.append(TaskSet(eval_set.name, tasks, build_workflow(view, build_reward(view))))
+    return task_sets
+
+
+class Evaluator:
+    """Scores the weights an engine holds on every task set and logs one metrics record per evaluation."""
+
+    def __init__(self, cfg: Config, task_sets: list[TaskSet], engine: "Engine", *, progress: bool):
+        from rft.monitor import MetricsLogger
+
+        self.cfg, self.task_sets, self.engine, self.progress = cfg, task_sets, engine, progress
+        self.metrics = MetricsLogger(cfg.run_dir, cfg.monitor, run_name=f"{cfg.run.name}-eval")
+
+    def evaluate(self, checkpoint: Checkpoint) -> dict[str, SetScores]:
+        started = time.monotonic()
+        scores = {task_set.name: self._score(task_set) for task_set in self.task_sets}
+        record: dict = {} if checkpoint.step is None else {"step": checkpoint.step}
+        record.update({"eval/checkpoint": checkpoint.label, "eval/seconds": round(time.monotonic() - started, 3)})
+        for name, set_scores in scores.items():
+            record.update(set_scores.metrics(name))
+        self.metrics.log(record, step=checkpoint.step)
+        return scores
+
+    def _score(self, task_set: TaskSet) -> SetScores:
+        from tqdm import tqdm
+
+        e = self.cfg.eval
+        rewards: list[list[float]] = []
+        errors: list[str] = []
+        with tqdm(total=len(task_set.tasks), desc=f"eval {task_set.name}", unit="task",
+                  disable=not self.progress) as bar:
+            for start in range(0, len(task_set.tasks), TASKS_PER_CALL):
+                chunk = task_set.tasks[start:start + TASKS_PER_CALL]
+                for result in task_set.workflow.explore(chunk, self.engine):
+                    if result.error is not None:
+                        errors.append(result.error)
+                    rewards.append([0.0] * e.n_samples if result.error else [s.reward for s in result.samples])
+                bar.update(len(chunk))
+        if errors:
+            log.warning("eval set %s: %d tasks could not run and count as wrong; the first: %s", task_set.name,
+                        len(errors), errors[0])
+        return score_tasks(rewards, k=e.k, threshold=e.correct_threshold, errors=len(errors))
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.engine.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Named checkpoints
+
+
+def evaluate_checkpoints(cfg: Config, task_sets: list[TaskSet],
+                         checkpoints: list[Checkpoint]) -> list[tuple[Checkpoint, dict[str, SetScores]]]:
+    """Each checkpoint in order, with one engine (started on the first, the others loaded in place)."""
+    from rft.explorer.engine import build_engine
+
+    evaluator = Evaluator(cfg, task_sets, build_engine(cfg, model_path=str(checkpoints[0].path)),
+                          progress=cfg.monitor.progress)
+    results = []
+    try:
+        for i, checkpoint in enumerate(checkpoints):
+            if i:
+                evaluator.engine.load_weights(checkpoint.path, -1 if checkpoint.step is None else checkpoint.step)
+            results.append((checkpoint, evaluator.evaluate(checkpoint)))
+    finally:
+        evaluator.close()
+    return results
+
+
+def format_table(results: list[tuple[Checkpoint, dict[str, SetScores]]], k: int) -> str:
+    header = ("checkpoint", "step", "set", "tasks", "accuracy", f"pass@{k}", f"mean@{k}", "errors")
+    rows = [(c.label, "-" if c.step is None else str(c.step), name, str(s.tasks), f"{s.accuracy:.3f}",
+             f"{s.pass_at_k:.3f}", f"{s.mean_at_k:.3f}", str(s.errors))
+            for c, scores in results for name, s in scores.items()]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in (header, *rows))
+
+
+# --------------------------------------------------------------------------------------------------
+# Following a live run
+
+
+class EvalSchedule:
+    """Which published versions `--follow` evaluates: 0, N, 2N, ... (N = `every_steps`); a version past the next due
+    one when the follower fell behind; and, once the run is finishing, the newest version unless it was evaluated."""
+
+    def __init__(self, every_steps: int):
+        self.every_steps, self.next_due, self.last = every_steps, 0, None
+
+    def due(self, version: int, *, finishing: bool = False) -> bool:
+        return version >= self.next_due or (finishing and (self.last is None or version > self.last))
+
+    def done(self, version: int) -> None:
+        self.last = version
+        self.next_due = max(self.next_due, (version // self.every_steps + 1) * self.every_steps)
+
+
+def follow(cfg: Config, task_sets: list[TaskSet], *, stop: threading.Event, finish: threading.Event) -> int:
+    """Evaluate the run's published versions as the schedule says, until `stop`, or until `finish` is set and the
+    newest version has been evaluated."""
+    from rft.explorer.engine import build_engine
+    from rft.explorer.main import load_newest_weights
+    from rft.weight_store import WeightStore
+
+    store = WeightStore.for_config(cfg)
+    evaluator = Evaluator(cfg, task_sets, build_engine(cfg), progress=False)  # model.path holds version 0
+    schedule = EvalSchedule(cfg.eval.every_steps)
+    try:
+        while not stop.is_set():
+            finishing = finish.is_set()
+            latest = store.latest()
+            if schedule.due(latest[0] if latest else 0, finishing=finishing):
+                load_newest_weights(evaluator.engine, lambda: _due_or_newest(store, schedule, finishing))
+                version = evaluator.engine.weights_version
+                path = store.path(version) if latest else Path(cfg.model.path)
+                scores = evaluator.evaluate(Checkpoint(f"version {version}", path, version))
+                schedule.done(version)
+                log.info("version %d: %s", version, "; ".join(
+                    f"{name} accuracy {s.accuracy:.3f} pass@{s.k} {s.pass_at_k:.3f} mean@{s.k} {s.mean_at_k:.3f}"
+                    for name, s in scores.items()))
+            elif finishing:
+                break
+            else:
+                stop.wait(POLL_S)
+    finally:
+        evaluator.close()
+    return 0
+
+
+def _due_or_newest(store: "WeightStore", schedule: EvalSchedule, finishing: bool) -> tuple[int, Path] | None:
+    """The version due next while the store still has it (the follower fell behind less than `sync.keep_versions`
+    versions), else the newest."""
+    due = store.path(schedule.next_due)
+    return (schedule.next_due, due) if not finishing and due.is_dir() else store.latest()
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+
+
+def main(argv: list[str]) -> int:
+    from rft.cli import add_config_arguments, config_from_args
+    from rft.explorer.tasks import DatasetError
+
+    parser = argparse.ArgumentParser(prog="rft eval", description="Evaluate checkpoints on the task sets of "
+                                     "eval.sets: accuracy, pass@k and mean@k, to the run's metrics.jsonl.")
+    add_config_arguments(parser)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint", action="append", metavar="PATH|latest|initial",
+                       help="an HF model directory (e.g. runs/NAME/final), 'latest' (the run's newest weights) or "
+                            "'initial' (model.path); repeatable, evaluated in order")
+    which.add_argument("--follow", action="store_true",
+                       help="evaluate every eval.every_steps-th version the run publishes (what `rft run` starts)")
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s evaluator %(levelname)s %(message)s")
+    if not cfg.eval.sets:
+        print("rft eval: eval.sets: no task set to evaluate", file=sys.stderr)
+        return 2
+    if args.follow and not cfg.eval.every_steps:
+        print("rft eval --follow: eval.every_steps must be > 0 (evaluate every how many versions?)", file=sys.stderr)
+        return 2
+    try:
+        checkpoints = [resolve_checkpoint(spec, cfg) for spec in args.checkpoint or []]
+        task_sets = load_task_sets(cfg)
+    except (CheckpointError, DatasetError, ConfigError) as e:
+        print(f"rft eval: {e}", file=sys.stderr)
+        return 2
+    if args.follow:
+        return follow(cfg, task_sets, stop=_stop_on_signals(), finish=_finish_on_sigusr1())
+    results = evaluate_checkpoints(cfg, task_sets, checkpoints)
+    print(format_table(results, cfg.eval.k))
+    return 0
+
+
+def _stop_on_signals() -> threading.Event:
+    from rft.explorer.main import install_stop_signals
+
+    stop = threading.Event()
+    install_stop_signals(stop)
+    return stop
+
+
+def _finish_on_sigusr1() -> threading.Event:
+    finish = threading.Event()
+
+    def on_signal(signum, frame):
+        log.info("SIGUSR1: the run has finished; evaluating its newest version, then leaving")
+        finish.set()
+
+    signal.signal(signal.SIGUSR1, on_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})  # `rft run` starts us with it blocked: now it may come
+    return finish
