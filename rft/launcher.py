@@ -69,15 +69,20 @@ def run(cfg: Config) -> int:
             _publish_tasks(cfg)
         if cfg.replay.from_data and not _publish_demonstrations(cfg):
             return 2
+        try:
+            gpus = gpu_plan(cfg, roles, visible_gpus())
+        except LaunchError as e:
+            print(f"[rft] {e}", file=sys.stderr, flush=True)
+            return 2
         runner = PartRunner(run_dir)
         try:
             if "trainer" in roles:
-                runner.start("trainer", _trainer_command(cfg, config_path))
+                runner.start("trainer", _trainer_command(cfg, config_path), gpus=gpus.get("trainer"))
             if "explorers" in roles:
                 for i in range(cfg.explorer.replicas):
                     runner.start(f"explorer-{i}", [sys.executable, "-m", "rft.cli", "explorer", str(config_path),
-                                                   "--explorer-id", f"explorer-{i}"])
-            _start_evaluator(cfg, runner, config_path, roles)
+                                                   "--explorer-id", f"explorer-{i}"], gpus=gpus.get(f"explorer-{i}"))
+            _start_evaluator(cfg, runner, config_path, roles, gpus=gpus.get(EVALUATOR))
             progress = MetricsProgress(run_dir / "metrics.jsonl", cfg.run.max_steps) if cfg.monitor.progress else None
             code = runner.supervise(main_part="trainer" if "trainer" in roles else None, on_tick=progress)
             if code == 0 and EVALUATOR in runner.parts:
@@ -93,7 +98,8 @@ def run(cfg: Config) -> int:
         return code
 
 
-def _start_evaluator(cfg: Config, runner: "PartRunner", config_path: Path, roles: tuple[str, ...]) -> None:
+def _start_evaluator(cfg: Config, runner: "PartRunner", config_path: Path, roles: tuple[str, ...], *,
+                     gpus: str | None = None) -> None:
     """Periodic evaluation (`eval.every_steps`): `rft eval --follow` beside the trainer, reading the weight store
     (see rft/evaluation/main.py); it never blocks training."""
     if not cfg.eval.every_steps or "trainer" not in roles:
@@ -103,7 +109,7 @@ def _start_evaluator(cfg: Config, runner: "PartRunner", config_path: Path, roles
               "--checkpoint` on its final weights", flush=True)
         return
     runner.start(EVALUATOR, [sys.executable, "-m", "rft.cli", "eval", str(config_path), "--follow"],
-                 blocked_signals=(signal.SIGUSR1,))  # until it can take `finish` (see PartRunner.finish)
+                 blocked_signals=(signal.SIGUSR1,), gpus=gpus)  # SIGUSR1 until it can take `finish` (PartRunner)
 
 
 def _publish_tasks(cfg: Config) -> None:
@@ -176,6 +182,43 @@ def run_stages(cfg: Config) -> int:
     return 0
 
 
+class LaunchError(RuntimeError):
+    pass
+
+
+def visible_gpus() -> list[str]:
+    """This machine's GPUs as CUDA_VISIBLE_DEVICES entries (empty on a CPU machine). NVML only: no CUDA context."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return [d for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    import torch
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def gpu_plan(cfg: Config, roles: tuple[str, ...], gpus: list[str]) -> dict[str, str]:
+    """Disjoint GPUs for the parts of a one-machine run: the trainer's TP x PP x DP first, then each explorer's
+    tensor_parallel_size, then the evaluator's. Empty on a CPU machine; LaunchError when the GPUs do not suffice."""
+    if not gpus:
+        return {}
+    t, tp = cfg.trainer, cfg.explorer.tensor_parallel_size
+    needs: list[tuple[str, int]] = []
+    if "trainer" in roles:
+        needs.append(("trainer", t.tensor_parallel * t.pipeline_parallel * t.data_parallel))
+    if "explorers" in roles:
+        needs += [(f"explorer-{i}", tp) for i in range(cfg.explorer.replicas)]
+    if cfg.eval.every_steps and "trainer" in roles and cfg.run.mode != "offline":
+        needs.append((EVALUATOR, tp))
+    total = sum(n for _, n in needs)
+    if total > len(gpus):
+        parts = " + ".join(f"{name} {n}" for name, n in needs)
+        raise LaunchError(f"this machine has {len(gpus)} GPUs, the run needs {total} ({parts}): lower "
+                          "trainer.data_parallel or explorer.replicas, or start the explorers elsewhere (`rft explorer`)")
+    plan, next_gpu = {}, 0
+    for name, n in needs:
+        plan[name] = ",".join(gpus[next_gpu:next_gpu + n])
+        next_gpu += n
+    return plan
+
+
 def _trainer_command(cfg: Config, config_path: Path) -> list[str]:
     t = cfg.trainer
     nproc = t.tensor_parallel * t.pipeline_parallel * t.data_parallel
@@ -199,12 +242,15 @@ class PartRunner:
         self.run_dir = run_dir
         self.parts: dict[str, Part] = {}
 
-    def start(self, name: str, command: list[str], *, blocked_signals: tuple[int, ...] = ()) -> None:
+    def start(self, name: str, command: list[str], *, blocked_signals: tuple[int, ...] = (),
+              gpus: str | None = None) -> None:
         """`blocked_signals` start blocked (pending until the part installs its handler and unblocks them), so a
-        signal sent early neither kills it nor gets lost."""
+        signal sent early neither kills it nor gets lost. `gpus`: the part's CUDA_VISIBLE_DEVICES (see gpu_plan)."""
         log_path = self.run_dir / "logs" / f"{name}.log"
         log = open(log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
         block = (lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked_signals)) if blocked_signals else None
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                    preexec_fn=block)
