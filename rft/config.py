@@ -38,7 +38,6 @@ class RunConfig:
     seed: int = 0
     output_dir: str = "runs"
     max_steps: int = 10
-    explorer_timeout_s: float = 60.0
 
 
 @dataclass
@@ -91,6 +90,8 @@ class ExplorerConfig:
     admission: str = "staleness"  # staleness (the mode's bound, fleet-wide), all, or package.module:factory(config, explorer_id)
     heartbeat_s: float = 5.0  # seconds between explorer heartbeats on the control topic
     max_batch_s: float = 300.0  # longest one batch may take before the consumer group presumes the explorer dead
+    exit_when_idle_s: float = 0.0  # > 0: an explorer exits (code 0) after this long without tasks; 0: never, except
+    # that `rft run` in explore mode uses 30 s (its explorers end the run once the task set is exhausted)
 
     def __post_init__(self) -> None:
         """Resolve the workflow, environment and reward names now, so a typo fails at load time."""
@@ -101,6 +102,8 @@ class ExplorerConfig:
             raise ConfigError(f"explorer.max_turns: must be >= 1, got {self.max_turns}")
         if self.heartbeat_s <= 0:
             raise ConfigError(f"explorer.heartbeat_s: must be > 0, got {self.heartbeat_s}")
+        if self.exit_when_idle_s < 0:
+            raise ConfigError(f"explorer.exit_when_idle_s: must be >= 0 (0: never), got {self.exit_when_idle_s}")
         if self.max_batch_s <= 0:
             raise ConfigError(f"explorer.max_batch_s: must be > 0, got {self.max_batch_s}")
         try:

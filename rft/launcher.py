@@ -34,6 +34,7 @@ ROLES_BY_MODE = {
     "train": ("trainer",), "offline": ("trainer",), "explore": ("explorers",),
 }
 EVALUATOR = "evaluator"
+EXPLORE_IDLE_EXIT_S = 30.0
 
 
 @dataclass
@@ -81,7 +82,8 @@ def run(cfg: Config) -> int:
             if "explorers" in roles:
                 for i in range(cfg.explorer.replicas):
                     runner.start(f"explorer-{i}", [sys.executable, "-m", "rft.cli", "explorer", str(config_path),
-                                                   "--explorer-id", f"explorer-{i}"], gpus=gpus.get(f"explorer-{i}"))
+                                                   "--explorer-id", f"explorer-{i}", *_explore_only_exit(cfg)],
+                                 gpus=gpus.get(f"explorer-{i}"))
             _start_evaluator(cfg, runner, config_path, roles, gpus=gpus.get(EVALUATOR))
             progress = MetricsProgress(run_dir / "metrics.jsonl", cfg.run.max_steps) if cfg.monitor.progress else None
             code = runner.supervise(main_part="trainer" if "trainer" in roles else None, on_tick=progress)
@@ -180,6 +182,13 @@ def run_stages(cfg: Config) -> int:
                 return 1
             stage.mark_done()
     return 0
+
+
+def _explore_only_exit(cfg: Config) -> list[str]:
+    """In explore mode nothing else ends the run: explorers exit once the task set is exhausted."""
+    if cfg.run.mode != "explore":
+        return []
+    return ["--exit-when-idle", str(cfg.explorer.exit_when_idle_s or EXPLORE_IDLE_EXIT_S)]
 
 
 class LaunchError(RuntimeError):

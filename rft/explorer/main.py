@@ -490,7 +490,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--explorer-id", default=None, help="this explorer's id (default: HOST-PID); "
                         "with --replicas, the prefix of the replicas' ids")
     parser.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
-                        help="exit 0 after this long without tasks (explore-only runs over a finite dataset)")
+                        help="exit 0 after this long without tasks (explore-only runs over a finite dataset; "
+                             "default: explorer.exit_when_idle_s)")
     return parser.parse_args(argv)
 
 
@@ -512,7 +513,8 @@ def main(argv: list[str]) -> int:
             return 2
         return run_replicas(args, args.replicas)
     return run_one(cfg, explorer_id=args.explorer_id or f"{socket.gethostname()}-{os.getpid()}",
-                   exit_when_idle_s=args.exit_when_idle)
+                   exit_when_idle_s=args.exit_when_idle if args.exit_when_idle is not None
+                   else cfg.explorer.exit_when_idle_s or None)
 
 
 def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = None) -> int:
