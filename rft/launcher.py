@@ -335,11 +335,13 @@ class PartRunner:
 
 
 class MetricsProgress:
-    """Prints one console line per trainer step as metrics.jsonl grows (the trainer's own log has more)."""
+    """Prints one console line per trainer step as metrics.jsonl grows, with a progress bar and the time left (the
+    trainer's own log has more)."""
 
     def __init__(self, path: Path, max_steps: int):
         self.path, self.max_steps, self.offset = path, max_steps, 0
         self.started = time.time()
+        self._first: tuple[int, float] | None = None
 
     def __call__(self) -> None:
         if not self.path.exists():
@@ -355,9 +357,26 @@ class MetricsProgress:
             if "eval/checkpoint" in m:
                 print(f"[rft] eval {m['eval/checkpoint']}: {_eval_summary(m)}", flush=True)
                 continue
-            print(f"[rft] step {m['step']:>4}/{self.max_steps}  reward {m.get('reward_mean', float('nan')):.3f}  "
-                  f"loss {m.get('loss', float('nan')):+.4f}  staleness max {m.get('staleness_max', 0)}  "
-                  f"dropped {m.get('dropped_stale', 0)}  {time.time() - self.started:6.0f} s", flush=True)
+            print(f"[rft] step {m['step']:>4}/{self.max_steps} {self._bar(m['step'])}  "
+                  f"reward {m.get('reward_mean', float('nan')):.3f}  loss {m.get('loss', float('nan')):+.4f}  "
+                  f"staleness max {m.get('staleness_max', 0)}  dropped {m.get('dropped_stale', 0)}  "
+                  f"{time.time() - self.started:6.0f} s{self._eta(m)}", flush=True)
+
+    def _bar(self, step: int, width: int = 20) -> str:
+        done = min(width, round(width * step / max(1, self.max_steps)))
+        return "[" + "#" * done + "." * (width - done) + "]"
+
+    def _eta(self, record: dict) -> str:
+        """Remaining time at the pace of the steps this process has seen (a resume replays older lines first)."""
+        if record.get("time", 0) < self.started:
+            return ""
+        if self._first is None:
+            self._first = (record["step"], record["time"])
+            return ""
+        steps, seconds = record["step"] - self._first[0], record["time"] - self._first[1]
+        if steps <= 0:
+            return ""
+        return f"  eta {seconds / steps * max(0, self.max_steps - record['step']):5.0f} s"
 
 
 def _eval_summary(record: dict) -> str:
