@@ -1,0 +1,49 @@
+"""`rft status`'s view of a run, from a known sequence of control messages (the e2e fault tests read a live run)."""
+from __future__ import annotations
+
+from rft.schema import ControlMessage
+from rft.status import RunStatus, render
+
+
+def msg(kind: str, sender: str, at: float, **body) -> ControlMessage:
+    return ControlMessage(kind=kind, sender=sender, body=body, created_at=at)
+
+
+def test_fleet_states_versions_and_throughput_follow_the_control_topic():
+    status = RunStatus(heartbeat_s=1.0)
+    for m in [
+        msg("trainer_started", "trainer", 100, step=0, version=0, offsets={}),
+        msg("explorer_join", "a", 101, explorer_id="a", weights_version=0, host="h1", pid=7, prometheus_port=9401),
+        msg("explorer_join", "b", 101, explorer_id="b", weights_version=0, host="h2", pid=8),
+        msg("explorer_heartbeat", "a", 110, explorer_id="a", weights_version=0, groups=10, explore_s=5, joined_s=9),
+        msg("weights", "trainer", 111, version=1, path="/w/v1", offsets={"x.experiences:0": 8}),
+        msg("explorer_weights", "a", 112, explorer_id="a", version=1),
+        msg("explorer_heartbeat", "a", 120, explorer_id="a", weights_version=1, groups=30, explore_s=8, joined_s=19),
+        msg("explorer_leave", "b", 121, explorer_id="b", reason="stopped", groups=4),
+        msg("weights", "trainer", 131, version=3, path="/w/v3", offsets={"x.experiences:0": 24}),
+        msg("trainer_waiting", "trainer", 132, version=3, offsets={"x.experiences:0": 24}, groups_in_batch=1),
+    ]:
+        status.apply(m)
+    status.explorers["c"] = status.explorers["a"].__class__("c", last_seen=100.0)  # joined, then nothing
+    status.finish(now=122.0)
+
+    assert status.trainer.state == "waiting" and status.trainer.version == 3 and status.trainer.step == 3
+    assert status.trainer.offsets == {"x.experiences:0": 24}
+    a, b, c = status.explorers["a"], status.explorers["b"], status.explorers["c"]
+    assert (a.state, a.weights_version, a.groups, a.host, a.prometheus_port) == ("live", 1, 30, "h1", 9401)
+    assert abs(a.busy - 8 / 19) < 1e-12
+    assert (b.state, b.left_reason, b.groups) == ("left", "stopped", 4)
+    assert c.state == "silent"  # no message for more than 3 heartbeat intervals
+    assert abs(status.groups_per_s(now=125.0) - (30 - 10) / (120 - 110)) < 1e-12
+    assert abs(status.steps_per_s(now=140.0) - (3 - 0) / (132 - 100)) < 1e-12  # version 0 at 100, 3 at 132
+
+    report = {"run": "x", "mode": "off_policy", "max_staleness": 1, "bootstrap": "k:9092", "max_steps": 10,
+              "trainer": {"state": "waiting", "step": 3, "version": 3, "seconds_since_seen": 2.0},
+              "weights": {"method": "pull", "push_abandoned": False},
+              "explorers": [{"explorer_id": "a", "state": "live", "left_reason": "", "host": "h1", "weights_version": 1,
+                             "groups": 30, "batches": 3, "admission_waits": 0, "busy": 0.42, "seconds_since_seen": 2}],
+              "experiences": {"produced": 40, "lag": 16}, "tasks": {"published": 100, "lag": 60},
+              "throughput": {"groups_per_s": 2.0, "steps_per_s": 0.1, "window_s": 60}}
+    text = render(report)
+    assert "trainer: waiting, step 3/10, weights version 3" in text
+    assert "16 not consumed yet" in text and "1 live, 0 silent or left" in text and "v1" in text
