@@ -1,9 +1,11 @@
 """`rft run CONFIG`: everything a run needs on one machine, as child processes, stopped together.
 
-Starts, in order: the local broker (when `kafka.bootstrap_servers: embedded`), the topics, the task publisher,
-the trainer under torchrun (TP x PP x DP processes), and `explorer.replicas` explorers (the weight-broadcast
-coordinator is a role of the trainer's publishing rank: see rft/trainer/main.py). Which parts start follows
-`run.mode`: `explore` starts no trainer, `train` and `offline` no explorers.
+Starts, in order: the local broker (when `kafka.bootstrap_servers: embedded`), the topics, the task publisher
+(every task at once, or the online `publisher` part for a selector that reads rewards, see
+rft/explorer/publisher.py), the trainer under torchrun (TP x PP x DP processes), and `explorer.replicas` explorers
+(the weight-broadcast coordinator is a role of the trainer's publishing rank: see rft/trainer/main.py). Which parts
+start follows `run.mode`: `explore` starts no trainer, `train` and `offline` no explorers. A failed `publisher`
+ends the run like a failed trainer.
 
 Shutdown: when the trainer finishes, the explorers are stopped and the run ends with 0. When the trainer dies,
 or every explorer has died, everything is stopped and the run ends with 1, printing the failed part's last log
@@ -25,6 +27,7 @@ from pathlib import Path
 from rft.broker import KafkaEndpoint
 from rft.cli import add_config_arguments, config_from_args
 from rft.config import Config
+from rft.explorer.selectors import selector_needs_rewards
 
 ROLES_BY_MODE = {
     "sync": ("trainer", "explorers"), "off_policy": ("trainer", "explorers"), "async": ("trainer", "explorers"),
@@ -57,10 +60,13 @@ def run(cfg: Config) -> int:
         print(f"[rft] run {cfg.run.name!r} mode {cfg.run.mode} -> {run_dir} (kafka {bootstrap})", flush=True)
         _create_topics(cfg)
         roles = ROLES_BY_MODE[cfg.run.mode]
-        if "explorers" in roles:
+        online = "explorers" in roles and selector_needs_rewards(cfg.data)  # publish as rewards come in
+        if "explorers" in roles and not online:
             _publish_tasks(cfg)
         runner = PartRunner(run_dir)
         try:
+            if online:
+                runner.start("publisher", [sys.executable, "-m", "rft.cli", "publish", str(config_path)])
             if "trainer" in roles:
                 runner.start("trainer", _trainer_command(cfg, config_path))
             if "explorers" in roles:
@@ -68,7 +74,8 @@ def run(cfg: Config) -> int:
                     runner.start(f"explorer-{i}", [sys.executable, "-m", "rft.cli", "explorer", str(config_path),
                                                    "--explorer-id", f"explorer-{i}"])
             progress = MetricsProgress(run_dir / "metrics.jsonl", cfg.run.max_steps) if cfg.monitor.progress else None
-            code = runner.supervise(main_part="trainer" if "trainer" in roles else None, on_tick=progress)
+            code = runner.supervise(main_part="trainer" if "trainer" in roles else None, on_tick=progress,
+                                    essential={"publisher"})
         except KeyboardInterrupt:
             print("\n[rft] interrupted: stopping every part", flush=True)
             code = 130
@@ -138,7 +145,9 @@ class PartRunner:
         self.parts[name] = Part(name, process, log_path)
         print(f"[rft] started {name} (pid {process.pid}, log {log_path})", flush=True)
 
-    def supervise(self, main_part: str | None, *, on_tick=None, poll_s: float = 0.5) -> int:
+    def supervise(self, main_part: str | None, *, on_tick=None, poll_s: float = 0.5,
+                  essential: set[str] = frozenset()) -> int:
+        """Wait for the main part; `essential` parts end the run (with 1) when they fail, others are tolerated."""
         reported: set[str] = set()
         while True:
             if on_tick is not None:
@@ -156,6 +165,8 @@ class PartRunner:
                     return 1
                 if code != 0:
                     self._report_failure(part, code)
+                    if part.name in essential:
+                        return 1
             explorers = [p for p in self.parts.values() if p.name.startswith("explorer")]
             if explorers and all(p.process.poll() is not None for p in explorers):
                 if main_part is None:

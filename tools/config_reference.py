@@ -65,11 +65,24 @@ def render() -> str:
         if doc and not doc.startswith(cls.__name__ + "("):
             parts.append(doc + "\n")
         parts.append("| key | type | default | meaning |\n|---|---|---|---|")
-        hints, comments = typing.get_type_hints(cls), _comments(cls)
-        for f in dataclasses.fields(cls):
-            parts.append(f"| `{section.name}.{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | "
-                         f"{comments.get(f.name, '')} |")
+        parts.extend(_rows(cls, section.name))
     return "\n".join(parts) + "\n"
+
+
+def _rows(cls: type, prefix: str) -> list[str]:
+    """One row per field; a field that is a section (or a list of them) is followed by its own fields' rows."""
+    rows = []
+    hints, comments = typing.get_type_hints(cls), _comments(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        if dataclasses.is_dataclass(tp):
+            rows.extend(_rows(tp, f"{prefix}.{f.name}"))
+            continue
+        rows.append(f"| `{prefix}.{f.name}` | {_type_name(tp)} | {_default(f)} | {comments.get(f.name, '')} |")
+        if item is not None and dataclasses.is_dataclass(item):
+            rows.extend(_rows(item, f"{prefix}.{f.name}[]"))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

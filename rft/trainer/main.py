@@ -91,6 +91,7 @@ class Trainer:
     # -- rank 0's Kafka side
     def _open_io(self, feed_state: FeedState) -> None:
         from rft.monitor import MetricsLogger
+        from rft.operators import OperatorContext, build_operator_chain
         from rft.transport import RecordSink
         from rft.weight_store import WeightStore
 
@@ -100,7 +101,8 @@ class Trainer:
         self.feed, self._dlq_sink, _ = open_feed(
             cfg.kafka, cfg.kafka.bootstrap_servers, topic=topic, dead_letter_topic=cfg.topic("dead_letter"),
             run_id=None if offline else cfg.run.name, state=feed_state, client_id=f"{cfg.run.name}-trainer",
-            window=self._replay_window(topic) if offline else None)
+            window=self._replay_window(topic) if offline else None, operators=build_operator_chain(
+                cfg.trainer.operators, OperatorContext(cfg.model.tokenizer or cfg.model.path)))
         self.control = RecordSink(cfg.kafka, cfg.kafka.bootstrap_servers, client_id=f"{cfg.run.name}-trainer")
         self.store = WeightStore(cfg.sync.weight_store or cfg.run_dir / "weights", keep=cfg.sync.keep_versions)
         self.metrics = MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name)
@@ -227,6 +229,9 @@ class Trainer:
         dist_io.barrier()
 
     def _log(self, step: int, groups, skipped: dict[str, int], metrics: dict, started: float) -> None:
+        from rft.operators import split_drops
+
+        skipped, drops = split_drops(skipped, self.feed.operators)  # the operators' drops: dropped/<reason>
         with open(self.consumed_path, "a") as f:
             for g in groups:
                 f.write(json.dumps({"step": step, "group_id": g.group_id, "policy_version": g.policy_version,
@@ -241,7 +246,7 @@ class Trainer:
             "reward_mean": float(rewards.mean()),
             "response_len_mean": float(np.mean([len(s.response_tokens) for g in groups for s in g.samples])),
             "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
-            "skipped": skipped, **{k: _scalar(v) for k, v in metrics.items()},
+            "skipped": skipped, **drops, **{k: _scalar(v) for k, v in metrics.items()},
             **self.staleness.step_metrics(step),
         }
         self.metrics.log(record, step=step)

