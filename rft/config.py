@@ -132,6 +132,14 @@ class TrainerConfig:
     adam_beta2: float = 0.999
     checkpoint_every: int = 10
     poll_timeout_s: float = 600.0
+    operators: list[Any] = field(default_factory=list)  # experience operators, in order: names or {name: ..., args} (docs/data.md)
+
+    def __post_init__(self) -> None:
+        from rft.operators import OperatorError, check_operator_specs
+        try:
+            check_operator_specs(self.operators)
+        except OperatorError as e:
+            raise ConfigError(str(e)) from None
 
 
 @dataclass
@@ -150,6 +158,27 @@ DataFormat = Literal["jsonl", "parquet", "hf_disk", "generated"]
 
 
 @dataclass
+class TaskSetConfig:
+    """One entry of `data.mix`; a key left null takes the value of the `data.` key of the same name."""
+    path: str = ""  # required: the set's dataset (the toy task for format generated)
+    weight: float = 1.0  # relative share of the picks while the set has tasks left
+    format: Optional[Literal["jsonl", "parquet", "hf_disk", "generated"]] = None  # null: data.format
+    epochs: Optional[int] = None  # visits per task; null: data.epochs
+    prompt_key: Optional[str] = None  # null: data.prompt_key
+    answer_key: Optional[str] = None  # null: data.answer_key
+    prompt_template: Optional[str] = None  # null: data.prompt_template
+    generated_tasks: Optional[int] = None  # null: data.generated_tasks
+
+
+@dataclass
+class CurriculumConfig:
+    """`data.selector: curriculum`: prefer tasks whose mean reward so far is closest to `target`."""
+    target: float = 0.5  # the mean reward of the tasks preferred
+    prior: float = 0.5  # the mean reward assumed for a task without recorded rewards
+    temperature: float = 0.1  # pick weight exp(-abs(mean - target) / temperature); 0: always the closest
+
+
+@dataclass
 class DataConfig:
     path: str = ""
     format: DataFormat = "jsonl"
@@ -157,9 +186,16 @@ class DataConfig:
     answer_key: str = "answer"
     prompt_template: str = "{prompt}"
     epochs: int = 1
-    shuffle_seed: Optional[int] = 0
-    selector: str = "shuffle"
+    shuffle_seed: Optional[int] = 0  # seeds every selector (shuffle: null keeps the dataset order)
+    selector: str = "shuffle"  # sequential, shuffle, curriculum, or package.module:factory (docs/data.md)
     generated_tasks: int = 1000  # format generated: how many tasks of the toy task that data.path names
+    mix: list[TaskSetConfig] = field(default_factory=list)  # several task sets mixed by weight, instead of data.path
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    tasks_ahead: int = 0  # online selectors: tasks published ahead of the explorers; 0: 2 x replicas x tasks_per_batch
+
+    def __post_init__(self) -> None:
+        from rft.explorer.selectors import check_data_config
+        check_data_config(self)
 
 
 @dataclass
@@ -230,12 +266,6 @@ class EvalSetConfig:
     generated_tasks: int = 100  # format generated: how many tasks
     seed: int = 1  # format generated: generator seed (data.shuffle_seed seeds the training rows)
     reward: str = ""  # registered name or package.module:function; empty: explorer.reward
-
-    def to_data(self) -> DataConfig:
-        """The same source as a `data` section, for the task loader."""
-        return DataConfig(path=self.path, format=self.format, prompt_key=self.prompt_key, answer_key=self.answer_key,
-                          prompt_template=self.prompt_template, shuffle_seed=self.seed,
-                          generated_tasks=self.generated_tasks)
 
 
 @dataclass

@@ -20,22 +20,23 @@ from typing import Iterator
 import numpy as np
 
 from rft.config import Config
-from rft.explorer.tasks import DatasetError, iter_epochs, load_rows, rows_to_tasks
+from rft.explorer.tasks import DatasetError, load_task_sets
 from rft.schema import ExperienceGroup, Sample, TaskRecord
 
 
 def demonstration_groups(cfg: Config, tokenizer) -> Iterator[ExperienceGroup]:
-    """Every epoch's demonstrations in publishing order (all rows are checked first)."""
-    tasks = rows_to_tasks(load_rows(cfg.data), cfg)
-    samples = {task.task_id: _sample(task, tokenizer, cfg, row=i) for i, task in enumerate(tasks)}
-    for task in iter_epochs(tasks, epochs=cfg.data.epochs, shuffle_seed=cfg.data.shuffle_seed):
+    """Every epoch's demonstrations in the order `data.selector` publishes tasks (all rows are checked first)."""
+    from rft.explorer.selectors import build_picker
+
+    samples = {task.task_id: _sample(task, tokenizer, cfg, where=f"{task_set.path} row {i}")
+               for task_set, tasks in load_task_sets(cfg) for i, task in enumerate(tasks)}
+    for task in build_picker(cfg).drain():
         yield ExperienceGroup(run_id=task.run_id, task_id=task.task_id, group_id=task.group_id, attempt=0,
                               explorer_id="demonstrations", policy_version=0, samples=[samples[task.task_id]],
                               answer=task.answer)
 
 
-def _sample(task: TaskRecord, tokenizer, cfg: Config, *, row: int) -> Sample:
-    where = f"{cfg.data.path} row {row}"
+def _sample(task: TaskRecord, tokenizer, cfg: Config, *, where: str) -> Sample:
     if task.answer is None:
         raise DatasetError(f"{where}: a demonstration needs an answer (data.answer_key is empty)")
     prompt = tokenizer(task.prompt, add_special_tokens=True)["input_ids"]

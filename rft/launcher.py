@@ -1,9 +1,11 @@
 """`rft run CONFIG`: everything a run needs on one machine, as child processes, stopped together.
 
-Starts, in order: the local broker (when `kafka.bootstrap_servers: embedded`), the topics, the task publisher,
-the trainer under torchrun (TP x PP x DP processes), and `explorer.replicas` explorers (the weight-broadcast
-coordinator is a role of the trainer's publishing rank: see rft/trainer/main.py). Which parts start follows
-`run.mode`: `explore` starts no trainer, `train` and `offline` no explorers.
+Starts, in order: the local broker (when `kafka.bootstrap_servers: embedded`), the topics, the task publisher
+(every task at once, or the online `publisher` part for a selector that reads rewards, see
+rft/explorer/publisher.py), the trainer under torchrun (TP x PP x DP processes), and `explorer.replicas` explorers
+(the weight-broadcast coordinator is a role of the trainer's publishing rank: see rft/trainer/main.py). Which parts
+start follows `run.mode`: `explore` starts no trainer, `train` and `offline` no explorers. A failed `publisher`
+ends the run like a failed trainer.
 
 Shutdown: when the trainer finishes, the explorers are stopped and the run ends with 0. When the trainer dies,
 or every explorer has died, everything is stopped and the run ends with 1, printing the failed part's last log
@@ -28,6 +30,7 @@ from pathlib import Path
 from rft.broker import KafkaEndpoint
 from rft.cli import add_config_arguments, config_from_args
 from rft.config import Config
+from rft.explorer.selectors import selector_needs_rewards
 
 ROLES_BY_MODE = {
     "sync": ("trainer", "explorers"), "off_policy": ("trainer", "explorers"), "async": ("trainer", "explorers"),
@@ -66,7 +69,8 @@ def run(cfg: Config) -> int:
         print(f"[rft] run {cfg.run.name!r} mode {cfg.run.mode} -> {run_dir} (kafka {bootstrap})", flush=True)
         create_run_topics(cfg)
         roles = ROLES_BY_MODE[cfg.run.mode]
-        if "explorers" in roles:
+        online = "explorers" in roles and selector_needs_rewards(cfg.data)  # publish as rewards come in
+        if "explorers" in roles and not online:
             _publish_tasks(cfg)
         if cfg.replay.from_data and not _publish_demonstrations(cfg):
             return 2
@@ -77,6 +81,8 @@ def run(cfg: Config) -> int:
             return 2
         runner = PartRunner(run_dir)
         try:
+            if online:
+                runner.start("publisher", [sys.executable, "-m", "rft.cli", "publish", str(config_path)])
             if "trainer" in roles:
                 runner.start("trainer", _trainer_command(cfg, config_path), gpus=gpus.get("trainer"))
             if "explorers" in roles:
@@ -86,7 +92,8 @@ def run(cfg: Config) -> int:
                                  gpus=gpus.get(f"explorer-{i}"))
             _start_evaluator(cfg, runner, config_path, roles, gpus=gpus.get(EVALUATOR))
             progress = MetricsProgress(run_dir / "metrics.jsonl", cfg.run.max_steps) if cfg.monitor.progress else None
-            code = runner.supervise(main_part="trainer" if "trainer" in roles else None, on_tick=progress)
+            code = runner.supervise(main_part="trainer" if "trainer" in roles else None, on_tick=progress,
+                                    essential={"publisher"})
             if code == 0 and EVALUATOR in runner.parts:
                 runner.stop_all(keep=(EVALUATOR,))
                 runner.finish(EVALUATOR, timeout_s=cfg.eval.finish_timeout_s, on_tick=progress)
@@ -266,7 +273,9 @@ class PartRunner:
         self.parts[name] = Part(name, process, log_path)
         print(f"[rft] started {name} (pid {process.pid}, log {log_path})", flush=True)
 
-    def supervise(self, main_part: str | None, *, on_tick=None, poll_s: float = 0.5) -> int:
+    def supervise(self, main_part: str | None, *, on_tick=None, poll_s: float = 0.5,
+                  essential: set[str] = frozenset()) -> int:
+        """Wait for the main part; `essential` parts end the run (with 1) when they fail, others are tolerated."""
         reported: set[str] = set()
         while True:
             if on_tick is not None:
@@ -284,6 +293,8 @@ class PartRunner:
                     return 1
                 if code != 0:
                     self._report_failure(part, code)
+                    if part.name in essential:
+                        return 1
             explorers = [p for p in self.parts.values() if p.name.startswith("explorer")]
             if explorers and all(p.process.poll() is not None for p in explorers):
                 if main_part is None:

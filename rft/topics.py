@@ -125,8 +125,8 @@ def record_summary(record: TaskRecord | ExperienceGroup | ControlMessage) -> dic
 class Detokenizer:
     """Token ids -> text with the model's tokenizer (loaded on first use); without a path, `text` is None."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, *, skip_special_tokens: bool = False):
+        self.path, self.skip_special_tokens = path, skip_special_tokens
         self._tokenizer = None
 
     def text(self, tokens) -> str | None:
@@ -138,7 +138,7 @@ class Detokenizer:
                 self._tokenizer = AutoTokenizer.from_pretrained(self.path)
             except (OSError, ValueError) as e:
                 raise TopicsError(f"cannot load a tokenizer from {self.path}: {e}") from None
-        return self._tokenizer.decode([int(t) for t in tokens], skip_special_tokens=False)
+        return self._tokenizer.decode([int(t) for t in tokens], skip_special_tokens=self.skip_special_tokens)
 
 
 def _tokens_or_text(name: str, tokens, detok: Detokenizer) -> dict[str, Any]:

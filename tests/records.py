@@ -8,15 +8,20 @@ from rft.schema import ExperienceGroup, Sample, group_id_for
 
 def make_group(run_id: str, task: int, *, epoch: int = 0, n_samples: int = 4, policy_version: int = 0,
                prompt_len: int = 5, response_len: int = 6, seed: int | None = None, attempt: int = 0,
-               explorer_id: str = "explorer-test") -> ExperienceGroup:
+               explorer_id: str = "explorer-test", rewards: list[float] | None = None,
+               responses: list[list[int]] | None = None) -> ExperienceGroup:
+    """`rewards` / `responses` (token ids), when given, fix the samples' rewards / responses (and their number)."""
     rng = np.random.default_rng(task if seed is None else seed)
     task_id = f"task-{task}"
-    samples = [Sample(sample_index=j,
-                      prompt_tokens=rng.integers(3, 90, prompt_len),
-                      response_tokens=rng.integers(3, 90, response_len),
-                      logprobs=-rng.random(response_len).astype(np.float32) * 3,
-                      loss_mask=np.ones(response_len, dtype=np.uint8),
-                      reward=float(rng.random()), reward_components={"score": float(rng.random())})
-               for j in range(n_samples)]
+    n_samples = len(rewards) if rewards is not None else len(responses) if responses is not None else n_samples
+    samples = []
+    for j in range(n_samples):
+        prompt = rng.integers(3, 90, prompt_len)
+        response = rng.integers(3, 90, response_len) if responses is None else np.asarray(responses[j], dtype=np.int32)
+        samples.append(Sample(sample_index=j, prompt_tokens=prompt, response_tokens=response,
+                              logprobs=-rng.random(len(response)).astype(np.float32) * 3,
+                              loss_mask=np.ones(len(response), dtype=np.uint8),
+                              reward=float(rng.random()) if rewards is None else float(rewards[j]),
+                              reward_components={"score": float(rng.random())}))
     return ExperienceGroup(run_id=run_id, task_id=task_id, group_id=group_id_for(run_id, task_id, epoch),
                            attempt=attempt, explorer_id=explorer_id, policy_version=policy_version, samples=samples)

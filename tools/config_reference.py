@@ -75,13 +75,17 @@ def render() -> str:
 
 
 def _rows(cls: type, prefix: str) -> list[str]:
-    """One row per field; a list of sections (e.g. `eval.sets`) is followed by its items' fields as `key[].field`."""
+    """One row per field; a field that is a section is followed by its own fields' rows, a list of sections (e.g.
+    `eval.sets`) by its items' fields as `key[].field`."""
     rows = []
     hints, comments = typing.get_type_hints(cls), _comments(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        rows.append(f"| `{prefix}.{f.name}` | {_type_name(tp)} | {_default(f)} | {comments.get(f.name, '')} |")
         item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        if dataclasses.is_dataclass(tp):
+            rows.extend(_rows(tp, f"{prefix}.{f.name}"))
+            continue
+        rows.append(f"| `{prefix}.{f.name}` | {_type_name(tp)} | {_default(f)} | {comments.get(f.name, '')} |")
         if item is not None and dataclasses.is_dataclass(item):
             rows.extend(_rows(item, f"{prefix}.{f.name}[]"))
     return rows

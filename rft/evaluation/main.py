@@ -49,7 +49,7 @@ POLL_S = 1.0  # --follow: pause between looks at the weight store
 
 
 @dataclass
-class TaskSet:
+class EvalSet:
     name: str
     tasks: list["TaskRecord"]
     workflow: "Workflow"
@@ -65,25 +65,28 @@ def sampling_config(cfg: Config, eval_set: EvalSetConfig) -> Config:
     return dataclasses.replace(cfg, explorer=explorer)
 
 
-def load_task_sets(cfg: Config) -> list[TaskSet]:
+def load_eval_sets(cfg: Config) -> list[EvalSet]:
     """Every `eval.sets` entry's tasks and its workflow; a DatasetError names the set's key (`eval.sets[i].path`)."""
-    from rft.explorer.tasks import load_rows, rows_to_tasks
+    from rft.explorer.tasks import TaskSet, load_rows, rows_to_tasks
     from rft.rewards import build_reward
     from rft.workflows import build_workflow
 
     task_sets = []
     for i, eval_set in enumerate(cfg.eval.sets):
-        section, data = f"eval.sets[{i}]", eval_set.to_data()
-        tasks = rows_to_tasks(load_rows(data, section=section), cfg, data=data, section=section)
+        source = TaskSet(key=f"eval.sets[{i}]", id_prefix="", path=eval_set.path, format=eval_set.format, weight=1.0,
+                         epochs=1, prompt_key=eval_set.prompt_key, answer_key=eval_set.answer_key,
+                         prompt_template=eval_set.prompt_template, generated_tasks=eval_set.generated_tasks,
+                         shuffle_seed=eval_set.seed)
+        tasks = rows_to_tasks(load_rows(source), cfg, source)
         view = sampling_config(cfg, eval_set)
-        task_sets.append(TaskSet(eval_set.name, tasks, build_workflow(view, build_reward(view))))
+        task_sets.append(EvalSet(eval_set.name, tasks, build_workflow(view, build_reward(view))))
     return task_sets
 
 
 class Evaluator:
     """Scores the weights an engine holds on every task set and logs one metrics record per evaluation."""
 
-    def __init__(self, cfg: Config, task_sets: list[TaskSet], engine: "Engine", *, progress: bool):
+    def __init__(self, cfg: Config, task_sets: list[EvalSet], engine: "Engine", *, progress: bool):
         from rft.monitor import MetricsLogger
 
         self.cfg, self.task_sets, self.engine, self.progress = cfg, task_sets, engine, progress
@@ -99,7 +102,7 @@ class Evaluator:
         self.metrics.log(record, step=checkpoint.step)
         return scores
 
-    def _score(self, task_set: TaskSet) -> SetScores:
+    def _score(self, task_set: EvalSet) -> SetScores:
         from tqdm import tqdm
 
         e = self.cfg.eval
@@ -128,7 +131,7 @@ class Evaluator:
 # Named checkpoints
 
 
-def evaluate_checkpoints(cfg: Config, task_sets: list[TaskSet],
+def evaluate_checkpoints(cfg: Config, task_sets: list[EvalSet],
                          checkpoints: list[Checkpoint]) -> list[tuple[Checkpoint, dict[str, SetScores]]]:
     """Each checkpoint in order, with one engine (started on the first, the others loaded in place)."""
     from rft.explorer.engine import build_engine
@@ -174,7 +177,7 @@ class EvalSchedule:
         self.next_due = max(self.next_due, (version // self.every_steps + 1) * self.every_steps)
 
 
-def follow(cfg: Config, task_sets: list[TaskSet], *, stop: threading.Event, finish: threading.Event) -> int:
+def follow(cfg: Config, task_sets: list[EvalSet], *, stop: threading.Event, finish: threading.Event) -> int:
     """Evaluate the run's published versions as the schedule says, until `stop`, or until `finish` is set and the
     newest version has been evaluated."""
     from rft.explorer.engine import build_engine
@@ -241,7 +244,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         checkpoints = [resolve_checkpoint(spec, cfg) for spec in args.checkpoint or []]
-        task_sets = load_task_sets(cfg)
+        task_sets = load_eval_sets(cfg)
     except (CheckpointError, DatasetError, ConfigError) as e:
         print(f"rft eval: {e}", file=sys.stderr)
         return 2

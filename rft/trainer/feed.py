@@ -12,18 +12,26 @@ Contract:
 - With a single-partition experiences topic (the default, `kafka.experience_partitions: 1`) the order of groups
   is the log order, so a restarted trainer assembles exactly the batches an uninterrupted one would have. With
   several partitions, the guarantee is the same set of groups, each once, in arrival order.
+- Experience operators (rft/operators.py, `trainer.operators`) run on each group the feed would take: a group they
+  drop is skipped with reason `dropped/<reason>`; a group they change (reward shaping) is taken changed, and its
+  message re-encoded so that every rank trains on the same. Their state is part of `FeedState`.
 Not thread-safe; one feed per trainer (global rank 0 reads, then broadcasts).
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
+import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-from rft.schema import ExperienceGroup, RecordError, decode_group
+from rft.schema import ExperienceGroup, RecordError, decode_group, encode
 from rft.transport import DeadLetter, Message, RecordSink, RecordSource, TransportError
+
+if TYPE_CHECKING:
+    from rft.operators import OperatorChain
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +78,17 @@ class FeedState:
     """What has been consumed: next offset per partition ("topic:partition") and the group ids taken."""
     offsets: dict[str, int] = field(default_factory=dict)
     taken_groups: list[str] = field(default_factory=list)
+    operators: dict = field(default_factory=dict)  # the experience operators' state (OperatorChain.state)
 
     def to_json(self) -> dict:
-        return {"offsets": dict(self.offsets), "taken_groups": list(self.taken_groups)}
+        return {"offsets": dict(self.offsets), "taken_groups": list(self.taken_groups),
+                "operators": json.loads(json.dumps(self.operators))}
 
     @classmethod
     def from_json(cls, data: dict) -> "FeedState":
         return cls(offsets={str(k): int(v) for k, v in data.get("offsets", {}).items()},
-                   taken_groups=[str(g) for g in data.get("taken_groups", [])])
+                   taken_groups=[str(g) for g in data.get("taken_groups", [])],
+                   operators=dict(data.get("operators", {})))
 
 
 @dataclass
@@ -94,13 +105,16 @@ Admit = Callable[[ExperienceGroup], Optional[str]]
 class ExperienceFeed:
     def __init__(self, source: RecordSource, *, topic: str, run_id: str | None, dead_letter: DeadLetter,
                  state: FeedState | None = None, window: ReplayWindow | None = None,
-                 reconnect: Callable[[], RecordSource] | None = None):
+                 reconnect: Callable[[], RecordSource] | None = None, operators: "OperatorChain | None" = None):
         """`run_id=None` accepts records of any run (replaying another run's topic). `reconnect` makes a new
         source when the current one fails (TransportError); the feed re-seeks it to its own state."""
         self.reconnect = reconnect
+        self.operators = operators
         self.source, self.topic, self.run_id, self.dead_letter = source, topic, run_id, dead_letter
         self.window = window
         self.state = state or FeedState()
+        if operators is not None:
+            operators.load_state(self.state.operators)
         if window is not None and not self.state.offsets:  # a replay's first start (a resume has offsets)
             self.state.offsets = dict(window.begin)
         self._taken = set(self.state.taken_groups)
@@ -185,6 +199,12 @@ class ExperienceFeed:
         reason = admit(group)
         if reason:
             return reason
+        if self.operators is not None:
+            shaped, reason = self.operators.apply(group)
+            if reason:
+                return reason
+            if shaped is not group:
+                group, message = shaped, dataclasses.replace(message, value=encode(shaped)[0])
         self._taken.add(group.group_id)
         self.state.taken_groups.append(group.group_id)
         batch.groups.append(group)
@@ -192,12 +212,15 @@ class ExperienceFeed:
         return None
 
     def snapshot(self) -> FeedState:
+        if self.operators is not None:
+            self.state.operators = self.operators.state()
         return FeedState.from_json(self.state.to_json())
 
 
 def open_feed(kafka_cfg, bootstrap: str, *, topic: str, dead_letter_topic: str, run_id: str | None,
               state: FeedState | None = None, window: ReplayWindow | None = None,
-              client_id: str = "rft-trainer") -> tuple[ExperienceFeed, RecordSink, RecordSource]:
+              client_id: str = "rft-trainer", operators: "OperatorChain | None" = None,
+              ) -> tuple[ExperienceFeed, RecordSink, RecordSource]:
     """Build a feed with its own source and dead-letter sink; the caller closes both."""
     def new_source() -> RecordSource:
         return RecordSource(kafka_cfg, bootstrap, client_id=client_id)
@@ -205,7 +228,7 @@ def open_feed(kafka_cfg, bootstrap: str, *, topic: str, dead_letter_topic: str, 
     source = new_source()
     sink = RecordSink(kafka_cfg, bootstrap, client_id=f"{client_id}-dlq")
     feed = ExperienceFeed(source, topic=topic, run_id=run_id, dead_letter=DeadLetter(sink, dead_letter_topic),
-                          state=state, window=window, reconnect=new_source)
+                          state=state, window=window, reconnect=new_source, operators=operators)
     return feed, sink, source
 
 

@@ -97,6 +97,7 @@ class Trainer:
     def _open_io(self, feed_state: FeedState, replay_state: dict) -> None:
         from rft.coordinator import WeightCoordinator
         from rft.monitor import MetricsLogger, metrics_endpoint
+        from rft.operators import OperatorContext, build_operator_chain
         from rft.trainer.replay_buffer import open_replay
         from rft.transport import RecordSink, RecordSource
         from rft.weight_store import WeightStore
@@ -107,7 +108,8 @@ class Trainer:
         self.feed, self._dlq_sink, _ = open_feed(
             cfg.kafka, cfg.kafka.bootstrap_servers, topic=topic, dead_letter_topic=cfg.topic("dead_letter"),
             run_id=None if offline else cfg.run.name, state=feed_state, client_id=f"{cfg.run.name}-trainer",
-            window=self._replay_window(topic) if offline else None)
+            window=self._replay_window(topic) if offline else None, operators=build_operator_chain(
+                cfg.trainer.operators, OperatorContext(cfg.model.tokenizer or cfg.model.path)))
         if cfg.replay_buffer.groups_per_step:
             self.replay = open_replay(cfg, state=replay_state, topic_source=lambda: RecordSource(
                 cfg.kafka, cfg.kafka.bootstrap_servers, client_id=f"{cfg.run.name}-trainer-replay"))
@@ -262,6 +264,9 @@ class Trainer:
         dist_io.barrier()
 
     def _log(self, step: int, groups, skipped: dict[str, int], metrics: dict, started: float) -> None:
+        from rft.operators import split_drops
+
+        skipped, drops = split_drops(skipped, self.feed.operators)  # the operators' drops: dropped/<reason>
         with open(self.consumed_path, "a") as f:
             for g, reuse in zip(groups, self._reuse):
                 f.write(json.dumps({"step": step, "group_id": g.group_id, "policy_version": g.policy_version,
@@ -278,7 +283,7 @@ class Trainer:
             "response_len_mean": float(np.mean([len(s.response_tokens) for g in groups for s in g.samples])),
             "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
             "data_wait_s": self._data_wait_s,  # of step_time_s: waiting for experiences (trainer idle)
-            "skipped": skipped, **{k: _scalar(v) for k, v in metrics.items()},
+            "skipped": skipped, **drops, **{k: _scalar(v) for k, v in metrics.items()},
             **self.staleness.step_metrics(step),
             **(self.replay.step_metrics(step, self._replayed) if self.replay else {}),
         }

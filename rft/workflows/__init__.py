@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
+from rft.imports import registrar
 from rft.schema import Sample, TaskRecord
 
 if TYPE_CHECKING:
@@ -50,14 +51,7 @@ class Workflow(Protocol):
 _WORKFLOWS: dict[str, Any] = {}
 
 
-def register_workflow(name: str) -> Callable[[type], type]:
-    """Class decorator: `cls(cfg, reward)` builds the workflow."""
-    def decorate(cls: type) -> type:
-        if name in _WORKFLOWS:
-            raise WorkflowError(f"workflow {name!r} is already registered")
-        _WORKFLOWS[name] = cls
-        return cls
-    return decorate
+register_workflow = registrar(_WORKFLOWS, "workflow", error=WorkflowError)  # class decorator; cls(cfg, reward) builds it
 
 
 def available_workflows() -> list[str]:

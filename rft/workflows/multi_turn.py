@@ -16,9 +16,10 @@ from __future__ import annotations
 import difflib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from rft.explorer.engine import SamplingSettings
+from rft.imports import registrar
 from rft.schema import TaskRecord
 from rft.workflows import GroupResult, WorkflowError, build_sample, encode_prompt, import_by_path, register_workflow
 
@@ -41,13 +42,7 @@ class Environment(Protocol):
 _ENVIRONMENTS: dict[str, Any] = {}
 
 
-def register_environment(name: str) -> Callable[[type], type]:
-    def decorate(cls: type) -> type:
-        if name in _ENVIRONMENTS:
-            raise WorkflowError(f"environment {name!r} is already registered")
-        _ENVIRONMENTS[name] = cls
-        return cls
-    return decorate
+register_environment = registrar(_ENVIRONMENTS, "environment", error=WorkflowError)
 
 
 def resolve_environment(spec: str) -> Any:

