@@ -224,7 +224,7 @@ class MonitorConfig:
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "rft"
-    prometheus_port: int = 0  # 0: off; the trainer serves /metrics on this port, explorers on the next free ones
+    prometheus_port: int = 0  # 0: off; each part serves /metrics on the first free port from here (see rft status)
     progress: bool = True
 
 

@@ -10,7 +10,7 @@ ends the run like a failed trainer.
 Shutdown: when the trainer finishes, the explorers are stopped and the run ends with 0. When the trainer dies,
 or every explorer has died, everything is stopped and the run ends with 1, printing the failed part's last log
 lines. A single explorer dying is reported and tolerated while others remain (fleets are elastic). Ctrl-C stops
-everything. Each part's output goes to `<run dir>/logs/<part>.log`.
+everything, as does SIGTERM. Each part's output goes to `<run dir>/logs/<part>.log`.
 
 A config with `stages:` runs its stages in order, each as above in `<run dir>/stages/<run>.<stage>/`, on one
 broker; finished stages (`stage_done.json`) are skipped on a re-run (see rft/stages.py).
@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,12 +48,35 @@ class Part:
     log_path: Path
 
 
+STOP_REQUESTED = threading.Event()
+
+
+def _install_stop_signals() -> None:
+    """SIGINT (Ctrl-C) and SIGTERM stop the whole run. The flag is checked between stages and on every supervision
+    tick, so a stop that arrives while library code swallows the KeyboardInterrupt is still honoured."""
+    def on_signal(signum, frame):
+        STOP_REQUESTED.set()
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rft run", description=__doc__.split("\n")[0])
     add_config_arguments(parser)
     args = parser.parse_args(argv)
-    cfg = config_from_args(args)
-    return run(cfg)
+    return run_until_stopped(config_from_args(args))
+
+
+def run_until_stopped(cfg: Config) -> int:
+    """`run`, with SIGINT / SIGTERM stopping everything (exit 130) wherever they arrive."""
+    _install_stop_signals()
+    try:
+        return run(cfg)
+    except KeyboardInterrupt:
+        print("\n[rft] interrupted", flush=True)
+        return 130
 
 
 def run(cfg: Config) -> int:
@@ -183,6 +207,8 @@ def run_stages(cfg: Config) -> int:
             code = run(stage.config)
             if code != 0:
                 return code
+            if STOP_REQUESTED.is_set():
+                return 130
             if not stage.weights_out.is_dir():
                 print(f"[rft] stage {stage.name!r} ended without final weights ({stage.weights_out}; did it train "
                       "any step?)", file=sys.stderr)
@@ -278,6 +304,8 @@ class PartRunner:
         """Wait for the main part; `essential` parts end the run (with 1) when they fail, others are tolerated."""
         reported: set[str] = set()
         while True:
+            if STOP_REQUESTED.is_set():
+                raise KeyboardInterrupt
             if on_tick is not None:
                 on_tick()
             for part in list(self.parts.values()):
@@ -429,4 +457,4 @@ def replay_main(argv: list[str]) -> int:
               "(use sft, dpo, or a policy-gradient algorithm with algorithm.off_policy_correction: true)",
               file=sys.stderr)
         return 2
-    return run(cfg)
+    return run_until_stopped(cfg)

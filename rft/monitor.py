@@ -152,11 +152,14 @@ class MetricsEndpoint:
         self._server.server_close()
 
 
+PORT_SEARCH = 64
+
+
 def metrics_endpoint(cfg, *, role: str, instance: str) -> MetricsEndpoint | None:
-    """The endpoint `monitor.prometheus_port` asks for (None when it is 0): the trainer on that port, explorers
-    on the first free one of the next 64 (several share a host)."""
+    """The endpoint `monitor.prometheus_port` asks for (None when it is 0), on the first free port of the
+    PORT_SEARCH from there (the parts of a run may share a host). Each part announces the port it took on the
+    control topic, and `rft status` lists them."""
     if not cfg.monitor.prometheus_port:
         return None
-    port = cfg.monitor.prometheus_port
-    return MetricsEndpoint(port if role == "trainer" else port + 1, search=1 if role == "trainer" else 64,
+    return MetricsEndpoint(cfg.monitor.prometheus_port, search=PORT_SEARCH,
                            labels={"run": cfg.run.name, "role": role, "instance": instance})

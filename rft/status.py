@@ -44,6 +44,7 @@ class TrainerStatus:
     step: int = 0
     version: int = 0
     offsets: dict[str, int] = field(default_factory=dict)
+    prometheus_port: int | None = None
     last_seen: float = 0.0
     history: list[tuple[float, int]] = field(default_factory=list, repr=False)  # (time, version) of announcements
 
@@ -83,6 +84,8 @@ class RunStatus:
             t.step = max(t.step, t.version)
         if isinstance(body.get("offsets"), dict):
             t.offsets = {str(k): int(v) for k, v in body["offsets"].items()}
+        if kind == "trainer_started":
+            t.prometheus_port = body.get("prometheus_port")
         if kind == "weights":
             self.weights_path = str(body.get("path", ""))
         elif kind == "push_group":

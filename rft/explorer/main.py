@@ -145,7 +145,7 @@ class WeightUpdates:
                 msg = decode(m.value, m.headers)
             except ValueError:
                 continue  # not ours to judge: other roles read the control topic too
-            if isinstance(msg, ControlMessage) and msg.sender == "trainer":
+            if isinstance(msg, ControlMessage):
                 self._apply(msg.kind, msg.body)
 
     def _apply(self, kind: str, body: dict) -> None:

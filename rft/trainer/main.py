@@ -122,7 +122,8 @@ class Trainer:
         self._last_wait_note = 0.0
         _truncate_consumed(self.consumed_path, self.step)
         self._announce("trainer_started", {"step": self.step, "version": self.step,
-                                           "offsets": dict(self.feed.state.offsets)})
+                                           "offsets": dict(self.feed.state.offsets),
+                                           "prometheus_port": self.prometheus.port if self.prometheus else None})
 
     def _replay_window(self, topic: str) -> ReplayWindow:
         """Resolved on the first start and saved, so a resumed replay reads the same records."""
