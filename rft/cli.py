@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import signal
 import sys
+import threading
 
 from rft.config import ConfigError, load_config
 
@@ -40,6 +43,19 @@ def _call(target: str, argv: list[str]) -> int:
         print(f"rft: this command is not available in this build ({target}: {e})", file=sys.stderr)
         return 3
     return int(fn(argv) or 0)
+
+
+def install_stop_signals(stop: threading.Event) -> None:
+    """SIGTERM / SIGINT set `stop` (finish the work in progress, then leave); a second one aborts. A flag, not an
+    exception: kafka-python's network code catches BaseException and can swallow a KeyboardInterrupt."""
+    def on_signal(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt  # second signal: abort now
+        logging.getLogger("rft").info("signal %d: finishing the work in progress, then leaving", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:

@@ -305,15 +305,26 @@ def cmd_tail(args: argparse.Namespace, conn: Connection) -> int:
         for m in messages:
             print(format_message(m, detok), flush=True)
         if args.follow:
-            source.assign([args.topic])
-            source.seek(ends)
-            try:
-                while True:
-                    for m in source.poll(timeout_s=1.0):
-                        print(format_message(m, detok), flush=True)
-            except KeyboardInterrupt:
-                pass
+            follow(source, args.topic, ends, lambda m: print(format_message(m, detok), flush=True))
     return 0
+
+
+def follow(source: RecordSource, topic: str, start: dict[str, int], show) -> None:
+    """`show` each new record from `start` until Ctrl-C / SIGTERM."""
+    import threading
+
+    from rft.cli import install_stop_signals
+
+    stop = threading.Event()
+    install_stop_signals(stop)
+    source.assign([topic])
+    source.seek(start)
+    try:
+        while not stop.is_set():
+            for m in source.poll(timeout_s=1.0):
+                show(m)
+    except KeyboardInterrupt:
+        pass
 
 
 # --------------------------------------------------------------------------------------------------

@@ -256,7 +256,7 @@ def main(argv: list[str]) -> int:
 
 
 def _stop_on_signals() -> threading.Event:
-    from rft.explorer.main import install_stop_signals
+    from rft.cli import install_stop_signals
 
     stop = threading.Event()
     install_stop_signals(stop)

@@ -526,6 +526,8 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {explorer_id} %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)
     stop = threading.Event()
+    from rft.cli import install_stop_signals
+
     install_stop_signals(stop)
     engine = build_engine(cfg)
     explorer = None
@@ -541,18 +543,6 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
         if explorer is not None:
             explorer.close(reason)
         engine.close()
-
-
-def install_stop_signals(stop: threading.Event) -> None:
-    """SIGTERM / SIGINT set `stop` (finish the work in progress, then leave); a second one aborts."""
-    def on_signal(signum, frame):
-        if stop.is_set():
-            raise KeyboardInterrupt  # second signal: abort now
-        log.info("signal %d: finishing the work in progress, then leaving", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
 
 
 def run_replicas(args: argparse.Namespace, replicas: int) -> int:
