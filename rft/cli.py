@@ -58,6 +58,14 @@ def install_stop_signals(stop: threading.Event) -> None:
     signal.signal(signal.SIGINT, on_signal)
 
 
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """In a child process: ask Linux to send `sig` when the parent dies (no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """The config file plus `--set a.b.c=value` overrides, shared by every command that takes a config."""
     parser.add_argument("config", help="YAML run config")

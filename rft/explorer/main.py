@@ -551,13 +551,15 @@ def run_replicas(args: argparse.Namespace, replicas: int) -> int:
     Each child has its own session, so a signal reaches it exactly once: SIGTERM / SIGINT to this process
     (or Ctrl-C in its terminal) is passed on to every child, which finishes its batch and leaves; a second
     one aborts them. On Linux a child also gets SIGTERM when this process dies, even by SIGKILL."""
+    from rft.cli import die_with_parent
+
     prefix = args.explorer_id or f"{socket.gethostname()}-{os.getpid()}"
     extra = [a for o in args.overrides for a in ("--set", o)]
     if args.exit_when_idle is not None:
         extra += ["--exit-when-idle", str(args.exit_when_idle)]
     children = [subprocess.Popen([sys.executable, "-m", "rft.cli", "explorer", args.config,
                                   "--explorer-id", f"{prefix}-{i}", *extra],
-                                 start_new_session=True, preexec_fn=_terminate_with_parent) for i in range(replicas)]
+                                 start_new_session=True, preexec_fn=die_with_parent) for i in range(replicas)]
 
     def forward(signum, frame):
         for child in children:
@@ -567,11 +569,3 @@ def run_replicas(args: argparse.Namespace, replicas: int) -> int:
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     return max(child.wait() for child in children)
-
-
-def _terminate_with_parent() -> None:
-    """In a child before exec: ask Linux for SIGTERM when the parent dies (no-op elsewhere)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -19,13 +19,14 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from rft.cli import add_config_arguments, config_from_args
+from rft.cli import add_config_arguments, config_from_args, die_with_parent
 from rft.config import Config, ConfigError, TrainerConfig
 from rft.schema import ControlMessage, decode_group
 from rft.trainer import distributed as dist_io
@@ -43,6 +44,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
+    # megatron's checkpoint writer forks helper processes; a trainer killed mid-checkpoint must not leave them behind
+    os.register_at_fork(after_in_child=lambda: die_with_parent(signal.SIGKILL))
     if cfg.kafka.bootstrap_servers == "embedded":
         print("rft trainer: kafka.bootstrap_servers is 'embedded', which only `rft run` can provide; pass "
               "--set kafka.bootstrap_servers=HOST:PORT", file=sys.stderr)

@@ -80,9 +80,9 @@ def finish(process: subprocess.Popen, log: Path, timeout_s: float = 400) -> int:
         pytest.fail(f"run did not finish in {timeout_s} s:\n{log.read_text()[-4000:]}")
 
 
-def kill_matching(*needles: str) -> list[int]:
-    """SIGKILL every process whose command line contains all `needles`; returns their pids."""
-    killed = []
+def matching(*needles: str) -> list[int]:
+    """Live processes whose command line contains all `needles` (zombies excluded)."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
@@ -90,13 +90,32 @@ def kill_matching(*needles: str) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if all(n in cmdline for n in needles):
-            try:
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed.append(int(entry.name))
-            except ProcessLookupError:
-                pass
+        if cmdline and all(n in cmdline for n in needles):
+            found.append(int(entry.name))
+    return found
+
+
+def kill_matching(*needles: str) -> list[int]:
+    """SIGKILL every process whose command line contains all `needles`; returns their pids."""
+    killed = []
+    for pid in matching(*needles):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except ProcessLookupError:
+            pass
     return killed
+
+
+def no_process_left(*needles: str, timeout_s: float = 10) -> bool:
+    """True once no process matches (children a killed trainer forked, e.g. megatron's checkpoint writers, die
+    with it: rft/trainer/main.py asks Linux for that)."""
+    deadline = time.monotonic() + timeout_s
+    while matching(*needles):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def free_port() -> int:
@@ -199,6 +218,7 @@ def test_trainer_sigkill_then_rft_run_resumes_exactly_once_and_a_late_explorer_s
     wait_for_step(first, run_dir, 3, log)
     assert kill_matching("rft.cli trainer", str(run_dir / "config.yaml")), "trainer not found"
     assert finish(first, log) == 1  # a dead trainer ends the run
+    assert no_process_left("rft.cli trainer", str(run_dir / "config.yaml")), "a trainer process outlived the kill"
     interrupted_at = max(m["step"] for m in steps_done(run_dir))
     assert interrupted_at < steps
 
