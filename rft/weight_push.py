@@ -191,7 +191,7 @@ class PushReceiver(_Member):
 
 def _typed(chunk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reinterpret bytes as `dtype`; a chunk that is not aligned for it (mixed dtypes in a bucket) is copied."""
-    if chunk.storage_offset() % torch.empty((), dtype=dtype).element_size():
+    if chunk.storage_offset() % dtype.itemsize:
         chunk = chunk.clone()
     return chunk.view(dtype)
 
@@ -200,7 +200,7 @@ def _nbytes(dtype: str, shape: list[int]) -> int:
     count = 1
     for dim in shape:
         count *= dim
-    return count * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return count * getattr(torch, dtype).itemsize
 
 
 def receive_into(receiver: PushReceiver, load) -> int:

@@ -395,7 +395,8 @@ class Explorer:
                   "rft_explorer_tokens_per_second": sum(len(s.response_tokens) for s in samples) / max(seconds, 1e-9)}
         try:
             end = self.tasks.end_offsets(self.cfg.topic("tasks"))
-            values["rft_explorer_tasks_lag_records"] = lag(end, self.tasks.positions(), self.tasks.positions())
+            positions = self.tasks.positions()
+            values["rft_explorer_tasks_lag_records"] = lag(end, positions, positions)
         except TransportError:
             pass
         self.prometheus.update(values)
