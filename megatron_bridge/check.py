@@ -19,6 +19,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import megatron_bridge.device as device
+import megatron_bridge.parallel as parallel
+import megatron_bridge.schedule as schedule
+from megatron_bridge.export import iter_hf_buckets
+from megatron_bridge.hf_checkpoint import HFCheckpoint
+from megatron_bridge.logprobs import gather_logits
+from megatron_bridge.model import build_model, unwrap
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m megatron_bridge.check", description=__doc__.split("\n\n")[0])
@@ -64,10 +72,6 @@ def random_batch(args: argparse.Namespace, vocab_size: int) -> dict[str, torch.T
 
 def compare_logits(models, args: argparse.Namespace) -> LogitReport:
     """Max |megatron - transformers| logit difference, known on every rank."""
-    from megatron_bridge import parallel, schedule
-    from megatron_bridge.logprobs import gather_logits
-    from megatron_bridge.model import unwrap
-
     info = unwrap(models[0]).bridge_info
     batch = random_batch(args, info.dims.vocab_size)
     outputs = schedule.run(models, [batch], lambda logits, mb: gather_logits(logits, info.dims.vocab_size),
@@ -83,8 +87,6 @@ def compare_logits(models, args: argparse.Namespace) -> LogitReport:
 
 def _all_max(value: torch.Tensor) -> None:
     """Replace `value` (a CPU tensor) by its maximum over all ranks."""
-    from megatron_bridge import device
-
     moved = value.to(device.compute_device())
     dist.all_reduce(moved, op=dist.ReduceOp.MAX)
     value.copy_(moved.cpu())
@@ -103,11 +105,6 @@ def transformers_logits(args: argparse.Namespace, batch: dict[str, torch.Tensor]
 
 def round_trip(models, args: argparse.Namespace) -> list[str]:
     """Problems found comparing the exported tensors with the HF checkpoint (rank 0; [] elsewhere)."""
-    from megatron_bridge import parallel
-    from megatron_bridge.export import iter_hf_buckets
-    from megatron_bridge.hf_checkpoint import HFCheckpoint
-    from megatron_bridge.model import unwrap
-
     info = unwrap(models[0]).bridge_info
     problems: list[str] = []
     seen: set[str] = set()
@@ -141,9 +138,6 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def worker(args: argparse.Namespace) -> int:
-    from megatron_bridge import parallel
-    from megatron_bridge.model import build_model, unwrap
-
     where = parallel.initialize(args.tp, args.pp, seed=args.seed)
     try:
         models = build_model(args.hf_dir, dtype=args.dtype)

@@ -22,7 +22,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_bridge import device, parallel
+import megatron_bridge.device as device
+import megatron_bridge.parallel as parallel
 from megatron_bridge.hf_checkpoint import HFDirectoryWriter
 from megatron_bridge.mapping import ParamMapping
 from megatron_bridge.model import BridgeInfo, unwrap

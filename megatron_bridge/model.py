@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_bridge import device, parallel
+import megatron_bridge.device as device
+import megatron_bridge.parallel as parallel
 from megatron_bridge.hf_checkpoint import HFCheckpoint
 from megatron_bridge.mapping import ModelDims, ParamMapping
 from megatron_bridge.models import DecoderBridge, bridge_for

@@ -48,7 +48,10 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_bridge import device, export, parallel, schedule
+import megatron_bridge.device as device
+import megatron_bridge.export as export
+import megatron_bridge.parallel as parallel
+import megatron_bridge.schedule as schedule
 from megatron_bridge.logprobs import entropy_sum, token_logprobs
 from megatron_bridge.model import build_model, unwrap
 

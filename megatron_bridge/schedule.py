@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_bridge import device
+import megatron_bridge.device as device
 
 REQUIRED_KEYS = ("input_ids", "position_ids")
 

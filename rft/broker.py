@@ -7,6 +7,7 @@ terminates the process (and its children) and waits for it.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
@@ -181,3 +182,11 @@ class KafkaEndpoint:
     def __exit__(self, *exc) -> None:
         if self.broker is not None:
             self.broker.stop()
+
+
+def main(argv: list[str]) -> int:
+    """`rft broker`: serve until stopped."""
+    parser = argparse.ArgumentParser(prog="rft broker", description="Run a local Kafka-protocol broker "
+                                     "(Tansu in memory, or Apache Kafka KRaft when KAFKA_HOME is set).")
+    parser.add_argument("--port", type=int, default=9092)
+    return serve_forever(parser.parse_args(argv).port)

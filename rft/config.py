@@ -1,15 +1,20 @@
 """The one typed configuration tree of an rft run.
 
 YAML is only the serialisation: a file is loaded, `${ENV_VAR}` references are expanded, `--set a.b=v`
-overrides are applied, and the result is validated into the dataclasses below. Every error names the
-file and the full dotted key path (unknown keys come with a did-you-mean), and is raised as `ConfigError`
-before any process starts.
+overrides are applied, and the result is validated into the dataclasses below: types, ranges and cross-field
+constraints. Every error names the file and the full dotted key path (unknown keys come with a did-you-mean),
+and is raised as `ConfigError` before any process starts.
+
+Invariant: this module imports no other rft module. Names that registries resolve (rewards, workflows,
+algorithms, selectors, operators, ...) and multi-stage configs are checked one level up, by `rft.run_config`,
+which every command that loads a config for a run goes through (`load_run_config`).
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
 import typing
@@ -20,6 +25,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 MODES = ("sync", "off_policy", "async", "offline", "explore", "train")
+ADMISSIONS = ("staleness", "all")  # the built-in explorer.admission policies; anything else is an import path
 
 
 class ConfigError(ValueError):
@@ -94,10 +100,6 @@ class ExplorerConfig:
     # that `rft run` in explore mode uses 30 s (its explorers end the run once the task set is exhausted)
 
     def __post_init__(self) -> None:
-        """Resolve the workflow, environment and reward names now, so a typo fails at load time."""
-        from rft.rewards import RewardError, check_reward_config, import_object
-        from rft.workflows import WorkflowError, check_workflow_config
-
         if self.max_turns < 1:
             raise ConfigError(f"explorer.max_turns: must be >= 1, got {self.max_turns}")
         if self.heartbeat_s <= 0:
@@ -106,16 +108,6 @@ class ExplorerConfig:
             raise ConfigError(f"explorer.exit_when_idle_s: must be >= 0 (0: never), got {self.exit_when_idle_s}")
         if self.max_batch_s <= 0:
             raise ConfigError(f"explorer.max_batch_s: must be > 0, got {self.max_batch_s}")
-        try:
-            check_reward_config(self)
-            check_workflow_config(self)
-        except (RewardError, WorkflowError) as e:
-            raise ConfigError(str(e)) from None
-        if self.admission not in ("all", "staleness"):
-            try:
-                import_object(self.admission, what="admission")
-            except RewardError as e:
-                raise ConfigError(f"explorer.admission: {e}") from None
 
 
 @dataclass
@@ -133,13 +125,6 @@ class TrainerConfig:
     checkpoint_every: int = 10
     poll_timeout_s: float = 600.0
     operators: list[Any] = field(default_factory=list)  # experience operators, in order: names or {name: ..., args} (docs/data.md)
-
-    def __post_init__(self) -> None:
-        from rft.operators import OperatorError, check_operator_specs
-        try:
-            check_operator_specs(self.operators)
-        except OperatorError as e:
-            raise ConfigError(str(e)) from None
 
 
 @dataclass
@@ -194,8 +179,27 @@ class DataConfig:
     tasks_ahead: int = 0  # online selectors: tasks published ahead of the explorers; 0: 2 x replicas x tasks_per_batch
 
     def __post_init__(self) -> None:
-        from rft.explorer.selectors import check_data_config
-        check_data_config(self)
+        """The section's own checks (datasets are read only when publishing; `selector` is a registry name)."""
+        def require(ok: bool, key: str, message: str) -> None:
+            if not ok:
+                raise ConfigError(f"{key}: {message}")
+
+        require(not (self.mix and self.path), "data.mix",
+                f"set data.path or data.mix, not both (data.path is {self.path!r})")
+        for i, m in enumerate(self.mix):
+            key = f"data.mix[{i}]"
+            require(bool(m.path), f"{key}.path", "required: the task set's dataset (or toy task for format generated)")
+            require(math.isfinite(m.weight) and m.weight > 0, f"{key}.weight", f"must be > 0, got {m.weight}")
+            require(m.epochs is None or m.epochs >= 1, f"{key}.epochs", f"must be >= 1, got {m.epochs}")
+            require(m.generated_tasks is None or m.generated_tasks >= 1, f"{key}.generated_tasks",
+                    f"must be >= 1, got {m.generated_tasks}")
+        require(self.tasks_ahead >= 0, "data.tasks_ahead", f"must be >= 0, got {self.tasks_ahead}")
+        c = self.curriculum
+        require(math.isfinite(c.temperature) and c.temperature >= 0, "data.curriculum.temperature",
+                f"must be >= 0, got {c.temperature}")
+        for name in ("target", "prior"):
+            value = getattr(c, name)
+            require(math.isfinite(value), f"data.curriculum.{name}", f"must be a finite number, got {value}")
 
 
 @dataclass
@@ -240,18 +244,12 @@ class ReplayBufferConfig:
     seed: Optional[int] = None  # of the weighted choice; null: run.seed
 
     def __post_init__(self) -> None:
-        from rft.trainer.replay_buffer import resolve_priority
-
         for key in ("groups_per_step", "max_reuse", "capacity"):
             minimum = 0 if key == "groups_per_step" else 1
             if getattr(self, key) < minimum:
                 raise ConfigError(f"replay_buffer.{key}: must be >= {minimum}, got {getattr(self, key)}")
         if not 0 < self.decay <= 1:
             raise ConfigError(f"replay_buffer.decay: must be in (0, 1], got {self.decay}")
-        try:
-            resolve_priority(self.priority)
-        except ValueError as e:
-            raise ConfigError(f"replay_buffer.priority: {e}") from None
 
 
 @dataclass
@@ -322,7 +320,8 @@ _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
-    """Load, interpolate, override and validate. `overrides` are `a.b.c=value` strings (YAML values)."""
+    """Load, interpolate, override and validate (types, ranges, cross-field; not registry names: a run loads its
+    config with `rft.run_config.load_run_config`). `overrides` are `a.b.c=value` strings (YAML values)."""
     source = str(path) if path else "<defaults>"
     raw: dict[str, Any] = {}
     if path:
@@ -339,14 +338,19 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     raw = _interpolate(raw, source, "")
     for item in overrides:
         _apply_override(raw, item)
-    cfg = _build(Config, raw, source, "")
-    _check_semantics(cfg, source)
-    return cfg
+    return build_config(raw, source)
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
-    cfg = _build(Config, _interpolate(raw, source, ""), source, "")
-    _check_semantics(cfg, source)
+    """`load_config` of an already parsed mapping (`${ENV}` references are expanded)."""
+    return build_config(_interpolate(raw, source, ""), source)
+
+
+def build_config(raw: dict[str, Any], source: str, prefix: str = "") -> Config:
+    """The validated `Config` of a mapping (no interpolation); errors name `source` and the key under `prefix`
+    (a multi-stage config builds each stage under `stages[i]`)."""
+    cfg = _build(Config, raw, source, prefix)
+    check_semantics(cfg, source)
     return cfg
 
 
@@ -454,7 +458,8 @@ def _describe(value: Any) -> str:
 # --------------------------------------------------------------------------------------------------
 # Semantic checks: ranges and cross-field constraints.
 
-def _check_semantics(cfg: Config, source: str) -> None:
+def check_semantics(cfg: Config, source: str) -> None:
+    """Ranges and cross-field constraints of a built Config; ConfigError naming `source` and the key."""
     def require(ok: bool, key: str, message: str) -> None:
         if not ok:
             raise ConfigError(f"{source}: {key}: {message}")
@@ -491,30 +496,12 @@ def _check_semantics(cfg: Config, source: str) -> None:
             "sync.method", "push needs a fixed fleet: set explorer.replicas to the number of explorers")
     require(bool(cfg.model.path), "model.path", "required: a Hugging Face model directory")
     _check_model_shape(cfg, source, require)
-    _check_registered_names(cfg, source)
-    _check_replay_sources(cfg, source, require)
-    _check_eval(cfg.eval, require)
-    if cfg.stages:
-        from rft.stages import resolve_stages
-        resolve_stages(cfg, source)
-
-
-def _check_replay_sources(cfg: Config, source: str, require) -> None:
-    """Old experiences need an algorithm that is correct on them; demonstrations only fill an offline replay."""
-    from rft.algorithms import build_algorithm
-
     require(not cfg.replay.from_data or cfg.run.mode == "offline", "replay.from_data",
             f"fills the topic of an offline replay: needs run.mode offline, not {cfg.run.mode}")
-    if cfg.replay_buffer.groups_per_step and not build_algorithm(cfg.algorithm).supports_replay:
-        raise ConfigError(f"{source}: replay_buffer.groups_per_step: replayed groups are old, and algorithm "
-                          f"{cfg.algorithm.name!r} is not correct on old experiences as configured (set "
-                          "algorithm.off_policy_correction: true, or use sft or dpo)")
+    _check_eval(cfg.eval, require)
 
 
 def _check_eval(e: EvalConfig, require) -> None:
-    from rft.rewards import WEIGHTED, RewardError, resolve
-    from rft.workflows.toy_tasks import TOY_TASKS
-
     require(e.n_samples >= 1, "eval.n_samples", f"must be >= 1, got {e.n_samples}")
     require(1 <= e.k <= e.n_samples, "eval.k", f"must be in [1, eval.n_samples={e.n_samples}], got {e.k}")
     require(e.temperature >= 0, "eval.temperature", f"must be >= 0, got {e.temperature}")
@@ -532,25 +519,7 @@ def _check_eval(e: EvalConfig, require) -> None:
         require(s.name not in seen, f"{key}.name", f"{s.name!r} names two task sets")
         seen.add(s.name)
         require(bool(s.path), f"{key}.path", "required: a dataset file or directory, or a toy task name")
-        require(s.format != "generated" or s.path in TOY_TASKS, f"{key}.path",
-                f"format generated needs a toy task name ({', '.join(TOY_TASKS)}); got {s.path!r}")
         require(s.generated_tasks >= 1, f"{key}.generated_tasks", f"must be >= 1, got {s.generated_tasks}")
-        require(s.reward != WEIGHTED, f"{key}.reward",
-                "a weighted reward is configured in explorer.reward / explorer.reward_weights; leave this empty")
-        if s.reward:
-            try:
-                resolve(s.reward)
-            except RewardError as err:
-                require(False, f"{key}.reward", str(err))
-
-
-def _check_registered_names(cfg: Config, source: str) -> None:
-    """Names resolved through registries (or `pkg.mod:obj` import paths) must resolve now, not mid-run."""
-    from rft.algorithms import resolve_algorithm
-    try:
-        resolve_algorithm(cfg.algorithm.name)
-    except (ValueError, ImportError, AttributeError) as e:
-        raise ConfigError(f"{source}: algorithm.name: {e}") from None
 
 
 def _check_model_shape(cfg: Config, source: str, require) -> None:

@@ -20,14 +20,12 @@ from typing import Iterator
 import numpy as np
 
 from rft.config import Config
-from rft.explorer.tasks import DatasetError, load_task_sets
+from rft.explorer.tasks import DatasetError, build_picker, load_task_sets
 from rft.schema import ExperienceGroup, Sample, TaskRecord
 
 
 def demonstration_groups(cfg: Config, tokenizer) -> Iterator[ExperienceGroup]:
     """Every epoch's demonstrations in the order `data.selector` publishes tasks (all rows are checked first)."""
-    from rft.explorer.selectors import build_picker
-
     samples = {task.task_id: _sample(task, tokenizer, cfg, where=f"{task_set.path} row {i}")
                for task_set, tasks in load_task_sets(cfg) for i, task in enumerate(tasks)}
     for task in build_picker(cfg).drain():

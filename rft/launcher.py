@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rft.broker import KafkaEndpoint
-from rft.cli import add_config_arguments, config_from_args
+from rft.commandline import add_config_arguments, config_from_args
 from rft.config import Config
 from rft.explorer.selectors import selector_needs_rewards
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 
-from rft.imports import registrar, resolve_registered
+from rft.registry import Registry
 from rft.schema import ExperienceGroup, Sample
 
 DROP_PREFIX = "dropped/"
@@ -78,10 +78,8 @@ class OperatorContext:
         return self._detokenizer.text(tokens)
 
 
-OPERATORS: dict[str, Callable[..., Operator]] = {}
-
-
-register_operator = registrar(OPERATORS, "operator")  # @register_operator(name): `trainer.operators: [<name>]`
+OPERATORS: Registry[Callable[..., Operator]] = Registry("operator", error=OperatorError)
+register_operator = OPERATORS.register  # @register_operator(name): `trainer.operators: [<name>]`
 
 
 # --------------------------------------------------------------------------------------------------
@@ -127,8 +125,7 @@ def build_operator_chain(specs: list[Any], context: OperatorContext | None = Non
     for i, spec in enumerate(specs):
         where = f"trainer.operators[{i}]"
         name, args = _parse_spec(spec, where)
-        factory = resolve_registered(name, OPERATORS, what=f"{where}.name" if isinstance(spec, dict) else where,
-                                     error=OperatorError)
+        factory = OPERATORS.resolve(name, key=f"{where}.name" if isinstance(spec, dict) else where)
         _check_arguments(factory, name, args, context, where)
         try:
             op = factory(context, **args)

@@ -22,9 +22,9 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from rft.config import Config, ConfigError, _build, _check_semantics
+from rft.config import Config, ConfigError, build_config
 
 DONE_MARKER = "stage_done.json"
 _LAYOUT_KEYS = {("run", "name"), ("run", "output_dir"), ("kafka", "topic_prefix"), ("kafka", "bootstrap_servers")}
@@ -68,8 +68,10 @@ class Stage:
         tmp.replace(self.run_dir / DONE_MARKER)
 
 
-def resolve_stages(cfg: Config, source: str = "<config>") -> list[Stage]:
-    """Every stage's own config (see the module docstring); ConfigError naming `stages[i].<key>` if one is bad."""
+def resolve_stages(cfg: Config, source: str = "<config>", *,
+                   check: Callable[[Config], None] | None = None) -> list[Stage]:
+    """Every stage's own config (see the module docstring), each built like a whole config and then passed to
+    `check` (rft.run_config checks registry names there); ConfigError naming `stages[i].<key>` if one is bad."""
     base = cfg.to_dict()
     del base["stages"]
     stages: list[Stage] = []
@@ -82,7 +84,7 @@ def resolve_stages(cfg: Config, source: str = "<config>") -> list[Stage]:
         merged["kafka"]["topic_prefix"] = f"{cfg.kafka.topic_prefix}.{name}" if cfg.kafka.topic_prefix else ""
         if stages:
             merged["model"]["path"] = str(stages[-1].weights_out)
-        stages.append(Stage(i, name, _validated(merged, i, source)))
+        stages.append(Stage(i, name, _validated(merged, i, source, check)))
     return stages
 
 
@@ -116,12 +118,13 @@ def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, An
     return base
 
 
-def _validated(merged: dict[str, Any], i: int, source: str) -> Config:
+def _validated(merged: dict[str, Any], i: int, source: str, check: Callable[[Config], None] | None) -> Config:
     """The stage's Config; errors name the key under `stages[i]` (the base alone is valid, so the stage's
     overrides made it wrong)."""
     try:
-        stage = _build(Config, merged, source, f"stages[{i}]")
-        _check_semantics(stage, source)
+        stage = build_config(merged, source, f"stages[{i}]")
+        if check is not None:
+            check(stage)
     except ConfigError as e:
         message = str(e).removeprefix(f"{source}: ")
         if not message.startswith("stages["):

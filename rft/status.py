@@ -224,7 +224,7 @@ def render(report: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from rft.cli import add_config_arguments, config_from_args
+    from rft.commandline import add_config_arguments, config_from_args
 
     parser = argparse.ArgumentParser(prog="rft status", description=__doc__.split("\n")[0])
     add_config_arguments(parser)

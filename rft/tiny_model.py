@@ -6,6 +6,7 @@ downloaded from a hub.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import string
 from pathlib import Path
@@ -69,3 +70,21 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", hidden_size: in
 
 # head_dim = hidden_size / heads must be one that vLLM's CPU attention supports (32 works; 16 crashes
 # the engine at start without a message), hence 128 / 4.
+
+
+def main(argv: list[str]) -> int:
+    """`rft tiny-model OUT_DIR`: write the model and print its path."""
+    parser = argparse.ArgumentParser(prog="rft tiny-model", description="Write a tiny seeded HF model.")
+    parser.add_argument("out_dir")
+    parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--untied", action="store_true", help="separate output layer")
+    parser.add_argument("--seed", type=int, default=0)
+    a = parser.parse_args(argv)
+    path = make_tiny_model(a.out_dir, arch=a.arch, hidden_size=a.hidden_size, layers=a.layers, heads=a.heads,
+                           kv_heads=a.kv_heads, tie_word_embeddings=not a.untied, seed=a.seed)
+    print(path)
+    return 0

@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
-from rft.cli import config_from_args
+from rft.commandline import config_from_args
 from rft.config import KafkaConfig
 from rft.schema import HEADER_ERROR, ControlMessage, ExperienceGroup, RecordError, TaskRecord, decode
 from rft.transport import Admin, Message, RecordSink, RecordSource, TransportError, offset_key, parse_offset_key
@@ -313,7 +313,7 @@ def follow(source: RecordSource, topic: str, start: dict[str, int], show) -> Non
     """`show` each new record from `start` until Ctrl-C / SIGTERM."""
     import threading
 
-    from rft.cli import install_stop_signals
+    from rft.commandline import install_stop_signals
 
     stop = threading.Event()
     install_stop_signals(stop)

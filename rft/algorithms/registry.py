@@ -7,13 +7,12 @@ with a message that says what is wrong.
 """
 from __future__ import annotations
 
-import difflib
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
 
-from rft.imports import import_object
+from rft.registry import Registry
 
 if TYPE_CHECKING:
     from rft.config import AlgorithmConfig
@@ -45,30 +44,21 @@ class Algorithm(Protocol):
     def loss_fn(self, token_logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, Metrics]: ...
 
 
-ALGORITHMS: dict[str, Callable[["AlgorithmConfig"], Algorithm]] = {}
+ALGORITHMS: Registry[Callable[["AlgorithmConfig"], Algorithm]] = Registry("algorithm", noun="algorithm")
 
 
 def register(name: str):
-    """Class decorator: make an algorithm selectable as `algorithm.name: <name>`."""
+    """Class decorator: make an algorithm selectable as `algorithm.name: <name>` (and set its `name`)."""
     def add(cls):
-        if name in ALGORITHMS:
-            raise ValueError(f"algorithm {name!r} is registered twice ({ALGORITHMS[name]} and {cls})")
-        ALGORITHMS[name] = cls
+        ALGORITHMS.add(name, cls)
         cls.name = name
         return cls
     return add
 
 
 def resolve_algorithm(name: str) -> Callable[["AlgorithmConfig"], Algorithm]:
-    """The class or factory for `name` (a registered key or `pkg.mod:obj`); ValueError saying why not."""
-    if ":" in name:
-        return import_object(name, what="algorithm.name")
-    if name not in ALGORITHMS:
-        near = difflib.get_close_matches(name, ALGORITHMS, n=1)
-        hint = f"did you mean {near[0]!r}? " if near else ""
-        raise ValueError(f"algorithm.name: unknown algorithm {name!r} ({hint}registered: "
-                         f"{', '.join(sorted(ALGORITHMS))}; or give an import path 'package.module:object')")
-    return ALGORITHMS[name]
+    """The class or factory for `name` (a registered key or `pkg.mod:obj`); ValueError naming algorithm.name."""
+    return ALGORITHMS.resolve(name, key="algorithm.name")
 
 
 def build_algorithm(cfg: "AlgorithmConfig") -> Algorithm:

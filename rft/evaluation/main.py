@@ -68,7 +68,7 @@ def sampling_config(cfg: Config, eval_set: EvalSetConfig) -> Config:
 def load_eval_sets(cfg: Config) -> list[EvalSet]:
     """Every `eval.sets` entry's tasks and its workflow; a DatasetError names the set's key (`eval.sets[i].path`)."""
     from rft.explorer.tasks import TaskSet, load_rows, rows_to_tasks
-    from rft.rewards import build_reward
+    from rft.rewards import RewardContext, build_reward
     from rft.workflows import build_workflow
 
     task_sets = []
@@ -79,7 +79,8 @@ def load_eval_sets(cfg: Config) -> list[EvalSet]:
                          shuffle_seed=eval_set.seed)
         tasks = rows_to_tasks(load_rows(source), cfg, source)
         view = sampling_config(cfg, eval_set)
-        task_sets.append(EvalSet(eval_set.name, tasks, build_workflow(view, build_reward(view))))
+        reward = build_reward(view.explorer, RewardContext.for_run(view))
+        task_sets.append(EvalSet(eval_set.name, tasks, build_workflow(view.explorer, view.model, reward)))
     return task_sets
 
 
@@ -221,7 +222,7 @@ def _due_or_newest(store: "WeightStore", schedule: EvalSchedule, finishing: bool
 
 
 def main(argv: list[str]) -> int:
-    from rft.cli import add_config_arguments, config_from_args
+    from rft.commandline import add_config_arguments, config_from_args
     from rft.explorer.tasks import DatasetError
 
     parser = argparse.ArgumentParser(prog="rft eval", description="Evaluate checkpoints on the task sets of "
@@ -256,7 +257,7 @@ def main(argv: list[str]) -> int:
 
 
 def _stop_on_signals() -> threading.Event:
-    from rft.cli import install_stop_signals
+    from rft.commandline import install_stop_signals
 
     stop = threading.Event()
     install_stop_signals(stop)

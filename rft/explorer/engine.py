@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 if TYPE_CHECKING:
-    from rft.config import Config
+    from rft.config import Config, ExplorerConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +47,10 @@ class SamplingSettings:
     max_tokens: int = 32
 
     @classmethod
-    def from_config(cls, cfg: "Config") -> "SamplingSettings":
-        e = cfg.explorer
+    def from_config(cls, explorer: "ExplorerConfig", model: "ModelConfig") -> "SamplingSettings":
+        e = explorer
         return cls(n=e.n_samples, temperature=e.temperature, top_p=e.top_p,
-                   max_tokens=min(e.max_tokens, cfg.model.max_response_len))
+                   max_tokens=min(e.max_tokens, model.max_response_len))
 
 
 @dataclass

@@ -96,8 +96,8 @@ def build_admission(cfg: Config, explorer_id: str) -> Admission:
     if cfg.explorer.admission == "staleness":
         from rft.coordinator import FleetAdmission
         return FleetAdmission(cfg, explorer_id)
-    from rft.rewards import import_object
-    return import_object(cfg.explorer.admission, what="explorer.admission")(cfg, explorer_id)
+    from rft.registry import import_object
+    return import_object(cfg.explorer.admission, key="explorer.admission", noun="admission")(cfg, explorer_id)
 
 
 def _notify(admission: Admission, hook: str, value: int) -> None:
@@ -481,7 +481,7 @@ class Explorer:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from rft.cli import add_config_arguments
+    from rft.commandline import add_config_arguments
 
     parser = argparse.ArgumentParser(prog="rft explorer", description="Explorers: join a run's tasks topic and "
                                      "produce experience groups.")
@@ -497,7 +497,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
-    from rft.cli import config_from_args
+    from rft.commandline import config_from_args
 
     args = _parse(argv)
     cfg = config_from_args(args)
@@ -521,20 +521,20 @@ def main(argv: list[str]) -> int:
 def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = None) -> int:
     """Build the engine, reward and workflow, then explore until SIGTERM / Ctrl-C (or idle)."""
     from rft.explorer.engine import build_engine
-    from rft.rewards import build_reward
+    from rft.rewards import RewardContext, build_reward
     from rft.workflows import build_workflow
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {explorer_id} %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)
     stop = threading.Event()
-    from rft.cli import install_stop_signals
+    from rft.commandline import install_stop_signals
 
     install_stop_signals(stop)
     engine = build_engine(cfg)
     explorer = None
     reason = "error"
     try:
-        workflow = build_workflow(cfg, build_reward(cfg))
+        workflow = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer, RewardContext.for_run(cfg)))
         explorer = Explorer(cfg, bootstrap=cfg.kafka.bootstrap_servers, explorer_id=explorer_id, engine=engine,
                             workflow=workflow, admission=build_admission(cfg, explorer_id))
         reason = explorer.run(stop, exit_when_idle_s=exit_when_idle_s)
@@ -552,7 +552,7 @@ def run_replicas(args: argparse.Namespace, replicas: int) -> int:
     Each child has its own session, so a signal reaches it exactly once: SIGTERM / SIGINT to this process
     (or Ctrl-C in its terminal) is passed on to every child, which finishes its batch and leaves; a second
     one aborts them. On Linux a child also gets SIGTERM when this process dies, even by SIGKILL."""
-    from rft.cli import die_with_parent
+    from rft.commandline import die_with_parent
 
     prefix = args.explorer_id or f"{socket.gethostname()}-{os.getpid()}"
     extra = [a for o in args.overrides for a in ("--set", o)]

@@ -16,8 +16,8 @@ import signal
 import threading
 
 from rft.config import Config
-from rft.explorer.selectors import RewardStats, TaskPicker, build_picker
-from rft.explorer.tasks import ensure_tasks_topic
+from rft.explorer.selectors import RewardStats, TaskPicker
+from rft.explorer.tasks import build_picker, ensure_tasks_topic
 from rft.schema import RecordError, TaskRecord, decode_group, decode_task
 from rft.transport import Admin, RecordSink, RecordSource
 

@@ -25,10 +25,10 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
-from rft.config import Config, ConfigError, DataConfig
-from rft.imports import registrar, resolve_registered
+from rft.config import DataConfig
+from rft.registry import Registry
 from rft.schema import ExperienceGroup, TaskRecord
 
 SET_SEED_STRIDE = 1_000_003
@@ -93,14 +93,13 @@ class Selector(Protocol):
     def choose(self, progress: SetProgress, stats: RewardStats, pick: int) -> int: ...
 
 
-SELECTORS: dict[str, Callable[[DataConfig], Selector]] = {}
-
-
-register_selector = registrar(SELECTORS, "selector")  # @register_selector(name): `data.selector: <name>`
+SELECTORS: Registry[Callable[[DataConfig], Selector]] = Registry("selector", error=SelectionError)
+register_selector = SELECTORS.register  # @register_selector(name): `data.selector: <name>`
 
 
 def build_selector(data: DataConfig) -> Selector:
-    factory = resolve_registered(data.selector, SELECTORS, what="data.selector", error=SelectionError)
+    """The selector `data.selector` names, built from the `data` section; SelectionError naming the key."""
+    factory = SELECTORS.resolve(data.selector, key="data.selector")
     selector = factory(data)
     if not callable(getattr(selector, "choose", None)) or not hasattr(selector, "needs_rewards"):
         raise SelectionError(f"data.selector: {data.selector!r} built a {type(selector).__name__} without "
@@ -221,39 +220,3 @@ class TaskPicker:
         stats = stats or RewardStats()
         while (task := self.next(stats)) is not None:
             yield task
-
-
-def build_picker(cfg: Config) -> TaskPicker:
-    """The picker over every configured task set (loads and validates every row)."""
-    from rft.explorer.tasks import load_task_sets
-
-    sets = [SetProgress(index=i, tasks=tasks, epochs=s.epochs, weight=s.weight)
-            for i, (s, tasks) in enumerate(load_task_sets(cfg))]
-    return TaskPicker(sets, build_selector(cfg.data))
-
-
-def check_data_config(data: DataConfig) -> None:
-    """The `data` section's own checks (ConfigError naming the key); datasets are read only when publishing."""
-    def require(ok: bool, key: str, message: str) -> None:
-        if not ok:
-            raise ConfigError(f"{key}: {message}")
-
-    require(not (data.mix and data.path), "data.mix", f"set data.path or data.mix, not both (data.path is {data.path!r})")
-    for i, m in enumerate(data.mix):
-        key = f"data.mix[{i}]"
-        require(bool(m.path), f"{key}.path", "required: the task set's dataset (or toy task for format generated)")
-        require(math.isfinite(m.weight) and m.weight > 0, f"{key}.weight", f"must be > 0, got {m.weight}")
-        require(m.epochs is None or m.epochs >= 1, f"{key}.epochs", f"must be >= 1, got {m.epochs}")
-        require(m.generated_tasks is None or m.generated_tasks >= 1, f"{key}.generated_tasks",
-                f"must be >= 1, got {m.generated_tasks}")
-    require(data.tasks_ahead >= 0, "data.tasks_ahead", f"must be >= 0, got {data.tasks_ahead}")
-    c = data.curriculum
-    require(math.isfinite(c.temperature) and c.temperature >= 0, "data.curriculum.temperature",
-            f"must be >= 0, got {c.temperature}")
-    for name in ("target", "prior"):
-        value: Any = getattr(c, name)
-        require(math.isfinite(value), f"data.curriculum.{name}", f"must be a finite number, got {value}")
-    try:
-        build_selector(data)
-    except SelectionError as e:
-        raise ConfigError(str(e)) from None

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from rft.config import Config, DataConfig
+from rft.explorer.selectors import SetProgress, TaskPicker, build_selector, selector_needs_rewards
 from rft.schema import TaskRecord
 
 
@@ -166,12 +167,18 @@ def load_task_sets(cfg: Config) -> list[tuple[TaskSet, list[TaskRecord]]]:
     return [(s, rows_to_tasks(load_rows(s), cfg, s)) for s in task_sets(cfg.data)]
 
 
+def build_picker(cfg: Config) -> TaskPicker:
+    """The picker over every configured task set (loads and validates every row)."""
+    sets = [SetProgress(index=i, tasks=tasks, epochs=s.epochs, weight=s.weight)
+            for i, (s, tasks) in enumerate(load_task_sets(cfg))]
+    return TaskPicker(sets, build_selector(cfg.data))
+
+
 def publish_tasks(cfg: Config, *, bootstrap: str | None = None, progress: bool | None = None) -> int:
     """Publish the selector's whole sequence to `cfg.topic("tasks")` (created if missing); returns how many.
     For selectors that need no rewards (an online selector would see none: use rft/explorer/publisher.py)."""
     from tqdm import tqdm
 
-    from rft.explorer.selectors import build_picker
     from rft.transport import RecordSink
 
     bootstrap = bootstrap or cfg.kafka.bootstrap_servers
@@ -206,8 +213,7 @@ def ensure_tasks_topic(cfg: Config, bootstrap: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from rft.cli import add_config_arguments, config_from_args
-    from rft.explorer.selectors import selector_needs_rewards
+    from rft.commandline import add_config_arguments, config_from_args
 
     parser = argparse.ArgumentParser(prog="rft publish", description="Publish a dataset's tasks to the run's "
                                      "tasks topic: at once, or online for a selector that reads rewards "

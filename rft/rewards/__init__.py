@@ -1,83 +1,55 @@
-"""Rewards: score a group of responses to one task.
+"""Rewards: score a group of responses to one task (the contract is in `rft.rewards.registry`).
 
-Contract of every reward: `score(responses, task) -> list[RewardResult]`, one result per response, in
-order. A result's `score` is a float in [0, 1] (1 = fully right); `components` are named sub-scores
-(also floats) that the explorer records beside it for diagnostics. A reward never raises on what a
-model wrote: malformed output scores 0. A reward that returns a score outside [0, 1] (or NaN) is a
-bug in the reward and raises `RewardError` naming it.
-
-Rewards are chosen by name from the registry (`explorer.reward`), or by import path
-`package.module:function` as an escape hatch. Both are resolved when the config loads (see
+Rewards are chosen by name from the registry (`explorer.reward`), or by import path `package.module:function`
+as an escape hatch. Names are resolved when a config is loaded for a run (`rft.run_config` calls
 `check_reward_config`), so a misspelt reward fails before any process starts.
 
 - Per-response rewards are plain functions `fn(response: str, task: TaskRecord) -> RewardResult | float`
   registered with `@register_reward("name")`. An import path may name such a function.
-- Stateful rewards (a judge model) are classes with `from_config(cfg: Config) -> Reward`, registered
-  with `register_reward_factory("name", cls)`. An import path may name such a class.
+- Stateful rewards (a judge model) are classes with `from_config(explorer: ExplorerConfig, context: RewardContext)
+  -> Reward`, registered with `register_reward_factory("name", cls)`. An import path may name such a class.
 - `explorer.reward: weighted` combines the rewards named in `explorer.reward_weights` into the
   weighted mean sum_i w_i r_i / sum_i w_i (weights >= 0, not all 0), so the result stays in [0, 1].
+
+Importing this package registers the built-in rewards (text, math_answer, countdown, judge).
 """
 from __future__ import annotations
 
-import difflib
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from rft.imports import import_object as _import_object
+from rft.explorer.engine import build_engine
+from rft.rewards import countdown, judge, math_answer, text  # noqa: F401  (registers the built-ins)
+from rft.rewards.registry import (REWARDS, Reward, RewardError, RewardFn, RewardResult, checked, is_factory,
+                                  register_reward, register_reward_factory)
 
 if TYPE_CHECKING:
-    from rft.config import Config, ExplorerConfig
+    from rft.config import Config, ExplorerConfig, ModelConfig
+    from rft.explorer.engine import Engine
     from rft.schema import TaskRecord
 
+__all__ = ["REWARDS", "WEIGHTED", "FunctionReward", "Reward", "RewardContext", "RewardError", "RewardFn",
+           "RewardResult", "WeightedReward", "available_rewards", "build_reward", "check_reward_config", "checked",
+           "register_reward", "register_reward_factory", "resolve"]
 
-class RewardError(ValueError):
-    """A reward that cannot be built or that returned an invalid score."""
+WEIGHTED = "weighted"
 
 
 @dataclass(frozen=True)
-class RewardResult:
-    """One response's reward: `score` in [0, 1] plus named sub-scores."""
-    score: float
-    components: dict[str, float] = field(default_factory=dict)
+class RewardContext:
+    """What a stateful reward may need beyond the explorer section: the policy model's section (lengths) and a
+    way to start an engine of the explorer's kind on another model directory (`engine(path)`)."""
+    model: "ModelConfig"
+    engine: Callable[[str], "Engine"]
 
-
-class Reward(Protocol):
-    """Scores all responses to one task at once (batching lets a judge model score a group in one call)."""
-
-    def score(self, responses: Sequence[str], task: "TaskRecord") -> list[RewardResult]: ...
-
-
-RewardFn = Callable[[str, "TaskRecord"], "RewardResult | float"]
-
-WEIGHTED = "weighted"
-_FUNCTIONS: dict[str, RewardFn] = {}
-_FACTORIES: dict[str, Any] = {}  # name -> class with from_config(cfg) -> Reward
-
-
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator registering a per-response reward function under `name`."""
-    def decorate(fn: RewardFn) -> RewardFn:
-        _claim(name)
-        _FUNCTIONS[name] = fn
-        return fn
-    return decorate
-
-
-def register_reward_factory(name: str, factory: Any) -> None:
-    """Register a stateful reward: `factory.from_config(cfg)` returns a `Reward`."""
-    _claim(name)
-    _FACTORIES[name] = factory
-
-
-def _claim(name: str) -> None:
-    if name in _FUNCTIONS or name in _FACTORIES or name == WEIGHTED:
-        raise RewardError(f"reward {name!r} is already registered")
+    @classmethod
+    def for_run(cls, cfg: "Config") -> "RewardContext":
+        return cls(cfg.model, lambda path: build_engine(cfg, model_path=path))
 
 
 def available_rewards() -> list[str]:
-    _load_builtins()
-    return sorted([*_FUNCTIONS, *_FACTORIES, WEIGHTED])
+    return sorted(REWARDS)
 
 
 class FunctionReward:
@@ -98,6 +70,11 @@ class WeightedReward:
         self.parts, self.weights = parts, weights
         self.total = sum(weights.values())
 
+    @classmethod
+    def from_config(cls, explorer: "ExplorerConfig", context: RewardContext | None) -> "WeightedReward":
+        parts = {name: _build_one(name, explorer, context) for name in explorer.reward_weights}
+        return cls(parts, dict(explorer.reward_weights))
+
     def score(self, responses: Sequence[str], task: "TaskRecord") -> list[RewardResult]:
         per_part = {name: part.score(responses, task) for name, part in self.parts.items()}
         out = []
@@ -112,42 +89,18 @@ class WeightedReward:
         return out
 
 
-def checked(name: str, result: RewardResult | float) -> RewardResult:
-    """Normalise a reward's return value and enforce the [0, 1] contract."""
-    if not isinstance(result, RewardResult):
-        if isinstance(result, bool) or not isinstance(result, (int, float)):
-            raise RewardError(f"reward {name!r} returned {type(result).__name__}; expected a float or RewardResult")
-        result = RewardResult(float(result))
-    score = result.score
-    if not (isinstance(score, (int, float)) and math.isfinite(score) and 0.0 <= score <= 1.0):
-        raise RewardError(f"reward {name!r} returned score {score!r}; rewards must be in [0, 1]")
-    return RewardResult(float(score), {k: float(v) for k, v in result.components.items()})
+register_reward_factory(WEIGHTED, WeightedReward)
 
 
 # --------------------------------------------------------------------------------------------------
 # Resolution (names and import paths) and building.
 
 
-def resolve(spec: str) -> tuple[str, Any]:
+def resolve(spec: str, *, key: str = "explorer.reward") -> tuple[str, Any]:
     """Look up a reward by registry name or `pkg.mod:attr`; returns ("function" | "factory", object).
-    Raises RewardError naming the spec and the close matches."""
-    _load_builtins()
-    if spec in _FUNCTIONS:
-        return "function", _FUNCTIONS[spec]
-    if spec in _FACTORIES:
-        return "factory", _FACTORIES[spec]
-    if ":" in spec:
-        obj = import_object(spec, what="reward")
-        return ("factory", obj) if hasattr(obj, "from_config") else ("function", obj)
-    near = difflib.get_close_matches(spec, available_rewards(), n=1)
-    hint = f" (did you mean '{near[0]}'?)" if near else ""
-    raise RewardError(f"unknown reward {spec!r}{hint}; registered: {', '.join(available_rewards())}; "
-                      "or give an import path package.module:function")
-
-
-def import_object(spec: str, *, what: str) -> Any:
-    """`rft.imports.import_object` raising RewardError (what the explorer config checks catch)."""
-    return _import_object(spec, what=what, error=RewardError)
+    Raises RewardError naming `key`, the spec and the close matches."""
+    obj = REWARDS.resolve(spec, key=key)
+    return ("factory", obj) if is_factory(obj) else ("function", obj)
 
 
 def check_reward_config(explorer: "ExplorerConfig") -> None:
@@ -163,14 +116,14 @@ def check_reward_config(explorer: "ExplorerConfig") -> None:
                 raise RewardError(f"explorer.reward_weights.{name}: weight must be >= 0, got {w}")
             if name == WEIGHTED:
                 raise RewardError("explorer.reward_weights.weighted: a weighted reward cannot contain itself")
-            _resolve_for(f"explorer.reward_weights.{name}", name)
+            resolve(name, key=f"explorer.reward_weights.{name}")
         if sum(weights.values()) <= 0:
             raise RewardError("explorer.reward_weights: weights must not all be 0")
         return
     if weights:
         raise RewardError(f"explorer.reward_weights: set explorer.reward to 'weighted' to combine rewards "
                           f"(it is {explorer.reward!r})")
-    _resolve_for("explorer.reward", explorer.reward)
+    resolve(explorer.reward, key="explorer.reward")
 
 
 def _check_judge(explorer: "ExplorerConfig") -> None:
@@ -179,34 +132,13 @@ def _check_judge(explorer: "ExplorerConfig") -> None:
         raise RewardError("explorer.judge_model: the judge reward needs a judge model directory")
 
 
-def _resolve_for(key: str, spec: str) -> None:
-    try:
-        resolve(spec)
-    except RewardError as e:
-        raise RewardError(f"{key}: {e}") from None
-
-
-def build_reward(cfg: "Config") -> Reward:
-    """The `Reward` the config names (stateful ones, e.g. a judge, start their engines here)."""
-    explorer = cfg.explorer
+def build_reward(explorer: "ExplorerConfig", context: RewardContext | None = None) -> Reward:
+    """The `Reward` that `explorer.reward` names (stateful ones, e.g. a judge, start their engines here through
+    `context`, which only they need)."""
     check_reward_config(explorer)
-    if explorer.reward == WEIGHTED:
-        parts = {name: _build_one(name, cfg) for name in explorer.reward_weights}
-        return WeightedReward(parts, dict(explorer.reward_weights))
-    return _build_one(explorer.reward, cfg)
+    return _build_one(explorer.reward, explorer, context)
 
 
-def _build_one(spec: str, cfg: "Config") -> Reward:
+def _build_one(spec: str, explorer: "ExplorerConfig", context: RewardContext | None) -> Reward:
     kind, obj = resolve(spec)
-    return obj.from_config(cfg) if kind == "factory" else FunctionReward(spec, obj)
-
-
-_BUILTINS_LOADED = False
-
-
-def _load_builtins() -> None:
-    """Import the built-in reward modules (they register themselves); deferred to avoid import cycles."""
-    global _BUILTINS_LOADED
-    if not _BUILTINS_LOADED:
-        _BUILTINS_LOADED = True
-        from rft.rewards import countdown, judge, math_answer, text  # noqa: F401
+    return obj.from_config(explorer, context) if kind == "factory" else FunctionReward(spec, obj)

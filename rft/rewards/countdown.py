@@ -14,7 +14,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from rft.rewards import RewardResult, register_reward
+from rft.rewards.registry import RewardResult, register_reward
 from rft.rewards.text import answer_tag_content
 from rft.schema import TaskRecord
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from rft.rewards import RewardError, RewardResult, register_reward_factory
+from rft.rewards.registry import RewardError, RewardResult, register_reward_factory
 
 if TYPE_CHECKING:
-    from rft.config import Config
+    from rft.config import ExplorerConfig
     from rft.explorer.engine import Engine
+    from rft.rewards import RewardContext
     from rft.schema import TaskRecord
 
 
@@ -33,15 +34,16 @@ class JudgeReward:
         return ids[0]
 
     @classmethod
-    def from_config(cls, cfg: "Config") -> "JudgeReward":
-        from rft.explorer.engine import build_engine
-
-        e = cfg.explorer
-        if not e.judge_model:
+    def from_config(cls, explorer: "ExplorerConfig", context: "RewardContext | None") -> "JudgeReward":
+        """The judge of `explorer.judge_model`, on an engine that `context` starts (prompts are cut to the
+        policy model's context length, `context.model`)."""
+        if not explorer.judge_model:
             raise RewardError("explorer.judge_model: the judge reward needs a judge model directory")
-        engine = build_engine(cfg, model_path=e.judge_model)
-        return cls(engine, template=e.judge_template, yes=e.judge_yes, no=e.judge_no,
-                   max_prompt_tokens=cfg.model.max_prompt_len + cfg.model.max_response_len - 1)
+        if context is None:
+            raise RewardError("judge: building the judge needs a RewardContext (to start its engine)")
+        model = context.model
+        return cls(context.engine(explorer.judge_model), template=explorer.judge_template, yes=explorer.judge_yes,
+                   no=explorer.judge_no, max_prompt_tokens=model.max_prompt_len + model.max_response_len - 1)
 
     def judge_prompt(self, response: str, task: "TaskRecord") -> str:
         return self.template.format(prompt=task.prompt, response=response,

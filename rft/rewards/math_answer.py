@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 
-from rft.rewards import RewardResult, register_reward
+from rft.rewards.registry import RewardResult, register_reward
 from rft.rewards.text import answer_tag_content
 from rft.schema import TaskRecord
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from rft.rewards import RewardResult, register_reward
+from rft.rewards.registry import RewardResult, register_reward
 from rft.schema import TaskRecord
 
 _THINK_ANSWER = re.compile(r"\s*<think>.*?</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)

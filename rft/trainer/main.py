@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rft.cli import add_config_arguments, config_from_args, die_with_parent
+from rft.commandline import add_config_arguments, config_from_args, die_with_parent
 from rft.config import Config, ConfigError, TrainerConfig
 from rft.schema import ControlMessage, decode_group
 from rft.trainer import distributed as dist_io
@@ -114,7 +114,8 @@ class Trainer:
             window=self._replay_window(topic) if offline else None, operators=build_operator_chain(
                 cfg.trainer.operators, OperatorContext(cfg.model.tokenizer or cfg.model.path)))
         if cfg.replay_buffer.groups_per_step:
-            self.replay = open_replay(cfg, state=replay_state, topic_source=lambda: RecordSource(
+            self.replay = open_replay(cfg.replay_buffer, run_seed=cfg.run.seed, state=replay_state,
+                                      topic_source=lambda: RecordSource(
                 cfg.kafka, cfg.kafka.bootstrap_servers, client_id=f"{cfg.run.name}-trainer-replay"))
         self.control = RecordSink(cfg.kafka, cfg.kafka.bootstrap_servers, client_id=f"{cfg.run.name}-trainer")
         self.weights = WeightCoordinator(cfg, WeightStore.for_config(cfg), self._announce)

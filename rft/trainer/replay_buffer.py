@@ -35,30 +35,27 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 
-from rft.imports import import_object
+from rft.registry import Registry
 from rft.schema import ExperienceGroup, RecordError, decode_group
+from rft.transport import TransportError
 
-if TYPE_CHECKING:  # the config resolves priorities through this module without importing kafka
+if TYPE_CHECKING:
+    from rft.config import ReplayBufferConfig
     from rft.transport import Message, RecordSource
 
 log = logging.getLogger(__name__)
 
 Score = Callable[[ExperienceGroup], float]
 
-PRIORITIES: dict[str, Score] = {
-    "reward_variance": lambda group: float(np.var(group.rewards)),
-    "uniform": lambda group: 1.0,
-}
+PRIORITIES: Registry[Score] = Registry("priority", noun="priority")
+PRIORITIES.add("reward_variance", lambda group: float(np.var(group.rewards)))
+PRIORITIES.add("uniform", lambda group: 1.0)
 
 
 def resolve_priority(name: str) -> Score:
-    """A registered priority name, or `package.module:function` (group -> score >= 0); ValueError if neither."""
-    if ":" in name:
-        return import_object(name, what="replay_buffer.priority")
-    if name not in PRIORITIES:
-        raise ValueError(f"unknown priority {name!r} (registered: {', '.join(sorted(PRIORITIES))}; or an import "
-                         "path 'package.module:function')")
-    return PRIORITIES[name]
+    """A registered priority name, or `package.module:function` (group -> score >= 0); ValueError naming
+    replay_buffer.priority if neither."""
+    return PRIORITIES.resolve(name, key="replay_buffer.priority")
 
 
 @dataclass
@@ -184,13 +181,13 @@ def _decode_if(message: Message | None, group_id: str) -> ExperienceGroup | None
     return group if group.group_id == group_id else None
 
 
-def open_replay(cfg, *, topic_source: Callable[[], RecordSource], state: dict | None) -> ExperienceReplay:
-    """The trainer's ExperienceReplay from `cfg.replay_buffer`, reading through sources made by `topic_source`
-    (a fresh one after a TransportError) and restored from a checkpoint's `state`; the caller closes its
-    `reader`."""
-    section = cfg.replay_buffer
+def open_replay(section: "ReplayBufferConfig", *, run_seed: int, topic_source: Callable[[], RecordSource],
+                state: dict | None) -> ExperienceReplay:
+    """The trainer's ExperienceReplay from the `replay_buffer` section (its seed defaults to `run_seed`), reading
+    through sources made by `topic_source` (a fresh one after a TransportError) and restored from a checkpoint's
+    `state`; the caller closes its `reader`."""
     buffer = ReplayBuffer(max_reuse=section.max_reuse, decay=section.decay, capacity=section.capacity,
-                          seed=cfg.run.seed if section.seed is None else section.seed)
+                          seed=run_seed if section.seed is None else section.seed)
     buffer.load_json(state or {})
     return ExperienceReplay(buffer, groups_per_step=section.groups_per_step,
                             score=resolve_priority(section.priority), reader=RecordReader(topic_source))
@@ -203,8 +200,6 @@ class RecordReader:
         self.new_source, self.source = new_source, None
 
     def fetch(self, position: str, offset: int) -> Optional[Message]:
-        from rft.transport import TransportError
-
         for attempt in (1, 2):
             if self.source is None:
                 self.source = self.new_source()

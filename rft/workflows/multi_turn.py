@@ -13,18 +13,17 @@ Observations are raw text appended after the model's turn (chat templates are th
 """
 from __future__ import annotations
 
-import difflib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from rft.explorer.engine import SamplingSettings
-from rft.imports import registrar
+from rft.registry import Registry
 from rft.schema import TaskRecord
-from rft.workflows import GroupResult, WorkflowError, build_sample, encode_prompt, import_by_path, register_workflow
+from rft.workflows.registry import GroupResult, WorkflowError, build_sample, encode_prompt, register_workflow
 
 if TYPE_CHECKING:
-    from rft.config import Config
+    from rft.config import ExplorerConfig, ModelConfig
     from rft.explorer.engine import Completion, Engine
     from rft.rewards import Reward
 
@@ -39,20 +38,8 @@ class Environment(Protocol):
     def step(self, model_text: str) -> EnvStep: ...
 
 
-_ENVIRONMENTS: dict[str, Any] = {}
-
-
-register_environment = registrar(_ENVIRONMENTS, "environment", error=WorkflowError)
-
-
-def resolve_environment(spec: str) -> Any:
-    if spec in _ENVIRONMENTS:
-        return _ENVIRONMENTS[spec]
-    if ":" in spec:
-        return import_by_path(spec, "environment")
-    near = difflib.get_close_matches(spec, list(_ENVIRONMENTS), n=1)
-    hint = f" (did you mean '{near[0]}'?)" if near else ""
-    raise WorkflowError(f"unknown environment {spec!r}{hint}; registered: {', '.join(sorted(_ENVIRONMENTS))}")
+ENVIRONMENTS: Registry[Any] = Registry("environment", noun="environment", error=WorkflowError)
+register_environment = ENVIRONMENTS.register  # class decorator: `explorer.environment: <name>`
 
 
 @register_environment("retry")
@@ -100,12 +87,12 @@ class _Episode:
 
 @register_workflow("multi_turn")
 class MultiTurn:
-    def __init__(self, cfg: "Config", reward: "Reward"):
-        self.sampling = SamplingSettings.from_config(cfg)
-        self.max_prompt_len = cfg.model.max_prompt_len
-        self.max_response_len = cfg.model.max_response_len
-        self.max_turns = cfg.explorer.max_turns
-        self.environment_cls = resolve_environment(cfg.explorer.environment)
+    def __init__(self, explorer: "ExplorerConfig", model: "ModelConfig", reward: "Reward"):
+        self.sampling = SamplingSettings.from_config(explorer, model)
+        self.max_prompt_len = model.max_prompt_len
+        self.max_response_len = model.max_response_len
+        self.max_turns = explorer.max_turns
+        self.environment_cls = ENVIRONMENTS.resolve(explorer.environment, key="explorer.environment")
         self.reward = reward
 
     def explore(self, tasks: Sequence[TaskRecord], engine: "Engine") -> list[GroupResult]:

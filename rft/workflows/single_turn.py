@@ -5,19 +5,19 @@ from typing import TYPE_CHECKING, Sequence
 
 from rft.explorer.engine import SamplingSettings
 from rft.schema import TaskRecord
-from rft.workflows import GroupResult, build_sample, encode_prompt, register_workflow
+from rft.workflows.registry import GroupResult, build_sample, encode_prompt, register_workflow
 
 if TYPE_CHECKING:
-    from rft.config import Config
+    from rft.config import ExplorerConfig, ModelConfig
     from rft.explorer.engine import Engine
     from rft.rewards import Reward
 
 
 @register_workflow("single_turn")
 class SingleTurn:
-    def __init__(self, cfg: "Config", reward: "Reward"):
-        self.sampling = SamplingSettings.from_config(cfg)
-        self.max_prompt_len = cfg.model.max_prompt_len
+    def __init__(self, explorer: "ExplorerConfig", model: "ModelConfig", reward: "Reward"):
+        self.sampling = SamplingSettings.from_config(explorer, model)
+        self.max_prompt_len = model.max_prompt_len
         self.reward = reward
 
     def explore(self, tasks: Sequence[TaskRecord], engine: "Engine") -> list[GroupResult]:

@@ -67,7 +67,7 @@ def test_explorer_batches(broker, tiny_model, tmp_path, topic_prefix):
     engine = TransformersEngine(tiny_model)
     admission = HalfAdmission()
     explorer = Explorer(cfg, bootstrap=broker.bootstrap_servers, explorer_id="loop", engine=engine,
-                        workflow=build_workflow(cfg, build_reward(cfg)), admission=admission)
+                        workflow=build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer)), admission=admission)
     experiences, control = Experiences(cfg, cfg.topic("experiences")), Control(cfg, cfg.topic("control"))
     dead = Experiences(cfg, cfg.topic("dead_letter"))
     try:

@@ -23,8 +23,8 @@ import yaml
 from rft.config import config_from_dict
 from rft.explorer.main import consumer_group
 from rft.explorer.publisher import OnlinePublisher
-from rft.explorer.selectors import RewardStats, build_picker
-from rft.explorer.tasks import publish_tasks
+from rft.explorer.selectors import RewardStats
+from rft.explorer.tasks import build_picker, publish_tasks
 from rft.schema import ExperienceGroup, Sample, TaskRecord, decode, encode, group_id_for
 from rft.transport import RecordSink, RecordSource
 

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from rft.config import Config, ConfigError, load_config
+from rft.run_config import load_run_config
 
 
 def write(tmp_path: Path, body: dict, name: str = "run.yaml") -> Path:
@@ -118,9 +119,9 @@ def test_shipped_configs_validate():
     configs = sorted(Path(__file__).resolve().parents[2].joinpath("configs").glob("*.yaml"))
     assert configs, "configs/ holds no YAML"
     for path in configs:
-        load_config(path)
+        load_run_config(path)
 
 
 def test_unknown_algorithm_is_a_config_error(tmp_path, model_dir):
     with pytest.raises(ConfigError, match=r"run.yaml: algorithm.name: .*grpp"):
-        load_config(write(tmp_path, minimal(model_dir, algorithm={"name": "grpp"})))
+        load_run_config(write(tmp_path, minimal(model_dir, algorithm={"name": "grpp"})))

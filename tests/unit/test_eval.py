@@ -10,11 +10,12 @@ import pytest
 import torch
 import yaml
 
-from rft.config import ConfigError, load_config
+from rft.config import ConfigError
 from rft.evaluation.checkpoints import CheckpointError, resolve_checkpoint
 from rft.evaluation.main import EvalSchedule, load_eval_sets, sampling_config
 from rft.explorer.tasks import DatasetError
 from rft.monitor import read_metrics
+from rft.run_config import load_run_config
 from rft.trainer.checkpoint import CheckpointDir, TrainerState
 from rft.trainer.feed import FeedState
 from rft.weight_store import WeightStore
@@ -28,7 +29,7 @@ def config(tmp_path: Path, model_dir: Path, **eval_section):
             "explorer": {"reward": "char_accuracy"}, "eval": eval_section}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(body))
-    return load_config(path)
+    return load_run_config(path)
 
 
 @pytest.mark.parametrize("section, expected", [

@@ -5,7 +5,8 @@ import pytest
 import yaml
 
 from rft.cli import main as rft
-from rft.config import ConfigError, config_from_dict
+from rft.config import ConfigError
+from rft.run_config import run_config_from_dict
 
 
 @pytest.fixture
@@ -55,4 +56,4 @@ def test_invalid_explorer_config_exits_2_naming_the_key(config, capsys):
 ])
 def test_explorer_config_errors(explorer, message):
     with pytest.raises(ConfigError, match=message):
-        config_from_dict({"model": {"path": "unused"}, "explorer": explorer})
+        run_config_from_dict({"model": {"path": "unused"}, "explorer": explorer})

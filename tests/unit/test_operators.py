@@ -7,7 +7,8 @@ import collections
 import numpy as np
 import pytest
 
-from rft.config import ConfigError, config_from_dict
+from rft.config import ConfigError
+from rft.run_config import run_config_from_dict
 from rft.operators import OperatorError, build_operator_chain, ngram_repetition, split_drops
 from tests.records import make_group
 
@@ -98,7 +99,7 @@ def test_bad_specs_are_config_errors_naming_the_key(specs, message):
     with pytest.raises(OperatorError, match=message):
         build_operator_chain(specs)
     with pytest.raises(ConfigError, match="<dict>: " + message):
-        config_from_dict({"model": {"path": "m"}, "trainer": {"operators": specs}})
+        run_config_from_dict({"model": {"path": "m"}, "trainer": {"operators": specs}})
 
 
 def shift_rewards(context, amount: float = 0.25):

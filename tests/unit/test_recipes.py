@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rft.config import load_config
+from rft.run_config import load_run_config
 from rft.launcher import ROLES_BY_MODE, LaunchError, gpu_plan
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -22,7 +22,7 @@ def recipe(name: str, tmp_path: Path, monkeypatch):
     model.mkdir()
     (model / "config.json").write_text(json.dumps(SHAPES[name]))
     monkeypatch.setenv("MODEL_DIR", str(model))
-    return load_config(CONFIGS / name)
+    return load_run_config(CONFIGS / name)
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
@@ -42,7 +42,7 @@ def test_a_recipe_whose_parallel_layout_does_not_fit_the_model_is_refused(tmp_pa
     (model / "config.json").write_text(json.dumps(SHAPES_BAD))
     monkeypatch.setenv("MODEL_DIR", str(model))
     with pytest.raises(ConfigError, match="trainer.tensor_parallel: 4 does not divide the model's 2 key/value heads"):
-        load_config(CONFIGS / "gsm8k-7b.yaml")
+        load_run_config(CONFIGS / "gsm8k-7b.yaml")
 
 
 def test_the_1_5b_recipe_fits_one_8_gpu_node_with_disjoint_gpus(tmp_path, monkeypatch):

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from rft.config import ConfigError, config_from_dict
+from rft.config import ConfigError
+from rft.run_config import run_config_from_dict
 from rft.rewards import (RewardError, RewardResult, WeightedReward, available_rewards, build_reward, checked,
                          register_reward, resolve)
 from rft.schema import TaskRecord
@@ -94,11 +95,11 @@ def test_char_accuracy_multi_character_answer():
 
 
 def _cfg(**explorer):
-    return config_from_dict({"model": {"path": "unused"}, "explorer": explorer})
+    return run_config_from_dict({"model": {"path": "unused"}, "explorer": explorer})
 
 
 def test_weighted_combination_is_normalised_mean_with_components():
-    reward = build_reward(_cfg(reward="weighted", reward_weights={"exact_match": 3.0, "char_accuracy": 1.0}))
+    reward = build_reward(_cfg(reward="weighted", reward_weights={"exact_match": 3.0, "char_accuracy": 1.0}).explorer)
     assert isinstance(reward, WeightedReward)
     [right, wrong] = reward.score(["7", "8"], task("7", alphabet="0123456789"))
     assert right.score == pytest.approx(1.0)
@@ -124,7 +125,7 @@ def test_registry_rejects_duplicates_and_lists_builtins():
 
 def test_import_path_reward_is_resolved_at_config_load():
     cfg = _cfg(reward="rft.rewards.text:exact_match")
-    assert build_reward(cfg).score(["5"], task("5"))[0].score == 1.0
+    assert build_reward(cfg.explorer).score(["5"], task("5"))[0].score == 1.0
     with pytest.raises(ConfigError, match="explorer.reward: .*no callable 'missing'"):
         _cfg(reward="rft.rewards.text:missing")
     with pytest.raises(ConfigError, match="explorer.reward: .*cannot import"):

@@ -7,12 +7,14 @@ import random
 
 import pytest
 
-from rft.config import ConfigError, config_from_dict
-from rft.explorer.selectors import SelectionError, build_picker, epoch_order
+from rft.config import ConfigError
+from rft.run_config import run_config_from_dict
+from rft.explorer.selectors import SelectionError, epoch_order
+from rft.explorer.tasks import build_picker
 
 
 def cfg_for(data):
-    return config_from_dict({"run": {"name": "demo"}, "model": {"path": "m"}, "data": data})
+    return run_config_from_dict({"run": {"name": "demo"}, "model": {"path": "m"}, "data": data})
 
 
 def write_rows(path, n):

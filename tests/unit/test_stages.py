@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rft.config import ConfigError, config_from_dict
+from rft.config import ConfigError
+from rft.run_config import run_config_from_dict
 from rft.stages import resolve_stages
 
 
@@ -18,7 +19,7 @@ def base(tmp_path) -> dict:
 
 
 def test_stages_inherit_the_base_and_chain_weights(base, tmp_path):
-    cfg = config_from_dict({**base, "kafka": {"topic_prefix": "team"}, "stages": [
+    cfg = run_config_from_dict({**base, "kafka": {"topic_prefix": "team"}, "stages": [
         {"name": "sft", "run": {"mode": "offline", "max_steps": 2}, "algorithm": {"name": "sft"},
          "replay": {"from_data": True}},
         {"name": "collect", "run": {"mode": "explore"}},
@@ -38,7 +39,7 @@ def test_stages_inherit_the_base_and_chain_weights(base, tmp_path):
 
 
 def test_the_digest_ignores_only_the_broker_address_and_monitoring(base):
-    cfg = config_from_dict({**base, "stages": [{"name": "a"}]})
+    cfg = run_config_from_dict({**base, "stages": [{"name": "a"}]})
     (stage,) = resolve_stages(cfg)
     cfg.kafka.bootstrap_servers, cfg.monitor.wandb = "host:9092", True
     assert resolve_stages(cfg)[0].digest() == stage.digest()
@@ -66,7 +67,7 @@ def test_the_digest_ignores_only_the_broker_address_and_monitoring(base):
 ])
 def test_bad_stages_name_the_stage_and_key(base, stages, expected):
     with pytest.raises(ConfigError, match=expected):
-        config_from_dict({**base, "stages": stages}, source="run.yaml")
+        run_config_from_dict({**base, "stages": stages}, source="run.yaml")
 
 
 @pytest.mark.parametrize("section, expected", [
@@ -81,11 +82,11 @@ def test_bad_stages_name_the_stage_and_key(base, stages, expected):
 ])
 def test_bad_replay_buffer_sections_name_the_key(base, section, expected):
     with pytest.raises(ConfigError, match=expected):
-        config_from_dict({**base, "replay_buffer": section}, source="run.yaml")
+        run_config_from_dict({**base, "replay_buffer": section}, source="run.yaml")
 
 
 def test_replay_buffer_with_a_correct_algorithm_validates(base):
-    cfg = config_from_dict({**base, "replay_buffer": {"groups_per_step": 2, "max_reuse": 3},
+    cfg = run_config_from_dict({**base, "replay_buffer": {"groups_per_step": 2, "max_reuse": 3},
                             "algorithm": {"off_policy_correction": True}})
     assert cfg.replay_buffer.groups_per_step == 2 and cfg.replay_buffer.seed is None
     assert Path(cfg.run_dir).name == "pipeline"
@@ -97,7 +98,7 @@ def test_rerun_skips_done_stages_and_refuses_inconsistent_ones(base, capsys):
     unfinished one, stops the run with exit 2 and says what to delete."""
     from rft.launcher import run_stages
 
-    cfg = config_from_dict({**base, "kafka": {"bootstrap_servers": "127.0.0.1:9"},
+    cfg = run_config_from_dict({**base, "kafka": {"bootstrap_servers": "127.0.0.1:9"},
                             "stages": [{"name": "a", "run": {"mode": "train"}}, {"name": "b"}]})
     a, b = resolve_stages(cfg)
     for stage in (a, b):
@@ -106,7 +107,7 @@ def test_rerun_skips_done_stages_and_refuses_inconsistent_ones(base, capsys):
     assert run_stages(cfg) == 0
     assert capsys.readouterr().out.count("is done") == 2
 
-    changed = config_from_dict({**base, "kafka": {"bootstrap_servers": "127.0.0.1:9"},
+    changed = run_config_from_dict({**base, "kafka": {"bootstrap_servers": "127.0.0.1:9"},
                                 "stages": [{"name": "a", "run": {"mode": "train", "max_steps": 7}}, {"name": "b"}]})
     assert run_stages(changed) == 2
     assert f"stage 'a' finished with another config than stages[0] now describes: delete {a.run_dir}" in \

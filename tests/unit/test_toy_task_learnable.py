@@ -35,7 +35,7 @@ def _train(tiny_model, *, steps: int) -> list[float]:
     tokenizer = build_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    reward = build_reward(config_from_dict({"model": {"path": "unused"}, "explorer": {"reward": "char_accuracy"}}))
+    reward = build_reward(config_from_dict({"model": {"path": "unused"}, "explorer": {"reward": "char_accuracy"}}).explorer)
     rows = generate_rows("copy_char", 2000, seed=0)
     tasks_per_step, samples = 32, 8
     curve = []

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from rft.config import ConfigError, config_from_dict
+from rft.config import ConfigError
+from rft.run_config import run_config_from_dict
 from rft.explorer.engine import SamplingSettings, TransformersEngine
 from rft.rewards import build_reward, resolve
 from rft.schema import TaskRecord
@@ -21,7 +22,7 @@ def engine(tiny_model):
 
 
 def make_cfg(tiny_model, max_response_len: int = 48, **explorer):
-    return config_from_dict({"model": {"path": str(tiny_model), "max_response_len": max_response_len},
+    return run_config_from_dict({"model": {"path": str(tiny_model), "max_response_len": max_response_len},
                              "explorer": {"engine": "transformers", "reward": "char_accuracy", **explorer}})
 
 
@@ -41,7 +42,7 @@ def reference_logprobs(model, prompt, response, *, temperature: float) -> np.nda
 def test_single_turn_groups(tiny_model, engine):
     cfg = make_cfg(tiny_model, n_samples=4, max_tokens=6, temperature=0.7)
     tasks = toy_tasks(3)
-    results = build_workflow(cfg, build_reward(cfg)).explore(tasks, engine)
+    results = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer)).explore(tasks, engine)
     assert [r.task for r in results] == tasks
     char_accuracy = resolve("char_accuracy")[1]
     for result in results:
@@ -61,7 +62,7 @@ def test_single_turn_groups(tiny_model, engine):
 def test_too_long_prompt_is_an_error_not_a_crash(tiny_model, engine):
     cfg = make_cfg(tiny_model, n_samples=2, max_tokens=2)
     long_task = TaskRecord("r", "long", 0, "9" * 300, "9")
-    results = build_workflow(cfg, build_reward(cfg)).explore([long_task] + toy_tasks(1), engine)
+    results = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer)).explore([long_task] + toy_tasks(1), engine)
     assert results[0].error == "prompt is 300 tokens, over model.max_prompt_len=256" and not results[0].samples
     assert results[1].error is None and len(results[1].samples) == 2
 
@@ -69,8 +70,8 @@ def test_too_long_prompt_is_an_error_not_a_crash(tiny_model, engine):
 def test_multi_turn_masks_environment_tokens(tiny_model, engine):
     cfg = make_cfg(tiny_model, workflow="multi_turn", environment="retry", max_turns=3, n_samples=3, max_tokens=5,
                    max_response_len=128)
-    reward = build_reward(cfg)
-    [result] = build_workflow(cfg, reward).explore(toy_tasks(1), engine)
+    reward = build_reward(cfg.explorer)
+    [result] = build_workflow(cfg.explorer, cfg.model, reward).explore(toy_tasks(1), engine)
     task = result.task
     for s in result.samples:
         mask = s.loss_mask.tolist()
@@ -129,12 +130,12 @@ def test_workflow_registry_and_config_errors(tiny_model):
     with pytest.raises(ConfigError, match="explorer.environment: unknown environment 'retyr'"):
         make_cfg(tiny_model, workflow="multi_turn", environment="retyr")
     cfg = make_cfg(tiny_model, workflow="rft.workflows.single_turn:SingleTurn")
-    assert type(build_workflow(cfg, build_reward(cfg))).__name__ == "SingleTurn"
+    assert type(build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer))).__name__ == "SingleTurn"
 
 
 def test_multi_turn_stops_at_the_response_budget(tiny_model, engine):
     cfg = make_cfg(tiny_model, workflow="multi_turn", max_turns=5, n_samples=2, max_tokens=5, max_response_len=30)
-    [result] = build_workflow(cfg, build_reward(cfg)).explore(toy_tasks(1), engine)
+    [result] = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer)).explore(toy_tasks(1), engine)
     for s in result.samples:
         assert len(s.response_tokens) <= 30 and s.loss_mask[-1] == 1  # never ends on environment tokens
         assert s.metadata["turns"] < 5

@@ -1,0 +1,71 @@
+"""The workflow registry and the contract every workflow meets; the built-in workflow modules register into it.
+
+The interface is one method (AReaL's): `explore(tasks, engine) -> list[GroupResult]`, one result per task, in
+task order. It takes a batch of tasks rather than one so that the engine batches all of their rollouts into one
+call; each result is still one task's group.
+
+Contract of a `GroupResult`:
+- `samples` are the group's `n` samples, each with prompt tokens, response tokens, behaviour log-probs
+  and a loss mask of the response's length (1 for tokens the model generated, 0 for tokens an
+  environment inserted, whose log-probs are 0), and a reward in [0, 1].
+- `policy_version` is the oldest weights version that generated any token of the group.
+- A task that cannot be explored (prompt too long, ...) has `error` set and no samples; the explorer
+  sends it to the dead-letter topic and goes on.
+
+A registered class (or one named by an import path `package.module:Class`) is built as
+`cls(explorer: ExplorerConfig, model: ModelConfig, reward: Reward)`. This module imports no workflow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+import numpy as np
+
+from rft.registry import Registry
+from rft.schema import Sample, TaskRecord
+
+if TYPE_CHECKING:
+    from rft.explorer.engine import Engine
+    from rft.rewards.registry import RewardResult
+
+
+class WorkflowError(ValueError):
+    """An unknown workflow or environment, or one that cannot be built."""
+
+
+@dataclass
+class GroupResult:
+    task: TaskRecord
+    samples: list[Sample] = field(default_factory=list)
+    policy_version: int = 0
+    error: str | None = None
+
+
+class Workflow(Protocol):
+    def explore(self, tasks: Sequence[TaskRecord], engine: "Engine") -> list[GroupResult]: ...
+
+
+WORKFLOWS: Registry[Any] = Registry("workflow", noun="workflow", error=WorkflowError)
+register_workflow = WORKFLOWS.register  # class decorator: `explorer.workflow: <name>`
+
+
+def encode_prompt(engine: "Engine", task: TaskRecord, max_prompt_len: int) -> list[int] | str:
+    """The task's prompt as token ids, or the reason it cannot be explored."""
+    ids = engine.encode(task.prompt)
+    if not ids:
+        return "prompt is empty after tokenization"
+    if len(ids) > max_prompt_len:
+        return f"prompt is {len(ids)} tokens, over model.max_prompt_len={max_prompt_len}"
+    return ids
+
+
+def build_sample(index: int, *, prompt: Sequence[int], tokens: Sequence[int], logprobs: Sequence[float],
+                 loss_mask: Sequence[int], reward: "RewardResult", finish_reason: str,
+                 metadata: dict[str, Any] | None = None, extra_components: dict[str, float] | None = None) -> Sample:
+    """One sample with the wire dtypes (int32 tokens, float32 log-probs, uint8 mask)."""
+    return Sample(sample_index=index, prompt_tokens=np.asarray(prompt, dtype=np.int32),
+                  response_tokens=np.asarray(tokens, dtype=np.int32), logprobs=np.asarray(logprobs, dtype=np.float32),
+                  loss_mask=np.asarray(loss_mask, dtype=np.uint8), reward=reward.score,
+                  reward_components={**reward.components, **(extra_components or {})},
+                  finish_reason=finish_reason, metadata=metadata or {})
