@@ -1,0 +1,222 @@
+"""Imports flow one way: the import graph of `rft/` and `megatron_bridge/`, read from the source with `ast`, has no
+cycle, and a function-local import of a project module says why.
+
+The graph: one node per module (a package's `__init__` is the package's node); an edge for every import, top-level
+or inside a function, with relative imports resolved. `import a.b` is an edge to `a.b`; `from a import b` is an
+edge to `a` (its `__init__` runs and is read) and, when `a.b` is a module, to `a.b`. Imports under
+`if TYPE_CHECKING:` are not edges (they never run). A function-local import of a project module is allowed only
+for a heavy optional dependency behind it, with a comment containing the word `heavy` on its line or the line
+above (`# heavy: megatron.core`); everything else imports at the top, where a cycle shows at once.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ROOTS = ("rft", "megatron_bridge")
+WHY_MARK = "heavy"
+
+# Cycles and unexplained local imports left in files this branch does not own (the other branches of issue 12
+# remove them); the integrator drops this mark after the merge.
+PENDING_MERGE = pytest.mark.xfail(strict=False, reason="cycles / local imports in files owned by other branches")
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # importing module
+    target: str  # imported project module
+    path: Path
+    line: int
+    local: bool  # inside a function
+    why: bool  # a comment on the line or the line above says `heavy`
+
+
+def project_modules(repo: Path, roots: tuple[str, ...]) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file under the roots (packages named by their `__init__`)."""
+    modules = {}
+    for root in roots:
+        for path in sorted((repo / root).rglob("*.py")):
+            parts = path.relative_to(repo).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _known(name: str, modules: dict[str, Path]) -> str | None:
+    """The longest prefix of `name` that is a project module (None: not a project module)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _targets(node: ast.Import | ast.ImportFrom, package: str, modules: dict[str, Path]) -> set[str]:
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            parts = package.split(".")
+            parts = parts[:len(parts) - node.level + 1]
+            base = ".".join(parts + ([base] if base else []))
+        names = [base] + [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in modules]
+    return {t for t in (_known(n, modules) for n in names) if t}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[Import]:
+    """Every import of a project module by `module` (not itself), top-level and function-local."""
+    source = path.read_text()
+    lines = source.splitlines()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[Import] = []
+
+    def comment_says_why(line: int) -> bool:
+        return any("#" in text and WHY_MARK in text.split("#", 1)[1].lower() for text in lines[max(line - 2, 0):line])
+
+    def walk(node: ast.AST, local: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for sub in child.orelse:
+                    walk(ast.Module(body=[sub], type_ignores=[]), local)
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                for target in sorted(_targets(child, package, modules) - {module}):
+                    found.append(Import(module, target, path, child.lineno, local, comment_says_why(child.lineno)))
+            walk(child, local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    walk(ast.parse(source), False)
+    return found
+
+
+def import_graph(repo: Path, roots: tuple[str, ...]) -> list[Import]:
+    modules = project_modules(repo, roots)
+    return [imp for module, path in modules.items() for imp in imports_of(module, path, modules)]
+
+
+def cycles(edges: list[Import]) -> list[list[Import]]:
+    """One cycle (as its edges, in order) per strongly connected component with more than one module."""
+    graph: dict[str, dict[str, Import]] = {}
+    for e in edges:
+        graph.setdefault(e.source, {}).setdefault(e.target, e)
+    found = []
+    for component in _components(graph):
+        start = min(component)
+        found.append(_cycle_through(start, graph, component))
+    return found
+
+
+def _components(graph: dict[str, dict[str, Import]]) -> list[set[str]]:
+    """Tarjan's strongly connected components of size > 1."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _cycle_through(start: str, graph: dict[str, dict[str, Import]], component: set[str]) -> list[Import]:
+    """The shortest path from `start` back to itself inside its component (breadth first)."""
+    previous: dict[str, Import] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for v in frontier:
+            for w, edge in sorted(graph.get(v, {}).items()):
+                if w not in component or w in previous:
+                    continue
+                previous[w] = edge
+                if w == start:
+                    path = [edge]
+                    while path[0].source != start:
+                        path.insert(0, previous[path[0].source])
+                    return path
+                following.append(w)
+        frontier = following
+    raise AssertionError(f"no cycle through {start}")  # a component of size > 1 always has one
+
+
+def describe(cycle: list[Import]) -> str:
+    return " -> ".join([cycle[0].source] + [f"{e.target} ({e.path.name}:{e.line}{', local' if e.local else ''})"
+                                              for e in cycle])
+
+
+@PENDING_MERGE
+def test_project_imports_form_no_cycle():
+    found = cycles(import_graph(REPO, ROOTS))
+    assert not found, "import cycles:\n" + "\n".join(describe(c) for c in found)
+
+
+@PENDING_MERGE
+def test_function_local_imports_of_project_modules_say_why():
+    unexplained = [e for e in import_graph(REPO, ROOTS) if e.local and not e.why]
+    assert not unexplained, (f"function-local imports of project modules (move them to the top, or say `# {WHY_MARK}: "
+                             "<dependency>` for a heavy optional dependency):\n"
+                             + "\n".join(f"{e.path.relative_to(REPO)}:{e.line}: {e.source} -> {e.target}"
+                                         for e in unexplained))
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_the_checker_finds_a_cycle_through_a_function_local_import(tmp_path):
+    _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from pkg.b import g\n\ndef f():\n    return g()\n",
+        "pkg/b.py": "def g():\n    from .a import f  # dodging the cycle\n    return f\n",
+        "pkg/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import f\n",
+        "pkg/d.py": "def h():\n    # heavy: pkg.c pulls in a large optional library\n    import pkg.c\n",
+    })
+    edges = import_graph(tmp_path, ("pkg",))
+    [cycle] = cycles(edges)
+    assert describe(cycle) == "pkg.a -> pkg.b (a.py:1) -> pkg.a (b.py:2, local)"
+    assert not [e for e in edges if e.source == "pkg.c" and e.target == "pkg.a"]  # TYPE_CHECKING is no edge
+    assert [(e.source, e.target, e.why) for e in edges if e.local] == [("pkg.b", "pkg.a", False), ("pkg.d", "pkg.c", True)]
+
+
+def test_a_package_init_importing_a_submodule_that_reads_the_package_is_a_cycle(tmp_path):
+    _write(tmp_path, {
+        "pkg/__init__.py": "from pkg.a import f\n",
+        "pkg/a.py": "from pkg import b  # through the package, not the sibling\n\ndef f():\n    return b\n",
+        "pkg/b.py": "",
+        "ok/__init__.py": "from ok.a import f\n",
+        "ok/a.py": "import ok.b as b\n\ndef f():\n    return b\n",
+        "ok/b.py": "",
+    })
+    found = cycles(import_graph(tmp_path, ("pkg", "ok")))
+    assert [describe(c) for c in found] == ["pkg -> pkg.a (__init__.py:1) -> pkg (a.py:1)"]
