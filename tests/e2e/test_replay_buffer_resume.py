@@ -50,7 +50,8 @@ def predicted(groups, topic: str) -> list[tuple[int, str, int]]:
 def test_prioritised_replay_respects_reuse_and_resumes_exactly(tmp_path, tiny_model, bootstrap, topic_prefix):
     run_name, topic = topic_prefix, f"{topic_prefix}.experiences"
     cfg = KafkaConfig(partitions=1)
-    connect(cfg, bootstrap).admin().create_topics([f"{run_name}.{t}" for t in ("experiences", "control", "dead_letter")])
+    connect(cfg, bootstrap).admin().create_topics(
+        [f"{run_name}.{t}" for t in ("experiences", "control", "dead_letter")])
     groups = [make_group(run_name, i, n_samples=4) for i in range(STEPS * GROUPS_PER_STEP)]
     sink = connect(cfg, bootstrap).sink()
     for g in groups:

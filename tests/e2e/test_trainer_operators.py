@@ -23,7 +23,8 @@ START, END, PENALTY = 2, 6, 0.5
 def test_trainer_drops_and_shapes_groups(tmp_path, tiny_model, bootstrap, topic_prefix):
     run_name = topic_prefix
     cfg = KafkaConfig(partitions=1)
-    connect(cfg, bootstrap).admin().create_topics([f"{run_name}.{t}" for t in ("experiences", "control", "dead_letter")])
+    connect(cfg, bootstrap).admin().create_topics(
+        [f"{run_name}.{t}" for t in ("experiences", "control", "dead_letter")])
     lengths = [[1, 3, 5, 8], [2, 4, 6, 7]]
     useful = [make_group(run_name, i, rewards=[0.0, 1.0, 0.5, 1.0],
                          responses=[[5 + i] * n for n in lengths[i % 2]]) for i in range(6)]

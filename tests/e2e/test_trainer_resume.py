@@ -81,7 +81,8 @@ def kill_and_resume(config: Path, log: Path, run_dir: Path, *, kill_after: int) 
 def test_sigkill_and_resume_trains_each_group_once(tmp_path, tiny_model, bootstrap, topic_prefix):
     run_name = topic_prefix
     cfg = KafkaConfig(partitions=1)
-    connect(cfg, bootstrap).admin().create_topics([f"{run_name}.{t}" for t in ("experiences", "control", "dead_letter")])
+    connect(cfg, bootstrap).admin().create_topics(
+        [f"{run_name}.{t}" for t in ("experiences", "control", "dead_letter")])
     groups = [make_group(run_name, i, n_samples=4) for i in range(STEPS * GROUPS_PER_STEP)]
     sink = connect(cfg, bootstrap).sink()
     for i, g in enumerate(groups):

@@ -26,7 +26,8 @@ def fill_topic(bootstrap, cfg, topic, items):
 
 
 def consume_steps(bootstrap, cfg, topic, dlq, steps, state=None, per_step=3):
-    feed, sink, source = open_feed(connect(cfg, bootstrap), topic=topic, dead_letter_topic=dlq, run_id="run", state=state)
+    feed, sink, source = open_feed(connect(cfg, bootstrap), topic=topic, dead_letter_topic=dlq, run_id="run",
+                                   state=state)
     trained, skipped = [], {}
     try:
         for step in steps:

@@ -54,8 +54,8 @@ def expected_reward(sample, text: str) -> float:
 
 def consume(bootstrap, cfg, topic, dlq, context, steps, state=None):
     chain = build_operator_chain(SPECS, context)
-    feed, sink, source = open_feed(connect(cfg, bootstrap), topic=topic, dead_letter_topic=dlq, run_id="run", state=state,
-                                   operators=chain)
+    feed, sink, source = open_feed(connect(cfg, bootstrap), topic=topic, dead_letter_topic=dlq, run_id="run",
+                                   state=state, operators=chain)
     out = []
     try:
         for _ in range(steps):
