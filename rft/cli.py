@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("rft.evaluation.main:main", "evaluate checkpoints on eval.sets: accuracy, pass@k, mean@k"),
     "validate": ("rft.validate:main", "check a config file; exit 2 naming the bad key"),
     "broker": ("rft.broker:main", "run a local Kafka-protocol broker for development"),
-    "topics": ("rft.topics:main", "list | describe | tail | export | import topics"),
+    "topics": ("rft.topics.cli:main", "list | describe | tail | export | import topics"),
     "status": ("rft.status:main", "a live run: trainer, explorer fleet, weight versions, lag, throughput"),
     "bench": ("tools.bench:main", "benchmarks: transport | generate | modes"),
     "tiny-model": ("rft.tiny_model:main", "write a tiny seeded HF model (tests, quickstart)"),

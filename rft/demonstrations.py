@@ -58,16 +58,16 @@ def publish_demonstrations(cfg: Config, *, bootstrap: str | None = None) -> int:
     returns how many were published (0 when it held records), once the broker acknowledged every one."""
     from transformers import AutoTokenizer
 
-    from rft.transport import Admin, RecordSink, RecordSource
+    from rft.transport import connect
 
-    bootstrap = bootstrap or cfg.kafka.bootstrap_servers
+    transport = connect(cfg.kafka, bootstrap)
     topic = cfg.replay.topic or cfg.topic("experiences")
-    admin = Admin(cfg.kafka, bootstrap)
+    admin = transport.admin()
     try:
         admin.create_topics([topic], partitions=cfg.kafka.experience_partitions)
     finally:
         admin.close()
-    source = RecordSource(cfg.kafka, bootstrap)
+    source = transport.source()
     try:
         if any(source.end_offsets(topic)[k] > start for k, start in source.beginning_offsets(topic).items()):
             return 0
@@ -75,7 +75,7 @@ def publish_demonstrations(cfg: Config, *, bootstrap: str | None = None) -> int:
         source.close()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     groups = list(demonstration_groups(cfg, tokenizer))
-    sink = RecordSink(cfg.kafka, bootstrap, client_id=f"{cfg.run.name}-demonstrations")
+    sink = transport.sink(client_id=f"{cfg.run.name}-demonstrations")
     try:
         futures = [sink.send_record(topic, group, key=group.group_id) for group in groups]
         sink.flush()

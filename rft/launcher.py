@@ -80,7 +80,7 @@ def run_until_stopped(cfg: Config) -> int:
 
 
 def run(cfg: Config) -> int:
-    from rft.topics import create_run_topics
+    from rft.run_topics import create_run_topics
 
     if cfg.stages:
         return run_stages(cfg)
@@ -148,9 +148,9 @@ def _start_evaluator(cfg: Config, runner: "PartRunner", config_path: Path, roles
 def _publish_tasks(cfg: Config) -> None:
     """Publish the task set, unless the tasks topic already holds tasks (a resumed run on a durable broker)."""
     from rft.explorer.tasks import publish_tasks
-    from rft.transport import RecordSource
+    from rft.transport import connect
 
-    source = RecordSource(cfg.kafka, cfg.kafka.bootstrap_servers)
+    source = connect(cfg.kafka).source()
     try:
         existing = sum(source.end_offsets(cfg.topic("tasks")).values())
     finally:

@@ -71,7 +71,7 @@ class OperatorContext:
 
     def text(self, tokens: np.ndarray) -> str:
         if self._detokenizer is None:
-            from rft.topics import Detokenizer
+            from rft.tokens import Detokenizer
             if not self.tokenizer_path:
                 raise OperatorError("this operator needs the response text, and no tokenizer is configured")
             self._detokenizer = Detokenizer(self.tokenizer_path, skip_special_tokens=True)

@@ -137,11 +137,12 @@ class RunStatus:
 
 def collect(cfg: Config) -> dict:
     """The run's status as one JSON-able dict (what `--json` prints)."""
-    from rft.explorer.main import consumer_group
-    from rft.transport import Admin, RecordSource, TransportError, lag
+    from rft.run_topics import consumer_group
+    from rft.transport import TransportError, connect, lag
 
-    source = RecordSource(cfg.kafka, cfg.kafka.bootstrap_servers, client_id=f"{cfg.run.name}-status")
-    admin = Admin(cfg.kafka, cfg.kafka.bootstrap_servers)
+    transport = connect(cfg.kafka)
+    source = transport.source(client_id=f"{cfg.run.name}-status")
+    admin = transport.admin()
     try:
         topics = set(admin.list_topics())
         if cfg.topic("control") not in topics:

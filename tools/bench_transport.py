@@ -25,7 +25,7 @@ import numpy as np
 from rft.broker import LocalBroker
 from rft.config import KafkaConfig
 from rft.schema import ExperienceGroup, Sample, encode
-from rft.transport import Admin, RecordSink, RecordSource
+from rft.transport import connect
 
 SAMPLES_PER_GROUP = 8
 PROMPT_TOKENS = 64
@@ -77,7 +77,7 @@ def experience_payloads(target_bytes: int, count: int, *, seed: int = 0) -> list
 
 
 def kafka_python_produce(cfg: KafkaConfig, bootstrap: str, topic: str, payloads: list[Payload]) -> float:
-    sink = RecordSink(cfg, bootstrap, client_id="bench")
+    sink = connect(cfg, bootstrap).sink(client_id="bench")
     try:
         start = time.perf_counter()
         for key, value, headers in payloads:
@@ -103,7 +103,7 @@ def consume_until(count: int, poll: Callable[[], int], *, what: str, stall_s: fl
 
 
 def kafka_python_consume(cfg: KafkaConfig, bootstrap: str, topic: str, count: int) -> float:
-    source = RecordSource(cfg, bootstrap, client_id="bench")
+    source = connect(cfg, bootstrap).source(client_id="bench")
     try:
         source.assign([topic])
         source.seek_to_beginning()
@@ -198,7 +198,7 @@ def run_benchmark(clients: list[str], counts: dict[str, int], repeats: int, cfg:
     """One local broker; per size, the clients take turns `repeats` times, each with a fresh topic."""
     results = []
     with LocalBroker() as broker:
-        admin = Admin(cfg, broker.bootstrap_servers)
+        admin = connect(cfg, broker.bootstrap_servers).admin()
         try:
             for size, target in SIZES.items():
                 payloads = experience_payloads(target, counts[size])

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from rft.config import Config
+from rft.run_topics import consumer_group
 from rft.schema import ControlMessage, ExperienceGroup, decode, decode_task
 
 if TYPE_CHECKING:
@@ -60,11 +61,6 @@ log = logging.getLogger("rft.explorer")
 POLL_S = 0.5  # longest wait for tasks in one poll
 IDLE_SLEEP_S = 0.2  # pause when admission lets nothing start
 RELOAD_TRIES = 3
-
-
-def consumer_group(cfg: Config) -> str:
-    """The explorers' consumer group on the tasks topic: `<run>.explorers` (`<topic prefix>.explorers`)."""
-    return f"{cfg.kafka.topic_prefix or cfg.run.name}.explorers"
 
 
 # --------------------------------------------------------------------------------------------------

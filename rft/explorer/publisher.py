@@ -19,7 +19,8 @@ from rft.config import Config
 from rft.explorer.selectors import RewardStats, TaskPicker
 from rft.explorer.tasks import build_picker, ensure_tasks_topic
 from rft.schema import RecordError, TaskRecord, decode_group, decode_task
-from rft.transport import Admin, RecordSink, RecordSource
+from rft.run_topics import consumer_group
+from rft.transport import Transport, connect
 
 log = logging.getLogger("rft.publisher")
 
@@ -31,11 +32,10 @@ def tasks_ahead(cfg: Config) -> int:
 
 
 class OnlinePublisher:
-    def __init__(self, cfg: Config, bootstrap: str | None = None):
-        from rft.explorer.main import consumer_group
-
+    def __init__(self, cfg: Config, bootstrap: str | None = None, *, transport: Transport | None = None):
         self.cfg = cfg
         self.bootstrap = bootstrap or cfg.kafka.bootstrap_servers
+        self.transport = transport or connect(cfg.kafka, self.bootstrap)
         self.picker: TaskPicker = build_picker(cfg)
         self.stats = RewardStats(run_id=cfg.run.name)
         self.ahead = tasks_ahead(cfg)
@@ -43,15 +43,15 @@ class OnlinePublisher:
         self.group = consumer_group(cfg)
         self._ends: dict[str, int] = {}  # tasks topic: next offset per partition, from the broker's acks
         self._starts: dict[str, int] = {}
-        self.sink = RecordSink(cfg.kafka, self.bootstrap, client_id=f"{cfg.run.name}-publisher")
-        self.admin = Admin(cfg.kafka, self.bootstrap)
+        self.sink = self.transport.sink(client_id=f"{cfg.run.name}-publisher")
+        self.admin = self.transport.admin()
         self.admin.create_topics([cfg.topic("experiences")], partitions=cfg.kafka.experience_partitions)
-        self.rewards = RecordSource(cfg.kafka, self.bootstrap, client_id=f"{cfg.run.name}-publisher-rewards")
+        self.rewards = self.transport.source(client_id=f"{cfg.run.name}-publisher-rewards")
 
     # -- state, rebuilt from the topics
     def restore(self) -> None:
         """Count the tasks already published and read every experience recorded so far."""
-        source = RecordSource(self.cfg.kafka, self.bootstrap, client_id=f"{self.cfg.run.name}-publisher-restore")
+        source = self.transport.source(client_id=f"{self.cfg.run.name}-publisher-restore")
         try:
             begin, stop = source.replay_bounds(self.topic)
             for m in source.read_offsets(begin, stop):

@@ -179,14 +179,14 @@ def publish_tasks(cfg: Config, *, bootstrap: str | None = None, progress: bool |
     For selectors that need no rewards (an online selector would see none: use rft/explorer/publisher.py)."""
     from tqdm import tqdm
 
-    from rft.transport import RecordSink
+    from rft.transport import connect
 
     bootstrap = bootstrap or cfg.kafka.bootstrap_servers
     picker = build_picker(cfg)
     topic = ensure_tasks_topic(cfg, bootstrap)
     total = picker.remaining
     show = cfg.monitor.progress if progress is None else progress
-    sink = RecordSink(cfg.kafka, bootstrap, client_id=f"{cfg.run.name}-publisher")
+    sink = connect(cfg.kafka, bootstrap).sink(client_id=f"{cfg.run.name}-publisher")
     try:
         futures = []
         for task in tqdm(picker.drain(), total=total, desc=f"publish {topic}", unit="task",
@@ -201,10 +201,10 @@ def publish_tasks(cfg: Config, *, bootstrap: str | None = None, progress: bool |
 
 
 def ensure_tasks_topic(cfg: Config, bootstrap: str) -> str:
-    from rft.transport import Admin
+    from rft.transport import connect
 
     topic = cfg.topic("tasks")
-    admin = Admin(cfg.kafka, bootstrap)
+    admin = connect(cfg.kafka, bootstrap).admin()
     try:
         admin.create_topics([topic])
     finally:
@@ -224,7 +224,7 @@ def main(argv: list[str]) -> int:
         print("rft publish: kafka.bootstrap_servers is 'embedded'; publishing needs the run's broker address "
               "(--set kafka.bootstrap_servers=HOST:PORT)", file=sys.stderr)
         return 2
-    from rft.topics import create_run_topics
+    from rft.run_topics import create_run_topics
 
     try:
         create_run_topics(cfg)  # a trainer or explorers started separately find every topic of the run

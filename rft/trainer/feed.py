@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
 from rft.schema import ExperienceGroup, RecordError, decode_group, encode
-from rft.transport import DeadLetter, Message, RecordSink, RecordSource, TransportError
+from rft.transport import (DeadLetter, Message, RecordSink, RecordSource, Transport, TransportError, connect,
+                           parse_positions, parse_time_ms)
 
 if TYPE_CHECKING:
     from rft.operators import OperatorChain
@@ -121,8 +122,7 @@ class ExperienceFeed:
         self._buffer: collections.deque[Message] = collections.deque()
         partitions = source.assign([topic])
         starts = source.beginning_offsets(topic)
-        for tp in partitions:
-            key = f"{tp.topic}:{tp.partition}"
+        for key in partitions:
             self.state.offsets.setdefault(key, starts[key])
         source.seek(self.state.offsets)
 
@@ -217,16 +217,20 @@ class ExperienceFeed:
         return FeedState.from_json(self.state.to_json())
 
 
-def open_feed(kafka_cfg, bootstrap: str, *, topic: str, dead_letter_topic: str, run_id: str | None,
-              state: FeedState | None = None, window: ReplayWindow | None = None,
+def open_feed(transport: Transport, bootstrap: str | None = None, *, topic: str, dead_letter_topic: str,
+              run_id: str | None, state: FeedState | None = None, window: ReplayWindow | None = None,
               client_id: str = "rft-trainer", operators: "OperatorChain | None" = None,
               ) -> tuple[ExperienceFeed, RecordSink, RecordSource]:
-    """Build a feed with its own source and dead-letter sink; the caller closes both."""
+    """Build a feed with its own source and dead-letter sink from `transport`; the caller closes both.
+    Transitional: `open_feed(kafka_cfg, bootstrap, ...)` (rft/trainer/main.py) connects to that Kafka."""
+    if bootstrap is not None:
+        transport = connect(transport, bootstrap)
+
     def new_source() -> RecordSource:
-        return RecordSource(kafka_cfg, bootstrap, client_id=client_id)
+        return transport.source(client_id=client_id)
 
     source = new_source()
-    sink = RecordSink(kafka_cfg, bootstrap, client_id=f"{client_id}-dlq")
+    sink = transport.sink(client_id=f"{client_id}-dlq")
     feed = ExperienceFeed(source, topic=topic, run_id=run_id, dead_letter=DeadLetter(sink, dead_letter_topic),
                           state=state, window=window, reconnect=new_source, operators=operators)
     return feed, sink, source
@@ -235,8 +239,6 @@ def open_feed(kafka_cfg, bootstrap: str, *, topic: str, dead_letter_topic: str, 
 def resolve_window(source: RecordSource, topic: str, *, start: str = "", end: str = "") -> ReplayWindow:
     """A replay window from the `replay.start` / `replay.end` specs: `P:O[,P:O...]` offsets, a time (ISO 8601
     or milliseconds since the epoch), or empty for the topic's beginning / its end as of now."""
-    from rft.topics import parse_positions, parse_time_ms
-
     partitions = len(source.partitions(topic))
 
     def parse(spec: str, option: str) -> tuple[dict[str, int] | None, int | None]:

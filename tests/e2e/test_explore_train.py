@@ -13,7 +13,7 @@ import yaml
 
 from rft.config import KafkaConfig
 from rft.schema import decode_group
-from rft.transport import RecordSource
+from rft.transport import connect
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
 
@@ -41,7 +41,7 @@ def rft_run(tmp_path: Path, model: Path, bootstrap: str, mode: str) -> Path:
 
 def test_explore_mode_collects_groups_and_train_mode_trains_on_them(tmp_path, tiny_model, bootstrap):
     run_dir = rft_run(tmp_path, tiny_model, bootstrap, "explore")
-    source = RecordSource(KafkaConfig(), bootstrap)
+    source = connect(KafkaConfig(), bootstrap).source()
     try:
         produced = [decode_group(m.value, m.headers) for m in source.read_range("explore-train.experiences")]
     finally:

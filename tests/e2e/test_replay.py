@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from rft.config import KafkaConfig
-from rft.transport import Admin, RecordSink
+from rft.transport import connect
 from tests.records import make_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
@@ -43,9 +43,9 @@ def consumed(run_dir: Path) -> list[tuple[str, int]]:
 def test_replaying_a_range_twice_trains_on_the_same_records(tmp_path, tiny_model, bootstrap, topic_prefix):
     cfg = KafkaConfig(partitions=1)
     topic = f"{topic_prefix}.experiences"
-    Admin(cfg, bootstrap).create_topics([topic], partitions=1)
+    connect(cfg, bootstrap).admin().create_topics([topic], partitions=1)
     groups = [make_group("recorded-run", i, policy_version=i // 2) for i in range(10)]
-    sink = RecordSink(cfg, bootstrap)
+    sink = connect(cfg, bootstrap).sink()
     for g in groups:
         sink.send_record(topic, g, key=g.group_id)
     sink.flush()

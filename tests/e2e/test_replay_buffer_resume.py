@@ -13,7 +13,7 @@ import pytest
 
 from rft.config import KafkaConfig
 from rft.trainer.replay_buffer import Candidate, ReplayBuffer, resolve_priority
-from rft.transport import Admin, RecordSink
+from rft.transport import connect
 from tests.e2e.test_trainer_resume import GROUPS_PER_STEP, STEPS, kill_and_resume, start_trainer, wait, write_config
 from tests.records import make_group
 
@@ -50,9 +50,10 @@ def predicted(groups, topic: str) -> list[tuple[int, str, int]]:
 def test_prioritised_replay_respects_reuse_and_resumes_exactly(tmp_path, tiny_model, bootstrap, topic_prefix):
     run_name, topic = topic_prefix, f"{topic_prefix}.experiences"
     cfg = KafkaConfig(partitions=1)
-    Admin(cfg, bootstrap).create_topics([f"{run_name}.{t}" for t in ("experiences", "control", "dead_letter")])
+    connect(cfg, bootstrap).admin().create_topics(
+        [f"{run_name}.{t}" for t in ("experiences", "control", "dead_letter")])
     groups = [make_group(run_name, i, n_samples=4) for i in range(STEPS * GROUPS_PER_STEP)]
-    sink = RecordSink(cfg, bootstrap)
+    sink = connect(cfg, bootstrap).sink()
     for g in groups:
         sink.send_record(topic, g, key=g.group_id)
     sink.flush()

@@ -23,7 +23,7 @@ import yaml
 
 from rft.config import KafkaConfig
 from rft.schema import ControlMessage, decode, decode_group
-from rft.transport import RecordSource
+from rft.transport import connect
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
 
@@ -153,7 +153,7 @@ def scrape_parts(port: int, search: int = 64) -> dict[str, dict[str, float]]:
 
 
 def read_topic(bootstrap: str, topic: str, end: dict[str, int] | None = None) -> list:
-    source = RecordSource(KafkaConfig(), bootstrap)
+    source = connect(KafkaConfig(), bootstrap).source()
     try:
         return list(source.read_range(topic, end=end))
     finally:

@@ -19,7 +19,7 @@ import yaml
 
 from rft.config import KafkaConfig
 from rft.schema import encode
-from rft.transport import Admin, RecordSink
+from rft.transport import connect
 from tests.records import make_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.integration]
@@ -38,10 +38,10 @@ def preference_groups(run_name: str) -> tuple[list, list]:
 
 def test_dpo_trains_on_whole_pairs_against_a_frozen_reference(tmp_path, tiny_model, bootstrap, topic_prefix):
     run_name = topic_prefix
-    Admin(KafkaConfig(partitions=1), bootstrap).create_topics(
+    connect(KafkaConfig(partitions=1), bootstrap).admin().create_topics(
         [f"{run_name}.{t}" for t in ("experiences", "control", "dead_letter")])
     pairs, not_pairs = preference_groups(run_name)
-    sink = RecordSink(KafkaConfig(partitions=1), bootstrap)
+    sink = connect(KafkaConfig(partitions=1), bootstrap).sink()
     for g in [pairs[0], *not_pairs, *pairs[1:]]:
         value, headers = encode(g)
         sink.send(f"{run_name}.experiences", value, key=g.group_id, headers=headers)

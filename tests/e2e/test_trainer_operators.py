@@ -11,7 +11,7 @@ import yaml
 
 from rft.config import KafkaConfig
 from rft.schema import encode
-from rft.transport import Admin, RecordSink
+from rft.transport import connect
 from tests.e2e.test_trainer_resume import consumed, start_trainer, wait
 from tests.records import make_group
 
@@ -23,14 +23,15 @@ START, END, PENALTY = 2, 6, 0.5
 def test_trainer_drops_and_shapes_groups(tmp_path, tiny_model, bootstrap, topic_prefix):
     run_name = topic_prefix
     cfg = KafkaConfig(partitions=1)
-    Admin(cfg, bootstrap).create_topics([f"{run_name}.{t}" for t in ("experiences", "control", "dead_letter")])
+    connect(cfg, bootstrap).admin().create_topics(
+        [f"{run_name}.{t}" for t in ("experiences", "control", "dead_letter")])
     lengths = [[1, 3, 5, 8], [2, 4, 6, 7]]
     useful = [make_group(run_name, i, rewards=[0.0, 1.0, 0.5, 1.0],
                          responses=[[5 + i] * n for n in lengths[i % 2]]) for i in range(6)]
     flat = [make_group(run_name, 100 + i, rewards=[1.0] * 4) for i in range(4)]
     # steps of 2 groups: [u0 f0 u1] [f1 f2 u2 u3] [u4 f3 u5]
     order = [useful[0], flat[0], useful[1], flat[1], flat[2], useful[2], useful[3], useful[4], flat[3], useful[5]]
-    sink = RecordSink(cfg, bootstrap)
+    sink = connect(cfg, bootstrap).sink()
     for g in order:
         value, headers = encode(g)
         sink.send(f"{run_name}.experiences", value, key=g.group_id, headers=headers)

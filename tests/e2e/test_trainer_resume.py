@@ -17,7 +17,7 @@ import yaml
 
 from rft.config import KafkaConfig
 from rft.schema import encode
-from rft.transport import Admin, RecordSink
+from rft.transport import connect
 from tests.records import make_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.integration]
@@ -81,9 +81,10 @@ def kill_and_resume(config: Path, log: Path, run_dir: Path, *, kill_after: int) 
 def test_sigkill_and_resume_trains_each_group_once(tmp_path, tiny_model, bootstrap, topic_prefix):
     run_name = topic_prefix
     cfg = KafkaConfig(partitions=1)
-    Admin(cfg, bootstrap).create_topics([f"{run_name}.{t}" for t in ("experiences", "control", "dead_letter")])
+    connect(cfg, bootstrap).admin().create_topics(
+        [f"{run_name}.{t}" for t in ("experiences", "control", "dead_letter")])
     groups = [make_group(run_name, i, n_samples=4) for i in range(STEPS * GROUPS_PER_STEP)]
-    sink = RecordSink(cfg, bootstrap)
+    sink = connect(cfg, bootstrap).sink()
     for i, g in enumerate(groups):
         value, headers = encode(g)
         sink.send(f"{run_name}.experiences", value, key=g.group_id, headers=headers)

@@ -14,7 +14,7 @@ import yaml
 
 from rft.config import Config, load_config
 from rft.schema import ControlMessage, ExperienceGroup, decode
-from rft.transport import Admin, RecordSource
+from rft.transport import connect
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,7 +36,7 @@ def write_config(path: Path, *, run: str, bootstrap: str, model: Path, store: Pa
 
 
 def create_topics(cfg: Config) -> None:
-    admin = Admin(cfg.kafka, cfg.kafka.bootstrap_servers)
+    admin = connect(cfg.kafka, cfg.kafka.bootstrap_servers).admin()
     try:
         admin.create_topics([cfg.topic(k) for k in ("tasks", "experiences", "control", "dead_letter")])
     finally:
@@ -84,7 +84,7 @@ class TopicReader:
     """Everything written to one topic since the start, decoded; `wait_for` polls until a condition holds."""
 
     def __init__(self, cfg: Config, topic: str):
-        self.source = RecordSource(cfg.kafka, cfg.kafka.bootstrap_servers)
+        self.source = connect(cfg.kafka, cfg.kafka.bootstrap_servers).source()
         self.source.assign([topic])
         self.source.seek_to_beginning()
         self.records: list = []

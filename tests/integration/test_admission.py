@@ -10,7 +10,7 @@ import pytest
 from rft.config import config_from_dict
 from rft.coordinator import FleetAdmission
 from rft.schema import ControlMessage, encode
-from rft.transport import Admin, RecordSink
+from rft.transport import connect
 from tests.records import make_group
 
 pytestmark = pytest.mark.integration
@@ -24,9 +24,9 @@ def test_capacity_follows_versions_and_backlog(bootstrap, topic_prefix, tiny_mod
         "trainer": {"groups_per_step": 4},
         "explorer": {"heartbeat_s": 5.0},
     })
-    Admin(cfg.kafka, bootstrap).create_topics([cfg.topic("control")])
-    Admin(cfg.kafka, bootstrap).create_topics([cfg.topic("experiences")], partitions=1)
-    sink = RecordSink(cfg.kafka, bootstrap)
+    connect(cfg.kafka, bootstrap).admin().create_topics([cfg.topic("control")])
+    connect(cfg.kafka, bootstrap).admin().create_topics([cfg.topic("experiences")], partitions=1)
+    sink = connect(cfg.kafka, bootstrap).sink()
     experiences = cfg.topic("experiences")
     for i in range(10):
         sink.send_record(experiences, make_group(topic_prefix, i), key=f"g{i}")

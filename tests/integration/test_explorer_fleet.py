@@ -22,7 +22,7 @@ import torch
 
 from rft.explorer.tasks import publish_tasks
 from rft.schema import TYPE_TASK, ControlMessage, headers_for
-from rft.transport import HEADER_ORIGIN, RecordSink
+from rft.transport import HEADER_ORIGIN, connect
 from rft.weight_store import WeightStore, iter_safetensors
 from tests.integration.explorer_support import (Control, Experiences, create_topics, kill_tree, load, log_tail,
                                                 start_explorer, write_config)
@@ -70,7 +70,7 @@ def test_fleet_kill_late_join_reload_and_dead_letters(broker, tiny_model, tmp_pa
 
         # 4. version 2 announced on the control topic only (it lives outside the configured store)
         v2 = WeightStore(tmp_path / "elsewhere").publish(2, [perturbed(tiny_model, 2)], tiny_model)
-        sink = RecordSink(cfg.kafka, broker.bootstrap_servers)
+        sink = connect(cfg.kafka, broker.bootstrap_servers).sink()
         sink.send_record(cfg.topic("control"), ControlMessage("weights", "test-trainer", {"version": 2, "path": str(v2)}))
         sink.flush()
         control.wait_for(lambda: {m.sender for m in control.messages("explorer_weights") if m.body["version"] == 2}

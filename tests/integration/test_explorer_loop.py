@@ -11,11 +11,12 @@ import torch
 
 from rft.config import config_from_dict
 from rft.explorer.engine import TransformersEngine
-from rft.explorer.main import Explorer, consumer_group
+from rft.explorer.main import Explorer
 from rft.explorer.tasks import load_rows, rows_to_tasks
 from rft.rewards import build_reward
+from rft.run_topics import consumer_group
 from rft.schema import ControlMessage, TaskRecord
-from rft.transport import Admin, RecordSink
+from rft.transport import connect
 from rft.weight_store import WeightStore, iter_safetensors
 from rft.workflows import build_workflow
 from tests.integration.explorer_support import Control, Experiences
@@ -53,13 +54,13 @@ def test_explorer_batches(broker, tiny_model, tmp_path, topic_prefix):
         "data": {"path": "copy_char", "format": "generated", "generated_tasks": 5},
         "sync": {"weight_store": str(tmp_path / "store")},
     })
-    Admin(cfg.kafka, broker.bootstrap_servers).create_topics(
+    connect(cfg.kafka, broker.bootstrap_servers).admin().create_topics(
         [cfg.topic(k) for k in ("tasks", "experiences", "control", "dead_letter")])
     toy = rows_to_tasks(load_rows(cfg.data), cfg)
     foreign = TaskRecord(run_id="another-run", task_id="x", epoch=0, prompt=":1", answer="1")
     oversized = TaskRecord(run_id=topic_prefix, task_id="big", epoch=0, prompt="7" * 250, answer="7")
     published = toy[:3] + [foreign, toy[0], oversized] + toy[3:]  # toy[0] twice: a re-delivery
-    sink = RecordSink(cfg.kafka, broker.bootstrap_servers)
+    sink = connect(cfg.kafka, broker.bootstrap_servers).sink()
     for t in published:
         sink.send_record(cfg.topic("tasks"), t, key=t.task_id)
     sink.flush()

@@ -7,14 +7,14 @@ import pytest
 from rft.config import KafkaConfig
 from rft.schema import encode
 from rft.trainer.feed import FeedState, FeedTimeout, open_feed
-from rft.transport import Admin, RecordSink
+from rft.transport import connect
 from tests.records import make_group
 
 pytestmark = pytest.mark.integration
 
 
 def fill_topic(bootstrap, cfg, topic, items):
-    sink = RecordSink(cfg, bootstrap)
+    sink = connect(cfg, bootstrap).sink()
     for item in items:
         if isinstance(item, bytes):
             sink.send(topic, item, headers=[("rft-schema", b"1"), ("rft-type", b"experience_group")])
@@ -26,7 +26,8 @@ def fill_topic(bootstrap, cfg, topic, items):
 
 
 def consume_steps(bootstrap, cfg, topic, dlq, steps, state=None, per_step=3):
-    feed, sink, source = open_feed(cfg, bootstrap, topic=topic, dead_letter_topic=dlq, run_id="run", state=state)
+    feed, sink, source = open_feed(connect(cfg, bootstrap), topic=topic, dead_letter_topic=dlq, run_id="run",
+                                   state=state)
     trained, skipped = [], {}
     try:
         for step in steps:
@@ -44,7 +45,7 @@ def consume_steps(bootstrap, cfg, topic, dlq, steps, state=None, per_step=3):
 def test_feed_exactly_once_across_restart(bootstrap, topic_prefix):
     cfg = KafkaConfig(partitions=1)
     topic, dlq = f"{topic_prefix}.experiences", f"{topic_prefix}.dead_letter"
-    Admin(cfg, bootstrap).create_topics([topic, dlq])
+    connect(cfg, bootstrap).admin().create_topics([topic, dlq])
     groups = [make_group("run", i) for i in range(12)]
     items = groups[:4] + [b"\x93garbage", groups[1]] + groups[4:9] + [make_group("other-run", 99)] + groups[9:]
     fill_topic(bootstrap, cfg, topic, items)
@@ -62,8 +63,7 @@ def test_feed_exactly_once_across_restart(bootstrap, topic_prefix):
         consume_steps(bootstrap, cfg, topic, dlq, steps=[5], state=FeedState.from_json(_final_state(
             bootstrap, cfg, topic, dlq).to_json()))
 
-    from rft.transport import RecordSource
-    source = RecordSource(cfg, bootstrap)
+    source = connect(cfg, bootstrap).source()
     dead = list(source.read_range(dlq))
     source.close()
     reasons = sorted(dict(m.headers)["rft-error"].decode() for m in dead)

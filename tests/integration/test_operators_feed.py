@@ -13,7 +13,7 @@ from rft.config import KafkaConfig
 from rft.operators import OperatorContext, build_operator_chain
 from rft.schema import decode_group
 from rft.trainer.feed import FeedState, open_feed
-from rft.transport import Admin
+from rft.transport import connect
 from tests.integration.test_feed import fill_topic
 from tests.records import make_group
 
@@ -54,8 +54,8 @@ def expected_reward(sample, text: str) -> float:
 
 def consume(bootstrap, cfg, topic, dlq, context, steps, state=None):
     chain = build_operator_chain(SPECS, context)
-    feed, sink, source = open_feed(cfg, bootstrap, topic=topic, dead_letter_topic=dlq, run_id="run", state=state,
-                                   operators=chain)
+    feed, sink, source = open_feed(connect(cfg, bootstrap), topic=topic, dead_letter_topic=dlq, run_id="run",
+                                   state=state, operators=chain)
     out = []
     try:
         for _ in range(steps):
@@ -74,7 +74,7 @@ def test_operator_chain_in_the_feed_survives_a_restart(bootstrap, topic_prefix, 
     context = OperatorContext(str(tiny_model))
     cfg = KafkaConfig(partitions=1)
     topic, dlq = f"{topic_prefix}.experiences", f"{topic_prefix}.dead_letter"
-    Admin(cfg, bootstrap).create_topics([topic, dlq])
+    connect(cfg, bootstrap).admin().create_topics([topic, dlq])
     groups, reasons = scenario(lambda t: tokenizer.encode(t, add_special_tokens=False))
     fill_topic(bootstrap, cfg, topic, groups)
 

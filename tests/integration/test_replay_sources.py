@@ -13,7 +13,7 @@ from rft.demonstrations import publish_demonstrations
 from rft.explorer.tasks import DatasetError
 from rft.schema import decode_group
 from rft.trainer.replay_buffer import Candidate, ExperienceReplay, RecordReader, ReplayBuffer, resolve_priority
-from rft.transport import Admin, RecordSink, RecordSource
+from rft.transport import connect
 from tests.records import make_group
 
 pytestmark = pytest.mark.integration
@@ -21,9 +21,9 @@ pytestmark = pytest.mark.integration
 
 def topic_with_groups(bootstrap: str, topic: str, n: int):
     cfg = KafkaConfig(partitions=1)
-    Admin(cfg, bootstrap).create_topics([topic], partitions=1)
+    connect(cfg, bootstrap).admin().create_topics([topic], partitions=1)
     groups = [make_group("recorded", i) for i in range(n)]
-    sink = RecordSink(cfg, bootstrap)
+    sink = connect(cfg, bootstrap).sink()
     for g in groups:
         sink.send_record(topic, g, key=g.group_id)
     sink.flush()
@@ -34,7 +34,7 @@ def topic_with_groups(bootstrap: str, topic: str, n: int):
 def test_fetch_rereads_records_by_offset(bootstrap, topic_prefix):
     topic = f"{topic_prefix}.experiences"
     cfg, groups = topic_with_groups(bootstrap, topic, 6)
-    source = RecordSource(cfg, bootstrap)
+    source = connect(cfg, bootstrap).source()
     try:
         for offset in (4, 1, 5, 1):
             message = source.fetch(f"{topic}:0", offset)
@@ -50,7 +50,7 @@ def test_replay_forgets_a_group_no_longer_at_its_offset(bootstrap, topic_prefix)
     buffer.add([Candidate(f"{topic}:0", 1, groups[1].group_id, 1.0, 1),
                 Candidate(f"{topic}:0", 2, "another-run/task-9/e0", 1.0, 1),  # as after the topic was recreated
                 Candidate(f"{topic}:0", 3, groups[3].group_id, 1.0, 1)])
-    reader = RecordReader(lambda: RecordSource(cfg, bootstrap))
+    reader = RecordReader(lambda: connect(cfg, bootstrap).source())
     replay = ExperienceReplay(buffer, groups_per_step=3, score=resolve_priority("uniform"), reader=reader)
     try:
         replayed = replay.replay(step=2)
@@ -81,7 +81,7 @@ def test_demonstrations_from_a_jsonl_dataset(tmp_path, tiny_model, bootstrap, to
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     vocab = tokenizer.get_vocab()  # char-level: one token per character
-    source = RecordSource(cfg.kafka, bootstrap)
+    source = connect(cfg.kafka, bootstrap).source()
     try:
         groups = [decode_group(m.value) for m in source.read_range(cfg.topic("experiences"))]
     finally:

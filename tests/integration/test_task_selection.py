@@ -21,12 +21,12 @@ import pytest
 import yaml
 
 from rft.config import config_from_dict
-from rft.explorer.main import consumer_group
 from rft.explorer.publisher import OnlinePublisher
 from rft.explorer.selectors import RewardStats
 from rft.explorer.tasks import build_picker, publish_tasks
+from rft.run_topics import consumer_group
 from rft.schema import ExperienceGroup, Sample, TaskRecord, decode, encode, group_id_for
-from rft.transport import RecordSink, RecordSource
+from rft.transport import connect
 
 pytestmark = pytest.mark.integration
 
@@ -47,7 +47,7 @@ def make_cfg(bootstrap: str, prefix: str, data: dict):
 
 
 def read_topic(cfg, topic: str) -> list:
-    source = RecordSource(cfg.kafka, cfg.kafka.bootstrap_servers)
+    source = connect(cfg.kafka, cfg.kafka.bootstrap_servers).source()
     try:
         return [decode(m.value, m.headers) for m in source.read_range(topic)]
     finally:
@@ -56,7 +56,7 @@ def read_topic(cfg, topic: str) -> list:
 
 def record_rewards(cfg, rewards_by_task: dict[tuple[str, int], list[float]]) -> None:
     """One experience group per (task id, epoch) with the given sample rewards, as an explorer would write it."""
-    sink = RecordSink(cfg.kafka, cfg.kafka.bootstrap_servers)
+    sink = connect(cfg.kafka, cfg.kafka.bootstrap_servers).sink()
     for (task_id, epoch), rewards in rewards_by_task.items():
         samples = [Sample(sample_index=j, prompt_tokens=np.array([1, 2]), response_tokens=np.array([3]),
                           logprobs=np.array([-0.5]), loss_mask=np.array([1]), reward=r) for j, r in enumerate(rewards)]
@@ -166,7 +166,7 @@ def test_rft_publish_online_keeps_a_bounded_lead_and_stops_on_sigterm(bootstrap,
         wait_for_tasks(cfg, 3, publisher)
         time.sleep(2.0)
         assert count_tasks(cfg) == 3  # the lead is full: nothing more until the explorers commit
-        explorer = RecordSource(cfg.kafka, bootstrap, group=consumer_group(cfg), topics=[cfg.topic("tasks")])
+        explorer = connect(cfg.kafka, bootstrap).source(group=consumer_group(cfg), topics=[cfg.topic("tasks")])
         taken = []
         deadline = time.monotonic() + 60
         while len(taken) < 2 and time.monotonic() < deadline:
@@ -188,7 +188,7 @@ def test_rft_publish_online_keeps_a_bounded_lead_and_stops_on_sigterm(bootstrap,
 
 
 def count_tasks(cfg) -> int:
-    source = RecordSource(cfg.kafka, cfg.kafka.bootstrap_servers)
+    source = connect(cfg.kafka, cfg.kafka.bootstrap_servers).source()
     try:
         return sum(source.end_offsets(cfg.topic("tasks")).values())
     finally:

@@ -19,8 +19,8 @@ import pytest
 
 from rft.config import KafkaConfig
 from rft.schema import HEADER_ERROR, ExperienceGroup, decode_group, encode
-from rft.topics import main as topics
-from rft.transport import HEADER_ORIGIN, Admin, DeadLetter, RecordSink, RecordSource, RecordTooLarge, offset_key
+from rft.topics.cli import main as topics
+from rft.transport import HEADER_ORIGIN, DeadLetter, RecordTooLarge, connect, offset_key
 from tests.records import make_group
 
 pytestmark = pytest.mark.integration
@@ -28,14 +28,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def new_topic(cfg: KafkaConfig, bootstrap: str, name: str, partitions: int | None = None) -> str:
-    admin = Admin(cfg, bootstrap)
+    admin = connect(cfg, bootstrap).admin()
     admin.create_topics([name], partitions=partitions)
     admin.close()
     return name
 
 
 def produce_groups(cfg: KafkaConfig, bootstrap: str, topic: str, groups: list[ExperienceGroup], **send) -> None:
-    sink = RecordSink(cfg, bootstrap)
+    sink = connect(cfg, bootstrap).sink()
     for g in groups:
         value, headers = encode(g)
         sink.send(topic, value, key=g.group_id, headers=headers, **send)
@@ -44,7 +44,7 @@ def produce_groups(cfg: KafkaConfig, bootstrap: str, topic: str, groups: list[Ex
 
 
 def read_all(cfg: KafkaConfig, bootstrap: str, topic: str, **bounds) -> list:
-    source = RecordSource(cfg, bootstrap)
+    source = connect(cfg, bootstrap).source()
     try:
         return list(source.read_range(topic, **bounds))
     finally:
@@ -59,7 +59,7 @@ def test_produce_consume_round_trip(bootstrap, kafka_cfg, topic_prefix):
     got = {m.key.decode(): decode_group(m.value, m.headers) for m in messages}
     assert len(messages) == 20 and got == {g.group_id: g for g in groups}
     assert {m.partition for m in messages} == {0, 1}  # keys spread over both partitions
-    source = RecordSource(kafka_cfg, bootstrap)
+    source = connect(kafka_cfg, bootstrap).source()
     assert source.end_offsets(topic) == {offset_key(topic, p): sum(m.partition == p for m in messages) for p in (0, 1)}
     source.close()
 
@@ -69,7 +69,7 @@ class GroupMember(threading.Thread):
 
     def __init__(self, cfg, bootstrap, topic, group, name):
         super().__init__(daemon=True, name=name)
-        self.source = RecordSource(cfg, bootstrap, group=group, topics=[topic], client_id=name)
+        self.source = connect(cfg, bootstrap).source(group=group, topics=[topic], client_id=name)
         self.seen: list[tuple[int, int, str]] = []  # (partition, offset, group id)
         self.assignment: set[int] = set()
         self.stop = threading.Event()
@@ -126,10 +126,10 @@ def test_rebalance_when_a_second_consumer_joins(bootstrap, kafka_cfg, topic_pref
     assert {p for p, _, _ in b.seen} <= b.assignment and b.seen  # b got records of its own partitions
     assert {p for p, _, _ in a.seen[10:]} <= a.assignment and a.seen[10:]
 
-    admin = Admin(kafka_cfg, bootstrap)
+    admin = connect(kafka_cfg, bootstrap).admin()
     committed = admin.group_offsets(f"{topic_prefix}-group")
     admin.close()
-    source = RecordSource(kafka_cfg, bootstrap)
+    source = connect(kafka_cfg, bootstrap).source()
     assert committed == source.end_offsets(topic)
     source.close()
 
@@ -140,7 +140,7 @@ def test_commits_survive_a_consumer_restart(bootstrap, kafka_cfg, topic_prefix):
     produce_groups(kafka_cfg, bootstrap, topic, groups)
     group = f"{topic_prefix}-trainer"
 
-    before = RecordSource(kafka_cfg, bootstrap, group=group, topics=[topic])
+    before = connect(kafka_cfg, bootstrap).source(group=group, topics=[topic])
     first: list = []
     deadline = time.monotonic() + 30
     while len(first) < 5 and time.monotonic() < deadline:
@@ -150,7 +150,7 @@ def test_commits_survive_a_consumer_restart(bootstrap, kafka_cfg, topic_prefix):
     before.close()
     assert len(first) == 5
 
-    after = RecordSource(kafka_cfg, bootstrap, group=group, topics=[topic])
+    after = connect(kafka_cfg, bootstrap).source(group=group, topics=[topic])
     rest: list = []
     deadline = time.monotonic() + 30
     while len(rest) < 7 and time.monotonic() < deadline:
@@ -165,7 +165,7 @@ def test_commits_survive_a_consumer_restart(bootstrap, kafka_cfg, topic_prefix):
 def test_replay_by_offset_range_and_time_range(bootstrap, kafka_cfg, topic_prefix):
     topic = new_topic(kafka_cfg, bootstrap, f"{topic_prefix}.experiences")
     t0 = 1_700_000_000_000
-    sink = RecordSink(kafka_cfg, bootstrap)
+    sink = connect(kafka_cfg, bootstrap).sink()
     for i in range(20):  # partition i % 2, offset i // 2, time t0 + i seconds
         value, headers = encode(make_group("run", i))
         sink.send(topic, value, key=f"g{i}", headers=headers, partition=i % 2, timestamp_ms=t0 + 1000 * i)
@@ -200,14 +200,14 @@ def test_dead_letter_routing(bootstrap, kafka_cfg, topic_prefix):
         "truncated": (msgpack.packb(truncated), headers, "samples[0]: response_tokens: 22 bytes is not a whole number"),
         "nan": (encode(nan_group)[0], headers, "samples[2]: reward is NaN or infinite"),
     }
-    sink = RecordSink(kafka_cfg, bootstrap)
+    sink = connect(kafka_cfg, bootstrap).sink()
     sink.send_record(topic, good_before, key=good_before.group_id)
     for name, (v, h, _) in bad.items():
         sink.send(topic, v, key=name, headers=h)
     sink.send_record(topic, good_after, key=good_after.group_id)
     sink.flush()
 
-    source = RecordSource(kafka_cfg, bootstrap)  # as the trainer reads: no group, from stored offsets
+    source = connect(kafka_cfg, bootstrap).source()  # as the trainer reads: no group, from stored offsets
     source.seek({f"{topic}:0": 0})
     dead = DeadLetter(sink, dlq)
     decoded: list = []
@@ -236,7 +236,7 @@ def test_oversized_record_is_refused_before_sending(bootstrap, topic_prefix):
     big = make_group("run", 1, n_samples=8, response_len=1000)  # 8 x 1000 x 9 bytes of arrays
     value, headers = encode(big)
     size = len(value) + len(big.group_id) + sum(len(k) + len(v) for k, v in headers)
-    sink = RecordSink(cfg, bootstrap)
+    sink = connect(cfg, bootstrap).sink()
     with pytest.raises(RecordTooLarge, match=rf"is {size} bytes, over the limit of 50000 bytes"):
         sink.send_record(topic, big, key=big.group_id)
     sink.send_record(topic, make_group("run", 2), key="small")  # the sink still works
@@ -253,7 +253,7 @@ def test_oversized_record_is_refused_before_sending(bootstrap, topic_prefix):
 def mixed_topic(bootstrap, kafka_cfg, topic_prefix) -> str:
     """Two partitions: experience groups, a task-less foreign record, a null key, a tombstone, odd headers."""
     topic = new_topic(kafka_cfg, bootstrap, f"{topic_prefix}.experiences")
-    sink = RecordSink(kafka_cfg, bootstrap)
+    sink = connect(kafka_cfg, bootstrap).sink()
     t0 = 1_700_000_000_000
     for i in range(12):
         value, headers = encode(make_group("run", i, policy_version=i))
@@ -362,7 +362,7 @@ def test_topics_errors_are_clear(bootstrap, mixed_topic, tmp_path, capsys):
         broken.write_text("\n".join(lines[:lineno - 1] + [bad_line] + lines[lineno:]) + "\n")
         code, _, err = run_topics(capsys, "import", broken, f"{mixed_topic}-broken", "--bootstrap", bootstrap)
         assert code == 1 and f"{broken}:{lineno}: {expected}" in err, err
-    admin = Admin(KafkaConfig(), bootstrap)
+    admin = connect(KafkaConfig(), bootstrap).admin()
     assert f"{mixed_topic}-broken" not in admin.list_topics()  # nothing was created or sent
     admin.close()
 
@@ -377,7 +377,7 @@ def test_topics_errors_are_clear(bootstrap, mixed_topic, tmp_path, capsys):
 
 
 def test_describe_shows_offsets_and_group_lag(bootstrap, kafka_cfg, mixed_topic, capsys):
-    group = RecordSource(kafka_cfg, bootstrap, group=f"{mixed_topic}-lagging")
+    group = connect(kafka_cfg, bootstrap).source(group=f"{mixed_topic}-lagging")
     group.commit({f"{mixed_topic}:0": 2, f"{mixed_topic}:1": 7})
     group.close()
     code, out, _ = run_topics(capsys, "describe", mixed_topic, "--json", "--bootstrap", bootstrap)

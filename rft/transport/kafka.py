@@ -1,38 +1,25 @@
-"""Kafka behind one small interface; the only module of rft that imports kafka.
+"""The Kafka implementations of rft.transport's protocols; the only module of rft that imports kafka-python.
 
-- `RecordSink` (producer): acks=all, idempotent where the broker allows; a record over
-  `kafka.max_record_bytes` is refused here, before it is sent, with its size and the limit (brokers
-  differ in whether they enforce it). `send()` is asynchronous; a record is durable once `flush()` or
-  the returned future's `get()` returns. Thread-safe (kafka-python's producer is).
-- `RecordSource` (consumer): raw bytes only (never a kafka-python deserializer), manual commits,
-  `seek()` to externally stored offsets, replay by offset or time range. Delivery is at-least-once
-  unless the caller stores offsets with its own state and seeks to them (what the trainer does for
-  exactly-once). Not thread-safe: use it from one thread.
-- `DeadLetter`: decodes records and routes any that fail to the dead-letter topic with the reason in
-  the `rft-error` header and the origin in `rft-origin`; consumption goes on.
-- `Admin`: topic creation, description (offsets, consumer-group lag).
-
-Offsets everywhere are "next offset to read", keyed by `"topic:partition"` strings so that they can
-be stored in JSON checkpoints.
+`KafkaTransport(kafka_cfg, bootstrap)` builds `KafkaSink`, `KafkaSource` and `KafkaAdmin`; their delivery
+semantics are the protocols' (rft/transport/__init__.py). kafka-python objects (TopicPartition, futures,
+record metadata) stay inside this module: positions leave as "topic:partition" strings, futures as
+`KafkaSendFuture`. It also carries the workarounds for kafka-python 3.0.x and Tansu described where they are.
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, KafkaTimeoutError, OffsetOutOfRangeError, TopicAlreadyExistsError
+from kafka.structs import OffsetAndMetadata
 
 from rft.config import KafkaConfig
-from rft.schema import HEADER_ERROR, RecordError, encode
+from rft.transport import (Message, PartitionInfo, Position, RecordMetadata, SinkBase, SourceBase, TransportError,
+                           offset_key, parse_offset_key)
 
-log = logging.getLogger(__name__)
-
-HEADER_ORIGIN = "rft-origin"
 _OVERHEAD_BYTES = 64 * 1024  # room for the batch and header framing around one maximal record
 
 
@@ -50,7 +37,7 @@ def _nudge_stuck_waits() -> None:
     timeout while the IO thread sits idle in select(), so `poll(timeout_ms=500)` never returns. Seen here: the
     trainer's feed hung in poll, an explorer in end_offsets. This is kafka-python's own run() with two changes:
     the caller waits in one-second slices and wakes the IO loop between them, and gives up after
-    `_STUCK_CALL_S` (a timed wait: after its own timeout) with StuckClientError. RecordSource turns that into
+    `_STUCK_CALL_S` (a timed wait: after its own timeout) with StuckClientError. KafkaSource turns that into
     TransportError; callers that hold their own positions (the trainer's feed, admission) reconnect."""
     from kafka.net import selector
 
@@ -100,42 +87,13 @@ def _nudge_stuck_waits() -> None:
 _nudge_stuck_waits()
 
 
-class TransportError(RuntimeError):
-    pass
+def _tp(key: str) -> TopicPartition:
+    position = parse_offset_key(key)
+    return TopicPartition(position.topic, position.partition)
 
 
-class RecordTooLarge(TransportError):
-    pass
-
-
-@dataclass(frozen=True)
-class Message:
-    topic: str
-    partition: int
-    offset: int
-    key: Optional[bytes]
-    value: bytes
-    headers: list[tuple[str, bytes]]
-    timestamp_ms: int
-
-    @property
-    def position(self) -> str:
-        return offset_key(self.topic, self.partition)
-
-
-def lag(end: dict[str, int], consumed: dict[str, int], partitions: Iterable[str] | None = None) -> int:
-    """Records between `consumed` and `end` ("topic:partition" -> offset), over `partitions` (default: all of end)."""
-    keys = end if partitions is None else [k for k in partitions if k in end]
-    return sum(max(0, end[k] - consumed.get(k, 0)) for k in keys)
-
-
-def offset_key(topic: str, partition: int) -> str:
-    return f"{topic}:{partition}"
-
-
-def parse_offset_key(key: str) -> TopicPartition:
-    topic, _, partition = key.rpartition(":")
-    return TopicPartition(topic, int(partition))
+def _key(tp: TopicPartition) -> Position:
+    return offset_key(tp.topic, tp.partition)
 
 
 def _client_settings(cfg: KafkaConfig, bootstrap: str) -> dict[str, Any]:
@@ -157,8 +115,26 @@ _PROBE_KEYS = ("bootstrap_servers", "client_id", "request_timeout_ms", "security
                "max_partition_fetch_bytes", "fetch_max_bytes")
 
 
-class RecordSink:
-    """Produces records to Kafka. See the module docstring for delivery semantics."""
+class KafkaSendFuture:
+    """A kafka-python send future behind rft's `SendFuture`: metadata as `RecordMetadata`, errors as
+    TransportError."""
+
+    def __init__(self, future: Any):
+        self._future = future
+
+    def get(self, timeout: float | None = None) -> RecordMetadata:
+        try:
+            meta = self._future.get(timeout=timeout)
+        except KafkaError as e:
+            raise TransportError(f"send to the broker failed: {e!r}") from e
+        return RecordMetadata(meta.topic, meta.partition, meta.offset, meta.timestamp)
+
+    def add_errback(self, callback: Callable[[BaseException], Any]) -> None:
+        self._future.add_errback(callback)
+
+
+class KafkaSink(SinkBase):
+    """rft.transport.RecordSink on a kafka-python producer (acks=all, idempotent; thread-safe as it is)."""
 
     def __init__(self, cfg: KafkaConfig, bootstrap: str, *, client_id: str = "rft", linger_ms: int = 5):
         self.limit = cfg.max_record_bytes
@@ -169,20 +145,11 @@ class RecordSink:
 
     def send(self, topic: str, value: bytes, *, key: bytes | str | None = None,
              headers: list[tuple[str, bytes]] | None = None, partition: int | None = None,
-             timestamp_ms: int | None = None, check_size: bool = True):
-        """Queue one record; returns a future whose `get(timeout)` gives its metadata (offset).
-        `check_size=False` is for records that already exist (dead letters, imports): never lose them."""
-        key_bytes = key.encode() if isinstance(key, str) else key
-        size = len(value or b"") + len(key_bytes or b"") + sum(len(k) + len(v or b"") for k, v in headers or [])
-        if check_size and size > self.limit:
-            raise RecordTooLarge(f"record for topic {topic!r} is {size} bytes, over the limit of {self.limit} "
-                                 "bytes (kafka.max_record_bytes); it was not sent")
-        return self._producer.send(topic, value=value, key=key_bytes, headers=headers or [],
-                                   partition=partition, timestamp_ms=timestamp_ms)
-
-    def send_record(self, topic: str, record: Any, *, key: str | None = None):
-        value, headers = encode(record)
-        return self.send(topic, value, key=key, headers=headers)
+             timestamp_ms: int | None = None, check_size: bool = True) -> KafkaSendFuture:
+        """Queue one record (see RecordSink)."""
+        key_bytes = self._checked_key(topic, value, key, headers, check_size)
+        return KafkaSendFuture(self._producer.send(topic, value=value, key=key_bytes, headers=headers or [],
+                                                   partition=partition, timestamp_ms=timestamp_ms))
 
     def flush(self, timeout_s: float | None = None) -> None:
         self._producer.flush(timeout=timeout_s)
@@ -200,9 +167,10 @@ def _reset_policy(group: str | None, from_beginning: bool) -> str:
     return "earliest" if from_beginning else "latest"
 
 
-class RecordSource:
-    """Consumes raw records. `group` joins a consumer group (subscribe); without one, partitions are
-    assigned explicitly with `assign()` / `seek()` (replay, trainer with stored offsets)."""
+class KafkaSource(SourceBase):
+    """rft.transport.RecordSource on a kafka-python consumer. `group` joins a consumer group (subscribe);
+    without one, partitions are assigned explicitly with `assign()` / `seek()` (replay, trainer with stored
+    offsets)."""
 
     def __init__(self, cfg: KafkaConfig, bootstrap: str, *, group: str | None = None,
                  topics: Iterable[str] = (), client_id: str = "rft", from_beginning: bool = True,
@@ -251,32 +219,31 @@ class RecordSource:
         for tp in self._consumer.assignment():
             self._consumer.position(tp)
 
-    def __iter__(self) -> Iterator[Message]:
-        while True:
-            yield from self.poll()
-
     # -- positions
-    def partitions(self, topic: str) -> list[TopicPartition]:
+    def _partitions(self, topic: str) -> list[TopicPartition]:
         parts = self._consumer.partitions_for_topic(topic)
         if not parts:
             raise TransportError(f"topic {topic!r} does not exist (or has no partitions)")
         return [TopicPartition(topic, p) for p in sorted(parts)]
 
-    def assign(self, topics: Iterable[str]) -> list[TopicPartition]:
-        tps = [tp for t in topics for tp in self.partitions(t)]
-        self._consumer.assign(tps)
-        return tps
+    def partitions(self, topic: str) -> list[str]:
+        return [_key(tp) for tp in self._partitions(topic)]
 
-    def assignment(self) -> set[TopicPartition]:
-        return set(self._consumer.assignment())
+    def assign(self, topics: Iterable[str]) -> list[str]:
+        tps = [tp for t in topics for tp in self._partitions(t)]
+        self._consumer.assign(tps)
+        return [_key(tp) for tp in tps]
+
+    def assignment(self) -> set[str]:
+        return {_key(tp) for tp in self._consumer.assignment()}
 
     def seek(self, offsets: dict[str, int]) -> None:
         """Position at stored offsets ("topic:partition" -> next offset); assigns them if unassigned."""
-        tps = {parse_offset_key(k): v for k, v in offsets.items()}
+        tps = {_tp(k): v for k, v in offsets.items()}
         if self.group is None:
-            missing = set(tps) - self.assignment()
-            if missing:
-                self._consumer.assign(list(self.assignment() | set(tps)))
+            assigned = set(self._consumer.assignment())
+            if set(tps) - assigned:
+                self._consumer.assign(list(assigned | set(tps)))
         for tp, offset in tps.items():
             self._consumer.seek(tp, offset)
 
@@ -284,18 +251,17 @@ class RecordSource:
         self._consumer.seek_to_beginning()
 
     def positions(self) -> dict[str, int]:
-        return {offset_key(tp.topic, tp.partition): self._consumer.position(tp) for tp in self.assignment()}
+        return {_key(tp): self._consumer.position(tp) for tp in self._consumer.assignment()}
 
     def commit(self, offsets: dict[str, int] | None = None) -> None:
         """Commit to the group: the given offsets, or the current positions."""
-        from kafka.structs import OffsetAndMetadata
         if offsets is None:
             self._consumer.commit()
         else:
-            self._consumer.commit({parse_offset_key(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()})
+            self._consumer.commit({_tp(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()})
 
     def committed(self, topic: str) -> dict[str, int | None]:
-        return {offset_key(tp.topic, tp.partition): self._consumer.committed(tp) for tp in self.partitions(topic)}
+        return {_key(tp): self._consumer.committed(tp) for tp in self._partitions(topic)}
 
     def end_offsets(self, topic: str) -> dict[str, int]:
         """One past the last record of each partition.
@@ -303,7 +269,7 @@ class RecordSource:
         The broker's answer is verified by reading the last batch: Tansu reports the base offset of
         the last batch + 1 instead of the high watermark, so a batch of 10 records reads as end 1.
         On Apache Kafka the probe only confirms what the broker said."""
-        tps = self.partitions(topic)
+        tps = self._partitions(topic)
         try:
             reported = self._consumer.end_offsets(tps)
             starts = self._consumer.beginning_offsets(tps)
@@ -313,7 +279,7 @@ class RecordSource:
         true_ends = {tp: max(o, starts[tp]) for tp, o in reported.items()}
         if probe_at:
             true_ends.update(self._probe_last_offsets(probe_at))
-        return {offset_key(tp.topic, tp.partition): o for tp, o in true_ends.items()}
+        return {_key(tp): o for tp, o in true_ends.items()}
 
     def _probe_last_offsets(self, probe_at: dict[TopicPartition, int], timeout_s: float = 10.0) -> dict[TopicPartition, int]:
         if self._probe is None:  # kept for the life of the source: end offsets are asked for often
@@ -336,8 +302,8 @@ class RecordSource:
             probe.assign([])
 
     def beginning_offsets(self, topic: str) -> dict[str, int]:
-        starts = self._consumer.beginning_offsets(self.partitions(topic))
-        return {offset_key(tp.topic, tp.partition): o for tp, o in starts.items()}
+        starts = self._consumer.beginning_offsets(self._partitions(topic))
+        return {_key(tp): o for tp, o in starts.items()}
 
     def offsets_for_time(self, topic: str, timestamp_ms: int) -> dict[str, int]:
         """First offset at or after `timestamp_ms` per partition (the end offset when none is), as the
@@ -346,42 +312,17 @@ class RecordSource:
         Brokers differ: for a time past the last record Kafka answers None (-> the end offset here);
         Tansu 0.6 answers offset 0 stamped with its own append time whatever the records' timestamps.
         `read_range` therefore also filters every record by its own timestamp."""
-        tps = self.partitions(topic)
+        tps = self._partitions(topic)
         found = self._consumer.offsets_for_times({tp: timestamp_ms for tp in tps})
         ends = self.end_offsets(topic)
         out = {}
         for tp in tps:
-            key, hit = offset_key(tp.topic, tp.partition), found.get(tp)
+            key, hit = _key(tp), found.get(tp)
             offset = ends[key] if hit is None else hit.offset
             if hit is not None and hit.timestamp is not None and hit.timestamp < timestamp_ms:
                 offset = ends[key]
             out[key] = offset
         return out
-
-    def read_range(self, topic: str, *, start: dict[str, int] | None = None, end: dict[str, int] | None = None,
-                   from_time_ms: int | None = None, to_time_ms: int | None = None,
-                   idle_timeout_s: float = 10.0) -> Iterator[Message]:
-        """Replay `[start, end)` offsets (default: whole topic as of now), optionally bounded by record
-        time `[from_time_ms, to_time_ms)` (each record's own timestamp). Needs a source without a group.
-        Each partition's records come in offset order; partitions interleave."""
-        begin, stop = self.replay_bounds(topic, start=start, end=end, from_time_ms=from_time_ms)
-        yield from self.read_offsets(begin, stop, from_time_ms=from_time_ms, to_time_ms=to_time_ms,
-                                     idle_timeout_s=idle_timeout_s)
-
-    def replay_bounds(self, topic: str, *, start: dict[str, int] | None = None, end: dict[str, int] | None = None,
-                      from_time_ms: int | None = None) -> tuple[dict[str, int], dict[str, int]]:
-        """`(begin, stop)` offsets per partition of `topic` for a replay: the topic's current extent,
-        narrowed by `start`/`end` ("topic:partition" -> offset) and by the first record at or after
-        `from_time_ms`. A partition with nothing to read has `begin >= stop`."""
-        begin = dict(self.beginning_offsets(topic))
-        if from_time_ms is not None:
-            begin.update(self.offsets_for_time(topic, from_time_ms))
-        if start:
-            begin.update({k: max(v, begin.get(k, 0)) for k, v in start.items()})
-        stop = dict(self.end_offsets(topic))
-        if end:
-            stop.update({k: min(v, stop.get(k, v)) for k, v in end.items()})
-        return begin, stop
 
     def read_offsets(self, begin: dict[str, int], stop: dict[str, int], *, from_time_ms: int | None = None,
                      to_time_ms: int | None = None, idle_timeout_s: float = 10.0) -> Iterator[Message]:
@@ -392,7 +333,7 @@ class RecordSource:
         if self.group is not None:
             raise TransportError("read_range / read_offsets need a source without a consumer group")
         pending = {k for k in begin if begin[k] < stop.get(k, 0)}
-        self._consumer.assign([parse_offset_key(k) for k in sorted(pending)])
+        self._consumer.assign([_tp(k) for k in sorted(pending)])
         self.seek({k: begin[k] for k in pending})
         last_progress = time.monotonic()
         while pending:
@@ -411,7 +352,7 @@ class RecordSource:
                 if m.offset + 1 >= stop[m.position]:
                     pending.discard(m.position)
             for key in list(pending):
-                if self._consumer.position(parse_offset_key(key)) >= stop[key]:
+                if self._consumer.position(_tp(key)) >= stop[key]:
                     pending.discard(key)
 
     def fetch(self, position: str, offset: int, *, idle_timeout_s: float = 10.0) -> Optional[Message]:
@@ -419,7 +360,7 @@ class RecordSource:
         partition no longer holds it (deleted by retention or compaction). Needs a source without a group;
         leaves it assigned to that partition. TransportError if the broker returns nothing for `idle_timeout_s`
         (a wedged client, or an offset past the partition's end)."""
-        tp = parse_offset_key(position)
+        tp = _tp(position)
         try:
             if offset < self._consumer.beginning_offsets([tp])[tp]:
                 return None
@@ -435,49 +376,14 @@ class RecordSource:
         self._consumer.close(autocommit=False)
 
 
-class DeadLetter:
-    """Decode-or-divert: `decode(messages)` returns the decoded records and sends every record that
-    fails to decode, byte-for-byte, to the dead-letter topic with the reason. Counts by reason."""
-
-    def __init__(self, sink: RecordSink, topic: str):
-        self.sink, self.topic = sink, topic
-        self.count = 0
-        self.reasons: dict[str, int] = {}
-
-    def decode(self, messages: Iterable[Message], decoder: Callable[[bytes, list], Any]) -> list[tuple[Message, Any]]:
-        out = []
-        for m in messages:
-            try:
-                out.append((m, decoder(m.value, m.headers)))
-            except RecordError as e:
-                self.divert(m, str(e))
-        return out
-
-    def divert(self, m: Message, reason: str) -> None:
-        log.warning("dead-letter %s@%d: %s", m.position, m.offset, reason)
-        headers = [h for h in m.headers if h[0] not in (HEADER_ERROR, HEADER_ORIGIN)]
-        headers += [(HEADER_ERROR, reason.encode()[:4096]), (HEADER_ORIGIN, f"{m.position}@{m.offset}".encode())]
-        self.sink.send(self.topic, m.value or b"", key=m.key, headers=headers, check_size=False)
-        self.count += 1
-        kind = reason.split(":")[0][:80]
-        self.reasons[kind] = self.reasons.get(kind, 0) + 1
-
-
 def _group_name(group: Any) -> str:
     if isinstance(group, dict):
         return group.get("group_id") or group.get("group") or str(group)
     return group[0] if isinstance(group, tuple) else str(group)
 
 
-@dataclass
-class PartitionInfo:
-    partition: int
-    beginning: int
-    end: int
-
-
-class Admin:
-    """Topic administration and description."""
+class KafkaAdmin:
+    """rft.transport.Admin on kafka-python's admin client."""
 
     def __init__(self, cfg: KafkaConfig, bootstrap: str):
         self.cfg, self.bootstrap = cfg, bootstrap
@@ -510,7 +416,7 @@ class Admin:
         return sorted(t for t in self._admin.list_topics() if not t.startswith("__"))
 
     def describe(self, topic: str) -> list[PartitionInfo]:
-        source = RecordSource(self.cfg, self.bootstrap)
+        source = KafkaSource(self.cfg, self.bootstrap)
         try:
             starts, ends = source.beginning_offsets(topic), source.end_offsets(topic)
         finally:
@@ -522,7 +428,7 @@ class Admin:
 
     def group_offsets(self, group: str) -> dict[str, int]:
         offsets = self._admin.list_group_offsets(group).get(group, {})
-        return {offset_key(tp.topic, tp.partition): om.offset for tp, om in offsets.items()}
+        return {_key(tp): om.offset for tp, om in offsets.items()}
 
     def delete_topics(self, names: Iterable[str]) -> None:
         try:
@@ -532,3 +438,21 @@ class Admin:
 
     def close(self) -> None:
         self._admin.close()
+
+
+class KafkaTransport:
+    """rft.transport.Transport for one Kafka cluster: `kafka_cfg` (sizes, timeouts, security) at `bootstrap`."""
+
+    def __init__(self, kafka_cfg: KafkaConfig, bootstrap: str):
+        self.kafka_cfg, self.bootstrap = kafka_cfg, bootstrap
+
+    def sink(self, *, client_id: str = "rft", linger_ms: int = 5) -> KafkaSink:
+        return KafkaSink(self.kafka_cfg, self.bootstrap, client_id=client_id, linger_ms=linger_ms)
+
+    def source(self, *, group: str | None = None, topics: Iterable[str] = (), client_id: str = "rft",
+               from_beginning: bool = True, group_instance_id: str | None = None) -> KafkaSource:
+        return KafkaSource(self.kafka_cfg, self.bootstrap, group=group, topics=topics, client_id=client_id,
+                           from_beginning=from_beginning, group_instance_id=group_instance_id)
+
+    def admin(self) -> KafkaAdmin:
+        return KafkaAdmin(self.kafka_cfg, self.bootstrap)

@@ -1,0 +1,145 @@
+"""The trainer's ExperienceFeed (rft/trainer/feed.py) over the in-memory transport, no broker: whole groups in
+log order, exactly once across a restart from saved positions, duplicates skipped by group id (also across the
+restart), dead letters and foreign records diverted with the reason, a failed source replaced at the feed's own
+positions, and a replay window that ends."""
+from __future__ import annotations
+
+import pytest
+
+from rft.schema import HEADER_ERROR, encode
+from rft.trainer.feed import EndOfReplay, FeedState, FeedTimeout, ReplayWindow, open_feed
+from rft.transport import HEADER_ORIGIN, TransportError
+from rft.transport.memory import MemoryTransport
+from tests.records import make_group
+
+TOPIC, DLQ = "run.experiences", "run.dead_letter"
+GARBAGE = b"\x93garbage"
+
+
+def broker(partitions: int = 1) -> MemoryTransport:
+    transport = MemoryTransport(partitions=partitions)
+    transport.admin().create_topics([TOPIC, DLQ])
+    return transport
+
+
+def fill(transport: MemoryTransport, items) -> None:
+    sink = transport.sink()
+    for item in items:
+        if isinstance(item, bytes):
+            sink.send(TOPIC, item, headers=[("rft-schema", b"1"), ("rft-type", b"experience_group")])
+        else:
+            value, headers = encode(item)
+            sink.send(TOPIC, value, key=item.group_id, headers=headers)
+
+
+def consume(transport, steps: int, state: FeedState | None = None, per_step: int = 3, **feed_args):
+    """Group ids taken per step, skip counts, and the saved state (as a checkpoint stores it: JSON)."""
+    feed, sink, source = open_feed(transport, topic=TOPIC, dead_letter_topic=DLQ, run_id="run", state=state,
+                                   **feed_args)
+    taken, skipped = [], {}
+    try:
+        for _ in range(steps):
+            batch = feed.next_batch(per_step, timeout_s=0.5)
+            assert [m.key.decode() for m in batch.messages] == [g.group_id for g in batch.groups]
+            taken.append([g.group_id for g in batch.groups])
+            for k, v in batch.skipped.items():
+                skipped[k] = skipped.get(k, 0) + v
+        return taken, skipped, FeedState.from_json(feed.snapshot().to_json())
+    finally:
+        sink.close()
+        source.close()
+
+
+GROUPS = [make_group("run", i) for i in range(12)]
+ITEMS = GROUPS[:4] + [GARBAGE, GROUPS[1]] + GROUPS[4:9] + [make_group("other-run", 99)] + GROUPS[9:]
+
+
+def fill_and_return(transport: MemoryTransport) -> MemoryTransport:
+    fill(transport, ITEMS)
+    return transport
+
+
+def test_whole_groups_in_log_order_with_skips_counted():
+    taken, skipped, state = consume(fill_and_return(broker()), steps=4)
+    assert sum(taken, []) == [g.group_id for g in GROUPS]
+    assert skipped == {"dead_letter": 1, "duplicate": 1, "foreign": 1}
+    assert state.offsets == {f"{TOPIC}:0": len(ITEMS)} and state.taken_groups == [g.group_id for g in GROUPS]
+
+
+def test_exactly_once_across_a_restart_from_saved_positions():
+    transport = fill_and_return(broker())
+    whole, _, _ = consume(transport, steps=4)
+    first, _, saved = consume(transport, steps=2)
+    rest, _, _ = consume(transport, steps=2, state=saved)
+    assert first + rest == whole
+
+
+def test_duplicates_are_skipped_by_group_id_across_a_restart():
+    transport = broker()
+    fill(transport, GROUPS[:3])
+    first, _, saved = consume(transport, steps=1)
+    fill(transport, [GROUPS[0], GROUPS[2]] + GROUPS[3:6])  # an explorer delivered 0 and 2 again (at-least-once)
+    rest, skipped, _ = consume(transport, steps=1, state=saved)
+    assert first + rest == [[g.group_id for g in GROUPS[:3]], [g.group_id for g in GROUPS[3:6]]]
+    assert skipped == {"duplicate": 2}
+
+
+def test_dead_letters_are_diverted_with_the_reason():
+    transport = fill_and_return(broker())
+    consume(transport, steps=4)
+    dead = list(transport.source().read_range(DLQ))
+    reasons = [dict(m.headers)[HEADER_ERROR].decode() for m in dead]
+    assert len(dead) == 2 and "not msgpack" in reasons[0] and reasons[1].startswith("foreign record: run 'other-run'")
+    assert dead[0].value == GARBAGE and dict(dead[0].headers)[HEADER_ORIGIN] == f"{TOPIC}:0@4".encode()
+
+
+def test_the_feed_times_out_and_keeps_what_it_consumed():
+    transport = broker()
+    fill(transport, GROUPS[:2])
+    feed, sink, source = open_feed(transport, topic=TOPIC, dead_letter_topic=DLQ, run_id="run")
+    with pytest.raises(FeedTimeout, match="2/3 groups"):
+        feed.next_batch(3, timeout_s=0.3)
+    assert feed.snapshot().offsets == {f"{TOPIC}:0": 2}
+
+
+class FlakyTransport:
+    """A MemoryTransport whose first source fails on its second poll (a wedged client)."""
+
+    def __init__(self, inner: MemoryTransport):
+        self.inner, self.sources = inner, 0
+
+    def sink(self, **kwargs):
+        return self.inner.sink(**kwargs)
+
+    def source(self, **kwargs):
+        source = self.inner.source(**kwargs)
+        self.sources += 1
+        if self.sources == 1:
+            polls, real_poll = [], source.poll
+
+            def poll(timeout_s=1.0, max_records=None):
+                polls.append(1)
+                if len(polls) == 2:
+                    raise TransportError("poll: wedged")
+                return real_poll(timeout_s, max_records=2)
+
+            source.poll = poll
+        return source
+
+
+def test_a_failed_source_is_replaced_at_the_feeds_positions():
+    transport = fill_and_return(broker())
+    flaky = FlakyTransport(transport)
+    taken, skipped, _ = consume(flaky, steps=4)
+    assert flaky.sources == 2 and sum(taken, []) == [g.group_id for g in GROUPS]
+    assert skipped == {"dead_letter": 1, "duplicate": 1, "foreign": 1}
+
+
+def test_a_replay_window_ends():
+    transport = fill_and_return(broker())
+    window = ReplayWindow(begin={f"{TOPIC}:0": 0}, stop={f"{TOPIC}:0": 7})  # groups 0-3, garbage, dup, group 4
+    feed, sink, source = open_feed(transport, topic=TOPIC, dead_letter_topic=DLQ, run_id=None, window=window)
+    assert [g.group_id for g in feed.next_batch(4, timeout_s=0.5).groups] == [g.group_id for g in GROUPS[:4]]
+    with pytest.raises(EndOfReplay) as end:
+        feed.next_batch(4, timeout_s=0.5)
+    assert [g.group_id for g in end.value.batch.groups] == [GROUPS[4].group_id]
