@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 
 from rft.imports import import_object
+from rft.modes import staleness
 from rft.schema import ExperienceGroup, RecordError, decode_group
 
 if TYPE_CHECKING:  # the config resolves priorities through this module without importing kafka
@@ -165,7 +166,7 @@ class ExperienceReplay:
     def step_metrics(self, step: int, replayed: list[Replayed]) -> dict:
         """The step's replay metrics (staleness over the replayed samples; `replay_missing`: candidates found gone
         since the last call)."""
-        samples = [((step - 1) - r.group.policy_version, len(r.group.samples)) for r in replayed]
+        samples = [(staleness(step, r.group.policy_version), len(r.group.samples)) for r in replayed]
         n = sum(count for _, count in samples)
         missing, self.missing = self.missing, 0
         return {"replay_groups": len(replayed), "replay_buffer_size": len(self.buffer), "replay_missing": missing,

@@ -16,7 +16,7 @@ from rft.explorer.tasks import load_rows, rows_to_tasks
 from rft.rewards import build_reward
 from rft.schema import ControlMessage, TaskRecord
 from rft.transport import Admin, RecordSink
-from rft.weight_store import WeightStore, iter_safetensors
+from rft.weights.store import WeightStore, iter_safetensors
 from rft.workflows import build_workflow
 from tests.integration.explorer_support import Control, Experiences
 
