@@ -19,7 +19,9 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-MODES = ("sync", "off_policy", "async", "offline", "explore", "train")
+from rft import modes
+
+MODES = tuple(modes.MODES)
 
 
 class ConfigError(ValueError):
@@ -485,9 +487,10 @@ def _check_semantics(cfg: Config, source: str) -> None:
     require(cfg.algorithm.kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {cfg.algorithm.kl_coef}")
     require(bool(cfg.run.name) and re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name) is not None, "run.name",
             f"must be non-empty letters, digits, '.', '_' or '-' (it names topics and directories); got {cfg.run.name!r}")
-    require(cfg.run.mode in ("offline", "train") or cfg.explorer.replicas >= 1 or cfg.run.mode == "explore",
+    run_mode = modes.mode(cfg.run.mode)
+    require(not (run_mode.explorers and run_mode.trainer) or cfg.explorer.replicas >= 1,
             "explorer.replicas", f"mode {cfg.run.mode} needs at least one explorer")
-    require(cfg.sync.method != "push" or cfg.run.mode in ("offline", "train") or cfg.explorer.replicas >= 1,
+    require(cfg.sync.method != "push" or not run_mode.explorers or cfg.explorer.replicas >= 1,
             "sync.method", "push needs a fixed fleet: set explorer.replicas to the number of explorers")
     require(bool(cfg.model.path), "model.path", "required: a Hugging Face model directory")
     _check_model_shape(cfg, source, require)

@@ -11,7 +11,7 @@ import torch
 
 from rft.config import config_from_dict
 from rft.explorer.engine import TransformersEngine
-from rft.explorer.main import Explorer, consumer_group
+from rft.explorer.main import build_explorer, consumer_group
 from rft.explorer.tasks import load_rows, rows_to_tasks
 from rft.rewards import build_reward
 from rft.schema import ControlMessage, TaskRecord
@@ -66,8 +66,8 @@ def test_explorer_batches(broker, tiny_model, tmp_path, topic_prefix):
 
     engine = TransformersEngine(tiny_model)
     admission = HalfAdmission()
-    explorer = Explorer(cfg, bootstrap=broker.bootstrap_servers, explorer_id="loop", engine=engine,
-                        workflow=build_workflow(cfg, build_reward(cfg)), admission=admission)
+    explorer = build_explorer(cfg, explorer_id="loop", engine=engine, workflow=build_workflow(cfg, build_reward(cfg)),
+                              admission=admission)
     experiences, control = Experiences(cfg, cfg.topic("experiences")), Control(cfg, cfg.topic("control"))
     dead = Experiences(cfg, cfg.topic("dead_letter"))
     try:
