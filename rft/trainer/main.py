@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -43,6 +43,9 @@ from rft.trainer.feed import EndOfReplay, ExperienceFeed, FeedState, ReplayWindo
 from rft.transport import RecordSink, RecordSource, TransportError, lag
 from rft.weights.publisher import WeightPublisher
 from rft.weights.store import WeightStore
+
+if TYPE_CHECKING:
+    from rft.trainer.replay_buffer import ExperienceReplay
 
 
 WAIT_ANNOUNCE_S = 2.0
@@ -92,7 +95,7 @@ class TrainerIO:
     experiences_topic: str
     metrics: MetricsLogger
     prometheus: MetricsEndpoint | None
-    replay: object | None = None  # rft.trainer.replay_buffer.ExperienceReplay
+    replay: "ExperienceReplay | None" = None
     weights: WeightPublisher | None = None
 
     def announce(self, message: Kind) -> None:
