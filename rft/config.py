@@ -5,7 +5,7 @@ overrides are applied, and the result is validated into the dataclasses below: t
 constraints. Every error names the file and the full dotted key path (unknown keys come with a did-you-mean),
 and is raised as `ConfigError` before any process starts.
 
-Invariant: this module imports no other rft module. Names that registries resolve (rewards, workflows,
+Invariant: this module imports no other rft module but `rft.modes` (the table of run modes, itself a leaf). Names that registries resolve (rewards, workflows,
 algorithms, selectors, operators, ...) and multi-stage configs are checked one level up, by `rft.run_config`,
 which every command that loads a config for a run goes through (`load_run_config`).
 """
@@ -24,7 +24,9 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-MODES = ("sync", "off_policy", "async", "offline", "explore", "train")
+from rft import modes
+
+MODES = tuple(modes.MODES)
 ADMISSIONS = ("staleness", "all")  # the built-in explorer.admission policies; anything else is an import path
 
 
@@ -490,9 +492,10 @@ def check_semantics(cfg: Config, source: str) -> None:
     require(cfg.algorithm.kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {cfg.algorithm.kl_coef}")
     require(bool(cfg.run.name) and re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name) is not None, "run.name",
             f"must be non-empty letters, digits, '.', '_' or '-' (it names topics and directories); got {cfg.run.name!r}")
-    require(cfg.run.mode in ("offline", "train") or cfg.explorer.replicas >= 1 or cfg.run.mode == "explore",
+    run_mode = modes.mode(cfg.run.mode)
+    require(not (run_mode.explorers and run_mode.trainer) or cfg.explorer.replicas >= 1,
             "explorer.replicas", f"mode {cfg.run.mode} needs at least one explorer")
-    require(cfg.sync.method != "push" or cfg.run.mode in ("offline", "train") or cfg.explorer.replicas >= 1,
+    require(cfg.sync.method != "push" or not run_mode.explorers or cfg.explorer.replicas >= 1,
             "sync.method", "push needs a fixed fleet: set explorer.replicas to the number of explorers")
     require(bool(cfg.model.path), "model.path", "required: a Hugging Face model directory")
     _check_model_shape(cfg, source, require)

@@ -32,11 +32,9 @@ from rft.broker import KafkaEndpoint
 from rft.commandline import add_config_arguments, config_from_args
 from rft.config import Config
 from rft.explorer.selectors import selector_needs_rewards
+from rft.modes import MODES, mode
 
-ROLES_BY_MODE = {
-    "sync": ("trainer", "explorers"), "off_policy": ("trainer", "explorers"), "async": ("trainer", "explorers"),
-    "train": ("trainer",), "offline": ("trainer",), "explore": ("explorers",),
-}
+ROLES_BY_MODE = {name: m.roles for name, m in MODES.items()}
 EVALUATOR = "evaluator"
 EXPLORE_IDLE_EXIT_S = 30.0
 
@@ -137,7 +135,7 @@ def _start_evaluator(cfg: Config, runner: "PartRunner", config_path: Path, roles
     (see rft/evaluation/main.py); it never blocks training."""
     if not cfg.eval.every_steps or "trainer" not in roles:
         return
-    if cfg.run.mode == "offline":
+    if not mode(cfg.run.mode).publishes_weights:
         print("[rft] eval.every_steps: an offline replay publishes no weights to evaluate; use `rft eval "
               "--checkpoint` on its final weights", flush=True)
         return
@@ -219,7 +217,7 @@ def run_stages(cfg: Config) -> int:
 
 def _explore_only_exit(cfg: Config) -> list[str]:
     """In explore mode nothing else ends the run: explorers exit once the task set is exhausted."""
-    if cfg.run.mode != "explore":
+    if mode(cfg.run.mode).trainer:
         return []
     return ["--exit-when-idle", str(cfg.explorer.exit_when_idle_s or EXPLORE_IDLE_EXIT_S)]
 
@@ -247,7 +245,7 @@ def gpu_plan(cfg: Config, roles: tuple[str, ...], gpus: list[str]) -> dict[str, 
         needs.append(("trainer", t.tensor_parallel * t.pipeline_parallel * t.data_parallel))
     if "explorers" in roles:
         needs += [(f"explorer-{i}", tp) for i in range(cfg.explorer.replicas)]
-    if cfg.eval.every_steps and "trainer" in roles and cfg.run.mode != "offline":
+    if cfg.eval.every_steps and "trainer" in roles and mode(cfg.run.mode).publishes_weights:
         needs.append((EVALUATOR, tp))
     total = sum(n for _, n in needs)
     if total > len(gpus):

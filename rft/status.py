@@ -11,108 +11,48 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict
 
+from rft.commandline import add_config_arguments, config_from_args
 from rft.config import Config
-from rft.schema import ControlMessage, RecordError, decode
+from rft.control import ControlView, ExplorerView, TrainerView, control_messages
+from rft.run_topics import consumer_group
+from rft.schema import ControlMessage
+from rft.transport import TransportError, connect, lag
 
 WINDOW_S = 60.0  # throughput window
 
 
-@dataclass
-class ExplorerStatus:
-    explorer_id: str
-    host: str = ""
-    pid: int | None = None
-    prometheus_port: int | None = None
-    state: str = "live"  # live | silent (no message for 3 heartbeats) | left
-    left_reason: str = ""
-    weights_version: int = 0
-    groups: int = 0
-    batches: int = 0
-    dead_letters: int = 0
-    admission_waits: int = 0
-    busy: float | None = None  # fraction of its time spent generating and scoring
-    last_seen: float = 0.0
-    history: list[tuple[float, int]] = field(default_factory=list, repr=False)  # (time, groups) of heartbeats
-
-
-@dataclass
-class TrainerStatus:
-    state: str = "not started"  # started | training | waiting | finished | not started
-    step: int = 0
-    version: int = 0
-    offsets: dict[str, int] = field(default_factory=dict)
-    prometheus_port: int | None = None
-    last_seen: float = 0.0
-    history: list[tuple[float, int]] = field(default_factory=list, repr=False)  # (time, version) of announcements
-
-
 class RunStatus:
-    """Built by applying the control topic's messages in order."""
-
-    TRAINER_STATES = {"trainer_started": "started", "weights": "training", "weights_push": "training",
-                      "trainer_waiting": "waiting", "trainer_finished": "finished"}
+    """The run as its control messages, applied in time order, tell it (a ControlView), and what the status
+    derives from it: silent explorers and throughput."""
 
     def __init__(self, heartbeat_s: float):
         self.heartbeat_s = heartbeat_s
-        self.trainer = TrainerStatus()
-        self.explorers: dict[str, ExplorerStatus] = {}
-        self.weights_path = ""
-        self.push_group: str | None = None
-        self.push_abandoned = False
+        self.view = ControlView()
+
+    @property
+    def trainer(self) -> TrainerView:
+        return self.view.trainer
+
+    @property
+    def explorers(self) -> dict[str, ExplorerView]:
+        return self.view.explorers
+
+    @property
+    def weights_path(self) -> str:
+        return self.view.weights_path
+
+    @property
+    def push_group(self) -> str | None:
+        return None if self.view.push_group is None else self.view.push_group.group_id
+
+    @property
+    def push_abandoned(self) -> bool:
+        return self.view.push_abandoned
 
     def apply(self, message: ControlMessage) -> None:
-        body, when = message.body, message.created_at
-        if message.sender == "trainer":
-            self._apply_trainer(message.kind, body, when)
-        elif message.kind.startswith("explorer_"):
-            self._apply_explorer(message.kind, body, when, message.sender)
-
-    def _apply_trainer(self, kind: str, body: dict, when: float) -> None:
-        t = self.trainer
-        t.last_seen = max(t.last_seen, when)
-        if kind in self.TRAINER_STATES:
-            t.state = self.TRAINER_STATES[kind]
-        if isinstance(body.get("version"), int):
-            t.version = body["version"]
-            t.history.append((when, t.version))
-        if isinstance(body.get("step"), int):
-            t.step = body["step"]
-        else:
-            t.step = max(t.step, t.version)
-        if isinstance(body.get("offsets"), dict):
-            t.offsets = {str(k): int(v) for k, v in body["offsets"].items()}
-        if kind == "trainer_started":
-            t.prometheus_port = body.get("prometheus_port")
-        if kind == "weights":
-            self.weights_path = str(body.get("path", ""))
-        elif kind == "push_group":
-            self.push_group, self.push_abandoned = str(body.get("group_id")), False
-        elif kind == "push_abandoned":
-            self.push_abandoned = True
-
-    def _apply_explorer(self, kind: str, body: dict, when: float, sender: str) -> None:
-        explorer_id = str(body.get("explorer_id", sender))
-        e = self.explorers.setdefault(explorer_id, ExplorerStatus(explorer_id))
-        e.last_seen = max(e.last_seen, when)
-        if kind == "explorer_join":
-            e.state, e.left_reason, e.history = "live", "", []
-            e.host, e.pid, e.prometheus_port = str(body.get("host", "")), body.get("pid"), body.get("prometheus_port")
-        elif kind == "explorer_leave":
-            e.state, e.left_reason = "left", str(body.get("reason", ""))
-        if kind == "explorer_weights" and isinstance(body.get("version"), int):
-            e.weights_version = body["version"]
-        if isinstance(body.get("weights_version"), int):
-            e.weights_version = body["weights_version"]
-        for name in ("groups", "batches", "dead_letters", "admission_waits"):
-            if isinstance(body.get(name), int):
-                setattr(e, name, body[name])
-        if kind == "explorer_heartbeat":
-            e.history.append((when, e.groups))
-            if body.get("joined_s"):
-                e.busy = float(body.get("explore_s", 0.0)) / float(body["joined_s"])
+        self.view.apply(message)
 
     def finish(self, now: float) -> None:
         """Mark explorers without a message for three heartbeat intervals as silent (dead or stuck)."""
@@ -137,9 +77,6 @@ class RunStatus:
 
 def collect(cfg: Config) -> dict:
     """The run's status as one JSON-able dict (what `--json` prints)."""
-    from rft.run_topics import consumer_group
-    from rft.transport import TransportError, connect, lag
-
     transport = connect(cfg.kafka)
     source = transport.source(client_id=f"{cfg.run.name}-status")
     admin = transport.admin()
@@ -149,7 +86,8 @@ def collect(cfg: Config) -> dict:
             raise StatusError(f"no run {cfg.run.name!r} on {cfg.kafka.bootstrap_servers}: topic "
                               f"{cfg.topic('control')} does not exist (topics there: {', '.join(sorted(topics))[:300]})")
         status = RunStatus(cfg.explorer.heartbeat_s)
-        for message in sorted(_control_messages(source, cfg.topic("control")), key=lambda c: c.created_at):
+        messages = control_messages(source.read_range(cfg.topic("control"), idle_timeout_s=5.0))
+        for message in sorted(messages, key=lambda c: c.created_at):
             status.apply(message)  # in time order: partitions interleave (a leave may be read before its join)
         now = time.time()
         status.finish(now)
@@ -178,18 +116,6 @@ def collect(cfg: Config) -> dict:
         "throughput": {"groups_per_s": status.groups_per_s(now), "steps_per_s": status.steps_per_s(now),
                        "window_s": WINDOW_S},
     }
-
-
-def _control_messages(source, topic: str) -> list[ControlMessage]:
-    messages = []
-    for m in source.read_range(topic, idle_timeout_s=5.0):
-        try:
-            message = decode(m.value, m.headers)
-        except RecordError:
-            continue
-        if isinstance(message, ControlMessage):
-            messages.append(message)
-    return messages
 
 
 class StatusError(RuntimeError):
@@ -225,7 +151,6 @@ def render(report: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from rft.commandline import add_config_arguments, config_from_args
 
     parser = argparse.ArgumentParser(prog="rft status", description=__doc__.split("\n")[0])
     add_config_arguments(parser)

@@ -43,7 +43,7 @@ def _model_dir(path: Path, spec: str) -> Path:
 
 
 def _step_of(path: Path, cfg: Config) -> int | None:
-    from rft.weight_store import version_of
+    from rft.weights.store import version_of
 
     version = version_of(path)
     if version is not None:
@@ -61,7 +61,7 @@ def _final_step(cfg: Config) -> int | None:
 
 
 def _latest(cfg: Config) -> Checkpoint:
-    from rft.weight_store import LATEST, WeightStore
+    from rft.weights.store import LATEST, WeightStore
 
     candidates = []
     store_root = Path(cfg.sync.weight_store or cfg.run_dir / "weights")

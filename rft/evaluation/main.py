@@ -39,7 +39,7 @@ from rft.evaluation.metrics import SetScores, score_tasks
 if TYPE_CHECKING:
     from rft.explorer.engine import Engine
     from rft.schema import TaskRecord
-    from rft.weight_store import WeightStore
+    from rft.weights.store import WeightStore
     from rft.workflows import Workflow
 
 log = logging.getLogger("rft.eval")
@@ -182,10 +182,10 @@ def follow(cfg: Config, task_sets: list[EvalSet], *, stop: threading.Event, fini
     """Evaluate the run's published versions as the schedule says, until `stop`, or until `finish` is set and the
     newest version has been evaluated."""
     from rft.explorer.engine import build_engine
-    from rft.explorer.main import load_newest_weights
-    from rft.weight_store import WeightStore
+    from rft.weights.subscriber import load_newest_weights
+    from rft.weights.store import WeightStore
 
-    store = WeightStore.for_config(cfg)
+    store = WeightStore.for_sync(cfg.sync, cfg.run_dir)
     evaluator = Evaluator(cfg, task_sets, build_engine(cfg), progress=False)  # model.path holds version 0
     schedule = EvalSchedule(cfg.eval.every_steps)
     try:

@@ -90,7 +90,7 @@ class Engine(Protocol):
         ...
 
     def join_push_group(self, spec: dict) -> None:
-        """Join the trainer's push group (rft.weight_push.PushGroupSpec as JSON); blocks until it is complete."""
+        """Join the trainer's push group (rft.weights.push.PushGroupSpec as JSON); blocks until it is complete."""
         ...
 
     def receive_pushed_weights(self) -> int:
@@ -306,18 +306,18 @@ class TransformersEngine(_TokenizerMixin):
         return out
 
     def load_weights(self, path: str | os.PathLike, version: int) -> None:
-        from rft.weight_store import iter_safetensors
+        from rft.weights.store import iter_safetensors
 
         self._load_state(iter_safetensors(path), source=str(path))
         self.weights_version = version
 
     def join_push_group(self, spec: dict) -> None:
-        from rft.weight_push import PushGroupSpec, PushReceiver
+        from rft.weights.push import PushGroupSpec, PushReceiver
 
         self._push = PushReceiver.join(PushGroupSpec.from_json(spec))
 
     def receive_pushed_weights(self) -> int:
-        from rft.weight_push import receive_into
+        from rft.weights.push import receive_into
 
         self.weights_version = receive_into(self._push, lambda tensors: self._load_state(tensors, source="the push"))
         return self.weights_version

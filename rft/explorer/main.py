@@ -24,7 +24,11 @@ Control topic. Sent (sender = explorer id):
   explorer_weights    {explorer_id, version, seconds}  after each in-place reload
   explorer_leave      {explorer_id, reason, groups}
 Read (sender trainer): `weights` {version, path} (versions published to the weight store); with
-`sync.method: push`, also `push_group`, `weights_push` and `push_abandoned` (see PushMembership).
+`sync.method: push`, also `push_group`, `weights_push` and `push_abandoned` (rft/weights/subscriber.py).
+The messages are the typed kinds of rft/control.py.
+
+This module holds the loop (`Explorer`) and the CLI (`main`, `run_one`, which compose the explorer from the
+root config); `--replicas` supervision is rft/explorer/replicas.py, admission rft/explorer/admission.py.
 
 Shutdown: SIGTERM or Ctrl-C finishes the batch in progress (produce, ack, commit), sends
 explorer_leave and leaves the consumer group; a second signal aborts at once.
@@ -37,206 +41,46 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING
 
-from rft.config import Config
+from rft.commandline import add_config_arguments, config_from_args, install_stop_signals
+from rft.config import Config, ExplorerConfig, KafkaConfig, SyncConfig
+from rft.control import ExplorerHeartbeat, ExplorerJoin, ExplorerLeave, ExplorerWeights, Kind
+from rft.explorer.engine import build_engine
+from rft.explorer.admission import Admission, AdmitAll, fleet_admission
+from rft.explorer.replicas import run_replicas
+from rft.modes import mode
+from rft.monitor import metrics_endpoint
+from rft.schema import ExperienceGroup, decode_task
+from rft.registry import import_object
+from rft.rewards import RewardContext, build_reward
 from rft.run_topics import consumer_group
-from rft.schema import ControlMessage, ExperienceGroup, decode, decode_task
+from rft.transport import DeadLetter, RecordTooLarge, Transport, TransportError, connect, lag
+from rft.weights.store import WeightStore
+from rft.weights.subscriber import PushMembership, WeightUpdates, load_newest_weights
+from rft.workflows import build_workflow
 
 if TYPE_CHECKING:
     from rft.explorer.engine import Engine
-    from rft.transport import Message, RecordSource
-    from rft.weight_store import WeightStore
+    from rft.monitor import MetricsEndpoint
+    from rft.transport import Message
     from rft.workflows import GroupResult, Workflow
 
 log = logging.getLogger("rft.explorer")
 
 POLL_S = 0.5  # longest wait for tasks in one poll
 IDLE_SLEEP_S = 0.2  # pause when admission lets nothing start
-RELOAD_TRIES = 3
-
-
-# --------------------------------------------------------------------------------------------------
-# Admission
-
-
-class Admission(Protocol):
-    """How many rollouts may start now. Required: `admit(n) -> int`, 0 <= result <= n, called before each
-    batch with the number of tasks at hand. Optional hooks, called when the object has them:
-    `finish(k)` after k admitted groups were acknowledged by the broker, `fail(k)` for k admitted tasks
-    given up (dead-lettered), `set_version(v)` after weights v were loaded.
-    `rft.staleness.AdmissionController` fits with `admit = reserve`."""
-
-    def admit(self, n: int) -> int: ...
-
-
-class AdmitAll:
-    """The default: every task may start."""
-
-    def admit(self, n: int) -> int:
-        return n
-
-
-def build_admission(cfg: Config, explorer_id: str) -> Admission:
-    """`explorer.admission`: `staleness` (the run mode's bound, fleet-wide: rft/coordinator.py), `all`, or
-    `package.module:factory` called as factory(cfg, explorer_id)."""
-    if cfg.explorer.admission == "all":
-        return AdmitAll()
-    if cfg.explorer.admission == "staleness":
-        from rft.coordinator import FleetAdmission
-        return FleetAdmission(cfg, explorer_id)
-    from rft.registry import import_object
-    return import_object(cfg.explorer.admission, key="explorer.admission", noun="admission")(cfg, explorer_id)
+TOPICS = ("tasks", "experiences", "control", "dead_letter")
 
 
 def _notify(admission: Admission, hook: str, value: int) -> None:
     fn = getattr(admission, hook, None)
     if fn is not None and (value or hook == "set_version"):
         fn(value)
-
-
-# --------------------------------------------------------------------------------------------------
-# Weights
-
-
-class WeightUpdates:
-    """The newest weights version this explorer knows of: the store's LATEST or a `weights`
-    announcement on the control topic, whichever is newer; and, for the push path, the newest push group
-    and the versions pushed in it so far. Not thread-safe."""
-
-    def __init__(self, store: "WeightStore", control_source: "RecordSource"):
-        """`control_source` is assigned to the control topic, positioned where announcements should be read."""
-        self.store, self.control_source = store, control_source
-        self.announced: tuple[int, Path] | None = None
-        self.push_group: dict | None = None  # the newest `push_group` announcement's body
-        self.pushed: dict[str, list[int]] = {}  # group id -> versions announced as pushed, in order
-        self.abandoned: set[str] = set()  # push groups the trainer gave up
-
-    def newest(self) -> tuple[int, Path] | None:
-        self.read_announcements()
-        known = [v for v in (self.store.latest(), self._announced_here()) if v is not None]
-        return max(known, key=lambda v: v[0]) if known else None
-
-    def _announced_here(self) -> tuple[int, Path] | None:
-        """The announced version where this host can read it: the announced path, else the same version
-        in this explorer's own store (the announcer's filesystem may be mounted elsewhere)."""
-        if self.announced is None:
-            return None
-        version, path = self.announced
-        for candidate in (path, self.store.path(version)):
-            if candidate.is_dir():
-                return version, candidate
-        return None
-
-    def read_announcements(self) -> None:
-        for m in self.control_source.poll(timeout_s=0):
-            try:
-                msg = decode(m.value, m.headers)
-            except ValueError:
-                continue  # not ours to judge: other roles read the control topic too
-            if isinstance(msg, ControlMessage):
-                self._apply(msg.kind, msg.body)
-
-    def _apply(self, kind: str, body: dict) -> None:
-        version, group = body.get("version"), body.get("group_id")
-        if kind == "weights":
-            path = body.get("path")
-            if isinstance(version, int) and isinstance(path, str) and \
-                    (self.announced is None or version > self.announced[0]):
-                self.announced = (version, Path(path))
-        elif kind == "push_group":
-            self.push_group = body
-        elif kind == "weights_push" and isinstance(version, int):
-            self.pushed.setdefault(str(group), []).append(version)
-        elif kind == "push_abandoned":
-            self.abandoned.add(str(group))
-
-
-class PushMembership:
-    """This explorer's part in the trainer's push group (rft.coordinator, push contract): join a newly
-    announced group, take part in every version pushed in it, leave it when the trainer abandons it. Any
-    failure here makes the explorer leave the group and fall back to pulling from the weight store."""
-
-    def __init__(self, engine: "Engine", updates: WeightUpdates):
-        self.engine, self.updates = engine, updates
-        self.group_id: str | None = None
-        self.received = 0  # versions received in the current group
-
-    def sync(self) -> list[int]:
-        """Join / receive as the announcements say; returns the versions received now."""
-        self.updates.read_announcements()
-        announced = self.updates.push_group
-        if self.group_id is not None and self.group_id in self.updates.abandoned:
-            self._leave("the trainer abandoned the push group")
-        if announced and announced.get("group_id") not in (self.group_id, *self.updates.abandoned):
-            self._join(announced)
-        if self.group_id is None:
-            return []
-        received = []
-        for expected in self.updates.pushed.get(self.group_id, [])[self.received:]:
-            try:
-                version = self.engine.receive_pushed_weights()
-            except Exception as e:  # gloo / NCCL / vLLM errors: fall back to the pull path
-                self._leave(f"receiving version {expected} failed: {e}")
-                break
-            self.received += 1
-            if version != expected:
-                self._leave(f"received version {version}, the trainer announced {expected}")
-                break
-            received.append(version)
-        return received
-
-    def _join(self, spec: dict) -> None:
-        if self.group_id is not None:
-            self._leave("a new push group was announced")
-        try:
-            self.engine.join_push_group(spec)
-        except Exception as e:
-            log.warning("could not join push group %s (pulling instead): %s", spec.get("group_id"), e)
-            self.updates.abandoned.add(str(spec.get("group_id")))
-            return
-        self.group_id, self.received = str(spec["group_id"]), 0
-        log.info("joined push group %s", self.group_id)
-
-    def _leave(self, reason: str) -> None:
-        log.warning("leaving push group %s: %s", self.group_id, reason)
-        self.updates.abandoned.add(str(self.group_id))
-        self.group_id = None
-        try:
-            self.engine.leave_push_group()
-        except Exception:
-            pass
-
-
-def load_newest_weights(engine: "Engine", newest: Callable[[], tuple[int, Path] | None], *,
-                        tries: int = RELOAD_TRIES) -> tuple[int, float] | None:
-    """Reload `engine` in place with the version `newest()` names when it is newer than the engine's; returns
-    (version, seconds) after a reload, None when the engine is current. Retries, reading `newest()` again (a version
-    can be garbage-collected between reading LATEST and loading it); RuntimeError when all tries fail."""
-    for attempt in range(tries):
-        found = newest()
-        if found is None or found[0] <= engine.weights_version:
-            return None
-        version, path = found
-        started = time.monotonic()
-        try:
-            engine.load_weights(path, version)
-        except Exception as e:  # vLLM wraps worker errors in its own types
-            log.warning("loading weights version %d from %s failed (try %d/%d): %s", version, path, attempt + 1,
-                        tries, e)
-            time.sleep(0.5)
-            continue
-        seconds = round(time.monotonic() - started, 3)
-        log.info("loaded weights version %d in %.2f s", version, seconds)
-        return version, seconds
-    raise RuntimeError(f"could not load weights version {found[0]} from {found[1]} after {tries} tries")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -255,44 +99,49 @@ class ExplorerStats:
 
 
 class Explorer:
-    """One explorer: an engine, a workflow, and its Kafka clients. `run(stop)` until `stop` is set."""
+    """One explorer: an engine, a workflow, and its Kafka clients. `run(stop)` until `stop` is set.
 
-    def __init__(self, cfg: Config, *, bootstrap: str, explorer_id: str, engine: "Engine", workflow: "Workflow",
-                 admission: Admission | None = None):
-        from rft.monitor import metrics_endpoint
-        from rft.transport import Admin, DeadLetter, RecordSink, RecordSource
-        from rft.weight_store import WeightStore
+    It takes the config sections it uses; `topics` maps each kind (tasks, experiences, control, dead_letter) to
+    the run's topic, `group` is the tasks consumer group, `run_name` the run whose tasks it serves, `store` the
+    run's weight store, `prometheus` its metrics endpoint (None: off). `build_explorer` composes one from the
+    root config."""
 
-        self.cfg, self.bootstrap, self.explorer_id = cfg, bootstrap, explorer_id
-        self.engine, self.workflow = engine, workflow
+    def __init__(self, explorer: ExplorerConfig, *, kafka: KafkaConfig, sync: SyncConfig, run_name: str,
+                 topics: dict[str, str], group: str, store: WeightStore, explorer_id: str, engine: "Engine",
+                 workflow: "Workflow", admission: Admission | None = None,
+                 prometheus: "MetricsEndpoint | None" = None, transport: Transport | None = None):
+        self.config, self.kafka, self.run_name, self.topics, self.group = explorer, kafka, run_name, topics, group
+        transport = self.transport = transport or connect(kafka)
+        self.explorer_id, self.engine, self.workflow = explorer_id, engine, workflow
         self.admission = admission or AdmitAll()
         self.stats = ExplorerStats()
         self._attempts: collections.OrderedDict[str, int] = collections.OrderedDict()
-        admin = Admin(cfg.kafka, bootstrap)
+        admin = transport.admin()
         try:
-            admin.create_topics([cfg.topic("tasks"), cfg.topic("control"), cfg.topic("dead_letter")])
+            admin.create_topics([topics["tasks"], topics["control"], topics["dead_letter"]])
         finally:
             admin.close()
-        self.sink = RecordSink(cfg.kafka, bootstrap, client_id=explorer_id)
-        self.dead_letter = DeadLetter(self.sink, cfg.topic("dead_letter"))
-        control_source = RecordSource(cfg.kafka, bootstrap, client_id=f"{explorer_id}-control")
-        control_source.assign([cfg.topic("control")])
-        control_source.seek(control_source.end_offsets(cfg.topic("control")))
-        self.weights = WeightUpdates(WeightStore.for_config(cfg), control_source)
-        self.push = PushMembership(engine, self.weights) if cfg.sync.method == "push" else None
-        self.prometheus = metrics_endpoint(cfg, role="explorer", instance=explorer_id)
+        self.sink = transport.sink(client_id=explorer_id)
+        self.dead_letter = DeadLetter(self.sink, topics["dead_letter"])
+        control_source = transport.source(client_id=f"{explorer_id}-control")
+        control_source.assign([topics["control"]])
+        control_source.seek(control_source.end_offsets(topics["control"]))
+        self.weights = WeightUpdates(store, control_source)
+        self.push = PushMembership(engine, self.weights) if sync.method == "push" else None
+        self.prometheus = prometheus
         self._samples_total = 0
+        self._version_told = -1  # the newest version admission was told of (it never goes back)
         self.tasks = None  # joins the consumer group in run(), after the newest weights are loaded
         self._heartbeat_stop = threading.Event()
 
     # -- control messages
-    def announce(self, kind: str, **body) -> None:
-        self.sink.send_record(self.cfg.topic("control"),
-                              ControlMessage(kind=kind, sender=self.explorer_id, body={"explorer_id": self.explorer_id, **body}))
+    def announce(self, message: Kind) -> None:
+        self.sink.send_record(self.topics["control"], message.to_message())
 
     def _heartbeats(self) -> None:
-        while not self._heartbeat_stop.wait(self.cfg.explorer.heartbeat_s):
-            self.announce("explorer_heartbeat", weights_version=self.engine.weights_version, **self._stats())
+        while not self._heartbeat_stop.wait(self.config.heartbeat_s):
+            self.announce(ExplorerHeartbeat(explorer_id=self.explorer_id, weights_version=self.engine.weights_version,
+                                            **self._stats()))
 
     def _stats(self) -> dict:
         if self.tasks is not None:
@@ -315,20 +164,20 @@ class Explorer:
             self._loaded(*loaded)
 
     def _loaded(self, version: int, seconds: float | None) -> None:
-        self.announce("explorer_weights", version=version, seconds=seconds)
-        _notify(self.admission, "set_version", version)
+        self.announce(ExplorerWeights(explorer_id=self.explorer_id, version=version, seconds=seconds))
+        if version > self._version_told:  # a restarted trainer may push an older version: admission stays
+            self._version_told = version
+            _notify(self.admission, "set_version", version)
 
     # -- the loop
     def join(self) -> None:
-        from rft.transport import RecordSource
-
-        e = self.cfg.explorer
-        kafka = dataclasses.replace(self.cfg.kafka, max_poll_interval_ms=max(self.cfg.kafka.max_poll_interval_ms,
-                                                                             int(e.max_batch_s * 1000)))
-        self.tasks = RecordSource(kafka, self.bootstrap, group=consumer_group(self.cfg), topics=[self.cfg.topic("tasks")],
-                                  client_id=self.explorer_id)
-        self.announce("explorer_join", weights_version=self.engine.weights_version, host=socket.gethostname(),
-                      pid=os.getpid(), prometheus_port=self.prometheus.port if self.prometheus else None)
+        # a batch may take up to explorer.max_batch_s between two polls; the group must not presume us dead
+        self.tasks = self.transport.source(group=self.group, topics=[self.topics["tasks"]], client_id=self.explorer_id,
+                                           max_poll_interval_ms=max(self.kafka.max_poll_interval_ms,
+                                                                    int(self.config.max_batch_s * 1000)))
+        self.announce(ExplorerJoin(explorer_id=self.explorer_id, weights_version=self.engine.weights_version,
+                                   host=socket.gethostname(), pid=os.getpid(),
+                                   prometheus_port=self.prometheus.port if self.prometheus else None))
         self._joined_at = time.monotonic()
         threading.Thread(target=self._heartbeats, name="heartbeats", daemon=True).start()
 
@@ -350,7 +199,7 @@ class Explorer:
 
     def run_batch(self) -> int:
         """One batch (see the module docstring); returns the number of tasks handled (groups + dead letters)."""
-        messages = self.tasks.poll(timeout_s=POLL_S, max_records=self.cfg.explorer.tasks_per_batch)
+        messages = self.tasks.poll(timeout_s=POLL_S, max_records=self.config.tasks_per_batch)
         self.stats.partitions = sorted(tp.partition for tp in self.tasks.assignment())
         if not messages:
             return 0
@@ -366,7 +215,7 @@ class Explorer:
         self.stats.explore_s += seconds
         futures = [f for m, r in zip(sources, results) if (f := self._produce(m, r)) is not None]
         self.sink.flush()
-        timeout_s = self.cfg.kafka.request_timeout_ms / 1000
+        timeout_s = self.kafka.request_timeout_ms / 1000
         for future in futures:
             future.get(timeout=timeout_s)  # raises if the broker did not take the group: nothing is committed
         self._commit(admitted)
@@ -380,8 +229,6 @@ class Explorer:
         return len(admitted)
 
     def _export_metrics(self, results: list["GroupResult"], seconds: float) -> None:
-        from rft.transport import TransportError, lag
-
         samples = [s for r in results for s in r.samples]
         self._samples_total += len(samples)
         values = {"rft_explorer_groups_total": self.stats.groups, "rft_explorer_samples_total": self._samples_total,
@@ -390,7 +237,7 @@ class Explorer:
                   "rft_explorer_weights_version": self.engine.weights_version,
                   "rft_explorer_tokens_per_second": sum(len(s.response_tokens) for s in samples) / max(seconds, 1e-9)}
         try:
-            end = self.tasks.end_offsets(self.cfg.topic("tasks"))
+            end = self.tasks.end_offsets(self.topics["tasks"])
             positions = self.tasks.positions()
             values["rft_explorer_tasks_lag_records"] = lag(end, positions, positions)
         except TransportError:
@@ -410,22 +257,20 @@ class Explorer:
     def _decode(self, messages: list["Message"]) -> tuple[list["Message"], list]:
         sources, tasks = [], []
         for m, task in self.dead_letter.decode(messages, decode_task):
-            if task.run_id != self.cfg.run.name:
-                self.dead_letter.divert(m, f"foreign task: run {task.run_id!r}, this explorer serves {self.cfg.run.name!r}")
+            if task.run_id != self.run_name:
+                self.dead_letter.divert(m, f"foreign task: run {task.run_id!r}, this explorer serves {self.run_name!r}")
                 continue
             sources.append(m)
             tasks.append(task)
         return sources, tasks
 
     def _produce(self, message: "Message", result: "GroupResult"):
-        from rft.transport import RecordTooLarge
-
         if result.error is not None:
             self.dead_letter.divert(message, f"task cannot be explored: {result.error}")
             return None
         group = self._group(result)
         try:
-            return self.sink.send_record(self.cfg.topic("experiences"), group, key=group.group_id)
+            return self.sink.send_record(self.topics["experiences"], group, key=group.group_id)
         except RecordTooLarge as e:
             self.dead_letter.divert(message, f"experience group too large: {e}")
             return None
@@ -436,7 +281,7 @@ class Explorer:
                                attempt=self._next_attempt(task.group_id), explorer_id=self.explorer_id,
                                policy_version=result.policy_version, samples=result.samples, answer=task.answer,
                                metadata={"epoch": task.epoch, "prompt": task.prompt,
-                                         "workflow": self.cfg.explorer.workflow})
+                                         "workflow": self.config.workflow})
 
     def _next_attempt(self, group_id: str, remembered: int = 100_000) -> int:
         """How many times this explorer produced `group_id` before (so `(explorer_id, attempt)` names one
@@ -461,12 +306,12 @@ class Explorer:
         self._heartbeat_stop.set()
         log.info("final stats: %s", json.dumps(self._stats()))
         try:
-            self.announce("explorer_leave", reason=reason, groups=self.stats.groups)
+            self.announce(ExplorerLeave(explorer_id=self.explorer_id, reason=reason, groups=self.stats.groups))
             self.sink.flush(timeout_s=10)
         finally:
             if self.tasks is not None:
                 self.tasks.close()
-            self.weights.control_source.close()
+            self.weights.close()
             self.sink.close()
             if self.prometheus is not None:
                 self.prometheus.close()
@@ -477,8 +322,6 @@ class Explorer:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from rft.commandline import add_config_arguments
-
     parser = argparse.ArgumentParser(prog="rft explorer", description="Explorers: join a run's tasks topic and "
                                      "produce experience groups.")
     add_config_arguments(parser)
@@ -493,15 +336,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
-    from rft.commandline import config_from_args
-
     args = _parse(argv)
     cfg = config_from_args(args)
     if cfg.kafka.bootstrap_servers == "embedded":
         print("rft explorer: kafka.bootstrap_servers is 'embedded'; an explorer joins a run's broker "
               "(--set kafka.bootstrap_servers=HOST:PORT)", file=sys.stderr)
         return 2
-    if cfg.run.mode in ("offline", "train"):
+    if not mode(cfg.run.mode).explorers:
         print(f"rft explorer: run.mode {cfg.run.mode} runs no explorers", file=sys.stderr)
         return 2
     if args.replicas is not None and args.replicas != 1:
@@ -516,23 +357,17 @@ def main(argv: list[str]) -> int:
 
 def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = None) -> int:
     """Build the engine, reward and workflow, then explore until SIGTERM / Ctrl-C (or idle)."""
-    from rft.explorer.engine import build_engine
-    from rft.rewards import RewardContext, build_reward
-    from rft.workflows import build_workflow
-
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {explorer_id} %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)
     stop = threading.Event()
-    from rft.commandline import install_stop_signals
-
     install_stop_signals(stop)
     engine = build_engine(cfg)
     explorer = None
     reason = "error"
     try:
         workflow = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer, RewardContext.for_run(cfg)))
-        explorer = Explorer(cfg, bootstrap=cfg.kafka.bootstrap_servers, explorer_id=explorer_id, engine=engine,
-                            workflow=workflow, admission=build_admission(cfg, explorer_id))
+        explorer = build_explorer(cfg, explorer_id=explorer_id, engine=engine, workflow=workflow,
+                                  admission=build_admission(cfg, explorer_id))
         reason = explorer.run(stop, exit_when_idle_s=exit_when_idle_s)
         log.info("explorer %s %s after %d groups", explorer_id, reason, explorer.stats.groups)
         return 0
@@ -542,27 +377,25 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
         engine.close()
 
 
-def run_replicas(args: argparse.Namespace, replicas: int) -> int:
-    """`--replicas N`: N child processes `rft explorer CONFIG --explorer-id PREFIX-i`; returns the worst exit code.
+def build_explorer(cfg: Config, *, explorer_id: str, engine: "Engine", workflow: "Workflow",
+                   admission: Admission | None = None) -> Explorer:
+    """Compose an Explorer from the root config: its sections, the run's topics and weight store, the metrics
+    endpoint `monitor.prometheus_port` asks for."""
+    return Explorer(cfg.explorer, kafka=cfg.kafka, sync=cfg.sync, run_name=cfg.run.name,
+                    topics={kind: cfg.topic(kind) for kind in TOPICS}, group=consumer_group(cfg),
+                    store=WeightStore.for_sync(cfg.sync, cfg.run_dir), explorer_id=explorer_id, engine=engine,
+                    workflow=workflow, admission=admission,
+                    prometheus=metrics_endpoint(cfg, role="explorer", instance=explorer_id))
 
-    Each child has its own session, so a signal reaches it exactly once: SIGTERM / SIGINT to this process
-    (or Ctrl-C in its terminal) is passed on to every child, which finishes its batch and leaves; a second
-    one aborts them. On Linux a child also gets SIGTERM when this process dies, even by SIGKILL."""
-    from rft.commandline import die_with_parent
 
-    prefix = args.explorer_id or f"{socket.gethostname()}-{os.getpid()}"
-    extra = [a for o in args.overrides for a in ("--set", o)]
-    if args.exit_when_idle is not None:
-        extra += ["--exit-when-idle", str(args.exit_when_idle)]
-    children = [subprocess.Popen([sys.executable, "-m", "rft.cli", "explorer", args.config,
-                                  "--explorer-id", f"{prefix}-{i}", *extra],
-                                 start_new_session=True, preexec_fn=die_with_parent) for i in range(replicas)]
-
-    def forward(signum, frame):
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    return max(child.wait() for child in children)
+def build_admission(cfg: Config, explorer_id: str) -> Admission:
+    """`explorer.admission`: `staleness` (the run mode's bound, fleet-wide: rft/explorer/admission.py), `all`, or
+    `package.module:factory` called as factory(cfg, explorer_id)."""
+    if cfg.explorer.admission == "all":
+        return AdmitAll()
+    if cfg.explorer.admission == "staleness":
+        return fleet_admission(cfg.run.mode, max_staleness=cfg.run.max_staleness,
+                               groups_per_step=cfg.trainer.groups_per_step, transport=connect(cfg.kafka),
+                               control_topic=cfg.topic("control"), experiences_topic=cfg.topic("experiences"),
+                               explorer_id=explorer_id, heartbeat_s=cfg.explorer.heartbeat_s)
+    return import_object(cfg.explorer.admission, key="explorer.admission", noun="admission")(cfg, explorer_id)

@@ -7,7 +7,7 @@ crosses the process boundary: each worker streams the tensors from disk itself a
 loader (renames, QKV / gate-up fusing, TP sharding, and the CPU backend's weight repacking).
 vLLM's `weight_transfer` backends (NCCL, CUDA IPC, RDT) need GPUs and a live trainer connection; the
 pull path (`rft_reload_weights`) works from a shared filesystem on any device, and the push path
-(`rft_join_push_group`, `rft_receive_pushed_weights`; rft.weight_push) receives the trainer's broadcasts in
+(`rft_join_push_group`, `rft_receive_pushed_weights`; rft.weights.push) receives the trainer's broadcasts in
 the worker itself, over gloo on CPU or NCCL on GPU, and feeds them to the same loader.
 
 Tied embeddings: the checkpoint has no `lm_head.weight`, so vLLM's layerwise reload processes only
@@ -19,27 +19,24 @@ against Hugging Face greedy decoding of the reloaded weights.
 """
 from __future__ import annotations
 
+from rft.weights.push import PushGroupSpec, PushReceiver, receive_into
+from rft.weights.store import iter_safetensors
+
 
 class WeightReloadExtension:
     """Methods added to vLLM's worker. `self.model_runner` is the worker's model runner."""
 
     def rft_reload_weights(self, path: str) -> int:
         """Load every tensor of the safetensors files in `path` into the running model; returns how many."""
-        from rft.weight_store import iter_safetensors
-
         return self._rft_load(iter_safetensors(path))
 
     def rft_join_push_group(self, spec: dict) -> int:
-        """Join the trainer's push group (rft.weight_push); blocks until every member is in. Returns the rank."""
-        from rft.weight_push import PushGroupSpec, PushReceiver
-
+        """Join the trainer's push group (rft.weights.push); blocks until every member is in. Returns the rank."""
         self._rft_push = PushReceiver.join(PushGroupSpec.from_json(spec))
         return self._rft_push.rank
 
     def rft_receive_pushed_weights(self) -> int:
         """Take part in one pushed version and load it in place; returns the version."""
-        from rft.weight_push import receive_into
-
         return receive_into(self._rft_push, self._rft_load)
 
     def rft_leave_push_group(self) -> None:

@@ -217,14 +217,11 @@ class ExperienceFeed:
         return FeedState.from_json(self.state.to_json())
 
 
-def open_feed(transport: Transport, bootstrap: str | None = None, *, topic: str, dead_letter_topic: str,
+def open_feed(transport: Transport, *, topic: str, dead_letter_topic: str,
               run_id: str | None, state: FeedState | None = None, window: ReplayWindow | None = None,
               client_id: str = "rft-trainer", operators: "OperatorChain | None" = None,
               ) -> tuple[ExperienceFeed, RecordSink, RecordSource]:
-    """Build a feed with its own source and dead-letter sink from `transport`; the caller closes both.
-    Transitional: `open_feed(kafka_cfg, bootstrap, ...)` (rft/trainer/main.py) connects to that Kafka."""
-    if bootstrap is not None:
-        transport = connect(transport, bootstrap)
+    """Build a feed with its own source and dead-letter sink from `transport`; the caller closes both."""
 
     def new_source() -> RecordSource:
         return transport.source(client_id=client_id)

@@ -22,17 +22,29 @@ import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from rft.commandline import add_config_arguments, config_from_args, die_with_parent
-from rft.config import Config, ConfigError, TrainerConfig
-from rft.schema import ControlMessage, decode_group
+from rft.config import (AlgorithmConfig, Config, ConfigError, ModelConfig, RunConfig, SyncConfig,
+                        TrainerConfig)
+from rft.control import Kind, TrainerFinished, TrainerStarted, TrainerWaiting
+from rft.modes import mode, staleness
+from rft.monitor import MetricsEndpoint, MetricsLogger, metrics_endpoint
+from rft.operators import OperatorContext, build_operator_chain
+from rft.schema import decode_group
+from rft.staleness import StalenessTracker
 from rft.trainer import distributed as dist_io
 from rft.trainer.batch import micro_batches_for_rank, preference_pair_problem, rows_from_groups
 from rft.trainer.checkpoint import CheckpointDir, TrainerState, capture_rng, restore_rng
-from rft.trainer.feed import EndOfReplay, FeedState, ReplayWindow, open_feed, resolve_window
+from rft.trainer.feed import EndOfReplay, ExperienceFeed, FeedState, ReplayWindow, open_feed, resolve_window
+from rft.trainer.replay_buffer import ExperienceReplay, open_replay
+from rft.transport import RecordSink, Transport, TransportError, connect, lag
+from rft.weights.publisher import WeightPublisher
+from rft.weights.store import WeightStore
 
 
 WAIT_ANNOUNCE_S = 2.0
@@ -51,7 +63,7 @@ def main(argv: list[str]) -> int:
               "--set kafka.bootstrap_servers=HOST:PORT", file=sys.stderr)
         return 2
     try:
-        trainer = Trainer(cfg, resume=not args.no_resume)
+        trainer = build_trainer(cfg, resume=not args.no_resume)
     except ConfigError as e:
         print(f"rft trainer: invalid config: {e}", file=sys.stderr)
         return 2
@@ -62,27 +74,113 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def build_trainer(cfg: Config, *, resume: bool = True) -> "Trainer":
+    """Compose a Trainer from the root config: its sections, and rank 0's Kafka side (`open_trainer_io`)."""
+    return Trainer(cfg.trainer, run=cfg.run, model=cfg.model, algorithm=cfg.algorithm, sync=cfg.sync,
+                   run_dir=cfg.run_dir, temperature=cfg.explorer.temperature or 1.0,  # 0 = greedy: untempered
+                   progress=cfg.monitor.progress, resume=resume,
+                   open_io=lambda feed_state, replay_state: open_trainer_io(cfg, feed_state=feed_state,
+                                                                           replay_state=replay_state))
+
+
+@dataclass
+class TrainerIO:
+    """Rank 0's side of the run: the experience feed (and its dead-letter sink), the replay buffer, the control
+    sink, the weight publisher, the metrics. Built by `open_trainer_io`; closed by the trainer."""
+    feed: ExperienceFeed
+    dead_letter_sink: RecordSink
+    control: RecordSink
+    control_topic: str
+    experiences_topic: str
+    metrics: MetricsLogger
+    prometheus: MetricsEndpoint | None
+    replay: "ExperienceReplay | None" = None
+    weights: WeightPublisher | None = None
+
+    def announce(self, message: Kind) -> None:
+        """Send one control message and wait until the broker has it."""
+        self.control.send_record(self.control_topic, message.to_message())
+        self.control.flush()
+
+    def close(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.close()
+        self.metrics.close()
+        if self.weights is not None:
+            self.weights.close()
+        self.control.close()
+        self.dead_letter_sink.close()
+        self.feed.source.close()
+        if self.replay:
+            self.replay.reader.close()
+
+
+def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict) -> TrainerIO:
+    """Open rank 0's Kafka side from the root config, resuming the feed at `feed_state` and the replay buffer
+    from `replay_state`."""
+    transport = connect(cfg.kafka)
+    offline = cfg.run.mode == "offline"
+    topic = (cfg.replay.topic or cfg.topic("experiences")) if offline else cfg.topic("experiences")
+    feed, dlq_sink, _ = open_feed(
+        transport, topic=topic, dead_letter_topic=cfg.topic("dead_letter"),
+        run_id=None if offline else cfg.run.name, state=feed_state, client_id=f"{cfg.run.name}-trainer",
+        window=_replay_window(cfg, transport, topic) if offline else None, operators=build_operator_chain(
+            cfg.trainer.operators, OperatorContext(cfg.model.tokenizer or cfg.model.path)))
+    replay = None
+    if cfg.replay_buffer.groups_per_step:
+        replay = open_replay(cfg.replay_buffer, run_seed=cfg.run.seed, state=replay_state,
+                             topic_source=lambda: transport.source(client_id=f"{cfg.run.name}-trainer-replay"))
+    io = TrainerIO(feed=feed, dead_letter_sink=dlq_sink, replay=replay,
+                   control=transport.sink(client_id=f"{cfg.run.name}-trainer"),
+                   control_topic=cfg.topic("control"), experiences_topic=topic,
+                   metrics=MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name),
+                   prometheus=metrics_endpoint(cfg, role="trainer", instance="0"))
+    io.weights = WeightPublisher(cfg.sync, store=WeightStore.for_sync(cfg.sync, cfg.run_dir), announce=io.announce,
+                                 hf_dir=cfg.model.path,
+                                 push_members=cfg.explorer.replicas * cfg.explorer.tensor_parallel_size)
+    return io
+
+
+def _replay_window(cfg: Config, transport: Transport, topic: str) -> ReplayWindow:
+    """Resolved on the first start and saved, so a resumed replay reads the same records."""
+    path = cfg.run_dir / "replay_window.json"
+    if path.exists():
+        return ReplayWindow.from_json(json.loads(path.read_text()))
+    source = transport.source()
+    try:
+        window = resolve_window(source, topic, start=cfg.replay.start, end=cfg.replay.end)
+    finally:
+        source.close()
+    path.write_text(json.dumps({"topic": topic, **window.to_json()}))
+    return window
+
+
 class Trainer:
-    def __init__(self, cfg: Config, *, resume: bool = True):
-        from megatron_bridge.policy import MegatronPolicy
+    """The loop of the module docstring, on every rank. It takes the config sections it uses; `open_io(feed_state,
+    replay_state)` opens rank 0's Kafka side (a TrainerIO) once the checkpoint to resume from is loaded;
+    `temperature` is the explorers' sampling temperature (the behaviour policy's)."""
+
+    def __init__(self, trainer: TrainerConfig, *, run: RunConfig, model: ModelConfig, algorithm: AlgorithmConfig,
+                 sync: SyncConfig, run_dir: Path, temperature: float, progress: bool,
+                 open_io: Callable[[FeedState, dict], TrainerIO], resume: bool = True):
+        from megatron_bridge.policy import MegatronPolicy  # megatron: heavy
         from rft.algorithms import build_algorithm
         from rft.algorithms.aggregation import with_kl_metric
-        from rft.staleness import StalenessTracker
 
-        self.cfg = cfg
-        t = cfg.trainer
+        self.config, self.run_config, self.model, self.sync = trainer, run, model, sync
+        self.run_dir, self.progress = Path(run_dir), progress
+        t = trainer
         check_parallel_layout(t, dist_io.world_size())
-        self.algorithm = build_algorithm(cfg.algorithm)
+        self.algorithm = build_algorithm(algorithm)
         self.loss_fn = with_kl_metric(self.algorithm.loss_fn)  # `kl` is logged whatever the algorithm
         self.pairwise = getattr(self.algorithm, "pairwise", False)
-        self.policy = MegatronPolicy(cfg.model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, lr=t.lr,
+        self.policy = MegatronPolicy(model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, lr=t.lr,
                                      weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                                     betas=(t.adam_beta1, t.adam_beta2), seed=cfg.run.seed, dtype=cfg.model.dtype,
-                                     reference=self.algorithm.needs_reference,
-                                     temperature=cfg.explorer.temperature or 1.0)  # 0 = greedy: untempered
-        self.staleness = StalenessTracker(mode=cfg.run.mode, max_staleness=cfg.run.max_staleness)
+                                     betas=(t.adam_beta1, t.adam_beta2), seed=run.seed, dtype=model.dtype,
+                                     reference=self.algorithm.needs_reference, temperature=temperature)
+        self.staleness = StalenessTracker(mode=run.mode, max_staleness=run.max_staleness)
         self.is_reader = dist_io.rank() == 0
-        self.checkpoints = CheckpointDir(cfg.run_dir)
+        self.checkpoints = CheckpointDir(self.run_dir)
         self.step, feed_state, self.counters, replay_state = 0, FeedState(), {"samples": 0.0}, {}
         latest = self.checkpoints.latest() if resume else None
         if latest is not None:
@@ -93,75 +191,36 @@ class Trainer:
             replay_state = state.replay_buffer
         self._last_checkpoint = self.step
         self.replay, self._replayed, self._reuse = None, [], []  # rank 0: the replay buffer, this step's replays
+        self.io: TrainerIO | None = None
         if self.is_reader:
-            self._open_io(feed_state, replay_state)
+            self._open_io(open_io(feed_state, replay_state))
 
     # -- rank 0's Kafka side
-    def _open_io(self, feed_state: FeedState, replay_state: dict) -> None:
-        from rft.coordinator import WeightCoordinator
-        from rft.monitor import MetricsLogger, metrics_endpoint
-        from rft.operators import OperatorContext, build_operator_chain
-        from rft.trainer.replay_buffer import open_replay
-        from rft.transport import RecordSink, RecordSource
-        from rft.weight_store import WeightStore
-
-        cfg = self.cfg
-        offline = cfg.run.mode == "offline"
-        topic = (cfg.replay.topic or cfg.topic("experiences")) if offline else cfg.topic("experiences")
-        self.feed, self._dlq_sink, _ = open_feed(
-            cfg.kafka, cfg.kafka.bootstrap_servers, topic=topic, dead_letter_topic=cfg.topic("dead_letter"),
-            run_id=None if offline else cfg.run.name, state=feed_state, client_id=f"{cfg.run.name}-trainer",
-            window=self._replay_window(topic) if offline else None, operators=build_operator_chain(
-                cfg.trainer.operators, OperatorContext(cfg.model.tokenizer or cfg.model.path)))
-        if cfg.replay_buffer.groups_per_step:
-            self.replay = open_replay(cfg.replay_buffer, run_seed=cfg.run.seed, state=replay_state,
-                                      topic_source=lambda: RecordSource(
-                cfg.kafka, cfg.kafka.bootstrap_servers, client_id=f"{cfg.run.name}-trainer-replay"))
-        self.control = RecordSink(cfg.kafka, cfg.kafka.bootstrap_servers, client_id=f"{cfg.run.name}-trainer")
-        self.weights = WeightCoordinator(cfg, WeightStore.for_config(cfg), self._announce)
-        self.metrics = MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name)
-        self.prometheus = metrics_endpoint(cfg, role="trainer", instance="0")
-        self._experiences_topic = topic
-        self.consumed_path = cfg.run_dir / "consumed.jsonl"
+    def _open_io(self, io: TrainerIO) -> None:
+        self.io, self.feed, self.replay = io, io.feed, io.replay
+        self.consumed_path = self.run_dir / "consumed.jsonl"
         self._last_wait_note = 0.0
         _truncate_consumed(self.consumed_path, self.step)
-        self._announce("trainer_started", {"step": self.step, "version": self.step,
-                                           "offsets": dict(self.feed.state.offsets),
-                                           "prometheus_port": self.prometheus.port if self.prometheus else None})
-
-    def _replay_window(self, topic: str) -> ReplayWindow:
-        """Resolved on the first start and saved, so a resumed replay reads the same records."""
-        from rft.transport import RecordSource
-
-        path = self.cfg.run_dir / "replay_window.json"
-        if path.exists():
-            return ReplayWindow.from_json(json.loads(path.read_text()))
-        source = RecordSource(self.cfg.kafka, self.cfg.kafka.bootstrap_servers)
-        try:
-            window = resolve_window(source, topic, start=self.cfg.replay.start, end=self.cfg.replay.end)
-        finally:
-            source.close()
-        path.write_text(json.dumps({"topic": topic, **window.to_json()}))
-        return window
+        self._announce(TrainerStarted(step=self.step, version=self.step, offsets=dict(self.feed.state.offsets),
+                                      prometheus_port=io.prometheus.port if io.prometheus else None))
 
     def _waiting(self, groups_so_far: int) -> None:
         """While starved, tell the explorers what has been consumed (admission control reads it)."""
         now = time.monotonic()
         if now - self._last_wait_note >= WAIT_ANNOUNCE_S:
             self._last_wait_note = now
-            self._announce("trainer_waiting", {"version": self.step, "offsets": dict(self.feed.state.offsets),
-                                               "groups_in_batch": groups_so_far})
+            self._announce(TrainerWaiting(version=self.step, offsets=dict(self.feed.state.offsets),
+                                          groups_in_batch=groups_so_far))
 
-    def _announce(self, kind: str, body: dict) -> None:
-        self.control.send_record(self.cfg.topic("control"), ControlMessage(kind=kind, sender="trainer", body=body))
-        self.control.flush()
+    def _announce(self, message: Kind) -> None:
+        self.io.announce(message)
 
     # -- the loop
     def run(self) -> None:
-        serves_explorers = self.cfg.run.mode != "offline"
+        serves_explorers = mode(self.run_config.mode).publishes_weights
         if self.step == 0 and serves_explorers:
             self._publish_weights(0)  # explorers start from version 0 = the initial weights
-        while self.step < self.cfg.run.max_steps:
+        while self.step < self.run_config.max_steps:
             step = self.step + 1
             started = time.time()
             groups, skipped, exhausted = self._next_groups(step)
@@ -171,7 +230,7 @@ class Trainer:
             self.step = step
             if serves_explorers:
                 self._publish_weights(step)
-            if step % self.cfg.trainer.checkpoint_every == 0:
+            if step % self.config.checkpoint_every == 0:
                 self._checkpoint(step)
             if self.is_reader:
                 self._log(step, groups, skipped, metrics, started)
@@ -181,7 +240,7 @@ class Trainer:
             self._checkpoint(self.step)  # the last step, when the loop did not just checkpoint it
         self._export_final()
         if self.is_reader:
-            self._announce("trainer_finished", {"step": self.step})
+            self._announce(TrainerFinished(step=self.step))
 
     def _next_groups(self, step: int):
         """This step's groups on every rank, the skip counts (rank 0), and whether a replay is exhausted."""
@@ -191,9 +250,8 @@ class Trainer:
             replayed = self.replay.replay(step) if self.replay else []  # chosen before this step's fresh groups
             waiting_since = time.time()
             try:
-                batch = self.feed.next_batch(self.cfg.trainer.groups_per_step,
-                                             admit=lambda g: self._admit(g, step),
-                                             timeout_s=self.cfg.trainer.poll_timeout_s, on_wait=self._waiting)
+                batch = self.feed.next_batch(self.config.groups_per_step, admit=lambda g: self._admit(g, step),
+                                             timeout_s=self.config.poll_timeout_s, on_wait=self._waiting)
             except EndOfReplay as end:
                 batch, exhausted = end.batch, True
             self._data_wait_s = time.time() - waiting_since
@@ -213,10 +271,10 @@ class Trainer:
         return self.staleness.check(group, step)
 
     def _train(self, step: int, groups) -> dict:
-        t = self.cfg.trainer
+        t = self.config
         advantages = self.algorithm.advantages([g.rewards for g in groups])
         rows = rows_from_groups(groups, advantages, pairs=self.pairwise,
-                                max_len=self.cfg.model.max_prompt_len + self.cfg.model.max_response_len)
+                                max_len=self.model.max_prompt_len + self.model.max_response_len)
         micro_batches = micro_batches_for_rank(rows, dp_rank=self.policy.layout.dp_rank, dp_size=self.policy.layout.dp,
                                                micro_batch_size=t.micro_batch_size)
         if self.algorithm.needs_reference:
@@ -225,7 +283,7 @@ class Trainer:
         return self.policy.train_step(micro_batches, self.loss_fn)
 
     def _publish_weights(self, version: int) -> None:
-        """Collective: every rank takes part in gathering the buckets; rank 0 delivers them (rft.coordinator).
+        """Collective: every rank takes part in gathering the buckets; rank 0 delivers them (rft.weights).
         A failed push is redone once by the pull path, which needs the buckets gathered again."""
         delivered = self._deliver(version)
         if not dist_io.broadcast_flag(not delivered):
@@ -234,22 +292,22 @@ class Trainer:
             raise RuntimeError(f"weights version {version} could not be delivered")
 
     def _deliver(self, version: int) -> bool:
-        buckets = self.policy.iter_hf_buckets(self.cfg.sync.bucket_mb << 20)
+        buckets = self.policy.iter_hf_buckets(self.sync.bucket_mb << 20)
         if not self.is_reader:
             for _ in buckets:
                 pass
             return True
-        return self.weights.deliver(version, buckets, offsets=dict(self.feed.state.offsets))
+        return self.io.weights.deliver(version, buckets, offsets=dict(self.feed.state.offsets))
 
     def _export_final(self) -> None:
         """The final weights as a Hugging Face directory (`<run dir>/final`), for evaluation and serving. Rank 0
         decides for every rank: on a shared filesystem another rank could see the directory rank 0 has begun to
         write, skip the collective gather, and leave rank 0 waiting."""
-        final = self.cfg.run_dir / "final"
+        final = self.run_dir / "final"
         # rank 0 decides for all ranks (on a shared filesystem another rank may see rank 0's directory appear);
         # written aside and renamed: a later stage may start from it
         if self.step and not dist_io.broadcast_flag(final.exists()):
-            partial = self.cfg.run_dir / "final.partial"
+            partial = self.run_dir / "final.partial"
             if self.is_reader:
                 shutil.rmtree(partial, ignore_errors=True)
             if self.policy.save_hf(partial) is not None:
@@ -275,7 +333,7 @@ class Trainer:
         with open(self.consumed_path, "a") as f:
             for g, reuse in zip(groups, self._reuse):
                 f.write(json.dumps({"step": step, "group_id": g.group_id, "policy_version": g.policy_version,
-                                    "staleness": (step - 1) - g.policy_version, "reuse": reuse}) + "\n")
+                                    "staleness": staleness(step, g.policy_version), "reuse": reuse}) + "\n")
         samples = sum(len(g.samples) for g in groups)
         tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for g in groups for s in g.samples)
         elapsed = max(time.time() - started, 1e-9)
@@ -293,10 +351,10 @@ class Trainer:
             **(self.replay.step_metrics(step, self._replayed) if self.replay else {}),
         }
         record["consumer_lag"] = self._consumer_lag()
-        self.metrics.log(record, step=step)
-        if self.prometheus is not None:
+        self.io.metrics.log(record, step=step)
+        if self.io.prometheus is not None:
             self.counters["dropped_stale"] = self.counters.get("dropped_stale", 0) + record.get("dropped_stale", 0)
-            self.prometheus.update({
+            self.io.prometheus.update({
                 "rft_trainer_step": step, "rft_trainer_weights_version": step,
                 "rft_trainer_samples_total": self.counters["samples"],
                 "rft_trainer_dropped_stale_samples_total": self.counters["dropped_stale"],
@@ -305,31 +363,21 @@ class Trainer:
                 "rft_trainer_data_wait_seconds": record["data_wait_s"], "rft_trainer_step_seconds": elapsed,
                 "rft_trainer_consumer_lag_records": record["consumer_lag"] if record["consumer_lag"] is not None else -1,
             })
-        if self.cfg.monitor.progress:
-            print(f"[trainer] step {step}/{self.cfg.run.max_steps} reward {record['reward_mean']:.3f} "
+        if self.progress:
+            print(f"[trainer] step {step}/{self.run_config.max_steps} reward {record['reward_mean']:.3f} "
                   f"loss {record.get('loss', float('nan')):.4f} staleness max {record.get('staleness_max', 0)} "
                   f"{elapsed:.1f}s", flush=True)
 
     def _consumer_lag(self) -> int | None:
         """Experience records on the topic not consumed yet (None when the broker does not answer)."""
-        from rft.transport import TransportError, lag
-
         try:
-            return lag(self.feed.source.end_offsets(self._experiences_topic), self.feed.state.offsets)
+            return lag(self.feed.source.end_offsets(self.io.experiences_topic), self.feed.state.offsets)
         except TransportError:
             return None
 
     def close(self) -> None:
-        if self.is_reader and hasattr(self, "feed"):
-            if self.prometheus is not None:
-                self.prometheus.close()
-            self.metrics.close()
-            self.weights.close()
-            self.control.close()
-            self._dlq_sink.close()
-            self.feed.source.close()
-            if self.replay:
-                self.replay.reader.close()
+        if self.io is not None:
+            self.io.close()
         self.policy.close()
 
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 
+from rft.modes import staleness
 from rft.registry import Registry
 from rft.schema import ExperienceGroup, RecordError, decode_group
 from rft.transport import TransportError
@@ -162,7 +163,7 @@ class ExperienceReplay:
     def step_metrics(self, step: int, replayed: list[Replayed]) -> dict:
         """The step's replay metrics (staleness over the replayed samples; `replay_missing`: candidates found gone
         since the last call)."""
-        samples = [((step - 1) - r.group.policy_version, len(r.group.samples)) for r in replayed]
+        samples = [(staleness(step, r.group.policy_version), len(r.group.samples)) for r in replayed]
         n = sum(count for _, count in samples)
         missing, self.missing = self.missing, 0
         return {"replay_groups": len(replayed), "replay_buffer_size": len(self.buffer), "replay_missing": missing,

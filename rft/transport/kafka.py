@@ -17,7 +17,7 @@ from kafka.errors import KafkaError, KafkaTimeoutError, OffsetOutOfRangeError, T
 from kafka.structs import OffsetAndMetadata
 
 from rft.config import KafkaConfig
-from rft.transport import (Message, PartitionInfo, Position, RecordMetadata, SinkBase, SourceBase, TransportError,
+from rft.transport.base import (Message, PartitionInfo, Position, RecordMetadata, SinkBase, SourceBase, TransportError,
                            offset_key, parse_offset_key)
 
 _OVERHEAD_BYTES = 64 * 1024  # room for the batch and header framing around one maximal record
@@ -450,8 +450,11 @@ class KafkaTransport:
         return KafkaSink(self.kafka_cfg, self.bootstrap, client_id=client_id, linger_ms=linger_ms)
 
     def source(self, *, group: str | None = None, topics: Iterable[str] = (), client_id: str = "rft",
-               from_beginning: bool = True, group_instance_id: str | None = None) -> KafkaSource:
-        return KafkaSource(self.kafka_cfg, self.bootstrap, group=group, topics=topics, client_id=client_id,
+               from_beginning: bool = True, group_instance_id: str | None = None,
+               max_poll_interval_ms: int | None = None) -> KafkaSource:
+        cfg = self.kafka_cfg if max_poll_interval_ms is None else \
+            dataclasses.replace(self.kafka_cfg, max_poll_interval_ms=max_poll_interval_ms)
+        return KafkaSource(cfg, self.bootstrap, group=group, topics=topics, client_id=client_id,
                            from_beginning=from_beginning, group_instance_id=group_instance_id)
 
     def admin(self) -> KafkaAdmin:

@@ -19,7 +19,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from rft.transport import (Message, PartitionInfo, RecordMetadata, SinkBase, SourceBase, TransportError,
+from rft.transport.base import (Message, PartitionInfo, RecordMetadata, SinkBase, SourceBase, TransportError,
                            offset_key, parse_offset_key)
 
 MAX_POLL_RECORDS = 500  # kafka-python's default max_poll_records
@@ -324,7 +324,8 @@ class MemoryTransport:
         return MemorySink(self.broker, limit=self.max_record_bytes)
 
     def source(self, *, group: str | None = None, topics: Iterable[str] = (), client_id: str = "rft",
-               from_beginning: bool = True, group_instance_id: str | None = None) -> MemorySource:
+               from_beginning: bool = True, group_instance_id: str | None = None,
+               max_poll_interval_ms: int | None = None) -> MemorySource:
         return MemorySource(self.broker, group=group, topics=topics, from_beginning=from_beginning)
 
     def admin(self) -> MemoryAdmin:

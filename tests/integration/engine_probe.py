@@ -15,7 +15,7 @@ def main(model_dir: str, work_dir: str) -> dict:
     import torch
 
     from rft.explorer.engine import SamplingSettings, VLLMEngine
-    from rft.weight_store import WeightStore, iter_safetensors
+    from rft.weights.store import WeightStore, iter_safetensors
 
     started = time.monotonic()
     engine = VLLMEngine(model_dir, max_model_len=128, cpu_kvcache_gb=0.25, seed=0)
@@ -58,8 +58,8 @@ def push_version(engine, model_dir: str, store, prompts, greedy) -> dict:
 
     import torch
 
-    from rft.weight_push import PushSender
-    from rft.weight_store import iter_safetensors
+    from rft.weights.push import PushSender
+    from rft.weights.store import iter_safetensors
 
     generator = torch.Generator().manual_seed(2)
     weights = {name: t + 0.3 * torch.randn(t.shape, generator=generator) for name, t in iter_safetensors(model_dir)}

@@ -1,4 +1,4 @@
-"""Fleet-wide admission (rft/coordinator.py) against the real broker: capacity follows
+"""Fleet-wide admission (rft/explorer/admission.py, fed by KafkaFleetFeed) against the real broker: capacity follows
 (k + v_explorer + 1) * B - (v_trainer * B + backlog), the trainer's newest announcement wins whatever partition
 it arrived on, live explorers share the capacity, and what an explorer admitted counts until the topic shows it."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from rft.config import config_from_dict
-from rft.coordinator import FleetAdmission
+from rft.explorer.admission import KafkaFleetFeed, StalenessAdmission
 from rft.schema import ControlMessage, encode
 from rft.transport import connect
 from tests.records import make_group
@@ -42,23 +42,25 @@ def test_capacity_follows_versions_and_backlog(bootstrap, topic_prefix, tiny_mod
                                                               body={"explorer_id": other}))
     sink.flush()
 
-    admission = FleetAdmission(cfg, "me", refresh_s=0.0)
-    admission.set_version(2)
+    feed = KafkaFleetFeed(cfg.kafka, control_topic=cfg.topic("control"), experiences_topic=experiences,
+                          client_id="me-admission", live_horizon_s=3 * cfg.explorer.heartbeat_s)
+    admission = StalenessAdmission.for_mode("off_policy", max_staleness=1, groups_per_step=4, feed=feed, refresh_s=0.0)
+    # (the version never goes back, so the explorer one version behind is checked first)
+    admission.set_version(1)
     deadline = time.monotonic() + 20
-    while admission.view.trainer_version != 2 and time.monotonic() < deadline:
+    while feed.view.trainer.version != 2 and time.monotonic() < deadline:
         admission.admit(0)
         time.sleep(0.2)
-    assert admission.view.trainer_version == 2 and admission.view.trainer_offsets == {f"{experiences}:0": 8}
-    assert admission.backlog() == 2  # 10 produced, 8 consumed
-    assert admission.capacity() == (1 + 2 + 1) * 4 - (2 * 4 + 2)  # = 6
+    assert feed.view.trainer.version == 2 and feed.view.trainer.offsets == {f"{experiences}:0": 8}
+    assert admission.fleet_capacity() == (1 + 1 + 1) * 4 - (2 * 4 + 2)  # an explorer one version behind: fewer
+
+    admission.set_version(2)
+    assert feed.backlog() == 2  # 10 produced, 8 consumed
+    assert admission.fleet_capacity() == (1 + 2 + 1) * 4 - (2 * 4 + 2)  # = 6
     assert admission.admit(10) == 3  # two live explorers share 6
 
-    admission.set_version(1)  # an explorer one version behind may start fewer
-    assert admission.capacity() == (1 + 1 + 1) * 4 - (2 * 4 + 2)
-
     admission.refresh_s = 3600  # no new read of the topic's end: own admissions count meanwhile
-    admission.set_version(2)
-    admission._admitted_unseen = 0
+    admission.fail(3)  # (the 3 admitted above were given up: their slots are free again)
     assert admission.admit(10) == 3 and admission.admit(10) == 0
     admission.close()
     sink.close()

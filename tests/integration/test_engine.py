@@ -87,7 +87,7 @@ def test_greedy_matches_transformers_before_and_after_reload(probe, hf_model):
 
 
 def test_pushed_weights_match_transformers(probe):
-    """The push path (rft.weight_push over gloo) delivers the same tensors as the files: greedy decoding of the
+    """The push path (rft.weights.push over gloo) delivers the same tensors as the files: greedy decoding of the
     pushed version 8 equals Hugging Face on version 8's safetensors."""
     from transformers import AutoModelForCausalLM
 
@@ -95,7 +95,7 @@ def test_pushed_weights_match_transformers(probe):
     assert probe["pushed_version"] == 8 and probe["version_pushed"] == [8, 8, 8]
     assert probe["greedy_pushed"] == [hf_greedy(pushed, p, 12) for p in probe["prompts"]]
     assert probe["greedy_pushed"] != probe["greedy_after"]
-    from rft.weight_store import iter_safetensors
+    from rft.weights.store import iter_safetensors
     assert probe["push_bytes"] == sum(t.numel() * t.element_size() for _, t in iter_safetensors(probe["pushed_path"]))
 
 

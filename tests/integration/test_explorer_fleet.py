@@ -23,7 +23,7 @@ import torch
 from rft.explorer.tasks import publish_tasks
 from rft.schema import TYPE_TASK, ControlMessage, headers_for
 from rft.transport import HEADER_ORIGIN, connect
-from rft.weight_store import WeightStore, iter_safetensors
+from rft.weights.store import WeightStore, iter_safetensors
 from tests.integration.explorer_support import (Control, Experiences, create_topics, kill_tree, load, log_tail,
                                                 start_explorer, write_config)
 

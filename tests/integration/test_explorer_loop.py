@@ -11,13 +11,13 @@ import torch
 
 from rft.config import config_from_dict
 from rft.explorer.engine import TransformersEngine
-from rft.explorer.main import Explorer
+from rft.explorer.main import build_explorer
 from rft.explorer.tasks import load_rows, rows_to_tasks
 from rft.rewards import build_reward
 from rft.run_topics import consumer_group
 from rft.schema import ControlMessage, TaskRecord
 from rft.transport import connect
-from rft.weight_store import WeightStore, iter_safetensors
+from rft.weights.store import WeightStore, iter_safetensors
 from rft.workflows import build_workflow
 from tests.integration.explorer_support import Control, Experiences
 
@@ -67,8 +67,8 @@ def test_explorer_batches(broker, tiny_model, tmp_path, topic_prefix):
 
     engine = TransformersEngine(tiny_model)
     admission = HalfAdmission()
-    explorer = Explorer(cfg, bootstrap=broker.bootstrap_servers, explorer_id="loop", engine=engine,
-                        workflow=build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer)), admission=admission)
+    explorer = build_explorer(cfg, explorer_id="loop", engine=engine, workflow=build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer)),
+                              admission=admission)
     experiences, control = Experiences(cfg, cfg.topic("experiences")), Control(cfg, cfg.topic("control"))
     dead = Experiences(cfg, cfg.topic("dead_letter"))
     try:

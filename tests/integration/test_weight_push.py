@@ -1,4 +1,4 @@
-"""The push path's wire protocol (rft.weight_push) over a real gloo group on TCP loopback: rank 0 in this thread,
+"""The push path's wire protocol (rft.weights.push) over a real gloo group on TCP loopback: rank 0 in this thread,
 each member in its own thread (each with its own TCPStore client and gloo pairs, as separate processes would have).
 Bit-exact delivery of mixed dtypes, the ack, and the failures the coordinator falls back on."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from rft.weight_push import PushError, PushGroupSpec, PushReceiver, PushSender, receive_into
+from rft.weights.push import PushError, PushGroupSpec, PushReceiver, PushSender, receive_into
 
 
 def versions_for(n: int) -> list[list[dict[str, torch.Tensor]]]:

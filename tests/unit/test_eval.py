@@ -18,7 +18,7 @@ from rft.monitor import read_metrics
 from rft.run_config import load_run_config
 from rft.trainer.checkpoint import CheckpointDir, TrainerState
 from rft.trainer.feed import FeedState
-from rft.weight_store import WeightStore
+from rft.weights.store import WeightStore
 
 
 COPY_SET = {"name": "copy", "format": "generated", "path": "copy_char", "generated_tasks": 20, "seed": 5}
@@ -99,7 +99,7 @@ def test_resolve_checkpoint(tmp_path, model_dir):
     with pytest.raises(CheckpointError, match="--checkpoint latest: run 'ev' has no weights yet"):
         resolve_checkpoint("latest", cfg)
 
-    store = WeightStore.for_config(cfg)
+    store = WeightStore.for_sync(cfg.sync, cfg.run_dir)
     publish(store, 3, model_dir)
     v4 = publish(store, 4, model_dir)
     latest = resolve_checkpoint("latest", cfg)

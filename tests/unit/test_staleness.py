@@ -1,4 +1,5 @@
-"""Admission control and staleness tracking: known inputs, then simulated runs (explorers, topic, trainer)."""
+"""Admission control and staleness tracking: known inputs, then simulated runs (explorers, topic, trainer). The
+simulation drives the production admission object (rft/explorer/admission.py) through an in-memory feed."""
 from __future__ import annotations
 
 import random
@@ -7,8 +8,28 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from rft.explorer.admission import AdmissionState, FleetReading
+from rft.explorer.admission import StalenessAdmission as AdmissionController
+from rft.modes import staleness_bound
 from rft.schema import ExperienceGroup, Sample
-from rft.staleness import AdmissionController, AdmissionState, StalenessTracker, staleness_bound
+from rft.staleness import StalenessTracker
+
+
+class InMemoryFeed:
+    """A FleetFeed: each reading published is read once, as a coordinator's announcement would be."""
+
+    def __init__(self):
+        self.pending: FleetReading | None = None
+
+    def publish(self, *, trainer_version: int, backlog: int) -> None:
+        self.pending = FleetReading(trainer_version=trainer_version, backlog=backlog)
+
+    def read(self) -> FleetReading | None:
+        reading, self.pending = self.pending, None
+        return reading
+
+    def close(self) -> None:
+        pass
 
 
 # ---------------------------------------------------------------------------------------------- known inputs
@@ -118,7 +139,7 @@ class Simulation:
     def _load_weights(self, version: int) -> None:
         self.explorer_version = version
         self.ctrl.set_version(version)
-        self.ctrl.resync(trainer_version=version, backlog=len(self.topic) - self.committed[version])
+        self.feed.publish(trainer_version=version, backlog=len(self.topic) - self.committed[version])
 
     def _explore(self, tick: int) -> None:
         admitted = self.ctrl.reserve(self.max_running)
@@ -145,11 +166,13 @@ class Simulation:
             self.step, self.taken, self.train_done = self.step + 1, 0, None
 
     def _controller(self, version: int) -> AdmissionController:
+        self.feed = InMemoryFeed()
         if not self.admission:
             return AdmissionController(groups_per_step=self.groups_per_step, max_staleness=None,
-                                       max_running=self.max_running, version=version)
+                                       max_running=self.max_running, version=version, feed=self.feed, refresh_s=0)
         return AdmissionController.for_mode(self.mode, max_staleness=self.k, groups_per_step=self.groups_per_step,
-                                            max_running=self.max_running, version=version)
+                                            max_running=self.max_running, version=version, feed=self.feed,
+                                            refresh_s=0)
 
     @property
     def used(self) -> dict[int, int]:

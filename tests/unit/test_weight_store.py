@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from rft.weight_store import WeightStore, WeightStoreError, iter_safetensors
+from rft.weights.store import WeightStore, WeightStoreError, iter_safetensors
 
 
 @pytest.fixture

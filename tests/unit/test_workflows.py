@@ -109,7 +109,7 @@ def _runs(mask: list[int]) -> list[tuple[int, int]]:
 
 
 def test_transformers_engine_reload_changes_weights_and_version(tiny_model, tmp_path):
-    from rft.weight_store import WeightStore
+    from rft.weights.store import WeightStore
 
     engine = TransformersEngine(tiny_model, seed=0)
     greedy = SamplingSettings(n=1, temperature=0.0, max_tokens=8)

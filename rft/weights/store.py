@@ -1,4 +1,4 @@
-"""Versioned weights on a shared filesystem: the pull path of weight synchronisation.
+"""Versioned weights on a shared filesystem: the pull path of weight synchronisation (rft.weights).
 
 Layout under `root`:
     v00000003/              one published version: HF-layout safetensors shards + the model's
@@ -28,9 +28,12 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+    from rft.config import SyncConfig
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +83,9 @@ class WeightStore:
         self.root.mkdir(parents=True, exist_ok=True)
 
     @classmethod
-    def for_config(cls, cfg) -> "WeightStore":
-        """The store `sync.weight_store` names (default `<run dir>/weights`)."""
-        return cls(cfg.sync.weight_store or cfg.run_dir / "weights", keep=cfg.sync.keep_versions)
+    def for_sync(cls, sync: "SyncConfig", run_dir: str | os.PathLike) -> "WeightStore":
+        """The store `sync.weight_store` names (default `<run dir>/weights`), keeping `sync.keep_versions`."""
+        return cls(sync.weight_store or Path(run_dir) / "weights", keep=sync.keep_versions)
 
     def path(self, version: int) -> Path:
         return self.root / version_dirname(version)

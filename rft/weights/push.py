@@ -16,17 +16,19 @@ engine TP size). Every message is a broadcast from rank 0 of plain tensors (no p
 `send` returns only after the ack, so when it returns every member holds the version: the sender may
 then reuse or overwrite the buffers (next optimizer step), and receivers resume generating with it.
 Any failure or an ack below world_size - 1 raises PushError on the sender; the group is then unusable
-and the caller falls back to the pull path (rft.coordinator.WeightCoordinator).
+and the caller falls back to the pull path (rft.weights.publisher.WeightPublisher).
 """
 from __future__ import annotations
 
 import datetime
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
+
+from rft.control import ControlError, PushGroup
 
 log = logging.getLogger(__name__)
 
@@ -39,25 +41,17 @@ class PushError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class PushGroupSpec:
-    """What a member needs to join: announced on the control topic as `push_group`."""
-    group_id: str  # one per trainer incarnation: a restarted trainer forms a new group
-    host: str
-    port: int
-    world_size: int
-    backend: str  # gloo | nccl
-    timeout_s: float
+class PushGroupSpec(PushGroup):
+    """What a member needs to join: it is the `push_group` control message (rft.control.PushGroup)."""
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return self.body()
 
     @classmethod
     def from_json(cls, body: dict) -> "PushGroupSpec":
         try:
-            return cls(group_id=str(body["group_id"]), host=str(body["host"]), port=int(body["port"]),
-                       world_size=int(body["world_size"]), backend=str(body["backend"]),
-                       timeout_s=float(body["timeout_s"]))
-        except (KeyError, TypeError, ValueError) as e:
+            return cls.from_body(body)
+        except ControlError as e:
             raise PushError(f"malformed push_group announcement {body!r}: {e}") from None
 
 

@@ -1,0 +1,391 @@
+"""The control protocol: one typed message per control kind, and `ControlView`, the one fold of them.
+
+Wire format (unchanged, docs/schema.md, schema 1): a `schema.ControlMessage(kind, sender, body, created_at)` whose
+body keys are exactly the fields of the kind's dataclass below. Senders build a dataclass and send
+`to_message()`; readers `parse()` a ControlMessage into one (None for a kind they do not know: readers ignore
+those). `from_message()` validates: a missing required field or a field of the wrong type raises ControlError
+naming the kind and the field; missing optional fields take their defaults; unknown extra keys are ignored.
+
+Kinds (sender `trainer` unless said otherwise):
+  weights             version `version` is in the weight store at `path` (pull path); `offsets` consumed
+  weights_push        version `version` is being pushed in push group `group_id` (push path)
+  push_group          a push group to join (the fields of rft.weights.push.PushGroupSpec)
+  push_abandoned      the trainer gave up push group `group_id` at `version`; everyone pulls from then on
+  trainer_started     the trainer (re)started at `step` with weights `version` and consumed `offsets`
+  trainer_waiting     the trainer waits for data; `offsets` consumed so far (admission reads them)
+  trainer_finished    the run's last step is done
+  explorer_join       (sender: the explorer id) an explorer joined the tasks consumer group
+  explorer_heartbeat  (sender: the explorer id) every explorer.heartbeat_s, with its counters
+  explorer_weights    (sender: the explorer id) it loaded weights `version` (`seconds`: None when pushed)
+  explorer_leave      (sender: the explorer id) it left, and why
+
+`ControlView.apply()` folds messages into what the run has said so far. Partitions interleave, so messages
+arrive in partition order, not time order: the trainer's state follows the newest trainer message (an older
+one read later is ignored), so the view never goes back in time. A malformed message is skipped and counted
+in `malformed`, never raised.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterable, Iterator, Optional, Union
+
+from rft.schema import ControlMessage, RecordError, decode
+
+log = logging.getLogger(__name__)
+
+TRAINER = "trainer"
+
+
+class ControlError(ValueError):
+    """A control message of a known kind whose body does not fit the kind."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Field validation
+
+
+def _check(kind: str, name: str, value: Any, hint: Any) -> Any:
+    """`value` as type `hint` (int, float, str, bool, Optional[X], dict[str, int], list[int]), else ControlError."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _check(kind, name, value, inner)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ControlError(f"{kind}: field {name!r} must be a map, got {value!r:.80}")
+        return {str(k): _check(kind, f"{name}[{k!r}]", v, args[1]) for k, v in value.items()}
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ControlError(f"{kind}: field {name!r} must be a list, got {value!r:.80}")
+        return [_check(kind, f"{name}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
+        return value
+    raise ControlError(f"{kind}: field {name!r} must be {hint.__name__}, got {value!r:.80}")
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+class Kind:
+    """Base of the control kinds: `KIND` (the wire string), `to_message()`, `from_message()`."""
+    KIND: ClassVar[str]
+
+    @property
+    def sender(self) -> str:
+        return TRAINER
+
+    def body(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to_message(self, *, created_at: float | None = None) -> ControlMessage:
+        return ControlMessage(kind=self.KIND, sender=self.sender, body=self.body(),
+                              created_at=time.time() if created_at is None else created_at)
+
+    @classmethod
+    def from_body(cls, body: dict, *, sender: str = ""):
+        """Validate `body` (see the module docstring); ControlError if it does not fit."""
+        if not isinstance(body, dict):
+            raise ControlError(f"{cls.KIND}: body must be a map, got {body!r:.80}")
+        hints, values = _hints(cls), {}
+        for f in dataclasses.fields(cls):
+            if f.name in body:
+                values[f.name] = _check(cls.KIND, f.name, body[f.name], hints[f.name])
+            elif f.name == "explorer_id" and sender:
+                values[f.name] = sender  # explorers' messages: the sender is the explorer id
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ControlError(f"{cls.KIND}: missing field {f.name!r}")
+        return cls(**values)
+
+    @classmethod
+    def from_message(cls, message: ControlMessage):
+        if message.kind != cls.KIND:
+            raise ControlError(f"expected a {cls.KIND} message, got {message.kind!r}")
+        return cls.from_body(message.body, sender=message.sender)
+
+
+class _FromExplorer(Kind):
+    explorer_id: str
+
+    @property
+    def sender(self) -> str:
+        return self.explorer_id
+
+
+# --------------------------------------------------------------------------------------------------
+# The kinds
+
+
+@dataclass(frozen=True)
+class Weights(Kind):
+    KIND: ClassVar[str] = "weights"
+    version: int
+    path: str = ""
+    offsets: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WeightsPush(Kind):
+    KIND: ClassVar[str] = "weights_push"
+    group_id: str
+    version: int
+    offsets: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PushGroup(Kind):
+    """What a member needs to join a push group (rft.weights.push)."""
+    KIND: ClassVar[str] = "push_group"
+    group_id: str  # one per trainer incarnation: a restarted trainer forms a new group
+    host: str
+    port: int
+    world_size: int
+    backend: str  # gloo | nccl
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class PushAbandoned(Kind):
+    KIND: ClassVar[str] = "push_abandoned"
+    group_id: str
+    version: Optional[int] = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class TrainerStarted(Kind):
+    KIND: ClassVar[str] = "trainer_started"
+    step: int
+    version: int
+    offsets: dict[str, int] = field(default_factory=dict)
+    prometheus_port: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class TrainerWaiting(Kind):
+    KIND: ClassVar[str] = "trainer_waiting"
+    version: int
+    offsets: dict[str, int] = field(default_factory=dict)
+    groups_in_batch: int = 0
+
+
+@dataclass(frozen=True)
+class TrainerFinished(Kind):
+    KIND: ClassVar[str] = "trainer_finished"
+    step: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ExplorerJoin(_FromExplorer):
+    KIND: ClassVar[str] = "explorer_join"
+    explorer_id: str
+    weights_version: Optional[int] = None
+    host: str = ""
+    pid: Optional[int] = None
+    prometheus_port: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ExplorerHeartbeat(_FromExplorer):
+    """Counters since joining; `explore_s` of `joined_s` was spent generating and scoring; `partitions`: the
+    tasks partitions held at the last poll."""
+    KIND: ClassVar[str] = "explorer_heartbeat"
+    explorer_id: str
+    weights_version: Optional[int] = None
+    groups: Optional[int] = None
+    batches: Optional[int] = None
+    dead_letters: Optional[int] = None
+    admission_waits: Optional[int] = None
+    explore_s: float = 0.0
+    joined_s: float = 0.0
+    partitions: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ExplorerWeights(_FromExplorer):
+    KIND: ClassVar[str] = "explorer_weights"
+    explorer_id: str
+    version: int
+    seconds: Optional[float] = None  # None: received by push
+
+
+@dataclass(frozen=True)
+class ExplorerLeave(_FromExplorer):
+    KIND: ClassVar[str] = "explorer_leave"
+    explorer_id: str
+    reason: str = ""
+    groups: Optional[int] = None
+
+
+KINDS: dict[str, type[Kind]] = {k.KIND: k for k in (
+    Weights, WeightsPush, PushGroup, PushAbandoned, TrainerStarted, TrainerWaiting, TrainerFinished,
+    ExplorerJoin, ExplorerHeartbeat, ExplorerWeights, ExplorerLeave)}
+TRAINER_STATES = {Weights: "training", WeightsPush: "training", TrainerStarted: "started",
+                  TrainerWaiting: "waiting", TrainerFinished: "finished"}
+
+
+def parse(message: ControlMessage) -> Kind | None:
+    """The typed message; None for a kind this version does not know; ControlError if malformed."""
+    cls = KINDS.get(message.kind)
+    return None if cls is None else cls.from_message(message)
+
+
+def control_messages(records: Iterable) -> Iterator[ControlMessage]:
+    """The control messages among transport records (`.value`, `.headers`); other records are skipped: other
+    roles write to the control topic too, and a reader is not the judge of them."""
+    for m in records:
+        try:
+            message = decode(m.value, m.headers)
+        except RecordError:
+            continue
+        if isinstance(message, ControlMessage):
+            yield message
+
+
+# --------------------------------------------------------------------------------------------------
+# The fold
+
+
+@dataclass
+class TrainerView:
+    """The trainer as its newest message tells it (`rft status` prints these fields)."""
+    state: str = "not started"  # started | training | waiting | finished | not started
+    step: int = 0
+    version: int = 0
+    offsets: dict[str, int] = field(default_factory=dict)  # experiences consumed, "topic:partition" -> offset
+    prometheus_port: int | None = None
+    last_seen: float = 0.0  # created_at of the trainer message in force
+    history: list[tuple[float, int]] = field(default_factory=list, repr=False)  # (time, version) of announcements
+
+
+@dataclass
+class ExplorerView:
+    """One explorer as its messages tell it (`rft status` prints these fields)."""
+    explorer_id: str
+    host: str = ""
+    pid: int | None = None
+    prometheus_port: int | None = None
+    state: str = "live"  # live | left (rft status adds silent: no message for 3 heartbeats)
+    left_reason: str = ""
+    weights_version: int = 0
+    groups: int = 0
+    batches: int = 0
+    dead_letters: int = 0
+    admission_waits: int = 0
+    busy: float | None = None  # fraction of its time spent generating and scoring
+    last_seen: float = 0.0  # created_at of its newest message
+    history: list[tuple[float, int]] = field(default_factory=list, repr=False)  # (time, groups) of heartbeats
+
+
+class ControlView:
+    """What the control topic has said so far (module docstring: ordering). Not thread-safe.
+
+    - `trainer`: the trainer's state, version, consumed offsets (messages from sender `trainer` only);
+    - `explorers`: each explorer's last signs; `heard`: when this process read each one's newest message;
+    - weights: `announced` (the newest `weights` version with a path), `weights_path` (the path of the newest
+      `weights` message), `push_group` (the newest push group), `pushed` (group id -> versions announced as
+      pushed, in the order read) and `abandoned` (push groups given up).
+    """
+
+    def __init__(self) -> None:
+        self.trainer = TrainerView()
+        self.explorers: dict[str, ExplorerView] = {}
+        self.heard: dict[str, float] = {}
+        self.announced: Weights | None = None
+        self.weights_path = ""
+        self.push_group: PushGroup | None = None
+        self.pushed: dict[str, list[int]] = {}
+        self.abandoned: set[str] = set()
+        self.malformed = 0
+
+    @property
+    def trainer_finished(self) -> bool:
+        return self.trainer.state == "finished"
+
+    @property
+    def push_abandoned(self) -> bool:
+        """The newest push group was given up (the run pulls)."""
+        return self.push_group is not None and self.push_group.group_id in self.abandoned
+
+    def live_explorers(self, now: float, horizon_s: float) -> int:
+        """Explorers that have not left and were heard from within `horizon_s` of `now` (this process's clock)."""
+        return sum(1 for e, heard in self.heard.items()
+                   if now - heard <= horizon_s and self.explorers[e].state == "live")
+
+    def apply_records(self, records: Iterable) -> None:
+        """`apply` each control message among transport records, now."""
+        now = time.time()
+        for message in control_messages(records):
+            self.apply(message, received_at=now)
+
+    def apply(self, message: ControlMessage, *, received_at: float | None = None) -> None:
+        try:
+            kind = parse(message)
+        except ControlError as e:
+            self.malformed += 1
+            log.warning("skipping a malformed control message from %s: %s", message.sender, e)
+            return
+        if kind is None:
+            return
+        self._apply_weights(kind)
+        if isinstance(kind, _FromExplorer):
+            self._apply_explorer(kind, message.created_at)
+            self.heard[kind.explorer_id] = time.time() if received_at is None else received_at
+        elif message.sender == TRAINER and message.created_at >= self.trainer.last_seen:
+            self._apply_trainer(kind, message.created_at)
+
+    def _apply_weights(self, kind: Kind) -> None:
+        if isinstance(kind, Weights):
+            self.weights_path = kind.path
+            if kind.path and (self.announced is None or kind.version > self.announced.version):
+                self.announced = kind
+        elif isinstance(kind, PushGroup):
+            self.push_group = kind
+        elif isinstance(kind, WeightsPush):
+            self.pushed.setdefault(kind.group_id, []).append(kind.version)
+        elif isinstance(kind, PushAbandoned):
+            self.abandoned.add(kind.group_id)
+
+    def _apply_trainer(self, kind: Kind, when: float) -> None:
+        t = self.trainer
+        t.last_seen = when
+        t.state = TRAINER_STATES.get(type(kind), t.state)
+        if isinstance(kind, (Weights, WeightsPush, TrainerStarted, TrainerWaiting)):
+            t.version, t.offsets = kind.version, dict(kind.offsets)
+            t.history.append((when, t.version))
+        step = getattr(kind, "step", None)
+        t.step = step if step is not None else max(t.step, t.version)
+        if isinstance(kind, TrainerStarted):
+            t.prometheus_port = kind.prometheus_port
+
+    def _apply_explorer(self, kind: _FromExplorer, when: float) -> None:
+        e = self.explorers.setdefault(kind.explorer_id, ExplorerView(kind.explorer_id))
+        e.last_seen = max(e.last_seen, when)
+        if isinstance(kind, ExplorerJoin):
+            e.state, e.left_reason, e.history = "live", "", []
+            e.host, e.pid, e.prometheus_port = kind.host, kind.pid, kind.prometheus_port
+        elif isinstance(kind, ExplorerLeave):
+            e.state, e.left_reason = "left", kind.reason
+        elif isinstance(kind, ExplorerWeights):
+            e.weights_version = kind.version
+        if getattr(kind, "weights_version", None) is not None:
+            e.weights_version = kind.weights_version
+        for name in ("groups", "batches", "dead_letters", "admission_waits"):
+            if getattr(kind, name, None) is not None:
+                setattr(e, name, getattr(kind, name))
+        if isinstance(kind, ExplorerHeartbeat):
+            e.history.append((when, e.groups))
+            if kind.joined_s:
+                e.busy = kind.explore_s / kind.joined_s
+

@@ -1,0 +1,82 @@
+"""What each run mode means: the one table of modes, and the staleness of a sample.
+
+Definitions (DESIGN.md). Version 0 is the initial weights; optimizer step s consumes one batch and produces
+version s. A sample generated with weights `policy_version` and used in step s has staleness
+`(s - 1) - policy_version` (`staleness()`); the mode's bound k is the largest staleness a sample may have when
+it is used (`staleness_bound()`):
+
+    mode        bound                explorers  trainer  trainer publishes weights  admission waits
+    sync        0                    yes        yes      yes                        yes
+    off_policy  run.max_staleness    yes        yes      yes                        yes
+    async       none                 yes        yes      yes                        no
+    offline     none                 no         yes      no (replays a topic)       no
+    explore     none                 yes        no       no trainer                 no
+    train       none                 no         yes      yes (explorers elsewhere)  no
+
+Admission (`explorer.admission: staleness`, rft/explorer/admission.py) waits exactly when the mode has a
+bound; the trainer drops what exceeds it (rft/staleness.py). Every other module asks this one (`MODES`,
+`mode()`) rather than listing mode names itself. This module imports nothing from rft.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One row of the table in the module docstring."""
+    name: str
+    bound: Literal["zero", "max_staleness", "none"]
+    explorers: bool  # `rft run` starts explorers
+    trainer: bool  # `rft run` starts a trainer
+    publishes_weights: bool  # the trainer publishes each version for explorers
+
+    @property
+    def admission_waits(self) -> bool:
+        """Whether `explorer.admission: staleness` can make an explorer wait (only under a bound)."""
+        return self.bound != "none"
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The parts `rft run` starts besides the broker and the task publisher."""
+        return tuple(role for role, on in (("trainer", self.trainer), ("explorers", self.explorers)) if on)
+
+    def staleness_bound(self, max_staleness: int) -> Optional[int]:
+        """0, `max_staleness` (>= 0) or None (no bound)."""
+        if self.bound == "zero":
+            return 0
+        if self.bound == "none":
+            return None
+        if max_staleness < 0:
+            raise ValueError(f"run.max_staleness: must be >= 0, got {max_staleness}")
+        return max_staleness
+
+
+MODES: dict[str, Mode] = {m.name: m for m in (
+    Mode("sync", "zero", explorers=True, trainer=True, publishes_weights=True),
+    Mode("off_policy", "max_staleness", explorers=True, trainer=True, publishes_weights=True),
+    Mode("async", "none", explorers=True, trainer=True, publishes_weights=True),
+    Mode("offline", "none", explorers=False, trainer=True, publishes_weights=False),
+    Mode("explore", "none", explorers=True, trainer=False, publishes_weights=False),
+    Mode("train", "none", explorers=False, trainer=True, publishes_weights=True),
+)}
+
+
+def mode(name: str) -> Mode:
+    """The row of `run.mode` `name`; ValueError naming the known modes for any other."""
+    try:
+        return MODES[name]
+    except KeyError:
+        raise ValueError(f"run.mode: unknown mode {name!r} ({', '.join(MODES)})") from None
+
+
+def staleness_bound(name: str, max_staleness: int) -> Optional[int]:
+    """The largest staleness a sample may have when used in mode `name`: 0 (sync), k (off_policy) or None."""
+    return mode(name).staleness_bound(max_staleness)
+
+
+def staleness(step: int, policy_version: int) -> int:
+    """Staleness of a sample generated with `policy_version` and used in optimizer step `step`: (step - 1) - v.
+    0 is on-policy; negative means weights newer than the step's (an abandoned lineage, or another run's)."""
+    return (step - 1) - policy_version

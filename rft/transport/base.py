@@ -1,0 +1,364 @@
+"""The protocols and plain values of rft.transport (see the package docstring): what every implementation and
+every caller shares. Imports no Kafka."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Protocol
+
+from rft.schema import HEADER_ERROR, RecordError, encode
+
+if TYPE_CHECKING:
+    from rft.config import KafkaConfig
+
+log = logging.getLogger(__name__)
+
+HEADER_ORIGIN = "rft-origin"
+
+
+class TransportError(RuntimeError):
+    """The transport failed (no broker, a wedged client, a send the broker refused). Callers that keep their
+    own positions reconnect and seek; others let it propagate."""
+
+
+class RecordTooLarge(TransportError):
+    """A record over the sink's limit; refused before it was sent, with its size and the limit."""
+
+
+class PositionSpecError(ValueError):
+    """A malformed offset or time given by a user (`P:O`, ISO 8601)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Values
+
+
+class Position(str):
+    """A partition of a topic as the string `"topic:partition"` (a dict key of every offset map), with its
+    parts. Equal to, and hashed as, the plain string."""
+
+    @property
+    def topic(self) -> str:
+        return self.rpartition(":")[0]
+
+    @property
+    def partition(self) -> int:
+        return int(self.rpartition(":")[2])
+
+
+def offset_key(topic: str, partition: int) -> Position:
+    return Position(f"{topic}:{partition}")
+
+
+def parse_offset_key(key: str) -> Position:
+    """`"topic:partition"` as a Position; ValueError when it is not of that form."""
+    topic, sep, partition = key.rpartition(":")
+    if not sep or not topic or not partition.isdigit():
+        raise ValueError(f"expected TOPIC:PARTITION, got {key!r}")
+    return Position(key)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One record as read: raw bytes (never decoded here), its position and the producer's timestamp (ms)."""
+    topic: str
+    partition: int
+    offset: int
+    key: Optional[bytes]
+    value: bytes
+    headers: list[tuple[str, bytes]]
+    timestamp_ms: int
+
+    @property
+    def position(self) -> Position:
+        return offset_key(self.topic, self.partition)
+
+
+@dataclass(frozen=True)
+class RecordMetadata:
+    """Where a sent record landed (what `SendFuture.get` returns)."""
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int
+
+    @property
+    def position(self) -> Position:
+        return offset_key(self.topic, self.partition)
+
+
+@dataclass
+class PartitionInfo:
+    partition: int
+    beginning: int
+    end: int
+
+
+def lag(end: dict[str, int], consumed: dict[str, int], partitions: Iterable[str] | None = None) -> int:
+    """Records between `consumed` and `end` ("topic:partition" -> offset), over `partitions` (default: all of end)."""
+    keys = end if partitions is None else [k for k in partitions if k in end]
+    return sum(max(0, end[k] - consumed.get(k, 0)) for k in keys)
+
+
+def record_size(value: bytes | None, key: bytes | None, headers: list[tuple[str, bytes]] | None) -> int:
+    """Bytes a sink counts against its limit: value, key, header names and values."""
+    return len(value or b"") + len(key or b"") + sum(len(k) + len(v or b"") for k, v in headers or [])
+
+
+def parse_positions(specs: list[str], topic: str, option: str, partitions: int) -> dict[str, int]:
+    """`["0:100", "1:250"]` -> {"topic:0": 100, "topic:1": 250}; PositionSpecError naming `option` otherwise."""
+    out = {}
+    for spec in specs:
+        partition, sep, offset = spec.partition(":")
+        if not sep or not partition.isdigit() or not offset.isdigit():
+            raise PositionSpecError(f"{option} expects PARTITION:OFFSET (e.g. 0:100), got {spec!r}")
+        if int(partition) >= partitions:
+            raise PositionSpecError(f"{option} {spec}: topic {topic!r} has partitions 0..{partitions - 1}")
+        out[offset_key(topic, int(partition))] = int(offset)
+    return out
+
+
+def parse_time_ms(text: str | None, option: str) -> int | None:
+    """Milliseconds since the epoch, or ISO 8601 (a time without a zone is UTC); None stays None."""
+    if text is None:
+        return None
+    if text.isdigit():
+        return int(text)
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise PositionSpecError(f"{option} expects ISO 8601 (e.g. 2025-01-31T12:00:00Z) or milliseconds since "
+                                f"the epoch, got {text!r}") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return int(moment.timestamp() * 1000)
+
+
+# --------------------------------------------------------------------------------------------------
+# Protocols
+
+
+class SendFuture(Protocol):
+    """The pending result of one `send`."""
+
+    def get(self, timeout: float | None = None) -> RecordMetadata:
+        """Wait until the record is durable and return where it landed; TransportError if the broker refused it
+        (or did not answer within `timeout` seconds)."""
+
+    def add_errback(self, callback: Callable[[BaseException], Any]) -> None:
+        """Call `callback(error)` if the send fails (from the sink's IO thread)."""
+
+
+class RecordSink(Protocol):
+    """Produces records.
+
+    Delivery: `send()` is asynchronous; a record is durable once `flush()` returns or its future's `get()`
+    returns (acks from all in-sync replicas, idempotent producer: a retried send is written once). A record
+    whose `record_size` is over `limit` (kafka.max_record_bytes) is refused before it is sent with
+    RecordTooLarge naming its size and the limit, unless `check_size=False` (records that already exist: dead
+    letters, imports; never lose them). Records sent with the same key go to the same partition, in send order.
+    Thread-safe."""
+    limit: int
+
+
+    def send(self, topic: str, value: bytes, *, key: bytes | str | None = None,
+             headers: list[tuple[str, bytes]] | None = None, partition: int | None = None,
+             timestamp_ms: int | None = None, check_size: bool = True) -> SendFuture: ...
+
+    def send_record(self, topic: str, record: Any, *, key: str | None = None) -> SendFuture:
+        """Encode an rft record (rft.schema) and send it."""
+
+    def flush(self, timeout_s: float | None = None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RecordSource(Protocol):
+    """Consumes raw records (bytes; decoding is the caller's, see `DeadLetter`).
+
+    Delivery: commits are manual (`commit()`), so delivery is at-least-once: records polled after the last
+    commit are delivered again to whoever takes the partition next. Exactly-once is the caller's: store the
+    positions with your own state and `seek()` to them on restart (what the trainer's feed does).
+    - `group` set: joins a consumer group subscribed to `topics`; the group's partitions are shared among its
+      members, each starting at the group's committed offset (else the beginning or the end, `from_beginning`).
+    - `group` None: partitions are taken explicitly with `assign()` / `seek()`; replay by offsets or time with
+      `read_range` / `read_offsets` / `fetch`.
+    `poll()` returns each partition's records in offset order, sorted by (topic, partition, offset).
+    Not thread-safe: use a source from one thread."""
+    group: str | None
+
+
+    def poll(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[Message]: ...
+
+    def partitions(self, topic: str) -> list[str]:
+        """The topic's partitions as "topic:partition", in partition order; TransportError if it does not exist."""
+
+    def assign(self, topics: Iterable[str]) -> list[str]:
+        """Take every partition of `topics` (no group); returns them."""
+
+    def assignment(self) -> set[str]:
+        """The partitions this source reads now (with a group: what the group gave it)."""
+
+    def seek(self, offsets: dict[str, int]) -> None:
+        """Position at stored offsets ("topic:partition" -> next offset); assigns them if unassigned."""
+
+    def seek_to_beginning(self) -> None: ...
+
+    def positions(self) -> dict[str, int]:
+        """Next offset to read of each assigned partition."""
+
+    def commit(self, offsets: dict[str, int] | None = None) -> None:
+        """Commit to the group: the given offsets, or the current positions."""
+
+    def committed(self, topic: str) -> dict[str, int | None]:
+        """The group's committed offset per partition of `topic` (None where nothing was committed)."""
+
+    def beginning_offsets(self, topic: str) -> dict[str, int]: ...
+
+    def end_offsets(self, topic: str) -> dict[str, int]:
+        """One past the last record of each partition."""
+
+    def offsets_for_time(self, topic: str, timestamp_ms: int) -> dict[str, int]:
+        """First offset at or after `timestamp_ms` per partition (the end offset when none is): a starting point
+        as the broker answers it, not a filter."""
+
+    def replay_bounds(self, topic: str, *, start: dict[str, int] | None = None, end: dict[str, int] | None = None,
+                      from_time_ms: int | None = None) -> tuple[dict[str, int], dict[str, int]]: ...
+
+    def read_range(self, topic: str, *, start: dict[str, int] | None = None, end: dict[str, int] | None = None,
+                   from_time_ms: int | None = None, to_time_ms: int | None = None,
+                   idle_timeout_s: float = 10.0) -> Iterator[Message]: ...
+
+    def read_offsets(self, begin: dict[str, int], stop: dict[str, int], *, from_time_ms: int | None = None,
+                     to_time_ms: int | None = None, idle_timeout_s: float = 10.0) -> Iterator[Message]:
+        """The records in `[begin, stop)` of each partition named in `begin`, only those stamped in
+        `[from_time_ms, to_time_ms)` when given. No group; leaves the source assigned to those partitions."""
+
+    def fetch(self, position: str, offset: int, *, idle_timeout_s: float = 10.0) -> Optional[Message]:
+        """The record at `offset` of `position`; None when the partition no longer holds it (retention)."""
+
+    def close(self) -> None: ...
+
+
+class Admin(Protocol):
+    """Topic administration and description."""
+
+    def create_topics(self, names: Iterable[str], partitions: int | None = None) -> list[str]:
+        """Create missing topics (default partitions: kafka.partitions); returns those created."""
+
+    def list_topics(self) -> list[str]:
+        """Topic names, sorted, without internal ("__") topics."""
+
+    def describe(self, topic: str) -> list[PartitionInfo]: ...
+
+    def groups(self) -> list[str]: ...
+
+    def group_offsets(self, group: str) -> dict[str, int]: ...
+
+    def delete_topics(self, names: Iterable[str]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    """Builds the clients of one process; one per process, passed down (a test passes a MemoryTransport)."""
+
+    def sink(self, *, client_id: str = "rft", linger_ms: int = 5) -> RecordSink: ...
+
+    def source(self, *, group: str | None = None, topics: Iterable[str] = (), client_id: str = "rft",
+               from_beginning: bool = True, group_instance_id: str | None = None,
+               max_poll_interval_ms: int | None = None) -> RecordSource:
+        """`max_poll_interval_ms`: how long a group member may go between polls before the group presumes it
+        dead (None: kafka.max_poll_interval_ms)."""
+
+    def admin(self) -> Admin: ...
+
+
+# --------------------------------------------------------------------------------------------------
+# What every implementation shares, written once over the protocols' primitives
+
+
+class SinkBase:
+    """`send_record` and the size check, over an implementation's `send` and `limit`."""
+    limit: int
+
+    def send_record(self, topic: str, record: Any, *, key: str | None = None) -> SendFuture:
+        value, headers = encode(record)
+        return self.send(topic, value, key=key, headers=headers)
+
+    def _checked_key(self, topic: str, value: bytes | None, key: bytes | str | None,
+                     headers: list[tuple[str, bytes]] | None, check_size: bool) -> bytes | None:
+        """The key as bytes; RecordTooLarge when the record is over `limit` and `check_size`."""
+        key_bytes = key.encode() if isinstance(key, str) else key
+        size = record_size(value, key_bytes, headers)
+        if check_size and size > self.limit:
+            raise RecordTooLarge(f"record for topic {topic!r} is {size} bytes, over the limit of {self.limit} "
+                                 "bytes (kafka.max_record_bytes); it was not sent")
+        return key_bytes
+
+
+class SourceBase:
+    """Iteration and replay bounds, over an implementation's `poll`, offsets and `read_offsets`."""
+
+    def __iter__(self) -> Iterator[Message]:
+        while True:
+            yield from self.poll()
+
+    def read_range(self, topic: str, *, start: dict[str, int] | None = None, end: dict[str, int] | None = None,
+                   from_time_ms: int | None = None, to_time_ms: int | None = None,
+                   idle_timeout_s: float = 10.0) -> Iterator[Message]:
+        """Replay `[start, end)` offsets (default: whole topic as of now), optionally bounded by record
+        time `[from_time_ms, to_time_ms)` (each record's own timestamp). Needs a source without a group.
+        Each partition's records come in offset order; partitions interleave."""
+        begin, stop = self.replay_bounds(topic, start=start, end=end, from_time_ms=from_time_ms)
+        yield from self.read_offsets(begin, stop, from_time_ms=from_time_ms, to_time_ms=to_time_ms,
+                                     idle_timeout_s=idle_timeout_s)
+
+    def replay_bounds(self, topic: str, *, start: dict[str, int] | None = None, end: dict[str, int] | None = None,
+                      from_time_ms: int | None = None) -> tuple[dict[str, int], dict[str, int]]:
+        """`(begin, stop)` offsets per partition of `topic` for a replay: the topic's current extent,
+        narrowed by `start`/`end` ("topic:partition" -> offset) and by the first record at or after
+        `from_time_ms`. A partition with nothing to read has `begin >= stop`."""
+        begin = dict(self.beginning_offsets(topic))
+        if from_time_ms is not None:
+            begin.update(self.offsets_for_time(topic, from_time_ms))
+        if start:
+            begin.update({k: max(v, begin.get(k, 0)) for k, v in start.items()})
+        stop = dict(self.end_offsets(topic))
+        if end:
+            stop.update({k: min(v, stop.get(k, v)) for k, v in end.items()})
+        return begin, stop
+
+
+# --------------------------------------------------------------------------------------------------
+# Dead letters
+
+
+class DeadLetter:
+    """Decode-or-divert over any RecordSink: `decode(messages)` returns the decoded records and sends every
+    record that fails to decode, byte-for-byte, to the dead-letter topic with the reason in the `rft-error`
+    header and its origin (`topic:partition@offset`) in `rft-origin`; consumption goes on. Counts by reason."""
+
+    def __init__(self, sink: RecordSink, topic: str):
+        self.sink, self.topic = sink, topic
+        self.count = 0
+        self.reasons: dict[str, int] = {}
+
+    def decode(self, messages: Iterable[Message], decoder: Callable[[bytes, list], Any]) -> list[tuple[Message, Any]]:
+        out = []
+        for m in messages:
+            try:
+                out.append((m, decoder(m.value, m.headers)))
+            except RecordError as e:
+                self.divert(m, str(e))
+        return out
+
+    def divert(self, m: Message, reason: str) -> None:
+        log.warning("dead-letter %s@%d: %s", m.position, m.offset, reason)
+        headers = [h for h in m.headers if h[0] not in (HEADER_ERROR, HEADER_ORIGIN)]
+        headers += [(HEADER_ERROR, reason.encode()[:4096]), (HEADER_ORIGIN, f"{m.position}@{m.offset}".encode())]
+        self.sink.send(self.topic, m.value or b"", key=m.key, headers=headers, check_size=False)
+        self.count += 1
+        kind = reason.split(":")[0][:80]
+        self.reasons[kind] = self.reasons.get(kind, 0) + 1

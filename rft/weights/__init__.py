@@ -1,0 +1,38 @@
+"""Weight synchronisation: how the explorers get each version the trainer produces.
+
+Modules: `store` (versioned directories on a shared filesystem: the pull path's medium), `push` (the push path's
+process group and wire protocol), `publisher` (trainer side: `WeightPublisher` delivers each version),
+`subscriber` (explorer side: `WeightUpdates` knows the newest version, `PushMembership` takes part in the push
+group, `load_newest_weights` reloads an engine). Announcements travel on the control topic (rft.control).
+
+The publisher lives in the trainer's publishing rank (global rank 0). After each optimizer step s the trainer
+streams version s in HF layout (megatron_bridge buckets) to it, and it delivers the version by the configured
+path (`sync.method`):
+
+Pull (elastic fleets, the default). Version s is written to the weight store, then announced on the control
+topic (`Weights`: version, path, and the trainer's consumed offsets). Ordering contract:
+  1. a version directory is complete (written to a temporary name, renamed) before LATEST points to it, and
+     LATEST is updated before the announcement is sent;
+  2. a published version is never rewritten; the store keeps the newest `sync.keep_versions`, so an explorer
+     may find an announced version already gone and then takes the newest one (it retries);
+  3. an explorer loads the newest version (of the store's LATEST and the announcements, never going back)
+     before it joins the tasks consumer group (late joiners generate nothing with old weights), and before
+     every batch;
+  4. every experience group carries the version that generated it; the trainer, not the explorer, has the
+     last word on staleness (it drops and counts what exceeds the bound).
+
+Push (fixed fleets: `explorer.replicas` engines of `explorer.tensor_parallel_size` workers). The publisher hosts
+a process group (`push`; gloo on CPU, NCCL on GPU) and announces it (`PushGroup`) every few seconds until every
+engine worker has joined, at most `sync.timeout_s`. Then, per version:
+  1. it announces `WeightsPush` {group_id, version, offsets}, then broadcasts the buckets;
+  2. explorers take part between two batches (never during generation), load the tensors in place and ack;
+  3. the broadcast returns after every member acked: only then does the trainer start the next step (the
+     buffers may be reused), and each explorer resumes generating with the version it just acked.
+  If the group cannot be formed in time, or a push fails or times out (an explorer died: a fixed group cannot
+  lose a member), the publisher announces `PushAbandoned` and uses the pull path for the rest of the run,
+  starting with the version whose push failed; explorers leave the abandoned group and pull. A restarted
+  trainer forms a new group (new group_id); explorers leave the old one and join it.
+
+Tested with in-memory fakes in tests/unit/test_weights_ordering.py; the wire protocol over gloo in
+tests/integration/test_weight_push.py.
+"""

@@ -1,0 +1,110 @@
+"""The typed control protocol (rft/control.py): the wire format stays schema 1 (same kinds, same body keys), bodies
+are validated, and ControlView folds messages in the documented order, skipping malformed ones."""
+from __future__ import annotations
+
+import pytest
+
+from rft import control
+from rft.control import (ControlError, ControlView, ExplorerHeartbeat, ExplorerJoin, ExplorerLeave, ExplorerWeights,
+                         PushAbandoned, PushGroup, TrainerFinished, TrainerStarted, TrainerWaiting, Weights,
+                         WeightsPush, parse)
+from rft.schema import ControlMessage, decode, encode
+
+EXAMPLES = [
+    Weights(version=3, path="/w/v3", offsets={"r.experiences:0": 24}),
+    WeightsPush(group_id="g", version=3, offsets={"r.experiences:0": 24}),
+    PushGroup(group_id="g", host="h", port=29500, world_size=3, backend="gloo", timeout_s=30.0),
+    PushAbandoned(group_id="g", version=3, reason="timeout"),
+    TrainerStarted(step=2, version=2, offsets={}, prometheus_port=None),
+    TrainerWaiting(version=2, offsets={"r.experiences:0": 16}, groups_in_batch=1),
+    TrainerFinished(step=10),
+    ExplorerJoin(explorer_id="e", weights_version=0, host="h", pid=7, prometheus_port=9401),
+    ExplorerHeartbeat(explorer_id="e", weights_version=1, groups=4, batches=2, dead_letters=0, admission_waits=1,
+                      explore_s=1.5, joined_s=3.0, partitions=[0, 2]),
+    ExplorerWeights(explorer_id="e", version=1, seconds=None),
+    ExplorerLeave(explorer_id="e", reason="stopped", groups=4),
+]
+
+# the body keys each kind had before the protocol was typed (docs/schema.md: schema 1)
+WIRE_KEYS = {
+    "weights": {"version", "path", "offsets"},
+    "weights_push": {"group_id", "version", "offsets"},
+    "push_group": {"group_id", "host", "port", "world_size", "backend", "timeout_s"},
+    "push_abandoned": {"group_id", "version", "reason"},
+    "trainer_started": {"step", "version", "offsets", "prometheus_port"},
+    "trainer_waiting": {"version", "offsets", "groups_in_batch"},
+    "trainer_finished": {"step"},
+    "explorer_join": {"explorer_id", "weights_version", "host", "pid", "prometheus_port"},
+    "explorer_heartbeat": {"explorer_id", "weights_version", "groups", "batches", "dead_letters", "admission_waits",
+                           "explore_s", "joined_s", "partitions"},
+    "explorer_weights": {"explorer_id", "version", "seconds"},
+    "explorer_leave": {"explorer_id", "reason", "groups"},
+}
+
+
+@pytest.mark.parametrize("kind", EXAMPLES, ids=lambda k: k.KIND)
+def test_every_kind_round_trips_through_the_unchanged_wire_format(kind):
+    message = kind.to_message(created_at=100.0)
+    assert set(message.body) == WIRE_KEYS[kind.KIND]
+    assert message.sender == (kind.explorer_id if kind.KIND.startswith("explorer_") else "trainer")
+    decoded = decode(*encode(message))
+    assert isinstance(decoded, ControlMessage) and decoded.kind == kind.KIND
+    assert parse(decoded) == kind
+    assert set(control.KINDS) == set(WIRE_KEYS)
+
+
+def test_malformed_bodies_are_refused_with_the_kind_and_field():
+    with pytest.raises(ControlError, match="weights: missing field 'version'"):
+        Weights.from_body({"path": "/w"})
+    with pytest.raises(ControlError, match="weights: field 'version' must be int, got '3'"):
+        Weights.from_body({"version": "3"})
+    with pytest.raises(ControlError, match=r"trainer_waiting: field \"offsets\['p:0'\]\" must be int"):
+        TrainerWaiting.from_body({"version": 1, "offsets": {"p:0": "x"}})
+    with pytest.raises(ControlError, match="expected a weights message"):
+        Weights.from_message(ControlMessage("trainer_finished", "trainer", {}))
+    # optional fields may be missing; an explorer's id defaults to the sender; unknown keys are ignored
+    assert Weights.from_body({"version": 1, "extra": True}) == Weights(version=1)
+    assert ExplorerLeave.from_message(ControlMessage("explorer_leave", "e9", {})).explorer_id == "e9"
+    assert parse(ControlMessage("from_the_future", "x", {"a": 1})) is None
+
+
+def test_the_view_skips_and_counts_malformed_messages():
+    view = ControlView()
+    view.apply(ControlMessage("weights", "trainer", {"version": "two"}, created_at=1))
+    view.apply(ControlMessage("explorer_heartbeat", "e", {"groups": [1]}, created_at=1))
+    view.apply(ControlMessage("unknown_kind", "trainer", {}, created_at=1))
+    assert view.malformed == 2 and view.trainer.version == 0 and not view.explorers
+
+
+def test_trainer_state_follows_the_newest_trainer_message_whatever_the_read_order():
+    view = ControlView()
+    view.apply(Weights(version=2, path="/w/v2", offsets={"x:0": 8}).to_message(created_at=20))
+    view.apply(Weights(version=1, path="/w/v1", offsets={"x:0": 4}).to_message(created_at=10))  # older, read later
+    assert (view.trainer.version, view.trainer.offsets, view.trainer.state) == (2, {"x:0": 8}, "training")
+    view.apply(TrainerFinished(step=2).to_message(created_at=30))
+    assert view.trainer_finished and view.trainer.step == 2
+    assert view.announced.version == 2  # the newest version announced with a path
+
+
+def test_explorers_live_until_they_leave_or_fall_silent():
+    view = ControlView()
+    view.apply(ExplorerJoin(explorer_id="a").to_message(created_at=1), received_at=100)
+    view.apply(ExplorerJoin(explorer_id="b").to_message(created_at=1), received_at=100)
+    view.apply(ExplorerHeartbeat(explorer_id="c", groups=1).to_message(created_at=1), received_at=90)
+    assert view.live_explorers(now=101, horizon_s=15) == 3  # heard 1, 1 and 11 s ago (this process's clock)
+    view.apply(ExplorerLeave(explorer_id="b", reason="stopped").to_message(created_at=2), received_at=101)
+    assert view.live_explorers(now=102, horizon_s=15) == 2  # a and c
+    assert view.live_explorers(now=110, horizon_s=15) == 1  # c: 20 s ago
+    assert view.explorers["b"].state == "left" and view.explorers["b"].left_reason == "stopped"
+
+
+def test_push_groups_pushed_versions_and_abandonment():
+    view = ControlView()
+    view.apply(PushGroup(group_id="g1", host="h", port=1, world_size=2, backend="gloo", timeout_s=1).to_message())
+    view.apply(WeightsPush(group_id="g1", version=1).to_message())
+    view.apply(WeightsPush(group_id="g1", version=2).to_message())
+    assert view.pushed == {"g1": [1, 2]} and not view.push_abandoned
+    view.apply(PushAbandoned(group_id="g1", version=3).to_message())
+    assert view.abandoned == {"g1"} and view.push_abandoned
+    view.apply(PushGroup(group_id="g2", host="h", port=2, world_size=2, backend="gloo", timeout_s=1).to_message())
+    assert view.push_group.group_id == "g2" and not view.push_abandoned
