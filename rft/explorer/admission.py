@@ -43,14 +43,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import Optional, Protocol
 
 from rft.control import ControlView
 from rft.modes import staleness_bound
 from rft.transport import RecordSource, Transport, TransportError, lag
-
-if TYPE_CHECKING:
-    from rft.config import KafkaConfig
 
 log = logging.getLogger(__name__)
 

@@ -5,12 +5,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol
 
 from rft.schema import HEADER_ERROR, RecordError, encode
-
-if TYPE_CHECKING:
-    from rft.config import KafkaConfig
 
 log = logging.getLogger(__name__)
 

@@ -7,6 +7,7 @@ record metadata) stay inside this module: positions leave as "topic:partition" s
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Optional
