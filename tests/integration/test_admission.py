@@ -42,7 +42,7 @@ def test_capacity_follows_versions_and_backlog(bootstrap, topic_prefix, tiny_mod
                                                               body={"explorer_id": other}))
     sink.flush()
 
-    feed = KafkaFleetFeed(cfg.kafka, control_topic=cfg.topic("control"), experiences_topic=experiences,
+    feed = KafkaFleetFeed(connect(cfg.kafka), control_topic=cfg.topic("control"), experiences_topic=experiences,
                           client_id="me-admission", live_horizon_s=3 * cfg.explorer.heartbeat_s)
     admission = StalenessAdmission.for_mode("off_policy", max_staleness=1, groups_per_step=4, feed=feed, refresh_s=0.0)
     # (the version never goes back, so the explorer one version behind is checked first)
