@@ -28,6 +28,8 @@ from typing import Callable
 
 import numpy as np
 
+from rft.algorithms import build_algorithm
+from rft.algorithms.aggregation import with_kl_metric
 from rft.commandline import add_config_arguments, config_from_args, die_with_parent
 from rft.config import (AlgorithmConfig, Config, ConfigError, ModelConfig, RunConfig, SyncConfig,
                         TrainerConfig)
@@ -115,10 +117,11 @@ class TrainerIO:
             self.replay.reader.close()
 
 
-def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict) -> TrainerIO:
-    """Open rank 0's Kafka side from the root config, resuming the feed at `feed_state` and the replay buffer
-    from `replay_state`."""
-    transport = connect(cfg.kafka)
+def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict,
+                    transport: Transport | None = None) -> TrainerIO:
+    """Open rank 0's side of the run from the root config, resuming the feed at `feed_state` and the replay buffer
+    from `replay_state`; `transport` defaults to the run's Kafka (`connect(cfg.kafka)`)."""
+    transport = transport or connect(cfg.kafka)
     offline = cfg.run.mode == "offline"
     topic = (cfg.replay.topic or cfg.topic("experiences")) if offline else cfg.topic("experiences")
     feed, dlq_sink, _ = open_feed(
@@ -158,14 +161,14 @@ def _replay_window(cfg: Config, transport: Transport, topic: str) -> ReplayWindo
 class Trainer:
     """The loop of the module docstring, on every rank. It takes the config sections it uses; `open_io(feed_state,
     replay_state)` opens rank 0's Kafka side (a TrainerIO) once the checkpoint to resume from is loaded;
-    `temperature` is the explorers' sampling temperature (the behaviour policy's)."""
+    `temperature` is the explorers' sampling temperature (the behaviour policy's). `policy` is the model
+    (megatron_bridge's MegatronPolicy, built from `model` and `trainer` when not given: the unit tests of the loop
+    pass a stand-in with the same methods)."""
 
     def __init__(self, trainer: TrainerConfig, *, run: RunConfig, model: ModelConfig, algorithm: AlgorithmConfig,
                  sync: SyncConfig, run_dir: Path, temperature: float, progress: bool,
-                 open_io: Callable[[FeedState, dict], TrainerIO], resume: bool = True):
-        from megatron_bridge.policy import MegatronPolicy  # megatron: heavy
-        from rft.algorithms import build_algorithm
-        from rft.algorithms.aggregation import with_kl_metric
+                 open_io: Callable[[FeedState, dict], TrainerIO], resume: bool = True, policy=None):
+        from megatron_bridge.policy import MegatronPolicy  # heavy: megatron.core, torch.distributed
 
         self.config, self.run_config, self.model, self.sync = trainer, run, model, sync
         self.run_dir, self.progress = Path(run_dir), progress
@@ -174,10 +177,10 @@ class Trainer:
         self.algorithm = build_algorithm(algorithm)
         self.loss_fn = with_kl_metric(self.algorithm.loss_fn)  # `kl` is logged whatever the algorithm
         self.pairwise = getattr(self.algorithm, "pairwise", False)
-        self.policy = MegatronPolicy(model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, lr=t.lr,
-                                     weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                                     betas=(t.adam_beta1, t.adam_beta2), seed=run.seed, dtype=model.dtype,
-                                     reference=self.algorithm.needs_reference, temperature=temperature)
+        self.policy = policy or MegatronPolicy(
+            model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, lr=t.lr, weight_decay=t.weight_decay,
+            grad_clip=t.grad_clip, betas=(t.adam_beta1, t.adam_beta2), seed=run.seed, dtype=model.dtype,
+            reference=self.algorithm.needs_reference, temperature=temperature)
         self.staleness = StalenessTracker(mode=run.mode, max_staleness=run.max_staleness)
         self.is_reader = dist_io.rank() == 0
         self.checkpoints = CheckpointDir(self.run_dir)
