@@ -40,6 +40,7 @@ import numpy as np
 
 from rft.registry import Registry
 from rft.schema import ExperienceGroup, Sample
+from rft.tokens import Detokenizer
 
 DROP_PREFIX = "dropped/"
 
@@ -71,7 +72,6 @@ class OperatorContext:
 
     def text(self, tokens: np.ndarray) -> str:
         if self._detokenizer is None:
-            from rft.tokens import Detokenizer
             if not self.tokenizer_path:
                 raise OperatorError("this operator needs the response text, and no tokenizer is configured")
             self._detokenizer = Detokenizer(self.tokenizer_path, skip_special_tokens=True)

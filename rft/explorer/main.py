@@ -280,7 +280,7 @@ class Explorer:
         control_source.seek(control_source.end_offsets(cfg.topic("control")))
         self.weights = WeightUpdates(WeightStore.for_config(cfg), control_source)
         self.push = PushMembership(engine, self.weights) if cfg.sync.method == "push" else None
-        self.prometheus = metrics_endpoint(cfg, role="explorer", instance=explorer_id)
+        self.prometheus = metrics_endpoint(cfg.monitor, run=cfg.run.name, role="explorer", instance=explorer_id)
         self._samples_total = 0
         self.tasks = None  # joins the consumer group in run(), after the newest weights are loaded
         self._heartbeat_stop = threading.Event()
@@ -526,7 +526,7 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
     from rft.commandline import install_stop_signals
 
     install_stop_signals(stop)
-    engine = build_engine(cfg)
+    engine = build_engine(cfg.explorer, cfg.model, seed=cfg.run.seed)
     explorer = None
     reason = "error"
     try:

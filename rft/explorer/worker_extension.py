@@ -25,20 +25,20 @@ class WeightReloadExtension:
 
     def rft_reload_weights(self, path: str) -> int:
         """Load every tensor of the safetensors files in `path` into the running model; returns how many."""
-        from rft.weight_store import iter_safetensors
+        from rft.weight_store import iter_safetensors  # heavy: torch
 
         return self._rft_load(iter_safetensors(path))
 
     def rft_join_push_group(self, spec: dict) -> int:
         """Join the trainer's push group (rft.weight_push); blocks until every member is in. Returns the rank."""
-        from rft.weight_push import PushGroupSpec, PushReceiver
+        from rft.weight_push import PushGroupSpec, PushReceiver  # heavy: torch
 
         self._rft_push = PushReceiver.join(PushGroupSpec.from_json(spec))
         return self._rft_push.rank
 
     def rft_receive_pushed_weights(self) -> int:
         """Take part in one pushed version and load it in place; returns the version."""
-        from rft.weight_push import receive_into
+        from rft.weight_push import receive_into  # heavy: torch
 
         return receive_into(self._rft_push, self._rft_load)
 

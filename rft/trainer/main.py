@@ -120,7 +120,7 @@ class Trainer:
         self.control = RecordSink(cfg.kafka, cfg.kafka.bootstrap_servers, client_id=f"{cfg.run.name}-trainer")
         self.weights = WeightCoordinator(cfg, WeightStore.for_config(cfg), self._announce)
         self.metrics = MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name)
-        self.prometheus = metrics_endpoint(cfg, role="trainer", instance="0")
+        self.prometheus = metrics_endpoint(cfg.monitor, run=cfg.run.name, role="trainer", instance="0")
         self._experiences_topic = topic
         self.consumed_path = cfg.run_dir / "consumed.jsonl"
         self._last_wait_note = 0.0
