@@ -13,7 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("rft.launcher:main", "all-in-one local run: broker, task publisher, explorers, trainer, coordinator"),
     "trainer": ("rft.trainer.main:main", "the Megatron trainer (one process per rank, under torchrun or srun)"),
     "explorer": ("rft.explorer.main:main", "one or more explorers joining a run"),
-    "publish": ("rft.explorer.tasks:main", "publish a dataset's tasks to the run's tasks topic"),
+    "publish": ("rft.explorer.publisher:main", "publish a dataset's tasks to the run's tasks topic"),
     "replay": ("rft.launcher:replay_main", "offline training from an experiences topic (by offsets or time)"),
     "eval": ("rft.evaluation.main:main", "evaluate checkpoints on eval.sets: accuracy, pass@k, mean@k"),
     "validate": ("rft.validate:main", "check a config file; exit 2 naming the bad key"),

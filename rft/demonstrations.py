@@ -19,22 +19,23 @@ from typing import Iterator
 
 import numpy as np
 
-from rft.config import Config
+from rft.config import DataConfig, KafkaConfig, ModelConfig
 from rft.explorer.tasks import DatasetError, build_picker, load_task_sets
 from rft.schema import ExperienceGroup, Sample, TaskRecord
+from rft.transport import connect
 
 
-def demonstration_groups(cfg: Config, tokenizer) -> Iterator[ExperienceGroup]:
+def demonstration_groups(data: DataConfig, model: ModelConfig, tokenizer, *, run_id: str) -> Iterator[ExperienceGroup]:
     """Every epoch's demonstrations in the order `data.selector` publishes tasks (all rows are checked first)."""
-    samples = {task.task_id: _sample(task, tokenizer, cfg, where=f"{task_set.path} row {i}")
-               for task_set, tasks in load_task_sets(cfg) for i, task in enumerate(tasks)}
-    for task in build_picker(cfg).drain():
+    samples = {task.task_id: _sample(task, tokenizer, model, where=f"{task_set.path} row {i}")
+               for task_set, tasks in load_task_sets(data, run_id=run_id) for i, task in enumerate(tasks)}
+    for task in build_picker(data, run_id=run_id).drain():
         yield ExperienceGroup(run_id=task.run_id, task_id=task.task_id, group_id=task.group_id, attempt=0,
                               explorer_id="demonstrations", policy_version=0, samples=[samples[task.task_id]],
                               answer=task.answer)
 
 
-def _sample(task: TaskRecord, tokenizer, cfg: Config, *, where: str) -> Sample:
+def _sample(task: TaskRecord, tokenizer, model: ModelConfig, *, where: str) -> Sample:
     if task.answer is None:
         raise DatasetError(f"{where}: a demonstration needs an answer (data.answer_key is empty)")
     prompt = tokenizer(task.prompt, add_special_tokens=True)["input_ids"]
@@ -42,8 +43,8 @@ def _sample(task: TaskRecord, tokenizer, cfg: Config, *, where: str) -> Sample:
     response = tokenizer(answer, add_special_tokens=False)["input_ids"]
     if tokenizer.eos_token_id is not None:
         response = response + [tokenizer.eos_token_id]
-    for what, tokens, limit, key in (("prompt", prompt, cfg.model.max_prompt_len, "max_prompt_len"),
-                                     ("answer", response, cfg.model.max_response_len, "max_response_len")):
+    for what, tokens, limit, key in (("prompt", prompt, model.max_prompt_len, "max_prompt_len"),
+                                     ("answer", response, model.max_response_len, "max_response_len")):
         if not tokens or len(tokens) > limit:
             raise DatasetError(f"{where}: the {what} is {len(tokens)} tokens; a demonstration needs 1 to "
                                f"model.{key}={limit}")
@@ -53,18 +54,17 @@ def _sample(task: TaskRecord, tokenizer, cfg: Config, *, where: str) -> Sample:
                   loss_mask=np.ones(len(response), dtype=np.uint8), reward=1.0)
 
 
-def publish_demonstrations(cfg: Config, *, bootstrap: str | None = None) -> int:
-    """Publish the demonstrations to the replay's topic (created if missing) unless it holds records already;
-    returns how many were published (0 when it held records), once the broker acknowledged every one."""
-    from transformers import AutoTokenizer
+def publish_demonstrations(data: DataConfig, model: ModelConfig, kafka: KafkaConfig, *, topic: str, run_id: str,
+                           bootstrap: str | None = None) -> int:
+    """Publish the demonstrations to `topic` (the replay's: `replay.topic`, else the run's experiences topic;
+    created if missing) unless it holds records already; returns how many were published (0 when it held
+    records), once the broker acknowledged every one. `run_id` is the run's name."""
+    from transformers import AutoTokenizer  # heavy: transformers
 
-    from rft.transport import connect
-
-    transport = connect(cfg.kafka, bootstrap)
-    topic = cfg.replay.topic or cfg.topic("experiences")
+    transport = connect(kafka, bootstrap)
     admin = transport.admin()
     try:
-        admin.create_topics([topic], partitions=cfg.kafka.experience_partitions)
+        admin.create_topics([topic], partitions=kafka.experience_partitions)
     finally:
         admin.close()
     source = transport.source()
@@ -73,14 +73,14 @@ def publish_demonstrations(cfg: Config, *, bootstrap: str | None = None) -> int:
             return 0
     finally:
         source.close()
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
-    groups = list(demonstration_groups(cfg, tokenizer))
-    sink = transport.sink(client_id=f"{cfg.run.name}-demonstrations")
+    tokenizer = AutoTokenizer.from_pretrained(model.tokenizer or model.path)
+    groups = list(demonstration_groups(data, model, tokenizer, run_id=run_id))
+    sink = transport.sink(client_id=f"{run_id}-demonstrations")
     try:
         futures = [sink.send_record(topic, group, key=group.group_id) for group in groups]
         sink.flush()
         for future in futures:
-            future.get(timeout=cfg.kafka.request_timeout_ms / 1000)
+            future.get(timeout=kafka.request_timeout_ms / 1000)
     finally:
         sink.close()
     return len(groups)

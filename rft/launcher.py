@@ -31,8 +31,14 @@ from pathlib import Path
 from rft.broker import KafkaEndpoint
 from rft.commandline import add_config_arguments, config_from_args
 from rft.config import Config
+from rft.demonstrations import publish_demonstrations
 from rft.explorer.selectors import selector_needs_rewards
 from rft.modes import MODES, mode
+from rft.explorer.tasks import DatasetError, publish_tasks
+from rft.monitor import plot_rewards
+from rft.run_topics import RunTopics, create_run_topics
+from rft.stages import resolve_stages
+from rft.transport import connect
 
 ROLES_BY_MODE = {name: m.roles for name, m in MODES.items()}
 EVALUATOR = "evaluator"
@@ -78,8 +84,6 @@ def run_until_stopped(cfg: Config) -> int:
 
 
 def run(cfg: Config) -> int:
-    from rft.run_topics import create_run_topics
-
     if cfg.stages:
         return run_stages(cfg)
     run_dir = cfg.run_dir
@@ -89,7 +93,7 @@ def run(cfg: Config) -> int:
         config_path = run_dir / "config.yaml"
         config_path.write_text(cfg.to_yaml())
         print(f"[rft] run {cfg.run.name!r} mode {cfg.run.mode} -> {run_dir} (kafka {bootstrap})", flush=True)
-        create_run_topics(cfg)
+        create_run_topics(RunTopics.of(cfg), cfg.kafka)
         roles = ROLES_BY_MODE[cfg.run.mode]
         online = "explorers" in roles and selector_needs_rewards(cfg.data)  # publish as rewards come in
         if "explorers" in roles and not online:
@@ -145,33 +149,28 @@ def _start_evaluator(cfg: Config, runner: "PartRunner", config_path: Path, roles
 
 def _publish_tasks(cfg: Config) -> None:
     """Publish the task set, unless the tasks topic already holds tasks (a resumed run on a durable broker)."""
-    from rft.explorer.tasks import publish_tasks
-    from rft.transport import connect
-
+    topics = RunTopics.of(cfg)
     source = connect(cfg.kafka).source()
     try:
-        existing = sum(source.end_offsets(cfg.topic("tasks")).values())
+        existing = sum(source.end_offsets(topics.tasks).values())
     finally:
         source.close()
     if existing:
-        print(f"[rft] {cfg.topic('tasks')} already holds {existing} tasks: not publishing again", flush=True)
+        print(f"[rft] {topics.tasks} already holds {existing} tasks: not publishing again", flush=True)
         return
-    count = publish_tasks(cfg)
-    print(f"[rft] published {count} tasks to {cfg.topic('tasks')}", flush=True)
+    count = publish_tasks(cfg.data, topics, cfg.kafka, progress=cfg.monitor.progress)
+    print(f"[rft] published {count} tasks to {topics.tasks}", flush=True)
 
 
 def _publish_demonstrations(cfg: Config) -> bool:
     """Fill the offline replay's topic from the dataset, unless it already holds records (a resumed stage).
     False (the error printed) when the dataset is not usable."""
-    from rft.demonstrations import publish_demonstrations
-    from rft.explorer.tasks import DatasetError
-
+    topic = cfg.replay.topic or cfg.topic("experiences")
     try:
-        count = publish_demonstrations(cfg)
+        count = publish_demonstrations(cfg.data, cfg.model, cfg.kafka, topic=topic, run_id=cfg.run.name)
     except DatasetError as e:
         print(f"[rft] demonstrations: {e}", file=sys.stderr)
         return False
-    topic = cfg.replay.topic or cfg.topic("experiences")
     print(f"[rft] {topic}: " + (f"published {count} demonstrations" if count else "holds records already: not "
                                 "publishing demonstrations again"), flush=True)
     return True
@@ -179,8 +178,6 @@ def _publish_demonstrations(cfg: Config) -> bool:
 
 def run_stages(cfg: Config) -> int:
     """The stages of `cfg` in order, on one broker; a finished stage is skipped, a failed one ends the run."""
-    from rft.stages import resolve_stages
-
     (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     with KafkaEndpoint(cfg.kafka, log_path=cfg.run_dir / "logs" / "broker.log") as bootstrap:
         cfg.kafka.bootstrap_servers = bootstrap
@@ -267,8 +264,6 @@ def _trainer_command(cfg: Config, config_path: Path) -> list[str]:
 
 
 def _plot(cfg: Config) -> None:
-    from rft.monitor import plot_rewards
-
     metrics = cfg.run_dir / "metrics.jsonl"
     if metrics.exists():
         png = plot_rewards(metrics, cfg.run_dir / "reward.png", title=cfg.run.name)
@@ -448,7 +443,7 @@ def replay_main(argv: list[str]) -> int:
         print("rft replay: replay reads an existing topic: set kafka.bootstrap_servers to the broker that holds it",
               file=sys.stderr)
         return 2
-    from rft.algorithms import build_algorithm
+    from rft.algorithms import build_algorithm  # heavy: torch
 
     if not build_algorithm(cfg.algorithm).supports_replay:
         print(f"rft replay: algorithm {cfg.algorithm.name!r} cannot train on recorded experiences as configured "

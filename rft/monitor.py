@@ -155,11 +155,11 @@ class MetricsEndpoint:
 PORT_SEARCH = 64
 
 
-def metrics_endpoint(cfg, *, role: str, instance: str) -> MetricsEndpoint | None:
+def metrics_endpoint(monitor: MonitorConfig, *, run: str, role: str, instance: str) -> MetricsEndpoint | None:
     """The endpoint `monitor.prometheus_port` asks for (None when it is 0), on the first free port of the
-    PORT_SEARCH from there (the parts of a run may share a host). Each part announces the port it took on the
-    control topic, and `rft status` lists them."""
-    if not cfg.monitor.prometheus_port:
+    PORT_SEARCH from there (the parts of a run may share a host), labelled with the run's name, the part's role
+    and its instance. Each part announces the port it took on the control topic, and `rft status` lists them."""
+    if not monitor.prometheus_port:
         return None
-    return MetricsEndpoint(cfg.monitor.prometheus_port, search=PORT_SEARCH,
-                           labels={"run": cfg.run.name, "role": role, "instance": instance})
+    return MetricsEndpoint(monitor.prometheus_port, search=PORT_SEARCH,
+                           labels={"run": run, "role": role, "instance": instance})

@@ -39,8 +39,8 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 
 from rft.registry import Registry
-from rft.tokens import Detokenizer
 from rft.schema import ExperienceGroup, Sample
+from rft.tokens import Detokenizer
 
 DROP_PREFIX = "dropped/"
 

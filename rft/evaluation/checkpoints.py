@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from rft.config import Config
+from rft.config import ModelConfig
+from rft.weights.store import LATEST, WeightStore, version_of
 
 
 class CheckpointError(ValueError):
@@ -26,13 +27,15 @@ class Checkpoint:
     step: int | None  # the policy version, when known
 
 
-def resolve_checkpoint(spec: str, cfg: Config) -> Checkpoint:
+def resolve_checkpoint(spec: str, model: ModelConfig, *, run_dir: Path, store_root: Path) -> Checkpoint:
+    """The checkpoint SPEC names (see the module docstring) for the run in `run_dir` (`<output_dir>/<run name>`),
+    whose weight store is in `store_root` (read only, never created)."""
     if spec == "initial":
-        return Checkpoint("initial", _model_dir(Path(cfg.model.path), "initial (model.path)"), 0)
+        return Checkpoint("initial", _model_dir(Path(model.path), "initial (model.path)"), 0)
     if spec == "latest":
-        return _latest(cfg)
+        return _latest(run_dir, store_root)
     path = _model_dir(Path(spec), spec)
-    return Checkpoint(spec, path, _step_of(path, cfg))
+    return Checkpoint(spec, path, _step_of(path, run_dir))
 
 
 def _model_dir(path: Path, spec: str) -> Path:
@@ -42,36 +45,33 @@ def _model_dir(path: Path, spec: str) -> Path:
     return path
 
 
-def _step_of(path: Path, cfg: Config) -> int | None:
-    from rft.weights.store import version_of
+def _step_of(path: Path, run_dir: Path) -> int | None:
 
     version = version_of(path)
     if version is not None:
         return version
-    return _final_step(cfg) if path.resolve() == (cfg.run_dir / "final").resolve() else None
+    return _final_step(run_dir) if path.resolve() == (run_dir / "final").resolve() else None
 
 
-def _final_step(cfg: Config) -> int | None:
+def _final_step(run_dir: Path) -> int | None:
     """The step of the trainer's newest checkpoint (the trainer checkpoints its last step before writing final/)."""
-    from rft.trainer.checkpoint import CheckpointDir
+    from rft.trainer.checkpoint import CheckpointDir  # heavy: torch
 
-    checkpoints = CheckpointDir(cfg.run_dir)
+    checkpoints = CheckpointDir(run_dir)
     latest = checkpoints.latest()
     return checkpoints.read_state(latest).step if latest is not None else None
 
 
-def _latest(cfg: Config) -> Checkpoint:
-    from rft.weights.store import LATEST, WeightStore
+def _latest(run_dir: Path, store_root: Path) -> Checkpoint:
 
     candidates = []
-    store_root = Path(cfg.sync.weight_store or cfg.run_dir / "weights")
     if (store_root / LATEST).is_file():
         version, path = WeightStore(store_root).latest()
         candidates.append(Checkpoint(f"latest ({path})", path, version))
-    final = cfg.run_dir / "final"
+    final = run_dir / "final"
     if (final / "config.json").is_file():
-        candidates.append(Checkpoint(f"latest ({final})", final, _final_step(cfg)))
+        candidates.append(Checkpoint(f"latest ({final})", final, _final_step(run_dir)))
     if not candidates:
-        raise CheckpointError(f"--checkpoint latest: run {cfg.run.name!r} has no weights yet (no {store_root / LATEST}, "
-                              f"no {final})")
+        raise CheckpointError(f"--checkpoint latest: run {run_dir.name!r} has no weights yet (no "
+                              f"{store_root / LATEST}, no {final})")
     return max(candidates, key=lambda c: (math.inf if c.step is None else c.step, c.path == final))

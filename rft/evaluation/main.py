@@ -32,14 +32,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rft.config import Config, ConfigError, EvalSetConfig
+from rft.commandline import add_config_arguments, config_from_args, install_stop_signals
+from rft.config import Config, ConfigError, EvalConfig, EvalSetConfig, ExplorerConfig, ModelConfig
 from rft.evaluation.checkpoints import Checkpoint, CheckpointError, resolve_checkpoint
 from rft.evaluation.metrics import SetScores, score_tasks
+from rft.explorer.engine import build_engine
+from rft.explorer.tasks import DatasetError, TaskSet, load_rows, rows_to_tasks
+from rft.monitor import MetricsLogger
+from rft.rewards import RewardContext, build_reward
+from rft.weights.store import WeightStore, store_root
+from rft.weights.subscriber import load_newest_weights
+from rft.workflows import build_workflow
 
 if TYPE_CHECKING:
     from rft.explorer.engine import Engine
     from rft.schema import TaskRecord
-    from rft.weights.store import WeightStore
     from rft.workflows import Workflow
 
 log = logging.getLogger("rft.eval")
@@ -55,43 +62,40 @@ class EvalSet:
     workflow: "Workflow"
 
 
-def sampling_config(cfg: Config, eval_set: EvalSetConfig) -> Config:
-    """The config as the explorer stack sees it for one task set: eval's sampling settings and the set's reward."""
-    e = cfg.eval
-    explorer = dataclasses.replace(
-        cfg.explorer, n_samples=e.n_samples, temperature=e.temperature, top_p=e.top_p,
-        max_tokens=e.max_tokens or cfg.explorer.max_tokens, reward=eval_set.reward or cfg.explorer.reward,
-        reward_weights={} if eval_set.reward else cfg.explorer.reward_weights)
-    return dataclasses.replace(cfg, explorer=explorer)
+def sampling_explorer(explorer: ExplorerConfig, evaluation: EvalConfig, eval_set: EvalSetConfig) -> ExplorerConfig:
+    """The explorer section as the explorer stack sees it for one task set: eval's sampling settings and the set's
+    reward (a copy; `explorer` is not changed)."""
+    e = evaluation
+    return dataclasses.replace(
+        explorer, n_samples=e.n_samples, temperature=e.temperature, top_p=e.top_p,
+        max_tokens=e.max_tokens or explorer.max_tokens, reward=eval_set.reward or explorer.reward,
+        reward_weights={} if eval_set.reward else explorer.reward_weights)
 
 
-def load_eval_sets(cfg: Config) -> list[EvalSet]:
-    """Every `eval.sets` entry's tasks and its workflow; a DatasetError names the set's key (`eval.sets[i].path`)."""
-    from rft.explorer.tasks import TaskSet, load_rows, rows_to_tasks
-    from rft.rewards import RewardContext, build_reward
-    from rft.workflows import build_workflow
-
+def load_eval_sets(evaluation: EvalConfig, explorer: ExplorerConfig, model: ModelConfig, *, run_id: str,
+                   seed: int) -> list[EvalSet]:
+    """Every `eval.sets` entry's tasks and its workflow; a DatasetError names the set's key (`eval.sets[i].path`).
+    `run_id` is the run's name, `seed` its `run.seed` (for a reward's own engine)."""
     task_sets = []
-    for i, eval_set in enumerate(cfg.eval.sets):
+    for i, eval_set in enumerate(evaluation.sets):
         source = TaskSet(key=f"eval.sets[{i}]", id_prefix="", path=eval_set.path, format=eval_set.format, weight=1.0,
                          epochs=1, prompt_key=eval_set.prompt_key, answer_key=eval_set.answer_key,
                          prompt_template=eval_set.prompt_template, generated_tasks=eval_set.generated_tasks,
                          shuffle_seed=eval_set.seed)
-        tasks = rows_to_tasks(load_rows(source), cfg, source)
-        view = sampling_config(cfg, eval_set)
-        reward = build_reward(view.explorer, RewardContext.for_run(view))
-        task_sets.append(EvalSet(eval_set.name, tasks, build_workflow(view.explorer, view.model, reward)))
+        tasks = rows_to_tasks(load_rows(source), source, run_id=run_id)
+        sampled = sampling_explorer(explorer, evaluation, eval_set)
+        reward = build_reward(sampled, RewardContext.of(sampled, model, seed=seed))
+        task_sets.append(EvalSet(eval_set.name, tasks, build_workflow(sampled, model, reward)))
     return task_sets
 
 
 class Evaluator:
     """Scores the weights an engine holds on every task set and logs one metrics record per evaluation."""
 
-    def __init__(self, cfg: Config, task_sets: list[EvalSet], engine: "Engine", *, progress: bool):
-        from rft.monitor import MetricsLogger
-
-        self.cfg, self.task_sets, self.engine, self.progress = cfg, task_sets, engine, progress
-        self.metrics = MetricsLogger(cfg.run_dir, cfg.monitor, run_name=f"{cfg.run.name}-eval")
+    def __init__(self, evaluation: EvalConfig, task_sets: list[EvalSet], engine: "Engine", *,
+                 metrics: MetricsLogger, progress: bool):
+        self.evaluation, self.task_sets, self.engine, self.progress = evaluation, task_sets, engine, progress
+        self.metrics = metrics
 
     def evaluate(self, checkpoint: Checkpoint) -> dict[str, SetScores]:
         started = time.monotonic()
@@ -106,7 +110,7 @@ class Evaluator:
     def _score(self, task_set: EvalSet) -> SetScores:
         from tqdm import tqdm
 
-        e = self.cfg.eval
+        e = self.evaluation
         rewards: list[list[float]] = []
         errors: list[str] = []
         with tqdm(total=len(task_set.tasks), desc=f"eval {task_set.name}", unit="task",
@@ -132,13 +136,10 @@ class Evaluator:
 # Named checkpoints
 
 
-def evaluate_checkpoints(cfg: Config, task_sets: list[EvalSet],
+def evaluate_checkpoints(evaluator: Evaluator,
                          checkpoints: list[Checkpoint]) -> list[tuple[Checkpoint, dict[str, SetScores]]]:
-    """Each checkpoint in order, with one engine (started on the first, the others loaded in place)."""
-    from rft.explorer.engine import build_engine
-
-    evaluator = Evaluator(cfg, task_sets, build_engine(cfg, model_path=str(checkpoints[0].path)),
-                          progress=cfg.monitor.progress)
+    """Each checkpoint in order, with the evaluator's one engine, which holds the first checkpoint's weights (the
+    others are loaded in place). Closes the evaluator."""
     results = []
     try:
         for i, checkpoint in enumerate(checkpoints):
@@ -178,16 +179,12 @@ class EvalSchedule:
         self.next_due = max(self.next_due, (version // self.every_steps + 1) * self.every_steps)
 
 
-def follow(cfg: Config, task_sets: list[EvalSet], *, stop: threading.Event, finish: threading.Event) -> int:
-    """Evaluate the run's published versions as the schedule says, until `stop`, or until `finish` is set and the
-    newest version has been evaluated."""
-    from rft.explorer.engine import build_engine
-    from rft.weights.subscriber import load_newest_weights
-    from rft.weights.store import WeightStore
-
-    store = WeightStore.for_sync(cfg.sync, cfg.run_dir)
-    evaluator = Evaluator(cfg, task_sets, build_engine(cfg), progress=False)  # model.path holds version 0
-    schedule = EvalSchedule(cfg.eval.every_steps)
+def follow(evaluator: Evaluator, store: "WeightStore", *, initial: Path, stop: threading.Event,
+           finish: threading.Event) -> int:
+    """Evaluate the versions the run publishes to `store` as the schedule (`eval.every_steps`) says, until `stop`,
+    or until `finish` is set and the newest version has been evaluated. The evaluator's engine starts on `initial`
+    (`model.path`, version 0). Closes the evaluator."""
+    schedule = EvalSchedule(evaluator.evaluation.every_steps)
     try:
         while not stop.is_set():
             finishing = finish.is_set()
@@ -195,7 +192,7 @@ def follow(cfg: Config, task_sets: list[EvalSet], *, stop: threading.Event, fini
             if schedule.due(latest[0] if latest else 0, finishing=finishing):
                 load_newest_weights(evaluator.engine, lambda: _due_or_newest(store, schedule, finishing))
                 version = evaluator.engine.weights_version
-                path = store.path(version) if latest else Path(cfg.model.path)
+                path = store.path(version) if latest else initial
                 scores = evaluator.evaluate(Checkpoint(f"version {version}", path, version))
                 schedule.done(version)
                 log.info("version %d: %s", version, "; ".join(
@@ -221,10 +218,16 @@ def _due_or_newest(store: "WeightStore", schedule: EvalSchedule, finishing: bool
 # Command line
 
 
-def main(argv: list[str]) -> int:
-    from rft.commandline import add_config_arguments, config_from_args
-    from rft.explorer.tasks import DatasetError
+def build_evaluator(cfg: Config, task_sets: list[EvalSet], *, model_path: str | None = None,
+                    progress: bool) -> Evaluator:
+    """Composes an Evaluator from the run's sections: an engine of `explorer.engine` on `model_path` (default
+    `model.path`), logging to the run's metrics.jsonl."""
+    engine = build_engine(cfg.explorer, cfg.model, seed=cfg.run.seed, model_path=model_path)
+    metrics = MetricsLogger(cfg.run_dir, cfg.monitor, run_name=f"{cfg.run.name}-eval")
+    return Evaluator(cfg.eval, task_sets, engine, metrics=metrics, progress=progress)
 
+
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rft eval", description="Evaluate checkpoints on the task sets of "
                                      "eval.sets: accuracy, pass@k and mean@k, to the run's metrics.jsonl.")
     add_config_arguments(parser)
@@ -243,22 +246,25 @@ def main(argv: list[str]) -> int:
     if args.follow and not cfg.eval.every_steps:
         print("rft eval --follow: eval.every_steps must be > 0 (evaluate every how many versions?)", file=sys.stderr)
         return 2
+    root = store_root(cfg.sync, cfg.run_dir)
     try:
-        checkpoints = [resolve_checkpoint(spec, cfg) for spec in args.checkpoint or []]
-        task_sets = load_eval_sets(cfg)
+        checkpoints = [resolve_checkpoint(spec, cfg.model, run_dir=cfg.run_dir, store_root=root)
+                       for spec in args.checkpoint or []]
+        task_sets = load_eval_sets(cfg.eval, cfg.explorer, cfg.model, run_id=cfg.run.name, seed=cfg.run.seed)
     except (CheckpointError, DatasetError, ConfigError) as e:
         print(f"rft eval: {e}", file=sys.stderr)
         return 2
     if args.follow:
-        return follow(cfg, task_sets, stop=_stop_on_signals(), finish=_finish_on_sigusr1())
-    results = evaluate_checkpoints(cfg, task_sets, checkpoints)
+        evaluator = build_evaluator(cfg, task_sets, progress=False)  # model.path holds version 0
+        return follow(evaluator, WeightStore.for_sync(cfg.sync, cfg.run_dir), initial=Path(cfg.model.path),
+                      stop=_stop_on_signals(), finish=_finish_on_sigusr1())
+    evaluator = build_evaluator(cfg, task_sets, model_path=str(checkpoints[0].path), progress=cfg.monitor.progress)
+    results = evaluate_checkpoints(evaluator, checkpoints)
     print(format_table(results, cfg.eval.k))
     return 0
 
 
 def _stop_on_signals() -> threading.Event:
-    from rft.commandline import install_stop_signals
-
     stop = threading.Event()
     install_stop_signals(stop)
     return stop

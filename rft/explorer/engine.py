@@ -23,11 +23,10 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 if TYPE_CHECKING:
-    from rft.config import Config, ExplorerConfig, ModelConfig
+    from rft.config import ExplorerConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -168,12 +167,13 @@ class VLLMEngine(_TokenizerMixin):
         self._set_version(weights_version)
 
     @classmethod
-    def from_config(cls, cfg: "Config", *, model_path: str | None = None) -> "VLLMEngine":
-        return cls(model_path or cfg.model.path, tensor_parallel_size=cfg.explorer.tensor_parallel_size,
-                   dtype=cfg.model.dtype, max_model_len=cfg.model.max_prompt_len + cfg.model.max_response_len,
-                   gpu_memory_utilization=cfg.explorer.gpu_memory_utilization,
-                   cpu_kvcache_gb=cfg.explorer.cpu_kvcache_gb, seed=cfg.run.seed,
-                   in_process=cfg.explorer.vllm_in_process)
+    def from_config(cls, explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
+                    model_path: str | None = None) -> "VLLMEngine":
+        """The engine the explorer and model sections describe, on `model_path` (default `model.path`)."""
+        return cls(model_path or model.path, tensor_parallel_size=explorer.tensor_parallel_size,
+                   dtype=model.dtype, max_model_len=model.max_prompt_len + model.max_response_len,
+                   gpu_memory_utilization=explorer.gpu_memory_utilization,
+                   cpu_kvcache_gb=explorer.cpu_kvcache_gb, seed=seed, in_process=explorer.vllm_in_process)
 
     def _set_version(self, version: int) -> None:
         self.weights_version = version
@@ -266,8 +266,10 @@ class TransformersEngine(_TokenizerMixin):
         torch.manual_seed(seed)
 
     @classmethod
-    def from_config(cls, cfg: "Config", *, model_path: str | None = None) -> "TransformersEngine":
-        return cls(model_path or cfg.model.path, dtype=cfg.model.dtype, seed=cfg.run.seed)
+    def from_config(cls, explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
+                    model_path: str | None = None) -> "TransformersEngine":
+        """The engine the model section describes, on `model_path` (default `model.path`)."""
+        return cls(model_path or model.path, dtype=model.dtype, seed=seed)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
         return [self._generate_one(list(p), sampling) for p in prompts]
@@ -306,18 +308,18 @@ class TransformersEngine(_TokenizerMixin):
         return out
 
     def load_weights(self, path: str | os.PathLike, version: int) -> None:
-        from rft.weights.store import iter_safetensors
+        from rft.weights.store import iter_safetensors  # heavy: torch
 
         self._load_state(iter_safetensors(path), source=str(path))
         self.weights_version = version
 
     def join_push_group(self, spec: dict) -> None:
-        from rft.weights.push import PushGroupSpec, PushReceiver
+        from rft.weights.push import PushGroupSpec, PushReceiver  # heavy: torch
 
         self._push = PushReceiver.join(PushGroupSpec.from_json(spec))
 
     def receive_pushed_weights(self) -> int:
-        from rft.weights.push import receive_into
+        from rft.weights.push import receive_into  # heavy: torch
 
         self.weights_version = receive_into(self._push, lambda tensors: self._load_state(tensors, source="the push"))
         return self.weights_version
@@ -343,6 +345,7 @@ class TransformersEngine(_TokenizerMixin):
 ENGINES = {"vllm": VLLMEngine, "transformers": TransformersEngine}
 
 
-def build_engine(cfg: "Config", *, model_path: str | None = None) -> Engine:
-    """The engine `explorer.engine` names, on `model_path` (default `model.path`)."""
-    return ENGINES[cfg.explorer.engine].from_config(cfg, model_path=model_path)
+def build_engine(explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
+                 model_path: str | None = None) -> Engine:
+    """The engine `explorer.engine` names, on `model_path` (default `model.path`); `seed` is `run.seed`."""
+    return ENGINES[explorer.engine].from_config(explorer, model, seed=seed, model_path=model_path)

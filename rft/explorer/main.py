@@ -361,7 +361,7 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
     logging.getLogger("kafka").setLevel(logging.WARNING)
     stop = threading.Event()
     install_stop_signals(stop)
-    engine = build_engine(cfg)
+    engine = build_engine(cfg.explorer, cfg.model, seed=cfg.run.seed)
     explorer = None
     reason = "error"
     try:
@@ -385,7 +385,7 @@ def build_explorer(cfg: Config, *, explorer_id: str, engine: "Engine", workflow:
                     topics={kind: cfg.topic(kind) for kind in TOPICS}, group=consumer_group(cfg),
                     store=WeightStore.for_sync(cfg.sync, cfg.run_dir), explorer_id=explorer_id, engine=engine,
                     workflow=workflow, admission=admission,
-                    prometheus=metrics_endpoint(cfg, role="explorer", instance=explorer_id))
+                    prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="explorer", instance=explorer_id))
 
 
 def build_admission(cfg: Config, explorer_id: str) -> Admission:

@@ -6,20 +6,24 @@ reward statistics read so far from the experiences topic (rft/explorer/selectors
 own: on (re)start, `restore()` counts what the tasks topic holds and reads every recorded experience, so a
 restarted publisher continues the sequence. It stops when every task set is used up, or when asked to.
 
-`rft publish CONFIG` runs it in the foreground (SIGTERM/Ctrl-C stop it cleanly); `rft run` starts that command
-as its `publisher` part when the selector needs it.
+`rft publish CONFIG` (`main` here) runs it in the foreground (SIGTERM/Ctrl-C stop it cleanly); `rft run` starts
+that command as its `publisher` part when the selector needs it. For a selector that reads no rewards, `rft publish`
+publishes the whole sequence at once (`rft.explorer.tasks.publish_tasks`).
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
+import sys
 import threading
 
-from rft.config import Config
-from rft.explorer.selectors import RewardStats, TaskPicker
-from rft.explorer.tasks import build_picker, ensure_tasks_topic
+from rft.commandline import add_config_arguments, config_from_args
+from rft.config import Config, DataConfig, ExplorerConfig, KafkaConfig
+from rft.explorer.selectors import RewardStats, TaskPicker, selector_needs_rewards
+from rft.explorer.tasks import DatasetError, build_picker, ensure_tasks_topic, publish_tasks
+from rft.run_topics import RunTopics, create_run_topics
 from rft.schema import RecordError, TaskRecord, decode_group, decode_task
-from rft.run_topics import consumer_group
 from rft.transport import Transport, connect
 
 log = logging.getLogger("rft.publisher")
@@ -27,31 +31,36 @@ log = logging.getLogger("rft.publisher")
 POLL_S = 0.5  # longest wait for new experiences between two looks at the explorers' lag
 
 
-def tasks_ahead(cfg: Config) -> int:
-    return cfg.data.tasks_ahead or max(1, 2 * cfg.explorer.replicas * cfg.explorer.tasks_per_batch)
+def tasks_ahead(data: DataConfig, explorer: ExplorerConfig) -> int:
+    """How many unfinished tasks the publisher keeps on the tasks topic: `data.tasks_ahead`, default
+    2 x replicas x tasks_per_batch."""
+    return data.tasks_ahead or max(1, 2 * explorer.replicas * explorer.tasks_per_batch)
 
 
 class OnlinePublisher:
-    def __init__(self, cfg: Config, bootstrap: str | None = None, *, transport: Transport | None = None):
-        self.cfg = cfg
-        self.bootstrap = bootstrap or cfg.kafka.bootstrap_servers
-        self.transport = transport or connect(cfg.kafka, self.bootstrap)
-        self.picker: TaskPicker = build_picker(cfg)
-        self.stats = RewardStats(run_id=cfg.run.name)
-        self.ahead = tasks_ahead(cfg)
-        self.topic = ensure_tasks_topic(cfg, self.bootstrap)
-        self.group = consumer_group(cfg)
+    """Publishes `data`'s task sets to `topics.tasks`, `tasks_ahead(data, explorer)` ahead of the explorers."""
+
+    def __init__(self, data: DataConfig, explorer: ExplorerConfig, topics: RunTopics, kafka: KafkaConfig, *,
+                 bootstrap: str | None = None, transport: Transport | None = None):
+        self.topics, self.kafka = topics, kafka
+        self.bootstrap = bootstrap or kafka.bootstrap_servers
+        self.transport = transport or connect(kafka, self.bootstrap)
+        self.picker: TaskPicker = build_picker(data, run_id=topics.run)
+        self.stats = RewardStats(run_id=topics.run)
+        self.ahead = tasks_ahead(data, explorer)
+        self.topic = ensure_tasks_topic(topics, kafka, self.bootstrap)
+        self.group = topics.explorers_group
         self._ends: dict[str, int] = {}  # tasks topic: next offset per partition, from the broker's acks
         self._starts: dict[str, int] = {}
-        self.sink = self.transport.sink(client_id=f"{cfg.run.name}-publisher")
+        self.sink = self.transport.sink(client_id=f"{topics.run}-publisher")
         self.admin = self.transport.admin()
-        self.admin.create_topics([cfg.topic("experiences")], partitions=cfg.kafka.experience_partitions)
-        self.rewards = self.transport.source(client_id=f"{cfg.run.name}-publisher-rewards")
+        self.admin.create_topics([topics.experiences], partitions=kafka.experience_partitions)
+        self.rewards = self.transport.source(client_id=f"{topics.run}-publisher-rewards")
 
     # -- state, rebuilt from the topics
     def restore(self) -> None:
         """Count the tasks already published and read every experience recorded so far."""
-        source = self.transport.source(client_id=f"{self.cfg.run.name}-publisher-restore")
+        source = self.transport.source(client_id=f"{self.topics.run}-publisher-restore")
         try:
             begin, stop = source.replay_bounds(self.topic)
             for m in source.read_offsets(begin, stop):
@@ -64,14 +73,14 @@ class OnlinePublisher:
         self._starts, self._ends = begin, stop
         if self.picker.unknown:
             log.warning("%d published tasks are not in the configured task sets (data changed?)", self.picker.unknown)
-        experiences = self.cfg.topic("experiences")
+        experiences = self.topics.experiences
         self.rewards.assign([experiences])
         self.rewards.seek(self.rewards.beginning_offsets(experiences))
         self.sync_rewards()
 
     def sync_rewards(self) -> int:
         """Read every experience recorded up to now (the topic's current end); returns how many groups were new."""
-        experiences = self.cfg.topic("experiences")
+        experiences = self.topics.experiences
         stop = self.rewards.end_offsets(experiences)
         added = 0
         while any(self.rewards.positions().get(k, 0) < end for k, end in stop.items()):
@@ -105,7 +114,7 @@ class OnlinePublisher:
         futures = [self.sink.send_record(self.topic, t, key=t.task_id) for t in tasks]
         self.sink.flush()
         for future in futures:
-            meta = future.get(timeout=self.cfg.kafka.request_timeout_ms / 1000)
+            meta = future.get(timeout=self.kafka.request_timeout_ms / 1000)
             key = f"{meta.topic}:{meta.partition}"
             self._ends[key] = max(self._ends.get(key, 0), meta.offset + 1)
         return tasks
@@ -131,7 +140,7 @@ def serve(cfg: Config) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    publisher = OnlinePublisher(cfg)
+    publisher = OnlinePublisher(cfg.data, cfg.explorer, RunTopics.of(cfg), cfg.kafka)
     try:
         publisher.restore()
         print(f"[publisher] {publisher.picker.picks} tasks already on {publisher.topic}, rewards of "
@@ -142,3 +151,29 @@ def serve(cfg: Config) -> int:
     reason = "stopped" if stop.is_set() else "every task set is used up"
     print(f"[publisher] {reason} after {published} tasks", flush=True)
     return published
+
+
+def main(argv: list[str]) -> int:
+    """`rft publish CONFIG`: create the run's topics, then publish its tasks (online when the selector reads
+    rewards, `serve`; else the whole sequence at once)."""
+    parser = argparse.ArgumentParser(prog="rft publish", description="Publish a dataset's tasks to the run's "
+                                     "tasks topic: at once, or online for a selector that reads rewards "
+                                     "(curriculum) until the sequence ends or SIGTERM.")
+    add_config_arguments(parser)
+    cfg = config_from_args(parser.parse_args(argv))
+    if cfg.kafka.bootstrap_servers == "embedded":
+        print("rft publish: kafka.bootstrap_servers is 'embedded'; publishing needs the run's broker address "
+              "(--set kafka.bootstrap_servers=HOST:PORT)", file=sys.stderr)
+        return 2
+    topics = RunTopics.of(cfg)
+    try:
+        create_run_topics(topics, cfg.kafka)  # a trainer or explorers started separately find every topic of the run
+        if selector_needs_rewards(cfg.data):
+            count = serve(cfg)
+        else:
+            count = publish_tasks(cfg.data, topics, cfg.kafka, progress=cfg.monitor.progress)
+    except DatasetError as e:
+        print(f"rft publish: {e}", file=sys.stderr)
+        return 2
+    print(f"published {count} tasks to {topics.tasks}")
+    return 0

@@ -1,4 +1,5 @@
-"""Task sets: a local dataset -> TaskRecords; the task publisher (`rft publish CONFIG`).
+"""Task sets: a local dataset -> TaskRecords; publishing a selector's whole sequence (`rft publish CONFIG`, whose
+entry point is in rft/explorer/publisher.py).
 
 Sources (`format`): `jsonl` (one JSON object per line), `parquet`, `hf_disk` (a Hugging Face dataset saved
 with `save_to_disk`; a DatasetDict must name its split as `path:split`), `generated` (a toy task from
@@ -23,17 +24,20 @@ the explorers until the sequence ends or it is stopped.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rft.config import Config, DataConfig
-from rft.explorer.selectors import SetProgress, TaskPicker, build_selector, selector_needs_rewards
+from tqdm import tqdm
+
+from rft.config import DataConfig, KafkaConfig
+from rft.explorer.selectors import SetProgress, TaskPicker, build_selector
+from rft.run_topics import RunTopics
 from rft.schema import TaskRecord
+from rft.transport import connect
+from rft.workflows.toy_tasks import generate_rows
 
 
 class DatasetError(ValueError):
@@ -82,7 +86,6 @@ def load_rows(data: DataConfig | TaskSet) -> list[dict[str, Any]]:
     """A task set's rows as plain dicts (JSON-compatible values); a DataConfig means its first task set."""
     data = _task_set(data)
     if data.format == "generated":
-        from rft.workflows.toy_tasks import generate_rows
         try:
             return generate_rows(data.path, data.generated_tasks, seed=data.shuffle_seed or 0)
         except ValueError as e:
@@ -116,12 +119,12 @@ def _jsonl_rows(path: str) -> list[dict[str, Any]]:
 
 
 def _parquet_rows(path: str) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # heavy: pyarrow, only for parquet task sets
     return pq.read_table(path).to_pylist()
 
 
 def _hf_disk_rows(spec: str, key: str) -> list[dict[str, Any]]:
-    from datasets import DatasetDict, load_from_disk
+    from datasets import DatasetDict, load_from_disk  # heavy: datasets (pyarrow), only for hf_disk task sets
 
     path, _, split = spec.partition(":")
     dataset = load_from_disk(path)
@@ -139,9 +142,10 @@ def task_id_for(index: int, prompt: str, answer: Any, prefix: str = "") -> str:
     return f"{prefix}r{index:07d}-{digest}"
 
 
-def rows_to_tasks(rows: list[dict[str, Any]], cfg: Config, task_set: TaskSet | None = None) -> list[TaskRecord]:
-    """Epoch 0's tasks of one task set (default: the first), in dataset order (validates every row)."""
-    data = task_set or task_sets(cfg.data)[0]
+def rows_to_tasks(rows: list[dict[str, Any]], data: DataConfig | TaskSet, *, run_id: str) -> list[TaskRecord]:
+    """Epoch 0's tasks of one task set (a DataConfig means its first), in dataset order (validates every row);
+    `run_id` is the run's name."""
+    data = _task_set(data)
     tasks = []
     for index, row in enumerate(rows):
         where = f"{data.path} row {index}"
@@ -157,84 +161,51 @@ def rows_to_tasks(rows: list[dict[str, Any]], cfg: Config, task_set: TaskSet | N
                                f"{type(e).__name__}: {e}") from None
         answer = row[data.answer_key] if data.answer_key else None
         metadata = {k: v for k, v in row.items() if k not in (data.prompt_key, data.answer_key)}
-        tasks.append(TaskRecord(run_id=cfg.run.name, task_id=task_id_for(index, prompt, answer, data.id_prefix),
+        tasks.append(TaskRecord(run_id=run_id, task_id=task_id_for(index, prompt, answer, data.id_prefix),
                                 epoch=0, prompt=prompt, answer=answer, metadata=metadata))
     return tasks
 
 
-def load_task_sets(cfg: Config) -> list[tuple[TaskSet, list[TaskRecord]]]:
+def load_task_sets(data: DataConfig, *, run_id: str) -> list[tuple[TaskSet, list[TaskRecord]]]:
     """Every task set with its epoch-0 tasks (every row of every set validated)."""
-    return [(s, rows_to_tasks(load_rows(s), cfg, s)) for s in task_sets(cfg.data)]
+    return [(s, rows_to_tasks(load_rows(s), s, run_id=run_id)) for s in task_sets(data)]
 
 
-def build_picker(cfg: Config) -> TaskPicker:
+def build_picker(data: DataConfig, *, run_id: str) -> TaskPicker:
     """The picker over every configured task set (loads and validates every row)."""
     sets = [SetProgress(index=i, tasks=tasks, epochs=s.epochs, weight=s.weight)
-            for i, (s, tasks) in enumerate(load_task_sets(cfg))]
-    return TaskPicker(sets, build_selector(cfg.data))
+            for i, (s, tasks) in enumerate(load_task_sets(data, run_id=run_id))]
+    return TaskPicker(sets, build_selector(data))
 
 
-def publish_tasks(cfg: Config, *, bootstrap: str | None = None, progress: bool | None = None) -> int:
-    """Publish the selector's whole sequence to `cfg.topic("tasks")` (created if missing); returns how many.
-    For selectors that need no rewards (an online selector would see none: use rft/explorer/publisher.py)."""
-    from tqdm import tqdm
-
-    from rft.transport import connect
-
-    bootstrap = bootstrap or cfg.kafka.bootstrap_servers
-    picker = build_picker(cfg)
-    topic = ensure_tasks_topic(cfg, bootstrap)
+def publish_tasks(data: DataConfig, topics: RunTopics, kafka: KafkaConfig, *, bootstrap: str | None = None,
+                  progress: bool = False) -> int:
+    """Publish the selector's whole sequence to `topics.tasks` (created if missing); returns how many, once the
+    broker acknowledged every one. For selectors that need no rewards (an online selector would see none: use
+    rft/explorer/publisher.py). `progress`: a progress bar for 1000 tasks or more."""
+    bootstrap = bootstrap or kafka.bootstrap_servers
+    picker = build_picker(data, run_id=topics.run)
+    topic = ensure_tasks_topic(topics, kafka, bootstrap)
     total = picker.remaining
-    show = cfg.monitor.progress if progress is None else progress
-    sink = connect(cfg.kafka, bootstrap).sink(client_id=f"{cfg.run.name}-publisher")
+    sink = connect(kafka, bootstrap).sink(client_id=f"{topics.run}-publisher")
     try:
         futures = []
         for task in tqdm(picker.drain(), total=total, desc=f"publish {topic}", unit="task",
-                         disable=not show or total < 1000):
+                         disable=not progress or total < 1000):
             futures.append(sink.send_record(topic, task, key=task.task_id))
         sink.flush()
         for future in futures:
-            future.get(timeout=cfg.kafka.request_timeout_ms / 1000)
+            future.get(timeout=kafka.request_timeout_ms / 1000)
     finally:
         sink.close()
     return total
 
 
-def ensure_tasks_topic(cfg: Config, bootstrap: str) -> str:
-    from rft.transport import connect
-
-    topic = cfg.topic("tasks")
-    admin = connect(cfg.kafka, bootstrap).admin()
+def ensure_tasks_topic(topics: RunTopics, kafka: KafkaConfig, bootstrap: str) -> str:
+    """Create the run's tasks topic (kafka.partitions) where missing; returns its name."""
+    admin = connect(kafka, bootstrap).admin()
     try:
-        admin.create_topics([topic])
+        admin.create_topics([topics.tasks])
     finally:
         admin.close()
-    return topic
-
-
-def main(argv: list[str]) -> int:
-    from rft.commandline import add_config_arguments, config_from_args
-
-    parser = argparse.ArgumentParser(prog="rft publish", description="Publish a dataset's tasks to the run's "
-                                     "tasks topic: at once, or online for a selector that reads rewards "
-                                     "(curriculum) until the sequence ends or SIGTERM.")
-    add_config_arguments(parser)
-    cfg = config_from_args(parser.parse_args(argv))
-    if cfg.kafka.bootstrap_servers == "embedded":
-        print("rft publish: kafka.bootstrap_servers is 'embedded'; publishing needs the run's broker address "
-              "(--set kafka.bootstrap_servers=HOST:PORT)", file=sys.stderr)
-        return 2
-    from rft.run_topics import create_run_topics
-
-    try:
-        create_run_topics(cfg)  # a trainer or explorers started separately find every topic of the run
-        if selector_needs_rewards(cfg.data):
-            from rft.explorer.publisher import serve
-            count = serve(cfg)
-        else:
-            count = publish_tasks(cfg)
-    except DatasetError as e:
-        print(f"rft publish: {e}", file=sys.stderr)
-        return 2
-    print(f"published {count} tasks to {cfg.topic('tasks')}")
-    return 0
+    return topics.tasks

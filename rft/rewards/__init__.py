@@ -44,8 +44,14 @@ class RewardContext:
     engine: Callable[[str], "Engine"]
 
     @classmethod
+    def of(cls, explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int) -> "RewardContext":
+        """Engines of `explorer.engine`'s kind over `model`'s settings, seeded with `seed` (`run.seed`)."""
+        return cls(model, lambda path: build_engine(explorer, model, seed=seed, model_path=path))
+
+    @classmethod
     def for_run(cls, cfg: "Config") -> "RewardContext":
-        return cls(cfg.model, lambda path: build_engine(cfg, model_path=path))
+        """Composition helper for entry points: `of` over the run's sections (holds no reference to `cfg`)."""
+        return cls.of(cfg.explorer, cfg.model, seed=cfg.run.seed)
 
 
 def available_rewards() -> list[str]:

@@ -137,7 +137,7 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict,
                    control=transport.sink(client_id=f"{cfg.run.name}-trainer"),
                    control_topic=cfg.topic("control"), experiences_topic=topic,
                    metrics=MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name),
-                   prometheus=metrics_endpoint(cfg, role="trainer", instance="0"))
+                   prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="trainer", instance="0"))
     io.weights = WeightPublisher(cfg.sync, store=WeightStore.for_sync(cfg.sync, cfg.run_dir), announce=io.announce,
                                  hf_dir=cfg.model.path,
                                  push_members=cfg.explorer.replicas * cfg.explorer.tensor_parallel_size)

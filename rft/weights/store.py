@@ -72,6 +72,11 @@ def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tenso
                 yield name, f.get_tensor(name)
 
 
+def store_root(sync: "SyncConfig", run_dir: str | os.PathLike) -> Path:
+    """Where a run's weight store is: `sync.weight_store`, default `<run dir>/weights` (not created here)."""
+    return Path(sync.weight_store or Path(run_dir) / "weights")
+
+
 class WeightStore:
     """See the module docstring. `keep` is the number of versions retained (>= 1)."""
 
@@ -85,7 +90,7 @@ class WeightStore:
     @classmethod
     def for_sync(cls, sync: "SyncConfig", run_dir: str | os.PathLike) -> "WeightStore":
         """The store `sync.weight_store` names (default `<run dir>/weights`), keeping `sync.keep_versions`."""
-        return cls(sync.weight_store or Path(run_dir) / "weights", keep=sync.keep_versions)
+        return cls(store_root(sync, run_dir), keep=sync.keep_versions)
 
     def path(self, version: int) -> Path:
         return self.root / version_dirname(version)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from rft.explorer.tasks import publish_tasks
+from rft.run_topics import RunTopics
 from rft.schema import TYPE_TASK, ControlMessage, headers_for
 from rft.transport import HEADER_ORIGIN, connect
 from rft.weights.store import WeightStore, iter_safetensors
@@ -55,7 +56,7 @@ def test_fleet_kill_late_join_reload_and_dead_letters(broker, tiny_model, tmp_pa
                          timeout_s=ENGINE_START_S, what="A and B-0, B-1 to join", alive=list(explorers.values()),
                          log_dir=logs)
         wave1 = {t.group_id for t in _tasks(cfg)}
-        assert publish_tasks(cfg, progress=False) == 16
+        assert publish_tasks(cfg.data, RunTopics.of(cfg), cfg.kafka, progress=False) == 16
 
         # 2. kill A (and its engine) as soon as it produced a group
         experiences.wait_for(lambda: experiences.by("A"), timeout_s=90, what="A's first group",
@@ -87,7 +88,7 @@ def test_fleet_kill_late_join_reload_and_dead_letters(broker, tiny_model, tmp_pa
         wave2_cfg.data.path = "next_digit"
         wave2 = {t.group_id for t in _tasks(wave2_cfg)}
         assert not wave1 & wave2
-        publish_tasks(wave2_cfg, progress=False)
+        publish_tasks(wave2_cfg.data, RunTopics.of(wave2_cfg), wave2_cfg.kafka, progress=False)
         sink.send(cfg.topic("tasks"), b"\x93not a task", key="junk", headers=headers_for(TYPE_TASK))
         sink.flush()
         sink.close()
@@ -142,7 +143,7 @@ def test_fleet_kill_late_join_reload_and_dead_letters(broker, tiny_model, tmp_pa
 
 def _tasks(cfg):
     from rft.explorer.tasks import load_rows, rows_to_tasks
-    return rows_to_tasks(load_rows(cfg.data), cfg)
+    return rows_to_tasks(load_rows(cfg.data), cfg.data, run_id=cfg.run.name)
 
 
 def _task_partitions(cfg) -> dict[str, int]:

@@ -56,7 +56,7 @@ def test_explorer_batches(broker, tiny_model, tmp_path, topic_prefix):
     })
     connect(cfg.kafka, broker.bootstrap_servers).admin().create_topics(
         [cfg.topic(k) for k in ("tasks", "experiences", "control", "dead_letter")])
-    toy = rows_to_tasks(load_rows(cfg.data), cfg)
+    toy = rows_to_tasks(load_rows(cfg.data), cfg.data, run_id=cfg.run.name)
     foreign = TaskRecord(run_id="another-run", task_id="x", epoch=0, prompt=":1", answer="1")
     oversized = TaskRecord(run_id=topic_prefix, task_id="big", epoch=0, prompt="7" * 250, answer="7")
     published = toy[:3] + [foreign, toy[0], oversized] + toy[3:]  # toy[0] twice: a re-delivery

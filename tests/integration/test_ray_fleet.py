@@ -7,6 +7,7 @@ import os
 import pytest
 
 from rft.explorer.tasks import publish_tasks
+from rft.run_topics import RunTopics
 from tests.integration.explorer_support import (REPO, Control, Experiences, create_topics, load, log_tail,
                                                 write_config)
 
@@ -38,7 +39,7 @@ def test_one_explorer_actor_produces_groups_and_scales_to_zero(broker, tiny_mode
     cfg = load(write_config(tmp_path / "run.yaml", run=topic_prefix, bootstrap=broker.bootstrap_servers,
                             model=tiny_model, store=tmp_path / "store"))
     create_topics(cfg)
-    publish_tasks(cfg, progress=False)
+    publish_tasks(cfg.data, RunTopics.of(cfg), cfg.kafka, progress=False)
     experiences, control = Experiences(cfg, cfg.topic("experiences")), Control(cfg, cfg.topic("control"))
     fleet = start_fleet(cfg.to_yaml(), cfg.run.name, 1, cpus_per_explorer=1, log_dir=str(logs))
     try:

@@ -19,6 +19,12 @@ from tests.records import make_group
 pytestmark = pytest.mark.integration
 
 
+def publish_demonstrations_of(cfg):
+    """`rft run`'s composition: the replay's topic (replay.topic, else the run's experiences topic)."""
+    return publish_demonstrations(cfg.data, cfg.model, cfg.kafka, topic=cfg.replay.topic or cfg.topic("experiences"),
+                                  run_id=cfg.run.name)
+
+
 def topic_with_groups(bootstrap: str, topic: str, n: int):
     cfg = KafkaConfig(partitions=1)
     connect(cfg, bootstrap).admin().create_topics([topic], partitions=1)
@@ -76,8 +82,8 @@ def demo_config(tmp_path, model, bootstrap, run_name, rows, **model_overrides):
 def test_demonstrations_from_a_jsonl_dataset(tmp_path, tiny_model, bootstrap, topic_prefix):
     rows = [{"prompt": "12", "answer": "3"}, {"prompt": "4", "answer": 56}]
     cfg = demo_config(tmp_path, tiny_model, bootstrap, topic_prefix, rows)
-    assert publish_demonstrations(cfg) == 4  # 2 rows x 2 epochs
-    assert publish_demonstrations(cfg) == 0  # the topic holds them already: a resumed run publishes nothing
+    assert publish_demonstrations_of(cfg) == 4  # 2 rows x 2 epochs
+    assert publish_demonstrations_of(cfg) == 0  # the topic holds them already: a resumed run publishes nothing
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     vocab = tokenizer.get_vocab()  # char-level: one token per character
@@ -100,4 +106,4 @@ def test_a_demonstration_too_long_names_the_row(tmp_path, tiny_model, bootstrap,
     cfg = demo_config(tmp_path, tiny_model, bootstrap, topic_prefix, [{"prompt": "1", "answer": "2"},
                                                                       {"prompt": "1", "answer": "23456"}])
     with pytest.raises(DatasetError, match=r"demos.jsonl row 1: the answer is 6 tokens; .*max_response_len=4"):
-        publish_demonstrations(cfg)
+        publish_demonstrations_of(cfg)

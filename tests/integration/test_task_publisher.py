@@ -35,7 +35,7 @@ def test_publish_epochs(broker, tmp_path, topic_prefix, capsys):
     tasks = reader.records
     assert all(isinstance(t, TaskRecord) for t in tasks)
     assert [m.key.decode() for m in reader.raw] == [t.task_id for t in tasks]
-    base = rows_to_tasks(load_rows(cfg.data), cfg)
+    base = rows_to_tasks(load_rows(cfg.data), cfg.data, run_id=cfg.run.name)
     expected = [(base[i].task_id, epoch) for epoch in range(3) for i in epoch_order(7, epoch, 11)]
     assert [(t.task_id, t.epoch) for t in tasks] == expected
     first = next(t for t in tasks if t.task_id == base[3].task_id)

@@ -24,7 +24,7 @@ from rft.config import config_from_dict
 from rft.explorer.publisher import OnlinePublisher
 from rft.explorer.selectors import RewardStats
 from rft.explorer.tasks import build_picker, publish_tasks
-from rft.run_topics import consumer_group
+from rft.run_topics import RunTopics, consumer_group
 from rft.schema import ExperienceGroup, Sample, TaskRecord, decode, encode, group_id_for
 from rft.transport import connect
 
@@ -32,6 +32,10 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = "sel"
+
+
+def online_publisher(cfg) -> OnlinePublisher:
+    return OnlinePublisher(cfg.data, cfg.explorer, RunTopics.of(cfg), cfg.kafka)
 
 
 def write_rows(path: Path, n: int) -> Path:
@@ -77,7 +81,7 @@ def test_sequential_mix_follows_the_weights(bootstrap, topic_prefix, tmp_path):
         {"path": str(write_rows(tmp_path / "a.jsonl", 6)), "weight": 3},
         {"path": "copy_char", "format": "generated", "generated_tasks": 2, "epochs": 2, "prompt_key": "prompt",
          "answer_key": "answer", "weight": 1}]})
-    assert publish_tasks(cfg, progress=False) == 10
+    assert publish_tasks(cfg.data, RunTopics.of(cfg), cfg.kafka, progress=False) == 10
     tasks = read_topic(cfg, cfg.topic("tasks"))
     sets = [int(t.task_id[1]) for t in tasks]
     assert all(t.task_id.startswith(f"m{s}.r") for t, s in zip(tasks, sets))
@@ -87,14 +91,14 @@ def test_sequential_mix_follows_the_weights(bootstrap, topic_prefix, tmp_path):
     assert sets.count(0) == 6 and sets.count(1) == 4
     first_set = [t for t in tasks if t.task_id.startswith("m0.")]
     assert [t.prompt for t in first_set] == [f"question {i}" for i in range(6)] and {t.epoch for t in first_set} == {0}
-    toy = [t.task_id for t in build_picker(cfg).sets[1].tasks]  # dataset order
+    toy = [t.task_id for t in build_picker(cfg.data, run_id=cfg.run.name).sets[1].tasks]  # dataset order
     assert picks([t for t in tasks if t.task_id.startswith("m1.")]) == [(toy[0], 0), (toy[1], 0), (toy[0], 1), (toy[1], 1)]
 
 
 def test_curriculum_revisits_tasks_closest_to_half_first(bootstrap, topic_prefix, tmp_path):
     cfg = make_cfg(bootstrap, topic_prefix, {"selector": "curriculum", "epochs": 2, "path": str(
         write_rows(tmp_path / "d.jsonl", 6)), "curriculum": {"temperature": 0.0}})
-    publisher = OnlinePublisher(cfg)
+    publisher = online_publisher(cfg)
     try:
         publisher.restore()
         first = publisher.publish(6)  # no rewards yet: a task waiting for its rewards is not picked again
@@ -121,7 +125,7 @@ def test_curriculum_restarted_continues_like_an_uninterrupted_publisher(bootstra
     whole, restarted = make_cfg(bootstrap, f"{topic_prefix}-a", data), make_cfg(bootstrap, f"{topic_prefix}-b", data)
     rng = np.random.default_rng(3)
 
-    uninterrupted = OnlinePublisher(whole)
+    uninterrupted = online_publisher(whole)
     uninterrupted.restore()
     first = uninterrupted.publish(8)
     rewards = {(t.task_id, t.epoch): list(rng.choice([0.0, 1.0], size=4, p=[p, 1 - p]))
@@ -131,12 +135,12 @@ def test_curriculum_restarted_continues_like_an_uninterrupted_publisher(bootstra
     expected = uninterrupted.publish(8)
     uninterrupted.close()
 
-    before_crash = OnlinePublisher(restarted)
+    before_crash = online_publisher(restarted)
     before_crash.restore()
     assert picks(before_crash.publish(8)) == picks(first)
     before_crash.close()
     record_rewards(restarted, rewards)
-    after = OnlinePublisher(restarted)
+    after = online_publisher(restarted)
     try:
         after.restore()
         assert after.picker.picks == 8 and after.stats.groups == 8
@@ -144,7 +148,8 @@ def test_curriculum_restarted_continues_like_an_uninterrupted_publisher(bootstra
     finally:
         after.close()
 
-    blind = build_picker(whole)  # the same published history without the rewards picks otherwise
+    blind = build_picker(whole.data, run_id=whole.run.name)  # the same published history, without the rewards,
+    # picks otherwise
     for t in first:
         blind.record(t.task_id)
     assert picks([blind.next(RewardStats()) for _ in range(8)]) != picks(expected)

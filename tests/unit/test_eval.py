@@ -3,6 +3,7 @@
 follower's schedule, task sets built by the task loader, and metrics.jsonl merging an evaluation into its step."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,13 +13,13 @@ import yaml
 
 from rft.config import ConfigError
 from rft.evaluation.checkpoints import CheckpointError, resolve_checkpoint
-from rft.evaluation.main import EvalSchedule, load_eval_sets, sampling_config
+from rft.evaluation.main import EvalSchedule, load_eval_sets, sampling_explorer
 from rft.explorer.tasks import DatasetError
 from rft.monitor import read_metrics
 from rft.run_config import load_run_config
 from rft.trainer.checkpoint import CheckpointDir, TrainerState
 from rft.trainer.feed import FeedState
-from rft.weights.store import WeightStore
+from rft.weights.store import WeightStore, store_root
 
 
 COPY_SET = {"name": "copy", "format": "generated", "path": "copy_char", "generated_tasks": 20, "seed": 5}
@@ -30,6 +31,20 @@ def config(tmp_path: Path, model_dir: Path, **eval_section):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(body))
     return load_run_config(path)
+
+
+def sampling_config(cfg, eval_set):
+    """The run's config with the explorer section one eval set is sampled with."""
+    return dataclasses.replace(cfg, explorer=sampling_explorer(cfg.explorer, cfg.eval, eval_set))
+
+
+def eval_sets(cfg):
+    return load_eval_sets(cfg.eval, cfg.explorer, cfg.model, run_id=cfg.run.name, seed=cfg.run.seed)
+
+
+def resolve(spec, cfg):
+    return resolve_checkpoint(spec, cfg.model, run_dir=cfg.run_dir,
+                              store_root=store_root(cfg.sync, cfg.run_dir))
 
 
 @pytest.mark.parametrize("section, expected", [
@@ -57,11 +72,11 @@ def test_task_sets_come_from_the_task_loader(tmp_path, model_dir):
     cfg = config(tmp_path, model_dir, n_samples=2, k=2, temperature=0.5, sets=[
         COPY_SET, {"name": "sums", "path": str(rows), "prompt_key": "q", "answer_key": "a",
                    "prompt_template": "Q: {prompt} =", "reward": "exact_match"}])
-    copy, sums = load_eval_sets(cfg)
+    copy, sums = eval_sets(cfg)
     assert len(copy.tasks) == 20 and all(t.prompt == f":{t.answer}" for t in copy.tasks)
     assert [t.prompt for t in sums.tasks] == ["Q: 0+1 =", "Q: 1+1 =", "Q: 2+1 ="] and sums.tasks[2].answer == "3"
     # held out: another seed than the training data's generates other rows
-    training = load_eval_sets(config(tmp_path, model_dir, sets=[{**COPY_SET, "seed": 0}]))[0]
+    training = eval_sets(config(tmp_path, model_dir, sets=[{**COPY_SET, "seed": 0}]))[0]
     assert [t.prompt for t in copy.tasks] != [t.prompt for t in training.tasks]
     view = sampling_config(cfg, cfg.eval.sets[1])
     assert (view.explorer.n_samples, view.explorer.temperature, view.explorer.reward) == (2, 0.5, "exact_match")
@@ -69,10 +84,10 @@ def test_task_sets_come_from_the_task_loader(tmp_path, model_dir):
 
     cfg.eval.sets[1].prompt_key = "question"
     with pytest.raises(DatasetError, match=r"no field 'question' \(eval.sets\[1\].prompt_key\)"):
-        load_eval_sets(cfg)
+        eval_sets(cfg)
     cfg.eval.sets[1].path = str(tmp_path / "missing.jsonl")
     with pytest.raises(DatasetError, match=r"eval.sets\[1\].path: dataset .* does not exist"):
-        load_eval_sets(cfg)
+        eval_sets(cfg)
 
 
 def publish(store: WeightStore, version: int, model_dir: Path) -> Path:
@@ -94,28 +109,28 @@ def finish_training(cfg, step: int, model_dir: Path) -> Path:
 
 def test_resolve_checkpoint(tmp_path, model_dir):
     cfg = config(tmp_path, model_dir)
-    initial = resolve_checkpoint("initial", cfg)
+    initial = resolve("initial", cfg)
     assert (initial.label, initial.path, initial.step) == ("initial", model_dir, 0)
     with pytest.raises(CheckpointError, match="--checkpoint latest: run 'ev' has no weights yet"):
-        resolve_checkpoint("latest", cfg)
+        resolve("latest", cfg)
 
     store = WeightStore.for_sync(cfg.sync, cfg.run_dir)
     publish(store, 3, model_dir)
     v4 = publish(store, 4, model_dir)
-    latest = resolve_checkpoint("latest", cfg)
+    latest = resolve("latest", cfg)
     assert (latest.path, latest.step) == (v4, 4)  # a live run: the store's LATEST
 
     final = finish_training(cfg, 4, model_dir)
-    assert resolve_checkpoint("latest", cfg).path == final  # the run finished: final/, same step as LATEST
-    named = resolve_checkpoint(str(final), cfg)
+    assert resolve("latest", cfg).path == final  # the run finished: final/, same step as LATEST
+    named = resolve(str(final), cfg)
     assert (named.label, named.step) == (str(final), 4)
-    assert resolve_checkpoint(str(store.path(3)), cfg).step == 3
-    assert resolve_checkpoint(str(model_dir), cfg).step is None  # any other directory: step unknown
+    assert resolve(str(store.path(3)), cfg).step == 3
+    assert resolve(str(model_dir), cfg).step is None  # any other directory: step unknown
 
     publish(store, 5, model_dir)  # training went on past final/ (a resumed run)
-    assert resolve_checkpoint("latest", cfg).step == 5
+    assert resolve("latest", cfg).step == 5
     with pytest.raises(CheckpointError, match=r"--checkpoint .*nowhere: .* is not a Hugging Face model directory"):
-        resolve_checkpoint(str(tmp_path / "nowhere"), cfg)
+        resolve(str(tmp_path / "nowhere"), cfg)
 
 
 def test_follow_schedule():

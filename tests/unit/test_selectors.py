@@ -17,6 +17,11 @@ def cfg_for(data):
     return run_config_from_dict({"run": {"name": "demo"}, "model": {"path": "m"}, "data": data})
 
 
+def picker_for(data):
+    cfg = cfg_for(data)
+    return build_picker(cfg.data, run_id=cfg.run.name)
+
+
 def write_rows(path, n):
     path.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": str(i)}) + "\n" for i in range(n)))
     return str(path)
@@ -41,7 +46,7 @@ def test_data_config_errors_name_the_key(data, message):
 
 def test_shuffled_mix_orders_each_set_with_its_own_seed(tmp_path):
     a, b = write_rows(tmp_path / "a.jsonl", 5), write_rows(tmp_path / "b.jsonl", 5)
-    picker = build_picker(cfg_for({"shuffle_seed": 4, "epochs": 2, "mix": [{"path": a}, {"path": b}]}))
+    picker = picker_for({"shuffle_seed": 4, "epochs": 2, "mix": [{"path": a}, {"path": b}]})
     tasks = list(picker.drain())
     assert len(tasks) == 20 and picker.remaining == 0
     for index in (0, 1):
@@ -69,9 +74,9 @@ class LastFirst:
 
 def test_import_path_selector_is_used_and_checked(tmp_path):
     path = write_rows(tmp_path / "a.jsonl", 3)
-    picker = build_picker(cfg_for({"path": path, "selector": "tests.unit.test_selectors:LastFirst"}))
+    picker = picker_for({"path": path, "selector": "tests.unit.test_selectors:LastFirst"})
     assert [t.prompt for t in picker.drain()] == ["p2", "p1", "p0"]
-    broken = build_picker(cfg_for({"path": path, "epochs": 1, "prompt_template": "broken",
-                                   "selector": "tests.unit.test_selectors:LastFirst"}))
+    broken = picker_for({"path": path, "epochs": 1, "prompt_template": "broken",
+                         "selector": "tests.unit.test_selectors:LastFirst"})
     with pytest.raises(SelectionError, match="chose task 0 of set 0, which has no visits left"):
         list(broken.drain())

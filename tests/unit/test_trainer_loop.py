@@ -7,21 +7,25 @@ step trained on and runs the algorithm's real loss function on the micro-batches
 
 Contracts checked: each step takes exactly `groups_per_step` whole groups in topic order; a duplicate group id, a
 malformed record, a foreign run's record and a group beyond the staleness bound are skipped and counted, never
-trained (the malformed one is dead-lettered with its reason); version s is in the weight store before its
+trained (the first two are dead-lettered with their reasons); version s is in the weight store before its
 announcement, which follows the step that made it; trainer_started comes first and trainer_finished last; and after
 a crash the resumed trainer trains every group exactly once overall (consumed.jsonl, checkpointed offsets).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from rft.config import config_from_dict
 from rft.control import TrainerFinished, TrainerStarted, Weights, control_messages, parse
+from rft.run_topics import RunTopics, create_run_topics
 from rft.schema import HEADER_ERROR, encode
+from rft.trainer.feed import FeedTimeout
 from rft.trainer.main import Trainer, open_trainer_io
 from rft.transport.memory import MemoryTransport
 from rft.weights.store import WeightStore
@@ -47,7 +51,7 @@ class StandInPolicy:
             logprobs = mb["old_logprobs"].clone().requires_grad_(True)
             loss, _ = loss_fn(logprobs, mb)
             loss.backward()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         self.trained.append([int(mb["loss_mask"].sum()) for mb in micro_batches])
         self.steps += 1
         return {"loss": sum(losses)}
@@ -96,6 +100,7 @@ def build(cfg, transport: MemoryTransport, trained: list) -> Trainer:
 
 
 def fill(transport: MemoryTransport, cfg, items) -> None:
+    create_run_topics(RunTopics.of(cfg), cfg.kafka, transport)
     sink = transport.sink()
     for item in items:
         if isinstance(item, bytes):
@@ -143,12 +148,12 @@ def test_each_step_takes_whole_fresh_groups_in_order_and_skips_what_it_must(tmp_
 
     metrics = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     by_step = {m["step"]: m for m in metrics if "loss" in m}
-    assert by_step[2]["skipped"] == {"duplicate": 1, "dead_letter": 1, "foreign_run": 1}
+    assert by_step[2]["skipped"] == {"duplicate": 1, "dead_letter": 1, "foreign": 1}
     assert by_step[3]["dropped_stale"] == len(stale.samples)
 
-    dead = records(transport, cfg.topic("dead_letter"))
-    assert len(dead) == 1 and dead[0].value == b"\x93garbage"
-    assert dict(dead[0].headers)[HEADER_ERROR]
+    dead = records(transport, cfg.topic("dead_letter"))  # the malformed record and the foreign group, with reasons
+    assert [m.value == b"\x93garbage" for m in dead] == [True, False]
+    assert all(dict(m.headers)[HEADER_ERROR] for m in dead) and b"foreign" in dict(dead[1].headers)[HEADER_ERROR]
 
     kinds = [parse(m) for m in control_messages(records(transport, cfg.topic("control")))]
     assert isinstance(kinds[0], TrainerStarted) and isinstance(kinds[-1], TrainerFinished)
@@ -164,18 +169,15 @@ def test_each_step_takes_whole_fresh_groups_in_order_and_skips_what_it_must(tmp_
 def test_a_resumed_trainer_trains_every_group_exactly_once(tmp_path):
     cfg = make_config(tmp_path, groups_per_step=2)
     transport = MemoryTransport(partitions=1)
-    groups = [make_group("run", i, n_samples=2) for i in range(6)]
+    groups = [make_group("run", i, n_samples=2, policy_version=i // 3) for i in range(6)]  # in bound at steps 1-3
     fill(transport, cfg, groups[:3])  # only enough for one step and a half: the second step starves
 
     trained: list = []
-    first = build(cfg.__class__(**{**cfg.__dict__, "trainer": cfg.trainer.__class__(
-        **{**cfg.trainer.__dict__, "poll_timeout_s": 0.5})}), transport, trained)
-    try:
-        first.run()  # step 1, then step 2 times out with g2 taken but not trained: a crash between steps
-    except Exception:
-        pass
-    finally:
-        first.io.close()
+    starving = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, poll_timeout_s=0.5))
+    first = build(starving, transport, trained)
+    with pytest.raises(FeedTimeout):
+        first.run()  # step 1, then step 2 times out with g2 taken but not trained: the trainer dies here
+    first.io.close()
     assert [r["step"] for r in consumed(cfg)] == [1, 1]
 
     fill(transport, cfg, groups[3:])
