@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
+from rft.weights.store import iter_safetensors
+
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, ModelConfig
 
@@ -308,8 +310,6 @@ class TransformersEngine(_TokenizerMixin):
         return out
 
     def load_weights(self, path: str | os.PathLike, version: int) -> None:
-        from rft.weights.store import iter_safetensors  # heavy: torch
-
         self._load_state(iter_safetensors(path), source=str(path))
         self.weights_version = version
 

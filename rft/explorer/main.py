@@ -58,7 +58,7 @@ from rft.monitor import metrics_endpoint
 from rft.schema import ExperienceGroup, decode_task
 from rft.registry import import_object
 from rft.rewards import RewardContext, build_reward
-from rft.run_topics import consumer_group
+from rft.run_topics import RunTopics
 from rft.transport import DeadLetter, RecordTooLarge, Transport, TransportError, connect, lag
 from rft.weights.store import WeightStore
 from rft.weights.subscriber import PushMembership, WeightUpdates, load_newest_weights
@@ -74,7 +74,6 @@ log = logging.getLogger("rft.explorer")
 
 POLL_S = 0.5  # longest wait for tasks in one poll
 IDLE_SLEEP_S = 0.2  # pause when admission lets nothing start
-TOPICS = ("tasks", "experiences", "control", "dead_letter")
 
 
 def _notify(admission: Admission, hook: str, value: int) -> None:
@@ -101,16 +100,16 @@ class ExplorerStats:
 class Explorer:
     """One explorer: an engine, a workflow, and its Kafka clients. `run(stop)` until `stop` is set.
 
-    It takes the config sections it uses; `topics` maps each kind (tasks, experiences, control, dead_letter) to
-    the run's topic, `group` is the tasks consumer group, `run_name` the run whose tasks it serves, `store` the
-    run's weight store, `prometheus` its metrics endpoint (None: off). `build_explorer` composes one from the
-    root config."""
+    It takes the config sections it uses; `topics` names the run it serves (its run id, topics and the explorers'
+    consumer group), `store` is the run's weight store, `prometheus` its metrics endpoint (None: off), `transport`
+    builds its clients (default: the run's Kafka, `connect(kafka)`; `kafka` also gives the timeouts).
+    `build_explorer` composes one from the root config."""
 
-    def __init__(self, explorer: ExplorerConfig, *, kafka: KafkaConfig, sync: SyncConfig, run_name: str,
-                 topics: dict[str, str], group: str, store: WeightStore, explorer_id: str, engine: "Engine",
-                 workflow: "Workflow", admission: Admission | None = None,
-                 prometheus: "MetricsEndpoint | None" = None, transport: Transport | None = None):
-        self.config, self.kafka, self.run_name, self.topics, self.group = explorer, kafka, run_name, topics, group
+    def __init__(self, explorer: ExplorerConfig, *, kafka: KafkaConfig, sync: SyncConfig, topics: RunTopics,
+                 store: WeightStore, explorer_id: str, engine: "Engine", workflow: "Workflow",
+                 admission: Admission | None = None, prometheus: "MetricsEndpoint | None" = None,
+                 transport: Transport | None = None):
+        self.config, self.kafka, self.topics = explorer, kafka, topics
         transport = self.transport = transport or connect(kafka)
         self.explorer_id, self.engine, self.workflow = explorer_id, engine, workflow
         self.admission = admission or AdmitAll()
@@ -118,14 +117,14 @@ class Explorer:
         self._attempts: collections.OrderedDict[str, int] = collections.OrderedDict()
         admin = transport.admin()
         try:
-            admin.create_topics([topics["tasks"], topics["control"], topics["dead_letter"]])
+            admin.create_topics([topics.tasks, topics.control, topics.dead_letter])
         finally:
             admin.close()
         self.sink = transport.sink(client_id=explorer_id)
-        self.dead_letter = DeadLetter(self.sink, topics["dead_letter"])
+        self.dead_letter = DeadLetter(self.sink, topics.dead_letter)
         control_source = transport.source(client_id=f"{explorer_id}-control")
-        control_source.assign([topics["control"]])
-        control_source.seek(control_source.end_offsets(topics["control"]))
+        control_source.assign([topics.control])
+        control_source.seek(control_source.end_offsets(topics.control))
         self.weights = WeightUpdates(store, control_source)
         self.push = PushMembership(engine, self.weights) if sync.method == "push" else None
         self.prometheus = prometheus
@@ -136,7 +135,7 @@ class Explorer:
 
     # -- control messages
     def announce(self, message: Kind) -> None:
-        self.sink.send_record(self.topics["control"], message.to_message())
+        self.sink.send_record(self.topics.control, message.to_message())
 
     def _heartbeats(self) -> None:
         while not self._heartbeat_stop.wait(self.config.heartbeat_s):
@@ -172,7 +171,7 @@ class Explorer:
     # -- the loop
     def join(self) -> None:
         # a batch may take up to explorer.max_batch_s between two polls; the group must not presume us dead
-        self.tasks = self.transport.source(group=self.group, topics=[self.topics["tasks"]], client_id=self.explorer_id,
+        self.tasks = self.transport.source(group=self.topics.explorers_group, topics=[self.topics.tasks], client_id=self.explorer_id,
                                            max_poll_interval_ms=max(self.kafka.max_poll_interval_ms,
                                                                     int(self.config.max_batch_s * 1000)))
         self.announce(ExplorerJoin(explorer_id=self.explorer_id, weights_version=self.engine.weights_version,
@@ -237,7 +236,7 @@ class Explorer:
                   "rft_explorer_weights_version": self.engine.weights_version,
                   "rft_explorer_tokens_per_second": sum(len(s.response_tokens) for s in samples) / max(seconds, 1e-9)}
         try:
-            end = self.tasks.end_offsets(self.topics["tasks"])
+            end = self.tasks.end_offsets(self.topics.tasks)
             positions = self.tasks.positions()
             values["rft_explorer_tasks_lag_records"] = lag(end, positions, positions)
         except TransportError:
@@ -257,8 +256,8 @@ class Explorer:
     def _decode(self, messages: list["Message"]) -> tuple[list["Message"], list]:
         sources, tasks = [], []
         for m, task in self.dead_letter.decode(messages, decode_task):
-            if task.run_id != self.run_name:
-                self.dead_letter.divert(m, f"foreign task: run {task.run_id!r}, this explorer serves {self.run_name!r}")
+            if task.run_id != self.topics.run:
+                self.dead_letter.divert(m, f"foreign task: run {task.run_id!r}, this explorer serves {self.topics.run!r}")
                 continue
             sources.append(m)
             tasks.append(task)
@@ -270,7 +269,7 @@ class Explorer:
             return None
         group = self._group(result)
         try:
-            return self.sink.send_record(self.topics["experiences"], group, key=group.group_id)
+            return self.sink.send_record(self.topics.experiences, group, key=group.group_id)
         except RecordTooLarge as e:
             self.dead_letter.divert(message, f"experience group too large: {e}")
             return None
@@ -381,8 +380,7 @@ def build_explorer(cfg: Config, *, explorer_id: str, engine: "Engine", workflow:
                    admission: Admission | None = None) -> Explorer:
     """Compose an Explorer from the root config: its sections, the run's topics and weight store, the metrics
     endpoint `monitor.prometheus_port` asks for."""
-    return Explorer(cfg.explorer, kafka=cfg.kafka, sync=cfg.sync, run_name=cfg.run.name,
-                    topics={kind: cfg.topic(kind) for kind in TOPICS}, group=consumer_group(cfg),
+    return Explorer(cfg.explorer, kafka=cfg.kafka, sync=cfg.sync, topics=RunTopics.of(cfg),
                     store=WeightStore.for_sync(cfg.sync, cfg.run_dir), explorer_id=explorer_id, engine=engine,
                     workflow=workflow, admission=admission,
                     prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="explorer", instance=explorer_id))

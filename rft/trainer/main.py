@@ -36,7 +36,7 @@ from rft.config import (AlgorithmConfig, Config, ConfigError, ModelConfig, RunCo
 from rft.control import Kind, TrainerFinished, TrainerStarted, TrainerWaiting
 from rft.modes import mode, staleness
 from rft.monitor import MetricsEndpoint, MetricsLogger, metrics_endpoint
-from rft.operators import OperatorContext, build_operator_chain
+from rft.operators import OperatorContext, build_operator_chain, split_drops
 from rft.schema import decode_group
 from rft.staleness import StalenessTracker
 from rft.trainer import distributed as dist_io
@@ -330,8 +330,6 @@ class Trainer:
         dist_io.barrier()
 
     def _log(self, step: int, groups, skipped: dict[str, int], metrics: dict, started: float) -> None:
-        from rft.operators import split_drops
-
         skipped, drops = split_drops(skipped, self.feed.operators)  # the operators' drops: dropped/<reason>
         with open(self.consumed_path, "a") as f:
             for g, reuse in zip(groups, self._reuse):
