@@ -12,6 +12,7 @@ under `torch.distributed.run --standalone` with T*P processes.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -46,7 +47,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("tp", "pp", "batch", "seq_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    problem = layout_problem(args.hf_dir, tp=args.tp, pp=args.pp)
+    if problem:
+        p.error(problem)
     return args
+
+
+def layout_problem(hf_dir: str, *, tp: int, pp: int) -> str | None:
+    """Why the model's shape cannot be split TP x PP (None if it can), from its config.json: before any process
+    starts, so the answer is one line and not a failed worker's traceback."""
+    path = os.path.join(hf_dir, "config.json")
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{path}: cannot read the model's config ({e})"
+    heads = hf.get("num_attention_heads")
+    kv_heads = hf.get("num_key_value_heads") or heads
+    layers = hf.get("num_hidden_layers")
+    for what, count, size, option in (("attention heads", heads, tp, "--tp"), ("key/value heads", kv_heads, tp, "--tp"),
+                                      ("layers", layers, pp, "--pp")):
+        if count and count % size:
+            return f"{option} {size} does not divide the model's {count} {what} ({path})"
+    return None
 
 
 def under_launcher() -> bool:

@@ -1,0 +1,31 @@
+"""`rft bridge-check` refuses a layout the model's shape cannot take, in one line and before any process starts
+(SmolLM2-135M has 9 attention heads and 3 key/value heads: TP=2 cannot split them, TP=3 can)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from megatron_bridge.check import layout_problem
+
+
+def smollm2_like(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3,
+                                                      "num_hidden_layers": 30}))
+    return str(tmp_path)
+
+
+def test_layouts_that_do_not_divide_the_model_are_named(tmp_path):
+    model = smollm2_like(tmp_path)
+    assert layout_problem(model, tp=3, pp=2) is None
+    assert "--tp 2 does not divide the model's 9 attention heads" in layout_problem(model, tp=2, pp=1)
+    assert "--tp 9 does not divide the model's 3 key/value heads" in layout_problem(model, tp=9, pp=1)
+    assert "--pp 4 does not divide the model's 30 layers" in layout_problem(model, tp=1, pp=4)
+    assert "cannot read the model's config" in layout_problem(str(tmp_path / "missing"), tp=1, pp=1)
+
+
+def test_the_command_refuses_before_starting_workers(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "megatron_bridge.check", smollm2_like(tmp_path), "--tp", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "does not divide the model's 9 attention heads" in done.stderr and "Traceback" not in done.stderr
