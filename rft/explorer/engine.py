@@ -305,13 +305,16 @@ class TransformersEngine(_TokenizerMixin):
             sample_args["eos_token_id"] = sorted(self.stops)
         with torch.no_grad():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=not greedy,
-                                      num_return_sequences=sampling.n, max_new_tokens=sampling.max_tokens,
+                                      num_return_sequences=1 if greedy else sampling.n,
+                                      max_new_tokens=sampling.max_tokens,
                                       output_scores=True, return_dict_in_generate=True,
                                       pad_token_id=self.tokenizer.pad_token_id, **sample_args)
         new_tokens = out.sequences[:, len(prompt):]
         # scores are the processed logits the sampler drew from (after temperature / top-p)
         logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
-        completions = [self._completion(new_tokens[i].tolist(), logprobs[i]) for i in range(sampling.n)]
+        # greedy: HF generates one sequence; the n samples are its copies (as vLLM's n greedy samples are)
+        completions = [self._completion(new_tokens[0 if greedy else i].tolist(), logprobs[0 if greedy else i])
+                       for i in range(sampling.n)]
         return Generation(prompt, completions)
 
     def _completion(self, tokens: list[int], logprobs) -> Completion:
