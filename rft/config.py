@@ -55,6 +55,8 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_prompt_len: int = 256
     max_response_len: int = 64
+    chat_template: bool = False  # format every task prompt through the tokenizer's chat template (docs/data.md)
+    system_prompt: str = ""  # chat_template: the system turn before each prompt; empty: none
 
 
 @dataclass
@@ -141,7 +143,7 @@ class AlgorithmConfig:
     std_normalize: bool = True  # GRPO: divide group-centred rewards by the group std (False: Dr.GRPO-style)
 
 
-DataFormat = Literal["jsonl", "parquet", "hf_disk", "generated"]
+DataFormat = Literal["jsonl", "parquet", "hf_disk", "generated", "reasoning_gym", "gsm8k"]
 
 
 @dataclass
@@ -149,12 +151,14 @@ class TaskSetConfig:
     """One entry of `data.mix`; a key left null takes the value of the `data.` key of the same name."""
     path: str = ""  # required: the set's dataset (the toy task for format generated)
     weight: float = 1.0  # relative share of the picks while the set has tasks left
-    format: Optional[Literal["jsonl", "parquet", "hf_disk", "generated"]] = None  # null: data.format
+    format: Optional[DataFormat] = None  # null: data.format
     epochs: Optional[int] = None  # visits per task; null: data.epochs
     prompt_key: Optional[str] = None  # null: data.prompt_key
     answer_key: Optional[str] = None  # null: data.answer_key
     prompt_template: Optional[str] = None  # null: data.prompt_template
     generated_tasks: Optional[int] = None  # null: data.generated_tasks
+    seed: Optional[int] = None  # generated / reasoning_gym: the generator's seed; null: data.shuffle_seed
+    options: Optional[dict[str, Any]] = None  # reasoning_gym: the dataset's own options; null: data.options
 
 
 @dataclass
@@ -175,7 +179,8 @@ class DataConfig:
     epochs: int = 1
     shuffle_seed: Optional[int] = 0  # seeds every selector (shuffle: null keeps the dataset order)
     selector: str = "shuffle"  # sequential, shuffle, curriculum, or package.module:factory (docs/data.md)
-    generated_tasks: int = 1000  # format generated: how many tasks of the toy task that data.path names
+    generated_tasks: int = 1000  # format generated / reasoning_gym: how many tasks data.path generates
+    options: dict[str, Any] = field(default_factory=dict)  # reasoning_gym: the dataset's own options (docs/data.md)
     mix: list[TaskSetConfig] = field(default_factory=list)  # several task sets mixed by weight, instead of data.path
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     tasks_ahead: int = 0  # online selectors: tasks published ahead of the explorers; 0: 2 x replicas x tasks_per_batch
@@ -263,8 +268,9 @@ class EvalSetConfig:
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     prompt_template: str = "{prompt}"
-    generated_tasks: int = 100  # format generated: how many tasks
-    seed: int = 1  # format generated: generator seed (data.shuffle_seed seeds the training rows)
+    generated_tasks: int = 100  # format generated / reasoning_gym: how many tasks
+    seed: int = 1  # format generated / reasoning_gym: generator seed (data.shuffle_seed seeds the training rows)
+    options: dict[str, Any] = field(default_factory=dict)  # reasoning_gym: the dataset's own options
     reward: str = ""  # registered name or package.module:function; empty: explorer.reward
 
 
@@ -499,6 +505,7 @@ def check_semantics(cfg: Config, source: str) -> None:
             "sync.method", "push needs a fixed fleet: set explorer.replicas to the number of explorers")
     require(bool(cfg.model.path), "model.path", "required: a Hugging Face model directory")
     _check_model_shape(cfg, source, require)
+    _check_chat_template(cfg.model, source, require)
     require(not cfg.replay.from_data or cfg.run.mode == "offline", "replay.from_data",
             f"fills the topic of an offline replay: needs run.mode offline, not {cfg.run.mode}")
     _check_eval(cfg.eval, require)
@@ -546,3 +553,22 @@ def _check_model_shape(cfg: Config, source: str, require) -> None:
     if layers:
         require(layers % pp == 0, "trainer.pipeline_parallel",
                 f"{pp} does not divide the model's {layers} layers ({hf_config})")
+
+
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # where transformers saves a template
+
+
+def _check_chat_template(model: ModelConfig, source: str, require) -> None:
+    """`model.chat_template: true` needs a tokenizer with a template, checked when the tokenizer is on disk."""
+    directory = Path(model.tokenizer or model.path)
+    tokenizer_config = directory / "tokenizer_config.json"
+    if not model.chat_template or not tokenizer_config.is_file():
+        return
+    try:
+        has_template = bool(json.loads(tokenizer_config.read_text()).get("chat_template"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{source}: model.chat_template: {tokenizer_config} is not readable JSON: {e}") from None
+    has_template = has_template or any((directory / name).is_file() for name in CHAT_TEMPLATE_FILES)
+    require(has_template, "model.chat_template",
+            f"the tokenizer in {directory} has no chat template (no chat_template in tokenizer_config.json, no "
+            f"{' or '.join(CHAT_TEMPLATE_FILES)}): set model.chat_template: false, or use an instruct model's tokenizer")

@@ -5,9 +5,13 @@ stage of a multi-stage run), into the replay's topic (`replay.topic`, else the r
 that topic already holds records (a resumed run). The rows, prompt templates, epochs, seeded shuffles and task ids
 are the task publisher's (rft/explorer/tasks.py); each task becomes one ExperienceGroup (group id
 `<run>/<task id>/e<epoch>`) with one Sample:
-- prompt tokens: the prompt encoded with the tokenizer's special tokens, as explorers encode prompts;
-- response tokens: the answer (`str()` of it unless it is a string) encoded without special tokens, then the
-  tokenizer's EOS token when it has one (so the model learns to stop); loss mask all ones;
+- prompt tokens: the prompt as explorers encode it: with the tokenizer's special tokens, or, with
+  `model.chat_template: true`, rendered by the chat template as a user turn (after `model.system_prompt`) up to
+  the assistant header (rft/chat.py);
+- response tokens: the answer (`str()` of it unless it is a string) encoded without special tokens, then the token
+  that ends the model's turn (the tokenizer's EOS, or the chat template's end-of-turn token such as `<|im_end|>`)
+  when there is one, so the model learns to stop where the engines stop; loss mask all ones: the loss is on the
+  answer (the assistant turn) only, never on the prompt;
 - behaviour log-probs 0 (there is no behaviour policy: for `sft`, not for policy-gradient algorithms), reward 1,
   policy version 0.
 A row with no answer, or whose prompt or response is over `model.max_prompt_len` / `model.max_response_len`
@@ -19,6 +23,7 @@ from typing import Iterator
 
 import numpy as np
 
+from rft.chat import ChatError, ChatPrompt, encode_chat, end_of_turn_id
 from rft.config import DataConfig, KafkaConfig, ModelConfig
 from rft.explorer.tasks import DatasetError, build_picker, load_task_sets
 from rft.schema import ExperienceGroup, Sample, TaskRecord
@@ -38,11 +43,18 @@ def demonstration_groups(data: DataConfig, model: ModelConfig, tokenizer, *, run
 def _sample(task: TaskRecord, tokenizer, model: ModelConfig, *, where: str) -> Sample:
     if task.answer is None:
         raise DatasetError(f"{where}: a demonstration needs an answer (data.answer_key is empty)")
-    prompt = tokenizer(task.prompt, add_special_tokens=True)["input_ids"]
+    chat = ChatPrompt.of(model)
+    if chat is None:
+        prompt, end = tokenizer(task.prompt, add_special_tokens=True)["input_ids"], tokenizer.eos_token_id
+    else:
+        try:
+            prompt, end = encode_chat(tokenizer, task.prompt, chat), end_of_turn_id(tokenizer)
+        except ChatError as e:
+            raise DatasetError(str(e)) from None
     answer = task.answer if isinstance(task.answer, str) else str(task.answer)
-    response = tokenizer(answer, add_special_tokens=False)["input_ids"]
-    if tokenizer.eos_token_id is not None:
-        response = response + [tokenizer.eos_token_id]
+    response = list(tokenizer(answer, add_special_tokens=False)["input_ids"])
+    if end is not None:
+        response = response + [end]
     for what, tokens, limit, key in (("prompt", prompt, model.max_prompt_len, "max_prompt_len"),
                                      ("answer", response, model.max_response_len, "max_response_len")):
         if not tokens or len(tokens) > limit:

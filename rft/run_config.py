@@ -4,7 +4,9 @@
 checks, when a config is loaded, every name that a component would otherwise resolve mid-run: algorithm.name,
 explorer.reward / reward_weights / judge_model, explorer.workflow and environment, explorer.admission,
 data.selector, trainer.operators, replay_buffer.priority (with the algorithm's support for replay),
-eval.sets[i].reward and toy-task names, and every stage of a multi-stage config. Errors are `ConfigError`s
+eval.sets[i].reward and toy-task names, reasoning-gym dataset names and options (data, data.mix[i], eval.sets[i]:
+building each dataset once, which imports reasoning_gym only when a set uses it), and every stage of a multi-stage
+config. Errors are `ConfigError`s
 naming the source file and the dotted key. Every command that loads a config for a run goes through
 `load_run_config` (`rft.commandline.config_from_args`).
 """
@@ -15,10 +17,13 @@ from typing import Any
 
 from rft.algorithms import build_algorithm, resolve_algorithm
 from rft.config import ADMISSIONS, Config, ConfigError, EvalConfig, config_from_dict, load_config
+from rft.explorer.gym_tasks import GymError, build_dataset
 from rft.explorer.selectors import SelectionError, build_selector
+from rft.explorer.tasks import TaskSet, task_sets
 from rft.operators import OperatorError, check_operator_specs
 from rft.registry import RegistryError, import_object
 from rft.rewards import WEIGHTED, RewardError, check_reward_config, resolve
+from rft.rewards.reasoning_gym import GYM_REWARDS
 from rft.stages import resolve_stages
 from rft.trainer.replay_buffer import resolve_priority
 from rft.workflows import WorkflowError, check_workflow_config
@@ -62,6 +67,7 @@ def check_names(cfg: Config, source: str) -> None:
         resolve_algorithm(cfg.algorithm.name)
         _check_replay_algorithm(cfg)
         _check_eval_sets(cfg.eval)
+        _check_generated_sets(cfg)
     except NAME_ERRORS as e:
         message = str(e)
         raise ConfigError(message if message.startswith(f"{source}: ") else f"{source}: {message}") from None
@@ -86,3 +92,29 @@ def _check_eval_sets(e: EvalConfig) -> None:
                               "explorer.reward_weights; leave this empty")
         if s.reward:
             resolve(s.reward, key=f"{key}.reward")
+
+
+def _check_generated_sets(cfg: Config) -> None:
+    """reasoning_gym sets name a dataset and options it takes; `options` only where they mean something; a
+    reasoning-gym reward only on sets that can carry reasoning-gym tasks."""
+    explorer_rewards = set(cfg.explorer.reward_weights) if cfg.explorer.reward == WEIGHTED else {cfg.explorer.reward}
+    sets = [(s, explorer_rewards) for s in task_sets(cfg.data) if s.path]
+    for i, e in enumerate(cfg.eval.sets):
+        sets.append((TaskSet(key=f"eval.sets[{i}]", id_prefix="", path=e.path, format=e.format, weight=1.0, epochs=1,
+                             prompt_key=e.prompt_key, answer_key=e.answer_key, prompt_template=e.prompt_template,
+                             generated_tasks=e.generated_tasks, seed=e.seed, options=e.options),
+                     {e.reward} if e.reward else explorer_rewards))
+    for task_set, rewards in sets:
+        if task_set.format != "reasoning_gym":
+            if task_set.options:
+                raise ConfigError(f"{task_set.key}.options: dataset options are for format reasoning_gym, and this "
+                                  f"set's format is {task_set.format}")
+            gym = sorted(rewards & set(GYM_REWARDS))
+            if gym and task_set.format in ("generated", "gsm8k"):
+                raise ConfigError(f"{task_set.key}.format: reward {gym[0]!r} scores reasoning_gym tasks, and this "
+                                  f"set's format is {task_set.format}")
+            continue
+        try:
+            build_dataset(task_set.path, task_set.options, seed=task_set.seed, size=task_set.generated_tasks)
+        except GymError as e:
+            raise ConfigError(f"{task_set.key}.{e.key}: {e}") from None

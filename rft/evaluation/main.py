@@ -81,7 +81,7 @@ def load_eval_sets(evaluation: EvalConfig, explorer: ExplorerConfig, model: Mode
         source = TaskSet(key=f"eval.sets[{i}]", id_prefix="", path=eval_set.path, format=eval_set.format, weight=1.0,
                          epochs=1, prompt_key=eval_set.prompt_key, answer_key=eval_set.answer_key,
                          prompt_template=eval_set.prompt_template, generated_tasks=eval_set.generated_tasks,
-                         shuffle_seed=eval_set.seed)
+                         seed=eval_set.seed, options=eval_set.options)
         tasks = rows_to_tasks(load_rows(source), source, run_id=run_id)
         sampled = sampling_explorer(explorer, evaluation, eval_set)
         reward = build_reward(sampled, RewardContext.of(sampled, model, seed=seed))

@@ -15,6 +15,9 @@ Invariants:
   oldest version that generated any of its tokens. Reloads happen between `generate` calls, never
   during one, so within one call all completions carry the same version.
 - After a reload the prefix cache is reset: no KV computed with old weights is reused.
+- A completion ends at the first of `stop_token_ids` (kept as its last token, finish reason "stop") or after
+  `max_tokens`. With `model.chat_template: true` those are the EOS and the template's end-of-turn token
+  (rft/chat.py); otherwise the engine's own default, the EOS.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
+from rft.chat import ChatPrompt, encode_chat, stop_token_ids
 from rft.weights.store import iter_safetensors
 
 if TYPE_CHECKING:
@@ -76,6 +80,10 @@ class Engine(Protocol):
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
+    def encode_chat(self, prompt: str, chat: ChatPrompt) -> list[int]:
+        """`prompt` rendered by the tokenizer's chat template as a user turn (rft/chat.py)."""
+        ...
+
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
@@ -105,9 +113,16 @@ class Engine(Protocol):
 
 class _TokenizerMixin:
     tokenizer = None
+    stop_token_ids: list[int] = []  # besides the engine's default (the EOS); see the module docstring
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def encode_chat(self, prompt: str, chat: ChatPrompt) -> list[int]:
+        return encode_chat(self.tokenizer, prompt, chat)
+
+    def _stop_at_end_of_turn(self, chat_template: bool) -> None:
+        self.stop_token_ids = stop_token_ids(self.tokenizer) if chat_template else []
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
@@ -151,7 +166,7 @@ class VLLMEngine(_TokenizerMixin):
     def __init__(self, model_path: str | os.PathLike, *, tensor_parallel_size: int = 1, dtype: str = "float32",
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
                  cpu_kvcache_gb: float = 1.0, seed: int = 0, weights_version: int = 0,
-                 in_process: bool | None = None):
+                 in_process: bool | None = None, chat_template: bool = False):
         from vllm import LLM
 
         settings, self.in_process = _llm_settings(
@@ -164,6 +179,7 @@ class VLLMEngine(_TokenizerMixin):
         self.llm = LLM(**settings)
         log.info("vLLM engine for %s started in %.1f s", model_path, time.monotonic() - started)
         self.tokenizer = self.llm.get_tokenizer()
+        self._stop_at_end_of_turn(chat_template)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self.weights_version = -1
         self._set_version(weights_version)
@@ -175,7 +191,8 @@ class VLLMEngine(_TokenizerMixin):
         return cls(model_path or model.path, tensor_parallel_size=explorer.tensor_parallel_size,
                    dtype=model.dtype, max_model_len=model.max_prompt_len + model.max_response_len,
                    gpu_memory_utilization=explorer.gpu_memory_utilization,
-                   cpu_kvcache_gb=explorer.cpu_kvcache_gb, seed=seed, in_process=explorer.vllm_in_process)
+                   cpu_kvcache_gb=explorer.cpu_kvcache_gb, seed=seed, in_process=explorer.vllm_in_process,
+                   chat_template=model.chat_template)
 
     def _set_version(self, version: int) -> None:
         self.weights_version = version
@@ -186,7 +203,8 @@ class VLLMEngine(_TokenizerMixin):
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                max_tokens=sampling.max_tokens, logprobs=0)
+                                max_tokens=sampling.max_tokens, logprobs=0,
+                                stop_token_ids=self.stop_token_ids or None)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)
         return [Generation(list(o.prompt_token_ids), [self._completion(c) for c in o.outputs]) for o in outputs]
@@ -254,7 +272,7 @@ class TransformersEngine(_TokenizerMixin):
     different lengths need no padding that way). Reference implementation, not a fast path."""
 
     def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", seed: int = 0,
-                 weights_version: int = 0, device: str = "cpu"):
+                 weights_version: int = 0, device: str = "cpu", chat_template: bool = False):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -262,6 +280,8 @@ class TransformersEngine(_TokenizerMixin):
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype)).to(device)
         self.model.eval()
+        self._stop_at_end_of_turn(chat_template)
+        self.stops = set(self.stop_token_ids) | {self.tokenizer.eos_token_id} - {None}
         self.device = device
         self.generator_seed = seed
         self.weights_version = weights_version
@@ -271,7 +291,7 @@ class TransformersEngine(_TokenizerMixin):
     def from_config(cls, explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
                     model_path: str | None = None) -> "TransformersEngine":
         """The engine the model section describes, on `model_path` (default `model.path`)."""
-        return cls(model_path or model.path, dtype=model.dtype, seed=seed)
+        return cls(model_path or model.path, dtype=model.dtype, seed=seed, chat_template=model.chat_template)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
         return [self._generate_one(list(p), sampling) for p in prompts]
@@ -281,24 +301,30 @@ class TransformersEngine(_TokenizerMixin):
         ids = torch.tensor([prompt], device=self.device)
         greedy = sampling.temperature == 0
         sample_args = {} if greedy else dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+        if self.stop_token_ids:
+            sample_args["eos_token_id"] = sorted(self.stops)
         with torch.no_grad():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=not greedy,
-                                      num_return_sequences=sampling.n, max_new_tokens=sampling.max_tokens,
+                                      num_return_sequences=1 if greedy else sampling.n,
+                                      max_new_tokens=sampling.max_tokens,
                                       output_scores=True, return_dict_in_generate=True,
                                       pad_token_id=self.tokenizer.pad_token_id, **sample_args)
         new_tokens = out.sequences[:, len(prompt):]
         # scores are the processed logits the sampler drew from (after temperature / top-p)
         logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
-        completions = [self._completion(new_tokens[i].tolist(), logprobs[i]) for i in range(sampling.n)]
+        # greedy: HF generates one sequence; the n samples are its copies (as vLLM's n greedy samples are)
+        completions = [self._completion(new_tokens[0 if greedy else i].tolist(), logprobs[0 if greedy else i])
+                       for i in range(sampling.n)]
         return Generation(prompt, completions)
 
     def _completion(self, tokens: list[int], logprobs) -> Completion:
-        eos = self.tokenizer.eos_token_id
-        end = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+        """Up to and including the first stop token (generate pads the rest of the batch row)."""
+        end = next((i + 1 for i, t in enumerate(tokens) if t in self.stops), len(tokens))
         kept = tokens[:end]
         values = [float(logprobs[i, t]) for i, t in enumerate(kept)]
+        stopped = bool(kept) and kept[-1] in self.stops
         return Completion(token_ids=kept, logprobs=values, text=self.decode(kept),
-                          finish_reason="stop" if eos in kept else "length", weights_version=self.weights_version)
+                          finish_reason="stop" if stopped else "length", weights_version=self.weights_version)
 
     def next_token_probs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:
         torch = self.torch

@@ -3,12 +3,19 @@ entry point is in rft/explorer/publisher.py).
 
 Sources (`format`): `jsonl` (one JSON object per line), `parquet`, `hf_disk` (a Hugging Face dataset saved
 with `save_to_disk`; a DatasetDict must name its split as `path:split`), `generated` (a toy task from
-rft.workflows.toy_tasks named by `path`, `generated_tasks` rows). A run has one task set (`data.path`) or
-several mixed by weight (`data.mix`, see rft/explorer/selectors.py for how sets and tasks are picked).
+rft.workflows.toy_tasks named by `path`, `generated_tasks` rows), `reasoning_gym` (the reasoning-gym dataset that
+`path` names, with `options`, `generated_tasks` rows: rft/explorer/gym_tasks.py), `gsm8k` (a GSM8K-style JSONL
+file: `question`, and `answer` ending with `#### N`; the task's answer is N, the worked solution is kept as the
+`solution` metadata field). `generated` and `reasoning_gym` draw from the set's generator seed: `data.mix[i].seed`,
+else `data.shuffle_seed` (`eval.sets[i].seed` for an evaluation set). `reasoning_gym` and `gsm8k` rows have the
+fixed fields `prompt` and `answer` (`prompt_key` / `answer_key` do not apply; `prompt_template` does). A run has
+one task set (`data.path`) or several mixed by weight (`data.mix`, see rft/explorer/selectors.py for how sets and
+tasks are picked).
 
 Each row becomes one TaskRecord:
-- `task_id`: `r<row index>-<8 hex of sha1(prompt, answer)>` (`m<set>.r...` for the sets of `data.mix`): stable
-  across epochs and re-publishes of the same file, and distinct for duplicate rows;
+- `task_id`: `r<row index>-<8 hex of sha1(prompt, answer)>` (`m<set>.r...` for the sets of `data.mix`; the hash
+  also covers the reasoning-gym spec of a `reasoning_gym` row): stable across epochs and re-publishes of the same
+  file, and distinct for duplicate rows;
 - `epoch`: how many times the task was published before (every task once per epoch with `sequential` and
   `shuffle`), so `(task_id, epoch)` names one group;
 - `prompt`: `prompt_template` formatted with the row's fields, where `{prompt}` is the row's `prompt_key` field;
@@ -33,6 +40,7 @@ from typing import Any
 from tqdm import tqdm
 
 from rft.config import DataConfig, KafkaConfig
+from rft.explorer.gym_tasks import METADATA_KEY, GymError, gym_rows
 from rft.explorer.selectors import SetProgress, TaskPicker, build_selector
 from rft.run_topics import RunTopics
 from rft.schema import TaskRecord
@@ -57,7 +65,8 @@ class TaskSet:
     answer_key: str
     prompt_template: str
     generated_tasks: int
-    shuffle_seed: int | None
+    seed: int  # generated / reasoning_gym: the generator's seed
+    options: dict[str, Any]  # reasoning_gym: the dataset's own options
 
 
 def task_sets(data: DataConfig) -> list[TaskSet]:
@@ -65,7 +74,7 @@ def task_sets(data: DataConfig) -> list[TaskSet]:
     if not data.mix:
         return [TaskSet(key="data", id_prefix="", path=data.path, format=data.format, weight=1.0, epochs=data.epochs,
                         prompt_key=data.prompt_key, answer_key=data.answer_key, prompt_template=data.prompt_template,
-                        generated_tasks=data.generated_tasks, shuffle_seed=data.shuffle_seed)]
+                        generated_tasks=data.generated_tasks, seed=data.shuffle_seed or 0, options=data.options)]
 
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value
@@ -74,7 +83,8 @@ def task_sets(data: DataConfig) -> list[TaskSet]:
                     weight=m.weight, epochs=pick(m.epochs, data.epochs), prompt_key=pick(m.prompt_key, data.prompt_key),
                     answer_key=pick(m.answer_key, data.answer_key),
                     prompt_template=pick(m.prompt_template, data.prompt_template),
-                    generated_tasks=pick(m.generated_tasks, data.generated_tasks), shuffle_seed=data.shuffle_seed)
+                    generated_tasks=pick(m.generated_tasks, data.generated_tasks),
+                    seed=pick(m.seed, data.shuffle_seed or 0), options=pick(m.options, data.options))
             for i, m in enumerate(data.mix)]
 
 
@@ -87,16 +97,21 @@ def load_rows(data: DataConfig | TaskSet) -> list[dict[str, Any]]:
     data = _task_set(data)
     if data.format == "generated":
         try:
-            return generate_rows(data.path, data.generated_tasks, seed=data.shuffle_seed or 0)
+            return generate_rows(data.path, data.generated_tasks, seed=data.seed)
         except ValueError as e:
             raise DatasetError(f"{data.key}.path: {e}") from None
+    if data.format == "reasoning_gym":
+        try:
+            return gym_rows(data.path, data.options, seed=data.seed, size=data.generated_tasks)
+        except GymError as e:
+            raise DatasetError(f"{data.key}.{e.key}: {e}") from None
     path = Path(data.path.split(":")[0] if data.format == "hf_disk" else data.path)
     if not data.path or not path.exists():
         raise DatasetError(f"{data.key}.path: dataset {data.path!r} does not exist")
     if data.format == "hf_disk":
         rows = _hf_disk_rows(data.path, data.key)
     else:
-        rows = {"jsonl": _jsonl_rows, "parquet": _parquet_rows}[data.format](data.path)
+        rows = {"jsonl": _jsonl_rows, "parquet": _parquet_rows, "gsm8k": _gsm8k_rows}[data.format](data.path)
     if not rows:
         raise DatasetError(f"{data.key}.path: dataset {data.path} has no rows")
     return rows
@@ -115,6 +130,25 @@ def _jsonl_rows(path: str) -> list[dict[str, Any]]:
             if not isinstance(row, dict):
                 raise DatasetError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
             rows.append(row)
+    return rows
+
+
+def _gsm8k_rows(path: str) -> list[dict[str, Any]]:
+    """GSM8K-style rows: `question` -> prompt, the number after the last `####` of `answer` -> answer (thousands
+    separators dropped), the whole worked answer -> solution."""
+    rows = []
+    for n, row in enumerate(_jsonl_rows(path)):
+        question, solution = row.get("question"), row.get("answer")
+        if not isinstance(question, str) or not isinstance(solution, str):
+            raise DatasetError(f"{path} row {n}: a gsm8k row needs string fields 'question' and 'answer'; "
+                               f"fields: {sorted(row)}")
+        if "####" not in solution:
+            raise DatasetError(f"{path} row {n}: the answer does not end with '#### N' (the final answer)")
+        final = solution.rsplit("####", 1)[1].strip().replace(",", "")
+        if not final:
+            raise DatasetError(f"{path} row {n}: nothing follows '####' in the answer")
+        rows.append({**{k: v for k, v in row.items() if k not in ("question", "answer")},
+                     "prompt": question, "answer": final, "solution": solution})
     return rows
 
 
@@ -137,8 +171,13 @@ def _hf_disk_rows(spec: str, key: str) -> list[dict[str, Any]]:
     return dataset.to_list()
 
 
-def task_id_for(index: int, prompt: str, answer: Any, prefix: str = "") -> str:
-    digest = hashlib.sha1(json.dumps([prompt, answer], sort_keys=True, default=str).encode()).hexdigest()[:8]
+FIXED_KEY_FORMATS = ("reasoning_gym", "gsm8k")  # their rows have `prompt` and `answer` whatever the keys say
+
+
+def task_id_for(index: int, prompt: str, answer: Any, prefix: str = "", identity: Any = None) -> str:
+    """`<prefix>r<index>-<hash>`; the hash covers the prompt, the answer and `identity` when given."""
+    content = [prompt, answer] if identity is None else [prompt, answer, identity]
+    digest = hashlib.sha1(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:8]
     return f"{prefix}r{index:07d}-{digest}"
 
 
@@ -146,23 +185,27 @@ def rows_to_tasks(rows: list[dict[str, Any]], data: DataConfig | TaskSet, *, run
     """Epoch 0's tasks of one task set (a DataConfig means its first), in dataset order (validates every row);
     `run_id` is the run's name."""
     data = _task_set(data)
+    prompt_key, answer_key = ("prompt", "answer") if data.format in FIXED_KEY_FORMATS else (data.prompt_key,
+                                                                                             data.answer_key)
     tasks = []
     for index, row in enumerate(rows):
         where = f"{data.path} row {index}"
-        if data.prompt_key not in row:
-            raise DatasetError(f"{where}: no field {data.prompt_key!r} ({data.key}.prompt_key); fields: {sorted(row)}")
-        if data.answer_key and data.answer_key not in row:
-            raise DatasetError(f"{where}: no field {data.answer_key!r} ({data.key}.answer_key); fields: {sorted(row)}")
-        fields = {**row, "prompt": row[data.prompt_key]}
+        if prompt_key not in row:
+            raise DatasetError(f"{where}: no field {prompt_key!r} ({data.key}.prompt_key); fields: {sorted(row)}")
+        if answer_key and answer_key not in row:
+            raise DatasetError(f"{where}: no field {answer_key!r} ({data.key}.answer_key); fields: {sorted(row)}")
+        fields = {**row, "prompt": row[prompt_key]}
         try:
             prompt = data.prompt_template.format(**fields)
         except (KeyError, IndexError, ValueError) as e:
             raise DatasetError(f"{where}: {data.key}.prompt_template {data.prompt_template!r} does not format: "
                                f"{type(e).__name__}: {e}") from None
-        answer = row[data.answer_key] if data.answer_key else None
-        metadata = {k: v for k, v in row.items() if k not in (data.prompt_key, data.answer_key)}
-        tasks.append(TaskRecord(run_id=run_id, task_id=task_id_for(index, prompt, answer, data.id_prefix),
-                                epoch=0, prompt=prompt, answer=answer, metadata=metadata))
+        answer = row[answer_key] if answer_key else None
+        metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+        task_id = task_id_for(index, prompt, answer, data.id_prefix, 
+                              identity=metadata.get(METADATA_KEY) if data.format == "reasoning_gym" else None)
+        tasks.append(TaskRecord(run_id=run_id, task_id=task_id, epoch=0, prompt=prompt, answer=answer,
+                                metadata=metadata))
     return tasks
 
 

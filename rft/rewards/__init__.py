@@ -11,7 +11,7 @@ as an escape hatch. Names are resolved when a config is loaded for a run (`rft.r
 - `explorer.reward: weighted` combines the rewards named in `explorer.reward_weights` into the
   weighted mean sum_i w_i r_i / sum_i w_i (weights >= 0, not all 0), so the result stays in [0, 1].
 
-Importing this package registers the built-in rewards (text, math_answer, countdown, judge).
+Importing this package registers the built-in rewards (text, math_answer, countdown, judge, reasoning_gym).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rft.explorer.engine import build_engine
-from rft.rewards import countdown, judge, math_answer, text  # noqa: F401  (registers the built-ins)
+from rft.rewards import countdown, judge, math_answer, reasoning_gym, text  # noqa: F401  (registers the built-ins)
 from rft.rewards.registry import (REWARDS, Reward, RewardError, RewardFn, RewardResult, checked, is_factory,
                                   register_reward, register_reward_factory)
 

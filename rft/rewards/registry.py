@@ -25,6 +25,12 @@ class RewardError(ValueError):
     """A reward that cannot be built or that returned an invalid score."""
 
 
+class TaskError(ValueError):
+    """A task record that a reward cannot score: a field it needs is missing or invalid (a record read from a topic
+    is not trusted beyond its schema). Workflows turn it into the group's `error`, so the explorer sends the task
+    to the dead-letter topic and goes on; unlike RewardError it is not a bug in the reward."""
+
+
 @dataclass(frozen=True)
 class RewardResult:
     """One response's reward: `score` in [0, 1] plus named sub-scores."""

@@ -11,6 +11,7 @@ from rft.schema import TaskRecord
 
 _THINK_ANSWER = re.compile(r"\s*<think>.*?</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 
 
 @register_reward("exact_match")
@@ -30,6 +31,13 @@ def think_answer_format(response: str, task: TaskRecord) -> RewardResult:
         "has_think": float("<think>" in response and "</think>" in response),
         "has_answer": float(_ANSWER_TAG.search(response) is not None),
     })
+
+
+def last_number(response: str) -> str | None:
+    """The last number written in the response (an optional minus sign directly before the digits, thousands
+    separators dropped, a decimal part kept as written: "= -1,234.50." -> "-1234.50"), or None when there is none."""
+    found = _NUMBER.findall(response)
+    return found[-1].replace(",", "") if found else None
 
 
 def answer_tag_content(response: str) -> str | None:

@@ -9,7 +9,9 @@ configured reward of the *last* model turn (components add `turns`, the number o
 
 Environments are registered by name (`@register_environment`) or given as `package.module:Class`;
 an environment class is built per episode as `cls(task, reward)` and answers `step(model_text)`.
-Observations are raw text appended after the model's turn (chat templates are the environment's job).
+Observations are raw text appended after the model's turn (chat templates are the environment's job; with
+`model.chat_template: true` the first prompt is rendered by the template, and a model turn ends at its
+end-of-turn token).
 """
 from __future__ import annotations
 
@@ -17,10 +19,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
+from rft.chat import ChatPrompt
 from rft.explorer.engine import SamplingSettings
 from rft.registry import Registry
 from rft.schema import TaskRecord
-from rft.workflows.registry import GroupResult, WorkflowError, build_sample, encode_prompt, register_workflow
+from rft.rewards.registry import TaskError
+from rft.workflows.registry import (GroupResult, WorkflowError, build_sample, encode_prompt, register_workflow,
+                                    score_group)
 
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, ModelConfig
@@ -90,6 +95,7 @@ class MultiTurn:
     def __init__(self, explorer: "ExplorerConfig", model: "ModelConfig", reward: "Reward"):
         self.sampling = SamplingSettings.from_config(explorer, model)
         self.max_prompt_len = model.max_prompt_len
+        self.chat = ChatPrompt.of(model)
         self.max_response_len = model.max_response_len
         self.max_turns = explorer.max_turns
         self.environment_cls = ENVIRONMENTS.resolve(explorer.environment, key="explorer.environment")
@@ -99,7 +105,7 @@ class MultiTurn:
         results = [GroupResult(task) for task in tasks]
         episodes = []
         for i, task in enumerate(tasks):
-            prompt = encode_prompt(engine, task, self.max_prompt_len)
+            prompt = encode_prompt(engine, task, self.max_prompt_len, self.chat)
             if isinstance(prompt, str):
                 results[i].error = prompt
                 continue
@@ -129,7 +135,11 @@ class MultiTurn:
         if last_turn or len(episode.tokens) >= self.max_response_len:
             episode.done = True
             return
-        step = episode.environment.step(episode.last_text)
+        try:
+            step = episode.environment.step(episode.last_text)
+        except TaskError:  # the task cannot be scored: _score reports it as the group's error
+            episode.done = True
+            return
         observation = engine.encode(step.observation, add_special_tokens=False) if not step.done else []
         # an observation must leave room for at least one model token
         if step.done or len(episode.tokens) + len(observation) >= self.max_response_len:
@@ -142,7 +152,10 @@ class MultiTurn:
         for e in episodes:
             by_task[e.task_index].append(e)
         for i, group in by_task.items():
-            rewards = self.reward.score([e.last_text for e in group], tasks[i])
+            rewards = score_group(self.reward, [e.last_text for e in group], tasks[i])
+            if isinstance(rewards, str):
+                results[i].error = rewards
+                continue
             results[i].samples = [
                 build_sample(e.sample_index, prompt=e.prompt, tokens=e.tokens, logprobs=e.logprobs, loss_mask=e.mask,
                              reward=r, finish_reason=e.finish_reason, metadata={"turns": e.turns},

@@ -9,8 +9,8 @@ Contract of a `GroupResult`:
   and a loss mask of the response's length (1 for tokens the model generated, 0 for tokens an
   environment inserted, whose log-probs are 0), and a reward in [0, 1].
 - `policy_version` is the oldest weights version that generated any token of the group.
-- A task that cannot be explored (prompt too long, ...) has `error` set and no samples; the explorer
-  sends it to the dead-letter topic and goes on.
+- A task that cannot be explored (prompt too long, a record the reward cannot score, ...) has `error` set and
+  no samples; the explorer sends it to the dead-letter topic and goes on.
 
 A registered class (or one named by an import path `package.module:Class`) is built as
 `cls(explorer: ExplorerConfig, model: ModelConfig, reward: Reward)`. This module imports no workflow.
@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
+from rft.chat import ChatError, ChatPrompt
 from rft.registry import Registry
+from rft.rewards.registry import TaskError
 from rft.schema import Sample, TaskRecord
 
 if TYPE_CHECKING:
     from rft.explorer.engine import Engine
-    from rft.rewards.registry import RewardResult
+    from rft.rewards.registry import Reward, RewardResult
 
 
 class WorkflowError(ValueError):
@@ -50,14 +52,28 @@ WORKFLOWS: Registry[Any] = Registry("workflow", noun="workflow", error=WorkflowE
 register_workflow = WORKFLOWS.register  # class decorator: `explorer.workflow: <name>`
 
 
-def encode_prompt(engine: "Engine", task: TaskRecord, max_prompt_len: int) -> list[int] | str:
-    """The task's prompt as token ids, or the reason it cannot be explored."""
-    ids = engine.encode(task.prompt)
+def encode_prompt(engine: "Engine", task: TaskRecord, max_prompt_len: int,
+                  chat: ChatPrompt | None = None) -> list[int] | str:
+    """The task's prompt as token ids (rendered by the chat template when `chat` is given: `ChatPrompt.of(model)`,
+    else plain text with the tokenizer's special tokens), or the reason it cannot be explored."""
+    try:
+        ids = engine.encode_chat(task.prompt, chat) if chat is not None else engine.encode(task.prompt)
+    except ChatError as e:
+        raise WorkflowError(str(e)) from None
     if not ids:
         return "prompt is empty after tokenization"
     if len(ids) > max_prompt_len:
         return f"prompt is {len(ids)} tokens, over model.max_prompt_len={max_prompt_len}"
     return ids
+
+
+def score_group(reward: "Reward", texts: Sequence[str], task: TaskRecord) -> "list[RewardResult] | str":
+    """The reward's results for one task's replies, or the reason the task cannot be scored (a `TaskError`: the
+    group's `error`, so the task goes to the dead-letter topic)."""
+    try:
+        return reward.score(texts, task)
+    except TaskError as e:
+        return f"task cannot be scored: {e}"
 
 
 def build_sample(index: int, *, prompt: Sequence[int], tokens: Sequence[int], logprobs: Sequence[float],

@@ -1,0 +1,83 @@
+"""Chat prompts (`model.chat_template: true`): a task's prompt rendered by the tokenizer's chat template, and the
+token ids that end the model's turn.
+
+A prompt becomes the conversation `[system: model.system_prompt (only when set), user: the prompt]`, rendered with
+`add_generation_prompt=True`, so the model's reply starts right after the template's assistant header. The end of
+the model's turn is the tokenizer's EOS and the special token the template writes right after an assistant message
+(`<|im_end|>` for ChatML templates such as SmolLM2's and Qwen's, `<|eot_id|>` for Llama 3's); both engines stop
+at either, and SFT demonstrations end the answer with it.
+
+Invariant: `encode_chat` returns exactly `tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+tokenize=True)`'s ids; with `model.chat_template: false` nothing here is used (prompts are plain text with the
+tokenizer's special tokens). Tokenizers are duck-typed (any Hugging Face tokenizer); this module imports no rft
+module but the config types, and no heavy dependency.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rft.config import ModelConfig
+
+_PROBE = "rft-end-of-turn-probe"  # an assistant message whose end the template marks
+
+
+class ChatError(ValueError):
+    """The tokenizer cannot render chat prompts (it has no chat template)."""
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """How prompts are rendered when `model.chat_template` is on."""
+    system_prompt: str = ""
+
+    @classmethod
+    def of(cls, model: "ModelConfig") -> "ChatPrompt | None":
+        """The model section's chat settings; None when `model.chat_template` is off."""
+        return cls(model.system_prompt) if model.chat_template else None
+
+    def messages(self, prompt: str) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return system + [{"role": "user", "content": prompt}]
+
+
+def _ids(rendered: Any) -> list[int]:
+    """apply_chat_template's token ids: a list in transformers 4, a BatchEncoding (mapping) in 5."""
+    ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+    return [int(i) for i in ids]
+
+
+def encode_chat(tokenizer: Any, prompt: str, chat: ChatPrompt) -> list[int]:
+    """`prompt` as the template renders a user turn (after the system turn, if any) and the assistant header;
+    ChatError when the tokenizer has no template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatError(f"model.chat_template: the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat "
+                        "template (set model.chat_template: false, or use an instruct model's tokenizer)")
+    return _ids(tokenizer.apply_chat_template(chat.messages(prompt), add_generation_prompt=True, tokenize=True))
+
+
+def special_ids(tokenizer: Any) -> set[int]:
+    """Every special token id of the tokenizer (named ones and added special tokens)."""
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return ids | {int(i) for i, token in decoder.items() if getattr(token, "special", False)}
+
+
+def end_of_turn_id(tokenizer: Any) -> int | None:
+    """The special token the chat template writes right after an assistant message, else the tokenizer's EOS
+    (None when it has neither)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "1"},
+                                              {"role": "assistant", "content": _PROBE}], tokenize=False)
+        if _PROBE in text:
+            after = tokenizer(text.split(_PROBE, 1)[1], add_special_tokens=False)["input_ids"]
+            if after and int(after[0]) in special_ids(tokenizer):
+                return int(after[0])
+    return getattr(tokenizer, "eos_token_id", None)
+
+
+def stop_token_ids(tokenizer: Any) -> list[int]:
+    """The ids that end the model's turn with a chat template: the EOS and the template's end-of-turn token."""
+    ids = [getattr(tokenizer, "eos_token_id", None), end_of_turn_id(tokenizer)]
+    return sorted({int(i) for i in ids if i is not None})

@@ -1,0 +1,134 @@
+"""Chat prompts: prompts rendered exactly as `tokenizer.apply_chat_template` renders them (explorer workflows and SFT
+demonstrations), generation stopping at the template's end-of-turn token (transformers engine), and the config error
+for a model without a template. The tiny test model gets a ChatML template and its two special tokens here."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+from rft.chat import ChatPrompt, end_of_turn_id, stop_token_ids
+from rft.config import ConfigError, DataConfig, ExplorerConfig, ModelConfig, config_from_dict
+from rft.demonstrations import demonstration_groups
+from rft.explorer.engine import TransformersEngine
+from rft.rewards import build_reward
+from rft.schema import TaskRecord
+from rft.tiny_model import build_tokenizer, make_tiny_model
+from rft.workflows import WorkflowError, build_workflow, encode_prompt
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PROMPT = "What is 2 + 3?"
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """The tiny model (untied output layer) with `<|im_start|>`, `<|im_end|>` and a ChatML template."""
+    path = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-chat", vocab_size=build_tokenizer().get_vocab_size() + 2,
+                           tie_word_embeddings=False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def template_ids(tokenizer, messages) -> list[int]:
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+
+def task(prompt=PROMPT, answer="5") -> TaskRecord:
+    return TaskRecord(run_id="r", task_id="t", epoch=0, prompt=prompt, answer=answer)
+
+
+def test_prompts_are_rendered_by_the_chat_template(chat_model):
+    engine = TransformersEngine(chat_model, chat_template=True)
+    tokenizer = engine.tokenizer
+    with_system = encode_prompt(engine, task(), 256, ChatPrompt("Be brief."))
+    assert with_system == template_ids(tokenizer, [{"role": "system", "content": "Be brief."},
+                                                   {"role": "user", "content": PROMPT}])
+    rendered = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                             tokenize=False)
+    assert rendered == f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n"
+    assert encode_prompt(engine, task(), 256, ChatPrompt()) == template_ids(tokenizer, [{"role": "user",
+                                                                                        "content": PROMPT}])
+    assert encode_prompt(engine, task(), 256) == tokenizer(PROMPT)["input_ids"]  # chat off: plain text
+    assert "over model.max_prompt_len=10" in encode_prompt(engine, task(), 10, ChatPrompt())
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn_id(tokenizer) == im_end
+    assert stop_token_ids(tokenizer) == sorted({tokenizer.eos_token_id, im_end})
+
+
+def test_a_tokenizer_without_a_template_is_an_error(tiny_model):
+    engine = TransformersEngine(tiny_model, chat_template=False)
+    with pytest.raises(WorkflowError, match="model.chat_template: .*has no chat template"):
+        encode_prompt(engine, task(), 256, ChatPrompt())
+    assert end_of_turn_id(engine.tokenizer) == engine.tokenizer.eos_token_id
+
+
+def model_that_says_end_of_turn_first(chat_model, out):
+    """A copy of the chat model whose greedy first reply token to the chat prompt is `<|im_end|>` (its output row
+    is made to outscore the token greedy would pick), and which would go on generating after it."""
+    shutil.copytree(chat_model, out)
+    engine = TransformersEngine(out)
+    ids = template_ids(engine.tokenizer, [{"role": "user", "content": PROMPT}])
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([ids])).logits[0, -1]
+    greedy, im_end = int(logits.argmax()), engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    state = load_file(out / "model.safetensors")
+    scale = 2.0 if float(logits[greedy]) > 0 else 0.5
+    state["lm_head.weight"][im_end] = state["lm_head.weight"][greedy] * scale
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out, im_end
+
+
+def test_generation_stops_at_the_end_of_turn_token(chat_model, tmp_path):
+    path, im_end = model_that_says_end_of_turn_first(chat_model, tmp_path / "eot")
+    explorer = ExplorerConfig(engine="transformers", n_samples=2, temperature=0.0, max_tokens=6, reward="exact_match")
+    for chat, expected_tokens, reason in ((True, 1, "stop"), (False, 6, "length")):
+        model = ModelConfig(path=str(path), chat_template=chat, system_prompt="")
+        engine = TransformersEngine.from_config(explorer, model, seed=0)
+        workflow = build_workflow(explorer, model, build_reward(explorer))  # the explorers' and evaluation's path
+        [result] = workflow.explore([task()], engine)
+        assert result.error is None
+        for sample in result.samples:
+            assert sample.response_tokens.tolist()[0] == im_end
+            assert len(sample.response_tokens) == expected_tokens and sample.finish_reason == reason, chat
+            expected_prompt = (template_ids(engine.tokenizer, [{"role": "user", "content": PROMPT}]) if chat
+                               else engine.tokenizer(PROMPT)["input_ids"])
+            assert sample.prompt_tokens.tolist() == expected_prompt
+
+
+def test_demonstrations_put_the_answer_in_the_assistant_turn(chat_model, tmp_path):
+    rows = [{"prompt": PROMPT, "answer": "5"}, {"prompt": "What is 4 + 4?", "answer": 8}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = DataConfig(path=str(tmp_path / "d.jsonl"), selector="sequential")
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = ModelConfig(path=str(chat_model), chat_template=True, system_prompt="Answer with a number.")
+    groups = list(demonstration_groups(data, model, tokenizer, run_id="r"))
+    for group, row in zip(groups, rows):
+        [sample] = group.samples
+        assert sample.prompt_tokens.tolist() == template_ids(tokenizer, [
+            {"role": "system", "content": "Answer with a number."}, {"role": "user", "content": row["prompt"]}])
+        answer = tokenizer(str(row["answer"]), add_special_tokens=False)["input_ids"]
+        assert sample.response_tokens.tolist() == answer + [im_end]  # the loss is on the answer and its end only
+        assert sample.loss_mask.tolist() == [1] * (len(answer) + 1)
+    plain = list(demonstration_groups(data, ModelConfig(path=str(chat_model)), tokenizer, run_id="r"))
+    assert plain[0].samples[0].prompt_tokens.tolist() == tokenizer(PROMPT)["input_ids"]
+    assert plain[0].samples[0].response_tokens.tolist()[-1] == tokenizer.eos_token_id
+
+
+def test_chat_template_on_a_model_without_one_is_a_config_error(tiny_model, chat_model):
+    with pytest.raises(ConfigError, match=r"<dict>: model.chat_template: the tokenizer in .* has no chat template"):
+        config_from_dict({"model": {"path": str(tiny_model), "chat_template": True}})
+    cfg = config_from_dict({"model": {"path": str(chat_model), "chat_template": True, "system_prompt": "Be brief."}})
+    assert cfg.model.chat_template and cfg.model.system_prompt == "Be brief."
+    config_from_dict({"model": {"path": str(tiny_model)}})  # off: no template needed
+    config_from_dict({"model": {"path": "not/on/disk", "chat_template": True}})  # not checkable: no error
