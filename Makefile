@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.rft-installed
 CONSTRAINTS := requirements/constraints.txt
 
-.PHONY: venv quickstart test test-fast system-deps clean-venv assets smollm2
+.PHONY: venv quickstart flagship test test-fast system-deps clean-venv assets smollm2
 
 venv: $(STAMP)
 
@@ -61,7 +61,11 @@ assets: assets/tiny-qwen2/config.json $(SMOLLM2)/config.json
 quickstart: venv assets/tiny-qwen2/config.json
 	$(BIN)/rft run configs/quickstart.yaml
 
-test: venv system-deps
+# The flagship CPU run: the real model learns reasoning-gym arithmetic (README: expected time and numbers)
+flagship: venv $(SMOLLM2)/config.json
+	$(BIN)/rft run configs/smollm2-arithmetic.yaml
+
+test: venv system-deps $(SMOLLM2)/config.json
 	$(BIN)/python -m pytest
 
 test-fast: venv
