@@ -37,11 +37,18 @@ model and optimizer in the fully reshardable layout, so a checkpoint saved at on
 at another; it works on CPU under gloo. Beside it, `rft_policy.json` records the step count and the
 layout it was saved at. Megatron's checkpoint writer starts a `multiprocessing` manager with the
 "spawn" method, which re-imports the `__main__` module: the program's entry point must keep its
-work under `if __name__ == "__main__":` (a console script or `python -m` module does).
+work under `if __name__ == "__main__":` (a console script or `python -m` module does). That manager process
+outlived a trainer killed with SIGKILL (a spawned process is not a fork, so no at-fork hook reaches it), so the
+policy starts it itself, asking Linux to kill it with its parent (`checkpoint_writer_dies_with_us`).
 """
 from __future__ import annotations
 
+import ctypes
 import json
+import multiprocessing
+import signal
+import sys
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -196,6 +203,7 @@ class MegatronPolicy:
         out = Path(checkpoint_dir)
         if self.layout.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
+        checkpoint_writer_dies_with_us()
         dist.barrier()
         dist_checkpointing.save(self._sharded_state(is_loading=False), str(out))
         if self.layout.rank == 0:
@@ -226,6 +234,24 @@ class MegatronPolicy:
     def close(self) -> None:
         """Tear down megatron's parallel state and the process group."""
         parallel.destroy()
+
+
+def checkpoint_writer_dies_with_us() -> None:
+    """Start the manager process behind megatron's checkpoint-results queue (filesystem_async, created on the first
+    save with the "spawn" method) ourselves, with an initializer that makes Linux SIGKILL it when this process dies.
+    Idempotent; a no-op once megatron has its queue."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async  # heavy: megatron.core
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=_exit_with_parent)
+        filesystem_async._results_queue = manager.Queue()
+
+
+def _exit_with_parent() -> None:
+    """In a child process (Linux): SIGKILL when the parent dies (prctl PR_SET_PDEATHSIG); elsewhere nothing."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def _frozen(models: list[torch.nn.Module]) -> list[torch.nn.Module]:

@@ -1,0 +1,45 @@
+"""megatron's checkpoint writer keeps a "spawn" manager process; megatron_bridge starts it so that it dies with the
+process that owns it. Here a real child process starts it and is then killed with SIGKILL (what the fault tests do
+to a trainer): the manager must be gone within seconds, not orphaned."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+CHILD = """
+import multiprocessing, time
+from megatron_bridge.policy import checkpoint_writer_dies_with_us
+if __name__ == "__main__":
+    checkpoint_writer_dies_with_us()
+    print(multiprocessing.active_children()[0].pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_the_writer_process_dies_with_a_killed_trainer(tmp_path):
+    script = tmp_path / "owner.py"
+    script.write_text(CHILD)
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        manager_pid = int(owner.stdout.readline())
+        assert alive(manager_pid)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while alive(manager_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(manager_pid), "the checkpoint writer's manager outlived its owner"
+    finally:
+        owner.kill()
