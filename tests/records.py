@@ -6,6 +6,17 @@ import numpy as np
 from rft.schema import ExperienceGroup, Sample, group_id_for
 
 
+def read_topic(transport, topic: str, *, timeout_s: float = 0.1) -> list:
+    """Every record of `topic` from its beginning, through a Transport (the in-memory one in unit tests)."""
+    source = transport.source()
+    try:
+        source.assign([topic])
+        source.seek(source.beginning_offsets(topic))
+        return source.poll(timeout_s=timeout_s, max_records=100_000)
+    finally:
+        source.close()
+
+
 def make_group(run_id: str, task: int, *, epoch: int = 0, n_samples: int = 4, policy_version: int = 0,
                prompt_len: int = 5, response_len: int = 6, seed: int | None = None, attempt: int = 0,
                explorer_id: str = "explorer-test", rewards: list[float] | None = None,

@@ -26,6 +26,7 @@ from rft.schema import HEADER_ERROR, Sample, TaskRecord, decode_group
 from rft.transport.memory import MemoryTransport
 from rft.weights.store import WeightStore
 from rft.workflows import GroupResult
+from tests.records import read_topic
 
 TOPICS = RunTopics(run="run", tasks="run.tasks", experiences="run.experiences", control="run.control",
                    dead_letter="run.dead_letter", explorers_group="run.explorers")
@@ -78,15 +79,6 @@ class HalfAdmission:
         return (n + 1) // 2
 
 
-def read(transport: MemoryTransport, topic: str):
-    source = transport.source()
-    source.assign([topic])
-    source.seek(source.beginning_offsets(topic))
-    out = source.poll(timeout_s=0.1, max_records=10_000)
-    source.close()
-    return out
-
-
 def publish(store: WeightStore, version: int) -> None:
     store.publish(version, [{"w": torch.full((2,), float(version))}], hf_dir=None)
 
@@ -126,7 +118,7 @@ def test_explorer_loop_contracts(tmp_path):
         stop.set()
         explorer.close("stopped")
 
-    groups = [decode_group(m.value) for m in read(transport, TOPICS.experiences)]
+    groups = [decode_group(m.value) for m in read_topic(transport, TOPICS.experiences)]
     assert sorted(g.task_id for g in groups) == sorted(t.task_id for t in good)  # each task once
     assert all(g.attempt == 0 and g.explorer_id == "e1" for g in groups)
     # batch 1 and 2 ran with version 2; version 3 appeared during batch 2 and was loaded before batch 3
@@ -134,7 +126,7 @@ def test_explorer_loop_contracts(tmp_path):
     assert engine.loaded == [2, 3] and versions == sorted(versions) and set(versions) == {2, 3}
     assert any(n > 1 for n in admission.offered)  # some tasks were given back and explored later
 
-    dead = read(transport, TOPICS.dead_letter)
+    dead = read_topic(transport, TOPICS.dead_letter)
     reasons = sorted(dict(m.headers)[HEADER_ERROR].decode().split(":")[0] for m in dead)
     assert len(dead) == 3 and any("foreign task" in r for r in reasons) \
         and any("cannot be explored" in r for r in reasons), reasons
@@ -145,7 +137,7 @@ def test_explorer_loop_contracts(tmp_path):
     assert committed == ends  # every task's offset committed, after its group was acknowledged
 
     # the control topic has two partitions: put its messages back in the order they were sent
-    messages = sorted(control_messages(read(transport, TOPICS.control)), key=lambda m: m.created_at)
+    messages = sorted(control_messages(read_topic(transport, TOPICS.control)), key=lambda m: m.created_at)
     kinds = [parse(m) for m in messages]
     names = [type(k).__name__ for k in kinds]
     assert names[0] == "ExplorerWeights" and kinds[0].version == 2  # loaded before joining

@@ -29,7 +29,7 @@ from rft.trainer.feed import FeedTimeout
 from rft.trainer.main import Trainer, open_trainer_io
 from rft.transport.memory import MemoryTransport
 from rft.weights.store import WeightStore
-from tests.records import make_group
+from tests.records import make_group, read_topic
 
 
 class Layout:
@@ -110,15 +110,6 @@ def fill(transport: MemoryTransport, cfg, items) -> None:
             sink.send(cfg.topic("experiences"), value, key=item.group_id, headers=headers)
 
 
-def records(transport: MemoryTransport, topic: str):
-    source = transport.source()
-    source.assign([topic])
-    source.seek(source.beginning_offsets(topic))
-    out = source.poll(timeout_s=0.1, max_records=10_000)
-    source.close()
-    return out
-
-
 def consumed(cfg) -> list[dict]:
     return [json.loads(line) for line in (cfg.run_dir / "consumed.jsonl").read_text().splitlines()]
 
@@ -151,11 +142,11 @@ def test_each_step_takes_whole_fresh_groups_in_order_and_skips_what_it_must(tmp_
     assert by_step[2]["skipped"] == {"duplicate": 1, "dead_letter": 1, "foreign": 1}
     assert by_step[3]["dropped_stale"] == len(stale.samples)
 
-    dead = records(transport, cfg.topic("dead_letter"))  # the malformed record and the foreign group, with reasons
+    dead = read_topic(transport, cfg.topic("dead_letter"))  # the malformed record and the foreign group, with reasons
     assert [m.value == b"\x93garbage" for m in dead] == [True, False]
     assert all(dict(m.headers)[HEADER_ERROR] for m in dead) and b"foreign" in dict(dead[1].headers)[HEADER_ERROR]
 
-    kinds = [parse(m) for m in control_messages(records(transport, cfg.topic("control")))]
+    kinds = [parse(m) for m in control_messages(read_topic(transport, cfg.topic("control")))]
     assert isinstance(kinds[0], TrainerStarted) and isinstance(kinds[-1], TrainerFinished)
     announced = [k.version for k in kinds if isinstance(k, Weights)]
     assert announced == [0, 1, 2, 3]
