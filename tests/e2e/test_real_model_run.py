@@ -42,7 +42,7 @@ def short_config(tmp_path: Path, model: Path, *, bootstrap: str, prefix: str) ->
     body["model"]["path"] = str(model)
     body["explorer"].update(n_samples=4, max_tokens=8, tasks_per_batch=2)
     body["model"]["max_response_len"] = 8
-    body["trainer"].update(groups_per_step=2, micro_batch_size=8)
+    body["trainer"].update(groups_per_step=2, micro_batch_size=8, operators=[])  # every group trains: 2 steps
     body["data"]["generated_tasks"] = 40
     body["eval"]["sets"][0]["generated_tasks"] = 8
     body["eval"].update(max_tokens=8, every_steps=STEPS)
