@@ -32,7 +32,9 @@ from rft.transport import connect
 
 def demonstration_groups(data: DataConfig, model: ModelConfig, tokenizer, *, run_id: str) -> Iterator[ExperienceGroup]:
     """Every epoch's demonstrations in the order `data.selector` publishes tasks (all rows are checked first)."""
-    samples = {task.task_id: _sample(task, tokenizer, model, where=f"{task_set.path} row {i}")
+    chat = ChatPrompt.of(model)
+    end = tokenizer.eos_token_id if chat is None else end_of_turn_id(tokenizer)  # what ends the model's turn
+    samples = {task.task_id: _sample(task, tokenizer, model, chat=chat, end=end, where=f"{task_set.path} row {i}")
                for task_set, tasks in load_task_sets(data, run_id=run_id) for i, task in enumerate(tasks)}
     for task in build_picker(data, run_id=run_id).drain():
         yield ExperienceGroup(run_id=task.run_id, task_id=task.task_id, group_id=task.group_id, attempt=0,
@@ -40,15 +42,17 @@ def demonstration_groups(data: DataConfig, model: ModelConfig, tokenizer, *, run
                               answer=task.answer)
 
 
-def _sample(task: TaskRecord, tokenizer, model: ModelConfig, *, where: str) -> Sample:
+def _sample(task: TaskRecord, tokenizer, model: ModelConfig, *, chat: ChatPrompt | None, end: int | None,
+            where: str) -> Sample:
+    """One demonstration: the prompt as explorers encode it (`chat`: ChatPrompt.of(model)), the answer then `end`
+    (the token that ends the model's turn, or None)."""
     if task.answer is None:
         raise DatasetError(f"{where}: a demonstration needs an answer (data.answer_key is empty)")
-    chat = ChatPrompt.of(model)
     if chat is None:
-        prompt, end = tokenizer(task.prompt, add_special_tokens=True)["input_ids"], tokenizer.eos_token_id
+        prompt = tokenizer(task.prompt, add_special_tokens=True)["input_ids"]
     else:
         try:
-            prompt, end = encode_chat(tokenizer, task.prompt, chat), end_of_turn_id(tokenizer)
+            prompt = encode_chat(tokenizer, task.prompt, chat)
         except ChatError as e:
             raise DatasetError(str(e)) from None
     answer = task.answer if isinstance(task.answer, str) else str(task.answer)

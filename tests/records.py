@@ -3,7 +3,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from rft.schema import ExperienceGroup, Sample, group_id_for
+from rft.schema import ExperienceGroup, Sample, encode, group_id_for
+
+
+def send_groups(sink, topic: str, items) -> None:
+    """Write experience groups to `topic` as explorers do (key = group id); a `bytes` item is written as a record
+    that claims to be an experience group but is not (a malformed record for the dead-letter path)."""
+    for item in items:
+        if isinstance(item, bytes):
+            sink.send(topic, item, headers=[("rft-schema", b"1"), ("rft-type", b"experience_group")])
+        else:
+            value, headers = encode(item)
+            sink.send(topic, value, key=item.group_id, headers=headers)
 
 
 def read_topic(transport, topic: str, *, timeout_s: float = 0.1) -> list:

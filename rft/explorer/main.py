@@ -314,6 +314,8 @@ class Explorer:
             self.sink.close()
             if self.prometheus is not None:
                 self.prometheus.close()
+            if hasattr(self.admission, "close"):  # its control-topic reader (explorer.admission: staleness)
+                self.admission.close()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -365,8 +367,10 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
     reason = "error"
     try:
         workflow = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer, RewardContext.for_run(cfg)))
+        transport = connect(cfg.kafka)  # this process's one client factory
         explorer = build_explorer(cfg, explorer_id=explorer_id, engine=engine, workflow=workflow,
-                                  admission=build_admission(cfg, explorer_id))
+                                  admission=build_admission(cfg, explorer_id, transport=transport),
+                                  transport=transport)
         reason = explorer.run(stop, exit_when_idle_s=exit_when_idle_s)
         log.info("explorer %s %s after %d groups", explorer_id, reason, explorer.stats.groups)
         return 0
@@ -377,23 +381,24 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
 
 
 def build_explorer(cfg: Config, *, explorer_id: str, engine: "Engine", workflow: "Workflow",
-                   admission: Admission | None = None) -> Explorer:
+                   admission: Admission | None = None, transport: Transport | None = None) -> Explorer:
     """Compose an Explorer from the root config: its sections, the run's topics and weight store, the metrics
-    endpoint `monitor.prometheus_port` asks for."""
+    endpoint `monitor.prometheus_port` asks for; `transport` defaults to `connect(cfg.kafka)`."""
     return Explorer(cfg.explorer, kafka=cfg.kafka, sync=cfg.sync, topics=RunTopics.of(cfg),
                     store=WeightStore.for_sync(cfg.sync, cfg.run_dir), explorer_id=explorer_id, engine=engine,
-                    workflow=workflow, admission=admission,
+                    workflow=workflow, admission=admission, transport=transport,
                     prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="explorer", instance=explorer_id))
 
 
-def build_admission(cfg: Config, explorer_id: str) -> Admission:
-    """`explorer.admission`: `staleness` (the run mode's bound, fleet-wide: rft/explorer/admission.py), `all`, or
-    `package.module:factory` called as factory(cfg, explorer_id)."""
+def build_admission(cfg: Config, explorer_id: str, *, transport: Transport | None = None) -> Admission:
+    """`explorer.admission`: `staleness` (the run mode's bound, fleet-wide: rft/explorer/admission.py; read through
+    `transport`, default `connect(cfg.kafka)`), `all`, or `package.module:factory` called as
+    factory(cfg, explorer_id)."""
     if cfg.explorer.admission == "all":
         return AdmitAll()
     if cfg.explorer.admission == "staleness":
         return fleet_admission(cfg.run.mode, max_staleness=cfg.run.max_staleness,
-                               groups_per_step=cfg.trainer.groups_per_step, transport=connect(cfg.kafka),
+                               groups_per_step=cfg.trainer.groups_per_step, transport=transport or connect(cfg.kafka),
                                control_topic=cfg.topic("control"), experiences_topic=cfg.topic("experiences"),
                                explorer_id=explorer_id, heartbeat_s=cfg.explorer.heartbeat_s)
     return import_object(cfg.explorer.admission, key="explorer.admission", noun="admission")(cfg, explorer_id)

@@ -5,22 +5,16 @@ from __future__ import annotations
 import pytest
 
 from rft.config import KafkaConfig
-from rft.schema import encode
 from rft.trainer.feed import FeedState, FeedTimeout, open_feed
 from rft.transport import connect
-from tests.records import make_group
+from tests.records import make_group, send_groups
 
 pytestmark = pytest.mark.integration
 
 
 def fill_topic(bootstrap, cfg, topic, items):
     sink = connect(cfg, bootstrap).sink()
-    for item in items:
-        if isinstance(item, bytes):
-            sink.send(topic, item, headers=[("rft-schema", b"1"), ("rft-type", b"experience_group")])
-        else:
-            value, headers = encode(item)
-            sink.send(topic, value, key=item.group_id, headers=headers)
+    send_groups(sink, topic, items)
     sink.flush()
     sink.close()
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from rft.schema import HEADER_ERROR, encode
+from rft.schema import HEADER_ERROR
 from rft.trainer.feed import EndOfReplay, FeedState, FeedTimeout, ReplayWindow, open_feed
 from rft.transport import HEADER_ORIGIN, TransportError
 from rft.transport.memory import MemoryTransport
-from tests.records import make_group
+from tests.records import make_group, send_groups
 
 TOPIC, DLQ = "run.experiences", "run.dead_letter"
 GARBAGE = b"\x93garbage"
@@ -23,13 +23,7 @@ def broker(partitions: int = 1) -> MemoryTransport:
 
 
 def fill(transport: MemoryTransport, items) -> None:
-    sink = transport.sink()
-    for item in items:
-        if isinstance(item, bytes):
-            sink.send(TOPIC, item, headers=[("rft-schema", b"1"), ("rft-type", b"experience_group")])
-        else:
-            value, headers = encode(item)
-            sink.send(TOPIC, value, key=item.group_id, headers=headers)
+    send_groups(transport.sink(), TOPIC, items)
 
 
 def consume(transport, steps: int, state: FeedState | None = None, per_step: int = 3, **feed_args):

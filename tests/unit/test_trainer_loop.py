@@ -24,12 +24,12 @@ import torch
 from rft.config import config_from_dict
 from rft.control import TrainerFinished, TrainerStarted, Weights, control_messages, parse
 from rft.run_topics import RunTopics, create_run_topics
-from rft.schema import HEADER_ERROR, encode
+from rft.schema import HEADER_ERROR
 from rft.trainer.feed import FeedTimeout
 from rft.trainer.main import Trainer, open_trainer_io
 from rft.transport.memory import MemoryTransport
 from rft.weights.store import WeightStore
-from tests.records import make_group, read_topic
+from tests.records import make_group, read_topic, send_groups
 
 
 class Layout:
@@ -101,13 +101,7 @@ def build(cfg, transport: MemoryTransport, trained: list) -> Trainer:
 
 def fill(transport: MemoryTransport, cfg, items) -> None:
     create_run_topics(RunTopics.of(cfg), cfg.kafka, transport)
-    sink = transport.sink()
-    for item in items:
-        if isinstance(item, bytes):
-            sink.send(cfg.topic("experiences"), item, headers=[("rft-schema", b"1"), ("rft-type", b"experience_group")])
-        else:
-            value, headers = encode(item)
-            sink.send(cfg.topic("experiences"), value, key=item.group_id, headers=headers)
+    send_groups(transport.sink(), cfg.topic("experiences"), items)
 
 
 def consumed(cfg) -> list[dict]:
