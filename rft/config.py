@@ -127,8 +127,13 @@ class TrainerConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     checkpoint_every: int = 10
+    trainable_layers: int = 0  # 0: train every parameter; N: only the top N transformer layers (+ final norm, untied output layer)
     poll_timeout_s: float = 600.0
     operators: list[Any] = field(default_factory=list)  # experience operators, in order: names or {name: ..., args} (docs/data.md)
+
+    def __post_init__(self) -> None:
+        if self.trainable_layers < 0:
+            raise ConfigError(f"trainer.trainable_layers: must be >= 0 (0: every layer), got {self.trainable_layers}")
 
 
 @dataclass
@@ -215,6 +220,7 @@ class SyncConfig:
     weight_store: str = ""  # empty: <run dir>/weights
     bucket_mb: int = 64
     keep_versions: int = 2
+    write_behind: bool = True  # pull: write and announce each version in the background while the next step trains
     timeout_s: float = 120.0  # push: longest wait for the fleet to join, and for one version to be delivered
     push_host: str = ""  # push: the address explorers reach the trainer's publishing rank at (empty: this host's IP)
     push_port: int = 0  # push: the group's TCP port on that host (0: a free one, announced on the control topic)
@@ -553,6 +559,8 @@ def _check_model_shape(cfg: Config, source: str, require) -> None:
     if layers:
         require(layers % pp == 0, "trainer.pipeline_parallel",
                 f"{pp} does not divide the model's {layers} layers ({hf_config})")
+        require(cfg.trainer.trainable_layers <= layers, "trainer.trainable_layers",
+                f"{cfg.trainer.trainable_layers} is more than the model's {layers} layers ({hf_config})")
 
 
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # where transformers saves a template

@@ -180,7 +180,7 @@ class Trainer:
         self.policy = policy or MegatronPolicy(
             model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, lr=t.lr, weight_decay=t.weight_decay,
             grad_clip=t.grad_clip, betas=(t.adam_beta1, t.adam_beta2), seed=run.seed, dtype=model.dtype,
-            reference=self.algorithm.needs_reference, temperature=temperature)
+            reference=self.algorithm.needs_reference, temperature=temperature, trainable_layers=t.trainable_layers)
         self.staleness = StalenessTracker(mode=run.mode, max_staleness=run.max_staleness)
         self.is_reader = dist_io.rank() == 0
         self.checkpoints = CheckpointDir(self.run_dir)
@@ -193,6 +193,7 @@ class Trainer:
             self.step, feed_state, self.counters = state.step, state.feed, state.counters
             replay_state = state.replay_buffer
         self._last_checkpoint = self.step
+        self._weights_s: float | None = None  # seconds the newest publish held up the trainer
         self.replay, self._replayed, self._reuse = None, [], []  # rank 0: the replay buffer, this step's replays
         self.io: TrainerIO | None = None
         if self.is_reader:
@@ -242,6 +243,7 @@ class Trainer:
         if self.step != self._last_checkpoint:
             self._checkpoint(self.step)  # the last step, when the loop did not just checkpoint it
         self._export_final()
+        self._flush_weights()
         if self.is_reader:
             self._announce(TrainerFinished(step=self.step))
 
@@ -287,12 +289,19 @@ class Trainer:
 
     def _publish_weights(self, version: int) -> None:
         """Collective: every rank takes part in gathering the buckets; rank 0 delivers them (rft.weights).
-        A failed push is redone once by the pull path, which needs the buckets gathered again."""
+        A failed push is redone once by the pull path, which needs the buckets gathered again. The seconds this
+        takes on the trainer's critical path are logged as `weights_s` (with write-behind, the store write is not
+        among them: `weights_write_s`)."""
+        started = time.time()
         delivered = self._deliver(version)
-        if not dist_io.broadcast_flag(not delivered):
-            return
-        if not self._deliver(version):
+        if dist_io.broadcast_flag(not delivered) and not self._deliver(version):
             raise RuntimeError(f"weights version {version} could not be delivered")
+        self._weights_s = time.time() - started
+
+    def _flush_weights(self) -> None:
+        """Rank 0: wait until the newest version is stored and announced (see WeightPublisher write-behind)."""
+        if self.is_reader and self.io.weights is not None:
+            self.io.weights.flush()
 
     def _deliver(self, version: int) -> bool:
         buckets = self.policy.iter_hf_buckets(self.sync.bucket_mb << 20)
@@ -322,6 +331,7 @@ class Trainer:
         path.mkdir(parents=True, exist_ok=True)
         self.policy.save_checkpoint(path / "model")
         dist_io.barrier()
+        self._flush_weights()  # a checkpoint at step s commits only once version s is out (resume never waits on it)
         if self.is_reader:
             self.checkpoints.write_state(path, TrainerState(
                 step=step, feed=self.feed.snapshot(), counters=self.counters, rng=capture_rng(),
@@ -347,6 +357,7 @@ class Trainer:
             "response_len_mean": float(np.mean([len(s.response_tokens) for g in groups for s in g.samples])),
             "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
             "data_wait_s": self._data_wait_s,  # of step_time_s: waiting for experiences (trainer idle)
+            **self._weights_metrics(),
             "skipped": skipped, **drops, **{k: _scalar(v) for k, v in metrics.items()},
             **self.staleness.step_metrics(step),
             **(self.replay.step_metrics(step, self._replayed) if self.replay else {}),
@@ -368,6 +379,14 @@ class Trainer:
             print(f"[trainer] step {step}/{self.run_config.max_steps} reward {record['reward_mean']:.3f} "
                   f"loss {record.get('loss', float('nan')):.4f} staleness max {record.get('staleness_max', 0)} "
                   f"{elapsed:.1f}s", flush=True)
+
+    def _weights_metrics(self) -> dict:
+        """`weights_s`: seconds of this step spent publishing its version (critical path); `weights_write_s`: the
+        newest finished store write + announcement (in the background with write-behind)."""
+        if self._weights_s is None:
+            return {}
+        write_s = self.io.weights.last_write_s if self.io.weights is not None else None
+        return {"weights_s": self._weights_s, **({"weights_write_s": write_s} if write_s is not None else {})}
 
     def _consumer_lag(self) -> int | None:
         """Experience records on the topic not consumed yet (None when the broker does not answer)."""

@@ -20,6 +20,9 @@ topic (`Weights`: version, path, and the trainer's consumed offsets). Ordering c
      every batch;
   4. every experience group carries the version that generated it; the trainer, not the explorer, has the
      last word on staleness (it drops and counts what exceeds the bound).
+  With `sync.write_behind` (the default) the trainer copies version s to host memory and goes on training while a
+  background thread stores and announces it (one version in flight; the publisher's docstring has the rules); it
+  waits for that write before it commits a checkpoint and before it announces that it finished.
 
 Push (fixed fleets: `explorer.replicas` engines of `explorer.tensor_parallel_size` workers). The publisher hosts
 a process group (`push`; gloo on CPU, NCCL on GPU) and announces it (`PushGroup`) every few seconds until every

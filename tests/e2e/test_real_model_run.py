@@ -69,6 +69,8 @@ def test_the_real_model_runs_the_loop(tmp_path, smollm2, bootstrap, topic_prefix
         assert r["samples"] == 2 * 4 and np.isfinite(r["loss"])
         assert 0.0 <= r["reward_mean"] <= 1.0 and 1 <= r["response_len_mean"] <= 8
         assert r["staleness_max"] <= 1
+        # each version (540 MB) is copied on the trainer's critical path and written behind it
+        assert 0 < r["weights_s"] and 0 < r["weights_write_s"]
     assert [r["step"] for r in evals] == [0, STEPS]
     for r in evals:
         assert r["eval/arithmetic/tasks"] == 8 and r["eval/arithmetic/errors"] == 0

@@ -4,6 +4,9 @@ pull after a failure. Subscriber: the newest of the store and the announcements,
 joined and left as announced."""
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
 
 from rft.config import SyncConfig
@@ -28,11 +31,51 @@ def test_pull_stores_the_whole_version_and_moves_latest_before_it_announces(tmp_
         path = store.path(message.version)
         seen.append((message, store.latest(), (path / INDEX).is_file()))
 
+    for write_behind in (False, True):
+        seen.clear()
+        publisher = WeightPublisher(SyncConfig(write_behind=write_behind), store=store, announce=announce, hf_dir=None)
+        version = 2 if write_behind else 1
+        assert publisher.deliver(version, buckets(version), offsets={"x:0": 4})
+        publisher.flush()
+        (message, latest, complete), = seen
+        assert message == Weights(version=version, path=str(store.path(version)), offsets={"x:0": 4})
+        assert latest == (version, store.path(version)) and complete
+        assert publisher.last_write_s is not None and publisher.last_write_s >= 0
+
+
+def test_write_behind_stores_the_weights_as_they_were_and_announces_in_order(tmp_path):
+    """deliver returns before the write; the trainer's next step may change its tensors in place meanwhile."""
+    store, announced, release = WeightStore(tmp_path, keep=10), [], threading.Event()
+
+    def announce(message: Kind) -> None:
+        release.wait(5)  # the background write is still going on when deliver returns
+        announced.append(message.version)
+
     publisher = WeightPublisher(SyncConfig(), store=store, announce=announce, hf_dir=None)
-    assert publisher.deliver(1, buckets(1), offsets={"x:0": 4})
-    (message, latest, complete), = seen
-    assert message == Weights(version=1, path=str(store.path(1)), offsets={"x:0": 4})
-    assert latest == (1, store.path(1)) and complete
+    live = {"w": torch.zeros(3)}
+    for version in (1, 2, 3):
+        live["w"].fill_(float(version))
+        release.set() if version == 3 else None
+        assert publisher.deliver(version, [live], offsets={})
+        live["w"].fill_(-1.0)  # the next optimizer step
+    publisher.flush()
+    assert announced == [1, 2, 3]
+    assert [dict(store.iter_tensors(v))["w"].tolist() for v in (1, 2, 3)] == [[1.0] * 3, [2.0] * 3, [3.0] * 3]
+
+
+def test_a_failed_background_write_surfaces_at_the_next_deliver_and_at_flush(tmp_path):
+    def announce(message: Kind) -> None:
+        raise TimeoutError("broker unreachable")
+
+    publisher = WeightPublisher(SyncConfig(), store=WeightStore(tmp_path), announce=announce, hf_dir=None)
+    assert publisher.deliver(1, buckets(1), offsets={})
+    with pytest.raises(RuntimeError, match="publishing weights in the background failed: broker unreachable"):
+        publisher.deliver(2, buckets(2), offsets={})  # version 1's failure stops the trainer before version 2
+    publisher.flush()  # reported once
+
+    publisher.deliver(3, buckets(3), offsets={})
+    with pytest.raises(RuntimeError, match="broker unreachable"):
+        publisher.flush()  # the trainer flushes before a checkpoint and at the end
 
 
 class FakeSender:
@@ -87,6 +130,7 @@ def test_a_failed_push_is_abandoned_and_the_version_then_pulled(tmp_path):
     assert not publisher.deliver(1, buckets(1), offsets={})  # the caller gathers the buckets again ...
     assert publisher.deliver(1, buckets(1), offsets={})  # ... and the same version takes the pull path
     assert publisher.deliver(2, buckets(2), offsets={})
+    publisher.flush()  # the pull path writes behind
     assert log == ["connect", ("WeightsPush", 0), "send 0", "sent 0",
                    ("WeightsPush", 1), "send 1", ("PushAbandoned", 1), "close",
                    ("Weights", 1), ("Weights", 2)]
