@@ -352,11 +352,17 @@ def print_report(result: dict) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="rft bench learn", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default="configs/smollm2-arithmetic.yaml", help="the run config (with eval.sets)")
-    parser.add_argument("--budget-s", type=float, default=720.0, help="wall-clock seconds per system, from launch")
-    parser.add_argument("--marks", type=int, default=3, help="snapshots per budget, evenly spaced")
-    parser.add_argument("--systems", default="rft-async,rft-sync,trl", help=f"comma list of: {', '.join(SYSTEMS)}")
+    parser = argparse.ArgumentParser(prog="rft bench learn", description="Held-out accuracy against wall-clock for "
+                                     "rft and TRL's GRPOTrainer, each trained on the same config for the same budget "
+                                     "(the method: tools/bench_learn.py's docstring).")
+    parser.add_argument("--config", default="configs/smollm2-arithmetic.yaml",
+                        help="the run config, with eval.sets (default: %(default)s)")
+    parser.add_argument("--budget-s", type=float, default=720.0,
+                        help="wall-clock seconds per system, from launch (default: %(default)s)")
+    parser.add_argument("--marks", type=int, default=3,
+                        help="snapshots per budget, evenly spaced (default: %(default)s)")
+    parser.add_argument("--systems", default="rft-async,rft-sync,trl",
+                        help=f"comma list of: {', '.join(SYSTEMS)} (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for every process (0: leave as is)")
     parser.add_argument("--out", default=None, help="keep runs, snapshots and logs here (default: a temporary "
                                                     "directory, removed at the end)")

@@ -9,8 +9,8 @@ rft config describes:
   `model.system_prompt` and the generation prompt, passed to TRL as a plain string, so TRL tokenizes it as is and
   does not apply the template a second time (TRL 1.16 applies its own template only to conversational prompts, lists
   of messages). The child checks, off the clock, that TRL's token ids equal rft's (`rft.chat.encode_chat`) for
-  every task and fails otherwise. Generation stops at the same end-of-turn ids (`rft.chat.stop_token_ids`, set as the model's
-  `generation_config.eos_token_id`, which TRL also uses to mask what follows);
+  every task and fails otherwise. Generation stops at the same end-of-turn ids (`rft.chat.stop_token_ids`, set as
+  the model's `generation_config.eos_token_id`, which TRL also uses to mask what follows);
 - reward: `explorer.reward` built from rft's reward registry, scoring the decoded completion (special tokens
   skipped, as rft's engines decode) against the task record; a task the reward cannot score (`TaskError`) scores 0
   (rft would dead-letter it);

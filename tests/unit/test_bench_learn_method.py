@@ -1,7 +1,7 @@
 """`rft bench learn`'s method, piece by piece: which weights each snapshot holds (rft: the store's newest version,
 hard-linked, across a garbage-collection race; TRL: the weights that were the newest at the mark), that TRL is given
-the chat prompt text whose tokens are exactly rft's, and how the report derives final accuracies, times to reach TRL's accuracy and the targets' verdicts. The whole benchmark on
-real parts is tests/e2e/test_bench_learn.py."""
+the chat prompt text whose tokens are exactly rft's, and how the report derives final accuracies, times to reach
+TRL's accuracy and the targets' verdicts. The whole benchmark on real parts is tests/e2e/test_bench_learn.py."""
 from __future__ import annotations
 
 import os
