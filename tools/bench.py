@@ -9,6 +9,7 @@ BENCHMARKS = {
     "transport": "tools.bench_transport:main",
     "generate": "tools.bench_generate:main",
     "modes": "tools.bench_modes:main",
+    "learn": "tools.bench_learn:main",
 }
 
 

@@ -8,8 +8,9 @@ torchrun) on the same model, task (`copy_char`), batch and sampling settings, fo
   `step_time_s`, steps 2..N);
 - explorer idle: 1 - (time spent generating and scoring) / (time since joining), averaged over explorers;
 - the staleness histogram of the samples trained (staleness -> samples) and the samples dropped as stale.
-The reference row runs TRL's `GRPOTrainer` (when `trl` is installed) on the same model, task, batch (groups x
-samples per step), sampling and learning rate, in this process on the CPU, with Hugging Face generate.
+The reference row runs TRL's `GRPOTrainer` (when `trl` is installed) on the same config, hence the same model,
+tasks, reward, batch (groups x samples per step), sampling and learning rate, in a child process with Hugging Face
+generate (tools/trl_reference.py, shared with `rft bench learn`).
 
 On a 2-core machine the stages overlap only if each uses one core: `--threads 1` (the default) sets
 OMP_NUM_THREADS for every part. Targets (see the README): async >= 1.6x sync, off_policy k=1 >= 1.4x sync, when
@@ -27,6 +28,8 @@ import time
 from pathlib import Path
 
 import yaml
+
+from tools.trl_reference import run_trl, trl_missing
 
 MODES = [("sync", "sync", 0), ("off_policy k=1", "off_policy", 1), ("off_policy k=2", "off_policy", 2),
          ("async", "async", 0)]
@@ -86,54 +89,20 @@ def _final_stats(log: Path) -> list[dict]:
             if "final stats: " in line]
 
 
-def run_trl(args: argparse.Namespace, model: str, out: Path, env: dict) -> dict:
-    """TRL's GRPOTrainer in a child process (its own torch thread settings), same settings."""
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        return {"mode": "trl GRPOTrainer", "skipped": "trl is not installed"}
-    print("[bench] trl GRPOTrainer", file=sys.stderr, flush=True)
-    spec = {"model": model, "out": str(out / "trl"), "groups": args.groups, "samples": args.samples,
-            "max_tokens": args.max_tokens, "steps": args.steps, "lr": args.lr, "seed": args.seed}
-    done = subprocess.run([sys.executable, "-m", "tools.bench_modes", "--trl-child", json.dumps(spec)], env=env,
-                          capture_output=True, text=True, timeout=args.timeout)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("TRL-RESULT ")]
-    if done.returncode != 0 or not lines:
-        return {"mode": "trl GRPOTrainer", "error": done.stderr[-2000:]}
-    return {"mode": "trl GRPOTrainer", **json.loads(lines[-1].removeprefix("TRL-RESULT "))}
-
-
-def trl_child(spec: dict) -> dict:
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from rft.rewards.text import char_accuracy
-    from rft.schema import TaskRecord
-    from rft.workflows.toy_tasks import generate_rows
-
-    rows = generate_rows("copy_char", spec["groups"] * (spec["steps"] + 2), seed=spec["seed"])
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
-
-    def reward(completions, answer, **_):
-        return [char_accuracy(c, TaskRecord(run_id="bench", task_id="t", epoch=0, prompt="", answer=a)).score
-                for c, a in zip(completions, answer)]
-
-    ends: list[float] = []
-
-    class StepTimes(TrainerCallback):
-        def on_step_end(self, *_args, **_kwargs):
-            ends.append(time.time())
-
-    batch = spec["groups"] * spec["samples"]
-    config = GRPOConfig(output_dir=spec["out"], per_device_train_batch_size=batch, num_generations=spec["samples"],
-                        max_completion_length=spec["max_tokens"], temperature=1.0, learning_rate=spec["lr"],
-                        max_steps=spec["steps"], beta=0.0, logging_steps=1, save_strategy="no", report_to=[],
-                        use_cpu=True, seed=spec["seed"], shuffle_dataset=False)
-    trainer = GRPOTrainer(model=spec["model"], reward_funcs=reward, args=config, train_dataset=dataset,
-                          processing_class=AutoTokenizer.from_pretrained(spec["model"]), callbacks=[StepTimes()])
-    trainer.train()
-    return {"samples_per_s": batch * (len(ends) - 1) / (ends[-1] - ends[0]), "trainer_idle": None,
+def run_trl_row(args: argparse.Namespace, model: str, out: Path, env: dict) -> dict:
+    """TRL's GRPOTrainer on the same workload for `--steps` steps (tools/trl_reference.py: a child process)."""
+    label = "trl GRPOTrainer"
+    missing = trl_missing()
+    if missing:
+        return {"mode": label, "skipped": missing}
+    print(f"[bench] {label}", file=sys.stderr, flush=True)
+    config = out / "bench-trl.yaml"
+    config.write_text(yaml.safe_dump(workload(args, model, out, "bench-trl", "sync", 0)))
+    result = run_trl(config, out=out / "trl", env=env, timeout_s=args.timeout, steps=args.steps)
+    if "error" in result:
+        return {"mode": label, "error": result["error"]}
+    ends, batch = result["step_end_s"], result["samples_per_step"]
+    return {"mode": label, "samples_per_s": batch * (len(ends) - 1) / (ends[-1] - ends[0]), "trainer_idle": None,
             "explorer_idle": None, "staleness_hist": {"0": batch * len(ends)}, "dropped_stale": 0}
 
 
@@ -154,9 +123,6 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--trl-child"]:
-        print("TRL-RESULT " + json.dumps(trl_child(json.loads(argv[1]))), flush=True)
-        return 0
     parser = argparse.ArgumentParser(prog="rft bench modes", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="HF model directory (default: a fresh tiny model)")
     parser.add_argument("--steps", type=int, default=12)
@@ -188,7 +154,7 @@ def main(argv: list[str]) -> int:
             model = str(make_tiny_model(out / "tiny"))
         rows = [run_mode(args, model, out, label, mode, k, env) for label, mode, k in MODES if label in wanted]
         if "trl" in wanted:
-            rows.append(run_trl(args, model, out, env))
+            rows.append(run_trl_row(args, model, out, env))
     sync = rows[0]
     result = {"steps": args.steps, "groups": args.groups, "samples": args.samples, "max_tokens": args.max_tokens,
               "explorers": args.explorers, "threads": args.threads,

@@ -1,0 +1,187 @@
+"""`rft bench learn`'s method, piece by piece: which weights each snapshot holds (rft: the store's newest version,
+hard-linked, across a garbage-collection race; TRL: the weights that were the newest at the mark), that TRL is given
+the chat prompt text whose tokens are exactly rft's, and how the report derives final accuracies, times to reach
+TRL's accuracy and the targets' verdicts. The whole benchmark on real parts is tests/e2e/test_bench_learn.py."""
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from rft.run_config import run_config_from_dict
+from rft.schema import TaskRecord
+from rft.tiny_model import build_tokenizer
+from rft.weights.store import WeightStore
+from tools.bench_learn import link_version, main, reach_time, snapshot, summarise
+from tools.trl_reference import Clock, Marks, TRLReferenceError, check_same_tokens, trl_prompts
+
+
+def publish(store: WeightStore, version: int, hf_dir) -> None:
+    store.publish(version, [{"w": torch.full((2,), float(version))}], hf_dir)
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def test_snapshot_links_the_newest_version_and_reuses_an_unchanged_one(tmp_path, hf_dir):
+    store = WeightStore(tmp_path / "weights", keep=2)
+    assert snapshot(store.root, tmp_path / "mark-1", (0, None)) == (0, None)  # nothing published: the initial model
+    publish(store, 0, hf_dir)
+    assert snapshot(store.root, tmp_path / "mark-1", (0, None)) == (0, None)  # version 0 is the initial model
+    publish(store, 1, hf_dir)
+    publish(store, 2, hf_dir)
+    version, path = snapshot(store.root, tmp_path / "mark-2", (0, None))
+    assert version == 2 and sorted(os.listdir(path)) == sorted(os.listdir(store.path(2)))
+    assert all(os.path.samefile(f"{path}/{name}", store.path(2) / name) for name in os.listdir(path))  # hard links
+    assert snapshot(store.root, tmp_path / "mark-3", (2, path)) == (2, path)
+    assert not (tmp_path / "mark-3").exists()
+
+
+def test_link_retries_when_the_version_is_collected_while_it_is_linked(tmp_path, hf_dir, monkeypatch):
+    store = WeightStore(tmp_path / "weights", keep=2)
+    for v in (1, 2):
+        publish(store, v, hf_dir)
+    real_link, calls = os.link, []
+
+    def racing_link(src, dst):
+        if not calls:  # the trainer publishes two more versions: version 2 is collected under our feet
+            publish(store, 3, hf_dir)
+            publish(store, 4, hf_dir)
+        calls.append(src)
+        return real_link(src, dst)
+
+    monkeypatch.setattr(os, "link", racing_link)
+    version, path = link_version(store.root, tmp_path / "mark-1")
+    assert not store.path(2).exists() and version == 4
+    assert sorted(os.listdir(path)) == sorted(os.listdir(store.path(4)))
+
+
+class FakeModel:
+    """What Marks uses of a Hugging Face model: state_dict, config, save_pretrained."""
+    config = SimpleNamespace(tie_word_embeddings=False)
+
+    def __init__(self):
+        self.w = torch.zeros(1)
+
+    def state_dict(self):
+        return {"w": self.w}
+
+    def save_pretrained(self, path, state_dict):
+        path.mkdir()
+        (path / "w").write_text(str(int(state_dict["w"].item())))
+
+
+class FakeTokenizer:
+    def save_pretrained(self, path):
+        (path / "tokenizer.json").write_text("{}")
+
+
+def train_steps(marks: Marks, model: FakeModel, ends: list[float]) -> None:
+    for step, end in enumerate(ends, start=1):
+        model.w.fill_(step)  # in place, as an optimizer step: the marks must hold copies
+        marks.take(step, end)
+    marks.finish()
+
+
+def test_trl_marks_hold_the_weights_that_were_newest_at_each_mark(tmp_path):
+    model = FakeModel()
+    marks = Marks(model, FakeTokenizer(), out=tmp_path, budget_s=30, count=3, clock=Clock(time.time()))
+    train_steps(marks, model, [12, 18, 25, 31])  # the step ending at 31 crossed the budget: its weights came late
+    assert [(m["mark"], m["time_s"], m["step"]) for m in marks.taken] == [(1, 10, 0), (2, 20, 2), (3, 30, 3)]
+    assert marks.taken[0]["path"] is None  # before the first step ended: the initial model
+    assert [(tmp_path / f"mark-{i}" / "w").read_text() for i in (2, 3)] == ["2", "3"]
+
+
+def test_trl_marks_share_a_directory_and_take_the_final_weights_when_training_ends_early(tmp_path):
+    model = FakeModel()
+    marks = Marks(model, FakeTokenizer(), out=tmp_path, budget_s=30, count=3, clock=Clock(time.time()))
+    train_steps(marks, model, [5, 8])
+    assert [(m["step"], m["path"]) for m in marks.taken] == [(2, str(tmp_path / "mark-1"))] * 3
+    assert (tmp_path / "mark-1" / "w").read_text() == "2" and not (tmp_path / "mark-2").exists()
+
+
+def system(name: str, accuracies: list[float | None], *, versions=None) -> dict:
+    marks = [{"mark": i + 1, "time_s": 240.0 * (i + 1), "version": versions[i] if versions else i + 1,
+              "path": f"/{name}/mark-{i + 1}"} for i in range(len(accuracies))]
+    return {"system": name, "steps": 9, "first_step_s": 30.0, "marks": marks}, dict(
+        (m["path"], a) for m, a in zip(marks, accuracies) if a is not None)
+
+
+def test_report_times_to_trl_accuracy_and_verdicts():
+    rft, rft_scores = system("rft-async", [0.30, 0.38, 0.40])
+    trl, trl_scores = system("trl", [0.20, 0.30, 0.30])
+    push, _ = system("rft-async-push", [None, None, None], versions=[None] * 3)
+    report = summarise([rft, trl, push], {"initial": 0.14, **rft_scores, **trl_scores}, budget_s=720)
+    assert report["trl_final_accuracy"] == 0.30
+    assert (rft["final_accuracy"], rft["reach_trl_s"]) == (0.40, 240.0)
+    assert (trl["final_accuracy"], trl["reach_trl_s"]) == (0.30, 480.0)  # TRL's own final, first reached at 480 s
+    assert push["final_accuracy"] is None and [m["accuracy"] for m in push["marks"]] == [None] * 3
+    assert report["targets"]["half_time"]["met"] is True  # 240 s <= 480 s / 2
+    assert report["targets"]["equal_budget"]["met"] is True
+    slower, slower_scores = system("rft-async", [0.20, 0.25, 0.30])
+    report = summarise([slower, trl], {"initial": 0.14, **slower_scores, **trl_scores}, budget_s=720)
+    assert report["targets"]["half_time"]["met"] is False  # reached at 720 s
+    assert report["targets"]["equal_budget"]["met"] is True  # 0.30 >= 0.30
+
+
+def test_reach_time_counts_the_initial_model_as_time_zero():
+    rft, scores = system("rft-async", [0.1, 0.1, 0.1])
+    for m in rft["marks"]:
+        m["accuracy"] = scores[m["path"]]
+    assert reach_time(rft, 0.2, 0.15) == 0.0
+    assert reach_time(rft, 0.0, 0.15) is None
+
+
+def test_a_config_without_held_out_tasks_is_refused_with_the_key(tmp_path, hf_dir, capsys):
+    config = tmp_path / "no-eval.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": str(hf_dir)},
+                                      "data": {"format": "generated", "path": "copy_char"}}))
+    assert main(["--config", str(config), "--systems", "rft-async"]) == 2
+    assert "eval.sets: no held-out task set" in capsys.readouterr().err
+    config.write_text(yaml.safe_dump({"model": {"path": str(hf_dir)}, "algorithm": {"name": "dpo"},
+                                      "data": {"format": "generated", "path": "copy_char"},
+                                      "eval": {"sets": [{"name": "c", "format": "generated", "path": "copy_char"}]}}))
+    assert main(["--config", str(config), "--systems", "rft-async,trl"]) == 2
+    assert "algorithm.name: the TRL reference runs grpo only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--config", str(config), "--systems", "rft-async,deepspeed"])
+
+
+CHATML = ("{% for m in messages %}<bos>{{ m['role'] }}\n{{ m['content'] }}<eos>\n{% endfor %}"
+          "{% if add_generation_prompt %}<bos>assistant\n{% endif %}")
+
+
+def chat_tokenizer(*, adds_bos: bool):
+    """The tiny model's character tokenizer with a ChatML-like template; `adds_bos`: it prepends <bos> to every
+    text it encodes with special tokens (as Llama tokenizers do), which would double the template's own."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), bos_token="<bos>", eos_token="<eos>",
+                                        pad_token="<pad>")
+    tokenizer.chat_template = CHATML
+    if adds_bos:
+        tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+            single="<bos> $A", special_tokens=[("<bos>", tokenizer.bos_token_id)])
+    return tokenizer
+
+
+def test_trl_gets_the_chat_prompt_text_whose_tokens_are_rfts(hf_dir):
+    cfg = run_config_from_dict({"model": {"path": str(hf_dir), "chat_template": True, "system_prompt": "Be brief."},
+                                "data": {"format": "generated", "path": "copy_char"}})
+    tasks = [TaskRecord(run_id="r", task_id=f"t{i}", epoch=0, prompt=f":{i}", answer=str(i)) for i in range(3)]
+    tokenizer = chat_tokenizer(adds_bos=False)
+    texts = trl_prompts(cfg, tokenizer, tasks)
+    assert texts[1] == "<bos>system\nBe brief.<eos>\n<bos>user\n:1<eos>\n<bos>assistant\n"
+    check_same_tokens(cfg, tokenizer, tasks, texts)
+    with pytest.raises(TRLReferenceError, match="differently from rft's explorers"):
+        check_same_tokens(cfg, chat_tokenizer(adds_bos=True), tasks, texts)
