@@ -105,7 +105,7 @@ def run(cfg: Config) -> int:
         except LaunchError as e:
             print(f"[rft] {e}", file=sys.stderr, flush=True)
             return 2
-        runner = PartRunner(run_dir)
+        runner = PartRunner(run_dir, threads=cpu_threads_per_part(cfg, roles, gpus))
         try:
             if online:
                 runner.start("publisher", [sys.executable, "-m", "rft.cli", "publish", str(config_path)])
@@ -256,6 +256,28 @@ def gpu_plan(cfg: Config, roles: tuple[str, ...], gpus: list[str]) -> dict[str, 
     return plan
 
 
+def cpu_threads_per_part(cfg: Config, roles: tuple[str, ...], gpus: dict[str, str]) -> int | None:
+    """On a machine without GPUs, the OMP_NUM_THREADS each part gets: this process's cores split evenly over the
+    compute processes (each trainer rank, each explorer, the evaluator), at least 1. Parts that each spin as many
+    threads as there are cores fight over them: on 2 cores the flagship step took twice as long. None (leave the
+    environment alone) with GPUs, or when OMP_NUM_THREADS is set already (the operator's choice wins)."""
+    if gpus or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    t = cfg.trainer
+    processes = 0
+    if "trainer" in roles:
+        processes += t.tensor_parallel * t.pipeline_parallel * t.data_parallel
+    if "explorers" in roles:
+        processes += cfg.explorer.replicas
+    if cfg.eval.every_steps and "trainer" in roles and mode(cfg.run.mode).publishes_weights:
+        processes += 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // max(1, processes))
+    print(f"[rft] {cores} CPU cores for {processes} compute processes: OMP_NUM_THREADS={threads} each "
+          "(set OMP_NUM_THREADS to choose)", flush=True)
+    return threads
+
+
 def _trainer_command(cfg: Config, config_path: Path) -> list[str]:
     t = cfg.trainer
     nproc = t.tensor_parallel * t.pipeline_parallel * t.data_parallel
@@ -273,8 +295,9 @@ def _plot(cfg: Config) -> None:
 class PartRunner:
     """Child processes of a run, each in its own process group, each logging to its own file."""
 
-    def __init__(self, run_dir: Path):
-        self.run_dir = run_dir
+    def __init__(self, run_dir: Path, *, threads: int | None = None):
+        """`threads`: OMP_NUM_THREADS for every part (None: inherited; see cpu_threads_per_part)."""
+        self.run_dir, self.threads = run_dir, threads
         self.parts: dict[str, Part] = {}
 
     def start(self, name: str, command: list[str], *, blocked_signals: tuple[int, ...] = (),
@@ -284,6 +307,8 @@ class PartRunner:
         log_path = self.run_dir / "logs" / f"{name}.log"
         log = open(log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.threads)
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus
         block = (lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked_signals)) if blocked_signals else None

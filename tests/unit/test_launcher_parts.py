@@ -29,3 +29,29 @@ def test_failed_essential_part_ends_the_run(tmp_path):
         runner.stop_all(grace_s=5)
     assert all(p.process.poll() is not None for p in runner.parts.values())
     assert "no broker" in (tmp_path / "logs" / "publisher.log").read_text()
+
+
+def test_cpu_runs_split_the_cores_over_the_compute_parts(tmp_path, monkeypatch, capsys):
+    """Trainer ranks, explorers and the evaluator each get cores // parts OpenMP threads (at least 1), which the
+    child processes really see; an operator's OMP_NUM_THREADS, or GPUs, leave the environment alone."""
+    from rft.config import Config
+    from rft.launcher import ROLES_BY_MODE, cpu_threads_per_part
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    cfg = Config()
+    cfg.trainer.tensor_parallel, cfg.explorer.replicas, cfg.eval.every_steps = 2, 1, 10
+    roles = ROLES_BY_MODE["async"]
+    assert cpu_threads_per_part(cfg, roles, {}) == 2  # 8 cores / (2 trainer ranks + 1 explorer + 1 evaluator)
+    assert "8 CPU cores for 4 compute processes: OMP_NUM_THREADS=2" in capsys.readouterr().out
+    cfg.explorer.replicas = 20
+    assert cpu_threads_per_part(cfg, roles, {}) == 1
+    assert cpu_threads_per_part(cfg, roles, {"trainer": "0,1"}) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads_per_part(cfg, roles, {}) is None
+
+    (tmp_path / "logs").mkdir()
+    runner = PartRunner(tmp_path, threads=2)
+    runner.start("explorer-0", python("import os; print('threads', os.environ['OMP_NUM_THREADS'])"))
+    runner.parts["explorer-0"].process.wait(timeout=30)
+    assert "threads 2" in (tmp_path / "logs" / "explorer-0.log").read_text()
