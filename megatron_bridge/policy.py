@@ -73,13 +73,10 @@ class MegatronPolicy:
 
     def __init__(self, hf_dir: str | Path, *, tp: int = 1, pp: int = 1, lr: float, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 seed: int = 0, dtype: str = "float32", reference: bool = False, temperature: float = 1.0,
-                 trainable_layers: int = 0):
+                 seed: int = 0, dtype: str = "float32", reference: bool = False, temperature: float = 1.0):
         """`temperature`: the sampling temperature of the explorers. Log-probs (and entropy) are those of
         softmax(logits / temperature), the distribution the behaviour log-probs in the records come from, so
-        that importance ratios compare like with like. `trainable_layers`: 0 trains every parameter; N > 0
-        trains only the top N transformer layers, the final norm and an untied output layer (see
-        `freeze_below_top_layers`)."""
+        that importance ratios compare like with like."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         if temperature <= 0:
@@ -90,8 +87,6 @@ class MegatronPolicy:
                              f"weight_decay={weight_decay} grad_clip={grad_clip}")
         self.layout = parallel.initialize(tp, pp, seed=seed)
         models = build_model(hf_dir, dtype=dtype)
-        if trainable_layers:
-            freeze_below_top_layers(models, trainable_layers)
         self.info = models[0].bridge_info
         self.config = models[0].config
         self.distributed_optimizer = distributed_optimizer_available()
@@ -257,27 +252,6 @@ def _exit_with_parent() -> None:
     """In a child process (Linux): SIGKILL when the parent dies (prctl PR_SET_PDEATHSIG); elsewhere nothing."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-
-
-def freeze_below_top_layers(models: list[torch.nn.Module], top: int) -> None:
-    """Freeze (requires_grad False) everything but the top `top` transformer layers, the final norm and an untied
-    output layer, on this rank's pipeline stage; before DDP and the optimizer are built, so neither holds state
-    for frozen parameters. The backward pass then stops at the lowest trainable layer: on a compute-bound trainer
-    a step costs about (forward of all layers + backward of `top`) instead of (forward + backward of all). The
-    embedding stays frozen with the lower layers, and so does an output layer tied to it. Checkpoints hold the
-    optimizer state of the trainable parameters only: resume with the same `top`."""
-    for model in models:
-        gpt = unwrap(model)
-        total = gpt.config.num_layers
-        if not 0 < top <= total:
-            raise ValueError(f"trainable_layers must be in 1..{total} (the model's layers), got {top}")
-        if gpt.pre_process:
-            gpt.embedding.requires_grad_(False)
-        if gpt.post_process and gpt.share_embeddings_and_output_weights:
-            gpt.output_layer.requires_grad_(False)
-        for layer in gpt.decoder.layers:
-            if layer.layer_number <= total - top:  # layer_number: 1-based, global over pipeline stages
-                layer.requires_grad_(False)
 
 
 def _frozen(models: list[torch.nn.Module]) -> list[torch.nn.Module]:

@@ -127,13 +127,8 @@ class TrainerConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     checkpoint_every: int = 10
-    trainable_layers: int = 0  # 0: train every parameter; N: only the top N transformer layers (+ final norm, untied output layer)
     poll_timeout_s: float = 600.0
     operators: list[Any] = field(default_factory=list)  # experience operators, in order: names or {name: ..., args} (docs/data.md)
-
-    def __post_init__(self) -> None:
-        if self.trainable_layers < 0:
-            raise ConfigError(f"trainer.trainable_layers: must be >= 0 (0: every layer), got {self.trainable_layers}")
 
 
 @dataclass
@@ -559,8 +554,6 @@ def _check_model_shape(cfg: Config, source: str, require) -> None:
     if layers:
         require(layers % pp == 0, "trainer.pipeline_parallel",
                 f"{pp} does not divide the model's {layers} layers ({hf_config})")
-        require(cfg.trainer.trainable_layers <= layers, "trainer.trainable_layers",
-                f"{cfg.trainer.trainable_layers} is more than the model's {layers} layers ({hf_config})")
 
 
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # where transformers saves a template

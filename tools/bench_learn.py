@@ -5,8 +5,8 @@ Method.
 - One config (`--config`, default the flagship configs/smollm2-arithmetic.yaml) says everything: model, task sets,
   prompt template, chat template and system prompt, reward, samples per task, groups per step, learning rate,
   sampling, eval set. It must have `eval.sets` (the held-out tasks).
-- rft systems: each is one whole `rft run` of the config with `run.mode` async (`rft-async`, `rft-async-push`) or
-  sync (`rft-sync`), `sync.method` pull, or push for `rft-async-push`, `run.max_steps` unlimited, no evaluator
+- rft systems: each is one whole `rft run` of the config with `run.mode` as the config has it (`rft`), async
+  (`rft-async`, `rft-async-push`) or sync (`rft-sync`), `sync.method` pull, or push for `rft-async-push`, `run.max_steps` unlimited, no evaluator
   during training (`eval.every_steps: 0`: evaluation must not take CPU from training), its own embedded broker and
   weight store under `--out`. Its clock starts when `rft run` is launched: start-up (broker, engines, trainer) is
   part of the user's wall-clock and counts. When the budget has elapsed the run is stopped (SIGTERM to its process
@@ -56,7 +56,8 @@ from rft.run_config import load_run_config
 from rft.weights.store import LATEST, WeightStore, store_root, version_dirname
 from tools.trl_reference import TRLReferenceError, check_trl_config, run_trl, trl_missing
 
-RFT_SYSTEMS = {"rft-async": ("async", "pull"), "rft-sync": ("sync", "pull"), "rft-async-push": ("async", "push")}
+RFT_SYSTEMS = {"rft": (None, "pull"), "rft-async": ("async", "pull"), "rft-sync": ("sync", "pull"),
+               "rft-async-push": ("async", "push")}  # mode None: the config's own `run.mode`
 SYSTEMS = (*RFT_SYSTEMS, "trl")
 UNLIMITED_STEPS = 1_000_000
 POLL_S = 0.5
@@ -78,7 +79,7 @@ def note(message: str) -> None:
 def rft_overrides(system: str, out: Path) -> list[str]:
     """The `--set` overrides that make the config system `system` (see the module docstring)."""
     mode, method = RFT_SYSTEMS[system]
-    return [f"run.mode={mode}", f"sync.method={method}", f"run.max_steps={UNLIMITED_STEPS}", "eval.every_steps=0",
+    return [*([f"run.mode={mode}"] if mode else []), f"sync.method={method}", f"run.max_steps={UNLIMITED_STEPS}", "eval.every_steps=0",
             f"run.output_dir={out / system}", "sync.weight_store=", "kafka.bootstrap_servers=embedded",
             "monitor.progress=false"]
 

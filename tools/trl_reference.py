@@ -20,7 +20,7 @@ rft config describes:
   `top_p` from `explorer`, at most min(`explorer.max_tokens`, `model.max_response_len`) new tokens, `beta` =
   `algorithm.kl_coef`, `epsilon` = `algorithm.clip_eps`, `loss_type` dapo for `loss_agg: token_mean` (the token mean
   over the step) and grpo for seq_mean, rewards scaled by the group std unless `algorithm.std_normalize: false`;
-  `model.dtype` decides bf16 / fp16 / fp32, `trainer.trainable_layers` freezes the same layers; no gradient checkpointing (TRL's default
+  `model.dtype` decides bf16 / fp16 / fp32; no gradient checkpointing (TRL's default
   recomputes activations to save memory, which rft's trainer does not do). Only `algorithm.name: grpo` has a TRL counterpart here.
 Not reproduced: `trainer.operators` (TRL trains on every group; a group whose samples all scored the same gets
 zero advantages), replay buffers, and `model.max_prompt_len` (TRL does not drop long prompts). Generation is
@@ -266,17 +266,6 @@ def stepping_callback(clock: Clock, *, budget_s: float | None, marks: Marks | No
     return Stepping()
 
 
-def freeze_like_rft(model, top: int) -> None:
-    """`trainer.trainable_layers` for a Hugging Face Llama/Qwen2 model, as rft's trainer applies it
-    (megatron_bridge.policy.freeze_below_top_layers): the embedding, a tied output layer and every layer below the
-    top `top` are frozen; 0 trains everything."""
-    if not top:
-        return
-    model.get_input_embeddings().requires_grad_(False)
-    for layer in model.model.layers[:-top]:
-        layer.requires_grad_(False)
-
-
 def train(spec: dict) -> dict:
     """The child: TRL on the spec's config (see `run_trl`); returns the result."""
     import torch  # heavy: torch
@@ -292,7 +281,6 @@ def train(spec: dict) -> dict:
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
     if cfg.model.chat_template:
         model.generation_config.eos_token_id = stop_token_ids(tokenizer)
-    freeze_like_rft(model, cfg.trainer.trainable_layers)
     texts = trl_prompts(cfg, tokenizer, tasks)
     clock.off_clock(lambda: check_same_tokens(cfg, tokenizer, tasks, texts))
     dataset = Dataset.from_list([{"prompt": text, "task_index": i} for i, text in enumerate(texts)])

@@ -180,7 +180,7 @@ class Trainer:
         self.policy = policy or MegatronPolicy(
             model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, lr=t.lr, weight_decay=t.weight_decay,
             grad_clip=t.grad_clip, betas=(t.adam_beta1, t.adam_beta2), seed=run.seed, dtype=model.dtype,
-            reference=self.algorithm.needs_reference, temperature=temperature, trainable_layers=t.trainable_layers)
+            reference=self.algorithm.needs_reference, temperature=temperature)
         self.staleness = StalenessTracker(mode=run.mode, max_staleness=run.max_staleness)
         self.is_reader = dist_io.rank() == 0
         self.checkpoints = CheckpointDir(self.run_dir)

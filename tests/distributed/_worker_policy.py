@@ -12,8 +12,6 @@ Usage: torchrun --nproc-per-node 2 _worker_policy.py SPEC.json, with SPEC {"out_
   `qwen_dp2_resumed.loaded.hf`; step on batch 2 -> `qwen_dp2_resumed.step2.hf`.
 - llama_pp2: step on batch 1 -> `llama_pp2.step1.hf`, checkpoint `llama_pp2.ckpt`.
 - llama_tp2: load `llama_pp2.ckpt` (saved at PP=2) -> `llama_tp2.loaded.hf`.
-- llama_top1_pp2: only the top layer (+ final norm, untied output layer) trainable, so stage 0 is all frozen; step
-  on batch 1 -> `llama_top1_pp2.step1.hf`.
 Step metrics go to `<case>.metrics.json` (rank 0). The entropy metric is computed in chunks of
 `ENTROPY_CHUNK_TOKENS` positions (7 here, so that micro-batches span several chunks, one of them
 partial). The data and the loss function below are also imported by the test, which computes the
@@ -68,13 +66,12 @@ def shard_for_data_parallel(batches: list, dp_rank: int, dp: int) -> list:
 
 def run_case(spec: dict, *, name: str, model: str, tp: int, pp: int, steps: list[int],
              load: str | None = None, save_after: int | None = None, logprobs: bool = False,
-             reference: bool = False, trainable_layers: int = 0) -> None:
+             reference: bool = False) -> None:
     from megatron_bridge import parallel
     from megatron_bridge.policy import MegatronPolicy
 
     out = Path(spec["out_dir"])
-    policy = MegatronPolicy(spec[model], tp=tp, pp=pp, seed=0, reference=reference, trainable_layers=trainable_layers,
-                            **HYPERPARAMETERS)
+    policy = MegatronPolicy(spec[model], tp=tp, pp=pp, seed=0, reference=reference, **HYPERPARAMETERS)
     where = policy.layout
     metrics = {}
     if load:
@@ -114,7 +111,6 @@ def main() -> None:
     run_case(spec, name="qwen_dp2_resumed", model="qwen", tp=1, pp=1, steps=[2], load="qwen_tp2.ckpt")
     run_case(spec, name="llama_pp2", model="llama", tp=1, pp=2, steps=[1], save_after=1)
     run_case(spec, name="llama_tp2", model="llama", tp=2, pp=1, steps=[], load="llama_pp2.ckpt")
-    run_case(spec, name="llama_top1_pp2", model="llama", tp=1, pp=2, steps=[1], trainable_layers=1)
     torch.distributed.destroy_process_group()
 
 

@@ -17,7 +17,7 @@ from rft.schema import TaskRecord
 from rft.tiny_model import build_tokenizer
 from rft.weights.store import WeightStore
 from tools.bench_learn import link_version, main, reach_time, snapshot, summarise
-from tools.trl_reference import Clock, Marks, TRLReferenceError, check_same_tokens, freeze_like_rft, trl_prompts
+from tools.trl_reference import Clock, Marks, TRLReferenceError, check_same_tokens, trl_prompts
 
 
 def publish(store: WeightStore, version: int, hf_dir) -> None:
@@ -186,21 +186,3 @@ def test_trl_gets_the_chat_prompt_text_whose_tokens_are_rfts(hf_dir):
     with pytest.raises(TRLReferenceError, match="differently from rft's explorers"):
         check_same_tokens(cfg, chat_tokenizer(adds_bos=True), tasks, texts)
 
-
-def test_trl_trains_the_same_layers_as_rft_with_trainable_layers(tmp_path):
-    """trainer.trainable_layers: 1 of 3 -> TRL trains layer 2, the final norm and the untied head, as rft does."""
-    from transformers import AutoModelForCausalLM
-
-    from rft.tiny_model import make_tiny_model
-
-    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m", arch="llama", layers=3,
-                                                                 tie_word_embeddings=False))
-    freeze_like_rft(model, 1)
-    trainable = {name.split(".")[1] if name.startswith("model.") else name.split(".")[0]
-                 for name, p in model.named_parameters() if p.requires_grad}
-    assert trainable == {"layers", "norm", "lm_head"}
-    assert all(name.startswith("model.layers.2.") for name, p in model.named_parameters()
-               if p.requires_grad and ".layers." in name)
-    untouched = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
-    freeze_like_rft(untouched, 0)  # 0: nothing frozen
-    assert all(p.requires_grad for p in untouched.parameters())
