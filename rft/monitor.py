@@ -77,25 +77,30 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def plot_rewards(metrics_path: str | os.PathLike, out_png: str | os.PathLike, *, title: str = "") -> Path:
-    """Reward against step and against wall-clock time, as a PNG."""
+    """Mean reward against step and against wall-clock time, as a PNG, with each eval set's held-out accuracy
+    (`eval/<set>/accuracy` records of the periodic evaluator) on the same axes when the run has them."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [r for r in read_metrics(metrics_path) if r.get("reward_mean") is not None]
+    all_records = read_metrics(metrics_path)
+    records = [r for r in all_records if r.get("reward_mean") is not None]
     if not records:
         raise ValueError(f"{metrics_path}: no step has a reward_mean to plot")
-    steps = [r["step"] for r in records]
-    rewards = [r["reward_mean"] for r in records]
-    start = records[0]["time"]
-    minutes = [(r["time"] - start) / 60 for r in records]
+    start = min(r["time"] for r in all_records if "time" in r)
+    minutes = lambda rs: [(r["time"] - start) / 60 for r in rs]  # noqa: E731
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 4))
-    by_step.plot(steps, rewards, marker=".")
-    by_step.set(xlabel="step (policy version)", ylabel="mean reward", title="reward by step")
-    by_time.plot(minutes, rewards, marker=".", color="tab:orange")
-    by_time.set(xlabel="wall-clock (minutes)", ylabel="mean reward", title="reward by time")
+    by_step.plot([r["step"] for r in records], [r["reward_mean"] for r in records], marker=".", label="mean reward")
+    by_time.plot(minutes(records), [r["reward_mean"] for r in records], marker=".", label="mean reward")
+    for name, evals in _eval_accuracies(all_records).items():
+        label = f"held-out accuracy ({name})"
+        by_step.plot([r["step"] for r in evals], [r[f"eval/{name}/accuracy"] for r in evals], marker="s", label=label)
+        by_time.plot(minutes(evals), [r[f"eval/{name}/accuracy"] for r in evals], marker="s", label=label)
+    by_step.set(xlabel="step (policy version)", ylabel="reward / accuracy", title="by step")
+    by_time.set(xlabel="wall-clock (minutes)", ylabel="reward / accuracy", title="by time")
     for ax in (by_step, by_time):
         ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -103,6 +108,16 @@ def plot_rewards(metrics_path: str | os.PathLike, out_png: str | os.PathLike, *,
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def _eval_accuracies(records: list[dict]) -> dict[str, list[dict]]:
+    """{eval set: its evaluation records in order} from `eval/<set>/accuracy` keys."""
+    sets: dict[str, list[dict]] = {}
+    for r in records:
+        for key in r:
+            if key.startswith("eval/") and key.endswith("/accuracy") and "time" in r:
+                sets.setdefault(key[len("eval/"):-len("/accuracy")], []).append(r)
+    return sets
 
 
 # --------------------------------------------------------------------------------------------------
