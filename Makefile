@@ -59,7 +59,7 @@ smollm2: $(SMOLLM2)/config.json
 assets: assets/tiny-qwen2/config.json $(SMOLLM2)/config.json
 
 # The main job: the real model (SmolLM2-135M-Instruct) learns reasoning-gym arithmetic, the first 20 steps of the
-# flagship run (about 11 minutes on 2 cores; README: expected numbers)
+# flagship run (about 10 minutes on 2 cores; README: expected numbers)
 quickstart: venv $(SMOLLM2)/config.json
 	$(BIN)/rft run configs/smollm2-arithmetic.yaml --set run.name=smollm2-quickstart --set run.max_steps=20
 
