@@ -236,14 +236,7 @@ def gpu_plan(cfg: Config, roles: tuple[str, ...], gpus: list[str]) -> dict[str, 
     tensor_parallel_size, then the evaluator's. Empty on a CPU machine; LaunchError when the GPUs do not suffice."""
     if not gpus:
         return {}
-    t, tp = cfg.trainer, cfg.explorer.tensor_parallel_size
-    needs: list[tuple[str, int]] = []
-    if "trainer" in roles:
-        needs.append(("trainer", t.tensor_parallel * t.pipeline_parallel * t.data_parallel))
-    if "explorers" in roles:
-        needs += [(f"explorer-{i}", tp) for i in range(cfg.explorer.replicas)]
-    if cfg.eval.every_steps and "trainer" in roles and mode(cfg.run.mode).publishes_weights:
-        needs.append((EVALUATOR, tp))
+    needs = compute_parts(cfg, roles)
     total = sum(n for _, n in needs)
     if total > len(gpus):
         parts = " + ".join(f"{name} {n}" for name, n in needs)
@@ -256,21 +249,28 @@ def gpu_plan(cfg: Config, roles: tuple[str, ...], gpus: list[str]) -> dict[str, 
     return plan
 
 
+def compute_parts(cfg: Config, roles: tuple[str, ...]) -> list[tuple[str, int]]:
+    """The parts of a one-machine run that compute, each with its number of worker processes (= GPUs on a GPU
+    machine): the trainer's TP x PP x DP ranks, each explorer's tensor_parallel_size, the evaluator's."""
+    t, tp = cfg.trainer, cfg.explorer.tensor_parallel_size
+    parts: list[tuple[str, int]] = []
+    if "trainer" in roles:
+        parts.append(("trainer", t.tensor_parallel * t.pipeline_parallel * t.data_parallel))
+    if "explorers" in roles:
+        parts += [(f"explorer-{i}", tp) for i in range(cfg.explorer.replicas)]
+    if cfg.eval.every_steps and "trainer" in roles and mode(cfg.run.mode).publishes_weights:
+        parts.append((EVALUATOR, tp))
+    return parts
+
+
 def cpu_threads_per_part(cfg: Config, roles: tuple[str, ...], gpus: dict[str, str]) -> int | None:
     """On a machine without GPUs, the OMP_NUM_THREADS each part gets: this process's cores split evenly over the
-    compute processes (each trainer rank, each explorer, the evaluator), at least 1. Parts that each spin as many
-    threads as there are cores fight over them: on 2 cores the flagship step took twice as long. None (leave the
-    environment alone) with GPUs, or when OMP_NUM_THREADS is set already (the operator's choice wins)."""
+    compute processes (`compute_parts`), at least 1. Parts that each spin as many threads as there are cores fight
+    over them: on 2 cores the flagship step took twice as long. None (leave the environment alone) with GPUs, or
+    when OMP_NUM_THREADS is set already (the operator's choice wins)."""
     if gpus or os.environ.get("OMP_NUM_THREADS"):
         return None
-    t = cfg.trainer
-    processes = 0
-    if "trainer" in roles:
-        processes += t.tensor_parallel * t.pipeline_parallel * t.data_parallel
-    if "explorers" in roles:
-        processes += cfg.explorer.replicas
-    if cfg.eval.every_steps and "trainer" in roles and mode(cfg.run.mode).publishes_weights:
-        processes += 1
+    processes = sum(n for _, n in compute_parts(cfg, roles))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cores // max(1, processes))
     print(f"[rft] {cores} CPU cores for {processes} compute processes: OMP_NUM_THREADS={threads} each "

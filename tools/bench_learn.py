@@ -65,7 +65,6 @@ STOP_GRACE_S = 120.0  # `rft run` gives its parts 15 s, then kills them; the bro
 PREFIX = "[bench learn]"
 RELOAD_LINES = (re.compile(r"loaded weights version (\d+) in ([\d.]+) s"),  # pull (rft/weights/subscriber.py)
                 re.compile(r"received pushed weights version (\d+) in ([\d.]+) s"))  # push (rft/explorer/engine.py)
-PUSH_LINE = re.compile(r"pushed version \d+ \(([\d.]+) MB\) in ([\d.]+) s")  # rft/weights/publisher.py
 
 
 def note(message: str) -> None:
@@ -205,16 +204,13 @@ def _first_step(steps: list[dict], started: float) -> float | None:
 
 def weight_sync_costs(run_dir: Path, steps: list[dict], marks: list[dict]) -> dict:
     """Median seconds per step: trainer publish on its critical path (`weights_s`), background write
-    (`weights_write_s`), explorer reload (explorer logs, versions >= 1); one version's size in MB. None: absent."""
+    (`weights_write_s`), explorer reload (explorer logs, versions >= 1); one stored version's size in MB (pull
+    only). None: absent."""
     reloads = [float(m.group(2)) for log in sorted((run_dir / "logs").glob("explorer-*.log"))
                for line in log.read_text(errors="replace").splitlines() for pattern in RELOAD_LINES
                if (m := pattern.search(line)) and int(m.group(1)) > 0]
-    trainer_log = run_dir / "logs" / "trainer.log"
-    pushes = [m for line in (trainer_log.read_text(errors="replace").splitlines() if trainer_log.exists() else [])
-              if (m := PUSH_LINE.search(line))]
-    linked = [Path(m["path"]) for m in marks if m["path"]]
-    size_mb = (sum(f.stat().st_size for f in linked[-1].iterdir()) / 1e6 if linked
-               else float(pushes[-1].group(1)) if pushes else None)
+    linked = [Path(m["path"]) for m in marks if m["path"]]  # the push path stores no version to measure
+    size_mb = sum(f.stat().st_size for f in linked[-1].iterdir()) / 1e6 if linked else None
     return {"publish_s": _median([s.get("weights_s") for s in steps]),
             "write_s": _median([s.get("weights_write_s") for s in steps]),
             "reload_s": _median(reloads), "version_mb": round(size_mb, 1) if size_mb is not None else None}
