@@ -32,6 +32,15 @@ global step loss. megatron runs in per-token-loss mode, so it neither divides by
 micro-batches nor averages gradients over data-parallel ranks: gradients are those of the sum of
 contributions, which is the global loss.
 
+Loss scaling (float16 only; bfloat16 and float32 train unscaled): megatron's dynamic loss scaler. Each
+micro-batch's loss is multiplied by the current scale S before backward (the model config's `grad_scale_func`),
+and the optimizer divides the float16 gradients by S into its float32 main gradients. A step whose gradients
+overflow is skipped (`step_skipped` 1.0, weights unchanged) and S halves from the second overflow on (megatron's
+`DynamicGradScaler` with hysteresis 2, whose count resets only when S grows); after 1000 clean steps in a row S
+doubles.
+S starts at `initial_loss_scale` (2^16, torch's GradScaler default; megatron's own 2^32 skips the first ~17
+steps of a run while it backs off, a large share of an RL run's steps).
+
 Checkpoints: megatron `dist_checkpointing` (PyTorch distributed checkpoint format, "torch_dist"),
 model and optimizer in the fully reshardable layout, so a checkpoint saved at one TP/PP/DP reloads
 at another; it works on CPU under gloo. Beside it, `rft_policy.json` records the step count and the
@@ -73,10 +82,12 @@ class MegatronPolicy:
 
     def __init__(self, hf_dir: str | Path, *, tp: int = 1, pp: int = 1, lr: float, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 seed: int = 0, dtype: str = "float32", reference: bool = False, temperature: float = 1.0):
+                 seed: int = 0, dtype: str = "float32", reference: bool = False, temperature: float = 1.0,
+                 initial_loss_scale: float = 2.0 ** 16):
         """`temperature`: the sampling temperature of the explorers. Log-probs (and entropy) are those of
         softmax(logits / temperature), the distribution the behaviour log-probs in the records come from, so
-        that importance ratios compare like with like."""
+        that importance ratios compare like with like. `initial_loss_scale`: float16 only, the dynamic loss
+        scale's starting value (see "Loss scaling" in the module docstring)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         if temperature <= 0:
@@ -95,7 +106,11 @@ class MegatronPolicy:
         self.models = [DistributedDataParallel(self.config, ddp_config, m) for m in models]
         self.optimizer, self.scheduler = _build_optimizer(
             self.models, lr=lr, weight_decay=weight_decay, grad_clip=grad_clip, betas=betas, eps=eps, dtype=dtype,
-            distributed=self.distributed_optimizer)
+            distributed=self.distributed_optimizer, initial_loss_scale=initial_loss_scale)
+        # megatron's schedule multiplies each micro-batch's loss by grad_scale_func(1) before backward, and the
+        # optimizer divides the gradients by the same scale: without this, float16 gradients were divided by a
+        # scale that had never multiplied them (Megatron-LM's training loop sets the same hook).
+        self.config.grad_scale_func = self.optimizer.scale_loss
         self.reference_models = _frozen(build_model(hf_dir, dtype=dtype)) if reference else None
         self.steps = 0
 
@@ -281,14 +296,15 @@ def distributed_optimizer_available() -> bool:
 
 
 def _build_optimizer(models, *, lr: float, weight_decay: float, grad_clip: float, betas: tuple[float, float],
-                     eps: float, dtype: str, distributed: bool):
+                     eps: float, dtype: str, distributed: bool, initial_loss_scale: float):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay,
                              adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=eps, clip_grad=grad_clip,
                              bf16=dtype == "bfloat16", fp16=dtype == "float16",
-                             params_dtype=getattr(torch, dtype), use_distributed_optimizer=distributed)
+                             params_dtype=getattr(torch, dtype), use_distributed_optimizer=distributed,
+                             initial_loss_scale=initial_loss_scale)
     # On CPU the default process groups are gloo already; megatron's extra gloo groups are not created.
     optimizer = get_megatron_optimizer(config, models, use_gloo_process_groups=not device.is_installed())
     scheduler = OptimizerParamScheduler(optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0,
