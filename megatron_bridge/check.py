@@ -127,9 +127,11 @@ def transformers_logits(args: argparse.Namespace, batch: dict[str, torch.Tensor]
 
     transformers_logging.disable_progress_bar()
     dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=dtype)
+    target = device.compute_device()  # the GPU on a GPU machine: both sides then use CUDA kernels
+    model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=dtype).to(target)
     with torch.no_grad():
-        return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits.float()
+        return model(input_ids=batch["input_ids"].to(target),
+                     position_ids=batch["position_ids"].to(target)).logits.float().cpu()
 
 
 def round_trip(models, args: argparse.Namespace) -> list[str]:

@@ -46,6 +46,7 @@ class RunConfig:
     seed: int = 0
     output_dir: str = "runs"
     max_steps: int = 10
+    share_gpus: bool = False  # one-machine runs with fewer GPUs than parts: parts share them (rft.launcher.gpu_plan)
 
 
 @dataclass
@@ -483,7 +484,7 @@ def check_semantics(cfg: Config, source: str) -> None:
         "trainer.tensor_parallel": cfg.trainer.tensor_parallel, "trainer.pipeline_parallel": cfg.trainer.pipeline_parallel,
         "trainer.data_parallel": cfg.trainer.data_parallel, "trainer.groups_per_step": cfg.trainer.groups_per_step,
         "trainer.micro_batch_size": cfg.trainer.micro_batch_size, "sync.bucket_mb": cfg.sync.bucket_mb,
-        "sync.keep_versions": cfg.sync.keep_versions, "data.epochs": cfg.data.epochs,
+        "trainer.checkpoint_every": cfg.trainer.checkpoint_every, "sync.keep_versions": cfg.sync.keep_versions, "data.epochs": cfg.data.epochs,
         "model.max_prompt_len": cfg.model.max_prompt_len, "model.max_response_len": cfg.model.max_response_len,
     }
     for key, value in positive.items():

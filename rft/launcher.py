@@ -233,18 +233,22 @@ def visible_gpus() -> list[str]:
 
 def gpu_plan(cfg: Config, roles: tuple[str, ...], gpus: list[str]) -> dict[str, str]:
     """Disjoint GPUs for the parts of a one-machine run: the trainer's TP x PP x DP first, then each explorer's
-    tensor_parallel_size, then the evaluator's. Empty on a CPU machine; LaunchError when the GPUs do not suffice."""
+    tensor_parallel_size, then the evaluator's. Empty on a CPU machine; LaunchError when the GPUs do not suffice,
+    unless `run.share_gpus`: then the parts take the GPUs round-robin and share them (a part never gets one GPU
+    twice; the explorers' `gpu_memory_utilization` must leave room for the trainer on a shared GPU)."""
     if not gpus:
         return {}
     needs = compute_parts(cfg, roles)
     total = sum(n for _, n in needs)
-    if total > len(gpus):
+    widest = max((n for _, n in needs), default=0)
+    if widest > len(gpus) or (total > len(gpus) and not cfg.run.share_gpus):
         parts = " + ".join(f"{name} {n}" for name, n in needs)
         raise LaunchError(f"this machine has {len(gpus)} GPUs, the run needs {total} ({parts}): lower "
-                          "trainer.data_parallel or explorer.replicas, or start the explorers elsewhere (`rft explorer`)")
+                          "trainer.data_parallel or explorer.replicas, start the explorers elsewhere (`rft explorer`)"
+                          + ("" if widest > len(gpus) else ", or let the parts share GPUs (run.share_gpus: true)"))
     plan, next_gpu = {}, 0
     for name, n in needs:
-        plan[name] = ",".join(gpus[next_gpu:next_gpu + n])
+        plan[name] = ",".join(gpus[(next_gpu + i) % len(gpus)] for i in range(n))
         next_gpu += n
     return plan
 

@@ -291,7 +291,10 @@ class TransformersEngine(_TokenizerMixin):
     def from_config(cls, explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
                     model_path: str | None = None) -> "TransformersEngine":
         """The engine the model section describes, on `model_path` (default `model.path`)."""
-        return cls(model_path or model.path, dtype=model.dtype, seed=seed, chat_template=model.chat_template)
+        import torch
+
+        return cls(model_path or model.path, dtype=model.dtype, seed=seed, chat_template=model.chat_template,
+                   device="cuda" if torch.cuda.is_available() else "cpu")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
         return [self._generate_one(list(p), sampling) for p in prompts]

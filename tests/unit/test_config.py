@@ -72,6 +72,7 @@ def test_saved_resolved_config_round_trips(tmp_path, model_dir):
     ({"monitor": {"jsonl": "yes"}}, [], r"monitor.jsonl: expected bool, got str"),
     ({"kafka": {"partitions": True}}, [], r"kafka.partitions: expected int, got bool"),
     ({}, ["trainer.micro_batch_size=0"], r"trainer.micro_batch_size: must be >= 1, got 0"),
+    ({}, ["trainer.checkpoint_every=0"], r"trainer.checkpoint_every: must be >= 1, got 0"),
     ({"kafka": {"bootstrap_servers": "${RFT_SURELY_UNSET_VAR}"}}, [], r"kafka.bootstrap_servers: environment variable"),
 ])
 def test_invalid_configs_name_file_and_key(tmp_path, model_dir, body_patch, override, expected):
