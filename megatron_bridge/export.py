@@ -3,13 +3,21 @@
 Protocol (call on every rank, and consume the iterator to the end on every rank):
 for each HF tensor group in a fixed global order (embedding, layer 0..L-1, final norm, output layer),
 the owning pipeline stage's TP ranks of data-parallel replica 0 gather their shards to TP rank 0
-(`dist.gather` over the TP group); that rank merges them into full HF tensors and, when it is not
-global rank 0, sends them point-to-point to global rank 0 (a small shape/dtype header, then the
-data). Global rank 0, the publishing rank, packs them into buckets; other ranks take part in the
-collectives and yield nothing. Replicas with data-parallel rank > 0 hold identical weights and are
-idle.
+(`dist.gather` over the TP group), and that rank merges them into full HF tensors. Then, by mode:
 
-Memory bound on the publishing rank: one bucket (at most `bucket_bytes`, or a single larger tensor)
+- funnel (`per_stage=False`; the push path and `save_hf`): when TP rank 0 is not global rank 0, it
+  sends the tensors point-to-point to global rank 0 (a small shape/dtype header, then the data).
+  Global rank 0, the publishing rank, packs every tensor of the model into buckets; other ranks take
+  part in the collectives and yield nothing.
+- per stage (`per_stage=True`; the pull path): no point-to-point hop. Each stage's publisher (TP rank 0
+  of data-parallel replica 0: `ParallelLayout.is_stage_publisher`) packs the tensors its own stage owns
+  into buckets, in the same global order; the stages run in parallel. Every HF tensor is yielded by
+  exactly one stage (the embedding by the first, the final norm and output layer by the last; the
+  last stage's copy of a tied embedding is not exported: no `lm_head.weight` for tied embeddings).
+
+Replicas with data-parallel rank > 0 hold identical weights and are idle.
+
+Memory bound on a yielding rank: one bucket (at most `bucket_bytes`, or a single larger tensor)
 plus the HF tensors of the one parameter being converted. Yielded tensors live on the compute device
 (CUDA on GPU, CPU otherwise); the consumer must drop a bucket before asking for the next.
 """
@@ -66,8 +74,9 @@ def _recv(src: int) -> torch.Tensor:
 
 
 def _fetch(mapping: ParamMapping, params: dict[str, torch.Tensor], info: BridgeInfo,
-           where: parallel.ParallelLayout) -> dict[str, torch.Tensor] | None:
-    """This parameter's HF tensors on global rank 0; None elsewhere (after taking part)."""
+           where: parallel.ParallelLayout, per_stage: bool) -> dict[str, torch.Tensor] | None:
+    """This parameter's HF tensors on global rank 0 (funnel) or on its stage's publisher (per stage); None
+    elsewhere (after taking part)."""
     from megatron.core import parallel_state as ps
 
     stage = info.owner_stage(mapping.megatron)
@@ -76,20 +85,23 @@ def _fetch(mapping: ParamMapping, params: dict[str, torch.Tensor], info: BridgeI
     if where.pp_rank == stage:
         local = params[info.local_name(mapping.megatron, stage)].detach()
         tensors = _gather_tp(mapping, local, info, where)
-        if where.is_publisher:
+        if per_stage or where.is_publisher:
             return tensors
         if tensors is not None:  # TP rank 0 of a later stage: hand over to the publisher
             for name in mapping.hf_names:
                 _send(tensors[name], dst=0)
         return None
-    if where.is_publisher:
+    if where.is_publisher and not per_stage:
         sender = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[stage]
         return {name: _recv(sender) for name in mapping.hf_names}
     return None
 
 
-def iter_hf_buckets(models: list[torch.nn.Module], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Yield {HF name: full tensor} buckets of at most `bucket_bytes` on global rank 0 (see module doc).
+def iter_hf_buckets(models: list[torch.nn.Module], bucket_bytes: int, *,
+                    per_stage: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield {HF name: full tensor} buckets of at most `bucket_bytes` (see module doc): every tensor of the
+    model on global rank 0 (`per_stage=False`), or each pipeline stage's own tensors on that stage's
+    publisher (`per_stage=True`; with pp=1 the two are the same).
 
     A single tensor larger than `bucket_bytes` comes alone in its own bucket. Tensor names and
     shapes are exactly those of the HF checkpoint (vocabulary padding removed; no `lm_head.weight`
@@ -105,7 +117,7 @@ def iter_hf_buckets(models: list[torch.nn.Module], bucket_bytes: int) -> Iterato
     size = 0
     with torch.no_grad():
         for mapping in info.resolved_mappings():
-            tensors = _fetch(mapping, params, info, where)
+            tensors = _fetch(mapping, params, info, where, per_stage)
             for name, tensor in (tensors or {}).items():
                 nbytes = tensor.numel() * tensor.element_size()
                 if bucket and size + nbytes > bucket_bytes:
@@ -119,7 +131,8 @@ def iter_hf_buckets(models: list[torch.nn.Module], bucket_bytes: int) -> Iterato
 
 
 def save_hf(models: list[torch.nn.Module], out_dir: str | Path, *, bucket_bytes: int = 256 << 20) -> Path | None:
-    """Write an HF model directory (safetensors shards, index, config, tokenizer files) from global rank 0.
+    """Write an HF model directory (safetensors shards, index, config, tokenizer files) from global rank 0
+    (every tensor funnels to it: `iter_hf_buckets(per_stage=False)`).
 
     Call on every rank. Returns the directory on rank 0 and None elsewhere, after a barrier, so the
     directory is complete when any rank returns.

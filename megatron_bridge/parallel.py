@@ -3,7 +3,8 @@
 Layout: world = tp * pp * dp. Megatron's default rank order ("tp-cp-ep-dp-pp") puts the
 tensor-parallel ranks of one model replica next to each other, then data-parallel replicas, then
 pipeline stages. Global rank 0 is TP rank 0, DP rank 0 of the first pipeline stage; it is the
-publishing rank for exported weights.
+publishing rank for exported weights (each stage's TP rank 0, DP rank 0 publishes its own stage's in a
+per-stage export).
 
 Backend: gloo on CPU (with `megatron_bridge.device` installed first), nccl on GPU. Rendezvous is
 env:// as set by torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); under srun the
@@ -52,6 +53,12 @@ class ParallelLayout:
     def is_publisher(self) -> bool:
         """Global rank 0: receives gathered weights for export."""
         return self.rank == 0
+
+    @property
+    def is_stage_publisher(self) -> bool:
+        """TP rank 0 of data-parallel replica 0 in its pipeline stage: holds that stage's full HF tensors in a
+        per-stage export (megatron_bridge.export). Global rank 0 is the first stage's."""
+        return self.tp_rank == 0 and self.dp_rank == 0
 
 
 def _fill_env_from_slurm() -> None:

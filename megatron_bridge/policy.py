@@ -194,12 +194,15 @@ class MegatronPolicy:
 
     # ---- weights out
 
-    def iter_hf_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-        """HF-layout weight buckets on global rank 0 (nothing elsewhere); see megatron_bridge.export."""
-        return export.iter_hf_buckets(self.models, bucket_bytes)
+    def iter_hf_buckets(self, bucket_bytes: int, *, per_stage: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """HF-layout weight buckets: the whole model on global rank 0 (`per_stage=False`: the push path), or each
+        pipeline stage's own tensors on its publisher rank (`per_stage=True`: the pull path's per-stage publishing);
+        nothing elsewhere. See megatron_bridge.export."""
+        return export.iter_hf_buckets(self.models, bucket_bytes, per_stage=per_stage)
 
     def save_hf(self, out_dir: str | Path) -> Path | None:
-        """An HF model directory written by global rank 0; returns its path there, None elsewhere."""
+        """An HF model directory written by global rank 0 (every tensor funnels to it); returns its path there,
+        None elsewhere."""
         return export.save_hf(self.models, out_dir)
 
     # ---- checkpoints

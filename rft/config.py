@@ -217,7 +217,7 @@ class SyncConfig:
     bucket_mb: int = 64
     keep_versions: int = 2
     write_behind: bool = True  # pull: write and announce each version in the background while the next step trains
-    timeout_s: float = 120.0  # push: longest wait for the fleet to join, and for one version to be delivered
+    timeout_s: float = 120.0  # push: longest wait for the fleet to join, and for one version to be delivered; pull with pipeline stages: longest wait without progress for the other stages' shards
     push_host: str = ""  # push: the address explorers reach the trainer's publishing rank at (empty: this host's IP)
     push_port: int = 0  # push: the group's TCP port on that host (0: a free one, announced on the control topic)
 

@@ -45,8 +45,8 @@ from rft.trainer.checkpoint import CheckpointDir, TrainerState, capture_rng, res
 from rft.trainer.feed import EndOfReplay, ExperienceFeed, FeedState, ReplayWindow, open_feed, resolve_window
 from rft.trainer.replay_buffer import ExperienceReplay, open_replay
 from rft.transport import RecordSink, Transport, TransportError, connect, lag
-from rft.weights.publisher import WeightPublisher
-from rft.weights.store import WeightStore
+from rft.weights.publisher import StagePublisher, WeightPublisher
+from rft.weights.store import Staging, WeightStore, store_root
 
 
 WAIT_ANNOUNCE_S = 2.0
@@ -194,6 +194,7 @@ class Trainer:
             replay_state = state.replay_buffer
         self._last_checkpoint = self.step
         self._weights_s: float | None = None  # seconds the newest publish held up the trainer
+        self._stage_weights: StagePublisher | None = None  # a later pipeline stage's publishing rank (pull path)
         self.replay, self._replayed, self._reuse = None, [], []  # rank 0: the replay buffer, this step's replays
         self.io: TrainerIO | None = None
         if self.is_reader:
@@ -299,17 +300,44 @@ class Trainer:
         self._weights_s = time.time() - started
 
     def _flush_weights(self) -> None:
-        """Rank 0: wait until the newest version is stored and announced (see WeightPublisher write-behind)."""
+        """Rank 0: wait until the newest version is stored and announced (see WeightPublisher write-behind); a later
+        pipeline stage's publishing rank: until its share of it is written."""
         if self.is_reader and self.io.weights is not None:
             self.io.weights.flush()
+        if self._stage_weights is not None:
+            self._stage_weights.flush()
 
     def _deliver(self, version: int) -> bool:
-        buckets = self.policy.iter_hf_buckets(self.sync.bucket_mb << 20)
+        staging = self._staging(version)
+        buckets = self.policy.iter_hf_buckets(self.sync.bucket_mb << 20, per_stage=staging is not None)
         if not self.is_reader:
+            if staging is not None and self.policy.layout.is_stage_publisher:
+                self._stage_publisher().deliver(staging, buckets)
+                return True
             for _ in buckets:
                 pass
             return True
-        return self.io.weights.deliver(version, buckets, offsets=dict(self.feed.state.offsets))
+        return self.io.weights.deliver(version, buckets, offsets=dict(self.feed.state.offsets), staging=staging)
+
+    def _staging(self, version: int) -> Staging | None:
+        """Collective when pp > 1: rank 0 decides how `version` goes out. On the pull path each pipeline stage's
+        publishing rank writes its own shards into the staging directory rank 0 opens in the store (rft.weights);
+        None: every tensor funnels to rank 0 (the push path, a version stored already, or a single stage)."""
+        if self.policy.layout.pp == 1:
+            return None
+        plan = None
+        if self.is_reader:
+            weights = self.io.weights
+            staging = weights.store.stage(version, self.policy.layout.pp) if weights.method == "pull" else None
+            plan = [staging.to_json()] if staging is not None else []
+        plan = dist_io.broadcast_bytes(plan)
+        return Staging.from_json(store_root(self.sync, self.run_dir), plan[0]) if plan else None
+
+    def _stage_publisher(self) -> StagePublisher:
+        if self._stage_weights is None:
+            self._stage_weights = StagePublisher(self.sync, store=WeightStore.for_sync(self.sync, self.run_dir),
+                                                 stage=self.policy.layout.pp_rank)
+        return self._stage_weights
 
     def _export_final(self) -> None:
         """The final weights as a Hugging Face directory (`<run dir>/final`), for evaluation and serving. Rank 0
@@ -396,6 +424,8 @@ class Trainer:
             return None
 
     def close(self) -> None:
+        if self._stage_weights is not None:
+            self._stage_weights.close()
         if self.io is not None:
             self.io.close()
         self.policy.close()

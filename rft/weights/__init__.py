@@ -7,7 +7,14 @@ group, `load_newest_weights` reloads an engine). Announcements travel on the con
 
 The publisher lives in the trainer's publishing rank (global rank 0). After each optimizer step s the trainer
 streams version s in HF layout (megatron_bridge buckets) to it, and it delivers the version by the configured
-path (`sync.method`):
+path (`sync.method`). Per-stage publishing (pull path, pipeline parallelism): rank 0 opens the version's temporary
+directory in the store (`WeightStore.stage`) and broadcasts its name; each pipeline stage's publishing rank (TP rank
+0, DP rank 0) gets only its own stage's tensors (gathered over TP, no hop to rank 0) and writes them as its own
+shards plus a manifest (`StagePublisher` on later stages, write-behind too, no collectives in its thread); rank 0
+writes the first stage's and, before step 1 below, waits for every stage's manifest (a stage that failed, or made
+no progress within `sync.timeout_s`, is named in the error), then writes the index over all stages' shards. Every
+HF tensor comes from exactly one stage. The push path (its sender is rank 0) and the final HF export funnel every
+tensor to rank 0.
 
 Pull (elastic fleets, the default). Version s is written to the weight store, then announced on the control
 topic (`Weights`: version, path, and the trainer's consumed offsets). Ordering contract:

@@ -1,5 +1,6 @@
 """The trainer side of weight synchronisation: `WeightPublisher` delivers each version by the pull or the push
-path, in the order the package docstring (rft/weights/__init__.py) states."""
+path, in the order the package docstring (rft/weights/__init__.py) states; with pipeline parallelism, each later
+stage's publishing rank writes its own share of a pull-path version through a `StagePublisher`."""
 from __future__ import annotations
 
 import logging
@@ -14,7 +15,7 @@ from rft.weights.push import PushError, PushGroupSpec, PushSender
 
 if TYPE_CHECKING:
     from rft.config import SyncConfig
-    from rft.weights.store import WeightStore
+    from rft.weights.store import Staging, WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,13 @@ class WeightPublisher:
     error if the write or the announcement failed. Versions are still stored and announced in order, each one
     complete before its announcement (the package's ordering contract). The trainer calls `flush` before it commits
     a checkpoint, so a resumed trainer never waits for a version that a crash kept from being published. Host
-    memory: up to two versions (one being written, one being copied)."""
+    memory: up to two versions (one being written, one being copied).
+
+    Per-stage publishing (pull path, `staging` given to `deliver`): the buckets are the first pipeline stage's; the
+    other stages' publishing ranks write theirs into the same staging directory (`StagePublisher`), and the version
+    is completed, stored and announced once every stage's shards are in (WeightStore.publish; `sync.timeout_s`
+    bounds the wait without progress). The push path always gets every bucket here (the push group's sender is
+    this rank)."""
 
     ANNOUNCE_EVERY_S = 2.0
 
@@ -56,47 +63,35 @@ class WeightPublisher:
                                           world_size=1 + push_members, group_id=uuid.uuid4().hex[:12],
                                           timeout_s=sync.timeout_s)
         self._connected = False
-        self._writer: threading.Thread | None = None
-        self._write_error: BaseException | None = None
+        self._background = _WriteBehind("publishing weights")
+        self.stage_wait_s = sync.timeout_s
         self.last_write_s: float | None = None  # seconds the newest finished store write + announcement took
 
-    def deliver(self, version: int, buckets: Iterable[dict], offsets: dict[str, int]) -> bool:
+    def deliver(self, version: int, buckets: Iterable[dict], offsets: dict[str, int], *,
+                staging: "Staging | None" = None) -> bool:
         """Deliver `version`. Push: returns when every member acked; False when the push failed (the caller
         gathers the buckets again and calls again, which then takes the pull path). Pull: returns when the
         version is stored and announced, or, with write-behind, once its tensors are copied to host memory (the
-        write follows in the background, see the class docstring)."""
+        write follows in the background, see the class docstring). `staging`: pull only, per-stage publishing
+        (the class docstring)."""
         if self.method == "push":
             return self._push(version, buckets, offsets)
         if not self.write_behind:
-            self._store_and_announce(version, buckets, offsets)
+            self._store_and_announce(version, buckets, offsets, staging)
             return True
-        copies = [{name: _host_copy(t) for name, t in bucket.items()} for bucket in buckets]
-        self.flush()
-        self._writer = threading.Thread(target=self._write_in_background, args=(version, copies, offsets),
-                                        name=f"weights-v{version}", daemon=True)
-        self._writer.start()
+        self._background.submit(f"weights-v{version}", self._store_and_announce,
+                                version, _host_copies(buckets), offsets, staging)
         return True
 
     def flush(self) -> None:
         """Wait until the version being written in the background (if any) is stored and announced; raises
         RuntimeError if that failed."""
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
-        if self._write_error is not None:
-            error, self._write_error = self._write_error, None
-            raise RuntimeError(f"publishing weights in the background failed: {error}") from error
+        self._background.flush()
 
-    def _write_in_background(self, version: int, buckets: list[dict], offsets: dict[str, int]) -> None:
-        try:
-            self._store_and_announce(version, buckets, offsets)
-        except BaseException as e:  # handed to the trainer's thread by flush()
-            log.error("weights version %d: %s", version, e)
-            self._write_error = e
-
-    def _store_and_announce(self, version: int, buckets: Iterable[dict], offsets: dict[str, int]) -> None:
+    def _store_and_announce(self, version: int, buckets: Iterable[dict], offsets: dict[str, int],
+                            staging: "Staging | None" = None) -> None:
         started = time.monotonic()
-        path = self.store.publish(version, buckets, hf_dir=self.hf_dir)
+        path = self.store.publish(version, buckets, hf_dir=self.hf_dir, staging=staging, wait_s=self.stage_wait_s)
         self.announce(Weights(version=version, path=str(path), offsets=offsets))
         self.last_write_s = time.monotonic() - started
 
@@ -141,6 +136,72 @@ class WeightPublisher:
             log.error("%s", e)
         if self.sender is not None:
             self.sender.close()
+
+
+class StagePublisher:
+    """A later pipeline stage's publishing rank (TP rank 0, DP rank 0 of stage k > 0) in per-stage publishing on the
+    pull path: `deliver` writes this stage's buckets into the version's staging directory (WeightStore.write_stage);
+    the publishing rank (global rank 0, a `WeightPublisher`) completes, stores and announces the version. No
+    torch.distributed calls here. Write-behind as `WeightPublisher`'s (`sync.write_behind`: host copies, one
+    version in flight, its failure raised by the next `deliver` or `flush`; host memory: this stage's share of up
+    to two versions); the publishing rank also learns of a failure, from the `.stage-KK.failed` marker."""
+
+    def __init__(self, sync: "SyncConfig", *, store: "WeightStore", stage: int):
+        self.store, self.stage, self.write_behind = store, stage, sync.write_behind
+        self._background = _WriteBehind(f"writing pipeline stage {stage}'s weights")
+
+    def deliver(self, staging: "Staging", buckets: Iterable[dict]) -> None:
+        """Write (or, with write-behind, copy and start writing) this stage's share of `staging.version`."""
+        if not self.write_behind:
+            self.store.write_stage(staging, self.stage, buckets)
+            return
+        self._background.submit(f"weights-v{staging.version}-stage{self.stage}", self.store.write_stage,
+                                staging, self.stage, _host_copies(buckets))
+
+    def flush(self) -> None:
+        """Wait for the background write (if any); RuntimeError if it failed."""
+        self._background.flush()
+
+    def close(self) -> None:
+        """Finish the background write (its failure is logged, not raised: close runs on error paths too)."""
+        try:
+            self.flush()
+        except RuntimeError as e:
+            log.error("%s", e)
+
+
+class _WriteBehind:
+    """At most one write in flight on a background thread. `submit` waits for the previous one first and raises
+    its error; `flush` waits and raises (each failure once), as RuntimeError("<what> in the background failed")."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, name: str, write: Callable, *args) -> None:
+        self.flush()
+        self._thread = threading.Thread(target=self._run, args=(write, args), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, write: Callable, args: tuple) -> None:
+        try:
+            write(*args)
+        except BaseException as e:  # handed to the trainer's thread by flush()
+            log.error("%s (%s): %s", self.what, threading.current_thread().name, e)
+            self._error = e
+
+    def flush(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"{self.what} in the background failed: {error}") from error
+
+
+def _host_copies(buckets: Iterable[dict]) -> list[dict]:
+    return [{name: _host_copy(t) for name, t in bucket.items()} for bucket in buckets]
 
 
 def _host_copy(tensor):

@@ -17,7 +17,16 @@ Invariants (readers on other hosts rely on them):
   A reader that loses the race gets FileNotFoundError and should read `latest()` again.
 - Publishing a version that exists already is a no-op returning its path (a trainer resuming from a
   checkpoint re-publishes the same weights under the same number).
-Single writer per root (the trainer's publishing rank); any number of readers.
+- Per-stage publishing (a pipeline-parallel trainer): the publishing rank opens a version with `stage()`,
+  which creates its temporary directory; each pipeline stage's publishing rank writes its own shards there
+  (`write_stage`: `model-stageKK-NNNNN.safetensors`, then a manifest `.stage-KK.json` naming its tensors, written
+  last and atomically; a failure leaves `.stage-KK.failed` with the reason); `publish(..., staging=)` writes the
+  first stage's shards, waits for every other stage's manifest (raising an error that names the missing stage
+  when none of them makes progress for `wait_s`), then writes the index over every stage's shards, the config
+  and tokenizer files, drops the manifests and renames the directory into place. Every trainer rank that
+  publishes a stage must see `root` at the same path (a shared filesystem, as the explorers' readers do).
+One writer per root (the trainer's publishing rank, with its pipeline stages' publishing ranks writing into the
+temporary directories it opens); any number of readers.
 """
 from __future__ import annotations
 
@@ -26,7 +35,9 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
@@ -46,6 +57,24 @@ _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json
 
 class WeightStoreError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class Staging:
+    """A version that `stages` pipeline stages write into `dir`, a temporary directory in the store's root that
+    the publishing rank created (`WeightStore.stage`). Travels to the other ranks as UTF-8 JSON (`to_json`)."""
+    version: int
+    dir: Path
+    stages: int
+
+    def to_json(self) -> bytes:
+        return json.dumps({"version": self.version, "dir": self.dir.name, "stages": self.stages}).encode()
+
+    @classmethod
+    def from_json(cls, root: str | os.PathLike, data: bytes) -> "Staging":
+        """The staging `to_json` describes, in the store at `root` (as this host sees it)."""
+        body = json.loads(data.decode())
+        return cls(version=int(body["version"]), dir=Path(root) / body["dir"], stages=int(body["stages"]))
 
 
 def version_dirname(version: int) -> str:
@@ -111,22 +140,68 @@ class WeightStore:
         version = int(text)
         return version, self.path(version)
 
+    def stage(self, version: int, stages: int) -> Staging | None:
+        """Open `version` for per-stage publishing by `stages` pipeline stages: creates its temporary directory.
+        None when the version is published already (then `publish` without staging is a no-op)."""
+        if version < 0 or stages < 1:
+            raise WeightStoreError(f"need version >= 0 and stages >= 1, got version {version}, stages {stages}")
+        if self.path(version).exists():
+            return None
+        staging = Staging(version=version, dir=self._temporary(version), stages=stages)
+        staging.dir.mkdir()
+        return staging
+
+    def write_stage(self, staging: Staging, stage: int, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
+        """Write pipeline stage `stage`'s buckets (one safetensors shard each) into `staging.dir`, then its
+        manifest. On failure, leaves `.stage-KK.failed` with the reason for the publishing rank, and raises."""
+        if not 0 <= stage < staging.stages:
+            raise WeightStoreError(f"stage {stage} is not one of the {staging.stages} stages of version "
+                                   f"{staging.version}")
+        if not staging.dir.is_dir():
+            raise WeightStoreError(f"version {staging.version}: the staging directory {staging.dir} is not there: "
+                                   f"every pipeline stage's publishing rank must see the weight store at the same "
+                                   f"path (sync.weight_store on a shared filesystem)")
+        try:
+            weight_map, total = self._write_shards(staging.dir, buckets, prefix=f"model-stage{stage:02d}")
+            _write_atomically(staging.dir / _manifest(stage), json.dumps(
+                {"version": staging.version, "stage": stage, "total_size": total, "weight_map": weight_map}))
+        except BaseException as e:
+            try:
+                _write_atomically(staging.dir / _failed(stage), f"{type(e).__name__}: {e}"[:2000])
+            except OSError:
+                pass  # the directory is gone: the publishing rank gave up on this version already
+            raise
+
     def publish(self, version: int, buckets: Iterable[dict[str, torch.Tensor]],
-                hf_dir: str | os.PathLike | None) -> Path:
+                hf_dir: str | os.PathLike | None, *, staging: Staging | None = None,
+                wait_s: float = 120.0) -> Path:
         """Write one version: each bucket (name -> tensor, HF names) becomes one safetensors shard; the
         non-weight files of `hf_dir` (config, tokenizer, generation config) are copied beside them.
-        Returns the version's directory. A tensor name in two buckets is an error."""
+        Returns the version's directory. A tensor name in two buckets (or two stages) is an error.
+
+        With `staging` (from `stage`), `buckets` are the first pipeline stage's; the version is complete once
+        every other stage's manifest is in (see the module docstring; `wait_s`: seconds without progress)."""
         if version < 0:
             raise WeightStoreError(f"version must be >= 0, got {version}")
+        if staging is not None and staging.version != version:
+            raise WeightStoreError(f"publish of version {version} got the staging of version {staging.version}")
         final = self.path(version)
-        if final.exists():
+        if staging is None and final.exists():
             log.info("weight store: version %d already published at %s", version, final)
             self._advance_latest(version)
             return final
-        tmp = self.root / f".tmp-{version_dirname(version)}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
+        tmp = staging.dir if staging is not None else self._temporary(version)
         try:
-            self._write_shards(tmp, buckets)
+            if staging is None:
+                tmp.mkdir()
+                weight_map, total_bytes = self._write_shards(tmp, buckets, prefix="model")
+            else:
+                self.write_stage(staging, 0, buckets)
+                weight_map, total_bytes = self._gather_stages(staging, wait_s)
+            if not weight_map:
+                raise WeightStoreError("publish got no tensors")
+            index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX).write_text(json.dumps(index, indent=1) + "\n")
             if hf_dir is not None:
                 self._copy_model_files(Path(hf_dir), tmp)
             os.rename(tmp, final)
@@ -137,13 +212,19 @@ class WeightStore:
         self._collect_garbage()
         return final
 
-    def _write_shards(self, out: Path, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
+    def _temporary(self, version: int) -> Path:
+        return self.root / f".tmp-{version_dirname(version)}-{uuid.uuid4().hex[:8]}"
+
+    @staticmethod
+    def _write_shards(out: Path, buckets: Iterable[dict[str, torch.Tensor]],
+                      prefix: str) -> tuple[dict[str, str], int]:
+        """One `<prefix>-NNNNN.safetensors` per non-empty bucket; returns (tensor name -> file, total bytes)."""
         from safetensors.torch import save_file
 
         weight_map: dict[str, str] = {}
         total_bytes = 0
         for i, bucket in enumerate(buckets):
-            shard = f"model-{i:05d}.safetensors"
+            shard = f"{prefix}-{i:05d}.safetensors"
             tensors = {}
             for name, tensor in bucket.items():
                 if name in weight_map or name in tensors:
@@ -153,10 +234,53 @@ class WeightStore:
             if tensors:
                 save_file(tensors, str(out / shard), metadata={"format": "pt"})
                 weight_map.update(dict.fromkeys(tensors, shard))
-        if not weight_map:
-            raise WeightStoreError("publish got no tensors")
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+        return weight_map, total_bytes
+
+    @staticmethod
+    def _gather_stages(staging: Staging, wait_s: float) -> tuple[dict[str, str], int]:
+        """Every stage's manifest merged (the first stage's is there already); waits for the others while any
+        of them makes progress (a new file in the directory) at least every `wait_s` seconds."""
+        weight_map: dict[str, str] = {}
+        owner: dict[str, int] = {}
+        total_bytes = 0
+        pending = set(range(staging.stages))
+        progress, deadline, pause = -1, 0.0, 0.01
+        while pending:
+            for stage in sorted(pending):
+                failed = staging.dir / _failed(stage)
+                if failed.is_file():
+                    raise WeightStoreError(f"version {staging.version}: pipeline stage {stage} failed to write its "
+                                           f"shards: {failed.read_text()}")
+                try:
+                    manifest = json.loads((staging.dir / _manifest(stage)).read_text())
+                except FileNotFoundError:
+                    continue
+                if (manifest["version"], manifest["stage"]) != (staging.version, stage):
+                    raise WeightStoreError(f"{staging.dir / _manifest(stage)} is for version {manifest['version']} "
+                                           f"stage {manifest['stage']}, expected version {staging.version} stage {stage}")
+                for name, shard in manifest["weight_map"].items():
+                    if name in owner:
+                        raise WeightStoreError(f"version {staging.version}: tensor {name!r} comes from pipeline "
+                                               f"stages {owner[name]} and {stage}")
+                    owner[name], weight_map[name] = stage, shard
+                total_bytes += int(manifest["total_size"])
+                pending.discard(stage)
+            if not pending:
+                break
+            entries = len(os.listdir(staging.dir))
+            now = time.monotonic()
+            if entries != progress:
+                progress, deadline = entries, now + wait_s
+            elif now > deadline:
+                raise WeightStoreError(
+                    f"version {staging.version}: pipeline stage(s) {', '.join(map(str, sorted(pending)))} wrote "
+                    f"nothing to {staging.dir} for {wait_s:g} s (sync.timeout_s): is the stage's publishing rank "
+                    f"alive, and does it see the weight store at the same path (a shared filesystem)?")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.25)
+        for stage in range(staging.stages):
+            (staging.dir / _manifest(stage)).unlink()
+        return weight_map, total_bytes
 
     @staticmethod
     def _copy_model_files(hf_dir: Path, out: Path) -> None:
@@ -193,3 +317,18 @@ class WeightStore:
             raise FileNotFoundError(f"weight store {self.root}: version {version} is not there "
                                     f"(present: {self.versions()})")
         return iter_safetensors(path)
+
+
+def _manifest(stage: int) -> str:
+    return f".stage-{stage:02d}.json"
+
+
+def _failed(stage: int) -> str:
+    return f".stage-{stage:02d}.failed"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """`text` at `path`, visible whole or not at all (written aside, then renamed)."""
+    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -33,7 +33,7 @@ from tests.records import make_group, read_topic, send_groups
 
 
 class Layout:
-    dp_rank, dp = 0, 1
+    dp_rank, dp, pp_rank, pp = 0, 1, 0, 1
 
 
 class StandInPolicy:
@@ -59,7 +59,7 @@ class StandInPolicy:
     def reference_logprobs(self, micro_batches):
         return [mb["old_logprobs"].clone() for mb in micro_batches]
 
-    def iter_hf_buckets(self, bucket_bytes: int):
+    def iter_hf_buckets(self, bucket_bytes: int, *, per_stage: bool = False):
         yield {"model.steps": torch.tensor([float(self.steps)])}
 
     def save_checkpoint(self, path: Path) -> Path:

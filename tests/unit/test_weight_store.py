@@ -82,3 +82,53 @@ def test_corrupt_latest_is_a_clear_error(tmp_path):
     (tmp_path / "LATEST").write_text("garbage")
     with pytest.raises(WeightStoreError, match="LATEST is corrupt"):
         WeightStore(tmp_path).latest()
+
+
+# ------------------------------------------------------------------ per-stage publishing (pipeline stages)
+
+def test_stages_write_their_own_shards_and_the_publisher_completes_the_version(tmp_path, hf_dir):
+    """Stage 1 writes from another thread (on a trainer: another rank) after the publisher started waiting."""
+    import threading
+
+    store = WeightStore(tmp_path / "store")
+    staging = store.stage(4, stages=2)
+    assert staging.dir.is_dir() and not store.versions()
+    received = staging.from_json(store.root, staging.to_json())  # as a later stage's rank gets it
+    assert received == staging
+    later = threading.Timer(0.2, store.write_stage, args=(received, 1, [{"d.weight": torch.ones(2)}]))
+    later.start()
+    path = store.publish(4, buckets(1), hf_dir, staging=staging, wait_s=5)
+    later.join()
+    assert store.latest() == (4, path)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {"a.weight": "model-stage00-00000.safetensors",
+                                   "b.bias": "model-stage00-00000.safetensors",
+                                   "c.weight": "model-stage00-00001.safetensors",
+                                   "d.weight": "model-stage01-00000.safetensors"}
+    assert index["metadata"]["total_size"] == (12 + 4 + 4 + 2) * 4
+    assert torch.equal(dict(store.iter_tensors(4))["d.weight"], torch.ones(2))
+    assert not [p for p in path.iterdir() if p.name.startswith(".")]
+    assert store.stage(4, stages=2) is None  # published already
+
+
+def test_a_stage_that_fails_or_never_writes_is_named_and_nothing_is_published(tmp_path, hf_dir):
+    store = WeightStore(tmp_path / "store")
+    staging = store.stage(1, stages=3)
+    store.write_stage(staging, 2, [{"z": torch.zeros(1)}])
+    with pytest.raises(WeightStoreError, match=r"version 1: pipeline stage\(s\) 1 wrote nothing to .* for 0.3 s"):
+        store.publish(1, buckets(1), hf_dir, staging=staging, wait_s=0.3)
+    assert not staging.dir.exists() and store.latest() is None
+
+    staging = store.stage(1, stages=2)
+    with pytest.raises(WeightStoreError, match="appears in more than one bucket"):
+        store.write_stage(staging, 1, [{"a": torch.zeros(1)}, {"a": torch.zeros(1)}])
+    with pytest.raises(WeightStoreError, match="pipeline stage 1 failed to write its shards: .*more than one bucket"):
+        store.publish(1, buckets(1), hf_dir, staging=staging, wait_s=5)
+
+    staging = store.stage(1, stages=2)
+    store.write_stage(staging, 1, [{"a.weight": torch.zeros(1)}])
+    with pytest.raises(WeightStoreError, match="'a.weight' comes from pipeline stages 0 and 1"):
+        store.publish(1, buckets(1), hf_dir, staging=staging, wait_s=5)
+    assert store.versions() == [] and list(store.root.iterdir()) == []
+    with pytest.raises(WeightStoreError, match="staging directory .* is not there"):
+        store.write_stage(staging, 1, [{"a.weight": torch.zeros(1)}])
