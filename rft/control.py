@@ -151,7 +151,7 @@ class PushGroup(Kind):
     host: str
     port: int
     world_size: int
-    backend: str  # gloo | nccl
+    backend: str  # gloo | nccl (rft.weights.push) | vllm-nccl (rft.weights.vllm_transfer)
     timeout_s: float
 
 

@@ -133,14 +133,28 @@ class _TokenizerMixin:
 
 
 def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: int, max_model_len: int | None,
-                  gpu_memory_utilization: float, cpu_kvcache_gb: float, in_process: bool | None) -> tuple[dict, bool]:
-    """Arguments of vLLM's `LLM` for an explorer engine, and whether it runs in this process."""
+                  gpu_memory_utilization: float, cpu_kvcache_gb: float, in_process: bool | None,
+                  weight_transfer: bool = False) -> tuple[dict, bool]:
+    """Arguments of vLLM's `LLM` for an explorer engine, and whether it runs in this process. `weight_transfer`:
+    enable vLLM's NCCL weight transfer (pushed weights, rft.weights.vllm_transfer; CUDA only)."""
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
+    if weight_transfer:
+        if on_cpu:
+            raise EngineError("vLLM's NCCL weight transfer (sync.push_transport: vllm) needs a CUDA vLLM; this one "
+                              "runs on CPU")
+        from vllm.config import WeightTransferConfig
+
+        from rft.weights.vllm_transfer import VLLM_BACKEND  # heavy: torch
+
+        extra = {"weight_transfer_config": WeightTransferConfig(backend=VLLM_BACKEND)}
+    else:
+        extra = {}
     settings = dict(model=str(model_path), tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
                     max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                    logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, enforce_eager=on_cpu)
+                    logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, enforce_eager=on_cpu,
+                    **extra)
     if on_cpu:
         settings["kv_cache_memory_bytes"] = int(cpu_kvcache_gb * (1 << 30))
     if in_process is None:
@@ -166,13 +180,14 @@ class VLLMEngine(_TokenizerMixin):
     def __init__(self, model_path: str | os.PathLike, *, tensor_parallel_size: int = 1, dtype: str = "float32",
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
                  cpu_kvcache_gb: float = 1.0, seed: int = 0, weights_version: int = 0,
-                 in_process: bool | None = None, chat_template: bool = False):
+                 in_process: bool | None = None, chat_template: bool = False, weight_transfer: bool = False):
         from vllm import LLM
 
         settings, self.in_process = _llm_settings(
             model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-            cpu_kvcache_gb=cpu_kvcache_gb, in_process=in_process)
+            cpu_kvcache_gb=cpu_kvcache_gb, in_process=in_process, weight_transfer=weight_transfer)
+        self._vllm_push = None  # rft.weights.vllm_transfer.VLLMReceiver while in a vLLM weight-transfer push group
         if self.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         started = time.monotonic()
@@ -186,13 +201,13 @@ class VLLMEngine(_TokenizerMixin):
 
     @classmethod
     def from_config(cls, explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
-                    model_path: str | None = None) -> "VLLMEngine":
+                    model_path: str | None = None, weight_transfer: bool = False) -> "VLLMEngine":
         """The engine the explorer and model sections describe, on `model_path` (default `model.path`)."""
         return cls(model_path or model.path, tensor_parallel_size=explorer.tensor_parallel_size,
                    dtype=model.dtype, max_model_len=model.max_prompt_len + model.max_response_len,
                    gpu_memory_utilization=explorer.gpu_memory_utilization,
                    cpu_kvcache_gb=explorer.cpu_kvcache_gb, seed=seed, in_process=explorer.vllm_in_process,
-                   chat_template=model.chat_template)
+                   chat_template=model.chat_template, weight_transfer=weight_transfer)
 
     def _set_version(self, version: int) -> None:
         self.weights_version = version
@@ -240,17 +255,31 @@ class VLLMEngine(_TokenizerMixin):
                  time.monotonic() - started)
 
     def join_push_group(self, spec: dict) -> None:
+        """rft's broadcast: each worker joins (worker extension); vLLM's weight transfer (the group's backend says
+        which): this process drives the LLM's weight-transfer entry points (rft.weights.vllm_transfer)."""
+        from rft.weights.vllm_transfer import BACKEND, VLLMReceiver  # heavy: torch
+
+        if spec.get("backend") == BACKEND:
+            self._vllm_push = VLLMReceiver.join(self.llm, spec)
+            return
         self.llm.collective_rpc("rft_join_push_group", args=(spec,))
 
     def receive_pushed_weights(self) -> int:
         started = time.monotonic()
-        versions = self.llm.collective_rpc("rft_receive_pushed_weights")
+        if self._vllm_push is not None:
+            versions = [self._vllm_push.receive()]
+        else:
+            versions = self.llm.collective_rpc("rft_receive_pushed_weights")
         self.llm.reset_prefix_cache()
         self._set_version(versions[0])
         log.info("received pushed weights version %d in %.2f s", versions[0], time.monotonic() - started)
         return versions[0]
 
     def leave_push_group(self) -> None:
+        push, self._vllm_push = self._vllm_push, None
+        if push is not None:
+            push.close()
+            return
         self.llm.collective_rpc("rft_leave_push_group")
 
     def close(self) -> None:
@@ -344,7 +373,11 @@ class TransformersEngine(_TokenizerMixin):
 
     def join_push_group(self, spec: dict) -> None:
         from rft.weights.push import PushGroupSpec, PushReceiver  # heavy: torch
+        from rft.weights.vllm_transfer import BACKEND  # heavy: torch
 
+        if spec.get("backend") == BACKEND:
+            raise EngineError("the push group uses vLLM's weight transfer (sync.push_transport); the transformers "
+                              "engine cannot take part: set sync.push_transport: rft")
         self._push = PushReceiver.join(PushGroupSpec.from_json(spec))
 
     def receive_pushed_weights(self) -> int:
@@ -375,6 +408,12 @@ ENGINES = {"vllm": VLLMEngine, "transformers": TransformersEngine}
 
 
 def build_engine(explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
-                 model_path: str | None = None) -> Engine:
-    """The engine `explorer.engine` names, on `model_path` (default `model.path`); `seed` is `run.seed`."""
-    return ENGINES[explorer.engine].from_config(explorer, model, seed=seed, model_path=model_path)
+                 model_path: str | None = None, weight_transfer: bool = False) -> Engine:
+    """The engine `explorer.engine` names, on `model_path` (default `model.path`); `seed` is `run.seed`.
+    `weight_transfer`: it receives pushed weights by vLLM's weight transfer (rft.weights.vllm_transfer.push_transport
+    chose "vllm"); only a vllm engine can."""
+    if not weight_transfer:
+        return ENGINES[explorer.engine].from_config(explorer, model, seed=seed, model_path=model_path)
+    if explorer.engine != "vllm":
+        raise EngineError(f"vLLM's weight transfer needs explorer.engine vllm, not {explorer.engine}")
+    return VLLMEngine.from_config(explorer, model, seed=seed, model_path=model_path, weight_transfer=True)

@@ -362,7 +362,10 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
     logging.getLogger("kafka").setLevel(logging.WARNING)
     stop = threading.Event()
     install_stop_signals(stop)
-    engine = build_engine(cfg.explorer, cfg.model, seed=cfg.run.seed)
+    from rft.weights.vllm_transfer import push_transport  # heavy: torch
+
+    engine = build_engine(cfg.explorer, cfg.model, seed=cfg.run.seed,
+                          weight_transfer=push_transport(cfg.sync, cfg.explorer) == "vllm")
     explorer = None
     reason = "error"
     try:

@@ -47,6 +47,7 @@ from rft.trainer.replay_buffer import ExperienceReplay, open_replay
 from rft.transport import RecordSink, Transport, TransportError, connect, lag
 from rft.weights.publisher import StagePublisher, WeightPublisher
 from rft.weights.store import Staging, WeightStore, store_root
+from rft.weights.vllm_transfer import push_transport
 
 
 WAIT_ANNOUNCE_S = 2.0
@@ -140,7 +141,8 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict,
                    prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="trainer", instance="0"))
     io.weights = WeightPublisher(cfg.sync, store=WeightStore.for_sync(cfg.sync, cfg.run_dir), announce=io.announce,
                                  hf_dir=cfg.model.path,
-                                 push_members=cfg.explorer.replicas * cfg.explorer.tensor_parallel_size)
+                                 push_members=cfg.explorer.replicas * cfg.explorer.tensor_parallel_size,
+                                 transport=push_transport(cfg.sync, cfg.explorer))
     return io
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 from rft.control import Kind, PushAbandoned, Weights, WeightsPush
 from rft.weights.push import PushError, PushGroupSpec, PushSender
+from rft.weights.vllm_transfer import VLLMSender
 
 if TYPE_CHECKING:
     from rft.config import SyncConfig
@@ -34,7 +35,8 @@ class WeightPublisher:
     """Delivers each version the trainer produces (rft.weights: pull and push contracts). `announce(kind)` sends
     one control message and returns once the broker has it; `store` is the run's weight store; `hf_dir` the HF
     model directory whose config and tokenizer files go beside each version. With `sync.method: push`, `sender`
-    is the push group's rank 0 (default: one hosted here for `push_members` explorer engine workers).
+    is the push group's rank 0 (default: one hosted here for `push_members` explorer engine workers, over
+    `transport`: "rft" (rft.weights.push) or "vllm" (rft.weights.vllm_transfer)).
 
     Write-behind (pull path, `sync.write_behind`): `deliver` copies the buckets to host memory and returns; one
     background thread writes that version to the store and announces it while the trainer goes on with its next
@@ -53,13 +55,14 @@ class WeightPublisher:
     ANNOUNCE_EVERY_S = 2.0
 
     def __init__(self, sync: "SyncConfig", *, store: "WeightStore", announce: Callable[[Kind], None],
-                 hf_dir: str | None, push_members: int = 0, sender: Sender | None = None):
+                 hf_dir: str | None, push_members: int = 0, sender: Sender | None = None, transport: str = "rft"):
         self.store, self.announce, self.hf_dir = store, announce, hf_dir
         self.method = sync.method
         self.write_behind = sync.write_behind
         self.sender = sender
         if self.method == "push" and sender is None:
-            self.sender = PushSender.host(host=sync.push_host or _this_host(), port=sync.push_port,
+            host_group = VLLMSender.host if transport == "vllm" else PushSender.host  # vllm: vLLM's NCCL transfer
+            self.sender = host_group(host=sync.push_host or _this_host(), port=sync.push_port,
                                           world_size=1 + push_members, group_id=uuid.uuid4().hex[:12],
                                           timeout_s=sync.timeout_s)
         self._connected = False

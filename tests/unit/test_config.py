@@ -74,6 +74,9 @@ def test_saved_resolved_config_round_trips(tmp_path, model_dir):
     ({}, ["trainer.micro_batch_size=0"], r"trainer.micro_batch_size: must be >= 1, got 0"),
     ({}, ["trainer.checkpoint_every=0"], r"trainer.checkpoint_every: must be >= 1, got 0"),
     ({"kafka": {"bootstrap_servers": "${RFT_SURELY_UNSET_VAR}"}}, [], r"kafka.bootstrap_servers: environment variable"),
+    ({"sync": {"method": "push", "push_transport": "vllm"}, "explorer": {"engine": "transformers"}}, [],
+     r"sync.push_transport: vllm \(vLLM's own weight transfer\) needs explorer.engine vllm, not transformers"),
+    ({"sync": {"push_transport": "nccl"}}, [], r"sync.push_transport: must be one of"),
 ])
 def test_invalid_configs_name_file_and_key(tmp_path, model_dir, body_patch, override, expected):
     body = minimal(model_dir)
