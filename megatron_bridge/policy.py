@@ -114,6 +114,13 @@ class MegatronPolicy:
         self.reference_models = _frozen(build_model(hf_dir, dtype=dtype)) if reference else None
         self.steps = 0
 
+    def describe(self) -> str:
+        """One line for logs: ranks and layout, the device and backend, dtype, optimizer state sharding."""
+        layout, where = self.layout, next(self.models[0].parameters()).device
+        return (f"{layout.world_size} ranks (tp {layout.tp} x pp {layout.pp} x dp {layout.dp}) on {where.type} "
+                f"({layout.backend}), {self.config.params_dtype}, "
+                f"{'distributed' if self.distributed_optimizer else 'replicated'} optimizer state")
+
     @property
     def vocab_size(self) -> int:
         return self.info.dims.vocab_size

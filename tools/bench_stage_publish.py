@@ -19,7 +19,6 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 from megatron_bridge.policy import MegatronPolicy
 from rft.config import config_from_dict

@@ -231,13 +231,16 @@ def check_rft_run(ctx: Context) -> tuple[str, str]:
     steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     trainer_log = (run_dir / "logs" / "trainer.log").read_text(errors="replace") \
         if (run_dir / "logs" / "trainer.log").exists() else ""
-    backend = "nccl" if "nccl" in trainer_log else "gloo" if ctx.cpu else "?"
+    placed = re.search(r"\[trainer\] .* on (\w+) \((\w+)\)", trainer_log)
     detail = (f"{len(steps)}/{ctx.args.steps} steps in {seconds:.0f} s, explorer engine {engine}, "
               f"reward {steps[0]['reward_mean']:.2f} -> {steps[-1]['reward_mean']:.2f}" if steps
               else f"no step finished in {seconds:.0f} s")
     if result.returncode != 0 or len(steps) < ctx.args.steps:
         return "FAIL", detail + "; " + _failure(result)
-    return "pass", detail + ("" if backend == "?" else f", trainer backend {backend}")
+    where = f"trainer on {placed[1]} ({placed[2]})" if placed else "the trainer did not say where it ran"
+    if placed is None or placed[1] != ctx.device.split(":")[0]:
+        return "FAIL", f"{detail}; {where}, expected {ctx.device}"
+    return "pass", f"{detail}, {where}"
 
 
 def check_weight_sync(ctx: Context) -> tuple[str, str]:

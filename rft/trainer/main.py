@@ -185,6 +185,8 @@ class Trainer:
             reference=self.algorithm.needs_reference, temperature=temperature)
         self.staleness = StalenessTracker(mode=run.mode, max_staleness=run.max_staleness)
         self.is_reader = dist_io.rank() == 0
+        if self.is_reader:
+            print(f"[trainer] {self.policy.describe()}", flush=True)
         self.checkpoints = CheckpointDir(self.run_dir)
         self.step, feed_state, self.counters, replay_state = 0, FeedState(), {"samples": 0.0}, {}
         latest = self.checkpoints.latest() if resume else None

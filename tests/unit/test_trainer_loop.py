@@ -59,6 +59,9 @@ class StandInPolicy:
     def reference_logprobs(self, micro_batches):
         return [mb["old_logprobs"].clone() for mb in micro_batches]
 
+    def describe(self) -> str:
+        return "stand-in policy (tests/unit/test_trainer_loop.py)"
+
     def iter_hf_buckets(self, bucket_bytes: int, *, per_stage: bool = False):
         yield {"model.steps": torch.tensor([float(self.steps)])}
 
