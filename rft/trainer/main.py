@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -83,6 +83,28 @@ def build_trainer(cfg: Config, *, resume: bool = True) -> "Trainer":
                    progress=cfg.monitor.progress, resume=resume,
                    open_io=lambda feed_state, replay_state: open_trainer_io(cfg, feed_state=feed_state,
                                                                            replay_state=replay_state))
+
+
+def deliver_version(version: int, gather: Callable[[], Iterable[dict]],
+                    deliver: Callable[[int, Iterator[dict]], bool] | None) -> None:
+    """Collective, on every trainer rank: gather weights `version` in HF buckets and deliver it (rft.weights).
+    `gather()` starts the bucket export (megatron_bridge.export.iter_hf_buckets: every rank takes part in its
+    gathers and sends); `deliver(version, buckets)` is rank 0's (WeightPublisher.deliver), None on the other ranks.
+    A failed push (`deliver` returns False) is redone once by the pull path, which needs the buckets gathered
+    again; rank 0 tells every rank so (dist_io.broadcast_flag). RuntimeError when the redo fails too."""
+    delivered = _deliver_once(version, gather, deliver)
+    if dist_io.broadcast_flag(not delivered) and not _deliver_once(version, gather, deliver):
+        raise RuntimeError(f"weights version {version} could not be delivered")
+
+
+def _deliver_once(version: int, gather: Callable[[], Iterable[dict]],
+                  deliver: Callable[[int, Iterator[dict]], bool] | None) -> bool:
+    buckets = iter(gather())
+    if deliver is None:
+        for _ in buckets:
+            pass
+        return True
+    return deliver(version, buckets)
 
 
 @dataclass
@@ -288,28 +310,21 @@ class Trainer:
         return self.policy.train_step(micro_batches, self.loss_fn)
 
     def _publish_weights(self, version: int) -> None:
-        """Collective: every rank takes part in gathering the buckets; rank 0 delivers them (rft.weights).
-        A failed push is redone once by the pull path, which needs the buckets gathered again. The seconds this
-        takes on the trainer's critical path are logged as `weights_s` (with write-behind, the store write is not
-        among them: `weights_write_s`)."""
+        """Collective: every rank takes part in gathering the buckets; rank 0 delivers them (`deliver_version`).
+        The seconds this takes on the trainer's critical path are logged as `weights_s` (with write-behind, the
+        store write is not among them: `weights_write_s`)."""
         started = time.time()
-        delivered = self._deliver(version)
-        if dist_io.broadcast_flag(not delivered) and not self._deliver(version):
-            raise RuntimeError(f"weights version {version} could not be delivered")
+        deliver = None
+        if self.is_reader:
+            def deliver(v: int, buckets: Iterator[dict]) -> bool:
+                return self.io.weights.deliver(v, buckets, offsets=dict(self.feed.state.offsets))
+        deliver_version(version, lambda: self.policy.iter_hf_buckets(self.sync.bucket_mb << 20), deliver)
         self._weights_s = time.time() - started
 
     def _flush_weights(self) -> None:
         """Rank 0: wait until the newest version is stored and announced (see WeightPublisher write-behind)."""
         if self.is_reader and self.io.weights is not None:
             self.io.weights.flush()
-
-    def _deliver(self, version: int) -> bool:
-        buckets = self.policy.iter_hf_buckets(self.sync.bucket_mb << 20)
-        if not self.is_reader:
-            for _ in buckets:
-                pass
-            return True
-        return self.io.weights.deliver(version, buckets, offsets=dict(self.feed.state.offsets))
 
     def _export_final(self) -> None:
         """The final weights as a Hugging Face directory (`<run dir>/final`), for evaluation and serving. Rank 0
