@@ -91,7 +91,10 @@ def deliver_version(version: int, gather: Callable[[], Iterable[dict]],
     `gather()` starts the bucket export (megatron_bridge.export.iter_hf_buckets: every rank takes part in its
     gathers and sends); `deliver(version, buckets)` is rank 0's (WeightPublisher.deliver), None on the other ranks.
     A failed push (`deliver` returns False) is redone once by the pull path, which needs the buckets gathered
-    again; rank 0 tells every rank so (dist_io.broadcast_flag). RuntimeError when the redo fails too."""
+    again; rank 0 tells every rank so (dist_io.broadcast_flag). The abort is collective: a push may fail in the
+    middle of the export, and rank 0 then reads the export to its end without sending it (the other ranks are in
+    that parameter's gathers and sends), so every rank reaches the flag at the same point, after the same
+    parameters. RuntimeError when the redo fails too."""
     delivered = _deliver_once(version, gather, deliver)
     if dist_io.broadcast_flag(not delivered) and not _deliver_once(version, gather, deliver):
         raise RuntimeError(f"weights version {version} could not be delivered")
@@ -100,11 +103,10 @@ def deliver_version(version: int, gather: Callable[[], Iterable[dict]],
 def _deliver_once(version: int, gather: Callable[[], Iterable[dict]],
                   deliver: Callable[[int, Iterator[dict]], bool] | None) -> bool:
     buckets = iter(gather())
-    if deliver is None:
-        for _ in buckets:
-            pass
-        return True
-    return deliver(version, buckets)
+    delivered = True if deliver is None else deliver(version, buckets)
+    for _ in buckets:  # the export's rest: all of it on ranks > 0, what a failed push left unread on rank 0
+        pass
+    return delivered
 
 
 @dataclass
