@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -84,6 +84,29 @@ def build_trainer(cfg: Config, *, resume: bool = True) -> "Trainer":
                    progress=cfg.monitor.progress, resume=resume,
                    open_io=lambda feed_state, replay_state: open_trainer_io(cfg, feed_state=feed_state,
                                                                            replay_state=replay_state))
+
+
+def deliver_version(version: int, attempt: Callable[[int], bool]) -> None:
+    """Collective, on every trainer rank: deliver weights `version` (rft.weights). `attempt(version)` is one
+    collective try: every rank takes part in the bucket export, rank 0 delivers and returns whether it did (a push
+    can fail), the other ranks return True. A failed push is redone once by the pull path, which needs the buckets
+    gathered again; rank 0 tells every rank so (dist_io.broadcast_flag). RuntimeError when the redo fails too."""
+    delivered = attempt(version)
+    if dist_io.broadcast_flag(not delivered) and not attempt(version):
+        raise RuntimeError(f"weights version {version} could not be delivered")
+
+
+def deliver_buckets(version: int, buckets: Iterable[dict], deliver: Callable[[int, Iterator[dict]], bool] | None) -> bool:
+    """One rank's part in one try: hand `buckets` (megatron_bridge.export.iter_hf_buckets, where every rank takes
+    part in each parameter's gathers and sends) to `deliver` (rank 0's WeightPublisher.deliver; None on the other
+    ranks), then read the export to its end: all of it on ranks > 0, and on rank 0 what a push that failed midway
+    left unread. So the abort is collective: every rank leaves the export after the same parameters and reaches
+    `deliver_version`'s flag at the same point (a rank 0 that stopped reading left the others in a gather)."""
+    buckets = iter(buckets)
+    delivered = True if deliver is None else deliver(version, buckets)
+    for _ in buckets:
+        pass
+    return delivered
 
 
 @dataclass
@@ -293,14 +316,11 @@ class Trainer:
         return self.policy.train_step(micro_batches, self.loss_fn)
 
     def _publish_weights(self, version: int) -> None:
-        """Collective: every rank takes part in gathering the buckets; rank 0 delivers them (rft.weights).
-        A failed push is redone once by the pull path, which needs the buckets gathered again. The seconds this
-        takes on the trainer's critical path are logged as `weights_s` (with write-behind, the store write is not
-        among them: `weights_write_s`)."""
+        """Collective: every rank takes part in gathering the buckets; rank 0 delivers them (`deliver_version`).
+        The seconds this takes on the trainer's critical path are logged as `weights_s` (with write-behind, the
+        store write is not among them: `weights_write_s`)."""
         started = time.time()
-        delivered = self._deliver(version)
-        if dist_io.broadcast_flag(not delivered) and not self._deliver(version):
-            raise RuntimeError(f"weights version {version} could not be delivered")
+        deliver_version(version, self._deliver)
         self._weights_s = time.time() - started
 
     def _flush_weights(self) -> None:
@@ -312,16 +332,17 @@ class Trainer:
             self._stage_weights.flush()
 
     def _deliver(self, version: int) -> bool:
+        """One collective try at delivering `version` (see `deliver_version`)."""
         staging = self._staging(version)
         buckets = self.policy.iter_hf_buckets(self.sync.bucket_mb << 20, per_stage=staging is not None)
-        if not self.is_reader:
-            if staging is not None and self.policy.layout.is_stage_publisher:
-                self._stage_publisher().deliver(staging, buckets)
-                return True
-            for _ in buckets:
-                pass
+        if self.is_reader:
+            offsets = dict(self.feed.state.offsets)
+            return deliver_buckets(version, buckets, lambda v, b: self.io.weights.deliver(v, b, offsets=offsets,
+                                                                                           staging=staging))
+        if staging is not None and self.policy.layout.is_stage_publisher:
+            self._stage_publisher().deliver(staging, buckets)  # the pull path: a failure raises, no redo
             return True
-        return self.io.weights.deliver(version, buckets, offsets=dict(self.feed.state.offsets), staging=staging)
+        return deliver_buckets(version, buckets, None)
 
     def _staging(self, version: int) -> Staging | None:
         """Collective when pp > 1: rank 0 decides how `version` goes out. On the pull path each pipeline stage's

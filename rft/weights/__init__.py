@@ -41,8 +41,9 @@ engine worker has joined, at most `sync.timeout_s`. Then, per version:
   If the group cannot be formed in time, or a push fails or times out (an explorer died: a fixed group cannot
   lose a member), the publisher announces `PushAbandoned` and uses the pull path for the rest of the run,
   starting with the version whose push failed; explorers leave the abandoned group and pull. A restarted
-  trainer forms a new group (new group_id); explorers leave the old one and join it.
+  trainer forms a new group (new group_id); explorers leave the old one and join it. Every collective of the
+  group waits at most `sync.timeout_s`, on both sides (rft.weights.push: deadline and abort, NCCL settings).
 
 Tested with in-memory fakes in tests/unit/test_weights_ordering.py; the wire protocol over gloo in
-tests/integration/test_weight_push.py.
+tests/integration/test_weight_push.py; a push failing in a two-rank trainer in tests/distributed/test_push_abort.py.
 """

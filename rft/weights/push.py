@@ -17,12 +17,40 @@ engine TP size). Every message is a broadcast from rank 0 of plain tensors (no p
 then reuse or overwrite the buffers (next optimizer step), and receivers resume generating with it.
 Any failure or an ack below world_size - 1 raises PushError on the sender; the group is then unusable
 and the caller falls back to the pull path (rft.weights.publisher.WeightPublisher).
+
+Deadline and abort, on both sides. Every collective is issued asynchronously and its Work polled
+(`is_completed`) against a deadline of `timeout_s` (sync.timeout_s) from its start; on expiry the member
+aborts the group (`abort()`: ncclCommAbort on NCCL) and raises PushError. A collective that completes with
+an error (gloo reports a lost peer at once) raises PushError too, after the same abort. So a failure never
+depends on the backend raising from a blocking wait, which NCCL does not do by default: its watchdog tears
+the whole process down on a timeout or error. The backend's own timeout is set longer than the deadline
+(`backend_timeout_s`), so rft's deadline always comes first. The aborted group is released in a
+background thread once its operation in flight has ended (a gloo group's destructor waits for it).
+
+NCCL settings this relies on (GPU only: the CPU tests run the same code over gloo):
+  - TORCH_NCCL_ASYNC_ERROR_HANDLING is read when a ProcessGroupNCCL is constructed (default 3,
+    SkipCleanUp: the watchdog kills the process on a timeout or a communicator error). The push group is
+    constructed with it set to 0 (no handling: rft's deadline aborts the group), then the variable is
+    restored, so the trainer's own NCCL groups keep the operator's setting.
+  - TORCH_NCCL_BLOCKING_WAIT must not be set for rft's processes (it is forced to 0 for the push group's
+    construction as well): it makes `wait` block and raise on the backend's timeout instead.
+  - The NCCL group's timeout (Options._timeout) is `backend_timeout_s`; the trainer's own group timeout
+    (init_process_group, 10 min by default on NCCL, 30 min on gloo) must exceed sync.timeout_s, because
+    the other trainer ranks wait in the weight export while rank 0 pushes (rft.trainer.main.deliver_version).
+  - TORCH_NCCL_ENABLE_MONITORING / TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (default on, 10 min): the heartbeat
+    monitor kills the process only when the watchdog thread itself hangs; leave the defaults.
+  - NCCL_* transport timeouts (NCCL_IB_TIMEOUT, NCCL_SOCKET_*) need no change: a dead peer is detected
+    by rft's deadline, whatever NCCL reports.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
+import os
+import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -63,17 +91,64 @@ def _device(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
+def backend_timeout_s(timeout_s: float) -> float:
+    """The backend's own timeout for a group whose deadline is `timeout_s`: longer, so rft's deadline comes first."""
+    return 2 * timeout_s + 30
+
+
+# The push group's NCCL construction only: no watchdog error handling (it would kill the process), no blocking wait.
+_NCCL_CONSTRUCTION_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING_WAIT": "0"}
+_ENV_LOCK = threading.Lock()
+_FIRST_POLL_S, _LAST_POLL_S = 50e-6, 0.01  # polling a Work: from 50 us, doubling, up to 10 ms
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """`values` set in os.environ for the block (read by a constructor in it), the previous values restored."""
+    with _ENV_LOCK:
+        saved = {name: os.environ.get(name) for name in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
 def _process_group(store, rank: int, spec: PushGroupSpec):
-    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    timeout = datetime.timedelta(seconds=backend_timeout_s(spec.timeout_s))
     if spec.backend == "nccl":  # GPU: only here, never on the CPU path
         options = torch.distributed.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return torch.distributed.ProcessGroupNCCL(store, rank, spec.world_size, options)
+        # ProcessGroupNCCL reads TORCH_NCCL_ASYNC_ERROR_HANDLING / _BLOCKING_WAIT in its constructor (torch 2.x,
+        # ProcessGroupNCCL.cpp); only a GPU run can show the watchdog's behaviour, the CPU tests cover the gloo path.
+        with _environment(_NCCL_CONSTRUCTION_ENV):
+            group = torch.distributed.ProcessGroupNCCL(store, rank, spec.world_size, options)
+        # create the communicator now, while every member is connecting, not in the first push
+        group.eager_connect_single_device(_device(spec.backend))
+        return group
     return torch.distributed.ProcessGroupGloo(store, rank, spec.world_size, timeout)
 
 
+def _release(group, in_flight, abort: bool) -> None:
+    """Abort `group` if asked, wait until its operation `in_flight` (a Work, or None) has ended, then drop it. Runs
+    in a daemon thread: a group's destructor waits for an operation in flight, and may hold the GIL while it does
+    (gloo, torch 2.13), so the last reference must not go before the operation ends."""
+    if abort:
+        try:
+            group.abort()
+        except RuntimeError as e:
+            log.warning("aborting the push group: %s", e)
+    while in_flight is not None and not in_flight.is_completed():
+        time.sleep(0.5)
+    del group, in_flight
+
+
 class _Member:
-    """A rank of the push group: the broadcasts both sides take part in."""
+    """A rank of the push group: the collectives both sides take part in, each under the deadline."""
 
     def __init__(self, spec: PushGroupSpec, store, rank: int):
         self.spec, self.store, self.rank = spec, store, rank
@@ -83,20 +158,57 @@ class _Member:
     def connect(self) -> None:
         self.group = _process_group(self.store, self.rank, self.spec)
 
+    def _wait(self, work, what: str) -> None:
+        """Wait for `work` until the deadline (spec.timeout_s from now). PushError, after aborting the group, when
+        it does not complete in time or completes with an error."""
+        deadline = time.monotonic() + self.spec.timeout_s
+        pause = _FIRST_POLL_S
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                self.abort(work)
+                raise PushError(f"{what}: no answer within sync.timeout_s={self.spec.timeout_s:g} "
+                                f"(rank {self.rank} of {self.spec.world_size}); the push group is aborted")
+            time.sleep(pause)
+            pause = min(2 * pause, _LAST_POLL_S)
+        try:
+            work.wait()  # raises the backend's error; on NCCL, orders the current stream after the collective
+        except RuntimeError as e:
+            self.abort(work)
+            raise PushError(f"{what}: {e}") from e
+
+    def _group(self):
+        if self.group is None:
+            raise PushError("the push group is not connected (or was aborted)")
+        return self.group
+
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         options = torch.distributed.BroadcastOptions()
         options.rootRank = 0
-        self.group.broadcast([tensor], options).wait()
+        self._wait(self._group().broadcast([tensor], options), "broadcast")
         return tensor
 
     def _ack(self, ok: bool) -> int:
         flag = torch.tensor([1 if ok and self.rank else 0], dtype=torch.int64, device=self.device)
-        self.group.allreduce([flag], torch.distributed.AllreduceOptions()).wait()
+        self._wait(self._group().allreduce([flag], torch.distributed.AllreduceOptions()), "ack")
         return int(flag.item())
 
+    def abort(self, in_flight=None) -> None:
+        """Give the group up at once, whatever is in flight (`in_flight`: the Work of the collective that failed).
+        NCCL: the communicator is aborted (ncclCommAbort: its pending kernels end; GPU only, not exercised by the
+        CPU tests). Gloo has no abort that cancels an operation in flight (ProcessGroupGloo.abort waits for it,
+        torch 2.13): it ends at gloo's own timeout (backend_timeout_s) or when the peer goes. Either way in a
+        background thread (`_release`), so this returns at once. Idempotent."""
+        self._drop_group(in_flight, abort=self.spec.backend == "nccl")
+
     def close(self) -> None:
-        self.group = None
+        self._drop_group(None, abort=False)
         self.store = None
+
+    def _drop_group(self, in_flight, *, abort: bool) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            threading.Thread(target=_release, args=(group, in_flight, abort), name="push-group-release",
+                             daemon=True).start()
 
 
 class PushSender(_Member):
@@ -122,14 +234,14 @@ class PushSender(_Member):
 
     def send(self, version: int, buckets: Iterable[dict[str, torch.Tensor]]) -> float:
         """Broadcast one version (see the module docstring); returns the bytes sent. Raises PushError."""
-        if self.group is None:
-            raise PushError("the push group is not connected")
+        self._group()
         try:
             self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))
             sent = sum(self._send_bucket(bucket) for bucket in buckets if bucket)
             self._broadcast(torch.zeros(1, dtype=torch.int64, device=self.device))
             acks = self._ack(True)
-        except RuntimeError as e:  # gloo / NCCL report timeouts and lost peers as RuntimeError
+        except RuntimeError as e:  # PushError from the deadline or a lost peer; anything else torch raises
+            self.abort()
             raise PushError(f"pushing version {version} failed: {e}") from e
         if acks != self.spec.world_size - 1:
             raise PushError(f"version {version}: {acks} of {self.spec.world_size - 1} members loaded it")
@@ -163,7 +275,8 @@ class PushReceiver(_Member):
         return member
 
     def receive(self) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
-        """(version, tensors): the iterator must be drained, then `finish(ok)` called."""
+        """(version, tensors): the iterator must be drained, then `finish(ok)` called. Every step of it waits at
+        most sync.timeout_s for the trainer (the module's deadline): PushError, the group aborted, past it."""
         version = int(self._broadcast(torch.zeros(1, dtype=torch.int64, device=self.device))[0])
         return version, self._tensors()
 
@@ -199,10 +312,13 @@ def _nbytes(dtype: str, shape: list[int]) -> int:
 
 def receive_into(receiver: PushReceiver, load) -> int:
     """Receive one version and hand its tensor iterator to `load`; ack success or failure. Returns the version.
-    A failing `load` still drains the version (the group's later broadcasts stay aligned) and acks 0."""
+    A failing `load` still drains the version (the group's later broadcasts stay aligned) and acks 0. PushError
+    when the group fails (a collective past its deadline, a lost peer): the group is then aborted."""
     version, tensors = receiver.receive()
     try:
         load(tensors)
+    except PushError:  # the group itself failed (and is aborted): nothing more to take part in
+        raise
     except Exception:
         for _ in tensors:
             pass

@@ -1,6 +1,7 @@
 """The push path's wire protocol (rft.weights.push) over a real gloo group on TCP loopback: rank 0 in this thread,
 each member in its own thread (each with its own TCPStore client and gloo pairs, as separate processes would have).
-Bit-exact delivery of mixed dtypes, the ack, and the failures the coordinator falls back on."""
+Bit-exact delivery of mixed dtypes, the ack, and the failures the coordinator falls back on, each within the
+push's deadline on both sides (the deadline code is the same on NCCL; only a GPU run shows NCCL's own behaviour)."""
 from __future__ import annotations
 
 import threading
@@ -9,7 +10,7 @@ import time
 import pytest
 import torch
 
-from rft.weights.push import PushError, PushGroupSpec, PushReceiver, PushSender, receive_into
+from rft.weights.push import PushError, PushGroupSpec, PushReceiver, PushSender, backend_timeout_s, receive_into
 
 
 def versions_for(n: int) -> list[list[dict[str, torch.Tensor]]]:
@@ -85,16 +86,47 @@ def test_a_member_that_fails_to_load_makes_the_push_fail():
 @pytest.mark.parametrize("fault", ["exits", "hangs"])
 def test_a_member_that_stops_answering_fails_the_push_in_time(fault):
     """A member that joined and then never takes part fails the push instead of blocking the trainer: one that
-    exits (an explorer killed between batches: its connections close) at once, one that hangs within the
-    group's timeout."""
-    sender = PushSender.host(host="127.0.0.1", world_size=2, group_id="g", timeout_s=3)
-    threads = start_members(sender, 1, lambda receiver, i: time.sleep(8 if fault == "hangs" else 0))
+    exits (an explorer killed between batches: its connections close) at once, one that hangs at the push's
+    deadline (timeout_s), which the sender enforces itself: gloo's own timeout is set far later (and NCCL's
+    watchdog would kill the process rather than raise)."""
+    sender = PushSender.host(host="127.0.0.1", world_size=2, group_id="g", timeout_s=2)
+    assert backend_timeout_s(2) > 2 * 2
+    threads = start_members(sender, 1, lambda receiver, i: time.sleep(5 if fault == "hangs" else 0))
     started = time.monotonic()
-    with pytest.raises(PushError, match="pushing version 1 failed"):
+    expected = "no answer within sync.timeout_s=2" if fault == "hangs" else "pushing version 1 failed"
+    with pytest.raises(PushError, match=expected):
         sender.send(1, versions_for(1)[0])
-    assert time.monotonic() - started < 8
+    assert time.monotonic() - started < 4
     for t in threads:
         t.join(timeout=10)
+
+
+def test_a_receiver_whose_trainer_stalls_mid_version_gives_up_in_time():
+    """The deadline on the receiver's side: the trainer stops sending in the middle of a version (its export
+    stalls), and the explorer gives the group up after timeout_s instead of waiting for it; the trainer, once it
+    goes on, finds the group gone."""
+    sender = PushSender.host(host="127.0.0.1", world_size=2, group_id="g", timeout_s=2)
+    outcome: dict = {}
+
+    def member(receiver: PushReceiver, i: int) -> None:
+        started = time.monotonic()
+        try:
+            receive_into(receiver, lambda tensors: [None for _ in tensors])
+        except PushError as e:
+            outcome.update(error=str(e), seconds=time.monotonic() - started)
+
+    threads = start_members(sender, 1, member)
+    first, second = versions_for(1)[0]
+
+    def stalled_export():
+        yield first
+        threads[0].join(timeout=10)  # the trainer's side stalls until the member has given up
+        yield second
+
+    with pytest.raises(PushError, match="pushing version 1 failed"):
+        sender.send(1, stalled_export())
+    assert "no answer within sync.timeout_s=2" in outcome["error"]
+    assert outcome["seconds"] < 4
 
 
 def test_a_full_group_refuses_one_more_member():
