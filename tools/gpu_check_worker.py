@@ -3,7 +3,9 @@ per process). Not a command for operators.
 
   python -m tools.gpu_check_worker train HF_DIR CHECKPOINT_DIR OUT.json
       one bfloat16 MegatronPolicy step on a random batch, a dist-checkpoint save, a reload into a fresh policy;
-      reports seconds, loss, grad norm, skipped, how many exported tensors differ after the reload (must be 0)
+      reports seconds, loss, grad norm, skipped, how many exported tensors differ after the reload (must be 0);
+      then one float32 and one float16 step of fresh policies on the same batch: float16's gradient norm (after
+      megatron's dynamic loss scaling) must be float32's
   python -m tools.gpu_check_worker sync HF_DIR STORE_DIR OUT.json
       the pull path's stages at this model's size: gathering the HF buckets, the host copy, the store write, and a
       transformers engine's reload of the stored version; reports seconds and megabytes
@@ -79,12 +81,21 @@ def train(hf_dir: str, checkpoint_dir: str, out: str) -> None:
     reloaded = _exported(fresh)
     mismatched = sum(1 for name, t in saved.items() if name not in reloaded or not torch.equal(t, reloaded[name]))
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    parallel.destroy(keep_process_group=True)
+    grad_norms = {}
+    for dtype in ("float32", "float16"):
+        policy = MegatronPolicy(hf_dir, dtype=dtype, lr=1e-5, seed=0)
+        scale = float(policy.optimizer.get_loss_scale())
+        step = policy.train_step(batches, _nll)
+        grad_norms[dtype] = {"grad_norm": step["grad_norm"], "skipped": bool(step["step_skipped"]), "scale": scale}
+        parallel.destroy(keep_process_group=True)
     Path(out).write_text(json.dumps({
         "model": Path(hf_dir).name, "step_s": step_s, "save_s": save_s, "load_s": load_s, "loss": metrics["loss"],
         "grad_norm": metrics["grad_norm"], "skipped": bool(metrics["step_skipped"]),
         "finite": bool(torch.isfinite(torch.tensor(metrics["loss"]))), "mismatched": mismatched + len(
-            set(reloaded) - set(saved)), "distributed_optimizer": distributed, "peak_gib": peak}))
-    fresh.close()
+            set(reloaded) - set(saved)), "distributed_optimizer": distributed, "peak_gib": peak,
+        "float16": grad_norms}))
+    parallel.destroy()
 
 
 def sync(hf_dir: str, store_dir: str, out: str) -> None:

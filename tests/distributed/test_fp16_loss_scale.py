@@ -10,6 +10,7 @@ still divided the gradients by it (2^32 by default): float16 gradients came out 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,8 +66,9 @@ def steps(tmp_path_factory) -> tuple[Path, list[dict]]:
     hf_dir = make_tiny_model(root / "tiny", arch="qwen2", vocab_size=101, seed=4)
     out = root / "steps.json"
     result = subprocess.run([sys.executable, str(HERE / "_worker_fp16.py"), str(hf_dir), str(out), str(INITIAL_SCALE),
-                             str(STEPS)], cwd=REPO, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-                                                          "PATH": "/usr/bin:/bin"},
+                             str(STEPS)], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                          "PYTHONPATH": os.pathsep.join(filter(None, [
+                                                              str(REPO), os.environ.get("PYTHONPATH")]))},
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-6000:]
     return hf_dir, json.loads(out.read_text())

@@ -42,7 +42,7 @@ def test_gpu_check_runs_on_the_cpu_paths_without_the_packages_gpu_machines_lack(
                              "--json", str(rows_file)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = {r["check"]: r for r in json.loads(rows_file.read_text())}
-    assert list(rows) == ["environment", "bridge-float32", "bridge-bfloat16", "train-checkpoint",
+    assert list(rows) == ["environment", "bridge-float32", "bridge-bfloat16", "train-checkpoint", "float16",
                           "distributed-optimizer", "rft-run", "weight-sync", "push-nccl"]
     assert rows["distributed-optimizer"]["status"] == "skip" and "Apex" in rows["distributed-optimizer"]["detail"]
     assert rows["push-nccl"]["status"] == "skip"
