@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "broker": ("rft.broker:main", "run a local Kafka-protocol broker for development"),
     "topics": ("rft.topics.cli:main", "list | describe | tail | export | import topics"),
     "status": ("rft.status:main", "a live run: trainer, explorer fleet, weight versions, lag, throughput"),
+    "dashboard": ("rft.dashboard.server:main", "the live run page in a browser: curves, fleet, staleness, throughput"),
     "bench": ("tools.bench:main", "benchmarks: transport | generate | modes | learn"),
     "tiny-model": ("rft.tiny_model:main", "write a tiny seeded HF model (tests, quickstart)"),
     "model": ("rft.model_import:main", "model files: import-gguf FILE OUT_DIR (a GGUF into a safetensors HF directory)"),
