@@ -97,7 +97,7 @@ function lineChart(spec, axis) {
     return fig;
   }
   const xs = lines.flatMap(l => l.pts.map(p => p.x)), ys = lines.flatMap(l => l.pts.map(p => p.y));
-  const [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(0, ...ys), Math.max(...ys)];
+  const [x0, x1, y0, y1] = [Math.min(0, ...xs), Math.max(...xs), Math.min(0, ...ys), Math.max(...ys)];  // from step 0 / the start
   const sx = scale(x0, x1, L, W - R), sy = scale(y0, y1, H - B, T);
   for (const v of [y0, (y0 + y1) / 2, y1]) {
     svg.append(el("line", {class: "grid", x1: L, x2: W - R, y1: sy(v), y2: sy(v)}),
