@@ -51,7 +51,8 @@ def connect_for(cfg: Config) -> Transport:
 
 
 def _clean(value: Any) -> Any:
-    """A metrics value as the page may use it: a finite number, a string, a flat map of them; None otherwise."""
+    """A metrics value as the page may use it: a finite number, a string, a flat map of finite numbers (the
+    staleness histogram); None otherwise."""
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, (int, float)):
@@ -60,7 +61,7 @@ def _clean(value: Any) -> Any:
         return value[:200]
     if isinstance(value, dict):
         return {str(k)[:64]: v for k, v in ((k, _clean(v)) for k, v in value.items())
-                if isinstance(v, (int, float, str))}
+                if isinstance(v, (int, float))}
     return None
 
 
