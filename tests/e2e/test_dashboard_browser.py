@@ -81,20 +81,22 @@ def test_the_run_page_follows_a_live_run_and_shows_a_killed_explorer_silent(tmp_
         wait_until(f"{MIN_POINTS} reward points on the page",
                    lambda: len(browser.execute_script(POINTS_JS)) >= MIN_POINTS, process=process, log=log,
                    timeout_s=240)
-        fleet = wait_until("both explorers live with trained weights", lambda: [
-            e for e in browser.execute_script(FLEET_JS) if e["state"] == "live" and e["version"] >= 1] if len([
-                e for e in browser.execute_script(FLEET_JS) if e["state"] == "live" and e["version"] >= 1]) == 2
-            else None, process=process, log=log, timeout_s=120)
-        assert {e["id"] for e in fleet} == {"explorer-0", "explorer-1"}
+
+        def fleet() -> dict[str, dict]:
+            return {e["id"]: e for e in browser.execute_script(FLEET_JS)}
+
+        trained = wait_until("both explorers live with trained weights", lambda: [
+            e for e in fleet().values() if e["state"] == "live" and e["version"] >= 1] if len(fleet()) == 2 else None,
+            process=process, log=log, timeout_s=120)
+        assert {e["id"] for e in trained} == {"explorer-0", "explorer-1"}
 
         assert kill_matching("rft.cli explorer", str(run_dir / "config.yaml"), "explorer-1"), "explorer-1 not found"
         killed_at = time.monotonic()
-        states = wait_until("explorer-1 silent on the page", lambda: (
-            lambda s: s if s.get("explorer-1") == "silent" else None)(
-                {e["id"]: e["state"] for e in browser.execute_script(FLEET_JS)}), process=process, log=log,
-            timeout_s=30)
+        states = wait_until("explorer-1 silent on the page",
+                            lambda: fleet().get("explorer-1", {}).get("state") == "silent" and fleet(),
+                            process=process, log=log, timeout_s=30)
         silent_after_s = time.monotonic() - killed_at
-        assert states["explorer-0"] == "live"
+        assert states["explorer-0"]["state"] == "live"
         # the page keeps following the run after the kill: more points arrive
         before = len(browser.execute_script(POINTS_JS))
         wait_until("a point after the kill", lambda: len(browser.execute_script(POINTS_JS)) > before,
