@@ -84,7 +84,8 @@ def serve(cfg: Config, *, host: str, port: int) -> None:
     index = RunIndex(cfg)
     try:
         print(f"rft dashboard: http://{host}:{port}/ (run {cfg.run.name!r}, runs in {index.output_dir})", flush=True)
-        uvicorn.run(create_app(index), host=host, port=port, log_level="warning")
+        uvicorn.run(create_app(index), host=host, port=port, log_level="warning",
+                    timeout_graceful_shutdown=2)  # open event streams never end by themselves
     finally:
         index.close()
 
