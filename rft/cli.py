@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "broker": ("rft.broker:main", "run a local Kafka-protocol broker for development"),
     "topics": ("rft.topics.cli:main", "list | describe | tail | export | import topics"),
     "status": ("rft.status:main", "a live run: trainer, explorer fleet, weight versions, lag, throughput"),
+    "dashboard": ("rft.dashboard.server:main", "the live run page in a browser: curves, fleet, staleness, throughput"),
     "bench": ("tools.bench:main", "benchmarks: transport | generate | modes | learn"),
     "gpu-check": ("tools.gpu_check:main", "prove a GPU machine runs rft's GPU paths (--cpu: the CPU paths): a table"),
     "tiny-model": ("rft.tiny_model:main", "write a tiny seeded HF model (tests, quickstart)"),

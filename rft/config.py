@@ -240,6 +240,12 @@ class MonitorConfig:
     wandb_project: str = "rft"
     prometheus_port: int = 0  # 0: off; each part serves /metrics on the first free port from here (see rft status)
     progress: bool = True
+    dashboard_port: int = 0  # 0: off; `rft run` also starts `rft dashboard` on this port (the live run page)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.dashboard_port <= 65535:
+            raise ConfigError(f"monitor.dashboard_port: must be a TCP port (1..65535) or 0 (off), got "
+                              f"{self.dashboard_port}")
 
 
 @dataclass

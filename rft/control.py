@@ -33,7 +33,7 @@ import time
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable, Iterator, Optional, Union
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional, Union
 
 from rft.schema import ControlMessage, RecordError, decode
 
@@ -241,13 +241,17 @@ def parse(message: ControlMessage) -> Kind | None:
     return None if cls is None else cls.from_message(message)
 
 
-def control_messages(records: Iterable) -> Iterator[ControlMessage]:
+def control_messages(records: Iterable, *,
+                     undecodable: Optional[Callable[[Any, RecordError], None]] = None) -> Iterator[ControlMessage]:
     """The control messages among transport records (`.value`, `.headers`); other records are skipped: other
-    roles write to the control topic too, and a reader is not the judge of them."""
+    roles write to the control topic too, and a reader is not the judge of them. `undecodable(record, error)`,
+    when given, hears of each record that is no schema record at all (a reader that counts them)."""
     for m in records:
         try:
             message = decode(m.value, m.headers)
-        except RecordError:
+        except RecordError as e:
+            if undecodable is not None:
+                undecodable(m, e)
             continue
         if isinstance(message, ControlMessage):
             yield message

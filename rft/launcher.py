@@ -3,7 +3,8 @@
 Starts, in order: the local broker (when `kafka.bootstrap_servers: embedded`), the topics, the task publisher
 (every task at once, or the online `publisher` part for a selector that reads rewards, see
 rft/explorer/publisher.py), the trainer under torchrun (TP x PP x DP processes), and `explorer.replicas` explorers
-(the weight-broadcast coordinator is a role of the trainer's publishing rank: see rft/trainer/main.py). Which parts
+(the weight-broadcast coordinator is a role of the trainer's publishing rank: see rft/trainer/main.py), and the live
+run page (`rft dashboard`) when `monitor.dashboard_port` is set. Which parts
 start follows `run.mode`: `explore` starts no trainer, `train` and `offline` no explorers. A failed `publisher`
 ends the run like a failed trainer.
 
@@ -42,6 +43,7 @@ from rft.transport import connect
 
 ROLES_BY_MODE = {name: m.roles for name, m in MODES.items()}
 EVALUATOR = "evaluator"
+DASHBOARD = "dashboard"  # `rft dashboard` on monitor.dashboard_port: the live run page, stopped with the run
 EXPLORE_IDLE_EXIT_S = 30.0
 
 
@@ -107,6 +109,9 @@ def run(cfg: Config) -> int:
             return 2
         runner = PartRunner(run_dir, threads=cpu_threads_per_part(cfg, roles, gpus))
         try:
+            if cfg.monitor.dashboard_port:
+                runner.start(DASHBOARD, [sys.executable, "-m", "rft.cli", "dashboard", str(config_path),
+                                         "--port", str(cfg.monitor.dashboard_port)])
             if online:
                 runner.start("publisher", [sys.executable, "-m", "rft.cli", "publish", str(config_path)])
             if "trainer" in roles:

@@ -18,7 +18,7 @@ from rft.config import Config
 from rft.control import ControlView, ExplorerView, TrainerView, control_messages
 from rft.run_topics import consumer_group
 from rft.schema import ControlMessage
-from rft.transport import TransportError, connect, lag
+from rft.transport import Admin, RecordSource, TransportError, connect, lag
 
 WINDOW_S = 60.0  # throughput window
 
@@ -54,11 +54,17 @@ class RunStatus:
     def apply(self, message: ControlMessage) -> None:
         self.view.apply(message)
 
+    def state_of(self, explorer: ExplorerView, now: float) -> str:
+        """The explorer's state at `now`: `silent` (dead or stuck) when live but without a message for three
+        heartbeat intervals, else its state as its messages tell it (live | left)."""
+        if explorer.state == "live" and now - explorer.last_seen > 3 * self.heartbeat_s:
+            return "silent"
+        return explorer.state
+
     def finish(self, now: float) -> None:
-        """Mark explorers without a message for three heartbeat intervals as silent (dead or stuck)."""
+        """Mark explorers without a message for three heartbeat intervals as silent (see `state_of`)."""
         for e in self.explorers.values():
-            if e.state == "live" and now - e.last_seen > 3 * self.heartbeat_s:
-                e.state = "silent"
+            e.state = self.state_of(e, now)
 
     def groups_per_s(self, now: float) -> float:
         total = 0.0
@@ -91,12 +97,7 @@ def collect(cfg: Config) -> dict:
             status.apply(message)  # in time order: partitions interleave (a leave may be read before its join)
         now = time.time()
         status.finish(now)
-        experiences_end = source.end_offsets(cfg.topic("experiences"))
-        tasks_end = source.end_offsets(cfg.topic("tasks"))
-        try:
-            tasks_done = admin.group_offsets(consumer_group(cfg))
-        except TransportError:
-            tasks_done = {}
+        lags = topic_lags(cfg, source, admin, status.trainer.offsets)
     finally:
         source.close()
         admin.close()
@@ -108,14 +109,33 @@ def collect(cfg: Config) -> dict:
                     "seconds_since_seen": now - t.last_seen if t.last_seen else None},
         "weights": {"method": cfg.sync.method, "path": status.weights_path, "push_group": status.push_group,
                     "push_abandoned": status.push_abandoned},
-        "explorers": [{**{k: v for k, v in asdict(e).items() if k != "history"},
-                       "seconds_since_seen": now - e.last_seen} for e in sorted(status.explorers.values(),
-                                                                                 key=lambda e: e.explorer_id)],
-        "experiences": {"produced": sum(experiences_end.values()), "lag": lag(experiences_end, t.offsets)},
-        "tasks": {"published": sum(tasks_end.values()), "lag": lag(tasks_end, tasks_done)},
+        "explorers": explorer_rows(status, now),
+        **lags,
         "throughput": {"groups_per_s": status.groups_per_s(now), "steps_per_s": status.steps_per_s(now),
                        "window_s": WINDOW_S},
     }
+
+
+def explorer_rows(status: RunStatus, now: float) -> list[dict]:
+    """The fleet as JSON-able rows, by explorer id: every ExplorerView field but its history, the state at `now`
+    (RunStatus.state_of) and `seconds_since_seen`."""
+    return [{**{k: v for k, v in asdict(e).items() if k != "history"}, "state": status.state_of(e, now),
+             "seconds_since_seen": now - e.last_seen}
+            for e in sorted(status.explorers.values(), key=lambda e: e.explorer_id)]
+
+
+def topic_lags(cfg: Config, source: RecordSource, admin: Admin, consumed: dict[str, int]) -> dict:
+    """`{"experiences": {"produced", "lag"}, "tasks": {"published", "lag"}}`: records in the run's experiences
+    topic and those after the trainer's `consumed` offsets; tasks published and those the explorers' consumer
+    group has not committed yet. TransportError when the broker does not answer."""
+    experiences_end = source.end_offsets(cfg.topic("experiences"))
+    tasks_end = source.end_offsets(cfg.topic("tasks"))
+    try:
+        tasks_done = admin.group_offsets(consumer_group(cfg))
+    except TransportError:
+        tasks_done = {}
+    return {"experiences": {"produced": sum(experiences_end.values()), "lag": lag(experiences_end, consumed)},
+            "tasks": {"published": sum(tasks_end.values()), "lag": lag(tasks_end, tasks_done)}}
 
 
 class StatusError(RuntimeError):

@@ -212,3 +212,11 @@ def test_a_package_init_importing_a_submodule_that_reads_the_package_is_a_cycle(
     })
     found = cycles(import_graph(tmp_path, ("pkg", "ok")))
     assert [describe(c) for c in found] == ["pkg -> pkg.a (__init__.py:1) -> pkg (a.py:1)"]
+
+
+def test_no_core_module_imports_the_dashboard():
+    """`rft dashboard` (FastAPI, uvicorn) is a tool beside the run: `rft run` starts it as a process, and no module
+    outside rft.dashboard imports it (the dispatcher names it by an import path, imported only when called)."""
+    outside = [e for e in import_graph(REPO, ROOTS)
+               if e.target.startswith("rft.dashboard") and not e.source.startswith("rft.dashboard")]
+    assert not outside, [f"{e.path.relative_to(REPO)}:{e.line} imports {e.target}" for e in outside]

@@ -1,0 +1,106 @@
+"""`rft dashboard CONFIG [--port P]`: the live run page, served by FastAPI + uvicorn.
+
+Routes:
+  GET /                              the page (static/index.html); `?run=A&run=B` selects runs to overlay
+  GET /static/{file}                 its script and style (files of this package: nothing loads from elsewhere)
+  GET /api/runs                      the runs of the config's output directory (rft.dashboard.model.RunIndex)
+  GET /api/runs/{name}/snapshot      one run as JSON (RunWatch.snapshot); 404 naming the runs there if none
+  GET /api/runs/{name}/events        server-sent events: a `snapshot` event every EVENT_EVERY_S; the first holds
+                                     every metrics record, later ones the records added since (see `snapshot`)
+
+The server keeps running when the run ends, when its broker goes away and when it restarts: the page says which.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+
+from rft.commandline import add_config_arguments, config_from_args
+from rft.config import Config
+from rft.dashboard.model import RunIndex, RunWatch
+
+STATIC = Path(__file__).resolve().parent / "static"
+STATIC_FILES = {"app.js": "text/javascript", "style.css": "text/css"}
+EVENT_EVERY_S = 1.0
+
+
+def create_app(index: RunIndex) -> FastAPI:
+    """The app over `index` (which the caller closes)."""
+    app = FastAPI(title="rft dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def watch_of(name: str) -> RunWatch:
+        watch = index.get(name)
+        if watch is None:
+            known = ", ".join(r["name"] for r in index.runs())
+            raise HTTPException(404, f"no run {name!r} in {index.output_dir} (runs there: {known or 'none'})")
+        return watch
+
+    @app.get("/")
+    def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    @app.get("/static/{name}")
+    def static(name: str) -> FileResponse:
+        if name not in STATIC_FILES:
+            raise HTTPException(404, f"no static file {name!r}")
+        return FileResponse(STATIC / name, media_type=STATIC_FILES[name])
+
+    @app.get("/api/runs")
+    def runs() -> JSONResponse:
+        return JSONResponse({"default": index.cfg.run.name, "output_dir": str(index.output_dir),
+                             "runs": index.runs()})
+
+    @app.get("/api/runs/{name}/snapshot")
+    def snapshot(name: str) -> JSONResponse:
+        return JSONResponse(watch_of(name).snapshot())
+
+    @app.get("/api/runs/{name}/events")
+    async def events(name: str, request: Request) -> StreamingResponse:
+        watch = watch_of(name)
+
+        async def stream():
+            sent, epoch = 0, None
+            while not await request.is_disconnected():
+                snap = watch.snapshot(since=sent, epoch=epoch)
+                sent, epoch = snap["records_total"], snap["records_epoch"]
+                yield f"event: snapshot\ndata: {json.dumps(snap)}\n\n"
+                await asyncio.sleep(EVENT_EVERY_S)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return app
+
+
+def serve(cfg: Config, *, host: str, port: int) -> None:
+    import uvicorn
+
+    index = RunIndex(cfg)
+    try:
+        print(f"rft dashboard: http://{host}:{port}/ (run {cfg.run.name!r}, runs in {index.output_dir})", flush=True)
+        uvicorn.run(create_app(index), host=host, port=port, log_level="warning",
+                    timeout_graceful_shutdown=2)  # open event streams never end by themselves
+    finally:
+        index.close()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rft dashboard", description=__doc__.split("\n")[0])
+    add_config_arguments(parser)
+    parser.add_argument("--port", type=int, default=None, help="TCP port (default: monitor.dashboard_port, or 8265)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    port = args.port or cfg.monitor.dashboard_port or 8265
+    try:
+        serve(cfg, host=args.host, port=port)
+    except OSError as e:
+        print(f"rft dashboard: cannot serve on {args.host}:{port}: {e}", file=sys.stderr)
+        return 1
+    return 0
