@@ -4,6 +4,7 @@ broker unreachable, embedded broker not running, finished."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,37 @@ def test_the_run_index_lists_runs_beside_the_configs_and_finds_no_unknown_one(tm
         assert index.get("other").snapshot()["run"] == "other"
     finally:
         index.close()
+
+
+def test_a_run_that_ends_and_is_restarted_on_a_new_broker_is_followed_there(tmp_path):
+    """`rft run` again after a run ended: it starts a new embedded broker, rewrites config.yaml with its address and
+    appends to metrics.jsonl. The watch moves to the new broker and keeps the curves (each broker is one of rft's
+    in-memory transports here, chosen by the bootstrap address the config names)."""
+
+    brokers = {"memory:first": MemoryTransport(), "memory:second": MemoryTransport()}
+    cfg = run_config(tmp_path, bootstrap="memory:first")
+    write_run(cfg, [step_line(1), step_line(2)])
+    for transport in brokers.values():
+        transport.admin().create_topics([cfg.topic("control"), cfg.topic("tasks"), cfg.topic("experiences")], 2)
+    send_control(brokers["memory:first"], cfg, [
+        ExplorerJoin("e0", weights_version=0, host="h", pid=11).to_message(created_at=T0),
+        TrainerFinished(step=2).to_message(created_at=T0 + 3)])
+    watch = RunWatch("r", cfg.run_dir, transport_for=lambda c: brokers[c.kafka.bootstrap_servers])
+    watch.refresh(poll_s=0.05)
+    assert watch.snapshot()["state"] == "finished"
+
+    restarted = run_config(tmp_path, bootstrap="memory:second")
+    write_run(restarted)
+    config_file = restarted.run_dir / "config.yaml"
+    os.utime(config_file, (T0 + 10, T0 + 10))  # a new modification time, whatever the clock's resolution
+    with open(restarted.run_dir / "metrics.jsonl", "a") as f:
+        f.write(step_line(3) + "\n")
+    send_control(brokers["memory:second"], restarted, [
+        ExplorerJoin("e1", weights_version=2, host="h", pid=21).to_message(created_at=T0 + 11)])
+    for _ in range(2):
+        watch.refresh(poll_s=0.05)
+    snap = watch.snapshot(now=T0 + 11.5)
+    assert snap["broker"] == {"state": "connected", "bootstrap": "memory:second", "error": ""}
+    assert snap["state"] == "running"
+    assert [r["step"] for r in snap["records"]] == [1, 2, 3]
+    assert [e["explorer_id"] for e in snap["explorers"]] == ["e1"]  # the new run's fleet, not the old one's
