@@ -67,6 +67,7 @@ def test_a_missing_config_file(tmp_path):
     ("trainer.lrr=1", ["trainer.lrr: unknown key", "did you mean 'lr'"]),
     ("trainer.lr=fast", ["trainer.lr: expected float"]),
     ("trainer.tensor_parallel=3", ["trainer.tensor_parallel: 3 does not divide the model's 4 attention heads"]),
+    ("trainer.pipeline_parallel=4", ["trainer.pipeline_parallel: 4 does not divide the model's 2 layers"]),
 ])
 def test_a_bad_set_key_or_value(config, override, words):
     one_line(rft("validate", str(config), "--set", override), 2, str(config), *words)
