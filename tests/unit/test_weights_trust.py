@@ -178,3 +178,44 @@ def test_the_default_allow_list_is_the_push_host_else_this_host():
     assert "not allowed" in named.problem(PushGroup(host="127.0.0.1", **spec))
     listed = PushAllowList.for_sync(SyncConfig(method="push", push_allow=["198.51.100.7", "198.51.100.8"]))
     assert listed.problem(PushGroup(host="198.51.100.8", **spec)) is None
+
+
+def test_an_explorer_refuses_a_forged_announcement_and_reports_the_count(tmp_path):
+    """The real Explorer over the in-memory transport: a forged `weights` announcement (a complete version outside
+    the store) is refused, the engine keeps its version, and the count is in the explorer's heartbeat."""
+    from rft.config import ExplorerConfig, KafkaConfig, SyncConfig
+    from rft.control import ExplorerHeartbeat, control_messages, parse
+    from rft.explorer.main import Explorer
+    from rft.run_topics import RunTopics, create_run_topics
+
+    topics = RunTopics(run="run", tasks="run.tasks", experiences="run.experiences", control="run.control",
+                       dead_letter="run.dead_letter", explorers_group="run.explorers")
+    transport = MemoryTransport(partitions=1)
+    kafka = KafkaConfig(bootstrap_servers="memory", partitions=1)
+    create_run_topics(topics, kafka, transport)
+    store = WeightStore(tmp_path / "store")
+    store.publish(1, buckets(1), hf_dir=None)
+    engine = Engine()
+    explorer = Explorer(ExplorerConfig(heartbeat_s=0.05), kafka=kafka, sync=SyncConfig(), topics=topics, store=store,
+                        explorer_id="e1", engine=engine, workflow=None, transport=transport)
+    try:
+        explorer.refresh_weights()
+        assert engine.weights_version == 1
+        explorer.join()
+        evil = forged_elsewhere(tmp_path, store, 5)
+        sink = transport.sink()
+        sink.send_record(topics.control, Weights(version=5, path=str(evil)).to_message())
+        sink.flush()
+        explorer.refresh_weights()
+        assert engine.weights_version == 1 and explorer.stats.weights_refused == 1
+        source = transport.source()
+        source.assign([topics.control])
+        counts: list[int | None] = []
+        for _ in range(100):  # heartbeats every 0.05 s: the ones after the refusal carry the count
+            counts += [k.weights_refused for m in control_messages(source.poll(timeout_s=0.05))
+                       if isinstance(k := parse(m), ExplorerHeartbeat)]
+            if 1 in counts:
+                break
+        assert 1 in counts and set(counts) <= {0, 1}
+    finally:
+        explorer.close("stopped")
