@@ -31,7 +31,7 @@ def probe_bootstrap(bootstrap: str, timeout_s: float = 3.0) -> None:
     plain connect, so an unreachable broker is reported in seconds, not after a client's own wait."""
     errors = []
     for server in (s.strip() for s in bootstrap.split(",") if s.strip()):
-        host, _, port = server.rpartition(":")
+        host, _, port = server.rpartition("://")[2].rpartition(":")  # PLAINTEXT://host:port is kafka-python's too
         host = host.strip("[]")
         if not host or not port.isdigit():
             errors.append(f"{server}: not host:port")

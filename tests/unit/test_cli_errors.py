@@ -139,3 +139,18 @@ def test_rft_run_reports_a_failed_parts_exception(tmp_path, capsys):
     finally:
         runner.stop_all(grace_s=5)
     assert "[rft] trainer failed: ValueError: the real reason" in capsys.readouterr().err
+
+
+def test_the_probe_accepts_any_listening_server_and_names_each_failure():
+    from rft.transport import BrokerUnreachable, probe_bootstrap
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        probe_bootstrap(f"{unreachable_address()},PLAINTEXT://127.0.0.1:{port}")
+    down = unreachable_address()
+    with pytest.raises(BrokerUnreachable) as info:
+        probe_bootstrap(f"{down},nohost.invalid:9092,bad")
+    assert f"cannot reach the Kafka broker at {down}" in str(info.value)
+    assert "bad: not host:port" in str(info.value) and "nohost.invalid:9092:" in str(info.value)
