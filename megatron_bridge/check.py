@@ -53,9 +53,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def layout_problem(hf_dir: str, *, tp: int, pp: int) -> str | None:
+def layout_problem(hf_dir: str, *, tp: int, pp: int, options: tuple[str, str] = ("--tp", "--pp")) -> str | None:
     """Why the model's shape cannot be split TP x PP (None if it can), from its config.json: before any process
-    starts, so the answer is one line and not a failed worker's traceback."""
+    starts, so the answer is one line and not a failed worker's traceback. `options` name TP and PP in the answer
+    (this command's flags; rft's config names its keys)."""
     path = os.path.join(hf_dir, "config.json")
     try:
         with open(path) as f:
@@ -65,8 +66,9 @@ def layout_problem(hf_dir: str, *, tp: int, pp: int) -> str | None:
     heads = hf.get("num_attention_heads")
     kv_heads = hf.get("num_key_value_heads") or heads
     layers = hf.get("num_hidden_layers")
-    for what, count, size, option in (("attention heads", heads, tp, "--tp"), ("key/value heads", kv_heads, tp, "--tp"),
-                                      ("layers", layers, pp, "--pp")):
+    tp_option, pp_option = options
+    for what, count, size, option in (("attention heads", heads, tp, tp_option),
+                                      ("key/value heads", kv_heads, tp, tp_option), ("layers", layers, pp, pp_option)):
         if count and count % size:
             return f"{option} {size} does not divide the model's {count} {what} ({path})"
     return None

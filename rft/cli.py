@@ -1,12 +1,23 @@
 """The `rft` console script: only the dispatcher. One subcommand per role, each a `main(argv) -> exit code` named
 by an import path and imported when called (so that `rft validate` does not pay for importing vLLM). What the
-commands share lives in `rft.commandline`."""
+commands share lives in `rft.commandline`.
+
+Errors every command can meet are reported here, once, as one line on stderr and an exit status (docs/operations.md):
+  2  bad input: a config that does not load or check (ConfigError: the file, the key), bad arguments
+  3  the command is not available in this build
+  4  the Kafka broker cannot be reached (BrokerUnreachable: the address and why) or failed (TransportError)
+`rft --debug COMMAND ...` or RFT_DEBUG=1 shows the traceback instead."""
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 
+from rft.config import ConfigError
 from rft.registry import RegistryError, import_object
+from rft.transport import BrokerUnreachable, TransportError
+
+EXIT_BAD_INPUT, EXIT_UNAVAILABLE, EXIT_BROKER = 2, 3, 4
 
 # name -> ("module:function", one-line help). Every function takes argv (list[str]) and returns an int.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -30,20 +41,34 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def run_entry(target: str, argv: list[str]) -> int:
-    """Import `module:function` and call it with `argv`; exit code 3 when this build lacks it."""
+    """Import `module:function` and call it with `argv`; its exit code, or one line and the module docstring's exit
+    code for the errors listed there (their traceback with RFT_DEBUG=1)."""
     try:
         fn = import_object(target, key="rft")
     except RegistryError as e:
         print(f"rft: this command is not available in this build ({target}: {e})", file=sys.stderr)
-        return 3
-    return int(fn(argv) or 0)
+        return EXIT_UNAVAILABLE
+    try:
+        return int(fn(argv) or 0)
+    except (ConfigError, TransportError) as e:
+        if os.environ.get("RFT_DEBUG", "") not in ("", "0"):
+            raise
+        if isinstance(e, ConfigError):
+            print(f"rft: invalid config: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        text = str(e) if isinstance(e, BrokerUnreachable) else f"Kafka: {e}"
+        print(f"rft: {text}", file=sys.stderr)
+        return EXIT_BROKER
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--debug":  # tracebacks instead of one-line errors, in this process and its children
+        os.environ["RFT_DEBUG"] = "1"
+        argv = argv[1:]
     if not argv or argv[0] in ("-h", "--help"):
         width = max(map(len, COMMANDS))
-        print("usage: rft COMMAND [options]\n\ncommands:")
+        print("usage: rft [--debug] COMMAND [options]\n\ncommands:")
         for name, (_, help_text) in COMMANDS.items():
             print(f"  {name:<{width}}  {help_text}")
         return 0 if argv else 2

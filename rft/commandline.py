@@ -20,11 +20,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override any config key, e.g. --set trainer.lr=1e-5 (repeatable)")
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    """Load the config named by `add_config_arguments` for a run (registry names checked too); on error print it
-    and exit 2."""
+def config_from_args(args: argparse.Namespace, *, need_model: bool = False) -> Config:
+    """Load the config named by `add_config_arguments` for a run (registry names checked too; `need_model`: the
+    model must be on disk here, rft.run_config.check_model); on error print it and exit 2."""
     try:
-        return load_run_config(args.config, args.overrides)
+        return load_run_config(args.config, args.overrides, need_model=need_model)
     except ConfigError as e:
         print(f"rft: invalid config: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -220,6 +220,8 @@ class SyncConfig:
     timeout_s: float = 120.0  # push: longest wait for the fleet to join, and for one version to be delivered; pull with pipeline stages: longest wait without progress for the other stages' shards
     push_host: str = ""  # push: the address explorers reach the trainer's publishing rank at (empty: this host's IP)
     push_port: int = 0  # push: the group's TCP port on that host (0: a free one, announced on the control topic)
+    push_allow: list[str] = field(default_factory=list)  # push: the hosts an explorer accepts a push-group announcement from (empty: sync.push_host, else this host only); docs/operations.md, Trust
+    verify: bool = True  # pull: an explorer checks each version's SHA-256 checksums against the store's manifest before loading it (sizes are always checked)
     push_transport: Literal["auto", "rft", "vllm"] = "auto"  # push: vllm = vLLM's NCCL weight transfer, rft = rft's broadcast; auto: vllm with CUDA and explorer.engine vllm, else rft
 
 
@@ -515,7 +517,6 @@ def check_semantics(cfg: Config, source: str) -> None:
     require(cfg.sync.push_transport != "vllm" or cfg.explorer.engine == "vllm", "sync.push_transport",
             f"vllm (vLLM's own weight transfer) needs explorer.engine vllm, not {cfg.explorer.engine}; use auto or rft")
     require(bool(cfg.model.path), "model.path", "required: a Hugging Face model directory")
-    _check_model_shape(cfg, source, require)
     _check_chat_template(cfg.model, source, require)
     require(not cfg.replay.from_data or cfg.run.mode == "offline", "replay.from_data",
             f"fills the topic of an offline replay: needs run.mode offline, not {cfg.run.mode}")
@@ -541,29 +542,6 @@ def _check_eval(e: EvalConfig, require) -> None:
         seen.add(s.name)
         require(bool(s.path), f"{key}.path", "required: a dataset file or directory, or a toy task name")
         require(s.generated_tasks >= 1, f"{key}.generated_tasks", f"must be >= 1, got {s.generated_tasks}")
-
-
-def _check_model_shape(cfg: Config, source: str, require) -> None:
-    """Cross-check parallel sizes against the model's own config.json when the model is on disk."""
-    hf_config = Path(cfg.model.path) / "config.json"
-    if not hf_config.is_file():
-        return
-    try:
-        hf = json.loads(hf_config.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{source}: model.path: {hf_config} is not readable JSON: {e}") from None
-    tp, pp = cfg.trainer.tensor_parallel, cfg.trainer.pipeline_parallel
-    heads, kv_heads = hf.get("num_attention_heads"), hf.get("num_key_value_heads", hf.get("num_attention_heads"))
-    layers = hf.get("num_hidden_layers")
-    if heads:
-        require(heads % tp == 0, "trainer.tensor_parallel",
-                f"{tp} does not divide the model's {heads} attention heads ({hf_config})")
-    if kv_heads:
-        require(kv_heads % tp == 0, "trainer.tensor_parallel",
-                f"{tp} does not divide the model's {kv_heads} key/value heads ({hf_config})")
-    if layers:
-        require(layers % pp == 0, "trainer.pipeline_parallel",
-                f"{pp} does not divide the model's {layers} layers ({hf_config})")
 
 
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # where transformers saves a template

@@ -207,6 +207,7 @@ class ExplorerHeartbeat(_FromExplorer):
     batches: Optional[int] = None
     dead_letters: Optional[int] = None
     admission_waits: Optional[int] = None
+    weights_refused: Optional[int] = None  # weights versions / push groups refused (rft.weights.subscriber: trust)
     explore_s: float = 0.0
     joined_s: float = 0.0
     partitions: list[int] = field(default_factory=list)
@@ -287,6 +288,7 @@ class ExplorerView:
     batches: int = 0
     dead_letters: int = 0
     admission_waits: int = 0
+    weights_refused: int = 0
     busy: float | None = None  # fraction of its time spent generating and scoring
     last_seen: float = 0.0  # created_at of its newest message
     history: list[tuple[float, int]] = field(default_factory=list, repr=False)  # (time, groups) of heartbeats
@@ -385,7 +387,7 @@ class ControlView:
             e.weights_version = kind.version
         if getattr(kind, "weights_version", None) is not None:
             e.weights_version = kind.weights_version
-        for name in ("groups", "batches", "dead_letters", "admission_waits"):
+        for name in ("groups", "batches", "dead_letters", "admission_waits", "weights_refused"):
             if getattr(kind, name, None) is not None:
                 setattr(e, name, getattr(kind, name))
         if isinstance(kind, ExplorerHeartbeat):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,7 +73,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rft run", description=__doc__.split("\n")[0])
     add_config_arguments(parser)
     args = parser.parse_args(argv)
-    return run_until_stopped(config_from_args(args))
+    return run_until_stopped(config_from_args(args, need_model=True))
 
 
 def run_until_stopped(cfg: Config) -> int:
@@ -224,6 +225,22 @@ def _explore_only_exit(cfg: Config) -> list[str]:
     return ["--exit-when-idle", str(cfg.explorer.exit_when_idle_s or EXPLORE_IDLE_EXIT_S)]
 
 
+_EXCEPTION_LINE = re.compile(  # `[rankN]: ` (torchrun's prefix), then `XxxError: message` or `pkg.mod.Name: message`
+    r"(?:\[rank\d+\]:\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)(?::\s.*)?"
+    r"|(?:[a-z_]\w*\.)+[A-Z]\w*:\s.*)$")
+_LAUNCHER_EXCEPTIONS = ("ChildFailedError", "torch.distributed.elastic")
+
+
+def failure_line(lines: list[str]) -> str | None:
+    """The part's own exception from its log, `XxxError: message` (the last such line that is not torchrun's
+    ChildFailedError report about its worker); None when the log names none."""
+    for line in reversed(lines):
+        m = _EXCEPTION_LINE.match(line.strip())
+        if m and not any(word in line for word in _LAUNCHER_EXCEPTIONS):
+            return m.group(1)
+    return None
+
+
 class LaunchError(RuntimeError):
     pass
 
@@ -359,10 +376,13 @@ class PartRunner:
             time.sleep(poll_s)
 
     def _report_failure(self, part: Part, code: int) -> None:
-        tail = part.log_path.read_text(errors="replace").splitlines()[-25:]
+        lines = part.log_path.read_text(errors="replace").splitlines()
         print(f"[rft] {part.name} exited with code {code}; last lines of {part.log_path}:", file=sys.stderr)
-        for line in tail:
+        for line in lines[-25:]:
             print(f"    {line}", file=sys.stderr)
+        cause = failure_line(lines)
+        if cause:
+            print(f"[rft] {part.name} failed: {cause}", file=sys.stderr)
         sys.stderr.flush()
 
     def finish(self, name: str, *, timeout_s: float, on_tick=None, poll_s: float = 0.5) -> None:
@@ -472,7 +492,7 @@ def replay_main(argv: list[str]) -> int:
     for key, value in (("start", args.start), ("end", args.end), ("topic", args.topic)):
         if value is not None:
             args.overrides.append(f"replay.{key}={value}")
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, need_model=True)
     if cfg.kafka.bootstrap_servers == "embedded" and not cfg.replay.from_data:
         print("rft replay: replay reads an existing topic: set kafka.bootstrap_servers to the broker that holds it",
               file=sys.stderr)

@@ -6,13 +6,18 @@ explorer.reward / reward_weights / judge_model, explorer.workflow and environmen
 data.selector, trainer.operators, replay_buffer.priority (with the algorithm's support for replay),
 eval.sets[i].reward and toy-task names, reasoning-gym dataset names and options (data, data.mix[i], eval.sets[i]:
 building each dataset once, which imports reasoning_gym only when a set uses it), and every stage of a multi-stage
-config. Errors are `ConfigError`s
+config; and the model (`check_model`): when its config.json is on disk, that the trainer's bridge supports its
+architecture and that trainer.tensor_parallel / pipeline_parallel divide its heads and layers
+(megatron_bridge.check.layout_problem); with `need_model` (`rft run`, `rft replay`, `rft validate`: before anything
+starts), also that model.path is a directory holding a config.json. Errors are `ConfigError`s
 naming the source file and the dotted key. Every command that loads a config for a run goes through
 `load_run_config` (`rft.commandline.config_from_args`).
 """
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 from rft.algorithms import build_algorithm, resolve_algorithm
@@ -20,6 +25,7 @@ from rft.config import ADMISSIONS, Config, ConfigError, EvalConfig, config_from_
 from rft.explorer.gym_tasks import GymError, build_dataset
 from rft.explorer.selectors import SelectionError, build_selector
 from rft.explorer.tasks import TaskSet, task_sets
+from rft.modes import mode
 from rft.operators import OperatorError, check_operator_specs
 from rft.registry import RegistryError, import_object
 from rft.rewards import WEIGHTED, RewardError, check_reward_config, resolve
@@ -32,10 +38,12 @@ from rft.workflows.toy_tasks import TOY_TASKS
 NAME_ERRORS = (RegistryError, RewardError, WorkflowError, SelectionError, OperatorError, ConfigError)
 
 
-def load_run_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
-    """`rft.config.load_config`, then `check_run_config`: the config as a run uses it."""
+def load_run_config(path: str | os.PathLike | None = None, overrides: list[str] = (), *,
+                    need_model: bool = False) -> Config:
+    """`rft.config.load_config`, then `check_run_config`: the config as a run uses it. `need_model`: the model
+    must be on disk here (`check_model`)."""
     cfg = load_config(path, overrides)
-    check_run_config(cfg, str(path) if path else "<defaults>")
+    check_run_config(cfg, str(path) if path else "<defaults>", need_model=need_model)
     return cfg
 
 
@@ -46,12 +54,45 @@ def run_config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
     return cfg
 
 
-def check_run_config(cfg: Config, source: str) -> None:
-    """Every registry-resolved name of `cfg` and of each of its stages; ConfigError naming `source` and the key
-    (`stages[i].<key>` for a stage)."""
+def check_run_config(cfg: Config, source: str, *, need_model: bool = False) -> None:
+    """Every registry-resolved name of `cfg` and of each of its stages, and the model (`check_model`); ConfigError
+    naming `source` and the key (`stages[i].<key>` for a stage)."""
     check_names(cfg, source)
+    check_model(cfg, source, need_model=need_model)
     if cfg.stages:
         resolve_stages(cfg, source, check=lambda stage: check_names(stage, source))
+
+
+def check_model(cfg: Config, source: str, *, need_model: bool = False) -> None:
+    """The model as the run will use it. With `need_model`: model.path is a directory with a config.json. When the
+    config.json is there and the run mode has a trainer: an architecture the bridge supports (its registry), and a
+    TP x PP layout that fits (megatron_bridge.check.layout_problem). ConfigError naming `source` and the key."""
+    model = Path(cfg.model.path)
+    hf_config = model / "config.json"
+    if not hf_config.is_file():
+        if need_model:
+            what = "does not exist" if not model.exists() else (
+                "is not a directory" if not model.is_dir() else "has no config.json (not a Hugging Face model)")
+            raise ConfigError(f"{source}: model.path: {cfg.model.path} {what}")
+        return
+    if not mode(cfg.run.mode).trainer:
+        return
+    try:
+        architectures = json.loads(hf_config.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{source}: model.path: {hf_config} is not readable JSON: {e}") from None
+    # heavy: torch (the bridge's registry and layout check live beside the models they describe)
+    from megatron_bridge.check import layout_problem
+    from megatron_bridge.models import registered_architectures  # heavy: torch
+
+    supported = registered_architectures()
+    if not set(architectures) & set(supported):
+        raise ConfigError(f"{source}: model.path: {hf_config} names architecture(s) "
+                          f"{', '.join(architectures) or '(none)'}; the trainer supports {', '.join(supported)}")
+    problem = layout_problem(str(model), tp=cfg.trainer.tensor_parallel, pp=cfg.trainer.pipeline_parallel,
+                             options=("trainer.tensor_parallel:", "trainer.pipeline_parallel:"))
+    if problem:
+        raise ConfigError(f"{source}: {problem}")
 
 
 def check_names(cfg: Config, source: str) -> None:

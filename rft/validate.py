@@ -1,5 +1,5 @@
-"""`rft validate`: load a config as a run would (every check, registry names included) and report; exit 2
-naming the bad key."""
+"""`rft validate`: load a config as `rft run` would (every check, registry names and the model on disk included)
+and report; exit 2 naming the bad key."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,7 @@ def main(argv: list[str]) -> int:
     add_config_arguments(parser)
     parser.add_argument("--print", action="store_true", help="print the resolved config as YAML")
     args = parser.parse_args(argv)
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, need_model=True)
     if args.print:
         print(cfg.to_yaml(), end="")
     else:

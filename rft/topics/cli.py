@@ -25,8 +25,8 @@ from rft.topics import TopicsError
 from rft.topics.formats import (EXPORT_FORMAT, EXPORT_VERSION, DecodedJsonlExport, JsonlExport, ParquetExport,
                                 export_kind, read_export)
 from rft.topics.render import format_message
-from rft.transport import (Admin, Message, PositionSpecError, RecordSource, Transport, TransportError, connect,
-                           parse_offset_key, parse_positions, parse_time_ms)
+from rft.transport import (Admin, BrokerUnreachable, Message, PositionSpecError, RecordSource, Transport, TransportError,
+                           connect, parse_offset_key, parse_positions, parse_time_ms)
 
 
 @dataclass(frozen=True)
@@ -313,6 +313,8 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         return args.handler(args, connection_from_args(args))
+    except BrokerUnreachable:
+        raise  # one line and exit status 4 from the dispatcher (rft.cli), as for every command
     except (TopicsError, TransportError, PositionSpecError, TokenizerError, OSError) as e:  # OSError: files
         print(f"rft topics {args.command}: {e}", file=sys.stderr)
         return 1

@@ -3,6 +3,7 @@ every caller shares. Imports no Kafka."""
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Iterator, Optional, Protocol
@@ -17,6 +18,31 @@ HEADER_ORIGIN = "rft-origin"
 class TransportError(RuntimeError):
     """The transport failed (no broker, a wedged client, a send the broker refused). Callers that keep their
     own positions reconnect and seek; others let it propagate."""
+
+
+class BrokerUnreachable(TransportError):
+    """No broker accepts a connection at the bootstrap address (`probe_bootstrap`): a wrong address or port, a
+    broker that is down, a firewall. Commands report it in one line (rft.cli: exit status 4)."""
+
+
+def probe_bootstrap(bootstrap: str, timeout_s: float = 3.0) -> None:
+    """Return once one of the comma-separated `host:port` servers of `bootstrap` accepts a TCP connection (each
+    tried for at most `timeout_s`); BrokerUnreachable naming the address and each server's error otherwise. A
+    plain connect, so an unreachable broker is reported in seconds, not after a client's own wait."""
+    errors = []
+    for server in (s.strip() for s in bootstrap.split(",") if s.strip()):
+        host, _, port = server.rpartition("://")[2].rpartition(":")  # PLAINTEXT://host:port is kafka-python's too
+        host = host.strip("[]")
+        if not host or not port.isdigit():
+            errors.append(f"{server}: not host:port")
+            continue
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout_s).close()
+            return
+        except OSError as e:
+            errors.append(f"{server}: {e.strerror or e}")
+    raise BrokerUnreachable(f"cannot reach the Kafka broker at {bootstrap} ({'; '.join(errors) or 'no address'}); "
+                            "check kafka.bootstrap_servers and that the broker is up")
 
 
 class RecordTooLarge(TransportError):

@@ -20,6 +20,7 @@ from kafka.structs import OffsetAndMetadata
 from rft.config import KafkaConfig
 from rft.transport.base import (Message, PartitionInfo, Position, RecordMetadata, SinkBase, SourceBase, TransportError,
                            offset_key, parse_offset_key)
+from rft.transport.base import BrokerUnreachable, probe_bootstrap
 
 _OVERHEAD_BYTES = 64 * 1024  # room for the batch and header framing around one maximal record
 
@@ -103,11 +104,12 @@ def _client_settings(cfg: KafkaConfig, bootstrap: str) -> dict[str, Any]:
 
 
 def _connect(factory: Callable[..., Any], what: str, bootstrap: str, **settings: Any) -> Any:
+    probe_bootstrap(bootstrap)  # BrokerUnreachable in seconds (kafka-python would wait _STUCK_CALL_S, then raise)
     try:
         return factory(**settings)
-    except KafkaTimeoutError:
-        raise TransportError(f"no Kafka broker reachable at {bootstrap} (creating the {what}); "
-                             "check kafka.bootstrap_servers, or use `embedded` for a local broker") from None
+    except (KafkaTimeoutError, StuckClientError):
+        raise BrokerUnreachable(f"cannot reach the Kafka broker at {bootstrap} (creating the {what}); "
+                                "check kafka.bootstrap_servers, or use `embedded` for a local broker") from None
 
 
 _PROBE_KEYS = ("bootstrap_servers", "client_id", "request_timeout_ms", "security_protocol", "ssl_context",

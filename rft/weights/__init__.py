@@ -44,6 +44,11 @@ engine worker has joined, at most `sync.timeout_s`. Then, per version:
   trainer forms a new group (new group_id); explorers leave the old one and join it. Every collective of the
   group waits at most `sync.timeout_s`, on both sides (rft.weights.push: deadline and abort, NCCL settings).
 
-Tested with in-memory fakes in tests/unit/test_weights_ordering.py; the wire protocol over gloo in
+Trust: announcements are hints, not instructions (rft.weights.subscriber; docs/operations.md "Trust"). Each version
+directory carries a manifest (sizes and SHA-256 of every file, per-stage shards included: rft.weights.store); an
+explorer loads only its own store's directory of the announced version, after checking it against the manifest,
+and joins only push groups at allowed addresses; what it refuses is logged, counted, and its weights stay.
+
+Tested with in-memory fakes in tests/unit/test_weights_ordering.py; trust in tests/unit/test_weights_trust.py; the wire protocol over gloo in
 tests/integration/test_weight_push.py; a push failing in a two-rank trainer in tests/distributed/test_push_abort.py.
 """

@@ -1,16 +1,29 @@
 """The explorer side of weight synchronisation (ordering: rft/weights/__init__.py): `WeightUpdates` knows the
 newest version (the store's LATEST or an announcement, never going back), `PushMembership` takes part in the
-trainer's push group, `load_newest_weights` reloads an engine in place."""
+trainer's push group, `load_newest_weights` reloads an engine in place.
+
+Trust (docs/operations.md, "Trust"): the control topic is not trusted. A `weights` announcement's path is loaded
+only if it is the announced version's directory of this explorer's own weight store once symlinks are resolved
+(`WeightStore.version_dir`; a path that does not exist here names the same version in this store: the trainer's
+mount point may differ), and only after the version directory matches its manifest (`verify_version`: sizes
+always, SHA-256 checksums with `sync.verify`). A push-group announcement is joined only if its address is allowed
+(`PushAllowList`: `sync.push_allow`, else `sync.push_host`, else this host). A refused announcement or version is
+logged (one line), counted (`WeightUpdates.refused`, in the explorer's heartbeat and metrics) and never tried again;
+the engine keeps its current weights."""
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 from rft.control import ControlView, PushGroup
+from rft.weights.store import WeightStoreError, verify_version
 
 if TYPE_CHECKING:
+    from rft.config import SyncConfig
     from rft.explorer.engine import Engine
     from rft.weights.store import WeightStore
 
@@ -28,45 +41,126 @@ class ControlSource(Protocol):
 
 
 class WeightUpdates:
-    """The newest weights version this explorer knows of: the store's LATEST or a `weights` announcement on the
-    control topic, whichever is newer; and, for the push path, what `view` (a ControlView) says of push groups.
-    Not thread-safe."""
+    """The newest weights version this explorer knows of and trusts: the store's LATEST or a `weights` announcement
+    on the control topic, whichever is newer (module docstring: trust); and, for the push path, what `view` (a
+    ControlView) says of push groups. `verify`: check checksums too (sizes are always checked). `refused` counts
+    the versions and announcements refused. Not thread-safe."""
 
-    def __init__(self, store: "WeightStore", control_source: ControlSource):
-        self.store, self.control_source = store, control_source
+    def __init__(self, store: "WeightStore", control_source: ControlSource, *, verify: bool = True):
+        self.store, self.control_source, self.verify = store, control_source, verify
         self.view = ControlView()
+        self.refused = 0
+        self._checked: dict[tuple[int, str], Path | None] = {}  # (version, path) -> resolved path, None: refused
 
     def read_announcements(self) -> None:
         self.view.apply_records(self.control_source.poll(timeout_s=0))
 
-    def newest(self) -> tuple[int, Path] | None:
-        """(version, readable path) of the newest version known, or None before the first."""
+    def newest(self, above: int = -1) -> tuple[int, Path] | None:
+        """(version, path) of the newest version known that is newer than `above` and passes the checks (module
+        docstring), or None. A candidate that fails them is refused (`refuse`) and the next older one is taken."""
         self.read_announcements()
         known = [v for v in (self.store.latest(), self._announced_here()) if v is not None]
-        return max(known, key=lambda v: v[0]) if known else None
+        for version, path in sorted(known, key=lambda v: v[0], reverse=True):
+            if version <= above:
+                break
+            trusted = self._trusted(version, path)
+            if trusted is not None:
+                return version, trusted
+        return None
+
+    def refuse(self, what: str, reason: object) -> None:
+        """Log one line and count a refused version or announcement."""
+        self.refused += 1
+        log.warning("refused %s: %s (refused so far: %d)", what, reason, self.refused)
 
     def _announced_here(self) -> tuple[int, Path] | None:
-        """The announced version where this host can read it: the announced path, else the same version
-        in this explorer's own store (the announcer's filesystem may be mounted elsewhere)."""
+        """The announced version and path; a path that does not exist on this host names the same version in this
+        explorer's own store (the announcer's filesystem may be mounted elsewhere)."""
         announced = self.view.announced
         if announced is None:
             return None
-        for candidate in (Path(announced.path), self.store.path(announced.version)):
-            if candidate.is_dir():
-                return announced.version, candidate
-        return None
+        path = Path(announced.path)
+        if ".." not in path.parts and not path.exists():
+            path = self.store.path(announced.version)
+        return announced.version, path
+
+    def _trusted(self, version: int, path: Path) -> Path | None:
+        key = (version, str(path))
+        if key in self._checked:
+            return self._checked[key]
+        try:
+            resolved = self.store.version_dir(path, version)
+            verify_version(resolved, version, checksums=self.verify)
+        except FileNotFoundError:
+            return None  # not there (yet, or any more: garbage-collected): not a refusal, looked at again
+        except WeightStoreError as e:
+            self.refuse(f"weights version {version} at {path}", e)
+            resolved = None
+        self._checked[key] = resolved
+        return resolved
 
     def close(self) -> None:
         self.control_source.close()
 
 
+class PushAllowList:
+    """The push-group addresses an explorer may join: `hosts` (names or addresses, compared by every address they
+    resolve to) and `port` (0: any). A host that does not resolve is no address at all."""
+
+    def __init__(self, hosts: Iterable[str], port: int = 0):
+        self.hosts, self.port = sorted(set(hosts)), port
+        self.addresses = set().union(*(_addresses(h) for h in self.hosts)) if self.hosts else set()
+
+    @classmethod
+    def for_sync(cls, sync: "SyncConfig") -> "PushAllowList":
+        """`sync.push_allow`, else `[sync.push_host]`, else this host (its name, its addresses and loopback: a
+        one-machine run); the port must be `sync.push_port` when that is set."""
+        hosts = list(sync.push_allow) or ([sync.push_host] if sync.push_host else _this_host_names())
+        return cls(hosts, sync.push_port)
+
+    def problem(self, spec: PushGroup) -> str | None:
+        """Why `spec` may not be joined (None: it may)."""
+        if self.port and spec.port != self.port:
+            return f"port {spec.port} is not sync.push_port {self.port}"
+        if not 0 < spec.port < 65536:
+            return f"port {spec.port} is not a TCP port"
+        announced = _addresses(spec.host)
+        if spec.host in self.hosts or (announced and announced <= self.addresses):
+            return None
+        return (f"host {spec.host!r} is not allowed (sync.push_allow / sync.push_host; allowed: "
+                f"{', '.join(self.hosts)})")
+
+
+def _addresses(host: str) -> set[str]:
+    """Every IP address `host` names (itself when it is one); empty when it does not resolve."""
+    try:
+        return {str(ipaddress.ip_address(host))}
+    except ValueError:
+        pass
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return set()
+
+
+def _this_host_names() -> list[str]:
+    names = ["localhost", "127.0.0.1", "::1", socket.gethostname()]
+    try:
+        names.append(socket.gethostbyname(socket.gethostname()))  # what the trainer announces by default
+    except OSError:
+        pass
+    return names
+
+
 class PushMembership:
     """This explorer's part in the trainer's push group (rft.weights, push contract): join a newly announced
     group, take part in every version pushed in it, leave it when the trainer abandons it. Any failure here
-    makes the explorer give the group up and fall back to pulling from the weight store."""
+    makes the explorer give the group up and fall back to pulling from the weight store. `allowed`: which
+    announced addresses may be joined (None: any; the explorer passes `PushAllowList.for_sync`); a group at any
+    other address is refused (`updates.refuse`) and never joined."""
 
-    def __init__(self, engine: "Engine", updates: WeightUpdates):
-        self.engine, self.updates = engine, updates
+    def __init__(self, engine: "Engine", updates: WeightUpdates, *, allowed: "PushAllowList | None" = None):
+        self.engine, self.updates, self.allowed = engine, updates, allowed
         self.group_id: str | None = None
         self.received = 0  # versions received in the current group
         self.given_up: set[str] = set()  # groups this explorer left or could not join
@@ -79,7 +173,12 @@ class PushMembership:
             self._leave("the trainer abandoned the push group")
         announced = view.push_group
         if announced and announced.group_id not in (self.group_id, *view.abandoned, *self.given_up):
-            self._join(announced)
+            problem = self.allowed.problem(announced) if self.allowed is not None else None
+            if problem is None:
+                self._join(announced)
+            else:
+                self.given_up.add(announced.group_id)
+                self.updates.refuse(f"push group {announced.group_id} at {announced.host}:{announced.port}", problem)
         if self.group_id is None:
             return []
         received = []

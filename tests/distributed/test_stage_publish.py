@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from rft.tiny_model import make_tiny_model
-from rft.weights.store import INDEX, WeightStore
+from rft.weights.store import INDEX, MANIFEST, WeightStore, verify_version
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import HERE, assert_succeeded, torchrun  # noqa: E402
@@ -70,6 +70,8 @@ def test_every_tensor_once_bit_exact_from_both_stages(results, models, case, mod
             assert loaded[name].dtype == expected.dtype and torch.equal(loaded[name], expected), (version, name)
         assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in original.values())
         assert (path / "config.json").is_file() and not list(path.glob(".stage-*"))
+        assert set(shards) <= set(json.loads((path / MANIFEST).read_text())["files"])  # each stage hashed its own
+        verify_version(path, version)
     assert not [p.name for p in store.root.iterdir() if p.name.startswith(".tmp-")]
     announced = json.loads((results / case / "announced.json").read_text())
     assert announced == [[0, str(store.path(0))], [1, str(store.path(1))]]

@@ -9,9 +9,10 @@ import pytest
 
 @pytest.fixture
 def model_dir(tmp_path) -> Path:
-    """A model directory with only a config.json: enough for the parallel-size checks."""
+    """A model directory with only a config.json: enough for the architecture and parallel-size checks."""
     d = tmp_path / "model"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2,
+    (d / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "num_attention_heads": 4,
+                                               "num_key_value_heads": 2,
                                                "num_hidden_layers": 2}))
     return d

@@ -4,6 +4,7 @@ the chat prompt text whose tokens are exactly rft's, and how the report derives 
 TRL's accuracy and the targets' verdicts. The whole benchmark on real parts is tests/e2e/test_bench_learn.py."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from types import SimpleNamespace
@@ -28,7 +29,7 @@ def publish(store: WeightStore, version: int, hf_dir) -> None:
 def hf_dir(tmp_path):
     d = tmp_path / "hf"
     d.mkdir()
-    (d / "config.json").write_text("{}")
+    (d / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
     return d
 
 

@@ -25,7 +25,8 @@ EXAMPLES = [
     ExplorerLeave(explorer_id="e", reason="stopped", groups=4),
 ]
 
-# the body keys each kind had before the protocol was typed (docs/schema.md: schema 1)
+# the body keys each kind had before the protocol was typed (docs/schema.md: schema 1), plus optional fields added
+# since (an older reader ignores them): explorer_heartbeat's weights_refused
 WIRE_KEYS = {
     "weights": {"version", "path", "offsets"},
     "weights_push": {"group_id", "version", "offsets"},
@@ -36,7 +37,7 @@ WIRE_KEYS = {
     "trainer_finished": {"step"},
     "explorer_join": {"explorer_id", "weights_version", "host", "pid", "prometheus_port"},
     "explorer_heartbeat": {"explorer_id", "weights_version", "groups", "batches", "dead_letters", "admission_waits",
-                           "explore_s", "joined_s", "partitions"},
+                           "weights_refused", "explore_s", "joined_s", "partitions"},
     "explorer_weights": {"explorer_id", "version", "seconds"},
     "explorer_leave": {"explorer_id", "reason", "groups"},
 }

@@ -13,8 +13,10 @@ from rft.launcher import ROLES_BY_MODE, LaunchError, gpu_plan
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # From the models' published config.json files on the Hugging Face hub.
-SHAPES = {"gsm8k-qwen2.5-1.5b.yaml": {"num_attention_heads": 12, "num_key_value_heads": 2, "num_hidden_layers": 28},
-          "gsm8k-7b.yaml": {"num_attention_heads": 28, "num_key_value_heads": 4, "num_hidden_layers": 28}}
+SHAPES = {"gsm8k-qwen2.5-1.5b.yaml": {"architectures": ["Qwen2ForCausalLM"], "num_attention_heads": 12,
+                                     "num_key_value_heads": 2, "num_hidden_layers": 28},
+          "gsm8k-7b.yaml": {"architectures": ["Qwen2ForCausalLM"], "num_attention_heads": 28,
+                            "num_key_value_heads": 4, "num_hidden_layers": 28}}
 
 
 def recipe(name: str, tmp_path: Path, monkeypatch):

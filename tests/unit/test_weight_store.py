@@ -33,7 +33,7 @@ def test_publish_round_trip_and_layout(tmp_path, hf_dir):
     assert path.name == "v00000003" and store.latest() == (3, path)
     assert sorted(p.name for p in path.iterdir()) == [
         "config.json", "model-00000.safetensors", "model-00001.safetensors", "model.safetensors.index.json",
-        "tokenizer.json"]
+        "rft-manifest.json", "tokenizer.json"]
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert index["weight_map"] == {"a.weight": "model-00000.safetensors", "b.bias": "model-00000.safetensors",
                                    "c.weight": "model-00001.safetensors"}
