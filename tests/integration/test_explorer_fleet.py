@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,8 +71,10 @@ def test_fleet_kill_late_join_reload_and_dead_letters(broker, tiny_model, tmp_pa
         control.wait_for(lambda: control.messages("explorer_join", "C"), timeout_s=ENGINE_START_S,
                          what="C to join", alive=list(explorers.values()), log_dir=logs)
 
-        # 4. version 2 announced on the control topic only (it lives outside the configured store)
+        # 4. version 2 announced on the control topic only: its directory is in the configured store (an explorer
+        # refuses a path outside it, rft.weights.subscriber), but the store's LATEST still names version 1
         v2 = WeightStore(tmp_path / "elsewhere").publish(2, [perturbed(tiny_model, 2)], tiny_model)
+        v2 = Path(shutil.move(str(v2), str(tmp_path / "store" / v2.name)))
         sink = connect(cfg.kafka, broker.bootstrap_servers).sink()
         sink.send_record(cfg.topic("control"), ControlMessage("weights", "test-trainer", {"version": 2, "path": str(v2)}))
         sink.flush()
