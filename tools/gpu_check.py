@@ -41,6 +41,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rft.launcher import failure_line
+
 REPO = Path(__file__).resolve().parents[1]
 # SmolLM2-135M-Instruct's shape (its config.json): the real model's size for the weight-sync timings.
 SMOLLM2_SHAPE = dict(arch="llama", hidden_size=576, layers=30, heads=9, kv_heads=3, intermediate_size=1536,
@@ -108,10 +110,11 @@ class Context:
 
 
 def _failure(result: subprocess.CompletedProcess) -> str:
-    """The most telling line of a failed process's output: its last error line, else its last line."""
+    """The most telling line of a failed process's output: its exception (rft.launcher.failure_line, as `rft run`
+    reports a failed part), else its last FAIL line, else its last line."""
     lines = [line for line in (result.stdout + "\n" + result.stderr).splitlines() if line.strip()]
-    errors = [line for line in lines if re.search(r"Error|FAIL|error:", line)]
-    return ((errors or lines or [f"exit {result.returncode}"])[-1]).strip()[:300]
+    fails = [line for line in lines if "FAIL" in line]
+    return (failure_line(lines) or (fails or lines or [f"exit {result.returncode}"])[-1]).strip()[:300]
 
 
 # ---- the checks: each returns (status, detail)
