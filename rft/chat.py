@@ -51,10 +51,16 @@ def _ids(rendered: Any) -> list[int]:
 def encode_chat(tokenizer: Any, prompt: str, chat: ChatPrompt) -> list[int]:
     """`prompt` as the template renders a user turn (after the system turn, if any) and the assistant header;
     ChatError when the tokenizer has no template."""
+    return encode_messages(tokenizer, chat.messages(prompt))
+
+
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """A whole conversation (OpenAI-style `{"role", "content"}` messages) as the template renders it, with the
+    assistant header after it (`rft serve`); ChatError when the tokenizer has no template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatError(f"model.chat_template: the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat "
                         "template (set model.chat_template: false, or use an instruct model's tokenizer)")
-    return _ids(tokenizer.apply_chat_template(chat.messages(prompt), add_generation_prompt=True, tokenize=True))
+    return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
 
 
 def special_ids(tokenizer: Any) -> set[int]:

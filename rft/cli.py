@@ -5,7 +5,8 @@ commands share lives in `rft.commandline`.
 Errors every command can meet are reported here, once, as one line on stderr and an exit status (docs/operations.md):
   2  bad input: a config that does not load or check (ConfigError: the file, the key), bad arguments
   3  the command is not available in this build
-  4  the Kafka broker cannot be reached (BrokerUnreachable: the address and why) or failed (TransportError)
+  4  the Kafka broker cannot be reached (BrokerUnreachable: the address and why) or failed (TransportError), or
+     the local broker cannot start (BrokerError: a port in use, a data directory not writable or in use)
 `rft --debug COMMAND ...` or RFT_DEBUG=1 shows the traceback instead."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import difflib
 import os
 import sys
 
+from rft.broker import BrokerError
 from rft.config import ConfigError
 from rft.registry import RegistryError, import_object
 from rft.transport import BrokerUnreachable, TransportError
@@ -26,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "explorer": ("rft.explorer.main:main", "one or more explorers joining a run"),
     "publish": ("rft.explorer.publisher:main", "publish a dataset's tasks to the run's tasks topic"),
     "replay": ("rft.launcher:replay_main", "offline training from an experiences topic (by offsets or time)"),
+    "serve": ("rft.serve.server:main", "an OpenAI-compatible endpoint whose traffic and feedback become training data"),
+    "joiner": ("rft.serve.joiner:main", "serve mode: join served completions and feedback into experience groups"),
     "eval": ("rft.evaluation.main:main", "evaluate checkpoints on eval.sets: accuracy, pass@k, mean@k"),
     "validate": ("rft.validate:main", "check a config file; exit 2 naming the bad key"),
     "broker": ("rft.broker:main", "run a local Kafka-protocol broker for development"),
@@ -33,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("rft.status:main", "a live run: trainer, explorer fleet, weight versions, lag, throughput"),
     "dashboard": ("rft.dashboard.server:main", "the live run page in a browser: curves, fleet, staleness, throughput"),
     "bench": ("tools.bench:main", "benchmarks: transport | generate | modes | learn"),
+    "chaos": ("tools.chaos:main", "fault scenarios against real runs, and a ledger: acknowledged, trained, lost, twice"),
     "gpu-check": ("tools.gpu_check:main", "prove a GPU machine runs rft's GPU paths (--cpu: the CPU paths): a table"),
     "tiny-model": ("rft.tiny_model:main", "write a tiny seeded HF model (tests, quickstart)"),
     "model": ("rft.model_import:main", "model files: import-gguf FILE OUT_DIR (a GGUF into a safetensors HF directory)"),
@@ -50,13 +55,14 @@ def run_entry(target: str, argv: list[str]) -> int:
         return EXIT_UNAVAILABLE
     try:
         return int(fn(argv) or 0)
-    except (ConfigError, TransportError) as e:
+    except (ConfigError, TransportError, BrokerError) as e:
         if os.environ.get("RFT_DEBUG", "") not in ("", "0"):
             raise
         if isinstance(e, ConfigError):
             print(f"rft: invalid config: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT
-        text = str(e) if isinstance(e, BrokerUnreachable) else f"Kafka: {e}"
+        text = str(e) if isinstance(e, BrokerUnreachable) else (
+            f"local broker: {e}" if isinstance(e, BrokerError) else f"Kafka: {e}")
         print(f"rft: {text}", file=sys.stderr)
         return EXIT_BROKER
 

@@ -3,13 +3,13 @@ signals, and dying with the parent process. Commands import this module, never `
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import signal
 import sys
 import threading
 
 from rft.config import Config, ConfigError
+from rft.pdeath import die_with_parent  # noqa: F401 - re-exported: commands import it from here
 from rft.run_config import load_run_config
 
 
@@ -41,10 +41,3 @@ def install_stop_signals(stop: threading.Event) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-
-
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """In a child process: ask Linux to send `sig` when the parent dies (no-op elsewhere)."""
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)

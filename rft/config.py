@@ -41,7 +41,7 @@ class ConfigError(ValueError):
 @dataclass
 class RunConfig:
     name: str = "rft-run"
-    mode: Literal["sync", "off_policy", "async", "offline", "explore", "train"] = "off_policy"
+    mode: Literal["sync", "off_policy", "async", "offline", "explore", "train", "serve"] = "off_policy"
     max_staleness: int = 1
     seed: int = 0
     output_dir: str = "runs"
@@ -63,6 +63,7 @@ class ModelConfig:
 @dataclass
 class KafkaConfig:
     bootstrap_servers: str = "embedded"
+    embedded_data_dir: str = ""  # embedded broker only: "" in memory; a directory (relative: under the run dir) keeps topics across a crash
     topic_prefix: str = ""  # empty: the run name
     partitions: int = 4  # tasks and control topics (explorers share the tasks topic by partitions)
     experience_partitions: int = 1  # 1 keeps the trainer's batches identical across restarts (see trainer/feed.py)
@@ -103,6 +104,8 @@ class ExplorerConfig:
     max_batch_s: float = 300.0  # longest one batch may take before the consumer group presumes the explorer dead
     exit_when_idle_s: float = 0.0  # > 0: an explorer exits (code 0) after this long without tasks; 0: never, except
     # that `rft run` in explore mode uses 30 s (its explorers end the run once the task set is exhausted)
+    static_membership: bool = False  # join the tasks group with group_instance_id = explorer id (KIP-345; docs/operations.md)
+    unassigned_rejoin_s: float = 30.0  # membership watchdog: rejoin / move the tasks group after this long without partitions (0: off)
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
@@ -113,6 +116,8 @@ class ExplorerConfig:
             raise ConfigError(f"explorer.exit_when_idle_s: must be >= 0 (0: never), got {self.exit_when_idle_s}")
         if self.max_batch_s <= 0:
             raise ConfigError(f"explorer.max_batch_s: must be > 0, got {self.max_batch_s}")
+        if self.unassigned_rejoin_s < 0:
+            raise ConfigError(f"explorer.unassigned_rejoin_s: must be >= 0 (0: never), got {self.unassigned_rejoin_s}")
 
 
 @dataclass
@@ -134,14 +139,24 @@ class TrainerConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"
-    clip_eps: float = 0.2
+    """The loss and the advantages; docs/algorithms.md has one section per algorithm (its formula, keys, use)."""
+    name: str = "grpo"  # grpo, rloo, reinforce_pp, gspo, cispo, dpo, sft, or package.module:object
+    clip_eps: float = 0.2  # grpo, rloo, reinforce_pp: the ratio's clip range on both sides (unless clip_eps_low/high)
+    clip_eps_low: Optional[float] = None  # clip below at 1 - clip_eps_low; null: the algorithm's default (docs/algorithms.md)
+    clip_eps_high: Optional[float] = None  # clip above at 1 + clip_eps_high (DAPO's clip-higher: 0.28); null: the algorithm's default
     kl_coef: float = 0.0
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"  # token_mean: over all loss tokens of the step (DAPO); seq_mean: per sequence first
     off_policy_correction: bool = False
     importance_cap: float = 2.0
     dpo_beta: float = 0.1
     std_normalize: bool = True  # GRPO: divide group-centred rewards by the group std (False: Dr.GRPO-style)
+
+    def __post_init__(self) -> None:
+        """The section's own ranges (combinations an algorithm refuses are its own ConfigError, when it is built)."""
+        if self.clip_eps_low is not None and not 0 < self.clip_eps_low <= 1:
+            raise ConfigError(f"algorithm.clip_eps_low: must be in (0, 1] (1: no lower bound), got {self.clip_eps_low}")
+        if self.clip_eps_high is not None and not self.clip_eps_high > 0:
+            raise ConfigError(f"algorithm.clip_eps_high: must be > 0, got {self.clip_eps_high}")
 
 
 DataFormat = Literal["jsonl", "parquet", "hf_disk", "generated", "reasoning_gym", "gsm8k"]
@@ -235,6 +250,30 @@ class ReplayConfig:
 
 
 @dataclass
+class ServeConfig:
+    """`rft serve` (the OpenAI-compatible endpoint) and the joiner that turns its traffic and feedback into
+    experience groups (rft/serve/). The engine is the explorer's (explorer.engine and its settings)."""
+    host: str = "127.0.0.1"  # address `rft serve` listens on (0.0.0.0: every interface)
+    port: int = 8000  # its TCP port (`rft serve --port` overrides)
+    model_name: str = ""  # the model id clients name (`model` of a request, GET /v1/models); empty: run.name
+    max_batch: int = 16  # requests generated together in one engine call
+    feedback_expire_s: float = 3600.0  # a completion without feedback this long after it was served expires
+    group_size: int = 4  # rewarded single completions (n = 1) of one prompt that make a group
+    group_wait_s: float = 30.0  # singles wait this long for peers of their prompt, then join the baseline window
+    baseline_window: int = 64  # rewards per prompt remembered for its running-mean baseline
+
+    def __post_init__(self) -> None:
+        for key in ("max_batch", "group_size", "baseline_window"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"serve.{key}: must be >= 1, got {getattr(self, key)}")
+        for key in ("feedback_expire_s", "group_wait_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"serve.{key}: must be > 0, got {getattr(self, key)}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"serve.port: must be a TCP port (0: any free one), got {self.port}")
+
+
+@dataclass
 class MonitorConfig:
     jsonl: bool = True
     tensorboard: bool = False
@@ -314,13 +353,14 @@ class Config:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     replay_buffer: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     stages: list[dict[str, Any]] = field(default_factory=list)  # multi-stage run: [{name, <section>: overrides}], see rft/stages.py
 
     @property
     def run_dir(self) -> Path:
         return Path(self.run.output_dir) / self.run.name
 
-    def topic(self, kind: Literal["tasks", "experiences", "control", "dead_letter"]) -> str:
+    def topic(self, kind: Literal["tasks", "experiences", "control", "dead_letter", "served", "feedback"]) -> str:
         """Topic names follow `<prefix>.<kind>`; the prefix defaults to the run name."""
         return f"{self.kafka.topic_prefix or self.run.name}.{kind}"
 
@@ -516,6 +556,8 @@ def check_semantics(cfg: Config, source: str) -> None:
             "sync.method", "push needs a fixed fleet: set explorer.replicas to the number of explorers")
     require(cfg.sync.push_transport != "vllm" or cfg.explorer.engine == "vllm", "sync.push_transport",
             f"vllm (vLLM's own weight transfer) needs explorer.engine vllm, not {cfg.explorer.engine}; use auto or rft")
+    require(not run_mode.serves or cfg.sync.method == "pull", "sync.method",
+            "serve mode: `rft serve` follows the weight store (pull); push needs a fixed explorer fleet")
     require(bool(cfg.model.path), "model.path", "required: a Hugging Face model directory")
     _check_chat_template(cfg.model, source, require)
     require(not cfg.replay.from_data or cfg.run.mode == "offline", "replay.from_data",

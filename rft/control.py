@@ -18,6 +18,8 @@ Kinds (sender `trainer` unless said otherwise):
   explorer_heartbeat  (sender: the explorer id) every explorer.heartbeat_s, with its counters
   explorer_weights    (sender: the explorer id) it loaded weights `version` (`seconds`: None when pushed)
   explorer_leave      (sender: the explorer id) it left, and why
+  tasks_group         (sender: an explorer id) the explorers moved to consumer group `group` (epoch `epoch`) on the
+                      tasks topic, seeded with the old group's committed `offsets` (rft/explorer/membership.py)
 
 `ControlView.apply()` folds messages into what the run has said so far. Partitions interleave, so messages
 arrive in partition order, not time order: the trainer's state follows the newest trainer message (an older
@@ -199,7 +201,8 @@ class ExplorerJoin(_FromExplorer):
 @dataclass(frozen=True)
 class ExplorerHeartbeat(_FromExplorer):
     """Counters since joining; `explore_s` of `joined_s` was spent generating and scoring; `partitions`: the
-    tasks partitions held at the last poll."""
+    tasks partitions held at the last poll; `unassigned_s`: how long it has held none (0 while it holds some);
+    `rejoins`: how often its membership watchdog rejoined the group (rft/explorer/membership.py)."""
     KIND: ClassVar[str] = "explorer_heartbeat"
     explorer_id: str
     weights_version: Optional[int] = None
@@ -211,6 +214,8 @@ class ExplorerHeartbeat(_FromExplorer):
     explore_s: float = 0.0
     joined_s: float = 0.0
     partitions: list[int] = field(default_factory=list)
+    unassigned_s: float = 0.0
+    rejoins: int = 0
 
 
 @dataclass(frozen=True)
@@ -229,9 +234,20 @@ class ExplorerLeave(_FromExplorer):
     groups: Optional[int] = None
 
 
+@dataclass(frozen=True)
+class TasksGroup(_FromExplorer):
+    """The explorers' consumer group on the tasks topic is now `group` (epoch `epoch`; epoch 0 is `<run>.explorers`),
+    seeded with `offsets` ("topic:partition" -> next offset), because the previous one gave nobody a partition."""
+    KIND: ClassVar[str] = "tasks_group"
+    explorer_id: str
+    group: str
+    epoch: int
+    offsets: dict[str, int] = field(default_factory=dict)
+
+
 KINDS: dict[str, type[Kind]] = {k.KIND: k for k in (
     Weights, WeightsPush, PushGroup, PushAbandoned, TrainerStarted, TrainerWaiting, TrainerFinished,
-    ExplorerJoin, ExplorerHeartbeat, ExplorerWeights, ExplorerLeave)}
+    ExplorerJoin, ExplorerHeartbeat, ExplorerWeights, ExplorerLeave, TasksGroup)}
 TRAINER_STATES = {Weights: "training", WeightsPush: "training", TrainerStarted: "started",
                   TrainerWaiting: "waiting", TrainerFinished: "finished"}
 
@@ -290,6 +306,9 @@ class ExplorerView:
     admission_waits: int = 0
     weights_refused: int = 0
     busy: float | None = None  # fraction of its time spent generating and scoring
+    partitions: list[int] = field(default_factory=list)  # tasks partitions held, as its newest heartbeat says
+    unassigned_s: float = 0.0  # how long it had held no partition, as its newest heartbeat says
+    rejoins: int = 0  # rejoins by its membership watchdog
     last_seen: float = 0.0  # created_at of its newest message
     history: list[tuple[float, int]] = field(default_factory=list, repr=False)  # (time, groups) of heartbeats
 
@@ -301,7 +320,8 @@ class ControlView:
     - `explorers`: each explorer's last signs; `heard`: when this process read each one's newest message;
     - weights: `announced` (the newest `weights` version with a path), `weights_path` (the path of the newest
       `weights` message), `push_group` (the newest push group), `pushed` (group id -> versions announced as
-      pushed, in the order read) and `abandoned` (push groups given up).
+      pushed, in the order read) and `abandoned` (push groups given up);
+    - `tasks_group`: the newest (highest epoch) move of the explorers' consumer group, None before any.
     """
 
     def __init__(self) -> None:
@@ -313,6 +333,7 @@ class ControlView:
         self.push_group: PushGroup | None = None
         self.pushed: dict[str, list[int]] = {}
         self.abandoned: set[str] = set()
+        self.tasks_group: TasksGroup | None = None
         self.malformed = 0
 
     @property
@@ -362,6 +383,8 @@ class ControlView:
             self.pushed.setdefault(kind.group_id, []).append(kind.version)
         elif isinstance(kind, PushAbandoned):
             self.abandoned.add(kind.group_id)
+        elif isinstance(kind, TasksGroup) and (self.tasks_group is None or kind.epoch > self.tasks_group.epoch):
+            self.tasks_group = kind
 
     def _apply_trainer(self, kind: Kind, when: float) -> None:
         t = self.trainer
@@ -392,6 +415,7 @@ class ControlView:
                 setattr(e, name, getattr(kind, name))
         if isinstance(kind, ExplorerHeartbeat):
             e.history.append((when, e.groups))
+            e.partitions, e.unassigned_s, e.rejoins = list(kind.partitions), kind.unassigned_s, kind.rejoins
             if kind.joined_s:
                 e.busy = kind.explore_s / kind.joined_s
 

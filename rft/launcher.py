@@ -6,7 +6,8 @@ rft/explorer/publisher.py), the trainer under torchrun (TP x PP x DP processes),
 (the weight-broadcast coordinator is a role of the trainer's publishing rank: see rft/trainer/main.py), and the live
 run page (`rft dashboard`) when `monitor.dashboard_port` is set. Which parts
 start follows `run.mode`: `explore` starts no trainer, `train` and `offline` no explorers. A failed `publisher`
-ends the run like a failed trainer.
+ends the run like a failed trainer. In `serve` mode `rft serve` and the joiner start beside the trainer (a failed
+server ends the run; a joiner that dies is reported, and may be started again with `rft joiner`).
 
 Shutdown: when the trainer finishes, the explorers are stopped and the run ends with 0. When the trainer dies,
 or every explorer has died, everything is stopped and the run ends with 1, printing the failed part's last log
@@ -40,12 +41,14 @@ from rft.explorer.tasks import DatasetError, publish_tasks
 from rft.monitor import plot_rewards
 from rft.run_topics import RunTopics, create_run_topics
 from rft.stages import resolve_stages
+from rft.status import StallWatch
 from rft.transport import connect
 
 ROLES_BY_MODE = {name: m.roles for name, m in MODES.items()}
 EVALUATOR = "evaluator"
 DASHBOARD = "dashboard"  # `rft dashboard` on monitor.dashboard_port: the live run page, stopped with the run
 EXPLORE_IDLE_EXIT_S = 30.0
+SERVER, JOINER = "server", "joiner"  # serve mode's parts: `rft serve` (essential) and the joiner (restartable)
 
 
 @dataclass
@@ -91,7 +94,7 @@ def run(cfg: Config) -> int:
         return run_stages(cfg)
     run_dir = cfg.run_dir
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    with KafkaEndpoint(cfg.kafka, log_path=run_dir / "logs" / "broker.log") as bootstrap:
+    with KafkaEndpoint(cfg.kafka, log_path=run_dir / "logs" / "broker.log", run_dir=run_dir) as bootstrap:
         cfg.kafka.bootstrap_servers = bootstrap
         config_path = run_dir / "config.yaml"
         config_path.write_text(cfg.to_yaml())
@@ -122,10 +125,15 @@ def run(cfg: Config) -> int:
                     runner.start(f"explorer-{i}", [sys.executable, "-m", "rft.cli", "explorer", str(config_path),
                                                    "--explorer-id", f"explorer-{i}", *_explore_only_exit(cfg)],
                                  gpus=gpus.get(f"explorer-{i}"))
+            if "serve" in roles:  # serve mode: the endpoint and the joiner (rft/serve/)
+                runner.start(SERVER, [sys.executable, "-m", "rft.cli", "serve", str(config_path)],
+                             gpus=gpus.get(SERVER))
+                runner.start(JOINER, [sys.executable, "-m", "rft.cli", "joiner", str(config_path)])
             _start_evaluator(cfg, runner, config_path, roles, gpus=gpus.get(EVALUATOR))
             progress = MetricsProgress(run_dir / "metrics.jsonl", cfg.run.max_steps) if cfg.monitor.progress else None
-            code = runner.supervise(main_part="trainer" if "trainer" in roles else None, on_tick=progress,
-                                    essential={"publisher"})
+            watch = StallWatch(cfg, run_dir / "metrics.jsonl") if "explorers" in roles else None
+            code = runner.supervise(main_part="trainer" if "trainer" in roles else None, on_tick=_ticks(progress, watch),
+                                    essential={"publisher", SERVER})
             if code == 0 and EVALUATOR in runner.parts:
                 runner.stop_all(keep=(EVALUATOR,))
                 runner.finish(EVALUATOR, timeout_s=cfg.eval.finish_timeout_s, on_tick=progress)
@@ -137,6 +145,18 @@ def run(cfg: Config) -> int:
         if code == 0 and "trainer" in roles:
             _plot(cfg)
         return code
+
+
+def _ticks(*calls):
+    """One supervision tick calling each of `calls` that is not None (None when none is)."""
+    calls = [c for c in calls if c is not None]
+    if not calls:
+        return None
+
+    def tick() -> None:
+        for call in calls:
+            call()
+    return tick
 
 
 def _start_evaluator(cfg: Config, runner: "PartRunner", config_path: Path, roles: tuple[str, ...], *,
@@ -185,7 +205,8 @@ def _publish_demonstrations(cfg: Config) -> bool:
 def run_stages(cfg: Config) -> int:
     """The stages of `cfg` in order, on one broker; a finished stage is skipped, a failed one ends the run."""
     (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    with KafkaEndpoint(cfg.kafka, log_path=cfg.run_dir / "logs" / "broker.log") as bootstrap:
+    with KafkaEndpoint(cfg.kafka, log_path=cfg.run_dir / "logs" / "broker.log",
+                       run_dir=cfg.run_dir) as bootstrap:
         cfg.kafka.bootstrap_servers = bootstrap
         (cfg.run_dir / "config.yaml").write_text(cfg.to_yaml())
         stages = resolve_stages(cfg)
@@ -284,6 +305,8 @@ def compute_parts(cfg: Config, roles: tuple[str, ...]) -> list[tuple[str, int]]:
         parts.append(("trainer", t.tensor_parallel * t.pipeline_parallel * t.data_parallel))
     if "explorers" in roles:
         parts += [(f"explorer-{i}", tp) for i in range(cfg.explorer.replicas)]
+    if "serve" in roles:
+        parts.append((SERVER, tp))
     if cfg.eval.every_steps and "trainer" in roles and mode(cfg.run.mode).publishes_weights:
         parts.append((EVALUATOR, tp))
     return parts

@@ -12,6 +12,10 @@ it is used (`staleness_bound()`):
     offline     none                 no         yes      no (replays a topic)       no
     explore     none                 yes        no       no trainer                 no
     train       none                 no         yes      yes (explorers elsewhere)  no
+    serve       none                 no         yes      yes (for `rft serve`)      no
+
+In serve mode the experience comes from traffic: `rft serve` answers requests with the newest weights and records
+them, the joiner turns rewarded completions into groups (rft/serve/); `rft run` starts both beside the trainer.
 
 Admission (`explorer.admission: staleness`, rft/explorer/admission.py) waits exactly when the mode has a
 bound; the trainer drops what exceeds it (rft/staleness.py). Every other module asks this one (`MODES`,
@@ -31,6 +35,7 @@ class Mode:
     explorers: bool  # `rft run` starts explorers
     trainer: bool  # `rft run` starts a trainer
     publishes_weights: bool  # the trainer publishes each version for explorers
+    serves: bool = False  # `rft run` starts `rft serve` and the joiner (experience from live traffic)
 
     @property
     def admission_waits(self) -> bool:
@@ -40,7 +45,8 @@ class Mode:
     @property
     def roles(self) -> tuple[str, ...]:
         """The parts `rft run` starts besides the broker and the task publisher."""
-        return tuple(role for role, on in (("trainer", self.trainer), ("explorers", self.explorers)) if on)
+        return tuple(role for role, on in (("trainer", self.trainer), ("explorers", self.explorers),
+                                           ("serve", self.serves)) if on)
 
     def staleness_bound(self, max_staleness: int) -> Optional[int]:
         """0, `max_staleness` (>= 0) or None (no bound)."""
@@ -60,6 +66,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("offline", "none", explorers=False, trainer=True, publishes_weights=False),
     Mode("explore", "none", explorers=True, trainer=False, publishes_weights=False),
     Mode("train", "none", explorers=False, trainer=True, publishes_weights=True),
+    Mode("serve", "none", explorers=False, trainer=True, publishes_weights=True, serves=True),
 )}
 
 

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rft.algorithms import build_algorithm, resolve_algorithm
+from rft.algorithms import build_algorithm
 from rft.config import ADMISSIONS, Config, ConfigError, EvalConfig, config_from_dict, load_config
 from rft.explorer.gym_tasks import GymError, build_dataset
 from rft.explorer.selectors import SelectionError, build_selector
@@ -105,8 +105,7 @@ def check_names(cfg: Config, source: str) -> None:
         check_operator_specs(cfg.trainer.operators)
         build_selector(cfg.data)
         resolve_priority(cfg.replay_buffer.priority)
-        resolve_algorithm(cfg.algorithm.name)
-        _check_replay_algorithm(cfg)
+        _check_algorithm(cfg)
         _check_eval_sets(cfg.eval)
         _check_generated_sets(cfg)
     except NAME_ERRORS as e:
@@ -114,9 +113,16 @@ def check_names(cfg: Config, source: str) -> None:
         raise ConfigError(message if message.startswith(f"{source}: ") else f"{source}: {message}") from None
 
 
-def _check_replay_algorithm(cfg: Config) -> None:
-    """Replayed groups are old experiences: the algorithm must be correct on them."""
-    if cfg.replay_buffer.groups_per_step and not build_algorithm(cfg.algorithm).supports_replay:
+def _check_algorithm(cfg: Config) -> None:
+    """The algorithm builds from its section (a name that resolves, options it accepts), and replayed groups, which
+    are old experiences, are ones it is correct on."""
+    try:
+        algorithm = build_algorithm(cfg.algorithm)
+    except ConfigError:
+        raise
+    except ValueError as e:  # an unknown name, or an object without the Algorithm interface: names algorithm.name
+        raise ConfigError(str(e)) from None
+    if cfg.replay_buffer.groups_per_step and not algorithm.supports_replay:
         raise ConfigError(f"replay_buffer.groups_per_step: replayed groups are old, and algorithm "
                           f"{cfg.algorithm.name!r} is not correct on old experiences as configured (set "
                           "algorithm.off_policy_correction: true, or use sft or dpo)")

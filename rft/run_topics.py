@@ -33,13 +33,15 @@ class RunTopics:
     control: str
     dead_letter: str
     explorers_group: str
+    served: str = ""  # serve mode: completions `rft serve` answered (rft/serve/)
+    feedback: str = ""  # serve mode: their rewards
 
     @classmethod
     def of(cls, cfg: Config) -> "RunTopics":
         """The names `cfg` gives its run (`Config.topic`, `consumer_group`)."""
         return cls(run=cfg.run.name, tasks=cfg.topic("tasks"), experiences=cfg.topic("experiences"),
                    control=cfg.topic("control"), dead_letter=cfg.topic("dead_letter"),
-                   explorers_group=consumer_group(cfg))
+                   explorers_group=consumer_group(cfg), served=cfg.topic("served"), feedback=cfg.topic("feedback"))
 
 
 def create_run_topics(topics: RunTopics, kafka: KafkaConfig, transport: Transport | None = None) -> None:

@@ -1,4 +1,5 @@
-"""Records that cross Kafka: tasks, experience groups and control messages (schema version 1).
+"""Records that cross Kafka: tasks, experience groups, control messages, and serve mode's served completions and
+feedback (schema version 1).
 
 Every message value is one msgpack map; arrays are raw little-endian buffers (msgpack `bin`) with
 fixed dtypes, so any language's msgpack library reads them without numpy. The schema version and the
@@ -27,6 +28,8 @@ HEADER_ERROR = "rft-error"  # on dead-letter records: why the record was rejecte
 TYPE_TASK = "task"
 TYPE_EXPERIENCE = "experience_group"
 TYPE_CONTROL = "control"
+TYPE_SERVED = "served"
+TYPE_FEEDBACK = "feedback"
 
 # Wire dtypes of the array fields (little-endian, fixed whatever the host).
 TOKEN_DTYPE = np.dtype("<i4")
@@ -113,6 +116,57 @@ class ControlMessage:
     created_at: float = field(default_factory=time.time)
 
 
+@dataclass
+class ServedChoice:
+    """One completion of a served request (choice `index` of the OpenAI response): tokens int32, log-probs float32."""
+    index: int
+    response_tokens: np.ndarray
+    logprobs: np.ndarray  # behaviour log-prob of each response token (the sampling distribution, as explorers')
+    finish_reason: str = ""
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ServedChoice):
+            return NotImplemented
+        return (self.index == other.index and self.finish_reason == other.finish_reason
+                and np.array_equal(self.response_tokens, other.response_tokens)
+                and np.array_equal(self.logprobs, other.logprobs, equal_nan=True))
+
+
+@dataclass
+class ServedCompletion:
+    """One request answered by `rft serve` (on `<prefix>.served`, key = request id): the prompt as the model saw
+    it, its `n` choices, the weights version that generated them. `prompt_key` names the prompt (a hash of its
+    tokens): completions of one prompt form a group. Times are epoch seconds: request received, answer done."""
+    run_id: str
+    request_id: str
+    prompt_key: str
+    prompt_tokens: np.ndarray
+    choices: list[ServedChoice]
+    policy_version: int
+    model: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)  # the sampling settings asked for
+    created_at: float = field(default_factory=time.time)
+    finished_at: float = field(default_factory=time.time)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ServedCompletion):
+            return NotImplemented
+        return (all(getattr(self, k) == getattr(other, k) for k in (
+            "run_id", "request_id", "prompt_key", "choices", "policy_version", "model", "metadata", "created_at",
+            "finished_at")) and np.array_equal(self.prompt_tokens, other.prompt_tokens))
+
+
+@dataclass
+class Feedback:
+    """A reward for choice `index` of served request `request_id` (on `<prefix>.feedback`, key = request id)."""
+    run_id: str
+    request_id: str
+    reward: float
+    index: int = 0
+    components: dict[str, float] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+
+
 # --------------------------------------------------------------------------------------------------
 # Encoding
 
@@ -121,7 +175,8 @@ def headers_for(record_type: str) -> list[tuple[str, bytes]]:
     return [(HEADER_SCHEMA, str(SCHEMA_VERSION).encode()), (HEADER_TYPE, record_type.encode())]
 
 
-def encode(record: TaskRecord | ExperienceGroup | ControlMessage) -> tuple[bytes, list[tuple[str, bytes]]]:
+def encode(record: TaskRecord | ExperienceGroup | ControlMessage | ServedCompletion | Feedback
+           ) -> tuple[bytes, list[tuple[str, bytes]]]:
     """Return (value, headers) for one record."""
     if isinstance(record, TaskRecord):
         body, kind = {
@@ -140,6 +195,21 @@ def encode(record: TaskRecord | ExperienceGroup | ControlMessage) -> tuple[bytes
     elif isinstance(record, ControlMessage):
         body, kind = {"kind": record.kind, "sender": record.sender, "body": record.body,
                       "created_at": record.created_at}, TYPE_CONTROL
+    elif isinstance(record, ServedCompletion):
+        body, kind = {
+            "run_id": record.run_id, "request_id": record.request_id, "prompt_key": record.prompt_key,
+            "prompt_tokens": _array_bytes(record.prompt_tokens, TOKEN_DTYPE), "policy_version": record.policy_version,
+            "model": record.model, "metadata": record.metadata, "created_at": record.created_at,
+            "finished_at": record.finished_at,
+            "choices": [{"index": c.index, "response_tokens": _array_bytes(c.response_tokens, TOKEN_DTYPE),
+                         "logprobs": _array_bytes(c.logprobs, LOGPROB_DTYPE), "finish_reason": c.finish_reason}
+                        for c in record.choices],
+        }, TYPE_SERVED
+    elif isinstance(record, Feedback):
+        body, kind = {"run_id": record.run_id, "request_id": record.request_id, "index": record.index,
+                      "reward": float(record.reward),
+                      "components": {k: float(v) for k, v in record.components.items()},
+                      "created_at": record.created_at}, TYPE_FEEDBACK
     else:
         raise TypeError(f"not an rft record: {type(record).__name__}")
     body["schema"] = SCHEMA_VERSION
@@ -178,7 +248,8 @@ def record_type(value: bytes, headers: list[tuple[str, bytes]] | None) -> str:
     return hdr.get(HEADER_TYPE, b"").decode(errors="replace")
 
 
-def decode(value: bytes, headers: list[tuple[str, bytes]] | None = None) -> TaskRecord | ExperienceGroup | ControlMessage:
+def decode(value: bytes, headers: list[tuple[str, bytes]] | None = None
+           ) -> TaskRecord | ExperienceGroup | ControlMessage | ServedCompletion | Feedback:
     """Decode any rft record. Headers are checked when given; the body is always checked."""
     expected = record_type(value, headers) if headers is not None else None
     body = _unpack(value)
@@ -192,6 +263,10 @@ def decode(value: bytes, headers: list[tuple[str, bytes]] | None = None) -> Task
     if kind == TYPE_CONTROL:
         return ControlMessage(kind=_get(body, "kind", str), sender=_get(body, "sender", str),
                               body=_get(body, "body", dict), created_at=_get(body, "created_at", float))
+    if kind == TYPE_SERVED:
+        return _decode_served(body)
+    if kind == TYPE_FEEDBACK:
+        return _decode_feedback(body)
     raise RecordError(f"unknown record type {kind!r}")
 
 
@@ -206,6 +281,20 @@ def decode_task(value: bytes, headers: list[tuple[str, bytes]] | None = None) ->
     record = decode(value, headers)
     if not isinstance(record, TaskRecord):
         raise RecordError(f"expected a task, got a {type(record).__name__}")
+    return record
+
+
+def decode_served(value: bytes, headers: list[tuple[str, bytes]] | None = None) -> ServedCompletion:
+    record = decode(value, headers)
+    if not isinstance(record, ServedCompletion):
+        raise RecordError(f"expected a served completion, got a {type(record).__name__}")
+    return record
+
+
+def decode_feedback(value: bytes, headers: list[tuple[str, bytes]] | None = None) -> Feedback:
+    record = decode(value, headers)
+    if not isinstance(record, Feedback):
+        raise RecordError(f"expected feedback, got a {type(record).__name__}")
     return record
 
 
@@ -287,3 +376,46 @@ def _array(raw: dict[str, Any], key: str, dtype: np.dtype) -> np.ndarray:
     if len(buf) % dtype.itemsize:
         raise RecordError(f"{key}: {len(buf)} bytes is not a whole number of {dtype.name} values (truncated?)")
     return np.frombuffer(buf, dtype=dtype).astype(dtype.newbyteorder("="))
+
+
+def _decode_served(body: dict[str, Any]) -> ServedCompletion:
+    raw_choices = _get(body, "choices", list)
+    if not raw_choices:
+        raise RecordError("served completion has no choices")
+    choices = []
+    for position, raw in enumerate(raw_choices):
+        if not isinstance(raw, dict):
+            raise RecordError(f"choices[{position}]: expected a map")
+        try:
+            tokens, logprobs = _array(raw, "response_tokens", TOKEN_DTYPE), _array(raw, "logprobs", LOGPROB_DTYPE)
+            if len(tokens) != len(logprobs):
+                raise RecordError(f"logprobs has {len(logprobs)} entries for {len(tokens)} response tokens")
+            if not np.all(np.isfinite(logprobs)):
+                raise RecordError("logprobs contain NaN or infinity")
+            choices.append(ServedChoice(index=_get(raw, "index", int), response_tokens=tokens, logprobs=logprobs,
+                                        finish_reason=_get(raw, "finish_reason", str)))
+        except RecordError as e:
+            raise RecordError(f"choices[{position}]: {e}") from None
+    if sorted(c.index for c in choices) != list(range(len(choices))):
+        raise RecordError(f"choices: indices {[c.index for c in choices]} are not 0..{len(choices) - 1}")
+    return ServedCompletion(run_id=_get(body, "run_id", str), request_id=_get(body, "request_id", str),
+                            prompt_key=_get(body, "prompt_key", str),
+                            prompt_tokens=_array(body, "prompt_tokens", TOKEN_DTYPE), choices=choices,
+                            policy_version=_get(body, "policy_version", int), model=_get(body, "model", str),
+                            metadata=_get(body, "metadata", dict), created_at=_get(body, "created_at", float),
+                            finished_at=_get(body, "finished_at", float))
+
+
+def _decode_feedback(body: dict[str, Any]) -> Feedback:
+    reward = _get(body, "reward", float)
+    try:
+        components = {str(k): float(v) for k, v in _get(body, "components", dict).items()}
+    except (TypeError, ValueError) as e:
+        raise RecordError(f"components: {e}") from None
+    if not math.isfinite(reward) or not all(math.isfinite(v) for v in components.values()):
+        raise RecordError("reward is NaN or infinite")
+    index = _get(body, "index", int)
+    if index < 0:
+        raise RecordError(f"index must be >= 0, got {index}")
+    return Feedback(run_id=_get(body, "run_id", str), request_id=_get(body, "request_id", str), reward=reward,
+                    index=index, components=components, created_at=_get(body, "created_at", float))

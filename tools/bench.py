@@ -10,6 +10,9 @@ BENCHMARKS = {
     "generate": "tools.bench_generate:main",
     "modes": "tools.bench_modes:main",
     "learn": "tools.bench_learn:main",
+    "membership": "tools.bench_membership:main",
+    "simulate": "tools.simulate:main",
+    "serve": "tools.bench_serve:main",
 }
 
 

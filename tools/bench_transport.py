@@ -11,12 +11,19 @@ turns `--repeat` times and the fastest run of each is reported (the machine may 
 10^6 bytes of record values; produce time runs from the first `send` until `flush` returns (every
 record acknowledged), consume time from the first poll until the last record arrived. Records are
 encoded before the clock starts: this measures the transport, not msgpack.
+
+`--durable`: the same against the durable local broker (`LocalBroker(data_dir=...)`: Tansu on rft.s3store, every
+object fsynced before it is acknowledged), its data in a temporary directory under the current one (or `--data
+DIR`), removed afterwards; compare with a run without it (the in-memory broker).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -194,10 +201,12 @@ def best_result(client: str, size: str, payloads: list[Payload], timings: list[t
                   consume_mb_s=volume_mb / consume_s, consume_records_s=n / consume_s)
 
 
-def run_benchmark(clients: list[str], counts: dict[str, int], repeats: int, cfg: KafkaConfig) -> list[Result]:
-    """One local broker; per size, the clients take turns `repeats` times, each with a fresh topic."""
+def run_benchmark(clients: list[str], counts: dict[str, int], repeats: int, cfg: KafkaConfig,
+                  data_dir: str | Path | None = None) -> list[Result]:
+    """One local broker (durable on `data_dir` when given); per size, the clients take turns `repeats` times, each
+    with a fresh topic."""
     results = []
-    with LocalBroker() as broker:
+    with LocalBroker(data_dir=data_dir) as broker:
         admin = connect(cfg, broker.bootstrap_servers).admin()
         try:
             for size, target in SIZES.items():
@@ -209,7 +218,7 @@ def run_benchmark(clients: list[str], counts: dict[str, int], repeats: int, cfg:
                         admin.create_topics([topic])
                         timings[client].append(produce_then_consume(client, topic, payloads, cfg=cfg,
                                                                     bootstrap=broker.bootstrap_servers))
-                        admin.delete_topics([topic])  # the in-memory broker would keep every copy
+                        admin.delete_topics([topic])  # the broker would keep every copy
                 results += [best_result(c, size, payloads, timings[c]) for c in clients]
         finally:
             admin.close()
@@ -256,17 +265,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=2, help="runs per measurement; the fastest is reported")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--no-reference", action="store_true", help="skip confluent-kafka even if installed")
+    parser.add_argument("--durable", action="store_true", help="the durable local broker instead of the in-memory "
+                        "one (its data in a temporary directory here, or --data)")
+    parser.add_argument("--data", default=None, metavar="DIR", help="--durable: keep the broker data in DIR (kept)")
     args = parser.parse_args(argv)
     if args.records < LARGE_RECORD_SHARE:
         parser.error(f"--records must be at least {LARGE_RECORD_SHARE}")
     clients = ["kafka-python"] + (["confluent-kafka"] if confluent_available() and not args.no_reference else [])
     counts = {"20KB": args.records, "1MB": args.records // LARGE_RECORD_SHARE}
-    results = run_benchmark(clients, counts, max(1, args.repeat), KafkaConfig(partitions=4))
+    data_dir = (args.data or tempfile.mkdtemp(prefix=".bench-broker-", dir=".")) if args.durable else None
+    try:
+        results = run_benchmark(clients, counts, max(1, args.repeat), KafkaConfig(partitions=4), data_dir=data_dir)
+    finally:
+        if data_dir is not None and args.data is None:
+            shutil.rmtree(data_dir, ignore_errors=True)
     ratio = ratios(results)
+    broker = "durable" if args.durable else "memory"
     if args.json:
-        print(json.dumps({"unit": "MB = 1e6 bytes of record values", "results": [asdict(r) for r in results],
+        print(json.dumps({"unit": "MB = 1e6 bytes of record values", "broker": broker,
+                          "results": [asdict(r) for r in results],
                           "ratio_confluent_over_kafka_python": ratio, "targets_met": targets(results, ratio)}))
     else:
+        print(f"broker: local Tansu, {'durable (rft.s3store, fsync)' if args.durable else 'in memory'}")
         print_table(results, ratio)
         if "confluent-kafka" not in clients:
             print("confluent-kafka not measured (not installed, or --no-reference)")

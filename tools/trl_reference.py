@@ -18,7 +18,8 @@ rft config describes:
   (`per_device_train_batch_size` = their product, `num_generations` = n_samples), `trainer.lr` constant (no warm-up,
   no decay, as rft's trainer), Adam betas, weight decay and gradient clipping from `trainer`, `temperature` and
   `top_p` from `explorer`, at most min(`explorer.max_tokens`, `model.max_response_len`) new tokens, `beta` =
-  `algorithm.kl_coef`, `epsilon` = `algorithm.clip_eps`, `loss_type` dapo for `loss_agg: token_mean` (the token mean
+  `algorithm.kl_coef`, `epsilon` / `epsilon_high` = `algorithm.clip_eps_low` / `clip_eps_high` (each
+  `algorithm.clip_eps` when null), `loss_type` dapo for `loss_agg: token_mean` (the token mean
   over the step) and grpo for seq_mean, rewards scaled by the group std unless `algorithm.std_normalize: false`;
   `model.dtype` decides bf16 / fp16 / fp32; no gradient checkpointing (TRL's default
   recomputes activations to save memory, which rft's trainer does not do). Only `algorithm.name: grpo` has a TRL counterpart here.
@@ -175,7 +176,9 @@ def grpo_config(cfg: Config, *, out: Path, steps: int | None, use_cpu: bool):
         num_generations=e.n_samples, max_completion_length=min(e.max_tokens, cfg.model.max_response_len),
         temperature=e.temperature, top_p=e.top_p, top_k=0, learning_rate=t.lr, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
-        max_grad_norm=t.grad_clip, beta=a.kl_coef, epsilon=a.clip_eps, loss_type=LOSS_TYPES[a.loss_agg],
+        max_grad_norm=t.grad_clip, beta=a.kl_coef, loss_type=LOSS_TYPES[a.loss_agg],
+        epsilon=a.clip_eps if a.clip_eps_low is None else a.clip_eps_low,
+        epsilon_high=a.clip_eps if a.clip_eps_high is None else a.clip_eps_high,
         scale_rewards="group" if a.std_normalize else "none", max_steps=steps or UNLIMITED_STEPS,
         bf16=cfg.model.dtype == "bfloat16", fp16=cfg.model.dtype == "float16", logging_steps=1,
         save_strategy="no", report_to="none", use_cpu=use_cpu, seed=cfg.run.seed, shuffle_dataset=False,

@@ -6,9 +6,12 @@ Advantages, for one group of n samples (one task) with rewards r_1..r_n:
 
 Loss of response token t of sample i (A_i broadcast over the sample's tokens):
     rho_t = exp(logp_t - prox_t)
-    l_t   = -w_t * min(rho_t * A_i, clip(rho_t, 1 - clip_eps, 1 + clip_eps) * A_i)  +  kl_coef * k3_t
+    l_t   = -w_t * min(rho_t * A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_i)  +  kl_coef * k3_t
     k3_t  = exp(ref_t - logp_t) - (ref_t - logp_t) - 1       (Schulman's k3 estimator of KL(pi_theta || pi_ref))
-reduced to the step loss by `algorithm.loss_agg` (see aggregation.py).
+reduced to the step loss by `algorithm.loss_agg` (see aggregation.py). eps_low / eps_high are
+`algorithm.clip_eps_low` / `clip_eps_high`, each `clip_eps` when null; a larger eps_high is DAPO's clip-higher.
+Subclasses replace the policy term (`policy_loss`: GSPO, CISPO) or the advantages (RLOO, REINFORCE++) and keep
+the rest: the KL term, the behaviour weight w, aggregation and the common metrics.
 
 Which log-probs play which role:
 - logp  = `token_logprobs`: the current policy pi_theta, the only differentiated input.
@@ -43,13 +46,20 @@ ADVANTAGE_EPS = 1e-6
 
 @register("grpo")
 class GRPO:
-    """Subclasses that only change `group_advantages` (or `advantages`) are the REINFORCE-style variants."""
+    """Subclasses that only change `group_advantages` (or `advantages`) are the REINFORCE-style variants; those that
+    change `policy_loss` (and `default_clip`, `loss_agg`) are the other group policy losses."""
+
+    default_clip: "tuple[float, float] | None" = None  # (eps_low, eps_high) when the config's are null; None: clip_eps
 
     def __init__(self, cfg: "AlgorithmConfig"):
         self.cfg = cfg
         self.needs_reference = cfg.kl_coef > 0
         # Recorded experiences of any age are usable only when the loss corrects for the behaviour policy.
         self.supports_replay = cfg.off_policy_correction
+        self.loss_agg = cfg.loss_agg
+        low, high = self.default_clip or (cfg.clip_eps, cfg.clip_eps)
+        self.clip_low = low if cfg.clip_eps_low is None else cfg.clip_eps_low
+        self.clip_high = high if cfg.clip_eps_high is None else cfg.clip_eps_high
 
     # ---------------------------------------------------------------------------------------------- advantages
 
@@ -70,14 +80,9 @@ class GRPO:
         check_micro_batch(token_logprobs, micro_batch, keys + (["ref_logprobs"] if self.needs_reference else []),
                           algorithm=self.name)
         logp, mask = token_logprobs.float(), micro_batch["loss_mask"] > 0
-        advantage = micro_batch["advantages"].float()[:, None]
         prox, weight = self._proximal(logp, micro_batch)
-
-        ratio = torch.exp(torch.where(mask, logp - prox, 0.0))
-        clipped = ratio.clamp(1 - self.cfg.clip_eps, 1 + self.cfg.clip_eps)
-        per_token = -weight * torch.minimum(ratio * advantage, clipped * advantage)
-        metrics = {"pg_loss": aggregate(per_token, micro_batch, self.cfg.loss_agg).detach(),
-                   "clip_frac": token_metric((clipped * advantage < ratio * advantage).float(), micro_batch),
+        per_token, metrics = self.policy_loss(logp, micro_batch, prox, weight)
+        metrics = {"pg_loss": aggregate(per_token, micro_batch, self.loss_agg).detach(), **metrics,
                    "importance_weight_mean": token_metric(weight, micro_batch),
                    "neg_logprob": token_metric(-logp, micro_batch)}
         if self.cfg.off_policy_correction:
@@ -87,7 +92,17 @@ class GRPO:
             kl = k3(micro_batch["ref_logprobs"] - logp, mask)  # KL(pi_theta || pi_ref), tokens drawn from pi_theta
             per_token = per_token + self.cfg.kl_coef * kl
             metrics["kl"] = token_metric(kl, micro_batch)
-        return aggregate(per_token, micro_batch, self.cfg.loss_agg), metrics
+        return aggregate(per_token, micro_batch, self.loss_agg), metrics
+
+    def policy_loss(self, logp: torch.Tensor, micro_batch: MicroBatch, prox: torch.Tensor,
+                    weight: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+        """The policy term per token [b, T] (before aggregation; masked tokens are ignored there) and its own
+        metrics (contributions to step-wide sums). Here: the clipped surrogate of the module docstring."""
+        mask, advantage = micro_batch["loss_mask"] > 0, micro_batch["advantages"].float()[:, None]
+        ratio = torch.exp(torch.where(mask, logp - prox, 0.0))
+        clipped = ratio.clamp(1 - self.clip_low, 1 + self.clip_high)
+        per_token = -weight * torch.minimum(ratio * advantage, clipped * advantage)
+        return per_token, {"clip_frac": token_metric((clipped * advantage < ratio * advantage).float(), micro_batch)}
 
     def _proximal(self, logp: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(prox log-probs, behaviour importance weight w); see the module docstring for the roles."""

@@ -1,6 +1,6 @@
 """Algorithm registry: `algorithm.name` -> an object with `advantages` and `loss_fn`.
 
-A name is either a registered key (`grpo`, `rloo`, `reinforce_pp`, `dpo`, `sft`) or an import path
+A name is either a registered key (`grpo`, `rloo`, `reinforce_pp`, `gspo`, `cispo`, `dpo`, `sft`) or an import path
 `package.module:object`, where the object is a class or factory called with the `AlgorithmConfig`. Either way
 the result is checked against the `Algorithm` interface below, so a bad name fails when the run is built,
 with a message that says what is wrong.

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 from rft.config import Config, ConfigError, load_config
 from rft.control import ExplorerJoin, ExplorerLeave, TrainerFinished, TrainerStarted, control_messages
 from rft.schema import ControlMessage
-from rft.status import RunStatus, explorer_rows, topic_lags
+from rft.status import RunStatus, explorer_rows, tasks_group_of, topic_lags
 from rft.transport import Transport, connect
 
 LAGS_EVERY_S = 3.0  # how often the consumer lags are asked of the broker
@@ -169,7 +169,9 @@ class ControlFollower:
                 for message in sorted(messages, key=lambda m: m.created_at):  # partitions interleave
                     self._apply(message)
             if time.monotonic() - self._lags_at > LAGS_EVERY_S:
-                lags = topic_lags(cfg, self._source, self._admin, dict(self.status.trainer.offsets))
+                with self.lock:
+                    consumed, group = dict(self.status.trainer.offsets), tasks_group_of(cfg, self.status)
+                lags = topic_lags(cfg, self._source, self._admin, consumed, group)
                 with self.lock:
                     self.lags, self._lags_at = lags, time.monotonic()
         except Exception as e:  # the broker went away: TransportError, or kafka-python's own errors

@@ -5,6 +5,10 @@
   (`final` on a tie, or when its step is unknown);
 - a Hugging Face model directory; a weight store version `.../vNNNNNNNN` is step NNNNNNNN, the run's `final` is the
   step of the trainer's last checkpoint, any other directory has no step.
+
+A weight store version (named, or what `latest` finds) is checked against its manifest before it is evaluated, as
+explorers check what they load (`rft.weights.store.verify_version`; checksums with `sync.verify`): a truncated or
+altered version is a CheckpointError naming the file, not a score of damaged weights.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rft.config import ModelConfig
-from rft.weights.store import LATEST, WeightStore, version_of
+from rft.weights.store import LATEST, WeightStore, WeightStoreError, verify_version, version_of
 
 
 class CheckpointError(ValueError):
@@ -27,15 +31,23 @@ class Checkpoint:
     step: int | None  # the policy version, when known
 
 
-def resolve_checkpoint(spec: str, model: ModelConfig, *, run_dir: Path, store_root: Path) -> Checkpoint:
+def resolve_checkpoint(spec: str, model: ModelConfig, *, run_dir: Path, store_root: Path,
+                       checksums: bool = True) -> Checkpoint:
     """The checkpoint SPEC names (see the module docstring) for the run in `run_dir` (`<output_dir>/<run name>`),
-    whose weight store is in `store_root` (read only, never created)."""
+    whose weight store is in `store_root` (read only, never created); a weight store version is verified against its
+    manifest (`checksums`: SHA-256 too, not only sizes)."""
     if spec == "initial":
         return Checkpoint("initial", _model_dir(Path(model.path), "initial (model.path)"), 0)
-    if spec == "latest":
-        return _latest(run_dir, store_root)
-    path = _model_dir(Path(spec), spec)
-    return Checkpoint(spec, path, _step_of(path, run_dir))
+    checkpoint = _latest(run_dir, store_root) if spec == "latest" else Checkpoint(
+        spec, _model_dir(Path(spec), spec), _step_of(Path(spec), run_dir))
+    version = version_of(checkpoint.path)
+    if version is not None:
+        try:
+            verify_version(checkpoint.path, version, checksums=checksums)
+        except (WeightStoreError, FileNotFoundError) as e:
+            raise CheckpointError(f"--checkpoint {spec}: weight store version {version} does not match its "
+                                  f"manifest, not evaluated: {e}") from None
+    return checkpoint
 
 
 def _model_dir(path: Path, spec: str) -> Path:

@@ -40,7 +40,7 @@ from rft.explorer.engine import build_engine
 from rft.explorer.tasks import DatasetError, TaskSet, load_rows, rows_to_tasks
 from rft.monitor import MetricsLogger
 from rft.rewards import RewardContext, build_reward
-from rft.weights.store import WeightStore, store_root
+from rft.weights.store import WeightStore, WeightStoreError, store_root, verify_version
 from rft.weights.subscriber import load_newest_weights
 from rft.workflows import build_workflow
 
@@ -180,18 +180,24 @@ class EvalSchedule:
 
 
 def follow(evaluator: Evaluator, store: "WeightStore", *, initial: Path, stop: threading.Event,
-           finish: threading.Event) -> int:
+           finish: threading.Event, checksums: bool = True) -> int:
     """Evaluate the versions the run publishes to `store` as the schedule (`eval.every_steps`) says, until `stop`,
     or until `finish` is set and the newest version has been evaluated. The evaluator's engine starts on `initial`
-    (`model.path`, version 0). Closes the evaluator."""
+    (`model.path`, version 0). A version that does not match its manifest (`checksums`: SHA-256 too) is passed over
+    with a warning. Closes the evaluator."""
     schedule = EvalSchedule(evaluator.evaluation.every_steps)
+    refused: set[int] = set()
     try:
         while not stop.is_set():
             finishing = finish.is_set()
             latest = store.latest()
             if schedule.due(latest[0] if latest else 0, finishing=finishing):
-                load_newest_weights(evaluator.engine, lambda: _due_or_newest(store, schedule, finishing))
+                load_newest_weights(evaluator.engine, lambda: _due_or_newest(store, schedule, finishing, refused,
+                                                                               checksums=checksums))
                 version = evaluator.engine.weights_version
+                if schedule.last is not None and version <= schedule.last:  # the due versions were refused
+                    schedule.done(max(refused | {version}))
+                    continue
                 path = store.path(version) if latest else initial
                 scores = evaluator.evaluate(Checkpoint(f"version {version}", path, version))
                 schedule.done(version)
@@ -207,11 +213,29 @@ def follow(evaluator: Evaluator, store: "WeightStore", *, initial: Path, stop: t
     return 0
 
 
-def _due_or_newest(store: "WeightStore", schedule: EvalSchedule, finishing: bool) -> tuple[int, Path] | None:
+def _due_or_newest(store: "WeightStore", schedule: EvalSchedule, finishing: bool, refused: set[int], *,
+                   checksums: bool = True) -> tuple[int, Path] | None:
     """The version due next while the store still has it (the follower fell behind less than `sync.keep_versions`
-    versions), else the newest."""
+    versions), else the newest; either only if it matches its manifest (`verify_version`, as explorers check what
+    they load). A version that does not is logged once and added to `refused`."""
     due = store.path(schedule.next_due)
-    return (schedule.next_due, due) if not finishing and due.is_dir() else store.latest()
+    candidates = [(schedule.next_due, due)] if not finishing and due.is_dir() else []
+    newest = store.latest()
+    if newest is not None and newest not in candidates:
+        candidates.append(newest)
+    for version, path in candidates:
+        if version in refused:
+            continue
+        try:
+            verify_version(path, version, checksums=checksums)
+        except FileNotFoundError:
+            continue  # garbage-collected meanwhile
+        except WeightStoreError as e:
+            log.warning("not evaluating weights version %d: it does not match its manifest: %s", version, e)
+            refused.add(version)
+            continue
+        return version, path
+    return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -248,7 +272,8 @@ def main(argv: list[str]) -> int:
         return 2
     root = store_root(cfg.sync, cfg.run_dir)
     try:
-        checkpoints = [resolve_checkpoint(spec, cfg.model, run_dir=cfg.run_dir, store_root=root)
+        checkpoints = [resolve_checkpoint(spec, cfg.model, run_dir=cfg.run_dir, store_root=root,
+                                          checksums=cfg.sync.verify)
                        for spec in args.checkpoint or []]
         task_sets = load_eval_sets(cfg.eval, cfg.explorer, cfg.model, run_id=cfg.run.name, seed=cfg.run.seed)
     except (CheckpointError, DatasetError, ConfigError) as e:
@@ -257,7 +282,7 @@ def main(argv: list[str]) -> int:
     if args.follow:
         evaluator = build_evaluator(cfg, task_sets, progress=False)  # model.path holds version 0
         return follow(evaluator, WeightStore.for_sync(cfg.sync, cfg.run_dir), initial=Path(cfg.model.path),
-                      stop=_stop_on_signals(), finish=_finish_on_sigusr1())
+                      stop=_stop_on_signals(), finish=_finish_on_sigusr1(), checksums=cfg.sync.verify)
     evaluator = build_evaluator(cfg, task_sets, model_path=str(checkpoints[0].path), progress=cfg.monitor.progress)
     results = evaluate_checkpoints(evaluator, checkpoints)
     print(format_table(results, cfg.eval.k))

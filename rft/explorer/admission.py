@@ -28,7 +28,8 @@ capacity.
 Where the reading comes from: a `FleetFeed`. In production `KafkaFleetFeed` replays the control topic into a
 ControlView (the trainer announces its version and consumed offsets after every step and, while it waits for
 data, every few seconds, so records it skipped never block admission; explorers are live when heard from within
-three heartbeat intervals) and reads the experiences topic's end offsets, at most every `refresh_s`. A reading
+three heartbeat intervals) and reads the experiences topic's end offsets, at most every `refresh_s`; an explorer
+that admission refused waits on the control topic (`wait`) and reads again as soon as a message arrives. A reading
 rebuilds the count (`resync`): after an explorer or trainer restart, or to correct drift. Rollouts that were
 running in a dead explorer are gone (their tasks are re-explored), so `running` restarts at 0. Counting slots
 rather than all groups ever accepted matters because groups the trainer drops never take a slot. A restarted
@@ -56,7 +57,9 @@ class Admission(Protocol):
     """How many rollouts may start now. Required: `admit(n) -> int`, 0 <= result <= n, called before each
     batch with the number of tasks at hand. Optional hooks, called when the object has them:
     `finish(k)` after k admitted groups were acknowledged by the broker, `fail(k)` for k admitted tasks
-    given up (dead-lettered), `set_version(v)` after weights v were loaded (v never decreases)."""
+    given up (dead-lettered), `set_version(v)` after weights v were loaded (v never decreases),
+    `wait(seconds)` after an admission let nothing start: block until something that may change the answer
+    happens (for StalenessAdmission: a control message, e.g. the trainer's next version) or `seconds` pass."""
 
     def admit(self, n: int) -> int: ...
 
@@ -88,7 +91,8 @@ class FleetReading:
 
 class FleetFeed(Protocol):
     """A source of readings: `read()` returns a new reading, or None when there is nothing new or it cannot
-    be read now (the last reading stays in force: admission errs on the side of waiting)."""
+    be read now (the last reading stays in force: admission errs on the side of waiting). Optional:
+    `wait(timeout_s) -> bool`, block until news arrives (True) or `timeout_s` passes (False)."""
 
     def read(self) -> FleetReading | None: ...
     def close(self) -> None: ...
@@ -163,6 +167,19 @@ class StalenessAdmission:
         """Recount the fleet's accepted groups from a reading (see the module docstring)."""
         with self._lock:
             self._resync(FleetReading(trainer_version=trainer_version, backlog=backlog, explorers=explorers))
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until the feed has news (then the next `admit` reads it at once, whatever `refresh_s` says) or
+        `timeout_s` passes; True on news. Without a feed that can wait, sleeps. What makes sync mode pay no polling
+        interval: an explorer refused for want of the trainer's next version wakes on its announcement."""
+        wait = getattr(self.feed, "wait", None)
+        if wait is None or self.max_staleness is None:
+            time.sleep(timeout_s)
+            return False
+        news = wait(timeout_s)
+        if news:
+            self._last_read = -float("inf")
+        return news
 
     def state(self) -> AdmissionState:
         with self._lock:
@@ -240,6 +257,22 @@ class KafkaFleetFeed:
         explorers = self.view.live_explorers(time.time(), self.live_horizon_s)
         return FleetReading(trainer_version=self.view.trainer.version, backlog=self.backlog(),
                             explorers=max(1, explorers))
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block on the control topic until a message arrives (applied to the view; True) or `timeout_s` passes
+        (False). The broker answers a fetch as soon as a record is there, so this wakes within milliseconds of
+        the trainer's announcement."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                records = [m for m in self._source.poll(timeout_s=left, max_records=10_000)
+                           if m.topic == self.control_topic]
+                if records:
+                    self.view.apply_records(records)
+                    return True
+        except TransportError as e:
+            log.warning("admission: %s while waiting for the control topic", e)
+        return False
 
     def backlog(self) -> int:
         """Experience records produced and not consumed by the trainer (as it last announced)."""

@@ -45,11 +45,14 @@ class EngineError(RuntimeError):
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """Per-call sampling: `n` completions per prompt of at most `max_tokens` new tokens."""
+    """Per-call sampling: `n` completions per prompt of at most `max_tokens` new tokens. `stop`: strings that end a
+    completion (finish reason "stop"; the text ends before the string, the tokens keep what was generated through
+    it), as OpenAI's `stop` (`rft serve`)."""
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 32
+    stop: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, explorer: "ExplorerConfig", model: "ModelConfig") -> "SamplingSettings":
@@ -219,7 +222,7 @@ class VLLMEngine(_TokenizerMixin):
 
         params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                 max_tokens=sampling.max_tokens, logprobs=0,
-                                stop_token_ids=self.stop_token_ids or None)
+                                stop_token_ids=self.stop_token_ids or None, stop=list(sampling.stop) or None)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)
         return [Generation(list(o.prompt_token_ids), [self._completion(c) for c in o.outputs]) for o in outputs]
@@ -345,17 +348,26 @@ class TransformersEngine(_TokenizerMixin):
         # scores are the processed logits the sampler drew from (after temperature / top-p)
         logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
         # greedy: HF generates one sequence; the n samples are its copies (as vLLM's n greedy samples are)
-        completions = [self._completion(new_tokens[0 if greedy else i].tolist(), logprobs[0 if greedy else i])
-                       for i in range(sampling.n)]
+        completions = [self._completion(new_tokens[0 if greedy else i].tolist(), logprobs[0 if greedy else i],
+                                        sampling.stop) for i in range(sampling.n)]
         return Generation(prompt, completions)
 
-    def _completion(self, tokens: list[int], logprobs) -> Completion:
-        """Up to and including the first stop token (generate pads the rest of the batch row)."""
+    def _completion(self, tokens: list[int], logprobs, stop: Sequence[str] = ()) -> Completion:
+        """Up to and including the first stop token (generate pads the rest of the batch row), or the token that
+        completes the first stop string (its text ends before the string)."""
         end = next((i + 1 for i, t in enumerate(tokens) if t in self.stops), len(tokens))
         kept = tokens[:end]
-        values = [float(logprobs[i, t]) for i, t in enumerate(kept)]
         stopped = bool(kept) and kept[-1] in self.stops
-        return Completion(token_ids=kept, logprobs=values, text=self.decode(kept),
+        text = self.decode(kept)
+        if stop and any(s in text for s in stop):
+            for i in range(1, len(kept) + 1):
+                prefix = self.decode(kept[:i])
+                hits = [prefix.index(s) for s in stop if s in prefix]
+                if hits:
+                    kept, text, stopped = kept[:i], prefix[:min(hits)], True
+                    break
+        values = [float(logprobs[i, t]) for i, t in enumerate(kept)]
+        return Completion(token_ids=kept, logprobs=values, text=text,
                           finish_reason="stop" if stopped else "length", weights_version=self.weights_version)
 
     def next_token_probs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:

@@ -1,7 +1,8 @@
 """The online task publisher, for selectors that read rewards (`data.selector: curriculum`).
 
 It keeps at most `data.tasks_ahead` tasks on the tasks topic that the explorers have not yet finished (the lag of
-the consumer group `<run>.explorers`: end offsets minus committed offsets), and picks each next task from the
+the explorers' consumer group, `<run>.explorers` or the group their membership watchdog moved them to: end offsets
+minus committed offsets), and picks each next task from the
 reward statistics read so far from the experiences topic (rft/explorer/selectors.py). It owns no state of its
 own: on (re)start, `restore()` counts what the tasks topic holds and reads every recorded experience, so a
 restarted publisher continues the sequence. It stops when every task set is used up, or when asked to.
@@ -20,6 +21,7 @@ import threading
 
 from rft.commandline import add_config_arguments, config_from_args
 from rft.config import Config, DataConfig, ExplorerConfig, KafkaConfig
+from rft.explorer.membership import GroupFollower
 from rft.explorer.selectors import RewardStats, TaskPicker, selector_needs_rewards
 from rft.explorer.tasks import DatasetError, build_picker, ensure_tasks_topic, publish_tasks
 from rft.run_topics import RunTopics, create_run_topics
@@ -49,12 +51,14 @@ class OnlinePublisher:
         self.stats = RewardStats(run_id=topics.run)
         self.ahead = tasks_ahead(data, explorer)
         self.topic = ensure_tasks_topic(topics, kafka, self.bootstrap)
-        self.group = topics.explorers_group
         self._ends: dict[str, int] = {}  # tasks topic: next offset per partition, from the broker's acks
         self._starts: dict[str, int] = {}
         self.sink = self.transport.sink(client_id=f"{topics.run}-publisher")
         self.admin = self.transport.admin()
         self.admin.create_topics([topics.experiences], partitions=kafka.experience_partitions)
+        self.admin.create_topics([topics.control])
+        self.groups = GroupFollower(self.transport, topics.explorers_group, topics.control,
+                                    client_id=f"{topics.run}-publisher-groups")  # the explorers may move group
         self.rewards = self.transport.source(client_id=f"{topics.run}-publisher-rewards")
 
     # -- state, rebuilt from the topics
@@ -103,7 +107,7 @@ class OnlinePublisher:
     # -- publishing
     def backlog(self) -> int:
         """Tasks published that the explorers have not committed (consumer-group lag on the tasks topic)."""
-        committed = self.admin.group_offsets(self.group)
+        committed = self.admin.group_offsets(self.groups.group)
         return sum(max(0, end - max(committed.get(k, -1), self._starts.get(k, 0))) for k, end in self._ends.items())
 
     def publish(self, n: int) -> list[TaskRecord]:
@@ -130,6 +134,7 @@ class OnlinePublisher:
         return published
 
     def close(self) -> None:
+        self.groups.close()
         self.rewards.close()
         self.admin.close()
         self.sink.close()

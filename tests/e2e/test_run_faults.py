@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,110 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from rft.config import KafkaConfig
 from rft.schema import ControlMessage, decode, decode_group
-from rft.transport import connect
+from tools.run_support import (REPO, assert_trained_exactly_once, consumed, finish, free_port, kill_matching,
+                               no_process_left, read_topic, rft_run, start, steps_done, wait_for_step, write_config)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
-
-REPO = Path(__file__).resolve().parents[2]
-GROUPS_PER_STEP = 4
-
-
-def write_config(tmp_path: Path, model: Path, name: str, **sections) -> Path:
-    config = {
-        "run": {"name": name, "max_steps": 6, "output_dir": str(tmp_path / "runs")},
-        "model": {"path": str(model), "max_prompt_len": 8, "max_response_len": 1},
-        "kafka": {"bootstrap_servers": "embedded", "partitions": 2},
-        "explorer": {"replicas": 2, "n_samples": 4, "max_tokens": 1, "tasks_per_batch": 4, "reward": "char_accuracy",
-                     "heartbeat_s": 1.0},
-        "trainer": {"groups_per_step": GROUPS_PER_STEP, "micro_batch_size": 16, "lr": 3e-3, "checkpoint_every": 2,
-                    "poll_timeout_s": 120},
-        "data": {"format": "generated", "path": "copy_char", "generated_tasks": 400, "epochs": 20},
-        "monitor": {"progress": True},
-    }
-    for section, values in sections.items():
-        config.setdefault(section, {}).update(values)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def start(command: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(command, cwd=REPO, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-
-
-def rft_run(config: Path, log: Path) -> subprocess.Popen:
-    return start([sys.executable, "-m", "rft.cli", "run", str(config)], log)
-
-
-def steps_done(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def wait_for_step(process: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not any(m["step"] >= step for m in steps_done(run_dir)):
-        assert process.poll() is None, f"run ended early ({process.returncode}):\n{log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"no step {step} after {timeout_s} s:\n{log.read_text()[-4000:]}"
-        time.sleep(0.5)
-
-
-def finish(process: subprocess.Popen, log: Path, timeout_s: float = 400) -> int:
-    try:
-        return process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        pytest.fail(f"run did not finish in {timeout_s} s:\n{log.read_text()[-4000:]}")
-
-
-def matching(*needles: str) -> list[int]:
-    """Live processes whose command line contains all `needles` (zombies excluded)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if cmdline and all(n in cmdline for n in needles):
-            found.append(int(entry.name))
-    return found
-
-
-def kill_matching(*needles: str) -> list[int]:
-    """SIGKILL every process whose command line contains all `needles`; returns their pids."""
-    killed = []
-    for pid in matching(*needles):
-        try:
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-        except ProcessLookupError:
-            pass
-    return killed
-
-
-def no_process_left(*needles: str, timeout_s: float = 10) -> bool:
-    """True once no process matches (children a killed trainer forked, e.g. megatron's checkpoint writers, die
-    with it: rft/trainer/main.py asks Linux for that)."""
-    deadline = time.monotonic() + timeout_s
-    while matching(*needles):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rft_status(run_dir: Path) -> dict:
@@ -150,18 +51,6 @@ def scrape_parts(port: int, search: int = 64) -> dict[str, dict[str, float]]:
             role = samples[0].labels["role"]
             parts["trainer" if role == "trainer" else samples[0].labels["instance"]] = {s.name: s.value for s in samples}
     return parts
-
-
-def read_topic(bootstrap: str, topic: str, end: dict[str, int] | None = None) -> list:
-    source = connect(KafkaConfig(), bootstrap).source()
-    try:
-        return list(source.read_range(topic, end=end))
-    finally:
-        source.close()
-
-
-def consumed(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "consumed.jsonl").read_text().splitlines()]
 
 
 def test_an_explorer_killed_in_a_push_run_neither_stops_nor_stalls_it(tmp_path, tiny_model, bootstrap):
@@ -236,16 +125,7 @@ def test_trainer_sigkill_then_rft_run_resumes_exactly_once_and_a_late_explorer_s
 
     # exactly once, by group id: every step full, no group twice, and every group the trainer's final offsets
     # cover (async: nothing is dropped as stale) was trained
-    records = consumed(run_dir)
-    assert sorted({r["step"] for r in records}) == list(range(1, steps + 1))
-    assert len(records) == steps * GROUPS_PER_STEP
-    trained = [r["group_id"] for r in records]
-    assert len(set(trained)) == len(trained), "a group was trained twice"
-    checkpoints = run_dir / "checkpoints"
-    state = json.loads((checkpoints / (checkpoints / "latest").read_text().strip() / "trainer_state.json").read_text())
-    covered = {decode_group(m.value, m.headers).group_id
-               for m in read_topic(bootstrap, "resume-run.experiences", end=state["feed"]["offsets"])}
-    assert covered == set(trained), f"lost: {sorted(covered - set(trained))[:5]}"
+    assert_trained_exactly_once(run_dir, bootstrap, "resume-run.experiences", steps)
 
     # async mode: the explorers never waited for the trainer, and staleness is recorded every step
     stats = final_stats(run_dir / "logs" / "explorer-0.log")  # one line per `rft run`

@@ -1,6 +1,7 @@
 """The trainer under torchrun with experience operators, fed from a real broker: groups without reward variance are
 dropped and counted per step in metrics.jsonl (`dropped/zero_variance`), never trained on, and the rewards trained
-on (`reward_mean`) are the shaped ones, checked against a plain computation."""
+on (`reward_mean`) are the shaped ones, checked against a plain computation. Run as DAPO (GRPO with clip-higher,
+token-level loss, overlong shaping, dynamic sampling; docs/algorithms.md) and with GSPO's sequence-level loss."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.integration]
 START, END, PENALTY = 2, 6, 0.5
 
 
-def test_trainer_drops_and_shapes_groups(tmp_path, tiny_model, bootstrap, topic_prefix):
+ALGORITHMS = {"dapo": {"name": "grpo", "clip_eps_high": 0.28, "loss_agg": "token_mean"},
+              "gspo": {"name": "gspo"}}
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_trainer_drops_and_shapes_groups(tmp_path, tiny_model, bootstrap, topic_prefix, algorithm):
     run_name = topic_prefix
     cfg = KafkaConfig(partitions=1)
     connect(cfg, bootstrap).admin().create_topics(
@@ -43,7 +49,7 @@ def test_trainer_drops_and_shapes_groups(tmp_path, tiny_model, bootstrap, topic_
     config.write_text(yaml.safe_dump({
         "run": {"name": run_name, "mode": "async", "max_steps": 3, "output_dir": str(run_dir)},
         "model": {"path": str(tiny_model)},
-        "kafka": {"bootstrap_servers": bootstrap, "partitions": 1},
+        "kafka": {"bootstrap_servers": bootstrap, "partitions": 1}, "algorithm": ALGORITHMS[algorithm],
         "trainer": {"groups_per_step": 2, "micro_batch_size": 4, "checkpoint_every": 100, "poll_timeout_s": 60,
                     "operators": ["zero_variance", {"name": "length_penalty", "start": START, "end": END,
                                                     "penalty": PENALTY}]},
@@ -60,3 +66,6 @@ def test_trainer_drops_and_shapes_groups(tmp_path, tiny_model, bootstrap, topic_
                   for g in useful[2 * step:2 * step + 2] for s in g.samples]
         assert m["reward_mean"] == pytest.approx(np.mean(shaped), abs=1e-9)
         assert "dropped/zero_variance" not in m["skipped"]
+        assert np.isfinite(m["loss"]) and 0 <= m["clip_frac"] <= 1
+        if algorithm == "gspo":  # its own metric reaches metrics.jsonl
+            assert np.isfinite(m["seq_ratio_mean"]) and m["seq_ratio_mean"] > 0

@@ -3,6 +3,7 @@
 it arrived on, live explorers share the capacity, and what an explorer admitted counts until the topic shows it."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -64,3 +65,38 @@ def test_capacity_follows_versions_and_backlog(bootstrap, topic_prefix, tiny_mod
     assert admission.admit(10) == 3 and admission.admit(10) == 0
     admission.close()
     sink.close()
+
+
+def test_a_refused_explorer_wakes_on_the_trainers_announcement(bootstrap, topic_prefix, tiny_model):
+    """`wait` returns within a fraction of a second of a control message (no polling interval on sync mode's
+    critical path), and the next `admit` reads the new version at once."""
+    cfg = config_from_dict({
+        "run": {"name": topic_prefix, "mode": "sync"}, "model": {"path": str(tiny_model)},
+        "kafka": {"bootstrap_servers": bootstrap, "partitions": 1}, "trainer": {"groups_per_step": 2},
+    })
+    admin = connect(cfg.kafka, bootstrap).admin()
+    admin.create_topics([cfg.topic("control"), cfg.topic("experiences")], partitions=1)
+    feed = KafkaFleetFeed(connect(cfg.kafka), control_topic=cfg.topic("control"),
+                          experiences_topic=cfg.topic("experiences"), client_id="w-admission", live_horizon_s=15)
+    admission = StalenessAdmission.for_mode("sync", max_staleness=0, groups_per_step=2, feed=feed, refresh_s=60.0)
+    assert admission.admit(5) == 2 and admission.admit(5) == 0  # version 0's step is taken: refused
+    started = time.monotonic()
+    assert admission.wait(1.0) is False and 0.9 < time.monotonic() - started < 3.0  # nothing came: the timeout
+
+    sink = connect(cfg.kafka, bootstrap).sink()
+
+    def announce_later():
+        time.sleep(1.0)
+        sink.send_record(cfg.topic("control"), ControlMessage(kind="weights", sender="trainer", body={
+            "version": 1, "offsets": {f"{cfg.topic('experiences')}:0": 2}}))
+        sink.flush()
+        announced.append(time.monotonic())
+
+    announced: list[float] = []
+    threading.Thread(target=announce_later, daemon=True).start()
+    assert admission.wait(20.0) is True
+    woke = time.monotonic()
+    assert announced and woke - announced[0] < 0.5, woke - announced[0]  # not a polling interval later
+    admission.finish(2)
+    admission.set_version(1)
+    assert admission.admit(5) == 2  # refresh_s is 60 s, yet the announcement is read at once

@@ -54,8 +54,10 @@ def torch_loss_and_grad(algorithm, batch):
 
 # ------------------------------------------------------------------------------------- NumPy textbook references
 
-def ppo_reference(b, *, clip_eps, agg, kl_coef=0.0, correction=False, cap=np.inf, prox=None):
-    """Clipped surrogate, textbook form: per token -w * min(r A, clip(r) A) + beta * k3, and d/d logp of it."""
+def ppo_reference(b, *, clip_eps, agg, kl_coef=0.0, correction=False, cap=np.inf, prox=None, clip_high=None):
+    """Clipped surrogate, textbook form: per token -w * min(r A, clip(r) A) + beta * k3, and d/d logp of it;
+    clip(r) = clip(r, 1 - clip_eps, 1 + clip_high), clip_high = clip_eps unless given."""
+    clip_high = clip_eps if clip_high is None else clip_high
     logp, behav, mask = b["logp"].astype(np.float64), b["old_logprobs"], b["loss_mask"]
     loss, grad, clipped_tokens, weight_sum = 0.0, np.zeros_like(logp), 0, 0.0
     n_tokens, n_seqs = float(b["global_tokens"]), float(b["global_sequences"])
@@ -74,7 +76,7 @@ def ppo_reference(b, *, clip_eps, agg, kl_coef=0.0, correction=False, cap=np.inf
             else:
                 p, w = behav[i, t], 1.0
             r = math.exp(logp[i, t] - p)
-            r_clip = min(max(r, 1 - clip_eps), 1 + clip_eps)
+            r_clip = min(max(r, 1 - clip_eps), 1 + clip_high)
             if r * A <= r_clip * A:
                 value, d_value = -w * r * A, -w * r * A  # d/dlogp of -w r A is -w r A
             else:
@@ -87,6 +89,62 @@ def ppo_reference(b, *, clip_eps, agg, kl_coef=0.0, correction=False, cap=np.inf
             loss += scale * value
             grad[i, t] = scale * d_value
     return loss, grad, clipped_tokens / n_tokens, weight_sum / n_tokens
+
+
+def gspo_reference(b, *, eps_low, eps_high, kl_coef=0.0, correction=False, cap=np.inf, prox=None):
+    """Sequence-level clipped surrogate, textbook form: s_i = exp(mean over the sample's tokens of logp - prox),
+    l_i = -w_i min(s_i A_i, clip(s_i) A_i) (+ beta * the sample's mean k3), mean over sequences; and d/d logp.
+    Without `correction` prox = behav and w_i = 1; with it prox = `prox` (default: the current policy) and
+    w_i = min(exp(mean of prox - behav), cap)."""
+    logp, behav, mask = b["logp"].astype(np.float64), b["old_logprobs"], b["loss_mask"]
+    n_seqs = float(b["global_sequences"])
+    loss, grad, clipped_seqs = 0.0, np.zeros_like(logp), 0
+    for i in range(logp.shape[0]):
+        tokens = [t for t in range(logp.shape[1]) if mask[i, t]]
+        if not tokens:
+            continue
+        n, A = len(tokens), float(b["advantages"][i])
+        if correction:
+            p = logp if prox is None else prox
+            w = min(math.exp(sum(p[i, t] - behav[i, t] for t in tokens) / n), cap)
+        else:
+            p, w = behav, 1.0
+        s = math.exp(sum(logp[i, t] - p[i, t] for t in tokens) / n)
+        s_clip = min(max(s, 1 - eps_low), 1 + eps_high)
+        if s * A <= s_clip * A:
+            value, d_token = -w * s * A, -w * s * A / n  # d s / d logp_t = s / n for each of the sample's tokens
+        else:
+            value, d_token = -w * s_clip * A, 0.0
+            clipped_seqs += 1
+        for t in tokens:
+            delta = b["ref_logprobs"][i, t] - logp[i, t]
+            value += kl_coef * (math.exp(delta) - delta - 1) / n
+            grad[i, t] = (d_token + kl_coef * (1 - math.exp(delta)) / n) / n_seqs
+        loss += value / n_seqs
+    return loss, grad, clipped_seqs / n_seqs
+
+
+def cispo_reference(b, *, eps_low, eps_high, agg, kl_coef=0.0, correction=False, cap=np.inf):
+    """Per token -w * sg(clip(r)) * A * logp (+ beta * k3), r = pi / pi_old; d/d logp = -w * clip(r) * A. With
+    `correction` the ratio is taken against the current policy (r = 1) and w = min(pi / pi_behav, cap)."""
+    logp, behav, mask = b["logp"].astype(np.float64), b["old_logprobs"], b["loss_mask"]
+    n_tokens, n_seqs = float(b["global_tokens"]), float(b["global_sequences"])
+    loss, grad, clipped_tokens = 0.0, np.zeros_like(logp), 0
+    for i in range(logp.shape[0]):
+        length = mask[i].sum()
+        A = float(b["advantages"][i])
+        for t in range(logp.shape[1]):
+            if mask[i, t] == 0:
+                continue
+            scale = 1.0 / n_tokens if agg == "token_mean" else 1.0 / (length * n_seqs)
+            w = min(math.exp(logp[i, t] - behav[i, t]), cap) if correction else 1.0
+            r = 1.0 if correction else math.exp(logp[i, t] - behav[i, t])
+            r_clip = min(max(r, 1 - eps_low), 1 + eps_high)
+            clipped_tokens += r_clip != r
+            delta = b["ref_logprobs"][i, t] - logp[i, t]
+            loss += scale * (-w * r_clip * A * logp[i, t] + kl_coef * (math.exp(delta) - delta - 1))
+            grad[i, t] = scale * (-w * r_clip * A + kl_coef * (1 - math.exp(delta)))
+    return loss, grad, clipped_tokens / n_tokens
 
 
 def sft_reference(b, *, agg):
@@ -161,6 +219,117 @@ def test_without_correction_the_ratio_is_taken_against_the_behaviour_policy():
     assert not algo.supports_replay
     _, _, metrics = torch_loss_and_grad(algo, batch)
     assert metrics["importance_weight_mean"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp"])
+def test_decoupled_clip_range_matches_textbook(name):
+    """DAPO's clip-higher: ratios are clipped to [1 - clip_eps_low, 1 + clip_eps_high], each side its own."""
+    batch = random_batch(seed=14)
+    algo = build_algorithm(AlgorithmConfig(name=name, clip_eps=0.5, clip_eps_low=0.1, clip_eps_high=0.28))
+    assert (algo.clip_low, algo.clip_high) == (0.1, 0.28)
+    loss, grad, metrics = torch_loss_and_grad(algo, batch)
+    ref_loss, ref_grad, clip_frac, _ = ppo_reference(batch, clip_eps=0.1, clip_high=0.28, agg="token_mean")
+    symmetric = ppo_reference(batch, clip_eps=0.1, agg="token_mean")
+    assert symmetric[0] != pytest.approx(ref_loss, rel=1e-3), "the batch must tell the two sides apart"
+    assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-6)
+    assert metrics["clip_frac"] == pytest.approx(clip_frac, rel=1e-5)
+
+
+def gspo_batch(seed: int, *, rows: int = 9, stale: float = 4e-4) -> dict[str, np.ndarray]:
+    """Behaviour log-probs a per-sequence shift plus token noise away: sequence ratios on both sides of the small
+    clip range and inside it."""
+    batch = random_batch(seed, rows=rows)
+    rng = np.random.default_rng(seed + 100)
+    shift = rng.uniform(-2.5 * stale, 2.5 * stale, (rows, 1))
+    noise = rng.normal(0, 0.05, batch["logp"].shape)
+    batch["old_logprobs"] = ((batch["logp"] + shift + noise) * batch["loss_mask"]).astype(np.float32)
+    return batch
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+@pytest.mark.parametrize("clip", [None, (0.2, 0.28)])
+def test_gspo_loss_and_gradient_match_textbook(kl_coef, clip):
+    """The paper's sequence-level objective, with its default clip range (3e-4 / 4e-4) and with a configured one."""
+    batch = gspo_batch(seed=16, stale=4e-4 if clip is None else 0.3)
+    options = {} if clip is None else dict(clip_eps_low=clip[0], clip_eps_high=clip[1])
+    algo = build_algorithm(AlgorithmConfig(name="gspo", kl_coef=kl_coef, loss_agg="token_mean", **options))
+    eps_low, eps_high = clip or (3e-4, 4e-4)
+    assert (algo.clip_low, algo.clip_high) == (eps_low, eps_high)
+    loss, grad, metrics = torch_loss_and_grad(algo, batch)
+    ref_loss, ref_grad, clip_frac = gspo_reference(batch, eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef)
+    assert 0.1 < clip_frac < 0.9, "the batch must have clipped and unclipped sequences"
+    assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-7)
+    assert metrics["clip_frac"] == pytest.approx(clip_frac, rel=1e-6)
+    assert metrics["pg_loss"] == pytest.approx(gspo_reference(batch, eps_low=eps_low, eps_high=eps_high)[0], rel=1e-5)
+
+
+def test_gspo_clips_whole_sequences_where_grpo_clips_tokens():
+    """One sample whose tokens moved both ways by more than the clip range but whose sequence ratio is 1: GRPO clips
+    some of its tokens, GSPO none (and gives every token the same gradient)."""
+    logp = np.log(np.full((1, 4), 0.5, np.float32))
+    old = logp + np.array([[0.3, -0.3, 0.3, -0.3]], np.float32)
+    batch = {"logp": logp, "loss_mask": np.ones((1, 4), np.float32), "old_logprobs": old,
+             "ref_logprobs": logp.copy(), "advantages": np.ones(1, np.float32),
+             "global_tokens": np.float32(4), "global_sequences": np.float32(1)}
+    _, grpo_grad, grpo = torch_loss_and_grad(build_algorithm(AlgorithmConfig(name="grpo")), batch)
+    _, gspo_grad, gspo = torch_loss_and_grad(build_algorithm(AlgorithmConfig(name="gspo")), batch)
+    assert grpo["clip_frac"] == 0.5 and gspo["clip_frac"] == 0.0
+    np.testing.assert_allclose(gspo_grad, np.full((1, 4), -0.25), rtol=1e-5)  # -A s / |y| with s = 1
+    assert np.count_nonzero(grpo_grad) == 2
+
+
+@pytest.mark.parametrize("explicit_prox", [False, True])
+def test_gspo_with_off_policy_correction_weights_whole_sequences(explicit_prox):
+    """The decoupled form: the ratio against the proximal policy, a truncated length-normalised sequence weight."""
+    batch = random_batch(seed=19, stale=1.0)
+    rng = np.random.default_rng(20)
+    shift = rng.uniform(-1e-3, 1e-3, (batch["logp"].shape[0], 1))  # sequence ratios in and out of the clip range
+    prox = (batch["logp"] + shift).astype(np.float32) if explicit_prox else None
+    if explicit_prox:
+        batch["prox_logprobs"] = prox
+    algo = build_algorithm(AlgorithmConfig(name="gspo", off_policy_correction=True, importance_cap=1.5))
+    loss, grad, metrics = torch_loss_and_grad(algo, batch)
+    ref_loss, ref_grad, clip_frac = gspo_reference(batch, eps_low=3e-4, eps_high=4e-4, correction=True, cap=1.5,
+                                                   prox=prox)
+    assert metrics["importance_weight_truncated_frac"] > 0.05, "the batch must exercise truncation"
+    assert (clip_frac > 0) == explicit_prox  # against the current policy the sequence ratio is exactly 1
+    assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-7)
+    assert metrics["clip_frac"] == pytest.approx(clip_frac, rel=1e-6)
+    assert algo.supports_replay
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+@pytest.mark.parametrize("clip", [None, (0.2, 0.1)])
+def test_cispo_loss_and_gradient_match_textbook(agg, kl_coef, clip):
+    batch = random_batch(seed=17, stale=0.5)
+    options = {} if clip is None else dict(clip_eps_low=clip[0], clip_eps_high=clip[1])
+    algo = build_algorithm(AlgorithmConfig(name="cispo", kl_coef=kl_coef, loss_agg=agg, **options))
+    eps_low, eps_high = clip or (1.0, 0.28)
+    loss, grad, metrics = torch_loss_and_grad(algo, batch)
+    ref_loss, ref_grad, clip_frac = cispo_reference(batch, eps_low=eps_low, eps_high=eps_high, agg=agg,
+                                                    kl_coef=kl_coef)
+    assert clip_frac > 0.1, "the batch must exercise clipping"
+    assert np.all(ref_grad[batch["loss_mask"] > 0] != 0), "CISPO cuts no token's gradient"
+    assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-6)
+    assert metrics["clip_frac"] == pytest.approx(clip_frac, rel=1e-5)
+    assert not algo.supports_replay and algo.needs_reference == (kl_coef > 0)
+
+
+def test_cispo_with_off_policy_correction_is_a_truncated_importance_weighted_gradient():
+    batch = random_batch(seed=18, stale=1.0)
+    algo = build_algorithm(AlgorithmConfig(name="cispo", off_policy_correction=True, importance_cap=2.0))
+    loss, grad, metrics = torch_loss_and_grad(algo, batch)
+    ref_loss, ref_grad, _ = cispo_reference(batch, eps_low=1.0, eps_high=0.28, agg="token_mean", correction=True,
+                                            cap=2.0)
+    assert metrics["importance_weight_truncated_frac"] > 0.05
+    assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-6)
+    assert algo.supports_replay
 
 
 # --------------------------------------------------------------------------------------------------- advantages
@@ -261,6 +430,11 @@ SPLIT_CASES = [
     ("reinforce_pp", dict(loss_agg="seq_mean")),
     ("sft", dict(loss_agg="seq_mean")),
     ("dpo", dict()),
+    ("gspo", dict(kl_coef=0.1, clip_eps_low=0.2, clip_eps_high=0.28)),
+    ("gspo", dict(off_policy_correction=True)),
+    ("cispo", dict(loss_agg="token_mean", kl_coef=0.1)),
+    ("cispo", dict(loss_agg="seq_mean", off_policy_correction=True)),
+    ("grpo", dict(clip_eps_low=0.1, clip_eps_high=0.28)),
 ]
 
 
@@ -303,15 +477,23 @@ def test_splitting_into_micro_batches_and_shards_changes_nothing(name, options):
 # ------------------------------------------------------------------------------------------------------ registry
 
 def test_registry_names_and_capabilities():
-    assert set(ALGORITHMS) == {"grpo", "rloo", "reinforce_pp", "dpo", "sft"}
+    assert set(ALGORITHMS) == {"grpo", "rloo", "reinforce_pp", "gspo", "cispo", "dpo", "sft"}
     table = {name: build_algorithm(AlgorithmConfig(name=name)) for name in ALGORITHMS}
     assert {n for n, a in table.items() if a.needs_reference} == {"dpo"}
     assert {n for n, a in table.items() if a.supports_replay} == {"dpo", "sft"}
 
 
+def test_every_registered_algorithm_has_a_section_in_the_docs():
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "algorithms.md").read_text()
+    assert set(re.findall(r"^## `(\w+)`$", doc, re.M)) == set(ALGORITHMS)
+
+
 def test_unknown_name_and_import_paths():
-    with pytest.raises(ValueError, match="unknown algorithm 'gpro' \\(did you mean 'grpo'"):
-        resolve_algorithm("gpro")
+    with pytest.raises(ValueError, match="unknown algorithm 'grop' \\(did you mean 'grpo'"):
+        resolve_algorithm("grop")
     assert build_algorithm(AlgorithmConfig(name="rft.algorithms.sft:SFT")).supports_replay
     with pytest.raises(ValueError, match="module 'rft.algorithms.sft' has no attribute 'Nope'"):
         resolve_algorithm("rft.algorithms.sft:Nope")

@@ -89,7 +89,8 @@ def test_an_unreachable_broker_is_one_line_and_exit_4_from_every_command(config)
     for args in (["topics", "list", "--bootstrap", address],
                  ["status", str(config), "--set", f"kafka.bootstrap_servers={address}"],
                  ["publish", str(config), "--set", f"kafka.bootstrap_servers={address}"],
-                 ["replay", str(config), "--set", f"kafka.bootstrap_servers={address}", "--set", "algorithm.name=sft"]):
+                 ["replay", str(config), "--set", f"kafka.bootstrap_servers={address}", "--set", "algorithm.name=sft"],
+                 ["explorer", str(config), "--set", f"kafka.bootstrap_servers={address}"]):  # before its engine
         started = time.monotonic()
         one_line_or_banner = rft(*args)
         assert time.monotonic() - started < 20, args  # a TCP probe, not kafka-python's 20 s wait

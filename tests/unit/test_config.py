@@ -32,7 +32,7 @@ def test_defaults_fill_every_section(tmp_path, model_dir):
     assert cfg.run.mode == "off_policy" and cfg.kafka.bootstrap_servers == "embedded"
     assert cfg.topic("experiences") == "rft-run.experiences"
     assert cfg.to_dict().keys() == {"run", "model", "kafka", "explorer", "trainer", "algorithm", "data", "sync",
-                                    "replay", "monitor", "replay_buffer", "eval", "stages"}
+                                    "replay", "monitor", "replay_buffer", "eval", "serve", "stages"}
 
 
 def test_overrides_take_yaml_types(tmp_path, model_dir):
@@ -127,3 +127,14 @@ def test_shipped_configs_validate():
 def test_unknown_algorithm_is_a_config_error(tmp_path, model_dir):
     with pytest.raises(ConfigError, match=r"run.yaml: algorithm.name: .*grpp"):
         load_run_config(write(tmp_path, minimal(model_dir, algorithm={"name": "grpp"})))
+
+
+@pytest.mark.parametrize("algorithm, message", [
+    ({"clip_eps_low": 1.5}, r"run.yaml: algorithm.clip_eps_low: must be in \(0, 1\]"),
+    ({"clip_eps_high": 0}, r"run.yaml: algorithm.clip_eps_high: must be > 0"),
+    ({"clip_eps_hi": 0.28}, r"run.yaml: algorithm.clip_eps_hi: unknown key \(did you mean 'clip_eps_high'"),
+    ({"name": "builtins:repr"}, r"run.yaml: algorithm.name: 'builtins:repr' built a str without advantages"),
+])
+def test_algorithm_options_are_checked_when_the_config_loads(tmp_path, model_dir, algorithm, message):
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(write(tmp_path, minimal(model_dir, algorithm=algorithm)))

@@ -2,10 +2,12 @@
 are validated, and ControlView folds messages in the documented order, skipping malformed ones."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rft import control
-from rft.control import (ControlError, ControlView, ExplorerHeartbeat, ExplorerJoin, ExplorerLeave, ExplorerWeights,
+from rft.control import (TasksGroup, ControlError, ControlView, ExplorerHeartbeat, ExplorerJoin, ExplorerLeave, ExplorerWeights,
                          PushAbandoned, PushGroup, TrainerFinished, TrainerStarted, TrainerWaiting, Weights,
                          WeightsPush, parse)
 from rft.schema import ControlMessage, decode, encode
@@ -23,6 +25,7 @@ EXAMPLES = [
                       explore_s=1.5, joined_s=3.0, partitions=[0, 2]),
     ExplorerWeights(explorer_id="e", version=1, seconds=None),
     ExplorerLeave(explorer_id="e", reason="stopped", groups=4),
+    TasksGroup(explorer_id="e", group="r.explorers.1", epoch=1, offsets={"r.tasks:0": 7}),
 ]
 
 # the body keys each kind had before the protocol was typed (docs/schema.md: schema 1), plus optional fields added
@@ -40,14 +43,21 @@ WIRE_KEYS = {
                            "weights_refused", "explore_s", "joined_s", "partitions"},
     "explorer_weights": {"explorer_id", "version", "seconds"},
     "explorer_leave": {"explorer_id", "reason", "groups"},
+    "tasks_group": {"explorer_id", "group", "epoch", "offsets"},  # added with the membership watchdog
 }
+# optional keys added since, each with a default: a message without them (an older sender) still parses
+ADDED_KEYS = {"explorer_heartbeat": {"unassigned_s", "rejoins"}}
 
 
 @pytest.mark.parametrize("kind", EXAMPLES, ids=lambda k: k.KIND)
 def test_every_kind_round_trips_through_the_unchanged_wire_format(kind):
     message = kind.to_message(created_at=100.0)
-    assert set(message.body) == WIRE_KEYS[kind.KIND]
-    assert message.sender == (kind.explorer_id if kind.KIND.startswith("explorer_") else "trainer")
+    added = ADDED_KEYS.get(kind.KIND, set())
+    assert set(message.body) == WIRE_KEYS[kind.KIND] | added
+    older = {k: v for k, v in message.body.items() if k not in added}
+    defaults = {f.name: f.default for f in dataclasses.fields(kind) if f.name in added}
+    assert type(kind).from_body(older) == dataclasses.replace(kind, **defaults)
+    assert message.sender == (kind.explorer_id if hasattr(kind, "explorer_id") else "trainer")
     decoded = decode(*encode(message))
     assert isinstance(decoded, ControlMessage) and decoded.kind == kind.KIND
     assert parse(decoded) == kind

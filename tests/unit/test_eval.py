@@ -13,7 +13,7 @@ import yaml
 
 from rft.config import ConfigError
 from rft.evaluation.checkpoints import CheckpointError, resolve_checkpoint
-from rft.evaluation.main import EvalSchedule, load_eval_sets, sampling_explorer
+from rft.evaluation.main import EvalSchedule, _due_or_newest, load_eval_sets, sampling_explorer
 from rft.explorer.tasks import DatasetError
 from rft.monitor import read_metrics
 from rft.run_config import load_run_config
@@ -131,6 +131,40 @@ def test_resolve_checkpoint(tmp_path, model_dir):
     assert resolve("latest", cfg).step == 5
     with pytest.raises(CheckpointError, match=r"--checkpoint .*nowhere: .* is not a Hugging Face model directory"):
         resolve(str(tmp_path / "nowhere"), cfg)
+
+
+def damage(version_dir: Path, how: str) -> None:
+    """Truncate the version's weight file, or flip one byte of it (same size: only the checksum tells)."""
+    [shard] = version_dir.glob("*.safetensors")
+    data = bytearray(shard.read_bytes())
+    if how == "truncate":
+        shard.write_bytes(bytes(data[:-4]))
+    else:
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how, why", [("truncate", r"bytes, the manifest says \d+"), ("flip", "sha256|checksum")])
+def test_a_damaged_store_version_is_not_evaluated(tmp_path, model_dir, how, why):
+    cfg = config(tmp_path, model_dir)
+    store = WeightStore.for_sync(cfg.sync, cfg.run_dir)
+    publish(store, 1, model_dir)
+    v2 = publish(store, 2, model_dir)
+    assert resolve("latest", cfg).step == 2
+    damage(v2, how)
+    for spec in ("latest", str(v2)):
+        with pytest.raises(CheckpointError, match=rf"weight store version 2 does not match its manifest.*({why})"):
+            resolve(spec, cfg)
+    assert resolve(str(store.path(1)), cfg).step == 1  # the intact version is still evaluated
+
+    # --follow: the damaged version due next is passed over (refused once), the intact one is taken
+    schedule, refused = EvalSchedule(1), set()
+    schedule.done(0)
+    assert _due_or_newest(store, schedule, False, refused) == (1, store.path(1))
+    schedule.done(1)
+    assert _due_or_newest(store, schedule, False, refused) is None and refused == {2}
+    v3 = publish(store, 3, model_dir)
+    assert _due_or_newest(store, schedule, False, refused) == (3, v3)
 
 
 def test_follow_schedule():

@@ -1,7 +1,7 @@
 """The trainer's ExperienceFeed (rft/trainer/feed.py) over the in-memory transport, no broker: whole groups in
 log order, exactly once across a restart from saved positions, duplicates skipped by group id (also across the
 restart), dead letters and foreign records diverted with the reason, a failed source replaced at the feed's own
-positions, and a replay window that ends."""
+positions, a replay window that ends, and dynamic sampling (groups without reward variance dropped and refilled)."""
 from __future__ import annotations
 
 import pytest
@@ -137,3 +137,34 @@ def test_a_replay_window_ends():
     with pytest.raises(EndOfReplay) as end:
         feed.next_batch(4, timeout_s=0.5)
     assert [g.group_id for g in end.value.batch.groups] == [GROUPS[4].group_id]
+
+
+def test_dynamic_sampling_refills_each_step_from_the_stream_exactly_once_across_restarts():
+    """DAPO's dynamic sampling is `trainer.operators: [zero_variance]`: a group whose rewards all agree is consumed
+    and counted (`dropped/zero_variance`), never trained on, and the feed reads on until the step has its
+    `groups_per_step` informative groups. Restarted from the saved state after every step, the feed takes the
+    same groups, counts each dropped group once (in the step that consumed it: none is read again, none lost), and
+    leaves what no step needed unread."""
+    from rft.operators import build_operator_chain
+
+    informative = [make_group("run", i, rewards=[0.0, 1.0, float(i % 3) / 2, 1.0]) for i in range(9)]
+    flat = [make_group("run", 100 + i, rewards=[float(i % 2)] * 4) for i in range(7)]
+    pick = {"I": iter(informative), "F": iter(flat)}
+    # steps of 3: [F I I F F I] [F I I I] [I F I F I] and a flat group that no step needs
+    layout = "FIIFFI" + "FIII" + "IFIFI" + "F"
+    transport = broker()
+    fill(transport, [next(pick[kind]) for kind in layout])
+    expected_drops = [3, 1, 2]
+
+    whole, skipped, state = consume(transport, steps=3, operators=build_operator_chain(["zero_variance"]))
+    assert whole == [[g.group_id for g in informative[i:i + 3]] for i in (0, 3, 6)]
+    assert skipped == {"dropped/zero_variance": sum(expected_drops)}
+    assert state.offsets == {f"{TOPIC}:0": len(layout) - 1} and state.taken_groups == sum(whole, [])
+
+    state, resumed = None, []
+    for drops in expected_drops:  # a checkpoint after every step: a new feed (and chain) from the saved state
+        taken, skipped, state = consume(transport, steps=1, state=state,
+                                        operators=build_operator_chain(["zero_variance"]))
+        resumed += taken
+        assert skipped == {"dropped/zero_variance": drops}
+    assert resumed == whole and state.offsets == {f"{TOPIC}:0": len(layout) - 1}

@@ -41,9 +41,20 @@ def test_fleet_states_versions_and_throughput_follow_the_control_topic():
               "trainer": {"state": "waiting", "step": 3, "version": 3, "seconds_since_seen": 2.0},
               "weights": {"method": "pull", "push_abandoned": False},
               "explorers": [{"explorer_id": "a", "state": "live", "left_reason": "", "host": "h1", "weights_version": 1,
-                             "groups": 30, "batches": 3, "admission_waits": 0, "busy": 0.42, "seconds_since_seen": 2}],
+                             "groups": 30, "batches": 3, "admission_waits": 0, "busy": 0.42, "seconds_since_seen": 2,
+                             "partitions": [0, 1]}],
               "experiences": {"produced": 40, "lag": 16}, "tasks": {"published": 100, "lag": 60},
-              "throughput": {"groups_per_s": 2.0, "steps_per_s": 0.1, "window_s": 60}}
+              "throughput": {"groups_per_s": 2.0, "steps_per_s": 0.1, "window_s": 60},
+              "fleet": {"live": 1, "idle": 0, "task_partitions": 2, "rejoins": 0, "stalled": None}}
     text = render(report)
     assert "trainer: waiting, step 3/10, weights version 3" in text
     assert "16 not consumed yet" in text and "1 live, 0 silent or left" in text and "v1" in text
+    assert "explorers idle: 0 of 1 (2 task partitions)" in text and "STALLED" not in text
+    report["fleet"].update(idle=1, stalled="STALLED: 60 tasks pending, no explorer holds a partition for 45 s")
+    assert render(report).splitlines()[0] == "STALLED: 60 tasks pending, no explorer holds a partition for 45 s"
+    assert "REFUSED" not in text
+    report["explorers"][0]["weights_refused"] = 2  # forged or damaged announcements: counted by each explorer
+    text = render(report)
+    assert "REFUSED: 2 weights announcements did not pass the explorers' trust checks" in text
+    header, row = text.splitlines()[-2:]
+    assert row.split()[header.split().index("refused")] == "2"

@@ -1,0 +1,194 @@
+"""An explorer's membership in the tasks consumer group `<run>.explorers`: its static instance id, and the
+watchdog that rejoins a group in which nobody consumes.
+
+Static membership (`explorer.static_membership`, KIP-345): the explorer joins with `group_instance_id` =
+`instance_id(explorer_id)`, so a restarted explorer with the same `--explorer-id` takes its old place without a
+rebalance of the whole fleet, on a broker that honours it (Apache Kafka >= 2.3). A static member sends no
+LeaveGroup when it closes: its partitions wait for it until `kafka.session_timeout_ms` has passed. The bundled
+Tansu broker ignores instance ids (docs/operations.md, "Consumer-group membership": measured), so there every
+join, leave and restart rebalances the group as for dynamic members.
+
+The watchdog (`UnassignedWatchdog`, `explorer.unassigned_rejoin_s`). Seen on Tansu after quick join/leave cycles
+(issue #19): every member of the group live, none holding a partition, the tasks topic's lag growing, nothing
+ever rebalancing it. Reproduced here with Tansu 0.6.0 and kafka-python 3.0.12 (tests/integration/test_group_stall.py):
+the group's leader leaves (LeaveGroup) just as it is elected, before its SyncGroup; the coordinator keeps it as
+the leader, so every later member's SyncGroup ends in REBALANCE_IN_PROGRESS, it joins again, forever, holding
+nothing; new members, static members and a group that every member left stay wedged the same way. So the
+watchdog acts in two steps when, all at once,
+  1. it has held no partition of the tasks topic for longer than `unassigned_rejoin_s`;
+  2. the group's lag on the tasks topic (end offsets minus the group's committed offsets) is > 0: there is work;
+  3. no other live explorer holds a partition: none of the explorers heard on the control topic within three
+     heartbeat intervals said in its newest heartbeat that it holds one.
+then:
+  a. first, it rejoins the group (closes its consumer and joins again as a dynamic member, which makes a working
+     coordinator rebalance; on Kafka this is what a new member's join does);
+  b. if the rule holds again a full `unassigned_rejoin_s` later, it moves the fleet to a fresh consumer group:
+     `group_name(base, epoch + 1)` (`<run>.explorers.1`, ...), seeded with the old group's committed offsets, and
+     announces it on the control topic (`tasks_group`); every explorer follows the announcement of the highest
+     epoch, a starting explorer replays the control topic for it (`announced_group`), and `rft status` reads the
+     lag of that group. Two explorers moving at once pick the same name and seed the same offsets.
+Delivery stays at-least-once: tasks polled but not committed in the old group are explored again.
+An explorer left idle because the fleet outgrew the partitions sees its peers' heartbeats with partitions
+(rule 3) and stays idle: it never churns the group. A member holding partitions but stopped (SIGSTOP, a hung
+host) stops heartbeating and is no longer live; the coordinator drops it after the session timeout and
+rebalances, and if it does not, the watchdog's rejoin forces it. After every rejoin, move or follow the watchdog waits another
+full `unassigned_rejoin_s` before the next step: make it well above the time the group needs to form (Tansu
+answers a JoinGroup after 3 s; a rebalance waits for every member's next poll, up to `explorer.max_batch_s`).
+
+Readers of the explorers' lag besides `rft status` (the online task publisher, `rft publish`) follow the moves with
+a `GroupFollower`.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from rft.control import ControlView, TasksGroup, control_messages
+from rft.transport import Transport
+
+log = logging.getLogger(__name__)
+
+_ILLEGAL = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def instance_id(explorer_id: str) -> str:
+    """The consumer group instance id for `explorer_id`: the id with characters Kafka does not allow in an instance
+    id replaced by `_`, at most 249 characters. Two explorers of a run must not share one (the broker fences the
+    older: FencedInstanceIdError)."""
+    cleaned = _ILLEGAL.sub("_", explorer_id)[:249]
+    return cleaned if cleaned not in ("", ".", "..") else f"explorer{cleaned}"
+
+
+def group_name(base: str, epoch: int) -> str:
+    """The explorers' consumer group of `epoch`: `base` (`<run>.explorers`) for 0, `base.<epoch>` after moves."""
+    return base if epoch == 0 else f"{base}.{epoch}"
+
+
+def announced_group(transport: Transport, control_topic: str, *, client_id: str) -> Optional[TasksGroup]:
+    """The highest-epoch `tasks_group` announcement on the control topic (read from its beginning), None if none."""
+    source = transport.source(client_id=client_id)
+    try:
+        view = ControlView()
+        for message in control_messages(source.read_range(control_topic, idle_timeout_s=10.0)):
+            if message.kind == TasksGroup.KIND:
+                view.apply(message)
+        return view.tasks_group
+    finally:
+        source.close()
+
+
+class GroupFollower:
+    """The explorers' current consumer group on the tasks topic, as the control topic's `tasks_group` moves say: the
+    newest at construction (a replay), then each new one as `group` is read. Not thread-safe."""
+
+    def __init__(self, transport: Transport, base_group: str, control_topic: str, *, client_id: str):
+        self.base_group = base_group
+        self.view = ControlView()
+        announced = announced_group(transport, control_topic, client_id=client_id)
+        if announced is not None:
+            self.view.tasks_group = announced
+        self._source = transport.source(client_id=client_id)
+        self._source.assign([control_topic])
+        self._source.seek(self._source.end_offsets(control_topic))
+
+    @property
+    def group(self) -> str:
+        self.view.apply_records(self._source.poll(timeout_s=0))
+        moved = self.view.tasks_group
+        return group_name(self.base_group, 0 if moved is None else moved.epoch)
+
+    def close(self) -> None:
+        self._source.close()
+
+
+def seed_group(transport: Transport, group: str, topic: str, offsets: dict[str, int], *, client_id: str) -> bool:
+    """Commit `offsets` (of `topic`'s partitions) as consumer group `group`'s positions, without joining it. False
+    (logged) when the broker refuses: the group has members already (another explorer moved first, seeding the same
+    offsets), and their positions stand."""
+    source = transport.source(group=group, client_id=client_id)
+    try:
+        source.assign([topic])
+        if offsets:
+            source.commit(offsets)
+        return True
+    except Exception as e:  # the broker's refusal comes as the client's own error type
+        log.warning("seeding consumer group %s with %s failed (%s: %s); its members' positions stand", group, offsets,
+                    type(e).__name__, e)
+        return False
+    finally:
+        source.close()
+
+
+def partition_holders(view: ControlView, *, now: float, horizon_s: float, exclude: str = "") -> list[str]:
+    """Explorers (other than `exclude`) that have not left, were heard within `horizon_s` of `now` (the time
+    `view` received their newest message, this process's clock) and whose newest heartbeat names partitions."""
+    return sorted(e for e, heard in view.heard.items()
+                  if e != exclude and now - heard <= horizon_s and view.explorers[e].state == "live"
+                  and view.explorers[e].partitions)
+
+
+def describe_peers(view: ControlView, *, now: float, exclude: str = "") -> str:
+    """`explorer-0 [0, 1] 0.8 s ago, ...`: each peer's newest heartbeat partitions and when it was heard (for logs)."""
+    return ", ".join(f"{e} {view.explorers[e].partitions} {now - heard:.1f} s ago {view.explorers[e].state}"
+                     for e, heard in sorted(view.heard.items()) if e != exclude) or "none heard"
+
+
+@dataclass
+class Decision:
+    """One look at the group: act or not (`rejoin`), how (`move`: to a fresh group, after a rejoin did not help), and
+    why (logged and counted by the explorer)."""
+    rejoin: bool
+    unassigned_s: float
+    pending: int
+    holders: list[str]
+    move: bool = False
+
+
+class UnassignedWatchdog:
+    """The rule of the module docstring, fed by the explorer's loop. `observe(held, now)` after every poll;
+    when `due(now)`, the caller measures the group's lag and the fleet's holders (broker requests: only then)
+    and calls `decide`. Times are `time.monotonic()` seconds. `bound_s` <= 0 turns it off."""
+
+    def __init__(self, bound_s: float):
+        self.bound_s = bound_s
+        self.unassigned_since: Optional[float] = None  # since when this explorer has held no partition (reported)
+        self._clock: Optional[float] = None  # since the later of that and its last (re)join: when the next step is due
+        self._next_look = 0.0
+        self.rejoins = 0  # actions taken (rejoins and moves)
+        self._tries = 0  # actions since this explorer last held a partition
+
+    def observe(self, held: bool, now: float) -> None:
+        if held:
+            self.unassigned_since = self._clock = None
+            self._tries = 0
+        elif self.unassigned_since is None:
+            self.unassigned_since = self._clock = now
+
+    def restart(self, now: float) -> None:
+        """This explorer (re)joined a group at `now`: the next step waits a full bound from here."""
+        if self._clock is not None:
+            self._clock = now
+
+    def unassigned_s(self, now: float) -> float:
+        return 0.0 if self.unassigned_since is None else now - self.unassigned_since
+
+    def due(self, now: float) -> bool:
+        """Unassigned for longer than the bound, and not looked within the last few seconds."""
+        return (self.bound_s > 0 and self._clock is not None and now - self._clock > self.bound_s
+                and now >= self._next_look)
+
+    def decide(self, now: float, pending: Callable[[], int], holders: Callable[[], list[str]]) -> Decision:
+        """Look (`pending()`: the group's lag on the tasks topic; `holders()`: live peers holding partitions) and
+        decide; a rejoin restarts the unassigned clock."""
+        self._next_look = now + min(5.0, self.bound_s / 3)
+        waited = self.unassigned_s(now)
+        peers = holders()
+        lag = pending() if not peers else 0
+        rejoin = lag > 0 and not peers
+        if rejoin:
+            self.rejoins += 1
+            self._tries += 1
+            self._clock = now
+        return Decision(rejoin, waited, lag, peers, move=rejoin and self._tries > 1)

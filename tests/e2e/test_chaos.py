@@ -1,0 +1,42 @@
+"""`rft chaos`'s CI subset: three scenarios (trainer SIGKILLs at two phases with `rft run` restarted, a poison
+stream, producer retries through the proxy), `--quick`, through the tool as a user runs it, and its ledger: every
+run finished, 0 groups lost, 0 trained twice, faults actually injected, poison dead-lettered. The whole set is
+`rft chaos --all` (README, docs/operations.md); the ledger's arithmetic is tests/unit/test_chaos_ledger.py."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tools.run_support import REPO
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
+
+SCENARIOS = ("trainer-kill", "poison", "producer-retries")
+
+
+def test_chaos_subset_loses_nothing_and_trains_nothing_twice(tmp_path):
+    command = [sys.executable, "-m", "rft.cli", "chaos", "--quick", "--seed", "3", "--out", str(tmp_path)]
+    for name in SCENARIOS:
+        command += ["--scenario", name]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    report = json.loads((tmp_path / "chaos.json").read_text())
+    rows = {r["scenario"]: r for r in report["scenarios"]}
+    assert set(rows) == set(SCENARIOS), done.stdout[-3000:]
+    for name, row in rows.items():
+        assert "error" not in row, f"{name}: {row.get('error')}\n{done.stdout[-3000:]}"
+        assert row["finished"] and row["final_step"] == 16, (name, row)
+        assert row["lost"] == 0 and row["duplicated"] == 0 and row["unmatched"] == 0, (name, row)
+        assert row["faults"] > 0 and row["trained"] >= 16 * 4, (name, row)
+        assert row["staleness_held"] and row["longest_stall_s"] <= row["stall_bound_s"], (name, row)
+        assert row["passed"], (name, row)
+    assert done.returncode == 0, done.stdout[-3000:]
+    faults = {name: json.loads((tmp_path / name / "ledger.json").read_text())["faults_injected"] for name in rows}
+    kills = [f for f in faults["trainer-kill"] if f["kind"] == "trainer_sigkill"]
+    assert len(kills) == 2 and rows["trainer-kill"]["restarts"] == 2, kills
+    assert rows["poison"]["dead_letters"] >= 5 and rows["poison"]["dead_letters_missing"] == 0
+    assert rows["poison"]["skipped"].get("foreign") == 1  # the other run's well-formed group
+    assert any(f["kind"] == "produce_response_dropped" for f in faults["producer-retries"])
+    assert "lost" in done.stdout and "trainer-kill" in done.stdout  # the table

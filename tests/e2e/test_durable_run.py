@@ -1,0 +1,54 @@
+"""A local `rft run` on the durable embedded broker (`kafka.embedded_data_dir`) killed outright, then run again:
+
+everything is SIGKILLed mid-run at once (the `rft run` process group and every part it started; its broker's two
+processes die with it), and the same `rft run` command started again comes back on the same broker data (the tasks
+are not published again), resumes from the trainer's checkpoint and finishes with no experience group lost or
+trained twice (by group id, from consumed.jsonl against the experiences topic, read from the broker data after
+the run ended).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import yaml
+
+from rft.broker import LocalBroker, tansu_binary
+from tools.run_support import (assert_trained_exactly_once, finish, kill_matching, no_process_left, rft_run,
+                               steps_done, wait_for_step, write_config)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
+
+
+def test_a_local_run_killed_outright_resumes_on_its_durable_broker_exactly_once(tmp_path, tiny_model):
+    steps, name = 8, "durable-run"
+    config = write_config(tmp_path, tiny_model, name, run={"mode": "async", "max_steps": steps},
+                          kafka={"bootstrap_servers": "embedded", "embedded_data_dir": "broker"},
+                          explorer={"replicas": 1})
+    run_dir, log = tmp_path / "runs" / name, tmp_path / "run.log"
+    data = run_dir / "broker"
+
+    first = rft_run(config, log)
+    wait_for_step(first, run_dir, 3, log)
+    port = json.loads((data / "broker.json").read_text())["port"]
+    os.killpg(first.pid, signal.SIGKILL)  # the run and, at once, every part it started (each in its own session)
+    kill_matching(str(run_dir / "config.yaml"))
+    first.wait()
+    assert no_process_left(str(run_dir / "config.yaml")), "a part outlived the kill"
+    assert no_process_left(str(data)), "the broker's S3 server outlived its run"
+    assert no_process_left(str(tansu_binary()), f"tcp://127.0.0.1:{port}"), "the broker outlived its run"
+    interrupted_at = max(m["step"] for m in steps_done(run_dir))
+    assert interrupted_at < steps
+
+    second = rft_run(config, log)
+    assert finish(second, log) == 0, log.read_text()[-4000:]
+    text = log.read_text()
+    assert "already holds" in text.split("embedded broker: durable", 2)[2]  # the resumed run found its tasks
+
+    resumed = yaml.safe_load((run_dir / "config.yaml").read_text())["kafka"]["bootstrap_servers"]
+    assert resumed == f"127.0.0.1:{port}"  # the same address: the port was free again
+
+    with LocalBroker(data_dir=data) as broker:  # the run's broker data, after both runs
+        assert_trained_exactly_once(run_dir, broker.bootstrap_servers, f"{name}.experiences", steps)

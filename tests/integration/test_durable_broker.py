@@ -1,0 +1,168 @@
+"""The durable local broker (`LocalBroker(data_dir=...)`: Tansu on rft.s3store), real processes over TCP:
+
+- records the broker acknowledged and a committed group offset survive a SIGKILL of both its processes: a restart
+  on the same directory serves every record exactly once at its offset, the same committed offsets, the same port,
+  and appends after them;
+- the process that started it SIGKILLed (as a killed `rft run`): its broker processes die with it, or, when they
+  were started from another thread and so outlive it, the next broker on the directory kills them first;
+- bad directories and ports get one clear error line (also from `rft broker --data`).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import NewTopic
+from kafka.structs import OffsetAndMetadata
+
+from rft.broker import BrokerError, LocalBroker
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+TOPIC, GROUP, RECORDS = "durable", "durable-group", 300
+
+
+def produce(bootstrap: str, start: int, count: int, create: bool = False) -> dict[tuple[int, int], bytes]:
+    """`count` records acknowledged by the broker (acks=all, each one waited for): (partition, offset) -> value."""
+    if create:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+        admin.create_topics([NewTopic(TOPIC, 2, 1)])
+        admin.close()
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    futures = {i: producer.send(TOPIC, f"record-{i}".encode(), partition=i % 2) for i in range(start, start + count)}
+    acked = {}
+    for i, future in futures.items():
+        meta = future.get(timeout=30)
+        acked[(meta.partition, meta.offset)] = f"record-{i}".encode()
+    producer.close()
+    return acked
+
+
+def read_all(bootstrap: str) -> dict[tuple[int, int], bytes]:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    partitions = [TopicPartition(TOPIC, p) for p in (0, 1)]
+    consumer.assign(partitions)
+    consumer.seek_to_beginning()
+    end = consumer.end_offsets(partitions)
+    seen, deadline = {}, time.monotonic() + 60
+    while any(consumer.position(tp) < end[tp] for tp in partitions):
+        assert time.monotonic() < deadline, f"read {len(seen)} records, end offsets {end}"
+        for tp, messages in consumer.poll(timeout_ms=1000).items():
+            for m in messages:
+                assert (tp.partition, m.offset) not in seen, f"offset {m.offset} of {tp} read twice"
+                seen[(tp.partition, m.offset)] = m.value
+    consumer.close()
+    return seen
+
+
+def commit(bootstrap: str, offsets: dict[int, int]) -> None:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=GROUP, enable_auto_commit=False)
+    consumer.commit({TopicPartition(TOPIC, p): OffsetAndMetadata(o, "", -1) for p, o in offsets.items()})
+    consumer.close()
+
+
+def committed(bootstrap: str) -> dict[int, int | None]:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=GROUP, enable_auto_commit=False)
+    try:
+        return {p: consumer.committed(TopicPartition(TOPIC, p)) for p in (0, 1)}
+    finally:
+        consumer.close()
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_acknowledged_records_and_committed_offsets_survive_kill_9_of_both_processes(tmp_path):
+    broker = LocalBroker(data_dir=tmp_path / "data", log_path=tmp_path / "broker.log").start()
+    try:
+        address = broker.bootstrap_servers
+        acked = produce(address, 0, RECORDS, create=True)
+        assert len(acked) == RECORDS
+        commit(address, {0: 123, 1: 45})
+        pids = broker.pids()
+        assert len(pids) == 2
+
+        broker.kill()
+        assert not any(running(pid) for pid in pids) and not broker.alive()
+        broker.start()
+        assert broker.bootstrap_servers == address  # same port: clients' bootstrap stays valid
+
+        assert read_all(address) == acked  # every acknowledged record, once, at its offset
+        assert committed(address) == {0: 123, 1: 45}
+        more = produce(address, RECORDS, 20)  # appends after them, overwriting nothing
+        assert min(o for p, o in more if p == 0) == RECORDS // 2
+        assert read_all(address) == {**acked, **more}
+    finally:
+        broker.stop()
+    assert not any(running(pid) for pid in pids + broker.pids())
+
+
+OWNER = textwrap.dedent("""
+    import sys, threading, time
+    from rft.broker import LocalBroker
+    broker = LocalBroker(data_dir=sys.argv[1])
+    if sys.argv[2] == "thread":  # started from a thread: no parent-death signal, its processes outlive this one
+        t = threading.Thread(target=broker.start); t.start(); t.join()
+    else:
+        broker.start()
+    print(broker.port, *broker.pids(), flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("started_from", ["main", "thread"])
+def test_a_killed_owner_leaves_no_second_writer_behind(tmp_path, started_from):
+    data = tmp_path / "data"
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(data), started_from], cwd=REPO, text=True,
+                             stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    port, *pids = map(int, owner.stdout.readline().split())
+    acked = produce(f"127.0.0.1:{port}", 0, 40, create=True)
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    deadline = time.monotonic() + (10 if started_from == "main" else 0.5)  # a loaded machine delivers late
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert any(running(pid) for pid in pids) == (started_from == "thread")
+
+    broker = LocalBroker(data_dir=data).start()  # kills what the dead owner left running on the directory
+    try:
+        assert not any(running(pid) for pid in pids)
+        assert broker.port == port
+        assert read_all(broker.bootstrap_servers) == acked
+    finally:
+        broker.stop()
+
+
+def test_bad_data_directories_and_ports_get_one_clear_error(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with pytest.raises(BrokerError, match="is not a writable directory"):
+        LocalBroker(data_dir=not_a_dir).start()
+    with pytest.raises(BrokerError, match="is not a writable directory"):
+        LocalBroker(data_dir=not_a_dir / "sub").start()
+
+    with LocalBroker(data_dir=tmp_path / "data") as first:
+        with pytest.raises(BrokerError, match="in use by another running broker"):
+            LocalBroker(data_dir=tmp_path / "data").start()
+        with pytest.raises(BrokerError, match=f"port {first.port} .* is in use"):
+            LocalBroker(port=first.port, data_dir=tmp_path / "other").start()
+        with pytest.raises(BrokerError, match=f"port {first.port} .* is in use"):
+            LocalBroker(port=first.port).start()
+
+    done = subprocess.run([sys.executable, "-m", "rft.cli", "broker", "--data", str(not_a_dir)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [f"rft broker: broker data directory {not_a_dir} is not a writable "
+                                                "directory: File exists"]

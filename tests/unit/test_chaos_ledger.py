@@ -1,0 +1,72 @@
+"""The arithmetic of `rft chaos`'s ledger (tools/chaos.py `build_ledger`, `longest_stall`) on crafted records: the
+experiences topic as `Offered` records in log order, the trainer's consumed.jsonl as dicts, the final offset."""
+from tools.chaos import Offered, build_ledger, longest_stall
+
+RUN = "r"
+
+
+def group(offset: int, name: str, version: int = 0, run: str = RUN) -> Offered:
+    return Offered(offset, f"{run}/{name}/e0", run, version)
+
+
+def took(step: int, name: str, version: int = 0) -> dict:
+    return {"step": step, "group_id": f"{RUN}/{name}/e0", "policy_version": version, "staleness": step - 1 - version}
+
+
+def test_a_clean_run_balances():
+    records = [group(0, "a"), group(1, "b"), group(2, "c"), group(3, "d"), group(4, "e")]
+    ledger = build_ledger(records, [took(1, "a"), took(1, "b"), took(2, "c"), took(2, "d")], 4, run_id=RUN, bound=2)
+    assert (ledger.acknowledged, ledger.covered, ledger.pending, ledger.trained) == (5, 4, 1, 4)
+    assert ledger.ok and ledger.lost == [] and ledger.skipped == {}
+
+
+def test_an_acknowledged_group_the_trainer_passed_over_is_lost():
+    records = [group(0, "a"), group(1, "b"), group(2, "c")]
+    ledger = build_ledger(records, [took(1, "a"), took(1, "c")], 3, run_id=RUN, bound=2)
+    assert ledger.lost == [f"{RUN}/b/e0"] and not ledger.ok
+
+
+def test_a_group_after_the_final_offsets_is_pending_not_lost():
+    ledger = build_ledger([group(0, "a"), group(1, "b")], [took(1, "a")], 1, run_id=RUN, bound=2)
+    assert ledger.lost == [] and ledger.pending == 1
+
+
+def test_a_group_trained_twice_is_duplicated():
+    records = [group(0, "a"), group(1, "b"), group(2, "a")]
+    ledger = build_ledger(records, [took(1, "a"), took(1, "b"), took(2, "a")], 3, run_id=RUN, bound=None)
+    assert ledger.duplicated == [f"{RUN}/a/e0"] and not ledger.ok
+
+
+def test_legitimate_skips_are_not_lost():
+    records = [group(0, "a"), Offered(1, None), group(2, "a"), group(3, "x", run="other"),
+               group(4, "old", version=0), group(5, "future", version=9), group(6, "b", version=4)]
+    # step 6 (version 5 trains on data of versions >= 3 with bound 2): "old" is stale, "future" from a lost lineage
+    ledger = build_ledger(records, [took(5, "a", 4), took(6, "b", 4)], 7, run_id=RUN, bound=2)
+    assert ledger.ok, ledger
+    assert ledger.skipped == {"dead_letter": 1, "duplicate": 1, "foreign": 1, "stale": 1, "future_version": 1}
+    assert ledger.dead_letter_offsets == [1] and ledger.dup_records == 1
+
+
+def test_without_a_bound_an_old_group_passed_over_is_lost():
+    records = [group(0, "old", version=0), group(1, "b", version=9)]
+    ledger = build_ledger(records, [took(11, "b", 9)], 2, run_id=RUN, bound=None)
+    assert ledger.lost == [f"{RUN}/old/e0"]
+    assert build_ledger(records, [took(11, "b", 9)], 2, run_id=RUN, bound=2).lost == []
+
+
+def test_a_group_skipped_once_and_taken_at_a_later_record_is_not_lost():
+    records = [group(0, "a", version=0), group(1, "b", version=5), group(2, "a", version=5)]
+    ledger = build_ledger(records, [took(7, "b", 5), took(7, "a", 5)], 3, run_id=RUN, bound=2)
+    assert ledger.ok and ledger.skipped == {"stale": 1}
+
+
+def test_a_trained_group_not_on_the_topic_is_unmatched():
+    ledger = build_ledger([group(0, "a")], [took(1, "a"), took(1, "ghost")], 1, run_id=RUN, bound=2)
+    assert ledger.unmatched == [f"{RUN}/ghost/e0"] and not ledger.ok
+
+
+def test_longest_stall_skips_gaps_across_restarts():
+    times = [0.0, 1.0, 2.0, 50.0, 51.0, 58.0]
+    assert longest_stall(times, restarts=[]) == 48.0
+    assert longest_stall(times, restarts=[10.0]) == 7.0
+    assert longest_stall([], restarts=[]) == 0.0

@@ -1,0 +1,72 @@
+"""The fleet simulator (tools/simulate.py) on cases with known answers: one explorer in sync mode, a trainer-bound
+and a generation-bound overlapped run, members beyond the partition count, the staleness bound, rebalances and
+weight-store contention."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tools.simulate import Stages, bounds, main, simulate
+
+FREE = Stages(gen_group_s=1.0, tasks_per_batch=4, samples_per_group=8, groups_per_step=16, train_s=4.0,
+              publish_s=0.0, notice_s=0.0, reload_s=0.0, weights_gb=0.0, rebalance_s=0.0)
+
+
+def test_one_explorer_in_sync_mode_alternates_generation_and_training():
+    result = simulate(FREE, explorers=1, partitions=4, mode="sync", steps=10)
+    step_s = 16 * 1.0 + 4.0  # generate the step's 16 groups, then train on them: nothing overlaps
+    assert result.samples_per_s == pytest.approx(16 * 8 / step_s)
+    assert result.samples_per_s == pytest.approx(bounds(FREE, 1)["sync"])
+    assert result.staleness == {0: 10 * 16 * 8} and result.dropped_stale == 0
+    assert result.trainer_idle == pytest.approx(16 / 20, rel=0.02)  # waits for all but the first step's training
+
+
+def test_a_trainer_bound_async_run_steps_at_the_trainers_rate():
+    stages = dataclasses.replace(FREE, gen_group_s=0.05, publish_s=0.5)
+    result = simulate(stages, explorers=4, partitions=4, mode="async", steps=20)
+    assert result.samples_per_s == pytest.approx(16 * 8 / (4.0 + 0.5))
+    assert result.trainer_idle < 0.01
+
+
+def test_a_generation_bound_overlapped_run_is_the_fleets_generation_rate():
+    stages = dataclasses.replace(FREE, train_s=0.01)
+    for n in (1, 2, 4):
+        result = simulate(stages, explorers=n, partitions=4, mode="async", steps=20)
+        assert result.samples_per_s == pytest.approx(n * 8 / 1.0, rel=0.01)
+        assert result.explorer_idle < 0.01
+
+
+def test_members_beyond_the_partition_count_sit_idle():
+    stages = dataclasses.replace(FREE, train_s=0.01)  # generation-bound: more explorers would help
+    four = simulate(stages, explorers=4, partitions=4, mode="async", steps=10)
+    eight = simulate(stages, explorers=8, partitions=4, mode="async", steps=10)
+    assert (eight.active, eight.samples_per_s) == (4, four.samples_per_s)
+    assert simulate(stages, explorers=8, partitions=8, mode="async", steps=10).samples_per_s == pytest.approx(
+        2 * four.samples_per_s, rel=0.01)
+
+
+@pytest.mark.parametrize("mode, k", [("sync", 0), ("off_policy k=1", 1), ("off_policy k=2", 2)])
+def test_admission_keeps_staleness_within_k(mode, k):
+    result = simulate(dataclasses.replace(FREE, gen_group_s=0.2), explorers=8, partitions=8, mode=mode, steps=15)
+    assert max(result.staleness) <= k and result.dropped_stale == 0
+    assert max(simulate(dataclasses.replace(FREE, gen_group_s=0.2), explorers=8, partitions=8, mode="async",
+                        steps=15).staleness) > 2  # unbounded: the fleet runs ahead
+
+
+def test_rebalances_and_store_contention_cost_throughput():
+    base = simulate(FREE, explorers=4, partitions=4, mode="async", steps=10).samples_per_s
+    churn = simulate(dataclasses.replace(FREE, churn_per_min=6, rebalance_s=5.0), explorers=4, partitions=4,
+                     mode="async", steps=10).samples_per_s
+    assert churn < 0.9 * base
+    pulls = dataclasses.replace(FREE, train_s=0.01, weights_gb=1.0, store_gbps=1.0, client_gbps=1.0)
+    one = simulate(pulls, explorers=1, partitions=64, mode="async", steps=20).samples_per_s
+    many = simulate(pulls, explorers=64, partitions=64, mode="async", steps=20).samples_per_s
+    assert many < 64 * one * 0.8  # 64 explorers pulling each version through one store do not scale linearly
+
+
+def test_the_command_line_rejects_an_unknown_stage_field(capsys):
+    assert main(["--set", "train_seconds=3"]) == 2
+    assert "unknown stage field(s) train_seconds" in capsys.readouterr().err
+    assert main(["--explorers", "1", "--modes", "sync", "--steps", "3", "--json"]) == 0
+    assert '"efficiency"' in capsys.readouterr().out
