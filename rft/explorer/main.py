@@ -448,11 +448,11 @@ def main(argv: list[str]) -> int:
     if not mode(cfg.run.mode).explorers:
         print(f"rft explorer: run.mode {cfg.run.mode} runs no explorers", file=sys.stderr)
         return 2
+    if args.replicas is not None and args.replicas < 1:
+        print(f"rft explorer: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
+        return 2
     probe_bootstrap(cfg.kafka.bootstrap_servers)  # BrokerUnreachable (exit 4) before minutes of engine start-up
     if args.replicas is not None and args.replicas != 1:
-        if args.replicas < 1:
-            print(f"rft explorer: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
-            return 2
         return run_replicas(args, args.replicas)
     return run_one(cfg, explorer_id=args.explorer_id or f"{socket.gethostname()}-{os.getpid()}",
                    exit_when_idle_s=args.exit_when_idle if args.exit_when_idle is not None

@@ -98,4 +98,7 @@ def test_the_real_model_runs_the_loop(tmp_path, smollm2, bootstrap, topic_prefix
             assert "Reply with only the final number." in text
             response = list(s.response_tokens)
             assert 1 <= len(response) <= 8 and end_of_turn not in response[:-1]
-            assert s.reward in (0.0, 1.0) and len(s.logprobs) == len(response)
+            # reasoning-gym gives partial credit for the right answer inside a longer extraction
+            assert 0.0 <= s.reward <= 1.0 and len(s.logprobs) == len(response)
+            assert s.reward_components["correct"] == float(s.reward == 1.0)
+            assert s.reward == 0.0 or s.reward_components["extracted"] == 1.0
