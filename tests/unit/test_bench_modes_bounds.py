@@ -1,0 +1,57 @@
+"""`rft bench modes` arithmetic on hand-made inputs: the stage-alone generation rate, the bounds, and the per-version
+weight-sync split (publish, notice, reload) read from control messages. The whole benchmark runs in
+tests/e2e/test_bench_modes_run.py."""
+from __future__ import annotations
+
+import pytest
+
+from rft.control import ExplorerHeartbeat, ExplorerWeights, Weights
+from tools.bench_modes import bounds, generation_rate, weight_sync
+
+
+def test_generation_rate_counts_what_came_after_the_first_batch():
+    # two explorer batches of 2 groups (8 samples, 20 tokens each) 3 s apart, after a start-up batch at t=10 s
+    groups = [(16_000, 8, 20), (10_000, 8, 20), (13_000, 8, 20), (10_010, 8, 20), (13_020, 8, 20), (16_010, 8, 20)]
+    rate = generation_rate(groups, first_batch=2)
+    span = 16.010 - 10.010
+    assert rate["span_s"] == pytest.approx(span)
+    assert rate["samples_per_s"] == pytest.approx(4 * 8 / span)
+    assert rate["tokens_per_s"] == pytest.approx(4 * 20 / span)
+    assert rate["groups"] == 6
+
+
+def test_generation_rate_needs_more_than_the_first_batch():
+    with pytest.raises(RuntimeError, match="published 2 groups, need more than the first batch"):
+        generation_rate([(1, 8, 8), (2, 8, 8)], first_batch=2)
+
+
+def test_bounds_take_turns_in_sync_and_overlap_otherwise():
+    b = bounds(gen=6.0, train=3.0)
+    assert b["sync"] == pytest.approx(2.0)  # 1 / (1/6 + 1/3): a sample costs 1/6 s + 1/3 s
+    assert b["overlapped"] == 3.0
+
+
+def test_weight_sync_splits_each_version_into_publish_notice_and_reload():
+    steps = [{"step": 1, "weights_s": 0.2, "weights_write_s": 0.5}, {"step": 2, "weights_s": 0.4,
+                                                                       "weights_write_s": 0.3}]
+    control = [
+        (100.0, Weights(version=1, path="/store/v1")),
+        (100.9, ExplorerWeights(explorer_id="a", version=1, seconds=0.5)),  # started at 100.4: noticed after 0.4 s
+        (101.5, ExplorerWeights(explorer_id="b", version=1, seconds=1.5)),  # started at 100.0: the first to notice
+        (110.0, Weights(version=2, path="/store/v2")),
+        (110.1, ExplorerHeartbeat(explorer_id="a", groups=3)),
+        (110.8, ExplorerWeights(explorer_id="a", version=2, seconds=0.6)),  # started at 110.2
+        (111.0, ExplorerWeights(explorer_id="b", version=2, seconds=None)),  # pushed: no reload seconds
+        (120.0, Weights(version=3, path="/store/v3")),  # loaded by nobody before the run ended: not counted
+    ]
+    sync = weight_sync(steps, control)
+    assert sync["versions"] == 2
+    assert sync["publish_s"] == pytest.approx((0.7 + 0.7) / 2)
+    assert sync["notice_s"] == pytest.approx((0.0 + 0.2) / 2)
+    assert sync["reload_s"] == pytest.approx((1.5 + 0.6) / 2)
+    assert sync["weight_sync_s"] == pytest.approx(sync["publish_s"] + sync["notice_s"] + sync["reload_s"])
+
+
+def test_weight_sync_without_reloads_reports_none():
+    sync = weight_sync([{"step": 1, "weights_s": 0.1}], [(1.0, Weights(version=1))])
+    assert sync["weight_sync_s"] is None and sync["versions"] == 0
