@@ -66,6 +66,7 @@ import torch.distributed as dist
 
 import megatron_bridge.device as device
 import megatron_bridge.export as export
+import megatron_bridge.packing as packing
 import megatron_bridge.parallel as parallel
 import megatron_bridge.schedule as schedule
 from megatron_bridge.logprobs import entropy_sum, token_logprobs
@@ -83,11 +84,12 @@ class MegatronPolicy:
     def __init__(self, hf_dir: str | Path, *, tp: int = 1, pp: int = 1, lr: float, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  seed: int = 0, dtype: str = "float32", reference: bool = False, temperature: float = 1.0,
-                 initial_loss_scale: float = 2.0 ** 16):
+                 initial_loss_scale: float = 2.0 ** 16, pack_sequences: bool = False):
         """`temperature`: the sampling temperature of the explorers. Log-probs (and entropy) are those of
         softmax(logits / temperature), the distribution the behaviour log-probs in the records come from, so
         that importance ratios compare like with like. `initial_loss_scale`: float16 only, the dynamic loss
-        scale's starting value (see "Loss scaling" in the module docstring)."""
+        scale's starting value (see "Loss scaling" in the module docstring). `pack_sequences`: every forward runs
+        each micro-batch as one packed sequence (megatron_bridge.packing; Transformer Engine on a GPU, pp 1)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         if temperature <= 0:
@@ -96,6 +98,10 @@ class MegatronPolicy:
         if lr <= 0 or weight_decay < 0 or grad_clip < 0:
             raise ValueError(f"need lr > 0, weight_decay >= 0, grad_clip >= 0; got lr={lr} "
                              f"weight_decay={weight_decay} grad_clip={grad_clip}")
+        if pack_sequences and (pp != 1 or not packing.packing_supported()):
+            raise ValueError(f"pack_sequences needs Transformer Engine on a GPU and pp 1 (pp {pp}, Transformer Engine "
+                             f"in use: {packing.packing_supported()})")
+        self.pack_sequences = pack_sequences
         self.layout = parallel.initialize(tp, pp, seed=seed)
         models = build_model(hf_dir, dtype=dtype)
         self.info = models[0].bridge_info
@@ -148,7 +154,8 @@ class MegatronPolicy:
                 raise ValueError(f"loss function returned metrics {reserved}, names that train_step reports itself")
             return loss, {"loss": loss.detach(), "entropy": entropy, **{k: v.detach() for k, v in metrics.items()}}
 
-        per_micro_batch = schedule.run(self.models, micro_batches, on_logits, forward_only=False)
+        per_micro_batch = schedule.run(self.models, micro_batches, on_logits, forward_only=False,
+                                       packed=self.pack_sequences)
         finalize_model_grads(self.models)
         succeeded, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(1)
@@ -178,7 +185,7 @@ class MegatronPolicy:
             results = schedule.run(
                 models, micro_batches,
                 lambda logits, mb: token_logprobs(self._tempered(logits), mb["target_ids"], self.vocab_size),
-                forward_only=True)
+                forward_only=True, packed=self.pack_sequences)
         return [_from_last_stage(results[i] if results else None, tuple(mb["target_ids"].shape))
                 for i, mb in enumerate(micro_batches)]
 

@@ -6,7 +6,9 @@ first stage embeds `input_ids`, the last stage turns its vocabulary-parallel log
 stages an empty list.
 
 Megatron's rotary embedding uses positions 0..T-1 whatever `position_ids` says, so position_ids
-must be that (right-padded rows, no packing); `check_micro_batch` refuses anything else.
+must be that (right-padded rows); `check_micro_batch` refuses anything else. Micro-batches may differ in shape
+[b_i, T_i] when the pipeline has one stage (token-budget micro-batches); with `packed`, each runs as one packed
+sequence (megatron_bridge.packing) and `on_logits` still sees the padded [b, T, V/tp] layout.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 import megatron_bridge.device as device
+import megatron_bridge.packing as packing
 
 REQUIRED_KEYS = ("input_ids", "position_ids")
 
@@ -40,12 +43,13 @@ def to_compute_device(mb: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tensor]],
-        on_logits: Callable[[torch.Tensor, dict], Any], *, forward_only: bool) -> list[Any]:
+        on_logits: Callable[[torch.Tensor, dict], Any], *, forward_only: bool, packed: bool = False) -> list[Any]:
     """Run the schedule; `on_logits(logits_shard [b, T, V/tp], micro_batch)` runs on the last stage.
 
     Training (`forward_only=False`): `on_logits` returns `(loss, metrics)`; backward runs on `loss`
     unscaled (megatron's per-token-loss mode: no division by micro-batch count, DDP sums instead of
-    averaging). Returns the list of `metrics` dicts. Forward only: returns `on_logits`'s results.
+    averaging). Returns the list of `metrics` dicts. Forward only: returns `on_logits`'s results. `packed`: run each
+    micro-batch as one packed sequence (needs `row_lens`; Transformer Engine only, see megatron_bridge.packing).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -62,6 +66,8 @@ def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tenso
 
     def forward_step(data_iterator, model):
         mb = to_compute_device(next(data_iterator))
+        if packed:
+            return packing.packed_forward(model, mb), partial(loss_func, mb)
         logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=None)
         return logits, partial(loss_func, mb)
 

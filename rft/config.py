@@ -126,7 +126,9 @@ class TrainerConfig:
     pipeline_parallel: int = 1
     data_parallel: int = 1
     groups_per_step: int = 8
-    micro_batch_size: int = 8
+    micro_batch_size: int = 8  # rows per micro-batch (fixed shape); not used when max_tokens_per_micro_batch > 0
+    max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by token budget, rows grouped by length (rows x own longest row <= budget; pipeline_parallel 1); 0: fixed micro_batch_size
+    pack_sequences: bool = False  # concatenate each micro-batch's rows into one sequence (PackedSeqParams, thd); needs Transformer Engine on a GPU and pipeline_parallel 1
     lr: float = 1e-5
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -543,6 +545,7 @@ def check_semantics(cfg: Config, source: str) -> None:
     require(cfg.explorer.temperature >= 0, "explorer.temperature", f"must be >= 0, got {cfg.explorer.temperature}")
     require(0 < cfg.explorer.top_p <= 1, "explorer.top_p", f"must be in (0, 1], got {cfg.explorer.top_p}")
     require(cfg.trainer.lr > 0, "trainer.lr", f"must be > 0, got {cfg.trainer.lr}")
+    _check_micro_batching(cfg.trainer, require)
     require(cfg.algorithm.clip_eps > 0, "algorithm.clip_eps", f"must be > 0, got {cfg.algorithm.clip_eps}")
     require(cfg.algorithm.importance_cap >= 1, "algorithm.importance_cap",
             f"must be >= 1, got {cfg.algorithm.importance_cap}")
@@ -563,6 +566,18 @@ def check_semantics(cfg: Config, source: str) -> None:
     require(not cfg.replay.from_data or cfg.run.mode == "offline", "replay.from_data",
             f"fills the topic of an offline replay: needs run.mode offline, not {cfg.run.mode}")
     _check_eval(cfg.eval, require)
+
+
+def _check_micro_batching(t: TrainerConfig, require) -> None:
+    """Token-budget micro-batches and packed sequences vary the activation shape from micro-batch to micro-batch,
+    which megatron's pipeline schedule (fixed shape per step) cannot send between stages."""
+    budget = t.max_tokens_per_micro_batch
+    require(budget >= 0, "trainer.max_tokens_per_micro_batch", f"must be >= 0 (0: off, fixed micro_batch_size), got {budget}")
+    require(budget == 0 or t.pipeline_parallel == 1, "trainer.max_tokens_per_micro_batch",
+            f"needs trainer.pipeline_parallel 1 (the pipeline schedule sends one activation shape per step), got "
+            f"pipeline_parallel {t.pipeline_parallel}; set it to 0")
+    require(not t.pack_sequences or t.pipeline_parallel == 1, "trainer.pack_sequences",
+            f"needs trainer.pipeline_parallel 1, got {t.pipeline_parallel}")
 
 
 def _check_eval(e: EvalConfig, require) -> None:

@@ -13,6 +13,7 @@ BENCHMARKS = {
     "membership": "tools.bench_membership:main",
     "simulate": "tools.simulate:main",
     "serve": "tools.bench_serve:main",
+    "micro-batches": "tools.bench_micro_batches:main",
 }
 
 

@@ -1,9 +1,13 @@
 """Experience groups -> micro-batches, per the batch contract (docs/architecture.md, "The batch contract").
 
 Every data-parallel rank builds the same global list of rows from the same groups and takes its own slice, so
-the normalisers (`global_tokens`, `global_sequences`) are known everywhere without communication. All micro-batches
-of a step have the same shape [micro_batch_size, T] (padding rows carry loss_mask 0) because the pipeline schedule
-sends fixed-shape activations between stages.
+the normalisers (`global_tokens`, `global_sequences`) are known everywhere without communication, and losses are
+sums over rows divided by them, so any partition of the rows into micro-batches gives the same loss and gradients.
+By default all micro-batches of a step have the same shape [micro_batch_size, T] (padding rows carry loss_mask 0)
+because the pipeline schedule sends fixed-shape activations between stages. With a token budget
+(`trainer.max_tokens_per_micro_batch`, pipeline_parallel 1) rows are grouped by length and each micro-batch is
+padded only to its own longest row (`plan_micro_batches`). Every micro-batch carries `row_lens` [b] (input
+positions of each row, 0 for padding rows), which sequence packing (megatron_bridge.packing) reads.
 
 Preference pairs (algorithms with `pairwise = True`, i.e. DPO): one ExperienceGroup is one pair, exactly 2 samples
 with different rewards; the higher reward is the chosen response (`preference_pair_problem` says why a group is
@@ -76,26 +80,107 @@ def _mark_pair(rows: list[Row], group: ExperienceGroup, index: int) -> None:
         row.pair_index, row.chosen = index, j == chosen
 
 
-def micro_batches_for_rank(rows: list[Row], *, dp_rank: int, dp_size: int, micro_batch_size: int,
-                           pad_id: int = 0) -> list[dict[str, torch.Tensor]]:
-    """This rank's micro-batches. Rows (preference pairs, when the rows are pairs) are dealt round-robin over
-    data-parallel ranks; every rank gets the same number of micro-batches of the same shape."""
+@dataclass
+class MicroBatchPlan:
+    """Which rows go in which micro-batch of which data-parallel rank, and each micro-batch's padded shape.
+
+    `ranks[d][i]` is micro-batch i of rank d: (rows, batch_size, seq_len), seq_len counting input positions
+    (tokens - 1). Every rank has the same number of micro-batches. Built the same way on every rank from the same
+    rows (`plan_micro_batches`), so `padding_fraction` and `real_tokens` are step-wide without communication."""
+    ranks: list[list[tuple[list[Row], int, int]]]
+    global_tokens: float
+    global_sequences: float
+    pairwise: bool
+
+    @property
+    def real_tokens(self) -> int:
+        """Input positions holding a real token, over all micro-batches of all ranks."""
+        return sum(len(r.tokens) - 1 for rank in self.ranks for rows, _, _ in rank for r in rows)
+
+    @property
+    def token_slots(self) -> int:
+        """Input positions computed (batch_size x seq_len summed over all micro-batches of all ranks)."""
+        return sum(b * t for rank in self.ranks for _, b, t in rank)
+
+    @property
+    def padding_fraction(self) -> float:
+        """Padded slots / all slots over the step's micro-batches (padding rows included)."""
+        return 1.0 - self.real_tokens / max(self.token_slots, 1)
+
+    def for_rank(self, dp_rank: int, *, pad_id: int = 0) -> list[dict[str, torch.Tensor]]:
+        """Rank `dp_rank`'s micro-batches as tensors (the batch contract)."""
+        return [_pack(rows, batch_size, seq_len, pad_id, self.global_tokens, self.global_sequences,
+                      pairwise=self.pairwise) for rows, batch_size, seq_len in self.ranks[dp_rank]]
+
+
+def plan_micro_batches(rows: list[Row], *, dp_size: int, micro_batch_size: int,
+                       max_tokens_per_micro_batch: int = 0) -> MicroBatchPlan:
+    """Deal the step's rows (preference pairs, when the rows are pairs) into micro-batches over data-parallel ranks.
+
+    `max_tokens_per_micro_batch` 0 (fixed shape, what pipeline parallelism needs): rows are dealt round-robin over
+    ranks, then `micro_batch_size` at a time; every micro-batch is [micro_batch_size, T], T the step's longest row.
+    > 0 (token budget, pipeline_parallel 1): rows are sorted by length (longest first, ties in step order) and
+    packed greedily into micro-batches with rows x T_i <= budget, T_i the micro-batch's own longest row (a single
+    row or pair longer than the budget gets a micro-batch of its own); `micro_batch_size` is not used. Micro-batches
+    are dealt to ranks longest-work first, each to the rank with the fewest token slots among those holding fewer
+    than ceil(n / dp_size); ranks left short get empty micro-batches ([1, 1], loss_mask 0)."""
     units = _units(rows)
     pairwise = rows[0].pair_index >= 0
+    global_tokens = float(sum(r.loss_mask.sum() for r in rows))
+    if max_tokens_per_micro_batch:
+        ranks = _budget_plan(units, dp_size, max_tokens_per_micro_batch)
+    else:
+        ranks = _fixed_plan(units, dp_size, micro_batch_size, pairwise)
+    return MicroBatchPlan(ranks, global_tokens, float(len(rows)), pairwise)
+
+
+def micro_batches_for_rank(rows: list[Row], *, dp_rank: int, dp_size: int, micro_batch_size: int,
+                           max_tokens_per_micro_batch: int = 0, pad_id: int = 0) -> list[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of `plan_micro_batches(rows, ...)`."""
+    return plan_micro_batches(rows, dp_size=dp_size, micro_batch_size=micro_batch_size,
+                              max_tokens_per_micro_batch=max_tokens_per_micro_batch).for_rank(dp_rank, pad_id=pad_id)
+
+
+def _fixed_plan(units: list[list[Row]], dp_size: int, micro_batch_size: int, pairwise: bool):
     rows_per_unit = 2 if pairwise else 1
     if micro_batch_size % rows_per_unit:
         raise ValueError(f"trainer.micro_batch_size must be even for preference pairs (both rows of a pair go in "
                          f"one micro-batch), got {micro_batch_size}")
     units_per_micro = micro_batch_size // rows_per_unit
-    seq_len = max(len(r.tokens) for r in rows) - 1
-    global_tokens = float(sum(r.loss_mask.sum() for r in rows))
-    global_sequences = float(len(rows))
+    seq_len = max(_unit_len(u) for u in units)
     per_rank = -(-len(units) // dp_size)
     n_micro = max(1, -(-per_rank // units_per_micro))
-    mine = units[dp_rank::dp_size]
-    return [_pack([row for unit in mine[i * units_per_micro:(i + 1) * units_per_micro] for row in unit],
-                  micro_batch_size, seq_len, pad_id, global_tokens, global_sequences, pairwise=pairwise)
-            for i in range(n_micro)]
+    plan = []
+    for dp_rank in range(dp_size):
+        mine = units[dp_rank::dp_size]
+        plan.append([([row for unit in mine[i * units_per_micro:(i + 1) * units_per_micro] for row in unit],
+                      micro_batch_size, seq_len) for i in range(n_micro)])
+    return plan
+
+
+def _budget_plan(units: list[list[Row]], dp_size: int, budget: int):
+    batches: list[list[Row]] = []
+    for unit in sorted(units, key=_unit_len, reverse=True):  # stable: equal lengths keep step order
+        if batches and (len(batches[-1]) + len(unit)) * (len(batches[-1][0].tokens) - 1) <= budget:
+            batches[-1] += unit  # the first row of a micro-batch is its longest (descending order)
+        else:
+            batches.append(list(unit))
+    shaped = [(rows, len(rows), max(len(r.tokens) for r in rows) - 1) for rows in batches]
+    per_rank = -(-len(shaped) // dp_size)
+    plan: list[list] = [[] for _ in range(dp_size)]
+    slots = [0] * dp_size
+    for micro in sorted(shaped, key=lambda m: m[1] * m[2], reverse=True):
+        rank = min((d for d in range(dp_size) if len(plan[d]) < per_rank), key=lambda d: slots[d])
+        plan[rank].append(micro)
+        slots[rank] += micro[1] * micro[2]
+    for rank in plan:
+        rank += [([], 1, 1)] * (per_rank - len(rank))
+    return plan
+
+
+def _unit_len(unit: list[Row]) -> int:
+    """Input positions of a unit's longest row."""
+    return max(len(r.tokens) for r in unit) - 1
 
 
 def _units(rows: list[Row]) -> list[list[Row]]:
@@ -122,8 +207,10 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
     advantages = np.zeros(batch_size, dtype=np.float32)
     pair_index = np.full(batch_size, -1, dtype=np.int64)
     pair_chosen = np.zeros(batch_size, dtype=bool)
+    row_lens = np.zeros(batch_size, dtype=np.int64)
     for i, row in enumerate(rows):
         n = len(row.tokens) - 1
+        row_lens[i] = n
         input_ids[i, :n], target_ids[i, :n] = row.tokens[:-1], row.tokens[1:]
         start = row.prompt_len - 1  # target index of the first response token
         r = len(row.loss_mask)
@@ -136,7 +223,7 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
         "input_ids": torch.from_numpy(input_ids), "target_ids": torch.from_numpy(target_ids),
         "position_ids": torch.arange(seq_len, dtype=torch.int64).expand(batch_size, seq_len).contiguous(),
         "loss_mask": torch.from_numpy(loss_mask), "old_logprobs": torch.from_numpy(old_logprobs),
-        "advantages": torch.from_numpy(advantages),
+        "advantages": torch.from_numpy(advantages), "row_lens": torch.from_numpy(row_lens),
         "global_tokens": torch.tensor(global_tokens), "global_sequences": torch.tensor(global_sequences),
         **(pairs if pairwise else {}),
     }

@@ -40,7 +40,7 @@ from rft.operators import OperatorContext, build_operator_chain, split_drops
 from rft.schema import decode_group
 from rft.staleness import StalenessTracker
 from rft.trainer import distributed as dist_io
-from rft.trainer.batch import micro_batches_for_rank, preference_pair_problem, rows_from_groups
+from rft.trainer.batch import plan_micro_batches, preference_pair_problem, rows_from_groups
 from rft.trainer.checkpoint import CheckpointDir, TrainerState, capture_rng, restore_rng
 from rft.trainer.feed import EndOfReplay, ExperienceFeed, FeedState, ReplayWindow, open_feed, resolve_window
 from rft.trainer.replay_buffer import ExperienceReplay, open_replay
@@ -193,19 +193,24 @@ class Trainer:
     def __init__(self, trainer: TrainerConfig, *, run: RunConfig, model: ModelConfig, algorithm: AlgorithmConfig,
                  sync: SyncConfig, run_dir: Path, temperature: float, progress: bool,
                  open_io: Callable[[FeedState, dict], TrainerIO], resume: bool = True, policy=None):
+        from megatron_bridge.packing import packing_supported  # heavy: torch
         from megatron_bridge.policy import MegatronPolicy  # heavy: megatron.core, torch.distributed
 
         self.config, self.run_config, self.model, self.sync = trainer, run, model, sync
         self.run_dir, self.progress = Path(run_dir), progress
         t = trainer
         check_parallel_layout(t, dist_io.world_size())
+        if t.pack_sequences and policy is None and not packing_supported():
+            raise ConfigError("trainer.pack_sequences: needs Transformer Engine on a GPU (megatron's packed 'thd' "
+                              "attention), and transformer_engine is not importable or no GPU is present here; "
+                              "set it to false")
         self.algorithm = build_algorithm(algorithm)
         self.loss_fn = with_kl_metric(self.algorithm.loss_fn)  # `kl` is logged whatever the algorithm
         self.pairwise = getattr(self.algorithm, "pairwise", False)
         self.policy = policy or MegatronPolicy(
             model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, lr=t.lr, weight_decay=t.weight_decay,
             grad_clip=t.grad_clip, betas=(t.adam_beta1, t.adam_beta2), seed=run.seed, dtype=model.dtype,
-            reference=self.algorithm.needs_reference, temperature=temperature)
+            reference=self.algorithm.needs_reference, temperature=temperature, pack_sequences=t.pack_sequences)
         self.staleness = StalenessTracker(mode=run.mode, max_staleness=run.max_staleness)
         self.is_reader = dist_io.rank() == 0
         if self.is_reader:
@@ -304,16 +309,24 @@ class Trainer:
         return self.staleness.check(group, step)
 
     def _train(self, step: int, groups) -> dict:
+        """The step's optimizer step; its metrics plus `padding_fraction` (padded token slots / all slots over the
+        step's micro-batches, all data-parallel ranks) and `train_tokens_per_s` (real input tokens of the step /
+        seconds from batching to the optimizer step's end, reference log-probs included)."""
         t = self.config
+        started = time.perf_counter()
         advantages = self.algorithm.advantages([g.rewards for g in groups])
         rows = rows_from_groups(groups, advantages, pairs=self.pairwise,
                                 max_len=self.model.max_prompt_len + self.model.max_response_len)
-        micro_batches = micro_batches_for_rank(rows, dp_rank=self.policy.layout.dp_rank, dp_size=self.policy.layout.dp,
-                                               micro_batch_size=t.micro_batch_size)
+        plan = plan_micro_batches(rows, dp_size=self.policy.layout.dp, micro_batch_size=t.micro_batch_size,
+                                  max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
+        micro_batches = plan.for_rank(self.policy.layout.dp_rank)
         if self.algorithm.needs_reference:
             for mb, ref in zip(micro_batches, self.policy.reference_logprobs(micro_batches)):
                 mb["ref_logprobs"] = ref
-        return self.policy.train_step(micro_batches, self.loss_fn)
+        metrics = self.policy.train_step(micro_batches, self.loss_fn)
+        seconds = max(time.perf_counter() - started, 1e-9)
+        return {**metrics, "padding_fraction": plan.padding_fraction, "train_s": seconds,
+                "train_tokens_per_s": plan.real_tokens / seconds}
 
     def _publish_weights(self, version: int) -> None:
         """Collective: every rank takes part in gathering the buckets; rank 0 delivers them (`deliver_version`).

@@ -1,6 +1,8 @@
 """Trainer batches from known groups (rft/trainer/batch.py): preference pairs stay together across data-parallel
 ranks and micro-batches and carry pair_chosen / pair_index; the trainer refuses a data-parallel size that does not
-match its world size."""
+match its world size; token-budget plans (trainer.max_tokens_per_micro_batch) place every row once, respect the
+budget, keep pairs together and give every rank the same number of micro-batches; the micro-batching keys are
+checked."""
 from __future__ import annotations
 
 import subprocess
@@ -15,7 +17,7 @@ import yaml
 from rft.algorithms import build_algorithm
 from rft.config import AlgorithmConfig, ConfigError, TrainerConfig
 from rft.schema import ExperienceGroup, Sample
-from rft.trainer.batch import micro_batches_for_rank, preference_pair_problem, rows_from_groups
+from rft.trainer.batch import micro_batches_for_rank, plan_micro_batches, preference_pair_problem, rows_from_groups
 from rft.trainer.main import check_parallel_layout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,3 +126,110 @@ def test_trainer_command_exits_2_naming_data_parallel(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "trainer.data_parallel is 2, but world size 1" in result.stderr
     assert "set trainer.data_parallel=1" in result.stderr
+
+
+def varied_rows(n: int = 40, *, pairs: bool = False, seed: int = 3):
+    """`n` rows of 4 to 60 tokens (prompt 2), as single rows or `n // 2` preference pairs."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(n // 2):
+        samples = [sample(j, [g + 10, 7], list(rng.integers(3, 90, int(rng.integers(2, 59)))), float(j == 0))
+                   for j in range(2)]
+        groups.append(ExperienceGroup(run_id="run", task_id=f"t{g}", group_id=f"g{g}", attempt=0, explorer_id="e",
+                                      policy_version=0, samples=samples))
+    return rows_from_groups(groups, [np.array([1.0, -1.0], np.float32)] * len(groups), pairs=pairs)
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 3])
+@pytest.mark.parametrize("budget", [1, 64, 200, 10_000])
+def test_token_budget_plan_loses_no_row_respects_the_budget_and_gives_ranks_equal_counts(dp_size, budget):
+    rows = varied_rows()
+    plan = plan_micro_batches(rows, dp_size=dp_size, micro_batch_size=8, max_tokens_per_micro_batch=budget)
+    placed = [id(r) for rank in plan.ranks for micro, _, _ in rank for r in micro]
+    assert sorted(placed) == sorted(id(r) for r in rows)  # every row exactly once
+    assert len({len(rank) for rank in plan.ranks}) == 1  # the same number of micro-batches on every rank
+    for rank in plan.ranks:
+        for micro, batch_size, seq_len in rank:
+            if not micro:
+                assert (batch_size, seq_len) == (1, 1)  # an empty micro-batch, for equal counts
+                continue
+            assert batch_size == len(micro) and seq_len == max(len(r.tokens) for r in micro) - 1
+            assert batch_size * seq_len <= budget or batch_size == 1  # a longer row goes alone
+    assert plan.real_tokens == sum(len(r.tokens) - 1 for r in rows)
+    slots = sum(b * t for rank in plan.ranks for _, b, t in rank)
+    assert plan.padding_fraction == pytest.approx(1 - plan.real_tokens / slots)
+    for dp_rank in range(dp_size):
+        for mb, (micro, _, _) in zip(plan.for_rank(dp_rank), plan.ranks[dp_rank]):
+            assert mb["row_lens"][:len(micro)].tolist() == [len(r.tokens) - 1 for r in micro]
+            assert mb["global_sequences"].item() == len(rows)
+            assert mb["global_tokens"].item() == sum(r.loss_mask.sum() for r in rows)
+
+
+def test_token_budget_groups_rows_by_length_and_cuts_padding():
+    rows = varied_rows()
+    fixed = plan_micro_batches(rows, dp_size=2, micro_batch_size=8)
+    budget = plan_micro_batches(rows, dp_size=2, micro_batch_size=8, max_tokens_per_micro_batch=256)
+    # fixed: every micro-batch is [8, longest row of the step]
+    longest = max(len(r.tokens) for r in rows) - 1
+    assert {(b, t) for rank in fixed.ranks for _, b, t in rank} == {(8, longest)}
+    assert fixed.padding_fraction > 0.4 and budget.padding_fraction < 0.15, (fixed.padding_fraction,
+                                                                              budget.padding_fraction)
+    # one long row alone: its own micro-batch, padded to itself
+    single = plan_micro_batches(rows[:1], dp_size=1, micro_batch_size=8, max_tokens_per_micro_batch=2)
+    assert [(b, t) for _, b, t in single.ranks[0]] == [(1, len(rows[0].tokens) - 1)]
+    assert single.padding_fraction == 0.0
+
+
+def test_token_budget_keeps_preference_pairs_in_one_micro_batch():
+    rows = varied_rows(pairs=True)
+    plan = plan_micro_batches(rows, dp_size=2, micro_batch_size=2, max_tokens_per_micro_batch=150)
+    seen = []
+    for dp_rank in range(2):
+        for mb in plan.for_rank(dp_rank):
+            real = mb["pair_index"][mb["pair_index"] >= 0].tolist()
+            assert all(real.count(p) == 2 for p in real)  # both rows of each pair here
+            assert mb["pair_chosen"][mb["pair_index"] >= 0].sum() == len(real) // 2
+            seen += sorted(set(real))
+    assert sorted(seen) == list(range(20))
+
+
+def test_the_default_plan_is_the_fixed_round_robin_one():
+    rows = varied_rows(10)
+    old = [micro_batches_for_rank(rows, dp_rank=d, dp_size=2, micro_batch_size=2) for d in range(2)]
+    plan = plan_micro_batches(rows, dp_size=2, micro_batch_size=2)
+    for d in range(2):
+        a = 1.0 if d == 0 else -1.0  # even rows are the first samples (advantage 1), odd rows the second
+        assert [mb["advantages"].tolist() for mb in old[d]] == [[a, a], [a, a], [a, 0.0]]
+        for before, now in zip(old[d], plan.for_rank(d)):
+            assert all(torch.equal(before[k], now[k]) for k in before)
+        assert [r for micro, _, _ in plan.ranks[d] for r in micro] == rows[d::2]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"max_tokens_per_micro_batch": -1}, r"trainer.max_tokens_per_micro_batch: must be >= 0 \(0: off"),
+    ({"max_tokens_per_micro_batch": 512, "pipeline_parallel": 2, "data_parallel": 1},
+     r"trainer.max_tokens_per_micro_batch: needs trainer.pipeline_parallel 1 .*got pipeline_parallel 2"),
+    ({"pack_sequences": True, "pipeline_parallel": 2}, r"trainer.pack_sequences: needs trainer.pipeline_parallel 1"),
+])
+def test_micro_batching_keys_are_checked(tmp_path, overrides, message):
+    from rft.config import load_config
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"run": {"name": "mb-check", "output_dir": str(tmp_path)},
+                                      "model": {"path": str(tmp_path)}, "trainer": overrides}))
+    with pytest.raises(ConfigError, match=message):
+        load_config(config)
+
+
+def test_pack_sequences_is_refused_without_transformer_engine(tmp_path):
+    """This CPU machine has no Transformer Engine: the trainer exits 2 naming the key, before loading a model."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"run": {"name": "pack-check", "mode": "train", "output_dir": str(tmp_path)},
+                                      "model": {"path": str(tmp_path / "no-model")},
+                                      "kafka": {"bootstrap_servers": "127.0.0.1:1"},
+                                      "trainer": {"pack_sequences": True}}))
+    result = subprocess.run([sys.executable, "-m", "rft.cli", "trainer", str(config)], cwd=REPO,
+                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "trainer.pack_sequences: needs Transformer Engine on a GPU" in result.stderr
