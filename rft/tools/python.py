@@ -23,7 +23,7 @@ import sys
 import tempfile
 from typing import Any
 
-from rft.tools.registry import ToolLimits, function_schema, register_tool, require_arguments, truncate
+from rft.tools.registry import ToolLimits, function_schema, register_tool, require_arguments
 
 MAX_FILE_BYTES = 1 << 20
 
@@ -64,7 +64,7 @@ def run_python(code: str, limits: ToolLimits) -> str:
         status = (f"killed by {signal.Signals(-process.returncode).name}" if process.returncode < 0
                   else f"exit status {process.returncode}")
         return f"error: {status}" + (f"\n{_tail(output, limits)}" if output else "")
-    return truncate(output, limits.output_chars) if output else "(no output)"
+    return output or "(no output)"  # ToolBox.run truncates it to output_chars
 
 
 def _cpu_seconds(limits: ToolLimits) -> int:
