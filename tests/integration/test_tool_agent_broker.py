@@ -35,7 +35,8 @@ TASKS = [  # prompt, answer, forced first turn, the tool message the explorer mu
     ("Count forever.", "0", tool_call("python", code="print(sum(range(10**12)))"), "error: timed out after 1 s"),
     ("Search it.", "1", tool_call("search", query="x"), "error: unknown tool 'search' (tools: calculator, python)"),
     ("Broken.", "1", '<tool_call>{"name": calculator}</tool_call>',
-     "error: unparseable tool call: Expecting value at character 9 of '{\"name\":calculator}'"),
+     # character 8: the tiny character tokenizer drops spaces, so the model's turn decodes without them
+     "error: unparseable tool call: Expecting value at character 8 of '{\"name\":calculator}'"),
     ("Say 5.", "5", "5", None),  # a forced final answer: no tool turn, reward 1
     ("Answer freely.", "7", None, None),  # sampled from the first token
 ]
