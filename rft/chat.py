@@ -7,13 +7,22 @@ the model's turn is the tokenizer's EOS and the special token the template write
 (`<|im_end|>` for ChatML templates such as SmolLM2's and Qwen's, `<|eot_id|>` for Llama 3's); both engines stop
 at either, and SFT demonstrations end the answer with it.
 
+Tools (the `tool_agent` workflow): a `ChatPrompt` with `tools` (OpenAI function schemas) renders them with
+`apply_chat_template(messages, tools=...)`, as Qwen2.5's and Hermes' templates do. A template that ignores `tools`
+(its rendering is the same with and without them, e.g. SmolLM2's) gets the documented fallback instead: the
+Hermes tool instructions (`TOOLS_FALLBACK`) appended to the system message (one is added when there is none).
+`tool_turn_text` is the text the template writes after an assistant turn's end-of-turn token for the given tool
+messages, through the next assistant header; a template that rejects the `tool` role gets the results as a user
+message `<tool_response>\n...\n</tool_response>` (one block per result).
+
 Invariant: `encode_chat` returns exactly `tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-tokenize=True)`'s ids; with `model.chat_template: false` nothing here is used (prompts are plain text with the
+tokenize=True)`'s ids (with `tools=` when the prompt has tools and the template renders them); with `model.chat_template: false` nothing here is used (prompts are plain text with the
 tokenizer's special tokens). Tokenizers are duck-typed (any Hugging Face tokenizer); this module imports no rft
 module but the config types, and no heavy dependency.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,13 +38,14 @@ class ChatError(ValueError):
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """How prompts are rendered when `model.chat_template` is on."""
+    """How prompts are rendered when `model.chat_template` is on (`tools`: function schemas shown to the model)."""
     system_prompt: str = ""
+    tools: tuple[dict[str, Any], ...] = ()
 
     @classmethod
-    def of(cls, model: "ModelConfig") -> "ChatPrompt | None":
+    def of(cls, model: "ModelConfig", tools: tuple[dict[str, Any], ...] = ()) -> "ChatPrompt | None":
         """The model section's chat settings; None when `model.chat_template` is off."""
-        return cls(model.system_prompt) if model.chat_template else None
+        return cls(model.system_prompt, tools) if model.chat_template else None
 
     def messages(self, prompt: str) -> list[dict[str, str]]:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
@@ -51,16 +61,71 @@ def _ids(rendered: Any) -> list[int]:
 def encode_chat(tokenizer: Any, prompt: str, chat: ChatPrompt) -> list[int]:
     """`prompt` as the template renders a user turn (after the system turn, if any) and the assistant header;
     ChatError when the tokenizer has no template."""
-    return encode_messages(tokenizer, chat.messages(prompt))
+    return encode_messages(tokenizer, chat.messages(prompt), tools=chat.tools)
 
 
-def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]],
+                    tools: tuple[dict[str, Any], ...] = ()) -> list[int]:
     """A whole conversation (OpenAI-style `{"role", "content"}` messages) as the template renders it, with the
-    assistant header after it (`rft serve`); ChatError when the tokenizer has no template."""
+    assistant header after it (`rft serve`, and tools for `tool_agent`); ChatError when the tokenizer has no
+    template."""
+    messages, template_tools = _with_tools(tokenizer, messages, tools)
+    return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              **template_tools))
+
+
+TOOLS_FALLBACK = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+                  "with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each "
+                  "function call, return a json object with function name and arguments within <tool_call>"
+                  "</tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+                  "<args-json-object>}}\n</tool_call>")
+
+
+def renders_tools(tokenizer: Any) -> bool:
+    """Whether the chat template renders `tools=` (else `encode_messages` uses TOOLS_FALLBACK)."""
+    probe = [{"type": "function", "function": {"name": _PROBE, "description": "", "parameters": {}}}]
+    return _PROBE in tokenizer.apply_chat_template([{"role": "user", "content": "1"}], tools=probe, tokenize=False)
+
+
+def _with_tools(tokenizer: Any, messages: list[dict[str, Any]],
+                tools: tuple[dict[str, Any], ...]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages and apply_chat_template's extra arguments that show `tools` to the model (module docstring)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatError(f"model.chat_template: the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat "
                         "template (set model.chat_template: false, or use an instruct model's tokenizer)")
-    return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    if not tools:
+        return messages, {}
+    if renders_tools(tokenizer):
+        return messages, {"tools": list(tools)}
+    text = TOOLS_FALLBACK.format(tools="\n".join(json.dumps(t) for t in tools))
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}] + messages[1:], {}
+    return [{"role": "system", "content": text}] + messages, {}
+
+
+def tool_turn_text(tokenizer: Any, messages: list[dict[str, Any]], results: list[dict[str, str]],
+                   tools: tuple[dict[str, Any], ...] = ()) -> str:
+    """The text the template writes after an assistant turn of the conversation `messages` (as `encode_messages`
+    rendered it) for the tool messages `results` (`{"role": "tool", "name", "content"}`), from just after the
+    assistant's end-of-turn token through the next assistant header. ChatError when the template writes anything
+    but its end-of-turn token right after an assistant message."""
+    messages, template_tools = _with_tools(tokenizer, messages, tools)
+    assistant = [{"role": "assistant", "content": _PROBE}]
+    try:
+        text = tokenizer.apply_chat_template(messages + assistant + results, add_generation_prompt=True,
+                                             tokenize=False, **template_tools)
+    except Exception:  # jinja2's TemplateError: a template without the tool role (module docstring)
+        as_user = [{"role": "user", "content": "\n".join(f"<tool_response>\n{r['content']}\n</tool_response>"
+                                                         for r in results)}]
+        text = tokenizer.apply_chat_template(messages + assistant + as_user, add_generation_prompt=True,
+                                             tokenize=False, **template_tools)
+    end = end_of_turn_id(tokenizer)
+    end_text = tokenizer.convert_ids_to_tokens(end) if end is not None else ""
+    after = text.split(_PROBE, 1)[1] if _PROBE in text else ""
+    if not end_text or not after.startswith(end_text):
+        raise ChatError("model.chat_template: the chat template does not end an assistant message with its "
+                        f"end-of-turn token (after the message it writes {after[:40]!r})")
+    return after[len(end_text):]
 
 
 def special_ids(tokenizer: Any) -> set[int]:

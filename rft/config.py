@@ -86,14 +86,18 @@ class ExplorerConfig:
     top_p: float = 1.0
     max_tokens: int = 32
     tasks_per_batch: int = 8
-    workflow: str = "single_turn"  # registered name (single_turn, multi_turn) or package.module:Class
+    workflow: str = "single_turn"  # registered name (single_turn, multi_turn, tool_agent) or package.module:Class
     reward: str = "exact_match"  # registered name, `weighted` (uses reward_weights) or package.module:function
     reward_weights: dict[str, float] = field(default_factory=dict)  # reward name -> weight, for reward: weighted
     gpu_memory_utilization: float = 0.5
     cpu_kvcache_gb: float = 1.0
     vllm_in_process: Optional[bool] = None  # null: in-process on CPU with TP 1 (fast start), own process otherwise
     environment: str = "retry"  # multi_turn: registered environment name or package.module:Class
-    max_turns: int = 2  # multi_turn: model turns per episode
+    max_turns: int = 2  # multi_turn, tool_agent: model turns per episode
+    tools: list[str] = field(default_factory=lambda: ["calculator", "python"])  # tool_agent: registered tool names or package.module:Class
+    tool_timeout_s: float = 5.0  # tool_agent: wall-clock limit of one tool call (the python tool: also its CPU seconds)
+    tool_memory_mb: int = 512  # tool_agent: address-space limit of the python tool's process
+    tool_output_chars: int = 1000  # tool_agent: characters of a tool result the model sees (the rest is cut)
     judge_model: str = ""  # reward judge: HF model directory of the judge
     judge_template: str = ("Question: {prompt}\nReference answer: {answer}\nResponse: {response}\n"  # reward judge: its prompt
                            "Is the response correct? Answer Yes or No.\nAnswer:")
@@ -110,6 +114,12 @@ class ExplorerConfig:
     def __post_init__(self) -> None:
         if self.max_turns < 1:
             raise ConfigError(f"explorer.max_turns: must be >= 1, got {self.max_turns}")
+        if self.tool_timeout_s <= 0:
+            raise ConfigError(f"explorer.tool_timeout_s: must be > 0, got {self.tool_timeout_s}")
+        if self.tool_memory_mb < 64:
+            raise ConfigError(f"explorer.tool_memory_mb: must be >= 64 (a Python process needs that), got {self.tool_memory_mb}")
+        if self.tool_output_chars < 1:
+            raise ConfigError(f"explorer.tool_output_chars: must be >= 1, got {self.tool_output_chars}")
         if self.heartbeat_s <= 0:
             raise ConfigError(f"explorer.heartbeat_s: must be > 0, got {self.heartbeat_s}")
         if self.exit_when_idle_s < 0:

@@ -4,13 +4,13 @@
 Workflows are registered by name (`@register_workflow`) and built with `(explorer, model, reward)`; an import
 path `package.module:Class` is the escape hatch. Names are resolved when a config is loaded for a run
 (`rft.run_config` calls `check_workflow_config`). Importing this package registers the built-in workflows
-(single_turn, multi_turn) and multi_turn's environments.
+(single_turn, multi_turn, tool_agent) and multi_turn's environments.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from rft.workflows import multi_turn, single_turn  # noqa: F401  (registers the built-ins)
+from rft.workflows import multi_turn, single_turn, tool_agent  # noqa: F401  (registers the built-ins)
 from rft.workflows.multi_turn import ENVIRONMENTS, register_environment
 from rft.workflows.registry import (WORKFLOWS, GroupResult, Workflow, WorkflowError, build_sample, encode_prompt,
                                     register_workflow)
@@ -34,10 +34,13 @@ def resolve_workflow(spec: str) -> Any:
 
 
 def check_workflow_config(explorer: "ExplorerConfig") -> None:
-    """Resolve `explorer.workflow` (and, for multi_turn, `explorer.environment`); errors start with the key."""
+    """Resolve `explorer.workflow` (and, for multi_turn, `explorer.environment`; for tool_agent, `explorer.tools`);
+    errors start with the key."""
     resolve_workflow(explorer.workflow)
     if explorer.workflow == "multi_turn":
         ENVIRONMENTS.resolve(explorer.environment, key="explorer.environment")
+    if explorer.workflow == "tool_agent":
+        tool_agent.build_toolbox(explorer)
 
 
 def build_workflow(explorer: "ExplorerConfig", model: "ModelConfig", reward: "Reward") -> Workflow:

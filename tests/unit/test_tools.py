@@ -1,0 +1,135 @@
+"""Tools of the tool_agent workflow: tool-call parsing (Hermes / Qwen2.5 blocks), the calculator against Python's own
+arithmetic, the python sandbox (output, timeout, memory limit, exception, output truncation, empty environment),
+and every bad call becoming an `error:` message instead of an exception."""
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+
+from rft.config import ConfigError
+from rft.run_config import run_config_from_dict
+from rft.tools import ToolBox, ToolCall, ToolLimits, parse_tool_calls
+from rft.tools.calculator import evaluate
+from rft.tools.registry import ToolError
+
+
+def block(obj) -> str:
+    return f"<tool_call>\n{obj if isinstance(obj, str) else json.dumps(obj)}\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def box():
+    return ToolBox(["calculator", "python"], ToolLimits(timeout_s=1.0, memory_mb=256, output_chars=200))
+
+
+def test_parse_tool_calls():
+    text = ("I will compute. " + block({"name": "calculator", "arguments": {"expression": "1+2"}})
+            + " then " + block('{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}'))
+    assert parse_tool_calls(text) == [ToolCall("calculator", {"expression": "1+2"}),
+                                      ToolCall("python", {"code": "print(1)"})]
+    assert parse_tool_calls("The answer is 5.") == []
+    assert parse_tool_calls(block({"name": "calculator"})) == [ToolCall("calculator", {})]
+    bad = parse_tool_calls(block("{not json") + block('["calculator"]') + block({"name": "c", "arguments": [1]})
+                           + "<tool_call>{\"name\": \"calculator\"")
+    assert [c.error for c in bad] == [
+        "unparseable tool call: Expecting property name enclosed in double quotes at character 1 of '{not json'",
+        'unparseable tool call: expected {"name": "...", "arguments": {...}}',
+        "tool call arguments must be a JSON object",
+        "unparseable tool call: <tool_call> without </tool_call>"]
+
+
+def test_calculator_matches_python_arithmetic():
+    rng = random.Random(0)
+    ops = ["+", "-", "*", "/", "//", "%"]
+    for _ in range(300):
+        a, b, c = (rng.choice([rng.randint(-50, 50), round(rng.uniform(-9, 9), 2)]) for _ in range(3))
+        expression = f"({a} {rng.choice(ops)} {b}) {rng.choice(ops)} {c}"
+        try:
+            expected = eval(expression)  # the reference: Python itself, on numbers we generated
+        except ZeroDivisionError:
+            with pytest.raises(ToolError, match="division by zero"):
+                evaluate(expression)
+            continue
+        assert evaluate(expression) == expected, expression
+    assert evaluate("2 ** 10") == 1024 and evaluate("-(3 + 4) * 2") == -14 and evaluate("7 / 2") == 3.5
+
+
+@pytest.mark.parametrize("expression, message", [
+    ("__import__('os')", "Call is not allowed"),
+    ("x + 1", "Name is not allowed"),
+    ("'a' * 3", "Constant is not allowed"),
+    ("1 < 2", "Compare is not allowed"),
+    ("9 ** 9 ** 9", "exponent .* is over 1000"),
+    ("12345 ** 999", "over 4000 digits"),
+    ("1 +", "not an arithmetic expression"),
+    ("1" * 201, "over 200"),
+])
+def test_calculator_refuses(expression, message):
+    with pytest.raises(ToolError, match=message):
+        evaluate(expression)
+
+
+def test_python_sandbox(box):
+    run = lambda code: box.run(ToolCall("python", {"code": code}))  # noqa: E731
+    assert run("print(6 * 7)") == "42\n"
+    assert run("x = 1") == "(no output)"
+    assert run("import os; print(sorted(os.environ))") == "['LC_ALL', 'PYTHONIOENCODING']\n"  # nothing inherited
+    assert run("import sys; print(sys.flags.isolated)") == "1\n"
+    started = time.monotonic()
+    assert run("while True: pass").startswith("error: timed out after 1 s")
+    assert time.monotonic() - started < 5
+    memory = run("x = bytearray(1024 ** 3)")  # 1 GiB against a 256 MiB address-space limit
+    assert memory.startswith("error: exit status 1") and "MemoryError" in memory
+    failed = run("1 / 0")
+    assert failed.startswith("error: exit status 1") and failed.rstrip().endswith("ZeroDivisionError: division by zero")
+    long = run("print('x' * 5000)")
+    assert long.startswith("x" * 200) and long.endswith("[truncated, 5001 characters]")
+    flood = run("while True: print('y' * 100)")  # past the 1 MiB file limit, well before the time limit
+    assert flood.startswith("error: output over 1048576 bytes") and len(flood) < 300
+
+
+def test_bad_calls_are_messages_not_crashes(box):
+    text = (block({"name": "search", "arguments": {"q": "x"}}) + block("{oops")
+            + block({"name": "calculator", "arguments": {"expr": "1"}})
+            + block({"name": "calculator", "arguments": {"expression": 5}})
+            + block({"name": "calculator", "arguments": {"expression": "1/0"}})
+            + block({"name": "python", "arguments": {}}))
+    results = [r for _, r in box.run_calls(text)]
+    assert results == [
+        "error: unknown tool 'search' (tools: calculator, python)",
+        "error: unparseable tool call: Expecting property name enclosed in double quotes at character 1 of '{oops'",
+        "error: calculator: missing argument 'expression'",
+        "error: calculator: argument 'expression' must be a str, got int",
+        "error: calculator: division by zero",
+        "error: python: missing argument 'code'",
+    ]
+
+    class Broken:
+        schema = {"type": "function", "function": {"name": "broken"}}
+
+        def __init__(self, limits):
+            pass
+
+        def __call__(self, arguments):
+            raise KeyError("boom")
+
+    box.tools["broken"] = Broken(box.limits)
+    try:
+        assert box.run(ToolCall("broken", {})) == "error: broken failed: KeyError: 'boom'"
+    finally:
+        del box.tools["broken"]
+
+
+@pytest.mark.parametrize("explorer, message", [
+    ({"tools": ["calculater"]}, r"explorer.tools: unknown tool 'calculater' \(did you mean 'calculator'\?\)"),
+    ({"tools": []}, "explorer.tools: must name at least one tool"),
+    ({"tool_timeout_s": 0}, "explorer.tool_timeout_s: must be > 0"),
+    ({"tool_memory_mb": 10}, "explorer.tool_memory_mb: must be >= 64"),
+    ({"tool_output_chars": 0}, "explorer.tool_output_chars: must be >= 1"),
+])
+def test_tool_config_errors_name_the_key(explorer, message):
+    with pytest.raises(ConfigError, match=message):
+        run_config_from_dict({"model": {"path": "not/on/disk"}, "explorer": {"workflow": "tool_agent", **explorer}})
