@@ -205,7 +205,8 @@ class Trainer:
         self.policy = policy or MegatronPolicy(
             model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, lr=t.lr, weight_decay=t.weight_decay,
             grad_clip=t.grad_clip, betas=(t.adam_beta1, t.adam_beta2), seed=run.seed, dtype=model.dtype,
-            reference=self.algorithm.needs_reference, temperature=temperature)
+            reference=self.algorithm.needs_reference, temperature=temperature,
+            teacher=getattr(self.algorithm, "teacher_path", None))
         self.staleness = StalenessTracker(mode=run.mode, max_staleness=run.max_staleness)
         self.is_reader = dist_io.rank() == 0
         if self.is_reader:
@@ -313,6 +314,9 @@ class Trainer:
         if self.algorithm.needs_reference:
             for mb, ref in zip(micro_batches, self.policy.reference_logprobs(micro_batches)):
                 mb["ref_logprobs"] = ref
+        if getattr(self.algorithm, "needs_teacher", False):
+            for mb, teacher in zip(micro_batches, self.policy.teacher_logprobs(micro_batches)):
+                mb["teacher_logprobs"] = teacher
         return self.policy.train_step(micro_batches, self.loss_fn)
 
     def _publish_weights(self, version: int) -> None:
