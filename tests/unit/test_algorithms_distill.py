@@ -131,6 +131,19 @@ def test_distill_config_errors_name_the_key():
             logp, {k: torch.as_tensor(v) for k, v in batch.items()})
 
 
+def test_a_teacher_of_another_vocabulary_is_a_config_error_naming_both(tiny_model, tmp_path):
+    from rft.run_config import run_config_from_dict
+    from rft.tiny_model import make_tiny_model
+
+    wide = make_tiny_model(tmp_path / "wide", vocab_size=101)
+    raw = {"model": {"path": str(tiny_model)}, "algorithm": {"name": "on_policy_distill", "teacher_path": str(wide)}}
+    with pytest.raises(ConfigError, match=f"cfg.yaml: algorithm.teacher_path: the teacher {wide} has vocab_size "
+                                          f"101 and the student {tiny_model} has 99"):
+        run_config_from_dict(raw, "cfg.yaml")
+    raw["algorithm"]["teacher_path"] = str(tiny_model)
+    assert run_config_from_dict(raw, "cfg.yaml").algorithm.teacher_path == str(tiny_model)
+
+
 # -------------------------------------------------------------------------------------------------------- chord
 
 def chord_batch(seed: int, *, rows: int = 12) -> dict[str, np.ndarray]:
