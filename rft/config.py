@@ -157,6 +157,8 @@ class AlgorithmConfig:
     chord_mu_end: float = 0.05  # chord: mu from step chord_mu_steps + 1 on
     chord_mu_steps: int = 100  # chord: steps over which mu goes from chord_mu_start to chord_mu_end
     chord_mu_schedule: Literal["linear", "cosine"] = "cosine"  # chord: the shape of mu's decay
+    chord_topic: str = ""  # chord: the topic of demonstration groups; empty: <run>.demonstrations (rft run fills it from data)
+    chord_groups_per_step: int = 2  # chord: demonstration groups mixed into each step (besides trainer.groups_per_step)
 
     def __post_init__(self) -> None:
         """The section's own ranges (combinations an algorithm refuses are its own ConfigError, when it is built)."""
@@ -174,6 +176,8 @@ class AlgorithmConfig:
                 raise ConfigError(f"algorithm.{key}: must be in [0, 1] (the SFT share of the loss), got {value}")
         if self.chord_mu_steps < 0:
             raise ConfigError(f"algorithm.chord_mu_steps: must be >= 0, got {self.chord_mu_steps}")
+        if self.chord_groups_per_step < 1:
+            raise ConfigError(f"algorithm.chord_groups_per_step: must be >= 1, got {self.chord_groups_per_step}")
 
 
 DataFormat = Literal["jsonl", "parquet", "hf_disk", "generated", "reasoning_gym", "gsm8k"]
@@ -377,7 +381,8 @@ class Config:
     def run_dir(self) -> Path:
         return Path(self.run.output_dir) / self.run.name
 
-    def topic(self, kind: Literal["tasks", "experiences", "control", "dead_letter", "served", "feedback"]) -> str:
+    def topic(self, kind: Literal["tasks", "experiences", "control", "dead_letter", "served", "feedback",
+                                  "demonstrations"]) -> str:
         """Topic names follow `<prefix>.<kind>`; the prefix defaults to the run name."""
         return f"{self.kafka.topic_prefix or self.run.name}.{kind}"
 

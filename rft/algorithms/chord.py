@@ -29,12 +29,16 @@ policy).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from rft.algorithms.aggregation import aggregate, behaviour_kl, check_micro_batch
 from rft.algorithms.grpo import GRPO
 from rft.algorithms.registry import Metrics, MicroBatch, register
+
+if TYPE_CHECKING:
+    from rft.config import AlgorithmConfig, Config
 
 CHORD_KEYS = ["demo_mask", "global_demo_tokens", "global_demo_sequences", "step"]
 
@@ -49,9 +53,18 @@ def sft_weight(step: float, *, start: float, end: float, steps: int, schedule: s
     raise ValueError(f"algorithm.chord_mu_schedule: must be linear or cosine, got {schedule!r}")
 
 
+def demonstrations_topic(cfg: "Config") -> str:
+    """The topic chord's demonstration groups are read from (and `rft run` fills from `data` when it is empty)."""
+    return cfg.algorithm.chord_topic or cfg.topic("demonstrations")
+
+
 @register("chord")
 class CHORD(GRPO):
     needs_demonstrations = True
+
+    def __init__(self, cfg: "AlgorithmConfig"):
+        super().__init__(cfg)
+        self.demonstrations_per_step = cfg.chord_groups_per_step
 
     def mu(self, step: float) -> float:
         c = self.cfg

@@ -38,7 +38,8 @@ class Algorithm(Protocol):
       token log-probs of a frozen teacher model loaded from the algorithm's `teacher_path` (an HF directory with
       the policy's vocabulary), computed by the trainer on the recorded tokens.
     - `needs_demonstrations` (optional, False when absent): the step mixes demonstration rows in; micro-batches
-      carry `demo_mask`, `global_demo_tokens`, `global_demo_sequences` and `step` (see rft/algorithms/chord.py).
+      carry `demo_mask`, `global_demo_tokens`, `global_demo_sequences` and `step` (see rft/algorithms/chord.py);
+      it then has `demonstrations_per_step` (demonstration groups the trainer adds to each step) and `mu(step)`.
     Every algorithm reports a `kl` metric: the trainer wraps `loss_fn` with `aggregation.with_kl_metric`.
     """
     name: str

@@ -10,6 +10,10 @@ with different rewards; the higher reward is the chosen response (`preference_pa
 not a pair). Rows then carry the pair's number in the step, and a pair is the unit that is dealt to data-parallel
 ranks and packed into micro-batches, so both rows of a pair are always in the same micro-batch; micro-batches get
 `pair_chosen` / `pair_index` (padding rows: pair_index -1).
+
+Demonstration rows (`Row.demo`, marked by the trainer for algorithms with `needs_demonstrations`): every micro-batch
+carries `demo_mask` [b] (1.0 on demonstration rows) and the step's `global_demo_tokens` / `global_demo_sequences`
+(0 without demonstrations), so the loss can normalise demonstrations and policy rows separately.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ class Row:
     advantage: float
     pair_index: int = -1  # preference pairs: the pair's number in the step (both rows); -1 outside pairs
     chosen: bool = False  # preference pairs: True for the preferred row
+    demo: bool = False  # a demonstration row (algorithms with `needs_demonstrations`, e.g. chord)
 
 
 def preference_pair_problem(group: ExperienceGroup) -> str | None:
@@ -93,9 +98,11 @@ def micro_batches_for_rank(rows: list[Row], *, dp_rank: int, dp_size: int, micro
     per_rank = -(-len(units) // dp_size)
     n_micro = max(1, -(-per_rank // units_per_micro))
     mine = units[dp_rank::dp_size]
-    return [_pack([row for unit in mine[i * units_per_micro:(i + 1) * units_per_micro] for row in unit],
-                  micro_batch_size, seq_len, pad_id, global_tokens, global_sequences, pairwise=pairwise)
-            for i in range(n_micro)]
+    demo_totals = {"global_demo_tokens": torch.tensor(float(sum(r.loss_mask.sum() for r in rows if r.demo))),
+                   "global_demo_sequences": torch.tensor(float(sum(r.demo for r in rows)))}
+    return [{**_pack([row for unit in mine[i * units_per_micro:(i + 1) * units_per_micro] for row in unit],
+                     micro_batch_size, seq_len, pad_id, global_tokens, global_sequences, pairwise=pairwise),
+             **demo_totals} for i in range(n_micro)]
 
 
 def _units(rows: list[Row]) -> list[list[Row]]:
@@ -122,6 +129,7 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
     advantages = np.zeros(batch_size, dtype=np.float32)
     pair_index = np.full(batch_size, -1, dtype=np.int64)
     pair_chosen = np.zeros(batch_size, dtype=bool)
+    demo_mask = np.zeros(batch_size, dtype=np.float32)
     for i, row in enumerate(rows):
         n = len(row.tokens) - 1
         input_ids[i, :n], target_ids[i, :n] = row.tokens[:-1], row.tokens[1:]
@@ -130,13 +138,13 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
         loss_mask[i, start:start + r] = row.loss_mask
         old_logprobs[i, start:start + r] = row.old_logprobs
         advantages[i] = row.advantage
-        pair_index[i], pair_chosen[i] = row.pair_index, row.chosen
+        pair_index[i], pair_chosen[i], demo_mask[i] = row.pair_index, row.chosen, row.demo
     pairs = {"pair_index": torch.from_numpy(pair_index), "pair_chosen": torch.from_numpy(pair_chosen)}
     return {
         "input_ids": torch.from_numpy(input_ids), "target_ids": torch.from_numpy(target_ids),
         "position_ids": torch.arange(seq_len, dtype=torch.int64).expand(batch_size, seq_len).contiguous(),
         "loss_mask": torch.from_numpy(loss_mask), "old_logprobs": torch.from_numpy(old_logprobs),
-        "advantages": torch.from_numpy(advantages),
+        "advantages": torch.from_numpy(advantages), "demo_mask": torch.from_numpy(demo_mask),
         "global_tokens": torch.tensor(global_tokens), "global_sequences": torch.tensor(global_sequences),
         **(pairs if pairwise else {}),
     }
