@@ -22,7 +22,7 @@ from rft.tiny_model import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _worker_policy as cases  # noqa: E402
-from _launch import HERE, assert_succeeded, torchrun  # noqa: E402
+from _launch import run_worker_on  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -36,10 +36,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def results(models, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("teacher-results")
-    (out / "spec.json").write_text(json.dumps({"out_dir": str(out), **{k: str(v) for k, v in models.items()}}))
-    assert_succeeded(torchrun([str(HERE / "_worker_teacher.py"), str(out / "spec.json")]))
-    return out
+    return run_worker_on("_worker_teacher.py", tmp_path_factory.mktemp("teacher-results"), models)
 
 
 def saved(path: Path) -> list[torch.Tensor]:

@@ -1,8 +1,9 @@
-"""chord through the trainer's loop (rft/trainer/main.py) over the in-memory transport, with test_trainer_loop.py's
-stand-in policy (it runs the algorithm's real loss on the micro-batches the loop builds, with the behaviour log-probs
-as the current policy's).
+"""on_policy_distill and chord through the trainer's loop (rft/trainer/main.py) over the in-memory transport, with
+test_trainer_loop.py's stand-in policy (it runs the algorithm's real loss on the micro-batches the loop builds, with the
+behaviour log-probs as the current policy's; here its teacher scores every token 0.5 nats below them).
 
-Checked: each step mixes up to `chord_groups_per_step` demonstration groups from the demonstrations topic into its
+Checked: on_policy_distill's micro-batches carry the policy's teacher_logprobs, and the step loss is the mean
+per-token gap (0.5 at rho = 1). chord: each step mixes up to `chord_groups_per_step` demonstration groups from the demonstrations topic into its
 `groups_per_step` policy groups, as rows with `demo_mask` 1 and the step's counts; the step's loss is
 (1 - mu) * L_grpo + mu * L_sft computed independently in NumPy from the groups; when the topic is used up the steps go
 on without demonstrations; the demonstrations feed's offsets are checkpointed, so a resumed trainer takes only
@@ -23,6 +24,7 @@ from test_trainer_loop import StandInPolicy, consumed, fill
 from tests.records import make_group, send_groups
 
 MU = {1: 0.9, 2: 0.5, 3: 0.1, 4: 0.1}  # linear from 0.9 to 0.1 over 2 steps
+TEACHER_GAP = 0.5
 
 
 class RecordingPolicy(StandInPolicy):
@@ -34,8 +36,11 @@ class RecordingPolicy(StandInPolicy):
         self.batches.append(micro_batches)
         return super().train_step(micro_batches, loss_fn)
 
+    def teacher_logprobs(self, micro_batches):
+        return [(mb["old_logprobs"] - TEACHER_GAP) * mb["loss_mask"] for mb in micro_batches]
 
-def chord_config(tmp_path: Path, *, max_steps: int):
+
+def chord_config(tmp_path: Path, *, max_steps: int, algorithm: dict | None = None):
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text("{}")
@@ -43,8 +48,8 @@ def chord_config(tmp_path: Path, *, max_steps: int):
         "run": {"name": "run", "mode": "train", "max_steps": max_steps, "output_dir": str(tmp_path)},
         "model": {"path": str(model)},
         "kafka": {"bootstrap_servers": "memory"},
-        "algorithm": {"name": "chord", "chord_groups_per_step": 2, "chord_mu_start": 0.9, "chord_mu_end": 0.1,
-                      "chord_mu_steps": 2, "chord_mu_schedule": "linear"},
+        "algorithm": algorithm or {"name": "chord", "chord_groups_per_step": 2, "chord_mu_start": 0.9,
+                                   "chord_mu_end": 0.1, "chord_mu_steps": 2, "chord_mu_schedule": "linear"},
         "trainer": {"groups_per_step": 2, "micro_batch_size": 3, "checkpoint_every": 1, "poll_timeout_s": 2.0},
         "monitor": {"progress": False},
     })
@@ -76,6 +81,21 @@ def expected_loss(groups, demos, mu: float) -> float:
     demo_tokens = sum(s.loss_mask.sum() for s in demo_samples)
     sft = -sum(float((s.logprobs * s.loss_mask).sum()) for s in demo_samples) / max(demo_tokens, 1)
     return (1 - mu) * rl / rl_tokens + mu * sft
+
+
+def test_distill_micro_batches_carry_the_teachers_logprobs(tmp_path):
+    cfg = chord_config(tmp_path, max_steps=2, algorithm={"name": "on_policy_distill", "teacher_path": "/teacher",
+                                                         "distill_coef": 2.0})
+    transport = MemoryTransport(partitions=1)
+    fill(transport, cfg, [make_group("run", i, n_samples=3) for i in range(4)])
+    trained, batches = [], []
+    run(build(cfg, transport, trained, batches))
+    assert len(batches) == 2
+    for mbs in batches:
+        for mb in mbs:
+            np.testing.assert_array_equal(mb["teacher_logprobs"], (mb["old_logprobs"] - TEACHER_GAP) * mb["loss_mask"])
+    metrics = [m for m in map(json.loads, (cfg.run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
+    assert [m["loss"] for m in metrics] == pytest.approx([2.0 * TEACHER_GAP] * 2, rel=1e-6)
 
 
 def test_chord_mixes_demonstrations_into_steps_and_resumes_exactly_once(tmp_path):
