@@ -23,6 +23,11 @@ weights at `hf_dir` (the initial policy, whatever checkpoint the policy loads la
 TP/PP sharding; no DDP wrapper, no optimizer, no gradients, always in eval mode. It doubles the
 model's parameter memory on each rank, not the optimizer's.
 
+Teacher model (`teacher=DIR`, for on-policy distillation): the same machinery loaded from another HF directory
+(any architecture the bridge loads, sharded at the policy's TP/PP), frozen; it must have the policy's vocabulary
+size (ValueError naming both directories otherwise, before anything is built). `teacher_logprobs` scores the
+micro-batches' tokens with it, at the policy's temperature.
+
 Metrics of `train_step` besides the loss function's: `entropy`, the mean entropy of the current
 policy's next-token distribution over loss tokens (a sum in the batch-contract sense: sum over
 this micro-batch's loss tokens / global_tokens), computed vocab-parallel without gradients.
@@ -69,6 +74,7 @@ import megatron_bridge.export as export
 import megatron_bridge.packing as packing
 import megatron_bridge.parallel as parallel
 import megatron_bridge.schedule as schedule
+from megatron_bridge.check import vocabulary_problem
 from megatron_bridge.logprobs import entropy_sum, token_logprobs
 from megatron_bridge.model import build_model, unwrap
 
@@ -84,7 +90,8 @@ class MegatronPolicy:
     def __init__(self, hf_dir: str | Path, *, tp: int = 1, pp: int = 1, lr: float, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  seed: int = 0, dtype: str = "float32", reference: bool = False, temperature: float = 1.0,
-                 initial_loss_scale: float = 2.0 ** 16, pack_sequences: bool = False):
+                 initial_loss_scale: float = 2.0 ** 16, pack_sequences: bool = False,
+                 teacher: str | Path | None = None):
         """`temperature`: the sampling temperature of the explorers. Log-probs (and entropy) are those of
         softmax(logits / temperature), the distribution the behaviour log-probs in the records come from, so
         that importance ratios compare like with like. `initial_loss_scale`: float16 only, the dynamic loss
@@ -95,6 +102,8 @@ class MegatronPolicy:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (greedy sampling has no log-probs to train on), got {temperature}")
         self.temperature = temperature
+        if teacher is not None and (problem := vocabulary_problem(str(hf_dir), str(teacher))):
+            raise ValueError(f"teacher model: {problem}")
         if lr <= 0 or weight_decay < 0 or grad_clip < 0:
             raise ValueError(f"need lr > 0, weight_decay >= 0, grad_clip >= 0; got lr={lr} "
                              f"weight_decay={weight_decay} grad_clip={grad_clip}")
@@ -118,6 +127,7 @@ class MegatronPolicy:
         # scale that had never multiplied them (Megatron-LM's training loop sets the same hook).
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.reference_models = _frozen(build_model(hf_dir, dtype=dtype)) if reference else None
+        self.teacher_models = _frozen(build_model(teacher, dtype=dtype)) if teacher is not None else None
         self.steps = 0
 
     def describe(self) -> str:
@@ -178,6 +188,12 @@ class MegatronPolicy:
         if self.reference_models is None:
             raise RuntimeError("reference_logprobs: this MegatronPolicy was built without reference=True")
         return self._logprobs(self.reference_models, micro_batches)
+
+    def teacher_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """As `forward_logprobs`, from the frozen teacher model; needs a policy built with `teacher=DIR`."""
+        if self.teacher_models is None:
+            raise RuntimeError("teacher_logprobs: this MegatronPolicy was built without a teacher")
+        return self._logprobs(self.teacher_models, micro_batches)
 
     def _logprobs(self, models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tensor]]):
         _check_micro_batches(micro_batches)

@@ -152,7 +152,7 @@ class TrainerConfig:
 @dataclass
 class AlgorithmConfig:
     """The loss and the advantages; docs/algorithms.md has one section per algorithm (its formula, keys, use)."""
-    name: str = "grpo"  # grpo, rloo, reinforce_pp, gspo, cispo, dpo, sft, or package.module:object
+    name: str = "grpo"  # grpo, rloo, reinforce_pp, gspo, cispo, dpo, sft, on_policy_distill, chord, or package.module:object
     clip_eps: float = 0.2  # grpo, rloo, reinforce_pp: the ratio's clip range on both sides (unless clip_eps_low/high)
     clip_eps_low: Optional[float] = None  # clip below at 1 - clip_eps_low; null: the algorithm's default (docs/algorithms.md)
     clip_eps_high: Optional[float] = None  # clip above at 1 + clip_eps_high (DAPO's clip-higher: 0.28); null: the algorithm's default
@@ -162,6 +162,15 @@ class AlgorithmConfig:
     importance_cap: float = 2.0
     dpo_beta: float = 0.1
     std_normalize: bool = True  # GRPO: divide group-centred rewards by the group std (False: Dr.GRPO-style)
+    teacher_path: str = ""  # on_policy_distill: the teacher's HF model directory (same vocabulary as model.path)
+    distill_coef: float = 1.0  # on_policy_distill: weight of the per-token advantage -(logp - teacher)
+    distill_reward_coef: float = 0.0  # on_policy_distill: weight of the reward (GRPO group) advantage; 0: none
+    chord_mu_start: float = 0.9  # chord: the SFT weight mu at step 1
+    chord_mu_end: float = 0.05  # chord: mu from step chord_mu_steps + 1 on
+    chord_mu_steps: int = 100  # chord: steps over which mu goes from chord_mu_start to chord_mu_end
+    chord_mu_schedule: Literal["linear", "cosine"] = "cosine"  # chord: the shape of mu's decay
+    chord_topic: str = ""  # chord: the topic of demonstration groups; empty: <run>.demonstrations (rft run fills it from data)
+    chord_groups_per_step: int = 2  # chord: demonstration groups mixed into each step (besides trainer.groups_per_step)
 
     def __post_init__(self) -> None:
         """The section's own ranges (combinations an algorithm refuses are its own ConfigError, when it is built)."""
@@ -169,6 +178,18 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.clip_eps_low: must be in (0, 1] (1: no lower bound), got {self.clip_eps_low}")
         if self.clip_eps_high is not None and not self.clip_eps_high > 0:
             raise ConfigError(f"algorithm.clip_eps_high: must be > 0, got {self.clip_eps_high}")
+        for key in ("distill_coef", "distill_reward_coef"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"algorithm.{key}: must be a finite number >= 0, got {value}")
+        for key in ("chord_mu_start", "chord_mu_end"):
+            value = getattr(self, key)
+            if not 0 <= value <= 1:
+                raise ConfigError(f"algorithm.{key}: must be in [0, 1] (the SFT share of the loss), got {value}")
+        if self.chord_mu_steps < 0:
+            raise ConfigError(f"algorithm.chord_mu_steps: must be >= 0, got {self.chord_mu_steps}")
+        if self.chord_groups_per_step < 1:
+            raise ConfigError(f"algorithm.chord_groups_per_step: must be >= 1, got {self.chord_groups_per_step}")
 
 
 DataFormat = Literal["jsonl", "parquet", "hf_disk", "generated", "reasoning_gym", "gsm8k"]
@@ -372,7 +393,8 @@ class Config:
     def run_dir(self) -> Path:
         return Path(self.run.output_dir) / self.run.name
 
-    def topic(self, kind: Literal["tasks", "experiences", "control", "dead_letter", "served", "feedback"]) -> str:
+    def topic(self, kind: Literal["tasks", "experiences", "control", "dead_letter", "served", "feedback",
+                                  "demonstrations"]) -> str:
         """Topic names follow `<prefix>.<kind>`; the prefix defaults to the run name."""
         return f"{self.kafka.topic_prefix or self.run.name}.{kind}"
 

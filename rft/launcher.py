@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rft.algorithms import build_algorithm
+from rft.algorithms.chord import demonstrations_topic
 from rft.broker import KafkaEndpoint
 from rft.commandline import add_config_arguments, config_from_args
 from rft.config import Config
@@ -104,8 +106,11 @@ def run(cfg: Config) -> int:
         online = "explorers" in roles and selector_needs_rewards(cfg.data)  # publish as rewards come in
         if "explorers" in roles and not online:
             _publish_tasks(cfg)
-        if cfg.replay.from_data and not _publish_demonstrations(cfg):
+        if cfg.replay.from_data and not _publish_demonstrations(cfg, cfg.replay.topic or cfg.topic("experiences")):
             return 2
+        if ("trainer" in roles and getattr(build_algorithm(cfg.algorithm), "needs_demonstrations", False)
+                and not _publish_demonstrations(cfg, demonstrations_topic(cfg))):
+            return 2  # chord: the demonstrations it mixes into its steps
         try:
             gpus = gpu_plan(cfg, roles, visible_gpus())
         except LaunchError as e:
@@ -188,10 +193,10 @@ def _publish_tasks(cfg: Config) -> None:
     print(f"[rft] published {count} tasks to {topics.tasks}", flush=True)
 
 
-def _publish_demonstrations(cfg: Config) -> bool:
-    """Fill the offline replay's topic from the dataset, unless it already holds records (a resumed stage).
-    False (the error printed) when the dataset is not usable."""
-    topic = cfg.replay.topic or cfg.topic("experiences")
+def _publish_demonstrations(cfg: Config, topic: str) -> bool:
+    """Fill `topic` (the offline replay's, or chord's demonstrations topic) from the dataset, unless it already holds
+    records (a resumed stage, or demonstrations published beforehand). False (the error printed) when the dataset is
+    not usable."""
     try:
         count = publish_demonstrations(cfg.data, cfg.model, cfg.kafka, topic=topic, run_id=cfg.run.name)
     except DatasetError as e:

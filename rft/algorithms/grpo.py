@@ -50,6 +50,7 @@ class GRPO:
     change `policy_loss` (and `default_clip`, `loss_agg`) are the other group policy losses."""
 
     default_clip: "tuple[float, float] | None" = None  # (eps_low, eps_high) when the config's are null; None: clip_eps
+    extra_keys: "tuple[str, ...]" = ()  # micro-batch keys a subclass's policy term reads besides GRPO's
 
     def __init__(self, cfg: "AlgorithmConfig"):
         self.cfg = cfg
@@ -77,8 +78,8 @@ class GRPO:
 
     def loss_fn(self, token_logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
         keys = ["loss_mask", "old_logprobs", "advantages", "global_tokens", "global_sequences"]
-        check_micro_batch(token_logprobs, micro_batch, keys + (["ref_logprobs"] if self.needs_reference else []),
-                          algorithm=self.name)
+        keys += list(self.extra_keys) + (["ref_logprobs"] if self.needs_reference else [])
+        check_micro_batch(token_logprobs, micro_batch, keys, algorithm=self.name)
         logp, mask = token_logprobs.float(), micro_batch["loss_mask"] > 0
         prox, weight = self._proximal(logp, micro_batch)
         per_token, metrics = self.policy_loss(logp, micro_batch, prox, weight)
@@ -98,7 +99,13 @@ class GRPO:
                     weight: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         """The policy term per token [b, T] (before aggregation; masked tokens are ignored there) and its own
         metrics (contributions to step-wide sums). Here: the clipped surrogate of the module docstring."""
-        mask, advantage = micro_batch["loss_mask"] > 0, micro_batch["advantages"].float()[:, None]
+        return self.clipped_surrogate(logp, micro_batch, prox, weight, micro_batch["advantages"].float()[:, None])
+
+    def clipped_surrogate(self, logp: torch.Tensor, micro_batch: MicroBatch, prox: torch.Tensor, weight: torch.Tensor,
+                          advantage: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+        """-w_t * min(rho_t A, clip(rho_t) A) per token [b, T] and its `clip_frac`; `advantage` is [b, 1] (one per
+        sample) or [b, T] (one per token)."""
+        mask = micro_batch["loss_mask"] > 0
         ratio = torch.exp(torch.where(mask, logp - prox, 0.0))
         clipped = ratio.clamp(1 - self.clip_low, 1 + self.clip_high)
         per_token = -weight * torch.minimum(ratio * advantage, clipped * advantage)

@@ -1,6 +1,7 @@
 """Algorithm registry: `algorithm.name` -> an object with `advantages` and `loss_fn`.
 
-A name is either a registered key (`grpo`, `rloo`, `reinforce_pp`, `gspo`, `cispo`, `dpo`, `sft`) or an import path
+A name is either a registered key (`grpo`, `rloo`, `reinforce_pp`, `gspo`, `cispo`, `dpo`, `sft`,
+`on_policy_distill`, `chord`) or an import path
 `package.module:object`, where the object is a class or factory called with the `AlgorithmConfig`. Either way
 the result is checked against the `Algorithm` interface below, so a bad name fails when the run is built,
 with a message that says what is wrong.
@@ -33,6 +34,12 @@ class Algorithm(Protocol):
     - `supports_replay`: the loss is correct on recorded experiences of any age (offline replay).
     - `pairwise` (optional, False when absent): rows are preference pairs, one group per pair; micro-batches keep
       both rows of a pair together and carry `pair_chosen` / `pair_index` (see rft/trainer/batch.py).
+    - `needs_teacher` (optional, False when absent): the micro-batch must carry `teacher_logprobs` [b, T], the
+      token log-probs of a frozen teacher model loaded from the algorithm's `teacher_path` (an HF directory with
+      the policy's vocabulary), computed by the trainer on the recorded tokens.
+    - `needs_demonstrations` (optional, False when absent): the step mixes demonstration rows in; micro-batches
+      carry `demo_mask`, `global_demo_tokens`, `global_demo_sequences` and `step` (see rft/algorithms/chord.py);
+      it then has `demonstrations_per_step` (demonstration groups the trainer adds to each step) and `mu(step)`.
     Every algorithm reports a `kl` metric: the trainer wraps `loss_fn` with `aggregation.with_kl_metric`.
     """
     name: str

@@ -14,6 +14,10 @@ with different rewards; the higher reward is the chosen response (`preference_pa
 not a pair). Rows then carry the pair's number in the step, and a pair is the unit that is dealt to data-parallel
 ranks and packed into micro-batches, so both rows of a pair are always in the same micro-batch; micro-batches get
 `pair_chosen` / `pair_index` (padding rows: pair_index -1).
+
+Demonstration rows (`Row.demo`, marked by the trainer for algorithms with `needs_demonstrations`): every micro-batch
+carries `demo_mask` [b] (1.0 on demonstration rows) and the step's `global_demo_tokens` / `global_demo_sequences`
+(0 without demonstrations), so the loss can normalise demonstrations and policy rows separately.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ class Row:
     advantage: float
     pair_index: int = -1  # preference pairs: the pair's number in the step (both rows); -1 outside pairs
     chosen: bool = False  # preference pairs: True for the preferred row
+    demo: bool = False  # a demonstration row (algorithms with `needs_demonstrations`, e.g. chord)
 
 
 def preference_pair_problem(group: ExperienceGroup) -> str | None:
@@ -91,6 +96,8 @@ class MicroBatchPlan:
     global_tokens: float
     global_sequences: float
     pairwise: bool
+    global_demo_tokens: float = 0.0  # of global_tokens: on demonstration rows
+    global_demo_sequences: float = 0.0
 
     @property
     def real_tokens(self) -> int:
@@ -109,8 +116,10 @@ class MicroBatchPlan:
 
     def for_rank(self, dp_rank: int, *, pad_id: int = 0) -> list[dict[str, torch.Tensor]]:
         """Rank `dp_rank`'s micro-batches as tensors (the batch contract)."""
-        return [_pack(rows, batch_size, seq_len, pad_id, self.global_tokens, self.global_sequences,
-                      pairwise=self.pairwise) for rows, batch_size, seq_len in self.ranks[dp_rank]]
+        demo_totals = {"global_demo_tokens": torch.tensor(self.global_demo_tokens),
+                       "global_demo_sequences": torch.tensor(self.global_demo_sequences)}
+        return [{**_pack(rows, batch_size, seq_len, pad_id, self.global_tokens, self.global_sequences,
+                         pairwise=self.pairwise), **demo_totals} for rows, batch_size, seq_len in self.ranks[dp_rank]]
 
 
 def plan_micro_batches(rows: list[Row], *, dp_size: int, micro_batch_size: int,
@@ -131,7 +140,9 @@ def plan_micro_batches(rows: list[Row], *, dp_size: int, micro_batch_size: int,
         ranks = _budget_plan(units, dp_size, max_tokens_per_micro_batch)
     else:
         ranks = _fixed_plan(units, dp_size, micro_batch_size, pairwise)
-    return MicroBatchPlan(ranks, global_tokens, float(len(rows)), pairwise)
+    return MicroBatchPlan(ranks, global_tokens, float(len(rows)), pairwise,
+                          global_demo_tokens=float(sum(r.loss_mask.sum() for r in rows if r.demo)),
+                          global_demo_sequences=float(sum(r.demo for r in rows)))
 
 
 def micro_batches_for_rank(rows: list[Row], *, dp_rank: int, dp_size: int, micro_batch_size: int,
@@ -208,6 +219,7 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
     pair_index = np.full(batch_size, -1, dtype=np.int64)
     pair_chosen = np.zeros(batch_size, dtype=bool)
     row_lens = np.zeros(batch_size, dtype=np.int64)
+    demo_mask = np.zeros(batch_size, dtype=np.float32)
     for i, row in enumerate(rows):
         n = len(row.tokens) - 1
         row_lens[i] = n
@@ -217,13 +229,14 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
         loss_mask[i, start:start + r] = row.loss_mask
         old_logprobs[i, start:start + r] = row.old_logprobs
         advantages[i] = row.advantage
-        pair_index[i], pair_chosen[i] = row.pair_index, row.chosen
+        pair_index[i], pair_chosen[i], demo_mask[i] = row.pair_index, row.chosen, row.demo
     pairs = {"pair_index": torch.from_numpy(pair_index), "pair_chosen": torch.from_numpy(pair_chosen)}
     return {
         "input_ids": torch.from_numpy(input_ids), "target_ids": torch.from_numpy(target_ids),
         "position_ids": torch.arange(seq_len, dtype=torch.int64).expand(batch_size, seq_len).contiguous(),
         "loss_mask": torch.from_numpy(loss_mask), "old_logprobs": torch.from_numpy(old_logprobs),
         "advantages": torch.from_numpy(advantages), "row_lens": torch.from_numpy(row_lens),
+        "demo_mask": torch.from_numpy(demo_mask),
         "global_tokens": torch.tensor(global_tokens), "global_sequences": torch.tensor(global_sequences),
         **(pairs if pairwise else {}),
     }

@@ -29,6 +29,7 @@ class TrainerState:
     counters: dict[str, float]
     rng: dict
     replay_buffer: dict = field(default_factory=dict)  # ReplayBuffer.to_json(); empty without replay
+    demonstrations: dict = field(default_factory=dict)  # the demonstrations feed's FeedState.to_json(); chord only
 
 
 def capture_rng() -> dict:
@@ -72,11 +73,13 @@ class CheckpointDir:
         data = json.loads((path / "trainer_state.json").read_text())
         return TrainerState(step=int(data["step"]), feed=FeedState.from_json(data["feed"]),
                             counters=data.get("counters", {}), rng=data["rng"],
-                            replay_buffer=data.get("replay_buffer", {}))
+                            replay_buffer=data.get("replay_buffer", {}),
+                            demonstrations=data.get("demonstrations", {}))
 
     def write_state(self, path: Path, state: TrainerState) -> None:
         body = {"step": state.step, "policy_version": state.step, "feed": state.feed.to_json(),
-                "counters": state.counters, "rng": state.rng, "replay_buffer": state.replay_buffer}
+                "counters": state.counters, "rng": state.rng, "replay_buffer": state.replay_buffer,
+                "demonstrations": state.demonstrations}
         tmp = path / "trainer_state.json.tmp"
         tmp.write_text(json.dumps(body))
         os.replace(tmp, path / "trainer_state.json")

@@ -10,6 +10,10 @@ The loop, per step s (policy version s-1 -> s):
      resume), then metrics.
 With `replay_buffer.groups_per_step` > 0, rank 0 also re-reads a few earlier groups in 1., chosen by priority (see
 rft/trainer/replay_buffer.py); the buffer's state is checkpointed with the offsets.
+An algorithm with `needs_demonstrations` (chord) also gets, in 1., up to `demonstrations_per_step` demonstration
+groups from a second feed on `algorithm.chord_topic` (else `<run>.demonstrations`), bounded by the topic's end when
+the trainer starts (then steps go on without); they become rows marked `demo` (rft/trainer/batch.py), every
+micro-batch carries the `step`, and that feed's offsets are checkpointed too.
 Resume: the newest complete checkpoint is loaded and the feed seeks to its offsets; `consumed.jsonl` (the record
 of which group trained in which step) is cut back to that step so that it always describes the effective run.
 """
@@ -27,9 +31,11 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
+import torch
 
 from rft.algorithms import build_algorithm
 from rft.algorithms.aggregation import with_kl_metric
+from rft.algorithms.chord import demonstrations_topic
 from rft.commandline import add_config_arguments, config_from_args, die_with_parent
 from rft.config import (AlgorithmConfig, Config, ConfigError, ModelConfig, RunConfig, SyncConfig,
                         TrainerConfig)
@@ -122,6 +128,13 @@ class TrainerIO:
     prometheus: MetricsEndpoint | None
     replay: "ExperienceReplay | None" = None
     weights: WeightPublisher | None = None
+    # chord: opens the demonstrations feed at a checkpointed state (None when the algorithm needs none)
+    demonstrations_opener: "Callable[[FeedState], tuple[ExperienceFeed, RecordSink]] | None" = None
+    demonstrations: ExperienceFeed | None = None
+    demonstrations_sink: RecordSink | None = None
+
+    def open_demonstrations(self, state: FeedState) -> None:
+        self.demonstrations, self.demonstrations_sink = self.demonstrations_opener(state)
 
     def announce(self, message: Kind) -> None:
         """Send one control message and wait until the broker has it."""
@@ -139,6 +152,9 @@ class TrainerIO:
         self.feed.source.close()
         if self.replay:
             self.replay.reader.close()
+        if self.demonstrations is not None:
+            self.demonstrations.source.close()
+            self.demonstrations_sink.close()
 
 
 def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict,
@@ -162,11 +178,27 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict,
                    control_topic=cfg.topic("control"), experiences_topic=topic,
                    metrics=MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name),
                    prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="trainer", instance="0"))
+    if getattr(build_algorithm(cfg.algorithm), "needs_demonstrations", False):
+        io.demonstrations_opener = lambda state: _open_demonstrations(cfg, transport, state)
     io.weights = WeightPublisher(cfg.sync, store=WeightStore.for_sync(cfg.sync, cfg.run_dir), announce=io.announce,
                                  hf_dir=cfg.model.path,
                                  push_members=cfg.explorer.replicas * cfg.explorer.tensor_parallel_size,
                                  transport=push_transport(cfg.sync, cfg.explorer))
     return io
+
+
+def _open_demonstrations(cfg: Config, transport: Transport, state: FeedState) -> tuple[ExperienceFeed, RecordSink]:
+    """The feed of demonstration groups (any run's) on `algorithm.chord_topic` (else `<run>.demonstrations`), up to
+    the topic's end now, resuming at `state`; and its dead-letter sink."""
+    topic = demonstrations_topic(cfg)
+    source = transport.source()
+    try:
+        window = resolve_window(source, topic)
+    finally:
+        source.close()
+    feed, sink, _ = open_feed(transport, topic=topic, dead_letter_topic=cfg.topic("dead_letter"), run_id=None,
+                              state=state, window=window, client_id=f"{cfg.run.name}-trainer-demonstrations")
+    return feed, sink
 
 
 def _replay_window(cfg: Config, transport: Transport, topic: str) -> ReplayWindow:
@@ -207,34 +239,40 @@ class Trainer:
         self.algorithm = build_algorithm(algorithm)
         self.loss_fn = with_kl_metric(self.algorithm.loss_fn)  # `kl` is logged whatever the algorithm
         self.pairwise = getattr(self.algorithm, "pairwise", False)
+        self.needs_demonstrations = getattr(self.algorithm, "needs_demonstrations", False)
+        self._demos: list = []  # this step's demonstration groups (needs_demonstrations)
         self.policy = policy or MegatronPolicy(
             model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, lr=t.lr, weight_decay=t.weight_decay,
             grad_clip=t.grad_clip, betas=(t.adam_beta1, t.adam_beta2), seed=run.seed, dtype=model.dtype,
-            reference=self.algorithm.needs_reference, temperature=temperature, pack_sequences=t.pack_sequences)
+            reference=self.algorithm.needs_reference, temperature=temperature, pack_sequences=t.pack_sequences,
+            teacher=getattr(self.algorithm, "teacher_path", None))
         self.staleness = StalenessTracker(mode=run.mode, max_staleness=run.max_staleness)
         self.is_reader = dist_io.rank() == 0
         if self.is_reader:
             print(f"[trainer] {self.policy.describe()}", flush=True)
         self.checkpoints = CheckpointDir(self.run_dir)
         self.step, feed_state, self.counters, replay_state = 0, FeedState(), {"samples": 0.0}, {}
+        demonstrations_state: dict = {}
         latest = self.checkpoints.latest() if resume else None
         if latest is not None:
             state = self.checkpoints.read_state(latest)
             self.policy.load_checkpoint(latest / "model")
             restore_rng(state.rng)
             self.step, feed_state, self.counters = state.step, state.feed, state.counters
-            replay_state = state.replay_buffer
+            replay_state, demonstrations_state = state.replay_buffer, state.demonstrations
         self._last_checkpoint = self.step
         self._weights_s: float | None = None  # seconds the newest publish held up the trainer
         self._stage_weights: StagePublisher | None = None  # a later pipeline stage's publishing rank (pull path)
         self.replay, self._replayed, self._reuse = None, [], []  # rank 0: the replay buffer, this step's replays
         self.io: TrainerIO | None = None
         if self.is_reader:
-            self._open_io(open_io(feed_state, replay_state))
+            self._open_io(open_io(feed_state, replay_state), FeedState.from_json(demonstrations_state))
 
     # -- rank 0's Kafka side
-    def _open_io(self, io: TrainerIO) -> None:
+    def _open_io(self, io: TrainerIO, demonstrations_state: FeedState) -> None:
         self.io, self.feed, self.replay = io, io.feed, io.replay
+        if self.needs_demonstrations:
+            io.open_demonstrations(demonstrations_state)
         self.consumed_path = self.run_dir / "consumed.jsonl"
         self._last_wait_note = 0.0
         _truncate_consumed(self.consumed_path, self.step)
@@ -300,7 +338,21 @@ class Trainer:
             raw = [m.value for m in batch.messages] + [r.message.value for r in replayed]
             skipped = dict(batch.skipped)
         groups = [decode_group(value) for value in dist_io.broadcast_bytes(raw)]
+        if self.needs_demonstrations:
+            self._demos = self._next_demonstrations()
         return groups, skipped, dist_io.broadcast_flag(exhausted)
+
+    def _next_demonstrations(self) -> list:
+        """Collective: this step's demonstration groups on every rank (none once the topic is used up)."""
+        raw = None
+        if self.is_reader:
+            try:
+                batch = self.io.demonstrations.next_batch(self.algorithm.demonstrations_per_step,
+                                                          timeout_s=self.config.poll_timeout_s)
+            except EndOfReplay as end:
+                batch = end.batch
+            raw = [m.value for m in batch.messages]
+        return [decode_group(value) for value in dist_io.broadcast_bytes(raw)]
 
     def _admit(self, group, step: int) -> str | None:
         """The feed's admission: None to train on `group`, else the reason it is skipped (and counted)."""
@@ -315,14 +367,25 @@ class Trainer:
         t = self.config
         started = time.perf_counter()
         advantages = self.algorithm.advantages([g.rewards for g in groups])
-        rows = rows_from_groups(groups, advantages, pairs=self.pairwise,
-                                max_len=self.model.max_prompt_len + self.model.max_response_len)
+        max_len = self.model.max_prompt_len + self.model.max_response_len
+        rows = rows_from_groups(groups, advantages, pairs=self.pairwise, max_len=max_len)
+        if self.needs_demonstrations:
+            demos = rows_from_groups(self._demos, [np.zeros(len(g.samples)) for g in self._demos], max_len=max_len)
+            for row in demos:
+                row.demo = True
+            rows += demos
         plan = plan_micro_batches(rows, dp_size=self.policy.layout.dp, micro_batch_size=t.micro_batch_size,
                                   max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
         micro_batches = plan.for_rank(self.policy.layout.dp_rank)
         if self.algorithm.needs_reference:
             for mb, ref in zip(micro_batches, self.policy.reference_logprobs(micro_batches)):
                 mb["ref_logprobs"] = ref
+        if getattr(self.algorithm, "needs_teacher", False):
+            for mb, teacher in zip(micro_batches, self.policy.teacher_logprobs(micro_batches)):
+                mb["teacher_logprobs"] = teacher
+        if self.needs_demonstrations:
+            for mb in micro_batches:
+                mb["step"] = torch.tensor(float(step))
         metrics = self.policy.train_step(micro_batches, self.loss_fn)
         seconds = max(time.perf_counter() - started, 1e-9)
         return {**metrics, "padding_fraction": plan.padding_fraction, "train_s": seconds,
@@ -401,7 +464,8 @@ class Trainer:
         if self.is_reader:
             self.checkpoints.write_state(path, TrainerState(
                 step=step, feed=self.feed.snapshot(), counters=self.counters, rng=capture_rng(),
-                replay_buffer=self.replay.buffer.to_json() if self.replay else {}))
+                replay_buffer=self.replay.buffer.to_json() if self.replay else {},
+                demonstrations=self.io.demonstrations.snapshot().to_json() if self.needs_demonstrations else {}))
             self.checkpoints.commit(step)
         dist_io.barrier()
 
@@ -427,6 +491,8 @@ class Trainer:
             "skipped": skipped, **drops, **{k: _scalar(v) for k, v in metrics.items()},
             **self.staleness.step_metrics(step),
             **(self.replay.step_metrics(step, self._replayed) if self.replay else {}),
+            **({"demonstrations": len(self._demos), "sft_mu": self.algorithm.mu(step)}
+               if self.needs_demonstrations else {}),
         }
         record["consumer_lag"] = self._consumer_lag()
         self.io.metrics.log(record, step=step)

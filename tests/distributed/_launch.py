@@ -1,6 +1,7 @@
 """Launching torchrun workers from the distributed tests (2 local processes, gloo, repo on PYTHONPATH)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -21,3 +22,11 @@ def torchrun(args: list[str], *, nprocs: int = 2, timeout: float = 300) -> subpr
 def assert_succeeded(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, (f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n"
                                     f"--- stderr\n{result.stderr[-8000:]}")
+
+
+def run_worker_on(worker: str, out: Path, models: dict[str, Path]) -> Path:
+    """Run `worker` (a file beside this one) under torchrun with SPEC.json = {"out_dir": out, **models} (paths as
+    strings), assert it succeeded, and return `out`, where it wrote its results."""
+    (out / "spec.json").write_text(json.dumps({"out_dir": str(out), **{k: str(v) for k, v in models.items()}}))
+    assert_succeeded(torchrun([str(HERE / worker), str(out / "spec.json")]))
+    return out

@@ -477,10 +477,13 @@ def test_splitting_into_micro_batches_and_shards_changes_nothing(name, options):
 # ------------------------------------------------------------------------------------------------------ registry
 
 def test_registry_names_and_capabilities():
-    assert set(ALGORITHMS) == {"grpo", "rloo", "reinforce_pp", "gspo", "cispo", "dpo", "sft"}
-    table = {name: build_algorithm(AlgorithmConfig(name=name)) for name in ALGORITHMS}
+    assert set(ALGORITHMS) == {"grpo", "rloo", "reinforce_pp", "gspo", "cispo", "dpo", "sft", "on_policy_distill",
+                               "chord"}
+    table = {name: build_algorithm(AlgorithmConfig(name=name, teacher_path="/teacher")) for name in ALGORITHMS}
     assert {n for n, a in table.items() if a.needs_reference} == {"dpo"}
     assert {n for n, a in table.items() if a.supports_replay} == {"dpo", "sft"}
+    assert {n for n, a in table.items() if getattr(a, "needs_teacher", False)} == {"on_policy_distill"}
+    assert {n for n, a in table.items() if getattr(a, "needs_demonstrations", False)} == {"chord"}
 
 
 def test_every_registered_algorithm_has_a_section_in_the_docs():

@@ -1,0 +1,90 @@
+"""CHORD (Zhang et al. 2025, "On-Policy RL Meets Off-Policy Experts"): expert demonstrations trained by SFT inside
+the policy-gradient steps, with a scheduled weight.
+
+A step's rows are of two kinds: the policy's own samples (policy-gradient rows) and expert demonstrations
+(`demo_mask` 1: rows of one-sample groups from rft/demonstrations.py). With mu = mu(step),
+    loss = (1 - mu) * L_rl + mu * L_sft
+- L_rl: GRPO's loss (clipped surrogate, optional KL, off-policy correction; rft/algorithms/grpo.py) over the
+  policy-gradient rows only, aggregated by `algorithm.loss_agg` with their own counts: N_rl = global_tokens -
+  global_demo_tokens, S_rl = global_sequences - global_demo_sequences;
+- L_sft: the negative log-likelihood -logp_t of the demonstration tokens, aggregated by `loss_agg` over the
+  demonstrations' own counts N_sft = global_demo_tokens, S_sft = global_demo_sequences.
+A demonstration's tokens never enter L_rl (its advantage and behaviour log-probs are ignored), a policy sample's
+never enter L_sft. A step without demonstrations gives (1 - mu) * L_rl (and one without policy rows mu * L_sft).
+Each part is a sum over rows, so micro-batch and data-parallel splits change nothing (the batch contract).
+
+The schedule (`chord_mu_schedule`), with T = `chord_mu_steps` and p = min(step - 1, T) / T (p = 1 when T = 0):
+    linear: mu = mu_start + (mu_end - mu_start) * p
+    cosine: mu = mu_end + (mu_start - mu_end) * (1 + cos(pi p)) / 2
+so step 1 trains with mu_start and steps T + 1 onwards with mu_end. The step is the micro-batch's `step` (the
+optimizer step being taken, from 1). The paper's per-token expert weighting phi is not implemented: its L_sft is
+the plain NLL.
+
+Micro-batch keys besides GRPO's: `demo_mask` [b] (1.0: demonstration row), `global_demo_tokens`,
+`global_demo_sequences`, `step` (scalars). Metrics: GRPO's (over policy-gradient rows), `rl_loss` and `sft_loss`
+(the unweighted L_rl and L_sft; mu itself is the schedule's value at the logged step), and `kl` (the algorithm's KL
+term when kl_coef > 0, else the behaviour k3 over policy rows only, since demonstrations have no behaviour
+policy).
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from rft.algorithms.aggregation import aggregate, behaviour_kl, check_micro_batch
+from rft.algorithms.grpo import GRPO
+from rft.algorithms.registry import Metrics, MicroBatch, register
+
+if TYPE_CHECKING:
+    from rft.config import AlgorithmConfig, Config
+
+CHORD_KEYS = ["demo_mask", "global_demo_tokens", "global_demo_sequences", "step"]
+
+
+def sft_weight(step: float, *, start: float, end: float, steps: int, schedule: str) -> float:
+    """mu at optimizer step `step` (from 1), per the module docstring."""
+    progress = 1.0 if steps == 0 else min(max(step - 1.0, 0.0), steps) / steps
+    if schedule == "linear":
+        return start + (end - start) * progress
+    if schedule == "cosine":
+        return end + (start - end) * (1.0 + math.cos(math.pi * progress)) / 2.0
+    raise ValueError(f"algorithm.chord_mu_schedule: must be linear or cosine, got {schedule!r}")
+
+
+def demonstrations_topic(cfg: "Config") -> str:
+    """The topic chord's demonstration groups are read from (and `rft run` fills from `data` when it is empty)."""
+    return cfg.algorithm.chord_topic or cfg.topic("demonstrations")
+
+
+@register("chord")
+class CHORD(GRPO):
+    needs_demonstrations = True
+
+    def __init__(self, cfg: "AlgorithmConfig"):
+        super().__init__(cfg)
+        self.demonstrations_per_step = cfg.chord_groups_per_step
+
+    def mu(self, step: float) -> float:
+        c = self.cfg
+        return sft_weight(step, start=c.chord_mu_start, end=c.chord_mu_end, steps=c.chord_mu_steps,
+                          schedule=c.chord_mu_schedule)
+
+    def loss_fn(self, token_logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
+        check_micro_batch(token_logprobs, micro_batch, ["loss_mask", "global_tokens", "global_sequences", *CHORD_KEYS],
+                          algorithm=self.name)
+        demo = micro_batch["demo_mask"].float()[:, None]
+        demo_tokens, demo_sequences = micro_batch["global_demo_tokens"], micro_batch["global_demo_sequences"]
+        policy_rows = {**micro_batch, "loss_mask": micro_batch["loss_mask"] * (1 - demo),
+                       "global_tokens": micro_batch["global_tokens"] - demo_tokens,
+                       "global_sequences": micro_batch["global_sequences"] - demo_sequences}
+        demo_rows = {**micro_batch, "loss_mask": micro_batch["loss_mask"] * demo,
+                     "global_tokens": demo_tokens, "global_sequences": demo_sequences}
+        rl_loss, metrics = super().loss_fn(token_logprobs, policy_rows)
+        sft_loss = aggregate(-token_logprobs.float(), demo_rows, self.loss_agg)
+        mu = self.mu(float(micro_batch["step"]))
+        if "kl" not in metrics:
+            metrics["kl"] = behaviour_kl(token_logprobs, policy_rows)
+        metrics.update(rl_loss=rl_loss.detach(), sft_loss=sft_loss.detach())
+        return (1 - mu) * rl_loss + mu * sft_loss, metrics

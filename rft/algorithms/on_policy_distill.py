@@ -1,0 +1,59 @@
+"""On-policy distillation (Agarwal et al. 2024 "GKD"; Thinking Machines 2025): a teacher scores the student's samples.
+
+The student (the policy) samples responses as in any RL run; the trainer runs a frozen *teacher* model
+(`algorithm.teacher_path`: any HF directory the bridge loads, with the student's vocabulary) over the recorded
+tokens, and every response token gets the per-token reverse-KL estimate
+    k_t = logp_t - teacher_t          (log pi_student(y_t) - log pi_teacher(y_t), y_t drawn from the student)
+whose expectation over the student's samples is KL(pi_student || pi_teacher) per token. The loss is GRPO's clipped
+policy-gradient surrogate with the per-token advantage
+    A_it = distill_reward_coef * A_i  -  distill_coef * sg(k_t)         (A_i: GRPO's group advantage of sample i)
+    l_t  = -w_t * min(rho_t A_it, clip(rho_t, 1 - eps_low, 1 + eps_high) A_it)  +  kl_coef * k3_t
+reduced by `algorithm.loss_agg`; rho, prox, w, the clip range and the optional reference-KL term are GRPO's
+(rft/algorithms/grpo.py). sg is stop-gradient, and k_t is taken at the current policy detached (the weights the
+step starts from: the trainer's own forward pass, so teacher == student gives k = 0 exactly). At rho = 1 the
+gradient is distill_coef * sum_t k_t grad logp_t / N: the score-function gradient of the reverse KL
+KL(pi_student || pi_teacher), which pulls the student towards the teacher on the student's own samples
+(mode-seeking). With the default distill_reward_coef = 0 rewards do not enter the loss (they are still recorded and
+logged); > 0 adds the task reward's group advantage.
+
+Needs the micro-batch key `teacher_logprobs` [b, T] (the trainer adds it: `needs_teacher`, `teacher_path`).
+Replay: as GRPO's (`off_policy_correction`), since the teacher scores recorded tokens at training time.
+Metrics: GRPO's, plus `teacher_kl`, the token mean of k_t (the estimate of the per-token reverse KL).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from rft.algorithms.aggregation import token_metric
+from rft.algorithms.grpo import GRPO
+from rft.algorithms.registry import Metrics, MicroBatch, register
+from rft.config import ConfigError
+
+if TYPE_CHECKING:
+    from rft.config import AlgorithmConfig
+
+
+@register("on_policy_distill")
+class OnPolicyDistill(GRPO):
+    extra_keys = ("teacher_logprobs",)
+    needs_teacher = True
+
+    def __init__(self, cfg: "AlgorithmConfig"):
+        super().__init__(cfg)
+        if not cfg.teacher_path:
+            raise ConfigError("algorithm.teacher_path: on_policy_distill needs the teacher's Hugging Face model "
+                              "directory (same tokenizer and vocabulary as model.path)")
+        if cfg.distill_coef == 0 and cfg.distill_reward_coef == 0:
+            raise ConfigError("algorithm.distill_coef: with distill_reward_coef also 0 the loss is 0; set one > 0")
+        self.teacher_path = cfg.teacher_path
+
+    def policy_loss(self, logp: torch.Tensor, micro_batch: MicroBatch, prox: torch.Tensor,
+                    weight: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+        mask = micro_batch["loss_mask"] > 0
+        gap = torch.where(mask, logp.detach() - micro_batch["teacher_logprobs"].float(), 0.0)  # k_t
+        advantage = (self.cfg.distill_reward_coef * micro_batch["advantages"].float()[:, None]
+                     - self.cfg.distill_coef * gap)
+        per_token, metrics = self.clipped_surrogate(logp, micro_batch, prox, weight, advantage)
+        return per_token, {**metrics, "teacher_kl": token_metric(gap, micro_batch)}
