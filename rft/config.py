@@ -174,7 +174,7 @@ class TaskSetConfig:
     prompt_template: Optional[str] = None  # null: data.prompt_template
     generated_tasks: Optional[int] = None  # null: data.generated_tasks
     seed: Optional[int] = None  # generated / reasoning_gym: the generator's seed; null: data.shuffle_seed
-    options: Optional[dict[str, Any]] = None  # reasoning_gym: the dataset's own options; null: data.options
+    options: Optional[dict[str, Any]] = None  # reasoning_gym / generated: the dataset's options; null: data.options
 
 
 @dataclass
@@ -196,7 +196,7 @@ class DataConfig:
     shuffle_seed: Optional[int] = 0  # seeds every selector (shuffle: null keeps the dataset order)
     selector: str = "shuffle"  # sequential, shuffle, curriculum, or package.module:factory (docs/data.md)
     generated_tasks: int = 1000  # format generated / reasoning_gym: how many tasks data.path generates
-    options: dict[str, Any] = field(default_factory=dict)  # reasoning_gym: the dataset's own options (docs/data.md)
+    options: dict[str, Any] = field(default_factory=dict)  # reasoning_gym / generated: the dataset's options (docs/data.md)
     mix: list[TaskSetConfig] = field(default_factory=list)  # several task sets mixed by weight, instead of data.path
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     tasks_ahead: int = 0  # online selectors: tasks published ahead of the explorers; 0: 2 x replicas x tasks_per_batch
@@ -320,7 +320,7 @@ class EvalSetConfig:
     prompt_template: str = "{prompt}"
     generated_tasks: int = 100  # format generated / reasoning_gym: how many tasks
     seed: int = 1  # format generated / reasoning_gym: generator seed (data.shuffle_seed seeds the training rows)
-    options: dict[str, Any] = field(default_factory=dict)  # reasoning_gym: the dataset's own options
+    options: dict[str, Any] = field(default_factory=dict)  # reasoning_gym / generated: the dataset's options
     reward: str = ""  # registered name or package.module:function; empty: explorer.reward
 
 
