@@ -29,3 +29,19 @@ def replay(environment: Any, model_turns: list[str]) -> tuple[float, list[str]]:
             break
         observations.append(step.observation)
     return total, observations
+
+
+class CountingEnvironment:
+    """A test environment that owns its reward: step k (from 1) rewards `len(model_text) % 3 / 10` and observes
+    `"\\nstep k\\n"`; the episode ends after 3 steps. Named in configs as `tests.episodes:CountingEnvironment`."""
+
+    owns_reward = True
+
+    def __init__(self, task: Any, reward: Any = None):
+        self.steps = 0
+
+    def step(self, model_text: str) -> Any:
+        from rft.workflows.multi_turn import EnvStep
+
+        self.steps += 1
+        return EnvStep(f"\nstep {self.steps}\n", done=self.steps == 3, reward=len(model_text) % 3 / 10)

@@ -221,3 +221,17 @@ def test_multi_turn_reward_is_the_replayed_return(tiny_model, engine, environmen
                                                           for o in observations[:len(model_turns) - 1]]
             assert s.reward == expected == s.reward_components["return"]
             assert s.reward_components["turns"] == len(model_turns) <= 4
+
+
+@pytest.mark.parametrize("max_turns", [2, 5])
+def test_episode_reward_is_the_sum_of_step_rewards_the_last_turn_included(tiny_model, engine, max_turns):
+    cfg = env_cfg(tiny_model, "tests.episodes:CountingEnvironment", max_turns=max_turns, max_tokens=5)
+    tasks = [TaskRecord("r", "t", 0, ":5", "")]
+    samples = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer)).explore(tasks, engine)[0].samples
+    assert len(samples) == 3
+    for s in samples:
+        texts = [engine.decode(ids) for m, ids in split_turns(s) if m == 1]
+        assert len(texts) == min(max_turns, 3)  # the environment ends the episode after its third step
+        expected = sum(len(t) % 3 / 10 for t in texts)  # every model turn was stepped, the last one too
+        assert s.reward == pytest.approx(expected) and s.reward_components["steps"] == len(texts)
+    assert len({round(s.reward, 6) for s in samples}) > 1 or any(s.reward > 0 for s in samples)
