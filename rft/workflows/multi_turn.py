@@ -18,9 +18,9 @@ an environment class is built per episode as `cls(task, reward)` (a `TaskError` 
 environment's metadata, makes the group an error, not a crash) and answers `step(model_text)`. Built-in
 environments: `retry` (below), `frozenlake` (rft/workflows/frozenlake.py) and `textarena`
 (rft/workflows/textarena_game.py).
-Observations are raw text appended after the model's turn (chat templates are the environment's job; with
-`model.chat_template: true` the first prompt is rendered by the template, and a model turn ends at its
-end-of-turn token).
+Observations are raw text appended after the model's turn; with `model.chat_template: true` the first prompt is
+rendered by the template, a model turn ends at its end-of-turn token, and each observation becomes the next user
+turn as the template renders it, followed by the assistant header (`rft.chat.observation_text`).
 """
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ class MultiTurn:
         if out_of_budget:  # the last action was applied (its reward counts); nothing follows it
             episode.done = True
             return
-        observation = engine.encode(step.observation, add_special_tokens=False) if not step.done else []
+        observation = engine.encode_observation(step.observation, self.chat) if not step.done else []
         # an observation must leave room for at least one model token
         if step.done or len(episode.tokens) + len(observation) >= self.max_response_len:
             episode.done = True
