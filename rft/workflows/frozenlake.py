@@ -8,11 +8,11 @@ reset with `seed`, so every episode of a group (every sample of the task) plays 
 randomness (the slips of a slippery lake still depend on the actions taken).
 
 Text: the board is `size` lines of `size` characters, row 0 first: `S` start, `F` frozen, `H` hole, `G` goal, and
-`P` where the player stands (over whatever is there). The prompt is the rules, the board and "Your move:"; after a
-model turn the observation is `\\n` + what happened + `\\n` + the board + `\\nYour move:`. The action is the first
-of the words `left`, `down`, `right`, `up` (any case) or a standalone digit `0`-`3` (gymnasium's action numbers:
-0 left, 1 down, 2 right, 3 up) in the model's text; a text with none is an invalid action: the board is shown
-again with an error line, and it counts as a step (the player does not move). Never a crash.
+`P` where the player stands (over whatever is there). The prompt is a legend line, the board and the question
+(`ASK`); after a model turn the observation is `\\n` + what happened + `\\n` + the board + the question. The
+action is the first of the words `left`, `down`, `right`, `up` (any case) or a standalone digit `0`-`3` (gymnasium's
+action numbers: 0 left, 1 down, 2 right, 3 up) in the model's text; a text with none is an invalid action: the board
+is shown again with an error line, and it counts as a step (the player does not move). Never a crash.
 
 Reward: the environment owns it (`owns_reward`): the episode's return, 1 on the step that reaches the goal and
 0 otherwise (falling in a hole ends the episode with 0). The episode ends at the goal or in a hole, or when the
@@ -36,8 +36,8 @@ METADATA_KEY = "frozenlake"
 ACTIONS = ("left", "down", "right", "up")  # index = gymnasium's action number
 _ACTION = re.compile(r"\b(left|down|right|up|[0-3])\b", re.IGNORECASE)
 DEFAULTS = {"size": 4, "is_slippery": False, "p": 0.8}
-RULES = ("You are on a frozen lake. Reach G without stepping into a hole H. S start, F frozen, P you.\n"
-         "Answer with one move: left, down, right or up.\n")
+RULES = "Frozen lake map (P you, F ice, H hole, G goal, S start; row 1 is the top):\n"
+ASK = "\nWhich way do you move to reach G without falling in a hole? Reply with one word: left, down, right or up."
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def parse_action(text: str) -> int | None:
 def frozenlake_row(rng: random.Random, options: dict[str, Any]) -> dict[str, Any]:
     """One task row: the rules and the starting board as the prompt; the episode spec as `frozenlake`."""
     spec = LakeSpec(seed=rng.randrange(2 ** 31), **check_options(options))
-    return {"prompt": f"{RULES}{render(lake_map(spec), 0)}\nYour move:", "answer": "",
+    return {"prompt": f"{RULES}{render(lake_map(spec), 0)}{ASK}", "answer": "",
             METADATA_KEY: {"seed": spec.seed, "size": spec.size, "is_slippery": spec.is_slippery, "p": spec.p}}
 
 
@@ -129,9 +129,8 @@ class FrozenLakeEnvironment:
         action = parse_action(model_text)
         self.actions.append(action)
         if action is None:
-            return EnvStep(f"\ninvalid move; answer left, down, right or up\n{self.board()}\nYour move:", done=False,
-                           reward=0.0)
+            return EnvStep(f"\ninvalid move\n{self.board()}{ASK}", done=False, reward=0.0)
         self.position, reward, terminated, truncated, _ = self.env.step(action)
         done = bool(terminated or truncated)
         what = "goal!" if reward > 0 else ("hole" if terminated else ACTIONS[action])
-        return EnvStep(f"\n{what}\n{self.board()}\nYour move:", done=done, reward=float(reward))
+        return EnvStep(f"\n{what}\n{self.board()}{ASK}", done=done, reward=float(reward))

@@ -30,7 +30,7 @@ def write_run(tmp_path, environment: str, *, run: str, bootstrap: str, model) ->
     if environment == "textarena":  # the game's own opening (600 characters) is longer than the tiny model's context
         data["prompt_template"] = "Guess the number 1-20 as [n]:"
     raw = {"run": {"name": run, "mode": "explore"},
-           "model": {"path": str(model), "max_prompt_len": 200, "max_response_len": 240},
+           "model": {"path": str(model), "max_prompt_len": 256, "max_response_len": 250},
            "kafka": {"bootstrap_servers": bootstrap, "partitions": 1},
            "explorer": {"workflow": "multi_turn", "environment": environment, "max_turns": MAX_TURNS,
                         "n_samples": SAMPLES, "max_tokens": 4, "temperature": 1.0, "tasks_per_batch": TASKS,

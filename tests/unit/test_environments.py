@@ -75,9 +75,9 @@ def test_frozenlake_board_is_gymnasiums_map_and_the_seed_fixes_it():
     maps = set()
     for row in rows:
         desc = gym_desc(row["frozenlake"])
-        board = row["prompt"].split("\n")[2:7]
+        board = row["prompt"].split("\n")[1:6]
         assert board == ["P" + desc[0][1:]] + desc[1:]  # the player stands on S
-        assert row["prompt"].endswith("\nYour move:")
+        assert row["prompt"].endswith("Reply with one word: left, down, right or up.")
         maps.add(tuple(desc))
     assert len(maps) > 1
 
@@ -196,7 +196,7 @@ def engine(tiny_model):
 
 
 def env_cfg(tiny_model, environment: str, **explorer):
-    return run_config_from_dict({"model": {"path": str(tiny_model), "max_prompt_len": 256, "max_response_len": 160},
+    return run_config_from_dict({"model": {"path": str(tiny_model), "max_prompt_len": 256, "max_response_len": 250},
                                  "explorer": {"engine": "transformers", "workflow": "multi_turn",
                                               "environment": environment, "max_turns": 4, "n_samples": 3,
                                               "max_tokens": 4, "temperature": 1.0, **explorer}})
