@@ -121,6 +121,7 @@ class FrozenLakeEnvironment:
         self.env = gymnasium.make("FrozenLake-v1", desc=self.rows, is_slippery=self.spec.is_slippery)
         self.position, _ = self.env.reset(seed=self.spec.seed)
         self.actions: list[int | None] = []  # every step's parsed action (None: invalid), in order
+        self.episode_info = dict(task.metadata[METADATA_KEY])  # the spec, seed included (sample metadata)
 
     def board(self) -> str:
         return render(self.rows, int(self.position))

@@ -11,7 +11,9 @@ An environment whose class sets `owns_reward = True` reports rewards itself: eve
 included, is stepped through the environment, and the episode's reward is the *sum of the `EnvStep.reward`s* of
 its steps (None counts 0; an environment that pays only at the end, like FrozenLake's goal, reports the return on
 its final step). The configured reward is then not used. Components add `turns` (model turns) and, for an
-environment that owns its reward, `return` (the same sum) and `steps` (environment steps taken).
+environment that owns its reward, `return` (the same sum) and `steps` (environment steps taken). A sample's
+metadata has `turns`, and `environment`: the environment's `episode_info` mapping when it has one (frozenlake and
+textarena: the episode's spec, seed included, so a group's samples show they played one seed).
 
 Environments are registered by name (`@register_environment`) or given as `package.module:Class`;
 an environment class is built per episode as `cls(task, reward)` (a `TaskError` there, e.g. a task without the
@@ -108,6 +110,12 @@ class _Episode:
         self.mask += [0] * len(token_ids)
 
 
+def _metadata(episode: _Episode) -> dict[str, Any]:
+    """A sample's metadata: `turns`, and the environment's `episode_info` (e.g. its seed) when it has one."""
+    info = getattr(episode.environment, "episode_info", None)
+    return {"turns": episode.turns, **({"environment": dict(info)} if info else {})}
+
+
 @register_workflow("multi_turn")
 class MultiTurn:
     def __init__(self, explorer: "ExplorerConfig", model: "ModelConfig", reward: "Reward"):
@@ -195,7 +203,7 @@ class MultiTurn:
                 continue
             results[i].samples = [
                 build_sample(e.sample_index, prompt=e.prompt, tokens=e.tokens, logprobs=e.logprobs, loss_mask=e.mask,
-                             reward=r, finish_reason=e.finish_reason, metadata={"turns": e.turns},
+                             reward=r, finish_reason=e.finish_reason, metadata=_metadata(e),
                              extra_components={"turns": float(e.turns)})
                 for e, r in zip(group, rewards)]
             results[i].policy_version = min(v for e in group for v in e.versions)

@@ -14,7 +14,8 @@ per line, + `\\n`. The model's whole turn is the action (the game parses it: `[7
 
 Reward: the environment owns it (`owns_reward`): the game's reward for player 0 on the step that ends the game
 (GuessTheNumber: 1 for the number, else at the turn limit or on a second invalid move in a row
-`1 - |last guess - number| / 19`, in [0, 1]); 0 when the workflow's turns or budget run out first.
+`1 - |last guess - number| / 19`, in [0, 1]); 0 when the workflow's turns or budget run out first. Other games'
+rewards are passed on as the game gives them (some pay -1 for a loss, outside the usual [0, 1]).
 """
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ class TextArenaEnvironment:
             raise TaskError(f"task metadata {METADATA_KEY!r} must be {{'env_id': str, 'seed': int}}; got {spec!r}")
         self.game = Game(check_options({"env_id": spec["env_id"]}, error=TaskError)["env_id"], spec["seed"])
         self.game.messages()  # the opening prompt is the task's prompt
+        self.episode_info = {"env_id": spec["env_id"], "seed": spec["seed"]}  # sample metadata
 
     def step(self, model_text: str) -> EnvStep:
         done, _ = self.game.call(lambda: self.game.env.step(model_text))

@@ -73,6 +73,7 @@ def test_environment_episodes_through_broker_and_vllm(broker, tiny_model, tmp_pa
         for group in groups:
             task = tasks[group.task_id]
             assert len(group.samples) == SAMPLES
+            assert [s.metadata["environment"] for s in group.samples] == [task.metadata[environment]] * SAMPLES
             assert {s.metadata["turns"] for s in group.samples} <= set(range(1, MAX_TURNS + 1))
             for s in group.samples:
                 turns = split_turns(s)

@@ -212,6 +212,7 @@ def test_multi_turn_reward_is_the_replayed_return(tiny_model, engine, environmen
     results = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer)).explore(tasks, engine)
     for task, result in zip(tasks, results):
         assert result.error is None and len(result.samples) == 3 and result.policy_version == 2
+        assert all(s.metadata["environment"] == task.metadata[environment] for s in result.samples)
         for s in result.samples:
             turns = split_turns(s)
             assert [m for m, _ in turns] == [1, 0] * (len(turns) // 2) + [1] * (len(turns) % 2)
