@@ -18,8 +18,8 @@ generates the same rows in the task publisher instead.
 
 Environment tasks for the multi_turn workflow are generated here too, by the environment's own module:
 `frozenlake` (rft/workflows/frozenlake.py) and `textarena` (rft/workflows/textarena_game.py); each row's seed is
-drawn from the set's generator seed, and `data.options` sets the environment's options (the char tasks take
-none).
+drawn from the set's generator seed, and `data.options` (`--options JSON` here) sets the environment's options
+(the char tasks take none). A JSONL file of them works as `data.format: jsonl`: the spec is the row's metadata.
 """
 from __future__ import annotations
 
@@ -64,11 +64,12 @@ def generate_rows(task: str, count: int, *, seed: int = 0, options: dict[str, An
     return [TOY_TASKS[task](rng, dict(options or {})) for _ in range(count)]
 
 
-def write_jsonl(path: str | Path, task: str, count: int, *, seed: int = 0) -> Path:
+def write_jsonl(path: str | Path, task: str, count: int, *, seed: int = 0,
+                options: dict[str, Any] | None = None) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        for row in generate_rows(task, count, seed=seed):
+        for row in generate_rows(task, count, seed=seed, options=options):
             f.write(json.dumps(row) + "\n")
     return path
 
@@ -79,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="JSONL file to write")
     parser.add_argument("--count", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--options", type=json.loads, default={}, help='the task\'s options as JSON: \'{"size": 5}\'')
     args = parser.parse_args(argv)
-    print(write_jsonl(args.out, args.task, args.count, seed=args.seed))
+    print(write_jsonl(args.out, args.task, args.count, seed=args.seed, options=args.options))
     return 0
 
 

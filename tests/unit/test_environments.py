@@ -13,13 +13,14 @@ import pytest
 
 from rft.config import ConfigError
 from rft.explorer.engine import TransformersEngine
+from rft.explorer.tasks import load_rows, rows_to_tasks
 from rft.rewards import build_reward
 from rft.run_config import run_config_from_dict
 from rft.schema import TaskRecord
 from rft.workflows import build_workflow
 from rft.workflows.frozenlake import FrozenLakeEnvironment, parse_action
 from rft.workflows.textarena_game import TextArenaEnvironment
-from rft.workflows.toy_tasks import generate_rows
+from rft.workflows.toy_tasks import generate_rows, main as toy_main
 from tests.episodes import replay, split_turns
 
 MOVES = {0: (0, -1), 1: (1, 0), 2: (0, 1), 3: (-1, 0)}  # gymnasium's action -> (d row, d column)
@@ -236,3 +237,13 @@ def test_episode_reward_is_the_sum_of_step_rewards_the_last_turn_included(tiny_m
         expected = sum(len(t) % 3 / 10 for t in texts)  # every model turn was stepped, the last one too
         assert s.reward == pytest.approx(expected) and s.reward_components["steps"] == len(texts)
     assert len({round(s.reward, 6) for s in samples}) > 1 or any(s.reward > 0 for s in samples)
+
+
+def test_environment_tasks_as_a_jsonl_file_are_the_generated_ones(tmp_path):
+    out = tmp_path / "lakes.jsonl"
+    assert toy_main(["frozenlake", str(out), "--count", "3", "--seed", "5", "--options", '{"size": 5}']) == 0
+    cfg = run_config_from_dict({"model": {"path": "m"}, "data": {"format": "jsonl", "path": str(out)}})
+    tasks = rows_to_tasks(load_rows(cfg.data), cfg.data, run_id="r")
+    rows = generate_rows("frozenlake", 3, seed=5, options={"size": 5})
+    assert [(t.prompt, t.metadata) for t in tasks] == [(r["prompt"], {"frozenlake": r["frozenlake"]}) for r in rows]
+    assert FrozenLakeEnvironment(tasks[0]).board() == rows[0]["prompt"].split("\n", 1)[1].split("\nWhich")[0]
