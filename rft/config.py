@@ -92,7 +92,7 @@ class ExplorerConfig:
     gpu_memory_utilization: float = 0.5
     cpu_kvcache_gb: float = 1.0
     vllm_in_process: Optional[bool] = None  # null: in-process on CPU with TP 1 (fast start), own process otherwise
-    environment: str = "retry"  # multi_turn: registered environment name or package.module:Class
+    environment: str = "retry"  # multi_turn: registered environment (retry, frozenlake, textarena) or package.module:Class
     max_turns: int = 2  # multi_turn: model turns per episode
     judge_model: str = ""  # reward judge: HF model directory of the judge
     judge_template: str = ("Question: {prompt}\nReference answer: {answer}\nResponse: {response}\n"  # reward judge: its prompt
