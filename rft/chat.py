@@ -128,6 +128,28 @@ def tool_turn_text(tokenizer: Any, messages: list[dict[str, Any]], results: list
     return after[len(end_text):]
 
 
+def observation_text(tokenizer: Any, observation: str) -> str:
+    """The text that, right after the model's end-of-turn token, makes `observation` the next user turn and opens
+    the assistant's reply, as the template renders it (multi-turn environments). For ChatML:
+    `"\n<|im_start|>user\n" + observation + "<|im_end|>\n<|im_start|>assistant\n"`. ChatError when the tokenizer
+    has no template, or its template does not render a conversation as a prefix of its continuation."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatError(f"model.chat_template: the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat "
+                        "template")
+    turns = [{"role": "user", "content": "1"}, {"role": "assistant", "content": _PROBE}]
+    before = tokenizer.apply_chat_template(turns, tokenize=False)
+    after = tokenizer.apply_chat_template(turns + [{"role": "user", "content": observation}], tokenize=False,
+                                          add_generation_prompt=True)
+    if not after.startswith(before):
+        raise ChatError("model.chat_template: the template does not extend a conversation by appending to it")
+    end = end_of_turn_id(tokenizer)
+    tail = before.split(_PROBE, 1)[1]  # what the template writes after an assistant message
+    marker = tokenizer.convert_ids_to_tokens(end) if end is not None else ""
+    if marker and tail.startswith(marker):
+        tail = tail[len(marker):]  # the model's own turn already ends with this token
+    return tail + after[len(before):]
+
+
 def special_ids(tokenizer: Any) -> set[int]:
     """Every special token id of the tokenizer (named ones and added special tokens)."""
     ids = set(getattr(tokenizer, "all_special_ids", []) or [])

@@ -92,7 +92,7 @@ class ExplorerConfig:
     gpu_memory_utilization: float = 0.5
     cpu_kvcache_gb: float = 1.0
     vllm_in_process: Optional[bool] = None  # null: in-process on CPU with TP 1 (fast start), own process otherwise
-    environment: str = "retry"  # multi_turn: registered environment name or package.module:Class
+    environment: str = "retry"  # multi_turn: registered environment (retry, frozenlake, textarena) or package.module:Class
     max_turns: int = 2  # multi_turn, tool_agent: model turns per episode
     tools: list[str] = field(default_factory=lambda: ["calculator", "python"])  # tool_agent: registered tool names or package.module:Class
     tool_timeout_s: float = 5.0  # tool_agent: wall-clock limit of one tool call (the python tool: also its CPU seconds)
@@ -207,7 +207,7 @@ class TaskSetConfig:
     prompt_template: Optional[str] = None  # null: data.prompt_template
     generated_tasks: Optional[int] = None  # null: data.generated_tasks
     seed: Optional[int] = None  # generated / reasoning_gym: the generator's seed; null: data.shuffle_seed
-    options: Optional[dict[str, Any]] = None  # reasoning_gym: the dataset's own options; null: data.options
+    options: Optional[dict[str, Any]] = None  # reasoning_gym / generated: the dataset's options; null: data.options
 
 
 @dataclass
@@ -229,7 +229,7 @@ class DataConfig:
     shuffle_seed: Optional[int] = 0  # seeds every selector (shuffle: null keeps the dataset order)
     selector: str = "shuffle"  # sequential, shuffle, curriculum, or package.module:factory (docs/data.md)
     generated_tasks: int = 1000  # format generated / reasoning_gym: how many tasks data.path generates
-    options: dict[str, Any] = field(default_factory=dict)  # reasoning_gym: the dataset's own options (docs/data.md)
+    options: dict[str, Any] = field(default_factory=dict)  # reasoning_gym / generated: the dataset's options (docs/data.md)
     mix: list[TaskSetConfig] = field(default_factory=list)  # several task sets mixed by weight, instead of data.path
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     tasks_ahead: int = 0  # online selectors: tasks published ahead of the explorers; 0: 2 x replicas x tasks_per_batch
@@ -353,7 +353,7 @@ class EvalSetConfig:
     prompt_template: str = "{prompt}"
     generated_tasks: int = 100  # format generated / reasoning_gym: how many tasks
     seed: int = 1  # format generated / reasoning_gym: generator seed (data.shuffle_seed seeds the training rows)
-    options: dict[str, Any] = field(default_factory=dict)  # reasoning_gym: the dataset's own options
+    options: dict[str, Any] = field(default_factory=dict)  # reasoning_gym / generated: the dataset's options
     reward: str = ""  # registered name or package.module:function; empty: explorer.reward
 
 

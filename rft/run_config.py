@@ -33,7 +33,7 @@ from rft.rewards.reasoning_gym import GYM_REWARDS
 from rft.stages import resolve_stages
 from rft.trainer.replay_buffer import resolve_priority
 from rft.workflows import WorkflowError, check_workflow_config
-from rft.workflows.toy_tasks import TOY_TASKS
+from rft.workflows.toy_tasks import TOY_TASKS, generate_rows
 
 NAME_ERRORS = (RegistryError, RewardError, WorkflowError, SelectionError, OperatorError, ConfigError)
 
@@ -170,10 +170,15 @@ def _check_generated_sets(cfg: Config) -> None:
                              generated_tasks=e.generated_tasks, seed=e.seed, options=e.options),
                      {e.reward} if e.reward else explorer_rewards))
     for task_set, rewards in sets:
+        if task_set.format == "generated" and task_set.path in TOY_TASKS:
+            try:  # one row shows whether the toy task takes these options
+                generate_rows(task_set.path, 1, seed=task_set.seed, options=task_set.options)
+            except ValueError as e:
+                raise ConfigError(f"{task_set.key}.options: {e}") from None
         if task_set.format != "reasoning_gym":
-            if task_set.options:
-                raise ConfigError(f"{task_set.key}.options: dataset options are for format reasoning_gym, and this "
-                                  f"set's format is {task_set.format}")
+            if task_set.options and task_set.format != "generated":
+                raise ConfigError(f"{task_set.key}.options: dataset options are for formats reasoning_gym and generated, "
+                                  f"and this set's format is {task_set.format}")
             gym = sorted(rewards & set(GYM_REWARDS))
             if gym and task_set.format in ("generated", "gsm8k"):
                 raise ConfigError(f"{task_set.key}.format: reward {gym[0]!r} scores reasoning_gym tasks, and this "

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
-from rft.chat import ChatPrompt, encode_chat, stop_token_ids
+from rft.chat import ChatPrompt, encode_chat, observation_text, stop_token_ids
 from rft.weights.store import iter_safetensors
 
 if TYPE_CHECKING:
@@ -87,6 +87,11 @@ class Engine(Protocol):
         """`prompt` rendered by the tokenizer's chat template as a user turn (rft/chat.py)."""
         ...
 
+    def encode_observation(self, text: str, chat: ChatPrompt | None) -> list[int]:
+        """An environment's observation as the tokens to append after a model turn: the text itself (no special
+        tokens added), or with a chat template the next user turn and the assistant header (rft/chat.py)."""
+        ...
+
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
@@ -123,6 +128,11 @@ class _TokenizerMixin:
 
     def encode_chat(self, prompt: str, chat: ChatPrompt) -> list[int]:
         return encode_chat(self.tokenizer, prompt, chat)
+
+    def encode_observation(self, text: str, chat: ChatPrompt | None) -> list[int]:
+        if chat is not None:
+            text = observation_text(self.tokenizer, text)
+        return self.encode(text, add_special_tokens=False)
 
     def _stop_at_end_of_turn(self, chat_template: bool) -> None:
         self.stop_token_ids = stop_token_ids(self.tokenizer) if chat_template else []

@@ -3,7 +3,8 @@ entry point is in rft/explorer/publisher.py).
 
 Sources (`format`): `jsonl` (one JSON object per line), `parquet`, `hf_disk` (a Hugging Face dataset saved
 with `save_to_disk`; a DatasetDict must name its split as `path:split`), `generated` (a toy task from
-rft.workflows.toy_tasks named by `path`, `generated_tasks` rows), `reasoning_gym` (the reasoning-gym dataset that
+rft.workflows.toy_tasks named by `path`, `generated_tasks` rows, `options` for the environment tasks `frozenlake`
+and `textarena`), `reasoning_gym` (the reasoning-gym dataset that
 `path` names, with `options`, `generated_tasks` rows: rft/explorer/gym_tasks.py), `gsm8k` (a GSM8K-style JSONL
 file: `question`, and `answer` ending with `#### N`; the task's answer is N, the worked solution is kept as the
 `solution` metadata field). `generated` and `reasoning_gym` draw from the set's generator seed: `data.mix[i].seed`,
@@ -45,7 +46,7 @@ from rft.explorer.selectors import SetProgress, TaskPicker, build_selector
 from rft.run_topics import RunTopics
 from rft.schema import TaskRecord
 from rft.transport import connect
-from rft.workflows.toy_tasks import generate_rows
+from rft.workflows.toy_tasks import TOY_TASKS, generate_rows
 
 
 class DatasetError(ValueError):
@@ -66,7 +67,7 @@ class TaskSet:
     prompt_template: str
     generated_tasks: int
     seed: int  # generated / reasoning_gym: the generator's seed
-    options: dict[str, Any]  # reasoning_gym: the dataset's own options
+    options: dict[str, Any]  # reasoning_gym: the dataset's own options; generated: the toy task's options
 
 
 def task_sets(data: DataConfig) -> list[TaskSet]:
@@ -97,9 +98,9 @@ def load_rows(data: DataConfig | TaskSet) -> list[dict[str, Any]]:
     data = _task_set(data)
     if data.format == "generated":
         try:
-            return generate_rows(data.path, data.generated_tasks, seed=data.seed)
+            return generate_rows(data.path, data.generated_tasks, seed=data.seed, options=data.options)
         except ValueError as e:
-            raise DatasetError(f"{data.key}.path: {e}") from None
+            raise DatasetError(f"{data.key}.{'options' if data.path in TOY_TASKS else 'path'}: {e}") from None
     if data.format == "reasoning_gym":
         try:
             return gym_rows(data.path, data.options, seed=data.seed, size=data.generated_tasks)

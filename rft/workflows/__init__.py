@@ -4,13 +4,13 @@
 Workflows are registered by name (`@register_workflow`) and built with `(explorer, model, reward)`; an import
 path `package.module:Class` is the escape hatch. Names are resolved when a config is loaded for a run
 (`rft.run_config` calls `check_workflow_config`). Importing this package registers the built-in workflows
-(single_turn, multi_turn, tool_agent) and multi_turn's environments.
+(single_turn, multi_turn, tool_agent) and multi_turn's environments (retry, frozenlake, textarena).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from rft.workflows import multi_turn, single_turn, tool_agent  # noqa: F401  (registers the built-ins)
+from rft.workflows import frozenlake, multi_turn, single_turn, textarena_game, tool_agent  # noqa: F401  (registers the built-ins)
 from rft.workflows.multi_turn import ENVIRONMENTS, register_environment
 from rft.workflows.registry import (WORKFLOWS, GroupResult, Workflow, WorkflowError, build_sample, encode_prompt,
                                     register_workflow)

@@ -4,14 +4,25 @@ Episode: prompt -> model turn -> environment observation -> model turn -> ... un
 says done, `explorer.max_turns` model turns were taken, or the response budget
 (`model.max_response_len` tokens, model and environment tokens together) is spent.
 A sample's response is the concatenation of all turns. Model tokens have loss_mask 1 and their
-behaviour log-probs; environment tokens have loss_mask 0 and log-prob 0. The episode's reward is the
-configured reward of the *last* model turn (components add `turns`, the number of model turns).
+behaviour log-probs; environment tokens have loss_mask 0 and log-prob 0.
+
+Rewards: by default the episode's reward is the configured reward (`explorer.reward`) of the *last* model turn.
+An environment whose class sets `owns_reward = True` reports rewards itself: every model turn, the last one
+included, is stepped through the environment, and the episode's reward is the *sum of the `EnvStep.reward`s* of
+its steps (None counts 0; an environment that pays only at the end, like FrozenLake's goal, reports the return on
+its final step). The configured reward is then not used. Components add `turns` (model turns) and, for an
+environment that owns its reward, `return` (the same sum) and `steps` (environment steps taken). A sample's
+metadata has `turns`, and `environment`: the environment's `episode_info` mapping when it has one (frozenlake and
+textarena: the episode's spec, seed included, so a group's samples show they played one seed).
 
 Environments are registered by name (`@register_environment`) or given as `package.module:Class`;
-an environment class is built per episode as `cls(task, reward)` and answers `step(model_text)`.
-Observations are raw text appended after the model's turn (chat templates are the environment's job; with
-`model.chat_template: true` the first prompt is rendered by the template, and a model turn ends at its
-end-of-turn token).
+an environment class is built per episode as `cls(task, reward)` (a `TaskError` there, e.g. a task without the
+environment's metadata, makes the group an error, not a crash) and answers `step(model_text)`. Built-in
+environments: `retry` (below), `frozenlake` (rft/workflows/frozenlake.py) and `textarena`
+(rft/workflows/textarena_game.py).
+Observations are raw text appended after the model's turn; with `model.chat_template: true` the first prompt is
+rendered by the template, a model turn ends at its end-of-turn token, and each observation becomes the next user
+turn as the template renders it, followed by the assistant header (`rft.chat.observation_text`).
 """
 from __future__ import annotations
 
@@ -23,7 +34,7 @@ from rft.chat import ChatPrompt
 from rft.explorer.engine import SamplingSettings
 from rft.registry import Registry
 from rft.schema import TaskRecord
-from rft.rewards.registry import TaskError
+from rft.rewards.registry import RewardResult, TaskError
 from rft.workflows.registry import (GroupResult, WorkflowError, build_sample, encode_prompt, register_workflow,
                                     score_group)
 
@@ -37,10 +48,16 @@ if TYPE_CHECKING:
 class EnvStep:
     observation: str  # appended to the conversation (masked out of the loss); ignored when done
     done: bool
+    reward: float | None = None  # this step's reward, for an environment with `owns_reward = True`
 
 
 class Environment(Protocol):
     def step(self, model_text: str) -> EnvStep: ...
+
+
+def owns_reward(environment: Any) -> bool:
+    """Whether an environment (class or instance) reports the episode's rewards itself (`owns_reward = True`)."""
+    return bool(getattr(environment, "owns_reward", False))
 
 
 ENVIRONMENTS: Registry[Any] = Registry("environment", noun="environment", error=WorkflowError)
@@ -75,6 +92,9 @@ class _Episode:
     finish_reason: str = ""
     turns: int = 0
     done: bool = False
+    env_return: float = 0.0  # sum of the environment's step rewards (environments that own the reward)
+    env_steps: int = 0
+    error: str | None = None  # a TaskError the environment raised
 
     def add_model_turn(self, c: "Completion") -> None:
         self.tokens += c.token_ids
@@ -88,6 +108,12 @@ class _Episode:
         self.tokens += token_ids
         self.logprobs += [0.0] * len(token_ids)
         self.mask += [0] * len(token_ids)
+
+
+def _metadata(episode: _Episode) -> dict[str, Any]:
+    """A sample's metadata: `turns`, and the environment's `episode_info` (e.g. its seed) when it has one."""
+    info = getattr(episode.environment, "episode_info", None)
+    return {"turns": episode.turns, **({"environment": dict(info)} if info else {})}
 
 
 @register_workflow("multi_turn")
@@ -109,7 +135,12 @@ class MultiTurn:
             if isinstance(prompt, str):
                 results[i].error = prompt
                 continue
-            episodes += [_Episode(i, k, prompt, self.environment_cls(task, self.reward)) for k in range(self.sampling.n)]
+            try:
+                environments = [self.environment_cls(task, self.reward) for _ in range(self.sampling.n)]
+            except TaskError as e:
+                results[i].error = f"task cannot be explored: {e}"
+                continue
+            episodes += [_Episode(i, k, prompt, env) for k, env in enumerate(environments)]
         for turn in range(self.max_turns):
             active = [e for e in episodes if not e.done]
             if not active:
@@ -132,15 +163,21 @@ class MultiTurn:
                 episode.add_model_turn(generation.completions[0])
 
     def _environment_turn(self, episode: _Episode, engine: "Engine", *, last_turn: bool) -> None:
-        if last_turn or len(episode.tokens) >= self.max_response_len:
+        out_of_budget = last_turn or len(episode.tokens) >= self.max_response_len
+        if out_of_budget and not owns_reward(episode.environment):
             episode.done = True
             return
         try:
             step = episode.environment.step(episode.last_text)
-        except TaskError:  # the task cannot be scored: _score reports it as the group's error
+        except TaskError as e:  # the task cannot be scored: _score reports it as the group's error
+            episode.done, episode.error = True, str(e)
+            return
+        episode.env_return += step.reward or 0.0
+        episode.env_steps += 1
+        if out_of_budget:  # the last action was applied (its reward counts); nothing follows it
             episode.done = True
             return
-        observation = engine.encode(step.observation, add_special_tokens=False) if not step.done else []
+        observation = engine.encode_observation(step.observation, self.chat) if not step.done else []
         # an observation must leave room for at least one model token
         if step.done or len(episode.tokens) + len(observation) >= self.max_response_len:
             episode.done = True
@@ -152,13 +189,21 @@ class MultiTurn:
         for e in episodes:
             by_task[e.task_index].append(e)
         for i, group in by_task.items():
-            rewards = score_group(self.reward, [e.last_text for e in group], tasks[i])
+            errors = [e.error for e in group if e.error]
+            if errors:
+                results[i].error = f"task cannot be scored: {errors[0]}"
+                continue
+            if owns_reward(self.environment_cls):
+                rewards = [RewardResult(e.env_return, {"return": e.env_return, "steps": float(e.env_steps)})
+                           for e in group]
+            else:
+                rewards = score_group(self.reward, [e.last_text for e in group], tasks[i])
             if isinstance(rewards, str):
                 results[i].error = rewards
                 continue
             results[i].samples = [
                 build_sample(e.sample_index, prompt=e.prompt, tokens=e.tokens, logprobs=e.logprobs, loss_mask=e.mask,
-                             reward=r, finish_reason=e.finish_reason, metadata={"turns": e.turns},
+                             reward=r, finish_reason=e.finish_reason, metadata=_metadata(e),
                              extra_components={"turns": float(e.turns)})
                 for e, r in zip(group, rewards)]
             results[i].policy_version = min(v for e in group for v in e.versions)

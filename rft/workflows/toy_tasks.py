@@ -15,6 +15,11 @@ stop) `copy_char` reached only 0.5 in 300 steps, hence `max_tokens: 1`.
 `python -m rft.workflows.toy_tasks copy_char out.jsonl --count 1000 --seed 0` writes a JSONL dataset
 (`prompt`, `answer`, `alphabet` per line); `data.format: generated` with `data.path: copy_char`
 generates the same rows in the task publisher instead.
+
+Environment tasks for the multi_turn workflow are generated here too, by the environment's own module:
+`frozenlake` (rft/workflows/frozenlake.py) and `textarena` (rft/workflows/textarena_game.py); each row's seed is
+drawn from the set's generator seed, and `data.options` (`--options JSON` here) sets the environment's options
+(the char tasks take none). A JSONL file of them works as `data.format: jsonl`: the spec is the row's metadata.
 """
 from __future__ import annotations
 
@@ -23,39 +28,48 @@ import json
 import random
 import string
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
+
+from rft.workflows.frozenlake import frozenlake_row
+from rft.workflows.textarena_game import textarena_row
 
 ALPHABET = string.digits
 
 
-def _copy_char(rng: random.Random) -> dict:
-    c = rng.choice(ALPHABET)
-    return {"prompt": f":{c}", "answer": c}
+def _char_task(make: Callable[[str], tuple[str, str]]) -> Callable[[random.Random, dict[str, Any]], dict]:
+    def row(rng: random.Random, options: dict[str, Any]) -> dict:
+        if options:
+            raise ValueError(f"this toy task takes no options; got {sorted(options)}")
+        prompt, answer = make(rng.choice(ALPHABET))
+        return {"prompt": prompt, "answer": answer, "alphabet": ALPHABET}
+    return row
 
 
-def _next_digit(rng: random.Random) -> dict:
-    d = rng.choice(ALPHABET)
-    return {"prompt": f"+{d}", "answer": ALPHABET[(int(d) + 1) % 10]}
+# name -> row(rng, options): one row from the set's generator and its `data.options` (ValueError naming a bad one)
+TOY_TASKS: dict[str, Callable[[random.Random, dict[str, Any]], dict]] = {
+    "copy_char": _char_task(lambda c: (f":{c}", c)),
+    "next_digit": _char_task(lambda d: (f"+{d}", ALPHABET[(int(d) + 1) % 10])),
+    "frozenlake": frozenlake_row,
+    "textarena": textarena_row,
+}
 
 
-TOY_TASKS: dict[str, Callable[[random.Random], dict]] = {"copy_char": _copy_char, "next_digit": _next_digit}
-
-
-def generate_rows(task: str, count: int, *, seed: int = 0) -> list[dict]:
-    """`count` rows of toy task `task` (same seed, same rows)."""
+def generate_rows(task: str, count: int, *, seed: int = 0, options: dict[str, Any] | None = None) -> list[dict]:
+    """`count` rows of toy task `task` (same seed and options, same rows)."""
     if task not in TOY_TASKS:
         raise ValueError(f"unknown toy task {task!r}; choose one of {', '.join(TOY_TASKS)}")
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
     rng = random.Random(seed)
-    return [dict(TOY_TASKS[task](rng), alphabet=ALPHABET) for _ in range(count)]
+    return [TOY_TASKS[task](rng, dict(options or {})) for _ in range(count)]
 
 
-def write_jsonl(path: str | Path, task: str, count: int, *, seed: int = 0) -> Path:
+def write_jsonl(path: str | Path, task: str, count: int, *, seed: int = 0,
+                options: dict[str, Any] | None = None) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        for row in generate_rows(task, count, seed=seed):
+        for row in generate_rows(task, count, seed=seed, options=options):
             f.write(json.dumps(row) + "\n")
     return path
 
@@ -66,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="JSONL file to write")
     parser.add_argument("--count", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--options", type=json.loads, default={}, help='the task\'s options as JSON: \'{"size": 5}\'')
     args = parser.parse_args(argv)
-    print(write_jsonl(args.out, args.task, args.count, seed=args.seed))
+    print(write_jsonl(args.out, args.task, args.count, seed=args.seed, options=args.options))
     return 0
 
 

@@ -132,3 +132,23 @@ def test_chat_template_on_a_model_without_one_is_a_config_error(tiny_model, chat
     assert cfg.model.chat_template and cfg.model.system_prompt == "Be brief."
     config_from_dict({"model": {"path": str(tiny_model)}})  # off: no template needed
     config_from_dict({"model": {"path": "not/on/disk", "chat_template": True}})  # not checkable: no error
+
+
+def test_multi_turn_observations_are_user_turns_of_the_template(chat_model, tmp_path):
+    """With a chat template, an episode's tokens are exactly the template's rendering of the conversation: the
+    prompt, each model turn as an assistant message, each observation as a user message, then the assistant header."""
+    path, im_end = model_that_says_end_of_turn_first(chat_model, tmp_path / "eot")
+    explorer = ExplorerConfig(engine="transformers", n_samples=2, temperature=0.0, max_tokens=6, reward="exact_match",
+                              workflow="multi_turn", environment="tests.episodes:CountingEnvironment", max_turns=3)
+    model = ModelConfig(path=str(path), chat_template=True, system_prompt="", max_response_len=200)
+    engine = TransformersEngine.from_config(explorer, model, seed=0)
+    [result] = build_workflow(explorer, model, build_reward(explorer)).explore([task()], engine)
+    assert result.error is None and len(result.samples) == 2
+    for s in result.samples:
+        messages = [{"role": "user", "content": PROMPT}]
+        for step in (1, 2):  # the model says only <|im_end|>; the environment answers "\nstep k\n"
+            messages += [{"role": "assistant", "content": ""}, {"role": "user", "content": f"\nstep {step}\n"}]
+        full = template_ids(engine.tokenizer, messages) + [im_end]  # the third model turn, then the episode ends
+        assert s.prompt_tokens.tolist() + s.response_tokens.tolist() == full
+        assert s.loss_mask.tolist() == [1] + [0] * (len(s.loss_mask) // 2 - 1) + [1] + [0] * (
+            len(s.loss_mask) // 2 - 1) + [1]
