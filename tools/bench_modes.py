@@ -26,7 +26,9 @@ Every run is a whole `rft run` on one local broker that outlives them (so the co
      announcement (`weights_write_s`); notice = from the `weights` announcement to the first explorer's reload start;
      reload = that explorer's reload seconds (its `explorer_weights` message). In sync mode the sum is the per-step
      coordination cost on the critical path;
-   - the staleness histogram of the samples trained (staleness -> samples) and the samples dropped as stale.
+   - the staleness histogram of the samples trained (staleness -> samples) and the samples dropped as stale;
+   - simulated: the fleet simulator's samples/s for the mode (tools/simulate.py), driven by this invocation's stage
+     times (`simulator_stages`), and its error against the measurement: the simulator's validation here.
 The reference row runs TRL's `GRPOTrainer` (when `trl` is installed) on the same config, hence the same model,
 tasks, reward, batch (groups x samples per step), sampling and learning rate, in a child process with Hugging Face
 generate (tools/trl_reference.py, shared with `rft bench learn`).
@@ -38,6 +40,7 @@ Targets on the 2-core CPU (the README): sync and async efficiency >= 0.85, off_p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -54,6 +57,7 @@ from rft.config import KafkaConfig
 from rft.control import ExplorerWeights, Weights, control_messages, parse
 from rft.schema import decode_group
 from rft.transport import connect
+from tools.simulate import Stages, simulate
 from tools.trl_reference import run_trl, trl_missing
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,9 +141,12 @@ def weight_sync(steps: list[dict], control: Iterable) -> dict:
     versions = sorted(v for v in announced if v in loaded)
     publish = [m.get("weights_s", 0.0) + m.get("weights_write_s", 0.0) for m in steps if "weights_s" in m]
     if not versions or not publish:
-        return {"publish_s": None, "notice_s": None, "reload_s": None, "weight_sync_s": None, "versions": 0}
+        return {"publish_s": None, "copy_s": None, "notice_s": None, "reload_s": None, "weight_sync_s": None,
+                "versions": 0}
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    result = {"publish_s": mean(publish), "notice_s": mean([max(0.0, loaded[v][0] - announced[v]) for v in versions]),
+    copy = [m["weights_s"] for m in steps if "weights_s" in m]
+    result = {"publish_s": mean(publish), "copy_s": mean(copy),
+              "notice_s": mean([max(0.0, loaded[v][0] - announced[v]) for v in versions]),
               "reload_s": mean([loaded[v][1] for v in versions]), "versions": len(versions)}
     result["weight_sync_s"] = result["publish_s"] + result["notice_s"] + result["reload_s"]
     return result
@@ -175,6 +182,32 @@ def stages_alone(args: argparse.Namespace, model: str, out: Path, env: dict, boo
     return {"generation": gen, "training": {"samples_per_s": train["samples_per_s"],
                                             "train_s_per_step": train["train_s_per_step"]},
             "bounds": bounds(gen["samples_per_s"], train["samples_per_s"])}
+
+
+def simulator_stages(args: argparse.Namespace, stages: dict, sync_row: dict, model: str) -> Stages:
+    """The fleet simulator's stage times (tools/simulate.py) from this invocation's measurements: a group's
+    generation time from generation alone (per explorer), the trainer step from training alone less its
+    critical-path publish, and publish / notice / reload from the sync run (where explorers wait idle for each
+    version, so notice is the announcement's latency, not a batch in flight)."""
+    samples = args.samples
+    copy_s = sync_row.get("copy_s") or 0.0
+    step_s = args.groups * samples / stages["training"]["samples_per_s"]
+    weights_gb = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) / 1e9
+    return Stages(gen_group_s=args.explorers * samples / stages["generation"]["samples_per_s"],
+                  tasks_per_batch=args.tasks_per_batch, samples_per_group=samples, groups_per_step=args.groups,
+                  train_s=max(step_s - copy_s, 0.0), publish_s=copy_s, notice_s=sync_row.get("notice_s") or 0.0,
+                  reload_s=sync_row.get("reload_s") or 0.0, weights_gb=weights_gb, rebalance_s=0.0)
+
+
+def add_predictions(args: argparse.Namespace, rows: list[dict], stages: Stages) -> None:
+    """Each mode's simulated samples/s beside the measured one (`predicted`, `prediction_error` = predicted /
+    measured - 1): the simulator's validation on this machine."""
+    for row in rows:
+        if row["mode"] in {label for label, _, _ in MODES} and "samples_per_s" in row:
+            predicted = simulate(stages, explorers=args.explorers, partitions=4, mode=row["mode"],
+                                 steps=args.steps).samples_per_s
+            row["predicted"] = predicted
+            row["prediction_error"] = predicted / row["samples_per_s"] - 1
 
 
 def run_mode(args: argparse.Namespace, model: str, out: Path, label: str, mode: str, k: int, env: dict,
@@ -248,7 +281,7 @@ def print_table(result: dict) -> None:
               f"training {train['samples_per_s']:.2f} samples/s; bounds: sync {b['sync']:.2f}, "
               f"overlapped {b['overlapped']:.2f} samples/s")
     print(f"  {'mode':<16} {'samples/s':>10} {'bound':>7} {'effic.':>7} {'vs sync':>8} {'trainer idle':>13} "
-          f"{'explorer idle':>14} {'sync s/version':>25}  staleness")
+          f"{'explorer idle':>14} {'sync s/version':>25} {'simulated':>10}  staleness")
     num = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
     for r in result["rows"]:
         if "samples_per_s" not in r:
@@ -258,9 +291,11 @@ def print_table(result: dict) -> None:
                   f"{r['weight_sync_s']:.2f} ({r['publish_s']:.2f}+{r['notice_s']:.2f}+{r['reload_s']:.2f})")
         print(f"  {r['mode']:<16} {r['samples_per_s']:>10.2f} {num(r.get('bound'), '.2f'):>7} "
               f"{num(r.get('efficiency'), '.2f'):>7} {r['samples_per_s'] / sync:>7.2f}x "
-              f"{num(r['trainer_idle'], '.0%'):>13} {num(r['explorer_idle'], '.0%'):>14} {sync_s:>25}  "
+              f"{num(r['trainer_idle'], '.0%'):>13} {num(r['explorer_idle'], '.0%'):>14} {sync_s:>25} "
+              f"{num(r.get('predicted'), '.2f'):>10}  "
               f"{r['staleness_hist']} (dropped {r['dropped_stale']})")
-    print("  sync s/version: publish + notice + reload, seconds per weights version")
+    print("  sync s/version: publish + notice + reload, seconds per weights version; simulated: tools/simulate.py's "
+          "samples/s from the stages-alone times")
 
 
 def main(argv: list[str]) -> int:
@@ -307,12 +342,16 @@ def main(argv: list[str]) -> int:
                 for label, mode, k in MODES if label in wanted]
         if "trl" in wanted:
             rows.append(run_trl_row(args, model, out, env))
+        sim_stages = simulator_stages(args, stages, rows[0], model) if stages else None
+    if sim_stages is not None:
+        add_predictions(args, rows, sim_stages)
     sync = rows[0]
     result = {"workload": args.workload, "steps": args.steps, "groups": args.groups, "samples": args.samples,
               "max_tokens": args.max_tokens, "explorers": args.explorers, "threads": args.threads, "stages": stages,
               "rows": rows, "speedup_vs_sync": {r["mode"]: r["samples_per_s"] / sync["samples_per_s"]
                                                 for r in rows if "samples_per_s" in r},
-              "efficiency": {r["mode"]: r["efficiency"] for r in rows if "efficiency" in r}}
+              "efficiency": {r["mode"]: r["efficiency"] for r in rows if "efficiency" in r},
+              "simulator_stages": dataclasses.asdict(sim_stages) if sim_stages else None}
     if args.json:
         print(json.dumps(result))
     else:

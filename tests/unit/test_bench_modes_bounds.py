@@ -47,6 +47,7 @@ def test_weight_sync_splits_each_version_into_publish_notice_and_reload():
     sync = weight_sync(steps, control)
     assert sync["versions"] == 2
     assert sync["publish_s"] == pytest.approx((0.7 + 0.7) / 2)
+    assert sync["copy_s"] == pytest.approx((0.2 + 0.4) / 2)  # of publish: on the trainer's critical path
     assert sync["notice_s"] == pytest.approx((0.0 + 0.2) / 2)
     assert sync["reload_s"] == pytest.approx((1.5 + 0.6) / 2)
     assert sync["weight_sync_s"] == pytest.approx(sync["publish_s"] + sync["notice_s"] + sync["reload_s"])
@@ -55,3 +56,18 @@ def test_weight_sync_splits_each_version_into_publish_notice_and_reload():
 def test_weight_sync_without_reloads_reports_none():
     sync = weight_sync([{"step": 1, "weights_s": 0.1}], [(1.0, Weights(version=1))])
     assert sync["weight_sync_s"] is None and sync["versions"] == 0
+
+
+def test_simulator_stages_come_from_the_measurements(tmp_path):
+    import argparse
+
+    from tools.bench_modes import simulator_stages
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 2_000_000)
+    args = argparse.Namespace(samples=8, groups=4, tasks_per_batch=4, explorers=2)
+    stages = {"generation": {"samples_per_s": 4.0}, "training": {"samples_per_s": 2.0}}
+    sync_row = {"copy_s": 1.0, "notice_s": 0.3, "reload_s": 1.2}
+    s = simulator_stages(args, stages, sync_row, str(tmp_path))
+    assert s.gen_group_s == 2 * 8 / 4.0  # the fleet's rate shared by 2 explorers
+    assert s.train_s == 4 * 8 / 2.0 - 1.0 and s.publish_s == 1.0  # the step as measured alone, publish apart
+    assert (s.notice_s, s.reload_s, s.weights_gb) == (0.3, 1.2, 0.002)
+    assert (s.tasks_per_batch, s.samples_per_group, s.groups_per_step) == (4, 8, 4)
