@@ -14,6 +14,10 @@ An algorithm with `needs_demonstrations` (chord) also gets, in 1., up to `demons
 groups from a second feed on `algorithm.chord_topic` (else `<run>.demonstrations`), bounded by the topic's end when
 the trainer starts (then steps go on without); they become rows marked `demo` (rft/trainer/batch.py), every
 micro-batch carries the `step`, and that feed's offsets are checkpointed too.
+An algorithm with `needs_critic` (ppo) gets a value model (megatron_bridge.critic, same TP/PP layout): in 2. the
+critic scores the recorded tokens, the algorithm turns its values into GAE targets (`add_targets`), the policy steps,
+then the critic takes its own optimizer step on `value_loss_fn`; its checkpoint (`<step dir>/critic`) is written
+before the step's commit and loaded on resume with the policy's.
 Resume: the newest complete checkpoint is loaded and the feed seeks to its offsets; `consumed.jsonl` (the record
 of which group trained in which step) is cut back to that step so that it always describes the effective run.
 """

@@ -188,3 +188,20 @@ def test_advantages_pass_the_rewards_through_and_config_is_checked():
         build_algorithm(AlgorithmConfig(name="ppo", critic_lr=0.0))
     with pytest.raises(ValueError, match="values of micro-batch 0"):
         algo.add_targets([micro(ppo_batch(seed=1))], [torch.zeros(2, 2)])
+
+
+def test_a_critic_of_another_vocabulary_is_refused_naming_the_key(tiny_model, tmp_path):
+    from rft.config import config_from_dict
+    from rft.run_config import check_model
+    from rft.tiny_model import make_tiny_model
+
+    wide = make_tiny_model(tmp_path / "wide", vocab_size=101)
+    cfg = config_from_dict({"run": {"name": "run", "mode": "train", "output_dir": str(tmp_path)},
+                            "model": {"path": str(tiny_model)},
+                            "algorithm": {"name": "ppo", "critic_path": str(wide)}})
+    with pytest.raises(ConfigError, match=f"run.yaml: algorithm.critic_path: the critic {wide} has vocab_size 101"):
+        check_model(cfg, "run.yaml", need_model=True)
+    same = config_from_dict({"run": {"name": "run", "mode": "train", "output_dir": str(tmp_path)},
+                             "model": {"path": str(tiny_model)},
+                             "algorithm": {"name": "ppo", "critic_path": str(tiny_model)}})
+    check_model(same, "run.yaml", need_model=True)
