@@ -99,3 +99,6 @@ class MegatronCritic(TrainedModel):
         this DP rank's micro-batches (the batch contract); metrics summed over micro-batches and data-parallel
         ranks, with the critic's `grad_norm` and `step_skipped`, on every rank."""
         return self._optimizer_step(micro_batches, lambda out, mb: loss_fn(out[..., 0].float(), mb))
+
+    def close(self) -> None:
+        """Nothing: the parallel state belongs to the policy, whose `close` tears it down."""

@@ -206,7 +206,6 @@ class TrainedModel:
         parallel.destroy()
 
 
-
 class MegatronPolicy(TrainedModel):
     """A sharded causal LM that trains on batch-contract micro-batches (see the module docstring)."""
 

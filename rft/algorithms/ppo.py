@@ -20,6 +20,7 @@ micro-batch on every data-parallel rank; population std), returns are left unwhi
 
 Policy loss: GRPO's (rft/algorithms/grpo.py) with the per-token advantage A_t in place of A_i:
     l_t = -w_t * min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t)  +  kl_coef * k3_t
+(the KL to the reference model stays a loss term, as in grpo; it is not folded into the rewards).
 Value loss (the critic's own loss, trained by its own optimizer in the same step), with V_old the values of
 `add_targets` (the critic before the step) and eps_v = `algorithm.value_clip`:
     v_t = 0.5 * max((V_t - R_t)^2, (clip(V_t, V_old_t - eps_v, V_old_t + eps_v) - R_t)^2)
@@ -52,23 +53,24 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamm
     """(advantages, returns), both float32 [b, T] and 0 outside `mask`, for rewards [b] (each on its row's last loss
     token), values [b, T] and mask [b, T]; the recursion of the module docstring, vectorised over rows. Rows are
     independent: any split of the rows gives the same numbers."""
-    values, active = values.double(), mask > 0
-    b, length = active.shape
-    advantages = torch.zeros(b, length, dtype=torch.float64)
-    next_value = torch.zeros(b, dtype=torch.float64)   # V at the following loss token (0 after the last)
-    next_adv = torch.zeros(b, dtype=torch.float64)
-    seen = torch.zeros(b, dtype=torch.bool)            # a later loss token exists in the row
-    for t in range(length - 1, -1, -1):
-        on = active[:, t].cpu()
-        reward = torch.where(seen, 0.0, rewards.double().cpu())
-        delta = reward + gamma * next_value - values[:, t].cpu()
+    # NumPy float64 on CPU: the loop runs once per position, where small numpy operations are cheapest
+    v = values.detach().double().cpu().numpy()
+    active = (mask > 0).cpu().numpy()
+    final_reward = rewards.detach().double().cpu().numpy()
+    advantages = np.zeros(v.shape)
+    next_value = np.zeros(v.shape[0])      # V at the following loss token (0 after the last)
+    next_adv = np.zeros(v.shape[0])
+    seen = np.zeros(v.shape[0], dtype=bool)  # a later loss token exists in the row
+    for t in range(v.shape[1] - 1, -1, -1):
+        on = active[:, t]
+        delta = np.where(seen, 0.0, final_reward) + gamma * next_value - v[:, t]
         adv = delta + gamma * lam * next_adv
-        advantages[:, t] = torch.where(on, adv, 0.0)
-        next_value = torch.where(on, values[:, t].cpu(), next_value)
-        next_adv = torch.where(on, adv, next_adv)
-        seen = seen | on
-    returns = torch.where(active.cpu(), advantages + values.cpu(), 0.0)
-    return advantages.float(), returns.float()
+        advantages[:, t] = np.where(on, adv, 0.0)
+        next_value = np.where(on, v[:, t], next_value)
+        next_adv = np.where(on, adv, next_adv)
+        seen |= on
+    returns = np.where(active, advantages + v, 0.0)
+    return torch.from_numpy(advantages).float(), torch.from_numpy(returns).float()
 
 
 def token_moments(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> torch.Tensor:
