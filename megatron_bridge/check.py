@@ -74,9 +74,10 @@ def layout_problem(hf_dir: str, *, tp: int, pp: int, options: tuple[str, str] = 
     return None
 
 
-def vocabulary_problem(student_dir: str, teacher_dir: str) -> str | None:
-    """Why a teacher model cannot score the student's tokens (None if it can): their config.json vocabulary sizes
-    differ (a token id would mean different tokens, or none), or one of them is unreadable. Names both paths."""
+def vocabulary_problem(student_dir: str, teacher_dir: str, *, role: str = "teacher") -> str | None:
+    """Why a teacher model (or another model reading the student's tokens: `role`, e.g. "critic") cannot score the
+    student's tokens (None if it can): their config.json vocabulary sizes differ (a token id would mean different
+    tokens, or none), or one of them is unreadable. Names both paths."""
     sizes = []
     for hf_dir in (student_dir, teacher_dir):
         path = os.path.join(hf_dir, "config.json")
@@ -86,8 +87,8 @@ def vocabulary_problem(student_dir: str, teacher_dir: str) -> str | None:
         except (OSError, ValueError) as e:
             return f"{path}: cannot read the model's config ({e})"
     if sizes[0] is None or sizes[0] != sizes[1]:
-        return (f"the teacher {teacher_dir} has vocab_size {sizes[1]} and the student {student_dir} has "
-                f"{sizes[0]}: a teacher must share the student's tokenizer and vocabulary")
+        return (f"the {role} {teacher_dir} has vocab_size {sizes[1]} and the student {student_dir} has "
+                f"{sizes[0]}: a {role} must share the student's tokenizer and vocabulary")
     return None
 
 

@@ -84,35 +84,21 @@ POLICY_FILE = "rft_policy.json"
 POLICY_METRICS = ("loss", "entropy")  # train_step's own metric names; a loss function may not return them
 
 
-class MegatronPolicy:
-    """A sharded causal LM that trains on batch-contract micro-batches (see the module docstring)."""
+class TrainedModel:
+    """What a trained, sharded megatron model has besides its forward: DDP wrapping, megatron's optimizer and
+    constant-rate scheduler, the optimizer step over batch-contract micro-batches, metric sums over replicas, and
+    dist_checkpointing save/load (see the module docstring). Subclasses call `_train` with their built model chunks
+    after `parallel.initialize`, and set `layout`."""
 
-    def __init__(self, hf_dir: str | Path, *, tp: int = 1, pp: int = 1, lr: float, weight_decay: float = 0.0,
-                 grad_clip: float = 1.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 seed: int = 0, dtype: str = "float32", reference: bool = False, temperature: float = 1.0,
-                 initial_loss_scale: float = 2.0 ** 16, pack_sequences: bool = False,
-                 teacher: str | Path | None = None):
-        """`temperature`: the sampling temperature of the explorers. Log-probs (and entropy) are those of
-        softmax(logits / temperature), the distribution the behaviour log-probs in the records come from, so
-        that importance ratios compare like with like. `initial_loss_scale`: float16 only, the dynamic loss
-        scale's starting value (see "Loss scaling" in the module docstring). `pack_sequences`: every forward runs
-        each micro-batch as one packed sequence (megatron_bridge.packing; Transformer Engine on a GPU, pp 1)."""
+    layout: parallel.ParallelLayout
+    steps: int = 0
+    kind = "policy"  # what a checkpoint of it is called in errors
+
+    def _train(self, models: list[torch.nn.Module], *, lr: float, weight_decay: float, grad_clip: float,
+               betas: tuple[float, float], eps: float, dtype: str, initial_loss_scale: float) -> None:
+        """Wrap `models` (built by `build_model`) in megatron's DDP and give them an optimizer and scheduler."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (greedy sampling has no log-probs to train on), got {temperature}")
-        self.temperature = temperature
-        if teacher is not None and (problem := vocabulary_problem(str(hf_dir), str(teacher))):
-            raise ValueError(f"teacher model: {problem}")
-        if lr <= 0 or weight_decay < 0 or grad_clip < 0:
-            raise ValueError(f"need lr > 0, weight_decay >= 0, grad_clip >= 0; got lr={lr} "
-                             f"weight_decay={weight_decay} grad_clip={grad_clip}")
-        if pack_sequences and (pp != 1 or not packing.packing_supported()):
-            raise ValueError(f"pack_sequences needs Transformer Engine on a GPU and pp 1 (pp {pp}, Transformer Engine "
-                             f"in use: {packing.packing_supported()})")
-        self.pack_sequences = pack_sequences
-        self.layout = parallel.initialize(tp, pp, seed=seed)
-        models = build_model(hf_dir, dtype=dtype)
         self.info = models[0].bridge_info
         self.config = models[0].config
         self.distributed_optimizer = distributed_optimizer_available()
@@ -126,27 +112,13 @@ class MegatronPolicy:
         # optimizer divides the gradients by the same scale: without this, float16 gradients were divided by a
         # scale that had never multiplied them (Megatron-LM's training loop sets the same hook).
         self.config.grad_scale_func = self.optimizer.scale_loss
-        self.reference_models = _frozen(build_model(hf_dir, dtype=dtype)) if reference else None
-        self.teacher_models = _frozen(build_model(teacher, dtype=dtype)) if teacher is not None else None
         self.steps = 0
 
-    def describe(self) -> str:
-        """One line for logs: ranks and layout, the device and backend, dtype, optimizer state sharding."""
-        layout, where = self.layout, next(self.models[0].parameters()).device
-        return (f"{layout.world_size} ranks (tp {layout.tp} x pp {layout.pp} x dp {layout.dp}) on {where.type} "
-                f"({layout.backend}), {self.config.params_dtype}, "
-                f"{'distributed' if self.distributed_optimizer else 'replicated'} optimizer state")
-
-    @property
-    def vocab_size(self) -> int:
-        return self.info.dims.vocab_size
-
-    # ---- training
-
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over this DP rank's micro-batches. Returns, on every rank, `loss`, `entropy`
-        and each metric summed over micro-batches and data-parallel ranks, plus `grad_norm` (before clipping)
-        and `step_skipped` (1.0 when megatron skipped the update, e.g. non-finite gradients)."""
+    def _optimizer_step(self, micro_batches: list[dict[str, torch.Tensor]], on_output, *,
+                        packed: bool = False) -> dict[str, float]:
+        """One optimizer step: `on_output(model output on the last stage, micro_batch) -> (loss, metrics)` per
+        micro-batch (schedule.run's training contract); returns the metrics summed over micro-batches and
+        data-parallel ranks, plus `grad_norm` and `step_skipped`, on every rank."""
         from megatron.core.distributed import finalize_model_grads
 
         _check_micro_batches(micro_batches, extra=("loss_mask", "global_tokens"))
@@ -154,18 +126,7 @@ class MegatronPolicy:
             model.train()
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
-
-        def on_logits(logits, mb):
-            logits = self._tempered(logits)
-            entropy = entropy_sum(logits, mb["loss_mask"], self.vocab_size) / mb["global_tokens"].clamp(min=1)
-            loss, metrics = loss_fn(token_logprobs(logits, mb["target_ids"], self.vocab_size), mb)
-            reserved = sorted(set(metrics) & set(POLICY_METRICS))
-            if reserved:
-                raise ValueError(f"loss function returned metrics {reserved}, names that train_step reports itself")
-            return loss, {"loss": loss.detach(), "entropy": entropy, **{k: v.detach() for k, v in metrics.items()}}
-
-        per_micro_batch = schedule.run(self.models, micro_batches, on_logits, forward_only=False,
-                                       packed=self.pack_sequences)
+        per_micro_batch = schedule.run(self.models, micro_batches, on_output, forward_only=False, packed=packed)
         finalize_model_grads(self.models)
         succeeded, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(1)
@@ -175,38 +136,12 @@ class MegatronPolicy:
         totals["step_skipped"] = 0.0 if succeeded else 1.0
         return totals
 
-    def forward_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """token_logprobs [b, T] (float32, CPU) for each micro-batch, without gradients, on every rank
-        of this replica (the last stage computes them and broadcasts over the pipeline group)."""
-        for model in self.models:
-            model.eval()
-        return self._logprobs(self.models, micro_batches)
-
-    def reference_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """As `forward_logprobs`, from the frozen reference model (the weights at `hf_dir`); needs a
-        policy built with `reference=True`."""
-        if self.reference_models is None:
-            raise RuntimeError("reference_logprobs: this MegatronPolicy was built without reference=True")
-        return self._logprobs(self.reference_models, micro_batches)
-
-    def teacher_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """As `forward_logprobs`, from the frozen teacher model; needs a policy built with `teacher=DIR`."""
-        if self.teacher_models is None:
-            raise RuntimeError("teacher_logprobs: this MegatronPolicy was built without a teacher")
-        return self._logprobs(self.teacher_models, micro_batches)
-
-    def _logprobs(self, models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tensor]]):
-        _check_micro_batches(micro_batches)
-        with torch.no_grad():
-            results = schedule.run(
-                models, micro_batches,
-                lambda logits, mb: token_logprobs(self._tempered(logits), mb["target_ids"], self.vocab_size),
-                forward_only=True, packed=self.pack_sequences)
-        return [_from_last_stage(results[i] if results else None, tuple(mb["target_ids"].shape))
-                for i, mb in enumerate(micro_batches)]
-
-    def _tempered(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits if self.temperature == 1.0 else logits / self.temperature
+    def describe(self) -> str:
+        """One line for logs: ranks and layout, the device and backend, dtype, optimizer state sharding."""
+        layout, where = self.layout, next(self.models[0].parameters()).device
+        return (f"{layout.world_size} ranks (tp {layout.tp} x pp {layout.pp} x dp {layout.dp}) on {where.type} "
+                f"({layout.backend}), {self.config.params_dtype}, "
+                f"{'distributed' if self.distributed_optimizer else 'replicated'} optimizer state")
 
     def _sum_over_replicas(self, per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """Sum metric dicts over micro-batches (last stage), then data-parallel ranks; same dict everywhere."""
@@ -221,19 +156,6 @@ class MegatronPolicy:
             dist.all_reduce(values, group=ps.get_data_parallel_group())
         values = _from_last_stage(values, tuple(values.shape), dtype=torch.float64)
         return {name: float(v) for name, v in zip(names, values.tolist())}
-
-    # ---- weights out
-
-    def iter_hf_buckets(self, bucket_bytes: int, *, per_stage: bool = False) -> Iterator[dict[str, torch.Tensor]]:
-        """HF-layout weight buckets: the whole model on global rank 0 (`per_stage=False`: the push path), or each
-        pipeline stage's own tensors on its publisher rank (`per_stage=True`: the pull path's per-stage publishing);
-        nothing elsewhere. See megatron_bridge.export."""
-        return export.iter_hf_buckets(self.models, bucket_bytes, per_stage=per_stage)
-
-    def save_hf(self, out_dir: str | Path) -> Path | None:
-        """An HF model directory written by global rank 0 (every tensor funnels to it); returns its path there,
-        None elsewhere."""
-        return export.save_hf(self.models, out_dir)
 
     # ---- checkpoints
 
@@ -268,10 +190,10 @@ class MegatronPolicy:
         src = Path(checkpoint_dir)
         meta_file = src / POLICY_FILE
         if not meta_file.is_file():
-            raise FileNotFoundError(f"{src}: not a policy checkpoint (no {POLICY_FILE})")
+            raise FileNotFoundError(f"{src}: not a {self.kind} checkpoint (no {POLICY_FILE})")
         meta = json.loads(meta_file.read_text())
         if meta["architecture"] != self.info.bridge.hf_class:
-            raise ValueError(f"{src}: checkpoint of a {meta['architecture']}, this policy is a "
+            raise ValueError(f"{src}: checkpoint of a {meta['architecture']}, this {self.kind} is a "
                              f"{self.info.bridge.hf_class}")
         state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(src))
         unwrap(self.models[0]).load_state_dict(state["model"])
@@ -282,6 +204,106 @@ class MegatronPolicy:
     def close(self) -> None:
         """Tear down megatron's parallel state and the process group."""
         parallel.destroy()
+
+
+class MegatronPolicy(TrainedModel):
+    """A sharded causal LM that trains on batch-contract micro-batches (see the module docstring)."""
+
+    def __init__(self, hf_dir: str | Path, *, tp: int = 1, pp: int = 1, lr: float, weight_decay: float = 0.0,
+                 grad_clip: float = 1.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 seed: int = 0, dtype: str = "float32", reference: bool = False, temperature: float = 1.0,
+                 initial_loss_scale: float = 2.0 ** 16, pack_sequences: bool = False,
+                 teacher: str | Path | None = None):
+        """`temperature`: the sampling temperature of the explorers. Log-probs (and entropy) are those of
+        softmax(logits / temperature), the distribution the behaviour log-probs in the records come from, so
+        that importance ratios compare like with like. `initial_loss_scale`: float16 only, the dynamic loss
+        scale's starting value (see "Loss scaling" in the module docstring). `pack_sequences`: every forward runs
+        each micro-batch as one packed sequence (megatron_bridge.packing; Transformer Engine on a GPU, pp 1)."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (greedy sampling has no log-probs to train on), got {temperature}")
+        self.temperature = temperature
+        if teacher is not None and (problem := vocabulary_problem(str(hf_dir), str(teacher))):
+            raise ValueError(f"teacher model: {problem}")
+        if lr <= 0 or weight_decay < 0 or grad_clip < 0:
+            raise ValueError(f"need lr > 0, weight_decay >= 0, grad_clip >= 0; got lr={lr} "
+                             f"weight_decay={weight_decay} grad_clip={grad_clip}")
+        if pack_sequences and (pp != 1 or not packing.packing_supported()):
+            raise ValueError(f"pack_sequences needs Transformer Engine on a GPU and pp 1 (pp {pp}, Transformer Engine "
+                             f"in use: {packing.packing_supported()})")
+        self.pack_sequences = pack_sequences
+        self.layout = parallel.initialize(tp, pp, seed=seed)
+        self._train(build_model(hf_dir, dtype=dtype), lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
+                    betas=betas, eps=eps, dtype=dtype, initial_loss_scale=initial_loss_scale)
+        self.reference_models = _frozen(build_model(hf_dir, dtype=dtype)) if reference else None
+        self.teacher_models = _frozen(build_model(teacher, dtype=dtype)) if teacher is not None else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.dims.vocab_size
+
+    # ---- training
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over this DP rank's micro-batches. Returns, on every rank, `loss`, `entropy`
+        and each metric summed over micro-batches and data-parallel ranks, plus `grad_norm` (before clipping)
+        and `step_skipped` (1.0 when megatron skipped the update, e.g. non-finite gradients)."""
+        def on_logits(logits, mb):
+            logits = self._tempered(logits)
+            entropy = entropy_sum(logits, mb["loss_mask"], self.vocab_size) / mb["global_tokens"].clamp(min=1)
+            loss, metrics = loss_fn(token_logprobs(logits, mb["target_ids"], self.vocab_size), mb)
+            reserved = sorted(set(metrics) & set(POLICY_METRICS))
+            if reserved:
+                raise ValueError(f"loss function returned metrics {reserved}, names that train_step reports itself")
+            return loss, {"loss": loss.detach(), "entropy": entropy, **{k: v.detach() for k, v in metrics.items()}}
+
+        return self._optimizer_step(micro_batches, on_logits, packed=self.pack_sequences)
+
+    def forward_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """token_logprobs [b, T] (float32, CPU) for each micro-batch, without gradients, on every rank
+        of this replica (the last stage computes them and broadcasts over the pipeline group)."""
+        for model in self.models:
+            model.eval()
+        return self._logprobs(self.models, micro_batches)
+
+    def reference_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """As `forward_logprobs`, from the frozen reference model (the weights at `hf_dir`); needs a
+        policy built with `reference=True`."""
+        if self.reference_models is None:
+            raise RuntimeError("reference_logprobs: this MegatronPolicy was built without reference=True")
+        return self._logprobs(self.reference_models, micro_batches)
+
+    def teacher_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """As `forward_logprobs`, from the frozen teacher model; needs a policy built with `teacher=DIR`."""
+        if self.teacher_models is None:
+            raise RuntimeError("teacher_logprobs: this MegatronPolicy was built without a teacher")
+        return self._logprobs(self.teacher_models, micro_batches)
+
+    def _logprobs(self, models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tensor]]):
+        _check_micro_batches(micro_batches)
+        with torch.no_grad():
+            results = schedule.run(
+                models, micro_batches,
+                lambda logits, mb: token_logprobs(self._tempered(logits), mb["target_ids"], self.vocab_size),
+                forward_only=True, packed=self.pack_sequences)
+        return [_from_last_stage(results[i] if results else None, tuple(mb["target_ids"].shape))
+                for i, mb in enumerate(micro_batches)]
+
+    def _tempered(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.temperature == 1.0 else logits / self.temperature
+
+    # ---- weights out
+
+    def iter_hf_buckets(self, bucket_bytes: int, *, per_stage: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """HF-layout weight buckets: the whole model on global rank 0 (`per_stage=False`: the push path), or each
+        pipeline stage's own tensors on its publisher rank (`per_stage=True`: the pull path's per-stage publishing);
+        nothing elsewhere. See megatron_bridge.export."""
+        return export.iter_hf_buckets(self.models, bucket_bytes, per_stage=per_stage)
+
+    def save_hf(self, out_dir: str | Path) -> Path | None:
+        """An HF model directory written by global rank 0 (every tensor funnels to it); returns its path there,
+        None elsewhere."""
+        return export.save_hf(self.models, out_dir)
+
 
 
 def checkpoint_writer_dies_with_us() -> None:

@@ -152,7 +152,7 @@ class TrainerConfig:
 @dataclass
 class AlgorithmConfig:
     """The loss and the advantages; docs/algorithms.md has one section per algorithm (its formula, keys, use)."""
-    name: str = "grpo"  # grpo, rloo, reinforce_pp, gspo, cispo, dpo, sft, on_policy_distill, chord, or package.module:object
+    name: str = "grpo"  # grpo, rloo, reinforce_pp, gspo, cispo, dpo, sft, on_policy_distill, chord, ppo, or package.module:object
     clip_eps: float = 0.2  # grpo, rloo, reinforce_pp: the ratio's clip range on both sides (unless clip_eps_low/high)
     clip_eps_low: Optional[float] = None  # clip below at 1 - clip_eps_low; null: the algorithm's default (docs/algorithms.md)
     clip_eps_high: Optional[float] = None  # clip above at 1 + clip_eps_high (DAPO's clip-higher: 0.28); null: the algorithm's default
@@ -171,6 +171,12 @@ class AlgorithmConfig:
     chord_mu_schedule: Literal["linear", "cosine"] = "cosine"  # chord: the shape of mu's decay
     chord_topic: str = ""  # chord: the topic of demonstration groups; empty: <run>.demonstrations (rft run fills it from data)
     chord_groups_per_step: int = 2  # chord: demonstration groups mixed into each step (besides trainer.groups_per_step)
+    gamma: float = 1.0  # ppo: GAE discount per response token
+    lam: float = 0.95  # ppo: GAE lambda (1: Monte-Carlo returns minus values; 0: one-step TD)
+    value_clip: Optional[float] = 0.2  # ppo: the value loss clips V to V_old +- value_clip; null: unclipped
+    whiten_advantages: bool = True  # ppo: normalise GAE advantages to mean 0, std 1 over the step's loss tokens
+    critic_lr: float = 1.0e-5  # ppo: the critic's own Adam learning rate
+    critic_path: str = ""  # ppo: HF directory the critic's trunk starts from; empty: model.path (the policy's)
 
     def __post_init__(self) -> None:
         """The section's own ranges (combinations an algorithm refuses are its own ConfigError, when it is built)."""
@@ -186,6 +192,11 @@ class AlgorithmConfig:
             value = getattr(self, key)
             if not 0 <= value <= 1:
                 raise ConfigError(f"algorithm.{key}: must be in [0, 1] (the SFT share of the loss), got {value}")
+        for key in ("gamma", "lam"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ConfigError(f"algorithm.{key}: must be in [0, 1], got {getattr(self, key)}")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ConfigError(f"algorithm.value_clip: must be > 0 (null: no clipping), got {self.value_clip}")
         if self.chord_mu_steps < 0:
             raise ConfigError(f"algorithm.chord_mu_steps: must be >= 0, got {self.chord_mu_steps}")
         if self.chord_groups_per_step < 1:

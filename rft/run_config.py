@@ -97,20 +97,24 @@ def check_model(cfg: Config, source: str, *, need_model: bool = False) -> None:
 
 
 def _check_teacher(cfg: Config, source: str, *, need_model: bool) -> None:
-    """An algorithm with a teacher (on_policy_distill): algorithm.teacher_path has the student's vocabulary and
-    splits at the trainer's TP x PP (the teacher is sharded like the policy). A teacher not on disk here is an
-    error only with `need_model`."""
+    """An algorithm with a teacher (on_policy_distill) or a critic of its own weights (ppo): algorithm.teacher_path /
+    algorithm.critic_path has the student's vocabulary and splits at the trainer's TP x PP (the model is sharded
+    like the policy). A model not on disk here is an error only with `need_model`."""
     # heavy: torch (the bridge's checks read only config.json, but live beside the models)
     from megatron_bridge.check import layout_problem, vocabulary_problem
 
-    teacher = getattr(build_algorithm(cfg.algorithm), "teacher_path", None) if cfg.algorithm.teacher_path else None
-    if not teacher or (not need_model and not (Path(teacher) / "config.json").is_file()):
+    if not (cfg.algorithm.teacher_path or cfg.algorithm.critic_path):
         return
-    problem = vocabulary_problem(cfg.model.path, teacher) or layout_problem(
-        teacher, tp=cfg.trainer.tensor_parallel, pp=cfg.trainer.pipeline_parallel,
-        options=("trainer.tensor_parallel:", "trainer.pipeline_parallel:"))
-    if problem:
-        raise ConfigError(f"{source}: algorithm.teacher_path: {problem}")
+    algorithm = build_algorithm(cfg.algorithm)  # it decides whether it reads a teacher or has a critic
+    for key, role in (("teacher_path", "teacher"), ("critic_path", "critic")):
+        other = getattr(algorithm, key, None)
+        if not other or (not need_model and not (Path(other) / "config.json").is_file()):
+            continue
+        problem = vocabulary_problem(cfg.model.path, other, role=role) or layout_problem(
+            other, tp=cfg.trainer.tensor_parallel, pp=cfg.trainer.pipeline_parallel,
+            options=("trainer.tensor_parallel:", "trainer.pipeline_parallel:"))
+        if problem:
+            raise ConfigError(f"{source}: algorithm.{key}: {problem}")
 
 
 def check_names(cfg: Config, source: str) -> None:

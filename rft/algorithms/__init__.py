@@ -3,7 +3,7 @@
 Registered: grpo, rloo, reinforce_pp (policy gradient; share GRPO's loss and differ in advantages), gspo, cispo
 (GRPO's advantages with a sequence-level ratio / a clipped detached importance weight), dpo, sft,
 on_policy_distill (a teacher's per-token reverse KL as the advantage), chord (SFT on demonstrations mixed into
-GRPO steps with a scheduled weight).
+GRPO steps with a scheduled weight), ppo (a critic's GAE advantages, clipped value loss).
 DAPO's pieces are options of these: algorithm.clip_eps_high, loss_agg token_mean, and the trainer's experience
 operators length_penalty and zero_variance (docs/algorithms.md).
 Any other name of the form `package.module:object` is imported and called with the AlgorithmConfig.
@@ -14,6 +14,7 @@ from rft.algorithms.cispo import CISPO
 from rft.algorithms.dpo import DPO
 from rft.algorithms.grpo import GRPO
 from rft.algorithms.on_policy_distill import OnPolicyDistill
+from rft.algorithms.ppo import PPO
 from rft.algorithms.gspo import GSPO
 from rft.algorithms.reinforce_pp import ReinforcePlusPlus
 from rft.algorithms.rloo import RLOO
@@ -21,4 +22,4 @@ from rft.algorithms.sft import SFT
 
 __all__ = ["ALGORITHMS", "Algorithm", "build_algorithm", "register", "resolve_algorithm",
            "GRPO", "RLOO", "ReinforcePlusPlus", "GSPO", "CISPO", "DPO", "SFT",
-           "OnPolicyDistill", "CHORD"]
+           "OnPolicyDistill", "CHORD", "PPO"]

@@ -1,7 +1,7 @@
 """Algorithm registry: `algorithm.name` -> an object with `advantages` and `loss_fn`.
 
 A name is either a registered key (`grpo`, `rloo`, `reinforce_pp`, `gspo`, `cispo`, `dpo`, `sft`,
-`on_policy_distill`, `chord`) or an import path
+`on_policy_distill`, `chord`, `ppo`) or an import path
 `package.module:object`, where the object is a class or factory called with the `AlgorithmConfig`. Either way
 the result is checked against the `Algorithm` interface below, so a bad name fails when the run is built,
 with a message that says what is wrong.
@@ -40,6 +40,10 @@ class Algorithm(Protocol):
     - `needs_demonstrations` (optional, False when absent): the step mixes demonstration rows in; micro-batches
       carry `demo_mask`, `global_demo_tokens`, `global_demo_sequences` and `step` (see rft/algorithms/chord.py);
       it then has `demonstrations_per_step` (demonstration groups the trainer adds to each step) and `mu(step)`.
+    - `needs_critic` (optional, False when absent): the trainer keeps a value model (rft/algorithms/ppo.py), calls
+      `add_targets(micro_batches, values, sum_over_replicas)` with its values before the step and trains it with
+      `value_loss_fn(values, micro_batch)` in the same step; `critic_path` names its initial weights (None: the
+      policy's).
     Every algorithm reports a `kl` metric: the trainer wraps `loss_fn` with `aggregation.with_kl_metric`.
     """
     name: str

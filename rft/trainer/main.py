@@ -14,6 +14,10 @@ An algorithm with `needs_demonstrations` (chord) also gets, in 1., up to `demons
 groups from a second feed on `algorithm.chord_topic` (else `<run>.demonstrations`), bounded by the topic's end when
 the trainer starts (then steps go on without); they become rows marked `demo` (rft/trainer/batch.py), every
 micro-batch carries the `step`, and that feed's offsets are checkpointed too.
+An algorithm with `needs_critic` (ppo) gets a value model (megatron_bridge.critic, same TP/PP layout): in 2. the
+critic scores the recorded tokens, the algorithm turns its values into GAE targets (`add_targets`), the policy steps,
+then the critic takes its own optimizer step on `value_loss_fn`; its checkpoint (`<step dir>/critic`) is written
+before the step's commit and loaded on resume with the policy's.
 Resume: the newest complete checkpoint is loaded and the feed seeks to its offsets; `consumed.jsonl` (the record
 of which group trained in which step) is cut back to that step so that it always describes the effective run.
 """
@@ -246,6 +250,8 @@ class Trainer:
             grad_clip=t.grad_clip, betas=(t.adam_beta1, t.adam_beta2), seed=run.seed, dtype=model.dtype,
             reference=self.algorithm.needs_reference, temperature=temperature, pack_sequences=t.pack_sequences,
             teacher=getattr(self.algorithm, "teacher_path", None))
+        self.critic = self._build_critic(algorithm, model, run.seed) if getattr(
+            self.algorithm, "needs_critic", False) else None
         self.staleness = StalenessTracker(mode=run.mode, max_staleness=run.max_staleness)
         self.is_reader = dist_io.rank() == 0
         if self.is_reader:
@@ -257,6 +263,8 @@ class Trainer:
         if latest is not None:
             state = self.checkpoints.read_state(latest)
             self.policy.load_checkpoint(latest / "model")
+            if self.critic is not None:
+                self.critic.load_checkpoint(latest / "critic")
             restore_rng(state.rng)
             self.step, feed_state, self.counters = state.step, state.feed, state.counters
             replay_state, demonstrations_state = state.replay_buffer, state.demonstrations
@@ -267,6 +275,17 @@ class Trainer:
         self.io: TrainerIO | None = None
         if self.is_reader:
             self._open_io(open_io(feed_state, replay_state), FeedState.from_json(demonstrations_state))
+
+    def _build_critic(self, algorithm: AlgorithmConfig, model: ModelConfig, seed: int):
+        """The value model of algorithms with `needs_critic` (PPO): megatron_bridge.critic at the policy's layout,
+        from `algorithm.critic_path` or else the policy's `model.path`, with its own learning rate and the trainer's
+        other optimizer settings."""
+        from megatron_bridge.critic import MegatronCritic  # heavy: megatron.core, torch.distributed
+
+        t = self.config
+        return MegatronCritic(self.algorithm.critic_path or model.path, lr=algorithm.critic_lr,
+                              weight_decay=t.weight_decay, grad_clip=t.grad_clip, betas=(t.adam_beta1, t.adam_beta2),
+                              dtype=model.dtype, head_seed=seed)
 
     # -- rank 0's Kafka side
     def _open_io(self, io: TrainerIO, demonstrations_state: FeedState) -> None:
@@ -386,7 +405,14 @@ class Trainer:
         if self.needs_demonstrations:
             for mb in micro_batches:
                 mb["step"] = torch.tensor(float(step))
+        if self.critic is not None:
+            micro_batches = self.algorithm.add_targets(micro_batches, self.critic.values(micro_batches),
+                                                       self.critic.sum_over_data_parallel)
         metrics = self.policy.train_step(micro_batches, self.loss_fn)
+        if self.critic is not None:
+            critic = self.critic.train_step(micro_batches, self.algorithm.value_loss_fn)
+            metrics.update({k if k.startswith("value_") or k == "return_mean" else f"critic_{k}": v
+                            for k, v in critic.items()})
         seconds = max(time.perf_counter() - started, 1e-9)
         return {**metrics, "padding_fraction": plan.padding_fraction, "train_s": seconds,
                 "train_tokens_per_s": plan.real_tokens / seconds}
@@ -459,6 +485,8 @@ class Trainer:
         path = self.checkpoints.step_dir(step)
         path.mkdir(parents=True, exist_ok=True)
         self.policy.save_checkpoint(path / "model")
+        if self.critic is not None:  # in the same step directory: committed (and resumed) together with the policy
+            self.critic.save_checkpoint(path / "critic")
         dist_io.barrier()
         self._flush_weights()  # a checkpoint at step s commits only once version s is out (resume never waits on it)
         if self.is_reader:

@@ -54,9 +54,11 @@ def torch_loss_and_grad(algorithm, batch):
 
 # ------------------------------------------------------------------------------------- NumPy textbook references
 
-def ppo_reference(b, *, clip_eps, agg, kl_coef=0.0, correction=False, cap=np.inf, prox=None, clip_high=None):
+def ppo_reference(b, *, clip_eps, agg, kl_coef=0.0, correction=False, cap=np.inf, prox=None, clip_high=None,
+                  token_advantages=None):
     """Clipped surrogate, textbook form: per token -w * min(r A, clip(r) A) + beta * k3, and d/d logp of it;
-    clip(r) = clip(r, 1 - clip_eps, 1 + clip_high), clip_high = clip_eps unless given."""
+    clip(r) = clip(r, 1 - clip_eps, 1 + clip_high), clip_high = clip_eps unless given. A is the row's
+    `advantages[i]`, or `token_advantages[i, t]` when given."""
     clip_high = clip_eps if clip_high is None else clip_high
     logp, behav, mask = b["logp"].astype(np.float64), b["old_logprobs"], b["loss_mask"]
     loss, grad, clipped_tokens, weight_sum = 0.0, np.zeros_like(logp), 0, 0.0
@@ -66,10 +68,10 @@ def ppo_reference(b, *, clip_eps, agg, kl_coef=0.0, correction=False, cap=np.inf
         if length == 0:
             continue
         scale = 1.0 / n_tokens if agg == "token_mean" else 1.0 / (length * n_seqs)
-        A = float(b["advantages"][i])
         for t in range(logp.shape[1]):
             if mask[i, t] == 0:
                 continue
+            A = float(b["advantages"][i] if token_advantages is None else token_advantages[i, t])
             if correction:
                 p = logp[i, t] if prox is None else prox[i, t]
                 w = min(math.exp(p - behav[i, t]), cap)
@@ -478,12 +480,13 @@ def test_splitting_into_micro_batches_and_shards_changes_nothing(name, options):
 
 def test_registry_names_and_capabilities():
     assert set(ALGORITHMS) == {"grpo", "rloo", "reinforce_pp", "gspo", "cispo", "dpo", "sft", "on_policy_distill",
-                               "chord"}
+                               "chord", "ppo"}
     table = {name: build_algorithm(AlgorithmConfig(name=name, teacher_path="/teacher")) for name in ALGORITHMS}
     assert {n for n, a in table.items() if a.needs_reference} == {"dpo"}
     assert {n for n, a in table.items() if a.supports_replay} == {"dpo", "sft"}
     assert {n for n, a in table.items() if getattr(a, "needs_teacher", False)} == {"on_policy_distill"}
     assert {n for n, a in table.items() if getattr(a, "needs_demonstrations", False)} == {"chord"}
+    assert {n for n, a in table.items() if getattr(a, "needs_critic", False)} == {"ppo"}
 
 
 def test_every_registered_algorithm_has_a_section_in_the_docs():

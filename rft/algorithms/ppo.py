@@ -1,0 +1,142 @@
+"""PPO with a critic (Schulman et al. 2017; the RLHF form of Ouyang et al. 2022): GAE advantages from a learned value
+model instead of group statistics, GRPO's clipped surrogate per token, and a clipped value loss for the critic.
+
+Positions: everything is [b, T] in the batch contract's layout, position t scoring target token t. The critic's
+value V_t at position t is the value of the state *before* response token t is emitted (the hidden state that also
+gives the policy's log-prob of token t). The response of row i is its loss tokens in order (t_1 < ... < t_n with
+m_t = 1; tokens outside the mask, e.g. tool output, are skipped, not stepped over).
+
+Rewards: the sample's scalar reward r_i on its last response token t_n, 0 elsewhere. The per-sample "advantage"
+channel of the batch contract carries r_i (`advantages` returns the rewards unchanged), so every micro-batch has
+the rewards as `advantages` [b] and the trainer turns them into per-token targets once the critic's values on the
+recorded tokens are known (`add_targets`).
+
+GAE (generalised advantage estimation), over the response tokens of one row, k = n..1, with V_{t_{n+1}} = 0:
+    delta_k = r_k + gamma * V_{t_{k+1}} - V_{t_k}            (r_k = r_i at k = n, else 0)
+    A_k     = delta_k + gamma * lam * A_{k+1}                 (A_{n+1} = 0)
+    R_k     = A_k + V_{t_k}                                   (the value target, "returns")
+`algorithm.whiten_advantages`: A <- (A - mean) / (std + eps) over all loss tokens of the optimizer step (every
+micro-batch on every data-parallel rank; population std), returns are left unwhitened.
+
+Policy loss: GRPO's (rft/algorithms/grpo.py) with the per-token advantage A_t in place of A_i:
+    l_t = -w_t * min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t)  +  kl_coef * k3_t
+(the KL to the reference model stays a loss term, as in grpo; it is not folded into the rewards).
+Value loss (the critic's own loss, trained by its own optimizer in the same step), with V_old the values of
+`add_targets` (the critic before the step) and eps_v = `algorithm.value_clip`:
+    v_t = 0.5 * max((V_t - R_t)^2, (clip(V_t, V_old_t - eps_v, V_old_t + eps_v) - R_t)^2)
+(value_clip null: 0.5 (V_t - R_t)^2), reduced by `algorithm.loss_agg` like the policy loss, so micro-batch and
+data-parallel splits change neither.
+
+Micro-batch keys after `add_targets`: `values` (V_old), `returns` (R), `token_advantages` (A, whitened or not), all
+float32 [b, T] and 0 outside the loss mask.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+import torch
+
+from rft.algorithms.aggregation import aggregate, check_micro_batch, token_metric
+from rft.algorithms.grpo import GRPO, finite_rewards
+from rft.algorithms.registry import Metrics, MicroBatch, register
+from rft.config import ConfigError
+
+if TYPE_CHECKING:
+    from rft.config import AlgorithmConfig
+
+WHITEN_EPS = 1e-8
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), both float32 [b, T] and 0 outside `mask`, for rewards [b] (each on its row's last loss
+    token), values [b, T] and mask [b, T]; the recursion of the module docstring, vectorised over rows. Rows are
+    independent: any split of the rows gives the same numbers."""
+    # NumPy float64 on CPU: the loop runs once per position, where small numpy operations are cheapest
+    v = values.detach().double().cpu().numpy()
+    active = (mask > 0).cpu().numpy()
+    final_reward = rewards.detach().double().cpu().numpy()
+    advantages = np.zeros(v.shape)
+    next_value = np.zeros(v.shape[0])      # V at the following loss token (0 after the last)
+    next_adv = np.zeros(v.shape[0])
+    seen = np.zeros(v.shape[0], dtype=bool)  # a later loss token exists in the row
+    for t in range(v.shape[1] - 1, -1, -1):
+        on = active[:, t]
+        delta = np.where(seen, 0.0, final_reward) + gamma * next_value - v[:, t]
+        adv = delta + gamma * lam * next_adv
+        advantages[:, t] = np.where(on, adv, 0.0)
+        next_value = np.where(on, v[:, t], next_value)
+        next_adv = np.where(on, adv, next_adv)
+        seen |= on
+    returns = np.where(active, advantages + v, 0.0)
+    return torch.from_numpy(advantages).float(), torch.from_numpy(returns).float()
+
+
+def token_moments(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[count, sum, sum of squares] (float64) of the masked entries of `tensors`: summed over data-parallel ranks
+    they give the step-wide mean and variance."""
+    out = torch.zeros(3, dtype=torch.float64)
+    for x, m in zip(tensors, masks, strict=True):
+        x, m = x.double(), (m > 0).double()
+        out += torch.stack([m.sum(), (x * m).sum(), (x * x * m).sum()])
+    return out
+
+
+@register("ppo")
+class PPO(GRPO):
+    extra_keys = ("token_advantages",)
+    needs_critic = True
+
+    def __init__(self, cfg: "AlgorithmConfig"):
+        super().__init__(cfg)
+        if not cfg.critic_lr > 0:
+            raise ConfigError(f"algorithm.critic_lr: must be > 0, got {cfg.critic_lr}")
+        self.critic_path = cfg.critic_path or None  # None: the critic's trunk starts from the policy's model.path
+
+    def advantages(self, rewards_per_group: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The rewards themselves (the per-sample channel carries r_i to `add_targets`; see the module docstring)."""
+        return [finite_rewards(r, i).astype(np.float32) for i, r in enumerate(rewards_per_group)]
+
+    def add_targets(self, micro_batches: list[MicroBatch], values: list[torch.Tensor],
+                    sum_over_replicas: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> list[MicroBatch]:
+        """The micro-batches with `values`, `returns` and `token_advantages` added (module docstring). `values[k]`
+        is the critic's V [b, T] on micro-batch k before the step; `sum_over_replicas` sums a float64 tensor over
+        data-parallel ranks (identity with one rank): whitening uses step-wide moments."""
+        out, advantages = [], []
+        for k, (mb, v) in enumerate(zip(micro_batches, values, strict=True)):
+            if tuple(v.shape) != tuple(mb["loss_mask"].shape):
+                raise ValueError(f"ppo: values of micro-batch {k} have shape {tuple(v.shape)}, loss_mask "
+                                 f"{tuple(mb['loss_mask'].shape)}")
+            adv, ret = gae(mb["advantages"], v, mb["loss_mask"], gamma=self.cfg.gamma, lam=self.cfg.lam)
+            advantages.append(adv)
+            out.append({**mb, "values": torch.where(mb["loss_mask"] > 0, v.float(), 0.0), "returns": ret})
+        if self.cfg.whiten_advantages:
+            count, total, squares = sum_over_replicas(token_moments(advantages, [mb["loss_mask"] for mb in out]))
+            mean = total / count.clamp(min=1)
+            std = (squares / count.clamp(min=1) - mean * mean).clamp(min=0).sqrt()
+            advantages = [torch.where(mb["loss_mask"] > 0, ((a - mean) / (std + WHITEN_EPS)).float(), 0.0)
+                          for a, mb in zip(advantages, out)]
+        return [{**mb, "token_advantages": a} for mb, a in zip(out, advantages)]
+
+    def policy_loss(self, logp: torch.Tensor, micro_batch: MicroBatch, prox: torch.Tensor,
+                    weight: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+        return self.clipped_surrogate(logp, micro_batch, prox, weight, micro_batch["token_advantages"].float())
+
+    def value_loss_fn(self, values: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
+        """The critic's loss contribution of this micro-batch (batch contract) for the current values [b, T], and
+        metrics (step-wide sums): `value_loss`, `value_clip_frac` (tokens where the clipped term is the larger),
+        `value_mean`, `return_mean`."""
+        check_micro_batch(values, micro_batch, ["loss_mask", "values", "returns", "global_tokens",
+                                                "global_sequences"], algorithm=f"{self.name} value")
+        v, old, ret = values.float(), micro_batch["values"].float(), micro_batch["returns"].float()
+        unclipped = (v - ret) ** 2
+        if self.cfg.value_clip is None:
+            per_token, clipped_more = 0.5 * unclipped, torch.zeros_like(v)
+        else:
+            eps = self.cfg.value_clip
+            clipped = (torch.clamp(v, old - eps, old + eps) - ret) ** 2
+            per_token, clipped_more = 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+        loss = aggregate(per_token, micro_batch, self.loss_agg)
+        return loss, {"value_loss": loss.detach(), "value_clip_frac": token_metric(clipped_more, micro_batch),
+                      "value_mean": token_metric(v, micro_batch), "return_mean": token_metric(ret, micro_batch)}
