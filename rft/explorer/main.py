@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING
 from rft.commandline import add_config_arguments, config_from_args, install_stop_signals
 from rft.config import Config, ExplorerConfig, KafkaConfig, SyncConfig
 from rft.control import ExplorerHeartbeat, ExplorerJoin, ExplorerLeave, ExplorerWeights, Kind, TasksGroup
+from rft.explorer.continuous import Continuous, Finished, Offsets
 from rft.explorer.engine import build_engine
 from rft.explorer.admission import Admission, AdmitAll, fleet_admission
 from rft.explorer.membership import (UnassignedWatchdog, announced_group, describe_peers, group_name, instance_id,
@@ -85,6 +86,8 @@ log = logging.getLogger("rft.explorer")
 
 POLL_S = 0.5  # longest wait for tasks in one poll
 IDLE_SLEEP_S = 0.2  # pause when admission lets nothing start
+WEIGHTS_CHECK_S = 0.5  # continuous: how often it looks for a newer weights version while generating
+MEMBERSHIP_CHECK_S = 1.0  # continuous: how often the membership watchdog runs while generating
 ADMISSION_WAIT_S = 2.0  # longest wait for news when admission lets nothing start (it wakes on a control message)
 
 
@@ -215,6 +218,8 @@ class Explorer:
         if stop.is_set():  # stopped while the engine was starting
             return "stopped"
         self.join()
+        if self.config.continuous:
+            return self.run_continuous(stop, exit_when_idle_s=exit_when_idle_s)
         last_work = time.monotonic()
         while not stop.is_set():
             self.refresh_weights()
@@ -260,6 +265,102 @@ class Explorer:
         _notify(self.admission, "finish", len(futures))
         _notify(self.admission, "fail", len(admitted) - len(futures))
         return len(admitted)
+
+    def run_continuous(self, stop: threading.Event, *, exit_when_idle_s: float | None = None) -> str:
+        """The continuous loop (rft/explorer/continuous.py; after `join`): top the engine up to explorer.max_inflight
+        tasks, step it, produce each group when its n samples are done, commit each partition below its lowest
+        unfinished task. A newer weights version stops admission; it is loaded once nothing is in flight. A stop
+        finishes the tasks in flight (produce, ack, commit) and returns "stopped"; "idle" as `run`."""
+        if self.push is not None:
+            raise ValueError("explorer.continuous: sync.method push is not supported (a push is a collective the "
+                             "explorer takes part in between batches); use sync.method pull")
+        scheduler, offsets = Continuous(self.engine, self.workflow, self.config.max_inflight), Offsets()
+        self.reloads: list[tuple[int, int]] = []  # (version, tasks in flight when it was loaded): always 0
+        draining, weights_due, membership_due = False, 0.0, 0.0
+        last_work = last_export = time.monotonic()
+        while not (stop.is_set() and not scheduler.inflight):
+            now = time.monotonic()
+            if not draining and now >= weights_due:
+                weights_due = now + WEIGHTS_CHECK_S
+                draining = self.weights.newest(above=self.engine.weights_version) is not None
+            if draining and not scheduler.inflight:
+                before = self.engine.weights_version
+                self.refresh_weights()
+                if self.engine.weights_version != before:
+                    self.reloads.append((self.engine.weights_version, len(scheduler.inflight)))
+                    log.info("loaded weights version %d with %d tasks in flight", self.engine.weights_version,
+                             len(scheduler.inflight))
+                draining = False
+            started = time.monotonic()
+            if not draining and not stop.is_set() and scheduler.free():
+                if self._start_tasks(scheduler, offsets, block=not scheduler.inflight):
+                    last_work = time.monotonic()
+            finished = scheduler.step()
+            self.stats.explore_s += time.monotonic() - started
+            if finished:
+                self._deliver(finished, offsets, seconds=time.monotonic() - last_export)
+                last_work = last_export = time.monotonic()
+            if not scheduler.inflight or now >= membership_due:
+                membership_due = now + MEMBERSHIP_CHECK_S
+                tasks = self.tasks
+                self.watch_membership()
+                if self.tasks is not tasks:  # rejoined or moved: the new group re-delivers what is uncommitted
+                    offsets = Offsets()
+            if (not scheduler.inflight and exit_when_idle_s is not None
+                    and time.monotonic() - last_work > exit_when_idle_s):
+                return "idle"
+        return "stopped"
+
+    def _start_tasks(self, scheduler: Continuous, offsets: Offsets, *, block: bool) -> int:
+        """Poll up to `scheduler.free()` tasks (waiting up to POLL_S when `block`), admit, decode, submit; returns the
+        number of tasks handled (started or dead-lettered)."""
+        messages = self.tasks.poll(timeout_s=POLL_S if block else 0.0, max_records=scheduler.free())
+        self.stats.partitions = sorted(tp.partition for tp in self.tasks.assignment())
+        if not messages:
+            return 0
+        admitted = self._admit(messages)
+        if not admitted:
+            self.stats.admission_waits += 1
+            if block:
+                wait = getattr(self.admission, "wait", None)
+                wait(ADMISSION_WAIT_S) if wait is not None else time.sleep(IDLE_SLEEP_S)
+            return 0
+        for m in admitted:
+            offsets.start(m.position, m.offset)
+        sources, tasks = self._decode(admitted)
+        kept = {id(m) for m in sources}
+        diverted = [m for m in admitted if id(m) not in kept]
+        for m in diverted:
+            offsets.done(m.position, m.offset)
+        immediate = [f for f in (scheduler.submit(t, m) for m, t in zip(sources, tasks)) if f is not None]
+        if immediate or diverted:
+            self._deliver(immediate, offsets, seconds=0.0)
+        return len(admitted)
+
+    def _deliver(self, finished: list[Finished], offsets: Offsets, *, seconds: float) -> None:
+        """Produce the finished groups (errors: dead letters), wait for the broker's acks, then commit."""
+        futures = []
+        for f in finished:
+            extra = {"submitted_version": f.submitted_version, "finished_version": f.finished_version}
+            future = self._produce(f.source, f.result, metadata=extra)
+            if future is not None:
+                futures.append(future)
+        self.sink.flush()
+        timeout_s = self.kafka.request_timeout_ms / 1000
+        for future in futures:
+            future.get(timeout=timeout_s)  # raises if the broker did not take the group: nothing is committed
+        for f in finished:
+            offsets.done(f.source.position, f.source.offset)
+        committable = offsets.committable()
+        if committable and self._commit_offsets(committable):
+            offsets.committed(committable)
+        self.stats.groups += len(futures)
+        self.stats.batches += 1 if futures else 0
+        self.stats.dead_letters = self.dead_letter.count
+        if self.prometheus is not None and finished:
+            self._export_metrics([f.result for f in finished], seconds)
+        _notify(self.admission, "finish", len(futures))
+        _notify(self.admission, "fail", len(finished) - len(futures))
 
     def watch_membership(self) -> None:
         """The membership watchdog (rft/explorer/membership.py): rejoin the tasks group when this explorer has held
@@ -365,11 +466,12 @@ class Explorer:
             tasks.append(task)
         return sources, tasks
 
-    def _produce(self, message: "Message", result: "GroupResult"):
+    def _produce(self, message: "Message", result: "GroupResult", metadata: dict | None = None):
         if result.error is not None:
             self.dead_letter.divert(message, f"task cannot be explored: {result.error}")
             return None
         group = self._group(result)
+        group.metadata.update(metadata or {})
         try:
             return self.sink.send_record(self.topics.experiences, group, key=group.group_id)
         except RecordTooLarge as e:
@@ -397,11 +499,17 @@ class Explorer:
         offsets: dict[str, int] = {}
         for m in messages:
             offsets[m.position] = max(offsets.get(m.position, 0), m.offset + 1)
+        self._commit_offsets(offsets)
+
+    def _commit_offsets(self, offsets: dict[str, int]) -> bool:
+        """Commit `offsets` (position -> next offset); False (logged) when the broker refused."""
         try:
             self.tasks.commit(offsets)
         except Exception as e:  # a rebalance took the partitions: another explorer re-explores them
             log.warning("committing task offsets %s failed (%s: %s); those tasks will be explored again "
                         "and their duplicate groups dropped by group id", offsets, type(e).__name__, e)
+            return False
+        return True
 
     def close(self, reason: str) -> None:
         self._heartbeat_stop.set()
