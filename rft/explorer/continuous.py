@@ -19,11 +19,11 @@ import itertools
 from typing import TYPE_CHECKING, Any
 
 from rft.explorer.engine import EngineError
+from rft.workflows import GroupResult
 
 if TYPE_CHECKING:
     from rft.explorer.engine import Engine
     from rft.schema import TaskRecord
-    from rft.workflows import GroupResult
 
 
 @dataclasses.dataclass
@@ -61,8 +61,6 @@ class Continuous:
 
     def submit(self, task: "TaskRecord", source: Any) -> Finished | None:
         """Start `task`; None once it is in the engine, or its finished (error) result when it cannot be explored."""
-        from rft.workflows import GroupResult
-
         prompt = self.workflow.prepare(task, self.engine)
         version = self.engine.weights_version
         if isinstance(prompt, str):
