@@ -13,7 +13,8 @@ Invariants:
   HF's processed scores. At temperature 1 and top-p 1 this is the model's own log-softmax.
 - `weights_version` is the version of the weights the engine holds; every completion carries the
   oldest version that generated any of its tokens. Reloads happen between `generate` calls, never
-  during one, so within one call all completions carry the same version.
+  during one, so within one call all completions carry the same version; with continuous submission
+  (`submit` / `step`) only while no submitted request is unfinished.
 - After a reload the prefix cache is reset: no KV computed with old weights is reused.
 - A completion ends at the first of `stop_token_ids` (kept as its last token, finish reason "stop") or after
   `max_tokens`. With `model.chat_template: true` those are the EOS and the template's end-of-turn token
