@@ -46,8 +46,8 @@ fresh group (`tasks_group` on the control topic) when that did not help (the rul
 This module holds the loop (`Explorer`) and the CLI (`main`, `run_one`, which compose the explorer from the
 root config); `--replicas` supervision is rft/explorer/replicas.py, admission rft/explorer/admission.py.
 
-Shutdown: SIGTERM or Ctrl-C finishes the batch in progress (continuous: the tasks in flight; produce, ack, commit), sends
-explorer_leave and leaves the consumer group; a second signal aborts at once.
+Shutdown: SIGTERM or Ctrl-C finishes the batch in progress (continuous: the tasks in flight; produce, ack,
+commit), sends explorer_leave and leaves the consumer group; a second signal aborts at once.
 """
 from __future__ import annotations
 
@@ -94,6 +94,7 @@ log = logging.getLogger("rft.explorer")
 POLL_S = 0.5  # longest wait for tasks in one poll
 IDLE_SLEEP_S = 0.2  # pause when admission lets nothing start
 WEIGHTS_CHECK_S = 0.5  # continuous: how often it looks for a newer weights version while generating
+TOPUP_S = 0.02  # continuous: while requests are in flight, poll for tasks to fill free slots at most this often
 MEMBERSHIP_CHECK_S = 1.0  # continuous: how often the membership watchdog runs while generating
 ADMISSION_WAIT_S = 2.0  # longest wait for news when admission lets nothing start (it wakes on a control message)
 
@@ -273,7 +274,7 @@ class Explorer:
                              "explorer takes part in between batches); use sync.method pull")
         scheduler, offsets = Continuous(self.engine, self.workflow, self.config.max_inflight), Offsets()
         self.reloads: list[tuple[int, int]] = []  # (version, tasks in flight when it was loaded): always 0
-        draining, weights_due, membership_due = False, 0.0, 0.0
+        draining, weights_due, membership_due, topup_due = False, 0.0, 0.0, 0.0
         last_work = last_export = time.monotonic()
         while not (stop.is_set() and not scheduler.inflight):
             now = time.monotonic()
@@ -289,7 +290,8 @@ class Explorer:
                              len(scheduler.inflight))
                 draining = False
             started = time.monotonic()
-            if not draining and not stop.is_set() and scheduler.free():
+            if not draining and not stop.is_set() and scheduler.free() and (not scheduler.inflight or now >= topup_due):
+                topup_due = now + TOPUP_S
                 if self._start_tasks(scheduler, offsets, block=not scheduler.inflight):
                     last_work = time.monotonic()
             finished = scheduler.step()
