@@ -118,7 +118,8 @@ def bench_continuous(model_dir: str, count: int, *, seed: int, n: int, max_token
     """One vLLM engine, the same tasks three ways: offline `generate` of all prompts in one call (the limit), the
     continuous explorer's submission (rft/explorer/continuous.py `Continuous`: up to `max_inflight` tasks in the
     engine, each group scored when its n samples are done), and the batch loop's `workflow.explore` on batches of
-    `tasks_per_batch`. Tokens are response tokens kept (through EOS); the sides take turns, each side's best repeat."""
+    `tasks_per_batch`. Tokens are response tokens kept (through EOS); the sides take turns, each side's best repeat;
+    `paired_ratios`: each round's tokens/s over offline's in the same round (steadier on a shared machine)."""
     from rft.config import ExplorerConfig, ModelConfig
     from rft.explorer.continuous import Continuous
     from rft.explorer.engine import VLLMEngine
@@ -168,7 +169,9 @@ def bench_continuous(model_dir: str, count: int, *, seed: int, n: int, max_token
     limit = timed["offline"]["tokens_per_s"]
     for name, r in timed.items():
         got = sorted(lengths[name])
-        r.update(ratio=r["tokens_per_s"] / limit, sequences=len(got), mean_len=sum(got) / len(got),
+        paired = sorted(a / b for a, b in zip(r["repeat_tokens_per_s"], timed["offline"]["repeat_tokens_per_s"]))
+        r.update(ratio=r["tokens_per_s"] / limit, paired_ratios=[round(x, 3) for x in paired],
+                 median_paired_ratio=paired[len(paired) // 2], sequences=len(got), mean_len=sum(got) / len(got),
                  median_len=got[len(got) // 2], max_len=got[-1], min_len=got[0])
     return {**timed, "engine_start_s": start_s, "in_process": engine.in_process, "max_inflight": max_inflight,
             "tasks_per_batch": tasks_per_batch}
@@ -181,7 +184,7 @@ def _print_continuous(result: dict, args) -> None:
     for name in ("offline", "continuous", "batch"):
         r = result[name]
         print(f"  {name:<11} {r['tokens']:>7} tokens  {r['seconds']:7.2f} s  {r['tokens_per_s']:8.0f} tokens/s  "
-              f"{r['ratio']:.2f} of offline  (response length min/median/mean/max {r['min_len']}/{r['median_len']}/"
+              f"{r['ratio']:.2f} of offline (same-round median {r['median_paired_ratio']:.2f})  (response length min/median/mean/max {r['min_len']}/{r['median_len']}/"
               f"{r['mean_len']:.1f}/{r['max_len']})")
     print(f"  (vLLM engine start {result['engine_start_s']:.1f} s, not timed; "
           f"{'in-process' if result['in_process'] else 'separate'} engine core)")
