@@ -87,7 +87,7 @@ class ExplorerConfig:
     max_tokens: int = 32
     tasks_per_batch: int = 8
     continuous: bool = False  # vllm engine, single_turn: submit tasks as engine slots free up and produce each group when its n samples are done (rft/explorer/continuous.py); false: batches of tasks_per_batch
-    max_inflight: int = 64  # continuous: most tasks (groups of n_samples sequences) in the engine at once
+    max_inflight: int = 64  # continuous: the engine holds at most max_inflight x n_samples unfinished sequences (tasks' worth)
     workflow: str = "single_turn"  # registered name (single_turn, multi_turn, tool_agent) or package.module:Class
     reward: str = "exact_match"  # registered name, `weighted` (uses reward_weights) or package.module:function
     reward_weights: dict[str, float] = field(default_factory=dict)  # reward name -> weight, for reward: weighted

@@ -43,7 +43,8 @@ class Finished:
 
 
 class Continuous:
-    """Up to `max_inflight` tasks in `engine` at once, each one request of the workflow's `sampling`. Not
+    """Up to `max_inflight` tasks' worth of sequences in `engine` at once, each task one request of the workflow's
+    `sampling`. Not
     thread-safe; the engine must have the streaming methods (`submit`, `step`: VLLMEngine)."""
 
     def __init__(self, engine: "Engine", workflow: Any, max_inflight: int):
@@ -56,8 +57,14 @@ class Continuous:
         self._ids = itertools.count()
 
     def free(self) -> int:
-        """Tasks that may be submitted now."""
-        return max(0, self.max_inflight - len(self.inflight))
+        """Tasks that may be submitted now: the engine holds at most `max_inflight` x n unfinished sequences, so the
+        slots of a group's samples that finished early are refilled before the group's last sample is done (an
+        engine without `unfinished()` counts tasks)."""
+        unfinished = getattr(self.engine, "unfinished", None)
+        if unfinished is None:
+            return max(0, self.max_inflight - len(self.inflight))
+        n = max(1, getattr(self.workflow.sampling, "n", 1))
+        return max(0, (self.max_inflight * n - unfinished()) // n)
 
     def submit(self, task: "TaskRecord", source: Any) -> Finished | None:
         """Start `task`; None once it is in the engine, or its finished (error) result when it cannot be explored."""
