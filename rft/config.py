@@ -86,6 +86,8 @@ class ExplorerConfig:
     top_p: float = 1.0
     max_tokens: int = 32
     tasks_per_batch: int = 8
+    continuous: bool = False  # vllm engine, single_turn: submit tasks as engine slots free up and produce each group when its n samples are done (rft/explorer/continuous.py); false: batches of tasks_per_batch
+    max_inflight: int = 64  # continuous: the engine holds at most max_inflight x n_samples unfinished sequences (tasks' worth)
     workflow: str = "single_turn"  # registered name (single_turn, multi_turn, tool_agent) or package.module:Class
     reward: str = "exact_match"  # registered name, `weighted` (uses reward_weights) or package.module:function
     reward_weights: dict[str, float] = field(default_factory=dict)  # reward name -> weight, for reward: weighted
@@ -124,6 +126,11 @@ class ExplorerConfig:
             raise ConfigError(f"explorer.heartbeat_s: must be > 0, got {self.heartbeat_s}")
         if self.exit_when_idle_s < 0:
             raise ConfigError(f"explorer.exit_when_idle_s: must be >= 0 (0: never), got {self.exit_when_idle_s}")
+        if self.max_inflight < 1:
+            raise ConfigError(f"explorer.max_inflight: must be >= 1, got {self.max_inflight}")
+        if self.continuous and self.engine != "vllm":
+            raise ConfigError(f"explorer.continuous: needs explorer.engine vllm (its engine-level request API), "
+                              f"got {self.engine}")
         if self.max_batch_s <= 0:
             raise ConfigError(f"explorer.max_batch_s: must be > 0, got {self.max_batch_s}")
         if self.unassigned_rejoin_s < 0:
@@ -602,6 +609,8 @@ def check_semantics(cfg: Config, source: str) -> None:
             "sync.method", "push needs a fixed fleet: set explorer.replicas to the number of explorers")
     require(cfg.sync.push_transport != "vllm" or cfg.explorer.engine == "vllm", "sync.push_transport",
             f"vllm (vLLM's own weight transfer) needs explorer.engine vllm, not {cfg.explorer.engine}; use auto or rft")
+    require(not cfg.explorer.continuous or cfg.sync.method != "push", "explorer.continuous",
+            "needs sync.method pull (a push is a collective the explorer joins between batches)")
     require(not run_mode.serves or cfg.sync.method == "pull", "sync.method",
             "serve mode: `rft serve` follows the weight store (pull); push needs a fixed explorer fleet")
     require(bool(cfg.model.path), "model.path", "required: a Hugging Face model directory")

@@ -13,7 +13,8 @@ Invariants:
   HF's processed scores. At temperature 1 and top-p 1 this is the model's own log-softmax.
 - `weights_version` is the version of the weights the engine holds; every completion carries the
   oldest version that generated any of its tokens. Reloads happen between `generate` calls, never
-  during one, so within one call all completions carry the same version.
+  during one, so within one call all completions carry the same version; with continuous submission
+  (`submit` / `step`) only while no submitted request is unfinished.
 - After a reload the prefix cache is reset: no KV computed with old weights is reused.
 - A completion ends at the first of `stop_token_ids` (kept as its last token, finish reason "stop") or after
   `max_tokens`. With `model.chat_template: true` those are the EOS and the template's end-of-turn token
@@ -226,16 +227,44 @@ class VLLMEngine(_TokenizerMixin):
         self.weights_version = version
         self.llm.update_weight_version(str(version))  # vLLM stamps it on every output token span
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
+    def _params(self, sampling: SamplingSettings):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                              max_tokens=sampling.max_tokens, logprobs=0, stop_token_ids=self.stop_token_ids or None,
+                              stop=list(sampling.stop) or None, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def _generation(self, output) -> Generation:
+        return Generation(list(output.prompt_token_ids), [self._completion(c) for c in output.outputs])
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                max_tokens=sampling.max_tokens, logprobs=0,
-                                stop_token_ids=self.stop_token_ids or None, stop=list(sampling.stop) or None)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], self._params(sampling),
                                     use_tqdm=False)
-        return [Generation(list(o.prompt_token_ids), [self._completion(c) for c in o.outputs]) for o in outputs]
+        return [self._generation(o) for o in outputs]
+
+    # -- continuous submission (rft/explorer/continuous.py): requests enter and leave the running engine one by one
+    def submit(self, request_id: str, prompt: Sequence[int], sampling: SamplingSettings) -> None:
+        """Queue one prompt's `sampling.n` completions as request `request_id` (unique among unfinished requests);
+        `step()` returns them together once all n are done. Weights must not be reloaded while any is unfinished."""
+        from vllm.inputs import TokensPrompt
+
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)),
+                                        self._params(sampling))
+
+    def step(self) -> list[tuple[str, Generation]]:
+        """One engine iteration (schedule, forward, sample); the requests that finished in it as (request_id,
+        Generation), in the engine's order. Returns [] at once when nothing is unfinished."""
+        engine = self.llm.llm_engine
+        if not engine.has_unfinished_requests():
+            return []
+        return [(o.request_id, self._generation(o)) for o in engine.step() if o.finished]
+
+    def unfinished(self) -> int:
+        """Sequences (not requests: a request of n samples counts n) submitted and not yet returned by `step`."""
+        return self.llm.llm_engine.get_num_unfinished_requests()
 
     def _completion(self, c) -> Completion:
         token_ids = list(c.token_ids)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ENVIRONMENTS", "WORKFLOWS", "GroupResult", "Workflow", "WorkflowError", "available_workflows",
            "build_sample", "build_workflow", "check_workflow_config", "encode_prompt", "register_environment",
-           "register_workflow", "resolve_workflow"]
+           "register_workflow", "resolve_workflow", "streams"]
 
 
 def available_workflows() -> list[str]:
@@ -36,11 +36,22 @@ def resolve_workflow(spec: str) -> Any:
 def check_workflow_config(explorer: "ExplorerConfig") -> None:
     """Resolve `explorer.workflow` (and, for multi_turn, `explorer.environment`; for tool_agent, `explorer.tools`);
     errors start with the key."""
-    resolve_workflow(explorer.workflow)
+    cls = resolve_workflow(explorer.workflow)
+    if explorer.continuous and not streams(cls):
+        raise WorkflowError(f"explorer.continuous: workflow {explorer.workflow} has no streaming interface (prepare, "
+                            f"finish: rft/explorer/continuous.py); continuous submission supports single-turn "
+                            f"workflows ({', '.join(w for w in available_workflows() if streams(WORKFLOWS[w]))})")
     if explorer.workflow == "multi_turn":
         ENVIRONMENTS.resolve(explorer.environment, key="explorer.environment")
     if explorer.workflow == "tool_agent":
         tool_agent.build_toolbox(explorer)
+
+
+def streams(workflow: Any) -> bool:
+    """Whether a workflow (class or instance) has the streaming interface the continuous explorer drives: one engine
+    request per task, `prepare(task, engine) -> prompt ids | reason` and `finish(task, generation) -> GroupResult`,
+    with its `sampling` (rft/explorer/continuous.py)."""
+    return callable(getattr(workflow, "prepare", None)) and callable(getattr(workflow, "finish", None))
 
 
 def build_workflow(explorer: "ExplorerConfig", model: "ModelConfig", reward: "Reward") -> Workflow:

@@ -1,4 +1,5 @@
-"""single_turn: prompt -> n completions, each scored by the reward. One engine call per batch."""
+"""single_turn: prompt -> n completions, each scored by the reward. One engine call per batch (`explore`), or one
+engine request per task (`prepare` / `finish`, the continuous explorer's streaming interface)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
@@ -10,7 +11,7 @@ from rft.workflows.registry import GroupResult, build_sample, encode_prompt, reg
 
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, ModelConfig
-    from rft.explorer.engine import Engine
+    from rft.explorer.engine import Engine, Generation
     from rft.rewards import Reward
 
 
@@ -23,19 +24,26 @@ class SingleTurn:
         self.reward = reward
 
     def explore(self, tasks: Sequence[TaskRecord], engine: "Engine") -> list[GroupResult]:
-        encoded = [encode_prompt(engine, task, self.max_prompt_len, self.chat) for task in tasks]
+        encoded = [self.prepare(task, engine) for task in tasks]
         runnable = [i for i, e in enumerate(encoded) if not isinstance(e, str)]
         generations = engine.generate([encoded[i] for i in runnable], self.sampling) if runnable else []
         results = [GroupResult(task, error=e if isinstance(e, str) else None) for task, e in zip(tasks, encoded)]
         for i, generation in zip(runnable, generations):
-            completions = generation.completions
-            rewards = score_group(self.reward, [c.text for c in completions], tasks[i])
-            if isinstance(rewards, str):
-                results[i].error = rewards
-                continue
-            results[i].samples = [
-                build_sample(k, prompt=generation.prompt_token_ids, tokens=c.token_ids, logprobs=c.logprobs,
-                             loss_mask=[1] * len(c.token_ids), reward=r, finish_reason=c.finish_reason)
-                for k, (c, r) in enumerate(zip(completions, rewards))]
-            results[i].policy_version = min(c.weights_version for c in completions)
+            results[i] = self.finish(tasks[i], generation)
         return results
+
+    # -- the streaming interface of rft/explorer/continuous.py: prepare, one engine request of `sampling`, finish
+    def prepare(self, task: TaskRecord, engine: "Engine") -> list[int] | str:
+        """The task's prompt token ids, or the reason it cannot be explored."""
+        return encode_prompt(engine, task, self.max_prompt_len, self.chat)
+
+    def finish(self, task: TaskRecord, generation: "Generation") -> GroupResult:
+        """The task's group from its n completions: scored, `policy_version` the oldest completion's version."""
+        completions = generation.completions
+        rewards = score_group(self.reward, [c.text for c in completions], task)
+        if isinstance(rewards, str):
+            return GroupResult(task, error=rewards)
+        samples = [build_sample(k, prompt=generation.prompt_token_ids, tokens=c.token_ids, logprobs=c.logprobs,
+                                loss_mask=[1] * len(c.token_ids), reward=r, finish_reason=c.finish_reason)
+                   for k, (c, r) in enumerate(zip(completions, rewards))]
+        return GroupResult(task, samples=samples, policy_version=min(c.weights_version for c in completions))

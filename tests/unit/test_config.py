@@ -75,6 +75,10 @@ def test_saved_resolved_config_round_trips(tmp_path, model_dir):
     ({"sync": {"method": "push", "push_transport": "vllm"}, "explorer": {"engine": "transformers"}}, [],
      r"sync.push_transport: vllm \(vLLM's own weight transfer\) needs explorer.engine vllm, not transformers"),
     ({"sync": {"push_transport": "nccl"}}, [], r"sync.push_transport: must be one of"),
+    ({"explorer": {"continuous": True, "engine": "transformers"}}, [],
+     r"explorer.continuous: needs explorer.engine vllm \(its engine-level request API\), got transformers"),
+    ({"explorer": {"continuous": True}, "sync": {"method": "push"}}, [], r"explorer.continuous: needs sync.method pull"),
+    ({}, ["explorer.max_inflight=0"], r"explorer.max_inflight: must be >= 1, got 0"),
 ])
 def test_invalid_configs_name_file_and_key(tmp_path, model_dir, body_patch, override, expected):
     body = minimal(model_dir)

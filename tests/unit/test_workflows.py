@@ -129,6 +129,10 @@ def test_workflow_registry_and_config_errors(tiny_model):
         make_cfg(tiny_model, workflow="single")
     with pytest.raises(ConfigError, match="explorer.environment: unknown environment 'retyr'"):
         make_cfg(tiny_model, workflow="multi_turn", environment="retyr")
+    with pytest.raises(ConfigError, match=r"explorer.continuous: workflow multi_turn has no streaming interface .* "
+                                          r"supports single-turn workflows \(single_turn\)"):
+        make_cfg(tiny_model, engine="vllm", workflow="multi_turn", continuous=True)
+    assert make_cfg(tiny_model, engine="vllm", continuous=True).explorer.continuous
     cfg = make_cfg(tiny_model, workflow="rft.workflows.single_turn:SingleTurn")
     assert type(build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer))).__name__ == "SingleTurn"
 

@@ -1,0 +1,96 @@
+"""Run in a subprocess by test_explorer_continuous.py (vLLM's LLM must be built under __main__): one explorer with
+`explorer.continuous: true` on a real vLLM engine explores the run's tasks topic until idle while this script
+publishes new weights versions into the store mid-run. It records, independently of the explorer's bookkeeping:
+every engine request's weights version at submission and at completion, vLLM's own count of unfinished requests at
+each reload, every task-offset commit with the experience/dead-letter records sent before it. Prints one
+`PROBE-RESULT {json}` line.
+
+argv: CONFIG_PATH
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+
+
+def main(config_path: str) -> dict:
+    import torch
+
+    from rft.config import load_config
+    from rft.explorer.engine import build_engine
+    from rft.explorer.main import build_explorer
+    from rft.rewards import build_reward
+    from rft.weights.store import WeightStore, iter_safetensors
+    from rft.workflows import build_workflow
+
+    cfg = load_config(config_path)
+    engine = build_engine(cfg.explorer, cfg.model, seed=0)
+    out: dict = {"submitted": {}, "finished": {}, "loads": [], "commits": [], "sent": []}
+    submit, step, load = engine.submit, engine.step, engine.load_weights
+
+    def recorded_submit(request_id, prompt, sampling):
+        out["submitted"][request_id] = engine.weights_version
+        submit(request_id, prompt, sampling)
+
+    def recorded_step():
+        done = step()
+        for request_id, generation in done:
+            out["finished"][request_id] = [engine.weights_version, [c.weights_version for c in generation.completions]]
+        return done
+
+    def recorded_load(path, version):
+        out["loads"].append([version, engine.unfinished()])  # vLLM's own count of unfinished sequences
+        load(path, version)
+
+    engine.submit, engine.step, engine.load_weights = recorded_submit, recorded_step, recorded_load
+    explorer = build_explorer(cfg, explorer_id="cont", engine=engine,
+                              workflow=build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer)))
+    send = explorer.sink.send_record
+
+    def recorded_send(topic, record, *, key=None):
+        if topic in (cfg.topic("experiences"), cfg.topic("dead_letter")):
+            out["sent"].append([topic, key])
+        return send(topic, record, key=key)
+
+    explorer.sink.send_record = recorded_send
+    store = WeightStore(cfg.sync.weight_store)
+    base = dict(iter_safetensors(cfg.model.path))
+    schedule = [(4, 1), (10, 2)]  # (groups produced, version published then)
+
+    def publisher(stop: threading.Event) -> None:
+        for groups, version in schedule:
+            while explorer.stats.groups < groups and not stop.wait(0.05):
+                pass
+            if stop.is_set():
+                return
+            store.publish(version, [{k: v + 0.01 * version * torch.ones_like(v) for k, v in base.items()}],
+                          cfg.model.path)
+            out.setdefault("published_at_groups", []).append([version, explorer.stats.groups])
+
+    stop, publisher_stop = threading.Event(), threading.Event()
+    thread = threading.Thread(target=publisher, args=(publisher_stop,), daemon=True)
+    try:
+        explorer.refresh_weights()
+        explorer.join()
+        commit = explorer.tasks.commit
+
+        def recorded_commit(offsets):
+            out["commits"].append([dict(offsets), len(out["sent"])])
+            return commit(offsets)
+
+        explorer.tasks.commit = recorded_commit
+        thread.start()
+        out["reason"] = explorer.run_continuous(stop, exit_when_idle_s=4.0)
+        out["reloads"] = explorer.reloads
+        out["committed"] = explorer.tasks.committed(cfg.topic("tasks"))
+        out["stats"] = explorer._stats()
+    finally:
+        publisher_stop.set()
+        explorer.close("probe over")
+        engine.close()
+    return out
+
+
+if __name__ == "__main__":
+    print("PROBE-RESULT " + json.dumps(main(sys.argv[1])), flush=True)
