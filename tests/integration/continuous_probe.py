@@ -60,7 +60,9 @@ def main(config_path: str) -> dict:
 
     def publisher(stop: threading.Event) -> None:
         for groups, version in schedule:
-            while explorer.stats.groups < groups and not stop.wait(0.05):
+            # and only once the previous version is loaded: a loaded machine must not skip a version between reloads
+            while ((explorer.stats.groups < groups or explorer.engine.weights_version < version - 1)
+                   and not stop.wait(0.05)):
                 pass
             if stop.is_set():
                 return
