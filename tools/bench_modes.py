@@ -152,30 +152,34 @@ def weight_sync(steps: list[dict], control: Iterable) -> dict:
     return result
 
 
-def read_run(bootstrap: str, prefix: str) -> tuple[list[tuple[int, int, int]], list[tuple[float, object]]]:
-    """The run's experience groups as (timestamp ms, samples, response tokens) and its typed control messages as
-    (created_at, kind)."""
+def read_groups(bootstrap: str, prefix: str) -> list[tuple[int, int, int]]:
+    """The run's experience groups as (timestamp ms, samples, response tokens)."""
     source = connect(KafkaConfig(), bootstrap).source()
     try:
         groups = []
         for m in source.read_range(f"{prefix}.experiences", idle_timeout_s=3):
             g = decode_group(m.value, m.headers)
             groups.append((m.timestamp_ms, len(g.samples), sum(len(s.response_tokens) for s in g.samples)))
-        control = []
-        for message in control_messages(source.read_range(f"{prefix}.control", idle_timeout_s=3)):
-            kind = parse(message)
-            if kind is not None:
-                control.append((message.created_at, kind))
     finally:
         source.close()
-    return groups, control
+    return groups
+
+
+def read_control(bootstrap: str, prefix: str) -> list[tuple[float, object]]:
+    """The run's typed control messages as (created_at, kind)."""
+    source = connect(KafkaConfig(), bootstrap).source()
+    try:
+        messages = control_messages(source.read_range(f"{prefix}.control", idle_timeout_s=3))
+        return [(m.created_at, kind) for m in messages if (kind := parse(m)) is not None]
+    finally:
+        source.close()
 
 
 def stages_alone(args: argparse.Namespace, model: str, out: Path, env: dict, bootstrap: str) -> dict:
     """Generation alone, then training alone on what it generated; their rates and the bounds."""
     name = "bench-stages"
     rft_run(args, model, out, "generation alone", name, "explore", 0, env, bootstrap=bootstrap)
-    groups, _ = read_run(bootstrap, name)
+    groups = read_groups(bootstrap, name)
     gen = generation_rate(groups, first_batch=args.tasks_per_batch * args.explorers)
     train_dir = rft_run(args, model, out, "training alone", name, "train", 0, env, bootstrap=bootstrap)
     train = summarise(train_dir)
@@ -217,7 +221,7 @@ def run_mode(args: argparse.Namespace, model: str, out: Path, label: str, mode: 
     run_dir = rft_run(args, model, out, label, name, mode, k, env, bootstrap=bootstrap)
     row = {"mode": label, "wall_s": round(time.time() - started, 1), **summarise(run_dir)}
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    row.update(weight_sync(steps, read_run(bootstrap, name)[1]))
+    row.update(weight_sync(steps, read_control(bootstrap, name)))
     if bound is not None:
         row["bound"] = bound["overlapped" if mode in OVERLAPPED else "sync"]
         row["efficiency"] = row["samples_per_s"] / row["bound"]
