@@ -36,7 +36,7 @@ from rft.algorithms.chord import demonstrations_topic
 from rft.broker import KafkaEndpoint
 from rft.commandline import add_config_arguments, config_from_args
 from rft.config import Config
-from rft.demonstrations import publish_demonstrations
+from rft.demonstrations import prompt_tools, publish_demonstrations
 from rft.explorer.selectors import selector_needs_rewards
 from rft.modes import MODES, mode
 from rft.explorer.tasks import DatasetError, publish_tasks
@@ -198,7 +198,8 @@ def _publish_demonstrations(cfg: Config, topic: str) -> bool:
     records (a resumed stage, or demonstrations published beforehand). False (the error printed) when the dataset is
     not usable."""
     try:
-        count = publish_demonstrations(cfg.data, cfg.model, cfg.kafka, topic=topic, run_id=cfg.run.name)
+        count = publish_demonstrations(cfg.data, cfg.model, cfg.kafka, topic=topic, run_id=cfg.run.name,
+                                       tools=prompt_tools(cfg.explorer))
     except DatasetError as e:
         print(f"[rft] demonstrations: {e}", file=sys.stderr)
         return False

@@ -20,6 +20,7 @@ workflow's `explorer.max_turns` / response budget runs out.
 """
 from __future__ import annotations
 
+import collections
 import random
 import re
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 METADATA_KEY = "frozenlake"
 ACTIONS = ("left", "down", "right", "up")  # index = gymnasium's action number
+MOVES = {0: (0, -1), 1: (1, 0), 2: (0, 1), 3: (-1, 0)}  # gymnasium's action -> (d row, d column)
 _ACTION = re.compile(r"\b(left|down|right|up|[0-3])\b", re.IGNORECASE)
 DEFAULTS = {"size": 4, "is_slippery": False, "p": 0.8}
 RULES = "Frozen lake map (P you, F ice, H hole, G goal, S start; row 1 is the top):\n"
@@ -105,6 +107,29 @@ def frozenlake_row(rng: random.Random, options: dict[str, Any]) -> dict[str, Any
     spec = LakeSpec(seed=rng.randrange(2 ** 31), **check_options(options))
     return {"prompt": f"{RULES}{render(lake_map(spec), 0)}{ASK}", "answer": "",
             METADATA_KEY: {"seed": spec.seed, "size": spec.size, "is_slippery": spec.is_slippery, "p": spec.p}}
+
+
+def shortest_path(desc: list[str]) -> list[int]:
+    """The actions (gymnasium's numbers) of a shortest path from S to G over non-hole cells of the map `desc`
+    (rows, row 0 first), by BFS: the scripted expert of tools/make_demonstrations.py."""
+    n = len(desc)
+    start = next((r, c) for r in range(n) for c in range(n) if desc[r][c] == "S")
+    previous = {start: None}
+    queue = collections.deque([start])
+    while queue:
+        r, c = queue.popleft()
+        if desc[r][c] == "G":
+            actions, cell = [], (r, c)
+            while previous[cell] is not None:
+                cell, action = previous[cell]
+                actions.append(action)
+            return actions[::-1]
+        for action, (dr, dc) in MOVES.items():
+            nr, nc = r + dr, c + dc
+            if 0 <= nr < n and 0 <= nc < n and desc[nr][nc] != "H" and (nr, nc) not in previous:
+                previous[(nr, nc)] = ((r, c), action)
+                queue.append((nr, nc))
+    raise ValueError(f"the map {desc} has no path from S to G")
 
 
 @register_environment("frozenlake")

@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from rft.chat import ChatPrompt, end_of_turn_id, stop_token_ids
+from rft.chat import TOOLS_FALLBACK, ChatPrompt, encode_chat, end_of_turn_id, stop_token_ids
 from rft.config import ConfigError, DataConfig, ExplorerConfig, ModelConfig, config_from_dict
-from rft.demonstrations import demonstration_groups
+from rft.demonstrations import demonstration_groups, prompt_tools
+from rft.explorer.tasks import DatasetError
 from rft.explorer.engine import TransformersEngine
 from rft.rewards import build_reward
 from rft.schema import TaskRecord
@@ -123,6 +124,53 @@ def test_demonstrations_put_the_answer_in_the_assistant_turn(chat_model, tmp_pat
     plain = list(demonstration_groups(data, ModelConfig(path=str(chat_model)), tokenizer, run_id="r"))
     assert plain[0].samples[0].prompt_tokens.tolist() == tokenizer(PROMPT)["input_ids"]
     assert plain[0].samples[0].response_tokens.tolist()[-1] == tokenizer.eos_token_id
+
+
+def test_conversation_demonstrations_are_laid_out_as_the_workflows_lay_out_episodes(chat_model, tmp_path):
+    """A conversation answer (tools/make_demonstrations.py): prompt + response is the template's rendering of the
+    whole conversation, the prompt shows the tool_agent's tools, and only the assistant turns (with their
+    end-of-turn tokens) have loss mask 1; a malformed conversation is an error naming the row."""
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 4"}}\n</tool_call>'
+    rows = [{"prompt": "What is 3 + 4?", "answer": [{"role": "assistant", "content": call},
+                                                   {"role": "tool", "name": "calculator", "content": "7"},
+                                                   {"role": "assistant", "content": "7"}]},
+            {"prompt": "Walk to G.", "answer": [{"role": "assistant", "content": "down"},
+                                                {"role": "user", "content": "\ndown\nSF\nPG"},
+                                                {"role": "assistant", "content": "right"}]}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = DataConfig(path=str(tmp_path / "d.jsonl"), selector="sequential")
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = ModelConfig(path=str(chat_model), chat_template=True, system_prompt="S.", max_response_len=200,
+                        max_prompt_len=1000)
+    tools = prompt_tools(ExplorerConfig(workflow="tool_agent", tools=["calculator"]))
+    assert [t["function"]["name"] for t in tools] == ["calculator"]
+    assert prompt_tools(ExplorerConfig()) == ()  # single_turn shows no tools
+    groups = list(demonstration_groups(data, model, tokenizer, run_id="r", tools=tools))
+    system = "S.\n\n" + TOOLS_FALLBACK.format(tools=json.dumps(tools[0]))  # CHATML ignores tools=
+    for group, row in zip(groups, rows):
+        [sample] = group.samples
+        assert sample.prompt_tokens.tolist() == encode_chat(tokenizer, row["prompt"], ChatPrompt("S.", tools))
+        rendered = tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                                  {"role": "user", "content": row["prompt"]}, *row["answer"]],
+                                                 tokenize=False)
+        assert rendered.endswith("<|im_end|>\n")
+        whole = tokenizer(rendered[:-1], add_special_tokens=False)["input_ids"]
+        assert sample.prompt_tokens.tolist() + sample.response_tokens.tolist() == whole
+        trained = [t for t, m in zip(sample.response_tokens.tolist(), sample.loss_mask.tolist()) if m]
+        assert trained == [t for turn in row["answer"] if turn["role"] == "assistant"
+                           for t in tokenizer(turn["content"], add_special_tokens=False)["input_ids"] + [im_end]]
+        assert sample.logprobs.tolist() == [0.0] * len(sample.response_tokens)
+    for answer, match in [([{"role": "tool", "content": "7"}, {"role": "assistant", "content": "7"}],
+                           "starts and ends with an assistant turn"),
+                          ([{"role": "system", "content": "x"}], r"answer\[0\] must be"),
+                          ([{"role": "assistant", "content": 7}], r"answer\[0\] must be")]:
+        (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "p", "answer": answer}) + "\n")
+        with pytest.raises(DatasetError, match=r"bad.jsonl row 0: .*" + match):
+            list(demonstration_groups(DataConfig(path=str(tmp_path / "bad.jsonl")), model, tokenizer, run_id="r"))
+    with pytest.raises(DatasetError, match="a conversation answer needs model.chat_template: true"):
+        list(demonstration_groups(data, ModelConfig(path=str(chat_model), max_response_len=200), tokenizer,
+                                  run_id="r"))
 
 
 def test_chat_template_on_a_model_without_one_is_a_config_error(tiny_model, chat_model):

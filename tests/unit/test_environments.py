@@ -4,7 +4,6 @@ scripted play (a shortest path found by BFS on gymnasium's map, a binary search)
 metadata, the task source's options, and the multi_turn workflow on the tiny model with the reward replayed."""
 from __future__ import annotations
 
-import collections
 import dataclasses
 import random
 
@@ -18,13 +17,10 @@ from rft.rewards import build_reward
 from rft.run_config import run_config_from_dict
 from rft.schema import TaskRecord
 from rft.workflows import build_workflow
-from rft.workflows.frozenlake import FrozenLakeEnvironment, parse_action
+from rft.workflows.frozenlake import FrozenLakeEnvironment, parse_action, shortest_path
 from rft.workflows.textarena_game import TextArenaEnvironment
 from rft.workflows.toy_tasks import generate_rows, main as toy_main
 from tests.episodes import replay, split_turns
-
-MOVES = {0: (0, -1), 1: (1, 0), 2: (0, 1), 3: (-1, 0)}  # gymnasium's action -> (d row, d column)
-
 
 def task_of(row: dict, i: int = 0) -> TaskRecord:
     return TaskRecord("r", f"t{i}", 0, row["prompt"], row["answer"],
@@ -40,26 +36,6 @@ def gym_desc(spec: dict) -> list[str]:
     return ["".join(c.decode() for c in row) for row in env.unwrapped.desc]
 
 
-def shortest_path(desc: list[str]) -> list[int]:
-    """BFS from S to G over non-hole cells: the actions of a shortest path."""
-    n = len(desc)
-    start = next((r, c) for r in range(n) for c in range(n) if desc[r][c] == "S")
-    previous = {start: None}
-    queue = collections.deque([start])
-    while queue:
-        r, c = queue.popleft()
-        if desc[r][c] == "G":
-            actions, cell = [], (r, c)
-            while previous[cell] is not None:
-                cell, action = previous[cell]
-                actions.append(action)
-            return actions[::-1]
-        for action, (dr, dc) in MOVES.items():
-            nr, nc = r + dr, c + dc
-            if 0 <= nr < n and 0 <= nc < n and desc[nr][nc] != "H" and (nr, nc) not in previous:
-                previous[(nr, nc)] = ((r, c), action)
-                queue.append((nr, nc))
-    raise AssertionError("generate_random_map guarantees a path")
 
 
 @pytest.mark.parametrize("text,action", [("left", 0), ("I go DOWN now", 1), ("right, not left", 2), ("up!", 3),
