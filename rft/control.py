@@ -347,8 +347,12 @@ class ControlView:
 
     def live_explorers(self, now: float, horizon_s: float) -> int:
         """Explorers that have not left and were heard from within `horizon_s` of `now` (this process's clock)."""
-        return sum(1 for e, heard in self.heard.items()
-                   if now - heard <= horizon_s and self.explorers[e].state == "live")
+        return len(self.live_explorer_ids(now, horizon_s))
+
+    def live_explorer_ids(self, now: float, horizon_s: float) -> list[str]:
+        """The ids of `live_explorers`, sorted."""
+        return sorted(e for e, heard in self.heard.items()
+                      if now - heard <= horizon_s and self.explorers[e].state == "live")
 
     def apply_records(self, records: Iterable) -> None:
         """`apply` each control message among transport records, now."""

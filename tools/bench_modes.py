@@ -190,17 +190,21 @@ def stages_alone(args: argparse.Namespace, model: str, out: Path, env: dict, boo
 
 def simulator_stages(args: argparse.Namespace, stages: dict, sync_row: dict, model: str) -> Stages:
     """The fleet simulator's stage times (tools/simulate.py) from this invocation's measurements: a group's
-    generation time from generation alone (per explorer), the trainer step from training alone less its
-    critical-path publish, and publish / notice / reload from the sync run (where explorers wait idle for each
-    version, so notice is the announcement's latency, not a batch in flight)."""
+    generation time from generation alone (per explorer, with a core to itself: the explorers of generation alone
+    shared `cores` when there were more of them), the trainer step from training alone less its critical-path
+    publish, and publish / notice / reload from the sync run (where explorers wait idle for each version, so
+    notice is the announcement's latency, not a batch in flight). `cores`: the machine's cores over the threads
+    each part uses, the compute every part shares."""
     samples = args.samples
+    cores = (os.cpu_count() or 1) / args.threads
     copy_s = sync_row.get("copy_s") or 0.0
     step_s = args.groups * samples / stages["training"]["samples_per_s"]
     weights_gb = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) / 1e9
-    return Stages(gen_group_s=args.explorers * samples / stages["generation"]["samples_per_s"],
+    shared = args.explorers * samples / stages["generation"]["samples_per_s"]
+    return Stages(gen_group_s=shared * min(1.0, cores / args.explorers),
                   tasks_per_batch=args.tasks_per_batch, samples_per_group=samples, groups_per_step=args.groups,
                   train_s=max(step_s - copy_s, 0.0), publish_s=copy_s, notice_s=sync_row.get("notice_s") or 0.0,
-                  reload_s=sync_row.get("reload_s") or 0.0, weights_gb=weights_gb, rebalance_s=0.0)
+                  reload_s=sync_row.get("reload_s") or 0.0, weights_gb=weights_gb, rebalance_s=0.0, cores=cores)
 
 
 def add_predictions(args: argparse.Namespace, rows: list[dict], stages: Stages) -> None:

@@ -8,9 +8,11 @@ The model (deterministic, one event queue, times in seconds):
   version was announced, reload it (below) before the next batch. Refused by admission, it waits for the next
   announcement and notices it after `notice_s` (polling: half the poll interval on average; 0 when announcements
   wake it).
-- **Admission** (rft/explorer/admission.py, the AReaL bound): a fleet-wide budget of
-  `(k + v + 1) x groups_per_step - (trained + backlog + running)` groups, v the newest announced version, k
-  `max_staleness` (0 in sync, unbounded in async).
+- **Admission** (rft/explorer/admission.py, the AReaL bound, as each explorer computes it): explorer e may start
+  `share(e, (k + v + 1) x groups_per_step - (trained + backlog)) - running_e` groups, v the version it holds, k
+  `max_staleness` (0 in sync, unbounded in async), `share` the production code's split of a capacity among the
+  active explorers by rank (its reading is taken fresh at every batch). Groups other explorers are running are
+  not in that count, as in production: a fleet can start a few groups beyond the bound, which the trainer drops.
 - **Trainer**: takes `groups_per_step` groups in arrival order once that many are on the topic; a step costs
   `train_s`, then `publish_s` on its critical path (the weights handed to the writer); the version is announced
   then. A group older than k versions at its step is dropped as stale (counted), as the trainer does.
@@ -18,6 +20,11 @@ The model (deterministic, one event queue, times in seconds):
   `store_gbps` shared by the reloads in flight when it starts, capped at `client_gbps` per client).
 - **Rebalances**: every join or leave (`churn_per_min` of them, evenly spaced) pauses admission fleet-wide for
   `rebalance_s`: no member starts a batch while the group rebalances.
+- **Shared cores** (`cores`, default unbounded: every part on its own hardware, as on a GPU cluster): a batch's
+  generation and a trainer step are compute jobs; while more jobs run than there are cores, each progresses at
+  `cores / jobs` of its full speed (processor sharing). On the 2-core CPU an explorer and the trainer each take one
+  core (`rft bench modes --threads 1`), so a second explorer slows everything that overlaps it. Stage times are
+  each part's time with a core to itself.
 
 It reports what `rft bench modes` measures: samples/s over the steady state (from the end of the first tenth of
 the steps, at least step 1, to the end of the last step), the trainer's idle fraction, the active explorers' idle fraction, idle members, the staleness histogram
@@ -35,6 +42,8 @@ import sys
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from rft.explorer.admission import share
 
 MODES = {"sync": 0, "off_policy k=1": 1, "off_policy k=2": 2, "async": math.inf}
 
@@ -56,6 +65,7 @@ class Stages:
     client_gbps: float = 1.0  # one explorer's read bandwidth
     rebalance_s: float = 3.0  # admission pause of one consumer-group rebalance
     churn_per_min: float = 0.0  # joins + leaves per minute
+    cores: float = math.inf  # compute cores shared by the explorers' generation and the trainer's steps
 
     def batch_s(self, groups: int) -> float:
         return self.gen_overhead_s + groups * self.gen_group_s
@@ -101,11 +111,14 @@ class Simulation:
         self.version = 0  # newest announced
         self.loaded = [0] * self.active
         self.busy_s = [0.0] * self.active  # generating
+        self.running_at = [0] * self.active  # groups each explorer is generating
         self.waiting: set[int] = set()  # refused by admission or paused: woken by the next announcement / resume
         self.topic: deque[int] = deque()  # policy versions of the groups produced and not yet taken
-        self.running = 0
         self.trained = 0  # groups taken by the trainer (trained or dropped)
-        self.trainer_busy_until = 0.0
+        self.training = False
+        self.jobs: dict[int, list] = {}  # compute jobs: id -> [work left (s at full speed), started, kind, who, data]
+        self._jobs_at = 0.0  # when the work left was last brought up to date
+        self._jobs_due = 0  # the id of the one pending `job_done` event that is still current
         self.trainer_wait_s = 0.0
         self.trainer_waiting_since: float | None = 0.0
         self.step_ends: list[float] = []
@@ -139,31 +152,66 @@ class Simulation:
                       explorer_idle=1 - sum(self.busy_s) / (self.active * end), staleness=dict(self.staleness),
                       dropped_stale=self.dropped, seconds=end)
 
-    def _capacity(self) -> float:
-        bound = (self.k + self.version + 1) * self.s.groups_per_step
-        return bound - (self.trained + len(self.topic) + self.running)
+    # compute jobs (processor sharing over `cores`) --------------------------------------------------------------
+    def _speed(self) -> float:
+        return min(1.0, self.s.cores / len(self.jobs)) if self.jobs else 1.0
+
+    def _bring_jobs_up_to_date(self) -> None:
+        done = (self.now - self._jobs_at) * self._speed()
+        for job in self.jobs.values():
+            job[0] -= done
+        self._jobs_at = self.now
+
+    def _schedule_next_job_end(self) -> None:
+        self._jobs_due += 1
+        if self.jobs:
+            left = min(job[0] for job in self.jobs.values())
+            self._at(self.now + max(left, 0.0) / self._speed(), "job_done", data=self._jobs_due)
+
+    def _start_job(self, work: float, kind: str, who: int = -1, data: object = None) -> None:
+        self._bring_jobs_up_to_date()
+        self.jobs[self._order] = [work, self.now, kind, who, data]
+        self._order += 1
+        self._schedule_next_job_end()
+
+    def _on_job_done(self, event: _Event) -> None:
+        if event.data != self._jobs_due:  # superseded: the set of jobs changed since it was scheduled
+            return
+        self._bring_jobs_up_to_date()
+        finished = [i for i, job in self.jobs.items() if job[0] <= 1e-9]
+        ended = [self.jobs.pop(i) for i in finished]
+        self._schedule_next_job_end()
+        for _, started, kind, who, data in ended:
+            getattr(self, f"_on_{kind}")(_Event(self.now, 0, kind, who, (started, data)))
+
+    # explorers ---------------------------------------------------------------------------------------------------
+    def _capacity(self, e: int) -> float:
+        if math.isinf(self.k):
+            return self.s.tasks_per_batch
+        fleet = (self.k + self.loaded[e] + 1) * self.s.groups_per_step - (self.trained + len(self.topic))
+        return share(int(fleet), self.active, e) - self.running_at[e]
 
     def _on_admit(self, event: _Event) -> None:
         e = event.who
         if self.now < self.paused_until:
             self.waiting.add(e)
             return
-        n = min(self.s.tasks_per_batch, self._capacity())
+        n = min(self.s.tasks_per_batch, self._capacity(e))
         if n < 1:
             self.waiting.add(e)
             return
         n = int(n)
-        self.running += n
-        duration = self.s.batch_s(n)
-        self.busy_s[e] += duration
-        self._at(self.now + duration, "produced", e, (n, self.loaded[e]))
+        self.running_at[e] += n
+        self._start_job(self.s.batch_s(n), "produced", e, (n, self.loaded[e]))
 
     def _on_produced(self, event: _Event) -> None:
-        n, version = event.data
-        self.running -= n
+        started, (n, version) = event.data
+        e = event.who
+        self.busy_s[e] += self.now - started
+        self.running_at[e] -= n
         self.topic.extend([version] * n)
         self._try_step()
-        self._next_batch(event.who)
+        self._next_batch(e)
 
     def _next_batch(self, e: int) -> None:
         if self.loaded[e] < self.version:
@@ -178,8 +226,9 @@ class Simulation:
         self.loaded[event.who] = event.data
         self._next_batch(event.who)
 
+    # the trainer ---------------------------------------------------------------------------------------------------
     def _try_step(self) -> None:
-        if self.now < self.trainer_busy_until or self.trainer_waiting_since is None:
+        if self.training or self.trainer_waiting_since is None:
             return
         if len(self.topic) < self.s.groups_per_step:
             return
@@ -193,10 +242,11 @@ class Simulation:
                 self.dropped += 1
             else:
                 self.staleness[staleness] += self.s.samples_per_group
-        self.trainer_busy_until = self.now + self.s.train_s + self.s.publish_s
-        self._at(self.trainer_busy_until, "step_done")
+        self.training = True
+        self._start_job(self.s.train_s + self.s.publish_s, "step_done")
 
     def _on_step_done(self, event: _Event) -> None:
+        self.training = False
         self.step_ends.append(self.now)
         self.version += 1
         woken, self.waiting = self.waiting, set()

@@ -4,7 +4,7 @@
 groups and shared by the fleet. With B = trainer.groups_per_step and k the run mode's staleness bound
 (rft.modes), an explorer may start
 
-    capacity = ((k + version + 1) * B - accepted_fleet) // explorers - (accepted_here + running)
+    capacity = share(rank, (k + version + 1) * B - accepted_fleet) - (accepted_here + running)
 
 groups now, where
   version         the weights version this explorer generates with (`set_version`);
@@ -13,6 +13,11 @@ groups now, where
                   yet consumed by the trainer (the experiences topic's end offsets minus the trainer's consumed
                   offsets, as last announced);
   explorers       the live explorers sharing the capacity (>= 1);
+  share(rank, c)  this explorer's part of c: c // explorers, plus one more for the `c % explorers` lowest ranks
+                  (rank: its place among the live explorers' ids, sorted; one not heard from yet comes last),
+                  so the parts add up to c exactly and a fleet larger than c still starts c groups (a plain
+                  c // explorers gives every member 0 once explorers > c: in sync mode a fleet larger than
+                  groups_per_step would never start anything);
   accepted_here   groups this explorer finished (acknowledged by the broker) since that reading;
   running         groups it admitted and has not finished or given up.
 With one explorer this is AReaL's (k + version + 1) * B - (accepted + running), accepted = accepted_fleet +
@@ -22,8 +27,10 @@ Why it bounds staleness: the trainer takes B groups per step in arrival order, s
 trained in step ceil(j / B). A group admitted at version w holds one of the first (k + w + 1) * B slots, so if
 groups finish in the order they were admitted it is trained in a step s <= k + w + 1, i.e. with staleness <= k.
 A straggler overtaken by later rollouts can still exceed k; the trainer's StalenessTracker drops and counts it.
-Each of n live explorers starts at most capacity / n, so the fleet as a whole never starts more than the
-capacity.
+Each of n live explorers starts at most its share, and the shares add up to the capacity as of the reading. Groups
+other explorers are running are not in a reading, so after a member's groups land the others' next shares can count
+slots those running groups will take: a fleet of several explorers can start a few more groups than the bound per
+version, which the trainer then drops as stale (counted; `rft bench modes` shows them as `dropped_stale`).
 
 Where the reading comes from: a `FleetFeed`. In production `KafkaFleetFeed` replays the control topic into a
 ControlView (the trainer announces its version and consumed offsets after every step and, while it waits for
@@ -87,6 +94,7 @@ class FleetReading:
     trainer_version: int
     backlog: int
     explorers: int = 1
+    rank: int = 0  # this explorer's place among them (module docstring, `share`)
 
 
 class FleetFeed(Protocol):
@@ -113,7 +121,7 @@ class StalenessAdmission:
         self.groups_per_step, self.max_staleness, self.max_running = groups_per_step, max_staleness, max_running
         self.feed, self.refresh_s = feed, refresh_s
         self._state = AdmissionState(version=version, accepted=accepted, running=0)
-        self._fleet_accepted, self._explorers = accepted, 1
+        self._fleet_accepted, self._explorers, self._rank = accepted, 1, 0
         self._last_read = -float("inf")
         self._lock = threading.Lock()
 
@@ -163,10 +171,11 @@ class StalenessAdmission:
                 raise ValueError(f"set_version: version {version} is older than the current {self._state.version}")
             self._update(version=version)
 
-    def resync(self, *, trainer_version: int, backlog: int, explorers: int = 1) -> None:
+    def resync(self, *, trainer_version: int, backlog: int, explorers: int = 1, rank: int = 0) -> None:
         """Recount the fleet's accepted groups from a reading (see the module docstring)."""
         with self._lock:
-            self._resync(FleetReading(trainer_version=trainer_version, backlog=backlog, explorers=explorers))
+            self._resync(FleetReading(trainer_version=trainer_version, backlog=backlog, explorers=explorers,
+                                      rank=rank))
 
     def wait(self, timeout_s: float) -> bool:
         """Block until the feed has news (then the next `admit` reads it at once, whatever `refresh_s` says) or
@@ -196,10 +205,12 @@ class StalenessAdmission:
         return self.feed.read()
 
     def _resync(self, reading: FleetReading) -> None:
-        if reading.trainer_version < 0 or reading.backlog < 0 or reading.explorers < 1:
-            raise ValueError(f"resync: trainer_version and backlog must be >= 0 and explorers >= 1, got {reading}")
+        if (reading.trainer_version < 0 or reading.backlog < 0 or reading.explorers < 1
+                or not 0 <= reading.rank < reading.explorers):
+            raise ValueError("resync: trainer_version and backlog must be >= 0, explorers >= 1 and 0 <= rank < "
+                             f"explorers, got {reading}")
         self._fleet_accepted = reading.trainer_version * self.groups_per_step + reading.backlog
-        self._explorers = reading.explorers
+        self._explorers, self._rank = reading.explorers, reading.rank
         self._update(accepted=self._fleet_accepted)
 
     def _capacity(self) -> int:
@@ -209,7 +220,7 @@ class StalenessAdmission:
             return by_concurrency
         fleet = (self.max_staleness + s.version + 1) * self.groups_per_step - self._fleet_accepted
         here = s.accepted - self._fleet_accepted + s.running
-        return min(by_concurrency, fleet // self._explorers - here)
+        return min(by_concurrency, share(fleet, self._explorers, self._rank) - here)
 
     def _release(self, n: int, what: str) -> None:
         if not 0 <= n <= self._state.running:
@@ -220,6 +231,14 @@ class StalenessAdmission:
         self._state = dataclasses.replace(self._state, **changes)
 
 
+def share(capacity: int, explorers: int, rank: int) -> int:
+    """The part of `capacity` (may be <= 0) that the explorer of `rank` (0-based) among `explorers` may start:
+    the parts of ranks 0..explorers-1 add up to `capacity` (module docstring)."""
+    if capacity <= 0:
+        return capacity // explorers
+    return capacity // explorers + (1 if rank < capacity % explorers else 0)
+
+
 # ------------------------------------------------------------------------------------------------ the Kafka feed
 
 class KafkaFleetFeed:
@@ -227,8 +246,8 @@ class KafkaFleetFeed:
     topic's end offsets. On a transport failure the source is rebuilt and `read()` returns None."""
 
     def __init__(self, transport: Transport, *, control_topic: str, experiences_topic: str, client_id: str,
-                 live_horizon_s: float):
-        self.transport, self.client_id = transport, client_id
+                 live_horizon_s: float, explorer_id: str = ""):
+        self.transport, self.client_id, self.explorer_id = transport, client_id, explorer_id
         self.control_topic, self.experiences_topic = control_topic, experiences_topic
         self.live_horizon_s = live_horizon_s
         self.view = ControlView()
@@ -254,9 +273,11 @@ class KafkaFleetFeed:
             except Exception:
                 pass
             return None
-        explorers = self.view.live_explorers(time.time(), self.live_horizon_s)
+        live = self.view.live_explorer_ids(time.time(), self.live_horizon_s)
+        if self.explorer_id not in live:  # not heard from itself yet: counted, last
+            live.append(self.explorer_id)
         return FleetReading(trainer_version=self.view.trainer.version, backlog=self.backlog(),
-                            explorers=max(1, explorers))
+                            explorers=len(live), rank=live.index(self.explorer_id))
 
     def wait(self, timeout_s: float) -> bool:
         """Block on the control topic until a message arrives (applied to the view; True) or `timeout_s` passes
@@ -289,5 +310,5 @@ def fleet_admission(mode: str, *, max_staleness: int, groups_per_step: int, tran
     bound = staleness_bound(mode, max_staleness)
     feed = None if bound is None else KafkaFleetFeed(
         transport, control_topic=control_topic, experiences_topic=experiences_topic,
-        client_id=f"{explorer_id}-admission", live_horizon_s=3 * heartbeat_s)
+        client_id=f"{explorer_id}-admission", live_horizon_s=3 * heartbeat_s, explorer_id=explorer_id)
     return StalenessAdmission(groups_per_step=groups_per_step, max_staleness=bound, feed=feed)

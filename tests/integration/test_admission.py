@@ -44,7 +44,8 @@ def test_capacity_follows_versions_and_backlog(bootstrap, topic_prefix, tiny_mod
     sink.flush()
 
     feed = KafkaFleetFeed(connect(cfg.kafka), control_topic=cfg.topic("control"), experiences_topic=experiences,
-                          client_id="me-admission", live_horizon_s=3 * cfg.explorer.heartbeat_s)
+                          client_id="me-admission", live_horizon_s=3 * cfg.explorer.heartbeat_s,
+                          explorer_id="explorer-b")  # this explorer is one of the two (rank 1 among a, b)
     admission = StalenessAdmission.for_mode("off_policy", max_staleness=1, groups_per_step=4, feed=feed, refresh_s=0.0)
     # (the version never goes back, so the explorer one version behind is checked first)
     admission.set_version(1)
@@ -59,6 +60,13 @@ def test_capacity_follows_versions_and_backlog(bootstrap, topic_prefix, tiny_mod
     assert feed.backlog() == 2  # 10 produced, 8 consumed
     assert admission.fleet_capacity() == (1 + 2 + 1) * 4 - (2 * 4 + 2)  # = 6
     assert admission.admit(10) == 3  # two live explorers share 6
+    reading = feed.read()
+    assert (reading.explorers, reading.rank) == (2, 1)
+    alone = KafkaFleetFeed(connect(cfg.kafka), control_topic=cfg.topic("control"), experiences_topic=experiences,
+                           client_id="new-admission", live_horizon_s=15, explorer_id="explorer-c")
+    reading = alone.read()  # not heard from yet: counted, last
+    assert (reading.explorers, reading.rank) == (3, 2)
+    alone.close()
 
     admission.refresh_s = 3600  # no new read of the topic's end: own admissions count meanwhile
     admission.fail(3)  # (the 3 admitted above were given up: their slots are free again)

@@ -70,3 +70,29 @@ def test_the_command_line_rejects_an_unknown_stage_field(capsys):
     assert "unknown stage field(s) train_seconds" in capsys.readouterr().err
     assert main(["--explorers", "1", "--modes", "sync", "--steps", "3", "--json"]) == 0
     assert '"efficiency"' in capsys.readouterr().out
+
+
+def test_shared_cores_slow_every_job_that_overlaps():
+    """Processor sharing: in async mode one explorer never idles, so on one core the trainer's every step runs
+    at half speed (known answer 2 x train_s per step); on two cores nothing slows. A generation-bound fleet of 4
+    explorers on 2 cores generates at 2 explorers' rate."""
+    stages = dataclasses.replace(FREE, gen_group_s=0.1, train_s=4.0)
+    alone = simulate(stages, explorers=1, partitions=4, mode="async", steps=20)
+    assert alone.samples_per_s == pytest.approx(16 * 8 / 4.0, rel=0.01)
+    assert simulate(dataclasses.replace(stages, cores=2), explorers=1, partitions=4, mode="async",
+                    steps=20).samples_per_s == pytest.approx(alone.samples_per_s, rel=0.01)
+    one_core = simulate(dataclasses.replace(stages, cores=1), explorers=1, partitions=4, mode="async", steps=20)
+    assert one_core.samples_per_s == pytest.approx(16 * 8 / (2 * 4.0), rel=0.01)
+    fleet = simulate(dataclasses.replace(FREE, train_s=0.001, cores=2), explorers=4, partitions=4, mode="async",
+                     steps=20)
+    assert fleet.samples_per_s == pytest.approx(2 * 8 / 1.0, rel=0.02)
+
+
+def test_a_fleet_larger_than_a_step_still_fills_every_sync_step():
+    """8 explorers, 4 groups a step, sync: the production admission's shares give ranks 0-3 one group each (a plain
+    capacity // explorers would give every member 0), generated side by side: a step is one group's generation
+    then the training, 4 x 8 samples per (1 + 4) s."""
+    stages = dataclasses.replace(FREE, groups_per_step=4)
+    result = simulate(stages, explorers=8, partitions=8, mode="sync", steps=10)
+    assert result.samples_per_s == pytest.approx(4 * 8 / (1.0 + 4.0))
+    assert set(result.staleness) == {0} and result.dropped_stale == 0

@@ -49,6 +49,25 @@ def test_capacity_follows_the_formula_through_reserve_finish_fail_version_and_re
     assert ctrl.capacity() == 12 - 10
 
 
+def test_the_fleets_shares_add_up_to_the_capacity_even_when_it_is_smaller_than_the_fleet():
+    """Each explorer starts its share of (k + version + 1) * B - accepted_fleet: c // n, plus one for the c % n
+    lowest ranks. 8 explorers in sync mode with B = 4 start 4 groups (a plain c // n would give each 0: no step
+    would ever be filled)."""
+    for mode, k, n, expected in [("sync", 0, 8, [1, 1, 1, 1, 0, 0, 0, 0]), ("off_policy", 1, 3, [3, 3, 2]),
+                                 ("sync", 0, 2, [2, 2]), ("off_policy", 2, 5, [3, 3, 2, 2, 2])]:
+        granted = []
+        for rank in range(n):
+            ctrl = AdmissionController.for_mode(mode, max_staleness=k, groups_per_step=4)
+            ctrl.resync(trainer_version=0, backlog=0, explorers=n, rank=rank)
+            granted.append(ctrl.admit(100))
+        assert granted == expected and sum(granted) == (k + 1) * 4, (mode, n, granted)
+    ctrl = AdmissionController.for_mode("sync", max_staleness=0, groups_per_step=4)
+    ctrl.resync(trainer_version=0, backlog=6, explorers=4, rank=0)  # more produced than the version allows
+    assert ctrl.capacity() == -1 and ctrl.admit(5) == 0
+    with pytest.raises(ValueError, match="0 <= rank < explorers"):
+        ctrl.resync(trainer_version=0, backlog=0, explorers=2, rank=2)
+
+
 def test_modes_set_the_bound():
     assert [staleness_bound(m, 3) for m in ("sync", "off_policy", "async", "explore", "train", "offline")] == \
         [0, 3, None, None, None, None]
