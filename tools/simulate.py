@@ -16,12 +16,13 @@ The model (deterministic, one event queue, times in seconds):
 - **Trainer**: takes `groups_per_step` groups in arrival order once that many are on the topic; a step costs
   `train_s`, then `publish_s` on its critical path (the weights handed to the writer); the version is announced
   then. A group older than k versions at its step is dropped as stale (counted), as the trainer does.
-- **Weight pulls** contend on the store: a reload costs `reload_s` plus `weights_gb` / (the store's
-  `store_gbps` shared by the reloads in flight when it starts, capped at `client_gbps` per client).
+- **Weight pulls** contend on the store: a reload costs `weights_gb` / (the store's `store_gbps` shared by the
+  pulls in flight when it starts, capped at `client_gbps` per client), then `reload_s` of compute (the engine
+  loading them).
 - **Rebalances**: every join or leave (`churn_per_min` of them, evenly spaced) pauses admission fleet-wide for
   `rebalance_s`: no member starts a batch while the group rebalances.
 - **Shared cores** (`cores`, default unbounded: every part on its own hardware, as on a GPU cluster): a batch's
-  generation and a trainer step are compute jobs; while more jobs run than there are cores, each progresses at
+  generation, an engine reload and a trainer step are compute jobs; while more jobs run than there are cores, each progresses at
   `cores / jobs` of its full speed (processor sharing). On the 2-core CPU an explorer and the trainer each take one
   core (`rft bench modes --threads 1`), so a second explorer slows everything that overlaps it. Stage times are
   each part's time with a core to itself.
@@ -217,13 +218,18 @@ class Simulation:
         if self.loaded[e] < self.version:
             self.pulls_in_flight += 1
             bandwidth = min(self.s.client_gbps, self.s.store_gbps / self.pulls_in_flight)
-            self._at(self.now + self.s.reload_s + self.s.weights_gb / bandwidth, "reloaded", e, self.version)
+            self._at(self.now + self.s.weights_gb / bandwidth, "pulled", e, self.version)
         else:
             self._at(self.now, "admit", e)
 
-    def _on_reloaded(self, event: _Event) -> None:
+    def _on_pulled(self, event: _Event) -> None:
+        """The version's bytes are here; loading them into the engine is compute (`reload_s`)."""
         self.pulls_in_flight -= 1
-        self.loaded[event.who] = event.data
+        self._start_job(self.s.reload_s, "reloaded", event.who, event.data)
+
+    def _on_reloaded(self, event: _Event) -> None:
+        _, version = event.data
+        self.loaded[event.who] = version
         self._next_batch(event.who)
 
     # the trainer ---------------------------------------------------------------------------------------------------
