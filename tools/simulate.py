@@ -172,6 +172,9 @@ class Simulation:
             self._at(self.now + max(left, 0.0) / self._speed(), "job_done", data=self._jobs_due)
 
     def _start_job(self, work: float, kind: str, who: int = -1, data: object = None) -> None:
+        if math.isinf(self.s.cores):  # nothing is shared: the job ends `work` from now (and the big fleets run fast)
+            self._at(self.now + work, kind, who, (self.now, data))
+            return
         self._bring_jobs_up_to_date()
         self._order += 1
         self.jobs[self._order] = (self.now, kind, who, data)
