@@ -117,8 +117,10 @@ class Simulation:
         self.topic: deque[int] = deque()  # policy versions of the groups produced and not yet taken
         self.trained = 0  # groups taken by the trainer (trained or dropped)
         self.training = False
-        self.jobs: dict[int, list] = {}  # compute jobs: id -> [work left (s at full speed), started, kind, who, data]
-        self._jobs_at = 0.0  # when the work left was last brought up to date
+        self.jobs: dict[int, tuple] = {}  # compute jobs running: id -> (started, kind, who, data)
+        self._job_ends: list[tuple[float, int]] = []  # heap of (the service at which a job ends, id)
+        self._service = 0.0  # seconds of full-speed work each running job has received since the start
+        self._jobs_at = 0.0  # when `_service` was last brought up to date
         self._jobs_due = 0  # the id of the one pending `job_done` event that is still current
         self.trainer_wait_s = 0.0
         self.trainer_waiting_since: float | None = 0.0
@@ -154,35 +156,40 @@ class Simulation:
                       dropped_stale=self.dropped, seconds=end)
 
     # compute jobs (processor sharing over `cores`) --------------------------------------------------------------
+    # Every job runs at the same speed, so one counter, the service each job has received since the start
+    # (`_service`), tells them all apart: a job ends when the counter reaches its start value plus its work.
     def _speed(self) -> float:
         return min(1.0, self.s.cores / len(self.jobs)) if self.jobs else 1.0
 
     def _bring_jobs_up_to_date(self) -> None:
-        done = (self.now - self._jobs_at) * self._speed()
-        for job in self.jobs.values():
-            job[0] -= done
+        self._service += (self.now - self._jobs_at) * self._speed()
         self._jobs_at = self.now
 
     def _schedule_next_job_end(self) -> None:
         self._jobs_due += 1
         if self.jobs:
-            left = min(job[0] for job in self.jobs.values())
+            left = self._job_ends[0][0] - self._service
             self._at(self.now + max(left, 0.0) / self._speed(), "job_done", data=self._jobs_due)
 
     def _start_job(self, work: float, kind: str, who: int = -1, data: object = None) -> None:
+        if math.isinf(self.s.cores):  # nothing is shared: the job ends `work` from now (and the big fleets run fast)
+            self._at(self.now + work, kind, who, (self.now, data))
+            return
         self._bring_jobs_up_to_date()
-        self.jobs[self._order] = [work, self.now, kind, who, data]
         self._order += 1
+        self.jobs[self._order] = (self.now, kind, who, data)
+        heapq.heappush(self._job_ends, (self._service + work, self._order))
         self._schedule_next_job_end()
 
     def _on_job_done(self, event: _Event) -> None:
         if event.data != self._jobs_due:  # superseded: the set of jobs changed since it was scheduled
             return
         self._bring_jobs_up_to_date()
-        finished = [i for i, job in self.jobs.items() if job[0] <= 1e-9]
-        ended = [self.jobs.pop(i) for i in finished]
+        ended = []
+        while self._job_ends and self._job_ends[0][0] <= self._service + 1e-9:
+            ended.append(self.jobs.pop(heapq.heappop(self._job_ends)[1]))
         self._schedule_next_job_end()
-        for _, started, kind, who, data in ended:
+        for started, kind, who, data in ended:
             getattr(self, f"_on_{kind}")(_Event(self.now, 0, kind, who, (started, data)))
 
     # explorers ---------------------------------------------------------------------------------------------------

@@ -301,11 +301,16 @@ class KafkaSource(SourceBase):
                         and not probe.poll(timeout_ms=50):
                     break
             return {tp: o + 1 for tp, o in last.items()}
+        except (KafkaTimeoutError, StuckClientError) as e:  # as every other call here: the caller's to retry
+            raise TransportError(f"end_offsets (reading the last batch): {e}") from None
         finally:
             probe.assign([])
 
     def beginning_offsets(self, topic: str) -> dict[str, int]:
-        starts = self._consumer.beginning_offsets(self._partitions(topic))
+        try:
+            starts = self._consumer.beginning_offsets(self._partitions(topic))
+        except (KafkaTimeoutError, StuckClientError) as e:
+            raise TransportError(f"beginning_offsets({topic!r}): {e}") from None
         return {_key(tp): o for tp, o in starts.items()}
 
     def offsets_for_time(self, topic: str, timestamp_ms: int) -> dict[str, int]:

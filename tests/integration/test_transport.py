@@ -230,6 +230,32 @@ def test_dead_letter_routing(bootstrap, kafka_cfg, topic_prefix):
         assert [x for x in m.headers if x[0] not in (HEADER_ERROR, HEADER_ORIGIN)] == h
 
 
+def test_a_wedged_client_call_in_end_offsets_is_a_transport_error(bootstrap, kafka_cfg, topic_prefix):
+    """kafka-python's hang (dpkp/kafka-python#3121, or a call starved on an overloaded machine) surfaces as
+    StuckClientError; end_offsets' probe of the last batch must turn it into TransportError like every other call,
+    which callers (admission, the stall watch) catch and retry. The wedge cannot be produced on demand, so the
+    probe consumer's poll is replaced by one that raises it (the only fake here; the broker and topic are real)."""
+    from rft.transport import TransportError
+    from rft.transport.kafka import StuckClientError
+
+    topic = new_topic(kafka_cfg, bootstrap, f"{topic_prefix}.wedged", partitions=1)
+    produce_groups(kafka_cfg, bootstrap, topic, [make_group(topic_prefix, 0)])
+    source = connect(kafka_cfg, bootstrap).source()
+    try:
+        assert source.end_offsets(topic) == {f"{topic}:0": 1}  # the probe consumer exists now
+
+        def wedged(*args, **kwargs):
+            raise StuckClientError("kafka-python call wait_for did not complete in 2.0 s (dpkp/kafka-python#3121)")
+
+        source._probe.poll = wedged
+        with pytest.raises(TransportError, match=r"end_offsets \(reading the last batch\): kafka-python call"):
+            source.end_offsets(topic)
+        del source._probe.poll
+        assert source.end_offsets(topic) == {f"{topic}:0": 1}  # usable again: the caller's retry works
+    finally:
+        source.close()
+
+
 def test_oversized_record_is_refused_before_sending(bootstrap, topic_prefix):
     cfg = KafkaConfig(partitions=1, max_record_bytes=50_000)
     topic = new_topic(cfg, bootstrap, f"{topic_prefix}.experiences")
