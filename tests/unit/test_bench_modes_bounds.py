@@ -58,16 +58,22 @@ def test_weight_sync_without_reloads_reports_none():
     assert sync["weight_sync_s"] is None and sync["versions"] == 0
 
 
-def test_simulator_stages_come_from_the_measurements(tmp_path):
+def test_simulator_stages_come_from_the_measurements(tmp_path, monkeypatch):
     import argparse
 
+    import tools.bench_modes
     from tools.bench_modes import simulator_stages
+    monkeypatch.setattr(tools.bench_modes.os, "cpu_count", lambda: 2)  # this machine's shape, wherever it runs
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 2_000_000)
-    args = argparse.Namespace(samples=8, groups=4, tasks_per_batch=4, explorers=2)
+    args = argparse.Namespace(samples=8, groups=4, tasks_per_batch=4, explorers=2, threads=1)
     stages = {"generation": {"samples_per_s": 4.0}, "training": {"samples_per_s": 2.0}}
     sync_row = {"copy_s": 1.0, "notice_s": 0.3, "reload_s": 1.2}
     s = simulator_stages(args, stages, sync_row, str(tmp_path))
-    assert s.gen_group_s == 2 * 8 / 4.0  # the fleet's rate shared by 2 explorers
+    assert s.gen_group_s == 2 * 8 / 4.0 and s.cores == 2.0  # the fleet's rate shared by 2 explorers, a core each
+    three = simulator_stages(argparse.Namespace(**{**vars(args), "explorers": 3}), stages, sync_row, str(tmp_path))
+    assert three.gen_group_s == 3 * 8 / 4.0 * 2 / 3  # 3 explorers shared 2 cores: each alone is 3/2 as fast
+    assert simulator_stages(argparse.Namespace(**{**vars(args), "threads": 2}), stages, sync_row,
+                            str(tmp_path)).cores == 1.0
     assert s.train_s == 4 * 8 / 2.0 - 1.0 and s.publish_s == 1.0  # the step as measured alone, publish apart
     assert (s.notice_s, s.reload_s, s.weights_gb) == (0.3, 1.2, 0.002)
     assert (s.tasks_per_batch, s.samples_per_group, s.groups_per_step) == (4, 8, 4)
