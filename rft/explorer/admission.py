@@ -4,7 +4,7 @@
 groups and shared by the fleet. With B = trainer.groups_per_step and k the run mode's staleness bound
 (rft.modes), an explorer may start
 
-    capacity = share(rank, (k + version + 1) * B - accepted_fleet) - (accepted_here + running)
+    capacity = share((k + version + 1) * B - accepted_fleet) - (accepted_here + running)
 
 groups now, where
   version         the weights version this explorer generates with (`set_version`);
@@ -13,7 +13,7 @@ groups now, where
                   yet consumed by the trainer (the experiences topic's end offsets minus the trainer's consumed
                   offsets, as last announced);
   explorers       the live explorers sharing the capacity (>= 1);
-  share(rank, c)  this explorer's part of c: c // explorers, plus one more for the `c % explorers` lowest ranks
+  share(c)        this explorer's part of c: c // explorers, plus one more for the `c % explorers` lowest ranks
                   (rank: its place among the live explorers' ids, sorted; one not heard from yet comes last),
                   so the parts add up to c exactly and a fleet larger than c still starts c groups (a plain
                   c // explorers gives every member 0 once explorers > c: in sync mode a fleet larger than

@@ -178,9 +178,11 @@ class Explorer:
         return dataclasses.asdict(self.stats)
 
     # -- weights
-    def refresh_weights(self) -> None:
+    def refresh_weights(self) -> bool:
         """Take part in pushed versions (push path), then reload in place if a newer version is in the store (pull
-        path, see `load_newest_weights`); raises if the engine cannot be brought up to date."""
+        path, see `load_newest_weights`); raises if the engine cannot be brought up to date. False while the
+        engine must not generate: a push failed part-way and no whole version has been loaded since
+        (`PushMembership.engine_whole`)."""
         if self.push is not None:
             for version in self.push.sync():
                 log.info("loaded weights version %d (pushed)", version)
@@ -192,6 +194,9 @@ class Explorer:
         self.stats.weights_refused = self.weights.refused
         if loaded is not None:
             self._loaded(*loaded)
+            if self.push is not None:
+                self.push.loaded()
+        return self.push is None or self.push.engine_whole
 
     def _loaded(self, version: int, seconds: float | None) -> None:
         self.announce(ExplorerWeights(explorer_id=self.explorer_id, version=version, seconds=seconds))
@@ -230,7 +235,9 @@ class Explorer:
             return self.run_continuous(stop, exit_when_idle_s=exit_when_idle_s)
         last_work = time.monotonic()
         while not stop.is_set():
-            self.refresh_weights()
+            if not self.refresh_weights():  # a failed push left the engine part-loaded: wait for a whole version
+                stop.wait(POLL_S)
+                continue
             handled = self.run_batch()
             self.watch_membership()
             if handled:

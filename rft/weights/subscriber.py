@@ -164,6 +164,10 @@ class PushMembership:
         self.group_id: str | None = None
         self.received = 0  # versions received in the current group
         self.given_up: set[str] = set()  # groups this explorer left or could not join
+        # False after a receive failed part-way: the engine may hold part of that version (vLLM's layer-wise
+        # reload leaves the layers it had not reached on the meta device), so it must not generate until a whole
+        # version is loaded again (`loaded`): the trainer redoes the failed version by pull, or pushes a new one
+        self.engine_whole = True
 
     def sync(self) -> list[int]:
         """Join / receive as the announcements say; returns the versions received now, in order."""
@@ -186,14 +190,21 @@ class PushMembership:
             try:
                 version = self.engine.receive_pushed_weights()
             except Exception as e:  # gloo / NCCL / vLLM errors: fall back to the pull path
-                self._leave(f"receiving version {expected} failed: {e}")
+                self.engine_whole = False
+                self._leave(f"receiving version {expected} failed: {e}; generating again once a whole version "
+                            "is loaded")
                 break
+            self.engine_whole = True
             self.received += 1
             if version != expected:
                 self._leave(f"received version {version}, the trainer announced {expected}")
                 break
             received.append(version)
         return received
+
+    def loaded(self) -> None:
+        """A whole version was loaded by pull: the engine is usable again."""
+        self.engine_whole = True
 
     def _join(self, spec: PushGroup) -> None:
         if self.group_id is not None:

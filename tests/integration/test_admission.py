@@ -64,8 +64,10 @@ def test_capacity_follows_versions_and_backlog(bootstrap, topic_prefix, tiny_mod
     assert (reading.explorers, reading.rank) == (2, 1)
     alone = KafkaFleetFeed(connect(cfg.kafka), control_topic=cfg.topic("control"), experiences_topic=experiences,
                            client_id="new-admission", live_horizon_s=15, explorer_id="explorer-c")
-    reading = alone.read()  # not heard from yet: counted, last
-    assert (reading.explorers, reading.rank) == (3, 2)
+    deadline = time.monotonic() + 20
+    while (reading := alone.read()) is None or reading.explorers < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)  # the control topic's first records may take a poll or two
+    assert (reading.explorers, reading.rank) == (3, 2)  # not heard from yet: counted, last
     alone.close()
 
     admission.refresh_s = 3600  # no new read of the topic's end: own admissions count meanwhile

@@ -219,3 +219,31 @@ def test_push_membership_joins_receives_leaves_and_joins_a_new_group(tmp_path):
     control.announce(WeightsPush(group_id="g2", version=5))
     assert membership.sync() == [5]
     assert engine.log == [("join", "g1"), ("receive", 1), ("receive", 2), ("leave",), ("join", "g2"), ("receive", 5)]
+
+
+def test_a_push_that_fails_part_way_keeps_the_engine_from_generating_until_a_whole_version_loads(tmp_path):
+    """A receive that fails after some tensors were loaded leaves vLLM's engine part-loaded (layers it had not
+    reached stay on the meta device): the membership says `engine_whole` False until a whole version arrives,
+    by a later push or by pull (`loaded()`), and the explorer does not generate meanwhile (Explorer.run).
+    The failure is an in-memory engine raising, as gloo does when a peer dies mid-broadcast."""
+    class FailingOnce(FakeEngine):
+        def receive_pushed_weights(self) -> int:
+            if self.pushed[0] == 2:
+                self.pushed.pop(0)
+                raise RuntimeError("broadcast: Connection closed by peer")
+            return super().receive_pushed_weights()
+
+    control, engine = FakeControl(), FailingOnce(pushed=[1, 2, 5])
+    membership = PushMembership(engine, WeightUpdates(WeightStore(tmp_path), control))
+    group = dict(host="h", port=1, world_size=2, backend="gloo", timeout_s=1.0)
+    control.announce(PushGroup(group_id="g1", **group))
+    control.announce(WeightsPush(group_id="g1", version=1))
+    assert membership.sync() == [1] and membership.engine_whole
+    control.announce(WeightsPush(group_id="g1", version=2))
+    assert membership.sync() == [] and membership.group_id is None and not membership.engine_whole
+    membership.loaded()  # version 2, redone by pull, was loaded
+    assert membership.engine_whole
+    membership.engine_whole = False
+    control.announce(PushGroup(group_id="g2", **group))
+    control.announce(WeightsPush(group_id="g2", version=5))
+    assert membership.sync() == [5] and membership.engine_whole  # a whole pushed version also restores it
