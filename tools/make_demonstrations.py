@@ -56,8 +56,9 @@ def frozenlake_rows(count: int, seed: int, options: dict[str, Any]) -> Iterator[
     rng = random.Random(seed)
     for i in range(count):
         row = frozenlake_row(rng, options)
-        environment = FrozenLakeEnvironment(TaskRecord(run_id="demonstrations", task_id=str(i), epoch=0, prompt=row["prompt"],
-                                                       metadata={METADATA_KEY: row[METADATA_KEY]}))
+        task = TaskRecord(run_id="demonstrations", task_id=str(i), epoch=0, prompt=row["prompt"],
+                          metadata={METADATA_KEY: row[METADATA_KEY]})
+        environment = FrozenLakeEnvironment(task)
         turns: list[dict[str, str]] = []
         for action in shortest_path(environment.rows):
             turns.append({"role": "assistant", "content": ACTIONS[action]})

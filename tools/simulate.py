@@ -22,10 +22,10 @@ The model (deterministic, one event queue, times in seconds):
 - **Rebalances**: every join or leave (`churn_per_min` of them, evenly spaced) pauses admission fleet-wide for
   `rebalance_s`: no member starts a batch while the group rebalances.
 - **Shared cores** (`cores`, default unbounded: every part on its own hardware, as on a GPU cluster): a batch's
-  generation, an engine reload and a trainer step are compute jobs; while more jobs run than there are cores, each progresses at
-  `cores / jobs` of its full speed (processor sharing). On the 2-core CPU an explorer and the trainer each take one
-  core (`rft bench modes --threads 1`), so a second explorer slows everything that overlaps it. Stage times are
-  each part's time with a core to itself.
+  generation, an engine reload and a trainer step are compute jobs; while more jobs run than there are cores,
+  each progresses at `cores / jobs` of its full speed (processor sharing). On the 2-core CPU an explorer and the
+  trainer each take one core (`rft bench modes --threads 1`), so a second explorer slows everything that overlaps
+  it. Stage times are each part's time with a core to itself.
 
 It reports what `rft bench modes` measures: samples/s over the steady state (from the end of the first tenth of
 the steps, at least step 1, to the end of the last step), the trainer's idle fraction, the active explorers' idle fraction, idle members, the staleness histogram
