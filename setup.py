@@ -31,7 +31,7 @@ setup(
     name="rft",
     version="0.1.0",
     description=__doc__,
-    packages=find_packages(include=["rft", "rft.*", "megatron_bridge", "megatron_bridge.*", "tools", "tools.*"]),
+    packages=find_packages(include=["rft", "rft.*", "megatron_bridge", "megatron_bridge.*"]),
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require={

@@ -6,7 +6,7 @@ constraints. Every error names the file and the full dotted key path (unknown ke
 and is raised as `ConfigError` before any process starts.
 
 Invariant: this module imports no other rft module but `rft.modes` (the table of run modes, itself a leaf). Names that registries resolve (rewards, workflows,
-algorithms, selectors, operators, ...) and multi-stage configs are checked one level up, by `rft.run_config`,
+algorithms, selectors, operators, ...) and multi-stage configs are checked one level up, by `rft.run.loading`,
 which every command that loads a config for a run goes through (`load_run_config`).
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ class RunConfig:
     seed: int = 0
     output_dir: str = "runs"
     max_steps: int = 10
-    share_gpus: bool = False  # one-machine runs with fewer GPUs than parts: parts share them (rft.launcher.gpu_plan)
+    share_gpus: bool = False  # one-machine runs with fewer GPUs than parts: parts share them (rft.cli.launcher.gpu_plan)
 
 
 @dataclass
@@ -297,7 +297,7 @@ class ReplayConfig:
     topic: str = ""  # empty: this run's experiences topic
     start: str = ""  # P:O[,P:O...] offsets, an ISO 8601 time, or epoch ms; empty: the topic's beginning
     end: str = ""  # exclusive, same forms; empty: the topic's end when the replay starts
-    from_data: bool = False  # first fill an empty topic with `data`'s (prompt, answer) rows as one-sample groups (SFT demonstrations, rft/demonstrations.py)
+    from_data: bool = False  # first fill an empty topic with `data`'s (prompt, answer) rows as one-sample groups (SFT demonstrations, rft/data/demonstrations.py)
 
 
 @dataclass
@@ -362,7 +362,7 @@ class ReplayBufferConfig:
 
 @dataclass
 class EvalSetConfig:
-    """One evaluation task set: where its rows come from, as in `data` (see rft/explorer/tasks.py)."""
+    """One evaluation task set: where its rows come from, as in `data` (see rft/data/tasks.py)."""
     name: str = ""  # required: metrics are eval/<name>/accuracy, eval/<name>/pass@<k>, eval/<name>/mean@<k>
     path: str = ""  # as data.path: a file, an HF dataset directory (path:split), or a toy task for format generated
     format: DataFormat = "jsonl"
@@ -405,7 +405,7 @@ class Config:
     replay_buffer: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
-    stages: list[dict[str, Any]] = field(default_factory=list)  # multi-stage run: [{name, <section>: overrides}], see rft/stages.py
+    stages: list[dict[str, Any]] = field(default_factory=list)  # multi-stage run: [{name, <section>: overrides}], see rft/run/stages.py
 
     @property
     def run_dir(self) -> Path:
@@ -432,7 +432,7 @@ _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
     """Load, interpolate, override and validate (types, ranges, cross-field; not registry names: a run loads its
-    config with `rft.run_config.load_run_config`). `overrides` are `a.b.c=value` strings (YAML values)."""
+    config with `rft.run.loading.load_run_config`). `overrides` are `a.b.c=value` strings (YAML values)."""
     source = str(path) if path else "<defaults>"
     raw: dict[str, Any] = {}
     if path:

@@ -18,7 +18,7 @@ In serve mode the experience comes from traffic: `rft serve` answers requests wi
 them, the joiner turns rewarded completions into groups (rft/serve/); `rft run` starts both beside the trainer.
 
 Admission (`explorer.admission: staleness`, rft/explorer/admission.py) waits exactly when the mode has a
-bound; the trainer drops what exceeds it (rft/staleness.py). Every other module asks this one (`MODES`,
+bound; the trainer drops what exceeds it (rft/trainer/staleness.py). Every other module asks this one (`MODES`,
 `mode()`) rather than listing mode names itself. This module imports nothing from rft.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from rft.broker import LocalBroker
+from rft.broker.local import LocalBroker
 from rft.config import KafkaConfig
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -41,5 +41,5 @@ def topic_prefix() -> str:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The default tiny Qwen2 model (GQA, tied embeddings), generated once per session."""
-    from rft.tiny_model import make_tiny_model
+    from rft.models.tiny import make_tiny_model
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2")

@@ -1,6 +1,6 @@
 """Small GGUF files written by the tests themselves, the way llama.cpp's `convert_hf_to_gguf.py` writes them.
 
-`write_gguf(hf_dir, path)` turns a tiny HF model (rft.tiny_model) into a GGUF with the metadata and tensor names
+`write_gguf(hf_dir, path)` turns a tiny HF model (rft.models.tiny) into a GGUF with the metadata and tensor names
 transformers' GGUF loader reads: `{arch}.*` hyperparameters, tensors named by gguf's own name map (`blk.N.attn_q`,
 ...), llama's q/k rows permuted as llama.cpp permutes them (transformers undoes it on load), no `output.weight`
 when the embeddings are tied, and a byte-level BPE tokenizer (`tokenizer.ggml.model = gpt2`) with its merges,
@@ -117,7 +117,7 @@ def write_gguf(hf_dir: str | Path, path: str | Path, *, tokenizer, quantize: str
 def tiny_gguf(tmp_path: Path, *, arch: str, quantize: str | None = "Q8_0", architecture: str | None = None,
               tie_word_embeddings: bool = True) -> Path:
     """A tiny seeded `arch` model written as `tmp_path/tiny-{arch}.gguf`."""
-    from rft.tiny_model import make_tiny_model
+    from rft.models.tiny import make_tiny_model
 
     tokenizer = train_tokenizer()
     hf_dir = make_tiny_model(tmp_path / f"hf-{arch}", arch=arch, vocab_size=tokenizer.get_vocab_size(),

@@ -18,8 +18,8 @@ from typing import Any
 from transformers import AutoTokenizer
 
 import trl
-from rft.chat import end_of_turn_id
-from rft.tiny_model import build_tokenizer, make_tiny_model
+from rft.text.chat import end_of_turn_id
+from rft.models.tiny import build_tokenizer, make_tiny_model
 from rft.workflows.tool_agent import ToolAgent
 
 QWEN25_TEMPLATE = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()

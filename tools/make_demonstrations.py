@@ -1,14 +1,14 @@
 """Expert demonstrations for a supervised warm start (an SFT stage before RL, README "Multi-stage runs"): JSONL rows
-`{"prompt", "answer"}` whose answer is a conversation (rft/demonstrations.py: assistant turns trained, tool and
+`{"prompt", "answer"}` whose answer is a conversation (rft/data/demonstrations.py: assistant turns trained, tool and
 user turns masked), written by playing each episode with a scripted expert through rft's own tools and
 environments, so every tool result and observation is the text the explorers will show.
 
-    python -m tools.make_demonstrations calculator OUT.jsonl [--count 200] [--seed 1000] [--options JSON]
-    python -m tools.make_demonstrations frozenlake OUT.jsonl [--count 200] [--seed 1000] [--options JSON]
+    python tools/make_demonstrations.py calculator OUT.jsonl [--count 200] [--seed 1000] [--options JSON]
+    python tools/make_demonstrations.py frozenlake OUT.jsonl [--count 200] [--seed 1000] [--options JSON]
 
 - `calculator`: reasoning-gym `basic_arithmetic` questions (`--options`: its options, default two-term 2-3 digit
   arithmetic, as configs/smollm2-tools.yaml's RL stage). The expert calls the calculator on the task's expression
-  (a `<tool_call>` block in the Hermes format rft.tools parses), gets its result from rft's calculator, and answers
+  (a `<tool_call>` block in the Hermes format rft.agent_tools parses), gets its result from rft's calculator, and answers
   reasoning-gym's answer.
 - `frozenlake`: lakes as `data.path: frozenlake` generates them (`--options`: `size`, `p`, `is_slippery`; a
   slippery lake is refused: a scripted path does not survive slips). The expert plays a shortest path (BFS over the
@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from rft.schema import TaskRecord
-from rft.tools import ToolBox, ToolLimits
+from rft.agent_tools import ToolBox, ToolLimits
 from rft.workflows.frozenlake import ACTIONS, METADATA_KEY, FrozenLakeEnvironment, frozenlake_row, shortest_path
 
 CALCULATOR_OPTIONS = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 3}
 
 
 def tool_call(name: str, arguments: dict[str, Any]) -> str:
-    """A model turn calling one tool, in the Hermes format (rft.tools.registry parses it)."""
+    """A model turn calling one tool, in the Hermes format (rft.agent_tools.registry parses it)."""
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
@@ -75,7 +75,7 @@ KINDS = {"calculator": (calculator_rows, CALCULATOR_OPTIONS), "frozenlake": (fro
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.make_demonstrations", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python tools/make_demonstrations.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kind", choices=sorted(KINDS))
     parser.add_argument("out", type=Path)

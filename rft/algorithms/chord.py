@@ -2,7 +2,7 @@
 the policy-gradient steps, with a scheduled weight.
 
 A step's rows are of two kinds: the policy's own samples (policy-gradient rows) and expert demonstrations
-(`demo_mask` 1: rows of one-sample groups from rft/demonstrations.py). With mu = mu(step),
+(`demo_mask` 1: rows of one-sample groups from rft/data/demonstrations.py). With mu = mu(step),
     loss = (1 - mu) * L_rl + mu * L_sft
 - L_rl: GRPO's loss (clipped surrogate, optional KL, off-policy correction; rft/algorithms/grpo.py) over the
   policy-gradient rows only, aggregated by `algorithm.loss_agg` with their own counts: N_rl = global_tokens -

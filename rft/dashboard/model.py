@@ -4,7 +4,7 @@ Sources, and nothing else (no database):
 - `<run dir>/metrics.jsonl`, read as it grows (`MetricsTail`): one record per line as the trainer and the evaluator
   wrote it, never merged here (the page picks from each record the keys it draws);
 - the run's control topic, followed from its beginning with rft's transport (`ControlFollower`) and folded by
-  `rft.status.RunStatus` (the fold `rft status` uses): trainer state, the fleet, joins and leaves, lags.
+  `rft.ops.status.RunStatus` (the fold `rft status` uses): trainer state, the fleet, joins and leaves, lags.
 
 The broker comes from the run's own `config.yaml` (`rft run` writes the address of the broker it started there,
 also for `kafka.bootstrap_servers: embedded`), re-read when it changes: a run restarted on a new embedded broker is
@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rft.config import Config, ConfigError, load_config
-from rft.control import ExplorerJoin, ExplorerLeave, TrainerFinished, TrainerStarted, control_messages
+from rft.transport.control import ExplorerJoin, ExplorerLeave, TrainerFinished, TrainerStarted, control_messages
 from rft.schema import ControlMessage
-from rft.status import RunStatus, explorer_rows, tasks_group_of, topic_lags
+from rft.ops.status import RunStatus, explorer_rows, tasks_group_of, topic_lags
 from rft.transport import Transport, connect
 
 LAGS_EVERY_S = 3.0  # how often the consumer lags are asked of the broker
@@ -129,11 +129,11 @@ class MetricsTail:
 
 class ControlFollower:
     """One run's control topic, followed: `step()` connects when needed, polls once and folds what it read into
-    `status` (rft.status.RunStatus). Call `step()` from one thread; read the fields under `lock`.
+    `status` (rft.ops.status.RunStatus). Call `step()` from one thread; read the fields under `lock`.
 
     - `broker`: {"state", "bootstrap", "error"} (states: module docstring);
     - `events`: fleet and trainer events in time order ({"time", "kind", "who"}, kinds of FLEET_EVENTS);
-    - `lags`: what rft.status.topic_lags said last (empty until asked);
+    - `lags`: what rft.ops.status.topic_lags said last (empty until asked);
     - `undecodable`: records that are no schema record; `status.view.malformed`: control messages that do not
       fit their kind. Both skipped.
     A (re)connection reads the topic again from its beginning into a fresh fold."""

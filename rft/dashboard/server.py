@@ -21,7 +21,7 @@ from pathlib import Path
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
-from rft.commandline import add_config_arguments, config_from_args
+from rft.run.commandline import add_config_arguments, config_from_args
 from rft.config import Config
 from rft.dashboard.model import RunIndex, RunWatch
 

@@ -4,7 +4,7 @@ reward); no trainer, no broker.
     rft eval CONFIG --checkpoint initial --checkpoint runs/NAME/final    # the named checkpoints, in order
     rft eval CONFIG --follow                                             # the versions a live run publishes
 
-Each task set's tasks are built as the task publisher builds them (rft/explorer/tasks.py); each task is sampled
+Each task set's tasks are built as the task publisher builds them (rft/data/tasks.py); each task is sampled
 `eval.n_samples` times with eval's sampling settings and scored by the set's reward (default `explorer.reward`);
 metrics are defined in rft/evaluation/metrics.py. One engine serves all checkpoints: it starts on the first and
 loads the others in place, as explorers reload weights, so they must share the architecture (a run's checkpoints
@@ -32,20 +32,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rft.commandline import add_config_arguments, config_from_args, install_stop_signals
+from rft.run.commandline import add_config_arguments, config_from_args, install_stop_signals
 from rft.config import Config, ConfigError, EvalConfig, EvalSetConfig, ExplorerConfig, ModelConfig
 from rft.evaluation.checkpoints import Checkpoint, CheckpointError, resolve_checkpoint
 from rft.evaluation.metrics import SetScores, score_tasks
-from rft.explorer.engine import build_engine
-from rft.explorer.tasks import DatasetError, TaskSet, load_rows, rows_to_tasks
-from rft.monitor import MetricsLogger
+from rft.engine import build_engine
+from rft.data.tasks import DatasetError, TaskSet, load_rows, rows_to_tasks
+from rft.run.monitor import MetricsLogger
 from rft.rewards import RewardContext, build_reward
 from rft.weights.store import WeightStore, WeightStoreError, store_root, verify_version
 from rft.weights.subscriber import load_newest_weights
 from rft.workflows import build_workflow
 
 if TYPE_CHECKING:
-    from rft.explorer.engine import Engine
+    from rft.engine import Engine
     from rft.schema import TaskRecord
     from rft.workflows import Workflow
 

@@ -53,7 +53,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
-from rft.control import ControlView
+from rft.transport.control import ControlView
 from rft.modes import staleness_bound
 from rft.transport import RecordSource, Transport, TransportError, lag
 

@@ -18,11 +18,11 @@ import dataclasses
 import itertools
 from typing import TYPE_CHECKING, Any
 
-from rft.explorer.engine import EngineError
+from rft.engine import EngineError
 from rft.workflows import GroupResult
 
 if TYPE_CHECKING:
-    from rft.explorer.engine import Engine
+    from rft.engine import Engine
     from rft.schema import TaskRecord
 
 

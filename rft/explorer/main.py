@@ -34,7 +34,7 @@ Control topic. Sent (sender = explorer id):
   explorer_leave      {explorer_id, reason, groups}
 Read (sender trainer): `weights` {version, path} (versions published to the weight store); with
 `sync.method: push`, also `push_group`, `weights_push` and `push_abandoned` (rft/weights/subscriber.py).
-The messages are the typed kinds of rft/control.py.
+The messages are the typed kinds of rft/transport/control.py.
 
 Membership (rft/explorer/membership.py): with `explorer.static_membership` the explorer joins the group as a
 static member (instance id from its explorer id); its watchdog rejoins the group when it has held no partition
@@ -63,29 +63,29 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from rft.commandline import add_config_arguments, config_from_args, install_stop_signals
+from rft.run.commandline import add_config_arguments, config_from_args, install_stop_signals
 from rft.config import Config, ExplorerConfig, KafkaConfig, SyncConfig
-from rft.control import ExplorerHeartbeat, ExplorerJoin, ExplorerLeave, ExplorerWeights, Kind, TasksGroup
+from rft.transport.control import ExplorerHeartbeat, ExplorerJoin, ExplorerLeave, ExplorerWeights, Kind, TasksGroup
 from rft.explorer.continuous import Continuous, Finished, Offsets
-from rft.explorer.engine import build_engine
+from rft.engine import build_engine
 from rft.explorer.admission import Admission, AdmitAll, fleet_admission
 from rft.explorer.membership import (UnassignedWatchdog, announced_group, describe_peers, group_name, instance_id,
                                      partition_holders, seed_group)
 from rft.explorer.replicas import run_replicas
 from rft.modes import mode
-from rft.monitor import metrics_endpoint
+from rft.run.monitor import metrics_endpoint
 from rft.schema import ExperienceGroup, decode_task
 from rft.registry import import_object
 from rft.rewards import RewardContext, build_reward
-from rft.run_topics import RunTopics
+from rft.transport.run_topics import RunTopics
 from rft.transport import DeadLetter, RecordTooLarge, Transport, TransportError, connect, lag, probe_bootstrap
 from rft.weights.store import WeightStore
 from rft.weights.subscriber import PushAllowList, PushMembership, WeightUpdates, load_newest_weights
 from rft.workflows import build_workflow
 
 if TYPE_CHECKING:
-    from rft.explorer.engine import Engine
-    from rft.monitor import MetricsEndpoint
+    from rft.engine import Engine
+    from rft.run.monitor import MetricsEndpoint
     from rft.transport import Message
     from rft.workflows import GroupResult, Workflow
 

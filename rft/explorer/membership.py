@@ -45,7 +45,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from rft.control import ControlView, TasksGroup, control_messages
+from rft.transport.control import ControlView, TasksGroup, control_messages
 from rft.transport import Transport
 
 log = logging.getLogger(__name__)

@@ -3,13 +3,13 @@
 It keeps at most `data.tasks_ahead` tasks on the tasks topic that the explorers have not yet finished (the lag of
 the explorers' consumer group, `<run>.explorers` or the group their membership watchdog moved them to: end offsets
 minus committed offsets), and picks each next task from the
-reward statistics read so far from the experiences topic (rft/explorer/selectors.py). It owns no state of its
+reward statistics read so far from the experiences topic (rft/data/selectors.py). It owns no state of its
 own: on (re)start, `restore()` counts what the tasks topic holds and reads every recorded experience, so a
 restarted publisher continues the sequence. It stops when every task set is used up, or when asked to.
 
 `rft publish CONFIG` (`main` here) runs it in the foreground (SIGTERM/Ctrl-C stop it cleanly); `rft run` starts
 that command as its `publisher` part when the selector needs it. For a selector that reads no rewards, `rft publish`
-publishes the whole sequence at once (`rft.explorer.tasks.publish_tasks`).
+publishes the whole sequence at once (`rft.data.tasks.publish_tasks`).
 """
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ import signal
 import sys
 import threading
 
-from rft.commandline import add_config_arguments, config_from_args
+from rft.run.commandline import add_config_arguments, config_from_args
 from rft.config import Config, DataConfig, ExplorerConfig, KafkaConfig
 from rft.explorer.membership import GroupFollower
-from rft.explorer.selectors import RewardStats, TaskPicker, selector_needs_rewards
-from rft.explorer.tasks import DatasetError, build_picker, ensure_tasks_topic, publish_tasks
-from rft.run_topics import RunTopics, create_run_topics
+from rft.data.selectors import RewardStats, TaskPicker, selector_needs_rewards
+from rft.data.tasks import DatasetError, build_picker, ensure_tasks_topic, publish_tasks
+from rft.transport.run_topics import RunTopics, create_run_topics
 from rft.schema import RecordError, TaskRecord, decode_group, decode_task
 from rft.transport import Transport, connect
 

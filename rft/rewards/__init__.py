@@ -1,7 +1,7 @@
 """Rewards: score a group of responses to one task (the contract is in `rft.rewards.registry`).
 
 Rewards are chosen by name from the registry (`explorer.reward`), or by import path `package.module:function`
-as an escape hatch. Names are resolved when a config is loaded for a run (`rft.run_config` calls
+as an escape hatch. Names are resolved when a config is loaded for a run (`rft.run.loading` calls
 `check_reward_config`), so a misspelt reward fails before any process starts.
 
 - Per-response rewards are plain functions `fn(response: str, task: TaskRecord) -> RewardResult | float`
@@ -19,14 +19,14 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from rft.explorer.engine import build_engine
+from rft.engine import build_engine
 from rft.rewards import countdown, judge, math_answer, reasoning_gym, text  # noqa: F401  (registers the built-ins)
 from rft.rewards.registry import (REWARDS, Reward, RewardError, RewardFn, RewardResult, checked, is_factory,
                                   register_reward, register_reward_factory)
 
 if TYPE_CHECKING:
     from rft.config import Config, ExplorerConfig, ModelConfig
-    from rft.explorer.engine import Engine
+    from rft.engine import Engine
     from rft.schema import TaskRecord
 
 __all__ = ["REWARDS", "WEIGHTED", "FunctionReward", "Reward", "RewardContext", "RewardError", "RewardFn",

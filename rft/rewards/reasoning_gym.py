@@ -1,6 +1,6 @@
 """reasoning-gym rewards: a reply scored by the reasoning-gym dataset's own `score_answer` on the task's entry.
 
-The entry is rebuilt from the task's `metadata["reasoning_gym"]` spec (rft/explorer/gym_tasks.py), validated field
+The entry is rebuilt from the task's `metadata["reasoning_gym"]` spec (rft/data/gym_tasks.py), validated field
 by field first; a task without a valid spec, or whose answer is not its entry's, raises `TaskError` (the workflow
 sends it to the dead-letter topic). Two answer-extraction conventions, one reward each:
 
@@ -17,7 +17,7 @@ Components: `extracted` (1 when an answer was found in the reply) and `correct` 
 """
 from __future__ import annotations
 
-from rft.explorer.gym_tasks import GymError, GymSpec, gym_entry
+from rft.data.gym_tasks import GymError, GymSpec, gym_entry
 from rft.rewards.registry import RewardResult, TaskError, register_reward
 from rft.rewards.text import answer_tag_content, last_number
 from rft.schema import TaskRecord

@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Callable
 
-from rft.commandline import add_config_arguments, config_from_args
+from rft.run.commandline import add_config_arguments, config_from_args
 
 
 def part_config(prog: str, description: str, argv: list[str],

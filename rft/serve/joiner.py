@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
-from rft.commandline import install_stop_signals
-from rft.monitor import metrics_endpoint
-from rft.run_topics import RunTopics
+from rft.run.commandline import install_stop_signals
+from rft.run.monitor import metrics_endpoint
+from rft.transport.run_topics import RunTopics
 from rft.serve import part_config
 from rft.schema import (ExperienceGroup, Feedback, RecordError, Sample, ServedChoice, ServedCompletion, decode,
                         decode_group)
@@ -51,7 +51,7 @@ from rft.transport import DeadLetter, connect
 
 if TYPE_CHECKING:
     from rft.config import KafkaConfig, ServeConfig
-    from rft.monitor import MetricsEndpoint
+    from rft.run.monitor import MetricsEndpoint
     from rft.transport import Transport
 
 log = logging.getLogger("rft.joiner")

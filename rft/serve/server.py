@@ -15,12 +15,12 @@ engine or the broker failed): malformed JSON or fields 400, unknown model 404, p
 (`context_length_exceeded`), feedback refused as rft/serve/ledger.py says (400/404/409/410).
 
 Contracts:
-- The engine is the explorers' (`explorer.engine` and its settings; rft/explorer/engine.py), owned by one thread
+- The engine is the explorers' (`explorer.engine` and its settings; rft/engine/), owned by one thread
   (`EngineWorker`) that generates up to `serve.max_batch` waiting requests per call and reloads the newest weights
   in place (the weight store's LATEST or a `weights` announcement, rft/weights/subscriber.py) only between calls,
   so all choices of a request come from one version. Messages are rendered as the explorers render prompts: with
   `model.chat_template: true` by the tokenizer's chat template (the whole conversation, `model.system_prompt` first
-  when set and the request has no system message; rft/chat.py), else the messages' contents joined by newlines as
+  when set and the request has no system message; rft/text/chat.py), else the messages' contents joined by newlines as
   plain text with the tokenizer's special tokens.
 - Every completion is recorded before it is answered: one `ServedCompletion` on `<prefix>.served` (key = request id,
   the response's `id`), acknowledged by the broker; a request whose record is not acknowledged gets a 503 and no
@@ -49,9 +49,9 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rft.chat import ChatError, encode_messages
-from rft.explorer.engine import SamplingSettings, build_engine
-from rft.run_topics import RunTopics
+from rft.text.chat import ChatError, encode_messages
+from rft.engine import SamplingSettings, build_engine
+from rft.transport.run_topics import RunTopics
 from rft.serve import part_config
 from rft.schema import Feedback, ServedChoice, ServedCompletion
 from rft.serve.ledger import FeedbackLedger, FeedbackRefused
@@ -61,7 +61,7 @@ from rft.weights.subscriber import WeightUpdates, load_newest_weights
 
 if TYPE_CHECKING:
     from rft.config import Config
-    from rft.explorer.engine import Engine, Generation
+    from rft.engine import Engine, Generation
     from rft.transport import RecordSink, Transport
 
 log = logging.getLogger("rft.serve")

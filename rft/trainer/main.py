@@ -40,15 +40,15 @@ import torch
 from rft.algorithms import build_algorithm
 from rft.algorithms.aggregation import with_kl_metric
 from rft.algorithms.chord import demonstrations_topic
-from rft.commandline import add_config_arguments, config_from_args, die_with_parent
+from rft.run.commandline import add_config_arguments, config_from_args, die_with_parent
 from rft.config import (AlgorithmConfig, Config, ConfigError, ModelConfig, RunConfig, SyncConfig,
                         TrainerConfig)
-from rft.control import Kind, TrainerFinished, TrainerStarted, TrainerWaiting
+from rft.transport.control import Kind, TrainerFinished, TrainerStarted, TrainerWaiting
 from rft.modes import mode, staleness
-from rft.monitor import MetricsEndpoint, MetricsLogger, metrics_endpoint
-from rft.operators import OperatorContext, build_operator_chain, split_drops
+from rft.run.monitor import MetricsEndpoint, MetricsLogger, metrics_endpoint
+from rft.experience.operators import OperatorContext, build_operator_chain, split_drops
 from rft.schema import decode_group
-from rft.staleness import StalenessTracker
+from rft.trainer.staleness import StalenessTracker
 from rft.trainer import distributed as dist_io
 from rft.trainer.batch import plan_micro_batches, preference_pair_problem, rows_from_groups
 from rft.trainer.checkpoint import CheckpointDir, TrainerState, capture_rng, restore_rng

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 
 from rft.modes import staleness
-from rft.registry import Registry
+from rft.experience.priorities import Score, resolve_priority
 from rft.schema import ExperienceGroup, RecordError, decode_group
 from rft.transport import TransportError
 
@@ -45,19 +45,6 @@ if TYPE_CHECKING:
     from rft.transport import Message, RecordSource
 
 log = logging.getLogger(__name__)
-
-Score = Callable[[ExperienceGroup], float]
-
-PRIORITIES: Registry[Score] = Registry("priority", noun="priority")
-PRIORITIES.add("reward_variance", lambda group: float(np.var(group.rewards)))
-PRIORITIES.add("uniform", lambda group: 1.0)
-
-
-def resolve_priority(name: str) -> Score:
-    """A registered priority name, or `package.module:function` (group -> score >= 0); ValueError naming
-    replay_buffer.priority if neither."""
-    return PRIORITIES.resolve(name, key="replay_buffer.priority")
-
 
 @dataclass
 class Candidate:

@@ -3,7 +3,7 @@
 Modules: `store` (versioned directories on a shared filesystem: the pull path's medium), `push` (the push path's
 process group and wire protocol), `publisher` (trainer side: `WeightPublisher` delivers each version),
 `subscriber` (explorer side: `WeightUpdates` knows the newest version, `PushMembership` takes part in the push
-group, `load_newest_weights` reloads an engine). Announcements travel on the control topic (rft.control).
+group, `load_newest_weights` reloads an engine). Announcements travel on the control topic (rft.transport.control).
 
 The publisher lives in the trainer's publishing rank (global rank 0). After each optimizer step s the trainer
 streams version s in HF layout (megatron_bridge buckets) to it, and it delivers the version by the configured

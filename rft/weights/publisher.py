@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
-from rft.control import Kind, PushAbandoned, Weights, WeightsPush
+from rft.transport.control import Kind, PushAbandoned, Weights, WeightsPush
 from rft.weights.push import PushError, PushGroupSpec, PushSender
 from rft.weights.vllm_transfer import VLLMSender
 

@@ -56,7 +56,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from rft.control import ControlError, PushGroup
+from rft.transport.control import ControlError, PushGroup
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class PushError(RuntimeError):
 
 @dataclass(frozen=True)
 class PushGroupSpec(PushGroup):
-    """What a member needs to join: it is the `push_group` control message (rft.control.PushGroup)."""
+    """What a member needs to join: it is the `push_group` control message (rft.transport.control.PushGroup)."""
 
     def to_json(self) -> dict:
         return self.body()

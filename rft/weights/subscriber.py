@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
-from rft.control import ControlView, PushGroup
+from rft.transport.control import ControlView, PushGroup
 from rft.weights.store import WeightStoreError, verify_version
 
 if TYPE_CHECKING:
     from rft.config import SyncConfig
-    from rft.explorer.engine import Engine
+    from rft.engine import Engine
     from rft.weights.store import WeightStore
 
 log = logging.getLogger(__name__)

@@ -268,7 +268,7 @@ def _free_port(host: str) -> int:
 class VLLMReceiver:
     """One vLLM engine's membership of a BACKEND push group, driven from the explorer process through the `LLM`'s
     weight-transfer entry points (its workers do the NCCL part). `llm` is a vllm.LLM built with
-    `weight_transfer_config` (rft.explorer.engine: VLLMEngine(weight_transfer=True))."""
+    `weight_transfer_config` (rft.engine: VLLMEngine(weight_transfer=True))."""
 
     def __init__(self, llm, spec: PushGroupSpec, store, *, rank_offset: int, workers: int):
         self.llm, self.spec, self.store = llm, spec, store

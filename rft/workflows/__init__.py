@@ -3,7 +3,7 @@
 
 Workflows are registered by name (`@register_workflow`) and built with `(explorer, model, reward)`; an import
 path `package.module:Class` is the escape hatch. Names are resolved when a config is loaded for a run
-(`rft.run_config` calls `check_workflow_config`). Importing this package registers the built-in workflows
+(`rft.run.loading` calls `check_workflow_config`). Importing this package registers the built-in workflows
 (single_turn, multi_turn, tool_agent) and multi_turn's environments (retry, frozenlake, textarena).
 """
 from __future__ import annotations

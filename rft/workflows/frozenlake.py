@@ -1,6 +1,6 @@
 """frozenlake: gymnasium's FrozenLake-v1 as a multi-turn environment (`explorer.environment: frozenlake`).
 
-Tasks: `data.format: generated`, `data.path: frozenlake` (rft/workflows/toy_tasks.py), `data.options` among
+Tasks: `data.format: generated`, `data.path: frozenlake` (rft/data/toy_tasks.py), `data.options` among
 `size` (board side, default 4), `is_slippery` (default false), `p` (probability a generated cell is frozen,
 default 0.8). Each task row carries its episode spec as the `frozenlake` metadata field
 `{"seed", "size", "is_slippery", "p"}`: the map is `generate_random_map(size, p, seed)` and the environment is

@@ -22,7 +22,7 @@ environments: `retry` (below), `frozenlake` (rft/workflows/frozenlake.py) and `t
 (rft/workflows/textarena_game.py).
 Observations are raw text appended after the model's turn; with `model.chat_template: true` the first prompt is
 rendered by the template, a model turn ends at its end-of-turn token, and each observation becomes the next user
-turn as the template renders it, followed by the assistant header (`rft.chat.observation_text`).
+turn as the template renders it, followed by the assistant header (`rft.text.chat.observation_text`).
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
-from rft.chat import ChatPrompt
-from rft.explorer.engine import SamplingSettings
+from rft.text.chat import ChatPrompt
+from rft.engine import SamplingSettings
 from rft.registry import Registry
 from rft.schema import TaskRecord
 from rft.rewards.registry import RewardResult, TaskError
@@ -40,7 +40,7 @@ from rft.workflows.registry import (GroupResult, WorkflowError, build_sample, en
 
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, ModelConfig
-    from rft.explorer.engine import Completion, Engine
+    from rft.engine import Completion, Engine
     from rft.rewards import Reward
 
 

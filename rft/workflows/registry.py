@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
-from rft.chat import ChatError, ChatPrompt
+from rft.text.chat import ChatError, ChatPrompt
 from rft.registry import Registry
 from rft.rewards.registry import TaskError
 from rft.schema import Sample, TaskRecord
 
 if TYPE_CHECKING:
-    from rft.explorer.engine import Engine
+    from rft.engine import Engine
     from rft.rewards.registry import Reward, RewardResult
 
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from rft.chat import ChatPrompt
-from rft.explorer.engine import SamplingSettings
+from rft.text.chat import ChatPrompt
+from rft.engine import SamplingSettings
 from rft.schema import TaskRecord
 from rft.workflows.registry import GroupResult, build_sample, encode_prompt, register_workflow, score_group
 
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, ModelConfig
-    from rft.explorer.engine import Engine, Generation
+    from rft.engine import Engine, Generation
     from rft.rewards import Reward
 
 

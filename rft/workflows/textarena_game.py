@@ -1,6 +1,6 @@
 """textarena: a single-player TextArena game as a multi-turn environment (`explorer.environment: textarena`).
 
-Tasks: `data.format: generated`, `data.path: textarena` (rft/workflows/toy_tasks.py), `data.options.env_id`
+Tasks: `data.format: generated`, `data.path: textarena` (rft/data/toy_tasks.py), `data.options.env_id`
 (default `GuessTheNumber-v0-raw`: guess a number in 1..20 within 10 turns, answering `[n]`; any single-player
 TextArena id whose game runs offline works, a `-raw` id keeps the game's own text unwrapped). Each row carries
 `{"env_id", "seed"}` as the `textarena` metadata field; every episode of a group is reset with that seed, so they

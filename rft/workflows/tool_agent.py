@@ -4,11 +4,11 @@ masked tokens; the episode is scored on the final answer.
 Episode (multi_turn's machinery, `rft.workflows.multi_turn.MultiTurn`, with tool calls as the environment):
 1. the prompt is the task's prompt rendered by the chat template with the tool schemas of `explorer.tools`
    (`apply_chat_template(messages, tools=[...])`; a template that ignores tools gets the Hermes instructions in
-   its system message, see rft/chat.py). `model.chat_template: true` is required.
+   its system message, see rft/text/chat.py). `model.chat_template: true` is required.
 2. the model's turn ends at the template's end-of-turn token. If it holds `<tool_call>` blocks (the formats
-   `rft.tools.registry` recognises), each call runs (in order) and its result, or an `error: ...` message for a
+   `rft.agent_tools.registry` recognises), each call runs (in order) and its result, or an `error: ...` message for a
    bad call, becomes a `{"role": "tool", "name", "content"}` message. The tokens the template writes for those
-   messages after the model's end-of-turn token, through the next assistant header (`rft.chat.tool_turn_text`),
+   messages after the model's end-of-turn token, through the next assistant header (`rft.text.chat.tool_turn_text`),
    are appended with loss_mask 0 and log-prob 0, and the model continues.
 3. a turn without a tool call is the final answer. So is a turn cut by the token limit (finish reason
    `length`: it has no end-of-turn token to continue after) and the turn `explorer.max_turns`; the response
@@ -20,15 +20,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from rft.chat import ChatPrompt, tool_turn_text
+from rft.text.chat import ChatPrompt, tool_turn_text
 from rft.schema import TaskRecord
-from rft.tools import ToolBox, ToolError, ToolLimits
+from rft.agent_tools import ToolBox, ToolError, ToolLimits
 from rft.workflows.multi_turn import MultiTurn, _Episode
 from rft.workflows.registry import WorkflowError, register_workflow
 
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, ModelConfig
-    from rft.explorer.engine import Engine
+    from rft.engine import Engine
     from rft.rewards import Reward
 
 

@@ -50,7 +50,7 @@ def trainer_for(cfg, transport):
 
 
 def filled_transport(cfg):
-    from rft.run_topics import RunTopics, create_run_topics
+    from rft.transport.run_topics import RunTopics, create_run_topics
     from rft.transport.memory import MemoryTransport
     from tests.records import make_group, send_groups
 

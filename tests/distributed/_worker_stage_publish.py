@@ -20,8 +20,8 @@ from megatron_bridge import parallel
 from megatron_bridge.model import unwrap
 from megatron_bridge.policy import MegatronPolicy
 from rft.config import config_from_dict
-from rft.control import Weights, control_messages, parse
-from rft.run_topics import RunTopics, create_run_topics
+from rft.transport.control import Weights, control_messages, parse
+from rft.transport.run_topics import RunTopics, create_run_topics
 from rft.trainer import distributed as dist_io
 from rft.trainer.main import Trainer, open_trainer_io
 from rft.transport.memory import MemoryTransport

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rft.tiny_model import make_tiny_model
+from rft.models.tiny import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _worker_policy as cases  # noqa: E402

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rft.tiny_model import make_tiny_model
+from rft.models.tiny import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import HERE, REPO, assert_succeeded, torchrun  # noqa: E402

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from rft.tiny_model import make_tiny_model
+from rft.models.tiny import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import run_worker_on  # noqa: E402

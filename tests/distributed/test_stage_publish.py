@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rft.tiny_model import make_tiny_model
+from rft.models.tiny import make_tiny_model
 from rft.weights.store import INDEX, MANIFEST, WeightStore, verify_version
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

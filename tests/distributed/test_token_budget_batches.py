@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rft.tiny_model import make_tiny_model
+from rft.models.tiny import make_tiny_model
 from rft.trainer.batch import plan_micro_batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tools.bench_learn import print_report
+from rft.bench.learn import print_report
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed]
 

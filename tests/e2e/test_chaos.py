@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tools.run_support import REPO
+from rft.bench.run_support import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.run_support import finish, free_port, kill_matching, rft_run, steps_done, write_config
+from rft.bench.run_support import finish, free_port, kill_matching, rft_run, steps_done, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.integration]
 

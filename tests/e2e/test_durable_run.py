@@ -15,8 +15,8 @@ import signal
 import pytest
 import yaml
 
-from rft.broker import LocalBroker, tansu_binary
-from tools.run_support import (assert_trained_exactly_once, finish, kill_matching, no_process_left, rft_run,
+from rft.broker.local import LocalBroker, tansu_binary
+from rft.bench.run_support import (assert_trained_exactly_once, finish, kill_matching, no_process_left, rft_run,
                                steps_done, wait_for_step, write_config)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]

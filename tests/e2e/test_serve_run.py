@@ -20,7 +20,7 @@ from rft.config import load_config
 from rft.schema import decode_group
 from rft.serve.joiner import emitted_completions
 from rft.transport import connect
-from tools.run_support import (REPO, finish, free_port, kill_matching, matching, rft_run, steps_done, wait_for_step,
+from rft.bench.run_support import (REPO, finish, free_port, kill_matching, matching, rft_run, steps_done, wait_for_step,
                                write_config)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.integration]

@@ -19,7 +19,7 @@ def main(config_path: str) -> dict:
     import torch
 
     from rft.config import load_config
-    from rft.explorer.engine import build_engine
+    from rft.engine import build_engine
     from rft.explorer.main import build_explorer
     from rft.rewards import build_reward
     from rft.weights.store import WeightStore, iter_safetensors

@@ -14,7 +14,7 @@ from pathlib import Path
 def main(model_dir: str, work_dir: str) -> dict:
     import torch
 
-    from rft.explorer.engine import SamplingSettings, VLLMEngine
+    from rft.engine import SamplingSettings, VLLMEngine
     from rft.weights.store import WeightStore, iter_safetensors
 
     started = time.monotonic()

@@ -1,4 +1,4 @@
-"""The durable local broker (`LocalBroker(data_dir=...)`: Tansu on rft.s3store), real processes over TCP:
+"""The durable local broker (`LocalBroker(data_dir=...)`: Tansu on rft.broker.objects), real processes over TCP:
 
 - records the broker acknowledged and a committed group offset survive a SIGKILL of both its processes: a restart
   on the same directory serves every record exactly once at its offset, the same committed offsets, the same port,
@@ -22,7 +22,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.structs import OffsetAndMetadata
 
-from rft.broker import BrokerError, LocalBroker
+from rft.broker.local import BrokerError, LocalBroker
 
 pytestmark = pytest.mark.integration
 
@@ -111,7 +111,7 @@ def test_acknowledged_records_and_committed_offsets_survive_kill_9_of_both_proce
 
 OWNER = textwrap.dedent("""
     import sys, threading, time
-    from rft.broker import LocalBroker
+    from rft.broker.local import LocalBroker
     broker = LocalBroker(data_dir=sys.argv[1])
     if sys.argv[2] == "thread":  # started from a thread: no parent-death signal, its processes outlive this one
         t = threading.Thread(target=broker.start); t.start(); t.join()

@@ -100,7 +100,7 @@ def test_pushed_weights_match_transformers(probe):
 
 
 def test_judge_probabilities_match_transformers(probe, hf_model):
-    from rft.tiny_model import build_tokenizer
+    from rft.models.tiny import build_tokenizer
 
     candidates = probe["judge_candidates"]
     assert candidates == build_tokenizer().encode("10").ids  # the engine's tokenizer agrees with the model's

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import yaml
 
-from rft.explorer.tasks import load_rows, publish_tasks, rows_to_tasks
-from rft.run_topics import RunTopics
+from rft.data.tasks import load_rows, publish_tasks, rows_to_tasks
+from rft.transport.run_topics import RunTopics
 from rft.workflows.frozenlake import FrozenLakeEnvironment
 from rft.workflows.textarena_game import TextArenaEnvironment
 from tests.episodes import replay, split_turns

@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import pytest
 
-from rft.explorer.tasks import load_rows, rows_to_tasks
+from rft.data.tasks import load_rows, rows_to_tasks
 from rft.schema import TaskRecord
 from rft.transport import connect
 from tests.integration.explorer_support import (REPO, Experiences, TopicReader, create_topics, load, subprocess_env,

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rft.explorer.tasks import publish_tasks
-from rft.run_topics import RunTopics
+from rft.data.tasks import publish_tasks
+from rft.transport.run_topics import RunTopics
 from rft.schema import TYPE_TASK, ControlMessage, headers_for
 from rft.transport import HEADER_ORIGIN, connect
 from rft.weights.store import WeightStore, iter_safetensors
@@ -146,7 +146,7 @@ def test_fleet_kill_late_join_reload_and_dead_letters(broker, tiny_model, tmp_pa
 
 
 def _tasks(cfg):
-    from rft.explorer.tasks import load_rows, rows_to_tasks
+    from rft.data.tasks import load_rows, rows_to_tasks
     return rows_to_tasks(load_rows(cfg.data), cfg.data, run_id=cfg.run.name)
 
 

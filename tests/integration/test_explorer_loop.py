@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from rft.config import config_from_dict
-from rft.explorer.engine import TransformersEngine
+from rft.engine import TransformersEngine
 from rft.explorer.main import build_explorer
-from rft.explorer.tasks import load_rows, rows_to_tasks
+from rft.data.tasks import load_rows, rows_to_tasks
 from rft.rewards import build_reward
-from rft.run_topics import consumer_group
+from rft.transport.run_topics import consumer_group
 from rft.schema import ControlMessage, TaskRecord
 from rft.transport import connect
 from rft.weights.store import WeightStore, iter_safetensors

@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import reasoning_gym
 
-from rft.explorer.tasks import publish_tasks
+from rft.data.tasks import publish_tasks
 from rft.rewards import build_reward
 from rft.rewards.registry import TaskError
-from rft.run_config import run_config_from_dict
-from rft.run_topics import RunTopics
+from rft.run.loading import run_config_from_dict
+from rft.transport.run_topics import RunTopics
 from rft.schema import TaskRecord
 from rft.workflows.registry import score_group
 from tests.integration.explorer_support import TopicReader

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from rft.config import KafkaConfig
-from rft.operators import OperatorContext, build_operator_chain
+from rft.experience.operators import OperatorContext, build_operator_chain
 from rft.schema import decode_group
 from rft.trainer.feed import FeedState, open_feed
 from rft.transport import connect

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from rft.explorer.tasks import publish_tasks
-from rft.run_topics import RunTopics
+from rft.data.tasks import publish_tasks
+from rft.transport.run_topics import RunTopics
 from tests.integration.explorer_support import (REPO, Control, Experiences, create_topics, load, log_tail,
                                                 write_config)
 

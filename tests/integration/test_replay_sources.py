@@ -9,10 +9,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from rft.config import KafkaConfig, config_from_dict
-from rft.demonstrations import publish_demonstrations
-from rft.explorer.tasks import DatasetError
+from rft.data.demonstrations import publish_demonstrations
+from rft.data.tasks import DatasetError
 from rft.schema import decode_group
-from rft.trainer.replay_buffer import Candidate, ExperienceReplay, RecordReader, ReplayBuffer, resolve_priority
+from rft.experience.priorities import resolve_priority
+from rft.trainer.replay_buffer import Candidate, ExperienceReplay, RecordReader, ReplayBuffer
 from rft.transport import connect
 from tests.records import make_group
 

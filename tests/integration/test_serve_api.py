@@ -16,7 +16,7 @@ from rft.schema import Feedback, ServedCompletion, decode
 from rft.serve.joiner import Joiner
 from rft.serve.ledger import FeedbackLedger, FeedbackRefused
 from rft.serve.server import ServerThread, build_service
-from rft.run_topics import RunTopics
+from rft.transport.run_topics import RunTopics
 from rft.transport import connect
 from rft.weights.store import WeightStore, iter_safetensors
 

@@ -8,8 +8,8 @@ import yaml
 
 from rft.cli import main as rft
 from rft.config import load_config
-from rft.explorer.selectors import epoch_order
-from rft.explorer.tasks import load_rows, rows_to_tasks
+from rft.data.selectors import epoch_order
+from rft.data.tasks import load_rows, rows_to_tasks
 from rft.schema import TaskRecord
 from tests.integration.explorer_support import TopicReader
 

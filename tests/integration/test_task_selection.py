@@ -22,9 +22,9 @@ import yaml
 
 from rft.config import config_from_dict
 from rft.explorer.publisher import OnlinePublisher
-from rft.explorer.selectors import RewardStats
-from rft.explorer.tasks import build_picker, publish_tasks
-from rft.run_topics import RunTopics, consumer_group
+from rft.data.selectors import RewardStats
+from rft.data.tasks import build_picker, publish_tasks
+from rft.transport.run_topics import RunTopics, consumer_group
 from rft.schema import ExperienceGroup, Sample, TaskRecord, decode, encode, group_id_for
 from rft.transport import connect
 

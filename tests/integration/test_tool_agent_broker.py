@@ -18,11 +18,11 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rft.explorer.tasks import publish_tasks
+from rft.data.tasks import publish_tasks
 from rft.rewards import resolve
-from rft.run_topics import RunTopics
+from rft.transport.run_topics import RunTopics
 from rft.schema import TaskRecord
-from rft.tools import ToolBox, ToolLimits
+from rft.agent_tools import ToolBox, ToolLimits
 from tests.integration.explorer_support import Experiences, create_topics, kill_tree, load, start_explorer
 from tests.tool_agent_support import make_chat_model, tool_call
 

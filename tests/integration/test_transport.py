@@ -19,7 +19,7 @@ import pytest
 
 from rft.config import KafkaConfig
 from rft.schema import HEADER_ERROR, ExperienceGroup, decode_group, encode
-from rft.topics.cli import main as topics
+from rft.ops.topics.cli import main as topics
 from rft.transport import HEADER_ORIGIN, DeadLetter, RecordTooLarge, connect, offset_key
 from tests.records import make_group
 

@@ -132,8 +132,8 @@ def test_distill_config_errors_name_the_key():
 
 
 def test_a_teacher_of_another_vocabulary_is_a_config_error_naming_both(tiny_model, tmp_path):
-    from rft.run_config import run_config_from_dict
-    from rft.tiny_model import make_tiny_model
+    from rft.run.loading import run_config_from_dict
+    from rft.models.tiny import make_tiny_model
 
     wide = make_tiny_model(tmp_path / "wide", vocab_size=101)
     raw = {"model": {"path": str(tiny_model)}, "algorithm": {"name": "on_policy_distill", "teacher_path": str(wide)}}
@@ -147,7 +147,7 @@ def test_a_teacher_of_another_vocabulary_is_a_config_error_naming_both(tiny_mode
 # -------------------------------------------------------------------------------------------------------- chord
 
 def chord_batch(seed: int, *, rows: int = 12) -> dict[str, np.ndarray]:
-    """Every third row a demonstration (behaviour log-probs 0, as rft/demonstrations.py records them)."""
+    """Every third row a demonstration (behaviour log-probs 0, as rft/data/demonstrations.py records them)."""
     batch = random_batch(seed, rows=rows, stale=0.4)
     demo = (np.arange(rows) % 3 == 0).astype(np.float32)
     batch["old_logprobs"] = (batch["old_logprobs"] * (1 - demo[:, None])).astype(np.float32)

@@ -192,8 +192,8 @@ def test_advantages_pass_the_rewards_through_and_config_is_checked():
 
 def test_a_critic_of_another_vocabulary_is_refused_naming_the_key(tiny_model, tmp_path):
     from rft.config import config_from_dict
-    from rft.run_config import check_model
-    from rft.tiny_model import make_tiny_model
+    from rft.run.loading import check_model
+    from rft.models.tiny import make_tiny_model
 
     wide = make_tiny_model(tmp_path / "wide", vocab_size=101)
     cfg = config_from_dict({"run": {"name": "run", "mode": "train", "output_dir": str(tmp_path)},

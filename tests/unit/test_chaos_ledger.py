@@ -1,6 +1,6 @@
-"""The arithmetic of `rft chaos`'s ledger (tools/chaos.py `build_ledger`, `longest_stall`) on crafted records: the
+"""The arithmetic of `rft chaos`'s ledger (rft/bench/chaos.py `build_ledger`, `longest_stall`) on crafted records: the
 experiences topic as `Offered` records in log order, the trainer's consumed.jsonl as dicts, the final offset."""
-from tools.chaos import Offered, build_ledger, longest_stall
+from rft.bench.chaos import Offered, build_ledger, longest_stall
 
 RUN = "r"
 

@@ -11,14 +11,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from rft.chat import TOOLS_FALLBACK, ChatPrompt, encode_chat, end_of_turn_id, stop_token_ids
+from rft.text.chat import TOOLS_FALLBACK, ChatPrompt, encode_chat, end_of_turn_id, stop_token_ids
 from rft.config import ConfigError, DataConfig, ExplorerConfig, ModelConfig, config_from_dict
-from rft.demonstrations import demonstration_groups, prompt_tools
-from rft.explorer.tasks import DatasetError
-from rft.explorer.engine import TransformersEngine
+from rft.data.demonstrations import demonstration_groups, prompt_tools
+from rft.data.tasks import DatasetError
+from rft.engine import TransformersEngine
 from rft.rewards import build_reward
 from rft.schema import TaskRecord
-from rft.tiny_model import build_tokenizer, make_tiny_model
+from rft.models.tiny import build_tokenizer, make_tiny_model
 from rft.workflows import WorkflowError, build_workflow, encode_prompt
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

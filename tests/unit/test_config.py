@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from rft.config import Config, ConfigError, load_config
-from rft.run_config import load_run_config
+from rft.run.loading import load_run_config
 
 
 def write(tmp_path: Path, body: dict, name: str = "run.yaml") -> Path:

@@ -1,4 +1,4 @@
-"""The typed control protocol (rft/control.py): the wire format stays schema 1 (same kinds, same body keys), bodies
+"""The typed control protocol (rft/transport/control.py): the wire format stays schema 1 (same kinds, same body keys), bodies
 are validated, and ControlView folds messages in the documented order, skipping malformed ones."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from rft import control
-from rft.control import (TasksGroup, ControlError, ControlView, ExplorerHeartbeat, ExplorerJoin, ExplorerLeave, ExplorerWeights,
+from rft.transport import control
+from rft.transport.control import (TasksGroup, ControlError, ControlView, ExplorerHeartbeat, ExplorerJoin, ExplorerLeave, ExplorerWeights,
                          PushAbandoned, PushGroup, TrainerFinished, TrainerStarted, TrainerWaiting, Weights,
                          WeightsPush, parse)
 from rft.schema import ControlMessage, decode, encode

@@ -11,15 +11,15 @@ import gymnasium
 import pytest
 
 from rft.config import ConfigError
-from rft.explorer.engine import TransformersEngine
-from rft.explorer.tasks import load_rows, rows_to_tasks
+from rft.engine import TransformersEngine
+from rft.data.tasks import load_rows, rows_to_tasks
 from rft.rewards import build_reward
-from rft.run_config import run_config_from_dict
+from rft.run.loading import run_config_from_dict
 from rft.schema import TaskRecord
 from rft.workflows import build_workflow
 from rft.workflows.frozenlake import FrozenLakeEnvironment, parse_action, shortest_path
 from rft.workflows.textarena_game import TextArenaEnvironment
-from rft.workflows.toy_tasks import generate_rows, main as toy_main
+from rft.data.toy_tasks import generate_rows, main as toy_main
 from tests.episodes import replay, split_turns
 
 def task_of(row: dict, i: int = 0) -> TaskRecord:

@@ -6,7 +6,7 @@ import yaml
 
 from rft.cli import main as rft
 from rft.config import ConfigError
-from rft.run_config import run_config_from_dict
+from rft.run.loading import run_config_from_dict
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_invalid_explorer_config_exits_2_naming_the_key(config, capsys):
     ({"heartbeat_s": 0}, "explorer.heartbeat_s: must be > 0"),
     ({"max_batch_s": -1}, "explorer.max_batch_s: must be > 0"),
     ({"admission": "stalenes"}, "explorer.admission: admission import path 'stalenes' must look like package.module:name"),
-    ({"admission": "rft.staleness:nothing"}, "explorer.admission: .*has no callable 'nothing'"),
+    ({"admission": "rft.trainer.staleness:nothing"}, "explorer.admission: .*has no callable 'nothing'"),
     ({"engine": "sglang"}, "explorer.engine: must be one of vllm, transformers"),
 ])
 def test_explorer_config_errors(explorer, message):

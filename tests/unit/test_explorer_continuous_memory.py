@@ -8,9 +8,9 @@ from __future__ import annotations
 import threading
 
 from rft.config import ExplorerConfig, KafkaConfig, SyncConfig
-from rft.explorer.engine import Completion, Generation
+from rft.engine import Completion, Generation
 from rft.explorer.main import Explorer
-from rft.run_topics import create_run_topics
+from rft.transport.run_topics import create_run_topics
 from rft.schema import TaskRecord, decode_group
 from rft.transport.memory import MemoryTransport
 from rft.weights.store import WeightStore

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from rft.config import ExplorerConfig, KafkaConfig, SyncConfig
-from rft.control import ExplorerJoin, ExplorerLeave, ExplorerWeights, control_messages, parse
+from rft.transport.control import ExplorerJoin, ExplorerLeave, ExplorerWeights, control_messages, parse
 from rft.explorer.main import Explorer
-from rft.run_topics import RunTopics, create_run_topics
+from rft.transport.run_topics import RunTopics, create_run_topics
 from rft.schema import HEADER_ERROR, Sample, TaskRecord, decode_group
 from rft.transport.memory import MemoryTransport
 from rft.weights.store import WeightStore

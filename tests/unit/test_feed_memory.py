@@ -145,7 +145,7 @@ def test_dynamic_sampling_refills_each_step_from_the_stream_exactly_once_across_
     `groups_per_step` informative groups. Restarted from the saved state after every step, the feed takes the
     same groups, counts each dropped group once (in the step that consumed it: none is read again, none lost), and
     leaves what no step needed unread."""
-    from rft.operators import build_operator_chain
+    from rft.experience.operators import build_operator_chain
 
     informative = [make_group("run", i, rewards=[0.0, 1.0, float(i % 3) / 2, 1.0]) for i in range(9)]
     flat = [make_group("run", 100 + i, rewards=[float(i % 2)] * 4) for i in range(7)]

@@ -1,5 +1,7 @@
-"""Imports flow one way: the import graph of `rft/` and `megatron_bridge/`, read from the source with `ast`, has no
-cycle, and a function-local import of a project module says why.
+"""Imports flow one way: the import graph of `rft/` and `megatron_bridge/`, read from the source with `ast`, follows
+the layer table of docs/architecture.md (no import goes to a higher layer; the packages of one layer import each
+other without a cycle; every module is in a layer), has no cycle, and a function-local import of a project module
+says why.
 
 The graph: one node per module (a package's `__init__` is the package's node); an edge for every import, top-level
 or inside a function, with relative imports resolved. `import a.b` is an edge to `a.b`; `from a import b` is an
@@ -18,6 +20,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = ("rft", "megatron_bridge")
 WHY_MARK = "heavy"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+LAYERS_MARK = "<!-- layers: read by tests/unit/test_import_graph.py -->"
 
 @dataclass(frozen=True)
 class Import:
@@ -164,6 +168,97 @@ def _cycle_through(start: str, graph: dict[str, dict[str, Import]], component: s
 def describe(cycle: list[Import]) -> str:
     return " -> ".join([cycle[0].source] + [f"{e.target} ({e.path.name}:{e.line}{', local' if e.local else ''})"
                                               for e in cycle])
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    rank: int  # 0 = the bottom layer
+    packages: tuple[str, ...]
+
+
+def read_layers(text: str) -> list[Layer]:
+    """The layer table: the fenced block after LAYERS_MARK, one line per layer, top layer first; on each line the
+    layer's name, then its packages (words that start with a project root), then what they do."""
+    after = text.split(LAYERS_MARK, 1)[1]
+    block = after.split("```", 2)[1]
+    rows = []
+    for line in block.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        packages = tuple(w for w in words[1:] if w.split(".")[0] in ROOTS)
+        assert packages, f"layer {words[0]!r} in {ARCHITECTURE.name} lists no package"
+        rows.append((words[0], packages))
+    return [Layer(name, len(rows) - 1 - i, packages) for i, (name, packages) in enumerate(rows)]
+
+
+def package_of(module: str, layers: list[Layer]) -> tuple[str, Layer] | None:
+    """The listed package holding `module` (the longest listed name that is the module or a package above it; a
+    bare root such as `rft` holds only its own `__init__`) and its layer; None when no layer lists it."""
+    best = None
+    for layer in layers:
+        for package in layer.packages:
+            holds = module == package or ("." in package and module.startswith(package + "."))
+            if package in ROOTS and package != "rft":
+                holds = module == package or module.startswith(package + ".")
+            if holds and (best is None or len(package) > len(best[0])):
+                best = (package, layer)
+    return best
+
+
+def layer_violations(edges: list[Import], layers: list[Layer], repo: Path) -> list[str]:
+    """One line per import that goes to a higher layer, per module no layer lists, and per cycle between the
+    packages of one layer."""
+    found, unlisted = [], set()
+    package_edges: dict[str, dict[str, Import]] = {}
+    for e in edges:
+        source, target = package_of(e.source, layers), package_of(e.target, layers)
+        for module, where in ((e.source, source), (e.target, target)):
+            if where is None and module not in unlisted:
+                unlisted.add(module)
+                found.append(f"{module}: in no layer of docs/architecture.md")
+        if source is None or target is None:
+            continue
+        (source_package, source_layer), (target_package, target_layer) = source, target
+        if target_layer.rank > source_layer.rank:
+            found.append(f"{e.path.relative_to(repo)}:{e.line}: {e.source} "
+                         f"(layer {source_layer.name}) imports {e.target} (layer {target_layer.name}, above it)")
+        elif target_layer.rank == source_layer.rank and source_package != target_package:
+            package_edges.setdefault(source_package, {}).setdefault(
+                target_package, Import(source_package, target_package, e.path, e.line, e.local, e.why))
+    for component in _components(package_edges):
+        cycle = _cycle_through(min(component), package_edges, component)
+        found.append("packages of one layer import each other in a cycle: " + describe(cycle))
+    return found
+
+
+def test_imports_follow_the_layer_table_of_the_architecture_doc():
+    layers = read_layers(ARCHITECTURE.read_text())
+    found = layer_violations(import_graph(REPO, ROOTS), layers, REPO)
+    assert not found, "imports against the layers of docs/architecture.md:\n" + "\n".join(found)
+
+
+def test_the_layer_check_finds_an_upward_import_an_unlisted_module_and_a_cycle_within_a_layer(tmp_path):
+    _write(tmp_path, {
+        "rft/__init__.py": "",
+        "rft/low/__init__.py": "",
+        "rft/low/a.py": "import os\n\ndef f():\n    # heavy: reaching up\n    from rft.high.b import g\n",
+        "rft/low/c.py": "from rft.side import d\n",
+        "rft/side/__init__.py": "",
+        "rft/side/d.py": "from rft.low.c import x\n",
+        "rft/high/__init__.py": "",
+        "rft/high/b.py": "from rft.low.a import f\nfrom rft.stray import s\n",
+        "rft/stray.py": "s = 1\n",
+    })
+    table = f"{LAYERS_MARK}\n```\nhigh  rft.high   the top\nlow   rft rft.low rft.side   the bottom\n```\n"
+    layers = read_layers(table)
+    assert [(layer.name, layer.rank) for layer in layers] == [("high", 1), ("low", 0)]
+    found = layer_violations(import_graph(tmp_path, ("rft",)), layers, tmp_path)
+    assert "rft/low/a.py:5: rft.low.a (layer low) imports rft.high.b (layer high, above it)" in found
+    assert "rft.stray: in no layer of docs/architecture.md" in found
+    assert any(line.startswith("packages of one layer import each other in a cycle: rft.low -> rft.side") for line in found)
+    assert len(found) == 3, found
 
 
 def test_project_imports_form_no_cycle():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from rft.launcher import PartRunner
+from rft.cli.launcher import PartRunner
 
 
 def python(code: str) -> list[str]:
@@ -35,7 +35,7 @@ def test_cpu_runs_split_the_cores_over_the_compute_parts(tmp_path, monkeypatch, 
     """Trainer ranks, explorers and the evaluator each get cores // parts OpenMP threads (at least 1), which the
     child processes really see; an operator's OMP_NUM_THREADS, or GPUs, leave the environment alone."""
     from rft.config import Config
-    from rft.launcher import ROLES_BY_MODE, cpu_threads_per_part
+    from rft.cli.launcher import ROLES_BY_MODE, cpu_threads_per_part
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))

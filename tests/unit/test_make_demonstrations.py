@@ -1,18 +1,31 @@
 """tools/make_demonstrations.py: the expert conversations for SFT warm starts. Every frozenlake conversation,
 replayed move by move in a fresh environment of its lake, shows that environment's observations and reaches the
-goal on its last move (return 1); every calculator conversation calls the calculator in a block rft.tools parses,
+goal on its last move (return 1); every calculator conversation calls the calculator in a block rft.agent_tools parses,
 with the expression of its question, and answers reasoning-gym's answer, which the calculator's result equals."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
+from pathlib import Path
 
 import pytest
 
 from rft.schema import TaskRecord
-from rft.tools import parse_tool_calls
+from rft.agent_tools import parse_tool_calls
 from rft.workflows.frozenlake import METADATA_KEY, FrozenLakeEnvironment, frozenlake_row
-from tools.make_demonstrations import main
+
+
+def _script_main():
+    """tools/ holds scripts run from a checkout, not a package: load this one by its path."""
+    path = Path(__file__).resolve().parents[2] / "tools" / "make_demonstrations.py"
+    spec = importlib.util.spec_from_file_location("make_demonstrations", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+main = _script_main()
 
 
 def rows(tmp_path, kind: str, *flags: str) -> list[dict]:

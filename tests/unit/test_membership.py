@@ -3,10 +3,10 @@ sequences of control messages. The real broker and processes: tests/integration/
 from __future__ import annotations
 
 from rft.config import ConfigError, ExplorerConfig
-from rft.control import ControlView
+from rft.transport.control import ControlView
 from rft.explorer.membership import UnassignedWatchdog, group_name, instance_id, partition_holders
 from rft.schema import ControlMessage
-from rft.status import RunStatus, fleet_health, fleet_line
+from rft.ops.status import RunStatus, fleet_health, fleet_line
 
 import pytest
 

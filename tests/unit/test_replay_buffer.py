@@ -13,7 +13,8 @@ import statistics
 import numpy as np
 import pytest
 
-from rft.trainer.replay_buffer import PRIORITIES, Candidate, ReplayBuffer, resolve_priority
+from rft.experience.priorities import PRIORITIES, resolve_priority
+from rft.trainer.replay_buffer import Candidate, ReplayBuffer
 from tests.records import make_group
 
 

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from rft.config import ConfigError
-from rft.run_config import run_config_from_dict
+from rft.run.loading import run_config_from_dict
 from rft.rewards import (RewardError, RewardResult, WeightedReward, available_rewards, build_reward, checked,
                          register_reward, resolve)
 from rft.schema import TaskRecord
@@ -149,7 +149,7 @@ def test_bad_reward_config_fails_at_load_naming_the_key(explorer, message):
 def test_judge_scores_are_its_yes_probability(tiny_model):
     import torch
 
-    from rft.explorer.engine import TransformersEngine
+    from rft.engine import TransformersEngine
     from rft.rewards.judge import JudgeReward
 
     engine = TransformersEngine(tiny_model)

@@ -1,4 +1,4 @@
-"""rft.s3store, the local S3 server under the durable broker, over real HTTP: the conditional writes Tansu's S3
+"""rft.broker.objects, the local S3 server under the durable broker, over real HTTP: the conditional writes Tansu's S3
 engine depends on (If-None-Match: * creates only, If-Match is a compare-and-swap), reads with ranges, ListObjectsV2
 with a delimiter and pages, DeleteObjects, and objects that are plain files surviving a restart of the server."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from xml.etree import ElementTree
 
 import pytest
 
-from rft.s3store import TMP_PREFIX, serve
+from rft.broker.objects import TMP_PREFIX, serve
 
 
 class Server:

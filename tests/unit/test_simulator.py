@@ -1,4 +1,4 @@
-"""The fleet simulator (tools/simulate.py) on cases with known answers: one explorer in sync mode, a trainer-bound
+"""The fleet simulator (rft/bench/simulate.py) on cases with known answers: one explorer in sync mode, a trainer-bound
 and a generation-bound overlapped run, members beyond the partition count, the staleness bound, rebalances and
 weight-store contention."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from tools.simulate import Stages, bounds, main, simulate
+from rft.bench.simulate import Stages, bounds, main, simulate
 
 FREE = Stages(gen_group_s=1.0, tasks_per_batch=4, samples_per_group=8, groups_per_step=16, train_s=4.0,
               publish_s=0.0, notice_s=0.0, reload_s=0.0, weights_gb=0.0, rebalance_s=0.0)

@@ -1,4 +1,4 @@
-"""Multi-stage configs (rft/stages.py) and the replay-buffer section: each stage is the base config with its
+"""Multi-stage configs (rft/run/stages.py) and the replay-buffer section: each stage is the base config with its
 overrides, validated as a whole, with errors naming `stages[i].<key>`; the stage layout (run names, directories,
 topics, weights handed from stage to stage) is fixed by the base."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from rft.config import ConfigError
-from rft.run_config import run_config_from_dict
-from rft.stages import resolve_stages
+from rft.run.loading import run_config_from_dict
+from rft.run.stages import resolve_stages
 
 
 @pytest.fixture
@@ -96,7 +96,7 @@ def test_rerun_skips_done_stages_and_refuses_inconsistent_ones(base, capsys):
     """`rft run` on a staged config whose stages are all marked done starts nothing (no broker is contacted:
     the address is unreachable); a done stage whose config changed, or a later stage that ran before an
     unfinished one, stops the run with exit 2 and says what to delete."""
-    from rft.launcher import run_stages
+    from rft.cli.launcher import run_stages
 
     cfg = run_config_from_dict({**base, "kafka": {"bootstrap_servers": "127.0.0.1:9"},
                             "stages": [{"name": "a", "run": {"mode": "train"}}, {"name": "b"}]})

@@ -12,7 +12,7 @@ from rft.explorer.admission import AdmissionState, FleetReading
 from rft.explorer.admission import StalenessAdmission as AdmissionController
 from rft.modes import staleness_bound
 from rft.schema import ExperienceGroup, Sample
-from rft.staleness import StalenessTracker
+from rft.trainer.staleness import StalenessTracker
 
 
 class InMemoryFeed:

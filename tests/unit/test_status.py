@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from rft.schema import ControlMessage
-from rft.status import RunStatus, render
+from rft.ops.status import RunStatus, render
 
 
 def msg(kind: str, sender: str, at: float, **body) -> ControlMessage:

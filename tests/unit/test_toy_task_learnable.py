@@ -9,7 +9,7 @@ import torch
 from rft.rewards import build_reward
 from rft.config import config_from_dict
 from rft.schema import TaskRecord
-from rft.workflows.toy_tasks import generate_rows
+from rft.data.toy_tasks import generate_rows
 
 
 def test_copy_char_reward_rises_with_grpo(tiny_model):
@@ -30,7 +30,7 @@ def _train(tiny_model, *, steps: int) -> list[float]:
     """GRPO on copy_char with one-token answers; returns the mean reward of each step."""
     from transformers import AutoModelForCausalLM
 
-    from rft.tiny_model import build_tokenizer
+    from rft.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(tiny_model)

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from rft.config import config_from_dict
-from rft.control import TrainerFinished, TrainerStarted, Weights, control_messages, parse
-from rft.run_topics import RunTopics, create_run_topics
+from rft.transport.control import TrainerFinished, TrainerStarted, Weights, control_messages, parse
+from rft.transport.run_topics import RunTopics, create_run_topics
 from rft.schema import HEADER_ERROR
 from rft.trainer.feed import FeedTimeout
 from rft.trainer.main import Trainer, open_trainer_io

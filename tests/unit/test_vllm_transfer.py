@@ -51,7 +51,7 @@ def test_asking_for_vllm_when_impossible_is_a_clear_error(engine, cuda, message)
 
 
 def test_transformers_engine_refuses_a_vllm_group():
-    from rft.explorer.engine import EngineError, TransformersEngine
+    from rft.engine import EngineError, TransformersEngine
 
     engine = TransformersEngine.__new__(TransformersEngine)  # the check comes before anything the model provides
     with pytest.raises(EngineError, match="set sync.push_transport: rft"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rft.config import SyncConfig
-from rft.control import Kind, PushAbandoned, PushGroup, Weights, WeightsPush
+from rft.transport.control import Kind, PushAbandoned, PushGroup, Weights, WeightsPush
 from rft.schema import encode
 from rft.weights.publisher import WeightPublisher
 from rft.weights.push import PushError, PushGroupSpec

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from rft.control import PushGroup, Weights
+from rft.transport.control import PushGroup, Weights
 from rft.transport.memory import MemoryTransport
 from rft.weights.store import MANIFEST, WeightStore, WeightStoreError, verify_version
 from rft.weights.subscriber import PushAllowList, PushMembership, WeightUpdates, load_newest_weights
@@ -184,9 +184,9 @@ def test_an_explorer_refuses_a_forged_announcement_and_reports_the_count(tmp_pat
     """The real Explorer over the in-memory transport: a forged `weights` announcement (a complete version outside
     the store) is refused, the engine keeps its version, and the count is in the explorer's heartbeat."""
     from rft.config import ExplorerConfig, KafkaConfig, SyncConfig
-    from rft.control import ExplorerHeartbeat, control_messages, parse
+    from rft.transport.control import ExplorerHeartbeat, control_messages, parse
     from rft.explorer.main import Explorer
-    from rft.run_topics import RunTopics, create_run_topics
+    from rft.transport.run_topics import RunTopics, create_run_topics
 
     topics = RunTopics(run="run", tasks="run.tasks", experiences="run.experiences", control="run.control",
                        dead_letter="run.dead_letter", explorers_group="run.explorers")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from rft.config import ConfigError
-from rft.run_config import run_config_from_dict
-from rft.explorer.engine import SamplingSettings, TransformersEngine
+from rft.run.loading import run_config_from_dict
+from rft.engine import SamplingSettings, TransformersEngine
 from rft.rewards import build_reward, resolve
 from rft.schema import TaskRecord
 from rft.workflows import available_workflows, build_workflow

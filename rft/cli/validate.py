@@ -1,0 +1,20 @@
+"""`rft validate`: load a config as `rft run` would (every check, registry names and the model on disk included)
+and report; exit 2 naming the bad key."""
+from __future__ import annotations
+
+import argparse
+
+from rft.run.commandline import add_config_arguments, config_from_args
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rft validate", description="Validate a run config.")
+    add_config_arguments(parser)
+    parser.add_argument("--print", action="store_true", help="print the resolved config as YAML")
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args, need_model=True)
+    if args.print:
+        print(cfg.to_yaml(), end="")
+    else:
+        print(f"{args.config}: valid (run {cfg.run.name!r}, mode {cfg.run.mode})")
+    return 0

@@ -1,0 +1,177 @@
+"""SFT demonstrations: a dataset's (prompt, answer) rows as one-sample experience groups on a topic.
+
+`rft run` publishes them before the trainer starts when `replay.from_data: true` (an offline run, e.g. the SFT
+stage of a multi-stage run), into the replay's topic (`replay.topic`, else the run's experiences topic), unless
+that topic already holds records (a resumed run). The rows, prompt templates, epochs, seeded shuffles and task ids
+are the task publisher's (rft/data/tasks.py); each task becomes one ExperienceGroup (group id
+`<run>/<task id>/e<epoch>`) with one Sample:
+- prompt tokens: the prompt as explorers encode it: with the tokenizer's special tokens, or, with
+  `model.chat_template: true`, rendered by the chat template as a user turn (after `model.system_prompt`) up to
+  the assistant header (rft/text/chat.py);
+- response tokens: the answer (`str()` of it unless it is a string or a conversation) encoded without special
+  tokens, then the token that ends the model's turn (the tokenizer's EOS, or the chat template's end-of-turn token
+  such as `<|im_end|>`) when there is one, so the model learns to stop where the engines stop; loss mask all ones:
+  the loss is on the answer (the assistant turn) only, never on the prompt;
+- a conversation answer (a multi-turn demonstration, `model.chat_template: true`): a list of messages
+  `{"role": "assistant" | "tool" | "user", "content": str}` (a tool message may name its tool: `"name"`) that
+  starts and ends with an assistant turn. Its tokens are laid out exactly as the multi-turn workflows lay out an
+  episode: each assistant turn is its content then the end-of-turn token (loss mask 1); each run of tool messages
+  is the template's tool turn through the next assistant header (`rft.text.chat.tool_turn_text`, as `tool_agent`
+  writes tool results) and each user message the next user turn through the assistant header
+  (`rft.text.chat.observation_text`, as `multi_turn` writes an environment's observation), both with loss mask 0;
+- the prompt shows the tools the explorers show (`tools`: the function schemas of `explorer.tools` when the
+  workflow is `tool_agent`, see `prompt_tools`), so a demonstration is trained on the prompt RL will see;
+- behaviour log-probs 0 (there is no behaviour policy: for `sft`, not for policy-gradient algorithms), reward 1,
+  policy version 0.
+A row with no answer, or whose prompt or response is over `model.max_prompt_len` / `model.max_response_len`
+tokens, is an error naming the row; nothing is published then.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+
+from rft.text.chat import ChatError, ChatPrompt, encode_chat, end_of_turn_id, observation_text, tool_turn_text
+from rft.config import DataConfig, ExplorerConfig, KafkaConfig, ModelConfig
+from rft.data.tasks import DatasetError, build_picker, load_task_sets
+from rft.schema import ExperienceGroup, Sample, TaskRecord
+from rft.agent_tools import ToolBox, ToolError, ToolLimits
+from rft.transport import connect
+
+ROLES = ("assistant", "tool", "user")  # the messages of a conversation answer
+
+
+def prompt_tools(explorer: ExplorerConfig) -> tuple[dict[str, Any], ...]:
+    """The function schemas the explorers show in every prompt: `explorer.tools`' when the workflow is
+    `tool_agent`, else none."""
+    if explorer.workflow != "tool_agent":
+        return ()
+    try:
+        return tuple(ToolBox(explorer.tools, ToolLimits()).schemas)
+    except ToolError as e:
+        raise DatasetError(str(e)) from None
+
+
+def demonstration_groups(data: DataConfig, model: ModelConfig, tokenizer, *, run_id: str,
+                         tools: tuple[dict[str, Any], ...] = ()) -> Iterator[ExperienceGroup]:
+    """Every epoch's demonstrations in the order `data.selector` publishes tasks (all rows are checked first);
+    `tools`: the function schemas the prompts show (`prompt_tools`)."""
+    chat = ChatPrompt.of(model, tools)
+    end = tokenizer.eos_token_id if chat is None else end_of_turn_id(tokenizer)  # what ends the model's turn
+    samples = {task.task_id: _sample(task, tokenizer, model, chat=chat, end=end, where=f"{task_set.path} row {i}")
+               for task_set, tasks in load_task_sets(data, run_id=run_id) for i, task in enumerate(tasks)}
+    for task in build_picker(data, run_id=run_id).drain():
+        yield ExperienceGroup(run_id=task.run_id, task_id=task.task_id, group_id=task.group_id, attempt=0,
+                              explorer_id="demonstrations", policy_version=0, samples=[samples[task.task_id]],
+                              answer=task.answer)
+
+
+def _sample(task: TaskRecord, tokenizer, model: ModelConfig, *, chat: ChatPrompt | None, end: int | None,
+            where: str) -> Sample:
+    """One demonstration: the prompt as explorers encode it (`chat`: ChatPrompt.of(model)), the answer then `end`
+    (the token that ends the model's turn, or None)."""
+    if task.answer is None:
+        raise DatasetError(f"{where}: a demonstration needs an answer (data.answer_key is empty)")
+    if chat is None:
+        prompt = tokenizer(task.prompt, add_special_tokens=True)["input_ids"]
+    else:
+        try:
+            prompt = encode_chat(tokenizer, task.prompt, chat)
+        except ChatError as e:
+            raise DatasetError(str(e)) from None
+    if isinstance(task.answer, list):
+        response, mask = _conversation(task.answer, tokenizer, chat, end=end, where=where, prompt=task.prompt)
+    else:
+        answer = task.answer if isinstance(task.answer, str) else str(task.answer)
+        response = list(tokenizer(answer, add_special_tokens=False)["input_ids"])
+        if end is not None:
+            response = response + [end]
+        mask = [1] * len(response)
+    for what, tokens, limit, key in (("prompt", prompt, model.max_prompt_len, "max_prompt_len"),
+                                     ("answer", response, model.max_response_len, "max_response_len")):
+        if not tokens or len(tokens) > limit:
+            raise DatasetError(f"{where}: the {what} is {len(tokens)} tokens; a demonstration needs 1 to "
+                               f"model.{key}={limit}")
+    return Sample(sample_index=0, prompt_tokens=np.asarray(prompt, dtype=np.int32),
+                  response_tokens=np.asarray(response, dtype=np.int32),
+                  logprobs=np.zeros(len(response), dtype=np.float32),
+                  loss_mask=np.asarray(mask, dtype=np.uint8), reward=1.0)
+
+
+def _conversation(turns: list, tokenizer, chat: ChatPrompt | None, *, end: int | None, where: str,
+                  prompt: str) -> tuple[list[int], list[int]]:
+    """A conversation answer's response tokens and loss mask (module docstring); DatasetError naming the row and
+    message when it is malformed."""
+    if chat is None:
+        raise DatasetError(f"{where}: a conversation answer needs model.chat_template: true (its tool and user turns "
+                           "are rendered by the chat template)")
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or turn.get("role") not in ROLES or not isinstance(turn.get("content"), str):
+            raise DatasetError(f"{where}: answer[{i}] must be {{\"role\": {' | '.join(ROLES)}, \"content\": str}}, "
+                               f"got {turn!r:.80}")
+    if not turns or turns[0]["role"] != "assistant" or turns[-1]["role"] != "assistant":
+        raise DatasetError(f"{where}: a conversation answer starts and ends with an assistant turn (roles: "
+                           f"{[t['role'] for t in turns]})")
+    if end is None:
+        raise DatasetError(f"{where}: the chat template marks no end of an assistant turn, so a conversation's turns "
+                           "cannot be told apart")
+    tokens: list[int] = []
+    mask: list[int] = []
+
+    def add(ids: list[int], trained: int) -> None:
+        tokens.extend(ids)
+        mask.extend([trained] * len(ids))
+
+    i = 0
+    while i < len(turns):
+        role = turns[i]["role"]
+        if role == "assistant":
+            add(list(tokenizer(turns[i]["content"], add_special_tokens=False)["input_ids"]) + [end], 1)
+            i += 1
+            continue
+        if role == "user":
+            text = observation_text(tokenizer, turns[i]["content"])
+            i += 1
+        else:  # a run of tool messages is one tool turn, as tool_agent answers every call of a model turn at once
+            results = []
+            while turns[i]["role"] == "tool":
+                results.append({"role": "tool", "name": str(turns[i].get("name") or "unknown"),
+                                "content": turns[i]["content"]})
+                i += 1
+            text = tool_turn_text(tokenizer, chat.messages(prompt), results, chat.tools)
+        add(list(tokenizer(text, add_special_tokens=False)["input_ids"]), 0)
+    return tokens, mask
+
+
+def publish_demonstrations(data: DataConfig, model: ModelConfig, kafka: KafkaConfig, *, topic: str, run_id: str,
+                           bootstrap: str | None = None, tools: tuple[dict[str, Any], ...] = ()) -> int:
+    """Publish the demonstrations to `topic` (the replay's: `replay.topic`, else the run's experiences topic;
+    created if missing) unless it holds records already; returns how many were published (0 when it held
+    records), once the broker acknowledged every one. `run_id` is the run's name; `tools` as in
+    `demonstration_groups`."""
+    from transformers import AutoTokenizer  # heavy: transformers
+
+    transport = connect(kafka, bootstrap)
+    admin = transport.admin()
+    try:
+        admin.create_topics([topic], partitions=kafka.experience_partitions)
+    finally:
+        admin.close()
+    source = transport.source()
+    try:
+        if any(source.end_offsets(topic)[k] > start for k, start in source.beginning_offsets(topic).items()):
+            return 0
+    finally:
+        source.close()
+    tokenizer = AutoTokenizer.from_pretrained(model.tokenizer or model.path)
+    groups = list(demonstration_groups(data, model, tokenizer, run_id=run_id, tools=tools))
+    sink = transport.sink(client_id=f"{run_id}-demonstrations")
+    try:
+        futures = [sink.send_record(topic, group, key=group.group_id) for group in groups]
+        sink.flush()
+        for future in futures:
+            future.get(timeout=kafka.request_timeout_ms / 1000)
+    finally:
+        sink.close()
+    return len(groups)

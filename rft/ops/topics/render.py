@@ -1,0 +1,143 @@
+"""Human views of topic records: one message's position, time, key and headers; a record's type, ids and
+policy version; its content (prompt/response text with a tokenizer, token ids without). Shared by
+`rft topics tail` (printed lines) and `rft topics export --decoded` (JSON lines). Pure functions of a Message."""
+from __future__ import annotations
+
+import base64
+import json
+from datetime import datetime, timezone
+from typing import Any
+
+from rft.schema import HEADER_ERROR, ControlMessage, ExperienceGroup, RecordError, TaskRecord, decode
+from rft.text.tokens import Detokenizer
+from rft.transport import Message
+
+TOKENS_SHOWN = 32  # token ids printed per array when no tokenizer is given
+
+
+def iso_time(timestamp_ms: int) -> str:
+    return datetime.fromtimestamp(timestamp_ms / 1000, tz=timezone.utc).isoformat(timespec="milliseconds")
+
+
+def printable(data: bytes | None) -> str | None:
+    """Bytes as text when they are UTF-8, else as `base64:...`."""
+    if data is None:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "base64:" + base64.b64encode(data).decode()
+
+
+def message_view(m: Message) -> dict[str, Any]:
+    return {"partition": m.partition, "offset": m.offset, "timestamp_ms": m.timestamp_ms,
+            "timestamp": iso_time(m.timestamp_ms), "key": printable(m.key), "size": len(m.value or b""),
+            "headers": {name: printable(value) for name, value in m.headers}}
+
+
+def record_summary(record: TaskRecord | ExperienceGroup | ControlMessage) -> dict[str, Any]:
+    """Type, ids and policy version: what identifies a record, without its content."""
+    if isinstance(record, ExperienceGroup):
+        return {"type": "experience_group", "policy_version": record.policy_version, "group_id": record.group_id,
+                "task_id": record.task_id, "run_id": record.run_id, "explorer_id": record.explorer_id,
+                "attempt": record.attempt, "n_samples": len(record.samples)}
+    if isinstance(record, TaskRecord):
+        return {"type": "task", "group_id": record.group_id, "task_id": record.task_id, "run_id": record.run_id,
+                "epoch": record.epoch}
+    return {"type": "control", "kind": record.kind, "sender": record.sender}
+
+
+
+def _tokens_or_text(name: str, tokens, detok: Detokenizer) -> dict[str, Any]:
+    text = detok.text(tokens)
+    if text is not None:
+        return {name: text}
+    return {f"{name}_tokens": [int(t) for t in tokens]}
+
+
+def record_content(record: TaskRecord | ExperienceGroup | ControlMessage, detok: Detokenizer) -> dict[str, Any]:
+    """The human-readable content: prompt/response text (token ids without a tokenizer), rewards."""
+    if isinstance(record, TaskRecord):
+        return {"prompt": record.prompt, "answer": record.answer, "metadata": record.metadata,
+                "created_at": record.created_at}
+    if isinstance(record, ControlMessage):
+        return {"body": record.body, "created_at": record.created_at}
+    samples = []
+    for s in record.samples:
+        samples.append({
+            "sample_index": s.sample_index, "reward": s.reward, "reward_components": s.reward_components,
+            "finish_reason": s.finish_reason, "prompt_len": len(s.prompt_tokens),
+            "response_len": len(s.response_tokens), "loss_tokens": int(s.loss_mask.sum()),
+            "mean_logprob": float(s.logprobs.mean()) if len(s.logprobs) else None,
+            **_tokens_or_text("prompt", s.prompt_tokens, detok),
+            **_tokens_or_text("response", s.response_tokens, detok), "metadata": s.metadata})
+    return {"rewards": [s.reward for s in record.samples], "answer": record.answer, "metadata": record.metadata,
+            "created_at": record.created_at, "samples": samples}
+
+
+def decoded_view(m: Message, detok: Detokenizer) -> dict[str, Any]:
+    view = message_view(m)
+    try:
+        record = decode(m.value, m.headers)
+    except RecordError as e:
+        return {**view, "error": str(e)}
+    return {**view, **record_summary(record), **record_content(record, detok)}
+
+
+def json_default(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return "base64:" + base64.b64encode(bytes(value)).decode()
+    return str(value)
+
+
+
+def format_message(m: Message, detok: Detokenizer | None) -> str:
+    """A few lines per record: position, time, key, size and headers; type, ids and policy version;
+    with a detokenizer (`--decode`) also the content."""
+    view = message_view(m)
+    lines = [f"{m.topic}:{m.partition}@{m.offset}  {view['timestamp']}  key={view['key']}  {view['size']} bytes",
+             "  headers: " + (" ".join(f"{k}={v}" for k, v in view["headers"].items()) or "(none)")]
+    try:
+        record = decode(m.value, m.headers)
+    except RecordError as e:
+        lines.append(f"  not a valid rft record: {e}")
+        if HEADER_ERROR in view["headers"]:
+            lines.append(f"  dead-letter reason: {view['headers'][HEADER_ERROR]}")
+        return "\n".join(lines)
+    lines.append("  " + "  ".join(f"{k}={v}" for k, v in record_summary(record).items()))
+    if detok is not None:
+        lines += [f"  {line}" for line in _content_lines(record_content(record, detok))]
+    return "\n".join(lines)
+
+
+def _content_lines(content: dict[str, Any]) -> list[str]:
+    lines, last_prompt = [], None
+    for key, value in content.items():
+        if key == "samples":
+            for s in value:
+                lines.append(f"sample {s['sample_index']}: reward={s['reward']:g} {s['reward_components'] or ''} "
+                             f"finish={s['finish_reason']} response_len={s['response_len']} "
+                             f"mean_logprob={_fmt(s['mean_logprob'])}")
+                prompt = s.get("prompt", s.get("prompt_tokens"))
+                parts = ("prompt", "response") if prompt != last_prompt else ("response",)  # GRPO: one prompt
+                last_prompt = prompt
+                lines += [f"  {line}" for line in _text_lines(s, parts)]
+        elif key != "created_at":
+            lines.append(f"{key}: {json.dumps(value, ensure_ascii=False, default=json_default)}")
+    return lines
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _text_lines(sample: dict[str, Any], parts: tuple[str, ...]) -> list[str]:
+    lines = []
+    for part in parts:
+        if part in sample:
+            lines.append(f"{part}: {sample[part]!r}")
+        else:
+            ids = sample[f"{part}_tokens"]
+            more = f" ... ({len(ids)} tokens; --tokenizer DIR shows text)" if len(ids) > TOKENS_SHOWN else ""
+            lines.append(f"{part} tokens: {ids[:TOKENS_SHOWN]}{more}")
+    return lines

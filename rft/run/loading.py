@@ -1,0 +1,194 @@
+"""A config loaded for a run: `rft.config`'s checks, then every name that a registry resolves, once.
+
+`rft.config` is a leaf (types, ranges, cross-field constraints); this module sits above the registries and
+checks, when a config is loaded, every name that a component would otherwise resolve mid-run: algorithm.name,
+explorer.reward / reward_weights / judge_model, explorer.workflow and environment, explorer.admission,
+data.selector, trainer.operators, replay_buffer.priority (with the algorithm's support for replay),
+eval.sets[i].reward and toy-task names, reasoning-gym dataset names and options (data, data.mix[i], eval.sets[i]:
+building each dataset once, which imports reasoning_gym only when a set uses it), and every stage of a multi-stage
+config; and the model (`check_model`): when its config.json is on disk, that the trainer's bridge supports its
+architecture and that trainer.tensor_parallel / pipeline_parallel divide its heads and layers
+(megatron_bridge.check.layout_problem); with `need_model` (`rft run`, `rft replay`, `rft validate`: before anything
+starts), also that model.path is a directory holding a config.json. Errors are `ConfigError`s
+naming the source file and the dotted key. Every command that loads a config for a run goes through
+`load_run_config` (`rft.run.commandline.config_from_args`).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from rft.algorithms import build_algorithm
+from rft.config import ADMISSIONS, Config, ConfigError, EvalConfig, config_from_dict, load_config
+from rft.data.gym_tasks import GymError, build_dataset
+from rft.data.selectors import SelectionError, build_selector
+from rft.data.tasks import TaskSet, task_sets
+from rft.modes import mode
+from rft.experience.operators import OperatorError, check_operator_specs
+from rft.registry import RegistryError, import_object
+from rft.rewards import WEIGHTED, RewardError, check_reward_config, resolve
+from rft.rewards.reasoning_gym import GYM_REWARDS
+from rft.run.stages import resolve_stages
+from rft.experience.priorities import resolve_priority
+from rft.workflows import WorkflowError, check_workflow_config
+from rft.data.toy_tasks import TOY_TASKS, generate_rows
+
+NAME_ERRORS = (RegistryError, RewardError, WorkflowError, SelectionError, OperatorError, ConfigError)
+
+
+def load_run_config(path: str | os.PathLike | None = None, overrides: list[str] = (), *,
+                    need_model: bool = False) -> Config:
+    """`rft.config.load_config`, then `check_run_config`: the config as a run uses it. `need_model`: the model
+    must be on disk here (`check_model`)."""
+    cfg = load_config(path, overrides)
+    check_run_config(cfg, str(path) if path else "<defaults>", need_model=need_model)
+    return cfg
+
+
+def run_config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
+    """`rft.config.config_from_dict`, then `check_run_config`."""
+    cfg = config_from_dict(raw, source)
+    check_run_config(cfg, source)
+    return cfg
+
+
+def check_run_config(cfg: Config, source: str, *, need_model: bool = False) -> None:
+    """Every registry-resolved name of `cfg` and of each of its stages, and the model (`check_model`); ConfigError
+    naming `source` and the key (`stages[i].<key>` for a stage)."""
+    check_names(cfg, source)
+    check_model(cfg, source, need_model=need_model)
+    if cfg.stages:
+        resolve_stages(cfg, source, check=lambda stage: check_names(stage, source))
+
+
+def check_model(cfg: Config, source: str, *, need_model: bool = False) -> None:
+    """The model as the run will use it. With `need_model`: model.path is a directory with a config.json. When the
+    config.json is there and the run mode has a trainer: an architecture the bridge supports (its registry), and a
+    TP x PP layout that fits (megatron_bridge.check.layout_problem). ConfigError naming `source` and the key."""
+    model = Path(cfg.model.path)
+    hf_config = model / "config.json"
+    if not hf_config.is_file():
+        if need_model:
+            what = "does not exist" if not model.exists() else (
+                "is not a directory" if not model.is_dir() else "has no config.json (not a Hugging Face model)")
+            raise ConfigError(f"{source}: model.path: {cfg.model.path} {what}")
+        return
+    if not mode(cfg.run.mode).trainer:
+        return
+    try:
+        architectures = json.loads(hf_config.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{source}: model.path: {hf_config} is not readable JSON: {e}") from None
+    # heavy: torch (the bridge's registry and layout check live beside the models they describe)
+    from megatron_bridge.check import layout_problem
+    from megatron_bridge.models import registered_architectures  # heavy: torch
+
+    supported = registered_architectures()
+    if not set(architectures) & set(supported):
+        raise ConfigError(f"{source}: model.path: {hf_config} names architecture(s) "
+                          f"{', '.join(architectures) or '(none)'}; the trainer supports {', '.join(supported)}")
+    problem = layout_problem(str(model), tp=cfg.trainer.tensor_parallel, pp=cfg.trainer.pipeline_parallel,
+                             options=("trainer.tensor_parallel:", "trainer.pipeline_parallel:"))
+    if problem:
+        raise ConfigError(f"{source}: {problem}")
+    _check_teacher(cfg, source, need_model=need_model)
+
+
+def _check_teacher(cfg: Config, source: str, *, need_model: bool) -> None:
+    """An algorithm with a teacher (on_policy_distill) or a critic of its own weights (ppo): algorithm.teacher_path /
+    algorithm.critic_path has the student's vocabulary and splits at the trainer's TP x PP (the model is sharded
+    like the policy). A model not on disk here is an error only with `need_model`."""
+    # heavy: torch (the bridge's checks read only config.json, but live beside the models)
+    from megatron_bridge.check import layout_problem, vocabulary_problem
+
+    if not (cfg.algorithm.teacher_path or cfg.algorithm.critic_path):
+        return
+    algorithm = build_algorithm(cfg.algorithm)  # it decides whether it reads a teacher or has a critic
+    for key, role in (("teacher_path", "teacher"), ("critic_path", "critic")):
+        other = getattr(algorithm, key, None)
+        if not other or (not need_model and not (Path(other) / "config.json").is_file()):
+            continue
+        problem = vocabulary_problem(cfg.model.path, other, role=role) or layout_problem(
+            other, tp=cfg.trainer.tensor_parallel, pp=cfg.trainer.pipeline_parallel,
+            options=("trainer.tensor_parallel:", "trainer.pipeline_parallel:"))
+        if problem:
+            raise ConfigError(f"{source}: algorithm.{key}: {problem}")
+
+
+def check_names(cfg: Config, source: str) -> None:
+    """The names of one (stage) config resolve now, not mid-run."""
+    try:
+        check_reward_config(cfg.explorer)
+        check_workflow_config(cfg.explorer)
+        if cfg.explorer.admission not in ADMISSIONS:
+            import_object(cfg.explorer.admission, key="explorer.admission", noun="admission")
+        check_operator_specs(cfg.trainer.operators)
+        build_selector(cfg.data)
+        resolve_priority(cfg.replay_buffer.priority)
+        _check_algorithm(cfg)
+        _check_eval_sets(cfg.eval)
+        _check_generated_sets(cfg)
+    except NAME_ERRORS as e:
+        message = str(e)
+        raise ConfigError(message if message.startswith(f"{source}: ") else f"{source}: {message}") from None
+
+
+def _check_algorithm(cfg: Config) -> None:
+    """The algorithm builds from its section (a name that resolves, options it accepts), and replayed groups, which
+    are old experiences, are ones it is correct on."""
+    try:
+        algorithm = build_algorithm(cfg.algorithm)
+    except ConfigError:
+        raise
+    except ValueError as e:  # an unknown name, or an object without the Algorithm interface: names algorithm.name
+        raise ConfigError(str(e)) from None
+    if cfg.replay_buffer.groups_per_step and not algorithm.supports_replay:
+        raise ConfigError(f"replay_buffer.groups_per_step: replayed groups are old, and algorithm "
+                          f"{cfg.algorithm.name!r} is not correct on old experiences as configured (set "
+                          "algorithm.off_policy_correction: true, or use sft or dpo)")
+
+
+def _check_eval_sets(e: EvalConfig) -> None:
+    for i, s in enumerate(e.sets):
+        key = f"eval.sets[{i}]"
+        if s.format == "generated" and s.path not in TOY_TASKS:
+            raise ConfigError(f"{key}.path: format generated needs a toy task name ({', '.join(TOY_TASKS)}); "
+                              f"got {s.path!r}")
+        if s.reward == WEIGHTED:
+            raise ConfigError(f"{key}.reward: a weighted reward is configured in explorer.reward / "
+                              "explorer.reward_weights; leave this empty")
+        if s.reward:
+            resolve(s.reward, key=f"{key}.reward")
+
+
+def _check_generated_sets(cfg: Config) -> None:
+    """reasoning_gym sets name a dataset and options it takes; `options` only where they mean something; a
+    reasoning-gym reward only on sets that can carry reasoning-gym tasks."""
+    explorer_rewards = set(cfg.explorer.reward_weights) if cfg.explorer.reward == WEIGHTED else {cfg.explorer.reward}
+    sets = [(s, explorer_rewards) for s in task_sets(cfg.data) if s.path]
+    for i, e in enumerate(cfg.eval.sets):
+        sets.append((TaskSet(key=f"eval.sets[{i}]", id_prefix="", path=e.path, format=e.format, weight=1.0, epochs=1,
+                             prompt_key=e.prompt_key, answer_key=e.answer_key, prompt_template=e.prompt_template,
+                             generated_tasks=e.generated_tasks, seed=e.seed, options=e.options),
+                     {e.reward} if e.reward else explorer_rewards))
+    for task_set, rewards in sets:
+        if task_set.format == "generated" and task_set.path in TOY_TASKS:
+            try:  # one row shows whether the toy task takes these options
+                generate_rows(task_set.path, 1, seed=task_set.seed, options=task_set.options)
+            except ValueError as e:
+                raise ConfigError(f"{task_set.key}.options: {e}") from None
+        if task_set.format != "reasoning_gym":
+            if task_set.options and task_set.format != "generated":
+                raise ConfigError(f"{task_set.key}.options: dataset options are for formats reasoning_gym and generated, "
+                                  f"and this set's format is {task_set.format}")
+            gym = sorted(rewards & set(GYM_REWARDS))
+            if gym and task_set.format in ("generated", "gsm8k"):
+                raise ConfigError(f"{task_set.key}.format: reward {gym[0]!r} scores reasoning_gym tasks, and this "
+                                  f"set's format is {task_set.format}")
+            continue
+        try:
+            build_dataset(task_set.path, task_set.options, seed=task_set.seed, size=task_set.generated_tasks)
+        except GymError as e:
+            raise ConfigError(f"{task_set.key}.{e.key}: {e}") from None
