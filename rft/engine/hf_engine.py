@@ -1,0 +1,133 @@
+"""`TransformersEngine`: Hugging Face `generate` in this process, the independent reference for tests and
+`rft bench generate`, and a slow fallback (`explorer.engine: transformers`)."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Sequence
+
+from rft.engine.base import Completion, EngineError, Generation, SamplingSettings, TokenizerMixin
+from rft.weights.store import iter_safetensors
+
+if TYPE_CHECKING:
+    from rft.config import ExplorerConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+class TransformersEngine(TokenizerMixin):
+    """HF `generate` in this process, one prompt at a time with `num_return_sequences=n` (prompts of
+    different lengths need no padding that way). Reference implementation, not a fast path."""
+
+    def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", seed: int = 0,
+                 weights_version: int = 0, device: str = "cpu", chat_template: bool = False):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype)).to(device)
+        self.model.eval()
+        self._stop_at_end_of_turn(chat_template)
+        self.stops = set(self.stop_token_ids) | {self.tokenizer.eos_token_id} - {None}
+        self.device = device
+        self.generator_seed = seed
+        self.weights_version = weights_version
+        torch.manual_seed(seed)
+
+    @classmethod
+    def from_config(cls, explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
+                    model_path: str | None = None) -> "TransformersEngine":
+        """The engine the model section describes, on `model_path` (default `model.path`)."""
+        import torch
+
+        return cls(model_path or model.path, dtype=model.dtype, seed=seed, chat_template=model.chat_template,
+                   device="cuda" if torch.cuda.is_available() else "cpu")
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
+        return [self._generate_one(list(p), sampling) for p in prompts]
+
+    def _generate_one(self, prompt: list[int], sampling: SamplingSettings) -> Generation:
+        torch = self.torch
+        ids = torch.tensor([prompt], device=self.device)
+        greedy = sampling.temperature == 0
+        sample_args = {} if greedy else dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+        if self.stop_token_ids:
+            sample_args["eos_token_id"] = sorted(self.stops)
+        with torch.no_grad():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=not greedy,
+                                      num_return_sequences=1 if greedy else sampling.n,
+                                      max_new_tokens=sampling.max_tokens,
+                                      output_scores=True, return_dict_in_generate=True,
+                                      pad_token_id=self.tokenizer.pad_token_id, **sample_args)
+        new_tokens = out.sequences[:, len(prompt):]
+        # scores are the processed logits the sampler drew from (after temperature / top-p)
+        logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
+        # greedy: HF generates one sequence; the n samples are its copies (as vLLM's n greedy samples are)
+        completions = [self._completion(new_tokens[0 if greedy else i].tolist(), logprobs[0 if greedy else i],
+                                        sampling.stop) for i in range(sampling.n)]
+        return Generation(prompt, completions)
+
+    def _completion(self, tokens: list[int], logprobs, stop: Sequence[str] = ()) -> Completion:
+        """Up to and including the first stop token (generate pads the rest of the batch row), or the token that
+        completes the first stop string (its text ends before the string)."""
+        end = next((i + 1 for i, t in enumerate(tokens) if t in self.stops), len(tokens))
+        kept = tokens[:end]
+        stopped = bool(kept) and kept[-1] in self.stops
+        text = self.decode(kept)
+        if stop and any(s in text for s in stop):
+            for i in range(1, len(kept) + 1):
+                prefix = self.decode(kept[:i])
+                hits = [prefix.index(s) for s in stop if s in prefix]
+                if hits:
+                    kept, text, stopped = kept[:i], prefix[:min(hits)], True
+                    break
+        values = [float(logprobs[i, t]) for i, t in enumerate(kept)]
+        return Completion(token_ids=kept, logprobs=values, text=text,
+                          finish_reason="stop" if stopped else "length", weights_version=self.weights_version)
+
+    def next_token_probs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:
+        torch = self.torch
+        out = []
+        with torch.no_grad():
+            for p in prompts:
+                logits = self.model(torch.tensor([list(p)], device=self.device)).logits[0, -1].float()
+                out.append(torch.softmax(logits[list(candidates)], dim=-1).tolist())
+        return out
+
+    def load_weights(self, path: str | os.PathLike, version: int) -> None:
+        self._load_state(iter_safetensors(path), source=str(path))
+        self.weights_version = version
+
+    def join_push_group(self, spec: dict) -> None:
+        from rft.weights.push import PushGroupSpec, PushReceiver  # heavy: torch
+        from rft.weights.vllm_transfer import BACKEND  # heavy: torch
+
+        if spec.get("backend") == BACKEND:
+            raise EngineError("the push group uses vLLM's weight transfer (sync.push_transport); the transformers "
+                              "engine cannot take part: set sync.push_transport: rft")
+        self._push = PushReceiver.join(PushGroupSpec.from_json(spec))
+
+    def receive_pushed_weights(self) -> int:
+        from rft.weights.push import receive_into  # heavy: torch
+
+        self.weights_version = receive_into(self._push, lambda tensors: self._load_state(tensors, source="the push"))
+        return self.weights_version
+
+    def leave_push_group(self) -> None:
+        self._push = None
+
+    def _load_state(self, tensors, *, source: str) -> None:
+        state = {name: tensor.clone() for name, tensor in tensors}
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        unexpected = [k for k in unexpected if k != "lm_head.weight"]
+        missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise EngineError(f"weights from {source} do not match the model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+        if self.model.config.tie_word_embeddings:
+            self.model.tie_weights()
+
+    def close(self) -> None:
+        self.model = None
+
+

