@@ -100,7 +100,7 @@ class Row:
     description: str  # "" when the field has none
 
 
-def rows(root: type = config_module.Config) -> list[tuple[str, type, list[Row]]]:
+def rows(root: type = config_module.Config) -> list[tuple[str, type | None, list[Row]]]:
     """The reference of dataclass `root` as (section name, section class or None, rows) per field of `root`: a field
     that is a dataclass is a section (its nested dataclass fields flattened into it, a list of dataclasses as
     `key[].field`); any other field of `root` (`stages`) is a section of one row."""
@@ -157,9 +157,13 @@ def render(root: type = config_module.Config, pending: frozenset[str] = PENDING_
         if doc and not doc.startswith(cls.__name__ + "("):  # not the signature dataclass writes as a docstring
             parts.append(doc + "\n")
         parts.append("| key | type | default | meaning |\n|---|---|---|---|")
-        parts.extend(f"| `{r.key}` | {r.type_name} | {r.default} | {r.description.replace('|', chr(92) + '|')} |"
-                     for r in section)
+        parts.extend(f"| `{r.key}` | {r.type_name} | {r.default} | {_cell(r.description)} |" for r in section)
     return "\n".join(parts) + "\n"
+
+
+def _cell(text: str) -> str:
+    """`text` as a table cell: a `|` in it would end the cell."""
+    return text.replace("|", "\\|")
 
 
 def _type_name(tp) -> str:
