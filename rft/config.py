@@ -35,26 +35,45 @@ class ConfigError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------------
-# Sections. Each field's default is the sensible default; fields without one are required.
+# Sections. Each field's default is the sensible default; fields without one are required. Each field is described
+# by a comment on its line or by comment lines directly above it: docs/config.md is generated from them
+# (rft/ops/config_reference.py), and a test fails on a key without one.
 
 
 @dataclass
 class RunConfig:
+    # names the run: its directory `<output_dir>/<name>`, and its topics and consumer group unless kafka.topic_prefix;
+    # letters, digits, '.', '_', '-'
     name: str = "rft-run"
+    # which parts `rft run` starts and the staleness bound: sync (0), off_policy (run.max_staleness), async (none),
+    # offline (replays a topic), explore (explorers only), train (explorers run elsewhere), serve (learns from
+    # `rft serve` traffic); table: rft/modes.py
     mode: Literal["sync", "off_policy", "async", "offline", "explore", "train", "serve"] = "off_policy"
+    # off_policy: the largest staleness ((step - 1) - policy version) a sample may have when it trains; admission holds
+    # explorers back, the trainer drops older samples; other modes ignore it
     max_staleness: int = 1
+    # seeds the trainer's random state (megatron's RNG, a critic's new value head), every engine's sampling (explorers,
+    # evaluator, `rft serve`) and the replay buffer unless replay_buffer.seed; the task order is data.shuffle_seed's
     seed: int = 0
+    # where run directories go: a run writes its config, checkpoints, weights and metrics to `<output_dir>/<run.name>`
     output_dir: str = "runs"
+    # optimizer steps the trainer takes, then it exports the final weights and the run ends (offline: sooner if the
+    # replay reaches its end)
     max_steps: int = 10
     share_gpus: bool = False  # one-machine runs with fewer GPUs than parts: parts share them (rft.cli.launcher.gpu_plan)
 
 
 @dataclass
 class ModelConfig:
+    # required: the Hugging Face model directory the trainer starts from and every engine loads first (version 0)
     path: str = ""
     tokenizer: str = ""  # empty: same as path
+    # parameter dtype of the trainer (bfloat16, float16: megatron's mixed precision) and of the engines
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # tokens: a task whose prompt is longer is not explored (dead-lettered) and `rft serve` refuses such a request (400)
     max_prompt_len: int = 256
+    # tokens of one response (multi_turn, tool_agent: model and environment tokens together); caps explorer.max_tokens;
+    # the trainer cuts rows at max_prompt_len + max_response_len
     max_response_len: int = 64
     chat_template: bool = False  # format every task prompt through the tokenizer's chat template (docs/data.md)
     system_prompt: str = ""  # chat_template: the system turn before each prompt; empty: none
@@ -62,37 +81,57 @@ class ModelConfig:
 
 @dataclass
 class KafkaConfig:
+    # the broker: host:port[,host:port...]; embedded: `rft run` starts a local broker for the run (the other commands
+    # then need the real address, --set kafka.bootstrap_servers=HOST:PORT)
     bootstrap_servers: str = "embedded"
     embedded_data_dir: str = ""  # embedded broker only: "" in memory; a directory (relative: under the run dir) keeps topics across a crash
     topic_prefix: str = ""  # empty: the run name
     partitions: int = 4  # tasks and control topics (explorers share the tasks topic by partitions)
     experience_partitions: int = 1  # 1 keeps the trainer's batches identical across restarts (see trainer/feed.py)
+    # replicas of each topic rft creates (3 on a production cluster, docs/operations.md); topics that exist keep theirs
     replication_factor: int = 1
+    # largest record a part sends (bytes): a bigger one (e.g. a group) is refused with its size and dead-lettered; the
+    # consumers' fetch sizes follow it; the broker must accept as much
     max_record_bytes: int = 8 * 1024 * 1024
+    # codec the producers compress records with; null: none (zstd, lz4: 2-4x less experience traffic, docs/operations.md)
     compression: Optional[Literal["gzip", "snappy", "lz4", "zstd"]] = None
+    # the Kafka clients' request timeout; also how long a part waits for the broker to acknowledge a record it sent
     request_timeout_ms: int = 30000
+    # a consumer-group member silent this long is presumed dead and its partitions move to the others (heartbeats every
+    # quarter of it, at least 500 ms)
     session_timeout_ms: int = 6000
+    # longest a consumer-group member may go between two polls before the group presumes it dead (an explorer uses at
+    # least explorer.max_batch_s)
     max_poll_interval_ms: int = 5000
     security: dict[str, Any] = field(default_factory=dict)  # passed to kafka clients verbatim
 
 
 @dataclass
 class ExplorerConfig:
+    # explorers `rft run` starts in modes with explorers; also the fixed fleet a push serves (sync.method push) and,
+    # with tasks_per_batch, data.tasks_ahead's default
     replicas: int = 1
     engine: Literal["vllm", "transformers"] = "vllm"  # transformers: HF generate in-process (reference, slow)
+    # GPUs (vLLM tensor-parallel workers) of each explorer's engine, and of `rft serve`'s and the evaluator's
     tensor_parallel_size: int = 1
+    # samples generated per task: the size of each experience group (the baseline of group advantages)
     n_samples: int = 8
+    # sampling temperature of the explorers (0: greedy); the trainer computes log-probs at it (0 counts as 1)
     temperature: float = 1.0
+    # nucleus sampling of the explorers, in (0, 1]: sample from the most likely tokens holding this probability; 1: off
     top_p: float = 1.0
+    # new tokens per sample (multi_turn, tool_agent: per model turn), at most model.max_response_len
     max_tokens: int = 32
+    # batch loop (continuous false): tasks an explorer takes from the tasks topic and generates together per batch
     tasks_per_batch: int = 8
     continuous: bool = False  # vllm engine, single_turn: submit tasks as engine slots free up and produce each group when its n samples are done (rft/explorer/continuous.py); false: batches of tasks_per_batch
     max_inflight: int = 64  # continuous: the engine holds at most max_inflight x n_samples unfinished sequences (tasks' worth)
     workflow: str = "single_turn"  # registered name (single_turn, multi_turn, tool_agent) or package.module:Class
     reward: str = "exact_match"  # registered name, `weighted` (uses reward_weights) or package.module:function
     reward_weights: dict[str, float] = field(default_factory=dict)  # reward name -> weight, for reward: weighted
+    # vLLM on a GPU: the share of its memory the engine may take (weights, KV cache); lower it when parts share GPUs
     gpu_memory_utilization: float = 0.5
-    cpu_kvcache_gb: float = 1.0
+    cpu_kvcache_gb: float = 1.0  # vLLM on CPU: GiB of memory the engine reserves for its KV cache
     vllm_in_process: Optional[bool] = None  # null: in-process on CPU with TP 1 (fast start), own process otherwise
     environment: str = "retry"  # multi_turn: registered environment (retry, frozenlake, textarena) or package.module:Class
     max_turns: int = 2  # multi_turn, tool_agent: model turns per episode
@@ -108,8 +147,9 @@ class ExplorerConfig:
     admission: str = "staleness"  # staleness (the mode's bound, fleet-wide), all, or package.module:factory(config, explorer_id)
     heartbeat_s: float = 5.0  # seconds between explorer heartbeats on the control topic
     max_batch_s: float = 300.0  # longest one batch may take before the consumer group presumes the explorer dead
-    exit_when_idle_s: float = 0.0  # > 0: an explorer exits (code 0) after this long without tasks; 0: never, except
-    # that `rft run` in explore mode uses 30 s (its explorers end the run once the task set is exhausted)
+    # > 0: an explorer exits (code 0) after this long without tasks; 0: never, except that `rft run` in explore mode
+    # uses 30 s (its explorers end the run once the task set is exhausted)
+    exit_when_idle_s: float = 0.0
     static_membership: bool = False  # join the tasks group with group_instance_id = explorer id (KIP-345; docs/operations.md)
     unassigned_rejoin_s: float = 30.0  # membership watchdog: rejoin / move the tasks group after this long without partitions (0: off)
 
@@ -139,19 +179,28 @@ class ExplorerConfig:
 
 @dataclass
 class TrainerConfig:
-    tensor_parallel: int = 1
+    tensor_parallel: int = 1  # megatron tensor parallelism: ranks each layer's weights are split over
+    # megatron pipeline parallelism: consecutive stages the layers are split into (each on tensor_parallel ranks)
     pipeline_parallel: int = 1
+    # model replicas; the trainer runs tensor_parallel x pipeline_parallel x data_parallel processes (`rft run` starts
+    # them, a hand-written launch must match)
     data_parallel: int = 1
+    # fresh experience groups per optimizer step (explorer.n_samples samples each), shared among the data-parallel ranks
     groups_per_step: int = 8
     micro_batch_size: int = 8  # rows per micro-batch (fixed shape); not used when max_tokens_per_micro_batch > 0
     max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by token budget, rows grouped by length (rows x own longest row <= budget; pipeline_parallel 1); 0: fixed micro_batch_size
     pack_sequences: bool = False  # concatenate each micro-batch's rows into one sequence (PackedSeqParams, thd); needs Transformer Engine on a GPU and pipeline_parallel 1
-    lr: float = 1e-5
-    weight_decay: float = 0.0
+    lr: float = 1e-5  # Adam learning rate of the policy, constant for the whole run (no warm-up, no decay); > 0
+    weight_decay: float = 0.0  # Adam's decoupled weight decay, not applied to biases and norm weights; 0: none
+    # gradients are clipped to this global L2 norm before each optimizer step (critic's too); 0: no clipping
     grad_clip: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
+    adam_beta1: float = 0.9  # Adam's decay of the gradient's running mean (policy and critic)
+    adam_beta2: float = 0.999  # Adam's decay of the squared gradient's running mean (policy and critic)
+    # steps between checkpoints (model, optimizer and consumed Kafka offsets: a restarted trainer resumes from the
+    # newest); the last step is always checkpointed
     checkpoint_every: int = 10
+    # seconds the trainer waits without a new experience record before it fails (FeedTimeout), e.g. when every explorer
+    # is gone
     poll_timeout_s: float = 600.0
     operators: list[Any] = field(default_factory=list)  # experience operators, in order: names or {name: ..., args} (docs/data.md)
 
@@ -238,12 +287,19 @@ class CurriculumConfig:
 
 @dataclass
 class DataConfig:
+    # the task set: a .jsonl or .parquet file, an HF dataset directory (path:split for a DatasetDict), a toy task
+    # (format generated) or a reasoning-gym dataset; empty with data.mix
     path: str = ""
+    # how data.path is read: jsonl, parquet, hf_disk (save_to_disk), generated (rft/data/toy_tasks.py), reasoning_gym,
+    # gsm8k (question, answer ending `#### N`)
     format: DataFormat = "jsonl"
+    # the row field holding the prompt ({prompt} in prompt_template); not for reasoning_gym and gsm8k rows
     prompt_key: str = "prompt"
+    # the row field holding the ground truth the reward compares with ("": none); not for reasoning_gym and gsm8k rows
     answer_key: str = "answer"
+    # a task's prompt: this string formatted with the row's fields, {prompt} being the prompt_key field
     prompt_template: str = "{prompt}"
-    epochs: int = 1
+    epochs: int = 1  # times each task is published (its visits; selectors pick among tasks with visits left)
     shuffle_seed: Optional[int] = 0  # seeds every selector (shuffle: null keeps the dataset order)
     selector: str = "shuffle"  # sequential, shuffle, curriculum, or package.module:factory (docs/data.md)
     generated_tasks: int = 1000  # format generated / reasoning_gym: how many tasks data.path generates
@@ -278,9 +334,13 @@ class DataConfig:
 
 @dataclass
 class SyncConfig:
+    # how explorers get each new version: pull (from the weight store on a shared filesystem; elastic fleets) or push
+    # (broadcast to a fixed fleet of explorer.replicas; pull after a failure)
     method: Literal["push", "pull"] = "pull"
     weight_store: str = ""  # empty: <run dir>/weights
+    # MiB per bucket in which each version's HF tensors are gathered and delivered (store writes and pushes alike)
     bucket_mb: int = 64
+    # versions the weight store keeps (older ones are deleted); a reader that finds its version gone takes the newest
     keep_versions: int = 2
     write_behind: bool = True  # pull: write and announce each version in the background while the next step trains
     timeout_s: float = 120.0  # push: longest wait for the fleet to join, and for one version to be delivered; pull with pipeline stages: longest wait without progress for the other stages' shards
@@ -326,11 +386,16 @@ class ServeConfig:
 
 @dataclass
 class MonitorConfig:
+    # no effect: metrics always go to `<run dir>/metrics.jsonl` (`rft run`'s progress line and the dashboard read it)
     jsonl: bool = True
+    # also write the metrics as TensorBoard scalars to `<run dir>/tensorboard` (needs tensorboard)
     tensorboard: bool = False
+    # also log the trainer's and evaluator's metrics to Weights & Biases (offline unless WANDB_MODE is set)
     wandb: bool = False
-    wandb_project: str = "rft"
+    wandb_project: str = "rft"  # the W&B project of monitor.wandb
     prometheus_port: int = 0  # 0: off; each part serves /metrics on the first free port from here (see rft status)
+    # print progress: `rft run`'s step line with its ETA, the trainer's line per step, bars for publishing and
+    # evaluating
     progress: bool = True
     dashboard_port: int = 0  # 0: off; `rft run` also starts `rft dashboard` on this port (the live run page)
 
@@ -365,10 +430,10 @@ class EvalSetConfig:
     """One evaluation task set: where its rows come from, as in `data` (see rft/data/tasks.py)."""
     name: str = ""  # required: metrics are eval/<name>/accuracy, eval/<name>/pass@<k>, eval/<name>/mean@<k>
     path: str = ""  # as data.path: a file, an HF dataset directory (path:split), or a toy task for format generated
-    format: DataFormat = "jsonl"
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    prompt_template: str = "{prompt}"
+    format: DataFormat = "jsonl"  # as data.format
+    prompt_key: str = "prompt"  # as data.prompt_key
+    answer_key: str = "answer"  # as data.answer_key
+    prompt_template: str = "{prompt}"  # as data.prompt_template
     generated_tasks: int = 100  # format generated / reasoning_gym: how many tasks
     seed: int = 1  # format generated / reasoning_gym: generator seed (data.shuffle_seed seeds the training rows)
     options: dict[str, Any] = field(default_factory=dict)  # reasoning_gym / generated: the dataset's options
@@ -382,8 +447,8 @@ class EvalConfig:
     sets: list[EvalSetConfig] = field(default_factory=list)  # task sets: a list of mappings with the keys below
     n_samples: int = 8  # samples per task
     k: int = 4  # pass@k and mean@k (unbiased estimates from n_samples samples); <= n_samples
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # sampling temperature of evaluation (0: greedy), independent of explorer.temperature
+    top_p: float = 1.0  # nucleus sampling of evaluation, in (0, 1]; 1: off
     max_tokens: int = 0  # 0: explorer.max_tokens
     correct_threshold: float = 1.0  # reward at or above which a sample counts as correct
     every_steps: int = 0  # > 0: `rft run` also starts an evaluator on every every_steps-th published version

@@ -1,22 +1,41 @@
 """Generate docs/config.md from the typed config tree (rft/config.py), so the reference cannot drift.
 
 `python -m rft.ops.config_reference` rewrites docs/config.md; `--check` exits 1 if the file is not current (a test
-runs the check in CI). Descriptions are the trailing `# comments` of the fields in rft/config.py.
+runs the check in CI). Either fails, naming every dotted key, when a key has no description.
+
+A key's description is the comment written with its field in rft/config.py, in one of two forms:
+
+    # One or more comment lines directly above the field
+    # (no blank line between), joined into one line.
+    name: int = 1
+    other: int = 2  # or a comment at the end of the field's own line(s)
+
+A field with both is an error (a note meant for several fields stands apart, above a blank line). Comments are read
+with Python's tokenizer and the fields' lines with its parser, so a `#` inside a default or a default spanning
+several lines is no trouble. A section's class docstring becomes the paragraph above its table.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import inspect
-import re
+import io
 import sys
+import textwrap
+import tokenize
 import typing
 from pathlib import Path
 
 from rft import config as config_module
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"
-_FIELD_LINE = re.compile(r"^\s+(\w+):[^#]*?(?:#\s*(.*))?$")
+
+# Keys of the `algorithm:` section still without a description while that section is being restructured into
+# per-algorithm options (issue 25, item 2). The check fails if one of these gets a description or disappears:
+# delete it from here then. Nothing else may be added.
+PENDING_DESCRIPTION = frozenset({"algorithm.kl_coef", "algorithm.off_policy_correction", "algorithm.importance_cap",
+                                 "algorithm.dpo_beta"})
 
 HEADER = """# Configuration reference
 
@@ -27,13 +46,124 @@ file and the dotted key.
 """
 
 
-def _comments(cls: type) -> dict[str, str]:
-    out = {}
-    for line in inspect.getsource(cls).splitlines()[1:]:
-        m = _FIELD_LINE.match(line)
-        if m and m.group(2):
-            out[m.group(1)] = m.group(2).strip()
+class ConfigReferenceError(ValueError):
+    """The reference cannot be generated: keys without a description, or a description written twice. The message
+    names every key concerned (`keys`) and says how to fix it."""
+
+    def __init__(self, message: str, keys: list[str]):
+        super().__init__(message)
+        self.keys = keys
+
+
+def field_descriptions(cls: type, prefix: str = "") -> dict[str, str]:
+    """{field name: description} of the fields of dataclass `cls` that have one, read from its source (the forms are
+    in the module docstring; lines of a block joined by one space). Raises ConfigReferenceError naming the key
+    (`prefix.field`, else `ClassName.field`) when a field has both a comment block above it and one on its line."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    lines = source.splitlines()
+    comments: dict[int, str] = {}  # line number (1-based) -> comment text
+    alone: set[int] = set()  # lines holding nothing but a comment
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            row, col = token.start
+            comments[row] = token.string.lstrip("#").strip()
+            if not lines[row - 1][:col].strip():
+                alone.add(row)
+    class_node = next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef))
+    out: dict[str, str] = {}
+    previous_end = class_node.lineno
+    for node in class_node.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            name = node.target.id
+            on_line = [comments[r] for r in range(node.lineno, node.end_lineno + 1) if r in comments]
+            above, row = [], node.lineno - 1
+            while row > previous_end and row in alone:
+                above.insert(0, comments[row])
+                row -= 1
+            if above and on_line:
+                key = f"{prefix or cls.__name__}.{name}"
+                raise ConfigReferenceError(
+                    f"{key}: described twice, above the field ({' '.join(above)!r}) and on its line "
+                    f"({' '.join(on_line)!r}); keep one (a note for several fields goes above a blank line)", [key])
+            text = " ".join(part for part in above or on_line if part)
+            if text:
+                out[name] = text
+        previous_end = node.end_lineno
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    key: str  # dotted: `section.key`, `section.sub.key`, `section.list[].key`
+    type_name: str
+    default: str
+    description: str  # "" when the field has none
+
+
+def rows(root: type = config_module.Config) -> list[tuple[str, type | None, list[Row]]]:
+    """The reference of dataclass `root` as (section name, section class or None, rows) per field of `root`: a field
+    that is a dataclass is a section (its nested dataclass fields flattened into it, a list of dataclasses as
+    `key[].field`); any other field of `root` (`stages`) is a section of one row."""
+    sections = []
+    hints, descriptions = typing.get_type_hints(root), field_descriptions(root)
+    for f in dataclasses.fields(root):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            sections.append((f.name, tp, _rows(tp, f.name)))
+        else:
+            sections.append((f.name, None, [Row(f.name, _type_name(tp), _default(f), descriptions.get(f.name, ""))]))
+    return sections
+
+
+def _rows(cls: type, prefix: str) -> list[Row]:
+    out = []
+    hints, descriptions = typing.get_type_hints(cls), field_descriptions(cls, prefix)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        if dataclasses.is_dataclass(tp):
+            out.extend(_rows(tp, f"{prefix}.{f.name}"))
+            continue
+        out.append(Row(f"{prefix}.{f.name}", _type_name(tp), _default(f), descriptions.get(f.name, "")))
+        if item is not None and dataclasses.is_dataclass(item):
+            out.extend(_rows(item, f"{prefix}.{f.name}[]"))
+    return out
+
+
+def check_descriptions(root: type = config_module.Config, pending: frozenset[str] = PENDING_DESCRIPTION) -> None:
+    """ConfigReferenceError naming every dotted key of `root` without a description (those in `pending` excepted),
+    and every key of `pending` that has one or does not exist (the exemption is then stale)."""
+    described = {row.key: bool(row.description) for _, _, section in rows(root) for row in section}
+    missing = [key for key, ok in described.items() if not ok and key not in pending]
+    stale = sorted(key for key in pending if described.get(key, True))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} config keys have no description: {', '.join(missing)}. Describe each with "
+                        "a comment on its field's line in rft/config.py, or comment lines directly above the field")
+    if stale:
+        problems.append(f"described or gone, so no longer pending: {', '.join(stale)}; remove them from "
+                        "PENDING_DESCRIPTION in rft/ops/config_reference.py")
+    if problems:
+        raise ConfigReferenceError("; ".join(problems), missing + stale)
+
+
+def render(root: type = config_module.Config, pending: frozenset[str] = PENDING_DESCRIPTION) -> str:
+    """docs/config.md's text; ConfigReferenceError (`check_descriptions`) first if a key lacks a description."""
+    check_descriptions(root, pending)
+    parts = [HEADER]
+    for name, cls, section in rows(root):
+        parts.append(f"\n## `{name}`\n")
+        doc = inspect.getdoc(cls) if cls is not None else None
+        if doc and not doc.startswith(cls.__name__ + "("):  # not the signature dataclass writes as a docstring
+            parts.append(doc + "\n")
+        parts.append("| key | type | default | meaning |\n|---|---|---|---|")
+        parts.extend(f"| `{r.key}` | {r.type_name} | {r.default} | {_cell(r.description)} |" for r in section)
+    return "\n".join(parts) + "\n"
+
+
+def _cell(text: str) -> str:
+    """`text` as a table cell: a `|` in it would end the cell."""
+    return text.replace("|", "\\|")
 
 
 def _type_name(tp) -> str:
@@ -55,47 +185,15 @@ def _default(f: dataclasses.Field) -> str:
     return "required"
 
 
-def render() -> str:
-    parts = [HEADER]
-    root_hints = typing.get_type_hints(config_module.Config)
-    for section in dataclasses.fields(config_module.Config):
-        cls = root_hints[section.name]
-        if not dataclasses.is_dataclass(cls):  # a top-level key that is not a section (`stages`)
-            parts.append(f"\n## `{section.name}`\n\n| key | type | default | meaning |\n|---|---|---|---|\n"
-                         f"| `{section.name}` | {_type_name(cls)} | {_default(section)} | "
-                         f"{_comments(config_module.Config).get(section.name, '')} |")
-            continue
-        doc = inspect.getdoc(cls)
-        parts.append(f"\n## `{section.name}`\n")
-        if doc and not doc.startswith(cls.__name__ + "("):
-            parts.append(doc + "\n")
-        parts.append("| key | type | default | meaning |\n|---|---|---|---|")
-        parts.extend(_rows(cls, section.name))
-    return "\n".join(parts) + "\n"
-
-
-def _rows(cls: type, prefix: str) -> list[str]:
-    """One row per field; a field that is a section is followed by its own fields' rows, a list of sections (e.g.
-    `eval.sets`) by its items' fields as `key[].field`."""
-    rows = []
-    hints, comments = typing.get_type_hints(cls), _comments(cls)
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
-        if dataclasses.is_dataclass(tp):
-            rows.extend(_rows(tp, f"{prefix}.{f.name}"))
-            continue
-        rows.append(f"| `{prefix}.{f.name}` | {_type_name(tp)} | {_default(f)} | {comments.get(f.name, '')} |")
-        if item is not None and dataclasses.is_dataclass(item):
-            rows.extend(_rows(item, f"{prefix}.{f.name}[]"))
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/config.md is not current")
     args = parser.parse_args(argv)
-    text = render()
+    try:
+        text = render()
+    except ConfigReferenceError as e:
+        print(f"rft.ops.config_reference: {e}", file=sys.stderr)
+        return 1
     if args.check:
         current = DOC_PATH.read_text() if DOC_PATH.exists() else ""
         if current != text:
