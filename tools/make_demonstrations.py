@@ -1,4 +1,4 @@
-"""Expert demonstrations for a supervised warm start (an SFT stage before RL, README "Multi-stage runs"): JSONL rows
+"""Expert demonstrations for a supervised warm start (an SFT stage before RL: docs/algorithms.md): JSONL rows
 `{"prompt", "answer"}` whose answer is a conversation (rft/data/demonstrations.py: assistant turns trained, tool and
 user turns masked), written by playing each episode with a scripted expert through rft's own tools and
 environments, so every tool result and observation is the text the explorers will show.

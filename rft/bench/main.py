@@ -1,4 +1,4 @@
-"""`rft bench NAME [options]`: the benchmarks, one module each in tools/ (`main(argv) -> exit code`)."""
+"""`rft bench NAME [options]`: the benchmarks, one module each in rft/bench/ (`main(argv) -> exit code`)."""
 from __future__ import annotations
 
 import sys

@@ -35,7 +35,7 @@ generate (rft/bench/trl_reference.py, shared with `rft bench learn`).
 
 Threads: on a 2-core machine the stages overlap only if each uses one core: `--threads 1` (the default) sets
 OMP_NUM_THREADS for every part, in the stage-alone runs too, so each bound is what one core per stage allows.
-Targets on the 2-core CPU (the README): sync and async efficiency >= 0.85, off_policy k=1 >= 0.8.
+Targets on the 2-core CPU (docs/benchmarks.md): sync and async efficiency >= 0.85, off_policy k=1 >= 0.8.
 """
 from __future__ import annotations
 

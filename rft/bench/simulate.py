@@ -294,7 +294,7 @@ def simulate(stages: Stages, *, explorers: int, partitions: int, mode: str, step
 
 
 def bounds(stages: Stages, active: int) -> dict[str, float]:
-    """The physical bounds in samples/s (README, `rft bench modes`): generation alone, training alone, sync
+    """The physical bounds in samples/s (of `rft bench modes`): generation alone, training alone, sync
     `1 / (1/gen + 1/train)` and overlapped `min(gen, train)`."""
     per_group = stages.batch_s(stages.tasks_per_batch) / stages.tasks_per_batch
     gen = active * stages.samples_per_group / per_group

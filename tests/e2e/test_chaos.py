@@ -1,7 +1,7 @@
 """`rft chaos`'s CI subset: three scenarios (trainer SIGKILLs at two phases with `rft run` restarted, a poison
 stream, producer retries through the proxy), `--quick`, through the tool as a user runs it, and its ledger: every
 run finished, 0 groups lost, 0 trained twice, faults actually injected, poison dead-lettered. The whole set is
-`rft chaos --all` (README, docs/operations.md); the ledger's arithmetic is tests/unit/test_chaos_ledger.py."""
+`rft chaos --all` (docs/operations.md, "Chaos"); the ledger's arithmetic is tests/unit/test_chaos_ledger.py."""
 from __future__ import annotations
 
 import json
