@@ -44,6 +44,7 @@ from rft.run.monitor import plot_rewards
 from rft.transport.run_topics import RunTopics, create_run_topics
 from rft.run.stages import resolve_stages
 from rft.ops.status import StallWatch
+from rft.processes import signal_group
 from rft.transport import connect
 
 ROLES_BY_MODE = {name: m.roles for name, m in MODES.items()}
@@ -439,13 +440,13 @@ class PartRunner:
         """SIGTERM to every part still running (but those named in `keep`), SIGKILL after `grace_s`."""
         alive = [p for p in self.parts.values() if p.process.poll() is None and p.name not in keep]
         for part in alive:
-            _signal_group(part.process, signal.SIGTERM)
+            signal_group(part.process, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for part in alive:
             try:
                 part.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal_group(part.process, signal.SIGKILL)
+                signal_group(part.process, signal.SIGKILL)
                 part.process.wait()
 
 
@@ -499,13 +500,6 @@ def _eval_summary(record: dict) -> str:
     shown = ("accuracy", "pass@", "mean@")
     return "  ".join(f"{key.removeprefix('eval/')} {value:.3f}" for key, value in record.items()
                      if key.startswith("eval/") and key.rsplit("/", 1)[-1].startswith(shown))
-
-
-def _signal_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def replay_main(argv: list[str]) -> int:
