@@ -87,8 +87,8 @@ from rft.schema import (HEADER_SCHEMA, HEADER_TYPE, ControlMessage, ExperienceGr
                         decode, decode_group, encode)
 from rft.transport import TransportError, connect
 from rft.transport.base import HEADER_ORIGIN
-from rft.bench.run_support import (consumed, latest_checkpoint_state, log_tail, no_process_left, read_topic, rft_explorer,
-                                   rft_run, steps_done, write_config)
+from rft.bench.run_support import (consumed, latest_checkpoint_state, log_tail, no_process_left, read_topic,
+                                   rft_explorer, rft_run, steps_done, write_config)
 from rft.processes import free_port, kill_matching, matching, signal_group, stop_group
 
 PRODUCE, FETCH = 0, 1

@@ -34,7 +34,7 @@ from pathlib import Path
 from rft.algorithms import build_algorithm
 from rft.algorithms.chord import demonstrations_topic
 from rft.broker.local import KafkaEndpoint
-from rft.run.commandline import add_config_arguments, config_from_args
+from rft.run.commandline import add_config_arguments, config_from_args, require_broker
 from rft.config import Config
 from rft.data.demonstrations import prompt_tools, publish_demonstrations
 from rft.data.selectors import selector_needs_rewards
@@ -516,10 +516,8 @@ def replay_main(argv: list[str]) -> int:
         if value is not None:
             args.overrides.append(f"replay.{key}={value}")
     cfg = config_from_args(args, need_model=True)
-    if cfg.kafka.bootstrap_servers == "embedded" and not cfg.replay.from_data:
-        print("rft replay: replay reads an existing topic: set kafka.bootstrap_servers to the broker that holds it",
-              file=sys.stderr)
-        return 2
+    if not cfg.replay.from_data:  # replays an existing topic, on the broker that holds it
+        require_broker(cfg, "rft replay")
     from rft.algorithms import build_algorithm  # heavy: torch
 
     if not build_algorithm(cfg.algorithm).supports_replay:

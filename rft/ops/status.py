@@ -307,13 +307,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--watch", type=float, default=0, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
     args = parser.parse_args(argv)
-    cfg = config_from_args(args)
-    if cfg.kafka.bootstrap_servers == "embedded":
-        resolved = cfg.run_dir / "config.yaml"
-        hint = f" (pass {resolved}, which names the broker `rft run` started)" if resolved.exists() else ""
-        print(f"rft status: kafka.bootstrap_servers is 'embedded': there is no broker address to read{hint}",
-              file=sys.stderr)
-        return 2
+    cfg = config_from_args(args, joins_broker="rft status")
     while True:
         try:
             report = collect(cfg)

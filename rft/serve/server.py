@@ -583,10 +583,7 @@ def main(argv: list[str]) -> int:
         parser.add_argument("--port", type=int, default=None, help="TCP port (default: serve.port)")
         parser.add_argument("--host", default=None, help="address to listen on (default: serve.host)")
 
-    loaded = part_config("rft serve", __doc__.split("\n")[0], argv, arguments)
-    if loaded is None:
-        return 2
-    cfg, args = loaded
+    cfg, args = part_config("rft serve", __doc__.split("\n")[0], argv, arguments)
     import uvicorn
 
     host, port = args.host or cfg.serve.host, args.port if args.port is not None else cfg.serve.port
