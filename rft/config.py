@@ -41,7 +41,7 @@ class ConfigError(ValueError):
 @dataclass
 class RunConfig:
     name: str = "rft-run"
-    mode: Literal["sync", "off_policy", "async", "offline", "explore", "train", "serve"] = "off_policy"
+    mode: Literal[MODES] = "off_policy"
     max_staleness: int = 1
     seed: int = 0
     output_dir: str = "runs"
