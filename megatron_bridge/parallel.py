@@ -15,7 +15,6 @@ of these gets world size 1 on a free local port.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_bridge.device as device
+from rft.processes import free_port
 
 _SLURM_TO_TORCH = {"SLURM_PROCID": "RANK", "SLURM_NTASKS": "WORLD_SIZE", "SLURM_LOCALID": "LOCAL_RANK"}
 
@@ -72,10 +72,7 @@ def _fill_env_from_slurm() -> None:
 def _fill_env_for_single_process() -> None:
     if "RANK" in os.environ:
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 def initialize(tp: int = 1, pp: int = 1, *, seed: int = 0, timeout_minutes: int = 30) -> ParallelLayout:

@@ -48,7 +48,7 @@ class RunConfig:
     # which parts `rft run` starts and the staleness bound: sync (0), off_policy (run.max_staleness), async (none),
     # offline (replays a topic), explore (explorers only), train (explorers run elsewhere), serve (learns from
     # `rft serve` traffic); table: rft/modes.py
-    mode: Literal["sync", "off_policy", "async", "offline", "explore", "train", "serve"] = "off_policy"
+    mode: Literal[MODES] = "off_policy"
     # off_policy: the largest staleness ((step - 1) - policy version) a sample may have when it trains; admission holds
     # explorers back, the trainer drops older samples; other modes ignore it
     max_staleness: int = 1

@@ -1,10 +1,22 @@
-"""Dying with the parent process: a leaf module (standard library only), so that light modules such as
-rft/broker/local.py can use it without importing rft.run.commandline's dependencies."""
+"""Processes and ports: a leaf module (standard library only), so that light modules such as rft/broker/local.py, the
+benchmarks and the tests use the same helpers without importing rft.run.commandline's dependencies.
+
+- `die_with_parent`: a child process that dies with its parent (Linux).
+- `free_port`: a TCP port nothing listens on now.
+- `signal_group`, `stop_group`: a signal to a child's process group (it was started with `start_new_session=True`);
+  a stop that escalates to SIGKILL.
+- `command_line`, `matching`, `kill_matching`, `alive`, `wait_gone`: /proc, what runs with which command line.
+"""
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
+import socket
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
@@ -13,3 +25,95 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` ("" and "localhost" mean 127.0.0.1) that was free a moment ago: the kernel's pick for
+    a bind to port 0, released at once. Another process may take it before the caller binds it."""
+    with socket.socket() as s:
+        s.bind((host if host not in ("", "localhost") else "127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def signal_group(process: subprocess.Popen | int, sig: int) -> bool:
+    """`sig` to the process group that `process` (a Popen, or a pid) leads: a child started with
+    `start_new_session=True` and everything it started in its session. False when the group is gone already (or
+    may not be signalled); True when the signal was sent."""
+    pid = process if isinstance(process, int) else process.pid
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def stop_group(process: subprocess.Popen, first: int = signal.SIGTERM, timeout_s: float = 10) -> int:
+    """Stop the process group `process` leads: `first` (when it still runs), SIGKILL after `timeout_s`; waits for
+    `process` and returns its exit status."""
+    if process.poll() is None:
+        signal_group(process, first)
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        signal_group(process, signal.SIGKILL)
+        return process.wait()
+
+
+def command_line(pid: int) -> str | None:
+    """The command line of process `pid`, its arguments joined by spaces ("" for a zombie or a kernel thread), or
+    None when there is no such process (or /proc does not say)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+
+
+def matching(*needles: str) -> list[int]:
+    """The pids of the live processes (zombies excluded) whose command line contains all `needles`, this process
+    left out."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        cmdline = command_line(int(entry.name))
+        if cmdline and all(n in cmdline for n in needles):
+            found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie, exited and not reaped yet, is not alive)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()  # after "pid (name)"
+    except OSError:
+        return False
+    return bool(state) and state[0] != "Z"
+
+
+def kill_matching(*needles: str, sig: int = signal.SIGKILL) -> list[int]:
+    """`sig` (SIGKILL) to every process whose command line contains all `needles` (`matching`); returns the pids
+    it was sent to."""
+    killed = []
+    for pid in matching(*needles):
+        try:
+            os.kill(pid, sig)
+            killed.append(pid)
+        except ProcessLookupError:
+            pass
+    return killed
+
+
+def wait_gone(pid: int, timeout_s: float = 10) -> bool:
+    """Until process `pid` is no longer `alive` (a child of this process is reaped once it exits; another's zombie
+    is left to its parent); False when it still runs after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # not our child
+            pass
+        if not alive(pid):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)

@@ -24,6 +24,7 @@ import tempfile
 from typing import Any
 
 from rft.agent_tools.registry import ToolLimits, function_schema, register_tool, require_arguments
+from rft.processes import signal_group
 
 MAX_FILE_BYTES = 1 << 20
 
@@ -51,7 +52,8 @@ def run_python(code: str, limits: ToolLimits) -> str:
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
-                _kill_group(process)
+                signal_group(process, signal.SIGKILL)  # the program and anything it started
+                process.wait()
         with open(out_path, "rb") as f:
             output = f.read(MAX_FILE_BYTES).decode("utf-8", "replace")
     if len(output.encode()) >= MAX_FILE_BYTES:
@@ -76,14 +78,6 @@ def _tail(output: str, limits: ToolLimits) -> str:
     """At most `output_chars // 2` characters from the end (a traceback's useful end), leaving room for the status."""
     keep = limits.output_chars // 2
     return output if len(output) <= keep else "..." + output[-keep:]
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    process.wait()
 
 
 @register_tool("python")

@@ -87,8 +87,9 @@ from rft.schema import (HEADER_SCHEMA, HEADER_TYPE, ControlMessage, ExperienceGr
                         decode, decode_group, encode)
 from rft.transport import TransportError, connect
 from rft.transport.base import HEADER_ORIGIN
-from rft.bench.run_support import (consumed, free_port, kill_matching, latest_checkpoint_state, log_tail, matching,
-                               no_process_left, read_topic, rft_explorer, rft_run, steps_done, write_config)
+from rft.bench.run_support import (consumed, latest_checkpoint_state, log_tail, no_process_left, read_topic,
+                                   rft_explorer, rft_run, steps_done, write_config)
+from rft.processes import free_port, kill_matching, matching, signal_group, stop_group
 
 PRODUCE, FETCH = 0, 1
 MODE, MAX_STALENESS = "off_policy", 2
@@ -355,7 +356,7 @@ class Context:
         try:
             return self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            signal_group(self.process, signal.SIGKILL)
             return self.process.wait()
 
     def run_config_path(self) -> Path:
@@ -384,19 +385,13 @@ class Context:
 
     def stop_explorer(self, explorer_id: str, sig: int = signal.SIGTERM) -> None:
         process = self.explorers.pop(explorer_id)
-        if process.poll() is None:
-            os.killpg(process.pid, sig)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_group(process, sig, timeout_s=60)
 
     def close(self) -> None:
         for explorer_id in list(self.explorers):
             self.stop_explorer(explorer_id)
         if self.running():
-            os.killpg(self.process.pid, signal.SIGKILL)
+            signal_group(self.process, signal.SIGKILL)
         if self.proxy is not None:
             self.proxy.stop()
         self.broker.stop()

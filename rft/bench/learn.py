@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 
 from rft.config import Config, ConfigError
+from rft.processes import signal_group
 from rft.run.loading import load_run_config
 from rft.weights.store import LATEST, WeightStore, store_root, version_dirname
 from rft.bench.trl_reference import TRLReferenceError, check_trl_config, run_trl, trl_missing
@@ -173,12 +174,12 @@ def link_version(root: Path, dest: Path, tries: int = 5) -> tuple[int, str | Non
 def stop_run(process: subprocess.Popen) -> int:
     """SIGTERM to the `rft run` process group (it stops every part), SIGKILL after STOP_GRACE_S; its exit code."""
     if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
+        signal_group(process, signal.SIGTERM)
         try:
             return process.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             note(f"rft run (pid {process.pid}) did not stop within {STOP_GRACE_S:.0f} s: killing it")
-            os.killpg(process.pid, signal.SIGKILL)
+            signal_group(process, signal.SIGKILL)
     return process.wait()
 
 

@@ -57,14 +57,13 @@ from rft.config import KafkaConfig
 from rft.transport.control import ExplorerWeights, Weights, control_messages, parse
 from rft.schema import decode_group
 from rft.transport import connect
-from rft.bench.simulate import Stages, simulate
+from rft.bench.simulate import BENCH_MODES, Stages, simulate
+from rft.modes import MODES as RUN_MODES
 from rft.bench.trl_reference import run_trl, trl_missing
 
 REPO = Path(__file__).resolve().parents[2]
 REAL_CONFIG = REPO / "configs" / "smollm2-arithmetic.yaml"
-MODES = [("sync", "sync", 0), ("off_policy k=1", "off_policy", 1), ("off_policy k=2", "off_policy", 2),
-         ("async", "async", 0)]
-OVERLAPPED = {"off_policy", "async"}
+MODES = [(label, mode, k) for label, (mode, k) in BENCH_MODES.items()]  # (label, run.mode, run.max_staleness)
 TINY_DEFAULTS = {"groups": 16, "samples": 8, "max_tokens": 16, "tasks_per_batch": 8, "lr": 3e-3}
 
 
@@ -227,7 +226,7 @@ def run_mode(args: argparse.Namespace, model: str, out: Path, label: str, mode: 
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     row.update(weight_sync(steps, read_control(bootstrap, name)))
     if bound is not None:
-        row["bound"] = bound["overlapped" if mode in OVERLAPPED else "sync"]
+        row["bound"] = bound["sync" if RUN_MODES[mode].bound == "zero" else "overlapped"]  # sync: stages take turns
         row["efficiency"] = row["samples_per_s"] / row["bound"]
     return row
 

@@ -1,7 +1,7 @@
 """Helpers to drive whole `rft run`s from outside, shared by the e2e fault tests (tests/e2e/test_run_faults.py,
 tests/e2e/test_chaos.py) and `rft chaos` (rft/bench/chaos.py): a tiny-model run config, starting `rft` processes in
 their own session, reading a run's files (metrics.jsonl, consumed.jsonl, the latest checkpoint's feed state),
-finding and killing its parts by command line, and reading a topic.
+finding its parts by command line (with rft.processes), and reading a topic.
 
 Failures (a run that ends early, a step that does not come, a run that does not finish) raise `RunFailed` (an
 AssertionError, so a test shows its message as a failed assertion) with the tail of the run's log.
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from rft.config import KafkaConfig
+from rft.processes import matching, signal_group
 from rft.transport import connect
 
 REPO = Path(__file__).resolve().parents[2]
@@ -95,43 +95,8 @@ def finish(process: subprocess.Popen, log: Path, timeout_s: float = 400) -> int:
     try:
         return process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        kill_session(process)
+        signal_group(process, signal.SIGKILL)  # the run and every part it started
         raise RunFailed(f"run did not finish in {timeout_s} s:\n{log_tail(log)}") from None
-
-
-def kill_session(process: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    """`sig` to every process of the session `process` leads (started by `start`)."""
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def matching(*needles: str) -> list[int]:
-    """Live processes whose command line contains all `needles` (zombies excluded)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if cmdline and all(n in cmdline for n in needles):
-            found.append(int(entry.name))
-    return found
-
-
-def kill_matching(*needles: str, sig: int = signal.SIGKILL) -> list[int]:
-    """`sig` (SIGKILL) to every process whose command line contains all `needles`; returns their pids."""
-    killed = []
-    for pid in matching(*needles):
-        try:
-            os.kill(pid, sig)
-            killed.append(pid)
-        except ProcessLookupError:
-            pass
-    return killed
 
 
 def no_process_left(*needles: str, timeout_s: float = 10) -> bool:
@@ -143,12 +108,6 @@ def no_process_left(*needles: str, timeout_s: float = 10) -> bool:
             return False
         time.sleep(0.2)
     return True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_topic(bootstrap: str, topic: str, end: dict[str, int] | None = None) -> list:

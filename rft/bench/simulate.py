@@ -8,11 +8,11 @@ The model (deterministic, one event queue, times in seconds):
   version was announced, reload it (below) before the next batch. Refused by admission, it waits for the next
   announcement and notices it after `notice_s` (polling: half the poll interval on average; 0 when announcements
   wake it).
-- **Admission** (rft/explorer/admission.py, the AReaL bound, as each explorer computes it): explorer e may start
-  `share(e, (k + v + 1) x groups_per_step - (trained + backlog)) - running_e` groups, v the version it holds, k
-  `max_staleness` (0 in sync, unbounded in async), `share` the production code's split of a capacity among the
-  active explorers by rank (its reading is taken fresh at every batch). Groups other explorers are running are
-  not in that count, as in production: a fleet can start a few groups beyond the bound, which the trainer drops.
+- **Admission**: production's formula itself (rft/explorer/admission.py, `capacity`), as each explorer computes it,
+  with v the version explorer e holds, k `max_staleness` (0 in sync, unbounded in async), the fleet's accepted
+  groups = trained + backlog, the active explorers sharing by rank, and `here` = the groups e is running (its
+  reading is taken fresh at every batch). Groups other explorers are running are not in that count, as in
+  production: a fleet can start a few groups beyond the bound, which the trainer drops.
 - **Trainer**: takes `groups_per_step` groups in arrival order once that many are on the topic; a step costs
   `train_s`, then `publish_s` on its critical path (the weights handed to the writer); the version is announced
   then. A group older than k versions at its step is dropped as stale (counted), as the trainer does.
@@ -44,9 +44,22 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rft.explorer.admission import share
+from rft.explorer.admission import capacity
+from rft.modes import staleness_bound
 
-MODES = {"sync": 0, "off_policy k=1": 1, "off_policy k=2": 2, "async": math.inf}
+# The runs `rft bench modes` and `rft bench simulate` compare: label -> (run.mode, run.max_staleness). What each mode
+# means (its staleness bound) is rft.modes', the one table of modes.
+BENCH_MODES = {"sync": ("sync", 0), "off_policy k=1": ("off_policy", 1), "off_policy k=2": ("off_policy", 2),
+               "async": ("async", 0)}
+
+
+def bound_of(label: str) -> float:
+    """The staleness bound k of the benchmark mode `label`, as rft.modes defines it (math.inf: none)."""
+    k = staleness_bound(*BENCH_MODES[label])
+    return math.inf if k is None else k
+
+
+MODES = {label: bound_of(label) for label in BENCH_MODES}  # label -> k, what the simulator takes
 
 
 @dataclass(frozen=True)
@@ -196,8 +209,8 @@ class Simulation:
     def _capacity(self, e: int) -> float:
         if math.isinf(self.k):
             return self.s.tasks_per_batch
-        fleet = (self.k + self.loaded[e] + 1) * self.s.groups_per_step - (self.trained + len(self.topic))
-        return share(int(fleet), self.active, e) - self.running_at[e]
+        return capacity(int(self.k), self.loaded[e], self.s.groups_per_step, self.trained + len(self.topic),
+                        explorers=self.active, rank=e, here=self.running_at[e])
 
     def _on_admit(self, event: _Event) -> None:
         e = event.who

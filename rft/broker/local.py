@@ -32,17 +32,11 @@ import threading
 import time
 from pathlib import Path
 
-from rft.processes import die_with_parent
+from rft.processes import command_line, die_with_parent, free_port, signal_group, stop_group, wait_gone
 
 
 class BrokerError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tansu_binary() -> Path:
@@ -243,9 +237,9 @@ class LocalBroker:
         if process is not None and process.poll() is None:
             # Tansu's memory engine has nothing to flush and takes ~5 s to honour SIGTERM: interrupt it.
             first = signal.SIGTERM if os.environ.get("KAFKA_HOME") else signal.SIGINT
-            _stop_group(process, first)
+            stop_group(process, first)
         if store is not None:
-            _stop_group(store, signal.SIGTERM)
+            stop_group(store, signal.SIGTERM)
         self._release()
 
     def kill(self) -> None:
@@ -255,7 +249,7 @@ class LocalBroker:
         store, self._store = self._store, None
         for p in (process, store):
             if p is not None:
-                _signal_group(p, signal.SIGKILL)
+                signal_group(p, signal.SIGKILL)
         for p in (process, store):
             if p is not None:
                 p.wait()
@@ -278,24 +272,6 @@ class LocalBroker:
 
 def _die_with_parent() -> None:
     die_with_parent(signal.SIGKILL)
-
-
-def _signal_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _stop_group(process: subprocess.Popen, first: int, timeout_s: float = 10) -> None:
-    """`first` to the process group, SIGKILL after `timeout_s`; waits for the process."""
-    if process.poll() is None:
-        _signal_group(process, first)
-    try:
-        process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _signal_group(process, signal.SIGKILL)
-        process.wait()
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -326,26 +302,14 @@ def _kill_stale(pid, *needles: str) -> None:
     owner left behind on the same data directory (a reused pid runs something else and is left alone)."""
     if not isinstance(pid, int) or pid <= 0:
         return
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return
-    if not all(n in cmdline for n in needles):
+    cmdline = command_line(pid)
+    if cmdline is None or not all(n in cmdline for n in needles):
         return
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        try:  # a zombie of ours? reap it; otherwise its parent (init) will
-            if os.waitpid(pid, os.WNOHANG)[0]:
-                break
-        except ChildProcessError:
-            status = Path(f"/proc/{pid}/stat").read_text().split() if Path(f"/proc/{pid}/stat").exists() else []
-            if len(status) > 2 and status[2] == "Z":
-                break
-        time.sleep(0.05)
+    wait_gone(pid, timeout_s=10)
 
 
 def serve_forever(port: int | None, data_dir: str | os.PathLike | None = None) -> int:

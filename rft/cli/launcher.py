@@ -34,7 +34,7 @@ from pathlib import Path
 from rft.algorithms import build_algorithm
 from rft.algorithms.chord import demonstrations_topic
 from rft.broker.local import KafkaEndpoint
-from rft.run.commandline import add_config_arguments, config_from_args
+from rft.run.commandline import add_config_arguments, config_from_args, require_broker
 from rft.config import Config
 from rft.data.demonstrations import prompt_tools, publish_demonstrations
 from rft.data.selectors import selector_needs_rewards
@@ -44,6 +44,7 @@ from rft.run.monitor import plot_rewards
 from rft.transport.run_topics import RunTopics, create_run_topics
 from rft.run.stages import resolve_stages
 from rft.ops.status import StallWatch
+from rft.processes import signal_group
 from rft.transport import connect
 
 ROLES_BY_MODE = {name: m.roles for name, m in MODES.items()}
@@ -439,13 +440,13 @@ class PartRunner:
         """SIGTERM to every part still running (but those named in `keep`), SIGKILL after `grace_s`."""
         alive = [p for p in self.parts.values() if p.process.poll() is None and p.name not in keep]
         for part in alive:
-            _signal_group(part.process, signal.SIGTERM)
+            signal_group(part.process, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for part in alive:
             try:
                 part.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal_group(part.process, signal.SIGKILL)
+                signal_group(part.process, signal.SIGKILL)
                 part.process.wait()
 
 
@@ -501,13 +502,6 @@ def _eval_summary(record: dict) -> str:
                      if key.startswith("eval/") and key.rsplit("/", 1)[-1].startswith(shown))
 
 
-def _signal_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
 def replay_main(argv: list[str]) -> int:
     """`rft replay CONFIG [--from X] [--to Y]`: offline training from a recorded experiences topic."""
     parser = argparse.ArgumentParser(prog="rft replay", description="Offline training from an experiences topic. "
@@ -522,10 +516,8 @@ def replay_main(argv: list[str]) -> int:
         if value is not None:
             args.overrides.append(f"replay.{key}={value}")
     cfg = config_from_args(args, need_model=True)
-    if cfg.kafka.bootstrap_servers == "embedded" and not cfg.replay.from_data:
-        print("rft replay: replay reads an existing topic: set kafka.bootstrap_servers to the broker that holds it",
-              file=sys.stderr)
-        return 2
+    if not cfg.replay.from_data:  # replays an existing topic, on the broker that holds it
+        require_broker(cfg, "rft replay")
     from rft.algorithms import build_algorithm  # heavy: torch
 
     if not build_algorithm(cfg.algorithm).supports_replay:

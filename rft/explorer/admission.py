@@ -137,7 +137,7 @@ class StalenessAdmission:
     def fleet_capacity(self) -> int:
         """(k + version + 1) * B - accepted_fleet: what the whole fleet may still start, as of the last reading."""
         with self._lock:
-            return (self.max_staleness + self._state.version + 1) * self.groups_per_step - self._fleet_accepted
+            return fleet_capacity(self.max_staleness, self._state.version, self.groups_per_step, self._fleet_accepted)
 
     def admit(self, n: int) -> int:
         """Admit up to `n` groups (reading the feed first when due); returns how many (they count as running)."""
@@ -218,9 +218,9 @@ class StalenessAdmission:
         by_concurrency = sys.maxsize if self.max_running is None else self.max_running - s.running
         if self.max_staleness is None:
             return by_concurrency
-        fleet = (self.max_staleness + s.version + 1) * self.groups_per_step - self._fleet_accepted
         here = s.accepted - self._fleet_accepted + s.running
-        return min(by_concurrency, share(fleet, self._explorers, self._rank) - here)
+        return min(by_concurrency, capacity(self.max_staleness, s.version, self.groups_per_step, self._fleet_accepted,
+                                            explorers=self._explorers, rank=self._rank, here=here))
 
     def _release(self, n: int, what: str) -> None:
         if not 0 <= n <= self._state.running:
@@ -229,6 +229,20 @@ class StalenessAdmission:
 
     def _update(self, **changes: int) -> None:
         self._state = dataclasses.replace(self._state, **changes)
+
+
+def fleet_capacity(max_staleness: int, version: int, groups_per_step: int, accepted_fleet: int) -> int:
+    """AReaL's bound for the whole fleet, (k + version + 1) * B - accepted_fleet (module docstring): the groups it may
+    still start so that none is trained more than k = `max_staleness` versions after `version`. May be <= 0."""
+    return (max_staleness + version + 1) * groups_per_step - accepted_fleet
+
+
+def capacity(max_staleness: int, version: int, groups_per_step: int, accepted_fleet: int, *, explorers: int = 1,
+             rank: int = 0, here: int = 0) -> int:
+    """The formula of the module docstring, the one place it is written (StalenessAdmission and the fleet simulator,
+    rft/bench/simulate.py, both call it): the groups the explorer of `rank` among `explorers` may start now,
+    share(fleet_capacity(...)) - here, `here` = accepted_here + running. <= 0: none."""
+    return share(fleet_capacity(max_staleness, version, groups_per_step, accepted_fleet), explorers, rank) - here
 
 
 def share(capacity: int, explorers: int, rank: int) -> int:

@@ -563,11 +563,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    cfg = config_from_args(args)
-    if cfg.kafka.bootstrap_servers == "embedded":
-        print("rft explorer: kafka.bootstrap_servers is 'embedded'; an explorer joins a run's broker "
-              "(--set kafka.bootstrap_servers=HOST:PORT)", file=sys.stderr)
-        return 2
+    cfg = config_from_args(args, joins_broker="rft explorer")
     if not mode(cfg.run.mode).explorers:
         print(f"rft explorer: run.mode {cfg.run.mode} runs no explorers", file=sys.stderr)
         return 2

@@ -165,11 +165,7 @@ def main(argv: list[str]) -> int:
                                      "tasks topic: at once, or online for a selector that reads rewards "
                                      "(curriculum) until the sequence ends or SIGTERM.")
     add_config_arguments(parser)
-    cfg = config_from_args(parser.parse_args(argv))
-    if cfg.kafka.bootstrap_servers == "embedded":
-        print("rft publish: kafka.bootstrap_servers is 'embedded'; publishing needs the run's broker address "
-              "(--set kafka.bootstrap_servers=HOST:PORT)", file=sys.stderr)
-        return 2
+    cfg = config_from_args(parser.parse_args(argv), joins_broker="rft publish")
     topics = RunTopics.of(cfg)
     try:
         create_run_topics(topics, cfg.kafka)  # a trainer or explorers started separately find every topic of the run

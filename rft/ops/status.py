@@ -28,6 +28,7 @@ from pathlib import Path
 
 from rft.run.commandline import add_config_arguments, config_from_args
 from rft.config import Config
+from rft.modes import mode
 from rft.transport.control import ControlView, ExplorerView, TrainerView, control_messages
 from rft.explorer.membership import group_name
 from rft.transport.run_topics import consumer_group
@@ -266,7 +267,7 @@ class StallWatch:
 
 def render(report: dict) -> str:
     t, x = report["trainer"], report["explorers"]
-    bound = f", k={report['max_staleness']}" if report["mode"] == "off_policy" else ""
+    bound = f", k={report['max_staleness']}" if mode(report["mode"]).bound == "max_staleness" else ""
     seen = f", last message {t['seconds_since_seen']:.0f} s ago" if t["seconds_since_seen"] is not None else ""
     live = sum(e["state"] == "live" for e in x)
     lines = [
@@ -307,13 +308,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--watch", type=float, default=0, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
     args = parser.parse_args(argv)
-    cfg = config_from_args(args)
-    if cfg.kafka.bootstrap_servers == "embedded":
-        resolved = cfg.run_dir / "config.yaml"
-        hint = f" (pass {resolved}, which names the broker `rft run` started)" if resolved.exists() else ""
-        print(f"rft status: kafka.bootstrap_servers is 'embedded': there is no broker address to read{hint}",
-              file=sys.stderr)
-        return 2
+    cfg = config_from_args(args, joins_broker="rft status")
     while True:
         try:
             report = collect(cfg)

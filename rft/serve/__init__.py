@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from typing import Callable
 
 from rft.run.commandline import add_config_arguments, config_from_args
@@ -14,18 +13,14 @@ from rft.run.commandline import add_config_arguments, config_from_args
 def part_config(prog: str, description: str, argv: list[str],
                 add_arguments: Callable[[argparse.ArgumentParser], None] | None = None):
     """The command line of a serve-mode part (`rft serve`, `rft joiner`): CONFIG and `--set` (plus `add_arguments`),
-    the config loaded and checked, and its logging set up. Returns (config, args), or None after one line on stderr
-    when the config names no broker (`embedded`: only `rft run` starts one)."""
+    the config loaded and checked, and its logging set up. Returns (config, args); exits 2 after one line on stderr
+    when the config names no broker (`embedded`: rft.run.commandline.require_broker)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_config_arguments(parser)
     if add_arguments is not None:
         add_arguments(parser)
     args = parser.parse_args(argv)
-    cfg = config_from_args(args)
-    if cfg.kafka.bootstrap_servers == "embedded":
-        print(f"{prog}: kafka.bootstrap_servers is 'embedded'; this part joins a run's broker "
-              "(--set kafka.bootstrap_servers=HOST:PORT, or `rft run` with run.mode: serve)", file=sys.stderr)
-        return None
+    cfg = config_from_args(args, joins_broker=prog)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {prog.split()[-1]} %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)
     return cfg, args

@@ -367,11 +367,8 @@ class Joiner:
 
 
 def main(argv: list[str]) -> int:
-    loaded = part_config("rft joiner", "Join served completions and their feedback into experience groups "
+    cfg, _ = part_config("rft joiner", "Join served completions and their feedback into experience groups "
                          "(serve mode).", argv)
-    if loaded is None:
-        return 2
-    cfg, _ = loaded
     stop = threading.Event()
     install_stop_signals(stop)
     joiner = Joiner(cfg.serve, topics=RunTopics.of(cfg), kafka=cfg.kafka)

@@ -50,6 +50,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rft.text.chat import ChatError, encode_messages
+from rft.processes import free_port
 from rft.engine import SamplingSettings, build_engine
 from rft.transport.run_topics import RunTopics
 from rft.serve import part_config
@@ -555,14 +556,9 @@ class ServerThread:
     `start()` returns; `stop()` ends it (the service is the caller's to close)."""
 
     def __init__(self, service: ServeService, *, host: str = "127.0.0.1", port: int = 0):
-        import socket
-
         import uvicorn
 
-        if port == 0:
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
+        port = port or free_port(host)
         self.url = f"http://{host}:{port}"
         self.server = uvicorn.Server(uvicorn.Config(create_app(service), host=host, port=port, log_level="warning",
                                                     timeout_graceful_shutdown=2))
@@ -587,10 +583,7 @@ def main(argv: list[str]) -> int:
         parser.add_argument("--port", type=int, default=None, help="TCP port (default: serve.port)")
         parser.add_argument("--host", default=None, help="address to listen on (default: serve.host)")
 
-    loaded = part_config("rft serve", __doc__.split("\n")[0], argv, arguments)
-    if loaded is None:
-        return 2
-    cfg, args = loaded
+    cfg, args = part_config("rft serve", __doc__.split("\n")[0], argv, arguments)
     import uvicorn
 
     host, port = args.host or cfg.serve.host, args.port if args.port is not None else cfg.serve.port

@@ -68,13 +68,9 @@ def main(argv: list[str]) -> int:
     add_config_arguments(parser)
     parser.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
     args = parser.parse_args(argv)
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, joins_broker="rft trainer")
     # megatron's checkpoint writer forks helper processes; a trainer killed mid-checkpoint must not leave them behind
     os.register_at_fork(after_in_child=lambda: die_with_parent(signal.SIGKILL))
-    if cfg.kafka.bootstrap_servers == "embedded":
-        print("rft trainer: kafka.bootstrap_servers is 'embedded', which only `rft run` can provide; pass "
-              "--set kafka.bootstrap_servers=HOST:PORT", file=sys.stderr)
-        return 2
     try:
         trainer = build_trainer(cfg, resume=not args.no_resume)
     except ConfigError as e:

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 import torch
 
 from rft.config import ConfigError
+from rft.processes import free_port
 from rft.weights.push import JOINED_COUNTER, RANK_COUNTER, PushError, PushGroupSpec, PushSender
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ class VLLMSender(PushSender):
 
     def __init__(self, spec: PushGroupSpec, store):
         super().__init__(spec, store)
-        self.init = {"master_address": spec.host, "master_port": _free_port(spec.host), "world_size": spec.world_size,
+        self.init = {"master_address": spec.host, "master_port": free_port(spec.host), "world_size": spec.world_size,
                      "packed_buffer_size_bytes": PACKED_BUFFER_BYTES, "packed_num_buffers": PACKED_BUFFERS}
         self.store.set(INIT_KEY, json.dumps(self.init))
         self.pushed = 0  # versions pushed in this group
@@ -251,14 +252,6 @@ class VLLMSender(PushSender):
             self.plane.close()
             self.plane = None
         super().close()
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host if host not in ("", "localhost") else "127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------------------------------

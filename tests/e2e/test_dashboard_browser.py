@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from rft.bench.run_support import finish, free_port, kill_matching, rft_run, steps_done, write_config
+from rft.bench.run_support import finish, rft_run, steps_done, write_config
+from rft.processes import free_port, kill_matching
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.integration]
 

@@ -16,8 +16,9 @@ import pytest
 import yaml
 
 from rft.broker.local import LocalBroker, tansu_binary
-from rft.bench.run_support import (assert_trained_exactly_once, finish, kill_matching, no_process_left, rft_run,
-                               steps_done, wait_for_step, write_config)
+from rft.bench.run_support import (assert_trained_exactly_once, finish, no_process_left, rft_run, steps_done,
+                                   wait_for_step, write_config)
+from rft.processes import kill_matching
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
 

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from rft.schema import ControlMessage, decode, decode_group
-from rft.bench.run_support import (REPO, assert_trained_exactly_once, consumed, finish, free_port, kill_matching,
-                               no_process_left, read_topic, rft_run, start, steps_done, wait_for_step, write_config)
+from rft.bench.run_support import (REPO, assert_trained_exactly_once, consumed, finish, no_process_left, read_topic,
+                                   rft_run, start, steps_done, wait_for_step, write_config)
+from rft.processes import free_port, kill_matching
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
 

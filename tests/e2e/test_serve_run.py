@@ -20,8 +20,8 @@ from rft.config import load_config
 from rft.schema import decode_group
 from rft.serve.joiner import emitted_completions
 from rft.transport import connect
-from rft.bench.run_support import (REPO, finish, free_port, kill_matching, matching, rft_run, steps_done, wait_for_step,
-                               write_config)
+from rft.bench.run_support import REPO, finish, rft_run, steps_done, wait_for_step, write_config
+from rft.processes import free_port, kill_matching, matching
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.integration]
 

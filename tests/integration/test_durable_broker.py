@@ -23,6 +23,7 @@ from kafka.admin import NewTopic
 from kafka.structs import OffsetAndMetadata
 
 from rft.broker.local import BrokerError, LocalBroker
+from rft.processes import alive
 
 pytestmark = pytest.mark.integration
 
@@ -77,13 +78,6 @@ def committed(bootstrap: str) -> dict[int, int | None]:
         consumer.close()
 
 
-def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def test_acknowledged_records_and_committed_offsets_survive_kill_9_of_both_processes(tmp_path):
     broker = LocalBroker(data_dir=tmp_path / "data", log_path=tmp_path / "broker.log").start()
     try:
@@ -95,7 +89,7 @@ def test_acknowledged_records_and_committed_offsets_survive_kill_9_of_both_proce
         assert len(pids) == 2
 
         broker.kill()
-        assert not any(running(pid) for pid in pids) and not broker.alive()
+        assert not any(alive(pid) for pid in pids) and not broker.alive()
         broker.start()
         assert broker.bootstrap_servers == address  # same port: clients' bootstrap stays valid
 
@@ -106,7 +100,7 @@ def test_acknowledged_records_and_committed_offsets_survive_kill_9_of_both_proce
         assert read_all(address) == {**acked, **more}
     finally:
         broker.stop()
-    assert not any(running(pid) for pid in pids + broker.pids())
+    assert not any(alive(pid) for pid in pids + broker.pids())
 
 
 OWNER = textwrap.dedent("""
@@ -132,13 +126,13 @@ def test_a_killed_owner_leaves_no_second_writer_behind(tmp_path, started_from):
     owner.send_signal(signal.SIGKILL)
     owner.wait()
     deadline = time.monotonic() + (10 if started_from == "main" else 0.5)  # a loaded machine delivers late
-    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert any(running(pid) for pid in pids) == (started_from == "thread")
+    assert any(alive(pid) for pid in pids) == (started_from == "thread")
 
     broker = LocalBroker(data_dir=data).start()  # kills what the dead owner left running on the directory
     try:
-        assert not any(running(pid) for pid in pids)
+        assert not any(alive(pid) for pid in pids)
         assert broker.port == port
         assert read_all(broker.bootstrap_servers) == acked
     finally:

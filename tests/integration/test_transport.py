@@ -162,27 +162,6 @@ def test_commits_survive_a_consumer_restart(bootstrap, kafka_cfg, topic_prefix):
         assert m.offset >= positions[m.position]
 
 
-def test_replay_by_offset_range_and_time_range(bootstrap, kafka_cfg, topic_prefix):
-    topic = new_topic(kafka_cfg, bootstrap, f"{topic_prefix}.experiences")
-    t0 = 1_700_000_000_000
-    sink = connect(kafka_cfg, bootstrap).sink()
-    for i in range(20):  # partition i % 2, offset i // 2, time t0 + i seconds
-        value, headers = encode(make_group("run", i))
-        sink.send(topic, value, key=f"g{i}", headers=headers, partition=i % 2, timestamp_ms=t0 + 1000 * i)
-    sink.flush()
-    sink.close()
-
-    def keys(**bounds):
-        return sorted(int(m.key.decode()[1:]) for m in read_all(kafka_cfg, bootstrap, topic, **bounds))
-
-    assert keys() == list(range(20))
-    assert keys(start={f"{topic}:0": 3}, end={f"{topic}:0": 6, f"{topic}:1": 2}) == [1, 3, 6, 8, 10]
-    assert keys(from_time_ms=t0 + 5000, to_time_ms=t0 + 9000) == [5, 6, 7, 8]
-    assert keys(from_time_ms=t0 + 4500, to_time_ms=t0 + 6001) == [5, 6]
-    assert keys(from_time_ms=t0 + 60_000) == []  # after the last record (Tansu answers offset 0 here)
-    assert keys(start={f"{topic}:1": 8}, from_time_ms=t0 + 10_000) == [10, 12, 14, 16, 17, 18, 19]
-
-
 def test_dead_letter_routing(bootstrap, kafka_cfg, topic_prefix):
     topic = new_topic(kafka_cfg, bootstrap, f"{topic_prefix}.experiences", partitions=1)
     dlq = new_topic(kafka_cfg, bootstrap, f"{topic_prefix}.dead_letter", partitions=1)

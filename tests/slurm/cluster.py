@@ -21,6 +21,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from rft.processes import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("munge", "sbatch", "sinfo", "squeue", "scontrol", "scancel")
 NODE_CPUS = 8
@@ -38,12 +40,6 @@ def search_path() -> str:
 
 def missing_programs() -> list[str]:
     return [p for p in DAEMONS + CLIENTS if shutil.which(p, path=search_path()) is None]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def slurm_conf(root: Path, host: str, ctld_port: int, nodes: dict[str, int]) -> str:
@@ -97,7 +93,7 @@ class LocalSlurm:
     def start(self, timeout_s: float = 60.0) -> None:
         for d in ("etc", "state", "log", "munge", *(f"spool/{n}" for n in self.nodes)):
             (self.root / d).mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.conf.write_text(slurm_conf(self.root, self.host, _free_port(), {n: _free_port() for n in self.nodes}))
+        self.conf.write_text(slurm_conf(self.root, self.host, free_port(), {n: free_port() for n in self.nodes}))
         (self.conf.parent / "cgroup.conf").write_text(CGROUP_CONF)
         self._start_munge()
         self._daemon("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])

@@ -3,11 +3,12 @@ process that owns it. Here a real child process starts it and is then killed wit
 to a trainer): the manager must be gone within seconds, not orphaned."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
+
+from rft.processes import alive
 
 CHILD = """
 import multiprocessing, time
@@ -17,15 +18,6 @@ if __name__ == "__main__":
     print(multiprocessing.active_children()[0].pid, flush=True)
     time.sleep(600)
 """
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
 
 
 def test_the_writer_process_dies_with_a_killed_trainer(tmp_path):

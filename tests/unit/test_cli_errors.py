@@ -15,16 +15,14 @@ import pytest
 import yaml
 
 from rft.cli.launcher import PartRunner, failure_line
+from rft.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def unreachable_address() -> str:
     """127.0.0.1:PORT where nothing listens (a port just released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"127.0.0.1:{port}"
+    return f"127.0.0.1:{free_port()}"
 
 
 def rft(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:

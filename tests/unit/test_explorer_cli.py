@@ -1,4 +1,5 @@
-"""`rft explorer` / `rft publish` refuse what they cannot serve, before starting an engine; explorer config checks."""
+"""`rft explorer` / `rft publish` refuse what they cannot serve, before starting an engine (and every part that joins
+a run's broker refuses `embedded`); explorer config checks."""
 from __future__ import annotations
 
 import pytest
@@ -19,9 +20,26 @@ def config(tmp_path):
     return write
 
 
-def test_explorer_needs_a_broker_address(config, capsys):
-    assert rft(["explorer", config()]) == 2
-    assert "kafka.bootstrap_servers is 'embedded'" in capsys.readouterr().err
+@pytest.mark.parametrize("command", ["explorer", "publish", "trainer", "status", "serve", "joiner", "replay"])
+def test_every_part_that_joins_a_broker_refuses_embedded_with_one_message(config, tmp_path, capsys, command):
+    """rft.run.commandline.require_broker: exit 2, the part named, the fix given, before anything starts."""
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')  # `rft replay` checks the model
+    with pytest.raises(SystemExit) as exit_info:
+        rft([command, config(run={"output_dir": str(tmp_path / "runs")})])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith(f"rft {command}: kafka.bootstrap_servers is 'embedded'"), err
+    assert f"rft {command} joins a running broker: pass --set kafka.bootstrap_servers=HOST:PORT" in err
+    assert "the config.yaml that `rft run` wrote to its run directory" in err
+
+
+def test_the_refusal_names_the_config_rft_run_wrote_when_there_is_one(config, tmp_path, capsys):
+    written = tmp_path / "runs" / "rft-run" / "config.yaml"
+    written.parent.mkdir(parents=True)
+    written.write_text("kafka: {bootstrap_servers: 127.0.0.1:9092}\n")
+    with pytest.raises(SystemExit):
+        rft(["status", config(run={"output_dir": str(tmp_path / "runs")})])
+    assert f"or {written}, the config `rft run` wrote (it names its broker)" in capsys.readouterr().err
 
 
 def test_explorer_refuses_modes_without_explorers(config, capsys):
@@ -32,11 +50,6 @@ def test_explorer_refuses_modes_without_explorers(config, capsys):
 def test_explorer_replicas_must_be_positive(config, capsys):
     assert rft(["explorer", config(kafka={"bootstrap_servers": "localhost:1"}), "--replicas", "0"]) == 2
     assert "--replicas must be >= 1" in capsys.readouterr().err
-
-
-def test_publish_needs_a_broker_address(config, capsys):
-    assert rft(["publish", config()]) == 2
-    assert "publishing needs the run's broker address" in capsys.readouterr().err
 
 
 def test_invalid_explorer_config_exits_2_naming_the_key(config, capsys):

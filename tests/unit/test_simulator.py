@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from rft.bench.simulate import Stages, bounds, main, simulate
+from rft.bench.simulate import MODES, Simulation, Stages, bounds, main, simulate
+from rft.explorer.admission import StalenessAdmission
 
 FREE = Stages(gen_group_s=1.0, tasks_per_batch=4, samples_per_group=8, groups_per_step=16, train_s=4.0,
               publish_s=0.0, notice_s=0.0, reload_s=0.0, weights_gb=0.0, rebalance_s=0.0)
@@ -96,3 +97,21 @@ def test_a_fleet_larger_than_a_step_still_fills_every_sync_step():
     result = simulate(stages, explorers=8, partitions=8, mode="sync", steps=10)
     assert result.samples_per_s == pytest.approx(4 * 8 / (1.0 + 4.0))
     assert set(result.staleness) == {0} and result.dropped_stale == 0
+
+
+@pytest.mark.parametrize("k, version, trained_steps, backlog, explorers, rank, running", [
+    (0, 0, 0, 0, 1, 0, 0), (1, 2, 2, 5, 3, 1, 3), (2, 1, 3, 2, 4, 3, 1), (1, 0, 0, 40, 2, 0, 0)])
+def test_the_simulators_admission_is_productions(k, version, trained_steps, backlog, explorers, rank, running):
+    """The same fleet state gives the simulator's explorer and a StalenessAdmission the same capacity."""
+    sim = Simulation(FREE, explorers=explorers, partitions=explorers, k=k, steps=10)
+    sim.loaded[rank], sim.trained, sim.running_at[rank] = version, trained_steps * 16, running
+    sim.topic.extend([0] * backlog)
+    production = StalenessAdmission(groups_per_step=16, max_staleness=k)
+    production.resync(trainer_version=trained_steps, backlog=backlog, explorers=explorers, rank=rank)
+    production.set_version(version)
+    assert production.admit(running) == running
+    assert sim._capacity(rank) == production.capacity()
+
+
+def test_the_benchmark_modes_take_their_bounds_from_rft_modes():
+    assert MODES == {"sync": 0, "off_policy k=1": 1, "off_policy k=2": 2, "async": float("inf")}

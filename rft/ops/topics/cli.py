@@ -2,8 +2,8 @@
 
 Connection: `--bootstrap HOST:PORT`, or `-c CONFIG [--set key=value]` whose `kafka.bootstrap_servers`
 and `kafka.security` are used (`--bootstrap` wins when both are given; the config also names the
-tokenizer for `--decode`). `embedded` is refused: an embedded broker lives only inside the run that
-started it, so there is nothing for this tool to connect to.
+tokenizer for `--decode`). `embedded` is refused (rft.run.commandline.embedded_broker_error): an embedded broker
+lives only inside the run that started it, so there is nothing for this tool to connect to.
 
 Export file formats: rft/ops/topics//formats.py.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rft.run.commandline import config_from_args, install_stop_signals
+from rft.run.commandline import EMBEDDED, config_from_args, embedded_broker_error, install_stop_signals
 from rft.config import KafkaConfig
 from rft.text.tokens import Detokenizer, TokenizerError
 from rft.ops.topics import TopicsError
@@ -41,16 +41,19 @@ def connection_from_args(args: argparse.Namespace) -> Connection:
     if args.config:
         cfg = config_from_args(args)
         kafka, tokenizer = cfg.kafka, cfg.model.tokenizer or cfg.model.path
-        bootstrap, where = args.bootstrap or cfg.kafka.bootstrap_servers, f"kafka.bootstrap_servers in {args.config}"
+        bootstrap = args.bootstrap or cfg.kafka.bootstrap_servers
+        where = "--bootstrap" if args.bootstrap else f"kafka.bootstrap_servers in {args.config}"
+        run_dir = cfg.run_dir
     else:
         if args.overrides:
             raise TopicsError("--set needs a config file (-c CONFIG)")
         if not args.bootstrap:
             raise TopicsError("say which broker: --bootstrap HOST:PORT, or -c CONFIG to use its kafka section")
         kafka, tokenizer, bootstrap, where = KafkaConfig(), "", args.bootstrap, "--bootstrap"
-    if bootstrap == "embedded":
-        raise TopicsError(f"{where} is 'embedded': an embedded broker exists only inside the run that started it; "
-                          "pass --bootstrap HOST:PORT of a running broker (e.g. the address `rft broker` prints)")
+        run_dir = None
+    if bootstrap == EMBEDDED:
+        raise TopicsError(embedded_broker_error("rft topics", where=where, fix="--bootstrap HOST:PORT",
+                                                run_dir=run_dir))
     return Connection(kafka=kafka, bootstrap=bootstrap, tokenizer_path=getattr(args, "tokenizer", None) or tokenizer,
                       transport=connect(kafka, bootstrap))
 
