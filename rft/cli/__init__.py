@@ -4,7 +4,8 @@ commands share lives in `rft.run.commandline`.
 
 Errors every command can meet are reported here, once, as one line on stderr and an exit status (docs/operations.md):
   2  bad input: a config that does not load or check (ConfigError: the file, the key), bad arguments
-  3  the command is not available in this build
+  3  the command is not available in this build, or it (or a feature it was asked for) needs an optional extra that
+     is not installed (MissingExtra: the feature, the extra and the pip command; rft/extras.py)
   4  the Kafka broker cannot be reached (BrokerUnreachable: the address and why) or failed (TransportError), or
      the local broker cannot start (BrokerError: a port in use, a data directory not writable or in use)
 `rft --debug COMMAND ...` or RFT_DEBUG=1 shows the traceback instead."""
@@ -16,6 +17,7 @@ import sys
 
 from rft.broker.local import BrokerError
 from rft.config import ConfigError
+from rft.extras import MissingExtra, require
 from rft.registry import RegistryError, import_object
 from rft.transport import BrokerUnreachable, TransportError
 
@@ -45,9 +47,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def run_entry(target: str, argv: list[str]) -> int:
+def run_entry(target: str, argv: list[str], *, command: str = "") -> int:
     """Import `module:function` and call it with `argv`; its exit code, or one line and the module docstring's exit
-    code for the errors listed there (their traceback with RFT_DEBUG=1)."""
+    code for the errors listed there (their traceback with RFT_DEBUG=1). `command` (`serve`, `bench serve`) names
+    the command in the error of a module that needs an extra that is not installed."""
+    try:
+        require(target.partition(":")[0], feature=f"`rft {command}`" if command else target)
+    except MissingExtra as e:
+        print(f"rft: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except ImportError:
+        pass  # import_object says why, below
     try:
         fn = import_object(target, key="rft")
     except RegistryError as e:
@@ -55,9 +65,12 @@ def run_entry(target: str, argv: list[str]) -> int:
         return EXIT_UNAVAILABLE
     try:
         return int(fn(argv) or 0)
-    except (ConfigError, TransportError, BrokerError) as e:
+    except (ConfigError, TransportError, BrokerError, MissingExtra) as e:
         if os.environ.get("RFT_DEBUG", "") not in ("", "0"):
             raise
+        if isinstance(e, MissingExtra):
+            print(f"rft: {e}", file=sys.stderr)
+            return EXIT_UNAVAILABLE
         if isinstance(e, ConfigError):
             print(f"rft: invalid config: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT
@@ -83,5 +96,5 @@ def main(argv: list[str] | None = None) -> int:
         near = difflib.get_close_matches(name, COMMANDS, n=1)
         print(f"rft: unknown command {name!r}" + (f" (did you mean '{near[0]}'?)" if near else ""), file=sys.stderr)
         return 2
-    return run_entry(COMMANDS[name][0], argv[1:])
+    return run_entry(COMMANDS[name][0], argv[1:], command=name)
 

@@ -5,9 +5,10 @@ checks, when a config is loaded, every name that a component would otherwise res
 explorer.reward / reward_weights / judge_model, explorer.workflow and environment, explorer.admission,
 data.selector, trainer.operators, replay_buffer.priority (with the algorithm's support for replay),
 eval.sets[i].reward and toy-task names, reasoning-gym dataset names and options (data, data.mix[i], eval.sets[i]:
-building each dataset once, which imports reasoning_gym only when a set uses it), and every stage of a multi-stage
-config; and the model (`check_model`): when its config.json is on disk, that the trainer's bridge supports its
-architecture and that trainer.tensor_parallel / pipeline_parallel divide its heads and layers
+building each dataset once, which imports reasoning_gym only when a set uses it), the optional extras the config
+asks for (rft/extras.py: explorer.environment, toy-task paths, monitor.dashboard_port), and every stage of a
+multi-stage config; and the model (`check_model`): when its config.json is on disk, that the trainer's bridge
+supports its architecture and that trainer.tensor_parallel / pipeline_parallel divide its heads and layers
 (megatron_bridge.check.layout_problem); with `need_model` (`rft run`, `rft replay`, `rft validate`: before anything
 starts), also that model.path is a directory holding a config.json. Errors are `ConfigError`s
 naming the source file and the dotted key. Every command that loads a config for a run goes through
@@ -27,6 +28,7 @@ from rft.data.selectors import SelectionError, build_selector
 from rft.data.tasks import TaskSet, task_sets
 from rft.modes import mode
 from rft.experience.operators import OperatorError, check_operator_specs
+from rft.extras import MissingExtra, check_installed
 from rft.registry import RegistryError, import_object
 from rft.rewards import WEIGHTED, RewardError, check_reward_config, resolve
 from rft.rewards.reasoning_gym import GYM_REWARDS
@@ -35,7 +37,8 @@ from rft.experience.priorities import resolve_priority
 from rft.workflows import WorkflowError, check_workflow_config
 from rft.data.toy_tasks import TOY_TASKS, generate_rows
 
-NAME_ERRORS = (RegistryError, RewardError, WorkflowError, SelectionError, OperatorError, ConfigError)
+NAME_ERRORS = (RegistryError, RewardError, WorkflowError, SelectionError, OperatorError, ConfigError,
+               MissingExtra)
 
 
 def load_run_config(path: str | os.PathLike | None = None, overrides: list[str] = (), *,
@@ -130,6 +133,8 @@ def check_names(cfg: Config, source: str) -> None:
         _check_algorithm(cfg)
         _check_eval_sets(cfg.eval)
         _check_generated_sets(cfg)
+        if cfg.monitor.dashboard_port:  # `rft run` starts `rft dashboard` on it
+            check_installed("web", feature="monitor.dashboard_port (`rft dashboard`)")
     except NAME_ERRORS as e:
         message = str(e)
         raise ConfigError(message if message.startswith(f"{source}: ") else f"{source}: {message}") from None
@@ -179,6 +184,8 @@ def _check_generated_sets(cfg: Config) -> None:
                 generate_rows(task_set.path, 1, seed=task_set.seed, options=task_set.options)
             except ValueError as e:
                 raise ConfigError(f"{task_set.key}.options: {e}") from None
+            except MissingExtra as e:  # frozenlake and textarena tasks are made by the games of the 'envs' extra
+                raise ConfigError(f"{task_set.key}.path: {e}") from None
         if task_set.format != "reasoning_gym":
             if task_set.options and task_set.format != "generated":
                 raise ConfigError(f"{task_set.key}.options: dataset options are for formats reasoning_gym and generated, "

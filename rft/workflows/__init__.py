@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from rft.extras import check_installed
 from rft.workflows import frozenlake, multi_turn, single_turn, textarena_game, tool_agent  # noqa: F401  (registers the built-ins)
 from rft.workflows.multi_turn import ENVIRONMENTS, register_environment
 from rft.workflows.registry import (WORKFLOWS, GroupResult, Workflow, WorkflowError, build_sample, encode_prompt,
@@ -34,15 +35,18 @@ def resolve_workflow(spec: str) -> Any:
 
 
 def check_workflow_config(explorer: "ExplorerConfig") -> None:
-    """Resolve `explorer.workflow` (and, for multi_turn, `explorer.environment`; for tool_agent, `explorer.tools`);
-    errors start with the key."""
+    """Resolve `explorer.workflow` (and, for multi_turn, `explorer.environment`, whose optional extra must be installed
+    (MissingExtra); for tool_agent, `explorer.tools`); errors start with the key."""
     cls = resolve_workflow(explorer.workflow)
     if explorer.continuous and not streams(cls):
         raise WorkflowError(f"explorer.continuous: workflow {explorer.workflow} has no streaming interface (prepare, "
                             f"finish: rft/explorer/continuous.py); continuous submission supports single-turn "
                             f"workflows ({', '.join(w for w in available_workflows() if streams(WORKFLOWS[w]))})")
     if explorer.workflow == "multi_turn":
-        ENVIRONMENTS.resolve(explorer.environment, key="explorer.environment")
+        environment = ENVIRONMENTS.resolve(explorer.environment, key="explorer.environment")
+        extra = multi_turn.needs_extra(environment)
+        if extra:
+            check_installed(extra, feature=f"explorer.environment: {explorer.environment}")
     if explorer.workflow == "tool_agent":
         tool_agent.build_toolbox(explorer)
 

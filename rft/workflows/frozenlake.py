@@ -17,6 +17,9 @@ is shown again with an error line, and it counts as a step (the player does not 
 Reward: the environment owns it (`owns_reward`): the episode's return, 1 on the step that reaches the goal and
 0 otherwise (falling in a hole ends the episode with 0). The episode ends at the goal or in a hole, or when the
 workflow's `explorer.max_turns` / response budget runs out.
+
+gymnasium is the `envs` extra (rft/extras.py): imported when a map or an environment is made, so the environment is
+registered without it, and a config that names it without the extra fails when it loads, naming the key.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rft.extras import require
 from rft.rewards.registry import TaskError
 from rft.schema import TaskRecord
 from rft.workflows.multi_turn import EnvStep, register_environment
@@ -80,9 +84,8 @@ def check_options(options: dict[str, Any], error: type[Exception] = ValueError) 
 
 def lake_map(spec: LakeSpec) -> list[str]:
     """The map's rows (`S`, `F`, `H`, `G`), row 0 first: gymnasium's `generate_random_map(size, p, seed)`."""
-    from gymnasium.envs.toy_text.frozen_lake import generate_random_map
-
-    return list(generate_random_map(size=spec.size, p=spec.p, seed=spec.seed))
+    frozen_lake = require("gymnasium.envs.toy_text.frozen_lake", feature="frozenlake")
+    return list(frozen_lake.generate_random_map(size=spec.size, p=spec.p, seed=spec.seed))
 
 
 def render(rows: list[str], position: int) -> str:
@@ -137,9 +140,10 @@ class FrozenLakeEnvironment:
     """One FrozenLake-v1 episode of the task's lake (see the module docstring)."""
 
     owns_reward = True
+    extra = "envs"  # gymnasium
 
     def __init__(self, task: TaskRecord, reward: "Reward | None" = None):
-        import gymnasium  # gymnasium's registry; FrozenLake-v1 is pure Python (toy_text)
+        gymnasium = require("gymnasium", feature="frozenlake")  # its registry; FrozenLake-v1 is pure Python (toy_text)
 
         self.spec = LakeSpec.of(task.metadata.get(METADATA_KEY))
         self.rows = lake_map(self.spec)

@@ -17,8 +17,9 @@ textarena: the episode's spec, seed included, so a group's samples show they pla
 
 Environments are registered by name (`@register_environment`) or given as `package.module:Class`;
 an environment class is built per episode as `cls(task, reward)` (a `TaskError` there, e.g. a task without the
-environment's metadata, makes the group an error, not a crash) and answers `step(model_text)`. Built-in
-environments: `retry` (below), `frozenlake` (rft/workflows/frozenlake.py) and `textarena`
+environment's metadata, makes the group an error, not a crash) and answers `step(model_text)`; one that imports an
+optional extra's modules when built says which (`extra = "envs"`), and a config naming it is checked for the
+extra. Built-in environments: `retry` (below), `frozenlake` (rft/workflows/frozenlake.py) and `textarena`
 (rft/workflows/textarena_game.py).
 Observations are raw text appended after the model's turn; with `model.chat_template: true` the first prompt is
 rendered by the template, a model turn ends at its end-of-turn token, and each observation becomes the next user
@@ -58,6 +59,12 @@ class Environment(Protocol):
 def owns_reward(environment: Any) -> bool:
     """Whether an environment (class or instance) reports the episode's rewards itself (`owns_reward = True`)."""
     return bool(getattr(environment, "owns_reward", False))
+
+
+def needs_extra(environment: Any) -> str | None:
+    """The optional extra (rft/extras.py) whose modules an environment (class or instance) imports when it is built
+    (`extra = "envs"`), or None; a config that names the environment is checked for it when it loads."""
+    return getattr(environment, "extra", None)
 
 
 ENVIRONMENTS: Registry[Any] = Registry("environment", noun="environment", error=WorkflowError)

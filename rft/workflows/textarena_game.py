@@ -16,12 +16,16 @@ Reward: the environment owns it (`owns_reward`): the game's reward for player 0 
 (GuessTheNumber: 1 for the number, else at the turn limit or on a second invalid move in a row
 `1 - |last guess - number| / 19`, in [0, 1]); 0 when the workflow's turns or budget run out first. Other games'
 rewards are passed on as the game gives them (some pay -1 for a loss, outside the usual [0, 1]).
+
+textarena is the `envs` extra (rft/extras.py): imported when a game is made, so the environment is registered
+without it, and a config that names it without the extra fails when it loads, naming the key.
 """
 from __future__ import annotations
 
 import random
 from typing import TYPE_CHECKING, Any, Callable
 
+from rft.extras import require
 from rft.rewards.registry import TaskError
 from rft.schema import TaskRecord
 from rft.workflows.multi_turn import EnvStep, register_environment
@@ -49,7 +53,7 @@ class Game:
     """One seeded TextArena game with a private random state; `call` runs a game method under it."""
 
     def __init__(self, env_id: str, seed: int):
-        import textarena  # heavy: imports its whole game catalogue (0.5 s), only for textarena tasks
+        textarena = require("textarena", feature="textarena")  # imports its whole game catalogue (0.5 s)
 
         try:
             self.env = textarena.make(env_id)
@@ -89,6 +93,7 @@ class TextArenaEnvironment:
     """One episode of the task's TextArena game (see the module docstring)."""
 
     owns_reward = True
+    extra = "envs"  # textarena
 
     def __init__(self, task: TaskRecord, reward: "Reward | None" = None):
         spec = task.metadata.get(METADATA_KEY)
