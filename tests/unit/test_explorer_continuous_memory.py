@@ -1,4 +1,4 @@
-"""The continuous loop (rft/explorer/main.py `run_continuous`) over the in-memory transport, no broker and no
+"""The continuous loop (rft/explorer/continuous.py `ContinuousLoop`) over the in-memory transport, no broker and no
 inference engine (stand-ins of our own Engine and Workflow protocols, as in test_explorer_loop_memory.py): requests
 finish out of order (each after as many steps as its prompt says), a version published mid-run is loaded only when
 no request is unfinished, every group carries the version its request ran with, and no commit passes a task whose
@@ -9,7 +9,7 @@ import threading
 
 from rft.config import ExplorerConfig, KafkaConfig, SyncConfig
 from rft.engine import Completion, Generation
-from rft.explorer.main import Explorer
+from rft.explorer.explorer import Explorer
 from rft.transport.run_topics import create_run_topics
 from rft.schema import TaskRecord, decode_group
 from rft.transport.memory import MemoryTransport
@@ -60,7 +60,7 @@ class StreamingWorkflow:
 
 
 def test_continuous_loop_out_of_order(tmp_path, monkeypatch):
-    monkeypatch.setattr("rft.explorer.main.WEIGHTS_CHECK_S", 0.0)  # look for new weights at every step
+    monkeypatch.setattr("rft.explorer.continuous.WEIGHTS_CHECK_S", 0.0)  # look for new weights at every step
     transport = MemoryTransport(partitions=2)
     kafka = KafkaConfig(bootstrap_servers="memory", partitions=2)
     create_run_topics(TOPICS, kafka, transport)
