@@ -183,14 +183,14 @@ class ContinuousLoop:
             return 0
         immediate = [f for f in (self.scheduler.submit(t, m) for m, t in zip(taken.sources, taken.tasks))
                      if f is not None]
-        if immediate or taken.diverted:
-            self._deliver(immediate, seconds=0.0)
+        if immediate or taken.diverted:  # dead letters: their offsets may be committed, their admission slots freed
+            self._deliver(immediate, seconds=0.0, failed=taken.diverted)
         return taken.admitted
 
-    def _deliver(self, finished: list[Finished], *, seconds: float) -> None:
+    def _deliver(self, finished: list[Finished], *, seconds: float, failed: int = 0) -> None:
         outcomes = [Outcome(f.source, f.result, {"submitted_version": f.submitted_version,
                                                  "finished_version": f.finished_version}) for f in finished]
-        if self.explorer.delivery.deliver(outcomes, self.offsets):
+        if self.explorer.delivery.deliver(outcomes, self.offsets, failed=failed):
             self.explorer.stats.batches += 1
         if finished:
             self.explorer.export_metrics([f.result for f in finished], seconds)

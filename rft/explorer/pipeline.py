@@ -181,8 +181,9 @@ class Delivery:
     `ack_timeout_s` for each group's acknowledgement (raises if the broker did not take one: nothing is committed),
     marks the outcomes done in `offsets`, commits `offsets.committable()` through `membership.tasks`, then counts
     (`stats.groups`, `stats.dead_letters`) and tells admission (`finish`: groups produced; `fail`: the other outcomes,
-    plus `failed`). Each group is numbered `(explorer_id, attempt)`: the attempt counts this explorer's earlier groups
-    of the same group id (a re-delivery to the same explorer)."""
+    plus `failed`, the admitted tasks dead-lettered at intake: every admitted task frees its slot once). Each group is
+    numbered `(explorer_id, attempt)`: the attempt counts this explorer's earlier groups of the same group id (a
+    re-delivery to the same explorer)."""
 
     def __init__(self, *, sink: "RecordSink", dead_letter: "DeadLetter", topics: "RunTopics", explorer_id: str,
                  workflow: str, ack_timeout_s: float, admission: "Admission", membership: "Membership",
