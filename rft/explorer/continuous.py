@@ -139,8 +139,7 @@ class ContinuousLoop:
             now = time.monotonic()
             self._reload_when_drained(now)
             started = time.monotonic()
-            if not self.draining and not stop.is_set() and scheduler.free() and (not scheduler.inflight
-                                                                                 or now >= topup_due):
+            if self._may_start(stop, topup_due=topup_due, now=now):
                 topup_due = now + TOPUP_S
                 if self._start_tasks(block=not scheduler.inflight):
                     last_work = time.monotonic()
@@ -173,6 +172,11 @@ class ContinuousLoop:
                 log.info("loaded weights version %d with %d tasks in flight", engine.weights_version,
                          len(self.scheduler.inflight))
             self.draining = False
+
+    def _may_start(self, stop: threading.Event, *, topup_due: float, now: float) -> bool:
+        """Step 2's condition: not draining, not stopping, free slots, and the engine idle or a top-up due."""
+        return (not self.draining and not stop.is_set() and self.scheduler.free() > 0
+                and (not self.scheduler.inflight or now >= topup_due))
 
     def _start_tasks(self, *, block: bool) -> int:
         """Poll up to `scheduler.free()` tasks (waiting up to POLL_S when `block`), admit, decode, submit; returns the
