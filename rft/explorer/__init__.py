@@ -1,1 +1,1 @@
-"""Explorers: vLLM engines that turn tasks from the tasks topic into experience groups (see main.py)."""
+"""Explorers: vLLM engines that turn tasks from the tasks topic into experience groups (see explorer.py)."""

@@ -2,28 +2,40 @@
 slowest sequence.
 
 `Continuous` holds up to `explorer.max_inflight` tasks as engine requests (one request of n samples per task, through
-the workflow's streaming interface `prepare` / `finish`, rft/workflows/__init__.py `streams`). The explorer loop
-(rft/explorer/main.py `Explorer.run_continuous`) tops it up with newly polled tasks whenever slots are free, steps the
-engine, and produces each group as soon as all n samples of its task are finished. Tasks therefore finish out of
-order; `Offsets` says up to where each partition may be committed (below its lowest unfinished offset).
+the workflow's streaming interface `prepare` / `finish`, rft/workflows/__init__.py `streams`). `ContinuousLoop`, the
+explorer's loop in this mode, tops it up with newly polled tasks whenever slots are free, steps the engine, and
+delivers each group as soon as all n samples of its task are finished (rft/explorer/pipeline.py: produce, acks, then
+commit). Tasks therefore finish out of order; `Offsets` (pipeline.py) says up to where each partition may be
+committed (below its lowest unfinished offset).
 
 Weights. A newer version is loaded only when nothing is in flight: the loop stops admitting (drains), lets the
 requests of the old version finish, reloads, resumes. So every sample of a group comes from the version the engine
-held when the task's request was submitted; `Continuous.finished` checks it (EngineError otherwise) and each result
+held when the task's request was submitted; `Continuous.step` checks it (EngineError otherwise) and each result
 carries `submitted_version` / `finished_version` (also in the group's metadata).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from rft.engine import EngineError
+from rft.explorer.pipeline import POLL_S, Offsets, Outcome
 from rft.workflows import GroupResult
 
 if TYPE_CHECKING:
     from rft.engine import Engine
+    from rft.explorer.explorer import Explorer
     from rft.schema import TaskRecord
+
+log = logging.getLogger("rft.explorer")
+
+WEIGHTS_CHECK_S = 0.5  # how often it looks for a newer weights version while generating
+TOPUP_S = 0.02  # while requests are in flight, poll for tasks to fill free slots at most this often
+MEMBERSHIP_CHECK_S = 1.0  # how often the membership watchdog runs while generating
 
 
 @dataclasses.dataclass
@@ -94,45 +106,95 @@ class Continuous:
         return done
 
 
-class Offsets:
-    """Task offsets in flight per partition (`position` = "topic:partition"); `committable()` gives, per partition
-    with news, the offset to commit: one past the highest done offset, but never past the lowest unfinished one, so a
-    task is committed only once its group (and every earlier task's) is on the broker."""
+class ContinuousLoop:
+    """The explorer's loop with `explorer.continuous: true` (after `Explorer.join`). Each turn:
+      1. weights: every WEIGHTS_CHECK_S, look for a newer version (store or announcement); if there is one, stop
+         admitting (drain) and load it once nothing is in flight (`reloads` records (version, tasks in flight): 0);
+      2. unless draining or stopping: poll, admit and submit tasks for the free slots (at most every TOPUP_S while
+         requests are in flight; waiting up to POLL_S for tasks when none are);
+      3. step the engine; deliver the groups whose n samples are done (produce, acks, then commit each partition below
+         its lowest unfinished task: rft/explorer/pipeline.py);
+      4. the membership watchdog (every MEMBERSHIP_CHECK_S while generating, every turn when idle); after a switch of
+         consumer group the offsets start afresh: the new group re-delivers what was not committed.
+    A stop finishes the tasks in flight (delivered and committed) and returns "stopped"; with `exit_when_idle_s`,
+    "idle" once nothing was in flight or started for that long. `stats.batches` counts deliveries that produced at
+    least one group. `sync.method: push` is refused (ValueError): a push is a collective taken between batches."""
 
-    def __init__(self) -> None:
-        self._open: dict[str, set[int]] = {}
-        self._done: dict[str, int] = {}  # one past the highest done offset
-        self._committed: dict[str, int] = {}  # the last offset committed (or, before any, the first started)
+    def __init__(self, explorer: "Explorer"):
+        if explorer.push is not None:
+            raise ValueError("explorer.continuous: sync.method push is not supported (a push is a collective the "
+                             "explorer takes part in between batches); use sync.method pull")
+        self.explorer = explorer
+        self.scheduler = Continuous(explorer.engine, explorer.workflow, explorer.config.max_inflight)
+        self.offsets = Offsets()
+        self.reloads: list[tuple[int, int]] = []  # (version, tasks in flight when it was loaded): always 0
+        self.draining = False
+        self._weights_due = 0.0
 
-    def start(self, position: str, offset: int) -> None:
-        self._open.setdefault(position, set()).add(offset)
-        self._committed.setdefault(position, offset)
+    def run(self, stop: threading.Event, *, exit_when_idle_s: float | None = None) -> str:
+        scheduler, stats = self.scheduler, self.explorer.stats
+        membership_due = topup_due = 0.0
+        last_work = last_export = time.monotonic()
+        while not (stop.is_set() and not scheduler.inflight):
+            now = time.monotonic()
+            self._reload_when_drained(now)
+            started = time.monotonic()
+            if self._may_start(stop, topup_due=topup_due, now=now):
+                topup_due = now + TOPUP_S
+                if self._start_tasks(block=not scheduler.inflight):
+                    last_work = time.monotonic()
+            finished = scheduler.step()
+            stats.explore_s += time.monotonic() - started
+            if finished:
+                self._deliver(finished, seconds=time.monotonic() - last_export)
+                last_work = last_export = time.monotonic()
+            if not scheduler.inflight or now >= membership_due:
+                membership_due = now + MEMBERSHIP_CHECK_S
+                if self.explorer.membership.watch():
+                    self.offsets = Offsets()
+            if (not scheduler.inflight and exit_when_idle_s is not None
+                    and time.monotonic() - last_work > exit_when_idle_s):
+                return "idle"
+        return "stopped"
 
-    def done(self, position: str, offset: int) -> None:
-        still = self._open.get(position)
-        if still is None:  # forgotten (rebalance): nothing to commit for it here
-            return
-        still.discard(offset)
-        self._done[position] = max(self._done.get(position, 0), offset + 1)
+    def _reload_when_drained(self, now: float) -> None:
+        """Step 1 of the class docstring: start draining when a newer version is out; load it once nothing is in
+        flight."""
+        engine = self.explorer.engine
+        if not self.draining and now >= self._weights_due:
+            self._weights_due = now + WEIGHTS_CHECK_S
+            self.draining = self.explorer.weights.newest(above=engine.weights_version) is not None
+        if self.draining and not self.scheduler.inflight:
+            before = engine.weights_version
+            self.explorer.refresh_weights()
+            if engine.weights_version != before:
+                self.reloads.append((engine.weights_version, len(self.scheduler.inflight)))
+                log.info("loaded weights version %d with %d tasks in flight", engine.weights_version,
+                         len(self.scheduler.inflight))
+            self.draining = False
 
-    def unfinished(self) -> int:
-        return sum(len(v) for v in self._open.values())
+    def _may_start(self, stop: threading.Event, *, topup_due: float, now: float) -> bool:
+        """Step 2's condition: not draining, not stopping, free slots, and the engine idle or a top-up due."""
+        return (not self.draining and not stop.is_set() and self.scheduler.free() > 0
+                and (not self.scheduler.inflight or now >= topup_due))
 
-    def committable(self) -> dict[str, int]:
-        out = {}
-        for position, done in self._done.items():
-            still = self._open.get(position)
-            offset = min(min(still), done) if still else done
-            if offset > self._committed[position]:
-                out[position] = offset
-        return out
+    def _start_tasks(self, *, block: bool) -> int:
+        """Poll up to `scheduler.free()` tasks (waiting up to POLL_S when `block`), admit, decode, submit; returns the
+        number of tasks handled (started or dead-lettered)."""
+        taken = self.explorer.intake.take(self.offsets, timeout_s=POLL_S if block else 0.0,
+                                          max_records=self.scheduler.free(), wait=block)
+        if not taken.admitted:
+            return 0
+        immediate = [f for f in (self.scheduler.submit(t, m) for m, t in zip(taken.sources, taken.tasks))
+                     if f is not None]
+        if immediate or taken.diverted:  # dead letters: their offsets may be committed, their admission slots freed
+            self._deliver(immediate, seconds=0.0, failed=taken.diverted)
+        return taken.admitted
 
-    def committed(self, offsets: dict[str, int]) -> None:
-        self._committed.update(offsets)
-
-    def forget(self, positions: set[str]) -> None:
-        """Partitions no longer held (a rebalance): their tasks are re-delivered to whoever holds them now."""
-        for position in positions:
-            self._open.pop(position, None)
-            self._done.pop(position, None)
-            self._committed.pop(position, None)
+    def _deliver(self, finished: list[Finished], *, seconds: float, failed: int = 0) -> None:
+        outcomes = [Outcome(f.source, f.result, {"submitted_version": f.submitted_version,
+                                                 "finished_version": f.finished_version}) for f in finished]
+        if self.explorer.delivery.deliver(outcomes, self.offsets, failed=failed):
+            self.explorer.stats.batches += 1
+        if finished:
+            self.explorer.export_metrics([f.result for f in finished], seconds)

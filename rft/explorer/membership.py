@@ -35,6 +35,9 @@ rebalances, and if it does not, the watchdog's rejoin forces it. After every rej
 full `unassigned_rejoin_s` before the next step: make it well above the time the group needs to form (Tansu
 answers a JoinGroup after 3 s; a rebalance waits for every member's next poll, up to `explorer.max_batch_s`).
 
+`Membership` is the explorer's side of all this: its tasks consumer, the group's epoch, and the watchdog's steps taken
+between deliveries.
+
 Readers of the explorers' lag besides `rft status` (the online task publisher, `rft publish`) follow the moves with
 a `GroupFollower`.
 """
@@ -42,11 +45,20 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from rft.transport.control import ControlView, TasksGroup, control_messages
-from rft.transport import Transport
+from rft.transport import Transport, TransportError, lag
+
+if TYPE_CHECKING:
+    from rft.config import ExplorerConfig, KafkaConfig
+    from rft.explorer.explorer import ExplorerStats
+    from rft.run.monitor import MetricsEndpoint
+    from rft.transport import RecordSink, RecordSource
+    from rft.transport.run_topics import RunTopics
+    from rft.weights.subscriber import WeightUpdates
 
 log = logging.getLogger(__name__)
 
@@ -192,3 +204,123 @@ class UnassignedWatchdog:
             self._tries += 1
             self._clock = now
         return Decision(rejoin, waited, lag, peers, move=rejoin and self._tries > 1)
+
+
+class Membership:
+    """This explorer's place in the explorers' consumer group on the tasks topic: the consumer it reads tasks with
+    (`tasks`; None before `join` and while it switches groups), the group's `epoch`, and the watchdog (`watch`).
+
+    It reads the control topic through `control` (the explorer's WeightUpdates: its `view` holds the fleet's newest
+    heartbeats and `tasks_group` move, `read_announcements()` reads what is new), announces a move it makes on `sink`,
+    reads `stats.partitions` (set at each poll) and writes `stats.rejoins`; with `prometheus`, it exports its gauges
+    (`rft_explorer_partitions`, `rft_explorer_unassigned_seconds`, `rft_explorer_rejoins_total`). Called by the
+    explorer's loop only (not thread-safe); the heartbeat thread reads `tasks` and `watchdog`."""
+
+    def __init__(self, *, transport: Transport, topics: "RunTopics", explorer_id: str, config: "ExplorerConfig",
+                 kafka: "KafkaConfig", control: "WeightUpdates", sink: "RecordSink", stats: "ExplorerStats",
+                 prometheus: "MetricsEndpoint | None" = None):
+        self.transport, self.topics, self.explorer_id = transport, topics, explorer_id
+        self.config, self.kafka, self.control, self.sink = config, kafka, control, sink
+        self.stats, self.prometheus = stats, prometheus
+        self.tasks: "RecordSource | None" = None
+        self.epoch = 0  # the group is group_name(topics.explorers_group, epoch)
+        self.watchdog = UnassignedWatchdog(config.unassigned_rejoin_s)
+
+    @property
+    def group(self) -> str:
+        return group_name(self.topics.explorers_group, self.epoch)
+
+    def join(self) -> None:
+        """Join the group the newest `tasks_group` announcement names (the run's base group when none), as a static
+        member when `explorer.static_membership`."""
+        announced = announced_group(self.transport, self.topics.control, client_id=f"{self.explorer_id}-groups")
+        if announced is not None:
+            self.epoch = announced.epoch
+        self._subscribe(static=self.config.static_membership)
+
+    def watch(self) -> bool:
+        """Between deliveries: follow a newer `tasks_group` move; then the rule of the module docstring: rejoin the
+        group when this explorer has held no partition for `explorer.unassigned_rejoin_s` while the group has lag and
+        no live explorer holds one, and move the fleet to a fresh group when a rejoin did not help. True when it
+        switched to a new consumer (the group re-delivers whatever the old one had not committed)."""
+        before = self.tasks
+        now = time.monotonic()
+        moved = self.control.view.tasks_group
+        if moved is not None and moved.epoch > self.epoch:
+            log.warning("explorer %s follows %s to consumer group %s", self.explorer_id, moved.explorer_id, moved.group)
+            self._switch(moved.epoch)
+        self.watchdog.observe(bool(self.stats.partitions), now)
+        if self.prometheus is not None:
+            self.prometheus.update({"rft_explorer_partitions": len(self.stats.partitions),
+                                    "rft_explorer_unassigned_seconds": self.watchdog.unassigned_s(now),
+                                    "rft_explorer_rejoins_total": self.watchdog.rejoins})
+        if self.watchdog.due(now):
+            self._act(now)
+        return self.tasks is not before
+
+    def _act(self, now: float) -> None:
+        horizon_s = 3 * self.config.heartbeat_s
+        self.control.read_announcements()
+        view = self.control.view
+        decision = self.watchdog.decide(now, pending=self._tasks_pending,
+                                        holders=lambda: partition_holders(view, now=time.time(), horizon_s=horizon_s,
+                                                                          exclude=self.explorer_id))
+        if not decision.rejoin:
+            return
+        self.stats.rejoins = self.watchdog.rejoins
+        if decision.move:
+            self._move(decision)
+            return
+        log.warning("explorer %s held no tasks partition for %.0f s while %d tasks wait and no live explorer holds "
+                    "one (peers: %s): rejoining the consumer group %s", self.explorer_id, decision.unassigned_s,
+                    decision.pending, describe_peers(view, now=time.time(), exclude=self.explorer_id), self.group)
+        self._switch(self.epoch)
+
+    def _move(self, decision: Decision) -> None:
+        """Seed the next epoch's group with this group's committed offsets, announce it (`tasks_group`), join it."""
+        epoch = self.epoch + 1
+        try:
+            offsets = {k: v for k, v in self.tasks.committed(self.topics.tasks).items() if v is not None}
+        except TransportError as e:
+            log.warning("membership watchdog: cannot read group %s's committed offsets (%s); not moving now",
+                        self.group, e)
+            return
+        target = group_name(self.topics.explorers_group, epoch)
+        log.warning("explorer %s: consumer group %s still gives nobody a partition after a rejoin (%d tasks wait): "
+                    "moving the explorers to %s", self.explorer_id, self.group, decision.pending, target)
+        seed_group(self.transport, target, self.topics.tasks, offsets, client_id=f"{self.explorer_id}-seed")
+        self.sink.send_record(self.topics.control, TasksGroup(explorer_id=self.explorer_id, group=target, epoch=epoch,
+                                                              offsets=offsets).to_message())
+        self.sink.flush()
+        self._switch(epoch)
+
+    def _subscribe(self, static: bool) -> None:
+        # a batch may take up to explorer.max_batch_s between two polls; the group must not presume us dead
+        self.tasks = self.transport.source(group=self.group, topics=[self.topics.tasks], client_id=self.explorer_id,
+                                           max_poll_interval_ms=max(self.kafka.max_poll_interval_ms,
+                                                                    int(self.config.max_batch_s * 1000)),
+                                           group_instance_id=instance_id(self.explorer_id) if static else None)
+
+    def _switch(self, epoch: int) -> None:
+        """Leave the tasks group and join the group of `epoch` (the same one: a rejoin), as a dynamic member: a static
+        member that rejoins may be handed its old (empty) assignment."""
+        self.tasks.close()
+        self.tasks = None
+        self.epoch = epoch
+        self._subscribe(static=False)
+        self.watchdog.restart(time.monotonic())
+
+    def _tasks_pending(self) -> int:
+        """The group's lag on the tasks topic (records past its committed offsets); 0 when unreadable."""
+        try:
+            end = self.tasks.end_offsets(self.topics.tasks)
+            committed = self.tasks.committed(self.topics.tasks)
+            start = self.tasks.beginning_offsets(self.topics.tasks)
+        except TransportError as e:
+            log.warning("membership watchdog: cannot read the tasks topic's offsets (%s)", e)
+            return 0
+        return lag(end, {k: start.get(k, 0) if v is None else v for k, v in committed.items()})
+
+    def close(self) -> None:
+        if self.tasks is not None:
+            self.tasks.close()

@@ -1,4 +1,4 @@
-"""`rft explorer --replicas N`: supervision of N explorer processes on one host (the loop is rft/explorer/main.py)."""
+"""`rft explorer --replicas N`: supervision of N explorer processes on one host (the explorer: explorer.py)."""
 from __future__ import annotations
 
 import argparse

@@ -291,19 +291,16 @@ class Trainer:
         self.consumed_path = self.run_dir / "consumed.jsonl"
         self._last_wait_note = 0.0
         _truncate_consumed(self.consumed_path, self.step)
-        self._announce(TrainerStarted(step=self.step, version=self.step, offsets=dict(self.feed.state.offsets),
-                                      prometheus_port=io.prometheus.port if io.prometheus else None))
+        self.io.announce(TrainerStarted(step=self.step, version=self.step, offsets=dict(self.feed.state.offsets),
+                                        prometheus_port=io.prometheus.port if io.prometheus else None))
 
     def _waiting(self, groups_so_far: int) -> None:
         """While starved, tell the explorers what has been consumed (admission control reads it)."""
         now = time.monotonic()
         if now - self._last_wait_note >= WAIT_ANNOUNCE_S:
             self._last_wait_note = now
-            self._announce(TrainerWaiting(version=self.step, offsets=dict(self.feed.state.offsets),
-                                          groups_in_batch=groups_so_far))
-
-    def _announce(self, message: Kind) -> None:
-        self.io.announce(message)
+            self.io.announce(TrainerWaiting(version=self.step, offsets=dict(self.feed.state.offsets),
+                                            groups_in_batch=groups_so_far))
 
     # -- the loop
     def run(self) -> None:
@@ -331,7 +328,7 @@ class Trainer:
         self._export_final()
         self._flush_weights()
         if self.is_reader:
-            self._announce(TrainerFinished(step=self.step))
+            self.io.announce(TrainerFinished(step=self.step))
 
     def _next_groups(self, step: int):
         """This step's groups on every rank, the skip counts (rank 0), and whether a replay is exhausted."""

@@ -1,10 +1,10 @@
-"""rft/explorer/continuous.py `Offsets`: with tasks finishing out of order, a partition is committed only up to its
+"""rft/explorer/pipeline.py `Offsets`: with tasks finishing out of order, a partition is committed only up to its
 lowest unfinished task; checked against a brute-force reference over random finishing orders."""
 from __future__ import annotations
 
 import random
 
-from rft.explorer.continuous import Offsets
+from rft.explorer.pipeline import Offsets
 
 
 def reference(started: dict[str, list[int]], done: set[tuple[str, int]]) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""The continuous loop (rft/explorer/main.py `run_continuous`) over the in-memory transport, no broker and no
+"""The continuous loop (rft/explorer/continuous.py `ContinuousLoop`) over the in-memory transport, no broker and no
 inference engine (stand-ins of our own Engine and Workflow protocols, as in test_explorer_loop_memory.py): requests
 finish out of order (each after as many steps as its prompt says), a version published mid-run is loaded only when
 no request is unfinished, every group carries the version its request ran with, and no commit passes a task whose
@@ -9,7 +9,8 @@ import threading
 
 from rft.config import ExplorerConfig, KafkaConfig, SyncConfig
 from rft.engine import Completion, Generation
-from rft.explorer.main import Explorer
+from rft.explorer.admission import StalenessAdmission
+from rft.explorer.explorer import Explorer
 from rft.transport.run_topics import create_run_topics
 from rft.schema import TaskRecord, decode_group
 from rft.transport.memory import MemoryTransport
@@ -60,7 +61,7 @@ class StreamingWorkflow:
 
 
 def test_continuous_loop_out_of_order(tmp_path, monkeypatch):
-    monkeypatch.setattr("rft.explorer.main.WEIGHTS_CHECK_S", 0.0)  # look for new weights at every step
+    monkeypatch.setattr("rft.explorer.continuous.WEIGHTS_CHECK_S", 0.0)  # look for new weights at every step
     transport = MemoryTransport(partitions=2)
     kafka = KafkaConfig(bootstrap_servers="memory", partitions=2)
     create_run_topics(TOPICS, kafka, transport)
@@ -119,3 +120,33 @@ def test_continuous_loop_out_of_order(tmp_path, monkeypatch):
 def decode_task_id(m) -> str:
     from rft.schema import decode_task
     return decode_task(m.value, m.headers).task_id
+
+
+def test_continuous_loop_gives_back_the_admission_slots_of_dead_lettered_tasks(tmp_path):
+    """A malformed record and a foreign run's task are admitted, then dead-lettered at decoding: their admission slots
+    are given back (`fail`), as in the batch loop. With at most 2 tasks running, two slots kept by them would stop the
+    explorer for good."""
+    transport = MemoryTransport(partitions=1)
+    kafka = KafkaConfig(bootstrap_servers="memory", partitions=1)
+    create_run_topics(TOPICS, kafka, transport)
+    sink = transport.sink()
+    sink.send(TOPICS.tasks, b"\x93not a task", headers=[("rft-schema", b"1"), ("rft-type", b"task")])
+    foreign = TaskRecord(run_id="other", task_id="x", epoch=0, prompt="1")
+    sink.send_record(TOPICS.tasks, foreign, key=foreign.task_id)
+    tasks = [TaskRecord(run_id="run", task_id=f"t{i}", epoch=0, prompt="1") for i in range(4)]
+    for t in tasks:
+        sink.send_record(TOPICS.tasks, t, key=t.task_id)
+
+    admission = StalenessAdmission(groups_per_step=1, max_staleness=None, max_running=2)
+    explorer = Explorer(ExplorerConfig(engine="vllm", continuous=True, max_inflight=2, heartbeat_s=60), kafka=kafka,
+                        sync=SyncConfig(), topics=TOPICS, store=WeightStore(tmp_path / "store"), explorer_id="c2",
+                        engine=StreamingEngine(), workflow=StreamingWorkflow(), admission=admission,
+                        transport=transport)
+    try:
+        explorer.join()
+        assert explorer.run_continuous(threading.Event(), exit_when_idle_s=0.5) == "idle"
+    finally:
+        explorer.close("stopped")
+    groups = [decode_group(m.value) for m in read_topic(transport, TOPICS.experiences)]
+    assert sorted(g.task_id for g in groups) == [t.task_id for t in tasks]
+    assert len(read_topic(transport, TOPICS.dead_letter)) == 2 and admission.state().running == 0

@@ -1,4 +1,5 @@
-"""The explorer's loop (rft/explorer/main.py) over the in-memory transport, no broker and no inference engine.
+"""The explorer's batch loop (rft/explorer/batch.py) over the in-memory transport, no broker and no inference
+engine.
 
 Stand-ins, both allowed by the test rules: the transport is `rft.transport.memory` (an in-memory implementation of
 our own RecordSink/RecordSource protocols), and the engine and workflow are in-memory implementations of our own
@@ -20,7 +21,7 @@ import torch
 
 from rft.config import ExplorerConfig, KafkaConfig, SyncConfig
 from rft.transport.control import ExplorerJoin, ExplorerLeave, ExplorerWeights, control_messages, parse
-from rft.explorer.main import Explorer
+from rft.explorer.explorer import Explorer
 from rft.transport.run_topics import RunTopics, create_run_topics
 from rft.schema import HEADER_ERROR, Sample, TaskRecord, decode_group
 from rft.transport.memory import MemoryTransport
