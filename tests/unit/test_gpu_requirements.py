@@ -5,13 +5,14 @@ on a 2-core machine against a registry mirror without PEP 658 metadata (whole wh
 read the metadata alone."""
 from __future__ import annotations
 
-import ast
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.packaging import setup_requirements
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_TXT = REPO / "requirements" / "gpu.txt"
@@ -27,18 +28,6 @@ def pins() -> dict[str, str]:
         if line:
             out[line.split("[")[0].split("=")[0].strip().lower()] = line
     return out
-
-
-def setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
-    """CORE and extras_require from setup.py, read with ast (importing it would run setup())."""
-    tree = ast.parse((REPO / "setup.py").read_text())
-    core = extras = None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "CORE" for t in node.targets):
-            core = ast.literal_eval(node.value)
-        if isinstance(node, ast.keyword) and node.arg == "extras_require":
-            extras = ast.literal_eval(node.value)
-    return core, extras
 
 
 def test_setup_py_agrees_with_gpu_txt():

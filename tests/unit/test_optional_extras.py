@@ -5,7 +5,6 @@ and each optional feature used without its extra fails with the error that names
 (rft/extras.py). Also: rft/extras.py, setup.py's extras_require and the Makefile's install agree."""
 from __future__ import annotations
 
-import ast
 import json
 import os
 import re
@@ -18,6 +17,7 @@ import pytest
 
 from rft.extras import EXTRAS, MissingExtra, check_installed, extra_of, require
 from rft.run.loading import load_run_config
+from tests.packaging import setup_requirements
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCKED = sorted(module for modules in EXTRAS.values() for module in modules)
@@ -195,24 +195,12 @@ def test_require_and_check_installed_name_the_feature_and_the_extra(monkeypatch)
     check_installed("envs", feature="x")  # installed here (make installs every extra)
 
 
-def setup_extras() -> tuple[list[str], dict[str, list[str]]]:
-    """CORE and extras_require from setup.py, read with ast (importing it would run setup())."""
-    tree = ast.parse((REPO / "setup.py").read_text())
-    core = extras = None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "CORE" for t in node.targets):
-            core = ast.literal_eval(node.value)
-        if isinstance(node, ast.keyword) and node.arg == "extras_require":
-            extras = ast.literal_eval(node.value)
-    return core, extras
-
-
 def distribution(requirement: str) -> str:
     return re.split(r"[\[=<>~! ]", requirement, maxsplit=1)[0].lower().replace("-", "_")
 
 
 def test_extras_agree_with_setup_py_and_make_installs_them():
-    core, extras = setup_extras()
+    core, extras = setup_requirements()
     for extra, modules in EXTRAS.items():
         assert extra in extras, f"setup.py has no extra {extra!r}"
         assert {distribution(r) for r in extras[extra]} <= set(modules), (extra, extras[extra])
