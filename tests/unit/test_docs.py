@@ -98,3 +98,11 @@ def test_no_tracked_file_holds_merge_conflict_markers():
     found = [name for name in files if (repo / name).suffix in {".py", ".md", ".yaml", ".txt", ".js", ".html", ".css"}
              and (repo / name).is_file() and marker.search((repo / name).read_text(errors="replace"))]
     assert found == [], f"merge conflict markers left in {found}"
+
+
+def test_the_bench_help_names_every_registered_benchmark():
+    from rft.bench.main import BENCHMARKS
+    from rft.cli import COMMANDS
+
+    help_text = COMMANDS["bench"][1]
+    assert [name for name in BENCHMARKS if name not in help_text] == [], f"`rft --help` says {help_text!r}"
