@@ -1,7 +1,9 @@
 """Generate docs/config.md from the typed config tree (rft/config.py), so the reference cannot drift.
 
 `python -m rft.ops.config_reference` rewrites docs/config.md; `--check` exits 1 if the file is not current (a test
-runs the check in CI). Descriptions are the trailing `# comments` of the fields in rft/config.py.
+runs the check in CI). Descriptions are the trailing `# comments` of the fields in rft/config.py, and of the fields
+of each algorithm's options (rft/algorithms/): the `algorithm` section lists every key of the registered algorithms
+once, with the algorithms that take it.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import typing
 from pathlib import Path
 
 from rft import config as config_module
+from rft.algorithms import ALGORITHMS
+from rft.algorithms.registry import options_type
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 _FIELD_LINE = re.compile(r"^\s+(\w+):[^#]*?(?:#\s*(.*))?$")
@@ -71,6 +75,8 @@ def render() -> str:
             parts.append(doc + "\n")
         parts.append("| key | type | default | meaning |\n|---|---|---|---|")
         parts.extend(_rows(cls, section.name))
+        if cls is config_module.AlgorithmConfig:
+            parts.extend(_algorithm_rows(section.name))
     return "\n".join(parts) + "\n"
 
 
@@ -80,6 +86,8 @@ def _rows(cls: type, prefix: str) -> list[str]:
     rows = []
     hints, comments = typing.get_type_hints(cls), _comments(cls)
     for f in dataclasses.fields(cls):
+        if f.metadata.get("rest"):  # not a key: the section's other keys (e.g. an algorithm's, `_algorithm_rows`)
+            continue
         tp = hints[f.name]
         item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
         if dataclasses.is_dataclass(tp):
@@ -89,6 +97,26 @@ def _rows(cls: type, prefix: str) -> list[str]:
         if item is not None and dataclasses.is_dataclass(item):
             rows.extend(_rows(item, f"{prefix}.{f.name}[]"))
     return rows
+
+
+def _algorithm_rows(prefix: str) -> list[str]:
+    """One row per key of the registered algorithms' options (the first algorithm's field, in registration order),
+    its meaning prefixed with the algorithms that take it."""
+    takers: dict[str, list[str]] = {}
+    rows: dict[str, tuple[type, dataclasses.Field]] = {}
+    for name, algorithm in ALGORITHMS.items():
+        options = options_type(algorithm)
+        for f in dataclasses.fields(options):
+            takers.setdefault(f.name, []).append(name)
+            rows.setdefault(f.name, (options, f))
+    out = []
+    for key, (options, f) in rows.items():
+        comments = {k: v for klass in reversed(options.__mro__) if dataclasses.is_dataclass(klass)
+                    for k, v in _comments(klass).items()}
+        tp = typing.get_type_hints(options)[key]
+        out.append(f"| `{prefix}.{key}` | {_type_name(tp)} | {_default(f)} | {', '.join(sorted(takers[key]))}: "
+                   f"{comments.get(key, '')} |")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
