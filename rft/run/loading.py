@@ -15,12 +15,13 @@ naming the source file and the dotted key. Every command that loads a config for
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from rft.algorithms import REPLAY_HINT, build_algorithm
+from rft.algorithms import REPLAY_HINT, build_algorithm, build_options
 from rft.config import ADMISSIONS, Config, ConfigError, EvalConfig, config_from_dict, load_config
 from rft.data.gym_tasks import GymError, build_dataset
 from rft.data.selectors import SelectionError, build_selector
@@ -40,18 +41,27 @@ NAME_ERRORS = (RegistryError, RewardError, WorkflowError, SelectionError, Operat
 
 def load_run_config(path: str | os.PathLike | None = None, overrides: list[str] = (), *,
                     need_model: bool = False) -> Config:
-    """`rft.config.load_config`, then `check_run_config`: the config as a run uses it. `need_model`: the model
-    must be on disk here (`check_model`)."""
+    """`rft.config.load_config`, then `check_run_config`: the config as a run uses it (`resolve_algorithm_options`).
+    `need_model`: the model must be on disk here (`check_model`)."""
+    source = str(path) if path else "<defaults>"
     cfg = load_config(path, overrides)
-    check_run_config(cfg, str(path) if path else "<defaults>", need_model=need_model)
+    check_run_config(cfg, source, need_model=need_model)
+    resolve_algorithm_options(cfg, source)
     return cfg
 
 
 def run_config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
-    """`rft.config.config_from_dict`, then `check_run_config`."""
+    """`rft.config.config_from_dict`, then `check_run_config` and `resolve_algorithm_options`."""
     cfg = config_from_dict(raw, source)
     check_run_config(cfg, source)
+    resolve_algorithm_options(cfg, source)
     return cfg
+
+
+def resolve_algorithm_options(cfg: Config, source: str) -> None:
+    """Every key of the chosen algorithm in `cfg.algorithm.options`, defaults included, so the resolved config a
+    run saves (`<run dir>/config.yaml`) says every value its algorithm uses."""
+    cfg.algorithm.options = dataclasses.asdict(build_options(cfg.algorithm, source=source))
 
 
 def check_run_config(cfg: Config, source: str, *, need_model: bool = False) -> None:

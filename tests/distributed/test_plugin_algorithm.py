@@ -38,7 +38,8 @@ def test_its_keys_are_checked_when_the_config_loads(model):
         return run_config_from_dict({"model": {"path": str(model)}, "algorithm": {"name": PLUGIN, **options}},
                                     "plugin.yaml")
 
-    assert load(scale=3, teacher_path=str(model)).algorithm.options == {"scale": 3, "teacher_path": str(model)}
+    assert load(scale=3, teacher_path=str(model)).algorithm.options == {  # resolved: its defaults too
+        "scale": 3.0, "teacher_path": str(model), "demonstrations_per_step": 1, "critic_lr": 1e-3}
     with pytest.raises(ConfigError, match=r"plugin.yaml: algorithm.scael: unknown key \(did you mean 'scale'"):
         load(scael=3)
     with pytest.raises(ConfigError, match=r"plugin.yaml: algorithm.scale: must be > 0, got -1"):
