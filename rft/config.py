@@ -207,56 +207,25 @@ class TrainerConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """The loss and the advantages; docs/algorithms.md has one section per algorithm (its formula, keys, use)."""
-    name: str = "grpo"  # grpo, rloo, reinforce_pp, gspo, cispo, dpo, sft, on_policy_distill, chord, ppo, or package.module:object
-    clip_eps: float = 0.2  # grpo, rloo, reinforce_pp: the ratio's clip range on both sides (unless clip_eps_low/high)
-    clip_eps_low: Optional[float] = None  # clip below at 1 - clip_eps_low; null: the algorithm's default (docs/algorithms.md)
-    clip_eps_high: Optional[float] = None  # clip above at 1 + clip_eps_high (DAPO's clip-higher: 0.28); null: the algorithm's default
-    kl_coef: float = 0.0
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"  # token_mean: over all loss tokens of the step (DAPO); seq_mean: per sequence first
-    off_policy_correction: bool = False
-    importance_cap: float = 2.0
-    dpo_beta: float = 0.1
-    std_normalize: bool = True  # GRPO: divide group-centred rewards by the group std (False: Dr.GRPO-style)
-    teacher_path: str = ""  # on_policy_distill: the teacher's HF model directory (same vocabulary as model.path)
-    distill_coef: float = 1.0  # on_policy_distill: weight of the per-token advantage -(logp - teacher)
-    distill_reward_coef: float = 0.0  # on_policy_distill: weight of the reward (GRPO group) advantage; 0: none
-    chord_mu_start: float = 0.9  # chord: the SFT weight mu at step 1
-    chord_mu_end: float = 0.05  # chord: mu from step chord_mu_steps + 1 on
-    chord_mu_steps: int = 100  # chord: steps over which mu goes from chord_mu_start to chord_mu_end
-    chord_mu_schedule: Literal["linear", "cosine"] = "cosine"  # chord: the shape of mu's decay
-    chord_topic: str = ""  # chord: the topic of demonstration groups; empty: <run>.demonstrations (rft run fills it from data)
-    chord_groups_per_step: int = 2  # chord: demonstration groups mixed into each step (besides trainer.groups_per_step)
-    gamma: float = 1.0  # ppo: GAE discount per response token
-    lam: float = 0.95  # ppo: GAE lambda (1: Monte-Carlo returns minus values; 0: one-step TD)
-    value_clip: Optional[float] = 0.2  # ppo: the value loss clips V to V_old +- value_clip; null: unclipped
-    whiten_advantages: bool = True  # ppo: normalise GAE advantages to mean 0, std 1 over the step's loss tokens
-    critic_lr: float = 1.0e-5  # ppo: the critic's own Adam learning rate
-    critic_path: str = ""  # ppo: HF directory the critic's trunk starts from; empty: model.path (the policy's)
+    """The algorithm: its `name`, and beside it the keys of that algorithm (`algorithm: {name: ppo, gamma: 0.99}`).
+    Each algorithm owns its keys (rft/algorithms/; docs/algorithms.md): the rows below say which algorithms take each
+    one, and a key the chosen algorithm does not take is an error."""
+    # This module is a leaf and does not know the algorithms: it keeps the section's other keys as written, in
+    # `options`; rft.run.loading (or rft.algorithms.build_algorithm) builds them into the algorithm's typed options.
 
-    def __post_init__(self) -> None:
-        """The section's own ranges (combinations an algorithm refuses are its own ConfigError, when it is built)."""
-        if self.clip_eps_low is not None and not 0 < self.clip_eps_low <= 1:
-            raise ConfigError(f"algorithm.clip_eps_low: must be in (0, 1] (1: no lower bound), got {self.clip_eps_low}")
-        if self.clip_eps_high is not None and not self.clip_eps_high > 0:
-            raise ConfigError(f"algorithm.clip_eps_high: must be > 0, got {self.clip_eps_high}")
-        for key in ("distill_coef", "distill_reward_coef"):
-            value = getattr(self, key)
-            if not (math.isfinite(value) and value >= 0):
-                raise ConfigError(f"algorithm.{key}: must be a finite number >= 0, got {value}")
-        for key in ("chord_mu_start", "chord_mu_end"):
-            value = getattr(self, key)
-            if not 0 <= value <= 1:
-                raise ConfigError(f"algorithm.{key}: must be in [0, 1] (the SFT share of the loss), got {value}")
-        for key in ("gamma", "lam"):
-            if not 0 <= getattr(self, key) <= 1:
-                raise ConfigError(f"algorithm.{key}: must be in [0, 1], got {getattr(self, key)}")
-        if self.value_clip is not None and not self.value_clip > 0:
-            raise ConfigError(f"algorithm.value_clip: must be > 0 (null: no clipping), got {self.value_clip}")
-        if self.chord_mu_steps < 0:
-            raise ConfigError(f"algorithm.chord_mu_steps: must be >= 0, got {self.chord_mu_steps}")
-        if self.chord_groups_per_step < 1:
-            raise ConfigError(f"algorithm.chord_groups_per_step: must be >= 1, got {self.chord_groups_per_step}")
+    # grpo, rloo, reinforce_pp, gspo, cispo, dpo, sft, on_policy_distill, chord, ppo, or package.module:Class
+    name: str = "grpo"
+    # the section's other keys, as written (not a key of its own)
+    options: dict[str, Any] = field(default_factory=dict, metadata={"rest": True})
+
+    @classmethod
+    def of(cls, name: str = "grpo", **options: Any) -> "AlgorithmConfig":
+        """The section `{name: name, **options}`, as code writes it."""
+        return cls(name=name, options=options)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The section as YAML writes it: the name and the algorithm's keys side by side."""
+        return {"name": self.name, **self.options}
 
 
 DataFormat = Literal["jsonl", "parquet", "hf_disk", "generated", "reasoning_gym", "gsm8k"]
@@ -482,7 +451,14 @@ class Config:
         return f"{self.kafka.topic_prefix or self.run.name}.{kind}"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The tree as YAML writes it (a section's `rest` field, e.g. `algorithm.options`, spread into the section)."""
+        out = dataclasses.asdict(self)
+        for section in dataclasses.fields(self):
+            rest = _rest_field(type(getattr(self, section.name)))
+            if rest is not None:
+                body = out[section.name]
+                out[section.name] = {**{k: v for k, v in body.items() if k != rest}, **body[rest]}
+        return out
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -566,13 +542,31 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         node[parts[-1]] = value
 
 
+def build_section(cls: type, raw: Any, *, source: str, prefix: str) -> Any:
+    """The dataclass `cls` built from the mapping `raw` with this module's checks (unknown keys with a did-you-mean,
+    types, the class's own `__post_init__` checks); ConfigError naming `source` and the key under `prefix`. For
+    sections that live outside this module (an algorithm's options, rft/algorithms/)."""
+    return _build(cls, raw, source, prefix)
+
+
+def _rest_field(cls: type) -> str | None:
+    """The field of a dataclass section marked `metadata={"rest": True}`: it holds the section's keys that are not
+    fields (their checks are another module's), and is not itself a key."""
+    if not dataclasses.is_dataclass(cls):
+        return None
+    return next((f.name for f in dataclasses.fields(cls) if f.metadata.get("rest")), None)
+
+
 def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: {prefix or '<top>'}: expected a mapping, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    rest = _rest_field(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name != rest]
+    if rest is not None:
+        raw = {**{k: v for k, v in raw.items() if k in names}, rest: {str(k): v for k, v in raw.items() if k not in names}}
     for key in raw:
-        if key not in names:
+        if key not in names and key != rest:
             path = f"{prefix}.{key}" if prefix else str(key)
             near = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean '{near[0]}'?)" if near else f" (valid keys: {', '.join(names)})"
@@ -580,7 +574,9 @@ def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
     kwargs = {}
     for f in dataclasses.fields(cls):
         path = f"{prefix}.{f.name}" if prefix else f.name
-        if f.name in raw:
+        if f.name == rest:
+            kwargs[f.name] = raw[rest]  # as written: the module that owns these keys builds them
+        elif f.name in raw:
             kwargs[f.name] = _coerce(hints[f.name], raw[f.name], source, path)
         elif dataclasses.is_dataclass(hints[f.name]):
             kwargs[f.name] = _build(hints[f.name], {}, source, path)
@@ -661,10 +657,6 @@ def check_semantics(cfg: Config, source: str) -> None:
     require(0 < cfg.explorer.top_p <= 1, "explorer.top_p", f"must be in (0, 1], got {cfg.explorer.top_p}")
     require(cfg.trainer.lr > 0, "trainer.lr", f"must be > 0, got {cfg.trainer.lr}")
     _check_micro_batching(cfg.trainer, require)
-    require(cfg.algorithm.clip_eps > 0, "algorithm.clip_eps", f"must be > 0, got {cfg.algorithm.clip_eps}")
-    require(cfg.algorithm.importance_cap >= 1, "algorithm.importance_cap",
-            f"must be >= 1, got {cfg.algorithm.importance_cap}")
-    require(cfg.algorithm.kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {cfg.algorithm.kl_coef}")
     require(bool(cfg.run.name) and re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name) is not None, "run.name",
             f"must be non-empty letters, digits, '.', '_' or '-' (it names topics and directories); got {cfg.run.name!r}")
     run_mode = modes.mode(cfg.run.mode)

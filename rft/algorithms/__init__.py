@@ -6,20 +6,24 @@ on_policy_distill (a teacher's per-token reverse KL as the advantage), chord (SF
 GRPO steps with a scheduled weight), ppo (a critic's GAE advantages, clipped value loss).
 DAPO's pieces are options of these: algorithm.clip_eps_high, loss_agg token_mean, and the trainer's experience
 operators length_penalty and zero_variance (docs/algorithms.md).
-Any other name of the form `package.module:object` is imported and called with the AlgorithmConfig.
+Each algorithm owns its keys (an options dataclass registered with it) and declares what the trainer provides
+(`Needs`). Any other name of the form `package.module:Class` is imported and called with its options.
 """
-from rft.algorithms.registry import ALGORITHMS, Algorithm, build_algorithm, register, resolve_algorithm
-from rft.algorithms.chord import CHORD  # importing the modules registers them
+from rft.algorithms.registry import (ALGORITHMS, REPLAY_HINT, Algorithm, Critic, Demonstrations, Needs, NoOptions,
+                                     build_algorithm, build_options, option_keys, register,
+                                     resolve_algorithm)
+from rft.algorithms.chord import CHORD, ChordOptions  # importing the modules registers them
 from rft.algorithms.cispo import CISPO
-from rft.algorithms.dpo import DPO
-from rft.algorithms.grpo import GRPO
-from rft.algorithms.on_policy_distill import OnPolicyDistill
-from rft.algorithms.ppo import PPO
+from rft.algorithms.dpo import DPO, DPOOptions
+from rft.algorithms.grpo import GRPO, GRPOOptions
+from rft.algorithms.on_policy_distill import DistillOptions, OnPolicyDistill
+from rft.algorithms.ppo import PPO, PPOOptions
 from rft.algorithms.gspo import GSPO
 from rft.algorithms.reinforce_pp import ReinforcePlusPlus
 from rft.algorithms.rloo import RLOO
-from rft.algorithms.sft import SFT
+from rft.algorithms.sft import SFT, SFTOptions
 
-__all__ = ["ALGORITHMS", "Algorithm", "build_algorithm", "register", "resolve_algorithm",
-           "GRPO", "RLOO", "ReinforcePlusPlus", "GSPO", "CISPO", "DPO", "SFT",
-           "OnPolicyDistill", "CHORD", "PPO"]
+__all__ = ["ALGORITHMS", "REPLAY_HINT", "Algorithm", "Critic", "Demonstrations", "Needs", "NoOptions",
+           "build_algorithm", "build_options", "option_keys", "register", "resolve_algorithm",
+           "GRPO", "RLOO", "ReinforcePlusPlus", "GSPO", "CISPO", "DPO", "SFT", "OnPolicyDistill", "CHORD", "PPO",
+           "GRPOOptions", "DPOOptions", "SFTOptions", "DistillOptions", "ChordOptions", "PPOOptions"]

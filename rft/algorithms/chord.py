@@ -29,16 +29,15 @@ policy).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from rft.algorithms.aggregation import aggregate, behaviour_kl, check_micro_batch
-from rft.algorithms.grpo import GRPO
-from rft.algorithms.registry import Metrics, MicroBatch, register
-
-if TYPE_CHECKING:
-    from rft.config import AlgorithmConfig, Config
+from rft.algorithms.grpo import GRPO, GRPOOptions
+from rft.algorithms.registry import Demonstrations, Metrics, MicroBatch, Needs, register
+from rft.config import ConfigError
 
 CHORD_KEYS = ["demo_mask", "global_demo_tokens", "global_demo_sequences", "step"]
 
@@ -53,23 +52,44 @@ def sft_weight(step: float, *, start: float, end: float, steps: int, schedule: s
     raise ValueError(f"algorithm.chord_mu_schedule: must be linear or cosine, got {schedule!r}")
 
 
-def demonstrations_topic(cfg: "Config") -> str:
-    """The topic chord's demonstration groups are read from (and `rft run` fills from `data` when it is empty)."""
-    return cfg.algorithm.chord_topic or cfg.topic("demonstrations")
+@dataclass
+class ChordOptions(GRPOOptions):
+    """GRPO's keys (the RL part) and the schedule and feed of the demonstrations."""
+    chord_mu_start: float = 0.9  # the SFT weight mu at step 1
+    chord_mu_end: float = 0.05  # mu from step chord_mu_steps + 1 on
+    chord_mu_steps: int = 100  # steps over which mu goes from chord_mu_start to chord_mu_end
+    chord_mu_schedule: Literal["linear", "cosine"] = "cosine"  # the shape of mu's decay
+    chord_topic: str = ""  # the topic of demonstration groups; empty: <run>.demonstrations (rft run fills it from data)
+    chord_groups_per_step: int = 2  # demonstration groups mixed into each step (besides trainer.groups_per_step)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("chord_mu_start", "chord_mu_end"):
+            value = getattr(self, key)
+            if not 0 <= value <= 1:
+                raise ConfigError(f"algorithm.{key}: must be in [0, 1] (the SFT share of the loss), got {value}")
+        if self.chord_mu_steps < 0:
+            raise ConfigError(f"algorithm.chord_mu_steps: must be >= 0, got {self.chord_mu_steps}")
+        if self.chord_groups_per_step < 1:
+            raise ConfigError(f"algorithm.chord_groups_per_step: must be >= 1, got {self.chord_groups_per_step}")
 
 
-@register("chord")
+@register("chord", options=ChordOptions)
 class CHORD(GRPO):
-    needs_demonstrations = True
-
-    def __init__(self, cfg: "AlgorithmConfig"):
-        super().__init__(cfg)
-        self.demonstrations_per_step = cfg.chord_groups_per_step
+    def __init__(self, options: ChordOptions):
+        super().__init__(options)
+        # the demonstration rows, and the step for mu(step)
+        self.needs = Needs(reference=self.needs.reference, step=True, demonstrations=Demonstrations(
+            groups_per_step=options.chord_groups_per_step, topic=options.chord_topic))
 
     def mu(self, step: float) -> float:
         c = self.cfg
         return sft_weight(step, start=c.chord_mu_start, end=c.chord_mu_end, steps=c.chord_mu_steps,
                           schedule=c.chord_mu_schedule)
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """`sft_mu`: the schedule's mu at `step`."""
+        return {"sft_mu": self.mu(step)}
 
     def loss_fn(self, token_logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
         check_micro_batch(token_logprobs, micro_batch, ["loss_mask", "global_tokens", "global_sequences", *CHORD_KEYS],

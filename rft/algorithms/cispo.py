@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 
 from rft.algorithms.aggregation import token_metric
-from rft.algorithms.grpo import GRPO
+from rft.algorithms.grpo import GRPO, GRPOOptions
 from rft.algorithms.registry import Metrics, MicroBatch, register
 
 
-@register("cispo")
+@register("cispo", options=GRPOOptions)
 class CISPO(GRPO):
     default_clip = (1.0, 0.28)
 

@@ -10,27 +10,28 @@ dpo_beta * (z_chosen - z_rejected)). Needs `ref_logprobs`; uses recorded pairs o
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
 from rft.algorithms.aggregation import check_micro_batch
-from rft.algorithms.registry import Metrics, MicroBatch, register, zero_advantages
-
-if TYPE_CHECKING:
-    from rft.config import AlgorithmConfig
+from rft.algorithms.registry import Algorithm, Metrics, MicroBatch, Needs, register, zero_advantages
 
 
-@register("dpo")
-class DPO:
-    needs_reference = True
+@dataclass
+class DPOOptions:
+    dpo_beta: float = 0.1  # the inverse temperature of the preference margin (the strength of the pull away from the reference)
+
+
+@register("dpo", options=DPOOptions)
+class DPO(Algorithm):
+    # the frozen reference, and pair rows: one group = one pair (rft/trainer/batch.py)
+    needs = Needs(reference=True, pairwise=True)
     supports_replay = True
-    pairwise = True  # the trainer builds pair rows: one group = one pair (rft/trainer/batch.py)
     advantages = staticmethod(zero_advantages)
 
-    def __init__(self, cfg: "AlgorithmConfig"):
-        self.cfg = cfg
+    def __init__(self, options: DPOOptions):
+        self.cfg = options
 
     def loss_fn(self, token_logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
         check_micro_batch(token_logprobs, micro_batch, ["loss_mask", "ref_logprobs", "pair_chosen", "pair_index",

@@ -30,31 +30,57 @@ Tokens outside `loss_mask` never reach the loss: their log-ratios are zeroed bef
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass
+from typing import Literal, Optional, Sequence
 
 import numpy as np
 import torch
 
 from rft.algorithms.aggregation import aggregate, check_micro_batch, k3, token_metric
-from rft.algorithms.registry import Metrics, MicroBatch, register
-
-if TYPE_CHECKING:
-    from rft.config import AlgorithmConfig
+from rft.algorithms.registry import Algorithm, Metrics, MicroBatch, Needs, register
+from rft.config import ConfigError
 
 ADVANTAGE_EPS = 1e-6
 
 
-@register("grpo")
-class GRPO:
+@dataclass
+class GRPOOptions:
+    """The keys of grpo, rloo, reinforce_pp, gspo and cispo (and of the algorithms built on them: ppo, chord,
+    on_policy_distill, whose options add their own)."""
+    clip_eps: float = 0.2  # the ratio's clip range on both sides (unless clip_eps_low / clip_eps_high); not used by gspo and cispo
+    clip_eps_low: Optional[float] = None  # clip below at 1 - clip_eps_low; null: the algorithm's default (docs/algorithms.md)
+    clip_eps_high: Optional[float] = None  # clip above at 1 + clip_eps_high (DAPO's clip-higher: 0.28); null: the algorithm's default
+    kl_coef: float = 0.0  # weight of the k3 KL term to the frozen reference model (> 0 loads the reference); 0: none
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"  # token_mean: over all loss tokens of the step (DAPO); seq_mean: per sequence first (gspo: always)
+    off_policy_correction: bool = False  # decoupled PPO: truncated behaviour importance weights; correct on old experiences
+    importance_cap: float = 2.0  # off_policy_correction: the truncation of the behaviour importance weight
+    std_normalize: bool = True  # divide group-centred rewards by the group std (false: Dr. GRPO); not used by rloo, reinforce_pp and ppo
+
+    def __post_init__(self) -> None:
+        """Ranges (combinations an algorithm refuses are its own ConfigError, when it is built)."""
+        if not self.clip_eps > 0:
+            raise ConfigError(f"algorithm.clip_eps: must be > 0, got {self.clip_eps}")
+        if self.clip_eps_low is not None and not 0 < self.clip_eps_low <= 1:
+            raise ConfigError(f"algorithm.clip_eps_low: must be in (0, 1] (1: no lower bound), got {self.clip_eps_low}")
+        if self.clip_eps_high is not None and not self.clip_eps_high > 0:
+            raise ConfigError(f"algorithm.clip_eps_high: must be > 0, got {self.clip_eps_high}")
+        if not self.importance_cap >= 1:
+            raise ConfigError(f"algorithm.importance_cap: must be >= 1, got {self.importance_cap}")
+        if not self.kl_coef >= 0:
+            raise ConfigError(f"algorithm.kl_coef: must be >= 0, got {self.kl_coef}")
+
+
+@register("grpo", options=GRPOOptions)
+class GRPO(Algorithm):
     """Subclasses that only change `group_advantages` (or `advantages`) are the REINFORCE-style variants; those that
     change `policy_loss` (and `default_clip`, `loss_agg`) are the other group policy losses."""
 
     default_clip: "tuple[float, float] | None" = None  # (eps_low, eps_high) when the config's are null; None: clip_eps
     extra_keys: "tuple[str, ...]" = ()  # micro-batch keys a subclass's policy term reads besides GRPO's
 
-    def __init__(self, cfg: "AlgorithmConfig"):
-        self.cfg = cfg
-        self.needs_reference = cfg.kl_coef > 0
+    def __init__(self, options: GRPOOptions):
+        self.cfg = cfg = options
+        self.needs = Needs(reference=cfg.kl_coef > 0)
         # Recorded experiences of any age are usable only when the loss corrects for the behaviour policy.
         self.supports_replay = cfg.off_policy_correction
         self.loss_agg = cfg.loss_agg
@@ -78,7 +104,7 @@ class GRPO:
 
     def loss_fn(self, token_logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
         keys = ["loss_mask", "old_logprobs", "advantages", "global_tokens", "global_sequences"]
-        keys += list(self.extra_keys) + (["ref_logprobs"] if self.needs_reference else [])
+        keys += list(self.extra_keys) + (["ref_logprobs"] if self.needs.reference else [])
         check_micro_batch(token_logprobs, micro_batch, keys, algorithm=self.name)
         logp, mask = token_logprobs.float(), micro_batch["loss_mask"] > 0
         prox, weight = self._proximal(logp, micro_batch)
@@ -89,7 +115,7 @@ class GRPO:
         if self.cfg.off_policy_correction:
             metrics["importance_weight_truncated_frac"] = token_metric(
                 (weight >= self.cfg.importance_cap).float(), micro_batch)
-        if self.needs_reference:
+        if self.needs.reference:
             kl = k3(micro_batch["ref_logprobs"] - logp, mask)  # KL(pi_theta || pi_ref), tokens drawn from pi_theta
             per_token = per_token + self.cfg.kl_coef * kl
             metrics["kl"] = token_metric(kl, micro_batch)

@@ -27,23 +27,18 @@ Metrics: `clip_frac` is the fraction of sequences clipped, `seq_ratio_mean` the 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from rft.algorithms.grpo import GRPO
+from rft.algorithms.grpo import GRPO, GRPOOptions
 from rft.algorithms.registry import Metrics, MicroBatch, register
 
-if TYPE_CHECKING:
-    from rft.config import AlgorithmConfig
 
-
-@register("gspo")
+@register("gspo", options=GRPOOptions)
 class GSPO(GRPO):
     default_clip = (3e-4, 4e-4)
 
-    def __init__(self, cfg: "AlgorithmConfig"):
-        super().__init__(cfg)
+    def __init__(self, options: GRPOOptions):
+        super().__init__(options)
         self.loss_agg = "seq_mean"  # l_i is the same on every token of sample i: seq_mean sums l_i / S
 
     def policy_loss(self, logp: torch.Tensor, micro_batch: MicroBatch, prox: torch.Tensor,

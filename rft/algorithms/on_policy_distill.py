@@ -16,38 +16,50 @@ KL(pi_student || pi_teacher), which pulls the student towards the teacher on the
 (mode-seeking). With the default distill_reward_coef = 0 rewards do not enter the loss (they are still recorded and
 logged); > 0 adds the task reward's group advantage.
 
-Needs the micro-batch key `teacher_logprobs` [b, T] (the trainer adds it: `needs_teacher`, `teacher_path`).
+Needs the micro-batch key `teacher_logprobs` [b, T] (the trainer adds it: `needs.teacher`).
 Replay: as GRPO's (`off_policy_correction`), since the teacher scores recorded tokens at training time.
 Metrics: GRPO's, plus `teacher_kl`, the token mean of k_t (the estimate of the per-token reverse KL).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from dataclasses import dataclass
 
 import torch
 
 from rft.algorithms.aggregation import token_metric
-from rft.algorithms.grpo import GRPO
-from rft.algorithms.registry import Metrics, MicroBatch, register
+from rft.algorithms.grpo import GRPO, GRPOOptions
+from rft.algorithms.registry import Metrics, MicroBatch, Needs, register
 from rft.config import ConfigError
 
-if TYPE_CHECKING:
-    from rft.config import AlgorithmConfig
+
+@dataclass
+class DistillOptions(GRPOOptions):
+    """GRPO's keys (the clipped surrogate) and the teacher's."""
+    teacher_path: str = ""  # required: the teacher's HF model directory (same vocabulary as model.path)
+    distill_coef: float = 1.0  # weight of the per-token advantage -(logp - teacher)
+    distill_reward_coef: float = 0.0  # weight of the reward (GRPO group) advantage; 0: none
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("distill_coef", "distill_reward_coef"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"algorithm.{key}: must be a finite number >= 0, got {value}")
 
 
-@register("on_policy_distill")
+@register("on_policy_distill", options=DistillOptions)
 class OnPolicyDistill(GRPO):
     extra_keys = ("teacher_logprobs",)
-    needs_teacher = True
 
-    def __init__(self, cfg: "AlgorithmConfig"):
-        super().__init__(cfg)
-        if not cfg.teacher_path:
+    def __init__(self, options: DistillOptions):
+        super().__init__(options)
+        if not options.teacher_path:
             raise ConfigError("algorithm.teacher_path: on_policy_distill needs the teacher's Hugging Face model "
                               "directory (same tokenizer and vocabulary as model.path)")
-        if cfg.distill_coef == 0 and cfg.distill_reward_coef == 0:
+        if options.distill_coef == 0 and options.distill_reward_coef == 0:
             raise ConfigError("algorithm.distill_coef: with distill_reward_coef also 0 the loss is 0; set one > 0")
-        self.teacher_path = cfg.teacher_path
+        self.needs = Needs(reference=self.needs.reference, teacher=options.teacher_path)
 
     def policy_loss(self, logp: torch.Tensor, micro_batch: MicroBatch, prox: torch.Tensor,
                     weight: torch.Tensor) -> tuple[torch.Tensor, Metrics]:

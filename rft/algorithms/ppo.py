@@ -32,18 +32,16 @@ float32 [b, T] and 0 outside the loss mask.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from rft.algorithms.aggregation import aggregate, check_micro_batch, token_metric
-from rft.algorithms.grpo import GRPO, finite_rewards
-from rft.algorithms.registry import Metrics, MicroBatch, register
+from rft.algorithms.grpo import GRPO, GRPOOptions, finite_rewards
+from rft.algorithms.registry import Critic, Metrics, MicroBatch, Needs, register
 from rft.config import ConfigError
-
-if TYPE_CHECKING:
-    from rft.config import AlgorithmConfig
 
 WHITEN_EPS = 1e-8
 
@@ -83,16 +81,37 @@ def token_moments(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]
     return out
 
 
-@register("ppo")
+@dataclass
+class PPOOptions(GRPOOptions):
+    """GRPO's keys (the policy loss) and the critic's."""
+    gamma: float = 1.0  # GAE discount per response token
+    lam: float = 0.95  # GAE lambda (1: Monte-Carlo returns minus values; 0: one-step TD)
+    value_clip: Optional[float] = 0.2  # the value loss clips V to V_old +- value_clip; null: unclipped
+    whiten_advantages: bool = True  # normalise GAE advantages to mean 0, std 1 over the step's loss tokens
+    critic_lr: float = 1.0e-5  # the critic's own Adam learning rate
+    critic_path: str = ""  # HF directory the critic's trunk starts from; empty: model.path (the policy's)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("gamma", "lam"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ConfigError(f"algorithm.{key}: must be in [0, 1], got {getattr(self, key)}")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ConfigError(f"algorithm.value_clip: must be > 0 (null: no clipping), got {self.value_clip}")
+        if not self.critic_lr > 0:
+            raise ConfigError(f"algorithm.critic_lr: must be > 0, got {self.critic_lr}")
+
+
+@register("ppo", options=PPOOptions)
 class PPO(GRPO):
     extra_keys = ("token_advantages",)
-    needs_critic = True
 
-    def __init__(self, cfg: "AlgorithmConfig"):
-        super().__init__(cfg)
-        if not cfg.critic_lr > 0:
-            raise ConfigError(f"algorithm.critic_lr: must be > 0, got {cfg.critic_lr}")
-        self.critic_path = cfg.critic_path or None  # None: the critic's trunk starts from the policy's model.path
+    def __init__(self, options: PPOOptions):
+        super().__init__(options)
+        # None: the critic's trunk starts from the policy's model.path
+        self.needs = Needs(reference=self.needs.reference, critic=Critic(
+            lr=options.critic_lr, path=options.critic_path or None, add_targets=self.add_targets,
+            value_loss_fn=self.value_loss_fn))
 
     def advantages(self, rewards_per_group: Sequence[np.ndarray]) -> list[np.ndarray]:
         """The rewards themselves (the per-sample channel carries r_i to `add_targets`; see the module docstring)."""

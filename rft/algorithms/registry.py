@@ -1,85 +1,183 @@
-"""Algorithm registry: `algorithm.name` -> an object with `advantages` and `loss_fn`.
+"""Algorithm registry: `algorithm.name` -> an algorithm class, its typed options, and what it needs from the trainer.
 
 A name is either a registered key (`grpo`, `rloo`, `reinforce_pp`, `gspo`, `cispo`, `dpo`, `sft`,
-`on_policy_distill`, `chord`, `ppo`) or an import path
-`package.module:object`, where the object is a class or factory called with the `AlgorithmConfig`. Either way
-the result is checked against the `Algorithm` interface below, so a bad name fails when the run is built,
-with a message that says what is wrong.
+`on_policy_distill`, `chord`, `ppo`) or an import path `package.module:Class`. An algorithm is written in one file:
+
+    @dataclass
+    class MyOptions:                      # the keys of `algorithm:` besides `name`, with their defaults
+        beta: float = 0.1  # what beta does
+
+    @register("my_algo", options=MyOptions)
+    class MyAlgo(Algorithm):
+        def __init__(self, options: MyOptions):
+            self.options = options
+            self.needs = Needs(reference=True)        # what the trainer must provide (below)
+        def advantages(self, rewards_per_group): ...
+        def loss_fn(self, token_logprobs, micro_batch): ...
+
+The `algorithm:` section's other keys are built into the class's `Options` (set by `register`; an import-path
+class sets `Options` itself, and one without takes no keys) by `rft.config.build_section`, so unknown keys, types
+and the options' own range checks are errors naming `algorithm.<key>` (and the file, when a config is loaded:
+rft.run.loading). The result of `Class(options)` is checked against the `Algorithm` interface.
+
+The trainer and the launcher know no algorithm by name: they read `algorithm.needs` (a `Needs`) and provide what it
+declares: a frozen reference model, a teacher, a critic, demonstration groups, preference pairs, the step number.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
 
+from rft.config import AlgorithmConfig, build_section
 from rft.registry import Registry
 
 if TYPE_CHECKING:
-    from rft.config import AlgorithmConfig
+    from rft.config import Config
 
 MicroBatch = dict[str, torch.Tensor]  # the batch contract's micro-batch
 Metrics = dict[str, torch.Tensor]
+LossFn = Callable[[torch.Tensor, MicroBatch], "tuple[torch.Tensor, Metrics]"]
 
 
-class Algorithm(Protocol):
-    """What the trainer needs from an algorithm.
+@dataclass(frozen=True)
+class Critic:
+    """A value model the trainer keeps beside the policy (megatron_bridge.critic, the policy's TP/PP layout). Each
+    step, before the policy's optimizer step, the trainer calls `add_targets(micro_batches, values,
+    sum_over_replicas)` with the critic's values [b, T] on every micro-batch (`sum_over_replicas` sums a float64
+    tensor over the data-parallel ranks) and trains on the micro-batches it returns; then the critic takes its own
+    optimizer step on `value_loss_fn(values, micro_batch)` (the batch contract). It is checkpointed with the policy
+    (`<step dir>/critic`)."""
+    lr: float  # the critic's own Adam learning rate
+    add_targets: Callable[[list[MicroBatch], list[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]],
+                          list[MicroBatch]]
+    value_loss_fn: LossFn
+    path: str | None = None  # HF directory the critic's trunk starts from; None: the policy's model.path
+    key: str = "algorithm.critic_path"  # the config key that sets `path` (named in errors)
+
+
+@dataclass(frozen=True)
+class Demonstrations:
+    """Demonstration groups mixed into every step: up to `groups_per_step` one-sample groups from `topic`, read up to
+    the topic's end when the trainer starts (rft/data/demonstrations.py writes them; `rft run` fills an empty topic
+    from `data`). They become rows with `demo_mask` 1 (rft/trainer/batch.py); their offsets are checkpointed."""
+    groups_per_step: int
+    topic: str = ""  # empty: the run's `<run>.demonstrations`
+
+    def topic_of(self, cfg: "Config") -> str:
+        """The topic the demonstrations are read from in the run `cfg`."""
+        return self.topic or cfg.topic("demonstrations")
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What an algorithm needs the trainer to provide; the default needs nothing. Each is a micro-batch key (the
+    batch contract, rft/trainer/batch.py) or a part the trainer runs:
+    - `reference`: `ref_logprobs` [b, T], the token log-probs of the frozen initial policy;
+    - `teacher`: `teacher_logprobs` [b, T] of a frozen teacher loaded from this HF directory (the policy's vocabulary),
+      computed on the recorded tokens; `teacher_key` is the config key that sets it (named in errors);
+    - `critic`: a value model (`Critic`);
+    - `demonstrations`: demonstration rows in every step (`Demonstrations`): micro-batches carry `demo_mask`,
+      `global_demo_tokens` and `global_demo_sequences`, and the step logs `demonstrations` (their count);
+    - `pairwise`: rows are preference pairs, one group per pair: groups that are not pairs are skipped (and counted),
+      micro-batches keep both rows of a pair together and carry `pair_chosen` / `pair_index`;
+    - `step`: micro-batches carry `step`, the optimizer step being taken (from 1)."""
+    reference: bool = False
+    teacher: str | None = None
+    teacher_key: str = "algorithm.teacher_path"
+    critic: Critic | None = None
+    demonstrations: Demonstrations | None = None
+    pairwise: bool = False
+    step: bool = False
+
+
+@dataclass
+class NoOptions:
+    """The options of an algorithm that takes no keys besides `name`."""
+
+
+class Algorithm:
+    """What the trainer needs from an algorithm, with the defaults of the optional parts (subclass it).
 
     - `advantages(rewards_per_group)`: one float32 array per group (same order, same lengths) from the rewards
       of whole groups. Called once per optimizer step with *all* groups of the step (some algorithms normalise
       over the whole batch).
     - `loss_fn(token_logprobs, micro_batch) -> (loss, metrics)`: per the batch contract, `loss` is this
       micro-batch's contribution to the step loss and every metric is a contribution to a step-wide sum.
-    - `needs_reference`: the micro-batch must carry `ref_logprobs`.
-    - `supports_replay`: the loss is correct on recorded experiences of any age (offline replay).
-    - `pairwise` (optional, False when absent): rows are preference pairs, one group per pair; micro-batches keep
-      both rows of a pair together and carry `pair_chosen` / `pair_index` (see rft/trainer/batch.py).
-    - `needs_teacher` (optional, False when absent): the micro-batch must carry `teacher_logprobs` [b, T], the
-      token log-probs of a frozen teacher model loaded from the algorithm's `teacher_path` (an HF directory with
-      the policy's vocabulary), computed by the trainer on the recorded tokens.
-    - `needs_demonstrations` (optional, False when absent): the step mixes demonstration rows in; micro-batches
-      carry `demo_mask`, `global_demo_tokens`, `global_demo_sequences` and `step` (see rft/algorithms/chord.py);
-      it then has `demonstrations_per_step` (demonstration groups the trainer adds to each step) and `mu(step)`.
-    - `needs_critic` (optional, False when absent): the trainer keeps a value model (rft/algorithms/ppo.py), calls
-      `add_targets(micro_batches, values, sum_over_replicas)` with its values before the step and trains it with
-      `value_loss_fn(values, micro_batch)` in the same step; `critic_path` names its initial weights (None: the
-      policy's).
+    - `needs`: what the trainer provides (`Needs`; default: nothing).
+    - `supports_replay`: the loss is correct on recorded experiences of any age (offline replay, replayed groups).
+    - `step_metrics(step)`: values the trainer logs with step `step` besides the loss's metrics (default: none).
+    - `Options`: the dataclass the `algorithm:` keys besides `name` are built into (set by `register`).
     Every algorithm reports a `kl` metric: the trainer wraps `loss_fn` with `aggregation.with_kl_metric`.
     """
-    name: str
-    needs_reference: bool
-    supports_replay: bool
+    name: str = ""
+    Options: type = NoOptions
+    needs: Needs = Needs()
+    supports_replay: bool = False
 
-    def advantages(self, rewards_per_group: Sequence[np.ndarray]) -> list[np.ndarray]: ...
+    def advantages(self, rewards_per_group: Sequence[np.ndarray]) -> list[np.ndarray]:
+        raise NotImplementedError
 
-    def loss_fn(self, token_logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, Metrics]: ...
+    def loss_fn(self, token_logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
+        raise NotImplementedError
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        return {}
 
 
-ALGORITHMS: Registry[Callable[["AlgorithmConfig"], Algorithm]] = Registry("algorithm", noun="algorithm")
+INTERFACE = ("advantages", "loss_fn", "needs", "supports_replay", "step_metrics")
+
+# How to train on recorded experiences when an algorithm cannot as configured (error messages)
+REPLAY_HINT = "set algorithm.off_policy_correction: true, or use sft or dpo"
+
+ALGORITHMS: Registry[type] = Registry("algorithm", noun="algorithm")
 
 
-def register(name: str):
-    """Class decorator: make an algorithm selectable as `algorithm.name: <name>` (and set its `name`)."""
+def register(name: str, *, options: type = NoOptions):
+    """Class decorator: make an algorithm selectable as `algorithm.name: <name>` with the keys of the dataclass
+    `options` (sets the class's `name` and `Options`)."""
     def add(cls):
         ALGORITHMS.add(name, cls)
-        cls.name = name
+        cls.name, cls.Options = name, options
         return cls
     return add
 
 
-def resolve_algorithm(name: str) -> Callable[["AlgorithmConfig"], Algorithm]:
-    """The class or factory for `name` (a registered key or `pkg.mod:obj`); ValueError naming algorithm.name."""
+def resolve_algorithm(name: str) -> type:
+    """The class for `name` (a registered key or `pkg.mod:Class`); ValueError naming algorithm.name."""
     return ALGORITHMS.resolve(name, key="algorithm.name")
 
 
-def build_algorithm(cfg: "AlgorithmConfig") -> Algorithm:
-    """Instantiate the algorithm named by `cfg.name` with `cfg`, and check it has the `Algorithm` interface."""
-    algorithm = resolve_algorithm(cfg.name)(cfg)
-    missing = [attr for attr in ("advantages", "loss_fn", "needs_reference", "supports_replay")
-               if not hasattr(algorithm, attr)]
+def options_type(cls: Any) -> type:
+    """The options dataclass of an algorithm class (`NoOptions` for an import-path object that declares none)."""
+    return cls.Options if isinstance(cls, type) and issubclass(cls, Algorithm) else getattr(cls, "Options", NoOptions)
+
+
+def option_keys(name: str) -> frozenset[str]:
+    """The keys the algorithm `name` takes besides `name` (its options' fields); ValueError naming algorithm.name."""
+    return frozenset(f.name for f in dataclasses.fields(options_type(resolve_algorithm(name))))
+
+
+def build_options(cfg: AlgorithmConfig, *, source: str = "<config>", prefix: str = "algorithm") -> Any:
+    """The typed options of the algorithm `cfg.name` from the section's other keys; ConfigError naming `source`
+    and `<prefix>.<key>` for an unknown key, a wrong type or a value out of range."""
+    return build_section(options_type(resolve_algorithm(cfg.name)), cfg.options, source=source, prefix=prefix)
+
+
+def build_algorithm(cfg: AlgorithmConfig, *, source: str = "<config>") -> Algorithm:
+    """Instantiate the algorithm named by `cfg.name` with its options, and check it has the `Algorithm` interface."""
+    cls = resolve_algorithm(cfg.name)
+    algorithm = cls(build_section(options_type(cls), cfg.options, source=source, prefix="algorithm"))
+    missing = [attr for attr in INTERFACE if not hasattr(algorithm, attr)]
     if missing:
         raise ValueError(f"algorithm.name: {cfg.name!r} built a {type(algorithm).__name__} without "
                          f"{', '.join(missing)} (see rft.algorithms.Algorithm)")
+    if not isinstance(algorithm.needs, Needs):
+        raise ValueError(f"algorithm.name: {cfg.name!r}: `needs` is a {type(algorithm.needs).__name__}, not an "
+                         "rft.algorithms.Needs")
     return algorithm
 
 

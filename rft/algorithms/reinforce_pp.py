@@ -11,11 +11,11 @@ from typing import Sequence
 
 import numpy as np
 
-from rft.algorithms.grpo import ADVANTAGE_EPS, GRPO, finite_rewards
+from rft.algorithms.grpo import ADVANTAGE_EPS, GRPO, GRPOOptions, finite_rewards
 from rft.algorithms.registry import register
 
 
-@register("reinforce_pp")
+@register("reinforce_pp", options=GRPOOptions)
 class ReinforcePlusPlus(GRPO):
     def advantages(self, rewards_per_group: Sequence[np.ndarray]) -> list[np.ndarray]:
         groups = [finite_rewards(r, i) for i, r in enumerate(rewards_per_group)]

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from rft.algorithms.grpo import GRPO
+from rft.algorithms.grpo import GRPO, GRPOOptions
 from rft.algorithms.registry import register
 
 
-@register("rloo")
+@register("rloo", options=GRPOOptions)
 class RLOO(GRPO):
     def group_advantages(self, rewards: np.ndarray) -> np.ndarray:
         n = len(rewards)

@@ -5,25 +5,27 @@ Uses recorded experiences only, so it runs in offline replay; no reference model
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from rft.algorithms.aggregation import aggregate, check_micro_batch, token_metric
-from rft.algorithms.registry import Metrics, MicroBatch, register, zero_advantages
-
-if TYPE_CHECKING:
-    from rft.config import AlgorithmConfig
+from rft.algorithms.registry import Algorithm, Metrics, MicroBatch, register, zero_advantages
 
 
-@register("sft")
-class SFT:
-    needs_reference = False
+@dataclass
+class SFTOptions:
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"  # token_mean: the NLL per loss token of the step; seq_mean: per sequence first
+
+
+@register("sft", options=SFTOptions)
+class SFT(Algorithm):
     supports_replay = True
     advantages = staticmethod(zero_advantages)
 
-    def __init__(self, cfg: "AlgorithmConfig"):
-        self.cfg = cfg
+    def __init__(self, options: SFTOptions):
+        self.cfg = options
 
     def loss_fn(self, token_logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
         check_micro_batch(token_logprobs, micro_batch, ["loss_mask", "global_tokens", "global_sequences"],

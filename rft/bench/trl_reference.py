@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from rft.algorithms import build_options
 from rft.text.chat import ChatPrompt, encode_chat, stop_token_ids
 from rft.config import Config
 from rft.data.tasks import build_picker
@@ -170,7 +171,7 @@ def grpo_config(cfg: Config, *, out: Path, steps: int | None, use_cpu: bool):
     from trl import GRPOConfig  # heavy: trl
 
     check_trl_config(cfg)
-    e, t, a = cfg.explorer, cfg.trainer, cfg.algorithm
+    e, t, a = cfg.explorer, cfg.trainer, build_options(cfg.algorithm)
     return GRPOConfig(
         output_dir=str(out / "trainer"), per_device_train_batch_size=t.groups_per_step * e.n_samples,
         num_generations=e.n_samples, max_completion_length=min(e.max_tokens, cfg.model.max_response_len),

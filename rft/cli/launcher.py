@@ -31,8 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rft.algorithms import build_algorithm
-from rft.algorithms.chord import demonstrations_topic
+from rft.algorithms import REPLAY_HINT, build_algorithm
 from rft.broker.local import KafkaEndpoint
 from rft.run.commandline import add_config_arguments, config_from_args, require_broker
 from rft.config import Config
@@ -109,9 +108,9 @@ def run(cfg: Config) -> int:
             _publish_tasks(cfg)
         if cfg.replay.from_data and not _publish_demonstrations(cfg, cfg.replay.topic or cfg.topic("experiences")):
             return 2
-        if ("trainer" in roles and getattr(build_algorithm(cfg.algorithm), "needs_demonstrations", False)
-                and not _publish_demonstrations(cfg, demonstrations_topic(cfg))):
-            return 2  # chord: the demonstrations it mixes into its steps
+        demonstrations = build_algorithm(cfg.algorithm).needs.demonstrations if "trainer" in roles else None
+        if demonstrations is not None and not _publish_demonstrations(cfg, demonstrations.topic_of(cfg)):
+            return 2  # the demonstrations the algorithm mixes into its steps
         try:
             gpus = gpu_plan(cfg, roles, visible_gpus())
         except LaunchError as e:
@@ -195,9 +194,9 @@ def _publish_tasks(cfg: Config) -> None:
 
 
 def _publish_demonstrations(cfg: Config, topic: str) -> bool:
-    """Fill `topic` (the offline replay's, or chord's demonstrations topic) from the dataset, unless it already holds
-    records (a resumed stage, or demonstrations published beforehand). False (the error printed) when the dataset is
-    not usable."""
+    """Fill `topic` (the offline replay's, or the demonstrations topic the algorithm reads) from the dataset, unless
+    it already holds records (a resumed stage, or demonstrations published beforehand). False (the error printed)
+    when the dataset is not usable."""
     try:
         count = publish_demonstrations(cfg.data, cfg.model, cfg.kafka, topic=topic, run_id=cfg.run.name,
                                        tools=prompt_tools(cfg.explorer))
@@ -518,11 +517,8 @@ def replay_main(argv: list[str]) -> int:
     cfg = config_from_args(args, need_model=True)
     if not cfg.replay.from_data:  # replays an existing topic, on the broker that holds it
         require_broker(cfg, "rft replay")
-    from rft.algorithms import build_algorithm  # heavy: torch
-
     if not build_algorithm(cfg.algorithm).supports_replay:
         print(f"rft replay: algorithm {cfg.algorithm.name!r} cannot train on recorded experiences as configured "
-              "(use sft, dpo, or a policy-gradient algorithm with algorithm.off_policy_correction: true)",
-              file=sys.stderr)
+              f"({REPLAY_HINT})", file=sys.stderr)
         return 2
     return run_until_stopped(cfg)

@@ -12,7 +12,9 @@ A key's description is the comment written with its field in rft/config.py, in o
 
 A field with both is an error (a note meant for several fields stands apart, above a blank line). Comments are read
 with Python's tokenizer and the fields' lines with its parser, so a `#` inside a default or a default spanning
-several lines is no trouble. A section's class docstring becomes the paragraph above its table.
+several lines is no trouble. A section's class docstring becomes the paragraph above its table. The `algorithm`
+section lists every key of the registered algorithms' options (rft/algorithms/, described the same way) once, with
+the algorithms that take it.
 """
 from __future__ import annotations
 
@@ -28,14 +30,10 @@ import typing
 from pathlib import Path
 
 from rft import config as config_module
+from rft.algorithms import ALGORITHMS
+from rft.algorithms.registry import options_type
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"
-
-# Keys of the `algorithm:` section still without a description while that section is being restructured into
-# per-algorithm options (issue 25, item 2). The check fails if one of these gets a description or disappears:
-# delete it from here then. Nothing else may be added.
-PENDING_DESCRIPTION = frozenset({"algorithm.kl_coef", "algorithm.off_policy_correction", "algorithm.importance_cap",
-                                 "algorithm.dpo_beta"})
 
 HEADER = """# Configuration reference
 
@@ -109,7 +107,8 @@ def rows(root: type = config_module.Config) -> list[tuple[str, type | None, list
     for f in dataclasses.fields(root):
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
-            sections.append((f.name, tp, _rows(tp, f.name)))
+            extra = _algorithm_rows(f.name) if tp is config_module.AlgorithmConfig else []
+            sections.append((f.name, tp, _rows(tp, f.name) + extra))
         else:
             sections.append((f.name, None, [Row(f.name, _type_name(tp), _default(f), descriptions.get(f.name, ""))]))
     return sections
@@ -119,6 +118,8 @@ def _rows(cls: type, prefix: str) -> list[Row]:
     out = []
     hints, descriptions = typing.get_type_hints(cls), field_descriptions(cls, prefix)
     for f in dataclasses.fields(cls):
+        if f.metadata.get("rest"):  # not a key: the section's other keys (an algorithm's options, `_algorithm_rows`)
+            continue
         tp = hints[f.name]
         item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
         if dataclasses.is_dataclass(tp):
@@ -130,26 +131,40 @@ def _rows(cls: type, prefix: str) -> list[Row]:
     return out
 
 
-def check_descriptions(root: type = config_module.Config, pending: frozenset[str] = PENDING_DESCRIPTION) -> None:
-    """ConfigReferenceError naming every dotted key of `root` without a description (those in `pending` excepted),
-    and every key of `pending` that has one or does not exist (the exemption is then stale)."""
-    described = {row.key: bool(row.description) for _, _, section in rows(root) for row in section}
-    missing = [key for key, ok in described.items() if not ok and key not in pending]
-    stale = sorted(key for key in pending if described.get(key, True))
-    problems = []
+def _algorithm_rows(prefix: str) -> list[Row]:
+    """One row per key of the registered algorithms' options (the first algorithm's field, in registration order),
+    its meaning prefixed with the algorithms that take it."""
+    takers: dict[str, list[str]] = {}
+    fields: dict[str, tuple[type, dataclasses.Field]] = {}
+    for name, algorithm in ALGORITHMS.items():
+        options = options_type(algorithm)
+        for f in dataclasses.fields(options):
+            takers.setdefault(f.name, []).append(name)
+            fields.setdefault(f.name, (options, f))
+    out = []
+    for key, (options, f) in fields.items():
+        descriptions = {k: v for klass in reversed(options.__mro__) if dataclasses.is_dataclass(klass)
+                        for k, v in field_descriptions(klass, f"{prefix}.{klass.__name__}").items()}
+        tp = typing.get_type_hints(options)[key]
+        text = descriptions.get(key, "")
+        out.append(Row(f"{prefix}.{key}", _type_name(tp), _default(f),
+                       f"{', '.join(sorted(takers[key]))}: {text}" if text else ""))
+    return out
+
+
+def check_descriptions(root: type = config_module.Config) -> None:
+    """ConfigReferenceError naming every dotted key of `root` without a description."""
+    missing = [row.key for _, _, section in rows(root) for row in section if not row.description]
     if missing:
-        problems.append(f"{len(missing)} config keys have no description: {', '.join(missing)}. Describe each with "
-                        "a comment on its field's line in rft/config.py, or comment lines directly above the field")
-    if stale:
-        problems.append(f"described or gone, so no longer pending: {', '.join(stale)}; remove them from "
-                        "PENDING_DESCRIPTION in rft/ops/config_reference.py")
-    if problems:
-        raise ConfigReferenceError("; ".join(problems), missing + stale)
+        raise ConfigReferenceError(
+            f"{len(missing)} config keys have no description: {', '.join(missing)}. Describe each with a comment on "
+            "its field's line (rft/config.py, or the algorithm's options in rft/algorithms/), or comment lines "
+            "directly above the field", missing)
 
 
-def render(root: type = config_module.Config, pending: frozenset[str] = PENDING_DESCRIPTION) -> str:
+def render(root: type = config_module.Config) -> str:
     """docs/config.md's text; ConfigReferenceError (`check_descriptions`) first if a key lacks a description."""
-    check_descriptions(root, pending)
+    check_descriptions(root)
     parts = [HEADER]
     for name, cls, section in rows(root):
         parts.append(f"\n## `{name}`\n")

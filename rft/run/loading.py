@@ -16,12 +16,13 @@ naming the source file and the dotted key. Every command that loads a config for
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from rft.algorithms import build_algorithm
+from rft.algorithms import REPLAY_HINT, build_algorithm, build_options
 from rft.config import ADMISSIONS, Config, ConfigError, EvalConfig, config_from_dict, load_config
 from rft.data.gym_tasks import GymError, build_dataset
 from rft.data.selectors import SelectionError, build_selector
@@ -43,18 +44,27 @@ NAME_ERRORS = (RegistryError, RewardError, WorkflowError, SelectionError, Operat
 
 def load_run_config(path: str | os.PathLike | None = None, overrides: list[str] = (), *,
                     need_model: bool = False) -> Config:
-    """`rft.config.load_config`, then `check_run_config`: the config as a run uses it. `need_model`: the model
-    must be on disk here (`check_model`)."""
+    """`rft.config.load_config`, then `check_run_config`: the config as a run uses it (`resolve_algorithm_options`).
+    `need_model`: the model must be on disk here (`check_model`)."""
+    source = str(path) if path else "<defaults>"
     cfg = load_config(path, overrides)
-    check_run_config(cfg, str(path) if path else "<defaults>", need_model=need_model)
+    check_run_config(cfg, source, need_model=need_model)
+    resolve_algorithm_options(cfg, source)
     return cfg
 
 
 def run_config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
-    """`rft.config.config_from_dict`, then `check_run_config`."""
+    """`rft.config.config_from_dict`, then `check_run_config` and `resolve_algorithm_options`."""
     cfg = config_from_dict(raw, source)
     check_run_config(cfg, source)
+    resolve_algorithm_options(cfg, source)
     return cfg
+
+
+def resolve_algorithm_options(cfg: Config, source: str) -> None:
+    """Every key of the chosen algorithm in `cfg.algorithm.options`, defaults included, so the resolved config a
+    run saves (`<run dir>/config.yaml`) says every value its algorithm uses."""
+    cfg.algorithm.options = dataclasses.asdict(build_options(cfg.algorithm, source=source))
 
 
 def check_run_config(cfg: Config, source: str, *, need_model: bool = False) -> None:
@@ -100,24 +110,23 @@ def check_model(cfg: Config, source: str, *, need_model: bool = False) -> None:
 
 
 def _check_teacher(cfg: Config, source: str, *, need_model: bool) -> None:
-    """An algorithm with a teacher (on_policy_distill) or a critic of its own weights (ppo): algorithm.teacher_path /
-    algorithm.critic_path has the student's vocabulary and splits at the trainer's TP x PP (the model is sharded
-    like the policy). A model not on disk here is an error only with `need_model`."""
+    """An algorithm that needs a teacher or a critic of its own weights (`Needs.teacher`, `Needs.critic.path`): that
+    model has the student's vocabulary and splits at the trainer's TP x PP (it is sharded like the policy); the
+    error names the config key that sets it. A model not on disk here is an error only with `need_model`."""
     # heavy: torch (the bridge's checks read only config.json, but live beside the models)
     from megatron_bridge.check import layout_problem, vocabulary_problem
 
-    if not (cfg.algorithm.teacher_path or cfg.algorithm.critic_path):
-        return
-    algorithm = build_algorithm(cfg.algorithm)  # it decides whether it reads a teacher or has a critic
-    for key, role in (("teacher_path", "teacher"), ("critic_path", "critic")):
-        other = getattr(algorithm, key, None)
-        if not other or (not need_model and not (Path(other) / "config.json").is_file()):
+    needs = build_algorithm(cfg.algorithm, source=source).needs
+    critic = needs.critic
+    for path, key, role in ((needs.teacher, needs.teacher_key, "teacher"),
+                            (critic.path if critic else None, critic.key if critic else "", "critic")):
+        if not path or (not need_model and not (Path(path) / "config.json").is_file()):
             continue
-        problem = vocabulary_problem(cfg.model.path, other, role=role) or layout_problem(
-            other, tp=cfg.trainer.tensor_parallel, pp=cfg.trainer.pipeline_parallel,
+        problem = vocabulary_problem(cfg.model.path, path, role=role) or layout_problem(
+            path, tp=cfg.trainer.tensor_parallel, pp=cfg.trainer.pipeline_parallel,
             options=("trainer.tensor_parallel:", "trainer.pipeline_parallel:"))
         if problem:
-            raise ConfigError(f"{source}: algorithm.{key}: {problem}")
+            raise ConfigError(f"{source}: {key}: {problem}")
 
 
 def check_names(cfg: Config, source: str) -> None:
@@ -130,7 +139,7 @@ def check_names(cfg: Config, source: str) -> None:
         check_operator_specs(cfg.trainer.operators)
         build_selector(cfg.data)
         resolve_priority(cfg.replay_buffer.priority)
-        _check_algorithm(cfg)
+        _check_algorithm(cfg, source)
         _check_eval_sets(cfg.eval)
         _check_generated_sets(cfg)
         if cfg.monitor.dashboard_port:  # `rft run` starts `rft dashboard` on it
@@ -140,19 +149,18 @@ def check_names(cfg: Config, source: str) -> None:
         raise ConfigError(message if message.startswith(f"{source}: ") else f"{source}: {message}") from None
 
 
-def _check_algorithm(cfg: Config) -> None:
-    """The algorithm builds from its section (a name that resolves, options it accepts), and replayed groups, which
-    are old experiences, are ones it is correct on."""
+def _check_algorithm(cfg: Config, source: str) -> None:
+    """The algorithm builds from its section (a name that resolves, the keys of its options with their types and
+    ranges), and replayed groups, which are old experiences, are ones it is correct on."""
     try:
-        algorithm = build_algorithm(cfg.algorithm)
+        algorithm = build_algorithm(cfg.algorithm, source=source)
     except ConfigError:
         raise
     except ValueError as e:  # an unknown name, or an object without the Algorithm interface: names algorithm.name
         raise ConfigError(str(e)) from None
     if cfg.replay_buffer.groups_per_step and not algorithm.supports_replay:
         raise ConfigError(f"replay_buffer.groups_per_step: replayed groups are old, and algorithm "
-                          f"{cfg.algorithm.name!r} is not correct on old experiences as configured (set "
-                          "algorithm.off_policy_correction: true, or use sft or dpo)")
+                          f"{cfg.algorithm.name!r} is not correct on old experiences as configured ({REPLAY_HINT})")
 
 
 def _check_eval_sets(e: EvalConfig) -> None:

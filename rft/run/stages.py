@@ -2,8 +2,9 @@
 the previous stage's final weights.
 
 A config with `stages:` is the shared base of its stages; each stage is `{name: NAME, <section>: {overrides}}`,
-deep-merged over the base and validated as a whole config (errors name `stages[i].<key>`). What a stage may not
-set, because the stage layout decides it:
+deep-merged over the base and validated as a whole config (errors name `stages[i].<key>`). A stage that names
+another algorithm than the base's inherits those of the base's `algorithm` keys that its algorithm takes too (the
+others configure the base's algorithm). What a stage may not set, because the stage layout decides it:
 - `run.name` = `<base run name>.<stage name>` (names the stage's topics, consumer group and records);
 - `run.output_dir` = `<base run dir>/stages`, so a stage's run directory is `<base run dir>/stages/<run.name>`;
 - `kafka.topic_prefix` = `<base prefix>.<stage name>` when the base sets a prefix (else the stage's run name);
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from rft.algorithms import option_keys
 from rft.config import Config, ConfigError, build_config
 
 DONE_MARKER = "stage_done.json"
@@ -79,7 +81,7 @@ def resolve_stages(cfg: Config, source: str = "<config>", *,
         name = _stage_name(raw, i, source, seen={s.name for s in stages})
         overrides = {k: v for k, v in raw.items() if k != "name"}
         _check_layout_keys(overrides, i, source, first=not stages)
-        merged = _deep_merge(copy.deepcopy(base), overrides)
+        merged = _deep_merge(_inherited(base, overrides), overrides)
         merged["run"].update(name=f"{cfg.run.name}.{name}", output_dir=str(cfg.run_dir / "stages"))
         merged["kafka"]["topic_prefix"] = f"{cfg.kafka.topic_prefix}.{name}" if cfg.kafka.topic_prefix else ""
         if stages:
@@ -107,6 +109,22 @@ def _check_layout_keys(overrides: dict[str, Any], i: int, source: str, *, first:
             why = ("a later stage starts from the previous stage's final weights" if key == "path"
                    else "the stage layout sets it (see rft/run/stages.py); set it in the base config")
             raise ConfigError(f"{source}: stages[{i}].{section}.{key}: a stage cannot set it: {why}")
+
+
+def _inherited(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the base config a stage with `overrides` is merged over: the whole base, but a stage that names
+    another algorithm keeps of the base's `algorithm` section only the keys its algorithm takes (see the module
+    docstring; an unknown name keeps them all, and the stage's validation names it)."""
+    base = copy.deepcopy(base)
+    override = overrides.get("algorithm")
+    name = override.get("name") if isinstance(override, dict) else None
+    if isinstance(name, str) and name != base["algorithm"]["name"]:
+        try:
+            keys = option_keys(name)
+        except ValueError:
+            return base
+        base["algorithm"] = {k: v for k, v in base["algorithm"].items() if k == "name" or k in keys}
+    return base
 
 
 def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -9,13 +9,13 @@ because the pipeline schedule sends fixed-shape activations between stages. With
 padded only to its own longest row (`plan_micro_batches`). Every micro-batch carries `row_lens` [b] (input
 positions of each row, 0 for padding rows), which sequence packing (megatron_bridge.packing) reads.
 
-Preference pairs (algorithms with `pairwise = True`, i.e. DPO): one ExperienceGroup is one pair, exactly 2 samples
+Preference pairs (algorithms that declare `Needs(pairwise=True)`): one ExperienceGroup is one pair, exactly 2 samples
 with different rewards; the higher reward is the chosen response (`preference_pair_problem` says why a group is
 not a pair). Rows then carry the pair's number in the step, and a pair is the unit that is dealt to data-parallel
 ranks and packed into micro-batches, so both rows of a pair are always in the same micro-batch; micro-batches get
 `pair_chosen` / `pair_index` (padding rows: pair_index -1).
 
-Demonstration rows (`Row.demo`, marked by the trainer for algorithms with `needs_demonstrations`): every micro-batch
+Demonstration rows (`Row.demo`, marked by the trainer for algorithms with `needs.demonstrations`): every micro-batch
 carries `demo_mask` [b] (1.0 on demonstration rows) and the step's `global_demo_tokens` / `global_demo_sequences`
 (0 without demonstrations), so the loss can normalise demonstrations and policy rows separately.
 """
@@ -38,7 +38,7 @@ class Row:
     advantage: float
     pair_index: int = -1  # preference pairs: the pair's number in the step (both rows); -1 outside pairs
     chosen: bool = False  # preference pairs: True for the preferred row
-    demo: bool = False  # a demonstration row (algorithms with `needs_demonstrations`, e.g. chord)
+    demo: bool = False  # a demonstration row (algorithms with `needs.demonstrations`)
 
 
 def preference_pair_problem(group: ExperienceGroup) -> str | None:

@@ -29,7 +29,7 @@ class TrainerState:
     counters: dict[str, float]
     rng: dict
     replay_buffer: dict = field(default_factory=dict)  # ReplayBuffer.to_json(); empty without replay
-    demonstrations: dict = field(default_factory=dict)  # the demonstrations feed's FeedState.to_json(); chord only
+    demonstrations: dict = field(default_factory=dict)  # the demonstrations feed's FeedState.to_json(); {} without one
 
 
 def capture_rng() -> dict:

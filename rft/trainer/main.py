@@ -10,14 +10,20 @@ The loop, per step s (policy version s-1 -> s):
      resume), then metrics.
 With `replay_buffer.groups_per_step` > 0, rank 0 also re-reads a few earlier groups in 1., chosen by priority (see
 rft/trainer/replay_buffer.py); the buffer's state is checkpointed with the offsets.
-An algorithm with `needs_demonstrations` (chord) also gets, in 1., up to `demonstrations_per_step` demonstration
-groups from a second feed on `algorithm.chord_topic` (else `<run>.demonstrations`), bounded by the topic's end when
-the trainer starts (then steps go on without); they become rows marked `demo` (rft/trainer/batch.py), every
-micro-batch carries the `step`, and that feed's offsets are checkpointed too.
-An algorithm with `needs_critic` (ppo) gets a value model (megatron_bridge.critic, same TP/PP layout): in 2. the
-critic scores the recorded tokens, the algorithm turns its values into GAE targets (`add_targets`), the policy steps,
-then the critic takes its own optimizer step on `value_loss_fn`; its checkpoint (`<step dir>/critic`) is written
-before the step's commit and loaded on resume with the policy's.
+The trainer knows no algorithm by name: it provides what the algorithm declares in `algorithm.needs`
+(rft.algorithms.Needs), and only that:
+- `reference` / `teacher`: the policy loads the frozen model and every micro-batch carries its `ref_logprobs` /
+  `teacher_logprobs` on the recorded tokens;
+- `demonstrations`: in 1., up to `groups_per_step` demonstration groups from a second feed on its topic, bounded by
+  the topic's end when the trainer starts (then steps go on without); they become rows marked `demo`
+  (rft/trainer/batch.py), and that feed's offsets are checkpointed too;
+- `step`: every micro-batch carries the `step`;
+- `pairwise`: groups that are not preference pairs are skipped (and counted), and pairs stay whole in micro-batches;
+- `critic`: a value model (megatron_bridge.critic, same TP/PP layout): in 2. the critic scores the recorded tokens,
+  the algorithm turns its values into targets (`add_targets`), the policy steps, then the critic takes its own
+  optimizer step on `value_loss_fn`; its checkpoint (`<step dir>/critic`) is written before the step's commit and
+  loaded on resume with the policy's.
+The algorithm's `step_metrics(step)` are logged with each step.
 Resume: the newest complete checkpoint is loaded and the feed seeks to its offsets; `consumed.jsonl` (the record
 of which group trained in which step) is cut back to that step so that it always describes the effective run.
 """
@@ -37,9 +43,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from rft.algorithms import build_algorithm
+from rft.algorithms import Needs, build_algorithm
 from rft.algorithms.aggregation import with_kl_metric
-from rft.algorithms.chord import demonstrations_topic
 from rft.run.commandline import add_config_arguments, config_from_args, die_with_parent
 from rft.config import (AlgorithmConfig, Config, ConfigError, ModelConfig, RunConfig, SyncConfig,
                         TrainerConfig)
@@ -128,7 +133,7 @@ class TrainerIO:
     prometheus: MetricsEndpoint | None
     replay: "ExperienceReplay | None" = None
     weights: WeightPublisher | None = None
-    # chord: opens the demonstrations feed at a checkpointed state (None when the algorithm needs none)
+    # opens the demonstrations feed at a checkpointed state (None when the algorithm needs none)
     demonstrations_opener: "Callable[[FeedState], tuple[ExperienceFeed, RecordSink]] | None" = None
     demonstrations: ExperienceFeed | None = None
     demonstrations_sink: RecordSink | None = None
@@ -178,8 +183,10 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict,
                    control_topic=cfg.topic("control"), experiences_topic=topic,
                    metrics=MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name),
                    prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="trainer", instance="0"))
-    if getattr(build_algorithm(cfg.algorithm), "needs_demonstrations", False):
-        io.demonstrations_opener = lambda state: _open_demonstrations(cfg, transport, state)
+    demonstrations = build_algorithm(cfg.algorithm).needs.demonstrations
+    if demonstrations is not None:
+        io.demonstrations_opener = lambda state: _open_demonstrations(cfg, demonstrations.topic_of(cfg), transport,
+                                                                      state)
     io.weights = WeightPublisher(cfg.sync, store=WeightStore.for_sync(cfg.sync, cfg.run_dir), announce=io.announce,
                                  hf_dir=cfg.model.path,
                                  push_members=cfg.explorer.replicas * cfg.explorer.tensor_parallel_size,
@@ -187,10 +194,10 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict,
     return io
 
 
-def _open_demonstrations(cfg: Config, transport: Transport, state: FeedState) -> tuple[ExperienceFeed, RecordSink]:
-    """The feed of demonstration groups (any run's) on `algorithm.chord_topic` (else `<run>.demonstrations`), up to
-    the topic's end now, resuming at `state`; and its dead-letter sink."""
-    topic = demonstrations_topic(cfg)
+def _open_demonstrations(cfg: Config, topic: str, transport: Transport,
+                         state: FeedState) -> tuple[ExperienceFeed, RecordSink]:
+    """The feed of demonstration groups (any run's) on `topic`, up to the topic's end now, resuming at `state`; and
+    its dead-letter sink."""
     source = transport.source()
     try:
         window = resolve_window(source, topic)
@@ -237,17 +244,15 @@ class Trainer:
                               "attention), and transformer_engine is not importable or no GPU is present here; "
                               "set it to false")
         self.algorithm = build_algorithm(algorithm)
+        self.needs: Needs = self.algorithm.needs
         self.loss_fn = with_kl_metric(self.algorithm.loss_fn)  # `kl` is logged whatever the algorithm
-        self.pairwise = getattr(self.algorithm, "pairwise", False)
-        self.needs_demonstrations = getattr(self.algorithm, "needs_demonstrations", False)
-        self._demos: list = []  # this step's demonstration groups (needs_demonstrations)
+        self._demos: list = []  # this step's demonstration groups (needs.demonstrations)
         self.policy = policy or MegatronPolicy(
             model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, lr=t.lr, weight_decay=t.weight_decay,
             grad_clip=t.grad_clip, betas=(t.adam_beta1, t.adam_beta2), seed=run.seed, dtype=model.dtype,
-            reference=self.algorithm.needs_reference, temperature=temperature, pack_sequences=t.pack_sequences,
-            teacher=getattr(self.algorithm, "teacher_path", None))
-        self.critic = self._build_critic(algorithm, model, run.seed) if getattr(
-            self.algorithm, "needs_critic", False) else None
+            reference=self.needs.reference, temperature=temperature, pack_sequences=t.pack_sequences,
+            teacher=self.needs.teacher)
+        self.critic = self._build_critic(model, run.seed) if self.needs.critic is not None else None
         self.staleness = StalenessTracker(mode=run.mode, max_staleness=run.max_staleness)
         self.is_reader = dist_io.rank() == 0
         if self.is_reader:
@@ -272,21 +277,20 @@ class Trainer:
         if self.is_reader:
             self._open_io(open_io(feed_state, replay_state), FeedState.from_json(demonstrations_state))
 
-    def _build_critic(self, algorithm: AlgorithmConfig, model: ModelConfig, seed: int):
-        """The value model of algorithms with `needs_critic` (PPO): megatron_bridge.critic at the policy's layout,
-        from `algorithm.critic_path` or else the policy's `model.path`, with its own learning rate and the trainer's
-        other optimizer settings."""
+    def _build_critic(self, model: ModelConfig, seed: int):
+        """The value model of `needs.critic`: megatron_bridge.critic at the policy's layout, from the need's path or
+        else the policy's `model.path`, with its own learning rate and the trainer's other optimizer settings."""
         from megatron_bridge.critic import MegatronCritic  # heavy: megatron.core, torch.distributed
 
-        t = self.config
-        return MegatronCritic(self.algorithm.critic_path or model.path, lr=algorithm.critic_lr,
+        t, need = self.config, self.needs.critic
+        return MegatronCritic(need.path or model.path, lr=need.lr,
                               weight_decay=t.weight_decay, grad_clip=t.grad_clip, betas=(t.adam_beta1, t.adam_beta2),
                               dtype=model.dtype, head_seed=seed)
 
     # -- rank 0's Kafka side
     def _open_io(self, io: TrainerIO, demonstrations_state: FeedState) -> None:
         self.io, self.feed, self.replay = io, io.feed, io.replay
-        if self.needs_demonstrations:
+        if self.needs.demonstrations is not None:
             io.open_demonstrations(demonstrations_state)
         self.consumed_path = self.run_dir / "consumed.jsonl"
         self._last_wait_note = 0.0
@@ -350,7 +354,7 @@ class Trainer:
             raw = [m.value for m in batch.messages] + [r.message.value for r in replayed]
             skipped = dict(batch.skipped)
         groups = [decode_group(value) for value in dist_io.broadcast_bytes(raw)]
-        if self.needs_demonstrations:
+        if self.needs.demonstrations is not None:
             self._demos = self._next_demonstrations()
         return groups, skipped, dist_io.broadcast_flag(exhausted)
 
@@ -359,7 +363,7 @@ class Trainer:
         raw = None
         if self.is_reader:
             try:
-                batch = self.io.demonstrations.next_batch(self.algorithm.demonstrations_per_step,
+                batch = self.io.demonstrations.next_batch(self.needs.demonstrations.groups_per_step,
                                                           timeout_s=self.config.poll_timeout_s)
             except EndOfReplay as end:
                 batch = end.batch
@@ -368,7 +372,7 @@ class Trainer:
 
     def _admit(self, group, step: int) -> str | None:
         """The feed's admission: None to train on `group`, else the reason it is skipped (and counted)."""
-        if self.pairwise and (problem := preference_pair_problem(group)):
+        if self.needs.pairwise and (problem := preference_pair_problem(group)):
             return problem
         return self.staleness.check(group, step)
 
@@ -380,8 +384,8 @@ class Trainer:
         started = time.perf_counter()
         advantages = self.algorithm.advantages([g.rewards for g in groups])
         max_len = self.model.max_prompt_len + self.model.max_response_len
-        rows = rows_from_groups(groups, advantages, pairs=self.pairwise, max_len=max_len)
-        if self.needs_demonstrations:
+        rows = rows_from_groups(groups, advantages, pairs=self.needs.pairwise, max_len=max_len)
+        if self.needs.demonstrations is not None:
             demos = rows_from_groups(self._demos, [np.zeros(len(g.samples)) for g in self._demos], max_len=max_len)
             for row in demos:
                 row.demo = True
@@ -389,21 +393,21 @@ class Trainer:
         plan = plan_micro_batches(rows, dp_size=self.policy.layout.dp, micro_batch_size=t.micro_batch_size,
                                   max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
         micro_batches = plan.for_rank(self.policy.layout.dp_rank)
-        if self.algorithm.needs_reference:
+        if self.needs.reference:
             for mb, ref in zip(micro_batches, self.policy.reference_logprobs(micro_batches)):
                 mb["ref_logprobs"] = ref
-        if getattr(self.algorithm, "needs_teacher", False):
+        if self.needs.teacher is not None:
             for mb, teacher in zip(micro_batches, self.policy.teacher_logprobs(micro_batches)):
                 mb["teacher_logprobs"] = teacher
-        if self.needs_demonstrations:
+        if self.needs.step:
             for mb in micro_batches:
                 mb["step"] = torch.tensor(float(step))
         if self.critic is not None:
-            micro_batches = self.algorithm.add_targets(micro_batches, self.critic.values(micro_batches),
-                                                       self.critic.sum_over_data_parallel)
+            micro_batches = self.needs.critic.add_targets(micro_batches, self.critic.values(micro_batches),
+                                                          self.critic.sum_over_data_parallel)
         metrics = self.policy.train_step(micro_batches, self.loss_fn)
         if self.critic is not None:
-            critic = self.critic.train_step(micro_batches, self.algorithm.value_loss_fn)
+            critic = self.critic.train_step(micro_batches, self.needs.critic.value_loss_fn)
             metrics.update({k if k.startswith("value_") or k == "return_mean" else f"critic_{k}": v
                             for k, v in critic.items()})
         seconds = max(time.perf_counter() - started, 1e-9)
@@ -486,7 +490,8 @@ class Trainer:
             self.checkpoints.write_state(path, TrainerState(
                 step=step, feed=self.feed.snapshot(), counters=self.counters, rng=capture_rng(),
                 replay_buffer=self.replay.buffer.to_json() if self.replay else {},
-                demonstrations=self.io.demonstrations.snapshot().to_json() if self.needs_demonstrations else {}))
+                demonstrations=(self.io.demonstrations.snapshot().to_json()
+                                if self.needs.demonstrations is not None else {})))
             self.checkpoints.commit(step)
         dist_io.barrier()
 
@@ -512,8 +517,8 @@ class Trainer:
             "skipped": skipped, **drops, **{k: _scalar(v) for k, v in metrics.items()},
             **self.staleness.step_metrics(step),
             **(self.replay.step_metrics(step, self._replayed) if self.replay else {}),
-            **({"demonstrations": len(self._demos), "sft_mu": self.algorithm.mu(step)}
-               if self.needs_demonstrations else {}),
+            **({"demonstrations": len(self._demos)} if self.needs.demonstrations is not None else {}),
+            **self.algorithm.step_metrics(step),
         }
         record["consumer_lag"] = self._consumer_lag()
         self.io.metrics.log(record, step=step)

@@ -13,7 +13,7 @@ Per step s, with R = `replay_buffer.groups_per_step`, M = `max_reuse`, d = `deca
   2. re-read them from the topic; each one's reuse count goes up by one; a candidate that reached M leaves;
   3. the step's fresh groups (the ExperienceFeed's, as without replay) become candidates with reuse 0 and their
      score (`replay_buffer.priority`: `reward_variance` by default; a group scored 0, e.g. equal rewards = zero
-     GRPO advantage, is never chosen and is not kept); beyond `capacity` the oldest candidates are forgotten.
+     group-normalised advantage, is never chosen and is not kept); beyond `capacity` the oldest candidates are forgotten.
 The fresh groups of a step are therefore never replayed in that same step, and a group trains at most 1 + M times.
 The buffer's state after step s goes into the checkpoint of step s with the feed's offsets, so a trainer restarted
 from it trains on the same (group, reuse) pairs in every later step as one that never stopped (same topic; with

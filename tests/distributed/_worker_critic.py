@@ -39,7 +39,7 @@ def algorithm():
     from rft.algorithms import build_algorithm
     from rft.config import AlgorithmConfig
 
-    return build_algorithm(AlgorithmConfig(name="ppo", value_clip=VALUE_CLIP))
+    return build_algorithm(AlgorithmConfig.of(name="ppo", value_clip=VALUE_CLIP))
 
 
 def save(tensors: dict[str, torch.Tensor], path: Path, *, rank: int = 0) -> None:

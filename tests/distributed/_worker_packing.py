@@ -27,7 +27,7 @@ from rft.trainer.batch import Row, plan_micro_batches, rows_from_groups
 HYPERPARAMETERS = dict(lr=1e-3, weight_decay=0.0, grad_clip=1e6, betas=(0.9, 0.95))  # no clipping: raw gradients
 GROUPS, SAMPLES, VOCAB = 4, 4, 101
 PADDED_MICRO_BATCH_SIZE, BUDGET = 4, 48
-ALGORITHM = AlgorithmConfig(name="grpo", loss_agg="seq_mean")  # seq_mean: global_sequences matters too
+ALGORITHM = AlgorithmConfig.of(name="grpo", loss_agg="seq_mean")  # seq_mean: global_sequences matters too
 
 
 def step_rows() -> list[Row]:

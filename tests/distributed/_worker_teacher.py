@@ -31,8 +31,8 @@ def run_case(spec: dict, *, name: str, teacher: str, tp: int, pp: int) -> None:
     from rft.config import AlgorithmConfig
 
     out = Path(spec["out_dir"])
-    algorithm = build_algorithm(AlgorithmConfig(name="on_policy_distill", teacher_path=spec[teacher]))
-    policy = MegatronPolicy(spec["student"], tp=tp, pp=pp, seed=0, lr=LR, teacher=algorithm.teacher_path)
+    algorithm = build_algorithm(AlgorithmConfig.of(name="on_policy_distill", teacher_path=spec[teacher]))
+    policy = MegatronPolicy(spec["student"], tp=tp, pp=pp, seed=0, lr=LR, teacher=algorithm.needs.teacher)
     batches = cases.micro_batches(seed=1, vocab_size=policy.vocab_size)
     student = policy.forward_logprobs(batches)
     teacher_logprobs = policy.teacher_logprobs(batches)

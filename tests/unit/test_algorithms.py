@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from rft.algorithms import ALGORITHMS, build_algorithm, resolve_algorithm
+from rft.algorithms import (ALGORITHMS, Algorithm, Demonstrations, Needs, build_algorithm, build_options, option_keys,
+                            resolve_algorithm)
 from rft.algorithms.aggregation import behaviour_kl, with_kl_metric
-from rft.config import AlgorithmConfig
+from rft.config import AlgorithmConfig, ConfigError
 
 EPS = 1e-6
 
@@ -185,14 +186,14 @@ def dpo_reference(b, *, beta):
 @pytest.mark.parametrize("kl_coef", [0.0, 0.1])
 def test_grpo_loss_and_gradient_match_textbook(agg, kl_coef):
     batch = random_batch(seed=1)
-    algo = build_algorithm(AlgorithmConfig(name="grpo", clip_eps=0.2, kl_coef=kl_coef, loss_agg=agg))
+    algo = build_algorithm(AlgorithmConfig.of(name="grpo", clip_eps=0.2, kl_coef=kl_coef, loss_agg=agg))
     loss, grad, metrics = torch_loss_and_grad(algo, batch)
     ref_loss, ref_grad, clip_frac, _ = ppo_reference(batch, clip_eps=0.2, agg=agg, kl_coef=kl_coef)
     assert clip_frac > 0.1, "the batch must exercise clipping"
     assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-6)
     assert metrics["clip_frac"] == pytest.approx(clip_frac, rel=1e-5)
-    assert ("kl" in metrics) == (kl_coef > 0) and algo.needs_reference == (kl_coef > 0)
+    assert ("kl" in metrics) == (kl_coef > 0) and algo.needs.reference == (kl_coef > 0)
 
 
 @pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp"])
@@ -203,7 +204,7 @@ def test_truncated_importance_correction_matches_textbook(name, explicit_prox):
     prox = (batch["logp"] + rng.normal(0, 0.3, batch["logp"].shape)).astype(np.float32) if explicit_prox else None
     if explicit_prox:
         batch["prox_logprobs"] = prox
-    algo = build_algorithm(AlgorithmConfig(name=name, off_policy_correction=True, importance_cap=2.0))
+    algo = build_algorithm(AlgorithmConfig.of(name=name, off_policy_correction=True, importance_cap=2.0))
     loss, grad, metrics = torch_loss_and_grad(algo, batch)
     ref_loss, ref_grad, clip_frac, weight_mean = ppo_reference(
         batch, clip_eps=0.2, agg="token_mean", correction=True, cap=2.0, prox=prox)
@@ -217,7 +218,7 @@ def test_truncated_importance_correction_matches_textbook(name, explicit_prox):
 
 def test_without_correction_the_ratio_is_taken_against_the_behaviour_policy():
     batch = random_batch(seed=4)
-    algo = build_algorithm(AlgorithmConfig(name="grpo"))
+    algo = build_algorithm(AlgorithmConfig.of(name="grpo"))
     assert not algo.supports_replay
     _, _, metrics = torch_loss_and_grad(algo, batch)
     assert metrics["importance_weight_mean"] == pytest.approx(1.0)
@@ -227,7 +228,7 @@ def test_without_correction_the_ratio_is_taken_against_the_behaviour_policy():
 def test_decoupled_clip_range_matches_textbook(name):
     """DAPO's clip-higher: ratios are clipped to [1 - clip_eps_low, 1 + clip_eps_high], each side its own."""
     batch = random_batch(seed=14)
-    algo = build_algorithm(AlgorithmConfig(name=name, clip_eps=0.5, clip_eps_low=0.1, clip_eps_high=0.28))
+    algo = build_algorithm(AlgorithmConfig.of(name=name, clip_eps=0.5, clip_eps_low=0.1, clip_eps_high=0.28))
     assert (algo.clip_low, algo.clip_high) == (0.1, 0.28)
     loss, grad, metrics = torch_loss_and_grad(algo, batch)
     ref_loss, ref_grad, clip_frac, _ = ppo_reference(batch, clip_eps=0.1, clip_high=0.28, agg="token_mean")
@@ -255,7 +256,7 @@ def test_gspo_loss_and_gradient_match_textbook(kl_coef, clip):
     """The paper's sequence-level objective, with its default clip range (3e-4 / 4e-4) and with a configured one."""
     batch = gspo_batch(seed=16, stale=4e-4 if clip is None else 0.3)
     options = {} if clip is None else dict(clip_eps_low=clip[0], clip_eps_high=clip[1])
-    algo = build_algorithm(AlgorithmConfig(name="gspo", kl_coef=kl_coef, loss_agg="token_mean", **options))
+    algo = build_algorithm(AlgorithmConfig.of(name="gspo", kl_coef=kl_coef, loss_agg="token_mean", **options))
     eps_low, eps_high = clip or (3e-4, 4e-4)
     assert (algo.clip_low, algo.clip_high) == (eps_low, eps_high)
     loss, grad, metrics = torch_loss_and_grad(algo, batch)
@@ -275,8 +276,8 @@ def test_gspo_clips_whole_sequences_where_grpo_clips_tokens():
     batch = {"logp": logp, "loss_mask": np.ones((1, 4), np.float32), "old_logprobs": old,
              "ref_logprobs": logp.copy(), "advantages": np.ones(1, np.float32),
              "global_tokens": np.float32(4), "global_sequences": np.float32(1)}
-    _, grpo_grad, grpo = torch_loss_and_grad(build_algorithm(AlgorithmConfig(name="grpo")), batch)
-    _, gspo_grad, gspo = torch_loss_and_grad(build_algorithm(AlgorithmConfig(name="gspo")), batch)
+    _, grpo_grad, grpo = torch_loss_and_grad(build_algorithm(AlgorithmConfig.of(name="grpo")), batch)
+    _, gspo_grad, gspo = torch_loss_and_grad(build_algorithm(AlgorithmConfig.of(name="gspo")), batch)
     assert grpo["clip_frac"] == 0.5 and gspo["clip_frac"] == 0.0
     np.testing.assert_allclose(gspo_grad, np.full((1, 4), -0.25), rtol=1e-5)  # -A s / |y| with s = 1
     assert np.count_nonzero(grpo_grad) == 2
@@ -291,7 +292,7 @@ def test_gspo_with_off_policy_correction_weights_whole_sequences(explicit_prox):
     prox = (batch["logp"] + shift).astype(np.float32) if explicit_prox else None
     if explicit_prox:
         batch["prox_logprobs"] = prox
-    algo = build_algorithm(AlgorithmConfig(name="gspo", off_policy_correction=True, importance_cap=1.5))
+    algo = build_algorithm(AlgorithmConfig.of(name="gspo", off_policy_correction=True, importance_cap=1.5))
     loss, grad, metrics = torch_loss_and_grad(algo, batch)
     ref_loss, ref_grad, clip_frac = gspo_reference(batch, eps_low=3e-4, eps_high=4e-4, correction=True, cap=1.5,
                                                    prox=prox)
@@ -309,7 +310,7 @@ def test_gspo_with_off_policy_correction_weights_whole_sequences(explicit_prox):
 def test_cispo_loss_and_gradient_match_textbook(agg, kl_coef, clip):
     batch = random_batch(seed=17, stale=0.5)
     options = {} if clip is None else dict(clip_eps_low=clip[0], clip_eps_high=clip[1])
-    algo = build_algorithm(AlgorithmConfig(name="cispo", kl_coef=kl_coef, loss_agg=agg, **options))
+    algo = build_algorithm(AlgorithmConfig.of(name="cispo", kl_coef=kl_coef, loss_agg=agg, **options))
     eps_low, eps_high = clip or (1.0, 0.28)
     loss, grad, metrics = torch_loss_and_grad(algo, batch)
     ref_loss, ref_grad, clip_frac = cispo_reference(batch, eps_low=eps_low, eps_high=eps_high, agg=agg,
@@ -319,12 +320,12 @@ def test_cispo_loss_and_gradient_match_textbook(agg, kl_coef, clip):
     assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-6)
     assert metrics["clip_frac"] == pytest.approx(clip_frac, rel=1e-5)
-    assert not algo.supports_replay and algo.needs_reference == (kl_coef > 0)
+    assert not algo.supports_replay and algo.needs.reference == (kl_coef > 0)
 
 
 def test_cispo_with_off_policy_correction_is_a_truncated_importance_weighted_gradient():
     batch = random_batch(seed=18, stale=1.0)
-    algo = build_algorithm(AlgorithmConfig(name="cispo", off_policy_correction=True, importance_cap=2.0))
+    algo = build_algorithm(AlgorithmConfig.of(name="cispo", off_policy_correction=True, importance_cap=2.0))
     loss, grad, metrics = torch_loss_and_grad(algo, batch)
     ref_loss, ref_grad, _ = cispo_reference(batch, eps_low=1.0, eps_high=0.28, agg="token_mean", correction=True,
                                             cap=2.0)
@@ -367,7 +368,7 @@ def reinforce_pp_advantages_reference(groups):
 def test_advantages_match_textbook(name, std_normalize, reference):
     rng = np.random.default_rng(5)
     groups = [rng.normal(0, 1, 8), rng.integers(0, 2, 4).astype(float), np.ones(5), np.array([0.7])]
-    algo = build_algorithm(AlgorithmConfig(name=name, std_normalize=std_normalize))
+    algo = build_algorithm(AlgorithmConfig.of(name=name, std_normalize=std_normalize))
     got = algo.advantages(groups)
     assert [len(a) for a in got] == [len(g) for g in groups] and all(a.dtype == np.float32 for a in got)
     for mine, theirs in zip(got, reference([list(g) for g in groups])):
@@ -375,7 +376,7 @@ def test_advantages_match_textbook(name, std_normalize, reference):
 
 
 def test_non_finite_rewards_are_refused_with_the_group_named():
-    algo = build_algorithm(AlgorithmConfig(name="grpo"))
+    algo = build_algorithm(AlgorithmConfig.of(name="grpo"))
     with pytest.raises(ValueError, match="group 1 has non-finite rewards"):
         algo.advantages([np.ones(2), np.array([1.0, np.nan])])
 
@@ -385,12 +386,12 @@ def test_non_finite_rewards_are_refused_with_the_group_named():
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
 def test_sft_is_masked_nll(agg):
     batch = random_batch(seed=6)
-    algo = build_algorithm(AlgorithmConfig(name="sft", loss_agg=agg))
+    algo = build_algorithm(AlgorithmConfig.of(name="sft", loss_agg=agg))
     loss, grad, _ = torch_loss_and_grad(algo, {k: v for k, v in batch.items() if k != "old_logprobs"})
     ref_loss, ref_grad = sft_reference(batch, agg=agg)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-7)
-    assert algo.supports_replay and not algo.needs_reference
+    assert algo.supports_replay and not algo.needs.reference
 
 
 def dpo_batch(seed: int, pairs: int = 4) -> dict[str, np.ndarray]:
@@ -406,13 +407,13 @@ def dpo_batch(seed: int, pairs: int = 4) -> dict[str, np.ndarray]:
 
 def test_dpo_matches_textbook():
     batch = dpo_batch(seed=7)
-    algo = build_algorithm(AlgorithmConfig(name="dpo", dpo_beta=0.5))
+    algo = build_algorithm(AlgorithmConfig.of(name="dpo", dpo_beta=0.5))
     loss, grad, metrics = torch_loss_and_grad(algo, batch)
     ref_loss, ref_grad = dpo_reference(batch, beta=0.5)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-7)
     assert 0.0 <= metrics["dpo_accuracy"] <= 1.0
-    assert algo.needs_reference and algo.supports_replay
+    assert algo.needs.reference and algo.supports_replay and algo.needs.pairwise
 
 
 def test_dpo_refuses_a_pair_split_across_micro_batches():
@@ -420,7 +421,7 @@ def test_dpo_refuses_a_pair_split_across_micro_batches():
     logp, micro = to_torch(batch)
     half = {k: (v[:3] if v.ndim else v) for k, v in micro.items()}
     with pytest.raises(ValueError, match=r"pairs \[13\] do not have exactly one chosen and one rejected"):
-        build_algorithm(AlgorithmConfig(name="dpo")).loss_fn(logp[:3], half)
+        build_algorithm(AlgorithmConfig.of(name="dpo")).loss_fn(logp[:3], half)
 
 
 # ----------------------------------------------------------------------------- micro-batch and data-parallel splits
@@ -457,7 +458,7 @@ def loss_over_parts(algorithm, batch, parts):
 @pytest.mark.parametrize("name, options", SPLIT_CASES)
 def test_splitting_into_micro_batches_and_shards_changes_nothing(name, options):
     batch = dpo_batch(seed=9, pairs=6) if name == "dpo" else random_batch(seed=9, rows=12)
-    algo = build_algorithm(AlgorithmConfig(name=name, **options))
+    algo = build_algorithm(AlgorithmConfig.of(name=name, **options))
     rows = np.arange(12)
     pairs = rows.reshape(6, 2)
     whole = loss_over_parts(algo, batch, [rows])
@@ -481,12 +482,52 @@ def test_splitting_into_micro_batches_and_shards_changes_nothing(name, options):
 def test_registry_names_and_capabilities():
     assert set(ALGORITHMS) == {"grpo", "rloo", "reinforce_pp", "gspo", "cispo", "dpo", "sft", "on_policy_distill",
                                "chord", "ppo"}
-    table = {name: build_algorithm(AlgorithmConfig(name=name, teacher_path="/teacher")) for name in ALGORITHMS}
-    assert {n for n, a in table.items() if a.needs_reference} == {"dpo"}
+    table = {name: build_algorithm(AlgorithmConfig.of(name, **({"teacher_path": "/teacher"}
+                                                             if name == "on_policy_distill" else {})))
+             for name in ALGORITHMS}
+    assert all(isinstance(a, Algorithm) and isinstance(a.needs, Needs) for a in table.values())
+    assert {n for n, a in table.items() if a.needs.reference} == {"dpo"}
     assert {n for n, a in table.items() if a.supports_replay} == {"dpo", "sft"}
-    assert {n for n, a in table.items() if getattr(a, "needs_teacher", False)} == {"on_policy_distill"}
-    assert {n for n, a in table.items() if getattr(a, "needs_demonstrations", False)} == {"chord"}
-    assert {n for n, a in table.items() if getattr(a, "needs_critic", False)} == {"ppo"}
+    assert {n: a.needs.teacher for n, a in table.items() if a.needs.teacher} == {"on_policy_distill": "/teacher"}
+    assert {n: a.needs.demonstrations for n, a in table.items() if a.needs.demonstrations} == {
+        "chord": Demonstrations(groups_per_step=2, topic="")}
+    assert {n for n, a in table.items() if a.needs.step} == {"chord"}
+    assert {n for n, a in table.items() if a.needs.pairwise} == {"dpo"}
+    assert {n for n, a in table.items() if a.needs.critic} == {"ppo"}
+    assert {n: a.step_metrics(1) for n, a in table.items() if a.step_metrics(1)} == {"chord": {"sft_mu": 0.9}}
+
+
+def test_each_algorithm_takes_its_own_keys_only():
+    """Options live with the algorithm: a key another algorithm takes is an unknown key here, named with its file;
+    the keys' types and ranges are the options' own checks."""
+    assert option_keys("sft") == {"loss_agg"} and option_keys("dpo") == {"dpo_beta"}
+    assert {"clip_eps", "kl_coef", "off_policy_correction"} <= option_keys("grpo") < option_keys("ppo")
+    assert "gamma" not in option_keys("chord") and "chord_mu_start" not in option_keys("grpo")
+    with pytest.raises(ConfigError, match=r"run.yaml: algorithm.clip_eps: unknown key \(valid keys: dpo_beta\)"):
+        build_algorithm(AlgorithmConfig.of("dpo", clip_eps=0.2), source="run.yaml")
+    with pytest.raises(ConfigError, match=r"algorithm.chord_mu_start: unknown key"):
+        build_algorithm(AlgorithmConfig.of("grpo", chord_mu_start=0.5))
+    with pytest.raises(ConfigError, match=r"algorithm.kl_coef: expected float, got str"):
+        build_algorithm(AlgorithmConfig.of("grpo", kl_coef="a lot"))
+    with pytest.raises(ConfigError, match=r"algorithm.kl_coef: must be >= 0"):
+        build_algorithm(AlgorithmConfig.of("grpo", kl_coef=-1))
+    assert build_options(AlgorithmConfig.of("ppo", gamma="1e-1")).gamma == 0.1  # YAML 1.1 floats, as every section
+
+
+def test_the_trainer_and_the_launcher_know_no_algorithm():
+    """Algorithms own their hooks: rft/trainer/ and the launcher name no registered algorithm (a word, in any case, in
+    code, comments or docstrings), import no algorithm's module, and probe no algorithm with getattr / hasattr;
+    they read `algorithm.needs`."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    files = sorted((repo / "rft" / "trainer").glob("*.py")) + [repo / "rft" / "cli" / "launcher.py"]
+    names = re.compile(r"\b(" + "|".join(sorted(ALGORITHMS)) + r")\b", re.I)
+    probe = re.compile(r"\b(getattr|hasattr)\([^,]*algorithm|import.*\brft\.algorithms\.(?!aggregation\b)\w+")
+    found = [f"{path.relative_to(repo)}:{i}: {line.strip()}" for path in files
+             for i, line in enumerate(path.read_text().splitlines(), 1) if names.search(line) or probe.search(line)]
+    assert found == [], "\n".join(found)
 
 
 def test_every_registered_algorithm_has_a_section_in_the_docs():
@@ -500,13 +541,13 @@ def test_every_registered_algorithm_has_a_section_in_the_docs():
 def test_unknown_name_and_import_paths():
     with pytest.raises(ValueError, match="unknown algorithm 'grop' \\(did you mean 'grpo'"):
         resolve_algorithm("grop")
-    assert build_algorithm(AlgorithmConfig(name="rft.algorithms.sft:SFT")).supports_replay
+    assert build_algorithm(AlgorithmConfig.of(name="rft.algorithms.sft:SFT")).supports_replay
     with pytest.raises(ValueError, match="module 'rft.algorithms.sft' has no attribute 'Nope'"):
         resolve_algorithm("rft.algorithms.sft:Nope")
     with pytest.raises(ValueError, match="cannot import module 'no_such_pkg.mod'.*No module named 'no_such_pkg'"):
         resolve_algorithm("no_such_pkg.mod:f")
     with pytest.raises(ValueError, match="without advantages, loss_fn"):
-        build_algorithm(AlgorithmConfig(name="builtins:repr"))
+        build_algorithm(AlgorithmConfig.of(name="builtins:repr"))
 
 
 def test_missing_micro_batch_key_is_named():
@@ -514,7 +555,7 @@ def test_missing_micro_batch_key_is_named():
     del batch["ref_logprobs"]
     logp, micro = to_torch(batch)
     with pytest.raises(ValueError, match="grpo loss: micro-batch lacks ref_logprobs"):
-        build_algorithm(AlgorithmConfig(name="grpo", kl_coef=0.1)).loss_fn(logp, micro)
+        build_algorithm(AlgorithmConfig.of(name="grpo", kl_coef=0.1)).loss_fn(logp, micro)
 
 
 # --------------------------------------------------------------------------------------------------- kl metric
@@ -533,7 +574,7 @@ def test_kl_metric_is_the_behaviour_k3_estimate_when_the_algorithm_has_none(name
     batch = dpo_batch(seed=11) if name == "dpo" else random_batch(seed=11)
     batch["global_tokens"] = np.float32(batch["loss_mask"].sum())
     logp, micro = to_torch(batch)
-    _, metrics = with_kl_metric(build_algorithm(AlgorithmConfig(name=name)).loss_fn)(logp, micro)
+    _, metrics = with_kl_metric(build_algorithm(AlgorithmConfig.of(name=name)).loss_fn)(logp, micro)
     expected = behaviour_k3_reference(batch)
     assert expected > 0.01
     assert metrics["kl"].item() == pytest.approx(expected, rel=1e-5)
@@ -542,7 +583,7 @@ def test_kl_metric_is_the_behaviour_k3_estimate_when_the_algorithm_has_none(name
 def test_kl_metric_keeps_the_algorithms_own_kl():
     batch = random_batch(seed=12)
     logp, micro = to_torch(batch)
-    algo = build_algorithm(AlgorithmConfig(name="grpo", kl_coef=0.1))
+    algo = build_algorithm(AlgorithmConfig.of(name="grpo", kl_coef=0.1))
     _, own = algo.loss_fn(logp, micro)
     _, wrapped = with_kl_metric(algo.loss_fn)(logp, micro)
     assert wrapped["kl"].item() == own["kl"].item() != pytest.approx(behaviour_k3_reference(batch), rel=1e-3)

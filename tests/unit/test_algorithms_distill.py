@@ -61,7 +61,7 @@ TEACHER = "/models/teacher"
 @pytest.mark.parametrize("options", [dict(), dict(distill_coef=0.5, distill_reward_coef=0.7, kl_coef=0.1)])
 def test_distill_loss_and_gradient_match_textbook(agg, options):
     batch = distill_batch(seed=21)
-    algo = build_algorithm(AlgorithmConfig(name="on_policy_distill", teacher_path=TEACHER, loss_agg=agg, **options))
+    algo = build_algorithm(AlgorithmConfig.of(name="on_policy_distill", teacher_path=TEACHER, loss_agg=agg, **options))
     loss, grad, metrics = torch_loss_and_grad(algo, batch)
     ref_loss, ref_grad, teacher_kl = distill_reference(
         batch, agg=agg, distill_coef=options.get("distill_coef", 1.0),
@@ -70,12 +70,12 @@ def test_distill_loss_and_gradient_match_textbook(agg, options):
     assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-6)
     assert metrics["teacher_kl"] == pytest.approx(teacher_kl, rel=1e-5)
-    assert algo.needs_teacher and algo.teacher_path == TEACHER and not algo.supports_replay
+    assert algo.needs.teacher == TEACHER and not algo.supports_replay
 
 
 def test_distill_with_off_policy_correction_matches_textbook():
     batch = distill_batch(seed=22, stale=1.0)
-    algo = build_algorithm(AlgorithmConfig(name="on_policy_distill", teacher_path=TEACHER, off_policy_correction=True,
+    algo = build_algorithm(AlgorithmConfig.of(name="on_policy_distill", teacher_path=TEACHER, off_policy_correction=True,
                                            importance_cap=2.0))
     loss, grad, metrics = torch_loss_and_grad(algo, batch)
     ref_loss, ref_grad, _ = distill_reference(batch, agg="token_mean", correction=True, cap=2.0)
@@ -90,7 +90,7 @@ def test_distill_toward_an_identical_teacher_is_zero_and_rewards_do_not_enter():
     batch = distill_batch(seed=23)
     batch["teacher_logprobs"] = batch["logp"] * batch["loss_mask"]
     loss, grad, metrics = torch_loss_and_grad(
-        build_algorithm(AlgorithmConfig(name="on_policy_distill", teacher_path=TEACHER)), batch)
+        build_algorithm(AlgorithmConfig.of(name="on_policy_distill", teacher_path=TEACHER)), batch)
     assert loss == 0.0 and not grad.any() and metrics["teacher_kl"] == 0.0
 
 
@@ -99,7 +99,7 @@ def test_distill_gradient_is_the_reverse_kl_gradient():
     of the per-token loss equals the analytic gradient of KL(student || teacher) (token_mean over one token)."""
     student_logits = torch.tensor([0.3, -1.0, 0.8, 0.1], dtype=torch.float64, requires_grad=True)
     teacher = np.log(np.array([0.1, 0.2, 0.3, 0.4]))
-    algo = build_algorithm(AlgorithmConfig(name="on_policy_distill", teacher_path=TEACHER))
+    algo = build_algorithm(AlgorithmConfig.of(name="on_policy_distill", teacher_path=TEACHER))
     student = torch.log_softmax(student_logits, -1)
     expected = 0.0
     for y in range(4):  # E_{y ~ student}[loss(y)] by exact enumeration; the sampling weight is a constant
@@ -118,16 +118,16 @@ def test_distill_gradient_is_the_reverse_kl_gradient():
 
 def test_distill_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="algorithm.teacher_path: on_policy_distill needs"):
-        build_algorithm(AlgorithmConfig(name="on_policy_distill"))
+        build_algorithm(AlgorithmConfig.of(name="on_policy_distill"))
     with pytest.raises(ConfigError, match="algorithm.distill_coef: must be a finite number >= 0"):
-        AlgorithmConfig(name="on_policy_distill", teacher_path=TEACHER, distill_coef=-1.0)
+        build_algorithm(AlgorithmConfig.of(name="on_policy_distill", teacher_path=TEACHER, distill_coef=-1.0))
     with pytest.raises(ConfigError, match="algorithm.distill_coef: with distill_reward_coef also 0"):
-        build_algorithm(AlgorithmConfig(name="on_policy_distill", teacher_path=TEACHER, distill_coef=0.0))
+        build_algorithm(AlgorithmConfig.of(name="on_policy_distill", teacher_path=TEACHER, distill_coef=0.0))
     batch = distill_batch(seed=24)
     del batch["teacher_logprobs"]
     logp = torch.tensor(batch.pop("logp"))
     with pytest.raises(ValueError, match="on_policy_distill loss: micro-batch lacks teacher_logprobs"):
-        build_algorithm(AlgorithmConfig(name="on_policy_distill", teacher_path=TEACHER)).loss_fn(
+        build_algorithm(AlgorithmConfig.of(name="on_policy_distill", teacher_path=TEACHER)).loss_fn(
             logp, {k: torch.as_tensor(v) for k, v in batch.items()})
 
 
@@ -141,7 +141,7 @@ def test_a_teacher_of_another_vocabulary_is_a_config_error_naming_both(tiny_mode
                                           f"101 and the student {tiny_model} has 99"):
         run_config_from_dict(raw, "cfg.yaml")
     raw["algorithm"]["teacher_path"] = str(tiny_model)
-    assert run_config_from_dict(raw, "cfg.yaml").algorithm.teacher_path == str(tiny_model)
+    assert run_config_from_dict(raw, "cfg.yaml").algorithm.options["teacher_path"] == str(tiny_model)
 
 
 # -------------------------------------------------------------------------------------------------------- chord
@@ -194,7 +194,7 @@ CHORD = dict(chord_mu_start=0.9, chord_mu_end=0.1, chord_mu_steps=4)
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])
 def test_chord_loss_and_gradient_match_textbook(agg, schedule):
     batch = chord_batch(seed=31)
-    algo = build_algorithm(AlgorithmConfig(name="chord", loss_agg=agg, chord_mu_schedule=schedule, **CHORD))
+    algo = build_algorithm(AlgorithmConfig.of(name="chord", loss_agg=agg, chord_mu_schedule=schedule, **CHORD))
     mu = {"linear": 0.5, "cosine": 0.5}[schedule]  # step 3 of 4: halfway for both shapes
     loss, grad, metrics = torch_loss_and_grad(algo, batch)
     ref_loss, ref_grad = chord_reference(batch, agg=agg, mu=mu)
@@ -210,7 +210,7 @@ def test_chord_kl_metric_ignores_demonstrations():
     """Demonstrations have no behaviour policy: the behaviour k3 is over the policy rows (and their token count)."""
     batch = chord_batch(seed=32)
     logp, micro = torch.tensor(batch["logp"]), {k: torch.as_tensor(v) for k, v in batch.items() if k != "logp"}
-    _, metrics = with_kl_metric(build_algorithm(AlgorithmConfig(name="chord", **CHORD)).loss_fn)(logp, micro)
+    _, metrics = with_kl_metric(build_algorithm(AlgorithmConfig.of(name="chord", **CHORD)).loss_fn)(logp, micro)
     policy = (batch["loss_mask"] > 0) & (batch["demo_mask"][:, None] == 0)
     x = (batch["logp"] - batch["old_logprobs"])[policy].astype(np.float64)
     expected = np.sum(np.exp(x) - x - 1) / policy.sum()
@@ -239,14 +239,14 @@ def test_chord_schedule(shape):
 
 def test_chord_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"algorithm.chord_mu_start: must be in \[0, 1\]"):
-        AlgorithmConfig(name="chord", chord_mu_start=1.5)
+        build_algorithm(AlgorithmConfig.of(name="chord", chord_mu_start=1.5))
     with pytest.raises(ConfigError, match="algorithm.chord_mu_steps: must be >= 0"):
-        AlgorithmConfig(name="chord", chord_mu_steps=-1)
+        build_algorithm(AlgorithmConfig.of(name="chord", chord_mu_steps=-1))
     batch = chord_batch(seed=33)
     del batch["step"]
     logp = torch.tensor(batch.pop("logp"))
     with pytest.raises(ValueError, match="chord loss: micro-batch lacks step"):
-        build_algorithm(AlgorithmConfig(name="chord")).loss_fn(logp, {k: torch.as_tensor(v) for k, v in batch.items()})
+        build_algorithm(AlgorithmConfig.of(name="chord")).loss_fn(logp, {k: torch.as_tensor(v) for k, v in batch.items()})
 
 
 # ----------------------------------------------------------------------------- micro-batch and data-parallel splits
@@ -259,7 +259,7 @@ def test_chord_config_errors_name_the_key():
 ])
 def test_splitting_into_micro_batches_and_shards_changes_nothing(name, options):
     batch = distill_batch(seed=34, rows=12) if name == "on_policy_distill" else chord_batch(seed=34)
-    algo = build_algorithm(AlgorithmConfig(name=name, **options))
+    algo = build_algorithm(AlgorithmConfig.of(name=name, **options))
     rows = np.arange(12)
     whole = loss_over_parts(algo, batch, [rows])
     shards = [rows[0::2], rows[1::2]]  # 2 data-parallel ranks, round-robin, then micro-batches of 2 or 3 rows

@@ -73,7 +73,7 @@ def test_gae_matches_the_textbook_loop(gamma, lam):
 @pytest.mark.parametrize("whiten", [True, False])
 def test_targets_are_the_same_for_any_micro_batch_and_data_parallel_split(whiten):
     batch = ppo_batch(seed=32, rows=12)
-    algo = build_algorithm(AlgorithmConfig(name="ppo", whiten_advantages=whiten, gamma=0.97, lam=0.9))
+    algo = build_algorithm(AlgorithmConfig.of(name="ppo", whiten_advantages=whiten, gamma=0.97, lam=0.9))
     values = torch.as_tensor(batch["values"])
     whole = algo.add_targets([micro(batch)], [values])[0]
     ref_adv, ref_ret = gae_reference(batch["advantages"], batch["values"], batch["loss_mask"], 0.97, 0.9)
@@ -128,7 +128,7 @@ def test_value_loss_and_gradient_match_textbook(agg, clip):
     batch["returns"] = (np.random.default_rng(5).normal(0, 1, batch["logp"].shape) * batch["loss_mask"]).astype(
         np.float32)
     current = (batch["values"] + np.random.default_rng(6).normal(0, 0.4, batch["logp"].shape)).astype(np.float32)
-    algo = build_algorithm(AlgorithmConfig(name="ppo", loss_agg=agg, value_clip=clip))
+    algo = build_algorithm(AlgorithmConfig.of(name="ppo", loss_agg=agg, value_clip=clip))
     v = torch.tensor(current, requires_grad=True)
     loss, metrics = algo.value_loss_fn(v, micro(batch))
     loss.backward()
@@ -143,7 +143,7 @@ def test_value_loss_and_gradient_match_textbook(agg, clip):
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
 def test_policy_loss_is_the_clipped_surrogate_with_per_token_advantages(agg):
     batch = ppo_batch(seed=34)
-    algo = build_algorithm(AlgorithmConfig(name="ppo", loss_agg=agg, kl_coef=0.1))
+    algo = build_algorithm(AlgorithmConfig.of(name="ppo", loss_agg=agg, kl_coef=0.1))
     targets = algo.add_targets([micro(batch)], [torch.as_tensor(batch["values"])])[0]
     batch = {**batch, **{k: targets[k].numpy() for k in ("token_advantages", "returns")}}
     loss, grad, metrics = torch_loss_and_grad(algo, batch)
@@ -157,7 +157,7 @@ def test_policy_loss_is_the_clipped_surrogate_with_per_token_advantages(agg):
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
 def test_policy_and_value_losses_are_unchanged_by_micro_batch_and_data_parallel_splits(agg):
     batch = ppo_batch(seed=35, rows=12)
-    algo = build_algorithm(AlgorithmConfig(name="ppo", loss_agg=agg))
+    algo = build_algorithm(AlgorithmConfig.of(name="ppo", loss_agg=agg))
     targets = algo.add_targets([micro(batch)], [torch.as_tensor(batch["values"])])[0]
     batch = {**batch, "token_advantages": targets["token_advantages"].numpy(), "returns": targets["returns"].numpy()}
     rows = np.arange(12)
@@ -175,17 +175,17 @@ def test_policy_and_value_losses_are_unchanged_by_micro_batch_and_data_parallel_
 
 
 def test_advantages_pass_the_rewards_through_and_config_is_checked():
-    algo = build_algorithm(AlgorithmConfig(name="ppo"))
+    algo = build_algorithm(AlgorithmConfig.of(name="ppo"))
     out = algo.advantages([np.array([1.0, 0.0]), np.array([0.25])])
     assert [a.tolist() for a in out] == [[1.0, 0.0], [0.25]]
-    assert algo.needs_critic and algo.critic_path is None and not algo.supports_replay
-    assert build_algorithm(AlgorithmConfig(name="ppo", critic_path="/c")).critic_path == "/c"
+    assert algo.needs.critic.path is None and algo.needs.critic.lr == 1e-5 and not algo.supports_replay
+    assert build_algorithm(AlgorithmConfig.of(name="ppo", critic_path="/c")).needs.critic.path == "/c"
     with pytest.raises(ConfigError, match="algorithm.lam"):
-        AlgorithmConfig(name="ppo", lam=1.5)
+        build_algorithm(AlgorithmConfig.of(name="ppo", lam=1.5))
     with pytest.raises(ConfigError, match="algorithm.value_clip"):
-        AlgorithmConfig(name="ppo", value_clip=0.0)
+        build_algorithm(AlgorithmConfig.of(name="ppo", value_clip=0.0))
     with pytest.raises(ConfigError, match="algorithm.critic_lr"):
-        build_algorithm(AlgorithmConfig(name="ppo", critic_lr=0.0))
+        build_algorithm(AlgorithmConfig.of(name="ppo", critic_lr=0.0))
     with pytest.raises(ValueError, match="values of micro-batch 0"):
         algo.add_targets([micro(ppo_batch(seed=1))], [torch.zeros(2, 2)])
 

@@ -39,7 +39,7 @@ def test_overrides_take_yaml_types(tmp_path, model_dir):
     cfg = load_config(write(tmp_path, minimal(model_dir)),
                       ["trainer.lr=3e-4", "run.max_staleness=2", "algorithm.off_policy_correction=true",
                        "kafka.security.security_protocol=SASL_SSL"])
-    assert cfg.trainer.lr == 3e-4 and cfg.run.max_staleness == 2 and cfg.algorithm.off_policy_correction is True
+    assert cfg.trainer.lr == 3e-4 and cfg.run.max_staleness == 2 and cfg.algorithm.options["off_policy_correction"] is True
     assert cfg.kafka.security == {"security_protocol": "SASL_SSL"}
 
 

@@ -14,7 +14,7 @@ def test_config_reference_is_current():
 
 
 def test_every_config_key_has_a_description():
-    check_descriptions()  # raises naming each key without one (the algorithm section's pending keys excepted)
+    check_descriptions()  # raises naming each key without one
     keys = [row.key for _, _, section in rows() for row in section]
     assert len(keys) > 150 and "run.mode" in keys and "eval.sets[].format" in keys  # the whole tree is walked
 
@@ -67,19 +67,12 @@ def test_descriptions_are_read_above_and_on_the_field_line():
 
 def test_every_undescribed_key_is_named():
     with pytest.raises(ConfigReferenceError) as e:
-        render(_Root, pending=frozenset())
+        render(_Root)
     missing = ["section.undescribed", "section.nested.deep", "section.items[].bare", "loose"]
     assert e.value.keys == missing
     for key in missing:
         assert key in str(e.value)
     assert "section.block" not in str(e.value)
-
-
-def test_pending_keys_are_excepted_until_described():
-    pending = frozenset({"section.undescribed", "section.nested.deep", "section.items[].bare", "loose"})
-    assert "| `section.undescribed` | bool | `False` |  |" in render(_Root, pending=pending)
-    with pytest.raises(ConfigReferenceError, match=r"no longer pending: section.block, section.gone"):
-        check_descriptions(_Root, pending=pending | {"section.block", "section.gone"})
 
 
 def test_a_field_described_twice_is_an_error():

@@ -69,7 +69,7 @@ def test_pairs_are_dealt_whole_with_chosen_and_index():
 
 
 def test_dpo_loss_accepts_the_pair_micro_batches_and_sums_to_the_whole_batch():
-    dpo = build_algorithm(AlgorithmConfig(name="dpo", dpo_beta=0.5))
+    dpo = build_algorithm(AlgorithmConfig.of(name="dpo", dpo_beta=0.5))
 
     def loss_of(batches):
         total = 0.0
