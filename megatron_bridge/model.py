@@ -84,8 +84,10 @@ def load_hf_config(hf_dir: str | Path):
 
 
 def _layer_spec(transformer_engine: bool):
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                          get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
     if transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec()
     return get_gpt_layer_local_spec(normalization="RMSNorm")

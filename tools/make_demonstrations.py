@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from rft.schema import TaskRecord
 from rft.agent_tools import ToolBox, ToolLimits
+from rft.schema import TaskRecord
 from rft.workflows.frozenlake import ACTIONS, METADATA_KEY, FrozenLakeEnvironment, frozenlake_row, shortest_path
 
 CALCULATOR_OPTIONS = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 3}

@@ -1,7 +1,13 @@
 """Architecture bridges, registered by HF class name. Importing this package registers them all."""
 from megatron_bridge.models import llama, qwen2  # noqa: F401  (registration side effect)
-from megatron_bridge.models.base import (DecoderBridge, UnsupportedModelError, bridge_for, padded_vocab_size,
-                                         register, registered_architectures)
+from megatron_bridge.models.base import (
+    DecoderBridge,
+    UnsupportedModelError,
+    bridge_for,
+    padded_vocab_size,
+    register,
+    registered_architectures,
+)
 
 __all__ = ["DecoderBridge", "UnsupportedModelError", "bridge_for", "padded_vocab_size", "register",
            "registered_architectures"]

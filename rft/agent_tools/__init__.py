@@ -4,8 +4,16 @@ this package registers the built-ins."""
 from __future__ import annotations
 
 from rft.agent_tools import calculator, python  # noqa: F401  (registers the built-ins)
-from rft.agent_tools.registry import (TOOLS, ToolBox, ToolCall, ToolError, ToolLimits, has_tool_call, parse_tool_calls,
-                                register_tool)
+from rft.agent_tools.registry import (
+    TOOLS,
+    ToolBox,
+    ToolCall,
+    ToolError,
+    ToolLimits,
+    has_tool_call,
+    parse_tool_calls,
+    register_tool,
+)
 
 __all__ = ["TOOLS", "ToolBox", "ToolCall", "ToolError", "ToolLimits", "has_tool_call", "parse_tool_calls",
            "register_tool"]

@@ -9,16 +9,27 @@ operators length_penalty and zero_variance (docs/algorithms.md).
 Each algorithm owns its keys (an options dataclass registered with it) and declares what the trainer provides
 (`Needs`). Any other name of the form `package.module:Class` is imported and called with its options.
 """
-from rft.algorithms.registry import (ALGORITHMS, REPLAY_HINT, Algorithm, Critic, Demonstrations, Needs, NoOptions,
-                                     build_algorithm, build_options, option_keys, register,
-                                     resolve_algorithm)
 from rft.algorithms.chord import CHORD, ChordOptions  # importing the modules registers them
 from rft.algorithms.cispo import CISPO
 from rft.algorithms.dpo import DPO, DPOOptions
 from rft.algorithms.grpo import GRPO, GRPOOptions
+from rft.algorithms.gspo import GSPO
 from rft.algorithms.on_policy_distill import DistillOptions, OnPolicyDistill
 from rft.algorithms.ppo import PPO, PPOOptions
-from rft.algorithms.gspo import GSPO
+from rft.algorithms.registry import (
+    ALGORITHMS,
+    REPLAY_HINT,
+    Algorithm,
+    Critic,
+    Demonstrations,
+    Needs,
+    NoOptions,
+    build_algorithm,
+    build_options,
+    option_keys,
+    register,
+    resolve_algorithm,
+)
 from rft.algorithms.reinforce_pp import ReinforcePlusPlus
 from rft.algorithms.rloo import RLOO
 from rft.algorithms.sft import SFT, SFTOptions

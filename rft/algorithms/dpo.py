@@ -11,6 +11,7 @@ dpo_beta * (z_chosen - z_rejected)). Needs `ref_logprobs`; uses recorded pairs o
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 

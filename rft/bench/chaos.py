@@ -80,16 +80,35 @@ from typing import Callable, Optional
 import numpy as np
 import yaml
 
+from rft.bench.run_support import (
+    consumed,
+    latest_checkpoint_state,
+    log_tail,
+    no_process_left,
+    read_topic,
+    rft_explorer,
+    rft_run,
+    steps_done,
+    write_config,
+)
 from rft.broker.local import LocalBroker
 from rft.config import KafkaConfig
 from rft.modes import staleness_bound
-from rft.schema import (HEADER_SCHEMA, HEADER_TYPE, ControlMessage, ExperienceGroup, RecordError, Sample, TaskRecord,
-                        decode, decode_group, encode)
+from rft.processes import free_port, kill_matching, matching, signal_group, stop_group
+from rft.schema import (
+    HEADER_SCHEMA,
+    HEADER_TYPE,
+    ControlMessage,
+    ExperienceGroup,
+    RecordError,
+    Sample,
+    TaskRecord,
+    decode,
+    decode_group,
+    encode,
+)
 from rft.transport import TransportError, connect
 from rft.transport.base import HEADER_ORIGIN
-from rft.bench.run_support import (consumed, latest_checkpoint_state, log_tail, no_process_left, read_topic,
-                                   rft_explorer, rft_run, steps_done, write_config)
-from rft.processes import free_port, kill_matching, matching, signal_group, stop_group
 
 PRODUCE, FETCH = 0, 1
 MODE, MAX_STALENESS = "off_policy", 2

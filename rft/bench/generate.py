@@ -21,16 +21,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rft.config import DataConfig, ExplorerConfig, ModelConfig
+from rft.data.tasks import load_rows, rows_to_tasks
 from rft.data.toy_tasks import generate_rows
 from rft.engine import SamplingSettings, VLLMEngine
-from rft.config import DataConfig
-from rft.data.tasks import load_rows, rows_to_tasks
-from rft.config import ExplorerConfig, ModelConfig
 from rft.explorer.continuous import Continuous
-from rft.engine import VLLMEngine
+from rft.models.tiny import make_tiny_model
 from rft.rewards import build_reward
 from rft.workflows import build_workflow
-from rft.models.tiny import make_tiny_model
 
 
 def _prompts(count: int, seed: int) -> list[str]:

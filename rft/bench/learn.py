@@ -51,11 +51,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from rft.bench.trl_reference import TRLReferenceError, check_trl_config, run_trl, trl_missing
 from rft.config import Config, ConfigError
 from rft.processes import signal_group
 from rft.run.loading import load_run_config
 from rft.weights.store import LATEST, WeightStore, store_root, version_dirname
-from rft.bench.trl_reference import TRLReferenceError, check_trl_config, run_trl, trl_missing
 
 RFT_SYSTEMS = {"rft": (None, "pull"), "rft-async": ("async", "pull"), "rft-sync": ("sync", "pull"),
                "rft-async-push": ("async", "push")}  # mode None: the config's own `run.mode`

@@ -18,12 +18,12 @@ import statistics
 import time
 
 import numpy as np
+
 from rft.algorithms import build_algorithm
+from rft.algorithms.aggregation import with_kl_metric
 from rft.config import AlgorithmConfig
 from rft.schema import ExperienceGroup, Sample
-from rft.trainer.batch import rows_from_groups
-from rft.algorithms.aggregation import with_kl_metric
-from rft.trainer.batch import plan_micro_batches
+from rft.trainer.batch import plan_micro_batches, rows_from_groups
 
 
 def _lengths(text: str) -> tuple[int, int]:

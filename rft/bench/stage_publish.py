@@ -22,10 +22,10 @@ import time
 
 from megatron_bridge.policy import MegatronPolicy
 from rft.config import config_from_dict
-from rft.transport.run_topics import RunTopics, create_run_topics
 from rft.trainer import distributed as dist_io
 from rft.trainer.main import Trainer, open_trainer_io
 from rft.transport.memory import MemoryTransport
+from rft.transport.run_topics import RunTopics, create_run_topics
 
 
 def main() -> None:

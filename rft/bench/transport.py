@@ -23,8 +23,8 @@ import json
 import shutil
 import tempfile
 import time
-from pathlib import Path
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np

@@ -48,13 +48,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rft.algorithms import build_options
-from rft.text.chat import ChatPrompt, encode_chat, stop_token_ids
 from rft.config import Config
 from rft.data.tasks import build_picker
 from rft.rewards import RewardContext, build_reward
 from rft.rewards.registry import TaskError
 from rft.run.loading import load_run_config
 from rft.schema import TaskRecord
+from rft.text.chat import ChatPrompt, encode_chat, stop_token_ids
 
 RESULT_PREFIX = "TRL-RESULT "
 LOSS_TYPES = {"token_mean": "dapo", "seq_mean": "grpo"}  # rft's algorithm.loss_agg -> TRL's loss_type

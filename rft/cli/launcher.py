@@ -33,18 +33,18 @@ from pathlib import Path
 
 from rft.algorithms import REPLAY_HINT, build_algorithm
 from rft.broker.local import KafkaEndpoint
-from rft.run.commandline import add_config_arguments, config_from_args, require_broker
 from rft.config import Config
 from rft.data.demonstrations import prompt_tools, publish_demonstrations
 from rft.data.selectors import selector_needs_rewards
-from rft.modes import MODES, mode
 from rft.data.tasks import DatasetError, publish_tasks
-from rft.run.monitor import plot_rewards
-from rft.transport.run_topics import RunTopics, create_run_topics
-from rft.run.stages import resolve_stages
+from rft.modes import MODES, mode
 from rft.ops.status import StallWatch
 from rft.processes import signal_group
+from rft.run.commandline import add_config_arguments, config_from_args, require_broker
+from rft.run.monitor import plot_rewards
+from rft.run.stages import resolve_stages
 from rft.transport import connect
+from rft.transport.run_topics import RunTopics, create_run_topics
 
 ROLES_BY_MODE = {name: m.roles for name, m in MODES.items()}
 EVALUATOR = "evaluator"

@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rft.config import Config, ConfigError, load_config
-from rft.transport.control import ExplorerJoin, ExplorerLeave, TrainerFinished, TrainerStarted, control_messages
-from rft.schema import ControlMessage
 from rft.ops.status import RunStatus, explorer_rows, tasks_group_of, topic_lags
+from rft.schema import ControlMessage
 from rft.transport import Transport, connect
+from rft.transport.control import ExplorerJoin, ExplorerLeave, TrainerFinished, TrainerStarted, control_messages
 
 LAGS_EVERY_S = 3.0  # how often the consumer lags are asked of the broker
 RETRY_S = 2.0  # pause after a failed connection

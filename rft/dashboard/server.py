@@ -21,9 +21,9 @@ from pathlib import Path
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
-from rft.run.commandline import add_config_arguments, config_from_args
 from rft.config import Config
 from rft.dashboard.model import RunIndex, RunWatch
+from rft.run.commandline import add_config_arguments, config_from_args
 
 STATIC = Path(__file__).resolve().parent / "static"
 STATIC_FILES = {"app.js": "text/javascript", "style.css": "text/css"}

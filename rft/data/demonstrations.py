@@ -32,11 +32,11 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from rft.text.chat import ChatError, ChatPrompt, encode_chat, end_of_turn_id, observation_text, tool_turn_text
+from rft.agent_tools import ToolBox, ToolError, ToolLimits
 from rft.config import DataConfig, ExplorerConfig, KafkaConfig, ModelConfig
 from rft.data.tasks import DatasetError, build_picker, load_task_sets
 from rft.schema import ExperienceGroup, Sample, TaskRecord
-from rft.agent_tools import ToolBox, ToolError, ToolLimits
+from rft.text.chat import ChatError, ChatPrompt, encode_chat, end_of_turn_id, observation_text, tool_turn_text
 from rft.transport import connect
 
 ROLES = ("assistant", "tool", "user")  # the messages of a conversation answer

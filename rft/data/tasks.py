@@ -43,10 +43,10 @@ from tqdm import tqdm
 from rft.config import DataConfig, KafkaConfig
 from rft.data.gym_tasks import METADATA_KEY, GymError, gym_rows
 from rft.data.selectors import SetProgress, TaskPicker, build_selector
-from rft.transport.run_topics import RunTopics
+from rft.data.toy_tasks import TOY_TASKS, generate_rows
 from rft.schema import TaskRecord
 from rft.transport import connect
-from rft.data.toy_tasks import TOY_TASKS, generate_rows
+from rft.transport.run_topics import RunTopics
 
 
 class DatasetError(ValueError):

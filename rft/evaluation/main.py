@@ -32,14 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rft.run.commandline import add_config_arguments, config_from_args, install_stop_signals
 from rft.config import Config, ConfigError, EvalConfig, EvalSetConfig, ExplorerConfig, ModelConfig
+from rft.data.tasks import DatasetError, TaskSet, load_rows, rows_to_tasks
+from rft.engine import build_engine
 from rft.evaluation.checkpoints import Checkpoint, CheckpointError, resolve_checkpoint
 from rft.evaluation.metrics import SetScores, score_tasks
-from rft.engine import build_engine
-from rft.data.tasks import DatasetError, TaskSet, load_rows, rows_to_tasks
-from rft.run.monitor import MetricsLogger
 from rft.rewards import RewardContext, build_reward
+from rft.run.commandline import add_config_arguments, config_from_args, install_stop_signals
+from rft.run.monitor import MetricsLogger
 from rft.weights.store import WeightStore, WeightStoreError, store_root, verify_version
 from rft.weights.subscriber import load_newest_weights
 from rft.workflows import build_workflow

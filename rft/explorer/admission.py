@@ -53,9 +53,9 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
-from rft.transport.control import ControlView
 from rft.modes import staleness_bound
 from rft.transport import RecordSource, Transport, TransportError, lag
+from rft.transport.control import ControlView
 
 log = logging.getLogger(__name__)
 

@@ -49,8 +49,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
-from rft.transport.control import ControlView, TasksGroup, control_messages
 from rft.transport import Transport, TransportError, lag
+from rft.transport.control import ControlView, TasksGroup, control_messages
 
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, KafkaConfig

@@ -26,14 +26,14 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from rft.run.commandline import add_config_arguments, config_from_args
 from rft.config import Config
-from rft.modes import mode
-from rft.transport.control import ControlView, ExplorerView, TrainerView, control_messages
 from rft.explorer.membership import group_name
-from rft.transport.run_topics import consumer_group
+from rft.modes import mode
+from rft.run.commandline import add_config_arguments, config_from_args
 from rft.schema import ControlMessage
 from rft.transport import Admin, RecordSource, TransportError, connect, lag
+from rft.transport.control import ControlView, ExplorerView, TrainerView, control_messages
+from rft.transport.run_topics import consumer_group
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,17 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rft.engine import build_engine
 from rft.rewards import countdown, judge, math_answer, reasoning_gym, text  # noqa: F401  (registers the built-ins)
-from rft.rewards.registry import (REWARDS, Reward, RewardError, RewardFn, RewardResult, checked, is_factory,
-                                  register_reward, register_reward_factory)
+from rft.rewards.registry import (
+    REWARDS,
+    Reward,
+    RewardError,
+    RewardFn,
+    RewardResult,
+    checked,
+    is_factory,
+    register_reward,
+    register_reward_factory,
+)
 
 if TYPE_CHECKING:
     from rft.config import Config, ExplorerConfig, ModelConfig

@@ -27,16 +27,16 @@ from rft.config import ADMISSIONS, Config, ConfigError, EvalConfig, config_from_
 from rft.data.gym_tasks import GymError, build_dataset
 from rft.data.selectors import SelectionError, build_selector
 from rft.data.tasks import TaskSet, task_sets
-from rft.modes import mode
+from rft.data.toy_tasks import TOY_TASKS, generate_rows
 from rft.experience.operators import OperatorError, check_operator_specs
+from rft.experience.priorities import resolve_priority
 from rft.extras import MissingExtra, check_installed
+from rft.modes import mode
 from rft.registry import RegistryError, import_object
 from rft.rewards import WEIGHTED, RewardError, check_reward_config, resolve
 from rft.rewards.reasoning_gym import GYM_REWARDS
 from rft.run.stages import resolve_stages
-from rft.experience.priorities import resolve_priority
 from rft.workflows import WorkflowError, check_workflow_config
-from rft.data.toy_tasks import TOY_TASKS, generate_rows
 
 NAME_ERRORS = (RegistryError, RewardError, WorkflowError, SelectionError, OperatorError, ConfigError,
                MissingExtra)

@@ -43,11 +43,19 @@ import numpy as np
 
 from rft.run.commandline import install_stop_signals
 from rft.run.monitor import metrics_endpoint
-from rft.transport.run_topics import RunTopics
+from rft.schema import (
+    ExperienceGroup,
+    Feedback,
+    RecordError,
+    Sample,
+    ServedChoice,
+    ServedCompletion,
+    decode,
+    decode_group,
+)
 from rft.serve import part_config
-from rft.schema import (ExperienceGroup, Feedback, RecordError, Sample, ServedChoice, ServedCompletion, decode,
-                        decode_group)
 from rft.transport import DeadLetter, connect
+from rft.transport.run_topics import RunTopics
 
 if TYPE_CHECKING:
     from rft.config import KafkaConfig, ServeConfig

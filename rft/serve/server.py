@@ -49,14 +49,14 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rft.text.chat import ChatError, encode_messages
-from rft.processes import free_port
 from rft.engine import SamplingSettings, build_engine
-from rft.transport.run_topics import RunTopics
-from rft.serve import part_config
+from rft.processes import free_port
 from rft.schema import Feedback, ServedChoice, ServedCompletion
+from rft.serve import part_config
 from rft.serve.ledger import FeedbackLedger, FeedbackRefused
+from rft.text.chat import ChatError, encode_messages
 from rft.transport import connect
+from rft.transport.run_topics import RunTopics
 from rft.weights.store import WeightStore
 from rft.weights.subscriber import WeightUpdates, load_newest_weights
 

@@ -28,8 +28,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
 from rft.schema import ExperienceGroup, RecordError, decode_group, encode
-from rft.transport import (DeadLetter, Message, RecordSink, RecordSource, Transport, TransportError,
-                           parse_positions, parse_time_ms)
+from rft.transport import (
+    DeadLetter,
+    Message,
+    RecordSink,
+    RecordSource,
+    Transport,
+    TransportError,
+    parse_positions,
+    parse_time_ms,
+)
 
 if TYPE_CHECKING:
     from rft.experience.operators import OperatorChain

@@ -45,25 +45,23 @@ import torch
 
 from rft.algorithms import Needs, build_algorithm
 from rft.algorithms.aggregation import with_kl_metric
-from rft.run.commandline import add_config_arguments, config_from_args, die_with_parent
-from rft.config import (AlgorithmConfig, Config, ConfigError, ModelConfig, RunConfig, SyncConfig,
-                        TrainerConfig)
-from rft.transport.control import Kind, TrainerFinished, TrainerStarted, TrainerWaiting
-from rft.modes import mode, staleness
-from rft.run.monitor import MetricsEndpoint, MetricsLogger, metrics_endpoint
+from rft.config import AlgorithmConfig, Config, ConfigError, ModelConfig, RunConfig, SyncConfig, TrainerConfig
 from rft.experience.operators import OperatorContext, build_operator_chain, split_drops
+from rft.modes import mode, staleness
+from rft.run.commandline import add_config_arguments, config_from_args, die_with_parent
+from rft.run.monitor import MetricsEndpoint, MetricsLogger, metrics_endpoint
 from rft.schema import decode_group
-from rft.trainer.staleness import StalenessTracker
 from rft.trainer import distributed as dist_io
 from rft.trainer.batch import plan_micro_batches, preference_pair_problem, rows_from_groups
 from rft.trainer.checkpoint import CheckpointDir, TrainerState, capture_rng, restore_rng
 from rft.trainer.feed import EndOfReplay, ExperienceFeed, FeedState, ReplayWindow, open_feed, resolve_window
 from rft.trainer.replay_buffer import ExperienceReplay, open_replay
+from rft.trainer.staleness import StalenessTracker
 from rft.transport import RecordSink, Transport, TransportError, connect, lag
+from rft.transport.control import Kind, TrainerFinished, TrainerStarted, TrainerWaiting
 from rft.weights.publisher import StagePublisher, WeightPublisher
 from rft.weights.store import Staging, WeightStore, store_root
 from rft.weights.vllm_transfer import push_transport
-
 
 WAIT_ANNOUNCE_S = 2.0
 

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 
-from rft.modes import staleness
 from rft.experience.priorities import Score, resolve_priority
+from rft.modes import staleness
 from rft.schema import ExperienceGroup, RecordError, decode_group
 from rft.transport import TransportError
 

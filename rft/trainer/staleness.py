@@ -13,6 +13,7 @@ from typing import Optional
 
 from rft import modes
 
+
 @dataclass
 class _StepCounts:
     histogram: collections.Counter = field(default_factory=collections.Counter)  # staleness -> samples used

@@ -14,10 +14,32 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rft.transport.base import (HEADER_ORIGIN, Admin, BrokerUnreachable, DeadLetter, Message, PartitionInfo, Position,
-                                PositionSpecError, RecordMetadata, RecordSink, RecordSource, RecordTooLarge, SendFuture, SinkBase,
-                                SourceBase, Transport, TransportError, lag, offset_key, parse_offset_key,
-                                parse_positions, parse_time_ms, probe_bootstrap, record_size)
+from rft.transport.base import (
+    HEADER_ORIGIN,
+    Admin,
+    BrokerUnreachable,
+    DeadLetter,
+    Message,
+    PartitionInfo,
+    Position,
+    PositionSpecError,
+    RecordMetadata,
+    RecordSink,
+    RecordSource,
+    RecordTooLarge,
+    SendFuture,
+    SinkBase,
+    SourceBase,
+    Transport,
+    TransportError,
+    lag,
+    offset_key,
+    parse_offset_key,
+    parse_positions,
+    parse_time_ms,
+    probe_bootstrap,
+    record_size,
+)
 
 if TYPE_CHECKING:
     from rft.config import KafkaConfig

@@ -18,9 +18,19 @@ from kafka.errors import KafkaError, KafkaTimeoutError, OffsetOutOfRangeError, T
 from kafka.structs import OffsetAndMetadata
 
 from rft.config import KafkaConfig
-from rft.transport.base import (Message, PartitionInfo, Position, RecordMetadata, SinkBase, SourceBase, TransportError,
-                           offset_key, parse_offset_key)
-from rft.transport.base import BrokerUnreachable, probe_bootstrap
+from rft.transport.base import (
+    BrokerUnreachable,
+    Message,
+    PartitionInfo,
+    Position,
+    RecordMetadata,
+    SinkBase,
+    SourceBase,
+    TransportError,
+    offset_key,
+    parse_offset_key,
+    probe_bootstrap,
+)
 
 _OVERHEAD_BYTES = 64 * 1024  # room for the batch and header framing around one maximal record
 

@@ -19,8 +19,16 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from rft.transport.base import (Message, PartitionInfo, RecordMetadata, SinkBase, SourceBase, TransportError,
-                           offset_key, parse_offset_key)
+from rft.transport.base import (
+    Message,
+    PartitionInfo,
+    RecordMetadata,
+    SinkBase,
+    SourceBase,
+    TransportError,
+    offset_key,
+    parse_offset_key,
+)
 
 MAX_POLL_RECORDS = 500  # kafka-python's default max_poll_records
 

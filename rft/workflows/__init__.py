@@ -13,8 +13,15 @@ from typing import TYPE_CHECKING, Any
 from rft.extras import check_installed
 from rft.workflows import frozenlake, multi_turn, single_turn, textarena_game, tool_agent  # noqa: F401  (registers the built-ins)
 from rft.workflows.multi_turn import ENVIRONMENTS, register_environment
-from rft.workflows.registry import (WORKFLOWS, GroupResult, Workflow, WorkflowError, build_sample, encode_prompt,
-                                    register_workflow)
+from rft.workflows.registry import (
+    WORKFLOWS,
+    GroupResult,
+    Workflow,
+    WorkflowError,
+    build_sample,
+    encode_prompt,
+    register_workflow,
+)
 
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, ModelConfig

@@ -31,13 +31,19 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
-from rft.text.chat import ChatPrompt
 from rft.engine import SamplingSettings
 from rft.registry import Registry
-from rft.schema import TaskRecord
 from rft.rewards.registry import RewardResult, TaskError
-from rft.workflows.registry import (GroupResult, WorkflowError, build_sample, encode_prompt, register_workflow,
-                                    score_group)
+from rft.schema import TaskRecord
+from rft.text.chat import ChatPrompt
+from rft.workflows.registry import (
+    GroupResult,
+    WorkflowError,
+    build_sample,
+    encode_prompt,
+    register_workflow,
+    score_group,
+)
 
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, ModelConfig

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
-from rft.text.chat import ChatError, ChatPrompt
 from rft.registry import Registry
 from rft.rewards.registry import TaskError
 from rft.schema import Sample, TaskRecord
+from rft.text.chat import ChatError, ChatPrompt
 
 if TYPE_CHECKING:
     from rft.engine import Engine

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from rft.text.chat import ChatPrompt
 from rft.engine import SamplingSettings
 from rft.schema import TaskRecord
+from rft.text.chat import ChatPrompt
 from rft.workflows.registry import GroupResult, build_sample, encode_prompt, register_workflow, score_group
 
 if TYPE_CHECKING:

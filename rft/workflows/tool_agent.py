@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from rft.text.chat import ChatPrompt, tool_turn_text
-from rft.schema import TaskRecord
 from rft.agent_tools import ToolBox, ToolError, ToolLimits
+from rft.schema import TaskRecord
+from rft.text.chat import ChatPrompt, tool_turn_text
 from rft.workflows.multi_turn import MultiTurn, _Episode
 from rft.workflows.registry import WorkflowError, register_workflow
 

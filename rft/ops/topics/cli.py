@@ -18,15 +18,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rft.run.commandline import EMBEDDED, config_from_args, embedded_broker_error, install_stop_signals
 from rft.config import KafkaConfig
-from rft.text.tokens import Detokenizer, TokenizerError
 from rft.ops.topics import TopicsError
-from rft.ops.topics.formats import (EXPORT_FORMAT, EXPORT_VERSION, DecodedJsonlExport, JsonlExport, ParquetExport,
-                                export_kind, read_export)
+from rft.ops.topics.formats import (
+    EXPORT_FORMAT,
+    EXPORT_VERSION,
+    DecodedJsonlExport,
+    JsonlExport,
+    ParquetExport,
+    export_kind,
+    read_export,
+)
 from rft.ops.topics.render import format_message
-from rft.transport import (Admin, BrokerUnreachable, Message, PositionSpecError, RecordSource, Transport, TransportError,
-                           connect, parse_offset_key, parse_positions, parse_time_ms)
+from rft.run.commandline import EMBEDDED, config_from_args, embedded_broker_error, install_stop_signals
+from rft.text.tokens import Detokenizer, TokenizerError
+from rft.transport import (
+    Admin,
+    BrokerUnreachable,
+    Message,
+    PositionSpecError,
+    RecordSource,
+    Transport,
+    TransportError,
+    connect,
+    parse_offset_key,
+    parse_positions,
+    parse_time_ms,
+)
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from rft.text.tokens import Detokenizer
 from rft.ops.topics import TopicsError
 from rft.ops.topics.render import decoded_view, json_default
+from rft.text.tokens import Detokenizer
 from rft.transport import Message
 
 EXPORT_FORMAT = "rft-topic-export"
