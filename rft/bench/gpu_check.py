@@ -43,7 +43,7 @@ from pathlib import Path
 
 from rft.cli.launcher import failure_line
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # SmolLM2-135M-Instruct's shape (its config.json): the real model's size for the weight-sync timings.
 SMOLLM2_SHAPE = dict(arch="llama", hidden_size=576, layers=30, heads=9, kv_heads=3, intermediate_size=1536,
                      vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)

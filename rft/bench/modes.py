@@ -60,7 +60,7 @@ from rft.transport import connect
 from rft.bench.simulate import Stages, simulate
 from rft.bench.trl_reference import run_trl, trl_missing
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 REAL_CONFIG = REPO / "configs" / "smollm2-arithmetic.yaml"
 MODES = [("sync", "sync", 0), ("off_policy k=1", "off_policy", 1), ("off_policy k=2", "off_policy", 2),
          ("async", "async", 0)]

@@ -22,7 +22,7 @@ import yaml
 from rft.config import KafkaConfig
 from rft.transport import connect
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GROUPS_PER_STEP = 4
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rft import config as config_module
 
-DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 _FIELD_LINE = re.compile(r"^\s+(\w+):[^#]*?(?:#\s*(.*))?$")
 
 HEADER = """# Configuration reference
