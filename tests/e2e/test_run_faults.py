@@ -22,6 +22,7 @@ import pytest
 from rft.schema import ControlMessage, decode, decode_group
 from rft.bench.run_support import (REPO, assert_trained_exactly_once, consumed, finish, free_port, kill_matching,
                                no_process_left, read_topic, rft_run, start, steps_done, wait_for_step, write_config)
+from tests.waiting import tail_of, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
 
@@ -152,12 +153,8 @@ def final_stats(log: Path) -> list[dict]:
 
 def wait_for_groups_of(bootstrap: str, topic: str, explorer_id: str, process: subprocess.Popen, log: Path,
                        timeout_s: float = 120) -> list:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        groups = [g for g in (decode_group(m.value, m.headers) for m in read_topic(bootstrap, topic))
-                  if g.explorer_id == explorer_id]
-        if groups:
-            return groups
-        assert process.poll() is None and time.monotonic() < deadline, \
-            f"{explorer_id} produced nothing:\n{log.read_text()[-3000:]}"
-        time.sleep(2)
+    """The groups `explorer_id` produced to `topic`, once there is one (fails if its process exits first)."""
+    return wait_until(lambda: [g for g in (decode_group(m.value, m.headers) for m in read_topic(bootstrap, topic))
+                               if g.explorer_id == explorer_id],
+                      timeout=timeout_s, interval=2, alive=[process], context=tail_of(log, 3000),
+                      what=f"a group produced by {explorer_id}")

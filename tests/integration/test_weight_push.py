@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rft.weights.push import PushError, PushGroupSpec, PushReceiver, PushSender, backend_timeout_s, receive_into
+from tests.waiting import wait_until
 
 
 def versions_for(n: int) -> list[list[dict[str, torch.Tensor]]]:
@@ -26,10 +27,7 @@ def start_members(sender: PushSender, count: int, body) -> list[threading.Thread
     threads = [threading.Thread(target=lambda i=i: body(PushReceiver.join(sender.spec), i)) for i in range(count)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30
-    while sender.members_joined() < count:
-        assert time.monotonic() < deadline, "members did not join"
-        time.sleep(0.02)
+    wait_until(lambda: sender.members_joined() >= count, timeout=30, interval=0.02, what=f"{count} members to join")
     sender.connect()
     return threads
 
