@@ -39,8 +39,10 @@ setup(
         # GPU: the pins of requirements/gpu.txt (a test keeps them equal). Transformer Engine's PyTorch extension and
         # NVIDIA Apex are built from source on the GPU machines (README; the PyPI 'apex' is another project).
         "gpu": ["vllm==0.32.0", "transformer-engine[core-cu13]==2.20.2"],
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "confluent-kafka", "tensorboard", "trl", "openai==3.54.0",
-                "selenium==4.51.0"],  # drives Debian's chromium in the dashboard test (4.52.0 needs a newer certifi)
+        # pytest-xdist: `make test` runs two workers (tests/conftest.py); selenium drives Debian's chromium in the
+        # dashboard test (4.52.0 needs a newer certifi)
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "confluent-kafka", "tensorboard", "trl",
+                "openai==3.54.0", "selenium==4.51.0"],
     },
     entry_points={"console_scripts": ["rft=rft.cli:main"]},
 )

@@ -12,6 +12,20 @@ from rft.config import KafkaConfig
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# What keeps the CPU busy (a whole run, torchrun ranks, a vLLM engine) or holds the session's one Slurm cluster.
+HEAVY_MARKS = ("e2e", "distributed", "vllm", "slurm")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items):
+    """`make test` runs two pytest-xdist workers with `--dist loadgroup`: every test with one of HEAVY_MARKS is in
+    the group `heavy`, which one worker runs one test after another, so no two of them share the 2 cores; the
+    other worker runs the rest beside it (unit tests, and integration tests that mostly wait on the broker, on
+    timeouts or on processes). Without xdist the group mark is inert."""
+    for item in items:
+        if any(item.get_closest_marker(mark) for mark in HEAVY_MARKS):
+            item.add_marker(pytest.mark.xdist_group("heavy"))
+
 
 @pytest.fixture(scope="session")
 def broker():
