@@ -89,12 +89,16 @@ def test_a_member_that_stops_answering_fails_the_push_in_time(fault):
     watchdog would kill the process rather than raise)."""
     sender = PushSender.host(host="127.0.0.1", world_size=2, group_id="g", timeout_s=2)
     assert backend_timeout_s(2) > 2 * 2
-    threads = start_members(sender, 1, lambda receiver, i: time.sleep(5 if fault == "hangs" else 0))
-    started = time.monotonic()
-    expected = "no answer within sync.timeout_s=2" if fault == "hangs" else "pushing version 1 failed"
-    with pytest.raises(PushError, match=expected):
-        sender.send(1, versions_for(1)[0])
-    assert time.monotonic() - started < 4
+    released = threading.Event()  # a hanging member hangs until the push has failed
+    threads = start_members(sender, 1, lambda receiver, i: fault == "hangs" and released.wait(30))
+    try:
+        started = time.monotonic()
+        expected = "no answer within sync.timeout_s=2" if fault == "hangs" else "pushing version 1 failed"
+        with pytest.raises(PushError, match=expected):
+            sender.send(1, versions_for(1)[0])
+        assert time.monotonic() - started < 4
+    finally:
+        released.set()
     for t in threads:
         t.join(timeout=10)
 
