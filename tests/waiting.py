@@ -47,7 +47,7 @@ def wait_until(predicate: Callable[[], T], *, timeout: float, what: str, interva
 
 
 def tail_of(log: Path, chars: int = 4000) -> Callable[[], str]:
-    """A `context` for `wait_until`: the last `chars` characters of the file `log` (empty if it is not there)."""
+    """A `context` for `wait_until`: the last `chars` characters of the file `log` ("(none)" if it is not there)."""
     return lambda: f"--- {log}:\n" + (log.read_text(errors="replace")[-chars:] if log.exists() else "(none)")
 
 

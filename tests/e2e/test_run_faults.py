@@ -21,6 +21,7 @@ import pytest
 
 from rft.bench.run_support import (REPO, consumed, finish, free_port, kill_matching, rft_run, steps_done, wait_for_step,
                                write_config)
+from tests.waiting import tail_of, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
 
@@ -63,8 +64,15 @@ def test_an_explorer_killed_in_a_push_run_neither_stops_nor_stalls_it(tmp_path, 
     process = rft_run(config, log)
     wait_for_step(process, run_dir, 2, log)
 
-    # while it runs: every part serves Prometheus metrics, and `rft status` shows the fleet and its versions
-    served = scrape_parts(port)
+    # while it runs: every part serves Prometheus metrics (an explorer's counters appear once it finished a batch, which
+    # on a loaded machine may come after step 2), and `rft status` shows the fleet and its versions
+    def every_part_served() -> dict:
+        parts = scrape_parts(port)
+        explored = all(parts.get(e, {}).get("rft_explorer_groups_total", 0) > 0 for e in ("explorer-0", "explorer-1"))
+        return parts if "trainer" in parts and explored else {}
+
+    served = wait_until(every_part_served, timeout=120, interval=1, alive=[process], context=tail_of(log),
+                        what="the trainer's metrics and both explorers' with groups")
     assert served["trainer"]["rft_trainer_step"] >= 2
     assert {"explorer-0", "explorer-1"} <= set(served)
     assert all(served[e]["rft_explorer_groups_total"] > 0 for e in ("explorer-0", "explorer-1"))
