@@ -74,7 +74,7 @@ tiny-run: venv assets/tiny-qwen2/config.json
 	$(BIN)/rft run configs/quickstart.yaml
 
 # Two pytest-xdist workers (not one per core): one runs the CPU-heavy tests one after another, the other the rest
-# beside it (tests/conftest.py, HEAVY_MARKS)
+# beside it (tests/conftest.py: pytest_xdist_make_scheduler)
 test: venv system-deps $(SMOLLM2)/config.json
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
