@@ -79,8 +79,10 @@ tiny-run: venv assets/tiny-qwen2/config.json
 lint: venv
 	$(BIN)/ruff check .
 
+# Two pytest-xdist workers (not one per core): one runs the CPU-heavy tests one after another, the other the rest
+# beside it (tests/conftest.py: pytest_xdist_make_scheduler)
 test: venv system-deps $(SMOLLM2)/config.json lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 test-fast: venv
 	$(BIN)/python -m pytest tests/unit

@@ -12,6 +12,41 @@ from rft.config import KafkaConfig
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The tests that keep more than one core busy for most of their time (a whole run, torchrun ranks: measured 1.1 to
+# 1.4 cores on average, e.g. test_serve_run, test_trainer_dpo, test_slurm_launchers) or hold the session's one Slurm
+# cluster: those marked e2e, distributed or slurm, which live in these directories (checked at collection).
+HEAVY_MARKS = ("e2e", "distributed", "slurm")
+HEAVY_DIRS = ("tests/e2e/", "tests/distributed/", "tests/slurm/")
+
+
+def pytest_collection_modifyitems(items):
+    """A test marked e2e, distributed or slurm outside HEAVY_DIRS would run beside the heavy ones: refused."""
+    stray = [i.nodeid for i in items
+             if any(i.get_closest_marker(m) for m in HEAVY_MARKS) and not i.nodeid.startswith(HEAVY_DIRS)]
+    if stray:
+        raise pytest.UsageError(f"tests marked {'/'.join(HEAVY_MARKS)} must live in {', '.join(HEAVY_DIRS)} "
+                                f"(tests/conftest.py runs those one at a time under xdist): {stray}")
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs two pytest-xdist workers with `--dist loadgroup`: the tests of HEAVY_DIRS form one work unit,
+    which one worker runs one test after another, so no two of them share the 2 cores; the other worker runs the
+    rest beside it, one at a time: unit tests, integration tests that mostly wait on the broker, on timeouts or on
+    processes (test_group_stall: 0.26 cores over its 2 minutes), and those with one vLLM engine, which stay under a
+    core (test_explorer_fleet 0.8, test_ray_fleet 0.76, test_explorer_continuous 0.5). (xdist's own loadgroup, by
+    `xdist_group` marks, renames nodes in a way pytest 9 no longer reads: this scheduler groups by path instead.)
+    Other `--dist` modes are xdist's own."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling  # an optional plugin: this hook runs only where it is installed
+
+    class HeavyInTurn(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "heavy" if nodeid.startswith(HEAVY_DIRS) else nodeid
+
+    return HeavyInTurn(config, log)
+
 
 @pytest.fixture(scope="session")
 def broker():

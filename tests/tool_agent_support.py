@@ -15,11 +15,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import trl
 from transformers import AutoTokenizer
 
-import trl
-from rft.text.chat import end_of_turn_id
 from rft.models.tiny import build_tokenizer, make_tiny_model
+from rft.text.chat import end_of_turn_id
 from rft.workflows.tool_agent import ToolAgent
 
 QWEN25_TEMPLATE = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()

@@ -4,13 +4,12 @@ tests/integration/test_transport_fidelity.py, so that the fake is held to what K
 transport whose new topics have 2 partitions and a unique topic prefix."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from rft.schema import HEADER_ERROR, decode_group, encode
 from rft.transport import HEADER_ORIGIN, DeadLetter, Message, RecordMetadata, RecordTooLarge, Transport, offset_key
 from tests.records import make_group
+from tests.waiting import wait_until
 
 T0 = 1_700_000_000_000
 
@@ -31,10 +30,14 @@ def read_all(transport: Transport, topic: str, **bounds) -> list[Message]:
 
 
 def poll_until(source, count: int, timeout_s: float = 30.0, max_records: int | None = None) -> list[Message]:
+    """Poll `source` until it has returned at least `count` records; all it returned (fails if fewer came in
+    `timeout_s`)."""
     out: list[Message] = []
-    deadline = time.monotonic() + timeout_s
-    while len(out) < count and time.monotonic() < deadline:
-        out += source.poll(timeout_s=0.5, max_records=None if max_records is None else max_records - len(out))
+
+    def poll() -> None:
+        out.extend(source.poll(timeout_s=0.5, max_records=None if max_records is None else max_records - len(out)))
+
+    wait_until(lambda: len(out) >= count, timeout=timeout_s, what=f"{count} records", between=poll)
     return out
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from rft.algorithms import Algorithm, Critic, Demonstrations, Needs
 from rft.algorithms.aggregation import aggregate, check_micro_batch, token_metric

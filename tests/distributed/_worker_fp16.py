@@ -12,7 +12,6 @@ import json
 import sys
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _worker_policy as cases  # noqa: E402
 

@@ -55,9 +55,10 @@ def loss_fn():
 
 
 def run_case(hf_dir: str, out: Path, *, name: str, budget: int) -> None:
+    from safetensors.torch import save_file
+
     from megatron_bridge import parallel
     from megatron_bridge.policy import MegatronPolicy
-    from safetensors.torch import save_file
 
     policy = MegatronPolicy(hf_dir, seed=0, **HYPERPARAMETERS)
     where = policy.layout

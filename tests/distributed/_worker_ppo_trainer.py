@@ -50,8 +50,8 @@ def trainer_for(cfg, transport):
 
 
 def filled_transport(cfg):
-    from rft.transport.run_topics import RunTopics, create_run_topics
     from rft.transport.memory import MemoryTransport
+    from rft.transport.run_topics import RunTopics, create_run_topics
     from tests.records import make_group, send_groups
 
     transport = MemoryTransport(partitions=1)

@@ -20,11 +20,11 @@ from megatron_bridge import parallel
 from megatron_bridge.model import unwrap
 from megatron_bridge.policy import MegatronPolicy
 from rft.config import config_from_dict
-from rft.transport.control import Weights, control_messages, parse
-from rft.transport.run_topics import RunTopics, create_run_topics
 from rft.trainer import distributed as dist_io
 from rft.trainer.main import Trainer, open_trainer_io
+from rft.transport.control import Weights, control_messages, parse
 from rft.transport.memory import MemoryTransport
+from rft.transport.run_topics import RunTopics, create_run_topics
 from tests.records import read_topic
 
 

@@ -1,7 +1,10 @@
 """`rft chaos`'s CI subset: three scenarios (trainer SIGKILLs at two phases with `rft run` restarted, a poison
 stream, producer retries through the proxy), `--quick`, through the tool as a user runs it, and its ledger: every
-run finished, 0 groups lost, 0 trained twice, faults actually injected, poison dead-lettered. The whole set is
-`rft chaos --all` (docs/operations.md, "Chaos"); the ledger's arithmetic is tests/unit/test_chaos_ledger.py."""
+run finished, 0 groups lost, 0 trained twice, faults actually injected, poison dead-lettered. The trainer-kill
+scenario is also the suite's test of a SIGKILLed trainer: the dead trainer ends `rft run` with 1, none of its
+processes outlives the kill, and `rft run` again resumes from the checkpoint with nothing lost or trained twice.
+The whole set is `rft chaos --all` (docs/operations.md, "Chaos"); the ledger's arithmetic is
+tests/unit/test_chaos_ledger.py."""
 from __future__ import annotations
 
 import json
@@ -36,6 +39,8 @@ def test_chaos_subset_loses_nothing_and_trains_nothing_twice(tmp_path):
     faults = {name: json.loads((tmp_path / name / "ledger.json").read_text())["faults_injected"] for name in rows}
     kills = [f for f in faults["trainer-kill"] if f["kind"] == "trainer_sigkill"]
     assert len(kills) == 2 and rows["trainer-kill"]["restarts"] == 2, kills
+    assert done.stdout.count("[chaos] rft run ended with 1\n") == 2, done.stdout[-3000:]  # a dead trainer ends it
+    assert not [f for f in faults["trainer-kill"] if f["kind"] == "trainer_survived_kill"], faults["trainer-kill"]
     assert rows["poison"]["dead_letters"] >= 5 and rows["poison"]["dead_letters_missing"] == 0
     assert rows["poison"]["skipped"].get("foreign") == 1  # the other run's well-formed group
     assert any(f["kind"] == "produce_response_dropped" for f in faults["producer-retries"])

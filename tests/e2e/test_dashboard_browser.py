@@ -2,7 +2,7 @@
 chromedriver): a real short `rft run` of the tiny model (two explorers, the Megatron trainer under torchrun, the
 embedded broker) with `monitor.dashboard_port` set, so `rft run` starts `rft dashboard` as one of its parts.
 
-The test waits on the page itself (with deadlines) until the reward curve has points and the fleet table shows
+The test waits on the page itself (tests/waiting.py) until the reward curve has points and the fleet table shows
 both explorers holding trained weights, SIGKILLs one explorer, waits until the page shows it silent, takes a
 screenshot, and checks from the DOM that the curve's points are the run's own (metrics.jsonl) and the config shown
 is the run's.
@@ -19,6 +19,7 @@ import pytest
 
 from rft.bench.run_support import finish, rft_run, steps_done, write_config
 from rft.processes import free_port, kill_matching
+from tests.waiting import tail_of, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.integration]
 
@@ -44,19 +45,6 @@ def browser():
     driver.quit()
 
 
-def wait_until(what: str, check, *, process, log: Path, timeout_s: float):
-    """Poll `check()` until it returns something truthy; fail naming `what` at the deadline or if the run ends."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        assert process.poll() is None, f"run ended early ({process.returncode}) waiting for {what}:\n" \
-                                       f"{log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"no {what} after {timeout_s} s:\n{log.read_text()[-3000:]}"
-        time.sleep(0.5)
-
-
 FLEET_JS = """return Array.from(document.querySelectorAll('tr[data-explorer]')).map(
     r => ({id: r.dataset.explorer, state: r.dataset.state, version: Number(r.dataset.version)}))"""
 POINTS_JS = """return Array.from(document.querySelectorAll(
@@ -78,30 +66,31 @@ def test_the_run_page_follows_a_live_run_and_shows_a_killed_explorer_silent(tmp_
                 return False
             return browser.execute_script("return document.querySelector('figure[data-chart=\"reward\"]') !== null")
 
-        wait_until("page", page_loaded, process=process, log=log, timeout_s=120)
-        wait_until(f"{MIN_POINTS} reward points on the page",
-                   lambda: len(browser.execute_script(POINTS_JS)) >= MIN_POINTS, process=process, log=log,
-                   timeout_s=240)
+        watch = {"alive": [process], "context": tail_of(log), "interval": 0.5}  # the run must not end meanwhile
+        wait_until(page_loaded, what="the page", timeout=120, **watch)
+        wait_until(lambda: len(browser.execute_script(POINTS_JS)) >= MIN_POINTS, timeout=240,
+                   what=f"{MIN_POINTS} reward points on the page", **watch)
 
         def fleet() -> dict[str, dict]:
             return {e["id"]: e for e in browser.execute_script(FLEET_JS)}
 
-        trained = wait_until("both explorers live with trained weights", lambda: [
-            e for e in fleet().values() if e["state"] == "live" and e["version"] >= 1] if len(fleet()) == 2 else None,
-            process=process, log=log, timeout_s=120)
+        def both_trained() -> list[dict]:
+            trained = [e for e in fleet().values() if e["state"] == "live" and e["version"] >= 1]
+            return trained if len(trained) == 2 else []
+
+        trained = wait_until(both_trained, what="both explorers live with trained weights", timeout=120, **watch)
         assert {e["id"] for e in trained} == {"explorer-0", "explorer-1"}
 
         assert kill_matching("rft.cli explorer", str(run_dir / "config.yaml"), "explorer-1"), "explorer-1 not found"
         killed_at = time.monotonic()
-        states = wait_until("explorer-1 silent on the page",
-                            lambda: fleet().get("explorer-1", {}).get("state") == "silent" and fleet(),
-                            process=process, log=log, timeout_s=30)
+        states = wait_until(lambda: fleet().get("explorer-1", {}).get("state") == "silent" and fleet(),
+                            what="explorer-1 silent on the page", timeout=30, **watch)
         silent_after_s = time.monotonic() - killed_at
         assert states["explorer-0"]["state"] == "live"
         # the page keeps following the run after the kill: more points arrive
         before = len(browser.execute_script(POINTS_JS))
-        wait_until("a point after the kill", lambda: len(browser.execute_script(POINTS_JS)) > before,
-                   process=process, log=log, timeout_s=120)
+        wait_until(lambda: len(browser.execute_script(POINTS_JS)) > before, what="a point after the kill",
+                   timeout=120, **watch)
         shot = tmp_path / "dashboard.png"
         browser.save_screenshot(str(shot))
         assert shot.stat().st_size > 10_000

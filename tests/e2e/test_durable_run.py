@@ -4,21 +4,31 @@ everything is SIGKILLed mid-run at once (the `rft run` process group and every p
 processes die with it), and the same `rft run` command started again comes back on the same broker data (the tasks
 are not published again), resumes from the trainer's checkpoint and finishes with no experience group lost or
 trained twice (by group id, from consumed.jsonl against the experiences topic, read from the broker data after
-the run ended).
+the run ended). The run is async: the explorers never wait for the trainer, and staleness is recorded every step.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import yaml
 
+from rft.bench.run_support import (
+    assert_trained_exactly_once,
+    finish,
+    no_process_left,
+    read_topic,
+    rft_run,
+    steps_done,
+    wait_for_step,
+    write_config,
+)
 from rft.broker.local import LocalBroker, tansu_binary
-from rft.bench.run_support import (assert_trained_exactly_once, finish, no_process_left, rft_run, steps_done,
-                                   wait_for_step, write_config)
 from rft.processes import kill_matching
+from rft.schema import ControlMessage, decode
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
 
@@ -53,3 +63,20 @@ def test_a_local_run_killed_outright_resumes_on_its_durable_broker_exactly_once(
 
     with LocalBroker(data_dir=data) as broker:  # the run's broker data, after both runs
         assert_trained_exactly_once(run_dir, broker.bootstrap_servers, f"{name}.experiences", steps)
+        control = [decode(m.value, m.headers) for m in read_topic(broker.bootstrap_servers, f"{name}.control")]
+
+    # async mode: the explorers never waited for the trainer (the heartbeats of both runs, and the final stats of
+    # the second: the first was killed outright), and staleness is recorded every step
+    beats = [c.body for c in control if isinstance(c, ControlMessage) and c.kind == "explorer_heartbeat"]
+    assert beats and max(b["groups"] for b in beats) > 0, beats
+    assert all(b["admission_waits"] == 0 for b in beats), beats
+    assert all(s["admission_waits"] == 0 for s in final_stats(run_dir / "logs" / "explorer-0.log"))
+    assert all("staleness_hist" in m for m in steps_done(run_dir))
+
+
+def final_stats(log: Path) -> list[dict]:
+    """The explorer's "final stats" lines (one per run that ended it cleanly)."""
+    stats = [json.loads(line.split("final stats: ", 1)[1]) for line in log.read_text().splitlines()
+             if "final stats: " in line]
+    assert stats, f"no final stats in {log}"
+    return stats

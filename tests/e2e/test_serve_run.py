@@ -9,19 +9,18 @@ import collections
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
+from rft.bench.run_support import REPO, finish, rft_run, steps_done, wait_for_step, write_config
 from rft.config import load_config
+from rft.processes import free_port, kill_matching, matching
 from rft.schema import decode_group
 from rft.serve.joiner import emitted_completions
 from rft.transport import connect
-from rft.bench.run_support import REPO, finish, rft_run, steps_done, wait_for_step, write_config
-from rft.processes import free_port, kill_matching, matching
+from tests.waiting import tail_of, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.integration]
 
@@ -57,14 +56,6 @@ def joined(cfg) -> tuple[list[str], list[str]]:
     return [g.group_id for g in groups], [c for g in groups for c in emitted_completions(g)]
 
 
-def wait_until(condition, what: str, process: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert process.poll() is None, f"run ended early ({process.returncode}):\n{log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"{what}: not after {timeout_s} s:\n{log.read_text()[-4000:]}"
-        time.sleep(0.5)
-
-
 def test_traffic_trains_the_served_model_and_a_killed_joiner_loses_and_repeats_nothing(tiny_model, tmp_path, bootstrap,
                                                                                      topic_prefix):
     port = free_port()
@@ -88,14 +79,16 @@ def test_traffic_trains_the_served_model_and_a_killed_joiner_loses_and_repeats_n
             return False
 
     try:
-        wait_until(healthy, "the server answers", process, log, timeout_s=180)
+        watch = {"alive": [process], "context": tail_of(log), "interval": 0.5}  # the run must not end meanwhile
+        wait_until(healthy, what="the server to answer", timeout=180, **watch)
         cfg = load_config(run_dir / "config.yaml")  # the run's broker address
         first = client.ask(":3")
         assert first["policy_version"] == 0
         client.reward(first, 1.0)  # a single: held by the joiner until a peer of its prompt comes
         pair = client.ask(":5", n=2)
         client.reward(pair, 1.0, 0.0)  # a request group: emitted at once
-        wait_until(lambda: f"serve-e2e/serve/{pair['id']}" in joined(cfg)[0], "the first group", process, log)
+        wait_until(lambda: f"serve-e2e/serve/{pair['id']}" in joined(cfg)[0], what="the first group", timeout=120,
+                   **watch)
 
         [joiner_pid] = matching("rft.cli", "joiner", str(run_dir))
         assert kill_matching("rft.cli", "joiner", str(run_dir)) == [joiner_pid]
@@ -106,7 +99,7 @@ def test_traffic_trains_the_served_model_and_a_killed_joiner_loses_and_repeats_n
                                  start_new_session=True)
         try:
             wait_for_step(process, run_dir, 1, log, timeout_s=240)
-            wait_until(lambda: client.ask(":5")["policy_version"] >= 1, "version 1 served", process, log)
+            wait_until(lambda: client.ask(":5")["policy_version"] >= 1, what="version 1 served", timeout=120, **watch)
             for k in range(GROUPS_PER_STEP):  # the second step's groups
                 client.reward(client.ask(f":{k}", n=2), 0.5, 1.0)
             assert finish(process, log, timeout_s=300) == 0

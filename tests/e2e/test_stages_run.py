@@ -8,13 +8,14 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+
+from tests.waiting import tail_of, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
 
@@ -67,11 +68,8 @@ def test_second_stage_starts_from_the_first_and_a_rerun_skips_it(tmp_path, tiny_
 
     log = tmp_path / "first.log"
     first = rft_run(config, log)
-    deadline = time.monotonic() + 240
-    while not (sft / "stage_done.json").exists():
-        assert first.poll() is None, f"rft run ended before the SFT stage was done:\n{log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"the SFT stage did not finish:\n{log.read_text()[-4000:]}"
-        time.sleep(0.1)
+    wait_until((sft / "stage_done.json").exists, timeout=240, alive=[first], context=tail_of(log),
+               what="the SFT stage to be done")
     first.send_signal(signal.SIGINT)
     assert first.wait(timeout=120) != 0
     assert not (grpo / "stage_done.json").exists()

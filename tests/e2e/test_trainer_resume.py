@@ -9,7 +9,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from rft.config import KafkaConfig
 from rft.schema import encode
 from rft.transport import connect
 from tests.records import make_group
+from tests.waiting import tail_of, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.integration]
 
@@ -68,11 +68,8 @@ def wait(process: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
 def kill_and_resume(config: Path, log: Path, run_dir: Path, *, kill_after: int) -> None:
     """Start the trainer, SIGKILL it once `consumed.jsonl` has `kill_after` lines, restart it to the end."""
     process = start_trainer(config, log)
-    deadline = time.monotonic() + 240
-    while len(consumed(run_dir)) < kill_after:
-        assert process.poll() is None, f"trainer exited early:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"trainer made no progress:\n{log.read_text()[-3000:]}"
-        time.sleep(0.05)
+    wait_until(lambda: len(consumed(run_dir)) >= kill_after, timeout=240, interval=0.05, alive=[process],
+               what=f"the trainer to consume {kill_after} groups", context=tail_of(log, 3000))
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     wait(start_trainer(config, log), log)

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.waiting import wait_until
+
 
 def main(model_dir: str, work_dir: str) -> dict:
     import torch
@@ -70,8 +72,8 @@ def push_version(engine, model_dir: str, store, prompts, greedy) -> dict:
     result: dict = {}
 
     def send():
-        while sender.members_joined() < 1:
-            time.sleep(0.05)
+        wait_until(lambda: sender.members_joined() >= 1, timeout=300, interval=0.05,
+                   what="the engine to join the push group")
         sender.connect()
         result["push_bytes"] = sender.send(8, buckets)
 

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -15,6 +14,7 @@ import yaml
 from rft.config import Config, load_config
 from rft.schema import ControlMessage, ExperienceGroup, decode
 from rft.transport import connect
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -98,15 +98,12 @@ class TopicReader:
             except ValueError:
                 self.records.append(None)
 
-    def wait_for(self, condition: Callable[[], bool], *, timeout_s: float, what: str,
-                 alive: list[subprocess.Popen] = (), log_dir: Path | None = None) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not condition():
-            dead = [p.args for p in alive if p.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                reason = f"explorer exited: {dead}" if dead else f"timed out after {timeout_s:.0f} s"
-                raise AssertionError(f"waiting for {what}: {reason}\n{log_tail(log_dir) if log_dir else ''}")
-            self.poll()
+    def wait_for(self, condition: Callable[[], object], *, timeout_s: float, what: str,
+                 alive: list[subprocess.Popen] = (), log_dir: Path | None = None) -> object:
+        """`wait_until(condition)` polling this topic between checks; fails at once if one of `alive` exited, with
+        the explorers' logs under `log_dir`."""
+        return wait_until(condition, timeout=timeout_s, what=what, alive=alive, between=self.poll,
+                          context=(lambda: log_tail(log_dir)) if log_dir else None)
 
     def close(self) -> None:
         self.source.close()

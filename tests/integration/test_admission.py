@@ -13,6 +13,7 @@ from rft.explorer.admission import KafkaFleetFeed, StalenessAdmission
 from rft.schema import ControlMessage, encode
 from rft.transport import connect
 from tests.records import make_group
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -49,10 +50,11 @@ def test_capacity_follows_versions_and_backlog(bootstrap, topic_prefix, tiny_mod
     admission = StalenessAdmission.for_mode("off_policy", max_staleness=1, groups_per_step=4, feed=feed, refresh_s=0.0)
     # (the version never goes back, so the explorer one version behind is checked first)
     admission.set_version(1)
-    deadline = time.monotonic() + 20
-    while feed.view.trainer.version != 2 and time.monotonic() < deadline:
-        admission.admit(0)
-        time.sleep(0.2)
+    def version_read() -> bool:
+        admission.admit(0)  # reads the feed
+        return feed.view.trainer.version == 2
+
+    wait_until(version_read, timeout=20, interval=0.2, what="the trainer's version 2 read from the control topic")
     assert feed.view.trainer.version == 2 and feed.view.trainer.offsets == {f"{experiences}:0": 8}
     assert admission.fleet_capacity() == (1 + 1 + 1) * 4 - (2 * 4 + 2)  # an explorer one version behind: fewer
 
@@ -64,9 +66,9 @@ def test_capacity_follows_versions_and_backlog(bootstrap, topic_prefix, tiny_mod
     assert (reading.explorers, reading.rank) == (2, 1)
     alone = KafkaFleetFeed(connect(cfg.kafka), control_topic=cfg.topic("control"), experiences_topic=experiences,
                            client_id="new-admission", live_horizon_s=15, explorer_id="explorer-c")
-    deadline = time.monotonic() + 20
-    while (reading := alone.read()) is None or reading.explorers < 3 and time.monotonic() < deadline:
-        time.sleep(0.2)  # the control topic's first records may take a poll or two
+    # the control topic's first records may take a poll or two
+    reading = wait_until(lambda: (r := alone.read()) is not None and r.explorers >= 3 and r, timeout=20,
+                         interval=0.2, what="a reading counting 3 explorers")
     assert (reading.explorers, reading.rank) == (3, 2)  # not heard from yet: counted, last
     alone.close()
 
@@ -96,7 +98,7 @@ def test_a_refused_explorer_wakes_on_the_trainers_announcement(bootstrap, topic_
     sink = connect(cfg.kafka, bootstrap).sink()
 
     def announce_later():
-        time.sleep(1.0)
+        time.sleep(1.0)  # not a wait for an event: the announcement must come while the explorer is waiting
         sink.send_record(cfg.topic("control"), ControlMessage(kind="weights", sender="trainer", body={
             "version": 1, "offsets": {f"{cfg.topic('experiences')}:0": 2}}))
         sink.flush()

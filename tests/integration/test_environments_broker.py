@@ -15,8 +15,7 @@ from rft.transport.run_topics import RunTopics
 from rft.workflows.frozenlake import FrozenLakeEnvironment
 from rft.workflows.textarena_game import TextArenaEnvironment
 from tests.episodes import replay, split_turns
-from tests.integration.explorer_support import (Experiences, create_topics, kill_tree, load, log_tail,
-                                                start_explorer)
+from tests.integration.explorer_support import Experiences, create_topics, kill_tree, load, log_tail, start_explorer
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

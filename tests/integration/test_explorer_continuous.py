@@ -14,8 +14,15 @@ import pytest
 from rft.data.tasks import load_rows, rows_to_tasks
 from rft.schema import TaskRecord
 from rft.transport import connect
-from tests.integration.explorer_support import (REPO, Experiences, TopicReader, create_topics, load, subprocess_env,
-                                                write_config)
+from tests.integration.explorer_support import (
+    REPO,
+    Experiences,
+    TopicReader,
+    create_topics,
+    load,
+    subprocess_env,
+    write_config,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

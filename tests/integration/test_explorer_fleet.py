@@ -23,12 +23,20 @@ import pytest
 import torch
 
 from rft.data.tasks import publish_tasks
-from rft.transport.run_topics import RunTopics
 from rft.schema import TYPE_TASK, ControlMessage, headers_for
 from rft.transport import HEADER_ORIGIN, connect
+from rft.transport.run_topics import RunTopics
 from rft.weights.store import WeightStore, iter_safetensors
-from tests.integration.explorer_support import (Control, Experiences, create_topics, kill_tree, load, log_tail,
-                                                start_explorer, write_config)
+from tests.integration.explorer_support import (
+    Control,
+    Experiences,
+    create_topics,
+    kill_tree,
+    load,
+    log_tail,
+    start_explorer,
+    write_config,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

@@ -4,22 +4,21 @@ twice gets a new attempt number, offsets are committed after the groups, and wei
 store and from control-topic announcements."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from rft.config import config_from_dict
+from rft.data.tasks import load_rows, rows_to_tasks
 from rft.engine import TransformersEngine
 from rft.explorer.main import build_explorer
-from rft.data.tasks import load_rows, rows_to_tasks
 from rft.rewards import build_reward
-from rft.transport.run_topics import consumer_group
 from rft.schema import ControlMessage, TaskRecord
 from rft.transport import connect
+from rft.transport.run_topics import consumer_group
 from rft.weights.store import WeightStore, iter_safetensors
 from rft.workflows import build_workflow
 from tests.integration.explorer_support import Control, Experiences
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration]
 
@@ -74,10 +73,14 @@ def test_explorer_batches(broker, tiny_model, tmp_path, topic_prefix):
     try:
         explorer.refresh_weights()
         explorer.join()
-        handled, deadline = 0, time.monotonic() + 60
-        while handled < len(published) and time.monotonic() < deadline:
-            handled += explorer.run_batch()
-        assert handled == len(published)
+        handled = []  # tasks handled per batch
+
+        def all_handled() -> bool:
+            handled.append(explorer.run_batch())
+            return sum(handled) >= len(published)
+
+        wait_until(all_handled, timeout=60, interval=0, what=f"{len(published)} tasks handled")
+        assert sum(handled) == len(published)
         experiences.wait_for(lambda: len(experiences.groups) == 6, timeout_s=20, what="6 groups")
         dead.wait_for(lambda: len(dead.raw) == 2, timeout_s=20, what="2 dead letters")
 
@@ -92,10 +95,11 @@ def test_explorer_batches(broker, tiny_model, tmp_path, topic_prefix):
         (store.root / "LATEST").write_text("1\n")  # as if LATEST had not moved yet: only the announcement tells
         sink.send_record(cfg.topic("control"), ControlMessage("weights", "trainer", {"version": 2, "path": "/nowhere"}))
         sink.flush()
-        deadline = time.monotonic() + 20
-        while engine.weights_version != 2 and time.monotonic() < deadline:
+        def loaded_version_2() -> bool:
             explorer.refresh_weights()
-            time.sleep(0.2)
+            return engine.weights_version == 2
+
+        wait_until(loaded_version_2, timeout=20, interval=0.2, what="the explorer to load version 2")
         assert engine.weights_version == 2  # found in its own store under the announced version
         control.wait_for(lambda: len(control.messages("explorer_heartbeat", "loop")) >= 1, timeout_s=10,
                          what="a heartbeat")

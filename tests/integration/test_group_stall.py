@@ -27,13 +27,21 @@ import pytest
 from kafka import KafkaConsumer
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 
-from rft.explorer.membership import GroupFollower
 from rft.data.tasks import publish_tasks
-from rft.transport.run_topics import RunTopics, consumer_group
-from rft.transport import connect
+from rft.explorer.membership import GroupFollower
 from rft.ops.status import StallWatch, collect
-from tests.integration.explorer_support import (Control, Experiences, create_topics, kill_tree, load, log_tail,
-                                                start_explorer, write_config)
+from rft.transport import connect
+from rft.transport.run_topics import RunTopics, consumer_group
+from tests.integration.explorer_support import (
+    Control,
+    Experiences,
+    create_topics,
+    kill_tree,
+    load,
+    log_tail,
+    start_explorer,
+    write_config,
+)
 
 pytestmark = [pytest.mark.integration]
 

@@ -12,8 +12,8 @@ from rft.data.tasks import publish_tasks
 from rft.rewards import build_reward
 from rft.rewards.registry import TaskError
 from rft.run.loading import run_config_from_dict
-from rft.transport.run_topics import RunTopics
 from rft.schema import TaskRecord
+from rft.transport.run_topics import RunTopics
 from rft.workflows.registry import score_group
 from tests.integration.explorer_support import TopicReader
 

@@ -8,8 +8,7 @@ import pytest
 
 from rft.data.tasks import publish_tasks
 from rft.transport.run_topics import RunTopics
-from tests.integration.explorer_support import (REPO, Control, Experiences, create_topics, load, log_tail,
-                                                write_config)
+from tests.integration.explorer_support import REPO, Control, Experiences, create_topics, load, log_tail, write_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

@@ -11,8 +11,8 @@ from transformers import AutoTokenizer
 from rft.config import KafkaConfig, config_from_dict
 from rft.data.demonstrations import publish_demonstrations
 from rft.data.tasks import DatasetError
-from rft.schema import decode_group
 from rft.experience.priorities import resolve_priority
+from rft.schema import decode_group
 from rft.trainer.replay_buffer import Candidate, ExperienceReplay, RecordReader, ReplayBuffer
 from rft.transport import connect
 from tests.records import make_group

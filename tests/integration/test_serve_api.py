@@ -16,9 +16,10 @@ from rft.schema import Feedback, ServedCompletion, decode
 from rft.serve.joiner import Joiner
 from rft.serve.ledger import FeedbackLedger, FeedbackRefused
 from rft.serve.server import ServerThread, build_service
-from rft.transport.run_topics import RunTopics
 from rft.transport import connect
+from rft.transport.run_topics import RunTopics
 from rft.weights.store import WeightStore, iter_safetensors
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration]
 
@@ -148,9 +149,9 @@ def test_feedback_is_taken_once_and_joined_into_a_group(served, client):
     assert post({"feedback": [{"id": answer.id, "reward": 0.0, "index": 1}]}).json()["accepted"] == 1
     joiner = Joiner(cfg.serve, topics=RunTopics.of(cfg), kafka=cfg.kafka)
     try:
-        deadline, groups = time.monotonic() + 30, []
-        while not any(g.group_id.endswith(answer.id) for g in groups) and time.monotonic() < deadline:
-            groups += joiner.step()
+        groups = []
+        wait_until(lambda: any(g.group_id.endswith(answer.id) for g in groups), timeout=30, interval=0,
+                   what="the answer's group joined with its feedback", between=lambda: groups.extend(joiner.step()))
     finally:
         joiner.close()
     [group] = [g for g in groups if g.group_id.endswith(answer.id)]
@@ -165,10 +166,8 @@ def test_a_published_version_is_served_next(served, client, tiny_model):
     cfg, url, service = served
     store = WeightStore.for_sync(cfg.sync, cfg.run_dir)
     store.publish(1, [{k: v + 0.05 for k, v in iter_safetensors(tiny_model)}], tiny_model)
-    deadline = time.monotonic() + 20
-    while httpx.get(url + "/health").json()["policy_version"] != 1:
-        assert time.monotonic() < deadline, "the server did not load version 1"
-        time.sleep(0.2)
+    wait_until(lambda: httpx.get(url + "/health").json()["policy_version"] == 1, timeout=20, interval=0.2,
+               what="the server to load version 1")
     answer = client.chat.completions.create(model=cfg.run.name, messages=MESSAGES, max_tokens=2)
     assert answer.model_extra["policy_version"] == 1 and served_record(cfg, answer.id).policy_version == 1
     models = httpx.get(url + "/v1/models").json()

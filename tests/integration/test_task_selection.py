@@ -21,12 +21,13 @@ import pytest
 import yaml
 
 from rft.config import config_from_dict
-from rft.explorer.publisher import OnlinePublisher
 from rft.data.selectors import RewardStats
 from rft.data.tasks import build_picker, publish_tasks
-from rft.transport.run_topics import RunTopics, consumer_group
+from rft.explorer.publisher import OnlinePublisher
 from rft.schema import ExperienceGroup, Sample, TaskRecord, decode, encode, group_id_for
 from rft.transport import connect
+from rft.transport.run_topics import RunTopics, consumer_group
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -169,17 +170,15 @@ def test_rft_publish_online_keeps_a_bounded_lead_and_stops_on_sigterm(bootstrap,
     explorer = None
     try:
         wait_for_tasks(cfg, 3, publisher)
-        time.sleep(2.0)
+        time.sleep(2.0)  # a test of absence: nothing more may be published in that time
         assert count_tasks(cfg) == 3  # the lead is full: nothing more until the explorers commit
         explorer = connect(cfg.kafka, bootstrap).source(group=consumer_group(cfg), topics=[cfg.topic("tasks")])
         taken = []
-        deadline = time.monotonic() + 60
-        while len(taken) < 2 and time.monotonic() < deadline:
-            taken += explorer.poll(timeout_s=0.5, max_records=2 - len(taken))
-        assert len(taken) == 2
+        wait_until(lambda: len(taken) == 2, timeout=60, what="2 tasks taken",
+                   between=lambda: taken.extend(explorer.poll(timeout_s=0.5, max_records=2 - len(taken))))
         explorer.commit({taken[-1].position: taken[-1].offset + 1})
         wait_for_tasks(cfg, 5, publisher)
-        time.sleep(2.0)
+        time.sleep(2.0)  # a test of absence, as above
         assert count_tasks(cfg) == 5
         publisher.send_signal(signal.SIGTERM)
         out, _ = publisher.communicate(timeout=30)
@@ -201,14 +200,12 @@ def count_tasks(cfg) -> int:
 
 
 def wait_for_tasks(cfg, n: int, process: subprocess.Popen, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"rft publish exited with {process.returncode}: {process.stdout.read()}")
+    """Until `n` tasks are on the tasks topic; fails at once if `rft publish` exited (with its output)."""
+    def published() -> bool:
         try:
-            if count_tasks(cfg) >= n:
-                return
+            return count_tasks(cfg) >= n
         except Exception:  # the topic is not created yet
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"{n} tasks were not published within {timeout_s} s")
+            return False
+
+    wait_until(published, timeout=timeout_s, what=f"{n} tasks published", interval=0.3, alive=[process],
+               context=lambda: process.stdout.read() if process.poll() is not None else "")

@@ -18,11 +18,11 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rft.agent_tools import ToolBox, ToolLimits
 from rft.data.tasks import publish_tasks
 from rft.rewards import resolve
-from rft.transport.run_topics import RunTopics
 from rft.schema import TaskRecord
-from rft.agent_tools import ToolBox, ToolLimits
+from rft.transport.run_topics import RunTopics
 from tests.integration.explorer_support import Experiences, create_topics, kill_tree, load, start_explorer
 from tests.tool_agent_support import make_chat_model, tool_call
 

@@ -18,10 +18,11 @@ import msgpack
 import pytest
 
 from rft.config import KafkaConfig
-from rft.schema import HEADER_ERROR, ExperienceGroup, decode_group, encode
 from rft.ops.topics.cli import main as topics
+from rft.schema import HEADER_ERROR, ExperienceGroup, decode_group, encode
 from rft.transport import HEADER_ORIGIN, DeadLetter, RecordTooLarge, connect, offset_key
 from tests.records import make_group
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -90,14 +91,13 @@ class GroupMember(threading.Thread):
 
 
 def wait_for(condition, timeout_s: float, what: str, members=()):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    """`wait_until(condition)`, failing at once when one of the `members` failed."""
+    def met():
         for m in members:
             assert m.error is None, f"{m.name} failed: {m.error!r}"
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        return condition()
+
+    return wait_until(met, timeout=timeout_s, what=what, interval=0.05)
 
 
 def test_rebalance_when_a_second_consumer_joins(bootstrap, kafka_cfg, topic_prefix):
@@ -117,7 +117,7 @@ def test_rebalance_when_a_second_consumer_joins(bootstrap, kafka_cfg, topic_pref
         second = [make_group("run", i) for i in range(10, 30)]
         produce_groups(kafka_cfg, bootstrap, topic, second)
         wait_for(lambda: len(a.seen) + len(b.seen) >= 30, 30, "all 30 records", [a, b])
-        time.sleep(0.5)  # a duplicate delivery would show up here
+        time.sleep(0.5)  # a test of absence: a duplicate delivery would show up here
     finally:
         a.stop.set(), b.stop.set()
         a.join(10), b.join(10)
@@ -142,9 +142,8 @@ def test_commits_survive_a_consumer_restart(bootstrap, kafka_cfg, topic_prefix):
 
     before = connect(kafka_cfg, bootstrap).source(group=group, topics=[topic])
     first: list = []
-    deadline = time.monotonic() + 30
-    while len(first) < 5 and time.monotonic() < deadline:
-        first += before.poll(timeout_s=0.5, max_records=5 - len(first))
+    wait_until(lambda: len(first) >= 5, timeout=30, what="5 records read before the restart",
+               between=lambda: first.extend(before.poll(timeout_s=0.5, max_records=5 - len(first))))
     before.commit()
     positions = before.positions()
     before.close()
@@ -152,9 +151,8 @@ def test_commits_survive_a_consumer_restart(bootstrap, kafka_cfg, topic_prefix):
 
     after = connect(kafka_cfg, bootstrap).source(group=group, topics=[topic])
     rest: list = []
-    deadline = time.monotonic() + 30
-    while len(rest) < 7 and time.monotonic() < deadline:
-        rest += after.poll(timeout_s=0.5)
+    wait_until(lambda: len(rest) >= 7, timeout=30, what="the other 7 records after the restart",
+               between=lambda: rest.extend(after.poll(timeout_s=0.5)))
     assert after.committed(topic) == positions
     after.close()
     assert sorted(m.key.decode() for m in first + rest) == sorted(g.group_id for g in groups)
@@ -190,9 +188,8 @@ def test_dead_letter_routing(bootstrap, kafka_cfg, topic_prefix):
     source.seek({f"{topic}:0": 0})
     dead = DeadLetter(sink, dlq)
     decoded: list = []
-    deadline = time.monotonic() + 30
-    while len(decoded) + dead.count < 6 and time.monotonic() < deadline:
-        decoded += dead.decode(source.poll(timeout_s=0.5), decode_group)
+    wait_until(lambda: len(decoded) + dead.count >= 6, timeout=30, what="6 records decoded or dead-lettered",
+               between=lambda: decoded.extend(dead.decode(source.poll(timeout_s=0.5), decode_group)))
     source.close()
     sink.flush()
     sink.close()

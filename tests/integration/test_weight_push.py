@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rft.weights.push import PushError, PushGroupSpec, PushReceiver, PushSender, backend_timeout_s, receive_into
+from tests.waiting import wait_until
 
 
 def versions_for(n: int) -> list[list[dict[str, torch.Tensor]]]:
@@ -26,10 +27,7 @@ def start_members(sender: PushSender, count: int, body) -> list[threading.Thread
     threads = [threading.Thread(target=lambda i=i: body(PushReceiver.join(sender.spec), i)) for i in range(count)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30
-    while sender.members_joined() < count:
-        assert time.monotonic() < deadline, "members did not join"
-        time.sleep(0.02)
+    wait_until(lambda: sender.members_joined() >= count, timeout=30, interval=0.02, what=f"{count} members to join")
     sender.connect()
     return threads
 
@@ -91,12 +89,16 @@ def test_a_member_that_stops_answering_fails_the_push_in_time(fault):
     watchdog would kill the process rather than raise)."""
     sender = PushSender.host(host="127.0.0.1", world_size=2, group_id="g", timeout_s=2)
     assert backend_timeout_s(2) > 2 * 2
-    threads = start_members(sender, 1, lambda receiver, i: time.sleep(5 if fault == "hangs" else 0))
-    started = time.monotonic()
-    expected = "no answer within sync.timeout_s=2" if fault == "hangs" else "pushing version 1 failed"
-    with pytest.raises(PushError, match=expected):
-        sender.send(1, versions_for(1)[0])
-    assert time.monotonic() - started < 4
+    released = threading.Event()  # a hanging member hangs until the push has failed
+    threads = start_members(sender, 1, lambda receiver, i: fault == "hangs" and released.wait(30))
+    try:
+        started = time.monotonic()
+        expected = "no answer within sync.timeout_s=2" if fault == "hangs" else "pushing version 1 failed"
+        with pytest.raises(PushError, match=expected):
+            sender.send(1, versions_for(1)[0])
+        assert time.monotonic() - started < 4
+    finally:
+        released.set()
     for t in threads:
         t.join(timeout=10)
 

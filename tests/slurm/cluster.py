@@ -18,10 +18,10 @@ import secrets
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 from rft.processes import free_port
+from tests.waiting import WaitTimeout, wait_until
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("munge", "sbatch", "sinfo", "squeue", "scontrol", "scancel")
@@ -119,13 +119,9 @@ class LocalSlurm:
                                               start_new_session=True)
 
     def _wait(self, condition, timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not condition():
-            dead = {n: p.returncode for n, p in self.daemons.items() if p.poll() is not None}
-            if dead or time.monotonic() > deadline:
-                reason = f"daemons exited: {dead}" if dead else f"timed out after {timeout_s:.0f} s"
-                raise SlurmError(f"local Slurm: waiting for {what}: {reason}\n{self.logs()}")
-            time.sleep(0.2)
+        """Until `condition()`; WaitTimeout (with the daemons' logs) on timeout or when a daemon exited first."""
+        wait_until(condition, timeout=timeout_s, what=f"local Slurm: {what}", interval=0.2,
+                   alive=self.daemons.values(), context=self.logs)
 
     def stop(self) -> None:
         """Cancel every job and wait for them to end (their processes outlive slurmd otherwise), then stop
@@ -135,7 +131,7 @@ class LocalSlurm:
             try:
                 self._wait(lambda: not self._run(["squeue", "-h", "-o", "%i"], check=False).stdout.strip(), 60.0,
                            "cancelled jobs to end")
-            except SlurmError:
+            except WaitTimeout:
                 pass
         for name, process in reversed(self.daemons.items()):  # slurmd, slurmctld, munged
             if process.poll() is not None:
@@ -177,16 +173,16 @@ class LocalSlurm:
         return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines() if line.strip()]
 
     def wait_for(self, job_id: str, states: set[str], timeout_s: float) -> list[dict[str, str]]:
-        """Wait until every job (array task) of `job_id` is in one of `states`; SlurmError on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            jobs = self.jobs(job_id)
-            if jobs and all(j["JobState"] in states for j in jobs):
-                return jobs
-            if time.monotonic() > deadline:
-                raise SlurmError(f"job {job_id}: not {sorted(states)} after {timeout_s:.0f} s: "
-                                 f"{[(j['JobId'], j['JobState']) for j in jobs]}")
-            time.sleep(1.0)
+        """Wait until every job (array task) of `job_id` is in one of `states`; WaitTimeout on timeout (naming the
+        states last seen)."""
+        seen: list[dict[str, str]] = []
+
+        def settled() -> list[dict[str, str]]:
+            seen[:] = self.jobs(job_id)
+            return list(seen) if seen and all(j["JobState"] in states for j in seen) else []
+
+        return wait_until(settled, timeout=timeout_s, what=f"job {job_id} to be {sorted(states)}", interval=1.0,
+                          context=lambda: f"states: {[(j['JobId'], j['JobState']) for j in seen]}")
 
     def scancel(self, job_id: str) -> None:
         self._run(["scancel", job_id])

@@ -11,8 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from rft.algorithms import (ALGORITHMS, Algorithm, Demonstrations, Needs, build_algorithm, build_options, option_keys,
-                            resolve_algorithm)
+from rft.algorithms import (
+    ALGORITHMS,
+    Algorithm,
+    Demonstrations,
+    Needs,
+    build_algorithm,
+    build_options,
+    option_keys,
+    resolve_algorithm,
+)
 from rft.algorithms.aggregation import behaviour_kl, with_kl_metric
 from rft.config import AlgorithmConfig, ConfigError
 

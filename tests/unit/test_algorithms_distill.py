@@ -8,12 +8,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_algorithms import loss_over_parts, random_batch, torch_loss_and_grad
 
 from rft.algorithms import build_algorithm
 from rft.algorithms.aggregation import with_kl_metric
 from rft.algorithms.chord import sft_weight
 from rft.config import AlgorithmConfig, ConfigError
-from test_algorithms import loss_over_parts, random_batch, torch_loss_and_grad
 
 
 def distill_batch(seed: int, *, rows: int = 7, stale: float = 0.3, teacher_gap: float = 0.8) -> dict[str, np.ndarray]:
@@ -132,8 +132,8 @@ def test_distill_config_errors_name_the_key():
 
 
 def test_a_teacher_of_another_vocabulary_is_a_config_error_naming_both(tiny_model, tmp_path):
-    from rft.run.loading import run_config_from_dict
     from rft.models.tiny import make_tiny_model
+    from rft.run.loading import run_config_from_dict
 
     wide = make_tiny_model(tmp_path / "wide", vocab_size=101)
     raw = {"model": {"path": str(tiny_model)}, "algorithm": {"name": "on_policy_distill", "teacher_path": str(wide)}}

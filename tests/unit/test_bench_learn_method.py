@@ -13,12 +13,12 @@ import pytest
 import torch
 import yaml
 
-from rft.run.loading import run_config_from_dict
-from rft.schema import TaskRecord
-from rft.models.tiny import build_tokenizer
-from rft.weights.store import WeightStore
 from rft.bench.learn import link_version, main, reach_time, snapshot, summarise
 from rft.bench.trl_reference import Clock, Marks, TRLReferenceError, check_same_tokens, trl_prompts
+from rft.models.tiny import build_tokenizer
+from rft.run.loading import run_config_from_dict
+from rft.schema import TaskRecord
+from rft.weights.store import WeightStore
 
 
 def publish(store: WeightStore, version: int, hf_dir) -> None:

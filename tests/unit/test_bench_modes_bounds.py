@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from rft.transport.control import ExplorerHeartbeat, ExplorerWeights, Weights
 from rft.bench.modes import bounds, generation_rate, weight_sync
+from rft.transport.control import ExplorerHeartbeat, ExplorerWeights, Weights
 
 
 def test_generation_rate_counts_what_came_after_the_first_batch():

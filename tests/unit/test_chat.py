@@ -11,14 +11,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from rft.text.chat import TOOLS_FALLBACK, ChatPrompt, encode_chat, end_of_turn_id, stop_token_ids
 from rft.config import ConfigError, DataConfig, ExplorerConfig, ModelConfig, config_from_dict
 from rft.data.demonstrations import demonstration_groups, prompt_tools
 from rft.data.tasks import DatasetError
 from rft.engine import TransformersEngine
+from rft.models.tiny import build_tokenizer, make_tiny_model
 from rft.rewards import build_reward
 from rft.schema import TaskRecord
-from rft.models.tiny import build_tokenizer, make_tiny_model
+from rft.text.chat import TOOLS_FALLBACK, ChatPrompt, encode_chat, end_of_turn_id, stop_token_ids
 from rft.workflows import WorkflowError, build_workflow, encode_prompt
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 from rft.processes import alive
+from tests.waiting import wait_until
 
 CHILD = """
 import multiprocessing, time
@@ -29,9 +29,7 @@ def test_the_writer_process_dies_with_a_killed_trainer(tmp_path):
         assert alive(manager_pid)
         owner.send_signal(signal.SIGKILL)
         owner.wait(timeout=30)
-        deadline = time.monotonic() + 10
-        while alive(manager_pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(manager_pid), "the checkpoint writer's manager outlived its owner"
+        wait_until(lambda: not alive(manager_pid), timeout=10,
+                   what="the checkpoint writer's manager to end with its owner (not orphaned)")
     finally:
         owner.kill()

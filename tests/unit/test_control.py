@@ -6,11 +6,25 @@ import dataclasses
 
 import pytest
 
-from rft.transport import control
-from rft.transport.control import (TasksGroup, ControlError, ControlView, ExplorerHeartbeat, ExplorerJoin, ExplorerLeave, ExplorerWeights,
-                         PushAbandoned, PushGroup, TrainerFinished, TrainerStarted, TrainerWaiting, Weights,
-                         WeightsPush, parse)
 from rft.schema import ControlMessage, decode, encode
+from rft.transport import control
+from rft.transport.control import (
+    ControlError,
+    ControlView,
+    ExplorerHeartbeat,
+    ExplorerJoin,
+    ExplorerLeave,
+    ExplorerWeights,
+    PushAbandoned,
+    PushGroup,
+    TasksGroup,
+    TrainerFinished,
+    TrainerStarted,
+    TrainerWaiting,
+    Weights,
+    WeightsPush,
+    parse,
+)
 
 EXAMPLES = [
     Weights(version=3, path="/w/v3", offsets={"r.experiences:0": 24}),

@@ -10,10 +10,17 @@ from pathlib import Path
 import pytest
 
 from rft.config import Config, config_from_dict
-from rft.transport.control import ExplorerHeartbeat, ExplorerJoin, ExplorerLeave, ExplorerWeights, TrainerFinished, Weights
 from rft.dashboard.model import MetricsTail, RunIndex, RunWatch
 from rft.schema import ControlMessage
 from rft.transport import TransportError
+from rft.transport.control import (
+    ExplorerHeartbeat,
+    ExplorerJoin,
+    ExplorerLeave,
+    ExplorerWeights,
+    TrainerFinished,
+    Weights,
+)
 from rft.transport.memory import MemoryTransport
 
 T0 = 1_700_000_000.0

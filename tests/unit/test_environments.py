@@ -11,16 +11,18 @@ import gymnasium
 import pytest
 
 from rft.config import ConfigError
-from rft.engine import TransformersEngine
 from rft.data.tasks import load_rows, rows_to_tasks
+from rft.data.toy_tasks import generate_rows
+from rft.data.toy_tasks import main as toy_main
+from rft.engine import TransformersEngine
 from rft.rewards import build_reward
 from rft.run.loading import run_config_from_dict
 from rft.schema import TaskRecord
 from rft.workflows import build_workflow
 from rft.workflows.frozenlake import FrozenLakeEnvironment, parse_action, shortest_path
 from rft.workflows.textarena_game import TextArenaEnvironment
-from rft.data.toy_tasks import generate_rows, main as toy_main
 from tests.episodes import replay, split_turns
+
 
 def task_of(row: dict, i: int = 0) -> TaskRecord:
     return TaskRecord("r", f"t{i}", 0, row["prompt"], row["answer"],

@@ -12,15 +12,14 @@ import torch
 import yaml
 
 from rft.config import ConfigError
+from rft.data.tasks import DatasetError
 from rft.evaluation.checkpoints import CheckpointError, resolve_checkpoint
 from rft.evaluation.main import EvalSchedule, _due_or_newest, load_eval_sets, sampling_explorer
-from rft.data.tasks import DatasetError
-from rft.run.monitor import read_metrics
 from rft.run.loading import load_run_config
+from rft.run.monitor import read_metrics
 from rft.trainer.checkpoint import CheckpointDir, TrainerState
 from rft.trainer.feed import FeedState
 from rft.weights.store import WeightStore, store_root
-
 
 COPY_SET = {"name": "copy", "format": "generated", "path": "copy_char", "generated_tasks": 20, "seed": 5}
 

@@ -11,12 +11,12 @@ from rft.config import ExplorerConfig, KafkaConfig, SyncConfig
 from rft.engine import Completion, Generation
 from rft.explorer.admission import StalenessAdmission
 from rft.explorer.explorer import Explorer
-from rft.transport.run_topics import create_run_topics
+from rft.rewards.registry import RewardResult
 from rft.schema import TaskRecord, decode_group
 from rft.transport.memory import MemoryTransport
+from rft.transport.run_topics import create_run_topics
 from rft.weights.store import WeightStore
 from rft.workflows import GroupResult, build_sample
-from rft.rewards.registry import RewardResult
 from tests.records import read_topic
 from tests.unit.test_explorer_loop_memory import TOPICS, publish
 

@@ -9,9 +9,9 @@ import pytest
 import reasoning_gym
 
 from rft.config import ConfigError
-from rft.evaluation.main import load_eval_sets
 from rft.data.selectors import RewardStats
 from rft.data.tasks import DatasetError, build_picker, load_rows, load_task_sets, rows_to_tasks
+from rft.evaluation.main import load_eval_sets
 from rft.rewards import build_reward, resolve
 from rft.rewards.text import last_number
 from rft.run.loading import run_config_from_dict

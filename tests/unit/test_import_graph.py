@@ -16,7 +16,6 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = ("rft", "megatron_bridge")
 WHY_MARK = "heavy"

@@ -34,8 +34,8 @@ def test_failed_essential_part_ends_the_run(tmp_path):
 def test_cpu_runs_split_the_cores_over_the_compute_parts(tmp_path, monkeypatch, capsys):
     """Trainer ranks, explorers and the evaluator each get cores // parts OpenMP threads (at least 1), which the
     child processes really see; an operator's OMP_NUM_THREADS, or GPUs, leave the environment alone."""
-    from rft.config import Config
     from rft.cli.launcher import ROLES_BY_MODE, cpu_threads_per_part
+    from rft.config import Config
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rft.schema import TaskRecord
 from rft.agent_tools import parse_tool_calls
+from rft.schema import TaskRecord
 from rft.workflows.frozenlake import METADATA_KEY, FrozenLakeEnvironment, frozenlake_row
 
 

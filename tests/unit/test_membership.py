@@ -2,13 +2,13 @@
 sequences of control messages. The real broker and processes: tests/integration/test_group_stall.py."""
 from __future__ import annotations
 
-from rft.config import ConfigError, ExplorerConfig
-from rft.transport.control import ControlView
-from rft.explorer.membership import UnassignedWatchdog, group_name, instance_id, partition_holders
-from rft.schema import ControlMessage
-from rft.ops.status import RunStatus, fleet_health, fleet_line
-
 import pytest
+
+from rft.config import ConfigError, ExplorerConfig
+from rft.explorer.membership import UnassignedWatchdog, group_name, instance_id, partition_holders
+from rft.ops.status import RunStatus, fleet_health, fleet_line
+from rft.schema import ControlMessage
+from rft.transport.control import ControlView
 
 
 def heartbeat(explorer: str, at: float, partitions: list[int], groups: int = 0, unassigned_s: float = 0.0):

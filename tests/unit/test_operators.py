@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from rft.config import ConfigError
-from rft.run.loading import run_config_from_dict
 from rft.experience.operators import OperatorError, build_operator_chain, ngram_repetition, split_drops
+from rft.run.loading import run_config_from_dict
 from tests.records import make_group
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rft.run.loading import load_run_config
 from rft.cli.launcher import ROLES_BY_MODE, LaunchError, gpu_plan
+from rft.run.loading import load_run_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # From the models' published config.json files on the Hugging Face hub.

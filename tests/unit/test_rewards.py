@@ -6,9 +6,17 @@ import math
 import pytest
 
 from rft.config import ConfigError
+from rft.rewards import (
+    RewardError,
+    RewardResult,
+    WeightedReward,
+    available_rewards,
+    build_reward,
+    checked,
+    register_reward,
+    resolve,
+)
 from rft.run.loading import run_config_from_dict
-from rft.rewards import (RewardError, RewardResult, WeightedReward, available_rewards, build_reward, checked,
-                         register_reward, resolve)
 from rft.schema import TaskRecord
 
 MALFORMED = ["", "\x00\xff\ufffd", "<answer>", "</answer><answer>", "\\boxed{", "}}}\\frac{", "<think>unclosed",

@@ -15,8 +15,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from rft.schema import (HEADER_SCHEMA, HEADER_TYPE, ControlMessage, ExperienceGroup, RecordError,
-                        Sample, TaskRecord, decode, decode_group, decode_task, encode)
+from rft.schema import (
+    HEADER_SCHEMA,
+    HEADER_TYPE,
+    ControlMessage,
+    ExperienceGroup,
+    RecordError,
+    Sample,
+    TaskRecord,
+    decode,
+    decode_group,
+    decode_task,
+    encode,
+)
 
 # Values msgpack carries unchanged (lists, not tuples; finite floats so that == holds).
 scalars = (st.none() | st.booleans() | st.integers(-(2 ** 63), 2 ** 64 - 1) | st.text()

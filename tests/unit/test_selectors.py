@@ -8,9 +8,9 @@ import random
 import pytest
 
 from rft.config import ConfigError
-from rft.run.loading import run_config_from_dict
 from rft.data.selectors import SelectionError, epoch_order
 from rft.data.tasks import build_picker
+from rft.run.loading import run_config_from_dict
 
 
 def cfg_for(data):

@@ -1,8 +1,8 @@
 """`rft status`'s view of a run, from a known sequence of control messages (the e2e fault tests read a live run)."""
 from __future__ import annotations
 
-from rft.schema import ControlMessage
 from rft.ops.status import RunStatus, render
+from rft.schema import ControlMessage
 
 
 def msg(kind: str, sender: str, at: float, **body) -> ControlMessage:

@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from rft.text.chat import TOOLS_FALLBACK, ChatPrompt, encode_messages, renders_tools, tool_turn_text
+from rft.agent_tools import ToolBox, ToolLimits
 from rft.engine import TransformersEngine
 from rft.rewards import build_reward, resolve
 from rft.run.loading import run_config_from_dict
 from rft.schema import TaskRecord
-from rft.agent_tools import ToolBox, ToolLimits
+from rft.text.chat import TOOLS_FALLBACK, ChatPrompt, encode_messages, renders_tools, tool_turn_text
 from rft.workflows import WorkflowError, build_workflow
 from tests.tool_agent_support import SMOLLM2_TEMPLATE, make_chat_model, tool_call
 

@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from rft.config import ConfigError
-from rft.run.loading import run_config_from_dict
 from rft.agent_tools import ToolBox, ToolCall, ToolLimits, parse_tool_calls
 from rft.agent_tools.calculator import evaluate
 from rft.agent_tools.registry import ToolError
+from rft.config import ConfigError
+from rft.run.loading import run_config_from_dict
 
 
 def block(obj) -> str:

@@ -6,10 +6,10 @@ import random
 
 import torch
 
-from rft.rewards import build_reward
 from rft.config import config_from_dict
-from rft.schema import TaskRecord
 from rft.data.toy_tasks import generate_rows
+from rft.rewards import build_reward
+from rft.schema import TaskRecord
 
 
 def test_copy_char_reward_rises_with_grpo(tiny_model):

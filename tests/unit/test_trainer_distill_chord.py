@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_trainer_loop import StandInPolicy, consumed, fill
 
 from rft.config import config_from_dict
 from rft.trainer.main import Trainer, open_trainer_io
 from rft.transport.memory import MemoryTransport
-from test_trainer_loop import StandInPolicy, consumed, fill
 from tests.records import make_group, send_groups
 
 MU = {1: 0.9, 2: 0.5, 3: 0.1, 4: 0.1}  # linear from 0.9 to 0.1 over 2 steps

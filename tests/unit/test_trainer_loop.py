@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from rft.config import config_from_dict
-from rft.transport.control import TrainerFinished, TrainerStarted, Weights, control_messages, parse
-from rft.transport.run_topics import RunTopics, create_run_topics
 from rft.schema import HEADER_ERROR
 from rft.trainer.feed import FeedTimeout
 from rft.trainer.main import Trainer, open_trainer_io
+from rft.transport.control import TrainerFinished, TrainerStarted, Weights, control_messages, parse
 from rft.transport.memory import MemoryTransport
+from rft.transport.run_topics import RunTopics, create_run_topics
 from rft.weights.store import WeightStore
 from tests.records import make_group, read_topic, send_groups
 

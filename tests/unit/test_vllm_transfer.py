@@ -20,9 +20,17 @@ import torch
 
 from rft.config import ConfigError, ExplorerConfig, SyncConfig
 from rft.weights.push import RANK_COUNTER, PushError
-from rft.weights.vllm_transfer import (BACKEND, PACKED_BUFFER_BYTES, PACKED_BUFFERS, VLLM_BACKEND, VLLMReceiver,
-                                       VLLMSender, push_transport, update_info, worker_init_info)
-
+from rft.weights.vllm_transfer import (
+    BACKEND,
+    PACKED_BUFFER_BYTES,
+    PACKED_BUFFERS,
+    VLLM_BACKEND,
+    VLLMReceiver,
+    VLLMSender,
+    push_transport,
+    update_info,
+    worker_init_info,
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Selection
@@ -113,9 +121,11 @@ def test_vllm_entry_points_rft_calls_exist_with_these_signatures():
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, trainer_init
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
-    from vllm.distributed.weight_transfer.packed_tensor import (DEFAULT_PACKED_BUFFER_SIZE_BYTES,
-                                                                DEFAULT_PACKED_NUM_BUFFERS,
-                                                                packed_nccl_broadcast_producer)
+    from vllm.distributed.weight_transfer.packed_tensor import (
+        DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+        DEFAULT_PACKED_NUM_BUFFERS,
+        packed_nccl_broadcast_producer,
+    )
     from vllm.engine.arg_utils import EngineArgs
 
     # explorer side: VLLMReceiver drives these on the LLM

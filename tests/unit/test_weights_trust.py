@@ -184,8 +184,8 @@ def test_an_explorer_refuses_a_forged_announcement_and_reports_the_count(tmp_pat
     """The real Explorer over the in-memory transport: a forged `weights` announcement (a complete version outside
     the store) is refused, the engine keeps its version, and the count is in the explorer's heartbeat."""
     from rft.config import ExplorerConfig, KafkaConfig, SyncConfig
-    from rft.transport.control import ExplorerHeartbeat, control_messages, parse
     from rft.explorer.explorer import Explorer
+    from rft.transport.control import ExplorerHeartbeat, control_messages, parse
     from rft.transport.run_topics import RunTopics, create_run_topics
 
     topics = RunTopics(run="run", tasks="run.tasks", experiences="run.experiences", control="run.control",

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from rft.config import ConfigError
-from rft.run.loading import run_config_from_dict
 from rft.engine import SamplingSettings, TransformersEngine
 from rft.rewards import build_reward, resolve
+from rft.run.loading import run_config_from_dict
 from rft.schema import TaskRecord
 from rft.workflows import available_workflows, build_workflow
 
@@ -79,7 +79,7 @@ def test_multi_turn_masks_environment_tokens(tiny_model, engine):
         segments = _runs(mask)
         # model, environment, model, ... alternate, starting and ending with the model
         assert [value for value, _ in segments] == [1, 0] * (turns - 1) + [1]
-        position = 0
+        position = last_model_start = 0  # the segments start with the model's turn
         for value, length in segments:
             tokens = s.response_tokens[position:position + length]
             if value == 0:
