@@ -73,7 +73,7 @@ def test_wedged_group_is_reported_and_the_explorers_recover(broker, tiny_model, 
     logs.mkdir()
     config = write_config(tmp_path / "run.yaml", run=topic_prefix, bootstrap=broker.bootstrap_servers,
                           model=tiny_model, store=tmp_path / "store", partitions=4, engine="transformers",
-                          admission="all", unassigned_rejoin_s=25.0, tasks_per_batch=4)
+                          admission="all", unassigned_rejoin_s=35.0, tasks_per_batch=4)
     cfg = load(config)
     cfg.run.output_dir = str(tmp_path / "runs")  # where the stall check writes health.jsonl
     cfg.run_dir.mkdir(parents=True)
@@ -87,7 +87,10 @@ def test_wedged_group_is_reported_and_the_explorers_recover(broker, tiny_model, 
     explorers = {e: start_explorer(config, e, logs) for e in EXPLORERS}
     alive = list(explorers.values())
     try:
-        # both live in the wedged group, holding nothing, for longer than a heartbeat: rft status says so
+        # both live in the wedged group, holding nothing, for longer than a heartbeat: rft status says so. Each must
+        # send a heartbeat while unassigned for between STALL_AFTER_S (+1) and its rejoin (unassigned_rejoin_s): a
+        # window of 14 s, almost 3 heartbeats (5 s apart), so a loaded machine's late heartbeat still lands in it (with
+        # a rejoin at 25 s the window was 4 s, under one heartbeat, and one run beside the e2e tests missed it)
         def wedged() -> bool:
             beats = [m for m in control.messages("explorer_heartbeat") if m.body["unassigned_s"] > 21.0]  # > STALL_AFTER_S
             return {m.sender for m in beats} >= set(EXPLORERS)
