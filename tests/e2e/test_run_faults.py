@@ -43,20 +43,24 @@ def rft_status(run_dir: Path) -> dict:
     return json.loads(done.stdout)
 
 
-def scrape_parts(port: int, search: int = 64) -> dict[str, dict[str, float]]:
-    """Every Prometheus endpoint on ports port..port+search-1: instance label ("0" is the trainer) -> name -> value,
-    parsed by prometheus_client's own parser."""
+def scrape_parts(port: int, run: str, search: int = 64) -> dict[str, dict[str, float]]:
+    """Every Prometheus endpoint of the run named `run` on ports port..port+search-1: "trainer" or the explorer's
+    instance label -> name -> value, parsed by prometheus_client's own parser."""
+    import http.client
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
     parts = {}
     for candidate in range(port, port + search):
+        # the range is shared with whatever else listens on this machine (another test's broker, a torch store):
+        # anything that does not answer HTTP with Prometheus text is not one of ours
         try:
             text = urllib.request.urlopen(f"http://127.0.0.1:{candidate}/metrics", timeout=5).read().decode()
-        except OSError:
+            samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        except (OSError, http.client.HTTPException, UnicodeDecodeError, ValueError):
             continue
-        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        samples = [s for s in samples if s.labels.get("run") == run and "role" in s.labels and "instance" in s.labels]
         if samples:
             role = samples[0].labels["role"]
             parts["trainer" if role == "trainer" else samples[0].labels["instance"]] = {s.name: s.value for s in samples}
@@ -77,7 +81,7 @@ def test_an_explorer_killed_in_a_push_run_neither_stops_nor_stalls_it(tmp_path, 
     # while it runs: every part serves Prometheus metrics (an explorer's counters appear once it finished a batch, which
     # on a loaded machine may come after step 2), and `rft status` shows the fleet and its versions
     def every_part_served() -> dict:
-        parts = scrape_parts(port)
+        parts = scrape_parts(port, "push-kill")
         explored = all(parts.get(e, {}).get("rft_explorer_groups_total", 0) > 0 for e in ("explorer-0", "explorer-1"))
         return parts if "trainer" in parts and explored else {}
 
