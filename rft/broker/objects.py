@@ -18,7 +18,11 @@ Contract (what the durable broker's guarantees rest on):
   (and any directory it created). A 200 is sent only after that: an acknowledged PUT survives a SIGKILL of this
   server and, as far as the filesystem honours fsync, a power loss. A PUT interrupted before its 200 leaves either
   the old object or the new one, never a torn one (temporary files are removed at the next start).
-- ETags are the MD5 of the content, quoted, as S3 returns them for single-part uploads.
+- ETags are the MD5 of the content, quoted, as S3 returns them for single-part uploads. A GET or HEAD answers
+  from one snapshot (ObjectStore.open): the body, its length and its ETag are one version's, whatever PUT comes.
+- Buckets, keys and list prefixes stay inside ROOT: an empty, `.` or `..` part (a `../` prefix), a NUL or a
+  backslash is a 400. A PUT or POST without Content-Length (chunked) is a 411 and stores nothing; a malformed
+  length, max-keys or Range is a 400.
 - One server per ROOT: a second one on the same directory would break the conditional writes (the broker holds a
   lock on its data directory, rft/broker/local.py).
 
@@ -31,12 +35,15 @@ import argparse
 import hashlib
 import os
 import signal
+import stat
 import sys
 import threading
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import parse_qs, unquote, urlsplit
 from xml.etree import ElementTree
 from xml.sax.saxutils import escape
@@ -60,6 +67,24 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@dataclass
+class Snapshot:
+    """One version of an object (ObjectStore.open): `file` open at its start, `stat` and `etag` of that version."""
+    file: BinaryIO
+    stat: os.stat_result
+    etag: str
+
+    @property
+    def size(self) -> int:
+        return self.stat.st_size
+
+    def __enter__(self) -> "Snapshot":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+
 class ObjectStore:
     """Objects as files under `root` (one directory per bucket). Thread-safe: conditional writes are checked and
     committed under one lock."""
@@ -79,21 +104,26 @@ class ObjectStore:
                     os.unlink(os.path.join(dirpath, name))
 
     def path(self, bucket: str, key: str = "") -> Path:
-        parts = [bucket, *key.split("/")] if key else [bucket]
-        if not bucket or any(p in ("", ".", "..") or p.startswith(TMP_PREFIX) for p in parts):
-            raise S3Error(400, "InvalidArgument", f"unsupported bucket or key: {bucket}/{key}")
-        return self.root.joinpath(*parts)
+        """The file of `bucket`/`key` (the bucket's directory without a key), always inside the root: S3Error 400
+        for an empty, `.` or `..` part, a temporary file's name, or a NUL or backslash."""
+        return self.root.joinpath(*_parts(bucket, key.split("/") if key else [], what="bucket or key"))
 
     def etag(self, path: Path) -> str:
-        st = path.stat()
+        """The ETag of the file at `path` now (callers hold the lock when it must match a later read)."""
+        with open(path, "rb") as f:
+            return self._etag(path, os.fstat(f.fileno()), f)
+
+    def _etag(self, path: Path, st: os.stat_result, f: BinaryIO) -> str:
+        """The ETag of the open file `f` (stat `st`) at `path`: cached by (inode, mtime, size), else hashed (and
+        `f` left at its start)."""
         signature = (st.st_ino, st.st_mtime_ns, st.st_size)
         cached = self._etags.get(path)
         if cached and cached[0] == signature:
             return cached[1]
         digest = hashlib.md5()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+        f.seek(0)
         etag = f'"{digest.hexdigest()}"'
         self._etags[path] = (signature, etag)
         return etag
@@ -151,15 +181,24 @@ class ObjectStore:
                 tmp.unlink()
         return etag
 
-    def stat(self, bucket: str, key: str) -> tuple[Path, os.stat_result, str]:
+    def open(self, bucket: str, key: str) -> "Snapshot":
+        """One version of the object: an open file, its stat and its ETag, taken under the lock that PUTs replace
+        objects under, so the three belong to the same version whatever is written after (a replaced object's
+        file stays readable through this handle). The caller closes it (a context manager)."""
         path = self.path(bucket, key)
-        try:
-            if not path.is_file():
-                raise FileNotFoundError
-            with self._lock:
-                return path, path.stat(), self.etag(path)
-        except FileNotFoundError:
-            raise S3Error(404, "NoSuchKey", f"{bucket}/{key} does not exist") from None
+        with self._lock:
+            try:
+                f = open(path, "rb")
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                raise S3Error(404, "NoSuchKey", f"{bucket}/{key} does not exist") from None
+            try:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise S3Error(404, "NoSuchKey", f"{bucket}/{key} does not exist")
+                return Snapshot(f, st, self._etag(path, st, f))
+            except BaseException:
+                f.close()
+                raise
 
     def delete(self, bucket: str, key: str) -> None:
         path = self.path(bucket, key)
@@ -186,7 +225,8 @@ class ObjectStore:
         bucket_dir = self.path(bucket)
         if delimiter not in ("", "/"):
             raise S3Error(400, "InvalidArgument", "only the delimiter '/' is supported")
-        base = bucket_dir.joinpath(*prefix.split("/")[:-1]) if "/" in prefix else bucket_dir
+        # every directory part of the prefix must be a plain name; the last (partial) part only filters names
+        base = self.root.joinpath(*_parts(bucket, prefix.split("/")[:-1], what="prefix"))
         base_key = prefix.rsplit("/", 1)[0] + "/" if "/" in prefix else ""
         objects, prefixes = [], set()
         if not base.is_dir():
@@ -215,6 +255,15 @@ class ObjectStore:
         return objects, sorted(p for p in prefixes if p > after)
 
 
+def _parts(bucket: str, parts: list[str], *, what: str) -> list[str]:
+    """[bucket, *parts] when each is a plain name (module docstring: objects and prefixes stay inside the root)."""
+    names = [bucket, *parts]
+    if not bucket or any(p in ("", ".", "..") or p.startswith(TMP_PREFIX) or "\0" in p or "\\" in p for p in names):
+        raise S3Error(400, "InvalidArgument", f"unsupported {what}: {'/'.join(names)!r} (empty, '.' or '..' parts, "
+                      "NUL and backslash are refused)")
+    return names
+
+
 def _etag_in(header: str, etag: str) -> bool:
     candidates = [c.strip() for c in header.split(",")]
     return "*" in candidates or etag in candidates or etag.strip('"') in (c.strip('"') for c in candidates)
@@ -237,8 +286,23 @@ class Handler(BaseHTTPRequestHandler):
         return bucket, key, parse_qs(url.query, keep_blank_values=True)
 
     def _body(self) -> bytes:
-        length = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(length) if length else b""
+        """The body of a PUT or POST: exactly Content-Length bytes. 411 without one (a chunked upload is not
+        read, so it cannot be stored as an empty object), 400 for a length that is not a number >= 0, and 400
+        when the connection ends before that many bytes came."""
+        header = self.headers.get("Content-Length")
+        if header is None:
+            self.close_connection = True  # the unread body must not be taken for the next request
+            raise S3Error(411, "MissingContentLength", "a PUT or POST needs a Content-Length (chunked uploads are "
+                          "not supported)")
+        if not header.strip().isdigit():
+            self.close_connection = True
+            raise S3Error(400, "InvalidArgument", f"Content-Length {header!r} is not a number of bytes")
+        length = int(header)
+        body = self.rfile.read(length) if length else b""
+        if len(body) != length:
+            self.close_connection = True
+            raise S3Error(400, "IncompleteBody", f"{len(body)} of the {length} bytes announced came")
+        return body
 
     def _send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None,
               head: bool = False) -> None:
@@ -302,7 +366,11 @@ class Handler(BaseHTTPRequestHandler):
                     raise S3Error(404, "NoSuchBucket")
                 return self._send(200, head=True)
             return self._list(bucket, query)
-        path, st, etag = self.store.stat(bucket, key)
+        with self.store.open(bucket, key) as snapshot:
+            self._send_object(snapshot, head)
+
+    def _send_object(self, snapshot: "Snapshot", head: bool) -> None:
+        st, etag = snapshot.stat, snapshot.etag
         if_match, if_none = self.headers.get("If-Match"), self.headers.get("If-None-Match")
         if if_match is not None and not _etag_in(if_match, etag):
             raise S3Error(412, "PreconditionFailed")
@@ -319,10 +387,8 @@ class Handler(BaseHTTPRequestHandler):
         if head:
             headers["Content-Length"] = str(end - start)
             return self._send(status, headers=headers, head=True)
-        with open(path, "rb") as f:
-            f.seek(start)
-            data = f.read(end - start)
-        self._send(status, data, headers)
+        snapshot.file.seek(start)
+        self._send(status, snapshot.file.read(end - start), headers)
 
     def _list(self, bucket, query):
         if query.get("list-type", [""])[0] != "2":
@@ -330,7 +396,10 @@ class Handler(BaseHTTPRequestHandler):
         q = {k: v[0] for k, v in query.items()}
         prefix, delimiter = q.get("prefix", ""), q.get("delimiter", "")
         after = max(q.get("start-after", ""), q.get("continuation-token", ""))
-        max_keys = min(int(q.get("max-keys") or MAX_KEYS), MAX_KEYS)
+        max_keys = q.get("max-keys") or str(MAX_KEYS)
+        if not max_keys.isdigit():
+            raise S3Error(400, "InvalidArgument", f"max-keys {max_keys!r} is not a number >= 0")
+        max_keys = min(int(max_keys), MAX_KEYS)
         objects, prefixes = self.store.list(bucket, prefix, delimiter, after)
         entries = sorted([(k, st) for k, st in objects] + [(p, None) for p in prefixes], key=lambda e: e[0])
         truncated = len(entries) > max_keys
@@ -381,7 +450,7 @@ def _range(header: str, size: int) -> tuple[int, int]:
     """`bytes=a-b`, `bytes=a-`, `bytes=-n` -> [start, end) within `size`; 416 when unsatisfiable."""
     spec = header.strip().removeprefix("bytes=")
     first, _, last = spec.partition("-")
-    if "," in spec or not _:
+    if "," in spec or not _ or not (first or last) or not all(p.isdigit() for p in (first, last) if p):
         raise S3Error(400, "InvalidArgument", f"unsupported Range {header!r}")
     if first == "":
         start, end = max(0, size - int(last)), size

@@ -13,8 +13,8 @@ from rft.broker.objects import TMP_PREFIX, serve
 
 
 class Server:
-    def __init__(self, root):
-        self.server = serve(root)
+    def __init__(self, root, fsync: bool = True):
+        self.server = serve(root, fsync=fsync)
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
