@@ -341,14 +341,26 @@ class ServeConfig:
     group_size: int = 4  # rewarded single completions (n = 1) of one prompt that make a group
     group_wait_s: float = 30.0  # singles wait this long for peers of their prompt, then join the baseline window
     baseline_window: int = 64  # rewards per prompt remembered for its running-mean baseline
+    # environment variable holding the bearer key(s) clients must send (comma-separated); set or not, the key never
+    # goes into the run directory; needed when serve.host is beyond loopback (docs/security.md)
+    api_key_env: str = "RFT_SERVE_API_KEY"
+    api_key_file: str = ""  # a file holding bearer keys, one per line (besides api_key_env); keep it outside the run dir
+    # Host header values accepted (the DNS-rebinding defence); empty: localhost, 127.0.0.1, ::1, serve.host and this
+    # host's names; ["*"]: any
+    allowed_hosts: list[str] = field(default_factory=list)
+    max_body_bytes: int = 1048576  # largest request body; a longer one gets 413
+    max_request_tokens: int = 16384  # largest n x max_tokens of one completion request (400 past it)
+    max_queue: int = 64  # requests waiting for the engine; past it a request gets 429 with Retry-After
+    request_timeout_s: float = 300.0  # a completion request not generated within this many seconds gets 504
 
     def __post_init__(self) -> None:
-        for key in ("max_batch", "group_size", "baseline_window"):
+        for key in ("max_batch", "group_size", "baseline_window", "max_body_bytes", "max_request_tokens",
+                    "max_queue"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"serve.{key}: must be >= 1, got {getattr(self, key)}")
-        for key in ("feedback_expire_s", "group_wait_s"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(f"serve.{key}: must be > 0, got {getattr(self, key)}")
+        for key in ("feedback_expire_s", "group_wait_s", "request_timeout_s"):
+            if not 0 < getattr(self, key) < float("inf"):
+                raise ConfigError(f"serve.{key}: must be > 0 and finite, got {getattr(self, key)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"serve.port: must be a TCP port (0: any free one), got {self.port}")
 
@@ -367,6 +379,16 @@ class MonitorConfig:
     # evaluating
     progress: bool = True
     dashboard_port: int = 0  # 0: off; `rft run` also starts `rft dashboard` on this port (the live run page)
+    # address the Prometheus endpoints listen on (0.0.0.0: every interface, for a scraper on another host)
+    prometheus_host: str = "127.0.0.1"
+    # address `rft dashboard` listens on (`--host` overrides); beyond loopback it needs a key (docs/security.md)
+    dashboard_host: str = "127.0.0.1"
+    # environment variable holding the dashboard's bearer key(s) (comma-separated); never written to the run dir
+    dashboard_key_env: str = "RFT_DASHBOARD_KEY"
+    dashboard_key_file: str = ""  # a file holding dashboard keys, one per line (besides dashboard_key_env)
+    # Host header values the dashboard accepts (DNS-rebinding defence); empty: loopback names, dashboard_host and this
+    # host's names; ["*"]: any
+    dashboard_allowed_hosts: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not 0 <= self.dashboard_port <= 65535:

@@ -104,8 +104,7 @@ def main(argv: list[str]) -> int:
             result = drive(server.url, clients=args.clients, seconds=args.seconds, max_tokens=args.max_tokens)
         finally:
             server.stop()
-            service.worker.stop()
-            service.sink.close()
+            service.close()
         counts = recorded(cfg)
     answered = result["ids"]
     latency = np.array(result["latency"]) if result["latency"] else np.zeros(1)

@@ -91,9 +91,30 @@ def run_until_stopped(cfg: Config) -> int:
         return 130
 
 
+def _endpoints_refused(cfg: Config) -> str | None:
+    """Why an HTTP endpoint this run would start (`rft dashboard`, `rft serve`) must not: a key that cannot be read,
+    or one listening beyond loopback without a key (rft/run/web.py); None when they may start."""
+    serving = "serve" in ROLES_BY_MODE[cfg.run.mode]
+    if not (cfg.monitor.dashboard_port or serving):
+        return None
+    from rft.run.web import AccessConfigError, dashboard_access, serve_access  # heavy: fastapi (the web extra)
+    try:
+        if cfg.monitor.dashboard_port:
+            dashboard_access(cfg.monitor, cfg.monitor.dashboard_host)
+        if serving:
+            serve_access(cfg.serve, cfg.serve.host)
+    except AccessConfigError as e:
+        return str(e)
+    return None
+
+
 def run(cfg: Config) -> int:
     if cfg.stages:
         return run_stages(cfg)
+    refused = _endpoints_refused(cfg)
+    if refused:
+        print(f"[rft] {refused}", file=sys.stderr, flush=True)
+        return 2
     run_dir = cfg.run_dir
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     with KafkaEndpoint(cfg.kafka, log_path=run_dir / "logs" / "broker.log", run_dir=run_dir) as bootstrap:

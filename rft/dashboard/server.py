@@ -9,6 +9,10 @@ Routes:
                                      every metrics record, later ones the records added since (see `snapshot`)
 
 The server keeps running when the run ends, when its broker goes away and when it restarts: the page says which.
+Access (rft/run/web.py, docs/security.md): it listens on monitor.dashboard_host (127.0.0.1 by default; `--host`);
+every route checks the Host header (400) and, with keys set (monitor.dashboard_key_env / _key_file, required beyond
+loopback), a key (401): `Authorization: Bearer KEY`, or in a browser `/?key=KEY` once, which the page keeps in an
+HttpOnly, SameSite=Strict cookie for its own requests.
 """
 from __future__ import annotations
 
@@ -24,15 +28,23 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from rft.config import Config
 from rft.dashboard.model import RunIndex, RunWatch
 from rft.run.commandline import add_config_arguments, config_from_args
+from rft.run.web import DASHBOARD_COOKIE, Access, AccessConfigError, AccessDenied, allowed_hosts, dashboard_access
 
 STATIC = Path(__file__).resolve().parent / "static"
 STATIC_FILES = {"app.js": "text/javascript", "style.css": "text/css"}
 EVENT_EVERY_S = 1.0
 
 
-def create_app(index: RunIndex) -> FastAPI:
-    """The app over `index` (which the caller closes)."""
-    app = FastAPI(title="rft dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+def create_app(index: RunIndex, access: Access | None = None) -> FastAPI:
+    """The app over `index` (which the caller closes), every route behind `access` (None: no key, loopback Host
+    names only)."""
+    access = access or Access(frozenset(), allowed_hosts([], "127.0.0.1"), cookie=DASHBOARD_COOKIE)
+    app = FastAPI(title="rft dashboard", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[access.dependency()])
+
+    @app.exception_handler(AccessDenied)
+    async def denied(request: Request, e: AccessDenied) -> JSONResponse:
+        return JSONResponse({"detail": str(e)}, status_code=e.status, headers=e.headers)
 
     def watch_of(name: str) -> RunWatch:
         watch = index.get(name)
@@ -42,8 +54,13 @@ def create_app(index: RunIndex) -> FastAPI:
         return watch
 
     @app.get("/")
-    def page() -> FileResponse:
-        return FileResponse(STATIC / "index.html", media_type="text/html")
+    def page(request: Request) -> FileResponse:
+        response = FileResponse(STATIC / "index.html", media_type="text/html")
+        key = request.query_params.get("key")
+        if key is not None and access.key_ok(key):  # a browser's first visit: keep the key for the page's requests
+            response.set_cookie(access.cookie, key, httponly=True, samesite="strict",
+                                secure=request.url.scheme == "https")
+        return response
 
     @app.get("/static/{name}")
     def static(name: str) -> FileResponse:
@@ -78,13 +95,14 @@ def create_app(index: RunIndex) -> FastAPI:
     return app
 
 
-def serve(cfg: Config, *, host: str, port: int) -> None:
+def serve(cfg: Config, *, host: str, port: int, access: Access) -> None:
     import uvicorn
 
     index = RunIndex(cfg)
     try:
-        print(f"rft dashboard: http://{host}:{port}/ (run {cfg.run.name!r}, runs in {index.output_dir})", flush=True)
-        uvicorn.run(create_app(index), host=host, port=port, log_level="warning",
+        print(f"rft dashboard: http://{host}:{port}/ (run {cfg.run.name!r}, runs in {index.output_dir}; "
+              f"{'open it as /?key=KEY' if access.keys else 'no key (loopback)'})", flush=True)
+        uvicorn.run(create_app(index, access), host=host, port=port, log_level="warning",
                     timeout_graceful_shutdown=2)  # open event streams never end by themselves
     finally:
         index.close()
@@ -94,13 +112,20 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rft dashboard", description=__doc__.split("\n")[0])
     add_config_arguments(parser)
     parser.add_argument("--port", type=int, default=None, help="TCP port (default: monitor.dashboard_port, or 8265)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--host", default=None, help="address to listen on (default: monitor.dashboard_host; "
+                        "beyond loopback a key is required, docs/security.md)")
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
     port = args.port or cfg.monitor.dashboard_port or 8265
+    host = args.host or cfg.monitor.dashboard_host
     try:
-        serve(cfg, host=args.host, port=port)
+        access = dashboard_access(cfg.monitor, host)
+    except AccessConfigError as e:
+        print(f"rft dashboard: {e}", file=sys.stderr)
+        return 2
+    try:
+        serve(cfg, host=host, port=port, access=access)
     except OSError as e:
-        print(f"rft dashboard: cannot serve on {args.host}:{port}: {e}", file=sys.stderr)
+        print(f"rft dashboard: cannot serve on {host}:{port}: {e}", file=sys.stderr)
         return 1
     return 0

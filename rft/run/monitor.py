@@ -129,8 +129,9 @@ class MetricsEndpoint:
     `_total` are exposed as counters (the caller passes running totals), everything else as gauges; every
     series carries the labels given at start (run, role, id)."""
 
-    def __init__(self, port: int, *, labels: dict[str, str], host: str = "0.0.0.0", search: int = 1):
-        """Serve on the first free port of `port .. port + search - 1` (explorers sharing a host search)."""
+    def __init__(self, port: int, *, labels: dict[str, str], host: str = "127.0.0.1", search: int = 1):
+        """Serve on `host` (monitor.prometheus_host), on the first free port of `port .. port + search - 1`
+        (explorers sharing a host search)."""
         from prometheus_client import CollectorRegistry, start_http_server
 
         self.labels = labels
@@ -171,10 +172,10 @@ PORT_SEARCH = 64
 
 
 def metrics_endpoint(monitor: MonitorConfig, *, run: str, role: str, instance: str) -> MetricsEndpoint | None:
-    """The endpoint `monitor.prometheus_port` asks for (None when it is 0), on the first free port of the
-    PORT_SEARCH from there (the parts of a run may share a host), labelled with the run's name, the part's role
+    """The endpoint `monitor.prometheus_port` asks for (None when it is 0), on `monitor.prometheus_host`, on the first
+    free port of the PORT_SEARCH from there (the parts of a run may share a host), labelled with the run's name, the part's role
     and its instance. Each part announces the port it took on the control topic, and `rft status` lists them."""
     if not monitor.prometheus_port:
         return None
-    return MetricsEndpoint(monitor.prometheus_port, search=PORT_SEARCH,
+    return MetricsEndpoint(monitor.prometheus_port, host=monitor.prometheus_host, search=PORT_SEARCH,
                            labels={"run": run, "role": role, "instance": instance})

@@ -12,11 +12,15 @@ Routes:
   GET  /metrics              Prometheus: requests, latency, completions recorded, feedback, weights version
 Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}` with a 4xx status (5xx when the
 engine or the broker failed): malformed JSON or fields 400, unknown model 404, prompt over model.max_prompt_len 400
-(`context_length_exceeded`), feedback refused as rft/serve/ledger.py says (400/404/409/410).
+(`context_length_exceeded`), feedback refused as rft/serve/ledger.py says (400/404/409/410). Before any route:
+a Host not allowed 400, no valid bearer key 401 (when keys are set: serve.api_key_env / api_key_file, required
+beyond loopback), a body that is not `application/json` 415 (rft/run/web.py). Limits (serve.*): a body over
+max_body_bytes 413, n x max_tokens over max_request_tokens 400, max_queue requests already waiting 429 with
+Retry-After, not generated within request_timeout_s 504 (nothing recorded).
 
 Contracts:
-- The engine is the explorers' (`explorer.engine` and its settings; rft/engine/), owned by one thread
-  (`EngineWorker`) that generates up to `serve.max_batch` waiting requests per call and reloads the newest weights
+- Messages are tokenized on one tokenizer thread (ServeService), never on the engine's: the engine is the
+  explorers' (`explorer.engine` and its settings; rft/engine/), owned by one thread (`EngineWorker`) that generates up to `serve.max_batch` waiting requests per call and reloads the newest weights
   in place (the weight store's LATEST or a `weights` announcement, rft/weights/subscriber.py) only between calls,
   so all choices of a request come from one version. Messages are rendered as the explorers render prompts: with
   `model.chat_template: true` by the tokenizer's chat template (the whole conversation, `model.system_prompt` first
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import copy
 import hashlib
 import json
 import logging
@@ -51,6 +56,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rft.engine import SamplingSettings, build_engine
 from rft.processes import free_port
+from rft.run.web import Access, AccessConfigError, AccessDenied, allowed_hosts, serve_access
 from rft.schema import Feedback, ServedChoice, ServedCompletion
 from rft.serve import part_config
 from rft.serve.ledger import FeedbackLedger, FeedbackRefused
@@ -61,7 +67,7 @@ from rft.weights.store import WeightStore
 from rft.weights.subscriber import WeightUpdates, load_newest_weights
 
 if TYPE_CHECKING:
-    from rft.config import Config
+    from rft.config import Config, ServeConfig
     from rft.engine import Engine, Generation
     from rft.transport import RecordSink, Transport
 
@@ -76,13 +82,14 @@ class ApiError(Exception):
     """A request refused with an OpenAI-style error body."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.param, self.code, self.kind = status, param, code, kind
+        self.headers = headers or {}
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": str(self), "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+                                       "code": self.code}}, status_code=self.status, headers=self.headers)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -182,7 +189,7 @@ def prompt_key(prompt_tokens: list[int]) -> str:
 
 @dataclass
 class _Job:
-    messages: list[dict[str, str]]
+    prompt: list[int]
     sampling: SamplingSettings
     stream: bool
     future: concurrent.futures.Future
@@ -197,19 +204,26 @@ class Served:
 
 
 class EngineWorker:
-    """The one thread that owns the engine (module docstring). `render(tokenizer, messages) -> ids` raises ApiError
-    for a prompt it refuses; `newest()` names the newest trusted weights (WeightUpdates.newest), None: never
-    reload. `start()` builds the engine with `factory()` in the thread and waits for it."""
+    """The one thread that owns the engine (module docstring); it gets token ids, never text (requests are
+    tokenized before they are submitted, off this thread). `newest()` names the newest trusted weights
+    (WeightUpdates.newest), None: never reload. `start()` builds the engine with `factory()` in the thread and waits
+    for it. A submitted job whose future is cancelled before the thread takes it is skipped (its deadline passed);
+    one cancelled later is generated and its result dropped."""
 
-    def __init__(self, factory: Callable[[], "Engine"], *, render: Callable[[Any, list], list[int]],
-                 newest: Callable[[int], Any] | None = None, max_batch: int = 16):
-        self.factory, self.render, self.newest, self.max_batch = factory, render, newest, max_batch
+    def __init__(self, factory: Callable[[], "Engine"], *, newest: Callable[[int], Any] | None = None,
+                 max_batch: int = 16):
+        self.factory, self.newest, self.max_batch = factory, newest, max_batch
         self.engine: "Engine | None" = None
         self.queue: queue.Queue[_Job | None] = queue.Queue()
         self.reloads = 0
+        self.last_call_s = 0.0  # how long the last engine call took (seconds)
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def waiting(self) -> int:
+        """Jobs submitted and not yet taken by the engine thread."""
+        return self.queue.qsize()
 
     @property
     def version(self) -> int:
@@ -221,10 +235,10 @@ class EngineWorker:
         if self._error is not None:
             raise self._error
 
-    def submit(self, messages: list[dict[str, str]], sampling: SamplingSettings, stream: bool
-               ) -> concurrent.futures.Future:
+    def submit(self, prompt: list[int], sampling: SamplingSettings, stream: bool) -> concurrent.futures.Future:
+        """Queue one request (`prompt`: token ids); the future holds its `Served`, or an ApiError."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self.queue.put(_Job(messages, sampling, stream, future))
+        self.queue.put(_Job(prompt, sampling, stream, future))
         return future
 
     def stop(self) -> None:
@@ -276,12 +290,9 @@ class EngineWorker:
     def _generate(self, jobs: list[_Job]) -> None:
         runnable: dict[SamplingSettings, list[tuple[_Job, list[int]]]] = {}
         for job in jobs:
-            try:
-                ids = self.render(self.engine.tokenizer, job.messages)
-            except ApiError as e:
-                job.future.set_exception(e)
-                continue
-            runnable.setdefault(job.sampling, []).append((job, ids))
+            if job.future.set_running_or_notify_cancel():  # False: cancelled while it waited (its deadline passed)
+                runnable.setdefault(job.sampling, []).append((job, job.prompt))
+        started = time.monotonic()
         for sampling, batch in runnable.items():
             try:
                 generations = self.engine.generate([ids for _, ids in batch], sampling)
@@ -293,6 +304,7 @@ class EngineWorker:
             for (job, ids), generation in zip(batch, generations):
                 deltas = [self._deltas(c) for c in generation.completions] if job.stream else []
                 job.future.set_result(Served(ids, generation, deltas))
+        self.last_call_s = time.monotonic() - started
 
     def _deltas(self, completion) -> list[str]:
         """Per-token text deltas that add up to the completion's text."""
@@ -355,15 +367,66 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask (serve.max_body_bytes, max_request_tokens, max_queue, request_timeout_s)."""
+    max_body_bytes: int = 1 << 20
+    max_request_tokens: int = 16384  # n x max_tokens
+    max_queue: int = 64  # requests waiting for the engine thread
+    request_timeout_s: float = 300.0  # from received to generated
+
+    @classmethod
+    def of(cls, serve: "ServeConfig") -> "Limits":
+        return cls(serve.max_body_bytes, serve.max_request_tokens, serve.max_queue, serve.request_timeout_s)
+
+
 class ServeService:
-    """The endpoint's state: the engine thread, the Kafka sink its records go through, the feedback ledger."""
+    """The endpoint's state: the engine thread, the Kafka sink its records go through, the feedback ledger, and the
+    one tokenizer thread: `tokenize(messages) -> ids` (raising ApiError for a prompt it refuses) runs there, one
+    request at a time, never on the engine's thread."""
 
     def __init__(self, *, worker: EngineWorker, sink: "RecordSink", ledger: FeedbackLedger, topics: RunTopics,
-                 model_name: str, max_tokens: int, ack_timeout_s: float = 30.0):
+                 model_name: str, max_tokens: int, tokenize: Callable[[list], list[int]],
+                 limits: Limits = Limits(), ack_timeout_s: float = 30.0):
         self.worker, self.sink, self.ledger, self.topics = worker, sink, ledger, topics
         self.model_name, self.max_tokens, self.ack_timeout_s = model_name, max_tokens, ack_timeout_s
+        self.tokenize, self.limits = tokenize, limits
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="serve-tokenize")
         self.metrics = Metrics()
         self.started = int(time.time())
+
+    def close(self) -> None:
+        """Stop the engine and tokenizer threads and close the sink."""
+        self.worker.stop()
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        self.sink.close()
+
+    async def _generate(self, request: ChatRequest, received: float) -> Served:
+        """The request tokenized (tokenizer thread), queued and generated, within serve.request_timeout_s of
+        `received` (time.time()): 504 past it, 429 with Retry-After when max_queue requests already wait."""
+        s, limits = request.sampling, self.limits
+        if s.n * s.max_tokens > limits.max_request_tokens:
+            raise ApiError(400, f"n x max_tokens = {s.n} x {s.max_tokens} = {s.n * s.max_tokens} is over this "
+                           f"server's limit of {limits.max_request_tokens} tokens per request "
+                           "(serve.max_request_tokens)", param="n")
+        waiting = self.worker.waiting()
+        if waiting >= limits.max_queue:
+            calls = -(-waiting // max(1, self.worker.max_batch))
+            retry = max(1, round(calls * self.worker.last_call_s))
+            raise ApiError(429, f"{waiting} requests are waiting for the engine (serve.max_queue = "
+                           f"{limits.max_queue}); retry after {retry} s", code="rate_limit_exceeded",
+                           kind="rate_limit_error", headers={"Retry-After": str(retry)})
+        loop = asyncio.get_running_loop()
+        deadline = received + limits.request_timeout_s
+        try:
+            prompt = await asyncio.wait_for(loop.run_in_executor(self._tokenizer_thread, self.tokenize,
+                                                                 request.messages), max(0.0, deadline - time.time()))
+            return await asyncio.wait_for(asyncio.wrap_future(self.worker.submit(prompt, s, request.stream)),
+                                          max(0.0, deadline - time.time()))
+        except asyncio.TimeoutError:
+            raise ApiError(504, f"the request was not generated within serve.request_timeout_s = "
+                           f"{limits.request_timeout_s:g} s (nothing was recorded); retry later", code="timeout",
+                           kind="server_error") from None
 
     async def record(self, record: Any, key: str) -> None:
         """Send one record and wait for the broker's ack; ApiError 503 when it is not taken."""
@@ -378,8 +441,7 @@ class ServeService:
     async def complete(self, body: Any) -> dict | tuple[dict, list[list[str]]]:
         received = time.time()
         request = parse_chat_request(body, model_name=self.model_name, max_tokens=self.max_tokens)
-        served: Served = await asyncio.wrap_future(self.worker.submit(request.messages, request.sampling,
-                                                                      request.stream))
+        served = await self._generate(request, received)
         completions = served.generation.completions
         version = min(c.weights_version for c in completions)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -449,13 +511,33 @@ class ServeService:
                         components={k: float(v) for k, v in components.items()})
 
 
-def create_app(service: ServeService) -> FastAPI:
-    """The app over `service` (which the caller starts and closes)."""
-    app = FastAPI(title="rft serve", docs_url=None, redoc_url=None, openapi_url=None)
+def create_app(service: ServeService, access: Access | None = None) -> FastAPI:
+    """The app over `service` (which the caller starts and closes). Every route first passes `access`'s checks
+    (rft.run.web: Host, bearer key, JSON only; refused with an OpenAI-style error body); None: no key, loopback
+    Host names only."""
+    access = access or Access(frozenset(), allowed_hosts([], "127.0.0.1"))
+    app = FastAPI(title="rft serve", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[access.dependency()])
+
+    @app.exception_handler(AccessDenied)
+    async def denied(request: Request, e: AccessDenied) -> JSONResponse:
+        return ApiError(e.status, str(e), code=e.code, headers=e.headers).response()
 
     async def json_body(request: Request) -> Any:
+        """The body parsed as JSON; 413 past serve.max_body_bytes (read no further than that), 400 if not JSON."""
+        limit = service.limits.max_body_bytes
+        too_long = ApiError(413, f"the request body is over serve.max_body_bytes = {limit} bytes",
+                            code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_long
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_long
         try:
-            return json.loads(await request.body())
+            return json.loads(body)
         except ValueError as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
 
@@ -536,8 +618,7 @@ def build_service(cfg: "Config", *, transport: "Transport | None" = None, engine
     control.seek(control.end_offsets(topics.control))
     updates = WeightUpdates(WeightStore.for_sync(cfg.sync, cfg.run_dir), control, verify=cfg.sync.verify)
     worker = EngineWorker(engine_factory or (lambda: build_engine(cfg.explorer, cfg.model, seed=cfg.run.seed)),
-                          render=renderer(cfg), newest=lambda above: updates.newest(above=above),
-                          max_batch=cfg.serve.max_batch)
+                          newest=lambda above: updates.newest(above=above), max_batch=cfg.serve.max_batch)
     ledger = FeedbackLedger(cfg.serve.feedback_expire_s)
     reader = transport.source(client_id="serve-ledger")
     try:
@@ -546,22 +627,35 @@ def build_service(cfg: "Config", *, transport: "Transport | None" = None, engine
         reader.close()
     log.info("ledger: %d served / feedback records read back", loaded)
     worker.start()
+    render, tokenizer = renderer(cfg), _own_copy(worker.engine.tokenizer)
     return ServeService(worker=worker, sink=transport.sink(client_id="serve"), ledger=ledger, topics=topics,
                         model_name=cfg.serve.model_name or cfg.run.name, max_tokens=cfg.model.max_response_len,
+                        tokenize=lambda messages: render(tokenizer, messages), limits=Limits.of(cfg.serve),
                         ack_timeout_s=cfg.kafka.request_timeout_ms / 1000)
+
+
+def _own_copy(tokenizer):
+    """A copy of the engine's tokenizer for the tokenizer thread (a fast tokenizer is not meant to be shared between
+    threads); the engine's own where it cannot be copied (then two threads use it, which encoding tolerates)."""
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception as e:  # noqa: BLE001 - any copy failure: share it
+        log.info("tokenizer not copied (%s: %s): the tokenizer thread shares the engine's", type(e).__name__, e)
+        return tokenizer
 
 
 class ServerThread:
     """`create_app(service)` under uvicorn in a thread of this process (tests, `rft bench serve`): `url` once
     `start()` returns; `stop()` ends it (the service is the caller's to close)."""
 
-    def __init__(self, service: ServeService, *, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, service: ServeService, *, host: str = "127.0.0.1", port: int = 0,
+                 access: Access | None = None):
         import uvicorn
 
         port = port or free_port(host)
         self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(service), host=host, port=port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(uvicorn.Config(create_app(service, access), host=host, port=port,
+                                                    log_level="warning", timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
 
     def start(self, timeout_s: float = 30.0) -> "ServerThread":
@@ -587,15 +681,20 @@ def main(argv: list[str]) -> int:
     import uvicorn
 
     host, port = args.host or cfg.serve.host, args.port if args.port is not None else cfg.serve.port
+    try:
+        access = serve_access(cfg.serve, host)
+    except AccessConfigError as e:
+        print(f"rft serve: {e}", file=sys.stderr)
+        return 2
     service = build_service(cfg)
     try:
         print(f"rft serve: http://{host}:{port}/v1 (model {service.model_name!r}, weights version "
-              f"{service.worker.version})", flush=True)
-        uvicorn.run(create_app(service), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+              f"{service.worker.version}, {'a key required' if access.keys else 'no key (loopback)'})", flush=True)
+        uvicorn.run(create_app(service, access), host=host, port=port, log_level="warning",
+                    timeout_graceful_shutdown=5)
     except OSError as e:
         print(f"rft serve: cannot serve on {host}:{port}: {e}", file=sys.stderr)
         return 1
     finally:
-        service.worker.stop()
-        service.sink.close()
+        service.close()
     return 0

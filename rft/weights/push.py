@@ -49,6 +49,7 @@ import datetime
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -211,6 +212,34 @@ class _Member:
                              daemon=True).start()
 
 
+def bound_store(host: str, port: int, world_size: int, timeout_s: float) -> "torch.distributed.TCPStore":
+    """A master TCPStore that listens on `host` alone. TCPStore(host, is_master=True) binds every interface whatever
+    `host` says (torch 2.13: the name is only where clients connect); so the socket is bound and listening here, and
+    handed over as `master_listen_fd` (libuv backend: the store takes the descriptor over and closes it).
+    PushError naming the address when it cannot be bound."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise PushError(f"the push group's address {host}:{port} (sync.push_host / push_port): {e}") from None
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(1024)
+    except OSError as e:
+        listener.close()
+        raise PushError(f"cannot listen on {host}:{port} for the push group (sync.push_host / push_port): "
+                        f"{e.strerror or e}") from None
+    bound_port, fd = listener.getsockname()[1], listener.detach()
+    try:
+        return torch.distributed.TCPStore(host, bound_port, world_size, is_master=True,
+                                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                                          master_listen_fd=fd, use_libuv=True)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class PushSender(_Member):
     """Rank 0, in the trainer's publishing process."""
 
@@ -220,11 +249,10 @@ class PushSender(_Member):
     @classmethod
     def host(cls, *, host: str, world_size: int, group_id: str, timeout_s: float,
              backend: str | None = None, port: int = 0) -> "PushSender":
-        """Start the group's TCPStore on `host` (`port` 0: a free one). Members join later."""
+        """Start the group's TCPStore listening on `host` only (`port` 0: a free one). Members join later."""
         if world_size < 2:
             raise PushError(f"a push group needs at least one explorer engine (world size {world_size})")
-        store = torch.distributed.TCPStore(host, port, world_size, is_master=True,
-                                           timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        store = bound_store(host, port, world_size, timeout_s)
         spec = PushGroupSpec(group_id=group_id, host=host, port=store.port, world_size=world_size,
                              backend=backend or default_backend(), timeout_s=timeout_s)
         return cls(spec, store)

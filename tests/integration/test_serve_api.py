@@ -42,8 +42,7 @@ def served(broker, tiny_model, tmp_path_factory):
     thread = ServerThread(service).start()
     yield cfg, thread.url, service
     thread.stop()
-    service.worker.stop()
-    service.sink.close()
+    service.close()
 
 
 @pytest.fixture
@@ -112,7 +111,8 @@ def test_bad_requests_get_openai_error_bodies(served, body, status, code):
     assert reply.status_code == status
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"] and error["code"] == code
-    assert httpx.post(served[1] + "/v1/chat/completions", content=b"{nope", timeout=30).status_code == 400
+    assert httpx.post(served[1] + "/v1/chat/completions", content=b"{nope", timeout=30,
+                      headers={"Content-Type": "application/json"}).status_code == 400
 
 
 def test_the_openai_client_sees_the_errors(served, client):
