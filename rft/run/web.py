@@ -18,12 +18,16 @@ import hmac
 import ipaddress
 import os
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from rft.processes import free_port
 
 if TYPE_CHECKING:
     from rft.config import MonitorConfig, ServeConfig
@@ -172,3 +176,30 @@ def dashboard_access(monitor: "MonitorConfig", host: str) -> Access:
     require_keys(host, keys, what="rft dashboard", env=monitor.dashboard_key_env,
                  file_key="monitor.dashboard_key_file", host_key="monitor.dashboard_host / --host")
     return Access(keys, allowed_hosts(monitor.dashboard_allowed_hosts, host), cookie=DASHBOARD_COOKIE)
+
+
+class AppThread:
+    """An ASGI `app` under uvicorn in a thread of this process (tests, benchmarks): `url` once `start()` returns;
+    `stop()` ends it (within 2 s for open streams)."""
+
+    def __init__(self, app, *, host: str = "127.0.0.1", port: int = 0):
+        import uvicorn
+
+        port = port or free_port(host)
+        self.url = f"http://{host}:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> "AppThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server at {self.url} did not start")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

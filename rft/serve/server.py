@@ -55,8 +55,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rft.engine import SamplingSettings, build_engine
-from rft.processes import free_port
-from rft.run.web import Access, AccessConfigError, AccessDenied, allowed_hosts, serve_access
+from rft.run.web import Access, AccessConfigError, AccessDenied, AppThread, allowed_hosts, serve_access
 from rft.schema import Feedback, ServedChoice, ServedCompletion
 from rft.serve import part_config
 from rft.serve.ledger import FeedbackLedger, FeedbackRefused
@@ -644,32 +643,13 @@ def _own_copy(tokenizer):
         return tokenizer
 
 
-class ServerThread:
-    """`create_app(service)` under uvicorn in a thread of this process (tests, `rft bench serve`): `url` once
+class ServerThread(AppThread):
+    """`create_app(service, access)` under uvicorn in a thread of this process (tests, `rft bench serve`): `url` once
     `start()` returns; `stop()` ends it (the service is the caller's to close)."""
 
     def __init__(self, service: ServeService, *, host: str = "127.0.0.1", port: int = 0,
                  access: Access | None = None):
-        import uvicorn
-
-        port = port or free_port(host)
-        self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(service, access), host=host, port=port,
-                                                    log_level="warning", timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
-
-    def start(self, timeout_s: float = 30.0) -> "ServerThread":
-        self.thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the server at {self.url} did not start")
-            time.sleep(0.05)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        super().__init__(create_app(service, access), host=host, port=port)
 
 
 def main(argv: list[str]) -> int:
