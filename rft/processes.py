@@ -2,7 +2,7 @@
 benchmarks and the tests use the same helpers without importing rft.run.commandline's dependencies.
 
 - `die_with_parent`: a child process that dies with its parent (Linux).
-- `free_port`: a TCP port nothing listens on now.
+- `free_port`: a TCP port nothing listens on now; `listening_socket`: a socket listening on one address only.
 - `signal_group`, `stop_group`: a signal to a child's process group (it was started with `start_new_session=True`);
   a stop that escalates to SIGKILL.
 - `command_line`, `matching`, `kill_matching`, `alive`, `wait_gone`: /proc, what runs with which command line.
@@ -33,6 +33,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host if host not in ("", "localhost") else "127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def listening_socket(host: str, port: int, backlog: int = 1024) -> socket.socket:
+    """A TCP socket bound to `host`'s first address (a name is resolved; "localhost" is loopback) and `port` (0: a
+    free one), listening: for servers whose library binds every interface unless handed a socket (torch's TCPStore:
+    `master_listen_fd`). OSError naming the address when it cannot be bound."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as e:
+        raise OSError(f"cannot resolve {host!r}: {e.strerror or e}") from None
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(backlog)
+    except OSError as e:
+        listener.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return listener
 
 
 def signal_group(process: subprocess.Popen | int, sig: int) -> bool:

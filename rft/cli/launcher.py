@@ -357,7 +357,8 @@ def cpu_threads_per_part(cfg: Config, roles: tuple[str, ...], gpus: dict[str, st
 def _trainer_command(cfg: Config, config_path: Path) -> list[str]:
     t = cfg.trainer
     nproc = t.tensor_parallel * t.pipeline_parallel * t.data_parallel
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    # torchrun whose stores listen on localhost only (rft/run/torchrun.py)
+    return [sys.executable, "-m", "rft.run.torchrun", "--standalone", f"--nproc-per-node={nproc}",
             "-m", "rft.cli", "trainer", str(config_path)]
 
 

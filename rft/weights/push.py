@@ -49,7 +49,6 @@ import datetime
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from rft.processes import listening_socket
 from rft.transport.control import ControlError, PushGroup
 
 log = logging.getLogger(__name__)
@@ -214,22 +214,13 @@ class _Member:
 
 def bound_store(host: str, port: int, world_size: int, timeout_s: float) -> "torch.distributed.TCPStore":
     """A master TCPStore that listens on `host` alone. TCPStore(host, is_master=True) binds every interface whatever
-    `host` says (torch 2.13: the name is only where clients connect); so the socket is bound and listening here, and
-    handed over as `master_listen_fd` (libuv backend: the store takes the descriptor over and closes it).
-    PushError naming the address when it cannot be bound."""
+    `host` says (torch 2.13: the name is only where clients connect); so the socket is bound and listening here
+    (rft.processes.listening_socket), and handed over as `master_listen_fd` (libuv backend: the store takes the
+    descriptor over and closes it). PushError naming the address when it cannot be bound."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        listener = socket.socket(family, kind, proto)
+        listener = listening_socket(host, port)
     except OSError as e:
-        raise PushError(f"the push group's address {host}:{port} (sync.push_host / push_port): {e}") from None
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(address)
-        listener.listen(1024)
-    except OSError as e:
-        listener.close()
-        raise PushError(f"cannot listen on {host}:{port} for the push group (sync.push_host / push_port): "
-                        f"{e.strerror or e}") from None
+        raise PushError(f"the push group (sync.push_host / push_port): {e.strerror or e}") from None
     bound_port, fd = listener.getsockname()[1], listener.detach()
     try:
         return torch.distributed.TCPStore(host, bound_port, world_size, is_master=True,
