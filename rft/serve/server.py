@@ -241,8 +241,10 @@ class EngineWorker:
         return future
 
     def stop(self) -> None:
-        self.queue.put(None)
-        self._thread.join(timeout=30)
+        """End the thread (after the jobs queued before this call); a no-op for a worker never started."""
+        if self._thread.is_alive():
+            self.queue.put(None)
+            self._thread.join(timeout=30)
 
     def _run(self) -> None:
         try:

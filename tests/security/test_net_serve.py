@@ -6,10 +6,12 @@ engine's thread; and `rft serve` beyond loopback without a key refuses to start.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -17,8 +19,9 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
-from rft.config import config_from_dict
-from rft.run.web import Access, allowed_hosts
+from rft.config import ServeConfig, config_from_dict
+from rft.processes import free_port
+from rft.run.web import Access, AccessConfigError, allowed_hosts, serve_access
 from rft.serve.ledger import FeedbackLedger
 from rft.serve.server import EngineWorker, Limits, ServerThread, ServeService, build_service, renderer
 from rft.transport import connect
@@ -29,7 +32,7 @@ pytestmark = [pytest.mark.integration]
 
 KEY = "k-" + "0123456789abcdef" * 2
 MESSAGES = [{"role": "user", "content": ":7"}]
-REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def serve_config(tmp, tiny_model, broker, **serve):
@@ -135,7 +138,7 @@ def stalled(broker, tiny_model, tmp_path):
     thread = ServerThread(service).start()
     yield thread.url, worker
     thread.stop()
-    service.sink.close()
+    service.close()
 
 
 def test_a_full_queue_is_429_with_retry_after_and_a_deadline_504(stalled):
@@ -160,15 +163,25 @@ def test_prompts_are_tokenized_off_the_engine_thread(stalled):
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "context_length_exceeded"
 
 
-@pytest.mark.parametrize("command", ["serve", "dashboard"])
+@pytest.mark.parametrize("command", ["serve", "dashboard", "run"])
 def test_beyond_loopback_without_a_key_it_refuses_to_start(tmp_path, tiny_model, broker, command):
+    """`rft serve --host 0.0.0.0`, `rft dashboard --host 0.0.0.0` and `rft run` whose dashboard would listen on
+    0.0.0.0 exit 2 naming what to set, before they start anything."""
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({
         "run": {"name": "refuse", "mode": "serve", "output_dir": str(tmp_path / "runs")},
-        "model": {"path": str(tiny_model)}, "kafka": {"bootstrap_servers": broker.bootstrap_servers}}))
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RFT_SERVE_API_KEY", "RFT_DASHBOARD_KEY")}
-    done = subprocess.run([sys.executable, "-m", "rft.cli", command, str(config), "--host", "0.0.0.0", "--port",
-                           "0" if command == "serve" else "1"], capture_output=True, text=True, timeout=120,
-                          cwd=REPO_ROOT, env=env)
-    assert done.returncode == 2, done.stderr[-2000:]
+        "model": {"path": str(tiny_model)}, "kafka": {"bootstrap_servers": broker.bootstrap_servers},
+        "monitor": {"dashboard_host": "0.0.0.0", "dashboard_port": free_port()}}))
+    env = {k: v for k, v in os.environ.items() if k not in ("RFT_SERVE_API_KEY", "RFT_DASHBOARD_KEY")}
+    hosts = ["--host", "0.0.0.0", "--port", str(free_port())] if command != "run" else []
+    done = subprocess.run([sys.executable, "-m", "rft.cli", command, str(config), *hosts], capture_output=True,
+                          text=True, timeout=120, cwd=REPO_ROOT, env=env)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert "beyond loopback" in done.stderr and "without a key" in done.stderr
+    assert not (tmp_path / "runs" / "refuse" / "logs").exists()  # nothing was started
+
+
+def test_a_short_key_is_refused(monkeypatch):
+    monkeypatch.setenv("RFT_SERVE_API_KEY", "secret")
+    with pytest.raises(AccessConfigError, match="at least 16"):
+        serve_access(ServeConfig(), "127.0.0.1")
