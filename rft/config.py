@@ -313,7 +313,9 @@ class SyncConfig:
     keep_versions: int = 2
     write_behind: bool = True  # pull: write and announce each version in the background while the next step trains
     timeout_s: float = 120.0  # push: longest wait for the fleet to join, and for one version to be delivered; pull with pipeline stages: longest wait without progress for the other stages' shards
-    push_host: str = ""  # push: the address explorers reach the trainer's publishing rank at (empty: this host's IP)
+    # push: the address the trainer's publishing rank listens on and explorers reach it at (empty: 127.0.0.1, explorers
+    # on this host only; a multi-host push run sets it)
+    push_host: str = ""
     push_port: int = 0  # push: the group's TCP port on that host (0: a free one, announced on the control topic)
     push_allow: list[str] = field(default_factory=list)  # push: the hosts an explorer accepts a push-group announcement from (empty: sync.push_host, else this host only); docs/operations.md, Trust
     verify: bool = True  # pull: an explorer checks each version's SHA-256 checksums against the store's manifest before loading it (sizes are always checked)

@@ -4,7 +4,6 @@ stage's publishing rank writes its own share of a pull-path version through a `S
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -19,6 +18,7 @@ if TYPE_CHECKING:
     from rft.weights.store import Staging, WeightStore
 
 log = logging.getLogger(__name__)
+LOOPBACK = "127.0.0.1"  # where the push group's store listens without sync.push_host: explorers on this host only
 
 
 class Sender(Protocol):
@@ -62,7 +62,7 @@ class WeightPublisher:
         self.sender = sender
         if self.method == "push" and sender is None:
             host_group = VLLMSender.host if transport == "vllm" else PushSender.host  # vllm: vLLM's NCCL transfer
-            self.sender = host_group(host=sync.push_host or _this_host(), port=sync.push_port,
+            self.sender = host_group(host=sync.push_host or LOOPBACK, port=sync.push_port,
                                           world_size=1 + push_members, group_id=uuid.uuid4().hex[:12],
                                           timeout_s=sync.timeout_s)
         self._connected = False
@@ -212,11 +212,3 @@ def _host_copies(buckets: Iterable[dict]) -> list[dict]:
 def _host_copy(tensor):
     """A copy in host memory that the next optimizer step cannot change (a CPU parameter may be yielded as is)."""
     return tensor.detach().to("cpu", copy=True)
-
-
-def _this_host() -> str:
-    """An address of this host that explorers on other hosts can reach (sync.push_host overrides it)."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"

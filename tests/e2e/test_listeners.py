@@ -22,7 +22,7 @@ def test_no_part_of_a_run_listens_on_every_interface(tmp_path, tiny_model):
     config = write_config(tmp_path, tiny_model, "listen", run={"max_steps": 500},
                           explorer={"engine": "transformers", "replicas": 1},
                           kafka={"bootstrap_servers": "embedded", "embedded_data_dir": "broker"},
-                          sync={"method": "push", "push_host": "127.0.0.1", "push_transport": "rft", "timeout_s": 60},
+                          sync={"method": "push", "push_transport": "rft", "timeout_s": 60},
                           monitor={"prometheus_port": prometheus, "dashboard_port": dashboard})
     run_dir, log = tmp_path / "runs" / "listen", tmp_path / "run.log"
     process = rft_run(config, log)
@@ -45,3 +45,4 @@ def test_no_part_of_a_run_listens_on_every_interface(tmp_path, tiny_model):
     wildcard = [str(item) for item in found if item.wildcard]
     assert not wildcard, f"listening on every interface: {wildcard}; all: {[str(i) for i in found]}"
     assert len({item.pid for item in found}) >= 4, [str(i) for i in found]  # broker, objects, dashboard, parts
+    assert "(pushed)" in (run_dir / "logs" / "explorer-0.log").read_text()  # the push group's store was up too
