@@ -48,7 +48,8 @@ def install() -> None:
     """Make `torch.distributed.TCPStore`, and every name already imported from it, the bound store."""
     dist.TCPStore = BoundTCPStore
     for module in list(sys.modules.values()):
-        if (getattr(module, "__name__", "") or "").startswith("torch") and getattr(module, "TCPStore", None) is _TCPStore:
+        name = getattr(module, "__name__", "") or ""
+        if name.startswith("torch") and getattr(module, "TCPStore", None) is _TCPStore:
             module.TCPStore = BoundTCPStore
 
 

@@ -61,8 +61,8 @@ def is_loopback(host: str) -> bool:
 
 def load_keys(*, env: str, file: str, what: str) -> frozenset[str]:
     """The bearer keys of `what` (e.g. "serve"): from the environment variable named `env` (comma-separated) and the
-    file `file` (one per line; blank lines and `#` comments skipped). AccessConfigError naming the file when it cannot be
-    read; a key shorter than 16 characters is refused (a guessable key is no key)."""
+    file `file` (one per line; blank lines and `#` comments skipped). AccessConfigError naming the file when it
+    cannot be read; a key shorter than 16 characters is refused (a guessable key is no key)."""
     keys = [k.strip() for k in os.environ.get(env, "").split(",")] if env else []
     if file:
         try:
@@ -80,12 +80,13 @@ def load_keys(*, env: str, file: str, what: str) -> frozenset[str]:
 
 
 def require_keys(host: str, keys: frozenset[str], *, what: str, env: str, file_key: str, host_key: str) -> None:
-    """AccessConfigError when `what` would listen on `host` beyond loopback without a key, naming the settings to change."""
+    """AccessConfigError when `what` would listen on `host` beyond loopback without a key, naming the settings to
+    change."""
     if keys or is_loopback(host):
         return
-    raise AccessConfigError(f"{what} would listen on {host or '0.0.0.0'} (beyond loopback) without a key: anyone who can "
-                    f"reach it could use it. Put a key in the environment variable ${env} (or a file named by "
-                    f"{file_key}), or listen on 127.0.0.1 ({host_key}); docs/security.md")
+    raise AccessConfigError(f"{what} would listen on {host or '0.0.0.0'} (beyond loopback) without a key: anyone "
+                            f"who can reach it could use it. Put a key in the environment variable ${env} (or a "
+                            f"file named by {file_key}), or listen on 127.0.0.1 ({host_key}); docs/security.md")
 
 
 def allowed_hosts(configured: list[str], bind_host: str) -> frozenset[str] | None:

@@ -20,9 +20,10 @@ Retry-After, not generated within request_timeout_s 504 (nothing recorded).
 
 Contracts:
 - Messages are tokenized on one tokenizer thread (ServeService), never on the engine's: the engine is the
-  explorers' (`explorer.engine` and its settings; rft/engine/), owned by one thread (`EngineWorker`) that generates up to `serve.max_batch` waiting requests per call and reloads the newest weights
-  in place (the weight store's LATEST or a `weights` announcement, rft/weights/subscriber.py) only between calls,
-  so all choices of a request come from one version. Messages are rendered as the explorers render prompts: with
+  explorers' (`explorer.engine` and its settings; rft/engine/), owned by one thread (`EngineWorker`) that
+  generates up to `serve.max_batch` waiting requests per call and reloads the newest weights in place (the weight
+  store's LATEST or a `weights` announcement, rft/weights/subscriber.py) only between calls, so
+  all choices of a request come from one version. Messages are rendered as the explorers render prompts: with
   `model.chat_template: true` by the tokenizer's chat template (the whole conversation, `model.system_prompt` first
   when set and the request has no system message; rft/text/chat.py), else the messages' contents joined by newlines as
   plain text with the tokenizer's special tokens.
