@@ -129,6 +129,10 @@ class ExplorerConfig:
     workflow: str = "single_turn"  # registered name (single_turn, multi_turn, tool_agent) or package.module:Class
     reward: str = "exact_match"  # registered name, `weighted` (uses reward_weights) or package.module:function
     reward_weights: dict[str, float] = field(default_factory=dict)  # reward name -> weight, for reward: weighted
+    # the range every reward must lie in (finite, reward_min <= r <= reward_max) wherever one enters the run: a reward
+    # function's result, `rft serve` feedback (400 otherwise), a group the trainer reads (dead-lettered otherwise)
+    reward_min: float = -1e6
+    reward_max: float = 1e6  # see reward_min
     # vLLM on a GPU: the share of its memory the engine may take (weights, KV cache); lower it when parts share GPUs
     gpu_memory_utilization: float = 0.5
     cpu_kvcache_gb: float = 1.0  # vLLM on CPU: GiB of memory the engine reserves for its KV cache
@@ -173,6 +177,9 @@ class ExplorerConfig:
                               f"got {self.engine}")
         if self.max_batch_s <= 0:
             raise ConfigError(f"explorer.max_batch_s: must be > 0, got {self.max_batch_s}")
+        if not self.reward_min < self.reward_max:
+            raise ConfigError(f"explorer.reward_min: must be < explorer.reward_max ({self.reward_max}), got "
+                              f"{self.reward_min}")
         if self.unassigned_rejoin_s < 0:
             raise ConfigError(f"explorer.unassigned_rejoin_s: must be >= 0 (0: never), got {self.unassigned_rejoin_s}")
 
@@ -484,13 +491,22 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         try:
             raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{source}: not valid YAML: {e}") from None
+            raise ConfigError(yaml_error(source, e)) from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: top level must be a mapping of sections, got {type(raw).__name__}")
     raw = _interpolate(raw, source, "")
     for item in overrides:
         _apply_override(raw, item)
     return build_config(raw, source)
+
+
+def yaml_error(source: str, error: yaml.YAMLError) -> str:
+    """One line naming `source:line:column` (1-based) and what PyYAML found wrong there."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    context = getattr(error, "context", None)
+    return f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
@@ -615,7 +631,9 @@ def _coerce(tp: Any, value: Any, source: str, path: str) -> Any:
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
-        return float(value)  # PyYAML (YAML 1.1) reads `1e-5` as a string; everyone means a float
+        value = float(value)  # PyYAML (YAML 1.1) reads `1e-5` as a string; everyone means a float
+    if tp is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{source}: {path}: must be a finite number, got {value}")
     if tp is bool and not isinstance(value, bool) or tp is not bool and isinstance(value, bool):
         raise ConfigError(f"{source}: {path}: expected {tp.__name__}, got {_describe(value)}")
     if not isinstance(value, tp):
@@ -628,6 +646,123 @@ def _describe(value: Any) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+# Ranges: one declaration per numeric key, checked generically (`check_semantics`); a unit test fails on a numeric key
+# without one. Keys of list items are written `section.list[].key`. Every float is also finite (`_coerce`).
+
+
+@dataclass(frozen=True)
+class Range:
+    """The interval a numeric key must lie in: [low, high], each end open when `low_open` / `high_open`; a None value
+    (an optional key left null) always holds."""
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    note: str = ""  # what the special values mean, e.g. "0: off"
+
+    def holds(self, value: float | None) -> bool:
+        if value is None:
+            return True
+        if not math.isfinite(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        if self.low == -math.inf and self.high == math.inf:
+            text = "a finite number"
+        elif self.high == math.inf:
+            text = f"{'>' if self.low_open else '>='} {self.low:g}"
+        elif self.low == -math.inf:
+            text = f"{'<' if self.high_open else '<='} {self.high:g}"
+        else:
+            text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+def at_least(low: float, note: str = "") -> Range:
+    return Range(low=low, note=note)
+
+
+FINITE = Range()
+POSITIVE = Range(low=0, low_open=True)  # > 0: durations, rates, sizes that cannot be zero
+COUNT = at_least(1)  # a number of things that must be there
+OPTIONAL = at_least(0, "0: off")  # a count or duration where 0 turns the feature off
+SEED = at_least(0)
+PROBABILITY = Range(0, 1)
+PORT = Range(1, 65535)
+PORT_OR_OFF = Range(0, 65535, note="0: off")
+PORT_OR_ANY = Range(0, 65535, note="0: any free port")
+
+RANGES: dict[str, Range] = {
+    "run.max_staleness": at_least(0), "run.seed": SEED, "run.max_steps": COUNT,
+    "model.max_prompt_len": COUNT, "model.max_response_len": COUNT,
+    "kafka.partitions": COUNT, "kafka.experience_partitions": COUNT, "kafka.replication_factor": COUNT,
+    "kafka.max_record_bytes": COUNT, "kafka.request_timeout_ms": POSITIVE, "kafka.session_timeout_ms": POSITIVE,
+    "kafka.max_poll_interval_ms": POSITIVE,
+    "explorer.replicas": at_least(0), "explorer.tensor_parallel_size": COUNT, "explorer.n_samples": COUNT,
+    "explorer.temperature": at_least(0, "0: greedy"), "explorer.top_p": Range(0, 1, low_open=True),
+    "explorer.max_tokens": COUNT, "explorer.tasks_per_batch": COUNT, "explorer.max_inflight": COUNT,
+    "explorer.gpu_memory_utilization": Range(0, 1, low_open=True), "explorer.cpu_kvcache_gb": POSITIVE,
+    "explorer.max_turns": COUNT, "explorer.tool_timeout_s": POSITIVE, "explorer.tool_memory_mb": at_least(64),
+    "explorer.tool_output_chars": COUNT, "explorer.heartbeat_s": POSITIVE, "explorer.max_batch_s": POSITIVE,
+    "explorer.exit_when_idle_s": OPTIONAL, "explorer.unassigned_rejoin_s": OPTIONAL,
+    "explorer.reward_min": FINITE, "explorer.reward_max": FINITE,
+    "trainer.tensor_parallel": COUNT, "trainer.pipeline_parallel": COUNT, "trainer.data_parallel": COUNT,
+    "trainer.groups_per_step": COUNT, "trainer.micro_batch_size": COUNT, "trainer.max_tokens_per_micro_batch": OPTIONAL,
+    "trainer.lr": POSITIVE, "trainer.weight_decay": at_least(0), "trainer.grad_clip": OPTIONAL,
+    "trainer.adam_beta1": Range(0, 1, high_open=True), "trainer.adam_beta2": Range(0, 1, high_open=True),
+    "trainer.checkpoint_every": COUNT, "trainer.poll_timeout_s": POSITIVE,
+    "data.epochs": COUNT, "data.shuffle_seed": SEED, "data.generated_tasks": COUNT, "data.tasks_ahead": OPTIONAL,
+    "data.mix[].weight": POSITIVE, "data.mix[].epochs": COUNT, "data.mix[].generated_tasks": COUNT,
+    "data.mix[].seed": SEED, "data.curriculum.target": FINITE, "data.curriculum.prior": FINITE,
+    "data.curriculum.temperature": at_least(0, "0: always the closest"),
+    "sync.bucket_mb": COUNT, "sync.keep_versions": COUNT, "sync.timeout_s": POSITIVE, "sync.push_port": PORT_OR_ANY,
+    "monitor.prometheus_port": PORT_OR_OFF, "monitor.dashboard_port": PORT_OR_OFF,
+    "replay_buffer.groups_per_step": OPTIONAL, "replay_buffer.max_reuse": COUNT,
+    "replay_buffer.decay": Range(0, 1, low_open=True), "replay_buffer.capacity": COUNT, "replay_buffer.seed": SEED,
+    "eval.sets[].generated_tasks": COUNT, "eval.sets[].seed": SEED, "eval.n_samples": COUNT, "eval.k": COUNT,
+    "eval.temperature": at_least(0, "0: greedy"), "eval.top_p": Range(0, 1, low_open=True),
+    "eval.max_tokens": at_least(0, "0: explorer.max_tokens"), "eval.correct_threshold": PROBABILITY,
+    "eval.every_steps": OPTIONAL, "eval.finish_timeout_s": POSITIVE,
+    "serve.port": PORT_OR_ANY, "serve.max_batch": COUNT, "serve.feedback_expire_s": POSITIVE,
+    "serve.group_size": COUNT, "serve.group_wait_s": POSITIVE, "serve.baseline_window": COUNT,
+}
+
+
+def numeric_values(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every int / float field under the dataclass `node`, list items as `key[i]`, in field
+    order (a section's `rest` field, e.g. algorithm.options, belongs to another module and is not walked)."""
+    out: list[tuple[str, Any]] = []
+    hints = typing.get_type_hints(type(node))
+    rest = _rest_field(type(node))
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if f.name == rest:
+            continue
+        if dataclasses.is_dataclass(value):
+            out += numeric_values(value, key + ".")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    out += numeric_values(item, f"{key}[{i}].")
+        elif _numeric_type(hints[f.name]):
+            out.append((key, value))
+    return out
+
+
+def _numeric_type(tp: Any) -> bool:
+    inner = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) is typing.Union else [tp]
+    return len(inner) == 1 and inner[0] in (int, float)
+
+
+def _pattern(key: str) -> str:
+    """The RANGES key of a dotted key: list indexes dropped (`eval.sets[2].seed` -> `eval.sets[].seed`)."""
+    return re.sub(r"\[\d+\]", "[]", key)
+
+
+# --------------------------------------------------------------------------------------------------
 # Semantic checks: ranges and cross-field constraints.
 
 def check_semantics(cfg: Config, source: str) -> None:
@@ -636,26 +771,8 @@ def check_semantics(cfg: Config, source: str) -> None:
         if not ok:
             raise ConfigError(f"{source}: {key}: {message}")
 
-    positive = {
-        "run.max_steps": cfg.run.max_steps, "kafka.partitions": cfg.kafka.partitions,
-        "kafka.experience_partitions": cfg.kafka.experience_partitions,
-        "kafka.replication_factor": cfg.kafka.replication_factor,
-        "kafka.max_record_bytes": cfg.kafka.max_record_bytes, "explorer.n_samples": cfg.explorer.n_samples,
-        "explorer.max_tokens": cfg.explorer.max_tokens, "explorer.tasks_per_batch": cfg.explorer.tasks_per_batch,
-        "explorer.tensor_parallel_size": cfg.explorer.tensor_parallel_size,
-        "trainer.tensor_parallel": cfg.trainer.tensor_parallel, "trainer.pipeline_parallel": cfg.trainer.pipeline_parallel,
-        "trainer.data_parallel": cfg.trainer.data_parallel, "trainer.groups_per_step": cfg.trainer.groups_per_step,
-        "trainer.micro_batch_size": cfg.trainer.micro_batch_size, "sync.bucket_mb": cfg.sync.bucket_mb,
-        "trainer.checkpoint_every": cfg.trainer.checkpoint_every, "sync.keep_versions": cfg.sync.keep_versions, "data.epochs": cfg.data.epochs,
-        "model.max_prompt_len": cfg.model.max_prompt_len, "model.max_response_len": cfg.model.max_response_len,
-    }
-    for key, value in positive.items():
-        require(value >= 1, key, f"must be >= 1, got {value}")
-    require(cfg.run.max_staleness >= 0, "run.max_staleness", f"must be >= 0, got {cfg.run.max_staleness}")
-    require(cfg.explorer.replicas >= 0, "explorer.replicas", f"must be >= 0, got {cfg.explorer.replicas}")
-    require(cfg.explorer.temperature >= 0, "explorer.temperature", f"must be >= 0, got {cfg.explorer.temperature}")
-    require(0 < cfg.explorer.top_p <= 1, "explorer.top_p", f"must be in (0, 1], got {cfg.explorer.top_p}")
-    require(cfg.trainer.lr > 0, "trainer.lr", f"must be > 0, got {cfg.trainer.lr}")
+    for key, value in numeric_values(cfg):  # every int / float key against its declared range (RANGES)
+        require(RANGES[_pattern(key)].holds(value), key, f"must be {RANGES[_pattern(key)]}, got {value}")
     _check_micro_batching(cfg.trainer, require)
     require(bool(cfg.run.name) and re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name) is not None, "run.name",
             f"must be non-empty letters, digits, '.', '_' or '-' (it names topics and directories); got {cfg.run.name!r}")
@@ -690,14 +807,7 @@ def _check_micro_batching(t: TrainerConfig, require) -> None:
 
 
 def _check_eval(e: EvalConfig, require) -> None:
-    require(e.n_samples >= 1, "eval.n_samples", f"must be >= 1, got {e.n_samples}")
     require(1 <= e.k <= e.n_samples, "eval.k", f"must be in [1, eval.n_samples={e.n_samples}], got {e.k}")
-    require(e.temperature >= 0, "eval.temperature", f"must be >= 0, got {e.temperature}")
-    require(0 < e.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {e.top_p}")
-    require(e.max_tokens >= 0, "eval.max_tokens", f"must be >= 0 (0: explorer.max_tokens), got {e.max_tokens}")
-    require(0 <= e.correct_threshold <= 1, "eval.correct_threshold", f"must be in [0, 1], got {e.correct_threshold}")
-    require(e.every_steps >= 0, "eval.every_steps", f"must be >= 0 (0: off), got {e.every_steps}")
-    require(e.finish_timeout_s > 0, "eval.finish_timeout_s", f"must be > 0, got {e.finish_timeout_s}")
     require(bool(e.sets) or not e.every_steps, "eval.sets", "eval.every_steps is set but there is no task set")
     seen: set[str] = set()
     for i, s in enumerate(e.sets):
@@ -707,7 +817,6 @@ def _check_eval(e: EvalConfig, require) -> None:
         require(s.name not in seen, f"{key}.name", f"{s.name!r} names two task sets")
         seen.add(s.name)
         require(bool(s.path), f"{key}.path", "required: a dataset file or directory, or a toy task name")
-        require(s.generated_tasks >= 1, f"{key}.generated_tasks", f"must be >= 1, got {s.generated_tasks}")
 
 
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # where transformers saves a template
