@@ -143,6 +143,11 @@ class ExplorerConfig:
     tool_timeout_s: float = 5.0  # tool_agent: wall-clock limit of one tool call (the python tool: also its CPU seconds)
     tool_memory_mb: int = 512  # tool_agent: address-space limit of the python tool's process
     tool_output_chars: int = 1000  # tool_agent: characters of a tool result the model sees (the rest is cut)
+    # tool_agent: how the python tool is isolated. bwrap (bubblewrap, `make system-deps`): no network, no other
+    # processes in view, the filesystem read-only but for its working directory, the whole process tree killed after
+    # the call; an explorer refuses to start when it cannot work here. none: no isolation (trusted code only)
+    python_sandbox: Literal["bwrap", "none"] = "bwrap"
+    tool_max_processes: int = 16  # tool_agent: processes and threads the python tool's code may run at once
     judge_model: str = ""  # reward judge: HF model directory of the judge
     judge_template: str = ("Question: {prompt}\nReference answer: {answer}\nResponse: {response}\n"  # reward judge: its prompt
                            "Is the response correct? Answer Yes or No.\nAnswer:")
@@ -706,7 +711,8 @@ RANGES: dict[str, Range] = {
     "explorer.max_tokens": COUNT, "explorer.tasks_per_batch": COUNT, "explorer.max_inflight": COUNT,
     "explorer.gpu_memory_utilization": Range(0, 1, low_open=True), "explorer.cpu_kvcache_gb": POSITIVE,
     "explorer.max_turns": COUNT, "explorer.tool_timeout_s": POSITIVE, "explorer.tool_memory_mb": at_least(64),
-    "explorer.tool_output_chars": COUNT, "explorer.heartbeat_s": POSITIVE, "explorer.max_batch_s": POSITIVE,
+    "explorer.tool_output_chars": COUNT,
+    "explorer.tool_max_processes": COUNT, "explorer.heartbeat_s": POSITIVE, "explorer.max_batch_s": POSITIVE,
     "explorer.exit_when_idle_s": OPTIONAL, "explorer.unassigned_rejoin_s": OPTIONAL,
     "explorer.reward_min": FINITE, "explorer.reward_max": FINITE,
     "trainer.tensor_parallel": COUNT, "trainer.pipeline_parallel": COUNT, "trainer.data_parallel": COUNT,
