@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -20,7 +21,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import yaml
 
@@ -452,6 +453,9 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     stages: list[dict[str, Any]] = field(default_factory=list)  # multi-stage run: [{name, <section>: overrides}], see rft/run/stages.py
+    # Not a key: the `${ENV}` references the values came from, {dotted key: the string as written} (set by
+    # load_config / config_from_dict; `to_yaml` writes these, never the values).
+    env_refs: ClassVar[dict[str, str]] = {}
 
     @property
     def run_dir(self) -> Path:
@@ -473,7 +477,87 @@ class Config:
         return out
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        """The tree as YAML with its secrets redacted (`redacted`): what `rft run` writes to the run's config.yaml,
+        `rft validate --print` prints and the dashboard shows."""
+        return yaml.safe_dump(redacted(self), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Secrets: never written or shown. A value that came from `${ENV}` is written as the reference (whoever reads the
+# file expands it again from its own environment); a value under a key named like a secret in a free-form mapping
+# (kafka.security, options: rft's own typed keys hold no secrets) is written as REDACTED.
+
+SECRET_NAME = re.compile(r"key|token|passw|secret|credential", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+def redacted(cfg: Config) -> dict[str, Any]:
+    """`cfg.to_dict()` with every secret replaced (see above)."""
+    refs = cfg.env_refs
+
+    def walk(node: Any, path: str) -> Any:
+        if path in refs:
+            return refs[path]
+        if isinstance(node, dict):
+            return {k: walk(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v, f"{path}[{i}]") for i, v in enumerate(node)]
+        return REDACTED if node not in (None, "") and is_secret_key(path) else node
+
+    return walk(cfg.to_dict(), "")
+
+
+def secret_values(cfg: Config) -> dict[str, Any]:
+    """{dotted key: value} of the secrets `redacted` writes as REDACTED (values not from `${ENV}`)."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if path in cfg.env_refs:
+            return
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}[{i}]")
+        elif node not in (None, "") and is_secret_key(path):
+            out[path] = node
+
+    walk(cfg.to_dict(), "")
+    return out
+
+
+def is_secret_key(path: str) -> bool:
+    """Whether the dotted key `path` names a secret: its last part is named like one (SECRET_NAME) and it lies in a
+    free-form mapping (a `dict[str, Any]` key of the schema, e.g. kafka.security; in a stage's overrides too)."""
+    general = _pattern(re.sub(r"^stages\[\d+\]\.", "", path))
+    name = general.rsplit(".", 1)[-1]
+    return bool(SECRET_NAME.search(name)) and any(general.startswith(f + ".") for f in _free_form_keys())
+
+
+@functools.cache
+def _free_form_keys() -> tuple[str, ...]:
+    """The dotted keys (list items as `[]`) typed `dict[str, Any]`: mappings whose keys rft does not define."""
+    out: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp, args = hints[f.name], typing.get_args(hints[f.name])
+            if f.metadata.get("rest"):
+                continue
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+            elif typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
+                walk(args[0], f"{prefix}{f.name}[].")
+            elif typing.get_origin(tp) is typing.Union and any(
+                    typing.get_origin(a) is dict and typing.get_args(a)[1] is Any for a in args):
+                out.append(f"{prefix}{f.name}")
+            elif typing.get_origin(tp) is dict and args[1] is Any:
+                out.append(f"{prefix}{f.name}")
+
+    walk(Config, "")
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -499,10 +583,14 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
             raise ConfigError(yaml_error(source, e)) from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: top level must be a mapping of sections, got {type(raw).__name__}")
-    raw = _interpolate(raw, source, "")
+    refs: dict[str, str] = {}
+    raw = _interpolate(raw, source, "", refs)
     for item in overrides:
         _apply_override(raw, item)
-    return build_config(raw, source)
+        refs.pop(item.split("=", 1)[0].strip(), None)  # set on the command line: its own value now
+    cfg = build_config(raw, source)
+    cfg.env_refs = refs
+    return cfg
 
 
 def yaml_error(source: str, error: yaml.YAMLError) -> str:
@@ -516,7 +604,10 @@ def yaml_error(source: str, error: yaml.YAMLError) -> str:
 
 def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
     """`load_config` of an already parsed mapping (`${ENV}` references are expanded)."""
-    return build_config(_interpolate(raw, source, ""), source)
+    refs: dict[str, str] = {}
+    cfg = build_config(_interpolate(raw, source, "", refs), source)
+    cfg.env_refs = refs
+    return cfg
 
 
 def build_config(raw: dict[str, Any], source: str, prefix: str = "") -> Config:
@@ -527,12 +618,15 @@ def build_config(raw: dict[str, Any], source: str, prefix: str = "") -> Config:
     return cfg
 
 
-def _interpolate(node: Any, source: str, key: str) -> Any:
+def _interpolate(node: Any, source: str, key: str, refs: dict[str, str]) -> Any:
+    """`node` with its `${NAME}` / `${NAME:-default}` references expanded; `refs` gets {dotted key: the string as
+    written} of each value that held one."""
     if isinstance(node, dict):
-        return {k: _interpolate(v, source, f"{key}.{k}" if key else str(k)) for k, v in node.items()}
+        return {k: _interpolate(v, source, f"{key}.{k}" if key else str(k), refs) for k, v in node.items()}
     if isinstance(node, list):
-        return [_interpolate(v, source, f"{key}[{i}]") for i, v in enumerate(node)]
+        return [_interpolate(v, source, f"{key}[{i}]", refs) for i, v in enumerate(node)]
     if isinstance(node, str) and "${" in node:
+        refs[key] = node
         def replace(m: re.Match) -> str:
             name, default = m.group(1), m.group(2)
             if name in os.environ:

@@ -71,6 +71,7 @@ def main(argv: list[str]) -> int:
     add_config_arguments(parser)
     parser.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
     args = parser.parse_args(argv)
+    os.umask(0o077)  # checkpoints, metrics, weights: directories 0700, files 0600
     cfg = config_from_args(args, joins_broker="rft trainer")
     # megatron's checkpoint writer forks helper processes; a trainer killed mid-checkpoint must not leave them behind
     os.register_at_fork(after_in_child=lambda: die_with_parent(signal.SIGKILL))
