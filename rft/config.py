@@ -509,22 +509,19 @@ def redacted(cfg: Config) -> dict[str, Any]:
 
 def secret_values(cfg: Config) -> dict[str, Any]:
     """{dotted key: value} of the secrets `redacted` writes as REDACTED (values not from `${ENV}`)."""
-    out: dict[str, Any] = {}
+    shown, actual = flatten(redacted(cfg)), flatten(cfg.to_dict())
+    return {key: actual[key] for key, value in shown.items() if value == REDACTED and actual.get(key) != REDACTED}
 
-    def walk(node: Any, path: str) -> None:
-        if path in cfg.env_refs:
-            return
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, f"{path}.{k}" if path else str(k))
-        elif isinstance(node, list):
-            for i, v in enumerate(node):
-                walk(v, f"{path}[{i}]")
-        elif node not in (None, "") and is_secret_key(path):
-            out[path] = node
 
-    walk(cfg.to_dict(), "")
-    return out
+def flatten(node: Any, path: str = "") -> dict[str, Any]:
+    """{dotted key: value} of every leaf of a YAML-shaped tree (list items as `key[i]`; an empty mapping or list is
+    no leaf)."""
+    if isinstance(node, dict):
+        return {k: v for key, value in node.items() for k, v in flatten(value, f"{path}.{key}" if path else
+                                                                        str(key)).items()}
+    if isinstance(node, list):
+        return {k: v for i, value in enumerate(node) for k, v in flatten(value, f"{path}[{i}]").items()}
+    return {path: node}
 
 
 def is_secret_key(path: str) -> bool:

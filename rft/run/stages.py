@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rft.algorithms import option_keys
-from rft.config import Config, ConfigError, build_config
+from rft.config import Config, ConfigError, build_config, flatten
 
 DONE_MARKER = "stage_done.json"
 _LAYOUT_KEYS = {("run", "name"), ("run", "output_dir"), ("kafka", "topic_prefix"), ("kafka", "bootstrap_servers")}
@@ -95,21 +95,12 @@ def resolve_stages(cfg: Config, source: str = "<config>", *,
 def _kept_refs(cfg: Config, stage: Config, i: int) -> dict[str, str]:
     """The `${ENV}` references of the root config (and of stage i's own overrides, `stages[i].<key>`) that still
     describe the stage's value: so a stage's config.yaml redacts what the root's does."""
-    root, own = _flatten(cfg.to_dict()), _flatten(stage.to_dict())
+    root, own = flatten(cfg.to_dict()), flatten(stage.to_dict())
     refs = {key: ref for key, ref in cfg.env_refs.items() if key in own and own[key] == root.get(key)}
     prefix = f"stages[{i}]."
     refs.update({key.removeprefix(prefix): ref for key, ref in cfg.env_refs.items() if key.startswith(prefix)})
     return refs
 
-
-def _flatten(node: Any, path: str = "") -> dict[str, Any]:
-    """{dotted key: value} of every leaf of a YAML-shaped tree (list items as `key[i]`)."""
-    if isinstance(node, dict):
-        return {k: v for key, value in node.items() for k, v in _flatten(value, f"{path}.{key}" if path else
-                                                                         str(key)).items()}
-    if isinstance(node, list):
-        return {k: v for i, value in enumerate(node) for k, v in _flatten(value, f"{path}[{i}]").items()}
-    return {path: node}
 
 
 def _stage_name(raw: dict[str, Any], i: int, source: str, *, seen: set[str]) -> str:
