@@ -1,7 +1,7 @@
 """`python`: a snippet of Python run in a sandboxed subprocess; the answer is what it printed.
 
 The process: `sys.executable -I` (isolated: no PYTHON* variables, no user site, the script's directory not on
-the path) reading the code from stdin, in a new session, with an empty environment (no proxies, no credentials,
+the path) reading the code from stdin, in a new session, with an environment of its own (TOOL_ENVIRONMENT: no proxies, no credentials,
 no PYTHONPATH), cwd a fresh temporary directory, and `resource` limits set before exec: CPU time
 `ceil(timeout_s) + 1` seconds, address space `memory_mb`, files written at most 1 MiB, no core files. The wall-clock
 limit is `timeout_s`; past it the whole process group is killed. stdout and stderr go to one file in that
@@ -40,6 +40,10 @@ from rft.processes import signal_group
 
 MAX_FILE_BYTES = 1 << 20
 SANDBOX_UID = 65534  # nobody: the code's user when the explorer is root
+# The code's whole environment: nothing inherited; one thread per math library (a BLAS that starts a thread per core
+# of a large machine would run into the process limit)
+TOOL_ENVIRONMENT = {"PYTHONIOENCODING": "utf-8", "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "1",
+                    "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def _limit(cpu_s: int, memory_bytes: int, processes: int | None) -> None:
@@ -153,7 +157,7 @@ def run_python(code: str, limits: ToolLimits) -> str:
         with open(out_path, "wb") as out:
             process = subprocess.Popen(
                 sandboxed([sys.executable, "-I", "-"], workdir, limits.sandbox), stdin=subprocess.PIPE, stdout=out,
-                stderr=subprocess.STDOUT, cwd=workdir, env={"PYTHONIOENCODING": "utf-8", "LC_ALL": "C.UTF-8"},
+                stderr=subprocess.STDOUT, cwd=workdir, env=TOOL_ENVIRONMENT,
                 start_new_session=True,
                 preexec_fn=lambda: _limit(_cpu_seconds(limits), limits.memory_mb << 20, processes))
             try:
