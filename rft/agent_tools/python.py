@@ -1,8 +1,8 @@
 """`python`: a snippet of Python run in a sandboxed subprocess; the answer is what it printed.
 
 The process: `sys.executable -I` (isolated: no PYTHON* variables, no user site, the script's directory not on
-the path) reading the code from stdin, in a new session, with an environment of its own (TOOL_ENVIRONMENT: no proxies, no credentials,
-no PYTHONPATH), cwd a fresh temporary directory, and `resource` limits set before exec: CPU time
+the path) reading the code from stdin, in a new session, with an environment of its own (TOOL_ENVIRONMENT: no
+proxies, no credentials, no PYTHONPATH), cwd a fresh temporary directory, and `resource` limits set before exec: CPU time
 `ceil(timeout_s) + 1` seconds, address space `memory_mb`, files written at most 1 MiB, no core files. The wall-clock
 limit is `timeout_s`; past it the whole process group is killed. stdout and stderr go to one file in that
 directory (never an unbounded pipe) and the model sees at most `output_chars` characters of it.
