@@ -25,8 +25,9 @@ $(STAMP): setup.py $(CONSTRAINTS)
 
 # Debian tools the tests use as independent peers (kcat: a standard Kafka client; slurm-wlm and munge: a real
 # single-node Slurm for the launcher tests in tests/slurm; chromium and its chromedriver: the headless browser that
-# opens `rft dashboard` in tests/e2e/test_dashboard_browser.py). COMMAND:PACKAGE pairs.
-SYSTEM_DEPS := kcat:kcat sbatch:slurm-wlm slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge chromium:chromium \
+# opens `rft dashboard` in tests/e2e/test_dashboard_browser.py; bubblewrap: the python tool's sandbox,
+# explorer.python_sandbox, rft/agent_tools/python.py). COMMAND:PACKAGE pairs.
+SYSTEM_DEPS := kcat:kcat bwrap:bubblewrap sbatch:slurm-wlm slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge chromium:chromium \
 	chromedriver:chromium-driver
 system-deps:
 	@missing=$$(for d in $(SYSTEM_DEPS); do PATH=$$PATH:/usr/sbin command -v $${d%%:*} >/dev/null || echo $${d#*:}; done | sort -u); \

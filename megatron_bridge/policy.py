@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import multiprocessing
 import signal
 import sys
@@ -128,13 +129,31 @@ class TrainedModel:
         self.optimizer.zero_grad()
         per_micro_batch = schedule.run(self.models, micro_batches, on_output, forward_only=False, packed=packed)
         finalize_model_grads(self.models)
-        succeeded, grad_norm, _ = self.optimizer.step()
+        totals = self._sum_over_replicas(per_micro_batch)
+        if self._update_is_finite(totals.get("loss", 0.0)):
+            succeeded, grad_norm, _ = self.optimizer.step()
+        else:  # a NaN / inf loss or gradient would poison the weights (and every engine that loads them)
+            succeeded, grad_norm = False, None
         self.scheduler.step(1)
         self.steps += 1
-        totals = self._sum_over_replicas(per_micro_batch)
         totals["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         totals["step_skipped"] = 0.0 if succeeded else 1.0
         return totals
+
+    def _update_is_finite(self, loss: float) -> bool:
+        """Collective: False (on every rank) when `loss` (summed over replicas: the same everywhere) or any rank's
+        gradients hold a NaN or an infinity; the caller then skips the optimizer step. With fp16 only the loss:
+        megatron's loss scaler finds non-finite gradients itself and must see them, to lower its scale."""
+        finite = math.isfinite(loss)
+        if finite and not self.config.fp16:
+            finite = _finite([p.main_grad for m in self.models for p in m.parameters()
+                              if getattr(p, "main_grad", None) is not None])
+        return _on_every_rank(finite)
+
+    def weights_finite(self) -> bool:
+        """Collective: True (on every rank) when no rank's parameters hold a NaN or an infinity. The trainer asks
+        before publishing a version: non-finite weights are never published."""
+        return _on_every_rank(_finite([p.data for m in self.models for p in m.parameters()]))
 
     def describe(self) -> str:
         """One line for logs: ranks and layout, the device and backend, dtype, optimizer state sharding."""
@@ -396,3 +415,15 @@ def _from_last_stage(tensor: torch.Tensor | None, shape: tuple[int, ...], *,
         buffer = torch.empty(shape, dtype=dtype, device=device.compute_device())
     dist.broadcast(buffer, src=last, group=group)
     return buffer.cpu()
+
+
+def _finite(tensors: list[torch.Tensor]) -> bool:
+    """No NaN and no infinity in any of `tensors` (one host sync for all of them)."""
+    return not tensors or bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+
+
+def _on_every_rank(ok: bool) -> bool:
+    """Collective over the whole world: True on every rank when `ok` is True on every rank."""
+    flag = torch.tensor([0.0 if ok else 1.0], device=device.compute_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0.0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -20,7 +21,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import yaml
 
@@ -129,6 +130,10 @@ class ExplorerConfig:
     workflow: str = "single_turn"  # registered name (single_turn, multi_turn, tool_agent) or package.module:Class
     reward: str = "exact_match"  # registered name, `weighted` (uses reward_weights) or package.module:function
     reward_weights: dict[str, float] = field(default_factory=dict)  # reward name -> weight, for reward: weighted
+    # the range every reward must lie in (finite, reward_min <= r <= reward_max) wherever one enters the run: a reward
+    # function's result, `rft serve` feedback (400 otherwise), a group the trainer reads (dead-lettered otherwise)
+    reward_min: float = -1e6
+    reward_max: float = 1e6  # see reward_min
     # vLLM on a GPU: the share of its memory the engine may take (weights, KV cache); lower it when parts share GPUs
     gpu_memory_utilization: float = 0.5
     cpu_kvcache_gb: float = 1.0  # vLLM on CPU: GiB of memory the engine reserves for its KV cache
@@ -139,6 +144,11 @@ class ExplorerConfig:
     tool_timeout_s: float = 5.0  # tool_agent: wall-clock limit of one tool call (the python tool: also its CPU seconds)
     tool_memory_mb: int = 512  # tool_agent: address-space limit of the python tool's process
     tool_output_chars: int = 1000  # tool_agent: characters of a tool result the model sees (the rest is cut)
+    # tool_agent: how the python tool is isolated. bwrap (bubblewrap, `make system-deps`): no network, no other
+    # processes in view, the filesystem read-only but for its working directory, the whole process tree killed after
+    # the call; an explorer refuses to start when it cannot work here. none: no isolation (trusted code only)
+    python_sandbox: Literal["bwrap", "none"] = "bwrap"
+    tool_max_processes: int = 16  # tool_agent: processes and threads the python tool's code may run at once
     judge_model: str = ""  # reward judge: HF model directory of the judge
     judge_template: str = ("Question: {prompt}\nReference answer: {answer}\nResponse: {response}\n"  # reward judge: its prompt
                            "Is the response correct? Answer Yes or No.\nAnswer:")
@@ -173,6 +183,9 @@ class ExplorerConfig:
                               f"got {self.engine}")
         if self.max_batch_s <= 0:
             raise ConfigError(f"explorer.max_batch_s: must be > 0, got {self.max_batch_s}")
+        if not self.reward_min < self.reward_max:
+            raise ConfigError(f"explorer.reward_min: must be < explorer.reward_max ({self.reward_max}), got "
+                              f"{self.reward_min}")
         if self.unassigned_rejoin_s < 0:
             raise ConfigError(f"explorer.unassigned_rejoin_s: must be >= 0 (0: never), got {self.unassigned_rejoin_s}")
 
@@ -464,6 +477,9 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     stages: list[dict[str, Any]] = field(default_factory=list)  # multi-stage run: [{name, <section>: overrides}], see rft/run/stages.py
+    # Not a key: the `${ENV}` references the values came from, {dotted key: the string as written} (set by
+    # load_config / config_from_dict; `to_yaml` writes these, never the values).
+    env_refs: ClassVar[dict[str, str]] = {}
 
     @property
     def run_dir(self) -> Path:
@@ -485,7 +501,84 @@ class Config:
         return out
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        """The tree as YAML with its secrets redacted (`redacted`): what `rft run` writes to the run's config.yaml,
+        `rft validate --print` prints and the dashboard shows."""
+        return yaml.safe_dump(redacted(self), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Secrets: never written or shown. A value that came from `${ENV}` is written as the reference (whoever reads the
+# file expands it again from its own environment); a value under a key named like a secret in a free-form mapping
+# (kafka.security, options: rft's own typed keys hold no secrets) is written as REDACTED.
+
+SECRET_NAME = re.compile(r"key|token|passw|secret|credential", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+def redacted(cfg: Config) -> dict[str, Any]:
+    """`cfg.to_dict()` with every secret replaced (see above)."""
+    refs = cfg.env_refs
+
+    def walk(node: Any, path: str) -> Any:
+        if path in refs:
+            return refs[path]
+        if isinstance(node, dict):
+            return {k: walk(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v, f"{path}[{i}]") for i, v in enumerate(node)]
+        return REDACTED if node not in (None, "") and is_secret_key(path) else node
+
+    return walk(cfg.to_dict(), "")
+
+
+def secret_values(cfg: Config) -> dict[str, Any]:
+    """{dotted key: value} of the secrets `redacted` writes as REDACTED (values not from `${ENV}`)."""
+    shown, actual = flatten(redacted(cfg)), flatten(cfg.to_dict())
+    return {key: actual[key] for key, value in shown.items() if value == REDACTED and actual.get(key) != REDACTED}
+
+
+def flatten(node: Any, path: str = "") -> dict[str, Any]:
+    """{dotted key: value} of every leaf of a YAML-shaped tree (list items as `key[i]`; an empty mapping or list is
+    no leaf)."""
+    if isinstance(node, dict):
+        return {k: v for key, value in node.items() for k, v in flatten(value, f"{path}.{key}" if path else
+                                                                        str(key)).items()}
+    if isinstance(node, list):
+        return {k: v for i, value in enumerate(node) for k, v in flatten(value, f"{path}[{i}]").items()}
+    return {path: node}
+
+
+def is_secret_key(path: str) -> bool:
+    """Whether the dotted key `path` names a secret: its last part is named like one (SECRET_NAME) and it lies in a
+    free-form mapping (a `dict[str, Any]` key of the schema, e.g. kafka.security; in a stage's overrides too)."""
+    general = _pattern(re.sub(r"^stages\[\d+\]\.", "", path))
+    name = general.rsplit(".", 1)[-1]
+    return bool(SECRET_NAME.search(name)) and any(general.startswith(f + ".") for f in _free_form_keys())
+
+
+@functools.cache
+def _free_form_keys() -> tuple[str, ...]:
+    """The dotted keys (list items as `[]`) typed `dict[str, Any]`: mappings whose keys rft does not define."""
+    out: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp, args = hints[f.name], typing.get_args(hints[f.name])
+            if f.metadata.get("rest"):
+                continue
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+            elif typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
+                walk(args[0], f"{prefix}{f.name}[].")
+            elif typing.get_origin(tp) is typing.Union and any(
+                    typing.get_origin(a) is dict and typing.get_args(a)[1] is Any for a in args):
+                out.append(f"{prefix}{f.name}")
+            elif typing.get_origin(tp) is dict and args[1] is Any:
+                out.append(f"{prefix}{f.name}")
+
+    walk(Config, "")
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -508,18 +601,34 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         try:
             raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{source}: not valid YAML: {e}") from None
+            raise ConfigError(yaml_error(source, e)) from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: top level must be a mapping of sections, got {type(raw).__name__}")
-    raw = _interpolate(raw, source, "")
+    refs: dict[str, str] = {}
+    raw = _interpolate(raw, source, "", refs)
     for item in overrides:
         _apply_override(raw, item)
-    return build_config(raw, source)
+        refs.pop(item.split("=", 1)[0].strip(), None)  # set on the command line: its own value now
+    cfg = build_config(raw, source)
+    cfg.env_refs = refs
+    return cfg
+
+
+def yaml_error(source: str, error: yaml.YAMLError) -> str:
+    """One line naming `source:line:column` (1-based) and what PyYAML found wrong there."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    context = getattr(error, "context", None)
+    return f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
     """`load_config` of an already parsed mapping (`${ENV}` references are expanded)."""
-    return build_config(_interpolate(raw, source, ""), source)
+    refs: dict[str, str] = {}
+    cfg = build_config(_interpolate(raw, source, "", refs), source)
+    cfg.env_refs = refs
+    return cfg
 
 
 def build_config(raw: dict[str, Any], source: str, prefix: str = "") -> Config:
@@ -530,12 +639,15 @@ def build_config(raw: dict[str, Any], source: str, prefix: str = "") -> Config:
     return cfg
 
 
-def _interpolate(node: Any, source: str, key: str) -> Any:
+def _interpolate(node: Any, source: str, key: str, refs: dict[str, str]) -> Any:
+    """`node` with its `${NAME}` / `${NAME:-default}` references expanded; `refs` gets {dotted key: the string as
+    written} of each value that held one."""
     if isinstance(node, dict):
-        return {k: _interpolate(v, source, f"{key}.{k}" if key else str(k)) for k, v in node.items()}
+        return {k: _interpolate(v, source, f"{key}.{k}" if key else str(k), refs) for k, v in node.items()}
     if isinstance(node, list):
-        return [_interpolate(v, source, f"{key}[{i}]") for i, v in enumerate(node)]
+        return [_interpolate(v, source, f"{key}[{i}]", refs) for i, v in enumerate(node)]
     if isinstance(node, str) and "${" in node:
+        refs[key] = node
         def replace(m: re.Match) -> str:
             name, default = m.group(1), m.group(2)
             if name in os.environ:
@@ -639,7 +751,9 @@ def _coerce(tp: Any, value: Any, source: str, path: str) -> Any:
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
-        return float(value)  # PyYAML (YAML 1.1) reads `1e-5` as a string; everyone means a float
+        value = float(value)  # PyYAML (YAML 1.1) reads `1e-5` as a string; everyone means a float
+    if tp is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{source}: {path}: must be a finite number, got {value}")
     if tp is bool and not isinstance(value, bool) or tp is not bool and isinstance(value, bool):
         raise ConfigError(f"{source}: {path}: expected {tp.__name__}, got {_describe(value)}")
     if not isinstance(value, tp):
@@ -652,6 +766,124 @@ def _describe(value: Any) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+# Ranges: one declaration per numeric key, checked generically (`check_semantics`); a unit test fails on a numeric key
+# without one. Keys of list items are written `section.list[].key`. Every float is also finite (`_coerce`).
+
+
+@dataclass(frozen=True)
+class Range:
+    """The interval a numeric key must lie in: [low, high], each end open when `low_open` / `high_open`; a None value
+    (an optional key left null) always holds."""
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    note: str = ""  # what the special values mean, e.g. "0: off"
+
+    def holds(self, value: float | None) -> bool:
+        if value is None:
+            return True
+        if not math.isfinite(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        if self.low == -math.inf and self.high == math.inf:
+            text = "a finite number"
+        elif self.high == math.inf:
+            text = f"{'>' if self.low_open else '>='} {self.low:g}"
+        elif self.low == -math.inf:
+            text = f"{'<' if self.high_open else '<='} {self.high:g}"
+        else:
+            text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+def at_least(low: float, note: str = "") -> Range:
+    return Range(low=low, note=note)
+
+
+FINITE = Range()
+POSITIVE = Range(low=0, low_open=True)  # > 0: durations, rates, sizes that cannot be zero
+COUNT = at_least(1)  # a number of things that must be there
+OPTIONAL = at_least(0, "0: off")  # a count or duration where 0 turns the feature off
+SEED = at_least(0)
+PROBABILITY = Range(0, 1)
+PORT = Range(1, 65535)
+PORT_OR_OFF = Range(0, 65535, note="0: off")
+PORT_OR_ANY = Range(0, 65535, note="0: any free port")
+
+RANGES: dict[str, Range] = {
+    "run.max_staleness": at_least(0), "run.seed": SEED, "run.max_steps": COUNT,
+    "model.max_prompt_len": COUNT, "model.max_response_len": COUNT,
+    "kafka.partitions": COUNT, "kafka.experience_partitions": COUNT, "kafka.replication_factor": COUNT,
+    "kafka.max_record_bytes": COUNT, "kafka.request_timeout_ms": POSITIVE, "kafka.session_timeout_ms": POSITIVE,
+    "kafka.max_poll_interval_ms": POSITIVE,
+    "explorer.replicas": at_least(0), "explorer.tensor_parallel_size": COUNT, "explorer.n_samples": COUNT,
+    "explorer.temperature": at_least(0, "0: greedy"), "explorer.top_p": Range(0, 1, low_open=True),
+    "explorer.max_tokens": COUNT, "explorer.tasks_per_batch": COUNT, "explorer.max_inflight": COUNT,
+    "explorer.gpu_memory_utilization": Range(0, 1, low_open=True), "explorer.cpu_kvcache_gb": POSITIVE,
+    "explorer.max_turns": COUNT, "explorer.tool_timeout_s": POSITIVE, "explorer.tool_memory_mb": at_least(64),
+    "explorer.tool_output_chars": COUNT,
+    "explorer.tool_max_processes": COUNT, "explorer.heartbeat_s": POSITIVE, "explorer.max_batch_s": POSITIVE,
+    "explorer.exit_when_idle_s": OPTIONAL, "explorer.unassigned_rejoin_s": OPTIONAL,
+    "explorer.reward_min": FINITE, "explorer.reward_max": FINITE,
+    "trainer.tensor_parallel": COUNT, "trainer.pipeline_parallel": COUNT, "trainer.data_parallel": COUNT,
+    "trainer.groups_per_step": COUNT, "trainer.micro_batch_size": COUNT, "trainer.max_tokens_per_micro_batch": OPTIONAL,
+    "trainer.lr": POSITIVE, "trainer.weight_decay": at_least(0), "trainer.grad_clip": OPTIONAL,
+    "trainer.adam_beta1": Range(0, 1, high_open=True), "trainer.adam_beta2": Range(0, 1, high_open=True),
+    "trainer.checkpoint_every": COUNT, "trainer.poll_timeout_s": POSITIVE,
+    "data.epochs": COUNT, "data.shuffle_seed": SEED, "data.generated_tasks": COUNT, "data.tasks_ahead": OPTIONAL,
+    "data.mix[].weight": POSITIVE, "data.mix[].epochs": COUNT, "data.mix[].generated_tasks": COUNT,
+    "data.mix[].seed": SEED, "data.curriculum.target": FINITE, "data.curriculum.prior": FINITE,
+    "data.curriculum.temperature": at_least(0, "0: always the closest"),
+    "sync.bucket_mb": COUNT, "sync.keep_versions": COUNT, "sync.timeout_s": POSITIVE, "sync.push_port": PORT_OR_ANY,
+    "monitor.prometheus_port": PORT_OR_OFF, "monitor.dashboard_port": PORT_OR_OFF,
+    "replay_buffer.groups_per_step": OPTIONAL, "replay_buffer.max_reuse": COUNT,
+    "replay_buffer.decay": Range(0, 1, low_open=True), "replay_buffer.capacity": COUNT, "replay_buffer.seed": SEED,
+    "eval.sets[].generated_tasks": COUNT, "eval.sets[].seed": SEED, "eval.n_samples": COUNT, "eval.k": COUNT,
+    "eval.temperature": at_least(0, "0: greedy"), "eval.top_p": Range(0, 1, low_open=True),
+    "eval.max_tokens": at_least(0, "0: explorer.max_tokens"), "eval.correct_threshold": PROBABILITY,
+    "eval.every_steps": OPTIONAL, "eval.finish_timeout_s": POSITIVE,
+    "serve.port": PORT_OR_ANY, "serve.max_batch": COUNT, "serve.feedback_expire_s": POSITIVE,
+    "serve.group_size": COUNT, "serve.group_wait_s": POSITIVE, "serve.baseline_window": COUNT,
+}
+
+
+def numeric_values(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every int / float field under the dataclass `node`, list items as `key[i]`, in field
+    order (a section's `rest` field, e.g. algorithm.options, belongs to another module and is not walked)."""
+    out: list[tuple[str, Any]] = []
+    hints = typing.get_type_hints(type(node))
+    rest = _rest_field(type(node))
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if f.name == rest:
+            continue
+        if dataclasses.is_dataclass(value):
+            out += numeric_values(value, key + ".")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    out += numeric_values(item, f"{key}[{i}].")
+        elif _numeric_type(hints[f.name]):
+            out.append((key, value))
+    return out
+
+
+def _numeric_type(tp: Any) -> bool:
+    inner = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) is typing.Union else [tp]
+    return len(inner) == 1 and inner[0] in (int, float)
+
+
+def _pattern(key: str) -> str:
+    """The RANGES key of a dotted key: list indexes dropped (`eval.sets[2].seed` -> `eval.sets[].seed`)."""
+    return re.sub(r"\[\d+\]", "[]", key)
+
+
+# --------------------------------------------------------------------------------------------------
 # Semantic checks: ranges and cross-field constraints.
 
 def check_semantics(cfg: Config, source: str) -> None:
@@ -660,26 +892,8 @@ def check_semantics(cfg: Config, source: str) -> None:
         if not ok:
             raise ConfigError(f"{source}: {key}: {message}")
 
-    positive = {
-        "run.max_steps": cfg.run.max_steps, "kafka.partitions": cfg.kafka.partitions,
-        "kafka.experience_partitions": cfg.kafka.experience_partitions,
-        "kafka.replication_factor": cfg.kafka.replication_factor,
-        "kafka.max_record_bytes": cfg.kafka.max_record_bytes, "explorer.n_samples": cfg.explorer.n_samples,
-        "explorer.max_tokens": cfg.explorer.max_tokens, "explorer.tasks_per_batch": cfg.explorer.tasks_per_batch,
-        "explorer.tensor_parallel_size": cfg.explorer.tensor_parallel_size,
-        "trainer.tensor_parallel": cfg.trainer.tensor_parallel, "trainer.pipeline_parallel": cfg.trainer.pipeline_parallel,
-        "trainer.data_parallel": cfg.trainer.data_parallel, "trainer.groups_per_step": cfg.trainer.groups_per_step,
-        "trainer.micro_batch_size": cfg.trainer.micro_batch_size, "sync.bucket_mb": cfg.sync.bucket_mb,
-        "trainer.checkpoint_every": cfg.trainer.checkpoint_every, "sync.keep_versions": cfg.sync.keep_versions, "data.epochs": cfg.data.epochs,
-        "model.max_prompt_len": cfg.model.max_prompt_len, "model.max_response_len": cfg.model.max_response_len,
-    }
-    for key, value in positive.items():
-        require(value >= 1, key, f"must be >= 1, got {value}")
-    require(cfg.run.max_staleness >= 0, "run.max_staleness", f"must be >= 0, got {cfg.run.max_staleness}")
-    require(cfg.explorer.replicas >= 0, "explorer.replicas", f"must be >= 0, got {cfg.explorer.replicas}")
-    require(cfg.explorer.temperature >= 0, "explorer.temperature", f"must be >= 0, got {cfg.explorer.temperature}")
-    require(0 < cfg.explorer.top_p <= 1, "explorer.top_p", f"must be in (0, 1], got {cfg.explorer.top_p}")
-    require(cfg.trainer.lr > 0, "trainer.lr", f"must be > 0, got {cfg.trainer.lr}")
+    for key, value in numeric_values(cfg):  # every int / float key against its declared range (RANGES)
+        require(RANGES[_pattern(key)].holds(value), key, f"must be {RANGES[_pattern(key)]}, got {value}")
     _check_micro_batching(cfg.trainer, require)
     require(bool(cfg.run.name) and re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name) is not None, "run.name",
             f"must be non-empty letters, digits, '.', '_' or '-' (it names topics and directories); got {cfg.run.name!r}")
@@ -714,14 +928,7 @@ def _check_micro_batching(t: TrainerConfig, require) -> None:
 
 
 def _check_eval(e: EvalConfig, require) -> None:
-    require(e.n_samples >= 1, "eval.n_samples", f"must be >= 1, got {e.n_samples}")
     require(1 <= e.k <= e.n_samples, "eval.k", f"must be in [1, eval.n_samples={e.n_samples}], got {e.k}")
-    require(e.temperature >= 0, "eval.temperature", f"must be >= 0, got {e.temperature}")
-    require(0 < e.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {e.top_p}")
-    require(e.max_tokens >= 0, "eval.max_tokens", f"must be >= 0 (0: explorer.max_tokens), got {e.max_tokens}")
-    require(0 <= e.correct_threshold <= 1, "eval.correct_threshold", f"must be in [0, 1], got {e.correct_threshold}")
-    require(e.every_steps >= 0, "eval.every_steps", f"must be >= 0 (0: off), got {e.every_steps}")
-    require(e.finish_timeout_s > 0, "eval.finish_timeout_s", f"must be > 0, got {e.finish_timeout_s}")
     require(bool(e.sets) or not e.every_steps, "eval.sets", "eval.every_steps is set but there is no task set")
     seen: set[str] = set()
     for i, s in enumerate(e.sets):
@@ -731,7 +938,6 @@ def _check_eval(e: EvalConfig, require) -> None:
         require(s.name not in seen, f"{key}.name", f"{s.name!r} names two task sets")
         seen.add(s.name)
         require(bool(s.path), f"{key}.path", "required: a dataset file or directory, or a toy task name")
-        require(s.generated_tasks >= 1, f"{key}.generated_tasks", f"must be >= 1, got {s.generated_tasks}")
 
 
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # where transformers saves a template

@@ -41,6 +41,37 @@ class RecordError(ValueError):
     """A record that cannot be decoded or is not valid; the message is the dead-letter reason."""
 
 
+@dataclass(frozen=True)
+class RewardRange:
+    """The rewards a run accepts wherever one enters it (`explorer.reward_min` .. `explorer.reward_max`, inclusive):
+    finite and within [low, high]. A reward outside would poison the advantages (two rewards of 1e308 make GRPO's
+    mean overflow and its advantages NaN)."""
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, explorer: Any) -> "RewardRange":
+        """The range an `ExplorerConfig` configures."""
+        return cls(float(explorer.reward_min), float(explorer.reward_max))
+
+    def problem(self, reward: Any) -> str | None:
+        """None when `reward` is a finite number in range, else why not (names the config keys)."""
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            return f"reward {reward!r} is not a finite number"
+        if not self.low <= reward <= self.high:
+            return (f"reward {reward!r} is outside explorer.reward_min..explorer.reward_max "
+                    f"[{self.low:g}, {self.high:g}]")
+        return None
+
+    def group_problem(self, group: "ExperienceGroup") -> str | None:
+        """`problem` of the first sample of `group` whose reward is not accepted, naming the sample."""
+        for position, sample in enumerate(group.samples):
+            problem = self.problem(sample.reward)
+            if problem:
+                return f"samples[{position}]: {problem}"
+        return None
+
+
 @dataclass
 class TaskRecord:
     """One task (prompt) to explore. `task_id` is stable across epochs; `(task_id, epoch)` names a group."""

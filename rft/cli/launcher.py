@@ -33,7 +33,7 @@ from pathlib import Path
 
 from rft.algorithms import REPLAY_HINT, build_algorithm
 from rft.broker.local import KafkaEndpoint
-from rft.config import Config
+from rft.config import REDACTED, Config, secret_values
 from rft.data.demonstrations import prompt_tools, publish_demonstrations
 from rft.data.selectors import selector_needs_rewards
 from rft.data.tasks import DatasetError, publish_tasks
@@ -78,6 +78,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rft run", description=__doc__.split("\n")[0])
     add_config_arguments(parser)
     args = parser.parse_args(argv)
+    os.umask(0o077)  # what the run and its parts create: directories 0700, files 0600 (they inherit it)
     return run_until_stopped(config_from_args(args, need_model=True))
 
 
@@ -116,11 +117,11 @@ def run(cfg: Config) -> int:
         print(f"[rft] {refused}", file=sys.stderr, flush=True)
         return 2
     run_dir = cfg.run_dir
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    make_private_dir(run_dir / "logs")
     with KafkaEndpoint(cfg.kafka, log_path=run_dir / "logs" / "broker.log", run_dir=run_dir) as bootstrap:
         cfg.kafka.bootstrap_servers = bootstrap
         config_path = run_dir / "config.yaml"
-        config_path.write_text(cfg.to_yaml())
+        write_run_config(cfg, config_path)
         print(f"[rft] run {cfg.run.name!r} mode {cfg.run.mode} -> {run_dir} (kafka {bootstrap})", flush=True)
         create_run_topics(RunTopics.of(cfg), cfg.kafka)
         roles = ROLES_BY_MODE[cfg.run.mode]
@@ -171,6 +172,28 @@ def run(cfg: Config) -> int:
         if code == 0 and "trainer" in roles:
             _plot(cfg)
         return code
+
+
+def make_private_dir(path: Path) -> None:
+    """`path` and its missing parents created 0700; the run directory (its parent) made 0700 if it was not."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+
+
+def write_run_config(cfg: Config, path: Path) -> None:
+    """`cfg` as the parts read it, at `path` (mode 0600): secrets redacted (rft.config.redacted: `${ENV}`
+    references as written); a secret written in the config itself reaches the parts through this process's
+    environment, which they inherit, as `${RFT_SECRET_<KEY>:-<redacted>}` (a reader without it sees REDACTED)."""
+    refs = dict(cfg.env_refs)
+    for key, value in secret_values(cfg).items():
+        name = "RFT_SECRET_" + re.sub(r"[^A-Za-z0-9]+", "_", key).strip("_").upper()
+        os.environ[name] = json.dumps(value)  # YAML reads it back with its type ("123" stays a string)
+        refs[key] = f"${{{name}:-{REDACTED}}}"
+    cfg.env_refs = refs
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(cfg.to_yaml())
+    os.chmod(path, 0o600)  # a file from an earlier run keeps its mode otherwise
 
 
 def _ticks(*calls):
@@ -231,11 +254,11 @@ def _publish_demonstrations(cfg: Config, topic: str) -> bool:
 
 def run_stages(cfg: Config) -> int:
     """The stages of `cfg` in order, on one broker; a finished stage is skipped, a failed one ends the run."""
-    (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    make_private_dir(cfg.run_dir / "logs")
     with KafkaEndpoint(cfg.kafka, log_path=cfg.run_dir / "logs" / "broker.log",
                        run_dir=cfg.run_dir) as bootstrap:
         cfg.kafka.bootstrap_servers = bootstrap
-        (cfg.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        write_run_config(cfg, cfg.run_dir / "config.yaml")
         stages = resolve_stages(cfg)
         for stage in stages:
             done = stage.done()

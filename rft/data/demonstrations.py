@@ -48,7 +48,7 @@ def prompt_tools(explorer: ExplorerConfig) -> tuple[dict[str, Any], ...]:
     if explorer.workflow != "tool_agent":
         return ()
     try:
-        return tuple(ToolBox(explorer.tools, ToolLimits()).schemas)
+        return tuple(ToolBox(explorer.tools, ToolLimits(sandbox=explorer.python_sandbox)).schemas)
     except ToolError as e:
         raise DatasetError(str(e)) from None
 

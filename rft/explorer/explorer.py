@@ -55,6 +55,7 @@ from rft.explorer.batch import run_batch, run_batches
 from rft.explorer.continuous import ContinuousLoop
 from rft.explorer.membership import Membership
 from rft.explorer.pipeline import Delivery, TaskIntake, notify_admission
+from rft.schema import RewardRange
 from rft.transport import DeadLetter, Transport, TransportError, connect, lag
 from rft.transport.control import ExplorerHeartbeat, ExplorerJoin, ExplorerLeave, ExplorerWeights, Kind
 from rft.transport.run_topics import RunTopics
@@ -129,7 +130,8 @@ class Explorer:
                                  run_id=topics.run, stats=self.stats)
         self.delivery = Delivery(sink=self.sink, dead_letter=self.dead_letter, topics=topics, explorer_id=explorer_id,
                                  workflow=explorer.workflow, ack_timeout_s=kafka.request_timeout_ms / 1000,
-                                 admission=self.admission, membership=self.membership, stats=self.stats)
+                                 admission=self.admission, membership=self.membership, stats=self.stats,
+                                 rewards=RewardRange.of(explorer))
         self.reloads: list[tuple[int, int]] = []  # the continuous loop's reloads (ContinuousLoop.reloads)
         self._heartbeat_stop = threading.Event()
 

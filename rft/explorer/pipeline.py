@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from rft.explorer.admission import Admission
     from rft.explorer.explorer import ExplorerStats
     from rft.explorer.membership import Membership
-    from rft.schema import TaskRecord
+    from rft.schema import RewardRange, TaskRecord
     from rft.transport import DeadLetter, Message, RecordSink
     from rft.transport.run_topics import RunTopics
     from rft.workflows import GroupResult
@@ -187,8 +187,9 @@ class Delivery:
 
     def __init__(self, *, sink: "RecordSink", dead_letter: "DeadLetter", topics: "RunTopics", explorer_id: str,
                  workflow: str, ack_timeout_s: float, admission: "Admission", membership: "Membership",
-                 stats: "ExplorerStats"):
+                 stats: "ExplorerStats", rewards: "RewardRange"):
         self.sink, self.dead_letter, self.topics = sink, dead_letter, topics
+        self.rewards = rewards  # a group with a reward outside it is dead-lettered, never produced
         self.explorer_id, self.workflow, self.ack_timeout_s = explorer_id, workflow, ack_timeout_s
         self.admission, self.membership, self.stats = admission, membership, stats
         self._attempts: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -216,6 +217,9 @@ class Delivery:
             return None
         group = self._group(outcome.result)
         group.metadata.update(outcome.metadata)
+        if problem := self.rewards.group_problem(group):
+            self.dead_letter.divert(outcome.source, f"task cannot be explored: {problem}")
+            return None
         try:
             return self.sink.send_record(self.topics.experiences, group, key=group.group_id)
         except RecordTooLarge as e:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rft.algorithms import option_keys
-from rft.config import Config, ConfigError, build_config
+from rft.config import Config, ConfigError, build_config, flatten
 
 DONE_MARKER = "stage_done.json"
 _LAYOUT_KEYS = {("run", "name"), ("run", "output_dir"), ("kafka", "topic_prefix"), ("kafka", "bootstrap_servers")}
@@ -86,8 +86,21 @@ def resolve_stages(cfg: Config, source: str = "<config>", *,
         merged["kafka"]["topic_prefix"] = f"{cfg.kafka.topic_prefix}.{name}" if cfg.kafka.topic_prefix else ""
         if stages:
             merged["model"]["path"] = str(stages[-1].weights_out)
-        stages.append(Stage(i, name, _validated(merged, i, source, check)))
+        stage = _validated(merged, i, source, check)
+        stage.env_refs = _kept_refs(cfg, stage, i)
+        stages.append(Stage(i, name, stage))
     return stages
+
+
+def _kept_refs(cfg: Config, stage: Config, i: int) -> dict[str, str]:
+    """The `${ENV}` references of the root config (and of stage i's own overrides, `stages[i].<key>`) that still
+    describe the stage's value: so a stage's config.yaml redacts what the root's does."""
+    root, own = flatten(cfg.to_dict()), flatten(stage.to_dict())
+    refs = {key: ref for key, ref in cfg.env_refs.items() if key in own and own[key] == root.get(key)}
+    prefix = f"stages[{i}]."
+    refs.update({key.removeprefix(prefix): ref for key, ref in cfg.env_refs.items() if key.startswith(prefix)})
+    return refs
+
 
 
 def _stage_name(raw: dict[str, Any], i: int, source: str, *, seen: set[str]) -> str:

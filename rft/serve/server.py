@@ -57,7 +57,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rft.engine import SamplingSettings, build_engine
 from rft.run.web import Access, AccessConfigError, AccessDenied, AppThread, allowed_hosts, serve_access
-from rft.schema import Feedback, ServedChoice, ServedCompletion
+from rft.schema import Feedback, RewardRange, ServedChoice, ServedCompletion
 from rft.serve import part_config
 from rft.serve.ledger import FeedbackLedger, FeedbackRefused
 from rft.text.chat import ChatError, encode_messages
@@ -388,9 +388,10 @@ class ServeService:
     request at a time, never on the engine's thread."""
 
     def __init__(self, *, worker: EngineWorker, sink: "RecordSink", ledger: FeedbackLedger, topics: RunTopics,
-                 model_name: str, max_tokens: int, tokenize: Callable[[list], list[int]],
+                 model_name: str, max_tokens: int, tokenize: Callable[[list], list[int]], rewards: RewardRange,
                  limits: Limits = Limits(), ack_timeout_s: float = 30.0):
         self.worker, self.sink, self.ledger, self.topics = worker, sink, ledger, topics
+        self.rewards = rewards  # the feedback rewards accepted (explorer.reward_min / reward_max); 400 otherwise
         self.model_name, self.max_tokens, self.ack_timeout_s = model_name, max_tokens, ack_timeout_s
         self.tokenize, self.limits = tokenize, limits
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="serve-tokenize")
@@ -502,6 +503,8 @@ class ServeService:
             raise ApiError(400, f"{where}.id: required, the completion's id", param=f"{where}.id")
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not np.isfinite(reward):
             raise ApiError(400, f"{where}.reward: required, a finite number", param=f"{where}.reward")
+        if problem := self.rewards.problem(reward):
+            raise ApiError(400, f"{where}.reward: {problem}", param=f"{where}.reward")
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
             raise ApiError(400, f"{where}.index: a choice index >= 0", param=f"{where}.index")
         components = item.get("components", {})
@@ -633,6 +636,7 @@ def build_service(cfg: "Config", *, transport: "Transport | None" = None, engine
     return ServeService(worker=worker, sink=transport.sink(client_id="serve"), ledger=ledger, topics=topics,
                         model_name=cfg.serve.model_name or cfg.run.name, max_tokens=cfg.model.max_response_len,
                         tokenize=lambda messages: render(tokenizer, messages), limits=Limits.of(cfg.serve),
+                        rewards=RewardRange.of(cfg.explorer),
                         ack_timeout_s=cfg.kafka.request_timeout_ms / 1000)
 
 

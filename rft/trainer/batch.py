@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rft.schema import ExperienceGroup
+from rft.schema import ExperienceGroup, RewardRange
 
 
 @dataclass
@@ -39,6 +39,45 @@ class Row:
     pair_index: int = -1  # preference pairs: the pair's number in the step (both rows); -1 outside pairs
     chosen: bool = False  # preference pairs: True for the preferred row
     demo: bool = False  # a demonstration row (algorithms with `needs.demonstrations`)
+
+
+@dataclass(frozen=True)
+class TrainableLimits:
+    """What a group must satisfy to be trained on (`problem`); the feed dead-letters one that does not, so a record
+    that decodes but cannot be batched never crashes the trainer (nor, re-read from a checkpoint's offsets, again).
+    `vocab_size`: the model's (config.json `vocab_size`); lengths in tokens (model.max_prompt_len / max_response_len,
+    which every producer honours); `rewards`: explorer.reward_min .. reward_max."""
+    vocab_size: int
+    max_prompt_len: int
+    max_response_len: int
+    rewards: RewardRange
+
+    def problem(self, group: ExperienceGroup) -> str | None:
+        """None when every sample of `group` can be trained on, else the first reason it cannot (names the sample)."""
+        for position, s in enumerate(group.samples):
+            problem = self._sample_problem(s)
+            if problem:
+                return f"samples[{position}]: {problem}"
+        return self.rewards.group_problem(group)
+
+    def _sample_problem(self, s) -> str | None:
+        prompt, response = s.prompt_tokens, s.response_tokens
+        if len(prompt) == 0:
+            return "empty prompt"
+        if len(response) == 0:
+            return "empty response"
+        if len(prompt) > self.max_prompt_len:
+            return f"prompt of {len(prompt)} tokens, over model.max_prompt_len={self.max_prompt_len}"
+        if len(response) > self.max_response_len:
+            return f"response of {len(response)} tokens, over model.max_response_len={self.max_response_len}"
+        for name in ("logprobs", "loss_mask"):
+            if len(getattr(s, name)) != len(response):
+                return f"{name} has {len(getattr(s, name))} entries for {len(response)} response tokens"
+        for name, ids in (("prompt", prompt), ("response", response)):
+            if ids.min() < 0 or ids.max() >= self.vocab_size:
+                bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
+                return f"{name} token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+        return None
 
 
 def preference_pair_problem(group: ExperienceGroup) -> str | None:

@@ -5,7 +5,10 @@ Contract:
   checkpoint) or from the beginning. Per partition it takes records strictly in log order.
 - Each record is either *taken* into a batch, or *skipped* with a counted reason: `dead_letter` (does not decode;
   the record goes to the dead-letter topic), `duplicate` (its group id was already taken: explorers deliver
-  at-least-once), `stale` (the staleness tracker refuses it), `foreign` (another run's record).
+  at-least-once), `stale` (the staleness tracker refuses it), `foreign` (another run's record), `untrainable`
+  (decodes but cannot be trained on: empty, ids outside the vocabulary, over the length limits, a reward out of
+  range; the trainer's `check`, rft.trainer.batch.TrainableLimits; the record goes to the dead-letter topic with
+  the reason, so a resumed trainer never meets it again).
 - `FeedState` (offsets + the ids of groups taken) describes exactly what has been consumed. The trainer stores the
   state of step s in the checkpoint of step s; a trainer restarted from it sees every later record once and no
   earlier one. Records polled but not yet consumed are not part of the state.
@@ -114,10 +117,13 @@ Admit = Callable[[ExperienceGroup], Optional[str]]
 class ExperienceFeed:
     def __init__(self, source: RecordSource, *, topic: str, run_id: str | None, dead_letter: DeadLetter,
                  state: FeedState | None = None, window: ReplayWindow | None = None,
-                 reconnect: Callable[[], RecordSource] | None = None, operators: "OperatorChain | None" = None):
+                 reconnect: Callable[[], RecordSource] | None = None, operators: "OperatorChain | None" = None,
+                 check: Callable[[ExperienceGroup], str | None] | None = None):
         """`run_id=None` accepts records of any run (replaying another run's topic). `reconnect` makes a new
-        source when the current one fails (TransportError); the feed re-seeks it to its own state."""
-        self.reconnect = reconnect
+        source when the current one fails (TransportError); the feed re-seeks it to its own state. `check(group)`:
+        None when a decoded group can be trained on, else the reason; such a group is dead-lettered with
+        `cannot be trained: <reason>` and skipped as `untrainable` (consumed like any record)."""
+        self.reconnect, self.check = reconnect, check
         self.operators = operators
         self.source, self.topic, self.run_id, self.dead_letter = source, topic, run_id, dead_letter
         self.window = window
@@ -204,6 +210,9 @@ class ExperienceFeed:
             return "foreign"
         if group.group_id in self._taken:
             return "duplicate"
+        if self.check is not None and (problem := self.check(group)):
+            self.dead_letter.divert(message, f"cannot be trained: {problem}")
+            return "untrainable"
         reason = admit(group)
         if reason:
             return reason
@@ -212,6 +221,9 @@ class ExperienceFeed:
             if reason:
                 return reason
             if shaped is not group:
+                if self.check is not None and (problem := self.check(shaped)):  # e.g. a reward shaped out of range
+                    self.dead_letter.divert(message, f"cannot be trained after trainer.operators: {problem}")
+                    return "untrainable"
                 group, message = shaped, dataclasses.replace(message, value=encode(shaped)[0])
         self._taken.add(group.group_id)
         self.state.taken_groups.append(group.group_id)
@@ -228,8 +240,10 @@ class ExperienceFeed:
 def open_feed(transport: Transport, *, topic: str, dead_letter_topic: str,
               run_id: str | None, state: FeedState | None = None, window: ReplayWindow | None = None,
               client_id: str = "rft-trainer", operators: "OperatorChain | None" = None,
+              check: Callable[[ExperienceGroup], str | None] | None = None,
               ) -> tuple[ExperienceFeed, RecordSink, RecordSource]:
-    """Build a feed with its own source and dead-letter sink from `transport`; the caller closes both."""
+    """Build a feed with its own source and dead-letter sink from `transport`; the caller closes both. `check`: as
+    ExperienceFeed's."""
 
     def new_source() -> RecordSource:
         return transport.source(client_id=client_id)
@@ -237,7 +251,7 @@ def open_feed(transport: Transport, *, topic: str, dead_letter_topic: str,
     source = new_source()
     sink = transport.sink(client_id=f"{client_id}-dlq")
     feed = ExperienceFeed(source, topic=topic, run_id=run_id, dead_letter=DeadLetter(sink, dead_letter_topic),
-                          state=state, window=window, reconnect=new_source, operators=operators)
+                          state=state, window=window, reconnect=new_source, operators=operators, check=check)
     return feed, sink, source
 
 

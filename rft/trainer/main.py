@@ -50,9 +50,9 @@ from rft.experience.operators import OperatorContext, build_operator_chain, spli
 from rft.modes import mode, staleness
 from rft.run.commandline import add_config_arguments, config_from_args, die_with_parent
 from rft.run.monitor import MetricsEndpoint, MetricsLogger, metrics_endpoint
-from rft.schema import decode_group
+from rft.schema import RewardRange, decode_group
 from rft.trainer import distributed as dist_io
-from rft.trainer.batch import plan_micro_batches, preference_pair_problem, rows_from_groups
+from rft.trainer.batch import TrainableLimits, plan_micro_batches, preference_pair_problem, rows_from_groups
 from rft.trainer.checkpoint import CheckpointDir, TrainerState, capture_rng, restore_rng
 from rft.trainer.feed import EndOfReplay, ExperienceFeed, FeedState, ReplayWindow, open_feed, resolve_window
 from rft.trainer.replay_buffer import ExperienceReplay, open_replay
@@ -71,6 +71,7 @@ def main(argv: list[str]) -> int:
     add_config_arguments(parser)
     parser.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
     args = parser.parse_args(argv)
+    os.umask(0o077)  # checkpoints, metrics, weights: directories 0700, files 0600
     cfg = config_from_args(args, joins_broker="rft trainer")
     # megatron's checkpoint writer forks helper processes; a trainer killed mid-checkpoint must not leave them behind
     os.register_at_fork(after_in_child=lambda: die_with_parent(signal.SIGKILL))
@@ -171,7 +172,8 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict,
         transport, topic=topic, dead_letter_topic=cfg.topic("dead_letter"),
         run_id=None if offline else cfg.run.name, state=feed_state, client_id=f"{cfg.run.name}-trainer",
         window=_replay_window(cfg, transport, topic) if offline else None, operators=build_operator_chain(
-            cfg.trainer.operators, OperatorContext(cfg.model.tokenizer or cfg.model.path)))
+            cfg.trainer.operators, OperatorContext(cfg.model.tokenizer or cfg.model.path)),
+        check=trainable_limits(cfg).problem)
     replay = None
     if cfg.replay_buffer.groups_per_step:
         replay = open_replay(cfg.replay_buffer, run_seed=cfg.run.seed, state=replay_state,
@@ -192,6 +194,18 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict,
     return io
 
 
+def trainable_limits(cfg: Config) -> TrainableLimits:
+    """The limits a group must meet to be trained on in this run: the model's vocabulary (its config.json), the
+    length limits, the reward range."""
+    hf_config = Path(cfg.model.path) / "config.json"
+    try:
+        vocab_size = int(json.loads(hf_config.read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"model.path: {hf_config} has no readable vocab_size: {e}") from None
+    return TrainableLimits(vocab_size=vocab_size, max_prompt_len=cfg.model.max_prompt_len,
+                           max_response_len=cfg.model.max_response_len, rewards=RewardRange.of(cfg.explorer))
+
+
 def _open_demonstrations(cfg: Config, topic: str, transport: Transport,
                          state: FeedState) -> tuple[ExperienceFeed, RecordSink]:
     """The feed of demonstration groups (any run's) on `topic`, up to the topic's end now, resuming at `state`; and
@@ -202,7 +216,8 @@ def _open_demonstrations(cfg: Config, topic: str, transport: Transport,
     finally:
         source.close()
     feed, sink, _ = open_feed(transport, topic=topic, dead_letter_topic=cfg.topic("dead_letter"), run_id=None,
-                              state=state, window=window, client_id=f"{cfg.run.name}-trainer-demonstrations")
+                              state=state, window=window, client_id=f"{cfg.run.name}-trainer-demonstrations",
+                              check=trainable_limits(cfg).problem)
     return feed, sink
 
 
@@ -317,7 +332,11 @@ class Trainer:
                 break
             metrics = self._train(step, groups)
             self.step = step
+            count_skipped_step(self.counters, metrics)
             if serves_explorers:
+                if not self.policy.weights_finite():  # collective; a NaN / inf version is never published
+                    raise NonFiniteWeights(f"step {step}: the policy's weights hold NaN or infinity; version {step} "
+                                           f"is not published (the last good one is version {step - 1})")
                 self._publish_weights(step)
             if step % self.config.checkpoint_every == 0:
                 self._checkpoint(step)
@@ -381,6 +400,8 @@ class Trainer:
         t = self.config
         started = time.perf_counter()
         advantages = self.algorithm.advantages([g.rewards for g in groups])
+        if not all(np.all(np.isfinite(a)) for a in advantages):  # the same on every rank: no optimizer step
+            return {"step_skipped": 1.0, "nonfinite_advantages": 1.0}
         max_len = self.model.max_prompt_len + self.model.max_response_len
         rows = rows_from_groups(groups, advantages, pairs=self.needs.pairwise, max_len=max_len)
         if self.needs.demonstrations is not None:
@@ -557,6 +578,18 @@ class Trainer:
         if self.io is not None:
             self.io.close()
         self.policy.close()
+
+
+class NonFiniteWeights(RuntimeError):
+    """The policy's weights hold NaN or infinity after a step: the trainer stops rather than publish them."""
+
+
+def count_skipped_step(counters: dict, metrics: dict) -> None:
+    """A step without an optimizer update (`step_skipped`: a NaN / inf loss, gradient or advantage, or an fp16
+    overflow) is counted in `counters["steps_skipped"]` (checkpointed with them), logged as `steps_skipped_total`."""
+    if metrics.get("step_skipped"):
+        counters["steps_skipped"] = counters.get("steps_skipped", 0) + 1
+    metrics["steps_skipped_total"] = counters.get("steps_skipped", 0)
 
 
 def check_parallel_layout(t: TrainerConfig, world_size: int) -> None:

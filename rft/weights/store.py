@@ -405,6 +405,21 @@ def verify_version(path: str | os.PathLike, version: int, *, checksums: bool = T
                                    f"rewritten)")
         if checksums and file_entry(item)[CHECKSUM] != entry.get(CHECKSUM):
             raise WeightStoreError(f"{item}: {CHECKSUM} does not match the manifest (corrupted or rewritten)")
+    if checksums:
+        bad = first_non_finite(iter_safetensors(path))
+        if bad is not None:
+            raise WeightStoreError(f"{path}: tensor {bad} holds NaN or infinity (a poisoned version is never loaded)")
+
+
+def first_non_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """The name of the first floating-point tensor of `tensors` ((name, tensor) pairs) holding a NaN or an
+    infinity, else None. One tensor at a time."""
+    import torch
+
+    for name, tensor in tensors:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
 
 
 def _manifest(stage: int) -> str:

@@ -92,7 +92,7 @@ def test_invalid_configs_name_file_and_key(tmp_path, model_dir, body_patch, over
 def test_not_a_mapping_and_bad_yaml(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("run: [1, 2\n")
-    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+    with pytest.raises(ConfigError, match=r"bad.yaml:2:1: not valid YAML"):
         load_config(bad)
     bad.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):

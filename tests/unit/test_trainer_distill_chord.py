@@ -43,7 +43,7 @@ class RecordingPolicy(StandInPolicy):
 def chord_config(tmp_path: Path, *, max_steps: int, algorithm: dict | None = None):
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text(json.dumps({"vocab_size": 128}))
     return config_from_dict({
         "run": {"name": "run", "mode": "train", "max_steps": max_steps, "output_dir": str(tmp_path)},
         "model": {"path": str(model)},

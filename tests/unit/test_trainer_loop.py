@@ -62,6 +62,9 @@ class StandInPolicy:
     def describe(self) -> str:
         return "stand-in policy (tests/unit/test_trainer_loop.py)"
 
+    def weights_finite(self) -> bool:
+        return True  # its one weight counts steps
+
     def iter_hf_buckets(self, bucket_bytes: int, *, per_stage: bool = False):
         yield {"model.steps": torch.tensor([float(self.steps)])}
 
@@ -84,7 +87,7 @@ class StandInPolicy:
 def make_config(tmp_path: Path, **trainer):
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text(json.dumps({"vocab_size": 128}))
     return config_from_dict({
         "run": {"name": "run", "mode": "off_policy", "max_staleness": 1, "max_steps": 3, "output_dir": str(tmp_path)},
         "model": {"path": str(model)},

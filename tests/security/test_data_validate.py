@@ -1,0 +1,92 @@
+"""Issue 29, item 9: `rft validate` refuses every class of out-of-range number, by a range declared per key
+(rft.config.RANGES), and reports malformed YAML in one line naming file:line."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import typing
+
+import pytest
+
+from rft.config import RANGES, Config, _numeric_type, _pattern, load_config
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "num_attention_heads": 4,
+                                               "num_key_value_heads": 2, "num_hidden_layers": 2}))
+    return d
+
+
+def _validate(tmp_path, model_dir, body: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model:\n  path: {model_dir}\n" + body)
+    return subprocess.run([sys.executable, "-m", "rft.cli", "validate", str(path)], capture_output=True, text=True,
+                          timeout=120)
+
+
+BAD = [  # (class of bad value, YAML, the key named, what the message says)
+    ("infinite", "explorer:\n  temperature: .inf\n", "explorer.temperature", "finite"),
+    ("NaN", "trainer:\n  grad_clip: .nan\n", "trainer.grad_clip", "finite"),
+    ("overflowing literal", "trainer:\n  lr: 1e400\n", "trainer.lr", "finite"),
+    ("beta outside [0, 1)", "trainer:\n  adam_beta1: 7\n", "trainer.adam_beta1", "in [0, 1)"),
+    ("beta of 1", "trainer:\n  adam_beta2: 1.0\n", "trainer.adam_beta2", "in [0, 1)"),
+    ("negative timeout", "kafka:\n  request_timeout_ms: -5\n", "kafka.request_timeout_ms", "> 0"),
+    ("zero duration", "sync:\n  timeout_s: 0\n", "sync.timeout_s", "> 0"),
+    ("port out of range", "monitor:\n  prometheus_port: 70000\n", "monitor.prometheus_port", "[0, 65535]"),
+    ("negative port", "sync:\n  push_port: -1\n", "sync.push_port", "[0, 65535]"),
+    ("probability over 1", "eval:\n  correct_threshold: 1.5\n", "eval.correct_threshold", "in [0, 1]"),
+    ("count of zero", "trainer:\n  groups_per_step: 0\n", "trainer.groups_per_step", ">= 1"),
+    ("negative weight decay", "trainer:\n  weight_decay: -0.1\n", "trainer.weight_decay", ">= 0"),
+    ("list item", "eval:\n  sets:\n  - {name: a, path: p, generated_tasks: 0}\n", "eval.sets[0].generated_tasks",
+     ">= 1"),
+    ("empty reward range", "explorer:\n  reward_min: 1\n  reward_max: 1\n", "explorer.reward_min", "<"),
+    ("algorithm option", "algorithm:\n  name: grpo\n  clip_eps: .nan\n", "algorithm.clip_eps", "finite"),
+]
+
+
+@pytest.mark.parametrize("what,body,key,says", BAD, ids=[b[0] for b in BAD])
+def test_validate_refuses_each_class_of_bad_number(tmp_path, model_dir, what, body, key, says):
+    result = _validate(tmp_path, model_dir, body)
+    assert result.returncode == 2, (what, result.stdout, result.stderr)
+    assert f"{key}: " in result.stderr and says in result.stderr, result.stderr
+
+
+def test_malformed_yaml_is_one_line_naming_file_and_line(tmp_path, model_dir):
+    result = _validate(tmp_path, model_dir, "trainer:\n  lr: [1e-5\n  grad_clip: 1\n")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"{tmp_path / 'run.yaml'}:" in lines[0] and "not valid YAML" in lines[0], lines[0]
+    line_number = int(lines[0].split(f"{tmp_path / 'run.yaml'}:")[1].split(":")[0])
+    assert 3 <= line_number <= 5, lines[0]  # the unclosed list, or the line where the parser gave up on it
+
+
+def test_every_numeric_key_declares_its_range():
+    """A new int / float key must say its range in RANGES (and a key that went away must leave it)."""
+    keys: set[str] = set()
+
+    def walk(cls, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp, args = hints[f.name], typing.get_args(hints[f.name])
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+            elif typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
+                walk(args[0], f"{prefix}{f.name}[].")
+            elif _numeric_type(tp):
+                keys.add(f"{prefix}{f.name}")
+
+    walk(Config, "")
+    assert keys - set(RANGES) == set(), "numeric keys without a declared range in rft.config.RANGES"
+    assert set(RANGES) - keys == set(), "RANGES declares keys that do not exist"
+    assert _pattern("eval.sets[12].seed") == "eval.sets[].seed"
+
+
+def test_defaults_and_shipped_ranges_hold(tmp_path, model_dir):
+    cfg = load_config(None, [f"model.path={model_dir}"])
+    assert cfg.trainer.adam_beta2 == 0.999
