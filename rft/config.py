@@ -849,6 +849,8 @@ RANGES: dict[str, Range] = {
     "eval.every_steps": OPTIONAL, "eval.finish_timeout_s": POSITIVE,
     "serve.port": PORT_OR_ANY, "serve.max_batch": COUNT, "serve.feedback_expire_s": POSITIVE,
     "serve.group_size": COUNT, "serve.group_wait_s": POSITIVE, "serve.baseline_window": COUNT,
+    "serve.max_body_bytes": COUNT, "serve.max_request_tokens": COUNT, "serve.max_queue": COUNT,
+    "serve.request_timeout_s": POSITIVE,
 }
 
 
