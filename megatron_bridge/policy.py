@@ -81,6 +81,7 @@ from megatron_bridge.model import build_model, unwrap
 LossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 POLICY_FILE = "rft_policy.json"
+MAX_SUFFIX = "_max"  # metrics reduced by max over micro-batches and data-parallel ranks (the others are summed)
 POLICY_METRICS = ("loss", "entropy")  # train_step's own metric names; a loss function may not return them
 
 
@@ -144,17 +145,24 @@ class TrainedModel:
                 f"{'distributed' if self.distributed_optimizer else 'replicated'} optimizer state")
 
     def _sum_over_replicas(self, per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """Sum metric dicts over micro-batches (last stage), then data-parallel ranks; same dict everywhere."""
+        """Reduce metric dicts over micro-batches (last stage), then data-parallel ranks; same dict everywhere.
+        A metric whose name ends in `_max` is reduced by max (e.g. `logprob_mismatch_max`), every other by sum."""
         from megatron.core import parallel_state as ps
 
         names = sorted(per_micro_batch[0]) if per_micro_batch else None
         names = _broadcast_names(names)
-        values = torch.zeros(len(names), dtype=torch.float64, device=device.compute_device())
+        is_max = torch.tensor([n.endswith(MAX_SUFFIX) for n in names], device=device.compute_device())
+        sums = torch.zeros(len(names), dtype=torch.float64, device=device.compute_device())
+        maxima = torch.full_like(sums, float("-inf"))
         if self.layout.is_last_stage:
             for metrics in per_micro_batch:
-                values += torch.stack([metrics[n].double().to(values.device).reshape(()) for n in names])
-            dist.all_reduce(values, group=ps.get_data_parallel_group())
-        values = _from_last_stage(values, tuple(values.shape), dtype=torch.float64)
+                values = torch.stack([metrics[n].double().to(sums.device).reshape(()) for n in names])
+                sums += values
+                maxima = torch.maximum(maxima, values)
+            dist.all_reduce(sums, group=ps.get_data_parallel_group())
+            if bool(is_max.any()):  # the same names on every rank, so every rank takes this branch or none
+                dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        values = _from_last_stage(torch.where(is_max, maxima, sums), (len(names),), dtype=torch.float64)
         return {name: float(v) for name, v in zip(names, values.tolist())}
 
     # ---- checkpoints
@@ -245,7 +253,8 @@ class MegatronPolicy(TrainedModel):
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over this DP rank's micro-batches. Returns, on every rank, `loss`, `entropy`
-        and each metric summed over micro-batches and data-parallel ranks, plus `grad_norm` (before clipping)
+        and each metric summed over micro-batches and data-parallel ranks (maximum for names ending in `_max`),
+        plus `grad_norm` (before clipping)
         and `step_skipped` (1.0 when megatron skipped the update, e.g. non-finite gradients)."""
         def on_logits(logits, mb):
             logits = self._tempered(logits)

@@ -45,6 +45,7 @@ import torch
 
 from rft.algorithms import Needs, build_algorithm
 from rft.algorithms.aggregation import with_kl_metric
+from rft.algorithms.mismatch import with_mismatch_metrics
 from rft.config import AlgorithmConfig, Config, ConfigError, ModelConfig, RunConfig, SyncConfig, TrainerConfig
 from rft.experience.operators import OperatorContext, build_operator_chain, split_drops
 from rft.modes import mode, staleness
@@ -243,7 +244,8 @@ class Trainer:
                               "set it to false")
         self.algorithm = build_algorithm(algorithm)
         self.needs: Needs = self.algorithm.needs
-        self.loss_fn = with_kl_metric(self.algorithm.loss_fn)  # `kl` is logged whatever the algorithm
+        # `kl` and the training-inference mismatch (rft.algorithms.mismatch) are logged whatever the algorithm
+        self.loss_fn = with_mismatch_metrics(with_kl_metric(self.algorithm.loss_fn))
         self._demos: list = []  # this step's demonstration groups (needs.demonstrations)
         self.policy = policy or MegatronPolicy(
             model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, lr=t.lr, weight_decay=t.weight_decay,
