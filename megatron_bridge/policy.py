@@ -73,6 +73,7 @@ import megatron_bridge.device as device
 import megatron_bridge.export as export
 import megatron_bridge.packing as packing
 import megatron_bridge.parallel as parallel
+import megatron_bridge.routing_replay as routing_replay_module
 import megatron_bridge.schedule as schedule
 from megatron_bridge.check import vocabulary_problem
 from megatron_bridge.logprobs import entropy_sum, token_logprobs
@@ -116,7 +117,7 @@ class TrainedModel:
         self.steps = 0
 
     def _optimizer_step(self, micro_batches: list[dict[str, torch.Tensor]], on_output, *,
-                        packed: bool = False) -> dict[str, float]:
+                        packed: bool = False, before_forward=None) -> dict[str, float]:
         """One optimizer step: `on_output(model output on the last stage, micro_batch) -> (loss, metrics)` per
         micro-batch (schedule.run's training contract); returns the metrics summed over micro-batches and
         data-parallel ranks, plus `grad_norm` and `step_skipped`, on every rank."""
@@ -127,7 +128,8 @@ class TrainedModel:
             model.train()
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        per_micro_batch = schedule.run(self.models, micro_batches, on_output, forward_only=False, packed=packed)
+        per_micro_batch = schedule.run(self.models, micro_batches, on_output, forward_only=False, packed=packed,
+                                       before_forward=before_forward)
         finalize_model_grads(self.models)
         succeeded, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(1)
@@ -221,12 +223,15 @@ class MegatronPolicy(TrainedModel):
                  grad_clip: float = 1.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  seed: int = 0, dtype: str = "float32", reference: bool = False, temperature: float = 1.0,
                  initial_loss_scale: float = 2.0 ** 16, pack_sequences: bool = False,
-                 teacher: str | Path | None = None):
+                 teacher: str | Path | None = None, routing_replay: bool = False):
         """`temperature`: the sampling temperature of the explorers. Log-probs (and entropy) are those of
         softmax(logits / temperature), the distribution the behaviour log-probs in the records come from, so
         that importance ratios compare like with like. `initial_loss_scale`: float16 only, the dynamic loss
         scale's starting value (see "Loss scaling" in the module docstring). `pack_sequences`: every forward runs
-        each micro-batch as one packed sequence (megatron_bridge.packing; Transformer Engine on a GPU, pp 1)."""
+        each micro-batch as one packed sequence (megatron_bridge.packing; Transformer Engine on a GPU, pp 1).
+        `routing_replay`: the policy's MoE routers replay each micro-batch's `routed_experts` in `train_step` and
+        `forward_logprobs` (megatron_bridge.routing_replay; ValueError for a model without routers); the reference
+        and teacher models route by themselves."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (greedy sampling has no log-probs to train on), got {temperature}")
         self.temperature = temperature
@@ -242,6 +247,12 @@ class MegatronPolicy(TrainedModel):
         self.layout = parallel.initialize(tp, pp, seed=seed)
         self._train(build_model(hf_dir, dtype=dtype), lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
                     betas=betas, eps=eps, dtype=dtype, initial_loss_scale=initial_loss_scale)
+        self.routing_replay = routing_replay
+        if routing_replay:
+            if pack_sequences:
+                raise ValueError("routing_replay does not replay packed sequences; turn pack_sequences off")
+            if not routing_replay_module.install(self.models):
+                raise ValueError(f"routing_replay needs a mixture-of-experts model; {hf_dir} has no routers")
         self.reference_models = _frozen(build_model(hf_dir, dtype=dtype)) if reference else None
         self.teacher_models = _frozen(build_model(teacher, dtype=dtype)) if teacher is not None else None
 
@@ -265,7 +276,8 @@ class MegatronPolicy(TrainedModel):
                 raise ValueError(f"loss function returned metrics {reserved}, names that train_step reports itself")
             return loss, {"loss": loss.detach(), "entropy": entropy, **{k: v.detach() for k, v in metrics.items()}}
 
-        return self._optimizer_step(micro_batches, on_logits, packed=self.pack_sequences)
+        return self._optimizer_step(micro_batches, on_logits, packed=self.pack_sequences,
+                                    before_forward=self._before_forward(self.models))
 
     def forward_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """token_logprobs [b, T] (float32, CPU) for each micro-batch, without gradients, on every rank
@@ -293,9 +305,13 @@ class MegatronPolicy(TrainedModel):
             results = schedule.run(
                 models, micro_batches,
                 lambda logits, mb: token_logprobs(self._tempered(logits), mb["target_ids"], self.vocab_size),
-                forward_only=True, packed=self.pack_sequences)
+                forward_only=True, packed=self.pack_sequences, before_forward=self._before_forward(models))
         return [_from_last_stage(results[i] if results else None, tuple(mb["target_ids"].shape))
                 for i, mb in enumerate(micro_batches)]
+
+    def _before_forward(self, models: list[torch.nn.Module]):
+        """The schedule's hook for `models`: routing replay's targets on the policy's own models, else none."""
+        return routing_replay_module.set_targets if self.routing_replay and models is self.models else None
 
     def _tempered(self, logits: torch.Tensor) -> torch.Tensor:
         return logits if self.temperature == 1.0 else logits / self.temperature

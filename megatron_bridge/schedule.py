@@ -43,13 +43,16 @@ def to_compute_device(mb: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tensor]],
-        on_logits: Callable[[torch.Tensor, dict], Any], *, forward_only: bool, packed: bool = False) -> list[Any]:
+        on_logits: Callable[[torch.Tensor, dict], Any], *, forward_only: bool, packed: bool = False,
+        before_forward: Callable[[torch.nn.Module, dict], None] | None = None) -> list[Any]:
     """Run the schedule; `on_logits(logits_shard [b, T, V/tp], micro_batch)` runs on the last stage.
 
     Training (`forward_only=False`): `on_logits` returns `(loss, metrics)`; backward runs on `loss`
     unscaled (megatron's per-token-loss mode: no division by micro-batch count, DDP sums instead of
     averaging). Returns the list of `metrics` dicts. Forward only: returns `on_logits`'s results. `packed`: run each
     micro-batch as one packed sequence (needs `row_lens`; Transformer Engine only, see megatron_bridge.packing).
+    `before_forward(model_chunk, micro_batch)` runs right before each chunk's forward on a micro-batch (routing
+    replay sets the micro-batch's routed experts there: pipeline schedules interleave micro-batches).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -66,6 +69,8 @@ def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tenso
 
     def forward_step(data_iterator, model):
         mb = to_compute_device(next(data_iterator))
+        if before_forward is not None:
+            before_forward(model, mb)
         if packed:
             return packing.packed_forward(model, mb), partial(loss_func, mb)
         logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=None)

