@@ -85,13 +85,16 @@ def set_targets(model: torch.nn.Module, micro_batch: dict[str, torch.Tensor]) ->
 
 def targets(ids: torch.Tensor, config) -> torch.Tensor:
     """[b, T, k] ids -> the [tokens, k] rows one router sees: sequence-major ([T, b] flattened), this tensor-parallel
-    rank's slice of T under sequence parallelism."""
+    rank's slice of T under sequence parallelism (T right-padded with -1 to a multiple of TP, as megatron_bridge.schedule
+    pads the tokens)."""
     from megatron.core import parallel_state
 
     ids = ids.transpose(0, 1)
     if getattr(config, "sequence_parallel", False):
         tp, rank = (parallel_state.get_tensor_model_parallel_world_size(),
                     parallel_state.get_tensor_model_parallel_rank())
+        extra = -ids.shape[0] % tp  # the schedule right-pads the sequence to a multiple of TP: those route normally
+        ids = torch.cat([ids, ids.new_full((extra, *ids.shape[1:]), -1)]) if extra else ids
         step = ids.shape[0] // tp
         ids = ids[rank * step:(rank + 1) * step]
     return ids.reshape(-1, ids.shape[-1]).contiguous()
