@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Sequence
 
@@ -128,7 +129,7 @@ class TransformersEngine(TokenizerMixin):
         self._push = None
 
     def _load_state(self, tensors, *, source: str) -> None:
-        state = {name: tensor.clone() for name, tensor in tensors}
+        state = _fuse_experts({name: tensor.clone() for name, tensor in tensors})
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         unexpected = [k for k in unexpected if k != "lm_head.weight"]
         missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
@@ -142,3 +143,28 @@ class TransformersEngine(TokenizerMixin):
         self.model = None
 
 
+
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _fuse_experts(state: dict) -> dict:
+    """Hugging Face checkpoints store an MoE layer's experts one by one (`...experts.<e>.gate_proj.weight`, up, down:
+    what the trainer exports), transformers 5 holds them fused: `...experts.gate_up_proj` [E, 2 x I, H] (each expert's
+    gate rows, then its up rows) and `...experts.down_proj` [E, H, I]. Returns `state` with per-expert tensors fused
+    (what `from_pretrained` converts on load); other names unchanged."""
+    import torch
+
+    experts: dict[str, dict[int, dict[str, object]]] = {}
+    fused = {}
+    for name, tensor in state.items():
+        match = _EXPERT.match(name)
+        if match:
+            experts.setdefault(match[1], {}).setdefault(int(match[2]), {})[match[3]] = tensor
+        else:
+            fused[name] = tensor
+    for prefix, by_expert in experts.items():
+        order = [by_expert[e] for e in range(len(by_expert))]
+        fused[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([e["gate"], e["up"]]) for e in order])
+        fused[f"{prefix}.down_proj"] = torch.stack([e["down"] for e in order])
+    return fused

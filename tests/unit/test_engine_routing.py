@@ -54,3 +54,16 @@ def test_greedy_copies_carry_the_same_routing_and_a_dense_model_is_refused(moe_d
         max_tokens=2))[0].completions[0].routed_experts is None  # not asked: not recorded
     with pytest.raises(EngineError, match="routing replay needs a mixture-of-experts model"):
         TransformersEngine(tiny_model, record_routing=True)
+
+
+def test_reloading_a_checkpoint_of_per_expert_tensors_restores_the_fused_experts(moe_dir):
+    """HF checkpoints (and the trainer's exported versions) store experts one by one; transformers holds them fused."""
+    engine = TransformersEngine(moe_dir)
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.add_(1.0)
+    engine.load_weights(moe_dir, 1)
+    after = engine.model.state_dict()
+    assert any("experts.gate_up_proj" in k for k in after)
+    assert all(torch.equal(before[k], v) for k, v in after.items()) and engine.weights_version == 1
