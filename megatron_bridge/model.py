@@ -178,6 +178,16 @@ def _define_missing_te_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _mark_experts_expert_parallel(model: torch.nn.Module) -> None:
+    """Mark the routed experts' weights expert-parallel (`allreduce=False`) at every EP size, as megatron does only
+    for EP > 1: its optimizer then always keeps them in a second optimizer (a ChainedOptimizer of dense and expert
+    weights), so a checkpoint's optimizer state has the same structure at EP 1 and EP > 1 and reshards across EP
+    sizes. At EP 1 the expert data-parallel group is the data-parallel group: gradients are reduced the same."""
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
+
+
 def build_model(hf_dir: str | Path, *, dtype: str | torch.dtype = "float32", load_weights: bool = True,
                 pp_layers: tuple[int, ...] | None = None, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0):
     """This rank's pipeline stage of the HF model as `[GPTModel]`, weights loaded from `hf_dir`.
@@ -203,6 +213,8 @@ def build_model(hf_dir: str | Path, *, dtype: str | torch.dtype = "float32", loa
     # megatron's local-spec norms ignore params_dtype; megatron-LM casts the whole model the same way
     # (its Float16Module) for 16-bit training
     model.to(dtype=config.params_dtype)
+    if config.num_moe_experts:
+        _mark_experts_expert_parallel(model)
     model.bridge_info = BridgeInfo(hf_dir=hf_dir, bridge=bridge, dims=bridge.dims(where.tp), transformer_engine=te,
                                    pp=where.pp, ep=where.ep,
                                    stage_layers=stage_layer_counts(bridge.hf.num_hidden_layers, where.pp, pp_layers))

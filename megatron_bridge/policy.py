@@ -71,6 +71,7 @@ import torch.distributed as dist
 
 import megatron_bridge.device as device
 import megatron_bridge.export as export
+import megatron_bridge.moe_losses as moe_losses
 import megatron_bridge.packing as packing
 import megatron_bridge.parallel as parallel
 import megatron_bridge.routing_replay as routing_replay_module
@@ -114,6 +115,7 @@ class TrainedModel:
         # optimizer divides the gradients by the same scale: without this, float16 gradients were divided by a
         # scale that had never multiplied them (Megatron-LM's training loop sets the same hook).
         self.config.grad_scale_func = self.optimizer.scale_loss
+        self.moe_loss_coefficients = moe_losses.prepare(self.models) if self.config.num_moe_experts else None
         self.steps = 0
 
     def _optimizer_step(self, micro_batches: list[dict[str, torch.Tensor]], on_output, *,
@@ -121,6 +123,7 @@ class TrainedModel:
         """One optimizer step: `on_output(model output on the last stage, micro_batch) -> (loss, metrics)` per
         micro-batch (schedule.run's training contract); returns the metrics summed over micro-batches and
         data-parallel ranks, plus `grad_norm` and `step_skipped`, on every rank."""
+        from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
         _check_micro_batches(micro_batches, extra=("loss_mask", "global_tokens"))
@@ -128,6 +131,9 @@ class TrainedModel:
             model.train()
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        moe = self.moe_loss_coefficients
+        if moe:
+            count = moe_losses.set_step_coefficients(self.models, moe, len(micro_batches), ps.get_data_parallel_group())
         per_micro_batch = schedule.run(self.models, micro_batches, on_output, forward_only=False, packed=packed,
                                        before_forward=before_forward)
         finalize_model_grads(self.models)
@@ -137,12 +143,14 @@ class TrainedModel:
         totals = self._sum_over_replicas(per_micro_batch)
         totals["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         totals["step_skipped"] = 0.0 if succeeded else 1.0
+        if moe:
+            totals.update(moe_losses.step_metrics(self.models, moe, count, ps.get_data_parallel_group()))
         return totals
 
     def describe(self) -> str:
         """One line for logs: ranks and layout, the device and backend, dtype, optimizer state sharding."""
         layout, where = self.layout, next(self.models[0].parameters()).device
-        return (f"{layout.world_size} ranks (tp {layout.tp} x pp {layout.pp} x dp {layout.dp}) on {where.type} "
+        return (f"{layout.world_size} ranks (tp {layout.tp} x pp {layout.pp} x dp {layout.dp}, ep {layout.ep}) on {where.type} "
                 f"({layout.backend}), {self.config.params_dtype}, "
                 f"{'distributed' if self.distributed_optimizer else 'replicated'} optimizer state")
 
@@ -219,19 +227,23 @@ class TrainedModel:
 class MegatronPolicy(TrainedModel):
     """A sharded causal LM that trains on batch-contract micro-batches (see the module docstring)."""
 
-    def __init__(self, hf_dir: str | Path, *, tp: int = 1, pp: int = 1, lr: float, weight_decay: float = 0.0,
+    def __init__(self, hf_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, lr: float, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  seed: int = 0, dtype: str = "float32", reference: bool = False, temperature: float = 1.0,
                  initial_loss_scale: float = 2.0 ** 16, pack_sequences: bool = False,
-                 teacher: str | Path | None = None, routing_replay: bool = False):
+                 teacher: str | Path | None = None, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0,
+                 routing_replay: bool = False):
         """`temperature`: the sampling temperature of the explorers. Log-probs (and entropy) are those of
         softmax(logits / temperature), the distribution the behaviour log-probs in the records come from, so
         that importance ratios compare like with like. `initial_loss_scale`: float16 only, the dynamic loss
         scale's starting value (see "Loss scaling" in the module docstring). `pack_sequences`: every forward runs
-        each micro-batch as one packed sequence (megatron_bridge.packing; Transformer Engine on a GPU, pp 1).
-        `routing_replay`: the policy's MoE routers replay each micro-batch's `routed_experts` in `train_step` and
-        `forward_logprobs` (megatron_bridge.routing_replay; ValueError for a model without routers); the reference
-        and teacher models route by themselves."""
+        each micro-batch as one packed sequence (megatron_bridge.packing; Transformer Engine on a GPU, pp 1). `ep`:
+        expert parallel size (a mixture of experts; carved out of the data-parallel ranks); `moe_aux_loss_coeff`,
+        `moe_z_loss_coeff`: the router's load-balancing and z-loss coefficients (megatron_bridge.moe_losses; 0: off),
+        reported per step as `moe_load_balancing_loss` / `moe_z_loss`. `routing_replay`: the policy's MoE routers
+        replay each micro-batch's `routed_experts` in `train_step` and `forward_logprobs`
+        (megatron_bridge.routing_replay; ValueError for a model without routers); the reference and teacher models
+        route by themselves."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (greedy sampling has no log-probs to train on), got {temperature}")
         self.temperature = temperature
@@ -244,8 +256,9 @@ class MegatronPolicy(TrainedModel):
             raise ValueError(f"pack_sequences needs Transformer Engine on a GPU and pp 1 (pp {pp}, Transformer Engine "
                              f"in use: {packing.packing_supported()})")
         self.pack_sequences = pack_sequences
-        self.layout = parallel.initialize(tp, pp, seed=seed)
-        self._train(build_model(hf_dir, dtype=dtype), lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
+        self.layout = parallel.initialize(tp, pp, ep=ep, seed=seed)
+        model = build_model(hf_dir, dtype=dtype, aux_loss_coeff=moe_aux_loss_coeff, z_loss_coeff=moe_z_loss_coeff)
+        self._train(model, lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
                     betas=betas, eps=eps, dtype=dtype, initial_loss_scale=initial_loss_scale)
         self.routing_replay = routing_replay
         if routing_replay:

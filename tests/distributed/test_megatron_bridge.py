@@ -33,25 +33,41 @@ CASES = [  # (case name, model name, tp, pp); world size 2 throughout, so tp=pp=
     ("qwen_tp1", "qwen", 1, 1),
     ("llama_tp2", "llama", 2, 1),
     ("llama_pp2", "llama", 1, 2),
+    ("qwen3_tp2", "qwen3", 2, 1),
+    ("qwen3_pp2_uneven", "qwen3", 1, 2),
+    ("qwen3moe_ep2", "qwen3moe", 1, 1),
+    ("qwen3moe_tp2", "qwen3moe", 2, 1),
+    ("qwen3moe_pp2_uneven", "qwen3moe", 1, 2),
+    ("qwen2moe_ep2", "qwen2moe", 1, 1),
+    ("qwen2moe_tp2", "qwen2moe", 2, 1),
 ]
+# more of a case's layout: expert parallel size, layers per pipeline stage (uneven split)
+LAYOUT = {"qwen3_pp2_uneven": {"pp_layers": [1, 3]}, "qwen3moe_ep2": {"ep": 2},
+          "qwen3moe_pp2_uneven": {"pp_layers": [3, 1]}, "qwen2moe_ep2": {"ep": 2}}
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     """Qwen2: 4 layers, GQA, tied embeddings, vocab 101 (padded to 102 at TP=2). Llama: untied, vocab 99.
-    "big": a 19 MB Qwen2 for the export memory bound."""
+    Qwen3: head_dim 48 (not hidden / heads = 32). Qwen3-MoE: 8 experts, top 2, renormalised, layer 1 dense.
+    Qwen2-MoE: 4 experts, top 2 not renormalised, gated shared expert. "big": a 19 MB Qwen2 for the export
+    memory bound."""
     root = tmp_path_factory.mktemp("bridge-models")
     return {"big": make_tiny_model(root / "big", arch="qwen2", hidden_size=256, heads=8, kv_heads=2, layers=8,
                                    intermediate_size=512, vocab_size=101, seed=3),
             "qwen": make_tiny_model(root / "qwen", arch="qwen2", layers=4, vocab_size=101, seed=1),
-            "llama": make_tiny_model(root / "llama", arch="llama", tie_word_embeddings=False, seed=2)}
+            "llama": make_tiny_model(root / "llama", arch="llama", tie_word_embeddings=False, seed=2),
+            "qwen3": make_tiny_model(root / "qwen3", arch="qwen3", layers=4, head_dim=48, seed=4),
+            "qwen3moe": make_tiny_model(root / "qwen3moe", arch="qwen3_moe", layers=4, experts=8, mlp_only_layers=(1,),
+                                        tie_word_embeddings=False, seed=5),
+            "qwen2moe": make_tiny_model(root / "qwen2moe", arch="qwen2_moe", layers=2, norm_topk_prob=False, seed=6)}
 
 
 @pytest.fixture(scope="module")
 def results(models, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bridge-results")
     spec = {"out_dir": str(out), "bucket_bytes": BUCKET_BYTES,
-            "cases": [{"name": name, "hf_dir": str(models[model]), "tp": tp, "pp": pp}
+            "cases": [{"name": name, "hf_dir": str(models[model]), "tp": tp, "pp": pp, **LAYOUT.get(name, {})}
                       for name, model, tp, pp in CASES]}
     (out / "spec.json").write_text(json.dumps(spec))
     assert_succeeded(torchrun([str(HERE / "_worker_bridge.py"), str(out / "spec.json")]))
