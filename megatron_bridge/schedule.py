@@ -72,7 +72,7 @@ def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tenso
                          "supported")
 
     def loss_func(mb, output_tensor, non_loss_data=False):
-        output_tensor = output_tensor[:, :mb["input_ids"].shape[1]]  # drop sequence-parallel padding
+        output_tensor = output_tensor[:, :mb["input_ids"].shape[1]].contiguous()  # drop sequence-parallel padding
         if forward_only:
             return on_logits(output_tensor, mb)
         loss, metrics = on_logits(output_tensor, mb)

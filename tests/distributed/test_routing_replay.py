@@ -1,5 +1,5 @@
 """Routing replay shrinks the training-inference mismatch of a tiny random Qwen3-MoE (8 experts, top-2) at expert
-parallelism 2.
+parallelism 2, and the same at tensor parallelism 2 (sequence parallel: each TP rank routes its slice).
 
 Rollouts are recorded by the transformers engine with their routing, twice: in bfloat16 (the honest source of
 mismatch production has: an inference engine in bf16, the trainer in float32; bf16 rounding flips the routers' close
@@ -70,7 +70,8 @@ def results(tmp_path_factory) -> dict[str, dict]:
     spec = {"out_dir": str(out), "moe": str(moe), "records": records, "train_on": "float32"}
     (out / "spec.json").write_text(json.dumps(spec))
     assert_succeeded(torchrun([str(HERE / "_worker_routing_replay.py"), str(out / "spec.json")], timeout=400))
-    return {name: json.loads((out / f"{name}.json").read_text()) for name in records}
+    return {name: json.loads((out / f"{name}.ep2.json").read_text()) for name in records} | {
+        f"{name}.tp2": json.loads((out / f"{name}.tp2.json").read_text()) for name in records}
 
 
 def test_replay_shrinks_the_mismatch_of_bf16_rollouts(results):
@@ -92,3 +93,11 @@ def test_train_step_logs_the_mismatch_it_trained_with(results):
     f32 = results["float32"]
     assert f32["train_step"]["mean"] == pytest.approx(f32["replay"]["mean"], rel=1e-3, abs=1e-7)
     assert f32["train_step"]["max"] == pytest.approx(f32["replay"]["max"], rel=1e-3, abs=1e-7)
+
+
+def test_tensor_and_sequence_parallel_routers_replay_the_same_routing(results):
+    for name in ("bfloat16", "float32"):
+        for how in ("replay", "no_replay"):
+            # float32 reductions in another order: a few 1e-6 apart at most
+            assert results[f"{name}.tp2"][how]["mean"] == pytest.approx(results[name][how]["mean"], rel=1e-3, abs=1e-5)
+            assert results[f"{name}.tp2"][how]["max"] == pytest.approx(results[name][how]["max"], rel=1e-3, abs=1e-5)
