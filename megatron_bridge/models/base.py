@@ -178,8 +178,7 @@ class DecoderBridge:
             if count % tp:
                 raise ValueError(f"tensor parallel size {tp} does not divide the model's {count} {what}")
         stage_layer_counts(self.hf.num_hidden_layers, pp, pp_layers)
-        if ep > 1 and self.num_experts == 0:
-            raise ValueError(f"expert parallel size {ep} for {self.hf_class}, a dense model (no experts)")
+        # a dense model under EP > 1 (a dense teacher or critic beside a MoE policy) just has no experts to split
         if self.num_experts and self.num_experts % ep:
             raise ValueError(f"expert parallel size {ep} does not divide the model's {self.num_experts} experts")
 

@@ -46,8 +46,15 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", hidden_size: in
     dense MLP of `intermediate_size` instead) and, for qwen2_moe, a shared expert of
     `shared_expert_intermediate_size` with its sigmoid gate."""
     import torch
-    from transformers import (AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config,
-                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
