@@ -152,3 +152,17 @@ def test_check_command_on_a_differently_sized_model(tmp_path):
                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert failing.returncode == 1, failing.stdout + failing.stderr[-4000:]
     assert "FAIL" in failing.stdout
+
+
+def test_check_command_on_a_mixture_of_experts_at_tp2_ep2(tmp_path):
+    """4 processes: TP 2 (sequence parallel; each TP rank sends an uneven number of tokens to the experts, which
+    gloo gathers through the shim) x EP 2 (two of the four experts per rank), a Qwen2-MoE with its shared expert,
+    and an odd sequence length (padded to a multiple of TP)."""
+    model = make_tiny_model(tmp_path / "moe", arch="qwen2_moe", layers=2, seed=8)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "megatron_bridge.check", str(model), "--tp", "2", "--ep", "2",
+                           "--seq-len", "31"], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert_succeeded(done)
+    assert "tp=2 pp=1 (layers 2) ep=2 dp=2" in done.stdout
+    assert re.search(r"max \|megatron - transformers\| = \S+ \(tolerance 1.0e-05 x logit scale \S+\)  OK", done.stdout)
+    assert "every tensor identical  OK" in done.stdout
