@@ -167,6 +167,10 @@ class DecoderBridge:
         """Routed experts per MoE layer; 0 for a dense model."""
         return 0
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) has routed experts instead of a dense MLP."""
+        return False
+
     def tp_divided_sizes(self) -> list[tuple[str, int]]:
         """(what, size) of every dimension tensor parallelism splits."""
         return [("attention heads", self.hf.num_attention_heads), ("key/value heads", self.num_kv_heads),
