@@ -32,6 +32,7 @@ from megatron_bridge.export import iter_hf_buckets
 from megatron_bridge.hf_checkpoint import HFCheckpoint
 from megatron_bridge.logprobs import gather_logits
 from megatron_bridge.model import build_model, unwrap
+from megatron_bridge.models.base import stage_layer_counts
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -69,7 +70,6 @@ def layout_problem(hf_dir: str, *, tp: int, pp: int, ep: int = 1, pp_layers: tup
     process starts, so the answer is one line and not a failed worker's traceback. `options` name TP, PP and EP
     in the answer (this command's flags; rft's config names its keys). `pp_layers`: layers per stage of an
     uneven split."""
-    from megatron_bridge.models.base import stage_layer_counts
     path = os.path.join(hf_dir, "config.json")
     try:
         with open(path) as f:

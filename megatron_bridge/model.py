@@ -9,7 +9,8 @@ know the architecture without re-reading the config.
 
 Layer spec: Transformer Engine's when `transformer_engine` is importable and a GPU is present,
 megatron's local spec otherwise; a mixture of experts gets megatron's decoder block spec (dense and MoE
-layers by the config's `moe_layer_freq`), with SequentialMLP experts (no grouped GEMM). The mapping tables use local-spec names; `TE_NAMES` renames the
+layers by the config's `moe_layer_freq`), with SequentialMLP experts (no grouped GEMM). TE fuses the MLP's norm into
+fc1 only in dense layers: a MoE layer keeps `pre_mlp_layernorm`. The mapping tables use local-spec names; `TE_NAMES` renames the
 two norms TE fuses into the following linear layer.
 """
 from __future__ import annotations
@@ -99,7 +100,7 @@ class BridgeInfo:
         if not match:
             return megatron_name
         layer, rest = int(match.group(1)), match.group(2)
-        if self.transformer_engine:
+        if self.transformer_engine and not self.bridge.is_moe_layer(layer):  # a MoE layer keeps its own norm
             rest = TE_NAMES.get(rest, rest)
         expert = _EXPERT_NAME.fullmatch(rest)
         if expert:

@@ -61,6 +61,7 @@ def set_step_coefficients(models: list[torch.nn.Module], base: tuple[float, floa
 def step_metrics(models: list[torch.nn.Module], base: tuple[float, float], count: int, dp_group) -> dict[str, float]:
     """The step's mean losses (see the module doc) on every rank of the model replica's last stage and elsewhere
     alike; clears the tracker."""
+    from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import (
         clear_aux_losses_tracker,
         get_moe_layer_wise_logging_tracker,
@@ -81,8 +82,10 @@ def step_metrics(models: list[torch.nn.Module], base: tuple[float, float], count
         reduce_aux_losses_tracker_across_ranks([name])
         values = tracker[name]["values"].double()
         per_micro_batch = values.sum() / moe_layers
-        if name == "z_loss":  # megatron reduces the load-balancing loss over data parallel ranks, not this one
+        if name == "z_loss":  # megatron averages only the load-balancing loss over ranks holding other tokens
             dist.all_reduce(per_micro_batch, group=dp_group, op=dist.ReduceOp.AVG)
+            if config.sequence_parallel:  # each TP rank routed its own slice of the sequence
+                dist.all_reduce(per_micro_batch, group=ps.get_tensor_model_parallel_group(), op=dist.ReduceOp.AVG)
         metrics[metric] = float(per_micro_batch) / max(count // dist.get_world_size(dp_group), 1)
     clear_aux_losses_tracker()
     return metrics

@@ -185,6 +185,12 @@ class TrainerConfig:
     # model replicas; the trainer runs tensor_parallel x pipeline_parallel x data_parallel processes (`rft run` starts
     # them, a hand-written launch must match)
     data_parallel: int = 1
+    # megatron expert parallelism (mixtures of experts): each MoE layer's experts are split over this many of the
+    # data_parallel ranks (which keep replicating attention and the other dense weights); must divide data_parallel
+    expert_parallel: int = 1
+    # MoE router load-balancing (switch) loss coefficient; 0: off. Logged per step as moe_load_balancing_loss
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0  # MoE router z-loss coefficient; 0: off. Logged per step as moe_z_loss
     # fresh experience groups per optimizer step (explorer.n_samples samples each), shared among the data-parallel ranks
     groups_per_step: int = 8
     micro_batch_size: int = 8  # rows per micro-batch (fixed shape); not used when max_tokens_per_micro_batch > 0
@@ -648,7 +654,8 @@ def check_semantics(cfg: Config, source: str) -> None:
         "explorer.max_tokens": cfg.explorer.max_tokens, "explorer.tasks_per_batch": cfg.explorer.tasks_per_batch,
         "explorer.tensor_parallel_size": cfg.explorer.tensor_parallel_size,
         "trainer.tensor_parallel": cfg.trainer.tensor_parallel, "trainer.pipeline_parallel": cfg.trainer.pipeline_parallel,
-        "trainer.data_parallel": cfg.trainer.data_parallel, "trainer.groups_per_step": cfg.trainer.groups_per_step,
+        "trainer.data_parallel": cfg.trainer.data_parallel, "trainer.expert_parallel": cfg.trainer.expert_parallel,
+        "trainer.groups_per_step": cfg.trainer.groups_per_step,
         "trainer.micro_batch_size": cfg.trainer.micro_batch_size, "sync.bucket_mb": cfg.sync.bucket_mb,
         "trainer.checkpoint_every": cfg.trainer.checkpoint_every, "sync.keep_versions": cfg.sync.keep_versions, "data.epochs": cfg.data.epochs,
         "model.max_prompt_len": cfg.model.max_prompt_len, "model.max_response_len": cfg.model.max_response_len,
@@ -661,6 +668,7 @@ def check_semantics(cfg: Config, source: str) -> None:
     require(0 < cfg.explorer.top_p <= 1, "explorer.top_p", f"must be in (0, 1], got {cfg.explorer.top_p}")
     require(cfg.trainer.lr > 0, "trainer.lr", f"must be > 0, got {cfg.trainer.lr}")
     _check_micro_batching(cfg.trainer, require)
+    _check_experts(cfg.trainer, require)
     require(bool(cfg.run.name) and re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name) is not None, "run.name",
             f"must be non-empty letters, digits, '.', '_' or '-' (it names topics and directories); got {cfg.run.name!r}")
     run_mode = modes.mode(cfg.run.mode)
@@ -693,6 +701,15 @@ def _check_micro_batching(t: TrainerConfig, require) -> None:
             f"needs trainer.pipeline_parallel 1, got {t.pipeline_parallel}")
     require(not (t.routing_replay and t.pack_sequences), "trainer.routing_replay",
             "packed sequences are not replayed: set trainer.pack_sequences false")
+
+
+def _check_experts(t: TrainerConfig, require) -> None:
+    """Expert parallelism is carved out of the data-parallel ranks; the router's loss coefficients are >= 0."""
+    require(t.data_parallel % max(t.expert_parallel, 1) == 0, "trainer.expert_parallel",
+            f"must divide trainer.data_parallel ({t.data_parallel}): the experts are split over data-parallel ranks, "
+            f"got {t.expert_parallel}")
+    for key, value in (("moe_aux_loss_coeff", t.moe_aux_loss_coeff), ("moe_z_loss_coeff", t.moe_z_loss_coeff)):
+        require(value >= 0, f"trainer.{key}", f"must be >= 0 (0: off), got {value}")
 
 
 def _check_eval(e: EvalConfig, require) -> None:

@@ -167,6 +167,10 @@ class DecoderBridge:
         """Routed experts per MoE layer; 0 for a dense model."""
         return 0
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) has routed experts instead of a dense MLP."""
+        return False
+
     def tp_divided_sizes(self) -> list[tuple[str, int]]:
         """(what, size) of every dimension tensor parallelism splits."""
         return [("attention heads", self.hf.num_attention_heads), ("key/value heads", self.num_kv_heads),
@@ -178,8 +182,7 @@ class DecoderBridge:
             if count % tp:
                 raise ValueError(f"tensor parallel size {tp} does not divide the model's {count} {what}")
         stage_layer_counts(self.hf.num_hidden_layers, pp, pp_layers)
-        if ep > 1 and self.num_experts == 0:
-            raise ValueError(f"expert parallel size {ep} for {self.hf_class}, a dense model (no experts)")
+        # a dense model under EP > 1 (a dense teacher or critic beside a MoE policy) just has no experts to split
         if self.num_experts and self.num_experts % ep:
             raise ValueError(f"expert parallel size {ep} does not divide the model's {self.num_experts} experts")
 

@@ -36,7 +36,8 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", hidden_size: in
                     tie_word_embeddings: bool = True, vocab_size: int | None = None, seed: int = 0,
                     max_position_embeddings: int = 512, head_dim: int | None = None, experts: int = 4,
                     experts_per_token: int = 2, moe_intermediate_size: int = 64, norm_topk_prob: bool = True,
-                    mlp_only_layers: tuple[int, ...] = (), shared_expert_intermediate_size: int = 128) -> Path:
+                    mlp_only_layers: tuple[int, ...] = (), shared_expert_intermediate_size: int = 128,
+                    llama3_rope_factor: float = 0.0) -> Path:
     """Write a tiny HF model directory and return its path. `vocab_size` above the tokenizer's size
     leaves unused rows (useful to exercise vocabulary padding).
 
@@ -44,10 +45,18 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", hidden_size: in
     architectures take `experts` routed experts of `moe_intermediate_size`, `experts_per_token` of them per
     token, `norm_topk_prob` (renormalise the chosen experts' weights), `mlp_only_layers` (layer indices with a
     dense MLP of `intermediate_size` instead) and, for qwen2_moe, a shared expert of
-    `shared_expert_intermediate_size` with its sigmoid gate."""
+    `shared_expert_intermediate_size` with its sigmoid gate. `llama3_rope_factor` > 0 (llama): Llama 3.x rope
+    scaling (`rope_type: llama3`, the low/high frequency factors 1 and 4 and 8192 original positions of Llama 3)."""
     import torch
-    from transformers import (AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config,
-                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,6 +76,11 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", hidden_size: in
         config = Qwen2Config(**common, use_sliding_window=False)
     elif arch == "llama":
         config = LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+        if llama3_rope_factor:
+            config.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": llama3_rope_factor,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}
+            config.max_position_embeddings = max(max_position_embeddings, 16384)  # above the original 8192
     elif arch == "qwen3":
         config = Qwen3Config(**common, head_dim=head_dim or hidden_size // heads, use_sliding_window=False)
     elif arch == "qwen3_moe":

@@ -248,7 +248,8 @@ class Trainer:
         self.loss_fn = with_mismatch_metrics(with_kl_metric(self.algorithm.loss_fn))
         self._demos: list = []  # this step's demonstration groups (needs.demonstrations)
         self.policy = policy or MegatronPolicy(
-            model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, lr=t.lr, weight_decay=t.weight_decay,
+            model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, ep=t.expert_parallel, lr=t.lr,
+            weight_decay=t.weight_decay, moe_aux_loss_coeff=t.moe_aux_loss_coeff, moe_z_loss_coeff=t.moe_z_loss_coeff,
             grad_clip=t.grad_clip, betas=(t.adam_beta1, t.adam_beta2), seed=run.seed, dtype=model.dtype,
             reference=self.needs.reference, temperature=temperature, pack_sequences=t.pack_sequences,
             teacher=self.needs.teacher, routing_replay=t.routing_replay)

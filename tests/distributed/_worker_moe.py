@@ -7,6 +7,7 @@ Cases, in order (world size 2):
   `q3_ep2.hf` and checkpoint `q3_ep2.ckpt`, and log-probs of batch 3 (`q3_ep2.after.safetensors`).
 - q3_tp2 (tp2: sequence parallelism, experts split over TP) and q3_pp2 (pp2, ep1): load `q3_ep2.ckpt`, export
   `<case>.hf`, log-probs of batch 3.
+- q3_tp2_fresh: the same steps as q3_ep2 from the same model at tp2 (metrics only).
 - q2_pp2: Qwen2-MoE (shared expert) at pp2, one step on batch 1, `q2_pp2.hf`, checkpoint; q2_ep2: load it at
   ep2, export `q2_ep2.hf`.
 Metrics go to `<case>.metrics.json` (rank 0). The test holds the assertions.
@@ -59,6 +60,7 @@ def main() -> None:
     run_case(spec, name="q3_ep2", model="qwen3_moe", ep=2, steps=[1, 2], before=True, after=True, save=True)
     run_case(spec, name="q3_tp2", model="qwen3_moe", tp=2, load="q3_ep2.ckpt", after=True)
     run_case(spec, name="q3_pp2", model="qwen3_moe", pp=2, load="q3_ep2.ckpt", after=True)
+    run_case(spec, name="q3_tp2_fresh", model="qwen3_moe", tp=2, steps=[1, 2])
     run_case(spec, name="q2_pp2", model="qwen2_moe", pp=2, steps=[1], save=True)
     run_case(spec, name="q2_ep2", model="qwen2_moe", ep=2, load="q2_pp2.ckpt")
     torch.distributed.destroy_process_group()

@@ -60,6 +60,15 @@ def test_expert_parallel_training_reports_router_losses_every_step(results):
     assert report["rank0"]["step1"]["moe_z_loss"] != report["rank0"]["step2"]["moe_z_loss"]
 
 
+def test_the_same_steps_at_tp2_report_the_same_metrics_as_at_ep2(results):
+    """Loss, gradient norm (router losses' gradients included) and both router losses agree between EP 2 x DP 2 and
+    TP 2 with sequence parallelism: the losses' scaling does not depend on the layout."""
+    ep2, tp2 = metrics(results, "q3_ep2")["rank0"], metrics(results, "q3_tp2_fresh")["rank0"]
+    for step in ("step1", "step2"):
+        for name in ("loss", "grad_norm", "moe_load_balancing_loss", "moe_z_loss"):
+            assert tp2[step][name] == pytest.approx(ep2[step][name], rel=1e-5), (step, name)
+
+
 def test_training_moves_the_router_and_the_experts_of_both_expert_parallel_ranks(results, models):
     before, after = hf_tensors(models["qwen3_moe"]), hf_tensors(results / "q3_ep2.hf")
     assert sorted(before) == sorted(after)
