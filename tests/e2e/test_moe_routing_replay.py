@@ -49,6 +49,7 @@ def test_moe_run_with_expert_parallelism_replays_the_explorers_routing(tmp_path,
 
     consumed = [json.loads(line) for line in (run_dir / "consumed.jsonl").read_text().splitlines()]
     assert len(consumed) == STEPS * 2 and all(0 <= c["staleness"] <= 1 for c in consumed)
+    assert max(c["policy_version"] for c in consumed) >= 1  # the explorer reloaded trained (exported) MoE weights
     groups = [decode_group(m.value) for m in read_topic(bootstrap, f"{topic_prefix}.experiences")]
     assert {c["group_id"] for c in consumed} <= {g.group_id for g in groups}
     for sample in (s for g in groups for s in g.samples):
