@@ -1,13 +1,16 @@
-"""`python -m megatron_bridge.check HF_DIR --tp T --pp P [--tolerance 1e-5]`: verify the bridge on a model.
+"""`python -m megatron_bridge.check HF_DIR --tp T --pp P [--ep E] [--pp-layers 1,3] [--tolerance 1e-5]`: verify
+the bridge on a model.
 
-Loads HF_DIR into a TP x PP megatron GPTModel, runs one seeded random token batch through megatron's
+Loads HF_DIR into a TP x PP (x EP for a mixture of experts; the layers split unevenly with --pp-layers)
+megatron GPTModel, runs one seeded random token batch through megatron's
 pipeline schedule and through `transformers`, and prints the largest absolute logit difference, which must be at
 most `tolerance x scale`, where scale = max(1, largest |logit| of transformers): float32 rounding grows with the
 logits' magnitude (a pretrained 30-layer model's logits reach ~35, a tiny random model's stay below 1); then
 exports the megatron weights back (bucketed, gathered over TP and PP) and checks every HF tensor is
 reproduced bit for bit. Exit status 0 when the logits are within the tolerance and the round trip is
-exact, 1 otherwise, 2 on bad arguments. Started outside torchrun with T*P > 1, it relaunches itself
-under `torch.distributed.run --standalone` with T*P processes.
+exact, 1 otherwise, 2 on bad arguments. Started outside torchrun with T*P*E > 1, it relaunches itself
+under `torch.distributed.run --standalone` with T*P*E processes (data parallel size E, which the
+expert-parallel ranks are carved from).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from megatron_bridge.export import iter_hf_buckets
 from megatron_bridge.hf_checkpoint import HFCheckpoint
 from megatron_bridge.logprobs import gather_logits
 from megatron_bridge.model import build_model, unwrap
+from megatron_bridge.models.base import stage_layer_counts
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -36,6 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("hf_dir", help="Hugging Face model directory (safetensors)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size (mixtures of experts)")
+    p.add_argument("--pp-layers", default=None,
+                   help="decoder layers per pipeline stage, comma-separated (uneven split; default even)")
     p.add_argument("--tolerance", type=float, default=1e-5,
                    help="largest allowed |logit difference| per unit of logit scale (max(1, largest |logit|))")
     p.add_argument("--batch", type=int, default=2, help="sequences in the random batch")
@@ -44,19 +51,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--bucket-mb", type=float, default=16.0, help="export bucket size for the round trip")
     args = p.parse_args(argv)
-    for name in ("tp", "pp", "batch", "seq_len"):
+    for name in ("tp", "pp", "ep", "batch", "seq_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    problem = layout_problem(args.hf_dir, tp=args.tp, pp=args.pp)
+    try:
+        args.pp_layers = tuple(int(n) for n in args.pp_layers.split(",")) if args.pp_layers else None
+    except ValueError:
+        p.error(f"--pp-layers {args.pp_layers!r}: give comma-separated layer counts, e.g. 1,3")
+    problem = layout_problem(args.hf_dir, tp=args.tp, pp=args.pp, ep=args.ep, pp_layers=args.pp_layers)
     if problem:
         p.error(problem)
     return args
 
 
-def layout_problem(hf_dir: str, *, tp: int, pp: int, options: tuple[str, str] = ("--tp", "--pp")) -> str | None:
-    """Why the model's shape cannot be split TP x PP (None if it can), from its config.json: before any process
-    starts, so the answer is one line and not a failed worker's traceback. `options` name TP and PP in the answer
-    (this command's flags; rft's config names its keys)."""
+def layout_problem(hf_dir: str, *, tp: int, pp: int, ep: int = 1, pp_layers: tuple[int, ...] | None = None,
+                   options: tuple[str, str, str] = ("--tp", "--pp", "--ep")) -> str | None:
+    """Why the model's shape cannot be split TP x PP x EP (None if it can), from its config.json: before any
+    process starts, so the answer is one line and not a failed worker's traceback. `options` name TP, PP and EP
+    in the answer (this command's flags; rft's config names its keys). `pp_layers`: layers per stage of an
+    uneven split."""
     path = os.path.join(hf_dir, "config.json")
     try:
         with open(path) as f:
@@ -66,11 +79,21 @@ def layout_problem(hf_dir: str, *, tp: int, pp: int, options: tuple[str, str] = 
     heads = hf.get("num_attention_heads")
     kv_heads = hf.get("num_key_value_heads") or heads
     layers = hf.get("num_hidden_layers")
-    tp_option, pp_option = options
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    tp_option, pp_option, ep_option = options
     for what, count, size, option in (("attention heads", heads, tp, tp_option),
-                                      ("key/value heads", kv_heads, tp, tp_option), ("layers", layers, pp, pp_option)):
+                                      ("key/value heads", kv_heads, tp, tp_option),
+                                      ("layers", layers, 1 if pp_layers else pp, pp_option),
+                                      ("experts", experts, ep, ep_option)):
         if count and count % size:
             return f"{option} {size} does not divide the model's {count} {what} ({path})"
+    if ep > 1 and not experts:
+        return f"{ep_option} {ep} for a model without experts ({path})"
+    if pp_layers and layers:
+        try:
+            stage_layer_counts(layers, pp, pp_layers)
+        except ValueError as e:
+            return f"{e} ({path})"
     return None
 
 
@@ -189,12 +212,13 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def worker(args: argparse.Namespace) -> int:
-    where = parallel.initialize(args.tp, args.pp, seed=args.seed)
+    where = parallel.initialize(args.tp, args.pp, ep=args.ep, seed=args.seed)
     try:
-        models = build_model(args.hf_dir, dtype=args.dtype)
+        models = build_model(args.hf_dir, dtype=args.dtype, pp_layers=args.pp_layers)
         info = unwrap(models[0]).bridge_info
         say = print if where.is_publisher else (lambda *a, **k: None)
-        say(f"{args.hf_dir}: {info.bridge.hf_class}, tp={where.tp} pp={where.pp} dp={where.dp} "
+        say(f"{args.hf_dir}: {info.bridge.hf_class}, tp={where.tp} pp={where.pp} "
+            f"(layers {','.join(map(str, info.stage_layers))}) ep={where.ep} dp={where.dp} "
             f"({where.backend}), dtype {args.dtype}, vocab {info.dims.vocab_size} padded to "
             f"{info.dims.padded_vocab_size}, transformer_engine={info.transformer_engine}", flush=True)
         logits = compare_logits(models, args)
@@ -226,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     quiet_known_warnings()
     args = parse_args(argv)
-    nprocs = args.tp * args.pp
+    nprocs = args.tp * args.pp * args.ep
     if not under_launcher() and nprocs > 1:
         return relaunch(argv, nprocs)
     return worker(args)

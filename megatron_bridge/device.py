@@ -16,10 +16,22 @@ these to the CPU, and nothing else:
      grad-clipping check parameter types by comparing against those strings.
 2. Functions replaced on `torch.cuda`: `current_device` returns `"cpu"`; `get_rng_state`,
    `set_rng_state` and `manual_seed` act on the CPU generator; `synchronize` and
-   `empty_cache` do nothing.
+   `empty_cache` do nothing; `Stream`, `current_stream` and `Event` give stand-in streams whose waits,
+   events and synchronisations do nothing, and `stream(s)` is a no-op context (megatron's MoE all-to-all
+   dispatcher copies its token counts device-to-host on a side stream; on the CPU everything is
+   already synchronous and on the host).
 3. Functions replaced on `megatron.core.tensor_parallel.random`: `_get_cuda_rng_state` and
    `_set_cuda_rng_state` act on the CPU generator (megatron's `CudaRNGStatesTracker`, used for
    tensor-parallel dropout and initialisation, forks and restores RNG state through them).
+4. `maybe_move_tensor_to_cpu` of megatron's MoE utilities (also as imported by its token dispatcher):
+   the all-to-all dispatcher asks it for the split sizes of its all-to-all as numpy arrays, but it converts
+   only CUDA tensors; here a CPU tensor is converted too (torch's all_to_all_single takes sequences,
+   not tensors, as split sizes).
+5. `_gather_along_first_dim` and `_reduce_scatter_along_first_dim` of `megatron.core.tensor_parallel.mappings`
+   when given uneven split sizes (the MoE dispatcher's tokens per tensor-parallel rank): gloo's all_gather
+   needs equal sizes and it has no list reduce_scatter, so the uneven gather pads every piece to the largest
+   and cuts the padding off, and the uneven reduce-scatter all-reduces the whole tensor and keeps this
+   rank's piece. Same sums, more bytes moved; equal splits go to megatron's own functions.
 
 Invariants: `install()` is a no-op returning False when `torch.cuda.is_available()`; on CPU it is
 idempotent and must run before megatron-core builds a model (`megatron_bridge.parallel.initialize`
@@ -30,6 +42,8 @@ process-wide: other code in a CPU process also sees CUDA device arguments go to 
 `Tensor.type()` report CUDA names.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -114,6 +128,59 @@ def _nothing(*args, **kwargs) -> None:
     return None
 
 
+class _CpuStream:
+    """Stands in for CUDA streams and events: CPU work is synchronous, so waiting is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def record_event(self, event=None) -> "_CpuStream":
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+def _to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron's `maybe_move_tensor_to_cpu` for CPU tensors: the tensor itself, or its numpy array."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.detach().numpy()
+    return tensor
+
+
+def _uneven_gather(original):
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        longest = max(sizes)
+        padded = torch.zeros((longest, *input_.shape[1:]), dtype=input_.dtype)
+        padded[: input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(pieces, padded, group=group)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, sizes)], dim=0)
+    return gather
+
+
+def _uneven_reduce_scatter(original):
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        return torch.split(total, [int(n) for n in input_split_sizes], dim=0)[group.rank()].contiguous()
+    return reduce_scatter
+
+
 def install() -> bool:
     """Activate the CPU shim when no GPU is present. Returns True when it is (now or already) active."""
     global _installed, _mode
@@ -127,9 +194,18 @@ def install() -> bool:
     torch.cuda.manual_seed = _cpu_manual_seed
     torch.cuda.synchronize = _nothing
     torch.cuda.empty_cache = _nothing
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.Event = _CpuStream
+    torch.cuda.current_stream = lambda device=None: _CpuStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     from megatron.core.tensor_parallel import random as megatron_random
     megatron_random._get_cuda_rng_state = _cpu_get_rng_state
     megatron_random._set_cuda_rng_state = _cpu_set_rng_state
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = _to_host
+    from megatron.core.tensor_parallel import mappings
+    mappings._gather_along_first_dim = _uneven_gather(mappings._gather_along_first_dim)
+    mappings._reduce_scatter_along_first_dim = _uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim)
     _mode = _CudaToCpuMode()
     _mode.__enter__()
     _installed = True

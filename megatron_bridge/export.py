@@ -2,14 +2,16 @@
 
 Protocol (call on every rank, and consume the iterator to the end on every rank):
 for each HF tensor group in a fixed global order (embedding, layer 0..L-1, final norm, output layer),
-the owning pipeline stage's TP ranks of data-parallel replica 0 gather their shards to TP rank 0
+the owning pipeline stage's TP ranks of data-parallel replica 0 (for a routed expert's weights: of the
+expert-parallel rank holding that expert, expert data-parallel replica 0) gather their shards to TP rank 0
 (`dist.gather` over the TP group), and that rank merges them into full HF tensors. Then, by mode:
 
 - funnel (`per_stage=False`; the push path and `save_hf`): when TP rank 0 is not global rank 0, it
   sends the tensors point-to-point to global rank 0 (a small shape/dtype header, then the data).
   Global rank 0, the publishing rank, packs every tensor of the model into buckets; other ranks take
   part in the collectives and yield nothing.
-- per stage (`per_stage=True`; the pull path): no point-to-point hop. Each stage's publisher (TP rank 0
+- per stage (`per_stage=True`; the pull path): no point-to-point hop for dense weights (a routed expert's
+  held on another expert-parallel rank of the stage is sent to the publisher). Each stage's publisher (TP rank 0
   of data-parallel replica 0: `ParallelLayout.is_stage_publisher`) packs the tensors its own stage owns
   into buckets, in the same global order; the stages run in parallel. Every HF tensor is yielded by
   exactly one stage (the embedding by the first, the final norm and output layer by the last; the
@@ -73,27 +75,40 @@ def _recv(src: int) -> torch.Tensor:
     return out
 
 
+def _holder_rank(stage: int, owner_ep: int | None, where: parallel.ParallelLayout) -> int:
+    """Global rank of the TP rank 0 that gathers a parameter of pipeline stage `stage`: data-parallel replica 0's
+    for dense weights, expert-parallel rank `owner_ep`'s (expert data-parallel replica 0) for a routed expert's.
+    Megatron's rank orders put pipeline stages outermost, and a stage's expert-parallel ranks tp apart."""
+    return stage * (where.world_size // where.pp) + (owner_ep or 0) * where.tp
+
+
 def _fetch(mapping: ParamMapping, params: dict[str, torch.Tensor], info: BridgeInfo,
            where: parallel.ParallelLayout, per_stage: bool) -> dict[str, torch.Tensor] | None:
     """This parameter's HF tensors on global rank 0 (funnel) or on its stage's publisher (per stage); None
     elsewhere (after taking part)."""
-    from megatron.core import parallel_state as ps
-
     stage = info.owner_stage(mapping.megatron)
-    if where.dp_rank != 0:  # other replicas hold the same weights
-        return None
-    if where.pp_rank == stage:
-        local = params[info.local_name(mapping.megatron, stage)].detach()
+    owner_ep = info.owner_ep_rank(mapping.megatron)
+    receiver = _holder_rank(stage, None, where) if per_stage else 0
+    holder = _holder_rank(stage, owner_ep, where)
+    if owner_ep is None:
+        holds = where.dp_rank == 0 and where.pp_rank == stage
+    else:  # whole experts live on one expert-parallel rank; its expert replicas > 0 hold copies
+        holds = where.expert_dp_rank == 0 and where.ep_rank == owner_ep and where.pp_rank == stage
+    if holds:
+        local = params[info.local_name(mapping.megatron, stage, where.ep_rank)].detach()
         tensors = _gather_tp(mapping, local, info, where)
-        if per_stage or where.is_publisher:
+        if tensors is None:
+            return None
+        if where.rank != holder:
+            raise RuntimeError(f"{mapping.megatron}: gathered on rank {where.rank}, expected rank {holder} "
+                               "(megatron's rank order is not the default one)")
+        if holder == receiver:
             return tensors
-        if tensors is not None:  # TP rank 0 of a later stage: hand over to the publisher
-            for name in mapping.hf_names:
-                _send(tensors[name], dst=0)
+        for name in mapping.hf_names:
+            _send(tensors[name], dst=receiver)
         return None
-    if where.is_publisher and not per_stage:
-        sender = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[stage]
-        return {name: _recv(sender) for name in mapping.hf_names}
+    if where.rank == receiver:
+        return {name: _recv(holder) for name in mapping.hf_names}
     return None
 
 

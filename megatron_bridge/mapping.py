@@ -1,8 +1,9 @@
 """Parameter mappings between Hugging Face tensors and tensor-parallel megatron shards.
 
 Each architecture (megatron_bridge/models/*.py) declares a table of these; the sharding arithmetic
-lives here once. A mapping knows one megatron parameter name (with `*` standing for the layer index)
-and the HF tensor name(s) it comes from, and converts in both directions:
+lives here once. A mapping knows one megatron parameter name (with `*` standing for the layer index and,
+for a routed expert's weights, `#` for the expert index) and the HF tensor name(s) it comes from, and
+converts in both directions:
 
 - `load_shard(source, tp_rank, tp_size, dims)`: this TP rank's megatron shard, reading only the HF
   rows/columns it needs from a `TensorSource` (safetensors slices).
@@ -15,7 +16,11 @@ Megatron layouts (TP splits along the stated dimension):
   the real vocabulary are zero on load and dropped on export;
 - fused QKV: per query group g, `heads_per_group` query heads, then one key head, then one value
   head, each `head_dim` rows; TP splits whole groups;
-- fused gated MLP (SwiGLU fc1): [gate; up] per TP shard, each half split on dim 0.
+- fused gated MLP (SwiGLU fc1): [gate; up] per TP shard, each half split on dim 0 (dense MLP, each
+  routed expert and the shared expert alike: their sizes come from the HF tensors' shapes).
+
+Expert parallelism does not split tensors: an expert-parallel rank holds whole experts (`#` resolved to
+the global expert index by `for_expert`); which rank holds which is `megatron_bridge.model`'s business.
 """
 from __future__ import annotations
 
@@ -90,10 +95,22 @@ class ParamMapping(ABC):
     def per_layer(self) -> bool:
         return "*" in self.megatron
 
+    @property
+    def per_expert(self) -> bool:
+        """A routed expert's weight: `#` in the names stands for the expert index."""
+        return "#" in self.megatron
+
     def for_layer(self, layer: int) -> "ParamMapping":
         """This mapping with `*` replaced by the global layer index in every name."""
+        return self._substitute("*", layer)
+
+    def for_expert(self, expert: int) -> "ParamMapping":
+        """This mapping with `#` replaced by the global expert index in every name."""
+        return self._substitute("#", expert)
+
+    def _substitute(self, placeholder: str, index: int) -> "ParamMapping":
         names = {f: getattr(self, f) for f in self.__dataclass_fields__ if isinstance(getattr(self, f), str)}
-        return replace(self, **{f: name.replace("*", str(layer)) for f, name in names.items()})
+        return replace(self, **{f: name.replace(placeholder, str(index)) for f, name in names.items()})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,7 +238,7 @@ class GatedMLP(ParamMapping):
         return (self.gate, self.up)
 
     def load_shard(self, source, tp_rank, tp_size, dims):
-        start, stop = _even_split(dims.ffn_hidden_size, tp_rank, tp_size, "MLP intermediate size")
+        start, stop = _even_split(source.shape(self.gate)[0], tp_rank, tp_size, f"intermediate size of {self.gate}")
         return torch.cat([source.read(self.gate, 0, start, stop), source.read(self.up, 0, start, stop)], dim=0)
 
     def merge_shards(self, shards, dims):

@@ -1,13 +1,16 @@
 """Build a TP/PP-sharded megatron GPTModel from an HF directory and load its safetensors into it.
 
-`build_model(hf_dir, dtype=...)` needs `megatron_bridge.parallel.initialize(tp, pp)` first and
+`build_model(hf_dir, dtype=...)` needs `megatron_bridge.parallel.initialize(tp, pp, ep=)` first and
 returns `[GPTModel]` (a list of model chunks, as megatron's schedules take; one chunk per rank, no
-virtual pipeline). Each rank builds only its pipeline stage and reads only its own slices of the HF
-tensors. The returned model carries a `BridgeInfo` (attribute `bridge_info`) so export and the policy
+virtual pipeline). Each rank builds only its pipeline stage (an even split of the layers, or the
+`pp_layers` given) and, in a mixture of experts, only its expert-parallel rank's experts, and reads only its
+own slices of the HF tensors. The returned model carries a `BridgeInfo` (attribute `bridge_info`) so export and the policy
 know the architecture without re-reading the config.
 
 Layer spec: Transformer Engine's when `transformer_engine` is importable and a GPU is present,
-megatron's local spec otherwise. The mapping tables use local-spec names; `TE_NAMES` renames the
+megatron's local spec otherwise; a mixture of experts gets megatron's decoder block spec (dense and MoE
+layers by the config's `moe_layer_freq`), with SequentialMLP experts (no grouped GEMM). TE fuses the MLP's norm into
+fc1 only in dense layers: a MoE layer keeps `pre_mlp_layernorm`. The mapping tables use local-spec names; `TE_NAMES` renames the
 two norms TE fuses into the following linear layer.
 """
 from __future__ import annotations
@@ -24,53 +27,91 @@ import megatron_bridge.parallel as parallel
 from megatron_bridge.hf_checkpoint import HFCheckpoint
 from megatron_bridge.mapping import ModelDims, ParamMapping
 from megatron_bridge.models import DecoderBridge, bridge_for
-from megatron_bridge.models.base import OUTPUT_LAYER
+from megatron_bridge.models.base import OUTPUT_LAYER, stage_layer_counts
 
 TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 EMBEDDING = "embedding.word_embeddings.weight"
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT_NAME = re.compile(r"(mlp\.experts\.local_experts\.)(\d+)(\..+)")
 
 
 @dataclass(frozen=True)
 class BridgeInfo:
-    """What export and the policy need to know about a built model."""
+    """What export and the policy need to know about a built model. `stage_layers`: decoder layers per
+    pipeline stage, first to last; `ep`: expert-parallel ranks sharing each layer's experts (1 when dense)."""
 
     hf_dir: Path
     bridge: DecoderBridge
     dims: ModelDims
     transformer_engine: bool
     pp: int
+    stage_layers: tuple[int, ...] = ()
+    ep: int = 1
+
+    def __post_init__(self):
+        if not self.stage_layers:
+            object.__setattr__(self, "stage_layers", stage_layer_counts(self.dims.num_layers, self.pp, None))
+
+    def first_layer(self, stage: int) -> int:
+        """Global index of stage `stage`'s first decoder layer."""
+        return sum(self.stage_layers[:stage])
 
     @property
-    def layers_per_stage(self) -> int:
-        return self.dims.num_layers // self.pp
+    def experts_per_rank(self) -> int:
+        return self.bridge.num_experts // self.ep
 
     def owner_stage(self, megatron_name: str) -> int:
         """Pipeline stage holding a global (layer-resolved) megatron parameter."""
         match = _LAYER_NAME.fullmatch(megatron_name)
         if match:
-            return int(match.group(1)) // self.layers_per_stage
+            layer, stage = int(match.group(1)), 0
+            while layer >= self.first_layer(stage + 1):
+                stage += 1
+            return stage
         return 0 if megatron_name == EMBEDDING else self.pp - 1
 
+    def owner_ep_rank(self, megatron_name: str) -> int | None:
+        """Expert-parallel rank holding a global (expert-resolved) routed expert's weight; None for every
+        other parameter (held by all expert-parallel ranks)."""
+        match = _EXPERT_NAME.search(megatron_name)
+        return int(match.group(2)) // self.experts_per_rank if match else None
+
     def resolved_mappings(self) -> list[ParamMapping]:
-        """Every mapping with its layer index filled in, in pipeline order: the first stage's global
-        parameters (embedding), layers 0..L-1, then the last stage's (final norm, output layer)."""
+        """Every mapping with its layer (and expert) index filled in, in pipeline order: the first stage's
+        global parameters (embedding), layers 0..L-1 (a layer's routed experts in expert order), then the last
+        stage's (final norm, output layer)."""
         mappings = self.bridge.mappings()
         first = [m for m in mappings if not m.per_layer and self.owner_stage(m.megatron) == 0]
-        layers = [m.for_layer(i) for i in range(self.dims.num_layers) for m in mappings if m.per_layer]
+        layers = [resolved for i in range(self.dims.num_layers) for m in self.bridge.layer_mappings(i)
+                  for resolved in self._for_experts(m.for_layer(i))]
         last = [m for m in mappings if not m.per_layer and self.owner_stage(m.megatron) != 0]
         return first + layers + last
 
-    def local_name(self, megatron_name: str, pp_rank: int) -> str:
-        """The parameter name in this stage's module for a global (layer-resolved) megatron name."""
+    def _for_experts(self, mapping: ParamMapping) -> list[ParamMapping]:
+        if not mapping.per_expert:
+            return [mapping]
+        return [mapping.for_expert(e) for e in range(self.bridge.num_experts)]
+
+    def local_name(self, megatron_name: str, pp_rank: int, ep_rank: int = 0) -> str:
+        """The parameter name in this stage's (and expert-parallel rank's) module for a global (layer- and
+        expert-resolved) megatron name."""
         match = _LAYER_NAME.fullmatch(megatron_name)
         if not match:
             return megatron_name
         layer, rest = int(match.group(1)), match.group(2)
-        if self.transformer_engine:
+        if self.transformer_engine and not self.bridge.is_moe_layer(layer):  # a MoE layer keeps its own norm
             rest = TE_NAMES.get(rest, rest)
-        return f"decoder.layers.{layer - pp_rank * self.layers_per_stage}.{rest}"
+        expert = _EXPERT_NAME.fullmatch(rest)
+        if expert:
+            local = int(expert.group(2)) - ep_rank * self.experts_per_rank
+            rest = f"{expert.group(1)}{local}{expert.group(3)}"
+        return f"decoder.layers.{layer - self.first_layer(pp_rank)}.{rest}"
+
+    def holds(self, megatron_name: str, pp_rank: int, ep_rank: int) -> bool:
+        """Whether the rank at (pp_rank, ep_rank) holds a global megatron parameter."""
+        owner_ep = self.owner_ep_rank(megatron_name)
+        return self.owner_stage(megatron_name) == pp_rank and owner_ep in (None, ep_rank)
 
 
 def uses_transformer_engine() -> bool:
@@ -83,34 +124,101 @@ def load_hf_config(hf_dir: str | Path):
     return AutoConfig.from_pretrained(str(hf_dir))
 
 
-def _layer_spec(transformer_engine: bool):
+def _layer_spec(transformer_engine: bool, config, pp_rank: int):
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
-    if transformer_engine:
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    if config.num_moe_experts:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=transformer_engine,
+                                          normalization="RMSNorm", pp_rank=pp_rank)
+    elif transformer_engine:
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    if config.sequence_parallel and not transformer_engine:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        spec = _replace_module(spec, WrappedTorchNorm, SequenceParallelRMSNorm)
+    return spec
 
 
-def build_model(hf_dir: str | Path, *, dtype: str | torch.dtype = "float32", load_weights: bool = True):
-    """This rank's pipeline stage of the HF model as `[GPTModel]`, weights loaded from `hf_dir`."""
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm, as megatron's local spec builds it (`WrappedTorchNorm`), for sequence parallelism,
+    which `WrappedTorchNorm` refuses: under it each TP rank normalises its own slice of the sequence, so the
+    weight is marked `sequence_parallel` and megatron's `finalize_model_grads` sums its gradient over TP."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"SequenceParallelRMSNorm with normalization={config.normalization!r}")
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def _replace_module(spec, old: type, new: type):
+    """A copy of a megatron ModuleSpec tree (specs, submodule dataclasses, lists) with `old` replaced by `new`."""
+    import dataclasses
+
+    if spec is old:
+        return new
+    if isinstance(spec, list):
+        return [_replace_module(s, old, new) for s in spec]
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: _replace_module(getattr(spec, f.name), old, new)
+                                            for f in dataclasses.fields(spec) if f.init})
+    return spec
+
+
+def _define_missing_te_gemm() -> None:
+    """megatron-core 0.16.1's MoE router calls `moe_utils.te_general_gemm` when it is not None, but leaves the
+    name undefined (NameError) when Transformer Engine is not installed; define it as None there, which selects
+    its plain torch matmul."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _mark_experts_expert_parallel(model: torch.nn.Module) -> None:
+    """Mark the routed experts' weights expert-parallel (`allreduce=False`) at every EP size, as megatron does only
+    for EP > 1: its optimizer then always keeps them in a second optimizer (a ChainedOptimizer of dense and expert
+    weights), so a checkpoint's optimizer state has the same structure at EP 1 and EP > 1 and reshards across EP
+    sizes. At EP 1 the expert data-parallel group is the data-parallel group: gradients are reduced the same."""
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
+
+
+def build_model(hf_dir: str | Path, *, dtype: str | torch.dtype = "float32", load_weights: bool = True,
+                pp_layers: tuple[int, ...] | None = None, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0):
+    """This rank's pipeline stage of the HF model as `[GPTModel]`, weights loaded from `hf_dir`.
+
+    `pp_layers`: decoder layers per pipeline stage for an uneven split (None: even). `aux_loss_coeff`,
+    `z_loss_coeff`: a mixture of experts' load-balancing and router z-loss coefficients (0: off)."""
     from megatron.core.models.gpt import GPTModel
 
     hf_dir = Path(hf_dir)
     bridge = bridge_for(load_hf_config(hf_dir))
     where = parallel.layout()
     te = uses_transformer_engine()
-    config = bridge.transformer_config(tp=where.tp, pp=where.pp, dtype=dtype, on_cpu=device.is_installed())
-    model = GPTModel(config=config, transformer_layer_spec=_layer_spec(te), pre_process=where.is_first_stage,
-                     post_process=where.is_last_stage, **bridge.gpt_model_kwargs(where.tp))
+    config = bridge.transformer_config(tp=where.tp, pp=where.pp, ep=where.ep, pp_layers=pp_layers, dtype=dtype,
+                                       on_cpu=device.is_installed(), aux_loss_coeff=aux_loss_coeff,
+                                       z_loss_coeff=z_loss_coeff)
+    if config.num_moe_experts:
+        _define_missing_te_gemm()
+    model = GPTModel(config=config, transformer_layer_spec=_layer_spec(te, config, where.pp_rank),
+                     pre_process=where.is_first_stage, post_process=where.is_last_stage,
+                     **bridge.gpt_model_kwargs(where.tp))
     if not device.is_installed():
         model.cuda(torch.cuda.current_device())
     # megatron's local-spec norms ignore params_dtype; megatron-LM casts the whole model the same way
     # (its Float16Module) for 16-bit training
     model.to(dtype=config.params_dtype)
-    model.bridge_info = BridgeInfo(hf_dir=hf_dir, bridge=bridge, dims=bridge.dims(where.tp),
-                                   transformer_engine=te, pp=where.pp)
+    if config.num_moe_experts:
+        _mark_experts_expert_parallel(model)
+    model.bridge_info = BridgeInfo(hf_dir=hf_dir, bridge=bridge, dims=bridge.dims(where.tp), transformer_engine=te,
+                                   pp=where.pp, ep=where.ep,
+                                   stage_layers=stage_layer_counts(bridge.hf.num_hidden_layers, where.pp, pp_layers))
     if load_weights:
         load_hf_weights([model], hf_dir)
     return [model]
@@ -125,10 +233,11 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def local_mappings(info: BridgeInfo, pp_rank: int) -> dict[str, ParamMapping]:
-    """Local parameter name -> resolved mapping, for every mapped parameter of stage `pp_rank`."""
-    return {info.local_name(m.megatron, pp_rank): m for m in info.resolved_mappings()
-            if info.owner_stage(m.megatron) == pp_rank}
+def local_mappings(info: BridgeInfo, pp_rank: int, ep_rank: int = 0) -> dict[str, ParamMapping]:
+    """Local parameter name -> resolved mapping, for every mapped parameter of stage `pp_rank` held by
+    expert-parallel rank `ep_rank`."""
+    return {info.local_name(m.megatron, pp_rank, ep_rank): m for m in info.resolved_mappings()
+            if info.holds(m.megatron, pp_rank, ep_rank)}
 
 
 def load_hf_weights(models: list[torch.nn.Module], hf_dir: str | Path) -> None:
@@ -136,7 +245,7 @@ def load_hf_weights(models: list[torch.nn.Module], hf_dir: str | Path) -> None:
     where = parallel.layout()
     model = unwrap(models[0])
     info: BridgeInfo = model.bridge_info
-    wanted = local_mappings(info, where.pp_rank)
+    wanted = local_mappings(info, where.pp_rank, where.ep_rank)
     embedding = next(m for m in info.bridge.mappings() if m.megatron == EMBEDDING)
     params = dict(model.named_parameters())
     missing = sorted(set(wanted) - set(params))

@@ -2,7 +2,11 @@
 
 Layout: world = tp * pp * dp. Megatron's default rank order ("tp-cp-ep-dp-pp") puts the
 tensor-parallel ranks of one model replica next to each other, then data-parallel replicas, then
-pipeline stages. Global rank 0 is TP rank 0, DP rank 0 of the first pipeline stage; it is the
+pipeline stages. Expert parallelism (ep, mixtures of experts) is carved out of the data-parallel ranks:
+the experts of a layer are split over ep ranks of one stage, so tp * ep must divide tp * dp (the expert
+weights keep tensor parallelism tp; expert data parallelism is dp / ep); attention and the other dense
+weights stay replicated over all dp ranks. Megatron's expert rank order ("tp-ep-dp-pp") puts a stage's
+expert-parallel ranks tp apart. Global rank 0 is TP rank 0, DP rank 0 of the first pipeline stage; it is the
 publishing rank for exported weights (each stage's TP rank 0, DP rank 0 publishes its own stage's in a
 per-stage export).
 
@@ -40,6 +44,9 @@ class ParallelLayout:
     pp_rank: int
     dp_rank: int
     backend: str
+    ep: int = 1
+    ep_rank: int = 0
+    expert_dp_rank: int = 0  # rank among the replicas of this rank's experts (0..dp/ep-1)
 
     @property
     def is_first_stage(self) -> bool:
@@ -75,24 +82,28 @@ def _fill_env_for_single_process() -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
-def initialize(tp: int = 1, pp: int = 1, *, seed: int = 0, timeout_minutes: int = 30) -> ParallelLayout:
-    """Start torch.distributed (if not yet started) and megatron's model-parallel groups for (tp, pp).
+def initialize(tp: int = 1, pp: int = 1, *, ep: int = 1, seed: int = 0, timeout_minutes: int = 30) -> ParallelLayout:
+    """Start torch.distributed (if not yet started) and megatron's model-parallel groups for (tp, pp, ep).
 
-    dp = world_size / (tp * pp); raises ValueError naming the sizes when they do not divide.
+    dp = world_size / (tp * pp), and ep must divide dp; raises ValueError naming the sizes when they do
+    not divide.
     Seeds torch and megatron's tensor-parallel RNG tracker with `seed` (megatron offsets it per
     TP/PP rank for dropout; the bridge loads every weight, so initialisation RNG does not matter).
     Idempotent for the same (tp, pp); call `destroy()` before re-initialising with other sizes.
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    if tp < 1 or pp < 1:
-        raise ValueError(f"tensor and pipeline parallel sizes must be >= 1, got tp={tp} pp={pp}")
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ValueError(f"tensor, pipeline and expert parallel sizes must be >= 1, got tp={tp} pp={pp} ep={ep}")
     on_cpu = device.install()
     _fill_env_from_slurm()
     _fill_env_for_single_process()
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}")
+    if (world // (tp * pp)) % ep:
+        raise ValueError(f"expert parallel size {ep} does not divide the data parallel size {world // (tp * pp)} "
+                         f"(world size {world} / (tp {tp} x pp {pp})): experts are split over data-parallel ranks")
     backend = "gloo" if on_cpu else "nccl"
     if not dist.is_initialized():
         if not on_cpu:
@@ -101,13 +112,14 @@ def initialize(tp: int = 1, pp: int = 1, *, seed: int = 0, timeout_minutes: int 
                                 timeout=timedelta(minutes=timeout_minutes))
     if parallel_state.model_parallel_is_initialized():
         current = (parallel_state.get_tensor_model_parallel_world_size(),
-                   parallel_state.get_pipeline_model_parallel_world_size())
-        if current != (tp, pp):
-            raise RuntimeError(f"megatron parallel state already set up for tp,pp={current}; "
-                               f"call destroy() before initialize(tp={tp}, pp={pp})")
+                   parallel_state.get_pipeline_model_parallel_world_size(),
+                   parallel_state.get_expert_model_parallel_world_size())
+        if current != (tp, pp, ep):
+            raise RuntimeError(f"megatron parallel state already set up for tp,pp,ep={current}; "
+                               f"call destroy() before initialize(tp={tp}, pp={pp}, ep={ep})")
     else:
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
             distributed_timeout_minutes=timeout_minutes, create_gloo_process_groups=not on_cpu)
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -123,7 +135,8 @@ def layout() -> ParallelLayout:
         tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
         dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
-        backend=dist.get_backend())
+        backend=dist.get_backend(), ep=ps.get_expert_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(), expert_dp_rank=ps.get_expert_data_parallel_rank())
 
 
 def destroy(*, keep_process_group: bool = False) -> None:

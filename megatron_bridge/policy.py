@@ -72,8 +72,10 @@ import torch.distributed as dist
 
 import megatron_bridge.device as device
 import megatron_bridge.export as export
+import megatron_bridge.moe_losses as moe_losses
 import megatron_bridge.packing as packing
 import megatron_bridge.parallel as parallel
+import megatron_bridge.routing_replay as routing_replay_module
 import megatron_bridge.schedule as schedule
 from megatron_bridge.check import vocabulary_problem
 from megatron_bridge.logprobs import entropy_sum, token_logprobs
@@ -82,6 +84,7 @@ from megatron_bridge.model import build_model, unwrap
 LossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 POLICY_FILE = "rft_policy.json"
+MAX_SUFFIX = "_max"  # metrics reduced by max over micro-batches and data-parallel ranks (the others are summed)
 POLICY_METRICS = ("loss", "entropy")  # train_step's own metric names; a loss function may not return them
 
 
@@ -113,13 +116,15 @@ class TrainedModel:
         # optimizer divides the gradients by the same scale: without this, float16 gradients were divided by a
         # scale that had never multiplied them (Megatron-LM's training loop sets the same hook).
         self.config.grad_scale_func = self.optimizer.scale_loss
+        self.moe_loss_coefficients = moe_losses.prepare(self.models) if self.config.num_moe_experts else None
         self.steps = 0
 
     def _optimizer_step(self, micro_batches: list[dict[str, torch.Tensor]], on_output, *,
-                        packed: bool = False) -> dict[str, float]:
+                        packed: bool = False, before_forward=None) -> dict[str, float]:
         """One optimizer step: `on_output(model output on the last stage, micro_batch) -> (loss, metrics)` per
         micro-batch (schedule.run's training contract); returns the metrics summed over micro-batches and
         data-parallel ranks, plus `grad_norm` and `step_skipped`, on every rank."""
+        from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
         _check_micro_batches(micro_batches, extra=("loss_mask", "global_tokens"))
@@ -127,7 +132,11 @@ class TrainedModel:
             model.train()
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        per_micro_batch = schedule.run(self.models, micro_batches, on_output, forward_only=False, packed=packed)
+        moe = self.moe_loss_coefficients
+        if moe:
+            count = moe_losses.set_step_coefficients(self.models, moe, len(micro_batches), ps.get_data_parallel_group())
+        per_micro_batch = schedule.run(self.models, micro_batches, on_output, forward_only=False, packed=packed,
+                                       before_forward=before_forward)
         finalize_model_grads(self.models)
         totals = self._sum_over_replicas(per_micro_batch)
         if self._update_is_finite(totals.get("loss", 0.0)):
@@ -138,6 +147,8 @@ class TrainedModel:
         self.steps += 1
         totals["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         totals["step_skipped"] = 0.0 if succeeded else 1.0
+        if moe:
+            totals.update(moe_losses.step_metrics(self.models, moe, count, ps.get_data_parallel_group()))
         return totals
 
     def _update_is_finite(self, loss: float) -> bool:
@@ -158,22 +169,29 @@ class TrainedModel:
     def describe(self) -> str:
         """One line for logs: ranks and layout, the device and backend, dtype, optimizer state sharding."""
         layout, where = self.layout, next(self.models[0].parameters()).device
-        return (f"{layout.world_size} ranks (tp {layout.tp} x pp {layout.pp} x dp {layout.dp}) on {where.type} "
+        return (f"{layout.world_size} ranks (tp {layout.tp} x pp {layout.pp} x dp {layout.dp}, ep {layout.ep}) on {where.type} "
                 f"({layout.backend}), {self.config.params_dtype}, "
                 f"{'distributed' if self.distributed_optimizer else 'replicated'} optimizer state")
 
     def _sum_over_replicas(self, per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """Sum metric dicts over micro-batches (last stage), then data-parallel ranks; same dict everywhere."""
+        """Reduce metric dicts over micro-batches (last stage), then data-parallel ranks; same dict everywhere.
+        A metric whose name ends in `_max` is reduced by max (e.g. `logprob_mismatch_max`), every other by sum."""
         from megatron.core import parallel_state as ps
 
         names = sorted(per_micro_batch[0]) if per_micro_batch else None
         names = _broadcast_names(names)
-        values = torch.zeros(len(names), dtype=torch.float64, device=device.compute_device())
+        is_max = torch.tensor([n.endswith(MAX_SUFFIX) for n in names], device=device.compute_device())
+        sums = torch.zeros(len(names), dtype=torch.float64, device=device.compute_device())
+        maxima = torch.full_like(sums, float("-inf"))
         if self.layout.is_last_stage:
             for metrics in per_micro_batch:
-                values += torch.stack([metrics[n].double().to(values.device).reshape(()) for n in names])
-            dist.all_reduce(values, group=ps.get_data_parallel_group())
-        values = _from_last_stage(values, tuple(values.shape), dtype=torch.float64)
+                values = torch.stack([metrics[n].double().to(sums.device).reshape(()) for n in names])
+                sums += values
+                maxima = torch.maximum(maxima, values)
+            dist.all_reduce(sums, group=ps.get_data_parallel_group())
+            if bool(is_max.any()):  # the same names on every rank, so every rank takes this branch or none
+                dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        values = _from_last_stage(torch.where(is_max, maxima, sums), (len(names),), dtype=torch.float64)
         return {name: float(v) for name, v in zip(names, values.tolist())}
 
     # ---- checkpoints
@@ -228,16 +246,23 @@ class TrainedModel:
 class MegatronPolicy(TrainedModel):
     """A sharded causal LM that trains on batch-contract micro-batches (see the module docstring)."""
 
-    def __init__(self, hf_dir: str | Path, *, tp: int = 1, pp: int = 1, lr: float, weight_decay: float = 0.0,
+    def __init__(self, hf_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, lr: float, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  seed: int = 0, dtype: str = "float32", reference: bool = False, temperature: float = 1.0,
                  initial_loss_scale: float = 2.0 ** 16, pack_sequences: bool = False,
-                 teacher: str | Path | None = None):
+                 teacher: str | Path | None = None, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0,
+                 routing_replay: bool = False):
         """`temperature`: the sampling temperature of the explorers. Log-probs (and entropy) are those of
         softmax(logits / temperature), the distribution the behaviour log-probs in the records come from, so
         that importance ratios compare like with like. `initial_loss_scale`: float16 only, the dynamic loss
         scale's starting value (see "Loss scaling" in the module docstring). `pack_sequences`: every forward runs
-        each micro-batch as one packed sequence (megatron_bridge.packing; Transformer Engine on a GPU, pp 1)."""
+        each micro-batch as one packed sequence (megatron_bridge.packing; Transformer Engine on a GPU, pp 1). `ep`:
+        expert parallel size (a mixture of experts; carved out of the data-parallel ranks); `moe_aux_loss_coeff`,
+        `moe_z_loss_coeff`: the router's load-balancing and z-loss coefficients (megatron_bridge.moe_losses; 0: off),
+        reported per step as `moe_load_balancing_loss` / `moe_z_loss`. `routing_replay`: the policy's MoE routers
+        replay each micro-batch's `routed_experts` in `train_step` and `forward_logprobs`
+        (megatron_bridge.routing_replay; ValueError for a model without routers); the reference and teacher models
+        route by themselves."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (greedy sampling has no log-probs to train on), got {temperature}")
         self.temperature = temperature
@@ -250,9 +275,16 @@ class MegatronPolicy(TrainedModel):
             raise ValueError(f"pack_sequences needs Transformer Engine on a GPU and pp 1 (pp {pp}, Transformer Engine "
                              f"in use: {packing.packing_supported()})")
         self.pack_sequences = pack_sequences
-        self.layout = parallel.initialize(tp, pp, seed=seed)
-        self._train(build_model(hf_dir, dtype=dtype), lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
+        self.layout = parallel.initialize(tp, pp, ep=ep, seed=seed)
+        model = build_model(hf_dir, dtype=dtype, aux_loss_coeff=moe_aux_loss_coeff, z_loss_coeff=moe_z_loss_coeff)
+        self._train(model, lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
                     betas=betas, eps=eps, dtype=dtype, initial_loss_scale=initial_loss_scale)
+        self.routing_replay = routing_replay
+        if routing_replay:
+            if pack_sequences:
+                raise ValueError("routing_replay does not replay packed sequences; turn pack_sequences off")
+            if not routing_replay_module.install(self.models):
+                raise ValueError(f"routing_replay needs a mixture-of-experts model; {hf_dir} has no routers")
         self.reference_models = _frozen(build_model(hf_dir, dtype=dtype)) if reference else None
         self.teacher_models = _frozen(build_model(teacher, dtype=dtype)) if teacher is not None else None
 
@@ -264,7 +296,8 @@ class MegatronPolicy(TrainedModel):
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over this DP rank's micro-batches. Returns, on every rank, `loss`, `entropy`
-        and each metric summed over micro-batches and data-parallel ranks, plus `grad_norm` (before clipping)
+        and each metric summed over micro-batches and data-parallel ranks (maximum for names ending in `_max`),
+        plus `grad_norm` (before clipping)
         and `step_skipped` (1.0 when megatron skipped the update, e.g. non-finite gradients)."""
         def on_logits(logits, mb):
             logits = self._tempered(logits)
@@ -275,7 +308,8 @@ class MegatronPolicy(TrainedModel):
                 raise ValueError(f"loss function returned metrics {reserved}, names that train_step reports itself")
             return loss, {"loss": loss.detach(), "entropy": entropy, **{k: v.detach() for k, v in metrics.items()}}
 
-        return self._optimizer_step(micro_batches, on_logits, packed=self.pack_sequences)
+        return self._optimizer_step(micro_batches, on_logits, packed=self.pack_sequences,
+                                    before_forward=self._before_forward(self.models))
 
     def forward_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """token_logprobs [b, T] (float32, CPU) for each micro-batch, without gradients, on every rank
@@ -303,9 +337,13 @@ class MegatronPolicy(TrainedModel):
             results = schedule.run(
                 models, micro_batches,
                 lambda logits, mb: token_logprobs(self._tempered(logits), mb["target_ids"], self.vocab_size),
-                forward_only=True, packed=self.pack_sequences)
+                forward_only=True, packed=self.pack_sequences, before_forward=self._before_forward(models))
         return [_from_last_stage(results[i] if results else None, tuple(mb["target_ids"].shape))
                 for i, mb in enumerate(micro_batches)]
+
+    def _before_forward(self, models: list[torch.nn.Module]):
+        """The schedule's hook for `models`: routing replay's targets on the policy's own models, else none."""
+        return routing_replay_module.set_targets if self.routing_replay and models is self.models else None
 
     def _tempered(self, logits: torch.Tensor) -> torch.Tensor:
         return logits if self.temperature == 1.0 else logits / self.temperature

@@ -9,6 +9,11 @@ Megatron's rotary embedding uses positions 0..T-1 whatever `position_ids` says, 
 must be that (right-padded rows); `check_micro_batch` refuses anything else. Micro-batches may differ in shape
 [b_i, T_i] when the pipeline has one stage (token-budget micro-batches); with `packed`, each runs as one packed
 sequence (megatron_bridge.packing) and `on_logits` still sees the padded [b, T, V/tp] layout.
+
+With sequence parallelism (megatron requires it to train a mixture of experts at TP > 1; the bridge turns it
+on then) the sequence is split over the TP ranks, so each micro-batch is right-padded here to a multiple of
+TP (padding tokens at the end change no earlier position's output under causal attention) and the logits
+are cut back to T before `on_logits`.
 """
 from __future__ import annotations
 
@@ -43,13 +48,16 @@ def to_compute_device(mb: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tensor]],
-        on_logits: Callable[[torch.Tensor, dict], Any], *, forward_only: bool, packed: bool = False) -> list[Any]:
+        on_logits: Callable[[torch.Tensor, dict], Any], *, forward_only: bool, packed: bool = False,
+        before_forward: Callable[[torch.nn.Module, dict], None] | None = None) -> list[Any]:
     """Run the schedule; `on_logits(logits_shard [b, T, V/tp], micro_batch)` runs on the last stage.
 
     Training (`forward_only=False`): `on_logits` returns `(loss, metrics)`; backward runs on `loss`
     unscaled (megatron's per-token-loss mode: no division by micro-batch count, DDP sums instead of
     averaging). Returns the list of `metrics` dicts. Forward only: returns `on_logits`'s results. `packed`: run each
     micro-batch as one packed sequence (needs `row_lens`; Transformer Engine only, see megatron_bridge.packing).
+    `before_forward(model_chunk, micro_batch)` runs right before each chunk's forward on a micro-batch (routing
+    replay sets the micro-batch's routed experts there: pipeline schedules interleave micro-batches).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -58,7 +66,13 @@ def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tenso
     for i, mb in enumerate(micro_batches):
         check_micro_batch(mb, i)
 
+    multiple = _sequence_multiple(models)
+    if packed and multiple > 1:
+        raise ValueError("packed sequences with sequence parallelism (a mixture of experts at TP > 1) are not "
+                         "supported")
+
     def loss_func(mb, output_tensor, non_loss_data=False):
+        output_tensor = output_tensor[:, :mb["input_ids"].shape[1]].contiguous()  # drop sequence-parallel padding
         if forward_only:
             return on_logits(output_tensor, mb)
         loss, metrics = on_logits(output_tensor, mb)
@@ -66,13 +80,32 @@ def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tenso
 
     def forward_step(data_iterator, model):
         mb = to_compute_device(next(data_iterator))
+        if before_forward is not None:
+            before_forward(model, mb)
         if packed:
             return packing.packed_forward(model, mb), partial(loss_func, mb)
-        logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=None)
+        ids, positions = _right_pad(mb["input_ids"], multiple), _right_pad(mb["position_ids"], multiple, positions=True)
+        logits = model(input_ids=ids, position_ids=positions, attention_mask=None)
         return logits, partial(loss_func, mb)
 
+    longest = max(mb["input_ids"].shape[1] for mb in micro_batches)
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(micro_batches), model=models,
-        num_microbatches=len(micro_batches), seq_length=max(mb["input_ids"].shape[1] for mb in micro_batches),
+        num_microbatches=len(micro_batches), seq_length=-(-longest // multiple) * multiple,
         micro_batch_size=max(mb["input_ids"].shape[0] for mb in micro_batches), forward_only=forward_only,
         collect_non_loss_data=forward_only)
+
+
+def _sequence_multiple(models: list[torch.nn.Module]) -> int:
+    """The sequence length must be a multiple of this: TP under sequence parallelism, else 1."""
+    config = models[0].config
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
+def _right_pad(tensor: torch.Tensor, multiple: int, *, positions: bool = False) -> torch.Tensor:
+    """[b, T] -> [b, T'] with T' the next multiple of `multiple`: token 0 or, for `positions`, T..T'-1."""
+    extra = -tensor.shape[1] % multiple
+    if not extra:
+        return tensor
+    tail = torch.arange(tensor.shape[1], tensor.shape[1] + extra, device=tensor.device).expand(tensor.shape[0], -1)
+    return torch.cat([tensor, tail if positions else torch.zeros_like(tail)], dim=1)

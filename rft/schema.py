@@ -93,9 +93,69 @@ def group_id_for(run_id: str, task_id: str, epoch: int) -> str:
     return f"{run_id}/{task_id}/e{epoch}"
 
 
+# Routed-expert ids: the narrowest of these that holds num_experts - 1, named in the record (`dtype`).
+ROUTED_EXPERT_DTYPES = {"u1": np.dtype("u1"), "u2": np.dtype("<u2")}
+
+
+@dataclass
+class RoutedExperts:
+    """The experts an MoE inference engine routed each token to, per MoE layer (`docs/schema.md`).
+
+    `ids[j, l, :]` are the `top_k` expert ids (in [0, num_experts), the engine's top-k order) that MoE layer
+    `layers[l]` (0-based decoder layer index, ascending) chose for input position `first_position + j` of the
+    sample's sequence prompt + response. The engine runs P + R - 1 input positions (every token but the last
+    response token), and position P - 1 + t is the forward pass that produced response token t, so `ids` has
+    P + R - 1 - first_position rows: `first_position` 0 records the prompt's prefill too, P - 1 only the forward
+    passes of the generated tokens. uint8 when num_experts <= 256, else uint16."""
+    ids: np.ndarray  # [positions, len(layers), top_k], uint8 or uint16
+    num_experts: int
+    layers: list[int]
+    first_position: int = 0
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RoutedExperts):
+            return NotImplemented
+        return (self.num_experts == other.num_experts and list(self.layers) == list(other.layers)
+                and self.first_position == other.first_position and self.ids.dtype == other.ids.dtype
+                and np.array_equal(self.ids, other.ids))
+
+    @staticmethod
+    def dtype_for(num_experts: int) -> np.dtype:
+        """The wire dtype of ids below `num_experts` (ValueError above 65536)."""
+        for dtype in ROUTED_EXPERT_DTYPES.values():
+            if num_experts <= np.iinfo(dtype).max + 1:
+                return dtype
+        raise ValueError(f"routed experts: {num_experts} experts do not fit uint16 ids")
+
+
+def routed_experts_problem(routed: RoutedExperts, prompt_len: int, response_len: int) -> str | None:
+    """None when `routed` fits a sample of `prompt_len` + `response_len` tokens (shapes, id range, layers), else
+    what is wrong."""
+    ids, n_inputs = routed.ids, prompt_len + response_len - 1
+    if ids.ndim != 3:
+        return f"ids must be [positions, layers, top_k], got {ids.ndim} dimensions"
+    if not 0 <= routed.first_position <= max(n_inputs, 0):
+        return f"first_position {routed.first_position} is outside 0..{n_inputs} (prompt + response - 1)"
+    if ids.shape[0] != n_inputs - routed.first_position:
+        return (f"{ids.shape[0]} positions, but a sample of {prompt_len} prompt and {response_len} response tokens "
+                f"from first_position {routed.first_position} has {n_inputs - routed.first_position}")
+    if ids.shape[1] != len(routed.layers) or not routed.layers:
+        return f"{ids.shape[1]} layers of ids for {len(routed.layers)} layer indices {routed.layers}"
+    if any(b <= a for a, b in zip(routed.layers, routed.layers[1:])) or routed.layers[0] < 0:
+        return f"layers {routed.layers} must be ascending decoder layer indices >= 0"
+    if not 1 <= ids.shape[2] <= routed.num_experts:
+        return f"top_k {ids.shape[2]} is outside 1..num_experts ({routed.num_experts})"
+    if ids.dtype != RoutedExperts.dtype_for(routed.num_experts):
+        return f"ids are {ids.dtype}, {routed.num_experts} experts take {RoutedExperts.dtype_for(routed.num_experts)}"
+    if ids.size and int(ids.max()) >= routed.num_experts:
+        return f"expert id {int(ids.max())} is not below num_experts {routed.num_experts}"
+    return None
+
+
 @dataclass
 class Sample:
-    """One response to a task's prompt. Arrays: prompt/response tokens int32, logprobs float32, mask uint8."""
+    """One response to a task's prompt. Arrays: prompt/response tokens int32, logprobs float32, mask uint8.
+    `routed_experts`: an MoE engine's routing of the sample's tokens (`RoutedExperts`), None when not recorded."""
     sample_index: int
     prompt_tokens: np.ndarray
     response_tokens: np.ndarray
@@ -105,6 +165,7 @@ class Sample:
     reward_components: dict[str, float] = field(default_factory=dict)
     finish_reason: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    routed_experts: RoutedExperts | None = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sample):
@@ -112,6 +173,7 @@ class Sample:
         return (self.sample_index == other.sample_index and self.reward == other.reward
                 and self.reward_components == other.reward_components
                 and self.finish_reason == other.finish_reason and self.metadata == other.metadata
+                and self.routed_experts == other.routed_experts
                 and all(np.array_equal(getattr(self, k), getattr(other, k), equal_nan=True)
                         for k in ("prompt_tokens", "response_tokens", "logprobs", "loss_mask")))
 
@@ -249,7 +311,7 @@ def encode(record: TaskRecord | ExperienceGroup | ControlMessage | ServedComplet
 
 
 def _encode_sample(s: Sample) -> dict[str, Any]:
-    return {
+    body = {
         "sample_index": s.sample_index,
         "prompt_tokens": _array_bytes(s.prompt_tokens, TOKEN_DTYPE),
         "response_tokens": _array_bytes(s.response_tokens, TOKEN_DTYPE),
@@ -258,6 +320,20 @@ def _encode_sample(s: Sample) -> dict[str, Any]:
         "reward": float(s.reward), "reward_components": {k: float(v) for k, v in s.reward_components.items()},
         "finish_reason": s.finish_reason, "metadata": s.metadata,
     }
+    if s.routed_experts is not None:
+        body["routed_experts"] = _encode_routed(s.routed_experts, len(s.prompt_tokens), len(s.response_tokens))
+    return body
+
+
+def _encode_routed(routed: RoutedExperts, prompt_len: int, response_len: int) -> dict[str, Any]:
+    """The `routed_experts` map; ValueError (naming the problem) for routing that does not fit its sample."""
+    problem = routed_experts_problem(routed, prompt_len, response_len)
+    if problem:
+        raise ValueError(f"routed_experts: {problem}")
+    name = next(k for k, v in ROUTED_EXPERT_DTYPES.items() if v == routed.ids.dtype.newbyteorder("<"))
+    return {"ids": _array_bytes(routed.ids, ROUTED_EXPERT_DTYPES[name]), "dtype": name,
+            "shape": [int(n) for n in routed.ids.shape], "num_experts": routed.num_experts,
+            "layers": [int(i) for i in routed.layers], "first_position": routed.first_position}
 
 
 def _array_bytes(values: Any, dtype: np.dtype) -> bytes:
@@ -393,13 +469,37 @@ def _decode_sample(raw: Any, position: int) -> Sample:
         components = {str(k): float(v) for k, v in _get(raw, "reward_components", dict).items()}
         if not math.isfinite(reward) or not all(math.isfinite(v) for v in components.values()):
             raise RecordError("reward is NaN or infinite")
+        routed = None
+        if raw.get("routed_experts") is not None:
+            routed = _decode_routed(_get(raw, "routed_experts", dict), len(arrays["prompt_tokens"]), n)
         return Sample(sample_index=_get(raw, "sample_index", int), reward=reward, reward_components=components,
                       finish_reason=_get(raw, "finish_reason", str), metadata=_get(raw, "metadata", dict),
-                      **arrays)
+                      routed_experts=routed, **arrays)
     except RecordError as e:
         raise RecordError(f"{where}: {e}") from None
     except (TypeError, ValueError) as e:
         raise RecordError(f"{where}: {e}") from None
+
+
+def _decode_routed(raw: dict[str, Any], prompt_len: int, response_len: int) -> RoutedExperts:
+    try:
+        name = _get(raw, "dtype", str)
+        if name not in ROUTED_EXPERT_DTYPES:
+            raise RecordError(f"dtype {name!r} is not one of {sorted(ROUTED_EXPERT_DTYPES)}")
+        shape, layers = _get(raw, "shape", list), _get(raw, "layers", list)
+        if len(shape) != 3 or not all(isinstance(n, int) and n >= 0 for n in shape + layers):
+            raise RecordError(f"shape {shape} and layers {layers} must be non-negative integers, shape of 3")
+        ids = _array(raw, "ids", ROUTED_EXPERT_DTYPES[name])
+        if ids.size != shape[0] * shape[1] * shape[2]:
+            raise RecordError(f"ids hold {ids.size} values, shape {shape} needs {shape[0] * shape[1] * shape[2]}")
+        routed = RoutedExperts(ids=ids.reshape(shape), num_experts=_get(raw, "num_experts", int), layers=layers,
+                               first_position=_get(raw, "first_position", int))
+        problem = routed_experts_problem(routed, prompt_len, response_len)
+        if problem:
+            raise RecordError(problem)
+        return routed
+    except RecordError as e:
+        raise RecordError(f"routed_experts: {e}") from None
 
 
 def _array(raw: dict[str, Any], key: str, dtype: np.dtype) -> np.ndarray:

@@ -1,6 +1,6 @@
 """The architecture registry and the shared translation of a dense decoder's HF config to megatron.
 
-An architecture file (qwen2.py, llama.py) subclasses `DecoderBridge`, registers it under the HF class
+An architecture file (qwen2.py, llama.py, qwen3.py; the mixtures of experts build on `moe.MoEBridge`) subclasses `DecoderBridge`, registers it under the HF class
 name found in `config.json`'s `architectures`, and declares its parameter mapping table. This module
 turns the HF config into megatron's `TransformerConfig` plus the `GPTModel` arguments, and refuses
 options megatron (or this bridge) cannot reproduce exactly, naming each one.
@@ -75,15 +75,36 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
     return table[name]
 
 
+def stage_layer_counts(num_layers: int, pp: int, pp_layers: tuple[int, ...] | None) -> tuple[int, ...]:
+    """Decoder layers per pipeline stage, first to last: `pp_layers` when given (megatron-core allows the first
+    and last stage to differ; the middle stages must be equal), else an even split. ValueError names what is
+    wrong."""
+    if pp_layers is None:
+        if num_layers % pp:
+            raise ValueError(f"pipeline parallel size {pp} does not divide the model's {num_layers} layers "
+                             "(give the layers per stage for an uneven split)")
+        return (num_layers // pp,) * pp
+    counts = tuple(int(n) for n in pp_layers)
+    if len(counts) != pp or sum(counts) != num_layers or min(counts) < 1:
+        raise ValueError(f"layers per pipeline stage {list(counts)} must be {pp} positive numbers summing to the "
+                         f"model's {num_layers} layers")
+    if len(set(counts[1:-1])) > 1:
+        raise ValueError(f"layers per pipeline stage {list(counts)}: megatron-core lets only the first and last "
+                         "stage differ; the middle stages must hold equal numbers")
+    return counts
+
+
 class DecoderBridge:
     """A dense decoder-only transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
 
     Subclasses set `mapping_table` (with the `output_layer.weight` entry; it is dropped for tied
-    embeddings) and `qkv_bias`, and may add refusals in `unsupported_options`.
+    embeddings), `qkv_bias` and `qk_layernorm`, and may add refusals in `unsupported_options`. Mixtures of
+    experts (`moe.MoEBridge`) also override `num_experts`, `layer_mappings` and `moe_settings`.
     """
 
     hf_class: ClassVar[str] = ""
     qkv_bias: ClassVar[bool] = False
+    qk_layernorm: ClassVar[bool] = False  # RMSNorm over each head's query and key (Qwen3)
     mapping_table: ClassVar[tuple[ParamMapping, ...]] = ()
 
     def __init__(self, hf_config):
@@ -141,22 +162,46 @@ class DecoderBridge:
                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, vocab_size=hf.vocab_size,
                          padded_vocab_size=padded_vocab_size(hf.vocab_size, tp))
 
-    def check_parallel_sizes(self, tp: int, pp: int) -> None:
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer; 0 for a dense model."""
+        return 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) has routed experts instead of a dense MLP."""
+        return False
+
+    def tp_divided_sizes(self) -> list[tuple[str, int]]:
+        """(what, size) of every dimension tensor parallelism splits."""
+        return [("attention heads", self.hf.num_attention_heads), ("key/value heads", self.num_kv_heads),
+                ("intermediate_size", self.hf.intermediate_size)]
+
+    def check_parallel_sizes(self, tp: int, pp: int, ep: int = 1, pp_layers: tuple[int, ...] | None = None) -> None:
         """Raise ValueError naming the size that does not divide the model."""
-        hf = self.hf
-        for what, count in (("attention heads", hf.num_attention_heads), ("key/value heads", self.num_kv_heads),
-                            ("intermediate_size", hf.intermediate_size)):
+        for what, count in self.tp_divided_sizes():
             if count % tp:
                 raise ValueError(f"tensor parallel size {tp} does not divide the model's {count} {what}")
-        if hf.num_hidden_layers % pp:
-            raise ValueError(f"pipeline parallel size {pp} does not divide the model's "
-                             f"{hf.num_hidden_layers} layers")
+        stage_layer_counts(self.hf.num_hidden_layers, pp, pp_layers)
+        # a dense model under EP > 1 (a dense teacher or critic beside a MoE policy) just has no experts to split
+        if self.num_experts and self.num_experts % ep:
+            raise ValueError(f"expert parallel size {ep} does not divide the model's {self.num_experts} experts")
 
-    def transformer_config(self, *, tp: int, pp: int, dtype: str | torch.dtype, on_cpu: bool):
+    def moe_settings(self, *, ep: int, aux_loss_coeff: float, z_loss_coeff: float) -> dict[str, Any]:
+        """megatron TransformerConfig fields of the experts (none for a dense model)."""
+        return {}
+
+    def transformer_config(self, *, tp: int, pp: int, dtype: str | torch.dtype, on_cpu: bool, ep: int = 1,
+                           pp_layers: tuple[int, ...] | None = None, aux_loss_coeff: float = 0.0,
+                           z_loss_coeff: float = 0.0):
+        """megatron's TransformerConfig for a TP x PP (x EP) layout. `pp_layers`: decoder layers per pipeline
+        stage for an uneven split (see `stage_layer_counts`); `aux_loss_coeff` / `z_loss_coeff`: the MoE
+        load-balancing and router z-loss coefficients (ignored by dense models)."""
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        self.check_parallel_sizes(tp, pp)
+        self.check_parallel_sizes(tp, pp, ep, pp_layers)
         hf, torch_dtype = self.hf, _dtype(dtype)
+        uneven = {} if pp_layers is None else dict(num_layers_in_first_pipeline_stage=pp_layers[0],
+                                                   num_layers_in_last_pipeline_stage=pp_layers[-1])
         return TransformerConfig(
             num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, ffn_hidden_size=hf.intermediate_size,
             num_attention_heads=hf.num_attention_heads, num_query_groups=self.num_kv_heads,
@@ -166,16 +211,19 @@ class DecoderBridge:
             init_method_std=getattr(hf, "initializer_range", 0.02), attention_softmax_in_fp32=True,
             bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
             persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            # megatron refuses to train a mixture of experts at TP > 1 without it (megatron_bridge.schedule pads)
+            sequence_parallel=bool(self.num_experts) and tp > 1,
             params_dtype=torch_dtype, pipeline_dtype=torch_dtype, bf16=torch_dtype == torch.bfloat16,
-            fp16=torch_dtype == torch.float16, variable_seq_lengths=True,
-            moe_token_dispatcher_type="alltoall",  # no MoE; the default ("allgather") forbids variable lengths
+            fp16=torch_dtype == torch.float16, variable_seq_lengths=True, qk_layernorm=self.qk_layernorm,
+            moe_token_dispatcher_type="alltoall",  # the default ("allgather") forbids variable lengths
             # perform_initialization=False would skip tagging weights as tensor-parallel, and megatron's
             # grad norm and checkpoints would then treat TP shards as duplicates; we overwrite the values.
             use_cpu_initialization=on_cpu, perform_initialization=True,
             # loss_fn contributions are already global (batch contract): megatron must neither divide
             # them by the number of micro-batches nor average gradients over data-parallel ranks.
-            calculate_per_token_loss=True)
+            calculate_per_token_loss=True, **uneven,
+            **self.moe_settings(ep=ep, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff))
 
     def gpt_model_kwargs(self, tp: int) -> dict[str, Any]:
         """Arguments of megatron's GPTModel other than config, spec and pipeline position."""
@@ -190,3 +238,8 @@ class DecoderBridge:
     def mappings(self) -> list[ParamMapping]:
         """The mapping table for this config (no output layer entry when embeddings are tied)."""
         return [m for m in self.mapping_table if not (self.tied_embeddings and m.megatron == OUTPUT_LAYER)]
+
+    def layer_mappings(self, layer: int) -> list[ParamMapping]:
+        """The per-layer mappings (`*` unresolved) of decoder layer `layer` (0-based): all of them here; a
+        mixture of experts picks the dense MLP's or the experts' by layer."""
+        return [m for m in self.mappings() if m.per_layer]

@@ -19,10 +19,15 @@ class Qwen2Bridge(DecoderBridge):
     mapping_table = QWEN2_TABLE
 
     def unsupported_options(self) -> list[str]:
-        problems = super().unsupported_options()
-        if getattr(self.hf, "use_sliding_window", False):
-            problems.append("use_sliding_window=True (megatron's causal attention has no window)")
-        layer_types = set(getattr(self.hf, "layer_types", None) or ["full_attention"])
-        if layer_types != {"full_attention"}:
-            problems.append(f"layer_types={sorted(layer_types)} (only full_attention)")
-        return problems
+        return super().unsupported_options() + window_refusals(self.hf)
+
+
+def window_refusals(hf) -> list[str]:
+    """Sliding-window attention (Qwen2, Qwen3 and their MoE): megatron's causal attention has no window."""
+    problems = []
+    if getattr(hf, "use_sliding_window", False):
+        problems.append("use_sliding_window=True (megatron's causal attention has no window)")
+    layer_types = set(getattr(hf, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        problems.append(f"layer_types={sorted(layer_types)} (only full_attention)")
+    return problems

@@ -16,6 +16,10 @@ Invariants:
   during one, so within one call all completions carry the same version; with continuous submission
   (`submit` / `step`) only while no submitted request is unfinished.
 - After a reload the prefix cache is reset: no KV computed with old weights is reused.
+- With `record_routing` (MoE models, routing replay), `Completion.routed_experts` holds the experts every MoE layer
+  routed each input position (prompt, then every completion token but the last) to (rft.schema.RoutedExperts).
+  The transformers engine records them on any device (rft.engine.routing); the vLLM engine asks vLLM for its routed
+  experts output, which vLLM 0.32 gives with its V2 model runner only (see `VLLMEngine`).
 - A completion ends at the first of `stop_token_ids` (kept as its last token, finish reason "stop") or after
   `max_tokens`. With `model.chat_template: true` those are the EOS and the template's end-of-turn token
   (rft/text/chat.py); otherwise the engine's own default, the EOS.
@@ -38,12 +42,14 @@ ENGINES = {"vllm": VLLMEngine, "transformers": TransformersEngine}
 
 
 def build_engine(explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
-                 model_path: str | None = None, weight_transfer: bool = False) -> Engine:
+                 model_path: str | None = None, weight_transfer: bool = False, record_routing: bool = False) -> Engine:
     """The engine `explorer.engine` names, on `model_path` (default `model.path`); `seed` is `run.seed`.
     `weight_transfer`: it receives pushed weights by vLLM's weight transfer (rft.weights.vllm_transfer.push_transport
-    chose "vllm"); only a vllm engine can."""
+    chose "vllm"); only a vllm engine can. `record_routing`: completions carry their MoE routing (routing replay,
+    `trainer.routing_replay`)."""
+    extra = {"record_routing": True} if record_routing else {}
     if not weight_transfer:
-        return ENGINES[explorer.engine].from_config(explorer, model, seed=seed, model_path=model_path)
+        return ENGINES[explorer.engine].from_config(explorer, model, seed=seed, model_path=model_path, **extra)
     if explorer.engine != "vllm":
         raise EngineError(f"vLLM's weight transfer needs explorer.engine vllm, not {explorer.engine}")
-    return VLLMEngine.from_config(explorer, model, seed=seed, model_path=model_path, weight_transfer=True)
+    return VLLMEngine.from_config(explorer, model, seed=seed, model_path=model_path, weight_transfer=True, **extra)

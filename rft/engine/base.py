@@ -11,6 +11,7 @@ from rft.text.chat import ChatPrompt, encode_chat, observation_text, stop_token_
 
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, ModelConfig
+    from rft.schema import RoutedExperts
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class Completion:
     text: str
     finish_reason: str  # "stop" (EOS or stop string), "length", "abort"
     weights_version: int
+    # an engine recording MoE routing: the experts of each input position (prompt + tokens but the last one)
+    routed_experts: "RoutedExperts | None" = None
 
 
 @dataclass

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Sequence
 
 from rft.engine.base import Completion, EngineError, Generation, SamplingSettings, TokenizerMixin
+from rft.engine.routing import RoutingRecorder
 from rft.weights.store import iter_safetensors
 
 if TYPE_CHECKING:
@@ -19,7 +22,10 @@ class TransformersEngine(TokenizerMixin):
     different lengths need no padding that way). Reference implementation, not a fast path."""
 
     def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", seed: int = 0,
-                 weights_version: int = 0, device: str = "cpu", chat_template: bool = False):
+                 weights_version: int = 0, device: str = "cpu", chat_template: bool = False,
+                 record_routing: bool = False):
+        """`record_routing`: every completion carries `routed_experts`, the experts each MoE layer routed its
+        prompt and response tokens to (rft.engine.routing; EngineError for a model without top-k routers)."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -32,16 +38,17 @@ class TransformersEngine(TokenizerMixin):
         self.device = device
         self.generator_seed = seed
         self.weights_version = weights_version
+        self.routing = RoutingRecorder(self.model) if record_routing else None
         torch.manual_seed(seed)
 
     @classmethod
     def from_config(cls, explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
-                    model_path: str | None = None) -> "TransformersEngine":
+                    model_path: str | None = None, record_routing: bool = False) -> "TransformersEngine":
         """The engine the model section describes, on `model_path` (default `model.path`)."""
         import torch
 
         return cls(model_path or model.path, dtype=model.dtype, seed=seed, chat_template=model.chat_template,
-                   device="cuda" if torch.cuda.is_available() else "cpu")
+                   device="cuda" if torch.cuda.is_available() else "cpu", record_routing=record_routing)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
         return [self._generate_one(list(p), sampling) for p in prompts]
@@ -53,18 +60,23 @@ class TransformersEngine(TokenizerMixin):
         sample_args = {} if greedy else dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
         if self.stop_token_ids:
             sample_args["eos_token_id"] = sorted(self.stops)
-        with torch.no_grad():
+        rows = 1 if greedy else sampling.n
+        with torch.no_grad(), (self.routing.recording() if self.routing else nullcontext()):
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=not greedy,
-                                      num_return_sequences=1 if greedy else sampling.n,
-                                      max_new_tokens=sampling.max_tokens,
+                                      num_return_sequences=rows, max_new_tokens=sampling.max_tokens,
                                       output_scores=True, return_dict_in_generate=True,
                                       pad_token_id=self.tokenizer.pad_token_id, **sample_args)
         new_tokens = out.sequences[:, len(prompt):]
         # scores are the processed logits the sampler drew from (after temperature / top-p)
         logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
+        routed = self.routing.positions(rows) if self.routing else None
         # greedy: HF generates one sequence; the n samples are its copies (as vLLM's n greedy samples are)
         completions = [self._completion(new_tokens[0 if greedy else i].tolist(), logprobs[0 if greedy else i],
                                         sampling.stop) for i in range(sampling.n)]
+        if routed is not None:
+            for i, c in enumerate(completions):
+                c.routed_experts = self.routing.routed_experts(routed, 0 if greedy else i,
+                                                               len(prompt) + len(c.token_ids) - 1)
         return Generation(prompt, completions)
 
     def _completion(self, tokens: list[int], logprobs, stop: Sequence[str] = ()) -> Completion:
@@ -117,7 +129,7 @@ class TransformersEngine(TokenizerMixin):
         self._push = None
 
     def _load_state(self, tensors, *, source: str) -> None:
-        state = {name: tensor.clone() for name, tensor in tensors}
+        state = _fuse_experts({name: tensor.clone() for name, tensor in tensors})
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         unexpected = [k for k in unexpected if k != "lm_head.weight"]
         missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
@@ -131,3 +143,28 @@ class TransformersEngine(TokenizerMixin):
         self.model = None
 
 
+
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _fuse_experts(state: dict) -> dict:
+    """Hugging Face checkpoints store an MoE layer's experts one by one (`...experts.<e>.gate_proj.weight`, up, down:
+    what the trainer exports), transformers 5 holds them fused: `...experts.gate_up_proj` [E, 2 x I, H] (each expert's
+    gate rows, then its up rows) and `...experts.down_proj` [E, H, I]. Returns `state` with per-expert tensors fused
+    (what `from_pretrained` converts on load); other names unchanged."""
+    import torch
+
+    experts: dict[str, dict[int, dict[str, object]]] = {}
+    fused = {}
+    for name, tensor in state.items():
+        match = _EXPERT.match(name)
+        if match:
+            experts.setdefault(match[1], {}).setdefault(int(match[2]), {})[match[3]] = tensor
+        else:
+            fused[name] = tensor
+    for prefix, by_expert in experts.items():
+        order = [by_expert[e] for e in range(len(by_expert))]
+        fused[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([e["gate"], e["up"]]) for e in order])
+        fused[f"{prefix}.down_proj"] = torch.stack([e["down"] for e in order])
+    return fused

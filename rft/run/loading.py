@@ -103,7 +103,8 @@ def check_model(cfg: Config, source: str, *, need_model: bool = False) -> None:
         raise ConfigError(f"{source}: model.path: {hf_config} names architecture(s) "
                           f"{', '.join(architectures) or '(none)'}; the trainer supports {', '.join(supported)}")
     problem = layout_problem(str(model), tp=cfg.trainer.tensor_parallel, pp=cfg.trainer.pipeline_parallel,
-                             options=("trainer.tensor_parallel:", "trainer.pipeline_parallel:"))
+                             ep=cfg.trainer.expert_parallel, options=("trainer.tensor_parallel:", "trainer.pipeline_parallel:",
+                                                                      "trainer.expert_parallel:"))
     if problem:
         raise ConfigError(f"{source}: {problem}")
     _check_teacher(cfg, source, need_model=need_model)
@@ -124,7 +125,7 @@ def _check_teacher(cfg: Config, source: str, *, need_model: bool) -> None:
             continue
         problem = vocabulary_problem(cfg.model.path, path, role=role) or layout_problem(
             path, tp=cfg.trainer.tensor_parallel, pp=cfg.trainer.pipeline_parallel,
-            options=("trainer.tensor_parallel:", "trainer.pipeline_parallel:"))
+            options=("trainer.tensor_parallel:", "trainer.pipeline_parallel:", "trainer.expert_parallel:"))
         if problem:
             raise ConfigError(f"{source}: {key}: {problem}")
 

@@ -15,6 +15,11 @@ not a pair). Rows then carry the pair's number in the step, and a pair is the un
 ranks and packed into micro-batches, so both rows of a pair are always in the same micro-batch; micro-batches get
 `pair_chosen` / `pair_index` (padding rows: pair_index -1).
 
+Routing replay (`trainer.routing_replay`, `rows_from_groups(routing=True)`): a micro-batch with any row whose sample
+recorded its MoE routing carries `routed_experts` [b, T, layers, top_k] int32 (the expert ids of each input
+position, -1 where not recorded: other rows, padding, prompt positions before the record's first one) and
+`routed_layers` [layers] (the MoE layers' decoder indices); megatron_bridge.routing_replay replays them.
+
 Demonstration rows (`Row.demo`, marked by the trainer for algorithms with `needs.demonstrations`): every micro-batch
 carries `demo_mask` [b] (1.0 on demonstration rows) and the step's `global_demo_tokens` / `global_demo_sequences`
 (0 without demonstrations), so the loss can normalise demonstrations and policy rows separately.
@@ -39,6 +44,9 @@ class Row:
     pair_index: int = -1  # preference pairs: the pair's number in the step (both rows); -1 outside pairs
     chosen: bool = False  # preference pairs: True for the preferred row
     demo: bool = False  # a demonstration row (algorithms with `needs.demonstrations`)
+    # routing replay: [input positions, MoE layers, top_k] int32 expert ids, -1 where not recorded; None: no record
+    routed: np.ndarray | None = None
+    routed_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,27 +99,59 @@ def preference_pair_problem(group: ExperienceGroup) -> str | None:
 
 
 def rows_from_groups(groups: list[ExperienceGroup], advantages: list[np.ndarray], *, max_len: int | None = None,
-                     pairs: bool = False) -> list[Row]:
+                     pairs: bool = False, routing: bool = False) -> list[Row]:
     """One row per sample; `advantages[i][j]` belongs to sample j of group i. Sequences longer than `max_len`
     are cut at the end (the cut tokens leave the loss). With `pairs`, group i is preference pair i (ValueError
-    naming the group when it is not one) and its rows are marked chosen / rejected."""
+    naming the group when it is not one) and its rows are marked chosen / rejected. With `routing` (routing replay),
+    rows keep their samples' recorded `routed_experts` (ValueError naming the group when two records of the step
+    disagree on the MoE layers)."""
     rows = []
     for index, (group, group_adv) in enumerate(zip(groups, advantages, strict=True)):
-        group_rows = [_row(sample, float(adv), max_len) for sample, adv in zip(group.samples, group_adv, strict=True)]
+        group_rows = [_row(sample, float(adv), max_len, routing)
+                      for sample, adv in zip(group.samples, group_adv, strict=True)]
+        if routing:
+            _check_layers(rows + group_rows, group)
         if pairs:
             _mark_pair(group_rows, group, index)
         rows += group_rows
     return rows
 
 
-def _row(sample, advantage: float, max_len: int | None) -> Row:
+def _row(sample, advantage: float, max_len: int | None, routing: bool = False) -> Row:
     tokens = np.concatenate([sample.prompt_tokens, sample.response_tokens]).astype(np.int64)
     mask = sample.loss_mask.astype(np.float32)
     logprobs = sample.logprobs.astype(np.float32)
+    routed, layers = None, ()
+    if routing and sample.routed_experts is not None:
+        record = sample.routed_experts
+        routed = np.full((len(tokens) - 1, *record.ids.shape[1:]), -1, dtype=np.int32)
+        routed[record.first_position:] = record.ids  # the record covers input positions first_position..
+        layers = tuple(record.layers)
     if max_len is not None and len(tokens) > max_len:
         keep = max(0, max_len - len(sample.prompt_tokens))
         tokens, mask, logprobs = tokens[:max_len], mask[:keep], logprobs[:keep]
-    return Row(tokens, len(sample.prompt_tokens), mask, logprobs, advantage)
+        routed = routed[:max_len - 1] if routed is not None else None
+    return Row(tokens, len(sample.prompt_tokens), mask, logprobs, advantage, routed=routed, routed_layers=layers)
+
+
+def replayed_fraction(rows: list[Row]) -> float:
+    """Of the rows' loss tokens, the share whose forward pass has recorded routing (the input position before each
+    token: what routing replay replays); 0.0 without loss tokens."""
+    total = replayed = 0.0
+    for row in rows:
+        total += float(row.loss_mask.sum())
+        if row.routed is not None:
+            start = row.prompt_len - 1  # input position of the first response token's forward pass
+            recorded = (row.routed[start:start + len(row.loss_mask)] >= 0).all(axis=(1, 2))
+            replayed += float((row.loss_mask[:len(recorded)] * recorded).sum())
+    return replayed / total if total else 0.0
+
+
+def _check_layers(rows: list[Row], group: ExperienceGroup) -> None:
+    layers = {r.routed_layers for r in rows if r.routed is not None}
+    if len(layers) > 1:
+        raise ValueError(f"group {group.group_id}: routed_experts of MoE layers {sorted(layers)} in one step: the "
+                         f"records come from different models")
 
 
 def _mark_pair(rows: list[Row], group: ExperienceGroup, index: int) -> None:
@@ -270,6 +310,15 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
         advantages[i] = row.advantage
         pair_index[i], pair_chosen[i], demo_mask[i] = row.pair_index, row.chosen, row.demo
     pairs = {"pair_index": torch.from_numpy(pair_index), "pair_chosen": torch.from_numpy(pair_chosen)}
+    routing = {}
+    routed = [row for row in rows if row.routed is not None]
+    if routed:
+        ids = np.full((batch_size, seq_len, *routed[0].routed.shape[1:]), -1, dtype=np.int32)
+        for i, row in enumerate(rows):
+            if row.routed is not None:
+                ids[i, :len(row.routed)] = row.routed
+        routing = {"routed_experts": torch.from_numpy(ids),
+                   "routed_layers": torch.tensor(routed[0].routed_layers, dtype=torch.int64)}
     return {
         "input_ids": torch.from_numpy(input_ids), "target_ids": torch.from_numpy(target_ids),
         "position_ids": torch.arange(seq_len, dtype=torch.int64).expand(batch_size, seq_len).contiguous(),
@@ -277,5 +326,5 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
         "advantages": torch.from_numpy(advantages), "row_lens": torch.from_numpy(row_lens),
         "demo_mask": torch.from_numpy(demo_mask),
         "global_tokens": torch.tensor(global_tokens), "global_sequences": torch.tensor(global_sequences),
-        **(pairs if pairwise else {}),
+        **(pairs if pairwise else {}), **routing,
     }

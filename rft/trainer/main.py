@@ -45,6 +45,7 @@ import torch
 
 from rft.algorithms import Needs, build_algorithm
 from rft.algorithms.aggregation import with_kl_metric
+from rft.algorithms.mismatch import with_mismatch_metrics
 from rft.config import AlgorithmConfig, Config, ConfigError, ModelConfig, RunConfig, SyncConfig, TrainerConfig
 from rft.experience.operators import OperatorContext, build_operator_chain, split_drops
 from rft.modes import mode, staleness
@@ -52,7 +53,13 @@ from rft.run.commandline import add_config_arguments, config_from_args, die_with
 from rft.run.monitor import MetricsEndpoint, MetricsLogger, metrics_endpoint
 from rft.schema import RewardRange, decode_group
 from rft.trainer import distributed as dist_io
-from rft.trainer.batch import TrainableLimits, plan_micro_batches, preference_pair_problem, rows_from_groups
+from rft.trainer.batch import (
+    TrainableLimits,
+    plan_micro_batches,
+    preference_pair_problem,
+    replayed_fraction,
+    rows_from_groups,
+)
 from rft.trainer.checkpoint import CheckpointDir, TrainerState, capture_rng, restore_rng
 from rft.trainer.feed import EndOfReplay, ExperienceFeed, FeedState, ReplayWindow, open_feed, resolve_window
 from rft.trainer.replay_buffer import ExperienceReplay, open_replay
@@ -258,13 +265,15 @@ class Trainer:
                               "set it to false")
         self.algorithm = build_algorithm(algorithm)
         self.needs: Needs = self.algorithm.needs
-        self.loss_fn = with_kl_metric(self.algorithm.loss_fn)  # `kl` is logged whatever the algorithm
+        # `kl` and the training-inference mismatch (rft.algorithms.mismatch) are logged whatever the algorithm
+        self.loss_fn = with_mismatch_metrics(with_kl_metric(self.algorithm.loss_fn))
         self._demos: list = []  # this step's demonstration groups (needs.demonstrations)
         self.policy = policy or MegatronPolicy(
-            model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, lr=t.lr, weight_decay=t.weight_decay,
+            model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, ep=t.expert_parallel, lr=t.lr,
+            weight_decay=t.weight_decay, moe_aux_loss_coeff=t.moe_aux_loss_coeff, moe_z_loss_coeff=t.moe_z_loss_coeff,
             grad_clip=t.grad_clip, betas=(t.adam_beta1, t.adam_beta2), seed=run.seed, dtype=model.dtype,
             reference=self.needs.reference, temperature=temperature, pack_sequences=t.pack_sequences,
-            teacher=self.needs.teacher)
+            teacher=self.needs.teacher, routing_replay=t.routing_replay)
         self.critic = self._build_critic(model, run.seed) if self.needs.critic is not None else None
         self.staleness = StalenessTracker(mode=run.mode, max_staleness=run.max_staleness)
         self.is_reader = dist_io.rank() == 0
@@ -403,7 +412,8 @@ class Trainer:
         if not all(np.all(np.isfinite(a)) for a in advantages):  # the same on every rank: no optimizer step
             return {"step_skipped": 1.0, "nonfinite_advantages": 1.0}
         max_len = self.model.max_prompt_len + self.model.max_response_len
-        rows = rows_from_groups(groups, advantages, pairs=self.needs.pairwise, max_len=max_len)
+        rows = rows_from_groups(groups, advantages, pairs=self.needs.pairwise, max_len=max_len,
+                                routing=t.routing_replay)
         if self.needs.demonstrations is not None:
             demos = rows_from_groups(self._demos, [np.zeros(len(g.samples)) for g in self._demos], max_len=max_len)
             for row in demos:
@@ -430,8 +440,9 @@ class Trainer:
             metrics.update({k if k.startswith("value_") or k == "return_mean" else f"critic_{k}": v
                             for k, v in critic.items()})
         seconds = max(time.perf_counter() - started, 1e-9)
+        replayed = {"routing_replayed": replayed_fraction(rows)} if t.routing_replay else {}
         return {**metrics, "padding_fraction": plan.padding_fraction, "train_s": seconds,
-                "train_tokens_per_s": plan.real_tokens / seconds}
+                "train_tokens_per_s": plan.real_tokens / seconds, **replayed}
 
     def _publish_weights(self, version: int) -> None:
         """Collective: every rank takes part in gathering the buckets; rank 0 delivers them (`deliver_version`).

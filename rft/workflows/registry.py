@@ -24,7 +24,7 @@ import numpy as np
 
 from rft.registry import Registry
 from rft.rewards.registry import TaskError
-from rft.schema import Sample, TaskRecord
+from rft.schema import RoutedExperts, Sample, TaskRecord
 from rft.text.chat import ChatError, ChatPrompt
 
 if TYPE_CHECKING:
@@ -78,10 +78,12 @@ def score_group(reward: "Reward", texts: Sequence[str], task: TaskRecord) -> "li
 
 def build_sample(index: int, *, prompt: Sequence[int], tokens: Sequence[int], logprobs: Sequence[float],
                  loss_mask: Sequence[int], reward: "RewardResult", finish_reason: str,
-                 metadata: dict[str, Any] | None = None, extra_components: dict[str, float] | None = None) -> Sample:
-    """One sample with the wire dtypes (int32 tokens, float32 log-probs, uint8 mask)."""
+                 metadata: dict[str, Any] | None = None, extra_components: dict[str, float] | None = None,
+                 routed_experts: RoutedExperts | None = None) -> Sample:
+    """One sample with the wire dtypes (int32 tokens, float32 log-probs, uint8 mask); `routed_experts`: the engine's
+    MoE routing of its tokens (rft.engine's `Completion.routed_experts`), when recorded."""
     return Sample(sample_index=index, prompt_tokens=np.asarray(prompt, dtype=np.int32),
                   response_tokens=np.asarray(tokens, dtype=np.int32), logprobs=np.asarray(logprobs, dtype=np.float32),
                   loss_mask=np.asarray(loss_mask, dtype=np.uint8), reward=reward.score,
                   reward_components={**reward.components, **(extra_components or {})},
-                  finish_reason=finish_reason, metadata=metadata or {})
+                  finish_reason=finish_reason, metadata=metadata or {}, routed_experts=routed_experts)

@@ -44,6 +44,7 @@ class SingleTurn:
         if isinstance(rewards, str):
             return GroupResult(task, error=rewards)
         samples = [build_sample(k, prompt=generation.prompt_token_ids, tokens=c.token_ids, logprobs=c.logprobs,
-                                loss_mask=[1] * len(c.token_ids), reward=r, finish_reason=c.finish_reason)
+                                loss_mask=[1] * len(c.token_ids), reward=r, finish_reason=c.finish_reason,
+                                routed_experts=c.routed_experts)
                    for k, (c, r) in enumerate(zip(completions, rewards))]
         return GroupResult(task, samples=samples, policy_version=min(c.weights_version for c in completions))

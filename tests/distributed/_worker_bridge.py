@@ -1,7 +1,8 @@
 """torchrun worker for tests/distributed/test_megatron_bridge.py: HF -> megatron -> HF conversion cases.
 
 Usage: torchrun --nproc-per-node N _worker_bridge.py SPEC.json. The spec lists cases
-{"name", "hf_dir", "tp", "pp"} and an output directory. For every case, in one process group:
+{"name", "hf_dir", "tp", "pp"} (optionally "ep", and "pp_layers" for an uneven pipeline split) and an output
+directory. For every case, in one process group:
 - `<name>.logits.safetensors` (written by the rank holding the full logits): `input_ids` of a seeded
   random batch and megatron's logits for it, gathered over TP, padding columns dropped;
 - `<name>.hf/`: the model exported with `save_hf` (bucketed, gathered over TP and PP);
@@ -60,8 +61,9 @@ def measured_export(models, bucket_bytes: int) -> dict:
 
 
 def run_case(case: dict, out: Path, bucket_bytes: int) -> None:
-    where = parallel.initialize(case["tp"], case["pp"])
-    models = build_model(case["hf_dir"])
+    where = parallel.initialize(case["tp"], case["pp"], ep=case.get("ep", 1))
+    pp_layers = case.get("pp_layers")
+    models = build_model(case["hf_dir"], pp_layers=tuple(pp_layers) if pp_layers else None)
     vocab = models[0].bridge_info.dims.vocab_size
     batch = random_batch(vocab)
     logits = schedule.run(models, [batch], lambda shard, mb: gather_logits(shard, vocab), forward_only=True)

@@ -33,25 +33,43 @@ CASES = [  # (case name, model name, tp, pp); world size 2 throughout, so tp=pp=
     ("qwen_tp1", "qwen", 1, 1),
     ("llama_tp2", "llama", 2, 1),
     ("llama_pp2", "llama", 1, 2),
+    ("llama3_rope_tp2", "llama3", 2, 1),
+    ("qwen3_tp2", "qwen3", 2, 1),
+    ("qwen3_pp2_uneven", "qwen3", 1, 2),
+    ("qwen3moe_ep2", "qwen3moe", 1, 1),
+    ("qwen3moe_tp2", "qwen3moe", 2, 1),
+    ("qwen3moe_pp2_uneven", "qwen3moe", 1, 2),
+    ("qwen2moe_ep2", "qwen2moe", 1, 1),
+    ("qwen2moe_tp2", "qwen2moe", 2, 1),
 ]
+# more of a case's layout: expert parallel size, layers per pipeline stage (uneven split)
+LAYOUT = {"qwen3_pp2_uneven": {"pp_layers": [1, 3]}, "qwen3moe_ep2": {"ep": 2},
+          "qwen3moe_pp2_uneven": {"pp_layers": [3, 1]}, "qwen2moe_ep2": {"ep": 2}}
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     """Qwen2: 4 layers, GQA, tied embeddings, vocab 101 (padded to 102 at TP=2). Llama: untied, vocab 99.
-    "big": a 19 MB Qwen2 for the export memory bound."""
+    Llama 3: rope scaling (rope_type llama3). Qwen3: head_dim 48 (not hidden / heads = 32). Qwen3-MoE: 8 experts, top 2, renormalised, layer 1 dense.
+    Qwen2-MoE: 4 experts, top 2 not renormalised, gated shared expert. "big": a 19 MB Qwen2 for the export
+    memory bound."""
     root = tmp_path_factory.mktemp("bridge-models")
     return {"big": make_tiny_model(root / "big", arch="qwen2", hidden_size=256, heads=8, kv_heads=2, layers=8,
                                    intermediate_size=512, vocab_size=101, seed=3),
             "qwen": make_tiny_model(root / "qwen", arch="qwen2", layers=4, vocab_size=101, seed=1),
-            "llama": make_tiny_model(root / "llama", arch="llama", tie_word_embeddings=False, seed=2)}
+            "llama": make_tiny_model(root / "llama", arch="llama", tie_word_embeddings=False, seed=2),
+            "llama3": make_tiny_model(root / "llama3", arch="llama", llama3_rope_factor=8.0, seed=3),
+            "qwen3": make_tiny_model(root / "qwen3", arch="qwen3", layers=4, head_dim=48, seed=4),
+            "qwen3moe": make_tiny_model(root / "qwen3moe", arch="qwen3_moe", layers=4, experts=8, mlp_only_layers=(1,),
+                                        tie_word_embeddings=False, seed=5),
+            "qwen2moe": make_tiny_model(root / "qwen2moe", arch="qwen2_moe", layers=2, norm_topk_prob=False, seed=6)}
 
 
 @pytest.fixture(scope="module")
 def results(models, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bridge-results")
     spec = {"out_dir": str(out), "bucket_bytes": BUCKET_BYTES,
-            "cases": [{"name": name, "hf_dir": str(models[model]), "tp": tp, "pp": pp}
+            "cases": [{"name": name, "hf_dir": str(models[model]), "tp": tp, "pp": pp, **LAYOUT.get(name, {})}
                       for name, model, tp, pp in CASES]}
     (out / "spec.json").write_text(json.dumps(spec))
     assert_succeeded(torchrun([str(HERE / "_worker_bridge.py"), str(out / "spec.json")]))
@@ -134,3 +152,17 @@ def test_check_command_on_a_differently_sized_model(tmp_path):
                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert failing.returncode == 1, failing.stdout + failing.stderr[-4000:]
     assert "FAIL" in failing.stdout
+
+
+def test_check_command_on_a_mixture_of_experts_at_tp2_ep2(tmp_path):
+    """4 processes: TP 2 (sequence parallel; each TP rank sends an uneven number of tokens to the experts, which
+    gloo gathers through the shim) x EP 2 (two of the four experts per rank), a Qwen2-MoE with its shared expert,
+    and an odd sequence length (padded to a multiple of TP)."""
+    model = make_tiny_model(tmp_path / "moe", arch="qwen2_moe", layers=2, seed=8)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "megatron_bridge.check", str(model), "--tp", "2", "--ep", "2",
+                           "--seq-len", "31"], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert_succeeded(done)
+    assert "tp=2 pp=1 (layers 2) ep=2 dp=2" in done.stdout
+    assert re.search(r"max \|megatron - transformers\| = \S+ \(tolerance 1.0e-05 x logit scale \S+\)  OK", done.stdout)
+    assert "every tensor identical  OK" in done.stdout

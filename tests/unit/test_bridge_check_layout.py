@@ -29,3 +29,18 @@ def test_the_command_refuses_before_starting_workers(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "does not divide the model's 9 attention heads" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_expert_and_uneven_pipeline_layouts_are_checked(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                      "num_hidden_layers": 6, "num_experts": 6}))
+    model = str(tmp_path)
+    assert layout_problem(model, tp=1, pp=2, ep=2, pp_layers=(1, 5)) is None
+    assert "--ep 4 does not divide the model's 6 experts" in layout_problem(model, tp=1, pp=1, ep=4)
+    assert "summing to the model's 6 layers" in layout_problem(model, tp=1, pp=2, pp_layers=(1, 2))
+    assert "only the first and last stage differ" in layout_problem(model, tp=1, pp=4, pp_layers=(1, 1, 3, 1))
+
+
+def test_expert_parallelism_of_a_dense_model_is_refused(tmp_path):
+    model = smollm2_like(tmp_path)
+    assert "--ep 2 for a model without experts" in layout_problem(model, tp=1, pp=1, ep=2)

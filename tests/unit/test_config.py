@@ -79,6 +79,10 @@ def test_saved_resolved_config_round_trips(tmp_path, model_dir):
      r"explorer.continuous: needs explorer.engine vllm \(its engine-level request API\), got transformers"),
     ({"explorer": {"continuous": True}, "sync": {"method": "push"}}, [], r"explorer.continuous: needs sync.method pull"),
     ({}, ["explorer.max_inflight=0"], r"explorer.max_inflight: must be >= 1, got 0"),
+    ({"trainer": {"data_parallel": 2, "expert_parallel": 4}}, [],
+     r"trainer.expert_parallel: must divide trainer.data_parallel \(2\)"),
+    ({}, ["trainer.expert_parallel=0"], r"trainer.expert_parallel: must be >= 1, got 0"),
+    ({}, ["trainer.moe_z_loss_coeff=-0.1"], r"trainer.moe_z_loss_coeff: must be >= 0 \(0: off\), got -0.1"),
 ])
 def test_invalid_configs_name_file_and_key(tmp_path, model_dir, body_patch, override, expected):
     body = minimal(model_dir)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
 from megatron_bridge.mapping import QKV, ColumnParallel, GatedMLP, ModelDims, Replicated, RowParallel, VocabParallel
 from megatron_bridge.models import UnsupportedModelError, bridge_for, padded_vocab_size
@@ -109,6 +109,43 @@ def llama(**overrides) -> LlamaConfig:
     return LlamaConfig(**{**base, **overrides})
 
 
+def qwen3_moe(**overrides) -> Qwen3MoeConfig:
+    base = dict(vocab_size=99, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=24, intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                norm_topk_prob=True, mlp_only_layers=[1], architectures=["Qwen3MoeForCausalLM"])
+    return Qwen3MoeConfig(**{**base, **overrides})
+
+
+def qwen2_moe(**overrides) -> Qwen2MoeConfig:
+    base = dict(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+                num_experts_per_tok=2, norm_topk_prob=False, architectures=["Qwen2MoeForCausalLM"])
+    return Qwen2MoeConfig(**{**base, **overrides})
+
+
+def test_qwen3_moe_config_translates_to_megatron():
+    bridge = bridge_for(qwen3_moe())
+    config = bridge.transformer_config(tp=1, pp=2, ep=4, dtype="float32", on_cpu=True, aux_loss_coeff=0.01)
+    assert config.qk_layernorm and config.kv_channels == 24 and not config.add_qkv_bias
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (8, 2, 32)
+    assert config.moe_layer_freq == [1, 0, 1, 1]  # mlp_only_layers=[1]: layer 1 keeps a dense MLP
+    assert not config.moe_router_pre_softmax  # norm_topk_prob: softmax over the chosen k
+    assert config.expert_model_parallel_size == 4 and not config.moe_grouped_gemm
+    assert config.moe_router_load_balancing_type == "aux_loss" and config.moe_z_loss_coeff is None
+    names = {m.megatron for m in bridge.layer_mappings(1)}
+    assert "decoder.layers.*.mlp.linear_fc1.weight" in names and not any(".experts." in n for n in names)
+    names = {m.megatron for m in bridge.layer_mappings(0)}
+    assert "decoder.layers.*.mlp.router.weight" in names and "decoder.layers.*.mlp.linear_fc1.weight" not in names
+
+
+def test_qwen2_moe_shared_expert_and_sequence_parallelism_at_tp2():
+    config = bridge_for(qwen2_moe()).transformer_config(tp=2, pp=1, dtype="float32", on_cpu=True)
+    assert config.moe_shared_expert_intermediate_size == 64 and config.moe_shared_expert_gate
+    assert config.moe_router_pre_softmax and config.add_qkv_bias  # norm_topk_prob=False: softmax over all
+    assert config.sequence_parallel  # megatron trains MoE at TP > 1 only with it
+    assert not bridge_for(qwen2()).transformer_config(tp=2, pp=1, dtype="float32", on_cpu=True).sequence_parallel
+
+
 def test_qwen2_config_translates_to_megatron():
     bridge = bridge_for(qwen2(rope_theta=1e6))
     config = bridge.transformer_config(tp=2, pp=2, dtype="float32", on_cpu=True)
@@ -137,6 +174,13 @@ def test_llama3_rope_scaling_and_untied_head():
     (lambda: qwen2(architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel"),
     (lambda: qwen2(use_sliding_window=True, sliding_window=64), "use_sliding_window"),
     (lambda: qwen2(hidden_act="gelu"), "hidden_act"),
+    (lambda: Qwen3Config(architectures=["Qwen3ForCausalLM"], use_sliding_window=True, sliding_window=64),
+     "use_sliding_window"),
+    (lambda: Qwen3Config(architectures=["Qwen3ForCausalLM"], attention_bias=True), "attention_bias"),
+    (lambda: qwen3_moe(num_experts_per_tok=9), "num_experts_per_tok=9"),
+    (lambda: qwen3_moe(use_sliding_window=True, sliding_window=64), "use_sliding_window"),
+    (lambda: qwen2_moe(shared_expert_intermediate_size=0), "shared_expert_intermediate_size=0"),
+    (lambda: qwen2_moe(qkv_bias=False), "qkv_bias=False"),
     (lambda: llama(attention_bias=True), "attention_bias"),
     (lambda: llama(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}),
      "yarn"),
@@ -147,6 +191,12 @@ def test_llama3_rope_scaling_and_untied_head():
 def test_unsupported_models_are_refused_by_name(config, named):
     with pytest.raises(UnsupportedModelError, match=named):
         bridge_for(config())
+
+
+@pytest.mark.parametrize("ep,named", [(3, "expert parallel size 3 does not divide the model's 8 experts")])
+def test_expert_parallel_sizes_that_do_not_divide_the_experts_are_refused(ep, named):
+    with pytest.raises(ValueError, match=named):
+        bridge_for(qwen3_moe()).transformer_config(tp=1, pp=1, ep=ep, dtype="float32", on_cpu=True)
 
 
 @pytest.mark.parametrize("tp,pp,named", [(3, 1, "3 does not divide"), (1, 3, "pipeline parallel size 3")])
