@@ -16,15 +16,20 @@ import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 import megatron_bridge.device as device
+import megatron_bridge.lora as adapters
 import megatron_bridge.parallel as parallel
 from megatron_bridge.hf_checkpoint import HFCheckpoint
 from megatron_bridge.mapping import ModelDims, ParamMapping
 from megatron_bridge.models import DecoderBridge, bridge_for
 from megatron_bridge.models.base import OUTPUT_LAYER
+
+if TYPE_CHECKING:
+    from rft.config import LoraConfig
 
 TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
@@ -93,16 +98,22 @@ def _layer_spec(transformer_engine: bool):
     return get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
-def build_model(hf_dir: str | Path, *, dtype: str | torch.dtype = "float32", load_weights: bool = True):
-    """This rank's pipeline stage of the HF model as `[GPTModel]`, weights loaded from `hf_dir`."""
+def build_model(hf_dir: str | Path, *, dtype: str | torch.dtype = "float32", load_weights: bool = True,
+                lora: "LoraConfig | None" = None, seed: int = 0):
+    """This rank's pipeline stage of the HF model as `[GPTModel]`, weights loaded from `hf_dir`.
+
+    `lora` with a rank > 0: LoRA adapters on its target linears (megatron_bridge.lora; always megatron's local
+    spec), initialised from `seed` or loaded from `lora.init_from`, and every other parameter frozen."""
     from megatron.core.models.gpt import GPTModel
 
     hf_dir = Path(hf_dir)
     bridge = bridge_for(load_hf_config(hf_dir))
     where = parallel.layout()
-    te = uses_transformer_engine()
+    lora = lora if lora is not None and lora.rank else None
+    te = uses_transformer_engine() and lora is None
     config = bridge.transformer_config(tp=where.tp, pp=where.pp, dtype=dtype, on_cpu=device.is_installed())
-    model = GPTModel(config=config, transformer_layer_spec=_layer_spec(te), pre_process=where.is_first_stage,
+    spec = adapters.layer_spec(lora) if lora is not None else _layer_spec(te)
+    model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=where.is_first_stage,
                      post_process=where.is_last_stage, **bridge.gpt_model_kwargs(where.tp))
     if not device.is_installed():
         model.cuda(torch.cuda.current_device())
@@ -113,6 +124,15 @@ def build_model(hf_dir: str | Path, *, dtype: str | torch.dtype = "float32", loa
                                    transformer_engine=te, pp=where.pp)
     if load_weights:
         load_hf_weights([model], hf_dir)
+    if lora is not None:
+        adapters.freeze_base(model)
+        if lora.init_from:
+            wanted = local_mappings_of(model.bridge_info, adapters.adapter_mappings(model.bridge_info, lora),
+                                       where.pp_rank)
+            adapters.load_adapter(model, wanted, lora.init_from, tp_rank=where.tp_rank, tp=where.tp,
+                                  dims=model.bridge_info.dims)
+        else:
+            adapters.init_adapters(model, model.bridge_info, where.pp_rank, where.tp_rank, where.tp, seed)
     return [model]
 
 
@@ -127,8 +147,12 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def local_mappings(info: BridgeInfo, pp_rank: int) -> dict[str, ParamMapping]:
     """Local parameter name -> resolved mapping, for every mapped parameter of stage `pp_rank`."""
-    return {info.local_name(m.megatron, pp_rank): m for m in info.resolved_mappings()
-            if info.owner_stage(m.megatron) == pp_rank}
+    return local_mappings_of(info, info.resolved_mappings(), pp_rank)
+
+
+def local_mappings_of(info: BridgeInfo, mappings: list[ParamMapping], pp_rank: int) -> dict[str, ParamMapping]:
+    """Local parameter name -> mapping, for those of the resolved `mappings` that stage `pp_rank` holds."""
+    return {info.local_name(m.megatron, pp_rank): m for m in mappings if info.owner_stage(m.megatron) == pp_rank}
 
 
 def load_hf_weights(models: list[torch.nn.Module], hf_dir: str | Path) -> None:
@@ -138,7 +162,7 @@ def load_hf_weights(models: list[torch.nn.Module], hf_dir: str | Path) -> None:
     info: BridgeInfo = model.bridge_info
     wanted = local_mappings(info, where.pp_rank)
     embedding = next(m for m in info.bridge.mappings() if m.megatron == EMBEDDING)
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if not adapters.is_adapter(n)}
     missing = sorted(set(wanted) - set(params))
     if missing:
         raise KeyError(f"{info.bridge.hf_class} mapping names megatron parameters this stage lacks: {missing}")

@@ -64,19 +64,23 @@ import signal
 import sys
 from multiprocessing.managers import SyncManager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 import megatron_bridge.device as device
 import megatron_bridge.export as export
+import megatron_bridge.lora as adapters
 import megatron_bridge.packing as packing
 import megatron_bridge.parallel as parallel
 import megatron_bridge.schedule as schedule
 from megatron_bridge.check import vocabulary_problem
 from megatron_bridge.logprobs import entropy_sum, token_logprobs
 from megatron_bridge.model import build_model, unwrap
+
+if TYPE_CHECKING:
+    from rft.config import LoraConfig
 
 LossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -159,8 +163,12 @@ class TrainedModel:
 
     # ---- checkpoints
 
+    lora = None  # a MegatronPolicy's model.lora with rank > 0: the checkpoint holds the adapters only
+
     def _sharded_state(self, *, is_loading: bool) -> dict:
         model_state = unwrap(self.models[0]).sharded_state_dict()
+        if self.lora is not None:  # the base is model.path's, frozen: the adapters (and their Adam state) only
+            model_state = {k: v for k, v in model_state.items() if adapters.is_adapter(k)}
         return {"model": model_state,
                 "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading,
                                                                metadata=OPTIMIZER_SHARDING),
@@ -179,7 +187,8 @@ class TrainedModel:
         if self.layout.rank == 0:
             (out / POLICY_FILE).write_text(json.dumps(
                 {"steps": self.steps, "tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp,
-                 "architecture": self.info.bridge.hf_class, "hf_dir": str(self.info.hf_dir)}, indent=2) + "\n")
+                 "architecture": self.info.bridge.hf_class, "hf_dir": str(self.info.hf_dir),
+                 "lora": self._lora_meta()}, indent=2) + "\n")
         dist.barrier()
         return out
 
@@ -195,11 +204,23 @@ class TrainedModel:
         if meta["architecture"] != self.info.bridge.hf_class:
             raise ValueError(f"{src}: checkpoint of a {meta['architecture']}, this {self.kind} is a "
                              f"{self.info.bridge.hf_class}")
+        if meta.get("lora") != self._lora_meta():
+            raise ValueError(f"{src}: checkpoint of LoRA settings {meta.get('lora')}, this {self.kind} has "
+                             f"{self._lora_meta()} (model.lora must match the run's checkpoints)")
         state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(src))
-        unwrap(self.models[0]).load_state_dict(state["model"])
+        missing, unexpected = unwrap(self.models[0]).load_state_dict(state["model"], strict=self.lora is None)
+        if self.lora is not None and ([k for k in missing if adapters.is_adapter(k)] or unexpected):
+            raise ValueError(f"{src}: adapter checkpoint does not fit this model: missing "
+                             f"{[k for k in missing if adapters.is_adapter(k)][:5]}, unexpected {unexpected[:5]}")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(meta["steps"])
+
+    def _lora_meta(self) -> dict | None:
+        """The LoRA settings a checkpoint must match (None: full fine-tuning)."""
+        if self.lora is None:
+            return None
+        return {"rank": self.lora.rank, "alpha": self.lora.alpha, "target_modules": sorted(self.lora.target_modules)}
 
     def close(self) -> None:
         """Tear down megatron's parallel state and the process group."""
@@ -213,12 +234,13 @@ class MegatronPolicy(TrainedModel):
                  grad_clip: float = 1.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  seed: int = 0, dtype: str = "float32", reference: bool = False, temperature: float = 1.0,
                  initial_loss_scale: float = 2.0 ** 16, pack_sequences: bool = False,
-                 teacher: str | Path | None = None):
+                 teacher: str | Path | None = None, lora: "LoraConfig | None" = None):
         """`temperature`: the sampling temperature of the explorers. Log-probs (and entropy) are those of
         softmax(logits / temperature), the distribution the behaviour log-probs in the records come from, so
         that importance ratios compare like with like. `initial_loss_scale`: float16 only, the dynamic loss
         scale's starting value (see "Loss scaling" in the module docstring). `pack_sequences`: every forward runs
-        each micro-batch as one packed sequence (megatron_bridge.packing; Transformer Engine on a GPU, pp 1)."""
+        each micro-batch as one packed sequence (megatron_bridge.packing; Transformer Engine on a GPU, pp 1).
+        `lora` (rank > 0): train LoRA adapters only (megatron_bridge.lora; "LoRA" in the module docstring)."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (greedy sampling has no log-probs to train on), got {temperature}")
         self.temperature = temperature
@@ -231,8 +253,11 @@ class MegatronPolicy(TrainedModel):
             raise ValueError(f"pack_sequences needs Transformer Engine on a GPU and pp 1 (pp {pp}, Transformer Engine "
                              f"in use: {packing.packing_supported()})")
         self.pack_sequences = pack_sequences
+        self.lora = lora if lora is not None and lora.rank else None
+        if self.lora is not None and pack_sequences:
+            raise ValueError("LoRA adapters use megatron's local layer spec, which cannot pack sequences")
         self.layout = parallel.initialize(tp, pp, seed=seed)
-        self._train(build_model(hf_dir, dtype=dtype), lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
+        self._train(build_model(hf_dir, dtype=dtype, lora=self.lora, seed=seed), lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
                     betas=betas, eps=eps, dtype=dtype, initial_loss_scale=initial_loss_scale)
         self.reference_models = _frozen(build_model(hf_dir, dtype=dtype)) if reference else None
         self.teacher_models = _frozen(build_model(teacher, dtype=dtype)) if teacher is not None else None
@@ -296,13 +321,23 @@ class MegatronPolicy(TrainedModel):
     def iter_hf_buckets(self, bucket_bytes: int, *, per_stage: bool = False) -> Iterator[dict[str, torch.Tensor]]:
         """HF-layout weight buckets: the whole model on global rank 0 (`per_stage=False`: the push path), or each
         pipeline stage's own tensors on its publisher rank (`per_stage=True`: the pull path's per-stage publishing);
-        nothing elsewhere. See megatron_bridge.export."""
-        return export.iter_hf_buckets(self.models, bucket_bytes, per_stage=per_stage)
+        nothing elsewhere. See megatron_bridge.export. With LoRA: the adapters only, in PEFT's names, all on global
+        rank 0 (`per_stage` must be False: an adapter version is one small file)."""
+        if self.lora is None:
+            return export.iter_hf_buckets(self.models, bucket_bytes, per_stage=per_stage)
+        if per_stage:
+            raise ValueError("LoRA adapters are published whole by global rank 0, not per pipeline stage")
+        return export.iter_hf_buckets(self.models, bucket_bytes,
+                                      mappings=adapters.adapter_mappings(self.info, self.lora))
+
+    def adapter_config(self) -> dict | None:
+        """The PEFT adapter_config.json of each published version (None without LoRA: versions are whole models)."""
+        return adapters.peft_config(self.info, self.lora) if self.lora is not None else None
 
     def save_hf(self, out_dir: str | Path) -> Path | None:
         """An HF model directory written by global rank 0 (every tensor funnels to it); returns its path there,
-        None elsewhere."""
-        return export.save_hf(self.models, out_dir)
+        None elsewhere. With LoRA: the adapters merged into the base weights (W + alpha / r * B A)."""
+        return export.save_hf(self.models, out_dir, merged=self.lora is not None)
 
 
 

@@ -69,6 +69,9 @@ class WeightPublisher:
         self._background = _WriteBehind("publishing weights")
         self.stage_wait_s = sync.timeout_s
         self.last_write_s: float | None = None  # seconds the newest finished store write + announcement took
+        # a LoRA run's PEFT adapter_config.json (the trainer sets it): each pull version is that adapter
+        # (WeightStore.publish), not a model
+        self.adapter_config: dict | None = None
 
     def deliver(self, version: int, buckets: Iterable[dict], offsets: dict[str, int], *,
                 staging: "Staging | None" = None) -> bool:
@@ -96,7 +99,8 @@ class WeightPublisher:
     def _store_and_announce(self, version: int, buckets: Iterable[dict], offsets: dict[str, int],
                             staging: "Staging | None" = None) -> None:
         started = time.monotonic()
-        path = self.store.publish(version, buckets, hf_dir=self.hf_dir, staging=staging, wait_s=self.stage_wait_s)
+        path = self.store.publish(version, buckets, hf_dir=self.hf_dir, staging=staging, wait_s=self.stage_wait_s,
+                                  adapter_config=self.adapter_config)
         self.announce(Weights(version=version, path=str(path), offsets=offsets))
         self.last_write_s = time.monotonic() - started
 
