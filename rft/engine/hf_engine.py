@@ -7,7 +7,7 @@ import os
 from typing import TYPE_CHECKING, Sequence
 
 from rft.engine.base import Completion, EngineError, Generation, SamplingSettings, TokenizerMixin
-from rft.weights.store import iter_safetensors
+from rft.weights.store import is_adapter_version, iter_safetensors, read_adapter
 
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, ModelConfig
@@ -32,6 +32,7 @@ class TransformersEngine(TokenizerMixin):
         self.device = device
         self.generator_seed = seed
         self.weights_version = weights_version
+        self._base_weights: dict = {}  # HF module name -> its weight before the first adapter merged into it
         torch.manual_seed(seed)
 
     @classmethod
@@ -95,8 +96,28 @@ class TransformersEngine(TokenizerMixin):
         return out
 
     def load_weights(self, path: str | os.PathLike, version: int) -> None:
-        self._load_state(iter_safetensors(path), source=str(path))
+        """A model version replaces the weights; a LoRA adapter version (rft.weights.store) is merged on load:
+        each targeted weight becomes base + alpha / r * B A, from the base weights kept at the first merge."""
+        if is_adapter_version(path):
+            self._merge_adapter(path)
+        else:
+            self._load_state(iter_safetensors(path), source=str(path))
+            self._base_weights = {}
         self.weights_version = version
+
+    def _merge_adapter(self, path: str | os.PathLike) -> None:
+        torch = self.torch
+        config, pairs = read_adapter(path)
+        scaling = float(config["lora_alpha"]) / float(config["r"])
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for module, (a, b) in pairs.items():
+                weight = params.get(f"{module}.weight")
+                if weight is None:
+                    raise EngineError(f"adapter {path}: the model has no {module}.weight")
+                base = self._base_weights.setdefault(module, weight.detach().clone())
+                delta = (b.float() @ a.float()) * scaling
+                weight.copy_((base.float() + delta.to(base.device)).to(weight.dtype))
 
     def join_push_group(self, spec: dict) -> None:
         from rft.weights.push import PushGroupSpec, PushReceiver  # heavy: torch

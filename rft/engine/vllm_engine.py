@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from rft.engine.base import Completion, EngineError, Generation, SamplingSettings, TokenizerMixin
+from rft.weights.store import is_adapter_version
 
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, ModelConfig
@@ -17,11 +18,15 @@ log = logging.getLogger(__name__)
 WORKER_EXTENSION = "rft.engine.worker_extension.WeightReloadExtension"
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
+
+
 def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: int, max_model_len: int | None,
                   gpu_memory_utilization: float, cpu_kvcache_gb: float, in_process: bool | None,
-                  weight_transfer: bool = False) -> tuple[dict, bool]:
+                  weight_transfer: bool = False, lora_rank: int = 0, max_loras: int = 1) -> tuple[dict, bool]:
     """Arguments of vLLM's `LLM` for an explorer engine, and whether it runs in this process. `weight_transfer`:
-    enable vLLM's NCCL weight transfer (pushed weights, rft.weights.vllm_transfer; CUDA only)."""
+    enable vLLM's NCCL weight transfer (pushed weights, rft.weights.vllm_transfer; CUDA only). `lora_rank` > 0:
+    enable vLLM's LoRA (adapters up to that rank, `max_loras` of them in one batch)."""
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
@@ -40,6 +45,11 @@ def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: in
                     max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                     logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, enforce_eager=on_cpu,
                     **extra)
+    if lora_rank:
+        fitting = [r for r in VLLM_LORA_RANKS if r >= lora_rank]
+        if not fitting:
+            raise EngineError(f"model.lora.rank {lora_rank}: vLLM takes adapters up to rank {VLLM_LORA_RANKS[-1]}")
+        settings.update(enable_lora=True, max_lora_rank=fitting[0], max_loras=max_loras)
     if on_cpu:
         settings["kv_cache_memory_bytes"] = int(cpu_kvcache_gb * (1 << 30))
     if in_process is None:
@@ -65,13 +75,19 @@ class VLLMEngine(TokenizerMixin):
     def __init__(self, model_path: str | os.PathLike, *, tensor_parallel_size: int = 1, dtype: str = "float32",
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
                  cpu_kvcache_gb: float = 1.0, seed: int = 0, weights_version: int = 0,
-                 in_process: bool | None = None, chat_template: bool = False, weight_transfer: bool = False):
+                 in_process: bool | None = None, chat_template: bool = False, weight_transfer: bool = False,
+                 lora_rank: int = 0, max_loras: int = 1):
+        """`lora_rank` > 0: versions may be LoRA adapters (rft.weights.store), loaded beside the base model without
+        reloading it (`load_weights`), `max_loras` of them at once (`rft serve`: one per served adapter)."""
         from vllm import LLM
 
         settings, self.in_process = _llm_settings(
             model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-            cpu_kvcache_gb=cpu_kvcache_gb, in_process=in_process, weight_transfer=weight_transfer)
+            cpu_kvcache_gb=cpu_kvcache_gb, in_process=in_process, weight_transfer=weight_transfer,
+            lora_rank=lora_rank, max_loras=max_loras)
+        self.lora = None  # vllm.lora.request.LoRARequest of the adapter version in use; None: the base weights
+        self.adapters: dict[str, object] = {}  # name -> LoRARequest of every adapter loaded (`rft serve`)
         self._vllm_push = None  # rft.weights.vllm_transfer.VLLMReceiver while in a vLLM weight-transfer push group
         if self.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -86,13 +102,15 @@ class VLLMEngine(TokenizerMixin):
 
     @classmethod
     def from_config(cls, explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
-                    model_path: str | None = None, weight_transfer: bool = False) -> "VLLMEngine":
+                    model_path: str | None = None, weight_transfer: bool = False,
+                    max_loras: int = 1) -> "VLLMEngine":
         """The engine the explorer and model sections describe, on `model_path` (default `model.path`)."""
         return cls(model_path or model.path, tensor_parallel_size=explorer.tensor_parallel_size,
                    dtype=model.dtype, max_model_len=model.max_prompt_len + model.max_response_len,
                    gpu_memory_utilization=explorer.gpu_memory_utilization,
                    cpu_kvcache_gb=explorer.cpu_kvcache_gb, seed=seed, in_process=explorer.vllm_in_process,
-                   chat_template=model.chat_template, weight_transfer=weight_transfer)
+                   chat_template=model.chat_template, weight_transfer=weight_transfer,
+                   lora_rank=model.lora.rank, max_loras=max_loras)
 
     def _set_version(self, version: int) -> None:
         self.weights_version = version
@@ -113,7 +131,7 @@ class VLLMEngine(TokenizerMixin):
         from vllm.inputs import TokensPrompt
 
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], self._params(sampling),
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self.lora)
         return [self._generation(o) for o in outputs]
 
     # -- continuous submission (rft/explorer/continuous.py): requests enter and leave the running engine one by one
@@ -123,7 +141,7 @@ class VLLMEngine(TokenizerMixin):
         from vllm.inputs import TokensPrompt
 
         self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)),
-                                        self._params(sampling))
+                                        self._params(sampling), lora_request=self.lora)
 
     def step(self) -> list[tuple[str, Generation]]:
         """One engine iteration (schedule, forward, sample); the requests that finished in it as (request_id,
@@ -152,7 +170,7 @@ class VLLMEngine(TokenizerMixin):
         params = SamplingParams(n=1, temperature=1.0, max_tokens=1, allowed_token_ids=list(candidates),
                                 logprobs=len(candidates))
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self.lora)
         probs = []
         for o in outputs:
             first = o.outputs[0].logprobs[0]
@@ -160,12 +178,38 @@ class VLLMEngine(TokenizerMixin):
         return probs
 
     def load_weights(self, path: str | os.PathLike, version: int) -> None:
+        """A model version is reloaded in place (worker extension); a LoRA adapter version (rft.weights.store) is
+        loaded into vLLM beside the base, which stays, and used for every later request (the previous one is
+        dropped)."""
         started = time.monotonic()
+        if is_adapter_version(path):
+            self.lora = self.load_adapter("rft-policy", path, version)
+            self._set_version(version)
+            log.info("loaded LoRA adapter version %d from %s in %.2f s", version, path, time.monotonic() - started)
+            return
         loaded = self.llm.collective_rpc("rft_reload_weights", args=(str(path),))
         self.llm.reset_prefix_cache()
         self._set_version(version)
         log.info("reloaded %s tensors of version %d from %s in %.2f s", loaded[0], version, path,
                  time.monotonic() - started)
+
+    def load_adapter(self, name: str, path: str | os.PathLike, version: int):
+        """Load the PEFT adapter at `path` into the engine now as adapter `name` (replacing the one of that name,
+        if any) and return its LoRARequest (pass it as `lora` / a request's adapter). Needs `lora_rank` > 0."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.llm.llm_engine.vllm_config.lora_config:
+            raise EngineError(f"{path} is a LoRA adapter, and this engine was started without LoRA "
+                              f"(model.lora.rank is 0)")
+        self._next_lora_id = getattr(self, "_next_lora_id", 0) + 1
+        request = LoRARequest(f"{name}-v{version}", self._next_lora_id, str(path))
+        self.llm.llm_engine.add_lora(request)  # read from disk now: the store may delete the version later
+        previous = self.adapters.get(name)
+        self.adapters[name] = request
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+        self.llm.reset_prefix_cache()
+        return request
 
     def join_push_group(self, spec: dict) -> None:
         """rft's broadcast: each worker joins (worker extension); vLLM's weight transfer (the group's backend says

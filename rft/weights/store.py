@@ -392,6 +392,32 @@ class WeightStore:
         return iter_safetensors(path)
 
 
+def is_adapter_version(path: str | os.PathLike) -> bool:
+    """Whether a version directory holds a LoRA adapter (PEFT layout) rather than a model."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def read_adapter(path: str | os.PathLike) -> tuple[dict, dict[str, tuple["torch.Tensor", "torch.Tensor"]]]:
+    """A PEFT adapter directory as (adapter_config, {HF module name: (A [r, in], B [out, r])}), module names without
+    PEFT's `base_model.model.` prefix (`model.layers.0.self_attn.q_proj`). Each output adds alpha / r * B A x."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config = json.loads((path / ADAPTER_CONFIG).read_text())
+    tensors = load_file(str(path / ADAPTER_FILE))
+    pairs: dict[str, tuple] = {}
+    for name in tensors:
+        if name.endswith(".lora_A.weight"):
+            module = name.removesuffix(".lora_A.weight").removeprefix("base_model.model.")
+            b = name.replace(".lora_A.", ".lora_B.")
+            if b not in tensors:
+                raise WeightStoreError(f"{path / ADAPTER_FILE}: {name} has no {b}")
+            pairs[module] = (tensors[name], tensors[b])
+    if not pairs:
+        raise WeightStoreError(f"{path / ADAPTER_FILE}: no lora_A / lora_B tensors")
+    return config, pairs
+
+
 def file_entry(path: Path) -> dict:
     """A file's manifest entry: {"size": bytes, CHECKSUM: hex digest}."""
     with open(path, "rb") as f:

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from rft.models.tiny import make_tiny_model
+from tests.lora_adapters import SHARED, TARGETS, make_peft_adapter, peft_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _worker_lora as cases  # noqa: E402
@@ -28,43 +29,21 @@ from _launch import run_worker_on  # noqa: E402
 from _worker_policy import micro_batches, token_mean_nll  # noqa: E402
 
 pytestmark = pytest.mark.distributed
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SHARED = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # megatron fuses these: one A
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict[str, Path]:
     """A tiny Qwen2 (q/k/v biases, tied embeddings) and a PEFT adapter on it with random A (shared where megatron
     fuses) and B."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     root = tmp_path_factory.mktemp("lora")
     model_dir = make_tiny_model(root / "qwen", arch="qwen2", vocab_size=101, seed=7)
-    torch.manual_seed(3)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                                LoraConfig(r=cases.RANK, lora_alpha=cases.ALPHA, target_modules=TARGETS,
-                                           init_lora_weights=False))
-    with torch.no_grad():
-        for layer in peft_model.base_model.model.model.layers:
-            modules = {**{n: getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj")},
-                       **{n: getattr(layer.mlp, n) for n in ("gate_proj", "up_proj")}}
-            for name, source in SHARED.items():
-                modules[name].lora_A["default"].weight.copy_(modules[source].lora_A["default"].weight)
-    peft_model.save_pretrained(root / "adapter")
-    return {"model": model_dir, "adapter": root / "adapter"}
+    adapter = make_peft_adapter(model_dir, root / "adapter", rank=cases.RANK, alpha=cases.ALPHA, seed=3)
+    return {"model": model_dir, "adapter": adapter}
 
 
 @pytest.fixture(scope="module")
 def results(setup, tmp_path_factory) -> Path:
     return run_worker_on("_worker_lora.py", tmp_path_factory.mktemp("lora-results"), setup)
-
-
-def peft_model(base: Path, adapter: Path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
 
 
 def token_logprobs(model, mb: dict) -> torch.Tensor:
