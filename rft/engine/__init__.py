@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from rft.engine.base import Completion, Engine, EngineError, Generation, SamplingSettings
 from rft.engine.hf_engine import TransformersEngine
 from rft.engine.vllm_engine import WORKER_EXTENSION, VLLMEngine
+from rft.weights.store import is_adapter_version, version_of
 
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, ModelConfig
@@ -41,7 +42,12 @@ def build_engine(explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
                  model_path: str | None = None, weight_transfer: bool = False) -> Engine:
     """The engine `explorer.engine` names, on `model_path` (default `model.path`); `seed` is `run.seed`.
     `weight_transfer`: it receives pushed weights by vLLM's weight transfer (rft.weights.vllm_transfer.push_transport
-    chose "vllm"); only a vllm engine can."""
+    chose "vllm"); only a vllm engine can. A `model_path` that is a LoRA adapter version (rft.weights.store) starts
+    the engine on `model.path` and loads the adapter (stamped with the version its directory names, else 0)."""
+    if model_path is not None and is_adapter_version(model_path):
+        engine = build_engine(explorer, model, seed=seed, weight_transfer=weight_transfer)
+        engine.load_weights(model_path, version_of(model_path) or 0)
+        return engine
     if not weight_transfer:
         return ENGINES[explorer.engine].from_config(explorer, model, seed=seed, model_path=model_path)
     if explorer.engine != "vllm":

@@ -187,6 +187,7 @@ class VLLMEngine(TokenizerMixin):
             self._set_version(version)
             log.info("loaded LoRA adapter version %d from %s in %.2f s", version, path, time.monotonic() - started)
             return
+        self.lora = None  # a whole model: the base itself is this version
         loaded = self.llm.collective_rpc("rft_reload_weights", args=(str(path),))
         self.llm.reset_prefix_cache()
         self._set_version(version)
