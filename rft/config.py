@@ -370,6 +370,10 @@ class ServeConfig:
     group_size: int = 4  # rewarded single completions (n = 1) of one prompt that make a group
     group_wait_s: float = 30.0  # singles wait this long for peers of their prompt, then join the baseline window
     baseline_window: int = 64  # rewards per prompt remembered for its running-mean baseline
+    # other LoRA runs of the same base served beside this run's policy: model name (a request's `model`) -> that
+    # run's weight store directory (its newest adapter version is served); needs explorer.engine vllm and
+    # model.lora.rank at least their rank; their traffic is answered, not recorded (rft/serve/server.py)
+    adapters: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in ("max_batch", "group_size", "baseline_window"):
@@ -708,6 +712,11 @@ def check_semantics(cfg: Config, source: str) -> None:
     _check_chat_template(cfg.model, source, require)
     require(not cfg.replay.from_data or cfg.run.mode == "offline", "replay.from_data",
             f"fills the topic of an offline replay: needs run.mode offline, not {cfg.run.mode}")
+    require(not cfg.serve.adapters or (cfg.model.lora.rank and cfg.explorer.engine == "vllm"), "serve.adapters",
+            f"serves LoRA adapters in one vLLM engine: needs explorer.engine vllm (got {cfg.explorer.engine}) and "
+            f"model.lora.rank > 0, at least the adapters' rank (got {cfg.model.lora.rank})")
+    served = cfg.serve.model_name or cfg.run.name
+    require(served not in cfg.serve.adapters, "serve.adapters", f"{served!r} is the run's own model name")
     _check_eval(cfg.eval, require)
 
 

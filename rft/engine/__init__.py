@@ -39,15 +39,21 @@ ENGINES = {"vllm": VLLMEngine, "transformers": TransformersEngine}
 
 
 def build_engine(explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
-                 model_path: str | None = None, weight_transfer: bool = False) -> Engine:
+                 model_path: str | None = None, weight_transfer: bool = False, max_loras: int = 1) -> Engine:
     """The engine `explorer.engine` names, on `model_path` (default `model.path`); `seed` is `run.seed`.
     `weight_transfer`: it receives pushed weights by vLLM's weight transfer (rft.weights.vllm_transfer.push_transport
     chose "vllm"); only a vllm engine can. A `model_path` that is a LoRA adapter version (rft.weights.store) starts
-    the engine on `model.path` and loads the adapter (stamped with the version its directory names, else 0)."""
+    the engine on `model.path` and loads the adapter (stamped with the version its directory names, else 0).
+    `max_loras`: LoRA adapters a vLLM engine holds at once (`rft serve` with serve.adapters)."""
     if model_path is not None and is_adapter_version(model_path):
-        engine = build_engine(explorer, model, seed=seed, weight_transfer=weight_transfer)
+        engine = build_engine(explorer, model, seed=seed, weight_transfer=weight_transfer, max_loras=max_loras)
         engine.load_weights(model_path, version_of(model_path) or 0)
         return engine
+    if max_loras > 1:
+        if explorer.engine != "vllm":
+            raise EngineError(f"several LoRA adapters in one engine need explorer.engine vllm, not {explorer.engine}")
+        return VLLMEngine.from_config(explorer, model, seed=seed, model_path=model_path,
+                                      weight_transfer=weight_transfer, max_loras=max_loras)
     if not weight_transfer:
         return ENGINES[explorer.engine].from_config(explorer, model, seed=seed, model_path=model_path)
     if explorer.engine != "vllm":

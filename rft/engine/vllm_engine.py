@@ -88,6 +88,7 @@ class VLLMEngine(TokenizerMixin):
             lora_rank=lora_rank, max_loras=max_loras)
         self.lora = None  # vllm.lora.request.LoRARequest of the adapter version in use; None: the base weights
         self.adapters: dict[str, object] = {}  # name -> LoRARequest of every adapter loaded (`rft serve`)
+        self._adapter_versions: dict[str, int] = {}  # name -> the version of the adapter loaded
         self._vllm_push = None  # rft.weights.vllm_transfer.VLLMReceiver while in a vLLM weight-transfer push group
         if self.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -127,12 +128,23 @@ class VLLMEngine(TokenizerMixin):
     def _generation(self, output) -> Generation:
         return Generation(list(output.prompt_token_ids), [self._completion(c) for c in output.outputs])
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, *,
+                 adapter: str | None = None) -> list[Generation]:
+        """`adapter`: generate with the adapter of that name (`load_adapter`), whose version its completions carry,
+        instead of the engine's own weights."""
         from vllm.inputs import TokensPrompt
 
+        lora, version = self.lora, None
+        if adapter is not None:
+            if adapter not in self.adapters:
+                raise EngineError(f"no adapter named {adapter!r} is loaded (loaded: {sorted(self.adapters)})")
+            lora, version = self.adapters[adapter], self._adapter_versions[adapter]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], self._params(sampling),
-                                    use_tqdm=False, lora_request=self.lora)
-        return [self._generation(o) for o in outputs]
+                                    use_tqdm=False, lora_request=lora)
+        generations = [self._generation(o) for o in outputs]
+        for completion in (c for g in generations for c in g.completions if version is not None):
+            completion.weights_version = version
+        return generations
 
     # -- continuous submission (rft/explorer/continuous.py): requests enter and leave the running engine one by one
     def submit(self, request_id: str, prompt: Sequence[int], sampling: SamplingSettings) -> None:
@@ -207,6 +219,7 @@ class VLLMEngine(TokenizerMixin):
         self.llm.llm_engine.add_lora(request)  # read from disk now: the store may delete the version later
         previous = self.adapters.get(name)
         self.adapters[name] = request
+        self._adapter_versions[name] = version
         if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
         self.llm.reset_prefix_cache()
