@@ -145,7 +145,15 @@ class TrainedModel:
         layout, where = self.layout, next(self.models[0].parameters()).device
         return (f"{layout.world_size} ranks (tp {layout.tp} x pp {layout.pp} x dp {layout.dp}) on {where.type} "
                 f"({layout.backend}), {self.config.params_dtype}, "
-                f"{'distributed' if self.distributed_optimizer else 'replicated'} optimizer state")
+                f"{'distributed' if self.distributed_optimizer else 'replicated'} optimizer state"
+                f"{self._lora_description()}")
+
+    def _lora_description(self) -> str:
+        if self.lora is None:
+            return ""
+        trainable = sum(p.numel() for m in self.models for p in m.parameters() if p.requires_grad)
+        return (f", LoRA rank {self.lora.rank} on {', '.join(self.lora.target_modules)} ({trainable:,} trainable "
+                f"parameters on this rank)")
 
     def _sum_over_replicas(self, per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """Sum metric dicts over micro-batches (last stage), then data-parallel ranks; same dict everywhere."""

@@ -79,6 +79,10 @@ def test_saved_resolved_config_round_trips(tmp_path, model_dir):
      r"explorer.continuous: needs explorer.engine vllm \(its engine-level request API\), got transformers"),
     ({"explorer": {"continuous": True}, "sync": {"method": "push"}}, [], r"explorer.continuous: needs sync.method pull"),
     ({}, ["explorer.max_inflight=0"], r"explorer.max_inflight: must be >= 1, got 0"),
+    ({}, ["model.lora.rank=-1"], r"model.lora.rank: must be >= 0"),
+    ({}, ["model.lora.rank=8", "model.lora.target_modules=[q_proj]"], r"model.lora.target_modules: must be a non-empty"),
+    ({}, ["model.lora.rank=8", "sync.method=push"], r"model.lora.rank: .* needs sync.method pull"),
+    ({"serve": {"adapters": {"other": "/stores/other"}}}, [], r"serve.adapters: .* model.lora.rank > 0"),
 ])
 def test_invalid_configs_name_file_and_key(tmp_path, model_dir, body_patch, override, expected):
     body = minimal(model_dir)
