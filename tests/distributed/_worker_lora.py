@@ -9,7 +9,9 @@ _worker_policy (token-mean NLL):
   (`tp2.store/v00000001`), its logprobs -> `tp2.after.safetensors`, the merged export -> `tp2.merged.hf`, the
   checkpoint -> `tp2.ckpt`.
 - pp2: gradients -> `pp2.grads.safetensors`; then a fresh PP=2 policy loads `tp2.ckpt` and exports its adapters
-  -> `pp2.resumed.safetensors` (must equal the published version 1).
+  -> `pp2.resumed.safetensors` (must equal the published version 1), and takes a step on batch 2 ->
+  `pp2.step2.safetensors`, which must equal tp2's own step on batch 2 after its checkpoint (`tp2.step2.safetensors`):
+  the checkpoint carried Adam's state across the layout change.
 - dp2: the micro-batches split over two data-parallel replicas -> `dp2.grads.safetensors`.
 `<case>.facts.json` (rank 0): trainable elements in megatron's optimizer and in the DDP buffers, the checkpoint's
 model tensor keys.
@@ -92,11 +94,15 @@ def run_case(spec: dict, name: str, *, tp: int, pp: int) -> None:
         save_logprobs(policy.forward_logprobs(batches), out / "tp2.after.safetensors")
         policy.save_hf(out / "tp2.merged.hf")
         policy.save_checkpoint(out / "tp2.ckpt")
+        policy.train_step(micro_batches(2, policy.vocab_size), token_mean_nll)
+        save(adapter_tensors(policy), out / "tp2.step2.safetensors")
     parallel.destroy(keep_process_group=True)
     if name == "pp2":
         policy = MegatronPolicy(spec["model"], tp=1, pp=2, seed=1, lora=lora_config(""), **HYPERPARAMETERS)
         policy.load_checkpoint(out / "tp2.ckpt")
         save(adapter_tensors(policy), out / "pp2.resumed.safetensors")
+        policy.train_step(micro_batches(2, policy.vocab_size), token_mean_nll)
+        save(adapter_tensors(policy), out / "pp2.step2.safetensors")
         parallel.destroy(keep_process_group=True)
 
 

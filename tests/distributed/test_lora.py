@@ -8,7 +8,7 @@ adapter; here the reference is that adapter loaded by peft onto the base model i
 - the adapters' gradients at TP=2, PP=2 and DP=2 equal peft's (a shared A's gradient is the sum of its q, k, v
   or gate, up gradients), so the three layouts equal unsharded LoRA and each other;
 - megatron's optimizer and DDP buffers hold the adapters only, and a checkpoint saved at TP=2 reloads at PP=2
-  with the same adapters.
+  with the same adapters and Adam state (its next step equals the uninterrupted one).
 """
 from __future__ import annotations
 
@@ -124,3 +124,7 @@ def test_only_adapters_train_and_checkpoints_reshard(results):
     assert sorted(resumed) == sorted(adapters)
     for name in adapters:
         torch.testing.assert_close(resumed[name], adapters[name], rtol=0, atol=0)
+    continued, resumed_step = load_file(results / "tp2.step2.safetensors"), load_file(results / "pp2.step2.safetensors")
+    for name in adapters:
+        assert not torch.equal(continued[name], adapters[name]) or "lora_B" in name and not adapters[name].any()
+        torch.testing.assert_close(resumed_step[name], continued[name], rtol=1e-5, atol=1e-6)
