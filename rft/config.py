@@ -704,8 +704,8 @@ def check_semantics(cfg: Config, source: str) -> None:
     require(not run_mode.serves or cfg.sync.method == "pull", "sync.method",
             "serve mode: `rft serve` follows the weight store (pull); push needs a fixed explorer fleet")
     require(bool(cfg.model.path), "model.path", "required: a Hugging Face model directory")
-    require(not cfg.model.lora.rank or cfg.sync.method == "pull", "model.lora.rank",
-            "LoRA versions are PEFT adapters in the weight store: needs sync.method pull (push sends whole models)")
+    require(not cfg.model.lora.rank or cfg.sync.push_transport != "vllm", "sync.push_transport",
+            "vllm (vLLM's NCCL weight transfer) loads whole models, not LoRA adapters: use auto or rft")
     require(not cfg.model.lora.rank or not cfg.trainer.pack_sequences, "model.lora.rank",
             "LoRA adapters use megatron's local layer spec, which cannot pack sequences: set trainer.pack_sequences "
             "false")

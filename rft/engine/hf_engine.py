@@ -7,7 +7,13 @@ import os
 from typing import TYPE_CHECKING, Sequence
 
 from rft.engine.base import Completion, EngineError, Generation, SamplingSettings, TokenizerMixin
-from rft.weights.store import is_adapter_version, iter_safetensors, read_adapter
+from rft.weights.store import (
+    PUSHED_ADAPTER_CONFIG,
+    is_adapter_version,
+    iter_safetensors,
+    read_adapter,
+    save_pushed_adapter,
+)
 
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, ModelConfig
@@ -131,8 +137,23 @@ class TransformersEngine(TokenizerMixin):
     def receive_pushed_weights(self) -> int:
         from rft.weights.push import receive_into  # heavy: torch
 
-        self.weights_version = receive_into(self._push, lambda tensors: self._load_state(tensors, source="the push"))
+        self.weights_version = receive_into(self._push, self._load_pushed)
         return self.weights_version
+
+    def _load_pushed(self, tensors) -> None:
+        """A pushed model replaces the weights; a pushed LoRA adapter (rft.weights.store) is merged on load."""
+        import itertools
+        import tempfile
+
+        tensors = iter(tensors)
+        first = next(tensors, None)
+        if first is not None and first[0] == PUSHED_ADAPTER_CONFIG:
+            with tempfile.TemporaryDirectory(prefix="rft-pushed-adapter-") as adapter_dir:
+                save_pushed_adapter(first, tensors, adapter_dir)
+                self._merge_adapter(adapter_dir)
+            return
+        self._load_state(itertools.chain([first] if first is not None else [], tensors), source="the push")
+        self._base_weights = {}
 
     def leave_push_group(self) -> None:
         self._push = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import tempfile
 import time
 from typing import TYPE_CHECKING, Sequence
 
@@ -239,6 +240,13 @@ class VLLMEngine(TokenizerMixin):
         started = time.monotonic()
         if self._vllm_push is not None:
             versions = [self._vllm_push.receive()]
+        elif self.llm.llm_engine.vllm_config.lora_config:  # a LoRA run pushes adapters (worker_extension)
+            with tempfile.TemporaryDirectory(prefix="rft-pushed-adapter-") as adapter_dir:
+                versions = self.llm.collective_rpc("rft_receive_pushed_weights", args=(adapter_dir,))
+                if is_adapter_version(adapter_dir):
+                    self.lora = self.load_adapter("rft-policy", adapter_dir, versions[0])  # read now, then deleted
+                else:
+                    self.lora = None
         else:
             versions = self.llm.collective_rpc("rft_receive_pushed_weights")
         self.llm.reset_prefix_cache()

