@@ -13,8 +13,8 @@ _worker_policy (token-mean NLL):
   `pp2.step2.safetensors`, which must equal tp2's own step on batch 2 after its checkpoint (`tp2.step2.safetensors`):
   the checkpoint carried Adam's state across the layout change.
 - dp2: the micro-batches split over two data-parallel replicas -> `dp2.grads.safetensors`.
-`<case>.facts.json` (rank 0): trainable elements in megatron's optimizer and in the DDP buffers, the checkpoint's
-model tensor keys.
+`<case>.facts.json` (rank 0): trainable elements in megatron's optimizer and in the DDP buffers, and the step's
+grad_norm (megatron's global norm over every rank's adapters).
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _worker_policy import micro_batches, save_logprobs, shard_for_data_parallel, token_mean_nll  # noqa: E402
 
 RANK, ALPHA = 4, 8.0
-HYPERPARAMETERS = dict(lr=1e-2, weight_decay=0.0, grad_clip=0.0, betas=(0.9, 0.95))
+# grad_clip: so large that it never clips, but megatron computes the global gradient norm (reported as grad_norm)
+HYPERPARAMETERS = dict(lr=1e-2, weight_decay=0.0, grad_clip=1e9, betas=(0.9, 0.95))
 
 
 def lora_config(adapter: str):
@@ -63,13 +64,14 @@ def save(tensors: dict[str, torch.Tensor], path: Path) -> None:
         save_file(tensors, str(path))
 
 
-def facts(policy, name: str, out: Path) -> None:
+def facts(policy, name: str, out: Path, grad_norm: float) -> None:
     from megatron_bridge.model import unwrap
 
     optimizer = sum(p.numel() for group in policy.optimizer.param_groups for p in group["params"])
     ddp = sum(p.numel() for p in unwrap(policy.models[0]).parameters() if hasattr(p, "main_grad"))
     if torch.distributed.get_rank() == 0:
-        (out / f"{name}.facts.json").write_text(json.dumps({"optimizer_elements": optimizer, "ddp_elements": ddp}))
+        (out / f"{name}.facts.json").write_text(json.dumps({"optimizer_elements": optimizer, "ddp_elements": ddp,
+                                                            "grad_norm": grad_norm}))
 
 
 def run_case(spec: dict, name: str, *, tp: int, pp: int) -> None:
@@ -84,9 +86,9 @@ def run_case(spec: dict, name: str, *, tp: int, pp: int) -> None:
     batches = shard_for_data_parallel(micro_batches(1, policy.vocab_size), where.dp_rank, where.dp)
     if name == "tp2":
         save_logprobs(policy.forward_logprobs(batches), out / "tp2.before.safetensors")
-    policy.train_step(batches, token_mean_nll)
+    metrics = policy.train_step(batches, token_mean_nll)
     save(adapter_tensors(policy, grads=True), out / f"{name}.grads.safetensors")
-    facts(policy, name, out)
+    facts(policy, name, out, metrics["grad_norm"])
     if name == "tp2":
         adapters = adapter_tensors(policy)
         if where.rank == 0:
