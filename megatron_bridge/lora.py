@@ -36,6 +36,7 @@ same A: an adapter trained elsewhere with separate A per projection cannot be re
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -98,6 +99,9 @@ class _LoRA:
     def _low_rank(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.lora_dropout(x), self.lora_a)
 
+    def _scaling(self) -> float:
+        return 0.0 if getattr(self, "lora_off", False) else self.adapter.scaling
+
     def _sharded(self, axes: dict[str, int], prefix: str, sharded_offsets, metadata):
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -128,7 +132,7 @@ def lora_linears():
         def forward(self, input_, weight=None, runtime_gather_output=None):
             output, bias = super().forward(input_, weight, runtime_gather_output)
             h = copy_to_tensor_model_parallel_region(self._low_rank(input_), group=self.tp_group)
-            return output + F.linear(h, self.lora_b) * self.adapter.scaling, bias
+            return output + F.linear(h, self.lora_b) * self._scaling(), bias
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
@@ -151,7 +155,7 @@ def lora_linears():
         def forward(self, input_):
             output, bias = super().forward(input_)
             h = reduce_from_tensor_model_parallel_region(self._low_rank(input_), group=self.tp_group)
-            return output + F.linear(h, self.lora_b) * self.adapter.scaling, bias
+            return output + F.linear(h, self.lora_b) * self._scaling(), bias
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             return self._sharded({"weight": 1, A: 1}, prefix, sharded_offsets, metadata)
@@ -336,6 +340,20 @@ class MergedParameters(dict):
             return super().__getitem__(name)
         delta = (module.lora_b.float() @ module.lora_a.float()) * module.adapter.scaling
         return (module.weight.float() + delta).to(module.weight.dtype)
+
+
+@contextlib.contextmanager
+def disabled(models: list[torch.nn.Module]):
+    """Within the block, every LoRA linear of `models` computes its base layer alone (the adapters' output times
+    zero: the same collectives run, so every TP and PP rank must enter it together)."""
+    linears = [m for model in models for m in model.modules() if isinstance(m, _LoRA)]
+    for linear in linears:
+        linear.lora_off = True
+    try:
+        yield
+    finally:
+        for linear in linears:
+            linear.lora_off = False
 
 
 def adapter_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:

@@ -21,7 +21,8 @@ optimizer is used (state replicated over data-parallel ranks), which reshards co
 Reference model (`reference=True`, for KL penalties and DPO): a second, frozen copy of the HF
 weights at `hf_dir` (the initial policy, whatever checkpoint the policy loads later) with the same
 TP/PP sharding; no DDP wrapper, no optimizer, no gradients, always in eval mode. It doubles the
-model's parameter memory on each rank, not the optimizer's.
+model's parameter memory on each rank, not the optimizer's. With LoRA there is no copy: the reference is the
+policy's frozen base, run with its adapters switched off (`megatron_bridge.lora.disabled`).
 
 Teacher model (`teacher=DIR`, for on-policy distillation): the same machinery loaded from another HF directory
 (any architecture the bridge loads, sharded at the policy's TP/PP), frozen; it must have the policy's vocabulary
@@ -267,7 +268,10 @@ class MegatronPolicy(TrainedModel):
         self.layout = parallel.initialize(tp, pp, seed=seed)
         self._train(build_model(hf_dir, dtype=dtype, lora=self.lora, seed=seed), lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
                     betas=betas, eps=eps, dtype=dtype, initial_loss_scale=initial_loss_scale)
-        self.reference_models = _frozen(build_model(hf_dir, dtype=dtype)) if reference else None
+        # LoRA: the reference is the policy's own frozen base with its adapters switched off (no second copy)
+        self.reference = reference
+        self.reference_models = (_frozen(build_model(hf_dir, dtype=dtype))
+                                 if reference and self.lora is None else None)
         self.teacher_models = _frozen(build_model(teacher, dtype=dtype)) if teacher is not None else None
 
     @property
@@ -301,8 +305,13 @@ class MegatronPolicy(TrainedModel):
     def reference_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """As `forward_logprobs`, from the frozen reference model (the weights at `hf_dir`); needs a
         policy built with `reference=True`."""
-        if self.reference_models is None:
+        if not self.reference:
             raise RuntimeError("reference_logprobs: this MegatronPolicy was built without reference=True")
+        if self.reference_models is None:  # LoRA: the base is the reference
+            for model in self.models:
+                model.eval()
+            with adapters.disabled(self.models):
+                return self._logprobs(self.models, micro_batches)
         return self._logprobs(self.reference_models, micro_batches)
 
     def teacher_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:

@@ -6,8 +6,8 @@ from that adapter (`model.lora.init_from`) and, with grad_clip 0, takes one opti
 _worker_policy (token-mean NLL):
 - tp2: logprobs of batch 1 before the step -> `tp2.before.safetensors`; the adapters' gradients of the step in
   PEFT layout -> `tp2.grads.safetensors`; after the step: the adapter published to a weight store
-  (`tp2.store/v00000001`), its logprobs -> `tp2.after.safetensors`, the merged export -> `tp2.merged.hf`, the
-  checkpoint -> `tp2.ckpt`.
+  (`tp2.store/v00000001`), its logprobs -> `tp2.after.safetensors`, the reference logprobs (the base: adapters
+  switched off) -> `tp2.reference.safetensors`, the merged export -> `tp2.merged.hf`, the checkpoint -> `tp2.ckpt`.
 - pp2: gradients -> `pp2.grads.safetensors`; then a fresh PP=2 policy loads `tp2.ckpt` and exports its adapters
   -> `pp2.resumed.safetensors` (must equal the published version 1), and takes a step on batch 2 ->
   `pp2.step2.safetensors`, which must equal tp2's own step on batch 2 after its checkpoint (`tp2.step2.safetensors`):
@@ -81,7 +81,7 @@ def run_case(spec: dict, name: str, *, tp: int, pp: int) -> None:
 
     out = Path(spec["out_dir"])
     policy = MegatronPolicy(spec["model"], tp=tp, pp=pp, seed=0, lora=lora_config(spec["adapter"]),
-                            **HYPERPARAMETERS)
+                            reference=name == "tp2", **HYPERPARAMETERS)
     where = policy.layout
     batches = shard_for_data_parallel(micro_batches(1, policy.vocab_size), where.dp_rank, where.dp)
     if name == "tp2":
@@ -94,6 +94,7 @@ def run_case(spec: dict, name: str, *, tp: int, pp: int) -> None:
         if where.rank == 0:
             WeightStore(out / "tp2.store").publish(1, [adapters], hf_dir=None, adapter_config=policy.adapter_config())
         save_logprobs(policy.forward_logprobs(batches), out / "tp2.after.safetensors")
+        save_logprobs(policy.reference_logprobs(batches), out / "tp2.reference.safetensors")
         policy.save_hf(out / "tp2.merged.hf")
         policy.save_checkpoint(out / "tp2.ckpt")
         policy.train_step(micro_batches(2, policy.vocab_size), token_mean_nll)

@@ -96,6 +96,8 @@ def test_logprobs_equal_peft_before_and_after_the_step(setup, results):
 
     merged = AutoModelForCausalLM.from_pretrained(results / "tp2.merged.hf", dtype=torch.float32)
     assert_logprobs(results / "tp2.after.safetensors", merged, batches)
+    base = AutoModelForCausalLM.from_pretrained(setup["model"], dtype=torch.float32).eval()
+    assert_logprobs(results / "tp2.reference.safetensors", base, batches)  # LoRA's reference: the base itself
 
 
 @pytest.mark.parametrize("case", ["tp2", "pp2", "dp2"])
