@@ -35,7 +35,7 @@ setup(
         # NVIDIA Apex are built from source on GPU machines (docs/operations.md; the PyPI 'apex' is another project).
         "gpu": ["vllm==0.32.0", "transformer-engine[core-cu13]==2.20.2"],
         # pytest-xdist: `make test` runs two workers (tests/conftest.py); ruff: `make lint` (ruff.toml)
-        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "confluent-kafka", "tensorboard", "trl",
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "confluent-kafka", "tensorboard", "trl", "peft",
                 "openai==3.54.0", "ruff==0.17.6"],
         # Optional features (rft/extras.py names their modules; `import rft` and the core commands need none of them).
         # `make` installs them all.

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import megatron_bridge.device as device
 import megatron_bridge.parallel as parallel
 from megatron_bridge.hf_checkpoint import HFDirectoryWriter
+from megatron_bridge.lora import MergedParameters
 from megatron_bridge.mapping import ParamMapping
 from megatron_bridge.model import BridgeInfo, unwrap
 
@@ -112,26 +113,29 @@ def _fetch(mapping: ParamMapping, params: dict[str, torch.Tensor], info: BridgeI
     return None
 
 
-def iter_hf_buckets(models: list[torch.nn.Module], bucket_bytes: int, *,
-                    per_stage: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+def iter_hf_buckets(models: list[torch.nn.Module], bucket_bytes: int, *, per_stage: bool = False,
+                    mappings: list[ParamMapping] | None = None,
+                    merged: bool = False) -> Iterator[dict[str, torch.Tensor]]:
     """Yield {HF name: full tensor} buckets of at most `bucket_bytes` (see module doc): every tensor of the
     model on global rank 0 (`per_stage=False`), or each pipeline stage's own tensors on that stage's
     publisher (`per_stage=True`; with pp=1 the two are the same).
 
     A single tensor larger than `bucket_bytes` comes alone in its own bucket. Tensor names and
     shapes are exactly those of the HF checkpoint (vocabulary padding removed; no `lm_head.weight`
-    for tied embeddings).
+    for tied embeddings). `mappings`: the layer-resolved mappings to export, in pipeline order (default: the
+    model's, `BridgeInfo.resolved_mappings`; LoRA adapters: `megatron_bridge.lora.adapter_mappings`). `merged`: a
+    LoRA linear's weight is exported as W + s * B A (megatron_bridge.lora.MergedParameters).
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     model = unwrap(models[0])
     info: BridgeInfo = model.bridge_info
-    params = dict(model.named_parameters())
+    params = MergedParameters(model) if merged else dict(model.named_parameters())
     where = parallel.layout()
     bucket: dict[str, torch.Tensor] = {}
     size = 0
     with torch.no_grad():
-        for mapping in info.resolved_mappings():
+        for mapping in info.resolved_mappings() if mappings is None else mappings:
             tensors = _fetch(mapping, params, info, where, per_stage)
             for name, tensor in (tensors or {}).items():
                 nbytes = tensor.numel() * tensor.element_size()
@@ -145,17 +149,18 @@ def iter_hf_buckets(models: list[torch.nn.Module], bucket_bytes: int, *,
         yield bucket
 
 
-def save_hf(models: list[torch.nn.Module], out_dir: str | Path, *, bucket_bytes: int = 256 << 20) -> Path | None:
+def save_hf(models: list[torch.nn.Module], out_dir: str | Path, *, bucket_bytes: int = 256 << 20,
+            merged: bool = False) -> Path | None:
     """Write an HF model directory (safetensors shards, index, config, tokenizer files) from global rank 0
     (every tensor funnels to it: `iter_hf_buckets(per_stage=False)`).
 
     Call on every rank. Returns the directory on rank 0 and None elsewhere, after a barrier, so the
-    directory is complete when any rank returns.
+    directory is complete when any rank returns. `merged`: LoRA adapters merged into their base weights.
     """
     info: BridgeInfo = unwrap(models[0]).bridge_info
     writer = HFDirectoryWriter(out_dir, info.hf_dir) if parallel.layout().is_publisher else None
     dtype = None
-    for bucket in iter_hf_buckets(models, bucket_bytes):
+    for bucket in iter_hf_buckets(models, bucket_bytes, merged=merged):
         dtype = next(iter(bucket.values())).dtype
         writer.add_bucket({k: v.cpu() for k, v in bucket.items()})
     result = None

@@ -28,8 +28,11 @@ COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 class HFCheckpoint:
     """Sliced read access to the safetensors of an HF model directory. Use as a context manager."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, *, single_file: str = SINGLE_FILE):
+        """`single_file`: the one safetensors file read when there is no index (a PEFT adapter directory has
+        `adapter_model.safetensors`)."""
         self.dir = Path(model_dir)
+        self.single_file = single_file
         self._file_of = self._index()
         self._stack = ExitStack()
         self._open: dict[str, object] = {}
@@ -37,10 +40,10 @@ class HFCheckpoint:
     def _index(self) -> dict[str, str]:
         if (self.dir / INDEX_FILE).is_file():
             return dict(json.loads((self.dir / INDEX_FILE).read_text())["weight_map"])
-        if (self.dir / SINGLE_FILE).is_file():
-            with safe_open(self.dir / SINGLE_FILE, framework="pt") as f:
-                return {name: SINGLE_FILE for name in f.keys()}
-        raise FileNotFoundError(f"{self.dir}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints "
+        if (self.dir / self.single_file).is_file():
+            with safe_open(self.dir / self.single_file, framework="pt") as f:
+                return {name: self.single_file for name in f.keys()}
+        raise FileNotFoundError(f"{self.dir}: no {self.single_file} or {INDEX_FILE} (only safetensors checkpoints "
                                 "are supported)")
 
     def __enter__(self) -> "HFCheckpoint":

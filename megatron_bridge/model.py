@@ -19,15 +19,20 @@ import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 import megatron_bridge.device as device
+import megatron_bridge.lora as adapters
 import megatron_bridge.parallel as parallel
 from megatron_bridge.hf_checkpoint import HFCheckpoint
 from megatron_bridge.mapping import ModelDims, ParamMapping
 from megatron_bridge.models import DecoderBridge, bridge_for
 from megatron_bridge.models.base import OUTPUT_LAYER, stage_layer_counts
+
+if TYPE_CHECKING:
+    from rft.config import LoraConfig
 
 TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
@@ -190,25 +195,33 @@ def _mark_experts_expert_parallel(model: torch.nn.Module) -> None:
 
 
 def build_model(hf_dir: str | Path, *, dtype: str | torch.dtype = "float32", load_weights: bool = True,
-                pp_layers: tuple[int, ...] | None = None, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0):
+                pp_layers: tuple[int, ...] | None = None, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
+                lora: "LoraConfig | None" = None, seed: int = 0):
     """This rank's pipeline stage of the HF model as `[GPTModel]`, weights loaded from `hf_dir`.
 
     `pp_layers`: decoder layers per pipeline stage for an uneven split (None: even). `aux_loss_coeff`,
-    `z_loss_coeff`: a mixture of experts' load-balancing and router z-loss coefficients (0: off)."""
+    `z_loss_coeff`: a mixture of experts' load-balancing and router z-loss coefficients (0: off). `lora` with a
+    rank > 0: LoRA adapters on its target linears (megatron_bridge.lora; always megatron's local spec, dense
+    models only), initialised from `seed` or loaded from `lora.init_from`, and every other parameter frozen."""
     from megatron.core.models.gpt import GPTModel
 
     hf_dir = Path(hf_dir)
     bridge = bridge_for(load_hf_config(hf_dir))
     where = parallel.layout()
-    te = uses_transformer_engine()
+    lora = lora if lora is not None and lora.rank else None
+    te = uses_transformer_engine() and lora is None
     config = bridge.transformer_config(tp=where.tp, pp=where.pp, ep=where.ep, pp_layers=pp_layers, dtype=dtype,
                                        on_cpu=device.is_installed(), aux_loss_coeff=aux_loss_coeff,
                                        z_loss_coeff=z_loss_coeff)
     if config.num_moe_experts:
+        if lora is not None:
+            raise ValueError(f"model.lora: LoRA on a mixture of experts ({bridge.hf_class}) is not supported: "
+                             "adapters go on dense linears only; set model.lora.rank 0")
         _define_missing_te_gemm()
-    model = GPTModel(config=config, transformer_layer_spec=_layer_spec(te, config, where.pp_rank),
-                     pre_process=where.is_first_stage, post_process=where.is_last_stage,
-                     **bridge.gpt_model_kwargs(where.tp))
+    spec = (adapters.layer_spec(lora, qk_layernorm=config.qk_layernorm) if lora is not None
+            else _layer_spec(te, config, where.pp_rank))
+    model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=where.is_first_stage,
+                     post_process=where.is_last_stage, **bridge.gpt_model_kwargs(where.tp))
     if not device.is_installed():
         model.cuda(torch.cuda.current_device())
     # megatron's local-spec norms ignore params_dtype; megatron-LM casts the whole model the same way
@@ -221,6 +234,15 @@ def build_model(hf_dir: str | Path, *, dtype: str | torch.dtype = "float32", loa
                                    stage_layers=stage_layer_counts(bridge.hf.num_hidden_layers, where.pp, pp_layers))
     if load_weights:
         load_hf_weights([model], hf_dir)
+    if lora is not None:
+        adapters.freeze_base(model)
+        if lora.init_from:
+            wanted = local_mappings_of(model.bridge_info, adapters.adapter_mappings(model.bridge_info, lora),
+                                       where.pp_rank)
+            adapters.load_adapter(model, wanted, lora.init_from, tp_rank=where.tp_rank, tp=where.tp,
+                                  dims=model.bridge_info.dims)
+        else:
+            adapters.init_adapters(model, model.bridge_info, where.pp_rank, where.tp_rank, where.tp, seed)
     return [model]
 
 
@@ -236,8 +258,14 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def local_mappings(info: BridgeInfo, pp_rank: int, ep_rank: int = 0) -> dict[str, ParamMapping]:
     """Local parameter name -> resolved mapping, for every mapped parameter of stage `pp_rank` held by
     expert-parallel rank `ep_rank`."""
-    return {info.local_name(m.megatron, pp_rank, ep_rank): m for m in info.resolved_mappings()
-            if info.holds(m.megatron, pp_rank, ep_rank)}
+    return local_mappings_of(info, info.resolved_mappings(), pp_rank, ep_rank)
+
+
+def local_mappings_of(info: BridgeInfo, mappings: list[ParamMapping], pp_rank: int,
+                      ep_rank: int = 0) -> dict[str, ParamMapping]:
+    """Local parameter name -> mapping, for those of the resolved `mappings` that the rank at (pp_rank, ep_rank)
+    holds."""
+    return {info.local_name(m.megatron, pp_rank, ep_rank): m for m in mappings if info.holds(m.megatron, pp_rank, ep_rank)}
 
 
 def load_hf_weights(models: list[torch.nn.Module], hf_dir: str | Path) -> None:
@@ -247,7 +275,7 @@ def load_hf_weights(models: list[torch.nn.Module], hf_dir: str | Path) -> None:
     info: BridgeInfo = model.bridge_info
     wanted = local_mappings(info, where.pp_rank, where.ep_rank)
     embedding = next(m for m in info.bridge.mappings() if m.megatron == EMBEDDING)
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if not adapters.is_adapter(n)}
     missing = sorted(set(wanted) - set(params))
     if missing:
         raise KeyError(f"{info.bridge.hf_class} mapping names megatron parameters this stage lacks: {missing}")

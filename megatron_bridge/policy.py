@@ -21,7 +21,8 @@ optimizer is used (state replicated over data-parallel ranks), which reshards co
 Reference model (`reference=True`, for KL penalties and DPO): a second, frozen copy of the HF
 weights at `hf_dir` (the initial policy, whatever checkpoint the policy loads later) with the same
 TP/PP sharding; no DDP wrapper, no optimizer, no gradients, always in eval mode. It doubles the
-model's parameter memory on each rank, not the optimizer's.
+model's parameter memory on each rank, not the optimizer's. With LoRA there is no copy: the reference is the
+policy's frozen base, run with its adapters switched off (`megatron_bridge.lora.disabled`).
 
 Teacher model (`teacher=DIR`, for on-policy distillation): the same machinery loaded from another HF directory
 (any architecture the bridge loads, sharded at the policy's TP/PP), frozen; it must have the policy's vocabulary
@@ -65,13 +66,14 @@ import signal
 import sys
 from multiprocessing.managers import SyncManager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 import megatron_bridge.device as device
 import megatron_bridge.export as export
+import megatron_bridge.lora as adapters
 import megatron_bridge.moe_losses as moe_losses
 import megatron_bridge.packing as packing
 import megatron_bridge.parallel as parallel
@@ -80,6 +82,9 @@ import megatron_bridge.schedule as schedule
 from megatron_bridge.check import vocabulary_problem
 from megatron_bridge.logprobs import entropy_sum, token_logprobs
 from megatron_bridge.model import build_model, unwrap
+
+if TYPE_CHECKING:
+    from rft.config import LoraConfig
 
 LossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -171,7 +176,15 @@ class TrainedModel:
         layout, where = self.layout, next(self.models[0].parameters()).device
         return (f"{layout.world_size} ranks (tp {layout.tp} x pp {layout.pp} x dp {layout.dp}, ep {layout.ep}) on {where.type} "
                 f"({layout.backend}), {self.config.params_dtype}, "
-                f"{'distributed' if self.distributed_optimizer else 'replicated'} optimizer state")
+                f"{'distributed' if self.distributed_optimizer else 'replicated'} optimizer state"
+                f"{self._lora_description()}")
+
+    def _lora_description(self) -> str:
+        if self.lora is None:
+            return ""
+        trainable = sum(p.numel() for m in self.models for p in m.parameters() if p.requires_grad)
+        return (f", LoRA rank {self.lora.rank} on {', '.join(self.lora.target_modules)} ({trainable:,} trainable "
+                f"parameters on this rank)")
 
     def _sum_over_replicas(self, per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """Reduce metric dicts over micro-batches (last stage), then data-parallel ranks; same dict everywhere.
@@ -196,8 +209,12 @@ class TrainedModel:
 
     # ---- checkpoints
 
+    lora = None  # a MegatronPolicy's model.lora with rank > 0: the checkpoint holds the adapters only
+
     def _sharded_state(self, *, is_loading: bool) -> dict:
         model_state = unwrap(self.models[0]).sharded_state_dict()
+        if self.lora is not None:  # the base is model.path's, frozen: the adapters (and their Adam state) only
+            model_state = {k: v for k, v in model_state.items() if adapters.is_adapter(k)}
         return {"model": model_state,
                 "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading,
                                                                metadata=OPTIMIZER_SHARDING),
@@ -216,7 +233,8 @@ class TrainedModel:
         if self.layout.rank == 0:
             (out / POLICY_FILE).write_text(json.dumps(
                 {"steps": self.steps, "tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp,
-                 "architecture": self.info.bridge.hf_class, "hf_dir": str(self.info.hf_dir)}, indent=2) + "\n")
+                 "architecture": self.info.bridge.hf_class, "hf_dir": str(self.info.hf_dir),
+                 "lora": self._lora_meta()}, indent=2) + "\n")
         dist.barrier()
         return out
 
@@ -232,11 +250,23 @@ class TrainedModel:
         if meta["architecture"] != self.info.bridge.hf_class:
             raise ValueError(f"{src}: checkpoint of a {meta['architecture']}, this {self.kind} is a "
                              f"{self.info.bridge.hf_class}")
+        if meta.get("lora") != self._lora_meta():
+            raise ValueError(f"{src}: checkpoint of LoRA settings {meta.get('lora')}, this {self.kind} has "
+                             f"{self._lora_meta()} (model.lora must match the run's checkpoints)")
         state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(src))
-        unwrap(self.models[0]).load_state_dict(state["model"])
+        missing, unexpected = unwrap(self.models[0]).load_state_dict(state["model"], strict=self.lora is None)
+        if self.lora is not None and ([k for k in missing if adapters.is_adapter(k)] or unexpected):
+            raise ValueError(f"{src}: adapter checkpoint does not fit this model: missing "
+                             f"{[k for k in missing if adapters.is_adapter(k)][:5]}, unexpected {unexpected[:5]}")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(meta["steps"])
+
+    def _lora_meta(self) -> dict | None:
+        """The LoRA settings a checkpoint must match (None: full fine-tuning)."""
+        if self.lora is None:
+            return None
+        return {"rank": self.lora.rank, "alpha": self.lora.alpha, "target_modules": sorted(self.lora.target_modules)}
 
     def close(self) -> None:
         """Tear down megatron's parallel state and the process group."""
@@ -251,7 +281,7 @@ class MegatronPolicy(TrainedModel):
                  seed: int = 0, dtype: str = "float32", reference: bool = False, temperature: float = 1.0,
                  initial_loss_scale: float = 2.0 ** 16, pack_sequences: bool = False,
                  teacher: str | Path | None = None, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0,
-                 routing_replay: bool = False):
+                 routing_replay: bool = False, lora: "LoraConfig | None" = None):
         """`temperature`: the sampling temperature of the explorers. Log-probs (and entropy) are those of
         softmax(logits / temperature), the distribution the behaviour log-probs in the records come from, so
         that importance ratios compare like with like. `initial_loss_scale`: float16 only, the dynamic loss
@@ -262,7 +292,8 @@ class MegatronPolicy(TrainedModel):
         reported per step as `moe_load_balancing_loss` / `moe_z_loss`. `routing_replay`: the policy's MoE routers
         replay each micro-batch's `routed_experts` in `train_step` and `forward_logprobs`
         (megatron_bridge.routing_replay; ValueError for a model without routers); the reference and teacher models
-        route by themselves."""
+        route by themselves. `lora` (rank > 0): train LoRA adapters only (megatron_bridge.lora; "LoRA" in the
+        module docstring; dense models)."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (greedy sampling has no log-probs to train on), got {temperature}")
         self.temperature = temperature
@@ -275,8 +306,12 @@ class MegatronPolicy(TrainedModel):
             raise ValueError(f"pack_sequences needs Transformer Engine on a GPU and pp 1 (pp {pp}, Transformer Engine "
                              f"in use: {packing.packing_supported()})")
         self.pack_sequences = pack_sequences
+        self.lora = lora if lora is not None and lora.rank else None
+        if self.lora is not None and pack_sequences:
+            raise ValueError("LoRA adapters use megatron's local layer spec, which cannot pack sequences")
         self.layout = parallel.initialize(tp, pp, ep=ep, seed=seed)
-        model = build_model(hf_dir, dtype=dtype, aux_loss_coeff=moe_aux_loss_coeff, z_loss_coeff=moe_z_loss_coeff)
+        model = build_model(hf_dir, dtype=dtype, aux_loss_coeff=moe_aux_loss_coeff, z_loss_coeff=moe_z_loss_coeff,
+                            lora=self.lora, seed=seed)
         self._train(model, lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
                     betas=betas, eps=eps, dtype=dtype, initial_loss_scale=initial_loss_scale)
         self.routing_replay = routing_replay
@@ -285,7 +320,10 @@ class MegatronPolicy(TrainedModel):
                 raise ValueError("routing_replay does not replay packed sequences; turn pack_sequences off")
             if not routing_replay_module.install(self.models):
                 raise ValueError(f"routing_replay needs a mixture-of-experts model; {hf_dir} has no routers")
-        self.reference_models = _frozen(build_model(hf_dir, dtype=dtype)) if reference else None
+        # LoRA: the reference is the policy's own frozen base with its adapters switched off (no second copy)
+        self.reference = reference
+        self.reference_models = (_frozen(build_model(hf_dir, dtype=dtype))
+                                 if reference and self.lora is None else None)
         self.teacher_models = _frozen(build_model(teacher, dtype=dtype)) if teacher is not None else None
 
     @property
@@ -321,8 +359,13 @@ class MegatronPolicy(TrainedModel):
     def reference_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """As `forward_logprobs`, from the frozen reference model (the weights at `hf_dir`); needs a
         policy built with `reference=True`."""
-        if self.reference_models is None:
+        if not self.reference:
             raise RuntimeError("reference_logprobs: this MegatronPolicy was built without reference=True")
+        if self.reference_models is None:  # LoRA: the base is the reference
+            for model in self.models:
+                model.eval()
+            with adapters.disabled(self.models):
+                return self._logprobs(self.models, micro_batches)
         return self._logprobs(self.reference_models, micro_batches)
 
     def teacher_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -353,13 +396,23 @@ class MegatronPolicy(TrainedModel):
     def iter_hf_buckets(self, bucket_bytes: int, *, per_stage: bool = False) -> Iterator[dict[str, torch.Tensor]]:
         """HF-layout weight buckets: the whole model on global rank 0 (`per_stage=False`: the push path), or each
         pipeline stage's own tensors on its publisher rank (`per_stage=True`: the pull path's per-stage publishing);
-        nothing elsewhere. See megatron_bridge.export."""
-        return export.iter_hf_buckets(self.models, bucket_bytes, per_stage=per_stage)
+        nothing elsewhere. See megatron_bridge.export. With LoRA: the adapters only, in PEFT's names, all on global
+        rank 0 (`per_stage` must be False: an adapter version is one small file)."""
+        if self.lora is None:
+            return export.iter_hf_buckets(self.models, bucket_bytes, per_stage=per_stage)
+        if per_stage:
+            raise ValueError("LoRA adapters are published whole by global rank 0, not per pipeline stage")
+        return export.iter_hf_buckets(self.models, bucket_bytes,
+                                      mappings=adapters.adapter_mappings(self.info, self.lora))
+
+    def adapter_config(self) -> dict | None:
+        """The PEFT adapter_config.json of each published version (None without LoRA: versions are whole models)."""
+        return adapters.peft_config(self.info, self.lora) if self.lora is not None else None
 
     def save_hf(self, out_dir: str | Path) -> Path | None:
         """An HF model directory written by global rank 0 (every tensor funnels to it); returns its path there,
-        None elsewhere."""
-        return export.save_hf(self.models, out_dir)
+        None elsewhere. With LoRA: the adapters merged into the base weights (W + alpha / r * B A)."""
+        return export.save_hf(self.models, out_dir, merged=self.lora is not None)
 
 
 

@@ -64,6 +64,34 @@ class RunConfig:
     share_gpus: bool = False  # one-machine runs with fewer GPUs than parts: parts share them (rft.cli.launcher.gpu_plan)
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron_bridge.lora.TARGETS
+
+
+@dataclass
+class LoraConfig:
+    """`model.lora`: train LoRA adapters instead of the whole model (megatron_bridge/lora.py); each version is then
+    a PEFT adapter (adapter_config.json, adapter_model.safetensors), not the model."""
+    rank: int = 0  # adapter rank r; 0: off (full fine-tuning)
+    alpha: float = 32.0  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout probability on each adapter's input while training (PEFT's lora_dropout), in [0, 1)
+    # megatron linears that get adapters: linear_qkv (HF q_proj, k_proj, v_proj: one A, shared), linear_proj
+    # (o_proj), linear_fc1 (gate_proj, up_proj: one A, shared), linear_fc2 (down_proj)
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    init_from: str = ""  # a PEFT adapter directory to start from (its A shared as above); empty: A random, B zero
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ConfigError(f"model.lora.rank: must be >= 0 (0: off), got {self.rank}")
+        if self.rank and not self.alpha > 0:
+            raise ConfigError(f"model.lora.alpha: must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"model.lora.dropout: must be in [0, 1), got {self.dropout}")
+        unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
+        if unknown or (self.rank and not self.target_modules):
+            raise ConfigError(f"model.lora.target_modules: must be a non-empty list of {', '.join(LORA_TARGETS)}; "
+                              f"got {self.target_modules}")
+
+
 @dataclass
 class ModelConfig:
     # required: the Hugging Face model directory the trainer starts from and every engine loads first (version 0)
@@ -78,6 +106,7 @@ class ModelConfig:
     max_response_len: int = 64
     chat_template: bool = False  # format every task prompt through the tokenizer's chat template (docs/data.md)
     system_prompt: str = ""  # chat_template: the system turn before each prompt; empty: none
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -377,6 +406,10 @@ class ServeConfig:
     max_request_tokens: int = 16384  # largest n x max_tokens of one completion request (400 past it)
     max_queue: int = 64  # requests waiting for the engine; past it a request gets 429 with Retry-After
     request_timeout_s: float = 300.0  # a completion request not generated within this many seconds gets 504
+    # other LoRA runs of the same base served beside this run's policy: model name (a request's `model`) -> that
+    # run's weight store directory (its newest adapter version is served); needs explorer.engine vllm and
+    # model.lora.rank at least their rank; their traffic is answered, not recorded (rft/serve/server.py)
+    adapters: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in ("max_batch", "group_size", "baseline_window", "max_body_bytes", "max_request_tokens",
@@ -923,9 +956,19 @@ def check_semantics(cfg: Config, source: str) -> None:
     require(not run_mode.serves or cfg.sync.method == "pull", "sync.method",
             "serve mode: `rft serve` follows the weight store (pull); push needs a fixed explorer fleet")
     require(bool(cfg.model.path), "model.path", "required: a Hugging Face model directory")
+    require(not cfg.model.lora.rank or cfg.sync.push_transport != "vllm", "sync.push_transport",
+            "vllm (vLLM's NCCL weight transfer) loads whole models, not LoRA adapters: use auto or rft")
+    require(not cfg.model.lora.rank or not cfg.trainer.pack_sequences, "model.lora.rank",
+            "LoRA adapters use megatron's local layer spec, which cannot pack sequences: set trainer.pack_sequences "
+            "false")
     _check_chat_template(cfg.model, source, require)
     require(not cfg.replay.from_data or cfg.run.mode == "offline", "replay.from_data",
             f"fills the topic of an offline replay: needs run.mode offline, not {cfg.run.mode}")
+    require(not cfg.serve.adapters or (cfg.model.lora.rank and cfg.explorer.engine == "vllm"), "serve.adapters",
+            f"serves LoRA adapters in one vLLM engine: needs explorer.engine vllm (got {cfg.explorer.engine}) and "
+            f"model.lora.rank > 0, at least the adapters' rank (got {cfg.model.lora.rank})")
+    served = cfg.serve.model_name or cfg.run.name
+    require(served not in cfg.serve.adapters, "serve.adapters", f"{served!r} is the run's own model name")
     _check_eval(cfg.eval, require)
 
 

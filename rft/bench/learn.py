@@ -55,10 +55,11 @@ from rft.bench.trl_reference import TRLReferenceError, check_trl_config, run_trl
 from rft.config import Config, ConfigError
 from rft.processes import signal_group
 from rft.run.loading import load_run_config
-from rft.weights.store import LATEST, WeightStore, store_root, version_dirname
+from rft.weights.store import ADAPTER_CONFIG, LATEST, WeightStore, is_adapter_version, store_root, version_dirname
 
 RFT_SYSTEMS = {"rft": (None, "pull"), "rft-async": ("async", "pull"), "rft-sync": ("sync", "pull"),
-               "rft-async-push": ("async", "push")}  # mode None: the config's own `run.mode`
+               "rft-async-push": ("async", "push"), "rft-lora": (None, "pull")}  # mode None: the config's own `run.mode`
+LORA_SYSTEMS = ("rft-lora",)  # run `--lora-config` (model.lora) instead of `--config`
 SYSTEMS = (*RFT_SYSTEMS, "trl")
 UNLIMITED_STEPS = 1_000_000
 POLL_S = 0.5
@@ -249,12 +250,15 @@ def run_trl_system(config: str, *, out: Path, budget_s: float, marks: int, env: 
 
 def evaluate(config: str, systems: list[dict], *, out: Path, env: dict) -> dict[str, float]:
     """Accuracy of the initial model (key "initial") and of every snapshot directory (key: its path), by one
-    `rft eval` process; a snapshot whose evaluation is missing is left out."""
+    `rft eval` process; a snapshot whose evaluation is missing is left out. LoRA adapter snapshots (rft-lora) are
+    evaluated on the config's base model with LoRA enabled up to their largest rank."""
     paths = sorted({m["path"] for s in systems for m in s["marks"] if m["path"]})
+    ranks = [json.loads((Path(p) / ADAPTER_CONFIG).read_text())["r"] for p in paths if is_adapter_version(p)]
     eval_dir = out / "eval"
     note(f"evaluating the initial model and {len(paths)} snapshots with rft eval (log {out / 'eval.log'})")
     command = [sys.executable, "-m", "rft.cli", "eval", config, "--set", f"run.output_dir={eval_dir}",
-               "--set", "monitor.progress=false", "--checkpoint", "initial",
+               "--set", "monitor.progress=false", *(["--set", f"model.lora.rank={max(ranks)}"] if ranks else []),
+               "--checkpoint", "initial",
                *(a for p in paths for a in ("--checkpoint", p))]
     with open(out / "eval.log", "ab") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -335,7 +339,7 @@ def print_report(result: dict) -> None:
         print(f"  {s['system']:<15}{s['steps']:>6}{_fmt(s['first_step_s'], '.0f', ' s'):>9}{accs}"
               f"{_fmt(s['final_accuracy'], '.3f'):>7}{_fmt(s['reach_trl_s'], '.0f', ' s'):>10}"
               f"{_fmt(w.get('publish_s'), '.2f', ' s'):>9}{_fmt(w.get('write_s'), '.2f', ' s'):>7}"
-              f"{_fmt(w.get('reload_s'), '.2f', ' s'):>8}{_fmt(w.get('version_mb'), '.0f'):>7}")
+              f"{_fmt(w.get('reload_s'), '.2f', ' s'):>8}{_fmt(w.get('version_mb'), '.1f'):>7}")
         if "error" in s:
             print(f"  {'':<15}error: {s['error'][-300:]}")
     names = {"half_time": "rft-async reaches TRL's final accuracy in <= half TRL's time",
@@ -359,6 +363,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="wall-clock seconds per system, from launch (default: %(default)s)")
     parser.add_argument("--marks", type=int, default=3,
                         help="snapshots per budget, evenly spaced (default: %(default)s)")
+    parser.add_argument("--lora-config", default="configs/smollm2-arithmetic-lora.yaml",
+                        help="the config of the rft-lora system: --config's run with model.lora (default: %(default)s)")
     parser.add_argument("--systems", default="rft-async,rft-sync,trl",
                         help=f"comma list of: {', '.join(SYSTEMS)} (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for every process (0: leave as is)")
@@ -389,6 +395,12 @@ def check_config(args: argparse.Namespace) -> str | None:
     if not (Path(cfg.model.path) / "config.json").is_file():
         return (f"{args.config}: model.path: {cfg.model.path} is not a Hugging Face model directory (`make smollm2` "
                 "builds the flagship's)")
+    if any(s in LORA_SYSTEMS for s in args.systems):
+        try:
+            if not load_run_config(args.lora_config).model.lora.rank:
+                return f"--lora-config {args.lora_config}: model.lora.rank is 0 (rft-lora needs a LoRA config)"
+        except ConfigError as e:
+            return str(e)
     if args.out and Path(args.out).exists() and any(Path(args.out).iterdir()):
         return f"--out {args.out}: not empty (runs there would resume instead of starting afresh)"
     if not cfg.eval.sets:
@@ -404,7 +416,8 @@ def run_all(args: argparse.Namespace, out: Path) -> dict:
         if system == "trl":
             systems.append(run_trl_system(args.config, out=out, budget_s=args.budget_s, marks=args.marks, env=env))
         else:
-            systems.append(run_rft(system, args.config, out=out, budget_s=args.budget_s, marks=args.marks, env=env))
+            config = args.lora_config if system in LORA_SYSTEMS else args.config
+            systems.append(run_rft(system, config, out=out, budget_s=args.budget_s, marks=args.marks, env=env))
     scores = evaluate(args.config, systems, out=out, env=env)
     result = summarise(systems, scores, budget_s=args.budget_s)
     return {"config": args.config, "marks": args.marks, "threads": args.threads, **result}

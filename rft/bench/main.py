@@ -14,6 +14,7 @@ BENCHMARKS = {
     "simulate": "rft.bench.simulate:main",
     "serve": "rft.bench.serve:main",
     "micro-batches": "rft.bench.micro_batches:main",
+    "reload": "rft.bench.reload:main",
 }
 
 

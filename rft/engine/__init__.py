@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from rft.engine.base import Completion, Engine, EngineError, Generation, SamplingSettings
 from rft.engine.hf_engine import TransformersEngine
 from rft.engine.vllm_engine import WORKER_EXTENSION, VLLMEngine
+from rft.weights.store import is_adapter_version, version_of
 
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, ModelConfig
@@ -42,12 +43,25 @@ ENGINES = {"vllm": VLLMEngine, "transformers": TransformersEngine}
 
 
 def build_engine(explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
-                 model_path: str | None = None, weight_transfer: bool = False, record_routing: bool = False) -> Engine:
+                 model_path: str | None = None, weight_transfer: bool = False, record_routing: bool = False,
+                 max_loras: int = 1) -> Engine:
     """The engine `explorer.engine` names, on `model_path` (default `model.path`); `seed` is `run.seed`.
     `weight_transfer`: it receives pushed weights by vLLM's weight transfer (rft.weights.vllm_transfer.push_transport
     chose "vllm"); only a vllm engine can. `record_routing`: completions carry their MoE routing (routing replay,
-    `trainer.routing_replay`)."""
+    `trainer.routing_replay`). A `model_path` that is a LoRA adapter version (rft.weights.store) starts the engine on
+    `model.path` and loads the adapter (stamped with the version its directory names, else 0). `max_loras`: LoRA
+    adapters a vLLM engine holds at once (`rft serve` with serve.adapters)."""
+    if model_path is not None and is_adapter_version(model_path):
+        engine = build_engine(explorer, model, seed=seed, weight_transfer=weight_transfer,
+                              record_routing=record_routing, max_loras=max_loras)
+        engine.load_weights(model_path, version_of(model_path) or 0)
+        return engine
     extra = {"record_routing": True} if record_routing else {}
+    if max_loras > 1:
+        if explorer.engine != "vllm":
+            raise EngineError(f"several LoRA adapters in one engine need explorer.engine vllm, not {explorer.engine}")
+        return VLLMEngine.from_config(explorer, model, seed=seed, model_path=model_path,
+                                      weight_transfer=weight_transfer, max_loras=max_loras, **extra)
     if not weight_transfer:
         return ENGINES[explorer.engine].from_config(explorer, model, seed=seed, model_path=model_path, **extra)
     if explorer.engine != "vllm":

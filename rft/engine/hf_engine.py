@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, Sequence
 
 from rft.engine.base import Completion, EngineError, Generation, SamplingSettings, TokenizerMixin
 from rft.engine.routing import RoutingRecorder
-from rft.weights.store import iter_safetensors
+from rft.weights.store import (
+    PUSHED_ADAPTER_CONFIG,
+    is_adapter_version,
+    iter_safetensors,
+    read_adapter,
+    save_pushed_adapter,
+)
 
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, ModelConfig
@@ -39,6 +45,7 @@ class TransformersEngine(TokenizerMixin):
         self.generator_seed = seed
         self.weights_version = weights_version
         self.routing = RoutingRecorder(self.model) if record_routing else None
+        self._base_weights: dict = {}  # HF module name -> its weight before the first adapter merged into it
         torch.manual_seed(seed)
 
     @classmethod
@@ -107,8 +114,28 @@ class TransformersEngine(TokenizerMixin):
         return out
 
     def load_weights(self, path: str | os.PathLike, version: int) -> None:
-        self._load_state(iter_safetensors(path), source=str(path))
+        """A model version replaces the weights; a LoRA adapter version (rft.weights.store) is merged on load:
+        each targeted weight becomes base + alpha / r * B A, from the base weights kept at the first merge."""
+        if is_adapter_version(path):
+            self._merge_adapter(path)
+        else:
+            self._load_state(iter_safetensors(path), source=str(path))
+            self._base_weights = {}
         self.weights_version = version
+
+    def _merge_adapter(self, path: str | os.PathLike) -> None:
+        torch = self.torch
+        config, pairs = read_adapter(path)
+        scaling = float(config["lora_alpha"]) / float(config["r"])
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for module, (a, b) in pairs.items():
+                weight = params.get(f"{module}.weight")
+                if weight is None:
+                    raise EngineError(f"adapter {path}: the model has no {module}.weight")
+                base = self._base_weights.setdefault(module, weight.detach().clone())
+                delta = (b.float() @ a.float()) * scaling
+                weight.copy_((base.float() + delta.to(base.device)).to(weight.dtype))
 
     def join_push_group(self, spec: dict) -> None:
         from rft.weights.push import PushGroupSpec, PushReceiver  # heavy: torch
@@ -122,8 +149,23 @@ class TransformersEngine(TokenizerMixin):
     def receive_pushed_weights(self) -> int:
         from rft.weights.push import receive_into  # heavy: torch
 
-        self.weights_version = receive_into(self._push, lambda tensors: self._load_state(tensors, source="the push"))
+        self.weights_version = receive_into(self._push, self._load_pushed)
         return self.weights_version
+
+    def _load_pushed(self, tensors) -> None:
+        """A pushed model replaces the weights; a pushed LoRA adapter (rft.weights.store) is merged on load."""
+        import itertools
+        import tempfile
+
+        tensors = iter(tensors)
+        first = next(tensors, None)
+        if first is not None and first[0] == PUSHED_ADAPTER_CONFIG:
+            with tempfile.TemporaryDirectory(prefix="rft-pushed-adapter-") as adapter_dir:
+                save_pushed_adapter(first, tensors, adapter_dir)
+                self._merge_adapter(adapter_dir)
+            return
+        self._load_state(itertools.chain([first] if first is not None else [], tensors), source="the push")
+        self._base_weights = {}
 
     def leave_push_group(self) -> None:
         self._push = None

@@ -4,11 +4,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+import tempfile
 import time
 from typing import TYPE_CHECKING, Sequence
 
 from rft.engine.base import Completion, EngineError, Generation, SamplingSettings, TokenizerMixin
 from rft.engine.routing import MoELayout
+from rft.weights.store import is_adapter_version
 
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, ModelConfig
@@ -23,13 +25,18 @@ ROUTED_EXPERTS_ON_CPU = ("vLLM 0.32 returns routed experts (routing replay) only
                          "(explorer.engine: transformers) or run the explorers on GPUs")
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
+
+
 def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: int, max_model_len: int | None,
                   gpu_memory_utilization: float, cpu_kvcache_gb: float, in_process: bool | None,
-                  weight_transfer: bool = False, record_routing: bool = False) -> tuple[dict, bool]:
+                  weight_transfer: bool = False, record_routing: bool = False, lora_rank: int = 0,
+                  max_loras: int = 1) -> tuple[dict, bool]:
     """Arguments of vLLM's `LLM` for an explorer engine, and whether it runs in this process. `weight_transfer`:
     enable vLLM's NCCL weight transfer (pushed weights, rft.weights.vllm_transfer; CUDA only). `record_routing`:
     vLLM's routed-experts output (`enable_return_routed_experts`; its V2 model runner, with prefix caching; CUDA only,
-    EngineError on CPU)."""
+    EngineError on CPU). `lora_rank` > 0: enable vLLM's LoRA (adapters up to that rank, `max_loras` of them in one
+    batch)."""
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
@@ -54,6 +61,11 @@ def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: in
                     max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                     logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, enforce_eager=on_cpu,
                     **extra, **routing)
+    if lora_rank:
+        fitting = [r for r in VLLM_LORA_RANKS if r >= lora_rank]
+        if not fitting:
+            raise EngineError(f"model.lora.rank {lora_rank}: vLLM takes adapters up to rank {VLLM_LORA_RANKS[-1]}")
+        settings.update(enable_lora=True, max_lora_rank=fitting[0], max_loras=max_loras)
     if on_cpu:
         settings["kv_cache_memory_bytes"] = int(cpu_kvcache_gb * (1 << 30))
     if in_process is None:
@@ -80,18 +92,23 @@ class VLLMEngine(TokenizerMixin):
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
                  cpu_kvcache_gb: float = 1.0, seed: int = 0, weights_version: int = 0,
                  in_process: bool | None = None, chat_template: bool = False, weight_transfer: bool = False,
-                 record_routing: bool = False):
+                 record_routing: bool = False, lora_rank: int = 0, max_loras: int = 1):
         """`record_routing`: completions carry `routed_experts` from vLLM's routed-experts output (GPU only: see
         `ROUTED_EXPERTS_ON_CPU`). Written to vLLM 0.32's documented output ([prompt + output - 1 positions,
-        layers, top_k]) and not yet run on a GPU here: `_routed` refuses any other shape by name."""
+        layers, top_k]) and not yet run on a GPU here: `_routed` refuses any other shape by name. `lora_rank` > 0:
+        versions may be LoRA adapters (rft.weights.store), loaded beside the base model without reloading it
+        (`load_weights`), `max_loras` of them at once (`rft serve`: one per served adapter)."""
         from vllm import LLM
 
         settings, self.in_process = _llm_settings(
             model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
             cpu_kvcache_gb=cpu_kvcache_gb, in_process=in_process, weight_transfer=weight_transfer,
-            record_routing=record_routing)
+            record_routing=record_routing, lora_rank=lora_rank, max_loras=max_loras)
         self.moe = MoELayout.of(model_path) if record_routing else None
+        self.lora = None  # vllm.lora.request.LoRARequest of the adapter version in use; None: the base weights
+        self.adapters: dict[str, object] = {}  # name -> LoRARequest of every adapter loaded (`rft serve`)
+        self._adapter_versions: dict[str, int] = {}  # name -> the version of the adapter loaded
         self._vllm_push = None  # rft.weights.vllm_transfer.VLLMReceiver while in a vLLM weight-transfer push group
         if self.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -107,13 +124,14 @@ class VLLMEngine(TokenizerMixin):
     @classmethod
     def from_config(cls, explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
                     model_path: str | None = None, weight_transfer: bool = False,
-                    record_routing: bool = False) -> "VLLMEngine":
+                    record_routing: bool = False, max_loras: int = 1) -> "VLLMEngine":
         """The engine the explorer and model sections describe, on `model_path` (default `model.path`)."""
         return cls(model_path or model.path, tensor_parallel_size=explorer.tensor_parallel_size,
                    dtype=model.dtype, max_model_len=model.max_prompt_len + model.max_response_len,
                    gpu_memory_utilization=explorer.gpu_memory_utilization,
                    cpu_kvcache_gb=explorer.cpu_kvcache_gb, seed=seed, in_process=explorer.vllm_in_process,
-                   chat_template=model.chat_template, weight_transfer=weight_transfer, record_routing=record_routing)
+                   chat_template=model.chat_template, weight_transfer=weight_transfer, record_routing=record_routing,
+                   lora_rank=model.lora.rank, max_loras=max_loras)
 
     def _set_version(self, version: int) -> None:
         self.weights_version = version
@@ -135,12 +153,23 @@ class VLLMEngine(TokenizerMixin):
                 c.routed_experts = self.moe.routed(raw.routed_experts, len(prompt) + len(c.token_ids) - 1)
         return Generation(prompt, completions)
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, *,
+                 adapter: str | None = None) -> list[Generation]:
+        """`adapter`: generate with the adapter of that name (`load_adapter`), whose version its completions carry,
+        instead of the engine's own weights."""
         from vllm.inputs import TokensPrompt
 
+        lora, version = self.lora, None
+        if adapter is not None:
+            if adapter not in self.adapters:
+                raise EngineError(f"no adapter named {adapter!r} is loaded (loaded: {sorted(self.adapters)})")
+            lora, version = self.adapters[adapter], self._adapter_versions[adapter]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], self._params(sampling),
-                                    use_tqdm=False)
-        return [self._generation(o) for o in outputs]
+                                    use_tqdm=False, lora_request=lora)
+        generations = [self._generation(o) for o in outputs]
+        for completion in (c for g in generations for c in g.completions if version is not None):
+            completion.weights_version = version
+        return generations
 
     # -- continuous submission (rft/explorer/continuous.py): requests enter and leave the running engine one by one
     def submit(self, request_id: str, prompt: Sequence[int], sampling: SamplingSettings) -> None:
@@ -149,7 +178,7 @@ class VLLMEngine(TokenizerMixin):
         from vllm.inputs import TokensPrompt
 
         self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)),
-                                        self._params(sampling))
+                                        self._params(sampling), lora_request=self.lora)
 
     def step(self) -> list[tuple[str, Generation]]:
         """One engine iteration (schedule, forward, sample); the requests that finished in it as (request_id,
@@ -178,7 +207,7 @@ class VLLMEngine(TokenizerMixin):
         params = SamplingParams(n=1, temperature=1.0, max_tokens=1, allowed_token_ids=list(candidates),
                                 logprobs=len(candidates))
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self.lora)
         probs = []
         for o in outputs:
             first = o.outputs[0].logprobs[0]
@@ -186,12 +215,40 @@ class VLLMEngine(TokenizerMixin):
         return probs
 
     def load_weights(self, path: str | os.PathLike, version: int) -> None:
+        """A model version is reloaded in place (worker extension); a LoRA adapter version (rft.weights.store) is
+        loaded into vLLM beside the base, which stays, and used for every later request (the previous one is
+        dropped)."""
         started = time.monotonic()
+        if is_adapter_version(path):
+            self.lora = self.load_adapter("rft-policy", path, version)
+            self._set_version(version)
+            log.info("loaded LoRA adapter version %d from %s in %.2f s", version, path, time.monotonic() - started)
+            return
+        self.lora = None  # a whole model: the base itself is this version
         loaded = self.llm.collective_rpc("rft_reload_weights", args=(str(path),))
         self.llm.reset_prefix_cache()
         self._set_version(version)
         log.info("reloaded %s tensors of version %d from %s in %.2f s", loaded[0], version, path,
                  time.monotonic() - started)
+
+    def load_adapter(self, name: str, path: str | os.PathLike, version: int):
+        """Load the PEFT adapter at `path` into the engine now as adapter `name` (replacing the one of that name,
+        if any) and return its LoRARequest (pass it as `lora` / a request's adapter). Needs `lora_rank` > 0."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.llm.llm_engine.vllm_config.lora_config:
+            raise EngineError(f"{path} is a LoRA adapter, and this engine was started without LoRA "
+                              f"(model.lora.rank is 0)")
+        self._next_lora_id = getattr(self, "_next_lora_id", 0) + 1
+        request = LoRARequest(f"{name}-v{version}", self._next_lora_id, str(path))
+        self.llm.llm_engine.add_lora(request)  # read from disk now: the store may delete the version later
+        previous = self.adapters.get(name)
+        self.adapters[name] = request
+        self._adapter_versions[name] = version
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+        self.llm.reset_prefix_cache()
+        return request
 
     def join_push_group(self, spec: dict) -> None:
         """rft's broadcast: each worker joins (worker extension); vLLM's weight transfer (the group's backend says
@@ -207,6 +264,13 @@ class VLLMEngine(TokenizerMixin):
         started = time.monotonic()
         if self._vllm_push is not None:
             versions = [self._vllm_push.receive()]
+        elif self.llm.llm_engine.vllm_config.lora_config:  # a LoRA run pushes adapters (worker_extension)
+            with tempfile.TemporaryDirectory(prefix="rft-pushed-adapter-") as adapter_dir:
+                versions = self.llm.collective_rpc("rft_receive_pushed_weights", args=(adapter_dir,))
+                if is_adapter_version(adapter_dir):
+                    self.lora = self.load_adapter("rft-policy", adapter_dir, versions[0])  # read now, then deleted
+                else:
+                    self.lora = None
         else:
             versions = self.llm.collective_rpc("rft_receive_pushed_weights")
         self.llm.reset_prefix_cache()

@@ -19,8 +19,10 @@ against Hugging Face greedy decoding of the reloaded weights.
 """
 from __future__ import annotations
 
+import itertools
+
 from rft.weights.push import PushGroupSpec, PushReceiver, receive_into
-from rft.weights.store import iter_safetensors
+from rft.weights.store import PUSHED_ADAPTER_CONFIG, iter_safetensors, save_pushed_adapter
 
 
 class WeightReloadExtension:
@@ -35,9 +37,22 @@ class WeightReloadExtension:
         self._rft_push = PushReceiver.join(PushGroupSpec.from_json(spec))
         return self._rft_push.rank
 
-    def rft_receive_pushed_weights(self) -> int:
-        """Take part in one pushed version and load it in place; returns the version."""
-        return receive_into(self._rft_push, self._rft_load)
+    def rft_receive_pushed_weights(self, adapter_dir: str = "") -> int:
+        """Take part in one pushed version and load it in place; returns the version. A pushed LoRA adapter
+        (rft.weights.store.PUSHED_ADAPTER_CONFIG first) is not loaded here: the first worker writes it as a PEFT
+        directory into `adapter_dir` (the others drain it) for the engine to load as an adapter."""
+        return receive_into(self._rft_push, lambda tensors: self._rft_take(tensors, adapter_dir))
+
+    def _rft_take(self, tensors, adapter_dir: str) -> int:
+        tensors = iter(tensors)
+        first = next(tensors, None)
+        if first is None or first[0] != PUSHED_ADAPTER_CONFIG:
+            return self._rft_load(itertools.chain([first] if first is not None else [], tensors))
+        if not adapter_dir:
+            raise RuntimeError("a LoRA adapter was pushed to an engine started without LoRA (model.lora.rank 0)")
+        if self.rank == 0:
+            return save_pushed_adapter(first, tensors, adapter_dir)
+        return sum(1 for _ in tensors)
 
     def rft_leave_push_group(self) -> None:
         push = getattr(self, "_rft_push", None)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rft.config import ModelConfig
-from rft.weights.store import LATEST, WeightStore, WeightStoreError, verify_version, version_of
+from rft.weights.store import LATEST, WeightStore, WeightStoreError, is_adapter_version, verify_version, version_of
 
 
 class CheckpointError(ValueError):
@@ -51,9 +51,9 @@ def resolve_checkpoint(spec: str, model: ModelConfig, *, run_dir: Path, store_ro
 
 
 def _model_dir(path: Path, spec: str) -> Path:
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"--checkpoint {spec}: {path} is not a Hugging Face model directory (no config.json); "
-                              "give a model directory, 'initial' or 'latest'")
+    if not (path / "config.json").is_file() and not is_adapter_version(path):
+        raise CheckpointError(f"--checkpoint {spec}: {path} is not a Hugging Face model directory (no config.json) "
+                              "nor a LoRA adapter version (adapter_config.json); give one, 'initial' or 'latest'")
     return path
 
 

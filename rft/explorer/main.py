@@ -78,7 +78,8 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
     from rft.weights.vllm_transfer import push_transport  # heavy: torch
 
     engine = build_engine(cfg.explorer, cfg.model, seed=cfg.run.seed,
-                          weight_transfer=push_transport(cfg.sync, cfg.explorer) == "vllm",
+                          weight_transfer=push_transport(cfg.sync, cfg.explorer,
+                                                         lora=cfg.model.lora.rank > 0) == "vllm",
                           record_routing=cfg.trainer.routing_replay)  # what the trainer replays
     explorer = None
     reason = "error"

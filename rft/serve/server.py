@@ -7,7 +7,7 @@ Routes:
                              `system_fingerprint: rft-v<version>` and the `X-RFT-Policy-Version` header).
   POST /v1/feedback          {"id", "reward", "components"?: {name: float}, "index"?: choice (0)}, or
                              {"feedback": [...]} (all recorded or none). 200 {"object": "feedback", "accepted": k}.
-  GET  /v1/models            the one model served (`serve.model_name`, else run.name)
+  GET  /v1/models            the models served: `serve.model_name` (else run.name), then each `serve.adapters` name
   GET  /health               {"status": "ok", "policy_version", "model"}
   GET  /metrics              Prometheus: requests, latency, completions recorded, feedback, weights version
 Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}` with a 4xx status (5xx when the
@@ -31,6 +31,11 @@ Contracts:
   the response's `id`), acknowledged by the broker; a request whose record is not acknowledged gets a 503 and no
   answer. Accepted feedback is likewise one acknowledged `Feedback` on `<prefix>.feedback` before the 200. The joiner
   (rft/serve/joiner.py) turns them into experience groups.
+- Several adapters, one base (`serve.adapters`, a LoRA run's name -> its weight store): the request's `model` picks
+  the run's own policy or one of them. Each adapter is the newest version of its store (LATEST, checked against the
+  manifest), loaded into the same vLLM engine beside the base between calls (rft.engine.VLLMEngine.load_adapter); its
+  answers carry that version. Their traffic is answered, not recorded: it trains no run here (each run's own
+  `rft serve` records its traffic), and feedback on it is refused as unknown (404).
 - Streaming sends the whole completion's text in per-token deltas once it is generated and recorded (the engine
   returns whole completions): the protocol is OpenAI's, the first token's latency is the whole completion's.
 """
@@ -101,6 +106,7 @@ class ChatRequest:
     messages: list[dict[str, str]]
     sampling: SamplingSettings
     stream: bool
+    adapter: str | None = None  # the `serve.adapters` model the request names; None: the run's own policy
 
 
 def _text(content: Any, where: str) -> str:
@@ -136,14 +142,16 @@ def _integer(body: dict, key: str, default: int, low: int, high: int) -> int:
     return value
 
 
-def parse_chat_request(body: Any, *, model_name: str, max_tokens: int) -> ChatRequest:
+def parse_chat_request(body: Any, *, model_name: str, max_tokens: int, adapters: tuple[str, ...] = ()) -> ChatRequest:
     """The request as rft runs it; ApiError (400, or 404 for another model) naming the bad field. `max_tokens`: the
-    largest (and default) completion length, model.max_response_len."""
+    largest (and default) completion length, model.max_response_len. `adapters`: the other model names served
+    (serve.adapters)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
-    if model is not None and model != model_name:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves {model_name!r}", param="model",
+    if model is not None and model != model_name and model not in adapters:
+        served = ", ".join(repr(m) for m in (model_name, *adapters))
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {served}", param="model",
                        code="model_not_found")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -175,7 +183,7 @@ def parse_chat_request(body: Any, *, model_name: str, max_tokens: int) -> ChatRe
                                 temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                                 top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
                                 max_tokens=limit or max_tokens, stop=tuple(stops))
-    return ChatRequest(rendered, sampling, stream)
+    return ChatRequest(rendered, sampling, stream, adapter=model if model in adapters else None)
 
 
 def prompt_key(prompt_tokens: list[int]) -> str:
@@ -193,6 +201,7 @@ class _Job:
     sampling: SamplingSettings
     stream: bool
     future: concurrent.futures.Future
+    adapter: str | None = None
 
 
 @dataclass
@@ -206,13 +215,16 @@ class Served:
 class EngineWorker:
     """The one thread that owns the engine (module docstring); it gets token ids, never text (requests are
     tokenized before they are submitted, off this thread). `newest()` names the newest trusted weights
-    (WeightUpdates.newest), None: never reload. `start()` builds the engine with `factory()` in the thread and waits
+    (WeightUpdates.newest), None: never reload. `adapters`: name -> newest(above) of each served adapter's store
+    (serve.adapters; a vLLM engine with LoRA). `start()` builds the engine with `factory()` in the thread and waits
     for it. A submitted job whose future is cancelled before the thread takes it is skipped (its deadline passed);
     one cancelled later is generated and its result dropped."""
 
     def __init__(self, factory: Callable[[], "Engine"], *, newest: Callable[[int], Any] | None = None,
-                 max_batch: int = 16):
+                 max_batch: int = 16, adapters: dict[str, Callable[[int], Any]] | None = None):
         self.factory, self.newest, self.max_batch = factory, newest, max_batch
+        self.adapters = adapters or {}
+        self.adapter_versions: dict[str, int] = {}  # adapter name -> the version loaded
         self.engine: "Engine | None" = None
         self.queue: queue.Queue[_Job | None] = queue.Queue()
         self.reloads = 0
@@ -235,10 +247,12 @@ class EngineWorker:
         if self._error is not None:
             raise self._error
 
-    def submit(self, prompt: list[int], sampling: SamplingSettings, stream: bool) -> concurrent.futures.Future:
-        """Queue one request (`prompt`: token ids); the future holds its `Served`, or an ApiError."""
+    def submit(self, prompt: list[int], sampling: SamplingSettings, stream: bool,
+               adapter: str | None = None) -> concurrent.futures.Future:
+        """Queue one request (`prompt`: token ids; `adapter`: the served adapter's name, None: the run's own
+        weights); the future holds its `Served`, or an ApiError."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self.queue.put(_Job(prompt, sampling, stream, future))
+        self.queue.put(_Job(prompt, sampling, stream, future, adapter))
         return future
 
     def stop(self) -> None:
@@ -281,6 +295,15 @@ class EngineWorker:
             self.engine.close()
 
     def _refresh(self) -> None:
+        for name, newest in self.adapters.items():
+            found = newest(self.adapter_versions.get(name, -1))
+            if found is not None:
+                version, path = found
+                try:
+                    self.engine.load_adapter(name, path, version)
+                    self.adapter_versions[name] = version
+                except Exception as e:  # noqa: BLE001  (keeps serving the version it has; tried again next time)
+                    log.warning("adapter %s version %d from %s not loaded: %s", name, version, path, e)
         if self.newest is None:
             return
         try:
@@ -290,14 +313,22 @@ class EngineWorker:
             log.warning("%s", e)
 
     def _generate(self, jobs: list[_Job]) -> None:
-        runnable: dict[SamplingSettings, list[tuple[_Job, list[int]]]] = {}
+        runnable: dict[tuple[SamplingSettings, str | None], list[tuple[_Job, list[int]]]] = {}
         for job in jobs:
-            if job.future.set_running_or_notify_cancel():  # False: cancelled while it waited (its deadline passed)
-                runnable.setdefault(job.sampling, []).append((job, job.prompt))
+            if not job.future.set_running_or_notify_cancel():  # cancelled while it waited (its deadline passed)
+                continue
+            if job.adapter is not None and job.adapter not in self.adapter_versions:
+                job.future.set_exception(ApiError(
+                    503, f"the model {job.adapter!r} has no adapter version yet (its weight store has none, or none "
+                    "passed the checks); retry later", kind="server_error"))
+                continue
+            runnable.setdefault((job.sampling, job.adapter), []).append((job, job.prompt))
         started = time.monotonic()
-        for sampling, batch in runnable.items():
+        for (sampling, adapter), batch in runnable.items():
+            prompts = [ids for _, ids in batch]
             try:
-                generations = self.engine.generate([ids for _, ids in batch], sampling)
+                generations = (self.engine.generate(prompts, sampling) if adapter is None
+                               else self.engine.generate(prompts, sampling, adapter=adapter))
             except Exception as e:  # the engine failed: every request of the call gets a 500
                 log.exception("generation failed")
                 for job, _ in batch:
@@ -424,7 +455,7 @@ class ServeService:
         try:
             prompt = await asyncio.wait_for(loop.run_in_executor(self._tokenizer_thread, self.tokenize,
                                                                  request.messages), max(0.0, deadline - time.time()))
-            return await asyncio.wait_for(asyncio.wrap_future(self.worker.submit(prompt, s, request.stream)),
+            return await asyncio.wait_for(asyncio.wrap_future(self.worker.submit(prompt, s, request.stream, request.adapter)),
                                           max(0.0, deadline - time.time()))
         except asyncio.TimeoutError:
             raise ApiError(504, f"the request was not generated within serve.request_timeout_s = "
@@ -443,11 +474,15 @@ class ServeService:
 
     async def complete(self, body: Any) -> dict | tuple[dict, list[list[str]]]:
         received = time.time()
-        request = parse_chat_request(body, model_name=self.model_name, max_tokens=self.max_tokens)
+        request = parse_chat_request(body, model_name=self.model_name, max_tokens=self.max_tokens,
+                                     adapters=tuple(self.worker.adapters))
         served = await self._generate(request, received)
         completions = served.generation.completions
         version = min(c.weights_version for c in completions)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if request.adapter is not None:  # another run's adapter: answered, not recorded (module docstring)
+            answer = self._answer(request_id, received, request.adapter, version, served)
+            return (answer, served.deltas) if request.stream else answer
         s = request.sampling
         record = ServedCompletion(
             run_id=self.topics.run, request_id=request_id, prompt_key=prompt_key(served.prompt_tokens),
@@ -461,8 +496,15 @@ class ServeService:
         self.ledger.served(request_id, len(completions), received)
         self.metrics.recorded.inc(len(completions))
         self.metrics.version.set(version)
-        answer = {
-            "id": request_id, "object": "chat.completion", "created": int(received), "model": self.model_name,
+        answer = self._answer(request_id, received, self.model_name, version, served)
+        return (answer, served.deltas) if request.stream else answer
+
+    @staticmethod
+    def _answer(request_id: str, received: float, model: str, version: int, served: Served) -> dict:
+        """The OpenAI chat.completion body of a served request."""
+        completions = served.generation.completions
+        return {
+            "id": request_id, "object": "chat.completion", "created": int(received), "model": model,
             "system_fingerprint": f"rft-v{version}", "policy_version": version,
             "choices": [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
                          "finish_reason": "stop" if c.finish_reason == "stop" else "length"}
@@ -471,7 +513,6 @@ class ServeService:
                       "completion_tokens": sum(len(c.token_ids) for c in completions),
                       "total_tokens": len(served.prompt_tokens) + sum(len(c.token_ids) for c in completions)},
         }
-        return (answer, served.deltas) if request.stream else answer
 
     async def feedback(self, body: Any) -> dict:
         items = body.get("feedback") if isinstance(body, dict) and "feedback" in body else [body]
@@ -572,8 +613,9 @@ def create_app(service: ServeService, access: Access | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": service.model_name, "object": "model",
-                                                         "created": service.started, "owned_by": "rft"}]})
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model",
+                                                         "created": service.started, "owned_by": "rft"}
+                                                        for name in (service.model_name, *service.worker.adapters)]})
 
     @app.get("/health")
     def health() -> JSONResponse:
@@ -622,8 +664,10 @@ def build_service(cfg: "Config", *, transport: "Transport | None" = None, engine
     control.assign([topics.control])
     control.seek(control.end_offsets(topics.control))
     updates = WeightUpdates(WeightStore.for_sync(cfg.sync, cfg.run_dir), control, verify=cfg.sync.verify)
-    worker = EngineWorker(engine_factory or (lambda: build_engine(cfg.explorer, cfg.model, seed=cfg.run.seed)),
-                          newest=lambda above: updates.newest(above=above), max_batch=cfg.serve.max_batch)
+    worker = EngineWorker(engine_factory or (lambda: build_engine(cfg.explorer, cfg.model, seed=cfg.run.seed,
+                                                                  max_loras=1 + len(cfg.serve.adapters))),
+                          newest=lambda above: updates.newest(above=above), max_batch=cfg.serve.max_batch,
+                          adapters=adapter_stores(cfg))
     ledger = FeedbackLedger(cfg.serve.feedback_expire_s)
     reader = transport.source(client_id="serve-ledger")
     try:
@@ -648,6 +692,25 @@ def _own_copy(tokenizer):
     except Exception as e:  # noqa: BLE001 - any copy failure: share it
         log.info("tokenizer not copied (%s: %s): the tokenizer thread shares the engine's", type(e).__name__, e)
         return tokenizer
+
+
+class _NoAnnouncements:
+    """The control source of another run's store: serve follows its LATEST only."""
+
+    def poll(self, timeout_s: float = 1.0, max_records: int | None = None) -> list:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def adapter_stores(cfg: "Config") -> dict[str, Callable[[int], Any]]:
+    """`serve.adapters` as name -> newest(above): the newest checked version of that run's weight store."""
+    stores = {}
+    for name, root in cfg.serve.adapters.items():
+        updates = WeightUpdates(WeightStore(root), _NoAnnouncements(), verify=cfg.sync.verify)
+        stores[name] = lambda above, updates=updates: updates.newest(above=above)
+    return stores
 
 
 class ServerThread(AppThread):

@@ -197,7 +197,7 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict,
     io.weights = WeightPublisher(cfg.sync, store=WeightStore.for_sync(cfg.sync, cfg.run_dir), announce=io.announce,
                                  hf_dir=cfg.model.path,
                                  push_members=cfg.explorer.replicas * cfg.explorer.tensor_parallel_size,
-                                 transport=push_transport(cfg.sync, cfg.explorer))
+                                 transport=push_transport(cfg.sync, cfg.explorer, lora=cfg.model.lora.rank > 0))
     return io
 
 
@@ -273,7 +273,7 @@ class Trainer:
             weight_decay=t.weight_decay, moe_aux_loss_coeff=t.moe_aux_loss_coeff, moe_z_loss_coeff=t.moe_z_loss_coeff,
             grad_clip=t.grad_clip, betas=(t.adam_beta1, t.adam_beta2), seed=run.seed, dtype=model.dtype,
             reference=self.needs.reference, temperature=temperature, pack_sequences=t.pack_sequences,
-            teacher=self.needs.teacher, routing_replay=t.routing_replay)
+            teacher=self.needs.teacher, routing_replay=t.routing_replay, lora=model.lora)
         self.critic = self._build_critic(model, run.seed) if self.needs.critic is not None else None
         self.staleness = StalenessTracker(mode=run.mode, max_staleness=run.max_staleness)
         self.is_reader = dist_io.rank() == 0
@@ -312,6 +312,8 @@ class Trainer:
     # -- rank 0's Kafka side
     def _open_io(self, io: TrainerIO, demonstrations_state: FeedState) -> None:
         self.io, self.feed, self.replay = io, io.feed, io.replay
+        if self.model.lora.rank and io.weights is not None:
+            io.weights.adapter_config = self.policy.adapter_config()
         if self.needs.demonstrations is not None:
             io.open_demonstrations(demonstrations_state)
         self.consumed_path = self.run_dir / "consumed.jsonl"
@@ -477,7 +479,7 @@ class Trainer:
         """Collective when pp > 1: rank 0 decides how `version` goes out. On the pull path each pipeline stage's
         publishing rank writes its own shards into the staging directory rank 0 opens in the store (rft.weights);
         None: every tensor funnels to rank 0 (the push path, a version stored already, or a single stage)."""
-        if self.policy.layout.pp == 1:
+        if self.policy.layout.pp == 1 or self.model.lora.rank:  # an adapter is published whole by rank 0
             return None
         plan = None
         if self.is_reader:

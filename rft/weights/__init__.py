@@ -44,6 +44,11 @@ engine worker has joined, at most `sync.timeout_s`. Then, per version:
   trainer forms a new group (new group_id); explorers leave the old one and join it. Every collective of the
   group waits at most `sync.timeout_s`, on both sides (rft.weights.push: deadline and abort, NCCL settings).
 
+LoRA (`model.lora`): each version is the policy's adapters only, in PEFT's layout (`adapter_config.json`,
+`adapter_model.safetensors`), under the same contracts: a store version is that directory (rft.weights.store), a push
+sends its config tensor then its tensors (store.PUSHED_ADAPTER_CONFIG); explorers load it as a LoRA adapter beside
+the base (vLLM) or merge it on load (transformers) (rft.engine).
+
 Trust: announcements are hints, not instructions (rft.weights.subscriber; docs/operations.md "Trust"). Each version
 directory carries a manifest (sizes and SHA-256 of every file, per-stage shards included: rft.weights.store); an
 explorer loads only its own store's directory of the announced version, after checking it against the manifest,

@@ -3,6 +3,7 @@ path, in the order the package docstring (rft/weights/__init__.py) states; with 
 stage's publishing rank writes its own share of a pull-path version through a `StagePublisher`."""
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 from rft.transport.control import Kind, PushAbandoned, Weights, WeightsPush
 from rft.weights.push import PushError, PushGroupSpec, PushSender
+from rft.weights.store import pushed_adapter_bucket
 from rft.weights.vllm_transfer import VLLMSender
 
 if TYPE_CHECKING:
@@ -69,6 +71,9 @@ class WeightPublisher:
         self._background = _WriteBehind("publishing weights")
         self.stage_wait_s = sync.timeout_s
         self.last_write_s: float | None = None  # seconds the newest finished store write + announcement took
+        # a LoRA run's PEFT adapter_config.json (the trainer sets it): each version is that adapter, stored
+        # (WeightStore.publish) or pushed after its config (rft.weights.store.pushed_adapter_bucket), not a model
+        self.adapter_config: dict | None = None
 
     def deliver(self, version: int, buckets: Iterable[dict], offsets: dict[str, int], *,
                 staging: "Staging | None" = None) -> bool:
@@ -96,7 +101,8 @@ class WeightPublisher:
     def _store_and_announce(self, version: int, buckets: Iterable[dict], offsets: dict[str, int],
                             staging: "Staging | None" = None) -> None:
         started = time.monotonic()
-        path = self.store.publish(version, buckets, hf_dir=self.hf_dir, staging=staging, wait_s=self.stage_wait_s)
+        path = self.store.publish(version, buckets, hf_dir=self.hf_dir, staging=staging, wait_s=self.stage_wait_s,
+                                  adapter_config=self.adapter_config)
         self.announce(Weights(version=version, path=str(path), offsets=offsets))
         self.last_write_s = time.monotonic() - started
 
@@ -107,6 +113,8 @@ class WeightPublisher:
                 self._form_group()
             self.announce(WeightsPush(group_id=group_id, version=version, offsets=offsets))
             started = time.monotonic()
+            if self.adapter_config is not None:  # self-describing: the receiver writes the PEFT directory
+                buckets = itertools.chain([pushed_adapter_bucket(self.adapter_config)], buckets)
             sent = self.sender.send(version, buckets)
             log.info("pushed version %d (%.1f MB) in %.2f s", version, sent / 1e6, time.monotonic() - started)
             return True

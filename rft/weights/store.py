@@ -7,6 +7,9 @@ Layout under `root`:
         config.json, tokenizer.json, ...
         rft-manifest.json           every other file of the version: its size and SHA-256 (written last)
     LATEST                  text: the newest published version number
+A LoRA run's version (`publish(..., adapter_config=...)`) is a PEFT adapter directory instead: `adapter_config.json`,
+`adapter_model.safetensors` (every tensor in one file, PEFT's names) and the manifest; no model files beside them
+(explorers keep the base model they loaded and take each version as a LoRA adapter, rft.engine).
 
 Invariants (readers on other hosts rely on them):
 - A `vNNNNNNNN/` directory is complete whenever it is visible: it is written under a temporary name
@@ -58,6 +61,11 @@ log = logging.getLogger(__name__)
 LATEST = "LATEST"
 INDEX = "model.safetensors.index.json"
 MANIFEST = "rft-manifest.json"
+ADAPTER_FILE = "adapter_model.safetensors"  # a LoRA version's tensors (PEFT's layout)
+ADAPTER_CONFIG = "adapter_config.json"  # ... and its PEFT config; its presence marks a version as an adapter
+# the push path (rft.weights.push) sends an adapter version as this uint8 tensor (its adapter_config.json, UTF-8)
+# first, then the adapter's tensors: what a receiver needs to write the PEFT directory (`save_pushed_adapter`)
+PUSHED_ADAPTER_CONFIG = "rft.adapter_config.json"
 CHECKSUM = "sha256"  # hashlib's, ~1 GB/s with the CPU's SHA extensions (faster than blake2b there)
 _VERSION_DIR = re.compile(r"v(\d{8})")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
@@ -201,13 +209,17 @@ class WeightStore:
 
     def publish(self, version: int, buckets: Iterable[dict[str, torch.Tensor]],
                 hf_dir: str | os.PathLike | None, *, staging: Staging | None = None,
-                wait_s: float = 120.0) -> Path:
+                wait_s: float = 120.0, adapter_config: dict | None = None) -> Path:
         """Write one version: each bucket (name -> tensor, HF names) becomes one safetensors shard; the
         non-weight files of `hf_dir` (config, tokenizer, generation config) are copied beside them.
         Returns the version's directory. A tensor name in two buckets (or two stages) is an error.
 
         With `staging` (from `stage`), `buckets` are the first pipeline stage's; the version is complete once
-        every other stage's manifest is in (see the module docstring; `wait_s`: seconds without progress)."""
+        every other stage's manifest is in (see the module docstring; `wait_s`: seconds without progress).
+        `adapter_config` (a PEFT adapter_config.json as a dict): the version is that LoRA adapter, its tensors in one
+        `adapter_model.safetensors` (no staging, no model files)."""
+        if adapter_config is not None and staging is not None:
+            raise WeightStoreError(f"version {version}: a LoRA adapter is written whole by one rank, not per stage")
         if version < 0:
             raise WeightStoreError(f"version must be >= 0, got {version}")
         if staging is not None and staging.version != version:
@@ -219,19 +231,23 @@ class WeightStore:
             return final
         tmp = staging.dir if staging is not None else self._temporary(version)
         try:
+            files: dict[str, dict] = {}
             if staging is None:
                 tmp.mkdir()
-                weight_map, total_bytes = self._write_shards(tmp, buckets, prefix="model")
-                files: dict[str, dict] = {}
+            if adapter_config is not None:
+                self._write_adapter(tmp, buckets, adapter_config)
             else:
-                self.write_stage(staging, 0, buckets)
-                weight_map, total_bytes, files = self._gather_stages(staging, wait_s)
-            if not weight_map:
-                raise WeightStoreError("publish got no tensors")
-            index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / INDEX).write_text(json.dumps(index, indent=1) + "\n")
-            if hf_dir is not None:
-                self._copy_model_files(Path(hf_dir), tmp)
+                if staging is None:
+                    weight_map, total_bytes = self._write_shards(tmp, buckets, prefix="model")
+                else:
+                    self.write_stage(staging, 0, buckets)
+                    weight_map, total_bytes, files = self._gather_stages(staging, wait_s)
+                if not weight_map:
+                    raise WeightStoreError("publish got no tensors")
+                index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+                (tmp / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+                if hf_dir is not None:
+                    self._copy_model_files(Path(hf_dir), tmp)
             self._write_manifest(tmp, version, files)
             os.rename(tmp, final)
         except BaseException:
@@ -264,6 +280,22 @@ class WeightStore:
                 save_file(tensors, str(out / shard), metadata={"format": "pt"})
                 weight_map.update(dict.fromkeys(tensors, shard))
         return weight_map, total_bytes
+
+    @staticmethod
+    def _write_adapter(out: Path, buckets: Iterable[dict[str, torch.Tensor]], adapter_config: dict) -> None:
+        """PEFT's adapter directory: every tensor of `buckets` in ADAPTER_FILE, and ADAPTER_CONFIG."""
+        from safetensors.torch import save_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        for bucket in buckets:
+            for name, tensor in bucket.items():
+                if name in tensors:
+                    raise WeightStoreError(f"tensor {name!r} appears in more than one bucket")
+                tensors[name] = tensor.detach().to("cpu").contiguous()
+        if not tensors:
+            raise WeightStoreError("publish got no adapter tensors")
+        save_file(tensors, str(out / ADAPTER_FILE), metadata={"format": "pt"})
+        (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=1) + "\n")
 
     @staticmethod
     def _write_manifest(directory: Path, version: int, known: dict[str, dict]) -> None:
@@ -361,6 +393,60 @@ class WeightStore:
             raise FileNotFoundError(f"weight store {self.root}: version {version} is not there "
                                     f"(present: {self.versions()})")
         return iter_safetensors(path)
+
+
+def is_adapter_version(path: str | os.PathLike) -> bool:
+    """Whether a version directory holds a LoRA adapter (PEFT layout) rather than a model."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def read_adapter(path: str | os.PathLike) -> tuple[dict, dict[str, tuple["torch.Tensor", "torch.Tensor"]]]:
+    """A PEFT adapter directory as (adapter_config, {HF module name: (A [r, in], B [out, r])}), module names without
+    PEFT's `base_model.model.` prefix (`model.layers.0.self_attn.q_proj`). Each output adds alpha / r * B A x."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config = json.loads((path / ADAPTER_CONFIG).read_text())
+    tensors = load_file(str(path / ADAPTER_FILE))
+    pairs: dict[str, tuple] = {}
+    for name in tensors:
+        if name.endswith(".lora_A.weight"):
+            module = name.removesuffix(".lora_A.weight").removeprefix("base_model.model.")
+            b = name.replace(".lora_A.", ".lora_B.")
+            if b not in tensors:
+                raise WeightStoreError(f"{path / ADAPTER_FILE}: {name} has no {b}")
+            pairs[module] = (tensors[name], tensors[b])
+    if not pairs:
+        raise WeightStoreError(f"{path / ADAPTER_FILE}: no lora_A / lora_B tensors")
+    return config, pairs
+
+
+def pushed_adapter_bucket(adapter_config: dict) -> dict[str, "torch.Tensor"]:
+    """The first bucket of a pushed adapter version: its adapter_config.json as a uint8 tensor."""
+    import torch
+
+    return {PUSHED_ADAPTER_CONFIG: torch.frombuffer(bytearray(json.dumps(adapter_config).encode()), dtype=torch.uint8)}
+
+
+def save_pushed_adapter(first: tuple[str, "torch.Tensor"], rest: Iterable[tuple[str, "torch.Tensor"]],
+                        out: str | os.PathLike) -> int:
+    """Write a pushed adapter version (`first`: its PUSHED_ADAPTER_CONFIG tensor, `rest`: its tensors, read to the
+    end) as a PEFT directory `out` (created; files written aside and renamed); returns the number of tensors."""
+    from safetensors.torch import save_file
+
+    name, config = first
+    if name != PUSHED_ADAPTER_CONFIG:
+        raise WeightStoreError(f"a pushed adapter starts with {PUSHED_ADAPTER_CONFIG}, not {name!r}")
+    tensors = {n: t.detach().to("cpu").contiguous() for n, t in rest}
+    if not tensors:
+        raise WeightStoreError("the pushed adapter has no tensors")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{ADAPTER_FILE}.tmp-{uuid.uuid4().hex[:8]}"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / ADAPTER_FILE)
+    _write_atomically(out / ADAPTER_CONFIG, bytes(config.tolist()).decode())
+    return len(tensors)
 
 
 def file_entry(path: Path) -> dict:

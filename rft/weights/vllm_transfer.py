@@ -67,11 +67,13 @@ POLL_S = 0.005
 # Selection
 
 
-def push_transport(sync: "SyncConfig", explorer: "ExplorerConfig", *, cuda: bool | None = None) -> str:
+def push_transport(sync: "SyncConfig", explorer: "ExplorerConfig", *, cuda: bool | None = None,
+                   lora: bool = False) -> str:
     """Which push transport a run uses: "vllm" (this module) or "rft" (rft.weights.push); "rft" too when
-    `sync.method` is not push (nothing is pushed). `cuda`: whether CUDA is usable here (default: ask torch).
-    Raises ConfigError naming the key when `sync.push_transport: vllm` is impossible."""
-    if sync.method != "push" or sync.push_transport == "rft":
+    `sync.method` is not push (nothing is pushed), and for LoRA adapters (`lora`: vLLM's transfer loads whole
+    models). `cuda`: whether CUDA is usable here (default: ask torch). Raises ConfigError naming the key when
+    `sync.push_transport: vllm` is impossible."""
+    if sync.method != "push" or sync.push_transport == "rft" or (lora and sync.push_transport == "auto"):
         return "rft"
     if cuda is None:
         cuda = torch.cuda.is_available()

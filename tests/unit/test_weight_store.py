@@ -132,3 +132,30 @@ def test_a_stage_that_fails_or_never_writes_is_named_and_nothing_is_published(tm
     assert store.versions() == [] and list(store.root.iterdir()) == []
     with pytest.raises(WeightStoreError, match="staging directory .* is not there"):
         store.write_stage(staging, 1, [{"a.weight": torch.zeros(1)}])
+
+
+def test_an_adapter_version_is_the_peft_directory_and_its_manifest(tmp_path, hf_dir):
+    from rft.weights.store import (
+        ADAPTER_CONFIG,
+        ADAPTER_FILE,
+        MANIFEST,
+        is_adapter_version,
+        read_adapter,
+        verify_version,
+    )
+
+    store = WeightStore(tmp_path / "store")
+    a, b = torch.randn(2, 4), torch.randn(3, 2)
+    prefix = "base_model.model.model.layers.0.self_attn.o_proj"
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4.0}
+    path = store.publish(1, [{f"{prefix}.lora_A.weight": a}, {f"{prefix}.lora_B.weight": b}], hf_dir,
+                         adapter_config=config)
+    assert sorted(p.name for p in path.iterdir()) == sorted([ADAPTER_CONFIG, ADAPTER_FILE, MANIFEST])
+    verify_version(path, 1)
+    assert is_adapter_version(path) and store.latest() == (1, path)
+    read_config, pairs = read_adapter(path)
+    assert read_config == config and list(pairs) == ["model.layers.0.self_attn.o_proj"]
+    assert torch.equal(pairs["model.layers.0.self_attn.o_proj"][0], a)
+    staging = store.stage(2, stages=2)
+    with pytest.raises(WeightStoreError, match="written whole by one rank"):
+        store.publish(2, [], hf_dir, staging=staging, adapter_config=config)
