@@ -79,13 +79,7 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     init_from: str = ""  # a PEFT adapter directory to start from (its A shared as above); empty: A random, B zero
 
-    def __post_init__(self) -> None:
-        if self.rank < 0:
-            raise ConfigError(f"model.lora.rank: must be >= 0 (0: off), got {self.rank}")
-        if self.rank and not self.alpha > 0:
-            raise ConfigError(f"model.lora.alpha: must be > 0, got {self.alpha}")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"model.lora.dropout: must be in [0, 1), got {self.dropout}")
+    def __post_init__(self) -> None:  # the numeric keys' ranges are in RANGES
         unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
         if unknown or (self.rank and not self.target_modules):
             raise ConfigError(f"model.lora.target_modules: must be a non-empty list of {', '.join(LORA_TARGETS)}; "
@@ -860,7 +854,8 @@ PORT_OR_ANY = Range(0, 65535, note="0: any free port")
 
 RANGES: dict[str, Range] = {
     "run.max_staleness": at_least(0), "run.seed": SEED, "run.max_steps": COUNT,
-    "model.max_prompt_len": COUNT, "model.max_response_len": COUNT,
+    "model.max_prompt_len": COUNT, "model.max_response_len": COUNT, "model.lora.rank": at_least(0, "0: off"),
+    "model.lora.alpha": POSITIVE, "model.lora.dropout": Range(0, 1, high_open=True),
     "kafka.partitions": COUNT, "kafka.experience_partitions": COUNT, "kafka.replication_factor": COUNT,
     "kafka.max_record_bytes": COUNT, "kafka.request_timeout_ms": POSITIVE, "kafka.session_timeout_ms": POSITIVE,
     "kafka.max_poll_interval_ms": POSITIVE,

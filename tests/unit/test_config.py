@@ -85,7 +85,6 @@ def test_saved_resolved_config_round_trips(tmp_path, model_dir):
     ({}, ["trainer.moe_z_loss_coeff=-0.1"], r"trainer.moe_z_loss_coeff: must be >= 0 \(0: off\), got -0.1"),
     ({}, ["model.lora.rank=-1"], r"model.lora.rank: must be >= 0"),
     ({}, ["model.lora.rank=8", "model.lora.target_modules=[q_proj]"], r"model.lora.target_modules: must be a non-empty"),
-    ({}, ["model.lora.rank=8", "sync.method=push"], r"model.lora.rank: .* needs sync.method pull"),
     ({"serve": {"adapters": {"other": "/stores/other"}}}, [], r"serve.adapters: .* model.lora.rank > 0"),
 ])
 def test_invalid_configs_name_file_and_key(tmp_path, model_dir, body_patch, override, expected):
