@@ -229,7 +229,7 @@ def global_name(info: "BridgeInfo", local: str, pp_rank: int) -> str:
     if not local.startswith(prefix):
         return local
     layer, rest = local[len(prefix):].split(".", 1)
-    return f"{prefix}{int(layer) + pp_rank * info.layers_per_stage}.{rest}"
+    return f"{prefix}{int(layer) + info.first_layer(pp_rank)}.{rest}"
 
 
 # ---- PEFT layout

@@ -1,8 +1,9 @@
 """The trainer under torchrun, fed from a real broker: an uninterrupted run, then a run SIGKILLed at a random
 point and restarted. The (group id, step) sequence the restarted run trains on equals the uninterrupted one:
-no group missing, none twice, even though the kill can fall between a step and its checkpoint. Also with LoRA
-(`model.lora`: the checkpoint holds adapters, their Adam state and the offsets), whose last published adapter is then
-bit-identical to the uninterrupted run's."""
+no group missing, none twice, even though the kill can fall between a step and its checkpoint. The run trains LoRA
+adapters (`model.lora`: the checkpoint holds adapters, their Adam state and the offsets), and the killed run's last
+published adapter is bit-identical to the uninterrupted run's. The same SIGKILL of a full fine-tuning trainer, at
+aimed phases, is `rft chaos`'s trainer-kill scenario (tests/e2e/test_chaos.py); both share the offsets' code."""
 from __future__ import annotations
 
 import json
@@ -78,9 +79,8 @@ def kill_and_resume(config: Path, log: Path, run_dir: Path, *, kill_after: int) 
     wait(start_trainer(config, log), log)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_sigkill_and_resume_trains_each_group_once(tmp_path, tiny_model, bootstrap, topic_prefix, lora):
-    sections = {"model": {"path": str(tiny_model), "lora": {"rank": 4, "alpha": 8.0}}} if lora else None
+def test_sigkill_and_resume_trains_each_group_once(tmp_path, tiny_model, bootstrap, topic_prefix):
+    sections = {"model": {"path": str(tiny_model), "lora": {"rank": 4, "alpha": 8.0}}}
     run_name = topic_prefix
     cfg = KafkaConfig(partitions=1)
     connect(cfg, bootstrap).admin().create_topics(
@@ -112,9 +112,8 @@ def test_sigkill_and_resume_trains_each_group_once(tmp_path, tiny_model, bootstr
     metrics = [json.loads(line) for line in (killed_dir / run_name / "metrics.jsonl").read_text().splitlines()]
     assert max(m["step"] for m in metrics) == STEPS
     assert all(m["entropy"] > 0 and m["kl"] >= 0 for m in metrics)  # logged every step (kl: behaviour k3 here)
-    if lora:
-        from safetensors.torch import load_file
+    from safetensors.torch import load_file
 
-        last = [load_file(d / run_name / "weights" / f"v{STEPS:08d}" / "adapter_model.safetensors")
-                for d in (reference_dir, killed_dir)]
-        assert sorted(last[0]) == sorted(last[1]) and all(torch.equal(last[0][k], last[1][k]) for k in last[0])
+    last = [load_file(d / run_name / "weights" / f"v{STEPS:08d}" / "adapter_model.safetensors")
+            for d in (reference_dir, killed_dir)]
+    assert sorted(last[0]) == sorted(last[1]) and all(torch.equal(last[0][k], last[1][k]) for k in last[0])

@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 from rft.config import ServeConfig, config_from_dict
 from rft.processes import free_port
 from rft.run.web import Access, AccessConfigError, allowed_hosts, serve_access
+from rft.schema import RewardRange
 from rft.serve.ledger import FeedbackLedger
 from rft.serve.server import EngineWorker, Limits, ServerThread, ServeService, build_service, renderer
 from rft.transport import connect
@@ -134,7 +135,7 @@ def stalled(broker, tiny_model, tmp_path):
     transport = connect(cfg.kafka)
     service = ServeService(worker=worker, sink=transport.sink(), ledger=FeedbackLedger(60), topics=RunTopics.of(cfg),
                            model_name=cfg.run.name, max_tokens=8, tokenize=lambda m: render(tokenizer, m),
-                           limits=Limits(max_queue=1, request_timeout_s=1.5))
+                           rewards=RewardRange.of(cfg.explorer), limits=Limits(max_queue=1, request_timeout_s=1.5))
     thread = ServerThread(service).start()
     yield thread.url, worker
     thread.stop()
