@@ -167,9 +167,10 @@ class TrainedModel:
         return _on_every_rank(finite)
 
     def weights_finite(self) -> bool:
-        """Collective: True (on every rank) when no rank's parameters hold a NaN or an infinity. The trainer asks
-        before publishing a version: non-finite weights are never published."""
-        return _on_every_rank(_finite([p.data for m in self.models for p in m.parameters()]))
+        """Collective: True (on every rank) when no rank's trained parameters hold a NaN or an infinity. The trainer
+        asks before publishing a version: non-finite weights are never published. Frozen parameters (a LoRA base)
+        cannot change between versions and are not published with them, so only trained ones are read."""
+        return _on_every_rank(_finite([p.data for m in self.models for p in m.parameters() if p.requires_grad]))
 
     def describe(self) -> str:
         """One line for logs: ranks and layout, the device and backend, dtype, optimizer state sharding."""
