@@ -99,10 +99,11 @@ def test_a_refused_explorer_wakes_on_the_trainers_announcement(bootstrap, topic_
 
     def announce_later():
         time.sleep(1.0)  # not a wait for an event: the announcement must come while the explorer is waiting
+        # Stamped before the send: the waiting explorer can wake (on the broker's copy) before `flush` returns here.
+        announced.append(time.monotonic())
         sink.send_record(cfg.topic("control"), ControlMessage(kind="weights", sender="trainer", body={
             "version": 1, "offsets": {f"{cfg.topic('experiences')}:0": 2}}))
         sink.flush()
-        announced.append(time.monotonic())
 
     announced: list[float] = []
     threading.Thread(target=announce_later, daemon=True).start()
