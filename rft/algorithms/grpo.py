@@ -21,11 +21,14 @@ Which log-probs play which role:
   * `off_policy_correction: false` (standard PPO): prox = behav and w_t = 1. With stale samples rho drifts away
     from 1 and clipping silences their gradients.
   * `off_policy_correction: true` (decoupled PPO, Hilton et al. 2022, as in AReaL): prox = the policy the step
-    starts from, and w_t = min(exp(prox_t - behav_t), importance_cap) is the behaviour importance weight, a
-    constant (no gradient). A micro-batch may carry `prox_logprobs`; without them prox = `token_logprobs`
-    detached, which is exact because one step is one optimizer update, so every micro-batch is evaluated with
-    the weights the step started from: rho = 1 in value and the loss is a truncated importance-weighted policy
-    gradient. AReaL *drops* tokens whose weight exceeds its cap; here the weight is *truncated* at the cap.
+    starts from, and w_t is the behaviour weight of rho_t = exp(prox_t - behav_t), a constant (no gradient):
+    truncated (`importance_sampling: tis`, w_t = min(rho_t, importance_cap), the default), masked (`mis`, AReaL's
+    and IcePop's: tokens outside [importance_floor, importance_cap] leave the loss), and optionally a whole sample
+    masked by its geometric-mean ratio (`sequence_mask`); the rules are rft/algorithms/correction.py's, shared by
+    every algorithm built on this loss. A micro-batch may carry `prox_logprobs`; without them prox =
+    `token_logprobs` detached, which is exact because one step is one optimizer update, so every micro-batch is
+    evaluated with the weights the step started from: the ratio against prox is 1 in value and the loss is an
+    importance-weighted policy gradient.
 Tokens outside `loss_mask` never reach the loss: their log-ratios are zeroed before exponentiation.
 """
 from __future__ import annotations
@@ -37,6 +40,7 @@ import numpy as np
 import torch
 
 from rft.algorithms.aggregation import aggregate, check_micro_batch, k3, token_metric
+from rft.algorithms.correction import CorrectionOptions, behaviour_weight
 from rft.algorithms.registry import Algorithm, Metrics, MicroBatch, Needs, register
 from rft.config import ConfigError
 
@@ -44,28 +48,25 @@ ADVANTAGE_EPS = 1e-6
 
 
 @dataclass
-class GRPOOptions:
+class GRPOOptions(CorrectionOptions):
     """The keys of grpo, rloo, reinforce_pp, gspo and cispo (and of the algorithms built on them: ppo, chord,
-    on_policy_distill, whose options add their own)."""
+    on_policy_distill, whose options add their own); the off-policy correction's are CorrectionOptions'."""
     clip_eps: float = 0.2  # the ratio's clip range on both sides (unless clip_eps_low / clip_eps_high); not used by gspo and cispo
     clip_eps_low: Optional[float] = None  # clip below at 1 - clip_eps_low; null: the algorithm's default (docs/algorithms.md)
     clip_eps_high: Optional[float] = None  # clip above at 1 + clip_eps_high (DAPO's clip-higher: 0.28); null: the algorithm's default
     kl_coef: float = 0.0  # weight of the k3 KL term to the frozen reference model (> 0 loads the reference); 0: none
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"  # token_mean: over all loss tokens of the step (DAPO); seq_mean: per sequence first (gspo: always)
-    off_policy_correction: bool = False  # decoupled PPO: truncated behaviour importance weights; correct on old experiences
-    importance_cap: float = 2.0  # off_policy_correction: the truncation of the behaviour importance weight
     std_normalize: bool = True  # divide group-centred rewards by the group std (false: Dr. GRPO); not used by rloo, reinforce_pp and ppo
 
     def __post_init__(self) -> None:
         """Ranges (combinations an algorithm refuses are its own ConfigError, when it is built)."""
+        self.check_correction()
         if not self.clip_eps > 0:
             raise ConfigError(f"algorithm.clip_eps: must be > 0, got {self.clip_eps}")
         if self.clip_eps_low is not None and not 0 < self.clip_eps_low <= 1:
             raise ConfigError(f"algorithm.clip_eps_low: must be in (0, 1] (1: no lower bound), got {self.clip_eps_low}")
         if self.clip_eps_high is not None and not self.clip_eps_high > 0:
             raise ConfigError(f"algorithm.clip_eps_high: must be > 0, got {self.clip_eps_high}")
-        if not self.importance_cap >= 1:
-            raise ConfigError(f"algorithm.importance_cap: must be >= 1, got {self.importance_cap}")
         if not self.kl_coef >= 0:
             raise ConfigError(f"algorithm.kl_coef: must be >= 0, got {self.kl_coef}")
 
@@ -76,6 +77,7 @@ class GRPO(Algorithm):
     change `policy_loss` (and `default_clip`, `loss_agg`) are the other group policy losses."""
 
     default_clip: "tuple[float, float] | None" = None  # (eps_low, eps_high) when the config's are null; None: clip_eps
+    correction_level: str = "token"  # the behaviour weight per token, or per sequence (gspo): correction.py
     extra_keys: "tuple[str, ...]" = ()  # micro-batch keys a subclass's policy term reads besides GRPO's
 
     def __init__(self, options: GRPOOptions):
@@ -107,14 +109,11 @@ class GRPO(Algorithm):
         keys += list(self.extra_keys) + (["ref_logprobs"] if self.needs.reference else [])
         check_micro_batch(token_logprobs, micro_batch, keys, algorithm=self.name)
         logp, mask = token_logprobs.float(), micro_batch["loss_mask"] > 0
-        prox, weight = self._proximal(logp, micro_batch)
+        prox, weight, correction = self._proximal(logp, micro_batch)
         per_token, metrics = self.policy_loss(logp, micro_batch, prox, weight)
         metrics = {"pg_loss": aggregate(per_token, micro_batch, self.loss_agg).detach(), **metrics,
-                   "importance_weight_mean": token_metric(weight, micro_batch),
+                   "importance_weight_mean": token_metric(weight, micro_batch), **correction,
                    "neg_logprob": token_metric(-logp, micro_batch)}
-        if self.cfg.off_policy_correction:
-            metrics["importance_weight_truncated_frac"] = token_metric(
-                (weight >= self.cfg.importance_cap).float(), micro_batch)
         if self.needs.reference:
             kl = k3(micro_batch["ref_logprobs"] - logp, mask)  # KL(pi_theta || pi_ref), tokens drawn from pi_theta
             per_token = per_token + self.cfg.kl_coef * kl
@@ -137,14 +136,15 @@ class GRPO(Algorithm):
         per_token = -weight * torch.minimum(ratio * advantage, clipped * advantage)
         return per_token, {"clip_frac": token_metric((clipped * advantage < ratio * advantage).float(), micro_batch)}
 
-    def _proximal(self, logp: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(prox log-probs, behaviour importance weight w); see the module docstring for the roles."""
+    def _proximal(self, logp: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
+        """(prox log-probs, behaviour weight w [b, T], the correction's metrics); see the module docstring for the
+        roles and rft/algorithms/correction.py for w."""
         behav = micro_batch["old_logprobs"]
         if not self.cfg.off_policy_correction:
-            return behav, torch.ones_like(logp)
+            return behav, torch.ones_like(logp), {}
         prox = micro_batch["prox_logprobs"] if "prox_logprobs" in micro_batch else logp.detach()
-        log_weight = torch.where(micro_batch["loss_mask"] > 0, prox - behav, 0.0)
-        return prox, torch.exp(log_weight).clamp(max=self.cfg.importance_cap)
+        weight, metrics = behaviour_weight(prox - behav, micro_batch, self.cfg, level=self.correction_level)
+        return prox, weight, metrics
 
 
 def finite_rewards(rewards: np.ndarray, index: int) -> np.ndarray:

@@ -21,7 +21,8 @@ prox and w, as GRPO's roles (rft/algorithms/grpo.py) at the sequence level:
   detached: s_i = 1 in value), and w_i = min((pi_prox(y_i) / pi_behav(y_i)) ^ (1 / |y_i|), importance_cap), the
   length-normalised sequence importance weight, a constant: a truncated, sequence-level importance-weighted policy
   gradient that is usable on recorded experiences of any age (`supports_replay`). This decoupled form is rft's
-  extension (GRPO's decoupled PPO at the sequence level), not in the paper.
+  extension (GRPO's decoupled PPO at the sequence level), not in the paper. `importance_sampling: mis` and
+  `sequence_mask` apply to the same sequence ratio (rft/algorithms/correction.py, `level="sequence"`).
 Metrics: `clip_frac` is the fraction of sequences clipped, `seq_ratio_mean` the mean of s_i over sequences;
 `importance_weight_mean` / `importance_weight_truncated_frac` are over loss tokens of the w_i of their samples.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from rft.algorithms.correction import sequence_mean
 from rft.algorithms.grpo import GRPO, GRPOOptions
 from rft.algorithms.registry import Metrics, MicroBatch, register
 
@@ -36,6 +38,7 @@ from rft.algorithms.registry import Metrics, MicroBatch, register
 @register("gspo", options=GRPOOptions)
 class GSPO(GRPO):
     default_clip = (3e-4, 4e-4)
+    correction_level = "sequence"  # w_i: the sample's length-normalised behaviour weight (rft/algorithms/correction.py)
 
     def __init__(self, options: GRPOOptions):
         super().__init__(options)
@@ -43,29 +46,15 @@ class GSPO(GRPO):
 
     def policy_loss(self, logp: torch.Tensor, micro_batch: MicroBatch, prox: torch.Tensor,
                     weight: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+        """`weight` is w_i on every loss token of sample i (0 elsewhere), so its row maximum is w_i."""
         mask = micro_batch["loss_mask"] > 0
         advantage = micro_batch["advantages"].float()
         ratio = torch.exp(sequence_mean(logp - prox, mask))
         clipped = ratio.clamp(1 - self.clip_low, 1 + self.clip_high)
-        per_sequence = -weight[:, 0] * torch.minimum(ratio * advantage, clipped * advantage)
+        per_sequence = -weight.amax(-1) * torch.minimum(ratio * advantage, clipped * advantage)
         real = (mask.sum(-1) > 0).float()  # a row without loss tokens is padding: no sequence
         sequences = micro_batch["global_sequences"].clamp(min=1)
         metrics = {"clip_frac": ((clipped * advantage < ratio * advantage).float() * real).sum() / sequences,
                    "seq_ratio_mean": (ratio.detach() * real).sum() / sequences}
         return per_sequence[:, None].expand_as(logp), metrics
 
-    def _proximal(self, logp: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(prox log-probs, w_i broadcast over the sample's positions); see the module docstring."""
-        if not self.cfg.off_policy_correction:
-            return micro_batch["old_logprobs"], torch.ones_like(logp)
-        prox = micro_batch["prox_logprobs"] if "prox_logprobs" in micro_batch else logp.detach()
-        mask = micro_batch["loss_mask"] > 0
-        log_weight = sequence_mean(prox - micro_batch["old_logprobs"], mask)
-        weight = torch.exp(log_weight).clamp(max=self.cfg.importance_cap)
-        return prox, weight[:, None].expand_as(logp)
-
-
-def sequence_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[b]: the mean of `per_token` over each row's loss tokens (0 for a row without any; masked values, which may
-    be anything, never reach the sum)."""
-    return torch.where(mask, per_token, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)

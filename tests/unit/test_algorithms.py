@@ -463,26 +463,32 @@ def loss_over_parts(algorithm, batch, parts):
     return total.item(), logp.grad.numpy(), metrics
 
 
-@pytest.mark.parametrize("name, options", SPLIT_CASES)
-def test_splitting_into_micro_batches_and_shards_changes_nothing(name, options):
-    batch = dpo_batch(seed=9, pairs=6) if name == "dpo" else random_batch(seed=9, rows=12)
-    algo = build_algorithm(AlgorithmConfig.of(name=name, **options))
+def assert_split_changes_nothing(algorithm, batch, *, pairs: bool = False) -> None:
+    """The loss, its gradient and every metric of the 12 rows of `batch` are the same whole and split over 2
+    data-parallel shards dealt round-robin (by pair for preference pairs), each split into micro-batches of 2 or 3
+    rows (pairs: 1 or 2)."""
     rows = np.arange(12)
-    pairs = rows.reshape(6, 2)
-    whole = loss_over_parts(algo, batch, [rows])
-    # 2 data-parallel shards dealt round-robin (by pair for DPO), each split into micro-batches of 2 or 3 rows.
-    if name == "dpo":
-        shards = [pairs[0::2].reshape(-1), pairs[1::2].reshape(-1)]
+    whole = loss_over_parts(algorithm, batch, [rows])
+    if pairs:
+        by_pair = rows.reshape(6, 2)
+        shards = [by_pair[0::2].reshape(-1), by_pair[1::2].reshape(-1)]
         micro = [shards[0][:2], shards[0][2:], shards[1][:4], shards[1][4:]]
     else:
         shards = [rows[0::2], rows[1::2]]
         micro = [shards[0][:3], shards[0][3:], shards[1][:2], shards[1][2:4], shards[1][4:]]
-    split = loss_over_parts(algo, batch, micro)
+    split = loss_over_parts(algorithm, batch, micro)
     assert split[0] == pytest.approx(whole[0], rel=1e-5, abs=1e-7)
     np.testing.assert_allclose(split[1], whole[1], rtol=1e-5, atol=1e-7)
     assert split[2].keys() == whole[2].keys()
     for key in whole[2]:
         assert split[2][key] == pytest.approx(whole[2][key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("name, options", SPLIT_CASES)
+def test_splitting_into_micro_batches_and_shards_changes_nothing(name, options):
+    batch = dpo_batch(seed=9, pairs=6) if name == "dpo" else random_batch(seed=9, rows=12)
+    assert_split_changes_nothing(build_algorithm(AlgorithmConfig.of(name=name, **options)), batch,
+                                 pairs=name == "dpo")
 
 
 # ------------------------------------------------------------------------------------------------------ registry

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_algorithms import loss_over_parts, random_batch, torch_loss_and_grad
+from test_algorithms import assert_split_changes_nothing, random_batch, torch_loss_and_grad
 
 from rft.algorithms import build_algorithm
 from rft.algorithms.aggregation import with_kl_metric
@@ -259,13 +259,4 @@ def test_chord_config_errors_name_the_key():
 ])
 def test_splitting_into_micro_batches_and_shards_changes_nothing(name, options):
     batch = distill_batch(seed=34, rows=12) if name == "on_policy_distill" else chord_batch(seed=34)
-    algo = build_algorithm(AlgorithmConfig.of(name=name, **options))
-    rows = np.arange(12)
-    whole = loss_over_parts(algo, batch, [rows])
-    shards = [rows[0::2], rows[1::2]]  # 2 data-parallel ranks, round-robin, then micro-batches of 2 or 3 rows
-    split = loss_over_parts(algo, batch, [shards[0][:3], shards[0][3:], shards[1][:2], shards[1][2:4], shards[1][4:]])
-    assert split[0] == pytest.approx(whole[0], rel=1e-5, abs=1e-7)
-    np.testing.assert_allclose(split[1], whole[1], rtol=1e-5, atol=1e-7)
-    assert split[2].keys() == whole[2].keys()
-    for key in whole[2]:
-        assert split[2][key] == pytest.approx(whole[2][key], rel=1e-5, abs=1e-7), key
+    assert_split_changes_nothing(build_algorithm(AlgorithmConfig.of(name=name, **options)), batch)
