@@ -249,6 +249,9 @@ class TrainerConfig:
     # is gone
     poll_timeout_s: float = 600.0
     operators: list[Any] = field(default_factory=list)  # experience operators, in order: names or {name: ..., args} (docs/data.md)
+    # the training-inference mismatch logged every step counts in logprob_mismatch_frac the tokens whose trainer /
+    # rollout probability ratio is outside [1/mismatch_ratio, mismatch_ratio] (rft/algorithms/mismatch.py)
+    mismatch_ratio: float = 2.0
 
 
 @dataclass
@@ -874,6 +877,7 @@ RANGES: dict[str, Range] = {
     "trainer.adam_beta1": Range(0, 1, high_open=True), "trainer.adam_beta2": Range(0, 1, high_open=True),
     "trainer.checkpoint_every": COUNT, "trainer.poll_timeout_s": POSITIVE, "trainer.expert_parallel": COUNT,
     "trainer.moe_aux_loss_coeff": at_least(0, "0: off"), "trainer.moe_z_loss_coeff": at_least(0, "0: off"),
+    "trainer.mismatch_ratio": Range(low=1, low_open=True),
     "data.epochs": COUNT, "data.shuffle_seed": SEED, "data.generated_tasks": COUNT, "data.tasks_ahead": OPTIONAL,
     "data.mix[].weight": POSITIVE, "data.mix[].epochs": COUNT, "data.mix[].generated_tasks": COUNT,
     "data.mix[].seed": SEED, "data.curriculum.target": FINITE, "data.curriculum.prior": FINITE,

@@ -155,7 +155,9 @@ def routed_experts_problem(routed: RoutedExperts, prompt_len: int, response_len:
 @dataclass
 class Sample:
     """One response to a task's prompt. Arrays: prompt/response tokens int32, logprobs float32, mask uint8.
-    `routed_experts`: an MoE engine's routing of the sample's tokens (`RoutedExperts`), None when not recorded."""
+    `routed_experts`: an MoE engine's routing of the sample's tokens (`RoutedExperts`), None when not recorded.
+    `token_versions`: the weights version that generated each response token (int64, one per token), None when not
+    recorded: then every token is the group's `policy_version` (`versions_of`). On the wire: `version_spans`."""
     sample_index: int
     prompt_tokens: np.ndarray
     response_tokens: np.ndarray
@@ -166,16 +168,54 @@ class Sample:
     finish_reason: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
     routed_experts: RoutedExperts | None = None
+    token_versions: np.ndarray | None = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sample):
             return NotImplemented
+        versions = (self.token_versions is None) == (other.token_versions is None) and (
+            self.token_versions is None or np.array_equal(self.token_versions, other.token_versions))
         return (self.sample_index == other.sample_index and self.reward == other.reward
                 and self.reward_components == other.reward_components
                 and self.finish_reason == other.finish_reason and self.metadata == other.metadata
-                and self.routed_experts == other.routed_experts
+                and self.routed_experts == other.routed_experts and versions
                 and all(np.array_equal(getattr(self, k), getattr(other, k), equal_nan=True)
                         for k in ("prompt_tokens", "response_tokens", "logprobs", "loss_mask")))
+
+    def versions_of(self, policy_version: int) -> np.ndarray:
+        """The version of each response token (int64): `token_versions`, or `policy_version` (its group's) for every
+        token of a sample that recorded none."""
+        if self.token_versions is not None:
+            return np.asarray(self.token_versions, dtype=np.int64)
+        return np.full(len(self.response_tokens), policy_version, dtype=np.int64)
+
+
+def version_spans(versions: Any) -> list[list[int]]:
+    """Per-token versions as `[[version, first token], ...]`: one span per run of equal versions, starts ascending
+    from 0 (the wire form of `Sample.token_versions`, docs/schema.md)."""
+    versions = np.asarray(versions, dtype=np.int64)
+    if versions.ndim != 1:
+        raise ValueError(f"token_versions must be one version per response token, got shape {versions.shape}")
+    starts = [0] + [int(i) for i in np.flatnonzero(versions[1:] != versions[:-1]) + 1] if len(versions) else []
+    return [[int(versions[i]), i] for i in starts]
+
+
+def versions_from_spans(spans: Any, n_tokens: int) -> np.ndarray:
+    """The inverse of `version_spans` for a sample of `n_tokens` response tokens; RecordError naming what does not
+    fit (a span that is not a pair of integers >= 0, starts not ascending from 0 or past the last token)."""
+    if not isinstance(spans, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                        for x in p) for p in spans):
+        raise RecordError("version_spans: must be an array of [version, start] pairs of integers >= 0")
+    starts = [start for _, start in spans]
+    if not spans and n_tokens or spans and (starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:]))
+                                            or starts[-1] >= n_tokens):
+        raise RecordError(f"version_spans: starts {starts[:8]} must ascend from 0 and stay below the {n_tokens} "
+                          f"response tokens")
+    versions = np.empty(n_tokens, dtype=np.int64)
+    for (version, start), end in zip(spans, starts[1:] + [n_tokens]):
+        versions[start:end] = version
+    return versions
 
 
 @dataclass
@@ -278,6 +318,8 @@ def encode(record: TaskRecord | ExperienceGroup | ControlMessage | ServedComplet
             "created_at": record.created_at,
         }, TYPE_TASK
     elif isinstance(record, ExperienceGroup):
+        if problem := oldest_version_problem(record):
+            raise ValueError(problem)
         body, kind = {
             "run_id": record.run_id, "task_id": record.task_id, "group_id": record.group_id,
             "attempt": record.attempt, "explorer_id": record.explorer_id,
@@ -322,6 +364,11 @@ def _encode_sample(s: Sample) -> dict[str, Any]:
     }
     if s.routed_experts is not None:
         body["routed_experts"] = _encode_routed(s.routed_experts, len(s.prompt_tokens), len(s.response_tokens))
+    if s.token_versions is not None:
+        if len(s.token_versions) != len(s.response_tokens):
+            raise ValueError(f"token_versions: {len(s.token_versions)} versions for {len(s.response_tokens)} response "
+                             "tokens")
+        body["version_spans"] = version_spans(s.token_versions)
     return body
 
 
@@ -443,13 +490,31 @@ def _decode_group(body: dict[str, Any]) -> ExperienceGroup:
     samples_raw = _get(body, "samples", list)
     if not samples_raw:
         raise RecordError("experience group has no samples")
-    return ExperienceGroup(
+    group = ExperienceGroup(
         run_id=_get(body, "run_id", str), task_id=_get(body, "task_id", str),
         group_id=_get(body, "group_id", str), attempt=_get(body, "attempt", int),
         explorer_id=_get(body, "explorer_id", str), policy_version=_get(body, "policy_version", int),
         answer=body.get("answer"), metadata=_get(body, "metadata", dict),
         created_at=_get(body, "created_at", float),
         samples=[_decode_sample(s, i) for i, s in enumerate(samples_raw)])
+    problem = oldest_version_problem(group)
+    if problem:
+        raise RecordError(problem)
+    return group
+
+
+def oldest_version_problem(group: ExperienceGroup) -> str | None:
+    """None when `policy_version` is the oldest version of the group's tokens, as the schema says (a sample without
+    `token_versions` counts as `policy_version`), else what is wrong: staleness bounds and the trainer's drops are
+    taken on `policy_version`, so a token older than it would escape them."""
+    recorded = [s.token_versions for s in group.samples if s.token_versions is not None and len(s.token_versions)]
+    if not recorded:
+        return None
+    oldest = min(int(np.min(v)) for v in recorded)
+    if oldest < group.policy_version or (len(recorded) == len(group.samples) and oldest != group.policy_version):
+        return (f"policy_version {group.policy_version} is not the oldest token version ({oldest}) of the group's "
+                "version_spans")
+    return None
 
 
 def _decode_sample(raw: Any, position: int) -> Sample:
@@ -472,9 +537,10 @@ def _decode_sample(raw: Any, position: int) -> Sample:
         routed = None
         if raw.get("routed_experts") is not None:
             routed = _decode_routed(_get(raw, "routed_experts", dict), len(arrays["prompt_tokens"]), n)
+        versions = None if raw.get("version_spans") is None else versions_from_spans(raw["version_spans"], n)
         return Sample(sample_index=_get(raw, "sample_index", int), reward=reward, reward_components=components,
                       finish_reason=_get(raw, "finish_reason", str), metadata=_get(raw, "metadata", dict),
-                      routed_experts=routed, **arrays)
+                      routed_experts=routed, token_versions=versions, **arrays)
     except RecordError as e:
         raise RecordError(f"{where}: {e}") from None
     except (TypeError, ValueError) as e:

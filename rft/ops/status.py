@@ -1,7 +1,8 @@
 """`rft status CONFIG`: a live run as its control topic tells it: the trainer's step and version, the explorer fleet
 (who joined, who is live, left or silent, which weights each holds, what each produced, which tasks partitions each
-holds), the consumer lags of the experiences and tasks topics, and throughput over the last minute. Read-only: it
-joins no consumer group.
+holds), the consumer lags of the experiences and tasks topics, throughput over the last minute, and the newest
+step's training-inference mismatch (its `trainer_step` message: `mismatch_line`). Read-only: it joins no consumer
+group.
 
 Fleet health (`fleet_health`, in `--json` as "fleet"): the live explorers holding no tasks partition ("explorers
 idle: 2 of 6 (4 task partitions)": normal when the fleet outgrows the partitions) and a stall, said loudly:
@@ -137,6 +138,7 @@ def collect(cfg: Config) -> dict:
     t = status.trainer
     return {
         "run": cfg.run.name, "mode": cfg.run.mode, "max_staleness": cfg.run.max_staleness,
+        "mismatch_ratio": cfg.trainer.mismatch_ratio,
         "bootstrap": cfg.kafka.bootstrap_servers, "max_steps": cfg.run.max_steps, "time": now,
         "trainer": {**{k: v for k, v in asdict(t).items() if k != "history"},
                     "seconds_since_seen": now - t.last_seen if t.last_seen else None},
@@ -281,6 +283,8 @@ def render(report: dict) -> str:
         f"groups/s from explorers, {report['throughput']['steps_per_s']:.2f} trainer steps/s",
         f"explorers: {live} live, {len(x) - live} silent or left; {fleet_line(report['fleet'])}",
     ]
+    if t.get("metrics"):
+        lines.append(mismatch_line(t["step"], t["metrics"], report.get("mismatch_ratio", 2.0)))
     refused = sum(e.get("weights_refused", 0) for e in x)
     if refused:
         lines.append(f"REFUSED: {refused} weights announcements did not pass the explorers' trust checks (a path "
@@ -299,6 +303,23 @@ def render(report: dict) -> str:
                          f"{e['batches']:>7} {e['admission_waits']:>6} {e.get('weights_refused', 0):>7} {busy:>5} "
                          f"{e['seconds_since_seen']:>5.0f} s  {','.join(map(str, e['partitions'])) or '-'}")
     return "\n".join(lines)
+
+
+def mismatch_line(step: int, metrics: dict[str, float], ratio: float) -> str:
+    """The training-inference mismatch of the trainer's newest step (its `trainer_step` message; the metrics:
+    rft/algorithms/mismatch.py): `mismatch (step 12): |dlogp| mean 0.0123 max 0.51, KL 0.00041, 0.2% of tokens past
+    ratio 2; by staleness: 0: 0.0101, 1: 0.0164`."""
+    m = lambda key: metrics.get(f"logprob_mismatch_{key}")  # noqa: E731
+    if m("mean") is None:
+        return f"mismatch (step {step}): not reported"
+    line = (f"mismatch (step {step}): |dlogp| mean {m('mean'):.4f} max {m('max'):.3f}, KL {m('kl') or 0.0:.5f}, "
+            f"{100 * (m('frac') or 0.0):.1f}% of tokens past ratio {ratio:g}")
+    prefix, suffix = "logprob_mismatch_stale", "_mean"  # logprob_mismatch_stale1_mean, ..._stale4plus_mean
+    stale = {k[len(prefix):-len(suffix)]: v for k, v in metrics.items() if k.startswith(prefix) and k.endswith(suffix)}
+    if stale:
+        ordered = sorted(stale.items(), key=lambda kv: int(kv[0].removesuffix("plus")))
+        line += "; by staleness: " + ", ".join(f"{name.replace('plus', '+')}: {v:.4f}" for name, v in ordered)
+    return line
 
 
 def main(argv: list[str]) -> int:

@@ -23,6 +23,13 @@ position, -1 where not recorded: other rows, padding, prompt positions before th
 Demonstration rows (`Row.demo`, marked by the trainer for algorithms with `needs.demonstrations`): every micro-batch
 carries `demo_mask` [b] (1.0 on demonstration rows) and the step's `global_demo_tokens` / `global_demo_sequences`
 (0 without demonstrations), so the loss can normalise demonstrations and policy rows separately.
+
+Staleness per token (`plan_micro_batches(trained_version=v)`, v = step - 1, the version the step starts from): each
+row keeps its response tokens' versions (`Row.versions`: the sample's `token_versions`, else its group's
+`policy_version`), and every micro-batch carries `staleness_bucket` [b, T] int64 (rft.algorithms.mismatch's bucket of
+v - version at each loss token of a policy row; -1 elsewhere: prompt, padding, demonstrations, negative staleness) and
+the step's `staleness_tokens` [STALENESS_BUCKETS] float64 (loss tokens per bucket over the whole step), which the
+training-inference mismatch is split by.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rft.algorithms.mismatch import STALENESS_BUCKETS, staleness_buckets
 from rft.schema import ExperienceGroup, RewardRange
 
 
@@ -47,6 +55,7 @@ class Row:
     # routing replay: [input positions, MoE layers, top_k] int32 expert ids, -1 where not recorded; None: no record
     routed: np.ndarray | None = None
     routed_layers: tuple[int, ...] = ()
+    versions: np.ndarray | None = None  # the weights version of each response token (int64); None: unknown
 
 
 @dataclass(frozen=True)
@@ -107,7 +116,7 @@ def rows_from_groups(groups: list[ExperienceGroup], advantages: list[np.ndarray]
     disagree on the MoE layers)."""
     rows = []
     for index, (group, group_adv) in enumerate(zip(groups, advantages, strict=True)):
-        group_rows = [_row(sample, float(adv), max_len, routing)
+        group_rows = [_row(sample, float(adv), max_len, routing, group.policy_version)
                       for sample, adv in zip(group.samples, group_adv, strict=True)]
         if routing:
             _check_layers(rows + group_rows, group)
@@ -117,10 +126,11 @@ def rows_from_groups(groups: list[ExperienceGroup], advantages: list[np.ndarray]
     return rows
 
 
-def _row(sample, advantage: float, max_len: int | None, routing: bool = False) -> Row:
+def _row(sample, advantage: float, max_len: int | None, routing: bool = False, policy_version: int = 0) -> Row:
     tokens = np.concatenate([sample.prompt_tokens, sample.response_tokens]).astype(np.int64)
     mask = sample.loss_mask.astype(np.float32)
     logprobs = sample.logprobs.astype(np.float32)
+    versions = sample.versions_of(policy_version)
     routed, layers = None, ()
     if routing and sample.routed_experts is not None:
         record = sample.routed_experts
@@ -129,9 +139,10 @@ def _row(sample, advantage: float, max_len: int | None, routing: bool = False) -
         layers = tuple(record.layers)
     if max_len is not None and len(tokens) > max_len:
         keep = max(0, max_len - len(sample.prompt_tokens))
-        tokens, mask, logprobs = tokens[:max_len], mask[:keep], logprobs[:keep]
+        tokens, mask, logprobs, versions = tokens[:max_len], mask[:keep], logprobs[:keep], versions[:keep]
         routed = routed[:max_len - 1] if routed is not None else None
-    return Row(tokens, len(sample.prompt_tokens), mask, logprobs, advantage, routed=routed, routed_layers=layers)
+    return Row(tokens, len(sample.prompt_tokens), mask, logprobs, advantage, routed=routed, routed_layers=layers,
+               versions=versions)
 
 
 def replayed_fraction(rows: list[Row]) -> float:
@@ -177,6 +188,7 @@ class MicroBatchPlan:
     pairwise: bool
     global_demo_tokens: float = 0.0  # of global_tokens: on demonstration rows
     global_demo_sequences: float = 0.0
+    trained_version: int | None = None  # the version the step starts from: micro-batches carry staleness buckets
 
     @property
     def real_tokens(self) -> int:
@@ -197,12 +209,26 @@ class MicroBatchPlan:
         """Rank `dp_rank`'s micro-batches as tensors (the batch contract)."""
         demo_totals = {"global_demo_tokens": torch.tensor(self.global_demo_tokens),
                        "global_demo_sequences": torch.tensor(self.global_demo_sequences)}
+        if self.trained_version is not None:
+            demo_totals["staleness_tokens"] = torch.from_numpy(self.staleness_tokens())
         return [{**_pack(rows, batch_size, seq_len, pad_id, self.global_tokens, self.global_sequences,
-                         pairwise=self.pairwise), **demo_totals} for rows, batch_size, seq_len in self.ranks[dp_rank]]
+                         pairwise=self.pairwise, trained_version=self.trained_version), **demo_totals}
+                for rows, batch_size, seq_len in self.ranks[dp_rank]]
+
+    def staleness_tokens(self) -> np.ndarray:
+        """[STALENESS_BUCKETS] float64: the loss tokens of policy rows in each staleness bucket, over the whole
+        step (every rank's rows)."""
+        counts = np.zeros(STALENESS_BUCKETS, dtype=np.float64)
+        for rank in self.ranks:
+            for rows, _, _ in rank:
+                for row in rows:
+                    buckets = _row_buckets(row, self.trained_version)
+                    np.add.at(counts, buckets[buckets >= 0], row.loss_mask[buckets >= 0])
+        return counts
 
 
 def plan_micro_batches(rows: list[Row], *, dp_size: int, micro_batch_size: int,
-                       max_tokens_per_micro_batch: int = 0) -> MicroBatchPlan:
+                       max_tokens_per_micro_batch: int = 0, trained_version: int | None = None) -> MicroBatchPlan:
     """Deal the step's rows (preference pairs, when the rows are pairs) into micro-batches over data-parallel ranks.
 
     `max_tokens_per_micro_batch` 0 (fixed shape, what pipeline parallelism needs): rows are dealt round-robin over
@@ -211,7 +237,8 @@ def plan_micro_batches(rows: list[Row], *, dp_size: int, micro_batch_size: int,
     packed greedily into micro-batches with rows x T_i <= budget, T_i the micro-batch's own longest row (a single
     row or pair longer than the budget gets a micro-batch of its own); `micro_batch_size` is not used. Micro-batches
     are dealt to ranks longest-work first, each to the rank with the fewest token slots among those holding fewer
-    than ceil(n / dp_size); ranks left short get empty micro-batches ([1, 1], loss_mask 0)."""
+    than ceil(n / dp_size); ranks left short get empty micro-batches ([1, 1], loss_mask 0). `trained_version`: the
+    version the step starts from; micro-batches then carry the staleness buckets (module docstring)."""
     units = _units(rows)
     pairwise = rows[0].pair_index >= 0
     global_tokens = float(sum(r.loss_mask.sum() for r in rows))
@@ -221,7 +248,7 @@ def plan_micro_batches(rows: list[Row], *, dp_size: int, micro_batch_size: int,
         ranks = _fixed_plan(units, dp_size, micro_batch_size, pairwise)
     return MicroBatchPlan(ranks, global_tokens, float(len(rows)), pairwise,
                           global_demo_tokens=float(sum(r.loss_mask.sum() for r in rows if r.demo)),
-                          global_demo_sequences=float(sum(r.demo for r in rows)))
+                          global_demo_sequences=float(sum(r.demo for r in rows)), trained_version=trained_version)
 
 
 def micro_batches_for_rank(rows: list[Row], *, dp_rank: int, dp_size: int, micro_batch_size: int,
@@ -288,8 +315,16 @@ def _units(rows: list[Row]) -> list[list[Row]]:
     return units
 
 
+def _row_buckets(row: Row, trained_version: int) -> np.ndarray:
+    """The staleness bucket of each of the row's response tokens: -1 for a demonstration row, a row without versions
+    and a token outside the loss (rft.algorithms.mismatch.staleness_buckets otherwise)."""
+    if row.demo or row.versions is None:
+        return np.full(len(row.loss_mask), -1, dtype=np.int64)
+    return np.where(row.loss_mask > 0, staleness_buckets(trained_version - row.versions), -1)
+
+
 def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_tokens: float,
-          global_sequences: float, *, pairwise: bool) -> dict[str, torch.Tensor]:
+          global_sequences: float, *, pairwise: bool, trained_version: int | None = None) -> dict[str, torch.Tensor]:
     input_ids = np.full((batch_size, seq_len), pad_id, dtype=np.int64)
     target_ids = np.full((batch_size, seq_len), pad_id, dtype=np.int64)
     loss_mask = np.zeros((batch_size, seq_len), dtype=np.float32)
@@ -299,6 +334,7 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
     pair_chosen = np.zeros(batch_size, dtype=bool)
     row_lens = np.zeros(batch_size, dtype=np.int64)
     demo_mask = np.zeros(batch_size, dtype=np.float32)
+    buckets = np.full((batch_size, seq_len), -1, dtype=np.int64)
     for i, row in enumerate(rows):
         n = len(row.tokens) - 1
         row_lens[i] = n
@@ -307,6 +343,8 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
         r = len(row.loss_mask)
         loss_mask[i, start:start + r] = row.loss_mask
         old_logprobs[i, start:start + r] = row.old_logprobs
+        if trained_version is not None:
+            buckets[i, start:start + r] = _row_buckets(row, trained_version)
         advantages[i] = row.advantage
         pair_index[i], pair_chosen[i], demo_mask[i] = row.pair_index, row.chosen, row.demo
     pairs = {"pair_index": torch.from_numpy(pair_index), "pair_chosen": torch.from_numpy(pair_chosen)}
@@ -327,4 +365,5 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
         "demo_mask": torch.from_numpy(demo_mask),
         "global_tokens": torch.tensor(global_tokens), "global_sequences": torch.tensor(global_sequences),
         **(pairs if pairwise else {}), **routing,
+        **({"staleness_bucket": torch.from_numpy(buckets)} if trained_version is not None else {}),
     }

@@ -65,7 +65,7 @@ from rft.trainer.feed import EndOfReplay, ExperienceFeed, FeedState, ReplayWindo
 from rft.trainer.replay_buffer import ExperienceReplay, open_replay
 from rft.trainer.staleness import StalenessTracker
 from rft.transport import RecordSink, Transport, TransportError, connect, lag
-from rft.transport.control import Kind, TrainerFinished, TrainerStarted, TrainerWaiting
+from rft.transport.control import Kind, TrainerFinished, TrainerStarted, TrainerStep, TrainerWaiting
 from rft.weights.publisher import StagePublisher, WeightPublisher
 from rft.weights.store import Staging, WeightStore, store_root
 from rft.weights.vllm_transfer import push_transport
@@ -266,7 +266,7 @@ class Trainer:
         self.algorithm = build_algorithm(algorithm)
         self.needs: Needs = self.algorithm.needs
         # `kl` and the training-inference mismatch (rft.algorithms.mismatch) are logged whatever the algorithm
-        self.loss_fn = with_mismatch_metrics(with_kl_metric(self.algorithm.loss_fn))
+        self.loss_fn = with_mismatch_metrics(with_kl_metric(self.algorithm.loss_fn), ratio=trainer.mismatch_ratio)
         self._demos: list = []  # this step's demonstration groups (needs.demonstrations)
         self.policy = policy or MegatronPolicy(
             model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, ep=t.expert_parallel, lr=t.lr,
@@ -422,7 +422,7 @@ class Trainer:
                 row.demo = True
             rows += demos
         plan = plan_micro_batches(rows, dp_size=self.policy.layout.dp, micro_batch_size=t.micro_batch_size,
-                                  max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
+                                  max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, trained_version=step - 1)
         micro_batches = plan.for_rank(self.policy.layout.dp_rank)
         if self.needs.reference:
             for mb, ref in zip(micro_batches, self.policy.reference_logprobs(micro_batches)):
@@ -554,6 +554,7 @@ class Trainer:
         }
         record["consumer_lag"] = self._consumer_lag()
         self.io.metrics.log(record, step=step)
+        self.io.announce(TrainerStep(step=step, metrics=TrainerStep.step_metrics(record)))  # for `rft status`
         if self.io.prometheus is not None:
             self.counters["dropped_stale"] = self.counters.get("dropped_stale", 0) + record.get("dropped_stale", 0)
             self.io.prometheus.update({

@@ -14,6 +14,8 @@ Kinds (sender `trainer` unless said otherwise):
   trainer_started     the trainer (re)started at `step` with weights `version` and consumed `offsets`
   trainer_waiting     the trainer waits for data; `offsets` consumed so far (admission reads them)
   trainer_finished    the run's last step is done
+  trainer_step        step `step` is done; `metrics`: a few of its metrics (reward, staleness, drops, the
+                      training-inference mismatch: TRAINER_STEP_METRICS), what `rft status` prints
   explorer_join       (sender: the explorer id) an explorer joined the tasks consumer group
   explorer_heartbeat  (sender: the explorer id) every explorer.heartbeat_s, with its counters
   explorer_weights    (sender: the explorer id) it loaded weights `version` (`seconds`: None when pushed)
@@ -182,6 +184,25 @@ class TrainerWaiting(Kind):
     groups_in_batch: int = 0
 
 
+TRAINER_STEP_METRICS = ("loss", "reward_mean", "kl", "staleness_mean", "staleness_max", "dropped_stale")
+TRAINER_STEP_PREFIXES = ("logprob_mismatch_",)  # and every metric named so (rft/algorithms/mismatch.py)
+
+
+@dataclass(frozen=True)
+class TrainerStep(Kind):
+    """After each step: its number and the metrics of `step_metrics` (a few numbers, for `rft status`)."""
+    KIND: ClassVar[str] = "trainer_step"
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def step_metrics(record: dict) -> dict[str, float]:
+        """The numbers of a step's metrics record that the message carries: TRAINER_STEP_METRICS and the names
+        starting with TRAINER_STEP_PREFIXES."""
+        return {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                and (k in TRAINER_STEP_METRICS or k.startswith(TRAINER_STEP_PREFIXES))}
+
+
 @dataclass(frozen=True)
 class TrainerFinished(Kind):
     KIND: ClassVar[str] = "trainer_finished"
@@ -246,10 +267,10 @@ class TasksGroup(_FromExplorer):
 
 
 KINDS: dict[str, type[Kind]] = {k.KIND: k for k in (
-    Weights, WeightsPush, PushGroup, PushAbandoned, TrainerStarted, TrainerWaiting, TrainerFinished,
+    Weights, WeightsPush, PushGroup, PushAbandoned, TrainerStarted, TrainerWaiting, TrainerStep, TrainerFinished,
     ExplorerJoin, ExplorerHeartbeat, ExplorerWeights, ExplorerLeave, TasksGroup)}
 TRAINER_STATES = {Weights: "training", WeightsPush: "training", TrainerStarted: "started",
-                  TrainerWaiting: "waiting", TrainerFinished: "finished"}
+                  TrainerWaiting: "waiting", TrainerStep: "training", TrainerFinished: "finished"}
 
 
 def parse(message: ControlMessage) -> Kind | None:
@@ -287,6 +308,7 @@ class TrainerView:
     offsets: dict[str, int] = field(default_factory=dict)  # experiences consumed, "topic:partition" -> offset
     prometheus_port: int | None = None
     last_seen: float = 0.0  # created_at of the trainer message in force
+    metrics: dict[str, float] = field(default_factory=dict)  # of its newest step (trainer_step)
     history: list[tuple[float, int]] = field(default_factory=list, repr=False)  # (time, version) of announcements
 
 
@@ -401,6 +423,8 @@ class ControlView:
         t.step = step if step is not None else max(t.step, t.version)
         if isinstance(kind, TrainerStarted):
             t.prometheus_port = kind.prometheus_port
+        if isinstance(kind, TrainerStep):
+            t.metrics = dict(kind.metrics)
 
     def _apply_explorer(self, kind: _FromExplorer, when: float) -> None:
         e = self.explorers.setdefault(kind.explorer_id, ExplorerView(kind.explorer_id))

@@ -4,8 +4,8 @@ embedded broker) with `monitor.dashboard_port` set, so `rft run` starts `rft das
 
 The test waits on the page itself (tests/waiting.py) until the reward curve has points and the fleet table shows
 both explorers holding trained weights, SIGKILLs one explorer, waits until the page shows it silent, takes a
-screenshot, and checks from the DOM that the curve's points are the run's own (metrics.jsonl) and the config shown
-is the run's.
+screenshot, and checks from the DOM that the curve's points are the run's own (metrics.jsonl), so are the
+training-inference mismatch chart's (overall and by staleness), and the config shown is the run's.
 """
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ FLEET_JS = """return Array.from(document.querySelectorAll('tr[data-explorer]')).
     r => ({id: r.dataset.explorer, state: r.dataset.state, version: Number(r.dataset.version)}))"""
 POINTS_JS = """return Array.from(document.querySelectorAll(
     'figure[data-chart="reward"] circle[data-series="reward_mean"]')).map(c => [Number(c.dataset.step), Number(c.dataset.y)])"""
+SERIES_JS = """return Array.from(document.querySelectorAll('figure[data-chart="mismatch"] circle')).map(
+    c => [c.dataset.series, Number(c.dataset.step), Number(c.dataset.y)])"""
 
 
 def test_the_run_page_follows_a_live_run_and_shows_a_killed_explorer_silent(tmp_path, tiny_model, browser):
@@ -102,6 +104,12 @@ def test_the_run_page_follows_a_live_run_and_shows_a_killed_explorer_silent(tmp_
         for step, y in points:
             assert rewards[step] == pytest.approx(y), f"step {step}: page {y}, metrics.jsonl {rewards[step]}"
         assert [s for s, _ in points] == sorted(rewards)[:len(points)]
+        # the training-inference mismatch chart: overall and by staleness, the steps' own values
+        records = {m["step"]: m for m in steps_done(run_dir)}
+        drawn = browser.execute_script(SERIES_JS)
+        assert {"logprob_mismatch_mean", "logprob_mismatch_stale0_mean"} <= {name for name, _, _ in drawn}
+        for name, step, y in drawn:
+            assert records[step][name] == pytest.approx(y, rel=1e-3), f"{name} at step {step}"
         summary = browser.find_element("css selector", '[data-summary="dash-run"]')
         assert summary.get_attribute("data-run-state") == "running"
         assert "max staleness 1" in summary.text and "off_policy" in summary.text

@@ -20,6 +20,7 @@ from rft.transport.control import (
     TasksGroup,
     TrainerFinished,
     TrainerStarted,
+    TrainerStep,
     TrainerWaiting,
     Weights,
     WeightsPush,
@@ -34,6 +35,7 @@ EXAMPLES = [
     TrainerStarted(step=2, version=2, offsets={}, prometheus_port=None),
     TrainerWaiting(version=2, offsets={"r.experiences:0": 16}, groups_in_batch=1),
     TrainerFinished(step=10),
+    TrainerStep(step=4, metrics={"reward_mean": 0.5, "logprob_mismatch_mean": 0.01}),
     ExplorerJoin(explorer_id="e", weights_version=0, host="h", pid=7, prometheus_port=9401),
     ExplorerHeartbeat(explorer_id="e", weights_version=1, groups=4, batches=2, dead_letters=0, admission_waits=1,
                       explore_s=1.5, joined_s=3.0, partitions=[0, 2]),
@@ -58,6 +60,7 @@ WIRE_KEYS = {
     "explorer_weights": {"explorer_id", "version", "seconds"},
     "explorer_leave": {"explorer_id", "reason", "groups"},
     "tasks_group": {"explorer_id", "group", "epoch", "offsets"},  # added with the membership watchdog
+    "trainer_step": {"step", "metrics"},  # added with the training-inference mismatch (issue 28)
 }
 # optional keys added since, each with a default: a message without them (an older sender) still parses
 ADDED_KEYS = {"explorer_heartbeat": {"unassigned_s", "rejoins"}}
@@ -133,3 +136,15 @@ def test_push_groups_pushed_versions_and_abandonment():
     assert view.abandoned == {"g1"} and view.push_abandoned
     view.apply(PushGroup(group_id="g2", host="h", port=2, world_size=2, backend="gloo", timeout_s=1).to_message())
     assert view.push_group.group_id == "g2" and not view.push_abandoned
+
+
+def test_trainer_step_carries_the_step_metrics_rft_status_prints():
+    record = {"step": 4, "loss": 0.1, "reward_mean": 0.5, "staleness_max": 1, "skipped": {"stale": 2},
+              "logprob_mismatch_mean": 0.01, "logprob_mismatch_stale1_kl": 0.002, "grad_norm": 3.0, "flag": True}
+    assert TrainerStep.step_metrics(record) == {"loss": 0.1, "reward_mean": 0.5, "staleness_max": 1.0,
+                                                "logprob_mismatch_mean": 0.01, "logprob_mismatch_stale1_kl": 0.002}
+    view = ControlView()
+    view.apply(TrainerWaiting(version=3).to_message(created_at=10.0))
+    view.apply(TrainerStep(step=4, metrics={"logprob_mismatch_mean": 0.01}).to_message(created_at=11.0))
+    assert (view.trainer.state, view.trainer.step, view.trainer.version) == ("training", 4, 3)
+    assert view.trainer.metrics == {"logprob_mismatch_mean": 0.01}

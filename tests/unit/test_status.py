@@ -1,7 +1,7 @@
 """`rft status`'s view of a run, from a known sequence of control messages (the e2e fault tests read a live run)."""
 from __future__ import annotations
 
-from rft.ops.status import RunStatus, render
+from rft.ops.status import RunStatus, mismatch_line, render
 from rft.schema import ControlMessage
 
 
@@ -58,3 +58,16 @@ def test_fleet_states_versions_and_throughput_follow_the_control_topic():
     assert "REFUSED: 2 weights announcements did not pass the explorers' trust checks" in text
     header, row = text.splitlines()[-2:]
     assert row.split()[header.split().index("refused")] == "2"
+
+
+def test_the_newest_steps_mismatch_is_printed_from_its_trainer_step_message():
+    status = RunStatus(heartbeat_s=1.0)
+    status.apply(msg("trainer_step", "trainer", 100, step=7, metrics={
+        "logprob_mismatch_mean": 0.0123, "logprob_mismatch_max": 0.51, "logprob_mismatch_kl": 0.00041,
+        "logprob_mismatch_frac": 0.002, "logprob_mismatch_stale0_mean": 0.0101, "logprob_mismatch_stale4plus_mean": 0.2,
+        "logprob_mismatch_stale1_mean": 0.0164, "reward_mean": 0.4}))
+    t = status.trainer
+    assert mismatch_line(t.step, t.metrics, 2.0) == (
+        "mismatch (step 7): |dlogp| mean 0.0123 max 0.510, KL 0.00041, 0.2% of tokens past ratio 2; by staleness: "
+        "0: 0.0101, 1: 0.0164, 4+: 0.2000")
+    assert mismatch_line(3, {"reward_mean": 0.1}, 2.0) == "mismatch (step 3): not reported"
