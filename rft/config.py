@@ -150,6 +150,13 @@ class ExplorerConfig:
     tasks_per_batch: int = 8
     continuous: bool = False  # vllm engine, single_turn: submit tasks as engine slots free up and produce each group when its n samples are done (rft/explorer/continuous.py); false: batches of tasks_per_batch
     max_inflight: int = 64  # continuous: the engine holds at most max_inflight x n_samples unfinished sequences (tasks' worth)
+    # continuous: load a newer weights version between engine steps without draining the requests in flight (each
+    # token records the version that generated it: version_spans); false: stop admitting, drain, reload, resume
+    inflight_updates: bool = False
+    # inflight_updates: recompute: the requests in flight recompute their KV cache with the new weights (exact per
+    # version, one prefill of each sequence per version); keep: they keep the KV the old weights computed (PipelineRL;
+    # turns vLLM's prefix cache off)
+    inflight_kv: Literal["recompute", "keep"] = "recompute"
     workflow: str = "single_turn"  # registered name (single_turn, multi_turn, tool_agent) or package.module:Class
     reward: str = "exact_match"  # registered name, `weighted` (uses reward_weights) or package.module:function
     reward_weights: dict[str, float] = field(default_factory=dict)  # reward name -> weight, for reward: weighted
@@ -204,6 +211,9 @@ class ExplorerConfig:
         if self.continuous and self.engine != "vllm":
             raise ConfigError(f"explorer.continuous: needs explorer.engine vllm (its engine-level request API), "
                               f"got {self.engine}")
+        if self.inflight_updates and not self.continuous:
+            raise ConfigError("explorer.inflight_updates: needs explorer.continuous: true (the batch loop reloads "
+                              "between batches)")
         if self.max_batch_s <= 0:
             raise ConfigError(f"explorer.max_batch_s: must be > 0, got {self.max_batch_s}")
         if not self.reward_min < self.reward_max:
@@ -952,6 +962,11 @@ def check_semantics(cfg: Config, source: str) -> None:
             f"vllm (vLLM's own weight transfer) needs explorer.engine vllm, not {cfg.explorer.engine}; use auto or rft")
     require(not cfg.explorer.continuous or cfg.sync.method != "push", "explorer.continuous",
             "needs sync.method pull (a push is a collective the explorer joins between batches)")
+    require(not cfg.explorer.inflight_updates or not cfg.model.lora.rank, "explorer.inflight_updates",
+            "reloads whole models in flight; a LoRA adapter version is loaded between requests (a request keeps the "
+            "adapter it started with): set it false with model.lora")
+    require(not (cfg.explorer.inflight_updates and cfg.explorer.inflight_kv == "keep" and cfg.trainer.routing_replay),
+            "explorer.inflight_kv", "keep turns vLLM's prefix cache off, which routed experts need: use recompute")
     require(not run_mode.serves or cfg.sync.method == "pull", "sync.method",
             "serve mode: `rft serve` follows the weight store (pull); push needs a fixed explorer fleet")
     require(bool(cfg.model.path), "model.path", "required: a Hugging Face model directory")

@@ -43,9 +43,11 @@ class Completion:
     logprobs: list[float]  # behaviour log-prob of each token (sampling distribution)
     text: str
     finish_reason: str  # "stop" (EOS or stop string), "length", "abort"
-    weights_version: int
+    weights_version: int  # the oldest version that generated any of its tokens
     # an engine recording MoE routing: the experts of each input position (prompt + tokens but the last one)
     routed_experts: "RoutedExperts | None" = None
+    # the version that generated each token (one per token_ids entry); None: every token is `weights_version`
+    token_versions: "list[int] | None" = None
 
 
 @dataclass

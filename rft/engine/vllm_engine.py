@@ -31,12 +31,12 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank va
 def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: int, max_model_len: int | None,
                   gpu_memory_utilization: float, cpu_kvcache_gb: float, in_process: bool | None,
                   weight_transfer: bool = False, record_routing: bool = False, lora_rank: int = 0,
-                  max_loras: int = 1) -> tuple[dict, bool]:
+                  max_loras: int = 1, prefix_cache: bool = True) -> tuple[dict, bool]:
     """Arguments of vLLM's `LLM` for an explorer engine, and whether it runs in this process. `weight_transfer`:
     enable vLLM's NCCL weight transfer (pushed weights, rft.weights.vllm_transfer; CUDA only). `record_routing`:
     vLLM's routed-experts output (`enable_return_routed_experts`; its V2 model runner, with prefix caching; CUDA only,
     EngineError on CPU). `lora_rank` > 0: enable vLLM's LoRA (adapters up to that rank, `max_loras` of them in one
-    batch)."""
+    batch). `prefix_cache` false: no prefix caching (in-flight weight updates that keep the KV cache)."""
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
@@ -44,6 +44,9 @@ def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: in
     if record_routing:
         if on_cpu:
             raise EngineError(ROUTED_EXPERTS_ON_CPU)
+        if not prefix_cache:
+            raise EngineError("routed experts need vLLM's prefix cache, which in-flight weight updates that keep the "
+                              "KV cache turn off (explorer.inflight_kv: recompute keeps it)")
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM reads it from the environment (and its workers inherit it)
         routing = {"enable_return_routed_experts": True, "enable_prefix_caching": True}
     if weight_transfer:
@@ -66,6 +69,8 @@ def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: in
         if not fitting:
             raise EngineError(f"model.lora.rank {lora_rank}: vLLM takes adapters up to rank {VLLM_LORA_RANKS[-1]}")
         settings.update(enable_lora=True, max_lora_rank=fitting[0], max_loras=max_loras)
+    if not prefix_cache:
+        settings["enable_prefix_caching"] = False
     if on_cpu:
         settings["kv_cache_memory_bytes"] = int(cpu_kvcache_gb * (1 << 30))
     if in_process is None:
@@ -92,19 +97,20 @@ class VLLMEngine(TokenizerMixin):
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
                  cpu_kvcache_gb: float = 1.0, seed: int = 0, weights_version: int = 0,
                  in_process: bool | None = None, chat_template: bool = False, weight_transfer: bool = False,
-                 record_routing: bool = False, lora_rank: int = 0, max_loras: int = 1):
+                 record_routing: bool = False, lora_rank: int = 0, max_loras: int = 1, prefix_cache: bool = True):
         """`record_routing`: completions carry `routed_experts` from vLLM's routed-experts output (GPU only: see
         `ROUTED_EXPERTS_ON_CPU`). Written to vLLM 0.32's documented output ([prompt + output - 1 positions,
         layers, top_k]) and not yet run on a GPU here: `_routed` refuses any other shape by name. `lora_rank` > 0:
         versions may be LoRA adapters (rft.weights.store), loaded beside the base model without reloading it
-        (`load_weights`), `max_loras` of them at once (`rft serve`: one per served adapter)."""
+        (`load_weights`), `max_loras` of them at once (`rft serve`: one per served adapter). `prefix_cache` false:
+        no prefix caching (`load_weights_in_flight` without recomputing)."""
         from vllm import LLM
 
         settings, self.in_process = _llm_settings(
             model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
             cpu_kvcache_gb=cpu_kvcache_gb, in_process=in_process, weight_transfer=weight_transfer,
-            record_routing=record_routing, lora_rank=lora_rank, max_loras=max_loras)
+            record_routing=record_routing, lora_rank=lora_rank, max_loras=max_loras, prefix_cache=prefix_cache)
         self.moe = MoELayout.of(model_path) if record_routing else None
         self.lora = None  # vllm.lora.request.LoRARequest of the adapter version in use; None: the base weights
         self.adapters: dict[str, object] = {}  # name -> LoRARequest of every adapter loaded (`rft serve`)
@@ -131,7 +137,8 @@ class VLLMEngine(TokenizerMixin):
                    gpu_memory_utilization=explorer.gpu_memory_utilization,
                    cpu_kvcache_gb=explorer.cpu_kvcache_gb, seed=seed, in_process=explorer.vllm_in_process,
                    chat_template=model.chat_template, weight_transfer=weight_transfer, record_routing=record_routing,
-                   lora_rank=model.lora.rank, max_loras=max_loras)
+                   lora_rank=model.lora.rank, max_loras=max_loras,
+                   prefix_cache=not (explorer.inflight_updates and explorer.inflight_kv == "keep"))
 
     def _set_version(self, version: int) -> None:
         self.weights_version = version
@@ -195,10 +202,9 @@ class VLLMEngine(TokenizerMixin):
     def _completion(self, c) -> Completion:
         token_ids = list(c.token_ids)
         logprobs = [float(position[token].logprob) for position, token in zip(c.logprobs, token_ids)]
-        spans = getattr(c, "weight_versions", None) or []
-        versions = [int(s.version) for s in spans if str(s.version).lstrip("-").isdigit()]
+        versions = token_versions(getattr(c, "weight_versions", None), len(token_ids))
         return Completion(token_ids=token_ids, logprobs=logprobs, text=c.text, finish_reason=c.finish_reason or "",
-                          weights_version=min(versions, default=self.weights_version))
+                          weights_version=min(versions, default=self.weights_version), token_versions=versions)
 
     def next_token_probs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:
         from vllm import SamplingParams
@@ -213,6 +219,30 @@ class VLLMEngine(TokenizerMixin):
             first = o.outputs[0].logprobs[0]
             probs.append([math.exp(first[c].logprob) if c in first else 0.0 for c in candidates])
         return probs
+
+    def load_weights_in_flight(self, path: str | os.PathLike, version: int, *, recompute: bool) -> None:
+        """Load the model version at `path` while requests are unfinished (the continuous explorer's in-flight
+        updates): vLLM's scheduler is paused with every request kept (so no engine step runs between the load and
+        the version stamp), the weights are reloaded in place, and the requests go on: the tokens they sample from
+        now on carry `version` (vLLM's weight-version spans, `Completion.token_versions`). `recompute`: the requests
+        in flight are preempted, so their KV cache (prompt and tokens so far) is recomputed with the new weights
+        before their next token; otherwise they keep the KV the old weights computed (PipelineRL), and the prefix
+        cache must be off (`_llm_settings(prefix_cache=False)`), or new requests could reuse old-weight blocks.
+        LoRA adapters cannot change in flight (a request keeps the adapter it was submitted with): EngineError."""
+        if is_adapter_version(path) or self.lora is not None:
+            raise EngineError(f"{path}: in-flight weight updates reload whole models; a LoRA adapter version is "
+                              "loaded between requests (explorer.inflight_updates: false)")
+        started = time.monotonic()
+        self.llm.sleep(level=0, mode="keep")  # pause scheduling; unfinished requests stay as they are
+        try:
+            loaded = self.llm.collective_rpc("rft_reload_weights", args=(str(path),))
+            if recompute:
+                self.llm.reset_prefix_cache(reset_running_requests=True)  # preempts: KV recomputed, cache emptied
+            self._set_version(version)
+        finally:
+            self.llm.wake_up(tags=["scheduling"])
+        log.info("reloaded %s tensors of version %d from %s in %.2f s with %d sequences in flight (KV %s)", loaded[0],
+                 version, path, time.monotonic() - started, self.unfinished(), "recomputed" if recompute else "kept")
 
     def load_weights(self, path: str | os.PathLike, version: int) -> None:
         """A model version is reloaded in place (worker extension); a LoRA adapter version (rft.weights.store) is
@@ -293,6 +323,21 @@ class VLLMEngine(TokenizerMixin):
             if shutdown is not None:
                 shutdown()
             del llm
+
+
+def token_versions(spans, n_tokens: int) -> list[int] | None:
+    """The version of each of a completion's `n_tokens` output tokens from vLLM's weight-version spans
+    (`CompletionOutput.weight_versions`: [start, end) -> version label, rft's labels are the version numbers); None
+    when vLLM reported none or a label is not a version number, or the spans do not cover the tokens."""
+    if not spans:
+        return None
+    versions: list[int] = []
+    for span in spans:
+        label = str(span.version)
+        if not label.lstrip("-").isdigit() or span.start != len(versions) or span.end < span.start:
+            return None
+        versions += [int(label)] * (span.end - span.start)
+    return versions if len(versions) == n_tokens else None
 
 
 # --------------------------------------------------------------------------------------------------

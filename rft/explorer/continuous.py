@@ -8,10 +8,21 @@ delivers each group as soon as all n samples of its task are finished (rft/explo
 commit). Tasks therefore finish out of order; `Offsets` (pipeline.py) says up to where each partition may be
 committed (below its lowest unfinished offset).
 
-Weights. A newer version is loaded only when nothing is in flight: the loop stops admitting (drains), lets the
-requests of the old version finish, reloads, resumes. So every sample of a group comes from the version the engine
-held when the task's request was submitted; `Continuous.step` checks it (EngineError otherwise) and each result
-carries `submitted_version` / `finished_version` (also in the group's metadata).
+Weights, two ways (`explorer.inflight_updates`).
+- Drain (false, the default): a newer version is loaded only when nothing is in flight: the loop stops admitting,
+  lets the requests of the old version finish, reloads, resumes. So every sample of a group comes from the version the
+  engine held when the task's request was submitted; `Continuous.step` checks it (EngineError otherwise).
+- In flight (true): a newer version is loaded between two engine steps with the requests in flight kept
+  (`VLLMEngine.load_weights_in_flight`, PipelineRL's update): the engine never empties, and a request's tokens after
+  the load come from the new version. Every token carries the version that generated it (vLLM's weight-version
+  spans -> `Completion.token_versions` -> the sample's `token_versions`, `version_spans` on the wire), and the group's
+  `policy_version` is its oldest token's, which the trainer's staleness bound and drops use. Admission is unchanged:
+  a group admitted while the explorer held version w has no token older than w, so the bound's argument
+  (rft/explorer/admission.py) holds with its oldest token. The KV cache of the requests in flight is recomputed with
+  the new weights (`explorer.inflight_kv: recompute`: a new-version token's log-prob is exactly that version's) or
+  kept (`keep`: the new weights over the old prefix's KV, PipelineRL's choice); docs/architecture.md has the
+  measured difference.
+Each result carries `submitted_version` / `finished_version` (also in the group's metadata).
 """
 from __future__ import annotations
 
@@ -59,12 +70,13 @@ class Continuous:
     `sampling`. Not
     thread-safe; the engine must have the streaming methods (`submit`, `step`: VLLMEngine)."""
 
-    def __init__(self, engine: "Engine", workflow: Any, max_inflight: int):
-        for name in ("submit", "step"):
+    def __init__(self, engine: "Engine", workflow: Any, max_inflight: int, *, in_flight_updates: bool = False):
+        for name in ("submit", "step") + (("load_weights_in_flight",) if in_flight_updates else ()):
             if not callable(getattr(engine, name, None)):
                 raise EngineError(f"explorer.continuous: the {type(engine).__name__} has no request-level API "
                                   f"({name}); use explorer.engine vllm")
         self.engine, self.workflow, self.max_inflight = engine, workflow, max_inflight
+        self.in_flight_updates = in_flight_updates  # weights may change while a request is in flight
         self.inflight: dict[str, Inflight] = {}
         self._ids = itertools.count()
 
@@ -97,7 +109,7 @@ class Continuous:
         for request_id, generation in self.engine.step():
             started = self.inflight.pop(request_id)
             version = self.engine.weights_version
-            if version != started.submitted_version:
+            if version != started.submitted_version and not self.in_flight_updates:
                 raise EngineError(f"request {request_id} was submitted with weights version "
                                   f"{started.submitted_version} and finished with {version}: weights were reloaded "
                                   f"while it was in flight")
@@ -108,8 +120,9 @@ class Continuous:
 
 class ContinuousLoop:
     """The explorer's loop with `explorer.continuous: true` (after `Explorer.join`). Each turn:
-      1. weights: every WEIGHTS_CHECK_S, look for a newer version (store or announcement); if there is one, stop
-         admitting (drain) and load it once nothing is in flight (`reloads` records (version, tasks in flight): 0);
+      1. weights: every WEIGHTS_CHECK_S, look for a newer version (store or announcement); if there is one, load it
+         at once, in flight (`explorer.inflight_updates`), or stop admitting (drain) and load it once nothing is in
+         flight; `reloads` records (version, tasks in flight when it was loaded: 0 when draining);
       2. unless draining or stopping: poll, admit and submit tasks for the free slots (at most every TOPUP_S while
          requests are in flight; waiting up to POLL_S for tasks when none are);
       3. step the engine; deliver the groups whose n samples are done (produce, acks, then commit each partition below
@@ -125,9 +138,12 @@ class ContinuousLoop:
             raise ValueError("explorer.continuous: sync.method push is not supported (a push is a collective the "
                              "explorer takes part in between batches); use sync.method pull")
         self.explorer = explorer
-        self.scheduler = Continuous(explorer.engine, explorer.workflow, explorer.config.max_inflight)
+        self.in_flight = explorer.config.inflight_updates
+        self.recompute = explorer.config.inflight_kv == "recompute"
+        self.scheduler = Continuous(explorer.engine, explorer.workflow, explorer.config.max_inflight,
+                                    in_flight_updates=self.in_flight)
         self.offsets = Offsets()
-        self.reloads: list[tuple[int, int]] = []  # (version, tasks in flight when it was loaded): always 0
+        self.reloads: list[tuple[int, int]] = []  # (version, tasks in flight when it was loaded): 0 when draining
         self.draining = False
         self._weights_due = 0.0
 
@@ -137,7 +153,10 @@ class ContinuousLoop:
         last_work = last_export = time.monotonic()
         while not (stop.is_set() and not scheduler.inflight):
             now = time.monotonic()
-            self._reload_when_drained(now)
+            if self.in_flight:
+                self._reload_in_flight(now)
+            else:
+                self._reload_when_drained(now)
             started = time.monotonic()
             if self._may_start(stop, topup_due=topup_due, now=now):
                 topup_due = now + TOPUP_S
@@ -158,20 +177,35 @@ class ContinuousLoop:
         return "stopped"
 
     def _reload_when_drained(self, now: float) -> None:
-        """Step 1 of the class docstring: start draining when a newer version is out; load it once nothing is in
-        flight."""
+        """Step 1 of the class docstring, draining: start draining when a newer version is out; load it once nothing
+        is in flight."""
         engine = self.explorer.engine
         if not self.draining and now >= self._weights_due:
             self._weights_due = now + WEIGHTS_CHECK_S
             self.draining = self.explorer.weights.newest(above=engine.weights_version) is not None
         if self.draining and not self.scheduler.inflight:
-            before = engine.weights_version
-            self.explorer.refresh_weights()
-            if engine.weights_version != before:
-                self.reloads.append((engine.weights_version, len(self.scheduler.inflight)))
-                log.info("loaded weights version %d with %d tasks in flight", engine.weights_version,
-                         len(self.scheduler.inflight))
+            self._refresh()
             self.draining = False
+
+    def _reload_in_flight(self, now: float) -> None:
+        """Step 1 of the class docstring, in flight: every WEIGHTS_CHECK_S, load the newest version now, between two
+        engine steps, the requests in flight kept (`VLLMEngine.load_weights_in_flight`)."""
+        if now < self._weights_due:
+            return
+        self._weights_due = now + WEIGHTS_CHECK_S
+        engine = self.explorer.engine
+        if self.explorer.weights.newest(above=engine.weights_version) is not None:
+            self._refresh(lambda path, version: engine.load_weights_in_flight(path, version, recompute=self.recompute))
+
+    def _refresh(self, load=None) -> None:
+        """Load the newest version (`Explorer.refresh_weights`, with `load` when given) and record it in `reloads`."""
+        engine = self.explorer.engine
+        before = engine.weights_version
+        self.explorer.refresh_weights(load)
+        if engine.weights_version != before:
+            self.reloads.append((engine.weights_version, len(self.scheduler.inflight)))
+            log.info("loaded weights version %d with %d tasks in flight", engine.weights_version,
+                     len(self.scheduler.inflight))
 
     def _may_start(self, stop: threading.Event, *, topup_due: float, now: float) -> bool:
         """Step 2's condition: not draining, not stopping, free slots, and the engine idle or a top-up due."""

@@ -63,6 +63,9 @@ from rft.weights.store import WeightStore
 from rft.weights.subscriber import PushAllowList, PushMembership, WeightUpdates, load_newest_weights
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+
     from rft.engine import Engine
     from rft.run.monitor import MetricsEndpoint
     from rft.transport import RecordSource
@@ -163,17 +166,18 @@ class Explorer:
         return loop.run(stop, exit_when_idle_s=exit_when_idle_s)
 
     # -- weights
-    def refresh_weights(self) -> bool:
+    def refresh_weights(self, load: "Callable[[Path, int], None] | None" = None) -> bool:
         """Take part in pushed versions (push path), then reload in place if a newer version is in the store (pull
-        path, see `load_newest_weights`); raises if the engine cannot be brought up to date. False while the
-        engine must not generate: a push failed part-way and no whole version has been loaded since
-        (`PushMembership.engine_whole`)."""
+        path, see `load_newest_weights`; `load(path, version)` loads it, default the engine's `load_weights`); raises
+        if the engine cannot be brought up to date. False while the engine must not generate: a push failed part-way
+        and no whole version has been loaded since (`PushMembership.engine_whole`)."""
         if self.push is not None:
             for version in self.push.sync():
                 log.info("loaded weights version %d (pushed)", version)
                 self._loaded(version, seconds=None)
         try:
-            loaded = load_newest_weights(self.engine, lambda: self.weights.newest(above=self.engine.weights_version))
+            loaded = load_newest_weights(self.engine, lambda: self.weights.newest(above=self.engine.weights_version),
+                                         load=load)
         except RuntimeError as e:
             raise RuntimeError(f"explorer {self.explorer_id}: {e}") from None
         self.stats.weights_refused = self.weights.refused

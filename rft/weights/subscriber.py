@@ -229,10 +229,13 @@ class PushMembership:
 
 
 def load_newest_weights(engine: "Engine", newest: Callable[[], tuple[int, Path] | None], *,
-                        tries: int = RELOAD_TRIES) -> tuple[int, float] | None:
+                        tries: int = RELOAD_TRIES,
+                        load: Callable[[Path, int], None] | None = None) -> tuple[int, float] | None:
     """Reload `engine` in place with the version `newest()` names when it is newer than the engine's; returns
     (version, seconds) after a reload, None when the engine is current. Retries, reading `newest()` again (a version
-    can be garbage-collected between reading LATEST and loading it); RuntimeError when all tries fail."""
+    can be garbage-collected between reading LATEST and loading it); RuntimeError when all tries fail. `load(path,
+    version)` loads (default `engine.load_weights`; the continuous explorer's in-flight updates pass their own)."""
+    load = load or engine.load_weights
     for attempt in range(tries):
         found = newest()
         if found is None or found[0] <= engine.weights_version:
@@ -240,7 +243,7 @@ def load_newest_weights(engine: "Engine", newest: Callable[[], tuple[int, Path] 
         version, path = found
         started = time.monotonic()
         try:
-            engine.load_weights(path, version)
+            load(path, version)
         except Exception as e:  # vLLM wraps worker errors in its own types
             log.warning("loading weights version %d from %s failed (try %d/%d): %s", version, path, attempt + 1,
                         tries, e)

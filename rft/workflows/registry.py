@@ -8,7 +8,8 @@ Contract of a `GroupResult`:
 - `samples` are the group's `n` samples, each with prompt tokens, response tokens, behaviour log-probs
   and a loss mask of the response's length (1 for tokens the model generated, 0 for tokens an
   environment inserted, whose log-probs are 0), and a reward in [0, 1].
-- `policy_version` is the oldest weights version that generated any token of the group.
+- `policy_version` is the oldest weights version that generated any token of the group; a sample may record the
+  version of each of its tokens (`token_versions`: with in-flight weight updates they differ within one sample).
 - A task that cannot be explored (prompt too long, a record the reward cannot score, ...) has `error` set and
   no samples; the explorer sends it to the dead-letter topic and goes on.
 
@@ -79,11 +80,13 @@ def score_group(reward: "Reward", texts: Sequence[str], task: TaskRecord) -> "li
 def build_sample(index: int, *, prompt: Sequence[int], tokens: Sequence[int], logprobs: Sequence[float],
                  loss_mask: Sequence[int], reward: "RewardResult", finish_reason: str,
                  metadata: dict[str, Any] | None = None, extra_components: dict[str, float] | None = None,
-                 routed_experts: RoutedExperts | None = None) -> Sample:
+                 routed_experts: RoutedExperts | None = None, token_versions: Sequence[int] | None = None) -> Sample:
     """One sample with the wire dtypes (int32 tokens, float32 log-probs, uint8 mask); `routed_experts`: the engine's
-    MoE routing of its tokens (rft.engine's `Completion.routed_experts`), when recorded."""
+    MoE routing of its tokens (rft.engine's `Completion.routed_experts`), when recorded; `token_versions`: the
+    weights version of each token (`Completion.token_versions`), when the engine reported them."""
     return Sample(sample_index=index, prompt_tokens=np.asarray(prompt, dtype=np.int32),
                   response_tokens=np.asarray(tokens, dtype=np.int32), logprobs=np.asarray(logprobs, dtype=np.float32),
                   loss_mask=np.asarray(loss_mask, dtype=np.uint8), reward=reward.score,
                   reward_components={**reward.components, **(extra_components or {})},
-                  finish_reason=finish_reason, metadata=metadata or {}, routed_experts=routed_experts)
+                  finish_reason=finish_reason, metadata=metadata or {}, routed_experts=routed_experts,
+                  token_versions=None if token_versions is None else np.asarray(token_versions, dtype=np.int64))

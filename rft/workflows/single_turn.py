@@ -38,13 +38,14 @@ class SingleTurn:
         return encode_prompt(engine, task, self.max_prompt_len, self.chat)
 
     def finish(self, task: TaskRecord, generation: "Generation") -> GroupResult:
-        """The task's group from its n completions: scored, `policy_version` the oldest completion's version."""
+        """The task's group from its n completions: scored, `policy_version` the oldest completion's version (the
+        oldest token's: a completion's version is its oldest token's), each sample with its tokens' versions."""
         completions = generation.completions
         rewards = score_group(self.reward, [c.text for c in completions], task)
         if isinstance(rewards, str):
             return GroupResult(task, error=rewards)
         samples = [build_sample(k, prompt=generation.prompt_token_ids, tokens=c.token_ids, logprobs=c.logprobs,
                                 loss_mask=[1] * len(c.token_ids), reward=r, finish_reason=c.finish_reason,
-                                routed_experts=c.routed_experts)
+                                routed_experts=c.routed_experts, token_versions=c.token_versions)
                    for k, (c, r) in enumerate(zip(completions, rewards))]
         return GroupResult(task, samples=samples, policy_version=min(c.weights_version for c in completions))
