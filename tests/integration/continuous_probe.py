@@ -5,6 +5,10 @@ every engine request's weights version at submission and at completion, vLLM's o
 each reload, every task-offset commit with the experience/dead-letter records sent before it. Prints one
 `PROBE-RESULT {json}` line.
 
+With `explorer.inflight_updates: true` a version is published right after an engine step that left requests
+unfinished (so they have sampled tokens and will sample more), and the loop looks for weights at every turn: the
+next turn loads it in flight, before any other engine step.
+
 argv: CONFIG_PATH
 """
 from __future__ import annotations
@@ -26,6 +30,11 @@ def main(config_path: str) -> dict:
     from rft.workflows import build_workflow
 
     cfg = load_config(config_path)
+    in_flight = cfg.explorer.inflight_updates
+    if in_flight:
+        import rft.explorer.continuous as continuous
+
+        continuous.WEIGHTS_CHECK_S = 0.0  # the version published after a step is loaded at the next turn
     engine = build_engine(cfg.explorer, cfg.model, seed=0)
     out: dict = {"submitted": {}, "finished": {}, "loads": [], "commits": [], "sent": []}
     submit, step, load = engine.submit, engine.step, engine.load_weights
@@ -36,18 +45,30 @@ def main(config_path: str) -> dict:
 
     def recorded_step():
         # paced: on a quiet machine the tiny model finishes all 16 tasks within one weights check (0.5 s); 0.1 s per
-        # engine step makes the run span several checks, so both versions arrive while tasks are still to be done
-        time.sleep(0.1)
+        # engine step makes the run span several checks, so both versions arrive while tasks are still to be done (in
+        # flight, versions are published from here, between steps: no pacing needed)
+        if not in_flight:
+            time.sleep(0.1)
         done = step()
         for request_id, generation in done:
-            out["finished"][request_id] = [engine.weights_version, [c.weights_version for c in generation.completions]]
+            out["finished"][request_id] = [engine.weights_version, [c.weights_version for c in generation.completions],
+                                           [c.token_versions for c in generation.completions]]
+        if (in_flight and schedule and explorer.stats.groups >= schedule[0][0] and engine.unfinished()
+                and engine.weights_version == schedule[0][1] - 1):
+            publish(*schedule.pop(0))
         return done
 
     def recorded_load(path, version):
         out["loads"].append([version, engine.unfinished()])  # vLLM's own count of unfinished sequences
         load(path, version)
 
+    def recorded_load_in_flight(path, version, *, recompute):
+        out["loads"].append([version, engine.unfinished()])
+        load_in_flight(path, version, recompute=recompute)
+
+    load_in_flight = engine.load_weights_in_flight
     engine.submit, engine.step, engine.load_weights = recorded_submit, recorded_step, recorded_load
+    engine.load_weights_in_flight = recorded_load_in_flight
     explorer = build_explorer(cfg, explorer_id="cont", engine=engine,
                               workflow=build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer)))
     send = explorer.sink.send_record
@@ -62,17 +83,20 @@ def main(config_path: str) -> dict:
     base = dict(iter_safetensors(cfg.model.path))
     schedule = [(4, 1), (10, 2)]  # (groups produced, version published then)
 
+    def publish(groups: int, version: int) -> None:
+        store.publish(version, [{k: v + 0.01 * version * torch.ones_like(v) for k, v in base.items()}],
+                      cfg.model.path)
+        out.setdefault("published_at_groups", []).append([version, explorer.stats.groups])
+
     def publisher(stop: threading.Event) -> None:
-        for groups, version in schedule:
+        for groups, version in list(schedule):
             # and only once the previous version is loaded: a loaded machine must not skip a version between reloads
             while ((explorer.stats.groups < groups or explorer.engine.weights_version < version - 1)
                    and not stop.wait(0.05)):
                 pass
             if stop.is_set():
                 return
-            store.publish(version, [{k: v + 0.01 * version * torch.ones_like(v) for k, v in base.items()}],
-                          cfg.model.path)
-            out.setdefault("published_at_groups", []).append([version, explorer.stats.groups])
+            publish(groups, version)
 
     stop, publisher_stop = threading.Event(), threading.Event()
     thread = threading.Thread(target=publisher, args=(publisher_stop,), daemon=True)
@@ -86,7 +110,8 @@ def main(config_path: str) -> dict:
             return commit(offsets)
 
         explorer.tasks.commit = recorded_commit
-        thread.start()
+        if not in_flight:  # in flight: published from recorded_step
+            thread.start()
         out["reason"] = explorer.run_continuous(stop, exit_when_idle_s=4.0)
         out["reloads"] = explorer.reloads
         out["committed"] = explorer.tasks.committed(cfg.topic("tasks"))
