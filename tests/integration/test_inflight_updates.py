@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from rft.bench.inflight import old_cache_continuation, teacher_forced
+
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,7 +30,7 @@ def probe(tiny_model, tmp_path_factory):
     work = tmp_path_factory.mktemp("inflight")
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run([sys.executable, str(REPO / "tests/integration/inflight_probe.py"), str(tiny_model),
-                           str(work), "0.3", "noise", "24", "6", "4"], capture_output=True, text=True, timeout=420,
+                           str(work), "0.3", "24", "6", "4"], capture_output=True, text=True, timeout=420,
                           env=env)
     marker = [line for line in proc.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
     assert proc.returncode == 0 and marker, f"in-flight probe failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
@@ -41,20 +43,6 @@ def models(tiny_model, probe):
 
     paths = {0: tiny_model, 1: probe[1]["path"], 2: probe[2]["path"]}
     return {v: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for v, p in paths.items()}
-
-
-def teacher_forced(model, prompt: list[int], tokens: list[int], past=None, offset: int = 0) -> np.ndarray:
-    """log p(tokens[offset + j] | everything before) for j >= 0 from one forward pass over prompt + tokens (or over
-    tokens[offset - 1:] on top of `past`, the KV cache of prompt + tokens[:offset - 1])."""
-    with torch.no_grad():
-        if past is None:
-            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 + offset:-1]
-        else:
-            start = len(prompt) + offset - 1
-            logits = model(torch.tensor([tokens[offset - 1:]]), past_key_values=past,
-                           position_ids=torch.arange(start, len(prompt) + len(tokens))[None]).logits[0, :-1]
-    logprobs = torch.log_softmax(logits.double(), -1)
-    return logprobs.gather(-1, torch.tensor(tokens[offset:])[:, None])[:, 0].numpy()
 
 
 def split_completions(scenario: dict, old: int, new: int) -> list[tuple[dict, int]]:
@@ -95,9 +83,7 @@ def test_keep_new_tokens_are_the_new_weights_over_the_old_kv_cache(probe, models
         lp, prompt, tokens = np.array(c["logprobs"]), c["prompt"], c["tokens"]
         np.testing.assert_allclose(lp[:s], teacher_forced(models[0], prompt, tokens)[:s], atol=TOLERANCE)
         # the KV of prompt + tokens[:s-1] was computed by version 0; token s-1's own KV and everything after by 1
-        with torch.no_grad():
-            past = models[0](torch.tensor([prompt + tokens[:s - 1]]), use_cache=True).past_key_values
-        np.testing.assert_allclose(lp[s:], teacher_forced(models[1], prompt, tokens, past=past, offset=s),
+        np.testing.assert_allclose(lp[s:], old_cache_continuation(models[0], models[1], prompt, tokens, s),
                                    atol=TOLERANCE)
         gap += list(np.abs(lp[s:] - teacher_forced(models[1], prompt, tokens)[s:]))
     assert np.mean(gap) > 100 * TOLERANCE, "keeping the old KV cache must differ from the new version's log-probs"
