@@ -8,11 +8,12 @@ The model (deterministic, one event queue, times in seconds):
   version was announced, reload it (below) before the next batch. Refused by admission, it waits for the next
   announcement and notices it after `notice_s` (polling: half the poll interval on average; 0 when announcements
   wake it).
-- **Admission**: production's formula itself (rft/explorer/admission.py, `capacity`), as each explorer computes it,
-  with v the version explorer e holds, k `max_staleness` (0 in sync, unbounded in async), the fleet's accepted
-  groups = trained + backlog, the active explorers sharing by rank, and `here` = the groups e is running (its
-  reading is taken fresh at every batch). Groups other explorers are running are not in that count, as in
-  production: a fleet can start a few groups beyond the bound, which the trainer drops.
+- **Admission**: production's rule itself (rft/explorer/admission.py): each explorer asks for what production's
+  formula gives it (`capacity`: its share by rank of the bound, with v the version explorer e holds, k
+  `max_staleness`: 0 in sync, unbounded in async, the fleet's accepted groups = trained + backlog, less the groups it
+  runs), and claims them through production's `AdmissionLedger`, which grants what the fleet's outstanding groups
+  leave (the simulator's event order is the log: a claim is read back at once, a batch's groups are released when
+  they are produced), so the fleet never starts more than the bound.
 - **Trainer**: takes `groups_per_step` groups in arrival order once that many are on the topic; a step costs
   `train_s`, then `publish_s` on its critical path (the weights handed to the writer); the version is announced
   then. A group older than k versions at its step is dropped as stale (counted), as the trainer does.
@@ -44,8 +45,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rft.explorer.admission import capacity
+from rft.explorer.admission import AdmissionLedger, capacity, fleet_capacity
 from rft.modes import staleness_bound
+from rft.transport.control import AdmissionClaim, AdmissionRelease
 
 # The runs `rft bench modes` and `rft bench simulate` compare: label -> (run.mode, run.max_staleness). What each mode
 # means (its staleness bound) is rft.modes', the one table of modes.
@@ -142,6 +144,7 @@ class Simulation:
         self.dropped = 0
         self.pulls_in_flight = 0
         self.paused_until = 0.0
+        self.ledger = AdmissionLedger()  # the fleet's claims and releases, in event order (rft/explorer/admission.py)
 
     # events ------------------------------------------------------------------------------------------------------
     def _at(self, time: float, kind: str, who: int = -1, data: object = None) -> None:
@@ -207,21 +210,33 @@ class Simulation:
 
     # explorers ---------------------------------------------------------------------------------------------------
     def _capacity(self, e: int) -> float:
+        """What explorer e asks for: production's formula (rft/explorer/admission.py `capacity`: its share of the
+        bound less what it runs)."""
         if math.isinf(self.k):
             return self.s.tasks_per_batch
         return capacity(int(self.k), self.loaded[e], self.s.groups_per_step, self.trained + len(self.topic),
                         explorers=self.active, rank=e, here=self.running_at[e])
+
+    def _admit(self, e: int) -> int:
+        """Groups explorer e starts now: what it asks for (`_capacity`), as far as the fleet's outstanding groups
+        leave room, claimed through production's ledger (rft/explorer/admission.py)."""
+        wanted = int(min(self.s.tasks_per_batch, self._capacity(e)))
+        if wanted < 1 or math.isinf(self.k):
+            return max(wanted, 0)
+        limit = fleet_capacity(int(self.k), self.loaded[e], self.s.groups_per_step, self.trained + len(self.topic))
+        seen = self.ledger.position
+        return self.ledger.apply(seen, AdmissionClaim(explorer_id=str(e), claim_id=str(seen), groups=wanted,
+                                                      limit=limit, seen=seen))
 
     def _on_admit(self, event: _Event) -> None:
         e = event.who
         if self.now < self.paused_until:
             self.waiting.add(e)
             return
-        n = min(self.s.tasks_per_batch, self._capacity(e))
+        n = self._admit(e)
         if n < 1:
             self.waiting.add(e)
             return
-        n = int(n)
         self.running_at[e] += n
         self._start_job(self.s.batch_s(n), "produced", e, (n, self.loaded[e]))
 
@@ -231,6 +246,8 @@ class Simulation:
         self.busy_s[e] += self.now - started
         self.running_at[e] -= n
         self.topic.extend([version] * n)
+        if not math.isinf(self.k):
+            self.ledger.apply(self.ledger.position, AdmissionRelease(explorer_id=str(e), groups=n))
         self._try_step()
         self._next_batch(e)
 

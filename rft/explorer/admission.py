@@ -21,41 +21,82 @@ groups now, where
   accepted_here   groups this explorer finished (acknowledged by the broker) since that reading;
   running         groups it admitted and has not finished or given up.
 With one explorer this is AReaL's (k + version + 1) * B - (accepted + running), accepted = accepted_fleet +
-accepted_here; without a bound only `max_running` (if any) limits.
+accepted_here; without a bound only `max_running` (if any) limits. With a fleet, accepted_here + running is replaced
+by the fleet's outstanding groups, counted by the ledger below.
 
 Why it bounds staleness: the trainer takes B groups per step in arrival order, so the j-th slot (1-based) is
 trained in step ceil(j / B). A group admitted at version w holds one of the first (k + w + 1) * B slots, so if
 groups finish in the order they were admitted it is trained in a step s <= k + w + 1, i.e. with staleness <= k.
 A straggler overtaken by later rollouts can still exceed k; the trainer's StalenessTracker drops and counts it.
-Each of n live explorers starts at most its share, and the shares add up to the capacity as of the reading. Groups
-other explorers are running are not in a reading, so after a member's groups land the others' next shares can count
-slots those running groups will take: a fleet of several explorers can start a few more groups than the bound per
-version, which the trainer then drops as stale (counted; `rft bench modes` shows them as `dropped_stale`).
+With in-flight weight updates (rft/explorer/continuous.py) a group admitted at w has no token older than w, so its
+staleness (its oldest token's) obeys the same bound.
+
+A fleet: the ledger. Several explorers read the fleet at different moments, and the groups the others are running
+are in no reading: each dividing what is left of the capacity without counting them started 20 to 33% more than
+the bound with 2 and 3 explorers (issue 28; docs/benchmarks.md). So the fleet counts what is running through the
+control topic, with Kafka as the sequencer (`AdmissionLedger`): an explorer that wants to start groups writes an
+`admission_claim` {groups wanted, limit, seen} to control partition 0, where `limit` = (k + version + 1) * B -
+accepted_fleet is the capacity as it read the fleet, and `seen` a partition-0 offset below which every record was
+written before that reading (the records it had folded, and those before its own newest acknowledged release);
+every group it starts it later gives back with an `admission_release` (produced or given up). Every explorer folds
+partition 0 in offset order, the same log for all, so all agree on each claim's grant:
+
+    outstanding_i = (groups granted by the claims before i) - (groups released at offsets below seen_i)
+    granted_i     = clamp(limit_i - outstanding_i, 0, groups_i)
+
+A claimer learns its grant by reading its own claim back (one round trip). Why it holds the bound: every release
+below seen_i was written before the reading behind limit_i read the experiences' end offsets, and a release is
+written after its group was acknowledged, so those groups are in accepted_fleet; groups released at or after seen_i
+are still counted as outstanding (at worst twice: conservative, for one reading). So accepted + outstanding + granted never exceeds
+(k + version + 1) * B, whoever claims, in any interleaving. What an explorer asks for is the capacity formula above
+(its share, less what it runs), so a version's groups are still spread over the fleet; the ledger grants what the
+others' outstanding groups leave of it. A claim the
+claimer gave up waiting for (CLAIM_TIMEOUT_S) and that the log later grants is released at once. Outstanding groups
+of an explorer that stopped without releasing them: it releases them all (`reset`) when it starts again or leaves,
+and a live explorer releases those of an explorer silent for the liveness horizon (`by`), once. Heartbeats carrying
+running counts were the other design: a count is as old as its heartbeat, two explorers can still fill the same slots
+between heartbeats, and there is no order to agree on; the ledger costs a round trip per admission and two small
+messages per started group on the control topic (keep its retention unlimited: every explorer replays it).
 
 Where the reading comes from: a `FleetFeed`. In production `KafkaFleetFeed` replays the control topic into a
-ControlView (the trainer announces its version and consumed offsets after every step and, while it waits for
-data, every few seconds, so records it skipped never block admission; explorers are live when heard from within
-three heartbeat intervals) and reads the experiences topic's end offsets, at most every `refresh_s`; an explorer
-that admission refused waits on the control topic (`wait`) and reads again as soon as a message arrives. A reading
-rebuilds the count (`resync`): after an explorer or trainer restart, or to correct drift. Rollouts that were
-running in a dead explorer are gone (their tasks are re-explored), so `running` restarts at 0. Counting slots
+ControlView and the ledger (the trainer announces its version and consumed offsets after every step and, while it
+waits for data, every few seconds, so records it skipped never block admission; explorers are live when heard from
+within three heartbeat intervals) and reads the experiences topic's end offsets, at most every `refresh_s`; an
+explorer that admission refused waits on the control topic (`wait`) and reads again as soon as a message other than
+a claim or a release arrives. Without a feed that takes claims (one explorer, the unit tests) the count is local: a
+reading rebuilds it (`resync`), and `accepted_here` + `running` stand for the fleet's outstanding. Rollouts that
+were running in a dead explorer are gone (their tasks are re-explored), so `running` restarts at 0. Counting slots
 rather than all groups ever accepted matters because groups the trainer drops never take a slot. A restarted
 trainer announces its rewound offsets, the backlog grows by what it will consume again, and admission tightens by
-itself. Unit tests drive the same object with an in-memory feed (tests/unit/test_staleness.py).
+itself. Unit tests drive the same objects with in-memory feeds (tests/unit/test_staleness.py,
+tests/unit/test_admission_ledger.py); tests/integration/test_admission.py runs the ledger on the real broker.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import logging
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Iterable, Optional, Protocol
 
 from rft.modes import staleness_bound
+from rft.schema import ControlMessage, RecordError, decode, encode
 from rft.transport import RecordSource, Transport, TransportError, lag
-from rft.transport.control import ControlView
+from rft.transport.control import (
+    ADMISSION_PARTITION,
+    AdmissionClaim,
+    AdmissionRelease,
+    ControlError,
+    ControlView,
+    Kind,
+    parse,
+)
+
+CLAIM_TIMEOUT_S = 10.0  # longest wait for a claim to come back from the broker; then it counts as refused
 
 log = logging.getLogger(__name__)
 
@@ -90,26 +131,74 @@ class AdmissionState:
 @dataclass(frozen=True)
 class FleetReading:
     """What the fleet says now: the trainer's newest version, the groups produced and not consumed yet, and
-    the live explorers sharing the capacity."""
+    the live explorers sharing the capacity. `seen`: with a ledger, the position of the admission log (control
+    partition 0) the reading was taken after (module docstring); None without one."""
     trainer_version: int
     backlog: int
     explorers: int = 1
     rank: int = 0  # this explorer's place among them (module docstring, `share`)
+    seen: Optional[int] = None
 
 
 class FleetFeed(Protocol):
     """A source of readings: `read()` returns a new reading, or None when there is nothing new or it cannot
     be read now (the last reading stays in force: admission errs on the side of waiting). Optional:
-    `wait(timeout_s) -> bool`, block until news arrives (True) or `timeout_s` passes (False)."""
+    `wait(timeout_s) -> bool`, block until news arrives (True) or `timeout_s` passes (False). A feed with a ledger
+    (`ledger`, an AdmissionLedger folded up to its readings' `seen`) also has `claim(groups, limit, seen, version)
+    -> granted` (one claim through the admission log, its grant once read back) and `release(groups)`."""
 
     def read(self) -> FleetReading | None: ...
     def close(self) -> None: ...
 
 
+# ------------------------------------------------------------------------------------------------ the ledger
+
+class AdmissionLedger:
+    """The fold of the admission log: `admission_claim` and `admission_release` messages in log order (control
+    partition 0, by offset), the module docstring's rule. Deterministic: every explorer folding the same log gets the
+    same grants. Not thread-safe.
+
+    `apply(offset, kind)` applies one message (offsets below `position` were applied already and are ignored) and
+    returns a claim's grant (None for a release); `outstanding` holds the groups granted to each explorer and not
+    released; `outstanding_at(seen)` is the fleet's outstanding as a claim that read the fleet at `seen` counts it."""
+
+    def __init__(self) -> None:
+        self.position = 0  # the next log offset to apply
+        self.granted = 0  # groups granted by every claim applied
+        self.released = 0  # groups released by every release applied
+        self.outstanding: dict[str, int] = {}
+        self._releases: list[tuple[int, int]] = []  # (offset + 1, `released` after it), ascending
+
+    def outstanding_at(self, seen: int) -> int:
+        """Groups granted so far minus those released at offsets below `seen`."""
+        i = bisect.bisect_right(self._releases, (seen, float("inf")))
+        return self.granted - (self._releases[i - 1][1] if i else 0)
+
+    def apply(self, offset: int, kind: Kind) -> Optional[int]:
+        if offset < self.position:
+            return None
+        self.position = offset + 1
+        if isinstance(kind, AdmissionClaim):
+            granted = max(0, min(kind.groups, kind.limit - self.outstanding_at(kind.seen)))
+            self.granted += granted
+            self.outstanding[kind.explorer_id] = self.outstanding.get(kind.explorer_id, 0) + granted
+            return granted
+        if isinstance(kind, AdmissionRelease):
+            held = self.outstanding.get(kind.explorer_id, 0)
+            freed = held if kind.reset else max(0, min(kind.groups, held))
+            if freed:
+                self.outstanding[kind.explorer_id] = held - freed
+                self.released += freed
+                self._releases.append((offset + 1, self.released))
+        return None
+
+
 class StalenessAdmission:
-    """The formula of the module docstring. Thread-safe (one lock around the counters; the feed is read outside
-    it). Use: `n = admit(wanted)` (alias `reserve`) before starting rollouts, then `finish(k)` for groups written
-    to the experiences topic and `fail(k)` for groups given up; `set_version(v)` after loading weights v."""
+    """The formula of the module docstring. Thread-safe (one lock around the counters; the feed is read, and claims
+    are made, outside it). Use: `n = admit(wanted)` (alias `reserve`) before starting rollouts, then `finish(k)` for
+    groups written to the experiences topic and `fail(k)` for groups given up; `set_version(v)` after loading weights
+    v. With a feed that takes claims (its `ledger`), admissions go through the fleet's ledger; otherwise the count is
+    this explorer's own (module docstring)."""
 
     def __init__(self, *, groups_per_step: int, max_staleness: Optional[int], version: int = 0,
                  accepted: int = 0, max_running: Optional[int] = None, feed: FleetFeed | None = None,
@@ -122,6 +211,8 @@ class StalenessAdmission:
         self.feed, self.refresh_s = feed, refresh_s
         self._state = AdmissionState(version=version, accepted=accepted, running=0)
         self._fleet_accepted, self._explorers, self._rank = accepted, 1, 0
+        self._seen: Optional[int] = None  # the ledger position of the reading in force (None: no reading yet)
+        self._ledger = getattr(feed, "ledger", None) if max_staleness is not None else None
         self._last_read = -float("inf")
         self._lock = threading.Lock()
 
@@ -147,9 +238,16 @@ class StalenessAdmission:
         with self._lock:
             if reading is not None:
                 self._resync(reading)
-            granted = max(0, min(n, self._capacity()))
+            wanted = max(0, min(n, self._capacity()))
+            if self._ledger is None or not wanted:
+                self._update(running=self._state.running + wanted)
+                return wanted
+            claim = dict(limit=fleet_capacity(self.max_staleness, self._state.version, self.groups_per_step,
+                                              self._fleet_accepted), seen=self._seen, version=self._state.version)
+        granted = max(0, min(wanted, self.feed.claim(wanted, **claim)))  # one round trip through the broker
+        with self._lock:
             self._update(running=self._state.running + granted)
-            return granted
+        return granted
 
     reserve = admit
 
@@ -158,11 +256,18 @@ class StalenessAdmission:
         with self._lock:
             self._release(n, "finish")
             self._update(accepted=self._state.accepted + n)
+        self._give_back(n)
 
     def fail(self, n: int = 1) -> None:
         """`n` admitted groups were given up (their tasks will be explored again); their slots are free."""
         with self._lock:
             self._release(n, "fail")
+        self._give_back(n)
+
+    def _give_back(self, n: int) -> None:
+        """Release `n` granted groups through the ledger (with one)."""
+        if self._ledger is not None and n:
+            self.feed.release(n)
 
     def set_version(self, version: int) -> None:
         """This explorer now generates with weights `version` (never decreases)."""
@@ -210,14 +315,18 @@ class StalenessAdmission:
             raise ValueError("resync: trainer_version and backlog must be >= 0, explorers >= 1 and 0 <= rank < "
                              f"explorers, got {reading}")
         self._fleet_accepted = reading.trainer_version * self.groups_per_step + reading.backlog
-        self._explorers, self._rank = reading.explorers, reading.rank
+        self._explorers, self._rank, self._seen = reading.explorers, reading.rank, reading.seen
         self._update(accepted=self._fleet_accepted)
 
     def _capacity(self) -> int:
+        """Groups this explorer may start now (with a ledger: may ask for, its share; the ledger grants what the
+        fleet's outstanding groups leave); <= 0: none."""
         s = self._state
         by_concurrency = sys.maxsize if self.max_running is None else self.max_running - s.running
         if self.max_staleness is None:
             return by_concurrency
+        if self._ledger is not None and self._seen is None:
+            return 0  # no reading of the fleet yet: nothing to claim against
         here = s.accepted - self._fleet_accepted + s.running
         return min(by_concurrency, capacity(self.max_staleness, s.version, self.groups_per_step, self._fleet_accepted,
                                             explorers=self._explorers, rank=self._rank, here=here))
@@ -256,8 +365,10 @@ def share(capacity: int, explorers: int, rank: int) -> int:
 # ------------------------------------------------------------------------------------------------ the Kafka feed
 
 class KafkaFleetFeed:
-    """Readings from Kafka: the control topic replayed from its beginning into a ControlView, and the experiences
-    topic's end offsets. On a transport failure the source is rebuilt and `read()` returns None."""
+    """Readings from Kafka: the control topic replayed from its beginning into a ControlView and the admission ledger
+    (its partition 0), and the experiences topic's end offsets; claims and releases written to control partition 0
+    (module docstring). On a transport failure the source is rebuilt and `read()` returns None. Used from one thread
+    (the explorer's loop)."""
 
     def __init__(self, transport: Transport, *, control_topic: str, experiences_topic: str, client_id: str,
                  live_horizon_s: float, explorer_id: str = ""):
@@ -265,8 +376,16 @@ class KafkaFleetFeed:
         self.control_topic, self.experiences_topic = control_topic, experiences_topic
         self.live_horizon_s = live_horizon_s
         self.view = ControlView()
+        self.ledger = AdmissionLedger()
         self._experience_ends: dict[str, int] = {}
+        self._sink = transport.sink(client_id=client_id)
+        self._claim_ids = (f"{explorer_id}/{time.time_ns():x}/{i}" for i in itertools.count())
+        self._grants: dict[str, int] = {}  # this explorer's claims read back, until `claim` takes them
+        self._waiting: set[str] = set()  # its claims `claim` is waiting for; the others it gave up on
+        self._reclaiming: set[str] = set()  # silent explorers whose outstanding groups it released
+        self._released_through = 0  # one past the log offset of its newest release the broker acknowledged
         self._source = self._open()
+        self._send(AdmissionRelease(explorer_id=explorer_id, reset=True))  # a restart runs nothing yet
 
     def _open(self) -> RecordSource:
         source = self.transport.source(client_id=self.client_id)
@@ -276,34 +395,60 @@ class KafkaFleetFeed:
 
     def read(self) -> FleetReading | None:
         try:
-            records = self._source.poll(timeout_s=0, max_records=10_000)
-            self.view.apply_records(m for m in records if m.topic == self.control_topic)
+            self._apply(self._source.poll(timeout_s=0, max_records=10_000))
+            # every admission record below `seen` was written before the experiences' end offsets are read (those it
+            # folded, and those before its own newest release), so a release below it has its group in this
+            # reading's backlog (module docstring)
+            seen = max(self.ledger.position, self._released_through)
             self._experience_ends = self._source.end_offsets(self.experiences_topic)
         except TransportError as e:
-            log.warning("admission: %s; reconnecting", e)
-            old, self._source = self._source, self._open()
-            try:
-                old.close()
-            except Exception:
-                pass
+            self._reconnect(e)
             return None
         live = self.view.live_explorer_ids(time.time(), self.live_horizon_s)
+        self._reclaim_silent(set(live))
         if self.explorer_id not in live:  # not heard from itself yet: counted, last
             live.append(self.explorer_id)
         return FleetReading(trainer_version=self.view.trainer.version, backlog=self.backlog(),
-                            explorers=len(live), rank=live.index(self.explorer_id))
+                            explorers=len(live), rank=live.index(self.explorer_id), seen=seen)
+
+    def claim(self, groups: int, *, limit: int, seen: int, version: int) -> int:
+        """Ask the ledger for `groups` groups under `limit` (the capacity read at `seen`); the grant, once this
+        claim is read back from the log; 0 when it is not back within CLAIM_TIMEOUT_S (a grant that comes later is
+        released at once) or the broker fails."""
+        claim_id = next(self._claim_ids)
+        self._waiting.add(claim_id)
+        deadline = time.monotonic() + CLAIM_TIMEOUT_S
+        try:
+            self._send(AdmissionClaim(explorer_id=self.explorer_id, claim_id=claim_id, groups=groups, limit=limit,
+                                      seen=seen, version=version))
+            self._sink.flush(timeout_s=CLAIM_TIMEOUT_S)
+            while claim_id not in self._grants and (left := deadline - time.monotonic()) > 0:
+                self._apply(self._source.poll(timeout_s=min(left, 0.5), max_records=10_000))
+        except TransportError as e:
+            self._reconnect(e)
+        self._waiting.discard(claim_id)
+        if claim_id not in self._grants:
+            log.warning("admission: claim %s was not read back within %.0f s; counted as refused", claim_id,
+                        CLAIM_TIMEOUT_S)
+        return self._grants.pop(claim_id, 0)
+
+    def release(self, groups: int) -> None:
+        """`groups` of this explorer's granted groups ended: written before it returns, so the next reading's log
+        end is past it (a failure is logged: the groups stay outstanding until this explorer's reset)."""
+        try:
+            written = self._send(AdmissionRelease(explorer_id=self.explorer_id, groups=groups))
+            self._released_through = max(self._released_through, written.get(timeout=CLAIM_TIMEOUT_S).offset + 1)
+        except TransportError as e:
+            log.warning("admission: a release of %d groups was not written (%s)", groups, e)
 
     def wait(self, timeout_s: float) -> bool:
-        """Block on the control topic until a message arrives (applied to the view; True) or `timeout_s` passes
-        (False). The broker answers a fetch as soon as a record is there, so this wakes within milliseconds of
-        the trainer's announcement."""
+        """Block on the control topic until a message other than a claim or a release arrives (applied; True) or
+        `timeout_s` passes (False). The broker answers a fetch as soon as a record is there, so this wakes within
+        milliseconds of the trainer's announcement."""
         deadline = time.monotonic() + timeout_s
         try:
             while (left := deadline - time.monotonic()) > 0:
-                records = [m for m in self._source.poll(timeout_s=left, max_records=10_000)
-                           if m.topic == self.control_topic]
-                if records:
-                    self.view.apply_records(records)
+                if self._apply(self._source.poll(timeout_s=left, max_records=10_000)):
                     return True
         except TransportError as e:
             log.warning("admission: %s while waiting for the control topic", e)
@@ -314,7 +459,66 @@ class KafkaFleetFeed:
         return lag(self._experience_ends, self.view.trainer.offsets)
 
     def close(self) -> None:
-        self._source.close()
+        """Release whatever this explorer still holds (`reset`), then close the clients."""
+        try:
+            self._send(AdmissionRelease(explorer_id=self.explorer_id, reset=True))
+            self._sink.flush(timeout_s=10)
+        except TransportError as e:
+            log.warning("admission: the final release was not written (%s); the fleet reclaims it", e)
+        finally:
+            self._sink.close()
+            self._source.close()
+
+    def _apply(self, records: Iterable) -> bool:
+        """Apply control records in order: admission messages of partition 0 to the ledger, the others to the view;
+        True when any of the others was there."""
+        news, now = False, time.time()
+        for m in records:
+            if m.topic != self.control_topic:
+                continue
+            try:
+                message = decode(m.value, m.headers)
+                kind = parse(message) if isinstance(message, ControlMessage) else None
+            except (RecordError, ControlError):
+                kind = message = None
+            if isinstance(kind, (AdmissionClaim, AdmissionRelease)):
+                if m.partition == ADMISSION_PARTITION:
+                    self._ledger_apply(m.offset, kind)
+            elif isinstance(message, ControlMessage):
+                self.view.apply(message, received_at=now)  # counts a malformed one
+                news = True
+        return news
+
+    def _ledger_apply(self, offset: int, kind: Kind) -> None:
+        granted = self.ledger.apply(offset, kind)
+        if isinstance(kind, AdmissionClaim) and kind.explorer_id == self.explorer_id and granted is not None:
+            if kind.claim_id in self._waiting:
+                self._grants[kind.claim_id] = granted
+            elif granted:  # a claim it gave up on (or a former incarnation's): nothing runs under it
+                self.release(granted)
+        elif isinstance(kind, AdmissionRelease) and kind.reset:
+            self._reclaiming.discard(kind.explorer_id)
+
+    def _reclaim_silent(self, live: set[str]) -> None:
+        """Release, once, the outstanding groups of explorers that are not live (silent or left)."""
+        for explorer, held in self.ledger.outstanding.items():
+            if held > 0 and explorer != self.explorer_id and explorer not in live and explorer not in self._reclaiming:
+                self._reclaiming.add(explorer)
+                log.info("admission: releasing %d groups of %s (not live)", held, explorer)
+                self._send(AdmissionRelease(explorer_id=explorer, reset=True, by=self.explorer_id))
+
+    def _send(self, kind: Kind):
+        """Write `kind` to the admission log (control partition 0); its send future."""
+        value, headers = encode(kind.to_message())
+        return self._sink.send(self.control_topic, value, headers=headers, partition=ADMISSION_PARTITION)
+
+    def _reconnect(self, error: Exception) -> None:
+        log.warning("admission: %s; reconnecting", error)
+        old, self._source = self._source, self._open()
+        try:
+            old.close()
+        except Exception:
+            pass
 
 
 def fleet_admission(mode: str, *, max_staleness: int, groups_per_step: int, transport: Transport,

@@ -22,6 +22,10 @@ Kinds (sender `trainer` unless said otherwise):
   explorer_leave      (sender: the explorer id) it left, and why
   tasks_group         (sender: an explorer id) the explorers moved to consumer group `group` (epoch `epoch`) on the
                       tasks topic, seeded with the old group's committed `offsets` (rft/explorer/membership.py)
+  admission_claim     (sender: an explorer id; partition 0) it asks to start `groups` groups under the fleet's
+                      `limit` as it read it at control offset `seen` (rft/explorer/admission.py, the ledger)
+  admission_release   (sender: an explorer id; partition 0) `groups` of `explorer_id`'s granted groups ended (produced
+                      or given up); `reset`: all of them (a start, a leave, or a silent explorer reclaimed by `by`)
 
 `ControlView.apply()` folds messages into what the run has said so far. Partitions interleave, so messages
 arrive in partition order, not time order: the trainer's state follows the newest trainer message (an older
@@ -266,9 +270,39 @@ class TasksGroup(_FromExplorer):
     offsets: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class AdmissionClaim(_FromExplorer):
+    """An explorer asks to start `groups` groups. `limit` is the fleet's capacity (k + version + 1) * B -
+    accepted_fleet as it read the fleet after applying the admission messages of control partition 0 below offset
+    `seen`; `claim_id` names the claim (its grant is the ledger's fold of the log, rft/explorer/admission.py)."""
+    KIND: ClassVar[str] = "admission_claim"
+    explorer_id: str
+    claim_id: str
+    groups: int
+    limit: int
+    seen: int
+    version: int = 0
+
+
+@dataclass(frozen=True)
+class AdmissionRelease(_FromExplorer):
+    """`groups` of `explorer_id`'s granted groups ended (produced or given up); `reset`: all of them, whatever
+    `groups` says (sent by the explorer itself when it starts or leaves, or by `by` for a silent one)."""
+    KIND: ClassVar[str] = "admission_release"
+    explorer_id: str
+    groups: int = 0
+    reset: bool = False
+    by: str = ""
+
+    @property
+    def sender(self) -> str:
+        return self.by or self.explorer_id
+
+
 KINDS: dict[str, type[Kind]] = {k.KIND: k for k in (
     Weights, WeightsPush, PushGroup, PushAbandoned, TrainerStarted, TrainerWaiting, TrainerStep, TrainerFinished,
-    ExplorerJoin, ExplorerHeartbeat, ExplorerWeights, ExplorerLeave, TasksGroup)}
+    ExplorerJoin, ExplorerHeartbeat, ExplorerWeights, ExplorerLeave, TasksGroup, AdmissionClaim, AdmissionRelease)}
+ADMISSION_PARTITION = 0  # claims and releases go to this control partition: one log, one order (the ledger)
 TRAINER_STATES = {Weights: "training", WeightsPush: "training", TrainerStarted: "started",
                   TrainerWaiting: "waiting", TrainerStep: "training", TrainerFinished: "finished"}
 
@@ -389,8 +423,8 @@ class ControlView:
             self.malformed += 1
             log.warning("skipping a malformed control message from %s: %s", message.sender, e)
             return
-        if kind is None:
-            return
+        if kind is None or isinstance(kind, (AdmissionClaim, AdmissionRelease)):
+            return  # the admission ledger's (rft/explorer/admission.py); liveness is the heartbeats'
         self._apply_weights(kind)
         if isinstance(kind, _FromExplorer):
             self._apply_explorer(kind, message.created_at)

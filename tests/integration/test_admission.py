@@ -1,6 +1,9 @@
 """Fleet-wide admission (rft/explorer/admission.py, fed by KafkaFleetFeed) against the real broker: capacity follows
 (k + v_explorer + 1) * B - (v_trainer * B + backlog), the trainer's newest announcement wins whatever partition
-it arrived on, live explorers share the capacity, and what an explorer admitted counts until the topic shows it."""
+it arrived on, live explorers share the capacity, and what an explorer admitted counts until the topic shows it. The
+ledger on the broker: a fleet of three never takes more than the bound (the seeded schedules of
+tests/unit/test_admission_ledger.py, here on real Kafka clients), and explorers claiming at once from their own
+threads agree on every grant and never grant more than a claim's limit leaves."""
 from __future__ import annotations
 
 import threading
@@ -8,11 +11,13 @@ import time
 
 import pytest
 
-from rft.config import config_from_dict
-from rft.explorer.admission import KafkaFleetFeed, StalenessAdmission
-from rft.schema import ControlMessage, encode
+from rft.config import KafkaConfig, config_from_dict
+from rft.explorer.admission import AdmissionLedger, KafkaFleetFeed, StalenessAdmission
+from rft.schema import ControlMessage, decode, encode
 from rft.transport import connect
+from rft.transport.control import AdmissionClaim, parse
 from tests.records import make_group
+from tests.unit.test_admission_ledger import Fleet
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -113,3 +118,67 @@ def test_a_refused_explorer_wakes_on_the_trainers_announcement(bootstrap, topic_
     admission.finish(2)
     admission.set_version(1)
     assert admission.admit(5) == 2  # refresh_s is 60 s, yet the announcement is read at once
+
+
+def test_a_fleet_of_three_never_takes_more_than_the_bound_on_the_broker(bootstrap, topic_prefix):
+    fleet = Fleet(explorers=3, k=1, groups_per_step=4, seed=11, ledger=True,
+                  transport=connect(KafkaConfig(), bootstrap), prefix=topic_prefix)
+    try:
+        fleet.run(100)
+    finally:
+        fleet.close()
+    assert fleet.trainer_version >= 3, "the schedule must make progress"
+    assert fleet.worst_excess <= 0, fleet.worst_excess
+
+
+def test_explorers_claiming_at_once_agree_on_every_grant(bootstrap, topic_prefix):
+    """Three feeds (each its own clients) claim from three threads at once; afterwards each feed's ledger and an
+    independent fold of the whole log give the same grants, and no claim got more than its limit left."""
+    control, experiences = f"{topic_prefix}.control", f"{topic_prefix}.experiences"
+    admin = connect(KafkaConfig(), bootstrap).admin()
+    admin.create_topics([control], partitions=2)
+    admin.create_topics([experiences], partitions=1)
+    admin.close()
+    sink = connect(KafkaConfig(), bootstrap).sink()
+    for i in range(3):  # live explorers: nobody reclaims another's groups
+        sink.send_record(control, ControlMessage(kind="explorer_join", sender=f"x{i}", body={"explorer_id": f"x{i}"}))
+    sink.flush()
+    sink.close()
+    feeds = [KafkaFleetFeed(connect(KafkaConfig(), bootstrap), control_topic=control, experiences_topic=experiences,
+                            client_id=f"x{i}", live_horizon_s=600, explorer_id=f"x{i}") for i in range(3)]
+    granted: dict[str, list[int]] = {f.explorer_id: [] for f in feeds}
+
+    def claimer(feed: KafkaFleetFeed) -> None:
+        for i in range(12):
+            reading = feed.read()
+            got = feed.claim(3, limit=10, seen=reading.seen, version=0)
+            granted[feed.explorer_id].append(got)
+            if got and i % 2:
+                feed.release(got)
+
+    threads = [threading.Thread(target=claimer, args=(f,)) for f in feeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    source = connect(KafkaConfig(), bootstrap).source()
+    log = [m for m in source.read_range(control, idle_timeout_s=2) if m.partition == 0]
+    source.close()
+    fold, grants = AdmissionLedger(), {}
+    for m in log:
+        kind = parse(decode(m.value, m.headers))
+        got = fold.apply(m.offset, kind)
+        if isinstance(kind, AdmissionClaim):
+            grants.setdefault(kind.explorer_id, []).append(got)
+            assert got <= max(0, kind.limit - fold.outstanding_at(kind.seen) + got)
+    assert grants == granted  # each explorer's grants, as it learned them, are the log's
+    for feed in feeds:
+        feed.read()
+        wait_until(lambda f=feed: f.ledger.position >= log[-1].offset + 1 or (f.read() and False), timeout=20,
+                   interval=0.1, what="every feed folding the whole log")
+        assert (feed.ledger.granted, feed.ledger.released, feed.ledger.outstanding) == (
+            fold.granted, fold.released, fold.outstanding)
+    for feed in feeds:  # (closing releases a feed's groups: after every feed was checked)
+        feed.close()
+    assert 0 < fold.granted - fold.released <= 10

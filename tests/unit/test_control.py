@@ -9,6 +9,8 @@ import pytest
 from rft.schema import ControlMessage, decode, encode
 from rft.transport import control
 from rft.transport.control import (
+    AdmissionClaim,
+    AdmissionRelease,
     ControlError,
     ControlView,
     ExplorerHeartbeat,
@@ -42,6 +44,8 @@ EXAMPLES = [
     ExplorerWeights(explorer_id="e", version=1, seconds=None),
     ExplorerLeave(explorer_id="e", reason="stopped", groups=4),
     TasksGroup(explorer_id="e", group="r.explorers.1", epoch=1, offsets={"r.tasks:0": 7}),
+    AdmissionClaim(explorer_id="e", claim_id="e/1/0", groups=3, limit=8, seen=12, version=2),
+    AdmissionRelease(explorer_id="e", groups=2),
 ]
 
 # the body keys each kind had before the protocol was typed (docs/schema.md: schema 1), plus optional fields added
@@ -61,6 +65,8 @@ WIRE_KEYS = {
     "explorer_leave": {"explorer_id", "reason", "groups"},
     "tasks_group": {"explorer_id", "group", "epoch", "offsets"},  # added with the membership watchdog
     "trainer_step": {"step", "metrics"},  # added with the training-inference mismatch (issue 28)
+    "admission_claim": {"explorer_id", "claim_id", "groups", "limit", "seen", "version"},  # the ledger (issue 28)
+    "admission_release": {"explorer_id", "groups", "reset", "by"},
 }
 # optional keys added since, each with a default: a message without them (an older sender) still parses
 ADDED_KEYS = {"explorer_heartbeat": {"unassigned_s", "rejoins"}}
@@ -148,3 +154,15 @@ def test_trainer_step_carries_the_step_metrics_rft_status_prints():
     view.apply(TrainerStep(step=4, metrics={"logprob_mismatch_mean": 0.01}).to_message(created_at=11.0))
     assert (view.trainer.state, view.trainer.step, view.trainer.version) == ("training", 4, 3)
     assert view.trainer.metrics == {"logprob_mismatch_mean": 0.01}
+
+
+def test_admission_messages_leave_the_fleet_view_alone():
+    """Claims and releases are the admission ledger's: they neither overwrite an explorer's counters nor make a
+    silent explorer live again (a release on its behalf comes from another explorer)."""
+    view = ControlView()
+    view.apply(ExplorerJoin(explorer_id="e").to_message(created_at=1.0), received_at=1.0)
+    view.apply(ExplorerHeartbeat(explorer_id="e", groups=7).to_message(created_at=2.0), received_at=2.0)
+    view.apply(AdmissionClaim(explorer_id="e", claim_id="c", groups=3, limit=4, seen=0).to_message(), received_at=50.0)
+    view.apply(AdmissionRelease(explorer_id="e", reset=True, by="f").to_message(), received_at=50.0)
+    assert view.explorers["e"].groups == 7 and view.heard["e"] == 2.0
+    assert AdmissionRelease(explorer_id="e", reset=True, by="f").to_message().sender == "f"

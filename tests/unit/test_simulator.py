@@ -1,15 +1,18 @@
 """The fleet simulator (rft/bench/simulate.py) on cases with known answers: one explorer in sync mode, a trainer-bound
 and a generation-bound overlapped run, members beyond the partition count, the staleness bound, rebalances and
-weight-store contention."""
+weight-store contention, and the admission ledger keeping a fleet within the bound."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
 from rft.bench.simulate import MODES, Simulation, Stages, bounds, main, simulate
 from rft.explorer.admission import StalenessAdmission
 
+REPO = Path(__file__).resolve().parents[2]
 FREE = Stages(gen_group_s=1.0, tasks_per_batch=4, samples_per_group=8, groups_per_step=16, train_s=4.0,
               publish_s=0.0, notice_s=0.0, reload_s=0.0, weights_gb=0.0, rebalance_s=0.0)
 
@@ -115,3 +118,24 @@ def test_the_simulators_admission_is_productions(k, version, trained_steps, back
 
 def test_the_benchmark_modes_take_their_bounds_from_rft_modes():
     assert MODES == {"sync": 0, "off_policy k=1": 1, "off_policy k=2": 2, "async": float("inf")}
+
+
+class WithoutLedger(Simulation):
+    """The simulator's explorers as they admitted before the ledger (issue 28): each starts what the formula gives it,
+    without counting the groups the others are running."""
+
+    def _admit(self, e: int) -> int:
+        return max(0, int(min(self.s.tasks_per_batch, self._capacity(e))))
+
+
+@pytest.mark.parametrize("mode", ["sync", "off_policy k=1"])
+def test_the_ledger_keeps_a_fleet_of_three_within_the_bound(mode):
+    """The flagship's stage times on 2 shared cores (configs/stages-smollm2.json), 3 explorers: admitting through
+    production's ledger drops nothing as stale; the same fleet admitting as before the ledger overshoots."""
+    stages = dataclasses.replace(Stages(**json.loads((REPO / "configs" / "stages-smollm2.json").read_text())),
+                                 cores=2.0)
+    ledger = Simulation(stages, explorers=3, partitions=4, k=MODES[mode], steps=40, mode=mode).run()
+    before = WithoutLedger(stages, explorers=3, partitions=4, k=MODES[mode], steps=40, mode=mode).run()
+    assert ledger.dropped_stale == 0 and max(ledger.staleness) <= MODES[mode]
+    assert before.dropped_stale > 0
+    assert ledger.samples_per_s > 0.8 * before.samples_per_s  # the groups dropped before were wasted work
