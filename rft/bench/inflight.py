@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -200,6 +201,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--version-every", type=int, default=8, help="part 2: a new version every N engine steps")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the report (--json: one line)
     cfg, tasks, workflow = flagship_tasks(args.config, args.tasks)
     args.model = args.model or cfg.model.path
     result: dict = {"model": args.model, "lr": args.lr, "config": args.config, "tasks": len(tasks)}

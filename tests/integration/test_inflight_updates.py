@@ -45,9 +45,12 @@ def models(tiny_model, probe):
     return {v: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for v, p in paths.items()}
 
 
-def split_completions(scenario: dict, old: int, new: int) -> list[tuple[dict, int]]:
-    """(completion, s) for the completions whose tokens 0..s-1 are version `old` and s.. version `new`; every
-    completion's versions are checked to be such a split (or all `old`: it ended before the reload)."""
+def split_completions(probe: dict, new: int) -> list[tuple[dict, int]]:
+    """(completion, s) for the completions of the scenario that loaded version `new` in flight whose tokens 0..s-1
+    are version new - 1 and s.. version `new` (at least 4 of them); every completion's versions are checked to be
+    such a split (or all new - 1: it ended before the reload)."""
+    scenario, old = probe[new], new - 1
+    assert scenario["in_flight_at_reload"] > 0 and scenario["weights_version"] == new
     split = []
     for c in scenario["completions"]:
         versions = c["versions"]
@@ -56,16 +59,13 @@ def split_completions(scenario: dict, old: int, new: int) -> list[tuple[dict, in
         assert c["version"] == min(versions)  # a completion's version is its oldest token's
         if 0 < s < len(versions):
             split.append((c, s))
+    assert len(split) >= 4, "samples whose tokens come from two versions"
     return split
 
 
 def test_recompute_each_token_has_its_versions_log_prob(probe, models):
-    scenario = probe[2]
-    assert scenario["in_flight_at_reload"] > 0 and scenario["weights_version"] == 2
-    split = split_completions(scenario, old=1, new=2)
-    assert len(split) >= 4, "samples whose tokens come from two versions"
     drift = []
-    for c, s in split:
+    for c, s in split_completions(probe, new=2):
         lp = np.array(c["logprobs"])
         np.testing.assert_allclose(lp[:s], teacher_forced(models[1], c["prompt"], c["tokens"])[:s], atol=TOLERANCE)
         np.testing.assert_allclose(lp[s:], teacher_forced(models[2], c["prompt"], c["tokens"])[s:], atol=TOLERANCE)
@@ -74,12 +74,8 @@ def test_recompute_each_token_has_its_versions_log_prob(probe, models):
 
 
 def test_keep_new_tokens_are_the_new_weights_over_the_old_kv_cache(probe, models):
-    scenario = probe[1]
-    assert scenario["in_flight_at_reload"] > 0 and scenario["weights_version"] == 1
-    split = split_completions(scenario, old=0, new=1)
-    assert len(split) >= 4, "samples whose tokens come from two versions"
     gap = []
-    for c, s in split:
+    for c, s in split_completions(probe, new=1):
         lp, prompt, tokens = np.array(c["logprobs"]), c["prompt"], c["tokens"]
         np.testing.assert_allclose(lp[:s], teacher_forced(models[0], prompt, tokens)[:s], atol=TOLERANCE)
         # the KV of prompt + tokens[:s-1] was computed by version 0; token s-1's own KV and everything after by 1
