@@ -6,7 +6,10 @@ Method.
   prompt template, chat template and system prompt, reward, samples per task, groups per step, learning rate,
   sampling, eval set. It must have `eval.sets` (the held-out tasks).
 - rft systems: each is one whole `rft run` of the config with `run.mode` as the config has it (`rft`), async
-  (`rft-async`, `rft-async-push`) or sync (`rft-sync`), `sync.method` pull, or push for `rft-async-push`, `run.max_steps` unlimited, no evaluator
+  (`rft-async`, `rft-async-push`, and `rft-async-inflight`: the continuous explorer with in-flight weight updates and
+  the decoupled objective's off-policy correction, `SYSTEM_SETTINGS`) or sync (`rft-sync`), `sync.method` pull, or
+  push for `rft-async-push`; `--system-set SYSTEM:KEY=VALUE` adds a config override to one system (e.g. the
+  correction: `rft-async-inflight:algorithm.importance_sampling=mis`); `run.max_steps` unlimited, no evaluator
   during training (`eval.every_steps: 0`: evaluation must not take CPU from training), its own embedded broker and
   weight store under `--out`. Its clock starts when `rft run` is launched: start-up (broker, engines, trainer) is
   part of the user's wall-clock and counts. When the budget has elapsed the run is stopped (SIGTERM to its process
@@ -29,9 +32,16 @@ Method.
   seconds per step the trainer spent publishing on its critical path (`weights_s`), median background write
   (`weights_write_s`, pull path with write-behind), median explorer reload per version (explorer logs), and the
   size of one version.
-- Targets (issue 13): rft-async reaches TRL's final accuracy within half the time TRL took to reach it (TRL's first
-  mark at its final accuracy), and rft-async's final accuracy is at least TRL's at the same budget. The time
-  resolution is the mark spacing.
+- Targets, for the system `--target` (default rft-async). Issue 13: it reaches TRL's final accuracy within half the
+  time TRL took to reach it (TRL's first mark at its final accuracy), and its final accuracy is at least TRL's at the
+  same budget. Issue 28: it reaches TRL's final accuracy within a quarter of TRL's time; its final accuracy is at
+  least `rft`'s (the config's own mode) within noise (less than 1.96 standard errors of the difference below, the
+  standard error of an accuracy p on n held-out tasks being sqrt(p (1 - p) / n)); and at every mark the best rft
+  system is at or above TRL's accuracy. The time resolution is the mark spacing.
+- `--seed N` sets `run.seed` for every system (TRL's too), `--eval-tasks N` makes every eval set generate N held-out
+  tasks (300: a standard error of about 2.7 points at an accuracy of 0.35); both write a copy of the config into
+  the output directory, which every system and the evaluation use. Each rft system's report also has its
+  training-inference mismatch (`mismatch`: medians over its steps of the logprob_mismatch metrics, and by staleness).
 
 Threads: `--threads N` sets OMP_NUM_THREADS for every process of every system; 0 (default) leaves it as is.
 Disk: each snapshot of a real model is a full version (the SmolLM2 flagship: ~540 MB).
@@ -40,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -51,6 +62,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 from rft.bench.trl_reference import TRLReferenceError, check_trl_config, run_trl, trl_missing
 from rft.config import Config, ConfigError
 from rft.processes import signal_group
@@ -58,10 +71,15 @@ from rft.run.loading import load_run_config
 from rft.weights.store import ADAPTER_CONFIG, LATEST, WeightStore, is_adapter_version, store_root, version_dirname
 
 RFT_SYSTEMS = {"rft": (None, "pull"), "rft-async": ("async", "pull"), "rft-sync": ("sync", "pull"),
-               "rft-async-push": ("async", "push"), "rft-lora": (None, "pull")}  # mode None: the config's own `run.mode`
+               "rft-async-push": ("async", "push"), "rft-lora": (None, "pull"),
+               "rft-async-inflight": ("async", "pull")}  # mode None: the config's own `run.mode`
+# what a system sets besides its mode and sync method (before --system-set)
+SYSTEM_SETTINGS = {"rft-async-inflight": ["explorer.continuous=true", "explorer.inflight_updates=true",
+                                          "algorithm.off_policy_correction=true"]}
 LORA_SYSTEMS = ("rft-lora",)  # run `--lora-config` (model.lora) instead of `--config`
 SYSTEMS = (*RFT_SYSTEMS, "trl")
 UNLIMITED_STEPS = 1_000_000
+GENERATED_FORMATS = ("generated", "reasoning_gym")  # task sets whose size is `generated_tasks`
 POLL_S = 0.5
 STOP_GRACE_S = 120.0  # `rft run` gives its parts 15 s, then kills them; the broker stops after
 PREFIX = "[bench learn]"
@@ -77,17 +95,19 @@ def note(message: str) -> None:
 # rft systems
 
 
-def rft_overrides(system: str, out: Path) -> list[str]:
-    """The `--set` overrides that make the config system `system` (see the module docstring)."""
+def rft_overrides(system: str, out: Path, extra: list[str] = ()) -> list[str]:
+    """The `--set` overrides that make the config system `system` (see the module docstring), then `extra` (the
+    command line's `--system-set` for it)."""
     mode, method = RFT_SYSTEMS[system]
-    return [*([f"run.mode={mode}"] if mode else []), f"sync.method={method}", f"run.max_steps={UNLIMITED_STEPS}", "eval.every_steps=0",
-            f"run.output_dir={out / system}", "sync.weight_store=", "kafka.bootstrap_servers=embedded",
-            "monitor.progress=false"]
+    return [*([f"run.mode={mode}"] if mode else []), f"sync.method={method}", f"run.max_steps={UNLIMITED_STEPS}",
+            "eval.every_steps=0", f"run.output_dir={out / system}", "sync.weight_store=",
+            "kafka.bootstrap_servers=embedded", "monitor.progress=false", *SYSTEM_SETTINGS.get(system, []), *extra]
 
 
-def run_rft(system: str, config: str, *, out: Path, budget_s: float, marks: int, env: dict) -> dict:
+def run_rft(system: str, config: str, *, out: Path, budget_s: float, marks: int, env: dict,
+            extra: list[str] = ()) -> dict:
     """One rft system for `budget_s` seconds from launch; its steps, marks and weight-sync costs."""
-    overrides = rft_overrides(system, out)
+    overrides = rft_overrides(system, out, extra)
     cfg = load_run_config(config, overrides)
     (out / system).mkdir(parents=True, exist_ok=True)
     log_path = out / system / "rft-run.log"
@@ -104,7 +124,8 @@ def run_rft(system: str, config: str, *, out: Path, budget_s: float, marks: int,
     within = [s for s in steps if s["time"] - started <= budget_s]
     result = {"system": system, "steps": len(within), "first_step_s": _first_step(steps, started),
               "step_times_s": [round(s["time"] - started, 1) for s in within], "marks": taken,
-              "weights": weight_sync_costs(cfg.run_dir, steps, taken), "run_dir": str(cfg.run_dir)}
+              "weights": weight_sync_costs(cfg.run_dir, steps, taken), "mismatch": mismatch_summary(within),
+              "settings": [*SYSTEM_SETTINGS.get(system, []), *extra], "run_dir": str(cfg.run_dir)}
     if code not in (0, 130, -signal.SIGTERM):
         result["error"] = f"rft run exited with code {code}; see {log_path}"
     return result
@@ -218,9 +239,22 @@ def weight_sync_costs(run_dir: Path, steps: list[dict], marks: list[dict]) -> di
             "reload_s": _median(reloads), "version_mb": round(size_mb, 1) if size_mb is not None else None}
 
 
-def _median(values: list) -> float | None:
+def mismatch_summary(steps: list[dict]) -> dict:
+    """The training-inference mismatch over the system's steps (rft/algorithms/mismatch.py): the median per step of
+    `logprob_mismatch_mean`, `_kl` and `_frac`, the largest `_max`, and the median `_mean` per staleness bucket
+    (None: not logged)."""
+    out = {name: _median([s.get(f"logprob_mismatch_{name}") for s in steps], digits=6)
+           for name in ("mean", "kl", "frac")}
+    out["max"] = max((s["logprob_mismatch_max"] for s in steps if "logprob_mismatch_max" in s), default=None)
+    buckets = sorted({k for s in steps for k in s if k.startswith("logprob_mismatch_stale") and k.endswith("_mean")})
+    out["by_staleness"] = {k[len("logprob_mismatch_"):-len("_mean")]: _median([s.get(k) for s in steps], digits=6)
+                           for k in buckets}
+    return out
+
+
+def _median(values: list, digits: int = 3) -> float | None:
     present = [v for v in values if v is not None]
-    return round(statistics.median(present), 3) if present else None
+    return round(statistics.median(present), digits) if present else None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -273,9 +307,10 @@ def evaluate(config: str, systems: list[dict], *, out: Path, env: dict) -> dict[
     return scores
 
 
-def summarise(systems: list[dict], scores: dict[str, float], *, budget_s: float) -> dict:
+def summarise(systems: list[dict], scores: dict[str, float], *, budget_s: float, target: str = "rft-async",
+              eval_tasks: int | None = None) -> dict:
     """Fill in every mark's accuracy, each system's final accuracy and time to reach TRL's final accuracy, and the
-    two targets' verdicts."""
+    targets' verdicts for the system `target` (`eval_tasks`: held-out tasks per evaluation, for the noise)."""
     initial = scores.get("initial")
     for s in systems:
         for m in s["marks"]:
@@ -286,7 +321,9 @@ def summarise(systems: list[dict], scores: dict[str, float], *, budget_s: float)
     for s in systems:
         s["reach_trl_s"] = reach_time(s, initial, trl_final) if s["final_accuracy"] is not None else None
     return {"budget_s": budget_s, "initial_accuracy": initial, "trl_final_accuracy": trl_final, "systems": systems,
-            "targets": verdicts(by_name.get("rft-async"), by_name.get("trl"))}
+            "target_system": target,
+            "targets": {**verdicts(by_name.get(target), by_name.get("trl"), name=target),
+                        **race_verdicts(by_name, target, eval_tasks)}}
 
 
 def reach_time(system: dict, initial: float | None, target: float | None) -> float | None:
@@ -297,20 +334,58 @@ def reach_time(system: dict, initial: float | None, target: float | None) -> flo
     return next((t for t, a in points if a is not None and a >= target), None)
 
 
-def verdicts(rft: dict | None, trl: dict | None) -> dict:
-    """The two targets of the module docstring: {name: {"met": bool | None, "text": ...}} (None: not measured)."""
+def verdicts(rft: dict | None, trl: dict | None, *, name: str = "rft-async") -> dict:
+    """The two targets of issue 13 for the system `rft` (named `name`): {target: {"met": bool | None, "text": ...}}
+    (None: not measured)."""
     if not rft or not trl or rft.get("final_accuracy") is None or trl.get("final_accuracy") is None:
-        missing = {"met": None, "text": "not measured (needs rft-async and trl with accuracies)"}
+        missing = {"met": None, "text": f"not measured (needs {name} and trl with accuracies)"}
         return {"half_time": missing, "equal_budget": missing}
     trl_final, trl_time, rft_time = trl["final_accuracy"], trl["reach_trl_s"], rft["reach_trl_s"]
     half = rft_time is not None and rft_time <= trl_time / 2
     reached = f"at {rft_time:.0f} s" if rft_time is not None else "never"
     return {
-        "half_time": {"met": half, "text": f"rft-async reached TRL's final accuracy {trl_final:.3f} {reached}; TRL "
+        "half_time": {"met": half, "text": f"{name} reached TRL's final accuracy {trl_final:.3f} {reached}; TRL "
                       f"reached it at {trl_time:.0f} s, half of that is {trl_time / 2:.0f} s"},
         "equal_budget": {"met": rft["final_accuracy"] >= trl_final,
-                         "text": f"final accuracy at the same budget: rft-async {rft['final_accuracy']:.3f}, TRL "
+                         "text": f"final accuracy at the same budget: {name} {rft['final_accuracy']:.3f}, TRL "
                                  f"{trl_final:.3f}"}}
+
+
+def standard_error(accuracy: float, tasks: int) -> float:
+    """The standard error of an accuracy measured on `tasks` held-out tasks: sqrt(p (1 - p) / n)."""
+    return math.sqrt(max(accuracy * (1 - accuracy), 0.0) / max(tasks, 1))
+
+
+def race_verdicts(by_name: dict[str, dict], target: str, eval_tasks: int | None) -> dict:
+    """Issue 28's targets for the system `target`: `quarter_time` (it reaches TRL's final accuracy in at most a
+    quarter of TRL's time), `vs_off_policy` (its final accuracy is at least `rft`'s, the config's own mode, within
+    noise: less than 1.96 standard errors of the difference below it, with `eval_tasks` held-out tasks) and
+    `every_mark` (at every mark the best rft system is at or above TRL)."""
+    missing = {"met": None, "text": "not measured"}
+    out = {"quarter_time": dict(missing), "vs_off_policy": dict(missing), "every_mark": dict(missing)}
+    mine, trl, own = by_name.get(target), by_name.get("trl"), by_name.get("rft")
+    if mine and trl and mine.get("final_accuracy") is not None and trl.get("reach_trl_s") is not None:
+        t = mine["reach_trl_s"]
+        out["quarter_time"] = {"met": t is not None and t <= trl["reach_trl_s"] / 4,
+                               "text": f"{target} reached TRL's final accuracy {'never' if t is None else f'at {t:.0f} s'}"
+                                       f"; a quarter of TRL's {trl['reach_trl_s']:.0f} s is "
+                                       f"{trl['reach_trl_s'] / 4:.0f} s"}
+    if mine and own and target != "rft" and None not in (mine.get("final_accuracy"), own.get("final_accuracy")):
+        a, b = mine["final_accuracy"], own["final_accuracy"]
+        noise = 1.96 * math.hypot(standard_error(a, eval_tasks or 0), standard_error(b, eval_tasks or 0))
+        out["vs_off_policy"] = {"met": a >= b - noise, "text": f"final accuracy {target} {a:.3f}, rft {b:.3f} "
+                                f"(noise: 1.96 standard errors of the difference = {noise:.3f} on {eval_tasks} tasks)"}
+    rft_systems = [s for name, s in by_name.items() if name != "trl" and s.get("marks")]
+    if trl and trl.get("marks") and rft_systems:
+        behind = []
+        for i, mark in enumerate(trl["marks"]):
+            best = max((s["marks"][i]["accuracy"] for s in rft_systems if i < len(s["marks"])
+                        and s["marks"][i]["accuracy"] is not None), default=None)
+            if best is None or mark["accuracy"] is None or best < mark["accuracy"]:
+                behind.append(f"{mark['time_s']:.0f} s (best rft {_fmt(best, '.3f')}, TRL {_fmt(mark['accuracy'], '.3f')})")
+        out["every_mark"] = {"met": not behind, "text": "the best rft system is behind TRL at " + ", ".join(behind)
+                             if behind else "the best rft system is at or above TRL at every mark"}
+    return out
 
 
 def _fmt(value, spec: str = ".2f", unit: str = "") -> str:
@@ -342,8 +417,18 @@ def print_report(result: dict) -> None:
               f"{_fmt(w.get('reload_s'), '.2f', ' s'):>8}{_fmt(w.get('version_mb'), '.1f'):>7}")
         if "error" in s:
             print(f"  {'':<15}error: {s['error'][-300:]}")
-    names = {"half_time": "rft-async reaches TRL's final accuracy in <= half TRL's time",
-             "equal_budget": "rft-async's final accuracy >= TRL's at the same budget"}
+    target = result.get("target_system", "rft-async")
+    names = {"half_time": f"{target} reaches TRL's final accuracy in <= half TRL's time",
+             "equal_budget": f"{target}'s final accuracy >= TRL's at the same budget",
+             "quarter_time": f"{target} reaches TRL's final accuracy in <= a quarter of TRL's time",
+             "vs_off_policy": f"{target}'s final accuracy >= rft's (the config's mode) within noise",
+             "every_mark": "at every mark the best rft system >= TRL"}
+    for system in result["systems"]:
+        m = system.get("mismatch")
+        if m and m.get("mean") is not None:
+            stale = ", ".join(f"{k.replace('plus', '+')}: {v:.4f}" for k, v in m["by_staleness"].items() if v is not None)
+            print(f"  {system['system']}: mismatch per step (median) |dlogp| {m['mean']:.4f}, KL {m['kl']:.5f}, "
+                  f"{100 * m['frac']:.2f}% past the ratio, max {m['max']:.3f}; by staleness {stale}")
     for key, verdict in result["targets"].items():
         met = {True: "met", False: "NOT met", None: "not measured"}[verdict["met"]]
         print(f"target: {names[key]}: {met} ({verdict['text']})")
@@ -370,16 +455,53 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for every process (0: leave as is)")
     parser.add_argument("--out", default=None, help="keep runs, snapshots and logs here (default: a temporary "
                                                     "directory, removed at the end)")
+    parser.add_argument("--seed", type=int, default=None, help="run.seed of every system, TRL's too (default: the "
+                        "config's)")
+    parser.add_argument("--eval-tasks", type=int, default=None, metavar="N",
+                        help="held-out tasks per evaluation: every eval set generates N (default: the config's)")
+    parser.add_argument("--system-set", action="append", default=[], metavar="SYSTEM:KEY=VALUE",
+                        help="a config override for one rft system (repeatable), e.g. "
+                             "rft-async-inflight:algorithm.importance_sampling=mis")
+    parser.add_argument("--target", default="rft-async", help="the system the targets are judged for "
+                        "(default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    args.extra = {}
+    for item in args.system_set:
+        system, sep, override = item.partition(":")
+        if not sep or "=" not in override or system not in RFT_SYSTEMS:
+            parser.error(f"--system-set {item!r}: expected SYSTEM:KEY=VALUE with SYSTEM one of {', '.join(RFT_SYSTEMS)}")
+        args.extra.setdefault(system, []).append(override)
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown or not args.systems:
         parser.error(f"--systems: unknown {unknown} (choose from {', '.join(SYSTEMS)})" if unknown else
                      "--systems: name at least one")
     if args.budget_s <= 0 or args.marks < 1:
         parser.error("--budget-s must be > 0 and --marks >= 1")
+    if args.eval_tasks is not None and args.eval_tasks < 1:
+        parser.error("--eval-tasks must be >= 1")
     return args
+
+
+def derived_config(path: str, out: Path, *, seed: int | None, eval_tasks: int | None) -> str:
+    """`path` as it is when neither is given; else a copy in `out` with `run.seed` = `seed` and every eval set
+    generating `eval_tasks` tasks (ConfigError naming the set when one reads a file: its size is the file's)."""
+    if seed is None and eval_tasks is None:
+        return path
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    if seed is not None:
+        raw.setdefault("run", {})["seed"] = seed
+    for i, task_set in enumerate((raw.get("eval") or {}).get("sets") or []):
+        if eval_tasks is None:
+            break
+        if task_set.get("format") not in GENERATED_FORMATS:
+            raise ConfigError(f"{path}: eval.sets[{i}]: --eval-tasks resizes generated task sets, not "
+                              f"format {task_set.get('format')!r}")
+        task_set["generated_tasks"] = eval_tasks
+    derived = out / f"{Path(path).stem}-bench.yaml"
+    derived.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return str(derived)
 
 
 def check_config(args: argparse.Namespace) -> str | None:
@@ -392,6 +514,12 @@ def check_config(args: argparse.Namespace) -> str | None:
         return f"{args.config}: {e}" if not str(e).startswith(args.config) else str(e)
     if cfg.stages:
         return f"{args.config}: stages: a multi-stage config cannot be benchmarked; give one stage's config"
+    for system in (s for s in args.systems if s in RFT_SYSTEMS and s not in LORA_SYSTEMS):
+        try:  # each system's own settings and --system-set overrides, before anything runs
+            load_run_config(args.config, rft_overrides(system, Path(tempfile.gettempdir()),
+                                                       getattr(args, "extra", {}).get(system, [])))
+        except ConfigError as e:
+            return f"{system}: {e}"
     if not (Path(cfg.model.path) / "config.json").is_file():
         return (f"{args.config}: model.path: {cfg.model.path} is not a Hugging Face model directory (`make smollm2` "
                 "builds the flagship's)")
@@ -411,16 +539,22 @@ def check_config(args: argparse.Namespace) -> str | None:
 
 def run_all(args: argparse.Namespace, out: Path) -> dict:
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
+    config = derived_config(args.config, out, seed=args.seed, eval_tasks=args.eval_tasks)
+    lora = any(s in LORA_SYSTEMS for s in args.systems)
+    lora_config = derived_config(args.lora_config, out, seed=args.seed, eval_tasks=args.eval_tasks) if lora else None
     systems = []
     for system in args.systems:
         if system == "trl":
-            systems.append(run_trl_system(args.config, out=out, budget_s=args.budget_s, marks=args.marks, env=env))
+            systems.append(run_trl_system(config, out=out, budget_s=args.budget_s, marks=args.marks, env=env))
         else:
-            config = args.lora_config if system in LORA_SYSTEMS else args.config
-            systems.append(run_rft(system, config, out=out, budget_s=args.budget_s, marks=args.marks, env=env))
-    scores = evaluate(args.config, systems, out=out, env=env)
-    result = summarise(systems, scores, budget_s=args.budget_s)
-    return {"config": args.config, "marks": args.marks, "threads": args.threads, **result}
+            systems.append(run_rft(system, lora_config if system in LORA_SYSTEMS else config, out=out,
+                                   budget_s=args.budget_s, marks=args.marks, env=env,
+                                   extra=args.extra.get(system, [])))
+    scores = evaluate(config, systems, out=out, env=env)
+    eval_tasks = sum(s.generated_tasks for s in load_run_config(config).eval.sets)
+    result = summarise(systems, scores, budget_s=args.budget_s, target=args.target, eval_tasks=eval_tasks)
+    return {"config": args.config, "seed": load_run_config(config).run.seed, "eval_tasks": eval_tasks,
+            "marks": args.marks, "threads": args.threads, **result}
 
 
 def main(argv: list[str]) -> int:

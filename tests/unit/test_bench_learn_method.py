@@ -5,6 +5,7 @@ TRL's accuracy and the targets' verdicts. The whole benchmark on real parts is t
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from types import SimpleNamespace
@@ -13,8 +14,9 @@ import pytest
 import torch
 import yaml
 
-from rft.bench.learn import link_version, main, reach_time, snapshot, summarise
+from rft.bench.learn import derived_config, link_version, main, mismatch_summary, reach_time, snapshot, summarise
 from rft.bench.trl_reference import Clock, Marks, TRLReferenceError, check_same_tokens, trl_prompts
+from rft.config import ConfigError
 from rft.models.tiny import build_tokenizer
 from rft.run.loading import run_config_from_dict
 from rft.schema import TaskRecord
@@ -187,3 +189,72 @@ def test_trl_gets_the_chat_prompt_text_whose_tokens_are_rfts(hf_dir):
     with pytest.raises(TRLReferenceError, match="differently from rft's explorers"):
         check_same_tokens(cfg, chat_tokenizer(adds_bos=True), tasks, texts)
 
+
+
+def test_race_targets_of_issue_28():
+    """A quarter of TRL's time, the target system within noise of the config's own mode, and the best rft system at
+    or above TRL at every mark."""
+    inflight, inflight_scores = system("rft-async-inflight", [0.32, 0.36, 0.37])
+    own, own_scores = system("rft", [0.31, 0.35, 0.40])
+    trl, trl_scores = system("trl", [0.20, 0.31, 0.30])
+    report = summarise([inflight, own, trl], {"initial": 0.14, **inflight_scores, **own_scores, **trl_scores},
+                       budget_s=720, target="rft-async-inflight", eval_tasks=300)
+    targets = report["targets"]
+    assert targets["quarter_time"]["met"] is False  # TRL reached its 0.30 at 480 s; the target at 240 s > 120 s
+    noise = 1.96 * math.hypot(math.sqrt(0.37 * 0.63 / 300), math.sqrt(0.40 * 0.60 / 300))
+    assert f"= {noise:.3f} on 300 tasks" in targets["vs_off_policy"]["text"] and noise == pytest.approx(0.078, abs=1e-3)
+    assert targets["vs_off_policy"]["met"] is True  # 0.37 >= 0.40 - 0.078
+    assert targets["every_mark"]["met"] is True
+    report = summarise([inflight, own, trl], {"initial": 0.14, **inflight_scores, **own_scores, **trl_scores},
+                       budget_s=720, target="rft-async-inflight", eval_tasks=30)
+    assert report["targets"]["vs_off_policy"]["met"] is True  # 30 tasks: noisier still
+    behind, behind_scores = system("rft-async-inflight", [0.10, 0.20, 0.30])
+    lagging, lagging_scores = system("rft", [0.10, 0.20, 0.50])
+    report = summarise([behind, lagging, trl], {"initial": 0.14, **behind_scores, **lagging_scores, **trl_scores},
+                       budget_s=720, target="rft-async-inflight", eval_tasks=300)
+    assert report["targets"]["vs_off_policy"]["met"] is False  # 0.30 < 0.50 - 0.08
+    assert report["targets"]["every_mark"]["met"] is False
+    assert report["targets"]["every_mark"]["text"].endswith(
+        "240 s (best rft 0.100, TRL 0.200), 480 s (best rft 0.200, TRL 0.310)")
+    fast, fast_scores = system("rft-async-inflight", [0.32, 0.32, 0.32])
+    fast["marks"][0]["time_s"] = 100.0  # a quarter of TRL's 480 s is 120 s
+    report = summarise([fast, trl], {"initial": 0.14, **fast_scores, **trl_scores}, budget_s=720,
+                       target="rft-async-inflight", eval_tasks=300)
+    assert report["targets"]["quarter_time"]["met"] is True and report["targets"]["vs_off_policy"]["met"] is None
+
+
+def test_seed_and_held_out_tasks_make_a_copy_of_the_config(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"run": {"seed": 0}, "model": {"path": "m"}, "eval": {"sets": [
+        {"name": "a", "format": "reasoning_gym", "path": "basic_arithmetic", "generated_tasks": 100},
+        {"name": "b", "format": "generated", "path": "copy_char"}]}}))
+    assert derived_config(str(config), tmp_path, seed=None, eval_tasks=None) == str(config)
+    copy = yaml.safe_load(open(derived_config(str(config), tmp_path, seed=3, eval_tasks=300)))
+    assert copy["run"]["seed"] == 3 and [s["generated_tasks"] for s in copy["eval"]["sets"]] == [300, 300]
+    config.write_text(yaml.safe_dump({"model": {"path": "m"}, "eval": {"sets": [{"name": "f", "format": "jsonl",
+                                                                                  "path": "held.jsonl"}]}}))
+    with pytest.raises(ConfigError, match=r"eval.sets\[0\]: --eval-tasks resizes generated task sets"):
+        derived_config(str(config), tmp_path, seed=None, eval_tasks=300)
+
+
+def test_the_mismatch_of_a_systems_steps_is_summarised():
+    steps = [{"logprob_mismatch_mean": m, "logprob_mismatch_max": x, "logprob_mismatch_kl": m / 10,
+              "logprob_mismatch_frac": 0.0, "logprob_mismatch_stale0_mean": m / 2,
+              **({"logprob_mismatch_stale1_mean": m} if i else {})}
+             for i, (m, x) in enumerate([(0.01, 0.3), (0.02, 0.9), (0.04, 0.5)])]
+    summary = mismatch_summary(steps)
+    assert summary == {"mean": 0.02, "kl": 0.002, "frac": 0.0, "max": 0.9,
+                       "by_staleness": {"stale0": 0.01, "stale1": 0.03}}
+    assert mismatch_summary([])["mean"] is None
+
+
+def test_system_overrides_are_checked_before_anything_runs(tmp_path, hf_dir, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": str(hf_dir)}, "data": {"format": "generated",
+                                                                              "path": "copy_char"},
+                                      "eval": {"sets": [{"name": "c", "format": "generated", "path": "copy_char"}]}}))
+    assert main(["--config", str(config), "--systems", "rft-async-inflight",
+                 "--system-set", "rft-async-inflight:algorithm.sequence_mask=0.5"]) == 2
+    assert "rft-async-inflight:" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--config", str(config), "--systems", "rft", "--system-set", "trl:run.seed=1"])
