@@ -12,10 +12,12 @@ Invariants:
   *sampled* from (after temperature and top-p), i.e. vLLM's `logprobs_mode="processed_logprobs"` and
   HF's processed scores. At temperature 1 and top-p 1 this is the model's own log-softmax.
 - `weights_version` is the version of the weights the engine holds; every completion carries the
-  oldest version that generated any of its tokens. Reloads happen between `generate` calls, never
-  during one, so within one call all completions carry the same version; with continuous submission
-  (`submit` / `step`) only while no submitted request is unfinished.
-- After a reload the prefix cache is reset: no KV computed with old weights is reused.
+  oldest version that generated any of its tokens, and (vLLM) the version of each token (`token_versions`).
+  Reloads happen between `generate` calls, never during one, so within one call all completions carry the same
+  version; with continuous submission (`submit` / `step`) only while no submitted request is unfinished, except
+  `VLLMEngine.load_weights_in_flight` (in-flight weight updates), between two engine steps with requests kept.
+- After a reload the prefix cache is reset: no KV computed with old weights is reused (in flight: the requests in
+  flight recompute theirs, or keep it with the prefix cache off; rft/explorer/continuous.py).
 - With `record_routing` (MoE models, routing replay), `Completion.routed_experts` holds the experts every MoE layer
   routed each input position (prompt, then every completion token but the last) to (rft.schema.RoutedExperts).
   The transformers engine records them on any device (rft.engine.routing); the vLLM engine asks vLLM for its routed

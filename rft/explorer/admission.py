@@ -8,10 +8,13 @@ groups and shared by the fleet. With B = trainer.groups_per_step and k the run m
 
 groups now, where
   version         the weights version this explorer generates with (`set_version`);
-  accepted_fleet  = trainer_version * B + backlog, the training slots taken as of the last reading of the fleet:
-                  trainer_version is the trainer's newest version, backlog the experience groups produced but not
-                  yet consumed by the trainer (the experiences topic's end offsets minus the trainer's consumed
-                  offsets, as last announced);
+  accepted_fleet  = trainer_version * B + in_batch + backlog, the training slots taken as of the last reading of
+                  the fleet: trainer_version is the trainer's newest version, in_batch the groups it has taken into
+                  the step it waits to complete (its `trainer_waiting` says how many; 0 at a step's end), backlog
+                  the experience groups produced but not yet consumed by the trainer (the experiences topic's end
+                  offsets minus the trainer's consumed offsets, as last announced; those offsets include in_batch's
+                  groups, which is why they are counted apart: without them a waiting trainer's partial step made
+                  the bound look larger by up to B - 1 groups);
   explorers       the live explorers sharing the capacity (>= 1);
   share(c)        this explorer's part of c: c // explorers, plus one more for the `c % explorers` lowest ranks
                   (rank: its place among the live explorers' ids, sorted; one not heard from yet comes last),
@@ -138,6 +141,7 @@ class FleetReading:
     explorers: int = 1
     rank: int = 0  # this explorer's place among them (module docstring, `share`)
     seen: Optional[int] = None
+    in_batch: int = 0  # groups the trainer took into the step it waits to complete (module docstring)
 
 
 class FleetFeed(Protocol):
@@ -276,11 +280,12 @@ class StalenessAdmission:
                 raise ValueError(f"set_version: version {version} is older than the current {self._state.version}")
             self._update(version=version)
 
-    def resync(self, *, trainer_version: int, backlog: int, explorers: int = 1, rank: int = 0) -> None:
+    def resync(self, *, trainer_version: int, backlog: int, explorers: int = 1, rank: int = 0,
+               in_batch: int = 0) -> None:
         """Recount the fleet's accepted groups from a reading (see the module docstring)."""
         with self._lock:
             self._resync(FleetReading(trainer_version=trainer_version, backlog=backlog, explorers=explorers,
-                                      rank=rank))
+                                      rank=rank, in_batch=in_batch))
 
     def wait(self, timeout_s: float) -> bool:
         """Block until the feed has news (then the next `admit` reads it at once, whatever `refresh_s` says) or
@@ -310,11 +315,11 @@ class StalenessAdmission:
         return self.feed.read()
 
     def _resync(self, reading: FleetReading) -> None:
-        if (reading.trainer_version < 0 or reading.backlog < 0 or reading.explorers < 1
+        if (reading.trainer_version < 0 or reading.backlog < 0 or reading.in_batch < 0 or reading.explorers < 1
                 or not 0 <= reading.rank < reading.explorers):
-            raise ValueError("resync: trainer_version and backlog must be >= 0, explorers >= 1 and 0 <= rank < "
-                             f"explorers, got {reading}")
-        self._fleet_accepted = reading.trainer_version * self.groups_per_step + reading.backlog
+            raise ValueError("resync: trainer_version, backlog and in_batch must be >= 0, explorers >= 1 and 0 <= "
+                             f"rank < explorers, got {reading}")
+        self._fleet_accepted = reading.trainer_version * self.groups_per_step + reading.in_batch + reading.backlog
         self._explorers, self._rank, self._seen = reading.explorers, reading.rank, reading.seen
         self._update(accepted=self._fleet_accepted)
 
@@ -409,7 +414,8 @@ class KafkaFleetFeed:
         if self.explorer_id not in live:  # not heard from itself yet: counted, last
             live.append(self.explorer_id)
         return FleetReading(trainer_version=self.view.trainer.version, backlog=self.backlog(),
-                            explorers=len(live), rank=live.index(self.explorer_id), seen=seen)
+                            explorers=len(live), rank=live.index(self.explorer_id), seen=seen,
+                            in_batch=self.view.trainer.groups_in_batch)
 
     def claim(self, groups: int, *, limit: int, seen: int, version: int) -> int:
         """Ask the ledger for `groups` groups under `limit` (the capacity read at `seen`); the grant, once this

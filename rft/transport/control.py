@@ -340,6 +340,7 @@ class TrainerView:
     step: int = 0
     version: int = 0
     offsets: dict[str, int] = field(default_factory=dict)  # experiences consumed, "topic:partition" -> offset
+    groups_in_batch: int = 0  # of the consumed ones, groups taken into the step it waits to complete (trainer_waiting)
     prometheus_port: int | None = None
     last_seen: float = 0.0  # created_at of the trainer message in force
     metrics: dict[str, float] = field(default_factory=dict)  # of its newest step (trainer_step)
@@ -452,6 +453,7 @@ class ControlView:
         t.state = TRAINER_STATES.get(type(kind), t.state)
         if isinstance(kind, (Weights, WeightsPush, TrainerStarted, TrainerWaiting)):
             t.version, t.offsets = kind.version, dict(kind.offsets)
+            t.groups_in_batch = kind.groups_in_batch if isinstance(kind, TrainerWaiting) else 0  # at a step's end
             t.history.append((when, t.version))
         step = getattr(kind, "step", None)
         t.step = step if step is not None else max(t.step, t.version)

@@ -3,7 +3,9 @@ fleet of explorers (the production StalenessAdmission and KafkaFleetFeed, over t
 in-memory implementation of rft's own transport protocols) in seeded random interleavings with a trainer, checked
 against the ground truth at every admission: the groups the fleet has taken never exceed AReaL's bound
 (k + version + 1) * B for the admitting explorer's version. The same schedules without the ledger (each explorer
-dividing what is left without counting the others' running groups) break the bound, so the check can fail."""
+dividing what is left without counting the others' running groups) break the bound, so the check can fail. The
+trainer takes groups one at a time, so readings often find it waiting with a partial step (its `trainer_waiting`
+says how many groups it holds: counted in the accepted groups)."""
 from __future__ import annotations
 
 import random
@@ -12,7 +14,14 @@ import pytest
 
 from rft.explorer.admission import AdmissionLedger, KafkaFleetFeed, StalenessAdmission
 from rft.schema import ControlMessage
-from rft.transport.control import AdmissionClaim, AdmissionRelease, ExplorerHeartbeat, ExplorerJoin, Weights
+from rft.transport.control import (
+    AdmissionClaim,
+    AdmissionRelease,
+    ExplorerHeartbeat,
+    ExplorerJoin,
+    TrainerWaiting,
+    Weights,
+)
 from rft.transport.memory import MemoryTransport
 from tests.records import make_group
 
@@ -117,7 +126,7 @@ class Fleet:
             self.admit(e)
         elif roll < 0.8 and self.running[e]:
             self.produce(e)
-        elif roll < 0.9:
+        elif roll < 0.95:
             self.train()
         elif self.versions[e] < self.trainer_version:
             self.versions[e] = self.trainer_version
@@ -143,11 +152,17 @@ class Fleet:
         self.admissions[e].finish(n)
 
     def train(self) -> None:
-        if self.produced - self.consumed >= self.b:
-            self.consumed += self.b
-            self.trainer_version += 1
-            self.announce(Weights(version=self.trainer_version, path="/w",
-                                  offsets={f"{self.experiences}:0": self.consumed}).to_message())
+        """The trainer takes one group into its step; the B-th ends the step (`weights`), the others leave it
+        waiting with a partial step (`trainer_waiting` with groups_in_batch)."""
+        if self.produced > self.consumed:
+            self.consumed += 1
+            offsets = {f"{self.experiences}:0": self.consumed}
+            if self.consumed % self.b == 0:
+                self.trainer_version += 1
+                self.announce(Weights(version=self.trainer_version, path="/w", offsets=offsets).to_message())
+            else:
+                self.announce(TrainerWaiting(version=self.trainer_version, offsets=offsets,
+                                             groups_in_batch=self.consumed % self.b).to_message())
             self.sink.flush()
 
 
@@ -172,7 +187,7 @@ def test_the_fleet_never_takes_more_than_the_bound_with_the_ledger_and_does_with
             fleet = Fleet(explorers=explorers, k=1, groups_per_step=4, seed=seed, ledger=ledger)
             for _ in range(400):
                 fleet.act()
-            assert fleet.trainer_version >= 10, "the schedule must make progress"
+            assert fleet.trainer_version >= 6, "the schedule must make progress"
             out.append(fleet.worst_excess)
     assert max(with_ledger) <= 0, with_ledger
     assert max(without) > 0, "the schedules must be able to break the bound without the ledger"

@@ -166,3 +166,13 @@ def test_admission_messages_leave_the_fleet_view_alone():
     view.apply(AdmissionRelease(explorer_id="e", reset=True, by="f").to_message(), received_at=50.0)
     assert view.explorers["e"].groups == 7 and view.heard["e"] == 2.0
     assert AdmissionRelease(explorer_id="e", reset=True, by="f").to_message().sender == "f"
+
+
+def test_the_trainers_partial_step_is_in_the_view_until_the_step_ends():
+    """`trainer_waiting` says how many groups the trainer took into the step it waits to complete (admission counts
+    them as taken); a `weights` announcement is at a step's end: none."""
+    view = ControlView()
+    view.apply(TrainerWaiting(version=2, offsets={"r.experiences:0": 10}, groups_in_batch=2).to_message(created_at=1.0))
+    assert (view.trainer.version, view.trainer.groups_in_batch) == (2, 2)
+    view.apply(Weights(version=3, path="/w", offsets={"r.experiences:0": 12}).to_message(created_at=2.0))
+    assert (view.trainer.version, view.trainer.groups_in_batch, view.trainer.offsets) == (3, 0, {"r.experiences:0": 12})
