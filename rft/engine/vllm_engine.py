@@ -175,7 +175,8 @@ class VLLMEngine(TokenizerMixin):
                                     use_tqdm=False, lora_request=lora)
         generations = [self._generation(o) for o in outputs]
         for completion in (c for g in generations for c in g.completions if version is not None):
-            completion.weights_version = version
+            completion.weights_version = version  # the adapter's, not the engine's label (every token: one adapter)
+            completion.token_versions = [version] * len(completion.token_ids)
         return generations
 
     # -- continuous submission (rft/explorer/continuous.py): requests enter and leave the running engine one by one
