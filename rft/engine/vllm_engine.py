@@ -203,9 +203,11 @@ class VLLMEngine(TokenizerMixin):
     def _completion(self, c) -> Completion:
         token_ids = list(c.token_ids)
         logprobs = [float(position[token].logprob) for position, token in zip(c.logprobs, token_ids)]
-        versions = token_versions(getattr(c, "weight_versions", None), len(token_ids))
+        spans = getattr(c, "weight_versions", None) or []
+        labels = [int(s.version) for s in spans if str(s.version).lstrip("-").isdigit()]
         return Completion(token_ids=token_ids, logprobs=logprobs, text=c.text, finish_reason=c.finish_reason or "",
-                          weights_version=min(versions, default=self.weights_version), token_versions=versions)
+                          weights_version=min(labels, default=self.weights_version),
+                          token_versions=token_versions(spans, len(token_ids)))
 
     def next_token_probs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:
         from vllm import SamplingParams
