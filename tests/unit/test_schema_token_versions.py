@@ -87,3 +87,19 @@ def test_the_writer_refuses_versions_that_do_not_fit():
     group = group_with_versions(policy_version=4)  # a token of version 3 is older than the group says
     with pytest.raises(ValueError, match="policy_version 4 is not the oldest token version"):
         encode(group)
+
+
+def test_the_engines_version_spans_become_one_version_per_token():
+    """vLLM's weight-version spans (output-token index ranges -> the version label rft set) as token versions; spans
+    that do not cover the tokens exactly (none reported, a stop string's cut, a label that is not a version) give
+    None, and the completion then carries no per-token versions."""
+    from types import SimpleNamespace as Span
+
+    from rft.engine.vllm_engine import token_versions
+
+    spans = [Span(version="3", start=0, end=2), Span(version="4", start=2, end=5)]
+    assert token_versions(spans, 5) == [3, 3, 4, 4, 4]
+    assert token_versions(spans, 4) is None  # a stop string cut the last token after the spans were counted
+    assert token_versions([], 0) is None and token_versions(None, 3) is None
+    assert token_versions([Span(version="default", start=0, end=3)], 3) is None  # vLLM's own label, not rft's
+    assert token_versions([Span(version="1", start=1, end=3)], 3) is None  # a gap
