@@ -65,7 +65,9 @@ def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: in
         fitting = [r for r in VLLM_LORA_RANKS if r >= lora_rank]
         if not fitting:
             raise EngineError(f"model.lora.rank {lora_rank}: vLLM takes adapters up to rank {VLLM_LORA_RANKS[-1]}")
-        settings.update(enable_lora=True, max_lora_rank=fitting[0], max_loras=max_loras)
+        # one adapter more in vLLM's cache than it serves: replacing one (load_adapter: add the new, then drop the old)
+        # must not evict another, which vLLM would read again from a path its weight store may have deleted
+        settings.update(enable_lora=True, max_lora_rank=fitting[0], max_loras=max_loras, max_cpu_loras=max_loras + 1)
     if on_cpu:
         settings["kv_cache_memory_bytes"] = int(cpu_kvcache_gb * (1 << 30))
     if in_process is None:
