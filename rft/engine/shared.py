@@ -55,10 +55,7 @@ class AdapterSlot(TokenizerMixin):
                           "implemented (a judge reward builds an engine of its own)")
 
     def load_weights(self, path: str | os.PathLike, version: int) -> None:
-        if not is_adapter_version(path):
-            raise EngineError(f"run {self.name}: version {version} ({path}) is a whole model, not a LoRA adapter; an "
-                              "engine shared by several runs keeps its base and takes each run's versions as adapters "
-                              "(train the run with model.lora)")
+        require_adapter(self.name, path, version)
         with self._lock:
             self.engine.load_adapter(self.name, path, version)
             self.weights_version = version
@@ -75,6 +72,14 @@ class AdapterSlot(TokenizerMixin):
 
     def close(self) -> None:
         pass
+
+
+def require_adapter(run: str, path: str | os.PathLike, version: int) -> None:
+    """EngineError unless `path` (run `run`'s `version`) is a LoRA adapter version (module docstring)."""
+    if not is_adapter_version(path):
+        raise EngineError(f"run {run}: version {version} ({path}) is a whole model, not a LoRA adapter; an engine "
+                          "shared by several runs keeps its base and takes each run's versions as adapters (train the "
+                          "run with model.lora)")
 
 
 def adapter_slots(engine: "VLLMEngine", names: Sequence[str]) -> list[AdapterSlot]:

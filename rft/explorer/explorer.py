@@ -10,6 +10,8 @@
   membership.py   the tasks consumer group: the consumer, static membership, the watchdog and fleet moves.
   admission.py    how many tasks may start (AReaL's staleness bound, fleet-wide).
   main.py         the command line (`rft explorer`), composing an Explorer from the root config.
+  multirun.py     `rft explorer A.yaml B.yaml`: one Explorer per LoRA run, each on its run's adapter slot of one shared
+                  vLLM engine (rft/engine/shared.py), each loop in a thread of its own.
 
 Weights are loaded before the explorer joins the consumer group, so a late joiner generates nothing with old
 weights; afterwards only between batches (batch loop) or with nothing in flight (continuous loop), so a group is

@@ -56,7 +56,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
                         help="exit 0 after this long without tasks (explore-only runs over a finite dataset; "
                              "default: explorer.exit_when_idle_s)")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # the configs may come before or after the options
 
 
 def main(argv: list[str]) -> int:
