@@ -97,7 +97,8 @@ def run_explorers(explorers: Sequence["Explorer"], stop: threading.Event,
                   exit_when_idle_s: Sequence[float | None]) -> dict[str, str]:
     """Each explorer's `run(stop, exit_when_idle_s=...)` in a thread named after its run, then its `close(reason)`;
     returns run -> reason ("stopped", "idle", "error") once every thread has ended. An error in one sets `stop` (the
-    others finish their batch and leave) and is raised at the end."""
+    others finish their batch and leave) and is raised at the end. The threads are daemons: a second SIGTERM / Ctrl-C
+    (KeyboardInterrupt while this waits) ends the process without waiting for them."""
     reasons: dict[str, str] = {}
     errors: list[BaseException] = []
 
@@ -114,7 +115,7 @@ def run_explorers(explorers: Sequence["Explorer"], stop: threading.Event,
             explorer.close(reason)
             log.info("run %s: %s after %d groups", explorer.topics.run, reason, explorer.stats.groups)
 
-    threads = [threading.Thread(target=one, args=(e, idle_s), name=e.topics.run)
+    threads = [threading.Thread(target=one, args=(e, idle_s), name=e.topics.run, daemon=True)  # a 2nd signal aborts
                for e, idle_s in zip(explorers, exit_when_idle_s)]
     for thread in threads:
         thread.start()
