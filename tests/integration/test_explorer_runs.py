@@ -13,6 +13,7 @@ Every group's `policy_version` is its run's version, every sample's log-probabil
 (and not the other run's), and on SIGTERM the explorer leaves both runs."""
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
@@ -150,7 +151,20 @@ def test_one_explorer_serves_two_runs_with_their_adapters(broker, tiny_model, tm
     assert [m.body["version"] for m in control_a.messages("explorer_weights")] == [3, 4]
     assert [m.body["version"] for m in control_b.messages("explorer_weights")] == [1]
     # log-probs: each run's adapter, not the other's
-    peft = {name: peft_model(tiny_model, adapter) for name, adapter in (("a1", a1), ("a2", a2), ("a3", a3))}
-    assert_generated_by([g for g in exp_a.groups if g.policy_version == 3], peft["a1"], peft["a2"])
-    assert_generated_by([g for g in exp_a.groups if g.policy_version == 4], peft["a3"], peft["a1"])
-    assert_generated_by(exp_b.groups, peft["a2"], peft["a3"])
+    with one_thread():
+        peft = {name: peft_model(tiny_model, adapter) for name, adapter in (("a1", a1), ("a2", a2), ("a3", a3))}
+        assert_generated_by([g for g in exp_a.groups if g.policy_version == 3], peft["a1"], peft["a2"])
+        assert_generated_by([g for g in exp_a.groups if g.policy_version == 4], peft["a3"], peft["a1"])
+        assert_generated_by(exp_b.groups, peft["a2"], peft["a3"])
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread for the ~100 tiny reference forwards: on the loaded 2-core machine they took 50 s with
+    torch's 2 (spinning) threads and 0.8 s with one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
