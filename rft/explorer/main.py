@@ -119,6 +119,9 @@ def run_shared(cfgs: list[Config], *, explorer_id: str, exit_when_idle_s: list[f
                           record_routing=cfgs[0].trainer.routing_replay)
     try:
         slots = adapter_slots(engine, [cfg.run.name for cfg in cfgs])
+        for cfg, slot in zip(cfgs, slots):
+            if cfg.model.lora.init_from:  # the run's version 0: the base and its starting adapter
+                slot.load_weights(cfg.model.lora.init_from, 0)
         explorers = [compose_explorer(cfg, explorer_id=explorer_id, engine=slot) for cfg, slot in zip(cfgs, slots)]
         run_explorers(explorers, stop, exit_when_idle_s)
         return 0

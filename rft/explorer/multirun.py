@@ -22,6 +22,7 @@ mode without explorers, and two configs of one run (same name, topics or weight 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -89,8 +90,10 @@ def _check_run(source: str, cfg: "Config") -> None:
 def engine_sections(runs: Sequence["Config"]) -> tuple["ExplorerConfig", "ModelConfig"]:
     """The sections the shared engine is built from: the first run's explorer section and the model section of the
     run with the largest LoRA rank (the engine takes adapters up to it; the keys the engine reads otherwise agree,
-    `check_runs`)."""
-    return runs[0].explorer, max(runs, key=lambda c: c.model.lora.rank).model
+    `check_runs`), without its `lora.init_from`: each run's starting adapter is its own slot's version 0, loaded into
+    that slot (`run_shared`), never the engine's default adapter, which a slot without an adapter would use."""
+    model = max(runs, key=lambda c: c.model.lora.rank).model
+    return runs[0].explorer, dataclasses.replace(model, lora=dataclasses.replace(model.lora, init_from=""))
 
 
 def run_explorers(explorers: Sequence["Explorer"], stop: threading.Event,

@@ -81,6 +81,15 @@ def test_the_engine_takes_every_runs_rank(runs):
     assert explorer is cfgs[0].explorer and model.lora.rank == 32
 
 
+def test_the_shared_engine_starts_without_any_runs_starting_adapter(runs):
+    """Each run's `lora.init_from` is its own slot's version 0 (rft/explorer/main.py `run_shared`): the engine's
+    default adapter, which a slot without one generates with, must not be one run's."""
+    a, b = runs({"model": {"lora": {"rank": 32, "init_from": "/adapters/b"}}})
+    cfgs = [load_run_config(p) for p in (a, b)]
+    _, model = engine_sections(cfgs)
+    assert model.lora.rank == 32 and model.lora.init_from == "" and cfgs[1].model.lora.init_from == "/adapters/b"
+
+
 def test_a_shared_engine_takes_adapter_versions_only(tiny_model, tmp_path):
     from tests.lora_adapters import make_peft_adapter
 
