@@ -26,8 +26,9 @@ Contract (what the durable broker's guarantees rest on):
 - One server per ROOT: a second one on the same directory would break the conditional writes (the broker holds a
   lock on its data directory, rft/broker/local.py).
 
-`python -m rft.broker.objects ROOT [--port 0] [--ready-file PATH]`: serves until SIGTERM / SIGINT; with --ready-file, the
-port it listens on is written there (atomically) once it accepts connections.
+`python -m rft.broker.objects ROOT [--port 0] [--ready-file PATH] [--access-log PATH]`: serves until SIGTERM / SIGINT;
+with --ready-file, the port it listens on is written there (atomically) once it accepts connections; with
+--access-log, one line per request is appended there, `METHOD /BUCKET/KEY?QUERY STATUS` (tests count GETs with it).
 """
 from __future__ import annotations
 
@@ -276,9 +277,14 @@ def _iso(epoch: float) -> str:
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     store: ObjectStore  # set on the subclass that `serve` makes
+    access_log: "AccessLog | None" = None  # ... and, with --access-log, this
 
     def log_message(self, fmt, *args):  # quiet: Tansu makes thousands of requests
         pass
+
+    def log_request(self, code="-", size="-"):
+        if self.access_log is not None:
+            self.access_log.write(f"{self.command} {self.path} {int(code) if str(code).isdigit() else code}")
 
     def _split(self) -> tuple[str, str, dict[str, list[str]]]:
         url = urlsplit(self.path)
@@ -462,10 +468,25 @@ def _range(header: str, size: int) -> tuple[int, int]:
     return start, end
 
 
-def serve(root: str | os.PathLike, host: str = "127.0.0.1", port: int = 0, fsync: bool = True) -> ThreadingHTTPServer:
-    """A bound (not yet serving) server on `root`; `server.server_address[1]` is its port."""
+class AccessLog:
+    """Lines appended to a file, one per request, flushed as they come (threads share it)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self._file = open(path, "a", buffering=1)
+        self._lock = threading.Lock()
+
+    def write(self, line: str) -> None:
+        with self._lock:
+            self._file.write(line + "\n")
+
+
+def serve(root: str | os.PathLike, host: str = "127.0.0.1", port: int = 0, fsync: bool = True,
+          access_log: str | os.PathLike | None = None) -> ThreadingHTTPServer:
+    """A bound (not yet serving) server on `root`; `server.server_address[1]` is its port. `access_log`: a file to
+    append one line per request to (`METHOD PATH STATUS`)."""
     store = ObjectStore(root, fsync=fsync)
-    handler = type("BoundHandler", (Handler,), {"store": store})
+    handler = type("BoundHandler", (Handler,), {"store": store,
+                                               "access_log": AccessLog(access_log) if access_log else None})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     return server
@@ -479,9 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-file", default=None, help="write the port here once listening")
     parser.add_argument("--no-fsync", action="store_true", help="do not fsync (faster; a power loss may lose "
                         "acknowledged writes)")
+    parser.add_argument("--access-log", default=None, help="append one line per request here: METHOD PATH STATUS")
     args = parser.parse_args(argv)
     try:
-        server = serve(args.root, args.host, args.port, fsync=not args.no_fsync)
+        server = serve(args.root, args.host, args.port, fsync=not args.no_fsync, access_log=args.access_log)
     except OSError as e:
         print(f"rft s3store: cannot serve {args.root} on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1

@@ -76,6 +76,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_MISSING = (NotFoundError, FileNotFoundError)  # obstore raises the builtin one for a 404
 _VERSION_PREFIX = re.compile(r"v(\d{8})/")
 MAX_DELTA_FRACTION = 0.5  # a shard's delta larger than this fraction of the shard is not written (float32: ~100 %)
 UPLOADS_IN_FLIGHT = 4  # shards serialised and uploaded concurrently (each holds its bytes in memory)
@@ -128,7 +129,7 @@ class BucketStore:
         try:
             obstore.head(self.objects, f"{version_dirname(version)}/{MANIFEST}")
             return True
-        except NotFoundError:
+        except _MISSING:
             return False
 
     def local(self, version: int, location: str | os.PathLike | None = None, *, checksums: bool = True) -> Path:
@@ -162,7 +163,7 @@ class BucketStore:
         key = f"{version_dirname(version)}/{name}"
         try:
             return bytes(obstore.get(self.objects, key).bytes())
-        except NotFoundError:
+        except _MISSING:
             raise FileNotFoundError(f"{self.root}/{key} is not there") from None
 
     def download(self, version: int, name: str, out: Path) -> str:
@@ -174,7 +175,7 @@ class BucketStore:
                 for chunk in obstore.get(self.objects, key).stream(min_chunk_size=8 << 20):
                     digest.update(chunk)
                     f.write(chunk)
-        except NotFoundError:
+        except _MISSING:
             out.unlink(missing_ok=True)
             raise FileNotFoundError(f"{self.root}/{key} is not there") from None
         return digest.hexdigest()
@@ -350,7 +351,7 @@ class BucketStore:
         try:
             result = obstore.get(self.objects, LATEST)
             text = bytes(result.bytes()).decode(errors="replace").strip()
-        except NotFoundError:
+        except _MISSING:
             return None
         if not text.isdigit():
             raise WeightStoreError(f"{self.root}/{LATEST} is corrupt: {text[:40]!r} is not a version number")
