@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
+from rft.broker.objects import ObjectServer
 from tests.waiting import tail_of, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,15 +32,11 @@ class S3Server:
         workdir.mkdir(parents=True, exist_ok=True)
         self.log = workdir / f"{kind}.log"
         if kind == "rft-objects":
-            ready = workdir / "port"
             self.requests = workdir / "access.log"
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "rft.broker.objects", str(workdir / "data"), "--port", "0", "--no-fsync",
-                 "--ready-file", str(ready), "--access-log", str(self.requests)],
-                cwd=REPO, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
-            port = wait_until(lambda: ready.is_file() and ready.read_text(), timeout=30, what="the object server's port",
-                              alive=[self.process], context=tail_of(self.log))
-        elif kind == "moto":
+            server = ObjectServer(workdir / "data", access_log=self.requests, output=self.log)
+            self.process, self.endpoint = server.process, server.endpoint
+            return
+        if kind == "moto":
             if not MOTO_SERVER.is_file():
                 raise AssertionError(f"moto's S3 server is not installed at {MOTO_SERVER}: run `make moto` "
                                      "(requirements/moto.txt)")
@@ -49,9 +45,9 @@ class S3Server:
                                             stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
             port = wait_until(lambda: _moto_port(self.log), timeout=60, what="moto_server's port",
                               alive=[self.process], context=tail_of(self.log))
-        else:
-            raise ValueError(f"unknown S3 server kind {kind!r}: one of {KINDS}")
-        self.endpoint = f"http://127.0.0.1:{port}"
+            self.endpoint = f"http://127.0.0.1:{port}"
+            return
+        raise ValueError(f"unknown S3 server kind {kind!r}: one of {KINDS}")
 
     def bucket(self, name: str) -> str:
         urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/{name}", method="PUT"), timeout=10).read()

@@ -492,6 +492,45 @@ def serve(root: str | os.PathLike, host: str = "127.0.0.1", port: int = 0, fsync
     return server
 
 
+class ObjectServer:
+    """This server as a child process on loopback (the bucket weight store's tests, `rft bench weights`): `endpoint`
+    (http://127.0.0.1:PORT) once the constructor returns, `bucket(name)` creates a bucket, `stop()`. `access_log`: as
+    --access-log; `output`: where its output goes (a file path; default: discarded). No fsync (scratch data)."""
+
+    def __init__(self, root: str | os.PathLike, *, access_log: str | os.PathLike | None = None,
+                 output: str | os.PathLike | None = None, timeout_s: float = 30.0):
+        import subprocess
+        import time
+
+        ready = Path(root).with_name(Path(root).name + ".port")
+        ready.unlink(missing_ok=True)
+        command = [sys.executable, "-m", "rft.broker.objects", str(root), "--port", "0", "--no-fsync",
+                   "--ready-file", str(ready)] + (["--access-log", str(access_log)] if access_log else [])
+        sink = open(output, "ab") if output else subprocess.DEVNULL
+        self.process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while not (ready.is_file() and ready.read_text()):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the object server on {root} did not start (exit code {self.process.returncode})")
+            time.sleep(0.05)
+        self.endpoint = f"http://127.0.0.1:{ready.read_text()}"
+
+    def bucket(self, name: str) -> str:
+        import urllib.request
+
+        urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/{name}", method="PUT"), timeout=10).read()
+        return name
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: it did not stop
+            self.process.kill()
+            self.process.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rft.broker.objects", description=__doc__.split("\n")[0])
     parser.add_argument("root", help="directory holding the buckets (created if missing)")

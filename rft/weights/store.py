@@ -568,12 +568,13 @@ def gather_stages(staging: Staging, wait_s: float, *, read: Callable[[str], byte
 
 def model_files(hf_dir: str | os.PathLike) -> list[Path]:
     """The files of a Hugging Face model directory that go beside each version's weights (config, tokenizer,
-    generation config: everything but weights and weight indexes); WeightStoreError without a config.json."""
+    generation config: everything but weights, weight indexes and a weight store's manifest: `hf_dir` may be a
+    version); WeightStoreError without a config.json."""
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise WeightStoreError(f"{hf_dir} has no config.json (hf_dir must be a Hugging Face model directory)")
     return sorted(item for item in hf_dir.iterdir() if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES)
-                  and item.name not in _WEIGHT_INDEXES)
+                  and item.name not in (*_WEIGHT_INDEXES, MANIFEST))
 
 
 def adapter_tensors(buckets: Iterable[dict[str, "torch.Tensor"]]) -> dict[str, "torch.Tensor"]:
