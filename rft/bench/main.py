@@ -16,6 +16,7 @@ BENCHMARKS = {
     "micro-batches": "rft.bench.micro_batches:main",
     "reload": "rft.bench.reload:main",
     "weights": "rft.bench.weights:main",
+    "delivery": "rft.bench.delivery:main",
 }
 
 

@@ -4,7 +4,8 @@ configs/smollm2-arithmetic.yaml --set run.max_steps=6 --set sync.keep_versions=1
 
 Every version is cast to `--dtype`, grouped into `--bucket-mb` shards in name order (as the trainer's buckets: the same
 composition every version), and published to rft's object server on loopback (rft.broker.objects, a subprocess) twice:
-into a plain store and into one with sparse deltas (`sync.delta`, no periodic full version). Per version it reports:
+into a plain store and into one with sparse deltas (`sync.delta`, no periodic full version; every delta written,
+even past half its shard, where a run's store would not write it, so that its size is known). Per version it reports:
 - full_mb, delta_mb, delta_fraction: bytes of the version's shards, of its deltas, and their ratio (the bytes a host
   that holds the previous version fetches, against a full version);
 - publish_s, publish_delta_s: the store write without and with deltas (serialise, hash, encode, upload);
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -76,7 +78,8 @@ def _measure(args, source: WeightStore, versions: list[int], server: ObjectServe
     def store(prefix: str, cache: str, **kw) -> BucketStore:
         return BucketStore(f"s3://bench/{prefix}", endpoint=server.endpoint, cache_dir=work / cache, keep=3, **kw)
 
-    plain, sparse = store("plain", "writer-plain"), store("sparse", "writer-sparse", delta=True, full_every=10**9)
+    plain = store("plain", "writer-plain")  # every delta written, so that its size is measured (a store does not
+    sparse = store("sparse", "writer-sparse", delta=True, full_every=10**9, max_delta_fraction=math.inf)  # past 1/2)
     apply_delta = store("sparse", "reader-delta")  # a host that holds every previous version
     rows = []
     for version in versions:

@@ -88,11 +88,13 @@ def is_bucket_url(location: str) -> bool:
 
 class BucketStore:
     """The weight store on S3 (module docstring). `keep`: versions retained (>= 1); `delta`/`full_every`: write sparse
-    deltas (module docstring); `cache_dir`: this host's cache directory (rft.weights.cache), created on first read;
-    `endpoint`/`region`: override the environment's (module docstring)."""
+    deltas (module docstring), each only when smaller than `max_delta_fraction` of its shard; `cache_dir`: this host's
+    cache directory (rft.weights.cache), created on first read; `endpoint`/`region`: override the environment's
+    (module docstring)."""
 
     def __init__(self, url: str, *, keep: int = 2, cache_dir: str | os.PathLike | None = None, delta: bool = False,
-                 full_every: int = 10, endpoint: str = "", region: str = ""):
+                 full_every: int = 10, endpoint: str = "", region: str = "",
+                 max_delta_fraction: float = MAX_DELTA_FRACTION):
         if keep < 1 or full_every < 1:
             raise WeightStoreError(f"keep and full_every must be >= 1, got {keep} and {full_every}")
         try:
@@ -100,7 +102,7 @@ class BucketStore:
         except ValueError as e:
             raise WeightStoreError(str(e)) from None
         self.root = f"{S3_SCHEME}{bucket}/{prefix}".rstrip("/")
-        self.keep, self.delta, self.full_every = keep, delta, full_every
+        self.keep, self.delta, self.full_every, self.max_delta_fraction = keep, delta, full_every, max_delta_fraction
         endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL", "") or os.environ.get("AWS_ENDPOINT", "")
         config = {key: value for key, value in (("endpoint", endpoint), ("region", region)) if value}
         self.objects = S3Store(bucket, prefix=prefix or None, config=config,
@@ -320,7 +322,7 @@ class BucketStore:
         if base is not None:
             encoded = deltas.encode(shard, base[0], tensors, base_sha256=base[1][CHECKSUM],
                                     new_header=deltas.header_bytes(data), new_size=len(data))
-            if encoded is not None and len(encoded) < MAX_DELTA_FRACTION * len(data):
+            if encoded is not None and len(encoded) < self.max_delta_fraction * len(data):
                 delta_entry = self._put(version, shard + deltas.SUFFIX, encoded)
         return shard, entry, delta_entry, tensors
 
