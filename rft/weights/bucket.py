@@ -64,6 +64,7 @@ from rft.weights.store import (
     WeightStoreError,
     adapter_tensors,
     bytes_entry,
+    check_publish,
     gather_stages,
     model_files,
     stage_failed,
@@ -217,12 +218,7 @@ class BucketStore:
     def publish(self, version: int, buckets: Iterable[dict[str, "torch.Tensor"]], hf_dir: str | os.PathLike | None,
                 *, staging: Staging | None = None, wait_s: float = 120.0, adapter_config: dict | None = None) -> str:
         """Write one version (WeightStore.publish's contract, on S3: module docstring); returns its location."""
-        if adapter_config is not None and staging is not None:
-            raise WeightStoreError(f"version {version}: a LoRA adapter is written whole by one rank, not per stage")
-        if version < 0:
-            raise WeightStoreError(f"version must be >= 0, got {version}")
-        if staging is not None and staging.version != version:
-            raise WeightStoreError(f"publish of version {version} got the staging of version {staging.version}")
+        check_publish(version, staging, adapter_config)
         if staging is None and self.has(version):
             log.info("weight store: version %d already published at %s", version, self.location(version))
             self._advance_latest(version)

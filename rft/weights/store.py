@@ -244,12 +244,7 @@ class WeightStore:
         every other stage's manifest is in (see the module docstring; `wait_s`: seconds without progress).
         `adapter_config` (a PEFT adapter_config.json as a dict): the version is that LoRA adapter, its tensors in one
         `adapter_model.safetensors` (no staging, no model files)."""
-        if adapter_config is not None and staging is not None:
-            raise WeightStoreError(f"version {version}: a LoRA adapter is written whole by one rank, not per stage")
-        if version < 0:
-            raise WeightStoreError(f"version must be >= 0, got {version}")
-        if staging is not None and staging.version != version:
-            raise WeightStoreError(f"publish of version {version} got the staging of version {staging.version}")
+        check_publish(version, staging, adapter_config)
         final = self.path(version)
         if staging is None and final.exists():
             log.info("weight store: version %d already published at %s", version, final)
@@ -494,6 +489,16 @@ def first_non_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             return name
     return None
+
+
+def check_publish(version: int, staging: Staging | None, adapter_config: dict | None) -> None:
+    """WeightStoreError when a publish's arguments do not go together (either store's `publish`)."""
+    if adapter_config is not None and staging is not None:
+        raise WeightStoreError(f"version {version}: a LoRA adapter is written whole by one rank, not per stage")
+    if version < 0:
+        raise WeightStoreError(f"version must be >= 0, got {version}")
+    if staging is not None and staging.version != version:
+        raise WeightStoreError(f"publish of version {version} got the staging of version {staging.version}")
 
 
 def stage_manifest(stage: int) -> str:

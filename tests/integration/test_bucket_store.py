@@ -32,15 +32,6 @@ def s3(request, tmp_path, monkeypatch):
     server.stop()
 
 
-@pytest.fixture
-def hf_dir(tmp_path):
-    d = tmp_path / "hf"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    (d / "tokenizer.json").write_text("{}")
-    return d
-
-
 def open_bucket(s3, tmp_path, **kw) -> BucketStore:
     return BucketStore("s3://weights/runs/r1", endpoint=s3.endpoint, cache_dir=tmp_path / kw.pop("cache", "cache"),
                        **kw)
