@@ -16,9 +16,9 @@ Contract:
   only if its SHA-256 is the manifest's, else (3) downloaded. A downloaded file that does not match the manifest
   refuses the version (WeightStoreError); a delta that is malformed or does not reproduce its file bit for bit is
   counted (`stats["delta_fallbacks"]`), logged, and the file is downloaded instead.
-- Many processes: `materialize` returns a complete version without locking when it is there; otherwise it takes the
-  lock, looks again (another process may have just built it) and builds it. So the explorers of a host fetch each
-  version once.
+- Many processes: `materialize` returns a complete version without locking when it is there (and its files have
+  the manifest's sizes: a version a crash left short is removed and built again); otherwise it takes the lock, looks
+  again (another process may have just built it) and builds it. So the explorers of a host fetch each version once.
 - Garbage collection (under the lock, after each build) keeps the newest `keep` versions (>= 2: the newest is the
   next delta's base); a doomed version is renamed out of the `vNNNNNNNN` namespace before it is removed, so a reader
   sees it whole or not at all; an engine that loses that race gets FileNotFoundError and the explorer takes the
@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -75,6 +76,11 @@ class HostCache:
         self.directory, self.source, self.keep = Path(directory), source, max(keep, 2)
         self.stats = dict.fromkeys(("versions_built", "files_downloaded", "files_linked", "deltas_applied",
                                     "delta_fallbacks", "bytes_downloaded", "delta_bytes"), 0)
+        self._stats_lock = threading.Lock()
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self._stats_lock:  # the transfer threads count too
+            self.stats[key] += n
 
     def path(self, version: int) -> Path:
         return self.directory / version_dirname(version)
@@ -89,21 +95,33 @@ class HostCache:
         """The cached, complete directory of `version`, built first if needed (module docstring).
         FileNotFoundError when the store does not have it (not yet, or any more)."""
         path = self.path(version)
-        if (path / MANIFEST).is_file():
+        if self._whole(path):
             return path
         with self._locked():
-            if (path / MANIFEST).is_file():  # another process built it while this one waited
+            if self._whole(path):  # another process built it while this one waited
                 return path
+            if path.exists():  # short files (a crash after the rename): out of the namespace first, then rebuilt
+                os.rename(path, self.directory / f".trash-{version_dirname(version)}-{uuid.uuid4().hex[:8]}")
             self._remove_leftovers()
             started, before = time.monotonic(), dict(self.stats)
             self._build(version, path, checksums=checksums)
-            self.stats["versions_built"] += 1
+            self.count("versions_built")
             self._collect_garbage()
         done = {k: self.stats[k] - before[k] for k in self.stats}
         log.info("weights cache: version %d built in %.2f s (%d MB downloaded, %d deltas applied, %d fallbacks, "
                  "%d files linked)", version, time.monotonic() - started, done["bytes_downloaded"] // 10**6,
                  done["deltas_applied"], done["delta_fallbacks"], done["files_linked"])
         return path
+
+    def _whole(self, path: Path) -> bool:
+        """Whether the cached version at `path` is there with every file of its manifest at its size (a stat each)."""
+        manifest = self._cached_manifest(version_of(path))
+        if manifest is None:
+            return False
+        try:
+            return all((path / name).stat().st_size == entry.get("size") for name, entry in manifest["files"].items())
+        except (OSError, AttributeError, TypeError):
+            return False
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -179,15 +197,15 @@ class _Plan:
         if source is not None:
             try:
                 os.link(source, out)
-                self.cache.stats["files_linked"] += 1
+                self.cache.count("files_linked")
                 return
             except FileNotFoundError:
                 pass  # collected meanwhile (only by this lock's holder, so not now): fetch it
         if name in self.deltas and self._from_delta(name, entry, out):
             return
         digest = self.cache.source.download(self.version, name, out)
-        self.cache.stats["files_downloaded"] += 1
-        self.cache.stats["bytes_downloaded"] += out.stat().st_size
+        self.cache.count("files_downloaded")
+        self.cache.count("bytes_downloaded", out.stat().st_size)
         if digest != entry.get(CHECKSUM) or out.stat().st_size != entry.get("size"):
             raise WeightStoreError(f"{self.cache.source.root} version {self.version}: {name} does not match the "
                                    f"manifest ({CHECKSUM} or size): corrupted or rewritten")
@@ -199,8 +217,8 @@ class _Plan:
             if base_entry is None:
                 raise deltas.DeltaError(f"version {self.base_version} has no {name}")
             data = self.cache.source.read(self.version, name + deltas.SUFFIX)
-            self.cache.stats["bytes_downloaded"] += len(data)
-            self.cache.stats["delta_bytes"] += len(data)
+            self.cache.count("bytes_downloaded", len(data))
+            self.cache.count("delta_bytes", len(data))
             if bytes_entry(data) != self.deltas[name]:
                 raise deltas.DeltaError("the delta does not match its manifest entry")
             deltas.apply(data, self.cache.path(self.base_version) / name, out, base_sha256=base_entry[CHECKSUM])
@@ -208,10 +226,10 @@ class _Plan:
                 out.unlink()
                 raise deltas.DeltaError("the rebuilt file does not match the manifest")
         except (deltas.DeltaError, FileNotFoundError, OSError) as e:
-            self.cache.stats["delta_fallbacks"] += 1
+            self.cache.count("delta_fallbacks")
             log.warning("weights cache: version %d: %s from the delta failed, downloading it whole: %s", self.version,
                         name, e)
             return False
-        self.cache.stats["deltas_applied"] += 1
+        self.cache.count("deltas_applied")
         return True
 
