@@ -375,7 +375,7 @@ class SyncConfig:
     push_host: str = ""
     push_port: int = 0  # push: the group's TCP port on that host (0: a free one, announced on the control topic)
     push_allow: list[str] = field(default_factory=list)  # push: the hosts an explorer accepts a push-group announcement from (empty: sync.push_host, else this host only); docs/operations.md, Trust
-    verify: bool = True  # pull: an explorer checks each version's SHA-256 checksums against the store's manifest before loading it (sizes are always checked)
+    verify: bool = True  # pull: an explorer checks each version's SHA-256 checksums against the store's manifest before loading it (sizes are always checked; a bucket store's host cache always checks checksums, and with verify also scans for NaN / infinity)
     push_transport: Literal["auto", "rft", "vllm"] = "auto"  # push: vllm = vLLM's NCCL weight transfer, rft = rft's broadcast; auto: vllm with CUDA and explorer.engine vllm, else rft
 
 
