@@ -83,10 +83,6 @@ MAX_DELTA_FRACTION = 0.5  # a shard's delta larger than this fraction of the sha
 UPLOADS_IN_FLIGHT = 4  # shards serialised and uploaded concurrently (each holds its bytes in memory)
 
 
-def is_bucket_url(location: str) -> bool:
-    return location.startswith(S3_SCHEME)
-
-
 class BucketStore:
     """The weight store on S3 (module docstring). `keep`: versions retained (>= 1); `delta`/`full_every`: write sparse
     deltas (module docstring), each only when smaller than `max_delta_fraction` of its shard; `cache_dir`: this host's

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Protocol
 
-from rft.weights.bucket import BucketStore, is_bucket_url
+from rft.config import S3_SCHEME
 from rft.weights.store import Staging, WeightStore, store_root
 
 if TYPE_CHECKING:
@@ -40,7 +40,9 @@ def open_store(sync: "SyncConfig", run_dir: str | os.PathLike) -> VersionStore:
     """The store `sync.weight_store` names: an `s3://BUCKET/PREFIX` URL (with `sync.s3_endpoint`, `sync.s3_region`,
     `sync.cache_dir`, `sync.delta`, `sync.full_every`), else a directory (default `<run dir>/weights`, created);
     keeping `sync.keep_versions` versions."""
-    if is_bucket_url(sync.weight_store):
+    if sync.weight_store.startswith(S3_SCHEME):
+        from rft.weights.bucket import BucketStore  # heavy: obstore (only s3:// stores; not in gpu-check wheels)
+
         return BucketStore(sync.weight_store, keep=sync.keep_versions, cache_dir=sync.cache_dir or None,
                            delta=sync.delta, full_every=sync.full_every, endpoint=sync.s3_endpoint,
                            region=sync.s3_region)
@@ -49,6 +51,6 @@ def open_store(sync: "SyncConfig", run_dir: str | os.PathLike) -> VersionStore:
 
 def store_exists(sync: "SyncConfig", run_dir: str | os.PathLike) -> bool:
     """Whether the run's store may hold versions, without creating a directory store (readers such as `rft eval`)."""
-    if is_bucket_url(sync.weight_store):
+    if sync.weight_store.startswith(S3_SCHEME):
         return True
     return store_root(sync, run_dir).is_dir()
