@@ -61,7 +61,7 @@ from rft.schema import RewardRange
 from rft.transport import DeadLetter, Transport, TransportError, connect, lag
 from rft.transport.control import ExplorerHeartbeat, ExplorerJoin, ExplorerLeave, ExplorerWeights, Kind
 from rft.transport.run_topics import RunTopics
-from rft.weights.store import WeightStore
+from rft.weights.stores import VersionStore
 from rft.weights.subscriber import PushAllowList, PushMembership, WeightUpdates, load_newest_weights
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ class Explorer:
     then the mode's loop (`run` does all three), `close` last."""
 
     def __init__(self, explorer: ExplorerConfig, *, kafka: KafkaConfig, sync: SyncConfig, topics: RunTopics,
-                 store: WeightStore, explorer_id: str, engine: "Engine", workflow: "Workflow",
+                 store: VersionStore, explorer_id: str, engine: "Engine", workflow: "Workflow",
                  admission: Admission | None = None, prometheus: "MetricsEndpoint | None" = None,
                  transport: Transport | None = None):
         self.config, self.kafka, self.topics = explorer, kafka, topics

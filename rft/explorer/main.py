@@ -28,7 +28,7 @@ from rft.run.commandline import add_config_arguments, config_from_args, install_
 from rft.run.monitor import metrics_endpoint
 from rft.transport import Transport, connect, probe_bootstrap
 from rft.transport.run_topics import RunTopics
-from rft.weights.store import WeightStore
+from rft.weights.stores import open_store
 from rft.workflows import build_workflow
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ def build_explorer(cfg: Config, *, explorer_id: str, engine: "Engine", workflow:
     """Compose an Explorer from the root config: its sections, the run's topics and weight store, the metrics
     endpoint `monitor.prometheus_port` asks for; `transport` defaults to `connect(cfg.kafka)`."""
     return Explorer(cfg.explorer, kafka=cfg.kafka, sync=cfg.sync, topics=RunTopics.of(cfg),
-                    store=WeightStore.for_sync(cfg.sync, cfg.run_dir), explorer_id=explorer_id, engine=engine,
+                    store=open_store(cfg.sync, cfg.run_dir), explorer_id=explorer_id, engine=engine,
                     workflow=workflow, admission=admission, transport=transport,
                     prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="explorer", instance=explorer_id))
 

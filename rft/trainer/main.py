@@ -67,7 +67,8 @@ from rft.trainer.staleness import StalenessTracker
 from rft.transport import RecordSink, Transport, TransportError, connect, lag
 from rft.transport.control import Kind, TrainerFinished, TrainerStarted, TrainerWaiting
 from rft.weights.publisher import StagePublisher, WeightPublisher
-from rft.weights.store import Staging, WeightStore, store_root
+from rft.weights.store import Staging
+from rft.weights.stores import VersionStore, open_store
 from rft.weights.vllm_transfer import push_transport
 
 WAIT_ANNOUNCE_S = 2.0
@@ -194,7 +195,7 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict,
     if demonstrations is not None:
         io.demonstrations_opener = lambda state: _open_demonstrations(cfg, demonstrations.topic_of(cfg), transport,
                                                                       state)
-    io.weights = WeightPublisher(cfg.sync, store=WeightStore.for_sync(cfg.sync, cfg.run_dir), announce=io.announce,
+    io.weights = WeightPublisher(cfg.sync, store=open_store(cfg.sync, cfg.run_dir), announce=io.announce,
                                  hf_dir=cfg.model.path,
                                  push_members=cfg.explorer.replicas * cfg.explorer.tensor_parallel_size,
                                  transport=push_transport(cfg.sync, cfg.explorer, lora=cfg.model.lora.rank > 0))
@@ -294,6 +295,7 @@ class Trainer:
         self._last_checkpoint = self.step
         self._weights_s: float | None = None  # seconds the newest publish held up the trainer
         self._stage_weights: StagePublisher | None = None  # a later pipeline stage's publishing rank (pull path)
+        self._weight_store: VersionStore | None = None  # this rank's handle on the store (_stage_store)
         self.replay, self._replayed, self._reuse = None, [], []  # rank 0: the replay buffer, this step's replays
         self.io: TrainerIO | None = None
         if self.is_reader:
@@ -487,11 +489,19 @@ class Trainer:
             staging = weights.store.stage(version, self.policy.layout.pp) if weights.method == "pull" else None
             plan = [staging.to_json()] if staging is not None else []
         plan = dist_io.broadcast_bytes(plan)
-        return Staging.from_json(store_root(self.sync, self.run_dir), plan[0]) if plan else None
+        return self._stage_store().staging_from_json(plan[0]) if plan else None
+
+    def _stage_store(self) -> VersionStore:
+        """This rank's handle on the run's weight store, opened once (a bucket store keeps the delta base of the shards
+        this rank writes): rank 0's publisher's, or one of its own on a later stage's publishing rank."""
+        if self._weight_store is None:
+            weights = self.io.weights if self.is_reader else None
+            self._weight_store = weights.store if weights is not None else open_store(self.sync, self.run_dir)
+        return self._weight_store
 
     def _stage_publisher(self) -> StagePublisher:
         if self._stage_weights is None:
-            self._stage_weights = StagePublisher(self.sync, store=WeightStore.for_sync(self.sync, self.run_dir),
+            self._stage_weights = StagePublisher(self.sync, store=self._stage_store(),
                                                  stage=self.policy.layout.pp_rank)
         return self._stage_weights
 
