@@ -26,6 +26,9 @@ The contract is the directory store's, on S3:
 One writer per prefix (the trainer's publishing ranks); any number of readers. Readers never load from the bucket:
 each host's cache (rft.weights.cache) fetches a version once, or builds it from the version before and the deltas,
 checks it against the manifest and hands engines a local directory.
+Code: `BucketStore` reads (versions, LATEST, a version's objects, this host's cache) and hands `stage`, `write_stage`
+and `publish` to its `writer`, a `BucketWriter` (uploads, deltas and their base, LATEST by compare-and-swap, garbage
+collection).
 
 The client is obstore (Rust's object_store: conditional puts by ETag, streaming and concurrent transfers, no Python
 dependencies; boto3's botocore pins python-dateutil < 3, which this environment's pins exclude). Endpoint and region
@@ -65,8 +68,13 @@ from rft.weights.store import (
     adapter_tensors,
     bytes_entry,
     check_publish,
+    check_stage,
+    check_stage_count,
+    failure_reason,
     gather_stages,
+    index_json,
     model_files,
+    shard_tensors,
     stage_failed,
     stage_manifest,
     version_dirname,
@@ -87,7 +95,8 @@ class BucketStore:
     """The weight store on S3 (module docstring). `keep`: versions retained (>= 1); `delta`/`full_every`: write sparse
     deltas (module docstring), each only when smaller than `max_delta_fraction` of its shard; `cache_dir`: this host's
     cache directory (rft.weights.cache), created on first read; `endpoint`/`region`: override the environment's
-    (module docstring)."""
+    (module docstring). Two parts: this class reads (what is published, LATEST, the objects of a version, through
+    this host's cache) and `writer`, a BucketWriter, publishes; `stage`, `write_stage` and `publish` hand over to it."""
 
     def __init__(self, url: str, *, keep: int = 2, cache_dir: str | os.PathLike | None = None, delta: bool = False,
                  full_every: int = 10, endpoint: str = "", region: str = "",
@@ -99,7 +108,7 @@ class BucketStore:
         except ValueError as e:
             raise WeightStoreError(str(e)) from None
         self.root = f"{S3_SCHEME}{bucket}/{prefix}".rstrip("/")
-        self.keep, self.delta, self.full_every, self.max_delta_fraction = keep, delta, full_every, max_delta_fraction
+        self.keep, self.delta = keep, delta
         endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL", "") or os.environ.get("AWS_ENDPOINT", "")
         config = {key: value for key, value in (("endpoint", endpoint), ("region", region)) if value}
         self.objects = S3Store(bucket, prefix=prefix or None, config=config,
@@ -107,8 +116,7 @@ class BucketStore:
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self._cache: HostCache | None = None
         self._cache_key = hashlib.sha256(f"{endpoint}|{self.root}".encode()).hexdigest()[:16]
-        self._base: tuple[int, dict[str, tuple[dict, dict]]] | None = None  # version, shard -> (tensors, entry)
-        self._base_lock = threading.Lock()
+        self.writer = BucketWriter(self, full_every=full_every, max_delta_fraction=max_delta_fraction)
 
     # -- reading
     def location(self, version: int) -> str:
@@ -117,12 +125,12 @@ class BucketStore:
 
     def latest(self) -> tuple[int, str] | None:
         """(version, location) that LATEST names, or None before the first publish."""
-        found = self._read_latest()
+        found = self.read_latest()
         return None if found is None else (found[0], self.location(found[0]))
 
     def versions(self) -> list[int]:
         """Published versions present now (those with a manifest), ascending."""
-        return [v for v in self._version_prefixes() if self.has(v)]
+        return [v for v in self.version_prefixes() if self.has(v)]
 
     def has(self, version: int) -> bool:
         try:
@@ -179,26 +187,71 @@ class BucketStore:
             raise FileNotFoundError(f"{self.root}/{key} is not there") from None
         return digest.hexdigest()
 
-    # -- writing
+    def read_latest(self) -> tuple[int, str] | None:
+        """(version, ETag) of LATEST, None when absent; WeightStoreError when it is not a version number."""
+        try:
+            result = obstore.get(self.objects, LATEST)
+            text = bytes(result.bytes()).decode(errors="replace").strip()
+        except _MISSING:
+            return None
+        if not text.isdigit():
+            raise WeightStoreError(f"{self.root}/{LATEST} is corrupt: {text[:40]!r} is not a version number")
+        return int(text), result.meta["e_tag"]
+
+    def version_prefixes(self) -> list[int]:
+        """The versions that have objects under their prefix (published or not: a version without its manifest is
+        being written, or its publish died), ascending."""
+        found = obstore.list_with_delimiter(self.objects)
+        names = (_VERSION_PREFIX.fullmatch(p.rstrip("/") + "/") for p in found["common_prefixes"])
+        return sorted(int(m.group(1)) for m in names if m)
+
+    def keys(self, prefix: str) -> list[str]:
+        """The keys of every object under `prefix` (relative to the store's prefix)."""
+        return [meta["path"] for chunk in obstore.list(self.objects, prefix) for meta in chunk]
+
+    # -- publishing (BucketWriter)
+    def staging_from_json(self, data: bytes) -> Staging:
+        """The staging another rank's `Staging.to_json` describes: the version's key prefix."""
+        body = json.loads(data.decode())
+        return Staging(version=int(body["version"]), dir=PurePosixPath(body["dir"]), stages=int(body["stages"]))
+
     def stage(self, version: int, stages: int) -> Staging | None:
         """Open `version` for per-stage publishing: the stages write under its prefix (module docstring). None when
         it is published already."""
-        if version < 0 or stages < 1:
-            raise WeightStoreError(f"need version >= 0 and stages >= 1, got version {version}, stages {stages}")
-        if self.has(version):
-            return None
-        return Staging(version=version, dir=PurePosixPath(version_dirname(version)), stages=stages)
-
-    def staging_from_json(self, data: bytes) -> Staging:
-        body = json.loads(data.decode())
-        return Staging(version=int(body["version"]), dir=PurePosixPath(body["dir"]), stages=int(body["stages"]))
+        return self.writer.stage(version, stages)
 
     def write_stage(self, staging: Staging, stage: int, buckets: Iterable[dict[str, "torch.Tensor"]]) -> None:
         """Upload pipeline stage `stage`'s buckets under the version's prefix, then its `.stage-KK.json`; on failure
         `.stage-KK.failed` with the reason, and raises."""
-        if not 0 <= stage < staging.stages:
-            raise WeightStoreError(f"stage {stage} is not one of the {staging.stages} stages of version "
-                                   f"{staging.version}")
+        self.writer.write_stage(staging, stage, buckets)
+
+    def publish(self, version: int, buckets: Iterable[dict[str, "torch.Tensor"]], hf_dir: str | os.PathLike | None,
+                *, staging: Staging | None = None, wait_s: float = 120.0, adapter_config: dict | None = None) -> str:
+        """Write one version (WeightStore.publish's contract, on S3: module docstring); returns its location."""
+        return self.writer.publish(version, buckets, hf_dir, staging=staging, wait_s=wait_s,
+                                   adapter_config=adapter_config)
+
+
+class BucketWriter:
+    """The bucket store's publishing part (the one writer of its prefix, module docstring): uploads stages and
+    versions (every file, then the manifest) with their deltas from the tensors it wrote last (the delta base), moves
+    LATEST forward by compare-and-swap and collects garbage. Its store's `stage`, `write_stage` and `publish` hand
+    over to it; `full_every` and `max_delta_fraction`: when a shard gets a delta (BucketStore)."""
+
+    def __init__(self, store: BucketStore, *, full_every: int, max_delta_fraction: float):
+        self.store, self.objects = store, store.objects
+        self.full_every, self.max_delta_fraction = full_every, max_delta_fraction
+        self._base: tuple[int, dict[str, tuple[dict, dict]]] | None = None  # version, shard -> (tensors, entry)
+        self._base_lock = threading.Lock()
+
+    def stage(self, version: int, stages: int) -> Staging | None:
+        check_stage_count(version, stages)
+        if self.store.has(version):
+            return None
+        return Staging(version=version, dir=PurePosixPath(version_dirname(version)), stages=stages)
+
+    def write_stage(self, staging: Staging, stage: int, buckets: Iterable[dict[str, "torch.Tensor"]]) -> None:
+        check_stage(staging, stage)
         try:
             written = self._write_shards(staging.version, buckets, prefix=f"model-stage{stage:02d}")
             self._put(staging.version, stage_manifest(stage), json.dumps(
@@ -206,19 +259,18 @@ class BucketStore:
                  "weight_map": written.weight_map, "files": written.files, "deltas": written.deltas}).encode())
         except BaseException as e:
             try:
-                self._put(staging.version, stage_failed(stage), f"{type(e).__name__}: {e}"[:2000].encode())
+                self._put(staging.version, stage_failed(stage), failure_reason(e).encode())
             except Exception:  # noqa: BLE001 - the bucket is unreachable: the publishing rank times out instead
                 pass
             raise
 
     def publish(self, version: int, buckets: Iterable[dict[str, "torch.Tensor"]], hf_dir: str | os.PathLike | None,
                 *, staging: Staging | None = None, wait_s: float = 120.0, adapter_config: dict | None = None) -> str:
-        """Write one version (WeightStore.publish's contract, on S3: module docstring); returns its location."""
         check_publish(version, staging, adapter_config)
-        if staging is None and self.has(version):
-            log.info("weight store: version %d already published at %s", version, self.location(version))
-            self._advance_latest(version)
-            return self.location(version)
+        if staging is None and self.store.has(version):
+            log.info("weight store: version %d already published at %s", version, self.store.location(version))
+            self.advance_latest(version)
+            return self.store.location(version)
         try:
             files, delta = self._write_version(version, buckets, hf_dir, staging, wait_s, adapter_config)
             manifest = {"version": version, "algorithm": CHECKSUM, "files": dict(sorted(files.items()))}
@@ -229,12 +281,26 @@ class BucketStore:
             except AlreadyExistsError:
                 log.warning("weight store: version %d was published meanwhile by another writer", version)
         except BaseException:
-            if not self.has(version):
+            if not self.store.has(version):
                 self._delete_version(version, manifest_first=False)
             raise
-        self._advance_latest(version)
+        self.advance_latest(version)
         self._collect_garbage(version)
-        return self.location(version)
+        return self.store.location(version)
+
+    def advance_latest(self, version: int, tries: int = 50) -> None:
+        """LATEST := version unless it names a newer one, by compare-and-swap (module docstring)."""
+        for _ in range(tries):
+            current = self.store.read_latest()
+            if current is not None and current[0] >= version:
+                return
+            mode = "create" if current is None else {"e_tag": current[1]}
+            try:
+                obstore.put(self.objects, LATEST, f"{version}\n".encode(), mode=mode, use_multipart=False)
+                return
+            except (AlreadyExistsError, PreconditionError):
+                continue  # another writer moved it: read again
+        raise WeightStoreError(f"{self.store.root}/{LATEST}: lost the compare-and-swap {tries} times in a row")
 
     def _write_version(self, version, buckets, hf_dir, staging, wait_s, adapter_config) -> tuple[dict, dict]:
         """Upload everything of `version` but its manifest; returns (file -> entry, shard -> delta entry)."""
@@ -252,11 +318,9 @@ class BucketStore:
         else:
             self.write_stage(staging, 0, buckets)
             written = self._gather_stages(staging, wait_s)
-        if not written.weight_map:
-            raise WeightStoreError("publish got no tensors")
-        index = {"metadata": {"total_size": written.total_bytes}, "weight_map": dict(sorted(written.weight_map.items()))}
+        index = index_json(written.weight_map, written.total_bytes)
         files = dict(written.files)
-        files[INDEX] = self._put(version, INDEX, (json.dumps(index, indent=1) + "\n").encode())
+        files[INDEX] = self._put(version, INDEX, index.encode())
         for item in model_files(hf_dir) if hf_dir is not None else []:
             files[item.name] = self._put(version, item.name, item.read_bytes())
         return files, written.deltas
@@ -272,12 +336,8 @@ class BucketStore:
         with ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="rft-upload") as pool:
             for i, bucket in enumerate(buckets):
                 shard = f"{prefix}-{i:05d}.safetensors"
-                tensors = {}
-                for name, tensor in bucket.items():
-                    if name in written.weight_map or name in tensors:
-                        raise WeightStoreError(f"tensor {name!r} appears in more than one bucket")
-                    tensors[name] = tensor.detach().to("cpu").contiguous()
-                    written.total_bytes += tensors[name].numel() * tensors[name].element_size()
+                tensors, size = shard_tensors(bucket, written.weight_map)
+                written.total_bytes += size
                 if not tensors:
                     continue
                 written.weight_map.update(dict.fromkeys(tensors, shard))
@@ -290,7 +350,7 @@ class BucketStore:
                 if delta_entry is not None:
                     written.deltas[shard] = delta_entry
                 kept[shard] = (tensors, entry)
-        if self.delta:
+        if self.store.delta:
             with self._base_lock:  # the next version's base: what was written now (rebuilt by every version)
                 self._base = (version, kept)
         return written
@@ -299,7 +359,7 @@ class BucketStore:
         """The shards (tensors, entry) of version - 1 when a delta against it is due for `version`, else {}."""
         with self._base_lock:
             base = self._base
-        if not self.delta or base is None or base[0] != version - 1 or version % self.full_every == 0:
+        if not self.store.delta or base is None or base[0] != version - 1 or version % self.full_every == 0:
             return {}
         return base[1]
 
@@ -323,13 +383,13 @@ class BucketStore:
         already), then dropped; progress is a new object under the version's prefix."""
         def read(name: str) -> bytes | None:
             try:
-                return self.read(staging.version, name)
+                return self.store.read(staging.version, name)
             except FileNotFoundError:
                 return None
 
         prefix = version_dirname(staging.version) + "/"
-        merged = gather_stages(staging, wait_s, read=read, progress=lambda: len(self._keys(prefix)),
-                               where=self.location(staging.version), reach="does it reach the bucket")
+        merged = gather_stages(staging, wait_s, read=read, progress=lambda: len(self.store.keys(prefix)),
+                               where=self.store.location(staging.version), reach="does it reach the bucket")
         obstore.delete(self.objects, [prefix + stage_manifest(s) for s in range(staging.stages)])
         return merged
 
@@ -339,38 +399,12 @@ class BucketStore:
                     mode="create" if create else None)
         return bytes_entry(data)
 
-    # -- LATEST and garbage collection
-    def _read_latest(self) -> tuple[int, str] | None:
-        """(version, ETag) of LATEST, None when absent; WeightStoreError when it is not a version number."""
-        try:
-            result = obstore.get(self.objects, LATEST)
-            text = bytes(result.bytes()).decode(errors="replace").strip()
-        except _MISSING:
-            return None
-        if not text.isdigit():
-            raise WeightStoreError(f"{self.root}/{LATEST} is corrupt: {text[:40]!r} is not a version number")
-        return int(text), result.meta["e_tag"]
-
-    def _advance_latest(self, version: int, tries: int = 50) -> None:
-        """LATEST := version unless it names a newer one, by compare-and-swap (module docstring)."""
-        for _ in range(tries):
-            current = self._read_latest()
-            if current is not None and current[0] >= version:
-                return
-            mode = "create" if current is None else {"e_tag": current[1]}
-            try:
-                obstore.put(self.objects, LATEST, f"{version}\n".encode(), mode=mode, use_multipart=False)
-                return
-            except (AlreadyExistsError, PreconditionError):
-                continue  # another writer moved it: read again
-        raise WeightStoreError(f"{self.root}/{LATEST}: lost the compare-and-swap {tries} times in a row")
-
     def _collect_garbage(self, published: int) -> None:
         """Keep the newest `keep` versions and LATEST's; drop versions below `published` that have no manifest."""
-        latest = self._read_latest()
-        prefixes = self._version_prefixes()
-        visible = [v for v in prefixes if self.has(v)]
-        doomed = [v for v in visible[:-self.keep] if latest is None or v != latest[0]]
+        latest = self.store.read_latest()
+        prefixes = self.store.version_prefixes()
+        visible = [v for v in prefixes if self.store.has(v)]
+        doomed = [v for v in visible[:-self.store.keep] if latest is None or v != latest[0]]
         doomed += [v for v in prefixes if v < published and v not in visible]
         for v in doomed:
             self._delete_version(v, manifest_first=True)
@@ -379,17 +413,9 @@ class BucketStore:
         prefix = version_dirname(version) + "/"
         if manifest_first:
             obstore.delete(self.objects, prefix + MANIFEST)
-        keys = self._keys(prefix)
+        keys = self.store.keys(prefix)
         for i in range(0, len(keys), 1000):
             obstore.delete(self.objects, keys[i:i + 1000])
-
-    def _version_prefixes(self) -> list[int]:
-        found = obstore.list_with_delimiter(self.objects)
-        names = (_VERSION_PREFIX.fullmatch(p.rstrip("/") + "/") for p in found["common_prefixes"])
-        return sorted(int(m.group(1)) for m in names if m)
-
-    def _keys(self, prefix: str) -> list[str]:
-        return [meta["path"] for chunk in obstore.list(self.objects, prefix) for meta in chunk]
 
 
 def default_cache_dir() -> Path:

@@ -81,7 +81,7 @@ class WeightPublisher:
         """Deliver `version`. Push: returns when every member acked; False when the push failed (the caller
         gathers the buckets again and calls again, which then takes the pull path); a failed push may leave
         `buckets` partly unread, and the caller reads the rest (the trainer's export is a collective:
-        rft.trainer.main.deliver_version). Pull: returns when the
+        rft.trainer.weights.deliver_version). Pull: returns when the
         version is stored and announced, or, with write-behind, once its tensors are copied to host memory (the
         write follows in the background, see the class docstring). `staging`: pull only, per-stage publishing
         (the class docstring)."""

@@ -36,6 +36,12 @@ Invariants (readers on other hosts rely on them):
   check a version against it (`verify_version`) before loading it.
 One writer per root (the trainer's publishing rank, with its pipeline stages' publishing ranks writing into the
 temporary directories it opens); any number of readers.
+
+Code: `WeightStore` reads (versions, LATEST, a checked version directory) and hands `stage`, `write_stage` and
+`publish` to its `writer`, a `DirectoryWriter` (temporary directory, manifest, rename, LATEST, garbage collection).
+The functions below them are the format both stores share with the host cache (rft.weights.cache): manifests and
+`verify_version`, LoRA adapter directories, and per-stage publishing's parts (`Staging`, the stage manifests,
+`gather_stages`, the argument checks).
 """
 from __future__ import annotations
 
@@ -124,7 +130,9 @@ def store_root(sync: "SyncConfig", run_dir: str | os.PathLike) -> Path:
 
 
 class WeightStore:
-    """See the module docstring. `keep` is the number of versions retained (>= 1)."""
+    """See the module docstring. `keep` is the number of versions retained (>= 1). Two parts: this class reads
+    (what is published, where, checked against its manifest) and `writer`, a DirectoryWriter, publishes; `stage`,
+    `write_stage` and `publish` hand over to it."""
     delta = False  # publishes no sparse deltas (a bucket store may: rft.weights.bucket)
 
     def __init__(self, root: str | os.PathLike, *, keep: int = 2):
@@ -133,12 +141,14 @@ class WeightStore:
         self.root = Path(root)
         self.keep = keep
         self.root.mkdir(parents=True, exist_ok=True)
+        self.writer = DirectoryWriter(self)
 
     @classmethod
     def for_sync(cls, sync: "SyncConfig", run_dir: str | os.PathLike) -> "WeightStore":
         """The store `sync.weight_store` names (default `<run dir>/weights`), keeping `sync.keep_versions`."""
         return cls(store_root(sync, run_dir), keep=sync.keep_versions)
 
+    # -- reading
     def path(self, version: int) -> Path:
         return self.root / version_dirname(version)
 
@@ -162,10 +172,6 @@ class WeightStore:
         resolved = self.version_dir(path, version)
         verify_version(resolved, version, checksums=checksums)
         return resolved
-
-    def staging_from_json(self, data: bytes) -> "Staging":
-        """The staging another rank's `Staging.to_json` describes, in this store (as this host sees it)."""
-        return Staging.from_json(self.root, data)
 
     def version_dir(self, path: str | os.PathLike, version: int) -> Path:
         """`path` (a version directory named by someone else: a control-topic announcement) if it is this store's
@@ -199,39 +205,28 @@ class WeightStore:
         version = int(text)
         return version, self.path(version)
 
+    def iter_tensors(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of one published version, shard by shard."""
+        path = self.path(version)
+        if not path.is_dir():
+            raise FileNotFoundError(f"weight store {self.root}: version {version} is not there "
+                                    f"(present: {self.versions()})")
+        return iter_safetensors(path)
+
+    # -- publishing (DirectoryWriter)
+    def staging_from_json(self, data: bytes) -> "Staging":
+        """The staging another rank's `Staging.to_json` describes, in this store (as this host sees it)."""
+        return Staging.from_json(self.root, data)
+
     def stage(self, version: int, stages: int) -> Staging | None:
         """Open `version` for per-stage publishing by `stages` pipeline stages: creates its temporary directory.
         None when the version is published already (then `publish` without staging is a no-op)."""
-        if version < 0 or stages < 1:
-            raise WeightStoreError(f"need version >= 0 and stages >= 1, got version {version}, stages {stages}")
-        if self.path(version).exists():
-            return None
-        staging = Staging(version=version, dir=self._temporary(version), stages=stages)
-        staging.dir.mkdir()
-        return staging
+        return self.writer.stage(version, stages)
 
     def write_stage(self, staging: Staging, stage: int, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
         """Write pipeline stage `stage`'s buckets (one safetensors shard each) into `staging.dir`, then its
         manifest. On failure, leaves `.stage-KK.failed` with the reason for the publishing rank, and raises."""
-        if not 0 <= stage < staging.stages:
-            raise WeightStoreError(f"stage {stage} is not one of the {staging.stages} stages of version "
-                                   f"{staging.version}")
-        if not staging.dir.is_dir():
-            raise WeightStoreError(f"version {staging.version}: the staging directory {staging.dir} is not there: "
-                                   f"every pipeline stage's publishing rank must see the weight store at the same "
-                                   f"path (sync.weight_store on a shared filesystem)")
-        try:
-            weight_map, total = self._write_shards(staging.dir, buckets, prefix=f"model-stage{stage:02d}")
-            files = {shard: file_entry(staging.dir / shard) for shard in sorted(set(weight_map.values()))}
-            _write_atomically(staging.dir / stage_manifest(stage), json.dumps(
-                {"version": staging.version, "stage": stage, "total_size": total, "weight_map": weight_map,
-                 "files": files}))
-        except BaseException as e:
-            try:
-                _write_atomically(staging.dir / stage_failed(stage), f"{type(e).__name__}: {e}"[:2000])
-            except OSError:
-                pass  # the directory is gone: the publishing rank gave up on this version already
-            raise
+        self.writer.write_stage(staging, stage, buckets)
 
     def publish(self, version: int, buckets: Iterable[dict[str, torch.Tensor]],
                 hf_dir: str | os.PathLike | None, *, staging: Staging | None = None,
@@ -244,8 +239,50 @@ class WeightStore:
         every other stage's manifest is in (see the module docstring; `wait_s`: seconds without progress).
         `adapter_config` (a PEFT adapter_config.json as a dict): the version is that LoRA adapter, its tensors in one
         `adapter_model.safetensors` (no staging, no model files)."""
+        return self.writer.publish(version, buckets, hf_dir, staging=staging, wait_s=wait_s,
+                                   adapter_config=adapter_config)
+
+
+class DirectoryWriter:
+    """The directory store's publishing part (the one writer of its root, module docstring: temporary directory,
+    manifest, rename; then LATEST forward and garbage collection). Its store's `stage`, `write_stage` and `publish`
+    hand over to it; their docstrings state the contracts."""
+
+    def __init__(self, store: WeightStore):
+        self.store = store
+
+    def stage(self, version: int, stages: int) -> Staging | None:
+        check_stage_count(version, stages)
+        if self.store.path(version).exists():
+            return None
+        staging = Staging(version=version, dir=self._temporary(version), stages=stages)
+        staging.dir.mkdir()
+        return staging
+
+    def write_stage(self, staging: Staging, stage: int, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
+        check_stage(staging, stage)
+        if not staging.dir.is_dir():
+            raise WeightStoreError(f"version {staging.version}: the staging directory {staging.dir} is not there: "
+                                   f"every pipeline stage's publishing rank must see the weight store at the same "
+                                   f"path (sync.weight_store on a shared filesystem)")
+        try:
+            weight_map, total = self._write_shards(staging.dir, buckets, prefix=f"model-stage{stage:02d}")
+            files = {shard: file_entry(staging.dir / shard) for shard in sorted(set(weight_map.values()))}
+            _write_atomically(staging.dir / stage_manifest(stage), json.dumps(
+                {"version": staging.version, "stage": stage, "total_size": total, "weight_map": weight_map,
+                 "files": files}))
+        except BaseException as e:
+            try:
+                _write_atomically(staging.dir / stage_failed(stage), failure_reason(e))
+            except OSError:
+                pass  # the directory is gone: the publishing rank gave up on this version already
+            raise
+
+    def publish(self, version: int, buckets: Iterable[dict[str, torch.Tensor]],
+                hf_dir: str | os.PathLike | None, *, staging: Staging | None = None,
+                wait_s: float = 120.0, adapter_config: dict | None = None) -> Path:
         check_publish(version, staging, adapter_config)
-        final = self.path(version)
+        final = self.store.path(version)
         if staging is None and final.exists():
             log.info("weight store: version %d already published at %s", version, final)
             self._advance_latest(version)
@@ -263,10 +300,7 @@ class WeightStore:
                 else:
                     self.write_stage(staging, 0, buckets)
                     weight_map, total_bytes, files = self._gather_stages(staging, wait_s)
-                if not weight_map:
-                    raise WeightStoreError("publish got no tensors")
-                index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-                (tmp / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+                (tmp / INDEX).write_text(index_json(weight_map, total_bytes))
                 if hf_dir is not None:
                     self._copy_model_files(Path(hf_dir), tmp)
             self._write_manifest(tmp, version, files)
@@ -279,7 +313,7 @@ class WeightStore:
         return final
 
     def _temporary(self, version: int) -> Path:
-        return self.root / f".tmp-{version_dirname(version)}-{uuid.uuid4().hex[:8]}"
+        return self.store.root / f".tmp-{version_dirname(version)}-{uuid.uuid4().hex[:8]}"
 
     @staticmethod
     def _write_shards(out: Path, buckets: Iterable[dict[str, torch.Tensor]],
@@ -291,12 +325,8 @@ class WeightStore:
         total_bytes = 0
         for i, bucket in enumerate(buckets):
             shard = f"{prefix}-{i:05d}.safetensors"
-            tensors = {}
-            for name, tensor in bucket.items():
-                if name in weight_map or name in tensors:
-                    raise WeightStoreError(f"tensor {name!r} appears in more than one bucket")
-                tensors[name] = tensor.detach().to("cpu").contiguous()
-                total_bytes += tensors[name].numel() * tensors[name].element_size()
+            tensors, size = shard_tensors(bucket, weight_map)
+            total_bytes += size
             if tensors:
                 save_file(tensors, str(out / shard), metadata={"format": "pt"})
                 weight_map.update(dict.fromkeys(tensors, shard))
@@ -345,32 +375,24 @@ class WeightStore:
             shutil.copy2(item, out / item.name)
 
     def _advance_latest(self, version: int) -> None:
-        current = self.latest()
+        current = self.store.latest()
         if current is not None and current[0] >= version:
             return
-        tmp = self.root / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp = self.store.root / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
         tmp.write_text(f"{version}\n")
-        os.replace(tmp, self.root / LATEST)
+        os.replace(tmp, self.store.root / LATEST)
 
     def _collect_garbage(self) -> None:
-        latest = self.latest()
-        versions = self.versions()
-        doomed = [v for v in versions[:-self.keep] if latest is None or v != latest[0]]
+        latest = self.store.latest()
+        versions = self.store.versions()
+        doomed = [v for v in versions[:-self.store.keep] if latest is None or v != latest[0]]
         for v in doomed:
-            trash = self.root / f".trash-{version_dirname(v)}-{uuid.uuid4().hex[:8]}"
+            trash = self.store.root / f".trash-{version_dirname(v)}-{uuid.uuid4().hex[:8]}"
             try:
-                os.rename(self.path(v), trash)
+                os.rename(self.store.path(v), trash)
             except FileNotFoundError:
                 continue
             shutil.rmtree(trash, ignore_errors=True)
-
-    def iter_tensors(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) of one published version, shard by shard."""
-        path = self.path(version)
-        if not path.is_dir():
-            raise FileNotFoundError(f"weight store {self.root}: version {version} is not there "
-                                    f"(present: {self.versions()})")
-        return iter_safetensors(path)
 
 
 def is_adapter_version(path: str | os.PathLike) -> bool:
@@ -499,6 +521,45 @@ def check_publish(version: int, staging: Staging | None, adapter_config: dict | 
         raise WeightStoreError(f"version must be >= 0, got {version}")
     if staging is not None and staging.version != version:
         raise WeightStoreError(f"publish of version {version} got the staging of version {staging.version}")
+
+
+def check_stage_count(version: int, stages: int) -> None:
+    """WeightStoreError unless `version` may be opened for `stages` pipeline stages (either store's `stage`)."""
+    if version < 0 or stages < 1:
+        raise WeightStoreError(f"need version >= 0 and stages >= 1, got version {version}, stages {stages}")
+
+
+def check_stage(staging: Staging, stage: int) -> None:
+    """WeightStoreError unless `stage` is one of the stages of `staging` (either store's `write_stage`)."""
+    if not 0 <= stage < staging.stages:
+        raise WeightStoreError(f"stage {stage} is not one of the {staging.stages} stages of version "
+                               f"{staging.version}")
+
+
+def failure_reason(error: BaseException) -> str:
+    """What a stage's failure marker (`stage_failed`) says: the error's type and message, at most 2000 characters."""
+    return f"{type(error).__name__}: {error}"[:2000]
+
+
+def shard_tensors(bucket: dict[str, "torch.Tensor"], written: dict[str, str]) -> tuple[dict[str, "torch.Tensor"], int]:
+    """One bucket's tensors as a shard holds them (on the CPU, contiguous) and their bytes; WeightStoreError when a
+    name is in `written` (tensor name -> shard: the buckets before) or twice in this one."""
+    tensors: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in bucket.items():
+        if name in written or name in tensors:
+            raise WeightStoreError(f"tensor {name!r} appears in more than one bucket")
+        tensors[name] = tensor.detach().to("cpu").contiguous()
+        size += tensors[name].numel() * tensors[name].element_size()
+    return tensors, size
+
+
+def index_json(weight_map: dict[str, str], total_bytes: int) -> str:
+    """The text of a version's INDEX (tensor name -> shard, names sorted); WeightStoreError when it has no tensors."""
+    if not weight_map:
+        raise WeightStoreError("publish got no tensors")
+    return json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))},
+                      indent=1) + "\n"
 
 
 def stage_manifest(stage: int) -> str:

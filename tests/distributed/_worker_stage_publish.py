@@ -1,5 +1,6 @@
 """torchrun worker for tests/distributed/test_stage_publish.py: per-stage weight publishing at PP=2 through the
-trainer's own code (`Trainer._publish_weights`, a real MegatronPolicy, the in-memory transport on rank 0).
+trainer's own code (`trainer.weights.publish`: rft.trainer.weights; a real MegatronPolicy, the in-memory transport on
+rank 0).
 
 Usage: torchrun --nproc-per-node 2 _worker_stage_publish.py SPEC.json, with SPEC {"out_dir", "cases": [{"name",
 "hf_dir", "write_behind", optional "sync" (more sync keys: a bucket store) and "sparse"}]}. For every case, in one
@@ -47,19 +48,18 @@ def run_case(case: dict, out: Path) -> None:
                       run_dir=cfg.run_dir, temperature=1.0, progress=False, policy=policy,
                       open_io=lambda feed_state, replay_state: open_trainer_io(
                           cfg, feed_state=feed_state, replay_state=replay_state, transport=transport))
-    trainer._publish_weights(0)
+    trainer.weights.publish(0)
     with torch.no_grad():
         for p in unwrap(policy.models[0]).parameters():
             (p.view(-1)[::16] if case.get("sparse") else p).add_(1.0)
-    trainer._publish_weights(1)
-    trainer._flush_weights()
+    trainer.weights.publish(1)
+    trainer.weights.flush()
     if trainer.io is not None:
         announced = [m for m in map(parse, control_messages(read_topic(transport, cfg.topic("control"))))
                      if isinstance(m, Weights)]
         (cfg.run_dir / "announced.json").write_text(json.dumps([[m.version, m.path] for m in announced]))
         trainer.io.close()
-    if trainer._stage_weights is not None:
-        trainer._stage_weights.close()
+    trainer.weights.close()
     dist_io.barrier()
     parallel.destroy(keep_process_group=True)
 

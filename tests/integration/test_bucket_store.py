@@ -100,7 +100,7 @@ def test_latest_never_goes_back_under_racing_writers(s3, tmp_path):
     def advance(store, order):
         try:
             for v in order:
-                store._advance_latest(v)
+                store.writer.advance_latest(v)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -109,7 +109,7 @@ def test_latest_never_goes_back_under_racing_writers(s3, tmp_path):
         t.start()
     for t in threads:
         t.join()
-    assert not errors and stores[0]._read_latest()[0] == 39
+    assert not errors and stores[0].read_latest()[0] == 39
 
 
 def test_a_version_without_its_manifest_is_invisible_then_collected(s3, tmp_path, hf_dir):
@@ -120,7 +120,7 @@ def test_a_version_without_its_manifest_is_invisible_then_collected(s3, tmp_path
     with pytest.raises(FileNotFoundError):
         store.local(5)
     store.publish(6, buckets(6), hf_dir)
-    assert store._keys("v00000005/") == [] and store.versions() == [4, 6]
+    assert store.keys("v00000005/") == [] and store.versions() == [4, 6]
 
 
 @pytest.mark.parametrize("damage", ["rewritten", "manifest-for-another-version"])
