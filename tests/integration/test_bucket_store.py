@@ -150,12 +150,12 @@ def test_stages_write_their_own_shards_into_the_bucket(s3, tmp_path, hf_dir):
     index = json.loads((publisher.local(2) / "model.safetensors.index.json").read_text())
     assert index["weight_map"] == {"early.weight": "model-stage00-00000.safetensors",
                                    "late.weight": "model-stage01-00000.safetensors"}
-    assert not [k for k in publisher._keys("v00000002/") if ".stage-" in k]
+    assert not [k for k in publisher.keys("v00000002/") if ".stage-" in k]
     failed = Staging(version=3, dir=publisher.stage(3, 2).dir, stages=2)
     obstore.put(publisher.objects, "v00000003/.stage-01.failed", b"OSError: disk full")
     with pytest.raises(WeightStoreError, match="pipeline stage 1 failed to write its shards: OSError: disk full"):
         publisher.publish(3, [{"early.weight": torch.zeros(2)}], hf_dir, staging=failed, wait_s=30)
-    assert not publisher.has(3) and publisher._keys("v00000003/") == []
+    assert not publisher.has(3) and publisher.keys("v00000003/") == []
 
 
 def test_deltas_rebuild_each_version_and_a_damaged_delta_falls_back_to_the_full_file(s3, tmp_path, hf_dir):
