@@ -7,7 +7,7 @@ STAMP := $(VENV)/.rft-installed
 CONSTRAINTS := requirements/constraints.txt
 EXTRAS := envs,web,ray,browser
 
-.PHONY: venv quickstart flagship tiny-run lint test test-fast system-deps clean-venv assets smollm2 gpu-check-wheels
+.PHONY: venv quickstart flagship tiny-run lint test test-fast system-deps clean-venv assets smollm2 gpu-check-wheels moto
 
 venv: $(STAMP)
 
@@ -35,6 +35,16 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ]; then export DEBIAN_FRONTEND=noninteractive; \
 	    (apt-get install -y -q $$missing >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q $$missing >/dev/null)); \
 	  else echo "missing: sudo apt-get install $$(echo $$missing)" >&2; exit 1; fi; fi
+
+# moto's S3 server, the second S3 implementation the bucket weight store is tested against (tests/s3_servers.py), in
+# a venv of its own: botocore pins python-dateutil < 3, which .venv's constraints exclude (requirements/moto.txt)
+MOTO := .cache/moto/bin/moto_server
+$(MOTO): requirements/moto.txt
+	@test -x .cache/moto/bin/python || $(PYTHON) -m venv .cache/moto
+	.cache/moto/bin/python -m pip install -q -r requirements/moto.txt
+	touch $@
+
+moto: $(MOTO)
 
 assets/tiny-qwen2/config.json: | $(STAMP)
 	$(BIN)/rft tiny-model assets/tiny-qwen2
@@ -82,7 +92,7 @@ lint: venv
 
 # Two pytest-xdist workers (not one per core): one runs the CPU-heavy tests one after another, the other the rest
 # beside it (tests/conftest.py: pytest_xdist_make_scheduler)
-test: venv system-deps $(SMOLLM2)/config.json lint
+test: venv system-deps $(SMOLLM2)/config.json $(MOTO) lint
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 test-fast: venv

@@ -362,10 +362,21 @@ class DataConfig:
 
 @dataclass
 class SyncConfig:
-    # how explorers get each new version: pull (from the weight store on a shared filesystem; elastic fleets) or push
-    # (broadcast to a fixed fleet of explorer.replicas; pull after a failure)
+    # how explorers get each new version: pull (from the weight store: a shared filesystem or a bucket; elastic fleets)
+    # or push (broadcast to a fixed fleet of explorer.replicas; pull after a failure)
     method: Literal["push", "pull"] = "pull"
-    weight_store: str = ""  # empty: <run dir>/weights
+    # the weight store: a directory every part sees (empty: <run dir>/weights), or s3://BUCKET/PREFIX (fleets that reach
+    # only the broker and the bucket; credentials from the standard AWS environment variables; docs/operations.md)
+    weight_store: str = ""
+    s3_endpoint: str = ""  # s3:// store: the S3 endpoint URL (empty: AWS_ENDPOINT_URL, else AWS's); http:// allowed
+    s3_region: str = ""  # s3:// store: the bucket's region (empty: AWS_REGION, else us-east-1)
+    # s3:// store: this host's cache of versions, shared by the explorers on it (one download per host); a local
+    # filesystem; empty: $XDG_CACHE_HOME/rft/weights (~/.cache/rft/weights)
+    cache_dir: str = ""
+    # s3:// store: also publish each version as a sparse delta from the one before (changed elements, compressed);
+    # hosts that hold the previous version fetch the delta instead of the model (rft/weights/delta.py)
+    delta: bool = False
+    full_every: int = 10  # with sync.delta: every full_every-th version (version % full_every == 0) has no delta
     # MiB per bucket in which each version's HF tensors are gathered and delivered (store writes and pushes alike)
     bucket_mb: int = 64
     # versions the weight store keeps (older ones are deleted); a reader that finds its version gone takes the newest
@@ -377,7 +388,7 @@ class SyncConfig:
     push_host: str = ""
     push_port: int = 0  # push: the group's TCP port on that host (0: a free one, announced on the control topic)
     push_allow: list[str] = field(default_factory=list)  # push: the hosts an explorer accepts a push-group announcement from (empty: sync.push_host, else this host only); docs/operations.md, Trust
-    verify: bool = True  # pull: an explorer checks each version's SHA-256 checksums against the store's manifest before loading it (sizes are always checked)
+    verify: bool = True  # pull: an explorer checks each version's SHA-256 checksums against the store's manifest before loading it (sizes are always checked; a bucket store's host cache always checks checksums, and with verify also scans for NaN / infinity)
     push_transport: Literal["auto", "rft", "vllm"] = "auto"  # push: vllm = vLLM's NCCL weight transfer, rft = rft's broadcast; auto: vllm with CUDA and explorer.engine vllm, else rft
 
 
@@ -892,7 +903,8 @@ RANGES: dict[str, Range] = {
     "data.mix[].weight": POSITIVE, "data.mix[].epochs": COUNT, "data.mix[].generated_tasks": COUNT,
     "data.mix[].seed": SEED, "data.curriculum.target": FINITE, "data.curriculum.prior": FINITE,
     "data.curriculum.temperature": at_least(0, "0: always the closest"),
-    "sync.bucket_mb": COUNT, "sync.keep_versions": COUNT, "sync.timeout_s": POSITIVE, "sync.push_port": PORT_OR_ANY,
+    "sync.bucket_mb": Range(1, 5120, note="<= 5 GiB: an S3 store uploads each shard in one PUT"),
+    "sync.keep_versions": COUNT, "sync.full_every": at_least(1, "1: no deltas"), "sync.timeout_s": POSITIVE, "sync.push_port": PORT_OR_ANY,
     "monitor.prometheus_port": PORT_OR_OFF, "monitor.dashboard_port": PORT_OR_OFF,
     "replay_buffer.groups_per_step": OPTIONAL, "replay_buffer.max_reuse": COUNT,
     "replay_buffer.decay": Range(0, 1, low_open=True), "replay_buffer.capacity": COUNT, "replay_buffer.seed": SEED,
@@ -970,6 +982,7 @@ def check_semantics(cfg: Config, source: str) -> None:
     require(not run_mode.serves or cfg.sync.method == "pull", "sync.method",
             "serve mode: `rft serve` follows the weight store (pull); push needs a fixed explorer fleet")
     require(bool(cfg.model.path), "model.path", "required: a Hugging Face model directory")
+    _check_weight_store(cfg.sync, cfg.model, require)
     require(not cfg.model.lora.rank or cfg.sync.push_transport != "vllm", "sync.push_transport",
             "vllm (vLLM's NCCL weight transfer) loads whole models, not LoRA adapters: use auto or rft")
     require(not cfg.model.lora.rank or not cfg.trainer.pack_sequences, "model.lora.rank",
@@ -1006,6 +1019,44 @@ def _check_experts(t: TrainerConfig, require) -> None:
     require(t.data_parallel % max(t.expert_parallel, 1) == 0, "trainer.expert_parallel",
             f"must divide trainer.data_parallel ({t.data_parallel}): the experts are split over data-parallel ranks, "
             f"got {t.expert_parallel}")
+
+
+S3_SCHEME = "s3://"
+
+
+def split_s3_url(url: str) -> tuple[str, str]:
+    """(bucket, prefix without slashes at either end) of an `s3://BUCKET[/PREFIX]` weight store; ValueError saying
+    what is wrong."""
+    if not url.startswith(S3_SCHEME):
+        raise ValueError(f"{url!r} is not an s3://BUCKET[/PREFIX] URL")
+    bucket, _, prefix = url[len(S3_SCHEME):].partition("/")
+    if re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket) is None:
+        raise ValueError(f"{bucket!r} is not an S3 bucket name (3-63 lowercase letters, digits, '.', '-'); got {url!r}")
+    prefix = prefix.strip("/")
+    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
+        raise ValueError(f"the prefix of {url!r} has an empty, '.' or '..' part")
+    return bucket, prefix
+
+
+def _check_weight_store(sync: SyncConfig, model: ModelConfig, require) -> None:
+    """`sync.weight_store` is a directory or an s3://BUCKET[/PREFIX] URL; the bucket-only keys need a bucket."""
+    store = sync.weight_store
+    bucket = store.startswith(S3_SCHEME)
+    require(bucket or "://" not in store, "sync.weight_store",
+            f"a directory or an s3://BUCKET/PREFIX URL; {store.split('://')[0]}:// stores are not supported")
+    if bucket:
+        try:
+            split_s3_url(store)
+        except ValueError as e:
+            require(False, "sync.weight_store", str(e))
+    require(sync.s3_endpoint == "" or re.fullmatch(r"https?://[^\s/]+/?", sync.s3_endpoint) is not None,
+            "sync.s3_endpoint", f"an http(s)://HOST[:PORT] URL, got {sync.s3_endpoint!r}")
+    for key in ("s3_endpoint", "s3_region", "cache_dir"):
+        require(not getattr(sync, key) or bucket, f"sync.{key}", "only an s3:// sync.weight_store uses it")
+    require(not sync.delta or bucket, "sync.delta",
+            "deltas are applied to a host's cached copy: needs an s3:// sync.weight_store")
+    require(not sync.delta or not model.lora.rank, "sync.delta",
+            "a LoRA version is its adapter (a few MB): publish it whole (sync.delta false)")
 
 
 def _check_eval(e: EvalConfig, require) -> None:

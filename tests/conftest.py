@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import uuid
 
@@ -78,3 +79,15 @@ def tiny_model(tmp_path_factory):
     """The default tiny Qwen2 model (GQA, tied embeddings), generated once per session."""
     from rft.models.tiny import make_tiny_model
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2")
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    """A Hugging Face model directory's non-weight files (config, tokenizer) and an old weights file that a weight
+    store must not copy beside a version (tests of rft.weights.store and rft.weights.bucket)."""
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (d / "tokenizer.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"old weights, must not be copied")
+    return d

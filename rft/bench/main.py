@@ -15,6 +15,8 @@ BENCHMARKS = {
     "serve": "rft.bench.serve:main",
     "micro-batches": "rft.bench.micro_batches:main",
     "reload": "rft.bench.reload:main",
+    "weights": "rft.bench.weights:main",
+    "delivery": "rft.bench.delivery:main",
     "inflight": "rft.bench.inflight:main",
 }
 

@@ -1,4 +1,5 @@
-"""Time weight publishing on the pull path through the trainer's own code (`Trainer._publish_weights`), at PP=2.
+"""Time weight publishing on the pull path through the trainer's own code (`TrainerWeights.publish`,
+rft/trainer/weights.py), at PP=2.
 
 Usage (CPU, gloo; 2 processes):
     OMP_NUM_THREADS=1 PYTHONPATH=. python -m torch.distributed.run --standalone --nproc-per-node 2 \\
@@ -6,10 +7,10 @@ Usage (CPU, gloo; 2 processes):
 
 It builds a MegatronPolicy at PP=`--pp` (TP=1) from MODEL_DIR, a trainer over the in-memory transport, and
 publishes N versions to the store `OUT_DIR/<run>/weights`. Per version, on every rank:
-- critical_s: from a barrier before `_publish_weights` to a barrier after it (what holds up the next step;
+- critical_s: from a barrier before `trainer.weights.publish` to a barrier after it (what holds up the next step;
   with write-behind the store write goes on in the background);
-- total_s: from that first barrier until every rank flushed (`_flush_weights`) and met at a barrier: the version
-  is stored and announced.
+- total_s: from that first barrier until every rank flushed (`trainer.weights.flush`) and met at a barrier: the
+  version is stored and announced.
 Rank 0 prints one JSON line: the median and every value of both, in seconds. The code measured is whatever the
 checkout on PYTHONPATH has (a funnel through rank 0, or per-stage publishing), so one script times both.
 `--lora-rank R` (> 0): the policy trains rank-R LoRA adapters on every target (alpha 2R) and each version is a PEFT
@@ -62,10 +63,10 @@ def main() -> None:
         for version in range(args.versions):
             dist_io.barrier()
             started = time.perf_counter()
-            trainer._publish_weights(version)
+            trainer.weights.publish(version)
             dist_io.barrier()
             critical.append(time.perf_counter() - started)
-            trainer._flush_weights()
+            trainer.weights.flush()
             dist_io.barrier()
             total.append(time.perf_counter() - started)
         if dist_io.rank() == 0:

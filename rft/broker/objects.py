@@ -26,8 +26,9 @@ Contract (what the durable broker's guarantees rest on):
 - One server per ROOT: a second one on the same directory would break the conditional writes (the broker holds a
   lock on its data directory, rft/broker/local.py).
 
-`python -m rft.broker.objects ROOT [--port 0] [--ready-file PATH]`: serves until SIGTERM / SIGINT; with --ready-file, the
-port it listens on is written there (atomically) once it accepts connections.
+`python -m rft.broker.objects ROOT [--port 0] [--ready-file PATH] [--access-log PATH]`: serves until SIGTERM / SIGINT;
+with --ready-file, the port it listens on is written there (atomically) once it accepts connections; with
+--access-log, one line per request is appended there, `METHOD /BUCKET/KEY?QUERY STATUS` (tests count GETs with it).
 """
 from __future__ import annotations
 
@@ -276,9 +277,14 @@ def _iso(epoch: float) -> str:
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     store: ObjectStore  # set on the subclass that `serve` makes
+    access_log: "AccessLog | None" = None  # ... and, with --access-log, this
 
     def log_message(self, fmt, *args):  # quiet: Tansu makes thousands of requests
         pass
+
+    def log_request(self, code="-", size="-"):
+        if self.access_log is not None:
+            self.access_log.write(f"{self.command} {self.path} {int(code) if str(code).isdigit() else code}")
 
     def _split(self) -> tuple[str, str, dict[str, list[str]]]:
         url = urlsplit(self.path)
@@ -462,13 +468,67 @@ def _range(header: str, size: int) -> tuple[int, int]:
     return start, end
 
 
-def serve(root: str | os.PathLike, host: str = "127.0.0.1", port: int = 0, fsync: bool = True) -> ThreadingHTTPServer:
-    """A bound (not yet serving) server on `root`; `server.server_address[1]` is its port."""
+class AccessLog:
+    """Lines appended to a file, one per request, flushed as they come (threads share it)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self._file = open(path, "a", buffering=1)
+        self._lock = threading.Lock()
+
+    def write(self, line: str) -> None:
+        with self._lock:
+            self._file.write(line + "\n")
+
+
+def serve(root: str | os.PathLike, host: str = "127.0.0.1", port: int = 0, fsync: bool = True,
+          access_log: str | os.PathLike | None = None) -> ThreadingHTTPServer:
+    """A bound (not yet serving) server on `root`; `server.server_address[1]` is its port. `access_log`: a file to
+    append one line per request to (`METHOD PATH STATUS`)."""
     store = ObjectStore(root, fsync=fsync)
-    handler = type("BoundHandler", (Handler,), {"store": store})
+    handler = type("BoundHandler", (Handler,), {"store": store,
+                                               "access_log": AccessLog(access_log) if access_log else None})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     return server
+
+
+class ObjectServer:
+    """This server as a child process on loopback (the bucket weight store's tests, `rft bench weights`): `endpoint`
+    (http://127.0.0.1:PORT) once the constructor returns, `bucket(name)` creates a bucket, `stop()`. `access_log`: as
+    --access-log; `output`: where its output goes (a file path; default: discarded). No fsync (scratch data)."""
+
+    def __init__(self, root: str | os.PathLike, *, access_log: str | os.PathLike | None = None,
+                 output: str | os.PathLike | None = None, timeout_s: float = 30.0):
+        import subprocess
+        import time
+
+        ready = Path(root).with_name(Path(root).name + ".port")
+        ready.unlink(missing_ok=True)
+        command = [sys.executable, "-m", "rft.broker.objects", str(root), "--port", "0", "--no-fsync",
+                   "--ready-file", str(ready)] + (["--access-log", str(access_log)] if access_log else [])
+        sink = open(output, "ab") if output else subprocess.DEVNULL
+        self.process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while not (ready.is_file() and ready.read_text()):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the object server on {root} did not start (exit code {self.process.returncode})")
+            time.sleep(0.05)
+        self.endpoint = f"http://127.0.0.1:{ready.read_text()}"
+
+    def bucket(self, name: str) -> str:
+        import urllib.request
+
+        urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/{name}", method="PUT"), timeout=10).read()
+        return name
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: it did not stop
+            self.process.kill()
+            self.process.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -479,9 +539,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-file", default=None, help="write the port here once listening")
     parser.add_argument("--no-fsync", action="store_true", help="do not fsync (faster; a power loss may lose "
                         "acknowledged writes)")
+    parser.add_argument("--access-log", default=None, help="append one line per request here: METHOD PATH STATUS")
     args = parser.parse_args(argv)
     try:
-        server = serve(args.root, args.host, args.port, fsync=not args.no_fsync)
+        server = serve(args.root, args.host, args.port, fsync=not args.no_fsync, access_log=args.access_log)
     except OSError as e:
         print(f"rft s3store: cannot serve {args.root} on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1

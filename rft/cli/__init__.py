@@ -38,7 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "topics": ("rft.ops.topics.cli:main", "list | describe | tail | export | import topics"),
     "status": ("rft.ops.status:main", "a live run: trainer, explorer fleet, weight versions, lag, throughput"),
     "dashboard": ("rft.dashboard.server:main", "the live run page in a browser: curves, fleet, staleness, throughput"),
-    "bench": ("rft.bench.main:main", "benchmarks: transport|generate|modes|learn|membership|simulate|serve|micro-batches|reload|inflight"),
+    "bench": ("rft.bench.main:main", "benchmarks: transport|generate|modes|learn|membership|simulate|serve|micro-batches|reload|weights|delivery|inflight"),
     "chaos": ("rft.bench.chaos:main", "fault scenarios against real runs, and a ledger: acknowledged, trained, lost, twice"),
     "gpu-check": ("rft.bench.gpu_check:main", "prove a GPU machine runs rft's GPU paths (--cpu: the CPU paths): a table"),
     "tiny-model": ("rft.models.tiny:main", "write a tiny seeded HF model (tests, quickstart)"),

@@ -52,12 +52,27 @@ def build_engine(explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
     chose "vllm"); only a vllm engine can. `record_routing`: completions carry their MoE routing (routing replay,
     `trainer.routing_replay`). A `model_path` that is a LoRA adapter version (rft.weights.store) starts the engine on
     `model.path` and loads the adapter (stamped with the version its directory names, else 0). `max_loras`: LoRA
-    adapters a vLLM engine holds at once (`rft serve` with serve.adapters)."""
+    adapters a vLLM engine holds at once (`rft serve` with serve.adapters). On the base (`model_path` None) of a run
+    that starts its adapters from `model.lora.init_from`, that adapter is loaded as version 0: version 0 is the
+    trainer's initial weights, base and starting adapter (the trainer publishes it too; explorers never load a
+    version they hold already)."""
+    if model_path is None and model.lora.rank and model.lora.init_from:
+        engine = _build(explorer, model, seed=seed, model_path=None, weight_transfer=weight_transfer,
+                        record_routing=record_routing, max_loras=max_loras)
+        engine.load_weights(model.lora.init_from, 0)
+        return engine
     if model_path is not None and is_adapter_version(model_path):
         engine = build_engine(explorer, model, seed=seed, weight_transfer=weight_transfer,
                               record_routing=record_routing, max_loras=max_loras)
         engine.load_weights(model_path, version_of(model_path) or 0)
         return engine
+    return _build(explorer, model, seed=seed, model_path=model_path, weight_transfer=weight_transfer,
+                  record_routing=record_routing, max_loras=max_loras)
+
+
+def _build(explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int, model_path: str | None,
+           weight_transfer: bool, record_routing: bool, max_loras: int) -> Engine:
+    """`build_engine` without loading anything after the start."""
     extra = {"record_routing": True} if record_routing else {}
     if max_loras > 1:
         if explorer.engine != "vllm":

@@ -68,7 +68,9 @@ def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: in
         fitting = [r for r in VLLM_LORA_RANKS if r >= lora_rank]
         if not fitting:
             raise EngineError(f"model.lora.rank {lora_rank}: vLLM takes adapters up to rank {VLLM_LORA_RANKS[-1]}")
-        settings.update(enable_lora=True, max_lora_rank=fitting[0], max_loras=max_loras)
+        # one adapter more in vLLM's cache than it serves: replacing one (load_adapter: add the new, then drop the old)
+        # must not evict another, which vLLM would read again from a path its weight store may have deleted
+        settings.update(enable_lora=True, max_lora_rank=fitting[0], max_loras=max_loras, max_cpu_loras=max_loras + 1)
     if not prefix_cache:
         settings["enable_prefix_caching"] = False
     if on_cpu:
@@ -175,8 +177,7 @@ class VLLMEngine(TokenizerMixin):
                                     use_tqdm=False, lora_request=lora)
         generations = [self._generation(o) for o in outputs]
         for completion in (c for g in generations for c in g.completions if version is not None):
-            completion.weights_version = version  # the adapter's, not the engine's label (every token: one adapter)
-            completion.token_versions = [version] * len(completion.token_ids)
+            completion.stamp(version)  # the adapter's, not the engine's labels
         return generations
 
     # -- continuous submission (rft/explorer/continuous.py): requests enter and leave the running engine one by one

@@ -40,7 +40,8 @@ from rft.evaluation.metrics import SetScores, score_tasks
 from rft.rewards import RewardContext, build_reward
 from rft.run.commandline import add_config_arguments, config_from_args, install_stop_signals
 from rft.run.monitor import MetricsLogger
-from rft.weights.store import WeightStore, WeightStoreError, store_root, verify_version
+from rft.weights.store import WeightStoreError
+from rft.weights.stores import VersionStore, open_store, store_exists
 from rft.weights.subscriber import load_newest_weights
 from rft.workflows import build_workflow
 
@@ -179,7 +180,7 @@ class EvalSchedule:
         self.next_due = max(self.next_due, (version // self.every_steps + 1) * self.every_steps)
 
 
-def follow(evaluator: Evaluator, store: "WeightStore", *, initial: Path, stop: threading.Event,
+def follow(evaluator: Evaluator, store: VersionStore, *, initial: Path, stop: threading.Event,
            finish: threading.Event, checksums: bool = True) -> int:
     """Evaluate the versions the run publishes to `store` as the schedule (`eval.every_steps`) says, until `stop`,
     or until `finish` is set and the newest version has been evaluated. The evaluator's engine starts on `initial`
@@ -198,7 +199,7 @@ def follow(evaluator: Evaluator, store: "WeightStore", *, initial: Path, stop: t
                 if schedule.last is not None and version <= schedule.last:  # the due versions were refused
                     schedule.done(max(refused | {version}))
                     continue
-                path = store.path(version) if latest else initial
+                path = store.local(version, checksums=False) if latest else initial  # checked as it was loaded
                 scores = evaluator.evaluate(Checkpoint(f"version {version}", path, version))
                 schedule.done(version)
                 log.info("version %d: %s", version, "; ".join(
@@ -213,21 +214,21 @@ def follow(evaluator: Evaluator, store: "WeightStore", *, initial: Path, stop: t
     return 0
 
 
-def _due_or_newest(store: "WeightStore", schedule: EvalSchedule, finishing: bool, refused: set[int], *,
+def _due_or_newest(store: VersionStore, schedule: EvalSchedule, finishing: bool, refused: set[int], *,
                    checksums: bool = True) -> tuple[int, Path] | None:
     """The version due next while the store still has it (the follower fell behind less than `sync.keep_versions`
-    versions), else the newest; either only if it matches its manifest (`verify_version`, as explorers check what
+    versions), else the newest; either only if it matches its manifest (`VersionStore.local`, as explorers check what
     they load). A version that does not is logged once and added to `refused`."""
-    due = store.path(schedule.next_due)
-    candidates = [(schedule.next_due, due)] if not finishing and due.is_dir() else []
+    due = schedule.next_due
+    candidates = [due] if not finishing and store.has(due) else []
     newest = store.latest()
-    if newest is not None and newest not in candidates:
-        candidates.append(newest)
-    for version, path in candidates:
+    if newest is not None and newest[0] not in candidates:
+        candidates.append(newest[0])
+    for version in candidates:
         if version in refused:
             continue
         try:
-            verify_version(path, version, checksums=checksums)
+            path = store.local(version, checksums=checksums)
         except FileNotFoundError:
             continue  # garbage-collected meanwhile
         except WeightStoreError as e:
@@ -270,9 +271,9 @@ def main(argv: list[str]) -> int:
     if args.follow and not cfg.eval.every_steps:
         print("rft eval --follow: eval.every_steps must be > 0 (evaluate every how many versions?)", file=sys.stderr)
         return 2
-    root = store_root(cfg.sync, cfg.run_dir)
+    store = open_store(cfg.sync, cfg.run_dir) if store_exists(cfg.sync, cfg.run_dir) else None
     try:
-        checkpoints = [resolve_checkpoint(spec, cfg.model, run_dir=cfg.run_dir, store_root=root,
+        checkpoints = [resolve_checkpoint(spec, cfg.model, run_dir=cfg.run_dir, store=store,
                                           checksums=cfg.sync.verify)
                        for spec in args.checkpoint or []]
         task_sets = load_eval_sets(cfg.eval, cfg.explorer, cfg.model, run_id=cfg.run.name, seed=cfg.run.seed)
@@ -281,7 +282,7 @@ def main(argv: list[str]) -> int:
         return 2
     if args.follow:
         evaluator = build_evaluator(cfg, task_sets, progress=False)  # model.path holds version 0
-        return follow(evaluator, WeightStore.for_sync(cfg.sync, cfg.run_dir), initial=Path(cfg.model.path),
+        return follow(evaluator, open_store(cfg.sync, cfg.run_dir), initial=Path(cfg.model.path),
                       stop=_stop_on_signals(), finish=_finish_on_sigusr1(), checksums=cfg.sync.verify)
     evaluator = build_evaluator(cfg, task_sets, model_path=str(checkpoints[0].path), progress=cfg.monitor.progress)
     results = evaluate_checkpoints(evaluator, checkpoints)

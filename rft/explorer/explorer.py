@@ -10,6 +10,8 @@
   membership.py   the tasks consumer group: the consumer, static membership, the watchdog and fleet moves.
   admission.py    how many tasks may start (AReaL's staleness bound, fleet-wide).
   main.py         the command line (`rft explorer`), composing an Explorer from the root config.
+  multirun.py     `rft explorer A.yaml B.yaml`: one Explorer per LoRA run, each on its run's adapter slot of one shared
+                  vLLM engine (rft/engine/shared.py), each loop in a thread of its own.
 
 Weights are loaded before the explorer joins the consumer group, so a late joiner generates nothing with old
 weights; afterwards only between batches (batch loop) or with nothing in flight (continuous loop), so a group is
@@ -60,7 +62,7 @@ from rft.schema import RewardRange
 from rft.transport import DeadLetter, Transport, TransportError, connect, lag
 from rft.transport.control import ExplorerHeartbeat, ExplorerJoin, ExplorerLeave, ExplorerWeights, Kind
 from rft.transport.run_topics import RunTopics
-from rft.weights.store import WeightStore
+from rft.weights.stores import VersionStore
 from rft.weights.subscriber import PushAllowList, PushMembership, WeightUpdates, load_newest_weights
 
 if TYPE_CHECKING:
@@ -103,7 +105,7 @@ class Explorer:
     then the mode's loop (`run` does all three), `close` last."""
 
     def __init__(self, explorer: ExplorerConfig, *, kafka: KafkaConfig, sync: SyncConfig, topics: RunTopics,
-                 store: WeightStore, explorer_id: str, engine: "Engine", workflow: "Workflow",
+                 store: VersionStore, explorer_id: str, engine: "Engine", workflow: "Workflow",
                  admission: Admission | None = None, prometheus: "MetricsEndpoint | None" = None,
                  transport: Transport | None = None):
         self.config, self.kafka, self.topics = explorer, kafka, topics

@@ -1,6 +1,8 @@
 """`rft explorer CONFIG`: one explorer in this process, or `--replicas N` explorer processes
-(rft/explorer/replicas.py). `build_explorer` composes an `Explorer` (rft/explorer/explorer.py, where the explorer's
-parts, its control messages and its metrics are described) from the root config; `build_admission` its admission.
+(rft/explorer/replicas.py); `rft explorer A.yaml B.yaml ...`: one explorer serving several LoRA runs of one base
+with one engine (rft/explorer/multirun.py). `compose_explorer` builds an `Explorer` (rft/explorer/explorer.py, where
+the explorer's parts, its control messages and its metrics are described) of one run on a given engine;
+`build_explorer` composes it from the root config, `build_admission` its admission.
 """
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from rft.config import Config
+from rft.config import Config, ConfigError
 from rft.engine import build_engine
+from rft.engine.shared import adapter_slots
 from rft.explorer.admission import Admission, AdmitAll, fleet_admission
 from rft.explorer.explorer import Explorer
+from rft.explorer.multirun import check_runs, engine_sections, run_explorers
 from rft.explorer.replicas import run_replicas
 from rft.modes import mode
 from rft.registry import import_object
@@ -24,7 +28,7 @@ from rft.run.commandline import add_config_arguments, config_from_args, install_
 from rft.run.monitor import metrics_endpoint
 from rft.transport import Transport, connect, probe_bootstrap
 from rft.transport.run_topics import RunTopics
-from rft.weights.store import WeightStore
+from rft.weights.stores import open_store
 from rft.workflows import build_workflow
 
 if TYPE_CHECKING:
@@ -42,6 +46,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rft explorer", description="Explorers: join a run's tasks topic and "
                                      "produce experience groups.")
     add_config_arguments(parser)
+    parser.add_argument("more_configs", nargs="*", metavar="CONFIG",
+                        help="other runs of the same base model, each training LoRA: this explorer serves them all "
+                             "with one engine, each run with its own adapter (docs/lora.md); --set applies to each")
     parser.add_argument("--replicas", type=int, default=None,
                         help="start N explorer processes (default: 1, in this process)")
     parser.add_argument("--explorer-id", default=None, help="this explorer's id (default: HOST-PID); "
@@ -49,32 +56,41 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
                         help="exit 0 after this long without tasks (explore-only runs over a finite dataset; "
                              "default: explorer.exit_when_idle_s)")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # the configs may come before or after the options
 
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    cfg = config_from_args(args, joins_broker="rft explorer")
-    if not mode(cfg.run.mode).explorers:
-        print(f"rft explorer: run.mode {cfg.run.mode} runs no explorers", file=sys.stderr)
+    paths = [args.config, *args.more_configs]
+    cfgs = [config_from_args(argparse.Namespace(config=p, overrides=args.overrides), joins_broker="rft explorer")
+            for p in paths]
+    if not mode(cfgs[0].run.mode).explorers:
+        print(f"rft explorer: run.mode {cfgs[0].run.mode} runs no explorers", file=sys.stderr)
         return 2
+    if len(cfgs) > 1:
+        try:
+            check_runs(list(zip(paths, cfgs)))
+        except ConfigError as e:
+            print(f"rft explorer: invalid config: {e}", file=sys.stderr)
+            return 2
     if args.replicas is not None and args.replicas < 1:
         print(f"rft explorer: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
         return 2
-    probe_bootstrap(cfg.kafka.bootstrap_servers)  # BrokerUnreachable (exit 4) before minutes of engine start-up
+    for cfg in cfgs:
+        probe_bootstrap(cfg.kafka.bootstrap_servers)  # BrokerUnreachable (exit 4) before minutes of engine start-up
     if args.replicas is not None and args.replicas != 1:
         return run_replicas(args, args.replicas)
-    return run_one(cfg, explorer_id=args.explorer_id or f"{socket.gethostname()}-{os.getpid()}",
-                   exit_when_idle_s=args.exit_when_idle if args.exit_when_idle is not None
-                   else cfg.explorer.exit_when_idle_s or None)
+    explorer_id = args.explorer_id or f"{socket.gethostname()}-{os.getpid()}"
+    idle_s = [args.exit_when_idle if args.exit_when_idle is not None else cfg.explorer.exit_when_idle_s or None
+              for cfg in cfgs]
+    if len(cfgs) > 1:
+        return run_shared(cfgs, explorer_id=explorer_id, exit_when_idle_s=idle_s)
+    return run_one(cfgs[0], explorer_id=explorer_id, exit_when_idle_s=idle_s[0])
 
 
 def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = None) -> int:
     """Build the engine, reward and workflow, then explore until SIGTERM / Ctrl-C (or idle)."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {explorer_id} %(levelname)s %(message)s")
-    logging.getLogger("kafka").setLevel(logging.WARNING)
-    stop = threading.Event()
-    install_stop_signals(stop)
+    stop = _start_process(explorer_id)
     from rft.weights.vllm_transfer import push_transport  # heavy: torch
 
     engine = build_engine(cfg.explorer, cfg.model, seed=cfg.run.seed,
@@ -84,11 +100,7 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
     explorer = None
     reason = "error"
     try:
-        workflow = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer, RewardContext.for_run(cfg)))
-        transport = connect(cfg.kafka)  # this process's one client factory
-        explorer = build_explorer(cfg, explorer_id=explorer_id, engine=engine, workflow=workflow,
-                                  admission=build_admission(cfg, explorer_id, transport=transport),
-                                  transport=transport)
+        explorer = compose_explorer(cfg, explorer_id=explorer_id, engine=engine)
         reason = explorer.run(stop, exit_when_idle_s=exit_when_idle_s)
         log.info("explorer %s %s after %d groups", explorer_id, reason, explorer.stats.groups)
         return 0
@@ -98,12 +110,51 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
         engine.close()
 
 
+def run_shared(cfgs: list[Config], *, explorer_id: str, exit_when_idle_s: list[float | None]) -> int:
+    """One engine with LoRA for every run of `cfgs` (checked by `check_runs`), one `AdapterSlot` and one explorer
+    per run on it; explore until SIGTERM / Ctrl-C (or each run idle): rft/explorer/multirun.py."""
+    stop = _start_process(explorer_id, thread=True)
+    section, model = engine_sections(cfgs)
+    engine = build_engine(section, model, seed=cfgs[0].run.seed, max_loras=len(cfgs),
+                          record_routing=cfgs[0].trainer.routing_replay)
+    try:
+        slots = adapter_slots(engine, [cfg.run.name for cfg in cfgs])
+        for cfg, slot in zip(cfgs, slots):
+            if cfg.model.lora.init_from:  # the run's version 0: the base and its starting adapter
+                slot.load_weights(cfg.model.lora.init_from, 0)
+        explorers = [compose_explorer(cfg, explorer_id=explorer_id, engine=slot) for cfg, slot in zip(cfgs, slots)]
+        run_explorers(explorers, stop, exit_when_idle_s)
+        return 0
+    finally:
+        engine.close()
+
+
+def _start_process(explorer_id: str, *, thread: bool = False) -> threading.Event:
+    """Logging (each line with the explorer id, and the thread: a run's name, when `thread`) and the stop event
+    SIGTERM / Ctrl-C set."""
+    where = f"{explorer_id} %(threadName)s" if thread else explorer_id
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {where} %(levelname)s %(message)s")
+    logging.getLogger("kafka").setLevel(logging.WARNING)
+    stop = threading.Event()
+    install_stop_signals(stop)
+    return stop
+
+
+def compose_explorer(cfg: Config, *, explorer_id: str, engine: "Engine") -> Explorer:
+    """Run `cfg`'s explorer on `engine`: its workflow and reward, its Kafka clients (one client factory), its
+    admission and metrics endpoint."""
+    workflow = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer, RewardContext.for_run(cfg)))
+    transport = connect(cfg.kafka)
+    return build_explorer(cfg, explorer_id=explorer_id, engine=engine, workflow=workflow,
+                          admission=build_admission(cfg, explorer_id, transport=transport), transport=transport)
+
+
 def build_explorer(cfg: Config, *, explorer_id: str, engine: "Engine", workflow: "Workflow",
                    admission: Admission | None = None, transport: Transport | None = None) -> Explorer:
     """Compose an Explorer from the root config: its sections, the run's topics and weight store, the metrics
     endpoint `monitor.prometheus_port` asks for; `transport` defaults to `connect(cfg.kafka)`."""
     return Explorer(cfg.explorer, kafka=cfg.kafka, sync=cfg.sync, topics=RunTopics.of(cfg),
-                    store=WeightStore.for_sync(cfg.sync, cfg.run_dir), explorer_id=explorer_id, engine=engine,
+                    store=open_store(cfg.sync, cfg.run_dir), explorer_id=explorer_id, engine=engine,
                     workflow=workflow, admission=admission, transport=transport,
                     prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="explorer", instance=explorer_id))
 

@@ -12,7 +12,8 @@ from rft.run.commandline import die_with_parent
 
 
 def run_replicas(args: argparse.Namespace, replicas: int) -> int:
-    """`--replicas N`: N child processes `rft explorer CONFIG --explorer-id PREFIX-i`; returns the worst exit code.
+    """`--replicas N`: N child processes `rft explorer CONFIG [MORE_CONFIGS] --explorer-id PREFIX-i`; returns the worst
+    exit code.
 
     Each child has its own session, so a signal reaches it exactly once: SIGTERM / SIGINT to this process
     (or Ctrl-C in its terminal) is passed on to every child, which finishes its batch and leaves; a second
@@ -21,7 +22,7 @@ def run_replicas(args: argparse.Namespace, replicas: int) -> int:
     extra = [a for o in args.overrides for a in ("--set", o)]
     if args.exit_when_idle is not None:
         extra += ["--exit-when-idle", str(args.exit_when_idle)]
-    children = [subprocess.Popen([sys.executable, "-m", "rft.cli", "explorer", args.config,
+    children = [subprocess.Popen([sys.executable, "-m", "rft.cli", "explorer", args.config, *args.more_configs,
                                   "--explorer-id", f"{prefix}-{i}", *extra],
                                  start_new_session=True, preexec_fn=die_with_parent) for i in range(replicas)]
 

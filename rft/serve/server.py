@@ -69,6 +69,7 @@ from rft.text.chat import ChatError, encode_messages
 from rft.transport import connect
 from rft.transport.run_topics import RunTopics
 from rft.weights.store import WeightStore
+from rft.weights.stores import open_store
 from rft.weights.subscriber import WeightUpdates, load_newest_weights
 
 if TYPE_CHECKING:
@@ -663,7 +664,7 @@ def build_service(cfg: "Config", *, transport: "Transport | None" = None, engine
     control = transport.source(client_id="serve-control")
     control.assign([topics.control])
     control.seek(control.end_offsets(topics.control))
-    updates = WeightUpdates(WeightStore.for_sync(cfg.sync, cfg.run_dir), control, verify=cfg.sync.verify)
+    updates = WeightUpdates(open_store(cfg.sync, cfg.run_dir), control, verify=cfg.sync.verify)
     worker = EngineWorker(engine_factory or (lambda: build_engine(cfg.explorer, cfg.model, seed=cfg.run.seed,
                                                                   max_loras=1 + len(cfg.serve.adapters))),
                           newest=lambda above: updates.newest(above=above), max_batch=cfg.serve.max_batch,

@@ -24,6 +24,7 @@ The trainer knows no algorithm by name: it provides what the algorithm declares 
   optimizer step on `value_loss_fn`; its checkpoint (`<step dir>/critic`) is written before the step's commit and
   loaded on resume with the policy's.
 The algorithm's `step_metrics(step)` are logged with each step.
+Step 3 is the trainer's part in rft/trainer/weights.py (`TrainerWeights`: how each version goes out, on every rank).
 Resume: the newest complete checkpoint is loaded and the feed seeks to its offsets; `consumed.jsonl` (the record
 of which group trained in which step) is cut back to that step so that it always describes the effective run.
 """
@@ -38,7 +39,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
@@ -64,10 +65,11 @@ from rft.trainer.checkpoint import CheckpointDir, TrainerState, capture_rng, res
 from rft.trainer.feed import EndOfReplay, ExperienceFeed, FeedState, ReplayWindow, open_feed, resolve_window
 from rft.trainer.replay_buffer import ExperienceReplay, open_replay
 from rft.trainer.staleness import StalenessTracker
+from rft.trainer.weights import TrainerWeights
 from rft.transport import RecordSink, Transport, TransportError, connect, lag
 from rft.transport.control import Kind, TrainerFinished, TrainerStarted, TrainerStep, TrainerWaiting
-from rft.weights.publisher import StagePublisher, WeightPublisher
-from rft.weights.store import Staging, WeightStore, store_root
+from rft.weights.publisher import WeightPublisher
+from rft.weights.stores import open_store
 from rft.weights.vllm_transfer import push_transport
 
 WAIT_ANNOUNCE_S = 2.0
@@ -101,29 +103,6 @@ def build_trainer(cfg: Config, *, resume: bool = True) -> "Trainer":
                    progress=cfg.monitor.progress, resume=resume,
                    open_io=lambda feed_state, replay_state: open_trainer_io(cfg, feed_state=feed_state,
                                                                            replay_state=replay_state))
-
-
-def deliver_version(version: int, attempt: Callable[[int], bool]) -> None:
-    """Collective, on every trainer rank: deliver weights `version` (rft.weights). `attempt(version)` is one
-    collective try: every rank takes part in the bucket export, rank 0 delivers and returns whether it did (a push
-    can fail), the other ranks return True. A failed push is redone once by the pull path, which needs the buckets
-    gathered again; rank 0 tells every rank so (dist_io.broadcast_flag). RuntimeError when the redo fails too."""
-    delivered = attempt(version)
-    if dist_io.broadcast_flag(not delivered) and not attempt(version):
-        raise RuntimeError(f"weights version {version} could not be delivered")
-
-
-def deliver_buckets(version: int, buckets: Iterable[dict], deliver: Callable[[int, Iterator[dict]], bool] | None) -> bool:
-    """One rank's part in one try: hand `buckets` (megatron_bridge.export.iter_hf_buckets, where every rank takes
-    part in each parameter's gathers and sends) to `deliver` (rank 0's WeightPublisher.deliver; None on the other
-    ranks), then read the export to its end: all of it on ranks > 0, and on rank 0 what a push that failed midway
-    left unread. So the abort is collective: every rank leaves the export after the same parameters and reaches
-    `deliver_version`'s flag at the same point (a rank 0 that stopped reading left the others in a gather)."""
-    buckets = iter(buckets)
-    delivered = True if deliver is None else deliver(version, buckets)
-    for _ in buckets:
-        pass
-    return delivered
 
 
 @dataclass
@@ -194,7 +173,7 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict,
     if demonstrations is not None:
         io.demonstrations_opener = lambda state: _open_demonstrations(cfg, demonstrations.topic_of(cfg), transport,
                                                                       state)
-    io.weights = WeightPublisher(cfg.sync, store=WeightStore.for_sync(cfg.sync, cfg.run_dir), announce=io.announce,
+    io.weights = WeightPublisher(cfg.sync, store=open_store(cfg.sync, cfg.run_dir), announce=io.announce,
                                  hf_dir=cfg.model.path,
                                  push_members=cfg.explorer.replicas * cfg.explorer.tensor_parallel_size,
                                  transport=push_transport(cfg.sync, cfg.explorer, lora=cfg.model.lora.rank > 0))
@@ -292,12 +271,11 @@ class Trainer:
             self.step, feed_state, self.counters = state.step, state.feed, state.counters
             replay_state, demonstrations_state = state.replay_buffer, state.demonstrations
         self._last_checkpoint = self.step
-        self._weights_s: float | None = None  # seconds the newest publish held up the trainer
-        self._stage_weights: StagePublisher | None = None  # a later pipeline stage's publishing rank (pull path)
         self.replay, self._replayed, self._reuse = None, [], []  # rank 0: the replay buffer, this step's replays
         self.io: TrainerIO | None = None
         if self.is_reader:
             self._open_io(open_io(feed_state, replay_state), FeedState.from_json(demonstrations_state))
+        self.weights = TrainerWeights(self.policy, sync, self.run_dir, io=self.io, lora=bool(model.lora.rank))
 
     def _build_critic(self, model: ModelConfig, seed: int):
         """The value model of `needs.critic`: megatron_bridge.critic at the policy's layout, from the need's path or
@@ -334,7 +312,7 @@ class Trainer:
     def run(self) -> None:
         serves_explorers = mode(self.run_config.mode).publishes_weights
         if self.step == 0 and serves_explorers:
-            self._publish_weights(0)  # explorers start from version 0 = the initial weights
+            self.weights.publish(0)  # explorers start from version 0 = the initial weights
         while self.step < self.run_config.max_steps:
             step = self.step + 1
             started = time.time()
@@ -348,7 +326,7 @@ class Trainer:
                 if not self.policy.weights_finite():  # collective; a NaN / inf version is never published
                     raise NonFiniteWeights(f"step {step}: the policy's weights hold NaN or infinity; version {step} "
                                            f"is not published (the last good one is version {step - 1})")
-                self._publish_weights(step)
+                self.weights.publish(step)
             if step % self.config.checkpoint_every == 0:
                 self._checkpoint(step)
             if self.is_reader:
@@ -358,7 +336,7 @@ class Trainer:
         if self.step != self._last_checkpoint:
             self._checkpoint(self.step)  # the last step, when the loop did not just checkpoint it
         self._export_final()
-        self._flush_weights()
+        self.weights.flush()
         if self.is_reader:
             self.io.announce(TrainerFinished(step=self.step))
 
@@ -446,55 +424,6 @@ class Trainer:
         return {**metrics, "padding_fraction": plan.padding_fraction, "train_s": seconds,
                 "train_tokens_per_s": plan.real_tokens / seconds, **replayed}
 
-    def _publish_weights(self, version: int) -> None:
-        """Collective: every rank takes part in gathering the buckets; rank 0 delivers them (`deliver_version`).
-        The seconds this takes on the trainer's critical path are logged as `weights_s` (with write-behind, the
-        store write is not among them: `weights_write_s`)."""
-        started = time.time()
-        deliver_version(version, self._deliver)
-        self._weights_s = time.time() - started
-
-    def _flush_weights(self) -> None:
-        """Rank 0: wait until the newest version is stored and announced (see WeightPublisher write-behind); a later
-        pipeline stage's publishing rank: until its share of it is written."""
-        if self.is_reader and self.io.weights is not None:
-            self.io.weights.flush()
-        if self._stage_weights is not None:
-            self._stage_weights.flush()
-
-    def _deliver(self, version: int) -> bool:
-        """One collective try at delivering `version` (see `deliver_version`)."""
-        staging = self._staging(version)
-        buckets = self.policy.iter_hf_buckets(self.sync.bucket_mb << 20, per_stage=staging is not None)
-        if self.is_reader:
-            offsets = dict(self.feed.state.offsets)
-            return deliver_buckets(version, buckets, lambda v, b: self.io.weights.deliver(v, b, offsets=offsets,
-                                                                                           staging=staging))
-        if staging is not None and self.policy.layout.is_stage_publisher:
-            self._stage_publisher().deliver(staging, buckets)  # the pull path: a failure raises, no redo
-            return True
-        return deliver_buckets(version, buckets, None)
-
-    def _staging(self, version: int) -> Staging | None:
-        """Collective when pp > 1: rank 0 decides how `version` goes out. On the pull path each pipeline stage's
-        publishing rank writes its own shards into the staging directory rank 0 opens in the store (rft.weights);
-        None: every tensor funnels to rank 0 (the push path, a version stored already, or a single stage)."""
-        if self.policy.layout.pp == 1 or self.model.lora.rank:  # an adapter is published whole by rank 0
-            return None
-        plan = None
-        if self.is_reader:
-            weights = self.io.weights
-            staging = weights.store.stage(version, self.policy.layout.pp) if weights.method == "pull" else None
-            plan = [staging.to_json()] if staging is not None else []
-        plan = dist_io.broadcast_bytes(plan)
-        return Staging.from_json(store_root(self.sync, self.run_dir), plan[0]) if plan else None
-
-    def _stage_publisher(self) -> StagePublisher:
-        if self._stage_weights is None:
-            self._stage_weights = StagePublisher(self.sync, store=WeightStore.for_sync(self.sync, self.run_dir),
-                                                 stage=self.policy.layout.pp_rank)
-        return self._stage_weights
-
     def _export_final(self) -> None:
         """The final weights as a Hugging Face directory (`<run dir>/final`), for evaluation and serving. Rank 0
         decides for every rank: on a shared filesystem another rank could see the directory rank 0 has begun to
@@ -517,7 +446,7 @@ class Trainer:
         if self.critic is not None:  # in the same step directory: committed (and resumed) together with the policy
             self.critic.save_checkpoint(path / "critic")
         dist_io.barrier()
-        self._flush_weights()  # a checkpoint at step s commits only once version s is out (resume never waits on it)
+        self.weights.flush()  # a checkpoint at step s commits only once version s is out (resume never waits on it)
         if self.is_reader:
             self.checkpoints.write_state(path, TrainerState(
                 step=step, feed=self.feed.snapshot(), counters=self.counters, rng=capture_rng(),
@@ -545,7 +474,7 @@ class Trainer:
             "response_len_mean": float(np.mean([len(s.response_tokens) for g in groups for s in g.samples])),
             "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
             "data_wait_s": self._data_wait_s,  # of step_time_s: waiting for experiences (trainer idle)
-            **self._weights_metrics(),
+            **self.weights.metrics(),
             "skipped": skipped, **drops, **{k: _scalar(v) for k, v in metrics.items()},
             **self.staleness.step_metrics(step),
             **(self.replay.step_metrics(step, self._replayed) if self.replay else {}),
@@ -571,14 +500,6 @@ class Trainer:
                   f"loss {record.get('loss', float('nan')):.4f} staleness max {record.get('staleness_max', 0)} "
                   f"{elapsed:.1f}s", flush=True)
 
-    def _weights_metrics(self) -> dict:
-        """`weights_s`: seconds of this step spent publishing its version (critical path); `weights_write_s`: the
-        newest finished store write + announcement (in the background with write-behind)."""
-        if self._weights_s is None:
-            return {}
-        write_s = self.io.weights.last_write_s if self.io.weights is not None else None
-        return {"weights_s": self._weights_s, **({"weights_write_s": write_s} if write_s is not None else {})}
-
     def _consumer_lag(self) -> int | None:
         """Experience records on the topic not consumed yet (None when the broker does not answer)."""
         try:
@@ -587,8 +508,7 @@ class Trainer:
             return None
 
     def close(self) -> None:
-        if self._stage_weights is not None:
-            self._stage_weights.close()
+        self.weights.close()
         if self.io is not None:
             self.io.close()
         self.policy.close()

@@ -1,9 +1,13 @@
 """Weight synchronisation: how the explorers get each version the trainer produces.
 
-Modules: `store` (versioned directories on a shared filesystem: the pull path's medium), `push` (the push path's
-process group and wire protocol), `publisher` (trainer side: `WeightPublisher` delivers each version),
-`subscriber` (explorer side: `WeightUpdates` knows the newest version, `PushMembership` takes part in the push
-group, `load_newest_weights` reloads an engine). Announcements travel on the control topic (rft.transport.control).
+Modules: `store` (versioned directories on a shared filesystem: the pull path's medium), `bucket` (the same versions
+in an S3 bucket, `sync.weight_store: s3://BUCKET/PREFIX`, for fleets that share no filesystem with the trainer),
+`cache` (a host's cache of a bucket's versions: one download per host), `delta` (sparse deltas between versions,
+`sync.delta`), `stores` (`open_store`: the store the config names, behind the one `VersionStore` interface), `push`
+(the push path's process group and wire protocol), `publisher` (trainer side: `WeightPublisher` delivers each
+version), `subscriber` (explorer side: `WeightUpdates` knows the newest version, `PushMembership` takes part in the
+push group, `load_newest_weights` reloads an engine). Announcements travel on the control topic
+(rft.transport.control).
 
 The publisher lives in the trainer's publishing rank (global rank 0). After each optimizer step s the trainer
 streams version s in HF layout (megatron_bridge buckets) to it, and it delivers the version by the configured
@@ -17,9 +21,9 @@ HF tensor comes from exactly one stage. The push path (its sender is rank 0) and
 tensor to rank 0.
 
 Pull (elastic fleets, the default). Version s is written to the weight store, then announced on the control
-topic (`Weights`: version, path, and the trainer's consumed offsets). Ordering contract:
-  1. a version directory is complete (written to a temporary name, renamed) before LATEST points to it, and
-     LATEST is updated before the announcement is sent;
+topic (`Weights`: version, path (a bucket store: its URL), and the trainer's consumed offsets). Ordering contract:
+  1. a version directory is complete (written to a temporary name, renamed; in a bucket: every file before the
+     manifest) before LATEST points to it, and LATEST is updated before the announcement is sent;
   2. a published version is never rewritten; the store keeps the newest `sync.keep_versions`, so an explorer
      may find an announced version already gone and then takes the newest one (it retries);
   3. an explorer loads the newest version (of the store's LATEST and the announcements, never going back)
@@ -55,5 +59,9 @@ explorer loads only its own store's directory of the announced version, after ch
 and joins only push groups at allowed addresses; what it refuses is logged, counted, and its weights stay.
 
 Tested with in-memory fakes in tests/unit/test_weights_ordering.py; trust in tests/unit/test_weights_trust.py; the wire protocol over gloo in
-tests/integration/test_weight_push.py; a push failing in a two-rank trainer in tests/distributed/test_push_abort.py.
+tests/integration/test_weight_push.py; a push failing in a two-rank trainer in tests/distributed/test_push_abort.py;
+the bucket store, its host cache and deltas against rft's object server and moto's in
+tests/integration/test_bucket_store.py (deltas alone: tests/unit/test_weight_delta.py; per-stage publishing into a
+bucket: tests/distributed/test_stage_publish.py); a fleet that reaches only the broker and a bucket in
+tests/e2e/test_bucket_fleet.py.
 """

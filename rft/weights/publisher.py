@@ -17,7 +17,8 @@ from rft.weights.vllm_transfer import VLLMSender
 
 if TYPE_CHECKING:
     from rft.config import SyncConfig
-    from rft.weights.store import Staging, WeightStore
+    from rft.weights.store import Staging
+    from rft.weights.stores import VersionStore
 
 log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"  # where the push group's store listens without sync.push_host: explorers on this host only
@@ -56,7 +57,7 @@ class WeightPublisher:
 
     ANNOUNCE_EVERY_S = 2.0
 
-    def __init__(self, sync: "SyncConfig", *, store: "WeightStore", announce: Callable[[Kind], None],
+    def __init__(self, sync: "SyncConfig", *, store: "VersionStore", announce: Callable[[Kind], None],
                  hf_dir: str | None, push_members: int = 0, sender: Sender | None = None, transport: str = "rft"):
         self.store, self.announce, self.hf_dir = store, announce, hf_dir
         self.method = sync.method
@@ -80,14 +81,14 @@ class WeightPublisher:
         """Deliver `version`. Push: returns when every member acked; False when the push failed (the caller
         gathers the buckets again and calls again, which then takes the pull path); a failed push may leave
         `buckets` partly unread, and the caller reads the rest (the trainer's export is a collective:
-        rft.trainer.main.deliver_version). Pull: returns when the
+        rft.trainer.weights.deliver_version). Pull: returns when the
         version is stored and announced, or, with write-behind, once its tensors are copied to host memory (the
         write follows in the background, see the class docstring). `staging`: pull only, per-stage publishing
         (the class docstring)."""
         if self.method == "push":
             return self._push(version, buckets, offsets)
-        if not self.write_behind:
-            self._store_and_announce(version, buckets, offsets, staging)
+        if not self.write_behind:  # a store that keeps a delta base keeps copies the next step cannot change
+            self._store_and_announce(version, _host_copies(buckets) if self.store.delta else buckets, offsets, staging)
             return True
         self._background.submit(f"weights-v{version}", self._store_and_announce,
                                 version, _host_copies(buckets), offsets, staging)
@@ -159,14 +160,14 @@ class StagePublisher:
     version in flight, its failure raised by the next `deliver` or `flush`; host memory: this stage's share of up
     to two versions); the publishing rank also learns of a failure, from the `.stage-KK.failed` marker."""
 
-    def __init__(self, sync: "SyncConfig", *, store: "WeightStore", stage: int):
+    def __init__(self, sync: "SyncConfig", *, store: "VersionStore", stage: int):
         self.store, self.stage, self.write_behind = store, stage, sync.write_behind
         self._background = _WriteBehind(f"writing pipeline stage {stage}'s weights")
 
     def deliver(self, staging: "Staging", buckets: Iterable[dict]) -> None:
         """Write (or, with write-behind, copy and start writing) this stage's share of `staging.version`."""
         if not self.write_behind:
-            self.store.write_stage(staging, self.stage, buckets)
+            self.store.write_stage(staging, self.stage, _host_copies(buckets) if self.store.delta else buckets)
             return
         self._background.submit(f"weights-v{staging.version}-stage{self.stage}", self.store.write_stage,
                                 staging, self.stage, _host_copies(buckets))

@@ -36,7 +36,7 @@ NCCL settings this relies on (GPU only: the CPU tests run the same code over glo
     construction as well): it makes `wait` block and raise on the backend's timeout instead.
   - The NCCL group's timeout (Options._timeout) is `backend_timeout_s`; the trainer's own group timeout
     (init_process_group, 10 min by default on NCCL, 30 min on gloo) must exceed sync.timeout_s, because
-    the other trainer ranks wait in the weight export while rank 0 pushes (rft.trainer.main.deliver_version).
+    the other trainer ranks wait in the weight export while rank 0 pushes (rft.trainer.weights.deliver_version).
   - TORCH_NCCL_ENABLE_MONITORING / TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (default on, 10 min): the heartbeat
     monitor kills the process only when the watchdog thread itself hangs; leave the defaults.
   - NCCL_* transport timeouts (NCCL_IB_TIMEOUT, NCCL_SOCKET_*) need no change: a dead peer is detected

@@ -36,6 +36,12 @@ Invariants (readers on other hosts rely on them):
   check a version against it (`verify_version`) before loading it.
 One writer per root (the trainer's publishing rank, with its pipeline stages' publishing ranks writing into the
 temporary directories it opens); any number of readers.
+
+Code: `WeightStore` reads (versions, LATEST, a checked version directory) and hands `stage`, `write_stage` and
+`publish` to its `writer`, a `DirectoryWriter` (temporary directory, manifest, rename, LATEST, garbage collection).
+The functions below them are the format both stores share with the host cache (rft.weights.cache): manifests and
+`verify_version`, LoRA adapter directories, and per-stage publishing's parts (`Staging`, the stage manifests,
+`gather_stages`, the argument checks).
 """
 from __future__ import annotations
 
@@ -47,9 +53,9 @@ import re
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 if TYPE_CHECKING:
     import torch
@@ -81,7 +87,7 @@ class Staging:
     """A version that `stages` pipeline stages write into `dir`, a temporary directory in the store's root that
     the publishing rank created (`WeightStore.stage`). Travels to the other ranks as UTF-8 JSON (`to_json`)."""
     version: int
-    dir: Path
+    dir: PurePath  # a directory (WeightStore), or a key prefix (BucketStore)
     stages: int
 
     def to_json(self) -> bytes:
@@ -124,7 +130,10 @@ def store_root(sync: "SyncConfig", run_dir: str | os.PathLike) -> Path:
 
 
 class WeightStore:
-    """See the module docstring. `keep` is the number of versions retained (>= 1)."""
+    """See the module docstring. `keep` is the number of versions retained (>= 1). Two parts: this class reads
+    (what is published, where, checked against its manifest) and `writer`, a DirectoryWriter, publishes; `stage`,
+    `write_stage` and `publish` hand over to it."""
+    delta = False  # publishes no sparse deltas (a bucket store may: rft.weights.bucket)
 
     def __init__(self, root: str | os.PathLike, *, keep: int = 2):
         if keep < 1:
@@ -132,14 +141,37 @@ class WeightStore:
         self.root = Path(root)
         self.keep = keep
         self.root.mkdir(parents=True, exist_ok=True)
+        self.writer = DirectoryWriter(self)
 
     @classmethod
     def for_sync(cls, sync: "SyncConfig", run_dir: str | os.PathLike) -> "WeightStore":
         """The store `sync.weight_store` names (default `<run dir>/weights`), keeping `sync.keep_versions`."""
         return cls(store_root(sync, run_dir), keep=sync.keep_versions)
 
+    # -- reading
     def path(self, version: int) -> Path:
         return self.root / version_dirname(version)
+
+    def location(self, version: int) -> str:
+        """What announcements carry for `version`: its directory."""
+        return str(self.path(version))
+
+    def has(self, version: int) -> bool:
+        """Whether `version` is published (its directory is there: complete whenever visible)."""
+        return self.path(version).is_dir()
+
+    def local(self, version: int, location: str | os.PathLike | None = None, *, checksums: bool = True) -> Path:
+        """The directory of `version` to load, checked against its manifest (`verify_version`; `checksums`: SHA-256
+        too). `location`: where an announcement said it is; it must be this store's directory of that version once
+        symlinks are resolved (`version_dir`), and a path that does not exist on this host names the same version in
+        this store (the announcer may mount the store elsewhere). WeightStoreError when refused, FileNotFoundError
+        when not there (not yet, or collected)."""
+        path = self.path(version) if location is None else Path(location)
+        if ".." not in path.parts and not path.exists():
+            path = self.path(version)
+        resolved = self.version_dir(path, version)
+        verify_version(resolved, version, checksums=checksums)
+        return resolved
 
     def version_dir(self, path: str | os.PathLike, version: int) -> Path:
         """`path` (a version directory named by someone else: a control-topic announcement) if it is this store's
@@ -173,39 +205,28 @@ class WeightStore:
         version = int(text)
         return version, self.path(version)
 
+    def iter_tensors(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of one published version, shard by shard."""
+        path = self.path(version)
+        if not path.is_dir():
+            raise FileNotFoundError(f"weight store {self.root}: version {version} is not there "
+                                    f"(present: {self.versions()})")
+        return iter_safetensors(path)
+
+    # -- publishing (DirectoryWriter)
+    def staging_from_json(self, data: bytes) -> "Staging":
+        """The staging another rank's `Staging.to_json` describes, in this store (as this host sees it)."""
+        return Staging.from_json(self.root, data)
+
     def stage(self, version: int, stages: int) -> Staging | None:
         """Open `version` for per-stage publishing by `stages` pipeline stages: creates its temporary directory.
         None when the version is published already (then `publish` without staging is a no-op)."""
-        if version < 0 or stages < 1:
-            raise WeightStoreError(f"need version >= 0 and stages >= 1, got version {version}, stages {stages}")
-        if self.path(version).exists():
-            return None
-        staging = Staging(version=version, dir=self._temporary(version), stages=stages)
-        staging.dir.mkdir()
-        return staging
+        return self.writer.stage(version, stages)
 
     def write_stage(self, staging: Staging, stage: int, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
         """Write pipeline stage `stage`'s buckets (one safetensors shard each) into `staging.dir`, then its
         manifest. On failure, leaves `.stage-KK.failed` with the reason for the publishing rank, and raises."""
-        if not 0 <= stage < staging.stages:
-            raise WeightStoreError(f"stage {stage} is not one of the {staging.stages} stages of version "
-                                   f"{staging.version}")
-        if not staging.dir.is_dir():
-            raise WeightStoreError(f"version {staging.version}: the staging directory {staging.dir} is not there: "
-                                   f"every pipeline stage's publishing rank must see the weight store at the same "
-                                   f"path (sync.weight_store on a shared filesystem)")
-        try:
-            weight_map, total = self._write_shards(staging.dir, buckets, prefix=f"model-stage{stage:02d}")
-            files = {shard: file_entry(staging.dir / shard) for shard in sorted(set(weight_map.values()))}
-            _write_atomically(staging.dir / _manifest(stage), json.dumps(
-                {"version": staging.version, "stage": stage, "total_size": total, "weight_map": weight_map,
-                 "files": files}))
-        except BaseException as e:
-            try:
-                _write_atomically(staging.dir / _failed(stage), f"{type(e).__name__}: {e}"[:2000])
-            except OSError:
-                pass  # the directory is gone: the publishing rank gave up on this version already
-            raise
+        self.writer.write_stage(staging, stage, buckets)
 
     def publish(self, version: int, buckets: Iterable[dict[str, torch.Tensor]],
                 hf_dir: str | os.PathLike | None, *, staging: Staging | None = None,
@@ -218,13 +239,50 @@ class WeightStore:
         every other stage's manifest is in (see the module docstring; `wait_s`: seconds without progress).
         `adapter_config` (a PEFT adapter_config.json as a dict): the version is that LoRA adapter, its tensors in one
         `adapter_model.safetensors` (no staging, no model files)."""
-        if adapter_config is not None and staging is not None:
-            raise WeightStoreError(f"version {version}: a LoRA adapter is written whole by one rank, not per stage")
-        if version < 0:
-            raise WeightStoreError(f"version must be >= 0, got {version}")
-        if staging is not None and staging.version != version:
-            raise WeightStoreError(f"publish of version {version} got the staging of version {staging.version}")
-        final = self.path(version)
+        return self.writer.publish(version, buckets, hf_dir, staging=staging, wait_s=wait_s,
+                                   adapter_config=adapter_config)
+
+
+class DirectoryWriter:
+    """The directory store's publishing part (the one writer of its root, module docstring: temporary directory,
+    manifest, rename; then LATEST forward and garbage collection). Its store's `stage`, `write_stage` and `publish`
+    hand over to it; their docstrings state the contracts."""
+
+    def __init__(self, store: WeightStore):
+        self.store = store
+
+    def stage(self, version: int, stages: int) -> Staging | None:
+        check_stage_count(version, stages)
+        if self.store.path(version).exists():
+            return None
+        staging = Staging(version=version, dir=self._temporary(version), stages=stages)
+        staging.dir.mkdir()
+        return staging
+
+    def write_stage(self, staging: Staging, stage: int, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
+        check_stage(staging, stage)
+        if not staging.dir.is_dir():
+            raise WeightStoreError(f"version {staging.version}: the staging directory {staging.dir} is not there: "
+                                   f"every pipeline stage's publishing rank must see the weight store at the same "
+                                   f"path (sync.weight_store on a shared filesystem)")
+        try:
+            weight_map, total = self._write_shards(staging.dir, buckets, prefix=f"model-stage{stage:02d}")
+            files = {shard: file_entry(staging.dir / shard) for shard in sorted(set(weight_map.values()))}
+            _write_atomically(staging.dir / stage_manifest(stage), json.dumps(
+                {"version": staging.version, "stage": stage, "total_size": total, "weight_map": weight_map,
+                 "files": files}))
+        except BaseException as e:
+            try:
+                _write_atomically(staging.dir / stage_failed(stage), failure_reason(e))
+            except OSError:
+                pass  # the directory is gone: the publishing rank gave up on this version already
+            raise
+
+    def publish(self, version: int, buckets: Iterable[dict[str, torch.Tensor]],
+                hf_dir: str | os.PathLike | None, *, staging: Staging | None = None,
+                wait_s: float = 120.0, adapter_config: dict | None = None) -> Path:
+        check_publish(version, staging, adapter_config)
+        final = self.store.path(version)
         if staging is None and final.exists():
             log.info("weight store: version %d already published at %s", version, final)
             self._advance_latest(version)
@@ -242,10 +300,7 @@ class WeightStore:
                 else:
                     self.write_stage(staging, 0, buckets)
                     weight_map, total_bytes, files = self._gather_stages(staging, wait_s)
-                if not weight_map:
-                    raise WeightStoreError("publish got no tensors")
-                index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-                (tmp / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+                (tmp / INDEX).write_text(index_json(weight_map, total_bytes))
                 if hf_dir is not None:
                     self._copy_model_files(Path(hf_dir), tmp)
             self._write_manifest(tmp, version, files)
@@ -258,7 +313,7 @@ class WeightStore:
         return final
 
     def _temporary(self, version: int) -> Path:
-        return self.root / f".tmp-{version_dirname(version)}-{uuid.uuid4().hex[:8]}"
+        return self.store.root / f".tmp-{version_dirname(version)}-{uuid.uuid4().hex[:8]}"
 
     @staticmethod
     def _write_shards(out: Path, buckets: Iterable[dict[str, torch.Tensor]],
@@ -270,12 +325,8 @@ class WeightStore:
         total_bytes = 0
         for i, bucket in enumerate(buckets):
             shard = f"{prefix}-{i:05d}.safetensors"
-            tensors = {}
-            for name, tensor in bucket.items():
-                if name in weight_map or name in tensors:
-                    raise WeightStoreError(f"tensor {name!r} appears in more than one bucket")
-                tensors[name] = tensor.detach().to("cpu").contiguous()
-                total_bytes += tensors[name].numel() * tensors[name].element_size()
+            tensors, size = shard_tensors(bucket, weight_map)
+            total_bytes += size
             if tensors:
                 save_file(tensors, str(out / shard), metadata={"format": "pt"})
                 weight_map.update(dict.fromkeys(tensors, shard))
@@ -286,15 +337,7 @@ class WeightStore:
         """PEFT's adapter directory: every tensor of `buckets` in ADAPTER_FILE, and ADAPTER_CONFIG."""
         from safetensors.torch import save_file
 
-        tensors: dict[str, torch.Tensor] = {}
-        for bucket in buckets:
-            for name, tensor in bucket.items():
-                if name in tensors:
-                    raise WeightStoreError(f"tensor {name!r} appears in more than one bucket")
-                tensors[name] = tensor.detach().to("cpu").contiguous()
-        if not tensors:
-            raise WeightStoreError("publish got no adapter tensors")
-        save_file(tensors, str(out / ADAPTER_FILE), metadata={"format": "pt"})
+        save_file(adapter_tensors(buckets), str(out / ADAPTER_FILE), metadata={"format": "pt"})
         (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=1) + "\n")
 
     @staticmethod
@@ -311,88 +354,45 @@ class WeightStore:
 
     @staticmethod
     def _gather_stages(staging: Staging, wait_s: float) -> tuple[dict[str, str], int, dict[str, dict]]:
-        """Every stage's manifest merged (the first stage's is there already); waits for the others while any
-        of them makes progress (a new file in the directory) at least every `wait_s` seconds. Returns (tensor
-        name -> shard, total bytes, shard -> manifest entry)."""
-        files: dict[str, dict] = {}
-        weight_map: dict[str, str] = {}
-        owner: dict[str, int] = {}
-        total_bytes = 0
-        pending = set(range(staging.stages))
-        progress, deadline, pause = -1, 0.0, 0.01
-        while pending:
-            for stage in sorted(pending):
-                failed = staging.dir / _failed(stage)
-                if failed.is_file():
-                    raise WeightStoreError(f"version {staging.version}: pipeline stage {stage} failed to write its "
-                                           f"shards: {failed.read_text()}")
-                try:
-                    manifest = json.loads((staging.dir / _manifest(stage)).read_text())
-                except FileNotFoundError:
-                    continue
-                if (manifest["version"], manifest["stage"]) != (staging.version, stage):
-                    raise WeightStoreError(f"{staging.dir / _manifest(stage)} is for version {manifest['version']} "
-                                           f"stage {manifest['stage']}, expected version {staging.version} stage {stage}")
-                for name, shard in manifest["weight_map"].items():
-                    if name in owner:
-                        raise WeightStoreError(f"version {staging.version}: tensor {name!r} comes from pipeline "
-                                               f"stages {owner[name]} and {stage}")
-                    owner[name], weight_map[name] = stage, shard
-                total_bytes += int(manifest["total_size"])
-                files.update(manifest.get("files", {}))
-                pending.discard(stage)
-            if not pending:
-                break
-            entries = len(os.listdir(staging.dir))
-            now = time.monotonic()
-            if entries != progress:
-                progress, deadline = entries, now + wait_s
-            elif now > deadline:
-                raise WeightStoreError(
-                    f"version {staging.version}: pipeline stage(s) {', '.join(map(str, sorted(pending)))} wrote "
-                    f"nothing to {staging.dir} for {wait_s:g} s (sync.timeout_s): is the stage's publishing rank "
-                    f"alive, and does it see the weight store at the same path (a shared filesystem)?")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.25)
+        """Every stage's manifest merged (`gather_stages`); then the manifests are dropped. Returns (tensor name ->
+        shard, total bytes, shard -> manifest entry)."""
+        def read(name: str) -> bytes | None:
+            try:
+                return (staging.dir / name).read_bytes()
+            except FileNotFoundError:
+                return None
+
+        merged = gather_stages(staging, wait_s, read=read, progress=lambda: len(os.listdir(staging.dir)),
+                               where=str(staging.dir), reach="does it see the weight store at the same path (a "
+                                                                 "shared filesystem)")
         for stage in range(staging.stages):
-            (staging.dir / _manifest(stage)).unlink()
-        return weight_map, total_bytes, files
+            (staging.dir / stage_manifest(stage)).unlink()
+        return merged.weight_map, merged.total_bytes, merged.files
 
     @staticmethod
     def _copy_model_files(hf_dir: Path, out: Path) -> None:
-        if not (hf_dir / "config.json").is_file():
-            raise WeightStoreError(f"{hf_dir} has no config.json (hf_dir must be a Hugging Face model directory)")
-        for item in hf_dir.iterdir():
-            if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name not in _WEIGHT_INDEXES:
-                shutil.copy2(item, out / item.name)
+        for item in model_files(hf_dir):
+            shutil.copy2(item, out / item.name)
 
     def _advance_latest(self, version: int) -> None:
-        current = self.latest()
+        current = self.store.latest()
         if current is not None and current[0] >= version:
             return
-        tmp = self.root / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp = self.store.root / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
         tmp.write_text(f"{version}\n")
-        os.replace(tmp, self.root / LATEST)
+        os.replace(tmp, self.store.root / LATEST)
 
     def _collect_garbage(self) -> None:
-        latest = self.latest()
-        versions = self.versions()
-        doomed = [v for v in versions[:-self.keep] if latest is None or v != latest[0]]
+        latest = self.store.latest()
+        versions = self.store.versions()
+        doomed = [v for v in versions[:-self.store.keep] if latest is None or v != latest[0]]
         for v in doomed:
-            trash = self.root / f".trash-{version_dirname(v)}-{uuid.uuid4().hex[:8]}"
+            trash = self.store.root / f".trash-{version_dirname(v)}-{uuid.uuid4().hex[:8]}"
             try:
-                os.rename(self.path(v), trash)
+                os.rename(self.store.path(v), trash)
             except FileNotFoundError:
                 continue
             shutil.rmtree(trash, ignore_errors=True)
-
-    def iter_tensors(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) of one published version, shard by shard."""
-        path = self.path(version)
-        if not path.is_dir():
-            raise FileNotFoundError(f"weight store {self.root}: version {version} is not there "
-                                    f"(present: {self.versions()})")
-        return iter_safetensors(path)
 
 
 def is_adapter_version(path: str | os.PathLike) -> bool:
@@ -456,6 +456,11 @@ def file_entry(path: Path) -> dict:
     return {"size": path.stat().st_size, CHECKSUM: digest}
 
 
+def bytes_entry(data: bytes | memoryview) -> dict:
+    """The manifest entry of a file whose contents are `data`."""
+    return {"size": len(data), CHECKSUM: hashlib.new(CHECKSUM, data).hexdigest()}
+
+
 def verify_version(path: str | os.PathLike, version: int, *, checksums: bool = True) -> None:
     """Check the version directory `path` against its manifest before loading it: the manifest is there and is
     for `version`; every file it names is a regular file inside `path` (no symlink) with its size and, with
@@ -508,12 +513,147 @@ def first_non_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
     return None
 
 
-def _manifest(stage: int) -> str:
+def check_publish(version: int, staging: Staging | None, adapter_config: dict | None) -> None:
+    """WeightStoreError when a publish's arguments do not go together (either store's `publish`)."""
+    if adapter_config is not None and staging is not None:
+        raise WeightStoreError(f"version {version}: a LoRA adapter is written whole by one rank, not per stage")
+    if version < 0:
+        raise WeightStoreError(f"version must be >= 0, got {version}")
+    if staging is not None and staging.version != version:
+        raise WeightStoreError(f"publish of version {version} got the staging of version {staging.version}")
+
+
+def check_stage_count(version: int, stages: int) -> None:
+    """WeightStoreError unless `version` may be opened for `stages` pipeline stages (either store's `stage`)."""
+    if version < 0 or stages < 1:
+        raise WeightStoreError(f"need version >= 0 and stages >= 1, got version {version}, stages {stages}")
+
+
+def check_stage(staging: Staging, stage: int) -> None:
+    """WeightStoreError unless `stage` is one of the stages of `staging` (either store's `write_stage`)."""
+    if not 0 <= stage < staging.stages:
+        raise WeightStoreError(f"stage {stage} is not one of the {staging.stages} stages of version "
+                               f"{staging.version}")
+
+
+def failure_reason(error: BaseException) -> str:
+    """What a stage's failure marker (`stage_failed`) says: the error's type and message, at most 2000 characters."""
+    return f"{type(error).__name__}: {error}"[:2000]
+
+
+def shard_tensors(bucket: dict[str, "torch.Tensor"], written: dict[str, str]) -> tuple[dict[str, "torch.Tensor"], int]:
+    """One bucket's tensors as a shard holds them (on the CPU, contiguous) and their bytes; WeightStoreError when a
+    name is in `written` (tensor name -> shard: the buckets before) or twice in this one."""
+    tensors: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in bucket.items():
+        if name in written or name in tensors:
+            raise WeightStoreError(f"tensor {name!r} appears in more than one bucket")
+        tensors[name] = tensor.detach().to("cpu").contiguous()
+        size += tensors[name].numel() * tensors[name].element_size()
+    return tensors, size
+
+
+def index_json(weight_map: dict[str, str], total_bytes: int) -> str:
+    """The text of a version's INDEX (tensor name -> shard, names sorted); WeightStoreError when it has no tensors."""
+    if not weight_map:
+        raise WeightStoreError("publish got no tensors")
+    return json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))},
+                      indent=1) + "\n"
+
+
+def stage_manifest(stage: int) -> str:
+    """The file (object) in which pipeline stage `stage` names its shards, written last (per-stage publishing)."""
     return f".stage-{stage:02d}.json"
 
 
-def _failed(stage: int) -> str:
+def stage_failed(stage: int) -> str:
+    """The file (object) in which pipeline stage `stage` leaves the reason it failed."""
     return f".stage-{stage:02d}.failed"
+
+
+@dataclass
+class StageMerge:
+    """The stages' manifests merged (per-stage publishing): tensor name -> shard, total bytes, shard -> manifest
+    entry, shard -> delta entry (bucket stores: rft.weights.bucket)."""
+    weight_map: dict[str, str] = field(default_factory=dict)
+    total_bytes: int = 0
+    files: dict[str, dict] = field(default_factory=dict)
+    deltas: dict[str, dict] = field(default_factory=dict)
+    owner: dict[str, int] = field(default_factory=dict)
+
+    def add(self, staging: Staging, stage: int, body: dict) -> None:
+        """Merge stage `stage`'s manifest `body`; WeightStoreError when it is another version's or stage's, or names a
+        tensor another stage has."""
+        if (body["version"], body["stage"]) != (staging.version, stage):
+            raise WeightStoreError(f"{stage_manifest(stage)} in {staging.dir} is for version {body['version']} stage "
+                                   f"{body['stage']}, expected version {staging.version} stage {stage}")
+        for name, shard in body["weight_map"].items():
+            if name in self.owner:
+                raise WeightStoreError(f"version {staging.version}: tensor {name!r} comes from pipeline stages "
+                                       f"{self.owner[name]} and {stage}")
+            self.owner[name], self.weight_map[name] = stage, shard
+        self.total_bytes += int(body["total_size"])
+        self.files.update(body.get("files", {}))
+        self.deltas.update(body.get("deltas", {}))
+
+
+def gather_stages(staging: Staging, wait_s: float, *, read: Callable[[str], bytes | None], progress: Callable[[], int],
+                  where: str, reach: str) -> StageMerge:
+    """Every stage's manifest merged, waiting for the others while any of them makes progress (`progress()`, the
+    number of entries where they write, changes) at least every `wait_s` seconds. `read(name)`: a file's bytes, None
+    when absent. A stage's failure marker, or `wait_s` without progress, is a WeightStoreError naming the stage
+    (`where` it writes, `reach`: what to check)."""
+    merged = StageMerge()
+    pending = set(range(staging.stages))
+    last, deadline, pause = -1, 0.0, 0.01
+    while pending:
+        for stage in sorted(pending):
+            failed = read(stage_failed(stage))
+            if failed is not None:
+                raise WeightStoreError(f"version {staging.version}: pipeline stage {stage} failed to write its "
+                                       f"shards: {failed.decode(errors='replace')}")
+            body = read(stage_manifest(stage))
+            if body is not None:
+                merged.add(staging, stage, json.loads(body))
+                pending.discard(stage)
+        if not pending:
+            break
+        entries, now = progress(), time.monotonic()
+        if entries != last:
+            last, deadline = entries, now + wait_s
+        elif now > deadline:
+            raise WeightStoreError(
+                f"version {staging.version}: pipeline stage(s) {', '.join(map(str, sorted(pending)))} wrote "
+                f"nothing to {where} for {wait_s:g} s (sync.timeout_s): is the stage's publishing rank "
+                f"alive, and {reach}?")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.25)
+    return merged
+
+
+def model_files(hf_dir: str | os.PathLike) -> list[Path]:
+    """The files of a Hugging Face model directory that go beside each version's weights (config, tokenizer,
+    generation config: everything but weights, weight indexes and a weight store's manifest: `hf_dir` may be a
+    version); WeightStoreError without a config.json."""
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise WeightStoreError(f"{hf_dir} has no config.json (hf_dir must be a Hugging Face model directory)")
+    return sorted(item for item in hf_dir.iterdir() if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES)
+                  and item.name not in (*_WEIGHT_INDEXES, MANIFEST))
+
+
+def adapter_tensors(buckets: Iterable[dict[str, "torch.Tensor"]]) -> dict[str, "torch.Tensor"]:
+    """Every tensor of `buckets` (a LoRA adapter version's, all in one file), on the CPU and contiguous."""
+    tensors: dict[str, torch.Tensor] = {}
+    for bucket in buckets:
+        for name, tensor in bucket.items():
+            if name in tensors:
+                raise WeightStoreError(f"tensor {name!r} appears in more than one bucket")
+            tensors[name] = tensor.detach().to("cpu").contiguous()
+    if not tensors:
+        raise WeightStoreError("publish got no adapter tensors")
+    return tensors
 
 
 def _write_atomically(path: Path, text: str) -> None:

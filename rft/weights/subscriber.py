@@ -3,10 +3,11 @@ newest version (the store's LATEST or an announcement, never going back), `PushM
 trainer's push group, `load_newest_weights` reloads an engine in place.
 
 Trust (docs/operations.md, "Trust"): the control topic is not trusted. A `weights` announcement's path is loaded
-only if it is the announced version's directory of this explorer's own weight store once symlinks are resolved
-(`WeightStore.version_dir`; a path that does not exist here names the same version in this store: the trainer's
-mount point may differ), and only after the version directory matches its manifest (`verify_version`: sizes
-always, SHA-256 checksums with `sync.verify`). A push-group announcement is joined only if its address is allowed
+only if it is the announced version's location in this explorer's own weight store (`local`: a directory store's
+directory once symlinks are resolved, where a path that does not exist here names the same version in this store: the
+trainer's mount point may differ; a bucket store's URL of that version), and only after the version matches its
+manifest (a directory store: `verify_version`, sizes always, SHA-256 checksums with `sync.verify`; a bucket store:
+every file's size and SHA-256 as this host's cache fetches it, rft.weights.cache). A push-group announcement is joined only if its address is allowed
 (`PushAllowList`: `sync.push_allow`, else `sync.push_host`, else this host). A refused announcement or version is
 logged (one line), counted (`WeightUpdates.refused`, in the explorer's heartbeat and metrics) and never tried again;
 the engine keeps its current weights."""
@@ -20,12 +21,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 from rft.transport.control import ControlView, PushGroup
-from rft.weights.store import WeightStoreError, verify_version
+from rft.weights.store import WeightStoreError
 
 if TYPE_CHECKING:
     from rft.config import SyncConfig
     from rft.engine import Engine
-    from rft.weights.store import WeightStore
+    from rft.weights.stores import VersionStore
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class WeightUpdates:
     ControlView) says of push groups. `verify`: check checksums too (sizes are always checked). `refused` counts
     the versions and announcements refused. Not thread-safe."""
 
-    def __init__(self, store: "WeightStore", control_source: ControlSource, *, verify: bool = True):
+    def __init__(self, store: "VersionStore", control_source: ControlSource, *, verify: bool = True):
         self.store, self.control_source, self.verify = store, control_source, verify
         self.view = ControlView()
         self.refused = 0
@@ -59,7 +60,8 @@ class WeightUpdates:
         """(version, path) of the newest version known that is newer than `above` and passes the checks (module
         docstring), or None. A candidate that fails them is refused (`refuse`) and the next older one is taken."""
         self.read_announcements()
-        known = [v for v in (self.store.latest(), self._announced_here()) if v is not None]
+        announced = self.view.announced
+        known = [v for v in (self.store.latest(), announced and (announced.version, announced.path)) if v]
         for version, path in sorted(known, key=lambda v: v[0], reverse=True):
             if version <= above:
                 break
@@ -73,28 +75,17 @@ class WeightUpdates:
         self.refused += 1
         log.warning("refused %s: %s (refused so far: %d)", what, reason, self.refused)
 
-    def _announced_here(self) -> tuple[int, Path] | None:
-        """The announced version and path; a path that does not exist on this host names the same version in this
-        explorer's own store (the announcer's filesystem may be mounted elsewhere)."""
-        announced = self.view.announced
-        if announced is None:
-            return None
-        path = Path(announced.path)
-        if ".." not in path.parts and not path.exists():
-            path = self.store.path(announced.version)
-        return announced.version, path
-
-    def _trusted(self, version: int, path: Path) -> Path | None:
-        key = (version, str(path))
+    def _trusted(self, version: int, location: Path | str) -> Path | None:
+        """The local directory of `version` announced at `location` if the store trusts it (VersionStore.local)."""
+        key = (version, str(location))
         if key in self._checked:
             return self._checked[key]
         try:
-            resolved = self.store.version_dir(path, version)
-            verify_version(resolved, version, checksums=self.verify)
+            resolved = self.store.local(version, location, checksums=self.verify)
         except FileNotFoundError:
             return None  # not there (yet, or any more: garbage-collected): not a refusal, looked at again
         except WeightStoreError as e:
-            self.refuse(f"weights version {version} at {path}", e)
+            self.refuse(f"weights version {version} at {location}", e)
             resolved = None
         self._checked[key] = resolved
         return resolved

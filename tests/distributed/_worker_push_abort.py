@@ -37,7 +37,7 @@ def trainer(spec: dict) -> None:
     from megatron_bridge.export import iter_hf_buckets
     from megatron_bridge.model import build_model
     from rft.config import SyncConfig
-    from rft.trainer.main import deliver_buckets, deliver_version
+    from rft.trainer.weights import deliver_buckets, deliver_version
     from rft.weights.publisher import WeightPublisher
     from rft.weights.push import PushSender
     from rft.weights.store import WeightStore

@@ -1,10 +1,12 @@
 """torchrun worker for tests/distributed/test_stage_publish.py: per-stage weight publishing at PP=2 through the
-trainer's own code (`Trainer._publish_weights`, a real MegatronPolicy, the in-memory transport on rank 0).
+trainer's own code (`trainer.weights.publish`: rft.trainer.weights; a real MegatronPolicy, the in-memory transport on
+rank 0).
 
 Usage: torchrun --nproc-per-node 2 _worker_stage_publish.py SPEC.json, with SPEC {"out_dir", "cases": [{"name",
-"hf_dir", "write_behind"}]}. For every case, in one process group: a PP=2 trainer publishes version 0 (the initial
-weights), then every parameter of every stage gets +1.0 in place at once (the next optimizer step, possibly while
-version 0 is still being written behind), then version 1 is published and flushed. The store is
+"hf_dir", "write_behind", optional "sync" (more sync keys: a bucket store) and "sparse"}]}. For every case, in one
+process group: a PP=2 trainer publishes version 0 (the initial weights), then every parameter of every stage gets
++1.0 in place at once (the next optimizer step, possibly while version 0 is still being written behind; with
+"sparse", only every 16th element of each parameter), then version 1 is published and flushed. The store is
 `<out_dir>/<name>/weights`; rank 0 writes the control topic's `Weights` announcements, in order, to
 `<out_dir>/<name>/announced.json`. The test compares the store with the HF checkpoint.
 """
@@ -35,7 +37,7 @@ def run_case(case: dict, out: Path) -> None:
         "model": {"path": case["hf_dir"]},
         "kafka": {"bootstrap_servers": "memory"},
         "trainer": {"pipeline_parallel": 2, "data_parallel": 1},
-        "sync": {"write_behind": case["write_behind"], "bucket_mb": 1},  # several shards per stage
+        "sync": {"write_behind": case["write_behind"], "bucket_mb": 1, **case.get("sync", {})},  # several shards a stage
         "monitor": {"progress": False},
     })
     transport = MemoryTransport(partitions=1)
@@ -46,19 +48,18 @@ def run_case(case: dict, out: Path) -> None:
                       run_dir=cfg.run_dir, temperature=1.0, progress=False, policy=policy,
                       open_io=lambda feed_state, replay_state: open_trainer_io(
                           cfg, feed_state=feed_state, replay_state=replay_state, transport=transport))
-    trainer._publish_weights(0)
+    trainer.weights.publish(0)
     with torch.no_grad():
         for p in unwrap(policy.models[0]).parameters():
-            p.add_(1.0)
-    trainer._publish_weights(1)
-    trainer._flush_weights()
+            (p.view(-1)[::16] if case.get("sparse") else p).add_(1.0)
+    trainer.weights.publish(1)
+    trainer.weights.flush()
     if trainer.io is not None:
         announced = [m for m in map(parse, control_messages(read_topic(transport, cfg.topic("control"))))
                      if isinstance(m, Weights)]
         (cfg.run_dir / "announced.json").write_text(json.dumps([[m.version, m.path] for m in announced]))
         trainer.io.close()
-    if trainer._stage_weights is not None:
-        trainer._stage_weights.close()
+    trainer.weights.close()
     dist_io.barrier()
     parallel.destroy(keep_process_group=True)
 

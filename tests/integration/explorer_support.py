@@ -48,11 +48,13 @@ def subprocess_env() -> dict[str, str]:
                 PYTHONUNBUFFERED="1")
 
 
-def start_explorer(config: Path, explorer_id: str, log_dir: Path, *overrides: str, replicas: int = 1) -> subprocess.Popen:
-    """`rft explorer CONFIG --explorer-id ID [--replicas N]` in its own process group."""
+def start_explorer(config: Path | list[Path], explorer_id: str, log_dir: Path, *overrides: str,
+                   replicas: int = 1) -> subprocess.Popen:
+    """`rft explorer CONFIG [MORE_CONFIGS] --explorer-id ID [--replicas N]` in its own process group."""
     sets = [a for o in overrides for a in ("--set", o)]
+    configs = [str(c) for c in (config if isinstance(config, list) else [config])]
     log = open(log_dir / f"{explorer_id}.log", "ab")
-    return subprocess.Popen([sys.executable, "-m", "rft.cli", "explorer", str(config), "--explorer-id", explorer_id,
+    return subprocess.Popen([sys.executable, "-m", "rft.cli", "explorer", *configs, "--explorer-id", explorer_id,
                              "--replicas", str(replicas), *sets], stdout=log, stderr=subprocess.STDOUT,
                             env=subprocess_env(), start_new_session=True)
 

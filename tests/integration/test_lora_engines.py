@@ -81,3 +81,17 @@ def test_transformers_engine_merges_each_version_on_load(tiny_model, adapters, s
         engine.load_weights(store / f"v{version:08d}", version)
         np.testing.assert_allclose(logprobs_of(engine.model, prompt, tokens),
                                    logprobs_of(peft_model(tiny_model, adapter), prompt, tokens), atol=1e-5)
+
+
+def test_a_run_starting_from_an_adapter_generates_version_0_with_it(tiny_model, adapters):
+    """`model.lora.init_from`: the trainer's version 0 is the base with that adapter, so an engine built for the run
+    (rft.engine.build_engine, as explorers, serve and evaluation build theirs) holds it as version 0."""
+    from rft.config import ExplorerConfig, LoraConfig, ModelConfig
+    from rft.engine import build_engine
+
+    model = ModelConfig(path=str(tiny_model), lora=LoraConfig(rank=4, alpha=8.0, init_from=str(adapters[0])))
+    engine = build_engine(ExplorerConfig(engine="transformers"), model, seed=0)
+    prompt, tokens = engine.encode(":3"), engine.encode(" 1 2 3", add_special_tokens=False)
+    assert engine.weights_version == 0
+    np.testing.assert_allclose(logprobs_of(engine.model, prompt, tokens),
+                               logprobs_of(peft_model(tiny_model, adapters[0]), prompt, tokens), atol=1e-5)

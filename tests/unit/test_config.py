@@ -93,6 +93,17 @@ def test_saved_resolved_config_round_trips(tmp_path, model_dir):
     ({}, ["model.lora.rank=-1"], r"model.lora.rank: must be >= 0"),
     ({}, ["model.lora.rank=8", "model.lora.target_modules=[q_proj]"], r"model.lora.target_modules: must be a non-empty"),
     ({"serve": {"adapters": {"other": "/stores/other"}}}, [], r"serve.adapters: .* model.lora.rank > 0"),
+    ({"sync": {"weight_store": "gs://bucket/x"}}, [], r"sync.weight_store: .*gs:// stores are not supported"),
+    ({"sync": {"weight_store": "s3://A_B/x"}}, [], r"sync.weight_store: 'A_B' is not an S3 bucket name"),
+    ({"sync": {"weight_store": "s3://bucket/a/../b"}}, [], r"sync.weight_store: the prefix of .* '\.\.' part"),
+    ({"sync": {"delta": True}}, [], r"sync.delta: .*needs an s3:// sync.weight_store"),
+    ({"sync": {"weight_store": "s3://bucket/r", "delta": True}, "model": {"lora": {"rank": 4}}}, [],
+     r"sync.delta: a LoRA version is its adapter"),
+    ({"sync": {"cache_dir": "/tmp/c"}}, [], r"sync.cache_dir: only an s3:// sync.weight_store uses it"),
+    ({"sync": {"weight_store": "s3://bucket/r", "s3_endpoint": "localhost:9000"}}, [],
+     r"sync.s3_endpoint: an http\(s\)://HOST\[:PORT\] URL"),
+    ({}, ["sync.weight_store=s3://bucket/r", "sync.full_every=0"], r"sync.full_every: must be >= 1 \(1: no deltas\)"),
+    ({}, ["sync.bucket_mb=6000"], r"sync.bucket_mb: must be in \[1, 5120\]"),
 ])
 def test_invalid_configs_name_file_and_key(tmp_path, model_dir, body_patch, override, expected):
     body = minimal(model_dir)

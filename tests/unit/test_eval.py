@@ -19,7 +19,8 @@ from rft.run.loading import load_run_config
 from rft.run.monitor import read_metrics
 from rft.trainer.checkpoint import CheckpointDir, TrainerState
 from rft.trainer.feed import FeedState
-from rft.weights.store import WeightStore, store_root
+from rft.weights.store import WeightStore
+from rft.weights.stores import open_store, store_exists
 
 COPY_SET = {"name": "copy", "format": "generated", "path": "copy_char", "generated_tasks": 20, "seed": 5}
 
@@ -42,8 +43,8 @@ def eval_sets(cfg):
 
 
 def resolve(spec, cfg):
-    return resolve_checkpoint(spec, cfg.model, run_dir=cfg.run_dir,
-                              store_root=store_root(cfg.sync, cfg.run_dir))
+    store = open_store(cfg.sync, cfg.run_dir) if store_exists(cfg.sync, cfg.run_dir) else None
+    return resolve_checkpoint(spec, cfg.model, run_dir=cfg.run_dir, store=store)
 
 
 @pytest.mark.parametrize("section, expected", [

@@ -9,16 +9,6 @@ import torch
 from rft.weights.store import WeightStore, WeightStoreError, iter_safetensors
 
 
-@pytest.fixture
-def hf_dir(tmp_path):
-    d = tmp_path / "hf"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    (d / "tokenizer.json").write_text("{}")
-    (d / "model.safetensors").write_bytes(b"old weights, must not be copied")
-    return d
-
-
 def buckets(seed: int):
     g = torch.Generator().manual_seed(seed)
     return [{"a.weight": torch.randn(3, 4, generator=g), "b.bias": torch.randn(4, generator=g)},

@@ -1,0 +1,235 @@
+"""A host's cache of the versions of a bucket weight store (rft.weights.bucket): the explorers (and `rft serve`, the
+evaluator) on one host share it, so each version crosses the network once per host, and as a sparse delta when the
+host has the version before it.
+
+Layout under `directory` (one per store; the bucket store names it after the store's endpoint and URL):
+    .lock                 fcntl lock: one process at a time builds a version or collects garbage
+    v00000003/            a complete version: every file of its manifest, checked, and the manifest itself
+    .tmp-v00000004-XXXX/  a version being built (removed on failure; a killed builder's leftovers go at the next build)
+Contract:
+- A `vNNNNNNNN/` directory is complete whenever it is visible: it is built aside, every file's size and SHA-256 is
+  checked against the version's manifest (and, with `checksums`, every floating-point tensor is finite), then it is
+  renamed into place. Engines load from it (a loadable HF directory, or a PEFT adapter directory).
+- Building version v from its manifest, each file is (1) hard-linked from the newest cached version holding a file of
+  that name with the same SHA-256 (config and tokenizer files, shards that did not change), else (2) rebuilt from the
+  cached base's file and its delta when v has deltas from a version this cache holds (rft.weights.delta), and kept
+  only if its SHA-256 is the manifest's, else (3) downloaded. A downloaded file that does not match the manifest
+  refuses the version (WeightStoreError); a delta that is malformed or does not reproduce its file bit for bit is
+  counted (`stats["delta_fallbacks"]`), logged, and the file is downloaded instead.
+- Many processes: `materialize` returns a complete version without locking when it is there (and its files have
+  the manifest's sizes: a version a crash left short is removed and built again); otherwise it takes the lock, looks
+  again (another process may have just built it) and builds it. So the explorers of a host fetch each version once.
+- Garbage collection (under the lock, after each build) keeps the newest `keep` versions (>= 2: the newest is the
+  next delta's base); a doomed version is renamed out of the `vNNNNNNNN` namespace before it is removed, so a reader
+  sees it whole or not at all; an engine that loses that race gets FileNotFoundError and the explorer takes the
+  newest version again (rft.weights.subscriber.load_newest_weights).
+The directory must be on a local filesystem (flock over NFS is not dependable) that every explorer of the host can
+write.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator, Protocol
+
+from rft.weights import delta as deltas
+from rft.weights.store import (
+    CHECKSUM,
+    MANIFEST,
+    WeightStoreError,
+    bytes_entry,
+    file_entry,
+    first_non_finite,
+    iter_safetensors,
+    version_dirname,
+    version_of,
+)
+
+log = logging.getLogger(__name__)
+LOCK = ".lock"
+TRANSFERS = 4  # files fetched or rebuilt at once
+
+
+class Source(Protocol):
+    """Where versions come from (rft.weights.bucket.BucketStore)."""
+    root: str
+
+    def manifest(self, version: int) -> dict: ...  # FileNotFoundError when the version is not published
+    def read(self, version: int, name: str) -> bytes: ...  # one object, whole; FileNotFoundError when absent
+    def download(self, version: int, name: str, out: Path) -> str: ...  # into `out`; returns its SHA-256
+
+
+class HostCache:
+    """See the module docstring. `stats` counts this process's work: versions built, files downloaded / linked /
+    rebuilt from deltas, delta fallbacks, bytes downloaded (full files and deltas)."""
+
+    def __init__(self, directory: str | os.PathLike, source: Source, *, keep: int = 2):
+        self.directory, self.source, self.keep = Path(directory), source, max(keep, 2)
+        self.stats = dict.fromkeys(("versions_built", "files_downloaded", "files_linked", "deltas_applied",
+                                    "delta_fallbacks", "bytes_downloaded", "delta_bytes"), 0)
+        self._stats_lock = threading.Lock()
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self._stats_lock:  # the transfer threads count too
+            self.stats[key] += n
+
+    def path(self, version: int) -> Path:
+        return self.directory / version_dirname(version)
+
+    def versions(self) -> list[int]:
+        """Complete versions in the cache, ascending."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(v for p in self.directory.iterdir() if (v := version_of(p)) is not None)
+
+    def materialize(self, version: int, *, checksums: bool = True) -> Path:
+        """The cached, complete directory of `version`, built first if needed (module docstring).
+        FileNotFoundError when the store does not have it (not yet, or any more)."""
+        path = self.path(version)
+        if self._whole(path):
+            return path
+        with self._locked():
+            if self._whole(path):  # another process built it while this one waited
+                return path
+            if path.exists():  # short files (a crash after the rename): out of the namespace first, then rebuilt
+                os.rename(path, self.directory / f".trash-{version_dirname(version)}-{uuid.uuid4().hex[:8]}")
+            self._remove_leftovers()
+            started, before = time.monotonic(), dict(self.stats)
+            self._build(version, path, checksums=checksums)
+            self.count("versions_built")
+            self._collect_garbage()
+        done = {k: self.stats[k] - before[k] for k in self.stats}
+        log.info("weights cache: version %d built in %.2f s (%d MB downloaded, %d deltas applied, %d fallbacks, "
+                 "%d files linked)", version, time.monotonic() - started, done["bytes_downloaded"] // 10**6,
+                 done["deltas_applied"], done["delta_fallbacks"], done["files_linked"])
+        return path
+
+    def _whole(self, path: Path) -> bool:
+        """Whether the cached version at `path` is there with every file of its manifest at its size (a stat each)."""
+        manifest = self._cached_manifest(version_of(path))
+        if manifest is None:
+            return False
+        try:
+            return all((path / name).stat().st_size == entry.get("size") for name, entry in manifest["files"].items())
+        except (OSError, AttributeError, TypeError):
+            return False
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / LOCK, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _build(self, version: int, path: Path, *, checksums: bool) -> None:
+        manifest = self.source.manifest(version)
+        tmp = self.directory / f".tmp-{version_dirname(version)}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            plan = _Plan(self, version, manifest)
+            with ThreadPoolExecutor(TRANSFERS, thread_name_prefix="rft-cache") as pool:
+                for future in [pool.submit(plan.fetch, name, entry, tmp) for name, entry in manifest["files"].items()]:
+                    future.result()
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+            if checksums and any(tmp.glob("*.safetensors")):
+                bad = first_non_finite(iter_safetensors(tmp))
+                if bad is not None:
+                    raise WeightStoreError(f"{self.source.root} version {version}: tensor {bad} holds NaN or infinity "
+                                           "(a poisoned version is never loaded)")
+            os.rename(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _remove_leftovers(self) -> None:
+        """Directories a killed builder or collector left (callers hold the lock, so none is in use)."""
+        for item in self.directory.iterdir():
+            if item.name.startswith((".tmp-", ".trash-")):
+                shutil.rmtree(item, ignore_errors=True)
+
+    def _collect_garbage(self) -> None:
+        for version in self.versions()[:-self.keep]:
+            trash = self.directory / f".trash-{version_dirname(version)}-{uuid.uuid4().hex[:8]}"
+            os.rename(self.path(version), trash)
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def _cached_manifest(self, version: int) -> dict | None:
+        try:
+            return json.loads((self.path(version) / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return None
+
+
+class _Plan:
+    """How each file of one version is obtained (HostCache's module docstring: link, delta, download)."""
+
+    def __init__(self, cache: HostCache, version: int, manifest: dict):
+        self.cache, self.version = cache, version
+        self.linkable: dict[tuple[str, str], Path] = {}  # (name, sha256) -> a cached file with that content
+        for v in cache.versions():  # newest last: its files win
+            cached = cache._cached_manifest(v)
+            for name, entry in (cached or {}).get("files", {}).items():
+                self.linkable[(name, entry.get(CHECKSUM))] = cache.path(v) / name
+        delta = manifest.get("delta") or {}
+        base = delta.get("base")
+        self.base = cache._cached_manifest(base) if isinstance(base, int) and base in cache.versions() else None
+        self.base_version = base
+        self.deltas: dict = delta.get("files", {}) if self.base is not None else {}
+
+    def fetch(self, name: str, entry: dict, out_dir: Path) -> None:
+        if Path(name).name != name or name in ("", ".", "..", MANIFEST):
+            raise WeightStoreError(f"{self.cache.source.root} version {self.version}: the manifest names a file "
+                                   f"{name!r} (not a plain file name)")
+        out = out_dir / name
+        source = self.linkable.get((name, entry.get(CHECKSUM)))
+        if source is not None:
+            try:
+                os.link(source, out)
+                self.cache.count("files_linked")
+                return
+            except FileNotFoundError:
+                pass  # collected meanwhile (only by this lock's holder, so not now): fetch it
+        if name in self.deltas and self._from_delta(name, entry, out):
+            return
+        digest = self.cache.source.download(self.version, name, out)
+        self.cache.count("files_downloaded")
+        self.cache.count("bytes_downloaded", out.stat().st_size)
+        if digest != entry.get(CHECKSUM) or out.stat().st_size != entry.get("size"):
+            raise WeightStoreError(f"{self.cache.source.root} version {self.version}: {name} does not match the "
+                                   f"manifest ({CHECKSUM} or size): corrupted or rewritten")
+
+    def _from_delta(self, name: str, entry: dict, out: Path) -> bool:
+        """Rebuild `name` from the base's copy and its delta; False (counted, logged) when that fails or differs."""
+        base_entry = self.base.get("files", {}).get(name)
+        try:
+            if base_entry is None:
+                raise deltas.DeltaError(f"version {self.base_version} has no {name}")
+            data = self.cache.source.read(self.version, name + deltas.SUFFIX)
+            self.cache.count("bytes_downloaded", len(data))
+            self.cache.count("delta_bytes", len(data))
+            if bytes_entry(data) != self.deltas[name]:
+                raise deltas.DeltaError("the delta does not match its manifest entry")
+            deltas.apply(data, self.cache.path(self.base_version) / name, out, base_sha256=base_entry[CHECKSUM])
+            if file_entry(out) != {"size": entry.get("size"), CHECKSUM: entry.get(CHECKSUM)}:
+                out.unlink()
+                raise deltas.DeltaError("the rebuilt file does not match the manifest")
+        except (deltas.DeltaError, FileNotFoundError, OSError) as e:
+            self.cache.count("delta_fallbacks")
+            log.warning("weights cache: version %d: %s from the delta failed, downloading it whole: %s", self.version,
+                        name, e)
+            return False
+        self.cache.count("deltas_applied")
+        return True
+
