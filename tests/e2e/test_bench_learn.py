@@ -59,8 +59,10 @@ def test_bench_learn_reports_accuracy_against_wall_clock_for_rft_and_trl(tmp_pat
         assert versions == sorted(versions) and 1 <= versions[-1] <= s["steps"] + 1
         assert s["steps"] > 0 and 0 < s["first_step_s"] <= BUDGET_S and s["step_times_s"][-1] <= BUDGET_S
         assert s["reach_trl_s"] is None or 0 <= s["reach_trl_s"] <= BUDGET_S
-    assert set(report["targets"]) == {"half_time", "equal_budget"}
-    assert all(v["met"] in (True, False) for v in report["targets"].values())
+    targets = report["targets"]
+    assert set(targets) == {"half_time", "equal_budget", "quarter_time", "vs_off_policy", "every_mark"}
+    assert all(targets[k]["met"] in (True, False) for k in ("half_time", "equal_budget", "quarter_time", "every_mark"))
+    assert targets["vs_off_policy"]["met"] is None  # it compares with `rft`, which this race leaves out
 
     rft = systems["rft-async"]
     final = Path(rft["marks"][-1]["path"])
@@ -72,7 +74,7 @@ def test_bench_learn_reports_accuracy_against_wall_clock_for_rft_and_trl(tmp_pat
     assert_scored_by_rft_eval(out, report)
     print_report(report)
     table = capsys.readouterr().out
-    assert "rft-async" in table and "trl" in table and table.count("target: ") == 2
+    assert "rft-async" in table and "trl" in table and table.count("target: ") == 5
 
 
 def assert_weight_sync_numbers(rft: dict, model: Path) -> None:

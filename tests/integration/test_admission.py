@@ -124,10 +124,15 @@ def test_a_fleet_of_three_never_takes_more_than_the_bound_on_the_broker(bootstra
     fleet = Fleet(explorers=3, k=1, groups_per_step=4, seed=11, ledger=True,
                   transport=connect(KafkaConfig(), bootstrap), prefix=topic_prefix)
     try:
-        fleet.run(100)
+        # how far 100 actions get depends on how soon each feed reads the others' claims back from the broker:
+        # the schedule goes on until the trainer has stepped 3 times (the bound must hold all along)
+        actions = 0
+        while fleet.trainer_version < 3 and actions < 1000:
+            fleet.run(50)
+            actions += 50
     finally:
         fleet.close()
-    assert fleet.trainer_version >= 3, "the schedule must make progress"
+    assert fleet.trainer_version >= 3, f"the schedule must make progress ({actions} actions)"
     assert fleet.worst_excess <= 0, fleet.worst_excess
 
 
