@@ -83,13 +83,21 @@ def main(argv: list[str]) -> int:
 
 
 def run_until_stopped(cfg: Config) -> int:
-    """`run`, with SIGINT / SIGTERM stopping everything (exit 130) wherever they arrive."""
+    """`run`, with SIGINT / SIGTERM stopping everything (exit 130) wherever they arrive. A stopped run's process
+    ends right after its parts are stopped (they are, in `run`'s `finally`): a stop can land inside a library
+    call (a Kafka client mid-request), and what that call leaves behind (its threads, its atexit hooks) must not
+    keep a Ctrl-C'd `rft run` alive, as it once did for minutes at full CPU."""
     _install_stop_signals()
     try:
-        return run(cfg)
+        code = run(cfg)
     except KeyboardInterrupt:
         print("\n[rft] interrupted", flush=True)
-        return 130
+        code = 130
+    if STOP_REQUESTED.is_set():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _endpoints_refused(cfg: Config) -> str | None:

@@ -5,6 +5,7 @@ GRPO stage's version 0 equals them tensor for tensor)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -68,10 +69,15 @@ def test_second_stage_starts_from_the_first_and_a_rerun_skips_it(tmp_path, tiny_
 
     log = tmp_path / "first.log"
     first = rft_run(config, log)
-    wait_until((sft / "stage_done.json").exists, timeout=240, alive=[first], context=tail_of(log),
-               what="the SFT stage to be done")
-    first.send_signal(signal.SIGINT)
-    assert first.wait(timeout=120) != 0
+    try:
+        wait_until((sft / "stage_done.json").exists, timeout=240, alive=[first], context=tail_of(log),
+                   what="the SFT stage to be done")
+        first.send_signal(signal.SIGINT)
+        assert first.wait(timeout=120) != 0, log.read_text()[-3000:]
+    finally:
+        if first.poll() is None:  # a run that did not stop must not outlive the test (it would load the suite)
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
     assert not (grpo / "stage_done.json").exists()
     sft_consumed = (sft / "consumed.jsonl").read_text()
     assert [json.loads(line)["step"] for line in sft_consumed.splitlines()] == [1] * 4 + [2] * 4

@@ -10,6 +10,7 @@ import typing
 
 import pytest
 
+from rft.cli.validate import main as validate_main
 from rft.config import RANGES, Config, _numeric_type, _pattern, load_config
 
 
@@ -50,10 +51,16 @@ BAD = [  # (class of bad value, YAML, the key named, what the message says)
 
 
 @pytest.mark.parametrize("what,body,key,says", BAD, ids=[b[0] for b in BAD])
-def test_validate_refuses_each_class_of_bad_number(tmp_path, model_dir, what, body, key, says):
-    result = _validate(tmp_path, model_dir, body)
-    assert result.returncode == 2, (what, result.stdout, result.stderr)
-    assert f"{key}: " in result.stderr and says in result.stderr, result.stderr
+def test_validate_refuses_each_class_of_bad_number(tmp_path, model_dir, capsys, what, body, key, says):
+    """`rft validate`'s own main, in this process (the command's exit path, as a subprocess, is the malformed-YAML
+    test's below and tests/unit/test_config.py's): exit 2 and the key named on stderr."""
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model:\n  path: {model_dir}\n" + body)
+    with pytest.raises(SystemExit) as exited:
+        validate_main([str(path)])
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2, (what, stderr)
+    assert f"{key}: " in stderr and says in stderr, stderr
 
 
 def test_malformed_yaml_is_one_line_naming_file_and_line(tmp_path, model_dir):
