@@ -90,8 +90,9 @@ tiny-run: venv assets/tiny-qwen2/config.json
 lint: venv
 	$(BIN)/ruff check .
 
-# Two pytest-xdist workers (not one per core): one runs the CPU-heavy tests one after another, the other the rest
-# beside it (tests/conftest.py: pytest_xdist_make_scheduler)
+# Two pytest-xdist workers (not one per core): one runs the whole runs of tests/e2e one after another, the other the
+# rest beside it; the distributed and Slurm files go to whichever is free at the end (tests/conftest.py:
+# pytest_xdist_make_scheduler)
 test: venv system-deps $(SMOLLM2)/config.json $(MOTO) lint
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import yaml
 from rft.config import ConfigError
 from rft.data.tasks import DatasetError
 from rft.evaluation.checkpoints import CheckpointError, resolve_checkpoint
-from rft.evaluation.main import EvalSchedule, _due_or_newest, load_eval_sets, sampling_explorer
+from rft.evaluation.main import EvalSchedule, _due_or_newest, follow, load_eval_sets, sampling_explorer
 from rft.run.loading import load_run_config
 from rft.run.monitor import read_metrics
 from rft.trainer.checkpoint import CheckpointDir, TrainerState
@@ -206,3 +208,50 @@ def test_cli_refuses_before_starting_an_engine(tmp_path, model_dir, capsys):
     with pytest.raises(SystemExit) as exit_info:  # neither --checkpoint nor --follow
         main([str(tmp_path / "run.yaml")])
     assert exit_info.value.code == 2
+
+
+class CollectingEngine:
+    """An in-memory stand-in for rft's Engine protocol (what `follow` calls: weights_version, load_weights, close):
+    each version it loads is garbage-collected from the store right after, as the trainer's GC may do while the
+    evaluator scores it."""
+
+    def __init__(self, store: WeightStore):
+        self.store, self.weights_version, self.loaded = store, 0, []
+
+    def load_weights(self, path, version: int) -> None:
+        self.loaded.append(version)
+        self.weights_version = version
+        shutil.rmtree(self.store.path(version))
+
+    def close(self) -> None:
+        pass
+
+
+class RecordingEvaluator:
+    """`follow`'s view of an Evaluator (its engine, its eval config's schedule, evaluate, close): records what it
+    was asked to score."""
+
+    def __init__(self, evaluation, engine):
+        self.evaluation, self.engine, self.scored = evaluation, engine, []
+
+    def evaluate(self, checkpoint):
+        self.scored.append((checkpoint.label, checkpoint.step))
+        return {}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def test_follow_scores_a_version_collected_after_it_was_loaded(tmp_path, model_dir):
+    """A full suite run once saw the evaluator die on FileNotFoundError: it looked the loaded version up again in the store after
+    the trainer had collected it; it scores what the engine loaded, wherever that was."""
+    cfg = config(tmp_path, model_dir, sets=[COPY_SET], every_steps=2)
+    store = WeightStore.for_sync(cfg.sync, cfg.run_dir)
+    for version in (1, 2, 3):
+        publish(store, version, model_dir)
+    evaluator = RecordingEvaluator(cfg.eval, CollectingEngine(store))
+    stop, finish = threading.Event(), threading.Event()
+    finish.set()  # the trainer is done: score the newest version, then end
+    assert follow(evaluator, store, initial=model_dir, stop=stop, finish=finish) == 0
+    assert evaluator.engine.loaded == [3] and not store.has(3)
+    assert evaluator.scored == [("version 3", 3)]
