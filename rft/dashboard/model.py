@@ -82,7 +82,9 @@ def metrics_record(line: str) -> Optional[dict]:
 class MetricsTail:
     """`metrics.jsonl` read as it grows: `records` in file order, `malformed` lines skipped. A line still being
     written (no newline yet) waits for the next `read()`. A file replaced or truncated (a new run of the same name)
-    starts over: `records` empties and `epoch` counts up, so a reader that kept an offset knows to start again."""
+    starts over: `records` empties and `epoch` counts up, so a reader that kept an offset knows to start again.
+    `read()` runs on one thread while others take `view()`s: the lock keeps records, total and epoch of one moment
+    (a stream that counted a record appended after its slice was taken skipped it for good)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -91,8 +93,21 @@ class MetricsTail:
         self.epoch = 0
         self._offset = 0
         self._inode: Optional[int] = None
+        self._lock = threading.Lock()
+
+    def view(self, since: int = 0, epoch: Optional[int] = None) -> tuple[list[dict], int, int, int, int]:
+        """(records from index `since` on - all of them when `epoch` is not the current one -, the index they
+        start at, the total, the epoch, the malformed lines), all of one moment."""
+        with self._lock:
+            if epoch is not None and epoch != self.epoch:
+                since = 0
+            return self.records[since:], since, len(self.records), self.epoch, self.malformed
 
     def read(self) -> None:
+        with self._lock:
+            self._read()
+
+    def _read(self) -> None:
         try:
             stat = os.stat(self.path)
         except FileNotFoundError:
@@ -286,10 +301,7 @@ class RunWatch:
         them when `epoch` is not the file's current `records_epoch`): a stream sends each record once."""
         now = time.time() if now is None else now
         cfg = self.config()
-        metrics = self.metrics
-        if epoch is not None and epoch != metrics.epoch:
-            since = 0
-        records = metrics.records[since:]
+        records, since, total, metrics_epoch, malformed_lines = self.metrics.view(since, epoch)
         with self.control.lock:
             status, broker = self.control.status, dict(self.control.broker)
             events, lags, undecodable = list(self.control.events), dict(self.control.lags), self.control.undecodable
@@ -300,17 +312,17 @@ class RunWatch:
             throughput = {} if status is None else {"groups_per_s": status.groups_per_s(now),
                                                     "steps_per_s": status.steps_per_s(now)}
             malformed = 0 if status is None else status.view.malformed
-        state = _run_state(trainer, explorers, has_metrics=bool(metrics.records), broker=broker["state"])
+        state = _run_state(trainer, explorers, has_metrics=total > 0, broker=broker["state"])
         return {
             "run": self.name, "dir": str(self.run_dir), "time": now, "state": state,
             "notices": _notices(self, cfg, state, broker), "broker": broker,
             "config": None if cfg is None else {"mode": cfg.run.mode, "max_staleness": cfg.run.max_staleness,
                                                 "max_steps": cfg.run.max_steps, "yaml": cfg.to_yaml()},
-            "records": records, "records_offset": since, "records_total": len(metrics.records),
-            "records_epoch": metrics.epoch,
+            "records": records, "records_offset": since, "records_total": total,
+            "records_epoch": metrics_epoch,
             "trainer": trainer, "explorers": explorers, "fleet_events": events, "lags": lags,
             "throughput": throughput,
-            "skipped": {"metrics_lines": metrics.malformed, "control_undecodable": undecodable,
+            "skipped": {"metrics_lines": malformed_lines, "control_undecodable": undecodable,
                         "control_malformed": malformed},
         }
 
