@@ -188,25 +188,24 @@ def follow(evaluator: Evaluator, store: VersionStore, *, initial: Path, stop: th
     with a warning. Closes the evaluator."""
     schedule = EvalSchedule(evaluator.evaluation.every_steps)
     refused: set[int] = set()
-    loaded: dict[int, Path] = {0: initial}  # where each version the engine loaded was: it may be collected since
+    engine_holds = [initial]  # where the engine's weights were loaded from (the store may collect them since)
 
-    def newest(finishing: bool) -> tuple[int, Path] | None:
-        found = _due_or_newest(store, schedule, finishing, refused, checksums=checksums)
-        if found is not None:
-            loaded[found[0]] = found[1]
-        return found
+    def load(path: Path, version: int) -> None:
+        evaluator.engine.load_weights(path, version)
+        engine_holds[0] = path
 
     try:
         while not stop.is_set():
             finishing = finish.is_set()
             latest = store.latest()
             if schedule.due(latest[0] if latest else 0, finishing=finishing):
-                load_newest_weights(evaluator.engine, lambda: newest(finishing))
+                load_newest_weights(evaluator.engine, lambda: _due_or_newest(store, schedule, finishing, refused,
+                                                                               checksums=checksums), load=load)
                 version = evaluator.engine.weights_version
                 if schedule.last is not None and version <= schedule.last:  # the due versions were refused
                     schedule.done(max(refused | {version}))
                     continue
-                path = loaded.get(version, initial)  # checked as it was loaded; not looked up again (collected?)
+                path = engine_holds[0]  # checked as it was loaded; not looked up again (it may be collected)
                 scores = evaluator.evaluate(Checkpoint(f"version {version}", path, version))
                 schedule.done(version)
                 log.info("version %d: %s", version, "; ".join(
