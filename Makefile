@@ -90,11 +90,12 @@ tiny-run: venv assets/tiny-qwen2/config.json
 lint: venv
 	$(BIN)/ruff check .
 
-# Two pytest-xdist workers (not one per core): one runs the whole runs of tests/e2e one after another, the other the
-# rest beside it; the distributed and Slurm files go to whichever is free at the end (tests/conftest.py:
+# Three pytest-xdist workers on 2 cores: one runs the whole runs of tests/e2e one after another, the second the rest
+# beside it, the third only the tests that mostly wait (tests/conftest.py WAITING); the distributed and Slurm files
+# and the one-rank trainer tests go to whichever busy worker is free at the end (tests/conftest.py:
 # pytest_xdist_make_scheduler)
 test: venv system-deps $(SMOLLM2)/config.json $(MOTO) lint
-	$(BIN)/python -m pytest -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -n 3 --dist loadgroup
 
 test-fast: venv
 	$(BIN)/python -m pytest tests/unit

@@ -11,10 +11,17 @@ Public API:
 - `bridge_for(hf_config)`, `register(hf_class_name)`: the architecture registry (Qwen2, Llama).
 - `python -m megatron_bridge.check HF_DIR --tp T --pp P`: verify logits and the round trip on a model.
 """
-from megatron_bridge.export import iter_hf_buckets, save_hf
-from megatron_bridge.model import build_model, load_hf_weights
-from megatron_bridge.models import UnsupportedModelError, bridge_for, register
-from megatron_bridge.policy import MegatronPolicy
+import importlib
 
-__all__ = ["MegatronPolicy", "UnsupportedModelError", "bridge_for", "build_model", "iter_hf_buckets",
-           "load_hf_weights", "register", "save_hf"]
+# name -> the module that defines it, imported at the first use of the name (PEP 562), so that a config check
+# importing megatron_bridge.layout or megatron_bridge.models does not import torch and megatron-core with the package
+_API = {"iter_hf_buckets": "export", "save_hf": "export", "build_model": "model", "load_hf_weights": "model",
+        "UnsupportedModelError": "models", "bridge_for": "models", "register": "models", "MegatronPolicy": "policy"}
+
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    if name not in _API:
+        raise AttributeError(f"module 'megatron_bridge' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"megatron_bridge.{_API[name]}"), name)

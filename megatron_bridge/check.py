@@ -15,7 +15,6 @@ expert-parallel ranks are carved from).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -30,9 +29,9 @@ import megatron_bridge.parallel as parallel
 import megatron_bridge.schedule as schedule
 from megatron_bridge.export import iter_hf_buckets
 from megatron_bridge.hf_checkpoint import HFCheckpoint
+from megatron_bridge.layout import layout_problem
 from megatron_bridge.logprobs import gather_logits
 from megatron_bridge.model import build_model, unwrap
-from megatron_bridge.models.base import stage_layer_counts
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -62,57 +61,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if problem:
         p.error(problem)
     return args
-
-
-def layout_problem(hf_dir: str, *, tp: int, pp: int, ep: int = 1, pp_layers: tuple[int, ...] | None = None,
-                   options: tuple[str, str, str] = ("--tp", "--pp", "--ep")) -> str | None:
-    """Why the model's shape cannot be split TP x PP x EP (None if it can), from its config.json: before any
-    process starts, so the answer is one line and not a failed worker's traceback. `options` name TP, PP and EP
-    in the answer (this command's flags; rft's config names its keys). `pp_layers`: layers per stage of an
-    uneven split."""
-    path = os.path.join(hf_dir, "config.json")
-    try:
-        with open(path) as f:
-            hf = json.load(f)
-    except (OSError, ValueError) as e:
-        return f"{path}: cannot read the model's config ({e})"
-    heads = hf.get("num_attention_heads")
-    kv_heads = hf.get("num_key_value_heads") or heads
-    layers = hf.get("num_hidden_layers")
-    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
-    tp_option, pp_option, ep_option = options
-    for what, count, size, option in (("attention heads", heads, tp, tp_option),
-                                      ("key/value heads", kv_heads, tp, tp_option),
-                                      ("layers", layers, 1 if pp_layers else pp, pp_option),
-                                      ("experts", experts, ep, ep_option)):
-        if count and count % size:
-            return f"{option} {size} does not divide the model's {count} {what} ({path})"
-    if ep > 1 and not experts:
-        return f"{ep_option} {ep} for a model without experts ({path})"
-    if pp_layers and layers:
-        try:
-            stage_layer_counts(layers, pp, pp_layers)
-        except ValueError as e:
-            return f"{e} ({path})"
-    return None
-
-
-def vocabulary_problem(student_dir: str, teacher_dir: str, *, role: str = "teacher") -> str | None:
-    """Why a teacher model (or another model reading the student's tokens: `role`, e.g. "critic") cannot score the
-    student's tokens (None if it can): their config.json vocabulary sizes differ (a token id would mean different
-    tokens, or none), or one of them is unreadable. Names both paths."""
-    sizes = []
-    for hf_dir in (student_dir, teacher_dir):
-        path = os.path.join(hf_dir, "config.json")
-        try:
-            with open(path) as f:
-                sizes.append(json.load(f).get("vocab_size"))
-        except (OSError, ValueError) as e:
-            return f"{path}: cannot read the model's config ({e})"
-    if sizes[0] is None or sizes[0] != sizes[1]:
-        return (f"the {role} {teacher_dir} has vocab_size {sizes[1]} and the student {student_dir} has "
-                f"{sizes[0]}: a {role} must share the student's tokenizer and vocabulary")
-    return None
 
 
 def under_launcher() -> bool:

@@ -28,7 +28,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-import torch
+from rft.lazy import lazy
+
+torch = lazy("torch")  # the architecture tables are read by config checks, without torch (rft/lazy.py)
 
 
 class TensorSource(Protocol):

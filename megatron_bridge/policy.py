@@ -79,7 +79,7 @@ import megatron_bridge.packing as packing
 import megatron_bridge.parallel as parallel
 import megatron_bridge.routing_replay as routing_replay_module
 import megatron_bridge.schedule as schedule
-from megatron_bridge.check import vocabulary_problem
+from megatron_bridge.layout import vocabulary_problem
 from megatron_bridge.logprobs import entropy_sum, token_logprobs
 from megatron_bridge.model import build_model, unwrap
 

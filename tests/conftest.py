@@ -4,6 +4,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import resource
+import time
 import uuid
 
 import pytest
@@ -23,9 +25,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 HEAVY_MARKS = ("e2e", "distributed", "slurm")
 HEAVY_DIRS = ("tests/e2e/", "tests/distributed/", "tests/slurm/")
 # Of those, the ones whose checks do not depend on how fast they run (numbers against a reference, one Slurm job
-# after another, the GPU check's rows): both workers take them at the end of the session, a file at a time (the
-# Slurm directory as one unit: one cluster), so neither worker idles while the other finishes.
-LATE = ("tests/distributed/", "tests/slurm/", "tests/e2e/test_gpu_check.py")
+# after another, the GPU check's rows, a one-rank trainer fed from records already on the broker): both workers take
+# them at the end of the session, a file at a time (the Slurm directory as one unit: one cluster), so neither worker
+# idles while the other finishes.
+LATE = ("tests/distributed/", "tests/slurm/", "tests/e2e/test_gpu_check.py", "tests/e2e/test_trainer_operators.py",
+        "tests/e2e/test_trainer_resume.py", "tests/e2e/test_replay_buffer_resume.py", "tests/e2e/test_replay.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -37,9 +41,28 @@ def pytest_collection_modifyitems(items):
                                 f"(tests/conftest.py runs those one at a time under xdist): {stray}")
 
 
+# The tests that mostly wait (on timers, the broker's rebalances, a registry's downloads), measured well under half a
+# core over their time (RFT_TEST_CORES below): with `-n 3` a third worker runs only these, beside the two busy ones,
+# instead of a busy worker idling through them. A file or a test id.
+WAITING = (  # cores measured in a full run of 2026-11-26 (RFT_TEST_CORES), the seconds it took
+    "tests/integration/test_group_stall.py",  # 0.21 and 0.01 cores, 118 s and 39 s: the watchdog's 21 s and 35 s bounds
+    "tests/unit/test_gpu_requirements.py::test_gpu_requirements_resolve_binary_only",  # 0.29, 94 s: the registry
+    "tests/integration/test_explorer_continuous.py::test_continuous_reloads_between_versions[drain]",  # 0.37, 67 s
+    "tests/integration/test_admission.py::test_a_fleet_of_three_never_takes_more_than_the_bound_on_the_broker",  # 0.04
+    "tests/integration/test_task_selection.py::test_rft_publish_online_keeps_a_bounded_lead_and_stops_on_sigterm",
+    "tests/integration/test_transport.py::test_rebalance_when_a_second_consumer_joins",  # 0.05: the group's rebalance
+    "tests/integration/test_transport.py::test_commits_survive_a_consumer_restart",  # these three: 0.02-0.04, 5-6 s
+    "tests/integration/test_transport_fidelity.py::test_scenario[commits_survive_a_consumer_restart]",
+    "tests/integration/test_feed.py::test_feed_exactly_once_across_restart",
+)
+
+
 def work_unit(nodeid: str) -> str:
     """The scheduler's unit of `nodeid`: "heavy" (the whole runs of tests/e2e/, one after another on one worker),
-    "late:<file>" (a LATE file; "late:tests/slurm/" for the Slurm tests) or the test itself."""
+    "late:<file>" (a LATE file; "late:tests/slurm/" for the Slurm tests), "wait:<test>" (a WAITING test) or the test
+    itself."""
+    if nodeid.startswith(WAITING):
+        return "wait:" + nodeid
     if nodeid.startswith("tests/slurm/"):
         return "late:tests/slurm/"
     if nodeid.startswith(LATE):
@@ -47,16 +70,28 @@ def work_unit(nodeid: str) -> str:
     return "heavy" if nodeid.startswith(HEAVY_DIRS) else nodeid
 
 
+def next_unit(queue: list[str], waiter: bool) -> str | None:
+    """The unit a worker takes next from `queue` (xdist's order, largest first): the waiting worker takes only
+    "wait:" units (None: it has nothing left to do), the others the rest, LATE units last, and "wait:" units only
+    when nothing else is left."""
+    waiting = [u for u in queue if u.startswith("wait:")]
+    if waiter:
+        return waiting[0] if waiting else None
+    rest = [u for u in queue if not u.startswith(("wait:", "late:"))] + [u for u in queue if u.startswith("late:")]
+    return (rest or waiting or [None])[0]
+
+
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`make test` runs two pytest-xdist workers with `--dist loadgroup`: the whole runs of tests/e2e/ form one work
-    unit, which one worker runs one test after another, so no two of them share the 2 cores; the other worker runs
-    the rest beside it, one at a time: unit tests, integration tests that mostly wait on the broker, on timeouts or
-    on processes (test_group_stall: 0.26 cores over its 2 minutes), and those with one vLLM engine, which stay under a
-    core (test_explorer_fleet 0.8, test_ray_fleet 0.76, test_explorer_continuous 0.5). The LATE files wait at the end
-    of the queue: whichever worker is done first takes them (before, the whole heavy set ran on one worker, 37 min,
-    while the other was idle after 22). (xdist's own loadgroup, by `xdist_group` marks, renames nodes in a way
-    pytest 9 no longer reads: this scheduler groups by path instead.) Other `--dist` modes are xdist's own."""
+    """`make test` runs three pytest-xdist workers with `--dist loadgroup`: the whole runs of tests/e2e/ form one work
+    unit, which one worker runs one test after another, so no two of them share the 2 cores; the second worker runs
+    the rest beside it, one at a time: unit tests, integration tests that mostly wait on the broker or on processes,
+    and those with one vLLM engine, which stay under a core (test_explorer_fleet 0.8, test_ray_fleet 0.76,
+    test_explorer_continuous 0.5); the third (the last worker, where there are three or more) runs only the WAITING
+    tests and stops when they are done. The LATE files wait at the end of the queue: whichever busy worker is done
+    first takes them (before, the whole heavy set ran on one worker, 37 min, while the other was idle after 22).
+    (xdist's own loadgroup, by `xdist_group` marks, renames nodes in a way pytest 9 no longer reads: this scheduler
+    groups by path instead.) Other `--dist` modes are xdist's own."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling  # an optional plugin: this hook runs only where it is installed
@@ -65,12 +100,41 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
 
+        def _waiter(self, node) -> bool:
+            ids = sorted(int(n.workerinput["workerid"][2:]) for n in self.nodes)
+            return len(ids) >= 3 and int(node.workerinput["workerid"][2:]) == ids[-1]
+
         def _assign_work_unit(self, node) -> None:
-            for scope in [s for s in self.workqueue if s.startswith("late:")]:
-                self.workqueue.move_to_end(scope)  # the queue is xdist's OrderedDict, largest units first
+            unit = next_unit(list(self.workqueue), self._waiter(node))
+            if unit is None:
+                node.shutdown()  # the waiting worker, with no waiting test left: it ends after those it holds
+                return
+            self.workqueue.move_to_end(unit, last=False)  # xdist's OrderedDict: its own method takes the first
             super()._assign_work_unit(node)
 
     return HeavyInTurn(config, log)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With RFT_TEST_CORES=<file>, one JSON line per test: its worker, when it ended, its wall time and the CPU time of
+    its worker and of the processes it started and waited for (setup, call and teardown), so `cores` says how busy it
+    keeps the machine (how WAITING was chosen). A process the test killed without waiting for it is not counted: a
+    test whose parts are reaped elsewhere reads near 0 and is not taken for waiting on that alone."""
+    path = os.environ.get("RFT_TEST_CORES")
+    if not path:
+        yield
+        return
+    start = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    yield
+    wall = time.monotonic() - start[0]
+    cpu = sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                resource.getrusage(resource.RUSAGE_CHILDREN)))
+    cpu -= sum(u.ru_utime + u.ru_stime for u in start[1:])
+    with open(path, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER"),
+                            "ended": round(time.time(), 1), "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
+                            "cores": round(cpu / max(wall, 1e-6), 2)}) + "\n")
 
 
 @pytest.fixture(scope="session")

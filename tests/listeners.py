@@ -1,10 +1,12 @@
 """The TCP sockets processes listen on, read from /proc (no `ss` needed): for the tests that check where a run's
-listeners are bound (tests/security/, tests/e2e/test_listeners.py)."""
+listeners are bound (tests/security/; whole runs: tests/e2e/test_durable_run.py and tests/e2e/test_run_faults.py)."""
 from __future__ import annotations
 
 import ipaddress
 import os
 from dataclasses import dataclass
+
+from tests.waiting import tail_of, wait_until
 
 LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column
 
@@ -81,4 +83,21 @@ def descendants(pid: int) -> list[int]:
         current = frontier.pop()
         found.append(current)
         frontier += children.get(current, [])
+    return found
+
+
+def assert_no_wildcard_listener(process, log, *, ports: set[int], prometheus: int, parts: int) -> list[Listener]:
+    """Once the run of `process` (an `rft run`, logging to `log`) listens on every port of `ports` and on a Prometheus
+    port in prometheus..prometheus+63 (its parts start at different times), no socket of its process tree listens on
+    every interface, and at least `parts` of its processes listen. The listeners found."""
+    def all_listening():
+        found = listeners(descendants(process.pid))
+        held = {item.port for item in found}
+        return found if ports <= held and any(prometheus <= p < prometheus + 64 for p in held) else None
+
+    found = wait_until(all_listening, timeout=60, interval=1, alive=[process], context=tail_of(log),
+                       what=f"ports {sorted(ports)} and a Prometheus endpoint listening")
+    wildcard = [str(item) for item in found if item.wildcard]
+    assert not wildcard, f"listening on every interface: {wildcard}; all: {[str(i) for i in found]}"
+    assert len({item.pid for item in found}) >= parts, [str(i) for i in found]
     return found

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import torch
-import torch.nn.functional as F
-
+from megatron_bridge.layout import stage_layer_counts
 from megatron_bridge.mapping import ModelDims, ParamMapping
+from rft.lazy import lazy
+
+torch, F = lazy("torch"), lazy("torch.nn.functional")  # the registry is read by config checks, without torch
 
 OUTPUT_LAYER = "output_layer.weight"
 _REGISTRY: dict[str, type["DecoderBridge"]] = {}
@@ -73,25 +74,6 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
     if name not in table:
         raise ValueError(f"unsupported dtype {name!r}; use one of {', '.join(table)}")
     return table[name]
-
-
-def stage_layer_counts(num_layers: int, pp: int, pp_layers: tuple[int, ...] | None) -> tuple[int, ...]:
-    """Decoder layers per pipeline stage, first to last: `pp_layers` when given (megatron-core allows the first
-    and last stage to differ; the middle stages must be equal), else an even split. ValueError names what is
-    wrong."""
-    if pp_layers is None:
-        if num_layers % pp:
-            raise ValueError(f"pipeline parallel size {pp} does not divide the model's {num_layers} layers "
-                             "(give the layers per stage for an uneven split)")
-        return (num_layers // pp,) * pp
-    counts = tuple(int(n) for n in pp_layers)
-    if len(counts) != pp or sum(counts) != num_layers or min(counts) < 1:
-        raise ValueError(f"layers per pipeline stage {list(counts)} must be {pp} positive numbers summing to the "
-                         f"model's {num_layers} layers")
-    if len(set(counts[1:-1])) > 1:
-        raise ValueError(f"layers per pipeline stage {list(counts)}: megatron-core lets only the first and last "
-                         "stage differ; the middle stages must hold equal numbers")
-    return counts
 
 
 class DecoderBridge:

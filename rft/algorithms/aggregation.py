@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-import torch
+from rft.lazy import lazy
 
-LossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
+
+
+LossFn = Callable[["torch.Tensor", dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean")
 

@@ -32,12 +32,13 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from rft.algorithms.aggregation import aggregate, behaviour_kl, check_micro_batch
 from rft.algorithms.grpo import GRPO, GRPOOptions
 from rft.algorithms.registry import Demonstrations, Metrics, MicroBatch, Needs, register
 from rft.config import ConfigError
+from rft.lazy import lazy
+
+torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
 
 CHORD_KEYS = ["demo_mask", "global_demo_tokens", "global_demo_sequences", "step"]
 

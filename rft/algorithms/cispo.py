@@ -18,11 +18,12 @@ Metrics: `clip_frac` is the fraction of tokens whose weight was clipped, `is_wei
 """
 from __future__ import annotations
 
-import torch
-
 from rft.algorithms.aggregation import token_metric
 from rft.algorithms.grpo import GRPO, GRPOOptions
 from rft.algorithms.registry import Metrics, MicroBatch, register
+from rft.lazy import lazy
+
+torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
 
 
 @register("cispo", options=GRPOOptions)

@@ -40,10 +40,11 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-import torch
-
 from rft.algorithms.aggregation import token_metric
 from rft.config import ConfigError
+from rft.lazy import lazy
+
+torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
 
 IMPORTANCE_SAMPLING = ("tis", "mis")
 

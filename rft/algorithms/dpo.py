@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-
 from rft.algorithms.aggregation import check_micro_batch
 from rft.algorithms.registry import Algorithm, Metrics, MicroBatch, Needs, register, zero_advantages
+from rft.lazy import lazy
+
+torch, F = lazy("torch"), lazy("torch.nn.functional")  # imported by the first loss, not a config check (rft/lazy.py)
 
 
 @dataclass

@@ -37,12 +37,14 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
 import numpy as np
-import torch
 
 from rft.algorithms.aggregation import aggregate, check_micro_batch, k3, token_metric
 from rft.algorithms.correction import CorrectionOptions, behaviour_weight
 from rft.algorithms.registry import Algorithm, Metrics, MicroBatch, Needs, register
 from rft.config import ConfigError
+from rft.lazy import lazy
+
+torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
 
 ADVANTAGE_EPS = 1e-6
 

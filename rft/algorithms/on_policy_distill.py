@@ -25,12 +25,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from rft.algorithms.aggregation import token_metric
 from rft.algorithms.grpo import GRPO, GRPOOptions
 from rft.algorithms.registry import Metrics, MicroBatch, Needs, register
 from rft.config import ConfigError
+from rft.lazy import lazy
+
+torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
 
 
 @dataclass

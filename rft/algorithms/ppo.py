@@ -36,12 +36,14 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import numpy as np
-import torch
 
 from rft.algorithms.aggregation import aggregate, check_micro_batch, token_metric
 from rft.algorithms.grpo import GRPO, GRPOOptions, finite_rewards
 from rft.algorithms.registry import Critic, Metrics, MicroBatch, Needs, register
 from rft.config import ConfigError
+from rft.lazy import lazy
+
+torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
 
 WHITEN_EPS = 1e-8
 

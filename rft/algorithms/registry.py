@@ -30,17 +30,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
-import torch
 
 from rft.config import AlgorithmConfig, build_section
+from rft.lazy import lazy
 from rft.registry import Registry
+
+torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
 
 if TYPE_CHECKING:
     from rft.config import Config
 
-MicroBatch = dict[str, torch.Tensor]  # the batch contract's micro-batch
-Metrics = dict[str, torch.Tensor]
-LossFn = Callable[[torch.Tensor, MicroBatch], "tuple[torch.Tensor, Metrics]"]
+MicroBatch = dict[str, "torch.Tensor"]  # the batch contract's micro-batch
+Metrics = dict[str, "torch.Tensor"]
+LossFn = Callable[["torch.Tensor", MicroBatch], "tuple[torch.Tensor, Metrics]"]
 
 
 @dataclass(frozen=True)

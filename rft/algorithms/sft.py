@@ -8,10 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from rft.algorithms.aggregation import aggregate, check_micro_batch, token_metric
 from rft.algorithms.registry import Algorithm, Metrics, MicroBatch, register, zero_advantages
+from rft.lazy import lazy
+
+torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
 
 
 @dataclass

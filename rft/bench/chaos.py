@@ -1,6 +1,6 @@
 """`rft chaos`: named fault scenarios against real `rft run`s, and a ledger of what was acknowledged and trained.
 
-    rft chaos [--scenario NAME ...|--all] [--seed S] [--out DIR] [--quick]
+    rft chaos [--scenario NAME[+NAME] ...|--all] [--seed S] [--out DIR] [--quick]
 
 Each scenario runs a short `rft run` (the tiny model of rft.models.tiny, the generated copy_char task, mode
 off_policy with run.max_staleness 2, one experiences partition) on a local broker that outlives the run (a Tansu
@@ -30,6 +30,10 @@ The ledger (by group id; the experiences topic has one partition, so the trainer
   longest stall the longest gap between two trainer steps of one `rft run` (the gap across a restart the tool
                 made is not counted), against trainer.poll_timeout_s (after which the trainer gives up)
   staleness     the largest staleness trained (consumed.jsonl and metrics.jsonl), against run.max_staleness
+
+A scenario named `A+B` runs A's and B's faults in one run (`combined`): the scenarios whose fault lasts the whole run
+(`Scenario.arm`: producer-retries) are armed before the run starts and disarmed 2 steps before its end, while at most
+one other drives the run as it does alone (a plain run if none); its topics and directories are named `A-and-B`.
 
 Scenarios (`SCENARIOS`: data, name -> Scenario; adding one is adding an entry). How each fault is aimed:
   trainer-kill      SIGKILL of the trainer (all its processes), then the same `rft run` again, once per phase, in a
@@ -307,6 +311,14 @@ class Scenario:
     config: dict = field(default_factory=dict)  # section -> overrides of the run config
     steps: int = 30  # run.max_steps (--quick: 16)
     durable: bool = False  # the broker keeps its topics on disk (LocalBroker(data_dir=...)) and can be killed
+    # a fault that lasts the whole run: armed before the run starts, it returns its disarm (which records the faults
+    # it made); such a scenario can share another's run (`combined`)
+    arm: Callable[["Context"], Callable[[], None]] | None = None
+
+    @property
+    def run(self) -> str:
+        """The run's name: its topics' prefix and directory (a topic name takes no '+')."""
+        return self.name.replace("+", "-and-")
 
 
 class Context:
@@ -336,8 +348,8 @@ class Context:
         sections = {k: dict(v) for k, v in scenario.config.items()}
         sections.setdefault("run", {}).update(mode=MODE, max_staleness=MAX_STALENESS, max_steps=self.steps)
         sections.setdefault("kafka", {}).update(bootstrap_servers=self.bootstrap)
-        self.config = write_config(out, model, scenario.name, **sections)
-        self.run_dir = out / "runs" / scenario.name
+        self.config = write_config(out, model, scenario.run, **sections)
+        self.run_dir = out / "runs" / scenario.run
         self.process: subprocess.Popen | None = None
         self.explorers: dict[str, subprocess.Popen] = {}
 
@@ -447,7 +459,7 @@ def poll_until(condition: Callable[[], object], timeout_s: float, every_s: float
 def trainer_waiting_for(ctx: Context, version: int) -> bool:
     """Whether the current trainer announced it waits for data for step `version` + 1."""
     since = ctx.restarts[-1] if ctx.restarts else ctx.started
-    for m in read_topic(ctx.bootstrap, f"{ctx.scenario.name}.control"):
+    for m in read_topic(ctx.bootstrap, f"{ctx.scenario.run}.control"):
         try:
             record = decode(m.value, m.headers)
         except RecordError:
@@ -584,7 +596,7 @@ def inject_broker_restart(ctx: Context) -> None:
         ctx.broker.start()
 
 
-def inject_producer_retries(ctx: Context) -> None:
+def arm_producer_retries(ctx: Context) -> Callable[[], None]:
     dropped = collections.Counter()
 
     def hook(client: str, api_key: int, size: int) -> bool:
@@ -593,13 +605,19 @@ def inject_producer_retries(ctx: Context) -> None:
             return False
         return True
 
+    def disarm() -> None:
+        ctx.drop = None
+        for client, n in sorted(dropped.items()):
+            for _ in range(n):
+                ctx.fault("produce_response_dropped", explorer=client)
+
     ctx.drop = hook
+    return disarm
+
+
+def run_armed(ctx: Context) -> None:
+    """A plain run, for the faults armed around it (`Scenario.arm`)."""
     ctx.start_run()
-    ctx.wait_for_step(ctx.steps - 2, timeout_s=600)
-    ctx.drop = None
-    for client, n in sorted(dropped.items()):
-        for _ in range(n):
-            ctx.fault("produce_response_dropped", explorer=client)
 
 
 def inject_fleet_churn(ctx: Context) -> None:
@@ -651,7 +669,7 @@ def poison_records(run: str, rng: random.Random) -> list[tuple[str, str, bytes, 
 
 def inject_poison(ctx: Context) -> None:
     ctx.start_run()
-    name = ctx.scenario.name
+    name = ctx.scenario.run
     sink = connect(KafkaConfig(), ctx.bootstrap).sink(client_id="chaos-poison", linger_ms=0)
     try:
         for _ in range(1 if ctx.quick else 3):
@@ -674,12 +692,46 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("trainer-kill", inject_trainer_kill, steps=40),
     Scenario("explorer-kill", inject_explorer_kill, proxy=True, config={"explorer": {"replicas": 1}}),
     Scenario("broker-stop", inject_broker_stop, config={"kafka": {"request_timeout_ms": 6000}}),
-    Scenario("producer-retries", inject_producer_retries, proxy=True),
+    Scenario("producer-retries", run_armed, proxy=True, arm=arm_producer_retries),
     Scenario("fleet-churn", inject_fleet_churn, steps=60, config={"explorer": {"replicas": 1}}),
     # curriculum publishes tasks online (data.tasks_ahead), so the explorers reach the poison tasks
     Scenario("poison", inject_poison, config={"data": {"selector": "curriculum"}}),
     Scenario("broker-restart", inject_broker_restart, durable=True),
 )}
+
+
+def combined(name: str) -> Scenario:
+    """The scenario `name` as it runs: one of SCENARIOS, or `A+B[+...]`, their faults in one run (module docstring).
+    ValueError for an unknown part, or for two parts that each drive their run."""
+    parts = []
+    for part in name.split("+"):
+        if part not in SCENARIOS:
+            raise ValueError(f"unknown scenario {part!r} (known: {', '.join(sorted(SCENARIOS))})")
+        parts.append(SCENARIOS[part])
+    if len(parts) == 1 and parts[0].arm is None:
+        return parts[0]
+    drivers = [s for s in parts if s.arm is None]
+    if len(drivers) > 1:
+        raise ValueError(f"{name}: {' and '.join(s.name for s in drivers)} each drive their own run; "
+                         "only scenarios that last the whole run (producer-retries) combine with one that does")
+    armed = [s for s in parts if s.arm is not None]
+    drive = drivers[0].inject if drivers else run_armed
+
+    def inject(ctx: Context) -> None:
+        disarms = [s.arm(ctx) for s in armed]
+        try:
+            drive(ctx)
+            ctx.wait_for_step(ctx.steps - 2, timeout_s=600)
+        finally:
+            for disarm in disarms:
+                disarm()
+
+    config: dict = {}
+    for s in parts:
+        for section, overrides in s.config.items():
+            config.setdefault(section, {}).update(overrides)
+    return Scenario(name, inject, proxy=any(s.proxy for s in parts), config=config,
+                    steps=max(s.steps for s in parts), durable=any(s.durable for s in parts))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -713,7 +765,7 @@ def run_scenario(scenario: Scenario, out: Path, model: Path, seed: int, quick: b
         code = ctx.finish()
         for explorer_id in list(ctx.explorers):
             ctx.stop_explorer(explorer_id)
-        name, bootstrap = scenario.name, ctx.bootstrap
+        name, bootstrap = scenario.run, ctx.bootstrap
         state = latest_checkpoint_state(ctx.run_dir) or {"step": 0, "feed": {"offsets": {}}}
         final = state["feed"]["offsets"].get(f"{name}.experiences:0", 0)
         records = offered(bootstrap, f"{name}.experiences")
@@ -795,7 +847,8 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rft chaos", description=__doc__.split("\n")[0])
-    parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), help="repeatable")
+    parser.add_argument("--scenario", action="append", metavar="NAME[+NAME]",
+                        help=f"repeatable; one of {', '.join(SCENARIOS)}, or A+B: their faults in one run")
     parser.add_argument("--all", action="store_true", help="every scenario")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="where each scenario's files go (default: a temporary directory)")
@@ -804,6 +857,10 @@ def main(argv: list[str]) -> int:
     if not args.all and not args.scenario:
         parser.error("name one or more --scenario, or --all")
     names = list(SCENARIOS) if args.all else args.scenario
+    try:
+        scenarios = [combined(name) for name in names]
+    except ValueError as e:
+        parser.error(str(e))
     out = Path(args.out or tempfile.mkdtemp(prefix="rft-chaos-"))
     out.mkdir(parents=True, exist_ok=True)
     from rft.models.tiny import make_tiny_model  # heavy: transformers
@@ -811,9 +868,9 @@ def main(argv: list[str]) -> int:
     if not (model / "config.json").exists():
         make_tiny_model(model)
     started, rows = time.time(), []
-    for name in names:
-        print(f"[chaos] scenario {name} (seed {args.seed})", flush=True)
-        rows.append(run_scenario(SCENARIOS[name], out / name, model, args.seed, args.quick))
+    for scenario in scenarios:
+        print(f"[chaos] scenario {scenario.name} (seed {args.seed})", flush=True)
+        rows.append(run_scenario(scenario, out / scenario.run, model, args.seed, args.quick))
         print(table(rows[-1:]), flush=True)
     wall = round(time.time() - started, 1)
     (out / "chaos.json").write_text(json.dumps({"seed": args.seed, "quick": args.quick, "wall_s": wall,

@@ -9,7 +9,7 @@ building each dataset once, which imports reasoning_gym only when a set uses it)
 asks for (rft/extras.py: explorer.environment, toy-task paths, monitor.dashboard_port), and every stage of a
 multi-stage config; and the model (`check_model`): when its config.json is on disk, that the trainer's bridge
 supports its architecture and that trainer.tensor_parallel / pipeline_parallel divide its heads and layers
-(megatron_bridge.check.layout_problem); with `need_model` (`rft run`, `rft replay`, `rft validate`: before anything
+(megatron_bridge.layout.layout_problem); with `need_model` (`rft run`, `rft replay`, `rft validate`: before anything
 starts), also that model.path is a directory holding a config.json. Errors are `ConfigError`s
 naming the source file and the dotted key. Every command that loads a config for a run goes through
 `load_run_config` (`rft.run.commandline.config_from_args`).
@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from megatron_bridge.layout import layout_problem, vocabulary_problem
+from megatron_bridge.models import registered_architectures
 from rft.algorithms import REPLAY_HINT, build_algorithm, build_options
 from rft.config import ADMISSIONS, Config, ConfigError, EvalConfig, config_from_dict, load_config
 from rft.data.gym_tasks import GymError, build_dataset
@@ -79,7 +81,7 @@ def check_run_config(cfg: Config, source: str, *, need_model: bool = False) -> N
 def check_model(cfg: Config, source: str, *, need_model: bool = False) -> None:
     """The model as the run will use it. With `need_model`: model.path is a directory with a config.json. When the
     config.json is there and the run mode has a trainer: an architecture the bridge supports (its registry), and a
-    TP x PP layout that fits (megatron_bridge.check.layout_problem). ConfigError naming `source` and the key."""
+    TP x PP layout that fits (megatron_bridge.layout.layout_problem). ConfigError naming `source` and the key."""
     model = Path(cfg.model.path)
     hf_config = model / "config.json"
     if not hf_config.is_file():
@@ -94,10 +96,6 @@ def check_model(cfg: Config, source: str, *, need_model: bool = False) -> None:
         architectures = json.loads(hf_config.read_text()).get("architectures") or []
     except (OSError, ValueError, AttributeError) as e:
         raise ConfigError(f"{source}: model.path: {hf_config} is not readable JSON: {e}") from None
-    # heavy: torch (the bridge's registry and layout check live beside the models they describe)
-    from megatron_bridge.check import layout_problem
-    from megatron_bridge.models import registered_architectures  # heavy: torch
-
     supported = registered_architectures()
     if not set(architectures) & set(supported):
         raise ConfigError(f"{source}: model.path: {hf_config} names architecture(s) "
@@ -114,9 +112,6 @@ def _check_teacher(cfg: Config, source: str, *, need_model: bool) -> None:
     """An algorithm that needs a teacher or a critic of its own weights (`Needs.teacher`, `Needs.critic.path`): that
     model has the student's vocabulary and splits at the trainer's TP x PP (it is sharded like the policy); the
     error names the config key that sets it. A model not on disk here is an error only with `need_model`."""
-    # heavy: torch (the bridge's checks read only config.json, but live beside the models)
-    from megatron_bridge.check import layout_problem, vocabulary_problem
-
     needs = build_algorithm(cfg.algorithm, source=source).needs
     critic = needs.critic
     for path, key, role in ((needs.teacher, needs.teacher_key, "teacher"),

@@ -5,6 +5,11 @@ processes die with it), and the same `rft run` command started again comes back 
 are not published again), resumes from the trainer's checkpoint and finishes with no experience group lost or
 trained twice (by group id, from consumed.jsonl against the experiences topic, read from the broker data after
 the run ended). The run is async: the explorers never wait for the trainer, and staleness is recorded every step.
+
+Before the kill, the run is the suite's check of where a whole run listens: with the dashboard, Prometheus endpoints,
+the durable broker and its object server, no part of its process tree holds a socket in LISTEN state on every
+interface (0.0.0.0 or ::): each binds where it is told, 127.0.0.1 by default (read from /proc: tests/listeners.py;
+the push group's store: tests/e2e/test_run_faults.py).
 """
 from __future__ import annotations
 
@@ -27,25 +32,31 @@ from rft.bench.run_support import (
     write_config,
 )
 from rft.broker.local import LocalBroker, tansu_binary
-from rft.processes import kill_matching
+from rft.processes import free_port, kill_matching
 from rft.schema import ControlMessage, decode
+from tests.listeners import assert_no_wildcard_listener
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
 
 
 def test_a_local_run_killed_outright_resumes_on_its_durable_broker_exactly_once(tmp_path, tiny_model):
     steps, name = 8, "durable-run"
+    prometheus, dashboard = free_port(), free_port()
     config = write_config(tmp_path, tiny_model, name, run={"mode": "async", "max_steps": steps},
                           kafka={"bootstrap_servers": "embedded", "embedded_data_dir": "broker"},
-                          explorer={"replicas": 1})
+                          explorer={"replicas": 1},
+                          monitor={"prometheus_port": prometheus, "dashboard_port": dashboard})
     run_dir, log = tmp_path / "runs" / name, tmp_path / "run.log"
     data = run_dir / "broker"
 
     first = rft_run(config, log)
     wait_for_step(first, run_dir, 3, log)
     port = json.loads((data / "broker.json").read_text())["port"]
-    os.killpg(first.pid, signal.SIGKILL)  # the run and, at once, every part it started (each in its own session)
-    kill_matching(str(run_dir / "config.yaml"))
+    try:  # broker, object server, dashboard and the parts' Prometheus endpoints
+        assert_no_wildcard_listener(first, log, ports={dashboard, port}, prometheus=prometheus, parts=4)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the run and, at once, every part it started (each in its own session)
+        kill_matching(str(run_dir / "config.yaml"))
     first.wait()
     assert no_process_left(str(run_dir / "config.yaml")), "a part outlived the kill"
     assert no_process_left(str(data)), "the broker's S3 server outlived its run"

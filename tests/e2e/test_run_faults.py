@@ -4,6 +4,10 @@ path, and the run goes on without stalling; before the kill every part serves Pr
 shows the fleet and its weight versions, after it the killed explorer shows as silent. Over both paths every step
 trains a full batch and no sample is staler than k (the off_policy mode's bound).
 
+While it runs, no part of its process tree (Prometheus endpoints, the push group's store) holds a socket in LISTEN
+state on every interface (0.0.0.0 or ::): each binds where it is told, 127.0.0.1 by default (read from /proc:
+tests/listeners.py; the dashboard, the durable broker and its object server: tests/e2e/test_durable_run.py).
+
 The other whole-run faults, each run once: the trainer SIGKILLed (twice, at aimed phases) and `rft run` again,
 exactly once by group id: tests/e2e/test_chaos.py (`rft chaos`'s trainer-kill scenario); everything SIGKILLed at
 once in an async run and `rft run` again: tests/e2e/test_durable_run.py; an explorer joining late loads the current
@@ -30,7 +34,8 @@ from rft.bench.run_support import (
     wait_for_step,
     write_config,
 )
-from rft.processes import free_port, kill_matching
+from rft.processes import free_port, kill_matching, signal_group
+from tests.listeners import assert_no_wildcard_listener
 from tests.waiting import tail_of, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
@@ -72,35 +77,43 @@ def test_an_explorer_killed_in_a_push_run_neither_stops_nor_stalls_it(tmp_path, 
     # more steps than the test lets it take: the test acts while it runs, then stops it (SIGTERM)
     config = write_config(tmp_path, tiny_model, "push-kill", run={"mode": "off_policy", "max_staleness": 1,
                                                                    "max_steps": 500},
-                          sync={"method": "push", "timeout_s": 30}, monitor={"prometheus_port": port},
-                          kafka={"bootstrap_servers": bootstrap})
+                          sync={"method": "push", "push_transport": "rft", "timeout_s": 30},
+                          monitor={"prometheus_port": port}, kafka={"bootstrap_servers": bootstrap})
     run_dir, log = tmp_path / "runs" / "push-kill", tmp_path / "run.log"
     process = rft_run(config, log)
-    wait_for_step(process, run_dir, 2, log)
+    try:
+        wait_for_step(process, run_dir, 2, log)
+        assert_no_wildcard_listener(process, log, ports=set(), prometheus=port, parts=3)  # trainer, explorers
 
-    # while it runs: every part serves Prometheus metrics (an explorer's counters appear once it finished a batch, which
-    # on a loaded machine may come after step 2), and `rft status` shows the fleet and its versions
-    def every_part_served() -> dict:
-        parts = scrape_parts(port, "push-kill")
-        explored = all(parts.get(e, {}).get("rft_explorer_groups_total", 0) > 0 for e in ("explorer-0", "explorer-1"))
-        return parts if "trainer" in parts and explored else {}
+        # while it runs: every part serves Prometheus metrics (an explorer's counters appear once it finished a batch,
+        # which on a loaded machine may come after step 2), and `rft status` shows the fleet and its versions
+        def every_part_served() -> dict:
+            parts = scrape_parts(port, "push-kill")
+            explored = all(parts.get(e, {}).get("rft_explorer_groups_total", 0) > 0
+                           for e in ("explorer-0", "explorer-1"))
+            return parts if "trainer" in parts and explored else {}
 
-    served = wait_until(every_part_served, timeout=120, interval=1, alive=[process], context=tail_of(log),
-                        what="the trainer's metrics and both explorers' with groups")
-    assert served["trainer"]["rft_trainer_step"] >= 2
-    assert {"explorer-0", "explorer-1"} <= set(served)
-    assert all(served[e]["rft_explorer_groups_total"] > 0 for e in ("explorer-0", "explorer-1"))
-    live = rft_status(run_dir)
-    assert live["trainer"]["state"] in ("training", "waiting") and live["trainer"]["version"] >= 2
-    assert port <= live["trainer"]["prometheus_port"] < port + 64
-    explorers = {e["explorer_id"]: e for e in live["explorers"]}
-    assert set(explorers) == {"explorer-0", "explorer-1"}
-    assert all(e["state"] == "live" and e["weights_version"] >= 1 and e["prometheus_port"] for e in explorers.values())
+        served = wait_until(every_part_served, timeout=120, interval=1, alive=[process], context=tail_of(log),
+                            what="the trainer's metrics and both explorers' with groups")
+        assert served["trainer"]["rft_trainer_step"] >= 2
+        assert {"explorer-0", "explorer-1"} <= set(served)
+        assert all(served[e]["rft_explorer_groups_total"] > 0 for e in ("explorer-0", "explorer-1"))
+        live = rft_status(run_dir)
+        assert live["trainer"]["state"] in ("training", "waiting") and live["trainer"]["version"] >= 2
+        assert port <= live["trainer"]["prometheus_port"] < port + 64
+        explorers = {e["explorer_id"]: e for e in live["explorers"]}
+        assert set(explorers) == {"explorer-0", "explorer-1"}
+        assert all(e["state"] == "live" and e["weights_version"] >= 1 and e["prometheus_port"]
+                   for e in explorers.values()), explorers
 
-    assert kill_matching("rft.cli explorer", str(run_dir / "config.yaml"), "explorer-1"), "explorer-1 not found"
-    at_kill = max(m["step"] for m in steps_done(run_dir))
-    # sync.timeout_s (30 s) bounds the failed push; the survivor then pulls and the run goes on
-    wait_for_step(process, run_dir, at_kill + 6, log, timeout_s=30 + 90)
+        assert kill_matching("rft.cli explorer", str(run_dir / "config.yaml"), "explorer-1"), "explorer-1 not found"
+        at_kill = max(m["step"] for m in steps_done(run_dir))
+        # sync.timeout_s (30 s) bounds the failed push; the survivor then pulls and the run goes on
+        wait_for_step(process, run_dir, at_kill + 6, log, timeout_s=30 + 90)
+    except BaseException:
+        signal_group(process, signal.SIGKILL)  # the run, and every part it started (each in its own session)
+        kill_matching(str(run_dir / "config.yaml"))
+        raise
     process.send_signal(signal.SIGTERM)
     assert finish(process, log) == 130  # stopped by the test, everything with it
 

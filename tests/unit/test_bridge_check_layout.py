@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from megatron_bridge.check import layout_problem
+from megatron_bridge.layout import layout_problem
 
 
 def smollm2_like(tmp_path):

@@ -1,6 +1,9 @@
 """The arithmetic of `rft chaos`'s ledger (rft/bench/chaos.py `build_ledger`, `longest_stall`) on crafted records: the
-experiences topic as `Offered` records in log order, the trainer's consumed.jsonl as dicts, the final offset."""
-from rft.bench.chaos import Offered, build_ledger, longest_stall
+experiences topic as `Offered` records in log order, the trainer's consumed.jsonl as dicts, the final offset; and
+how scenarios combine into one run (`combined`)."""
+import pytest
+
+from rft.bench.chaos import SCENARIOS, Offered, build_ledger, combined, longest_stall
 
 RUN = "r"
 
@@ -70,3 +73,16 @@ def test_longest_stall_skips_gaps_across_restarts():
     assert longest_stall(times, restarts=[]) == 48.0
     assert longest_stall(times, restarts=[10.0]) == 7.0
     assert longest_stall([], restarts=[]) == 0.0
+
+
+def test_a_whole_run_fault_combines_with_a_driving_scenario():
+    both = combined("poison+producer-retries")
+    assert both.name == "poison+producer-retries" and both.run == "poison-and-producer-retries"
+    assert both.proxy and both.config == SCENARIOS["poison"].config and both.arm is None
+    assert combined("trainer-kill") is SCENARIOS["trainer-kill"]
+    alone = combined("producer-retries")  # armed around a plain run
+    assert alone.run == "producer-retries" and alone.proxy and alone.arm is None
+    with pytest.raises(ValueError, match="each drive their own run"):
+        combined("poison+trainer-kill")
+    with pytest.raises(ValueError, match="unknown scenario 'nope'"):
+        combined("poison+nope")

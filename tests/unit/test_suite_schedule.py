@@ -1,8 +1,9 @@
 """The suite's own xdist work units (tests/conftest.py work_unit): whole runs of tests/e2e/ in one unit (one worker,
-one after another), the LATE files one unit each, the Slurm directory one unit (one cluster), the rest a test each."""
+one after another), the LATE files one unit each, the Slurm directory one unit (one cluster), the WAITING tests one
+unit each, the rest a test each; and which unit each worker takes next (next_unit)."""
 from __future__ import annotations
 
-from tests.conftest import work_unit
+from tests.conftest import WAITING, next_unit, work_unit
 
 
 def test_work_units():
@@ -13,3 +14,25 @@ def test_work_units():
     assert work_unit("tests/distributed/test_moe.py::test_a") != a
     assert work_unit("tests/slurm/test_one.py::t") == work_unit("tests/slurm/test_two.py::t") == "late:tests/slurm/"
     assert work_unit("tests/unit/test_config.py::test_a") == "tests/unit/test_config.py::test_a"
+    assert work_unit(WAITING[0] + "::test_a") == "wait:" + WAITING[0] + "::test_a"
+
+
+def test_the_waiting_worker_takes_only_waiting_units_and_the_others_take_them_last():
+    queue = ["late:tests/distributed/test_lora.py", "heavy", "wait:tests/a.py::t", "tests/unit/test_b.py::t"]
+    assert next_unit(queue, waiter=True) == "wait:tests/a.py::t"
+    assert next_unit(queue, waiter=False) == "heavy"
+    assert next_unit(queue[:1] + queue[2:3], waiter=False) == "late:tests/distributed/test_lora.py"
+    assert next_unit(queue[2:3], waiter=False) == "wait:tests/a.py::t"  # nothing else left: a busy worker helps
+    assert next_unit(["heavy", "late:x"], waiter=True) is None  # the waiting worker stops
+    assert next_unit([], waiter=False) is None
+
+
+def test_every_waiting_entry_names_a_test_that_exists():
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    for entry in WAITING:
+        path, _, test = entry.partition("::")
+        assert (repo / path).is_file(), entry
+        if test:
+            assert f"def {test.split('[')[0]}(" in (repo / path).read_text(), entry
