@@ -20,15 +20,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def write_config(path: Path, *, run: str, bootstrap: str, model: Path, store: Path, partitions: int = 2,
-                 **explorer) -> Path:
-    """A small explore-mode run on the tiny model: copy_char tasks, one-token answers."""
+                 tasks: int = 16, **explorer) -> Path:
+    """A small explore-mode run on the tiny model: `tasks` copy_char tasks, one-token answers; `explorer`: keys of
+    the explorer section."""
     raw = {
         "run": {"name": run, "mode": "explore"},
         "model": {"path": str(model), "max_prompt_len": 16, "max_response_len": 8},
         "kafka": {"bootstrap_servers": bootstrap, "partitions": partitions},
         "explorer": {"n_samples": 4, "max_tokens": 1, "tasks_per_batch": 2, "reward": "char_accuracy",
                      "heartbeat_s": 1.0, "cpu_kvcache_gb": 0.1, **explorer},
-        "data": {"path": "copy_char", "format": "generated", "generated_tasks": 16},
+        "data": {"path": "copy_char", "format": "generated", "generated_tasks": tasks},
         "sync": {"weight_store": str(store)},
     }
     path.write_text(yaml.safe_dump(raw))

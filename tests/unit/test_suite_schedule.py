@@ -3,7 +3,7 @@ one after another), the LATE files one unit each, the Slurm directory one unit (
 unit each, the rest a test each; and which unit each worker takes next (next_unit)."""
 from __future__ import annotations
 
-from tests.conftest import WAITING, next_unit, work_unit
+from tests.conftest import WAITING, may_take, next_unit, work_unit
 
 
 def test_work_units():
@@ -36,3 +36,9 @@ def test_every_waiting_entry_names_a_test_that_exists():
         assert (repo / path).is_file(), entry
         if test:
             assert f"def {test.split('[')[0]}(" in (repo / path).read_text(), entry
+
+
+def test_a_late_unit_goes_only_to_a_worker_on_its_last_test():
+    assert may_take("late:tests/distributed/test_lora.py", 1) and may_take("late:tests/slurm/", 0)
+    assert not may_take("late:tests/distributed/test_lora.py", 2)
+    assert may_take("tests/unit/test_config.py::test_a", 2) and may_take("heavy", 0)
