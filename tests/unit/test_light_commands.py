@@ -6,7 +6,6 @@ Each of these processes would otherwise spend about 2 s of CPU importing torch. 
 computed imports it (every trainer test)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,32 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.blocked_imports import blocking_env
+
 REPO = Path(__file__).resolve().parents[2]
 FLAGSHIP = REPO / "configs" / "smollm2-arithmetic.yaml"
 LIGHT_MODULES = ["rft.cli.launcher", "rft.explorer.publisher", "rft.dashboard.server", "rft.ops.status",
                  "rft.ops.topics.cli", "rft.cli.validate"]
-BLOCKER = textwrap.dedent("""\
-    import sys
-
-
-    class BlockTorch:
-        '''Refuses torch, as if it were not installed.'''
-
-        def find_spec(self, name, path=None, target=None):
-            if name.partition(".")[0] == "torch":
-                raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
-            return None
-
-
-    sys.meta_path.insert(0, BlockTorch())
-    """)
-
-
 @pytest.fixture(scope="module")
 def without_torch(tmp_path_factory) -> dict[str, str]:
-    hook = tmp_path_factory.mktemp("block_torch")
-    (hook / "sitecustomize.py").write_text(BLOCKER)
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), str(REPO)]), RFT_DEBUG="")
+    return blocking_env(tmp_path_factory.mktemp("block_torch"), ["torch"])
 
 
 def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:

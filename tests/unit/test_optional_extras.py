@@ -6,7 +6,6 @@ and each optional feature used without its extra fails with the error that names
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import pytest
 
 from rft.extras import EXTRAS, MissingExtra, check_installed, extra_of, require
 from rft.run.loading import load_run_config
+from tests.blocked_imports import blocking_env
 from tests.packaging import setup_requirements
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,31 +27,10 @@ OPTIONAL_MODULES = {"rft.serve.server": "fastapi", "rft.run.web": "fastapi", "rf
 QUICKSTART = ["configs/smollm2-arithmetic.yaml", "--set", "run.name=smollm2-quickstart", "--set", "run.max_steps=20"]
 CORE_COMMANDS = ["validate", "run", "trainer", "explorer", "topics", "status", "publish", "replay", "eval", "broker"]
 
-BLOCKER = textwrap.dedent(f"""\
-    import sys
-
-    BLOCKED = {BLOCKED!r}
-
-
-    class BlockExtras:
-        '''Refuses the optional extras' modules, as if they were not installed.'''
-
-        def find_spec(self, name, path=None, target=None):
-            if name.partition(".")[0] in BLOCKED:
-                raise ModuleNotFoundError(f"No module named {{name!r}} (blocked by the test)", name=name)
-            return None
-
-
-    sys.meta_path.insert(0, BlockExtras())
-    """)
-
-
 @pytest.fixture(scope="module")
 def blocked_env(tmp_path_factory) -> dict[str, str]:
     """The environment of a subprocess in which the extras' modules cannot be imported."""
-    hook = tmp_path_factory.mktemp("block_extras")
-    (hook / "sitecustomize.py").write_text(BLOCKER)
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), str(REPO)]), RFT_DEBUG="")
+    return blocking_env(tmp_path_factory.mktemp("block_extras"), BLOCKED)
 
 
 def run_blocked(env: dict[str, str], args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
