@@ -4,8 +4,8 @@ Checking a config imports the algorithms (their options are config keys: rft.run
 With `torch = lazy("torch")` in rft/algorithms/ the commands that only read a config or the broker (`rft validate`,
 `rft status`, `rft topics`, `rft run`'s launcher, its task publisher and dashboard) never import torch, about 2 s of
 CPU each on a 2-core machine; the first loss computed imports it (tests/unit/test_optional_extras.py checks which
-commands stay without it). The module is looked up in `sys.modules` on each access (a dict lookup; nothing is
-copied, so attributes torch adds later are seen too).
+commands stay without it). Each attribute read once is kept on the stand-in, so a loss's later reads of
+`torch.where` and the like are plain attribute reads; an attribute the module gains later is found when first read.
 """
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from types import ModuleType
 
 
 class LazyModule(ModuleType):
-    """Stands for the module of its name; any attribute imports that module (once) and is read from it."""
+    """Stands for the module of its name; the first read of an attribute imports that module and keeps the value."""
 
-    def __getattr__(self, attribute: str):
-        return getattr(importlib.import_module(self.__name__), attribute)
+    def __getattr__(self, attribute: str):  # only for attributes not yet kept
+        value = getattr(importlib.import_module(self.__name__), attribute)
+        setattr(self, attribute, value)
+        return value
 
 
 def lazy(name: str) -> ModuleType:
