@@ -326,6 +326,9 @@ class MegatronPolicy(TrainedModel):
         self.reference_models = (_frozen(build_model(hf_dir, dtype=dtype))
                                  if reference and self.lora is None else None)
         self.teacher_models = _frozen(build_model(teacher, dtype=dtype)) if teacher is not None else None
+        # called with no arguments before each micro-batch's forward, in the thread that runs the forward and the
+        # backward (the trainer's CPU core share resizes torch's threads there: rft/cores.py); None: nothing
+        self.pace: Callable[[], None] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -386,8 +389,18 @@ class MegatronPolicy(TrainedModel):
                 for i, mb in enumerate(micro_batches)]
 
     def _before_forward(self, models: list[torch.nn.Module]):
-        """The schedule's hook for `models`: routing replay's targets on the policy's own models, else none."""
-        return routing_replay_module.set_targets if self.routing_replay and models is self.models else None
+        """The schedule's hook for `models`: `pace()` (when set), then routing replay's targets on the policy's own
+        models; None when there is neither."""
+        routing = routing_replay_module.set_targets if self.routing_replay and models is self.models else None
+        pace = self.pace
+        if pace is None:
+            return routing
+
+        def before_forward(model, mb):
+            pace()
+            if routing is not None:
+                routing(model, mb)
+        return before_forward
 
     def _tempered(self, logits: torch.Tensor) -> torch.Tensor:
         return logits if self.temperature == 1.0 else logits / self.temperature

@@ -185,6 +185,10 @@ class ExplorerConfig:
     judge_yes: str = " Yes"  # reward judge: the single token that means correct
     judge_no: str = " No"  # reward judge: the single token that means wrong
     admission: str = "staleness"  # staleness (the mode's bound, fleet-wide), all, or package.module:factory(config, explorer_id)
+    # staleness admission: start enough groups to fill each step when the trainer's operators drop some (the share it
+    # kept over its last steps, `keep_fraction`); a group beyond its step trains one version later or is dropped as
+    # stale by the trainer. false: every group takes a step's slot (the trainer waits for replacements)
+    admission_counts_drops: bool = True
     heartbeat_s: float = 5.0  # seconds between explorer heartbeats on the control topic
     max_batch_s: float = 300.0  # longest one batch may take before the consumer group presumes the explorer dead
     # > 0: an explorer exits (code 0) after this long without tasks; 0: never, except that `rft run` in explore mode
@@ -262,6 +266,9 @@ class TrainerConfig:
     # the training-inference mismatch logged every step counts in logprob_mismatch_frac the tokens whose trainer /
     # rollout probability ratio is outside [1/mismatch_ratio, mismatch_ratio] (rft/algorithms/mismatch.py)
     mismatch_ratio: float = 2.0
+    # CPU runs of `rft run` (no GPUs, OMP_NUM_THREADS unset): before each micro-batch the trainer takes the threads of
+    # the explorers on this machine that are waiting (rft/cores.py; logged per step as cpu_threads); false: fixed
+    borrow_cores: bool = True
 
 
 @dataclass

@@ -34,6 +34,7 @@ from pathlib import Path
 from rft.algorithms import REPLAY_HINT, build_algorithm
 from rft.broker.local import KafkaEndpoint
 from rft.config import REDACTED, Config, secret_values
+from rft.cores import CoreShare, write_board
 from rft.data.demonstrations import prompt_tools, publish_demonstrations
 from rft.data.selectors import selector_needs_rewards
 from rft.data.tasks import DatasetError, publish_tasks
@@ -146,7 +147,8 @@ def run(cfg: Config) -> int:
         except LaunchError as e:
             print(f"[rft] {e}", file=sys.stderr, flush=True)
             return 2
-        runner = PartRunner(run_dir, threads=cpu_threads_per_part(cfg, roles, gpus))
+        threads = cpu_threads_per_part(cfg, roles, gpus)
+        runner = PartRunner(run_dir, threads=threads, cores=core_board(cfg, roles, threads, run_dir))
         try:
             if cfg.monitor.dashboard_port:
                 runner.start(DASHBOARD, [sys.executable, "-m", "rft.cli", "dashboard", str(config_path),
@@ -385,6 +387,21 @@ def cpu_threads_per_part(cfg: Config, roles: tuple[str, ...], gpus: dict[str, st
     return threads
 
 
+def core_board(cfg: Config, roles: tuple[str, ...], threads: int | None, run_dir: Path) -> dict[str, str]:
+    """Cores that follow the work (rft/cores.py): when `cpu_threads_per_part` split the cores (`threads` not None)
+    and the run has a trainer and explorers here, a board at `run_dir/cores` on which each explorer marks itself
+    busy or waiting, and from which the trainer's ranks borrow the waiting explorers' threads. Returns each part's
+    `RFT_CORES` value ({} without a board; `rft run --set trainer.borrow_cores=false` turns it off)."""
+    if threads is None or "trainer" not in roles or "explorers" not in roles or not cfg.trainer.borrow_cores:
+        return {}
+    parts = dict(compute_parts(cfg, roles))
+    lenders = {name: threads * n for name, n in parts.items() if name.startswith("explorer-")}
+    board = write_board(run_dir / "cores", lenders, {"trainer": parts["trainer"]}, base=threads)
+    print(f"[rft] cores follow the work: the trainer takes the threads of explorers that wait ({run_dir / 'cores'})",
+          flush=True)
+    return board
+
+
 def _trainer_command(cfg: Config, config_path: Path) -> list[str]:
     t = cfg.trainer
     nproc = t.tensor_parallel * t.pipeline_parallel * t.data_parallel
@@ -403,9 +420,10 @@ def _plot(cfg: Config) -> None:
 class PartRunner:
     """Child processes of a run, each in its own process group, each logging to its own file."""
 
-    def __init__(self, run_dir: Path, *, threads: int | None = None):
-        """`threads`: OMP_NUM_THREADS for every part (None: inherited; see cpu_threads_per_part)."""
-        self.run_dir, self.threads = run_dir, threads
+    def __init__(self, run_dir: Path, *, threads: int | None = None, cores: dict[str, str] | None = None):
+        """`threads`: OMP_NUM_THREADS for every part (None: inherited; see cpu_threads_per_part). `cores`: part name
+        -> its RFT_CORES (see core_board); other parts get none."""
+        self.run_dir, self.threads, self.cores = run_dir, threads, cores or {}
         self.parts: dict[str, Part] = {}
 
     def start(self, name: str, command: list[str], *, blocked_signals: tuple[int, ...] = (),
@@ -417,6 +435,9 @@ class PartRunner:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
+        env.pop(CoreShare.ENV, None)  # a board is this run's: never one inherited from a run that started this one
+        if name in self.cores:
+            env[CoreShare.ENV] = self.cores[name]
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus
         block = (lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked_signals)) if blocked_signals else None

@@ -34,6 +34,20 @@ A straggler overtaken by later rollouts can still exceed k; the trainer's Stalen
 With in-flight weight updates (rft/explorer/continuous.py) a group admitted at w has no token older than w, so its
 staleness (its oldest token's) obeys the same bound.
 
+Groups the trainer drops (`explorer.admission_counts_drops`, default true). The trainer's operators drop groups
+(the flagship's zero-variance filter: ~55% of them early on), and a dropped group takes no slot. Counting each
+admitted group as a slot, the explorers stop once a step's B groups are made, the trainer drops some, waits for
+replacements, announces that it waits, and only then are they admitted and generated: the flagship's trainer waited
+~10 s of each ~26 s step so (2026-11-26). So the trainer announces `keep_fraction` with each step (the share of its
+fresh groups kept over its last 4 steps; stale drops not counted), and with keep q < 1 the slots not yet taken by
+trained groups, slots = (k + version + 1) * B - trainer_version * B - in_batch, are filled by floor(slots / q)
+groups, of which the backlog is made already (`fleet_capacity`; q is the trainer's keep fraction plus KEEP_MARGIN,
+clamped to [KEEP_FLOOR, 1]). The bound then holds in
+expectation at admission, and exactly at the trainer: a group left over when the trainer kept more than q of them
+trains in a later step, and one past the bound is dropped as stale by the trainer's StalenessTracker (counted as
+`dropped_stale`). With q = 1 (no operator drops, or before the first step, or the option off) the formula is the one
+above and its proof holds as written.
+
 A fleet: the ledger. Several explorers read the fleet at different moments, and the groups the others are running
 are in no reading: each dividing what is left of the capacity without counting them started 20 to 33% more than
 the bound with 2 and 3 explorers (issue 28; docs/benchmarks.md). So the fleet counts what is running through the
@@ -80,6 +94,7 @@ import bisect
 import dataclasses
 import itertools
 import logging
+import math
 import sys
 import threading
 import time
@@ -91,6 +106,7 @@ from rft.schema import ControlMessage, RecordError, decode, encode
 from rft.transport import RecordSource, Transport, TransportError, lag
 from rft.transport.control import (
     ADMISSION_PARTITION,
+    KEEP_METRIC,
     AdmissionClaim,
     AdmissionRelease,
     ControlError,
@@ -100,6 +116,12 @@ from rft.transport.control import (
 )
 
 CLAIM_TIMEOUT_S = 10.0  # longest wait for a claim to come back from the broker; then it counts as refused
+KEEP_FLOOR = 0.1  # counting drops, the explorers start at most 1 / KEEP_FLOOR groups per slot
+# counting drops, the keep fraction admission uses is the trainer's plus this: a noisy estimate over 4 steps of 4 groups
+# otherwise over-admits (tests/unit/test_staleness.py's simulation, half the groups dropped: with 0, the trainer
+# waited a third as long as without counting, and 15-20% of what it trained was dropped again as stale; with 0.1, half
+# as long and ~5%)
+KEEP_MARGIN = 0.1
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +164,7 @@ class FleetReading:
     rank: int = 0  # this explorer's place among them (module docstring, `share`)
     seen: Optional[int] = None
     in_batch: int = 0  # groups the trainer took into the step it waits to complete (module docstring)
+    keep: float = 1.0  # the share of recent groups the trainer kept (its `keep_fraction`; 1.0 before it said)
 
 
 class FleetFeed(Protocol):
@@ -206,13 +229,16 @@ class StalenessAdmission:
 
     def __init__(self, *, groups_per_step: int, max_staleness: Optional[int], version: int = 0,
                  accepted: int = 0, max_running: Optional[int] = None, feed: FleetFeed | None = None,
-                 refresh_s: float = 0.5):
+                 refresh_s: float = 0.5, counts_drops: bool = False):
+        """`counts_drops`: expect the trainer to drop the share of groups its readings say (`FleetReading.keep`,
+        "Groups the trainer drops" in the module docstring); False: every group takes a slot."""
         if groups_per_step < 1:
             raise ValueError(f"trainer.groups_per_step: must be >= 1, got {groups_per_step}")
         if max_running is not None and max_running < 1:
             raise ValueError(f"max_running: must be >= 1 or None, got {max_running}")
         self.groups_per_step, self.max_staleness, self.max_running = groups_per_step, max_staleness, max_running
-        self.feed, self.refresh_s = feed, refresh_s
+        self.feed, self.refresh_s, self.counts_drops = feed, refresh_s, counts_drops
+        self._backlog, self._keep = 0, 1.0  # of the reading in force
         self._state = AdmissionState(version=version, accepted=accepted, running=0)
         self._fleet_accepted, self._explorers, self._rank = accepted, 1, 0
         self._seen: Optional[int] = None  # the ledger position of the reading in force (None: no reading yet)
@@ -232,7 +258,7 @@ class StalenessAdmission:
     def fleet_capacity(self) -> int:
         """(k + version + 1) * B - accepted_fleet: what the whole fleet may still start, as of the last reading."""
         with self._lock:
-            return fleet_capacity(self.max_staleness, self._state.version, self.groups_per_step, self._fleet_accepted)
+            return self._fleet_capacity()
 
     def admit(self, n: int) -> int:
         """Admit up to `n` groups (reading the feed first when due); returns how many (they count as running)."""
@@ -246,8 +272,7 @@ class StalenessAdmission:
             if self._ledger is None or not wanted:
                 self._update(running=self._state.running + wanted)
                 return wanted
-            claim = dict(limit=fleet_capacity(self.max_staleness, self._state.version, self.groups_per_step,
-                                              self._fleet_accepted), seen=self._seen, version=self._state.version)
+            claim = dict(limit=self._fleet_capacity(), seen=self._seen, version=self._state.version)
         granted = max(0, min(wanted, self.feed.claim(wanted, **claim)))  # one round trip through the broker
         with self._lock:
             self._update(running=self._state.running + granted)
@@ -321,7 +346,14 @@ class StalenessAdmission:
                              f"rank < explorers, got {reading}")
         self._fleet_accepted = reading.trainer_version * self.groups_per_step + reading.in_batch + reading.backlog
         self._explorers, self._rank, self._seen = reading.explorers, reading.rank, reading.seen
+        self._backlog = reading.backlog
+        self._keep = (min(1.0, max(KEEP_FLOOR, reading.keep + KEEP_MARGIN))
+                      if self.counts_drops and math.isfinite(reading.keep) else 1.0)
         self._update(accepted=self._fleet_accepted)
+
+    def _fleet_capacity(self) -> int:
+        return fleet_capacity(self.max_staleness, self._state.version, self.groups_per_step, self._fleet_accepted,
+                              backlog=self._backlog, keep=self._keep)
 
     def _capacity(self) -> int:
         """Groups this explorer may start now (with a ledger: may ask for, its share; the ledger grants what the
@@ -333,8 +365,7 @@ class StalenessAdmission:
         if self._ledger is not None and self._seen is None:
             return 0  # no reading of the fleet yet: nothing to claim against
         here = s.accepted - self._fleet_accepted + s.running
-        return min(by_concurrency, capacity(self.max_staleness, s.version, self.groups_per_step, self._fleet_accepted,
-                                            explorers=self._explorers, rank=self._rank, here=here))
+        return min(by_concurrency, share(self._fleet_capacity(), self._explorers, self._rank) - here)
 
     def _release(self, n: int, what: str) -> None:
         if not 0 <= n <= self._state.running:
@@ -345,18 +376,26 @@ class StalenessAdmission:
         self._state = dataclasses.replace(self._state, **changes)
 
 
-def fleet_capacity(max_staleness: int, version: int, groups_per_step: int, accepted_fleet: int) -> int:
+def fleet_capacity(max_staleness: int, version: int, groups_per_step: int, accepted_fleet: int, *, backlog: int = 0,
+                   keep: float = 1.0) -> int:
     """AReaL's bound for the whole fleet, (k + version + 1) * B - accepted_fleet (module docstring): the groups it may
-    still start so that none is trained more than k = `max_staleness` versions after `version`. May be <= 0."""
-    return (max_staleness + version + 1) * groups_per_step - accepted_fleet
+    still start so that none is trained more than k = `max_staleness` versions after `version`. May be <= 0.
+    With `keep` < 1 (the share of groups the trainer keeps, its operators dropping the rest: "Groups the trainer
+    drops" in the module docstring), the slots not yet taken by trained groups, slots = (k + version + 1) * B -
+    (accepted_fleet - backlog), are filled by slots / keep groups, of which the `backlog` are made already."""
+    if keep >= 1:
+        return (max_staleness + version + 1) * groups_per_step - accepted_fleet
+    slots = (max_staleness + version + 1) * groups_per_step - (accepted_fleet - backlog)
+    return (math.floor(slots / keep) if slots > 0 else slots) - backlog
 
 
 def capacity(max_staleness: int, version: int, groups_per_step: int, accepted_fleet: int, *, explorers: int = 1,
-             rank: int = 0, here: int = 0) -> int:
+             rank: int = 0, here: int = 0, backlog: int = 0, keep: float = 1.0) -> int:
     """The formula of the module docstring, the one place it is written (StalenessAdmission and the fleet simulator,
     rft/bench/simulate.py, both call it): the groups the explorer of `rank` among `explorers` may start now,
     share(fleet_capacity(...)) - here, `here` = accepted_here + running. <= 0: none."""
-    return share(fleet_capacity(max_staleness, version, groups_per_step, accepted_fleet), explorers, rank) - here
+    return share(fleet_capacity(max_staleness, version, groups_per_step, accepted_fleet, backlog=backlog, keep=keep),
+                 explorers, rank) - here
 
 
 def share(capacity: int, explorers: int, rank: int) -> int:
@@ -415,7 +454,8 @@ class KafkaFleetFeed:
             live.append(self.explorer_id)
         return FleetReading(trainer_version=self.view.trainer.version, backlog=self.backlog(),
                             explorers=len(live), rank=live.index(self.explorer_id), seen=seen,
-                            in_batch=self.view.trainer.groups_in_batch)
+                            in_batch=self.view.trainer.groups_in_batch,
+                            keep=self.view.trainer.metrics.get(KEEP_METRIC, 1.0))
 
     def claim(self, groups: int, *, limit: int, seen: int, version: int) -> int:
         """Ask the ledger for `groups` groups under `limit` (the capacity read at `seen`); the grant, once this
@@ -529,10 +569,12 @@ class KafkaFleetFeed:
 
 def fleet_admission(mode: str, *, max_staleness: int, groups_per_step: int, transport: Transport,
                     control_topic: str, experiences_topic: str, explorer_id: str,
-                    heartbeat_s: float) -> StalenessAdmission:
-    """`explorer.admission: staleness` for one explorer: the mode's bound, fed from Kafka when there is one."""
+                    heartbeat_s: float, counts_drops: bool = False) -> StalenessAdmission:
+    """`explorer.admission: staleness` for one explorer: the mode's bound, fed from Kafka when there is one;
+    `counts_drops`: `explorer.admission_counts_drops`."""
     bound = staleness_bound(mode, max_staleness)
     feed = None if bound is None else KafkaFleetFeed(
         transport, control_topic=control_topic, experiences_topic=experiences_topic,
         client_id=f"{explorer_id}-admission", live_horizon_s=3 * heartbeat_s, explorer_id=explorer_id)
-    return StalenessAdmission(groups_per_step=groups_per_step, max_staleness=bound, feed=feed)
+    return StalenessAdmission(groups_per_step=groups_per_step, max_staleness=bound, feed=feed,
+                              counts_drops=counts_drops)

@@ -30,7 +30,9 @@ def run_batches(explorer: "Explorer", stop: threading.Event, *, exit_when_idle_s
     for a whole version."""
     last_work = time.monotonic()
     while not stop.is_set():
-        if not explorer.refresh_weights():
+        with explorer.cores.working():  # a reload computes; waiting for tasks or admission does not
+            whole = explorer.refresh_weights()
+        if not whole:
             stop.wait(POLL_S)
             continue
         handled = run_batch(explorer)
@@ -50,7 +52,8 @@ def run_batch(explorer: "Explorer") -> int:
     if not taken.admitted:
         return 0
     started = time.monotonic()
-    results = explorer.workflow.explore(taken.tasks, explorer.engine) if taken.tasks else []
+    with explorer.cores.working():
+        results = explorer.workflow.explore(taken.tasks, explorer.engine) if taken.tasks else []
     seconds = time.monotonic() - started
     explorer.stats.explore_s += seconds
     explorer.delivery.deliver([Outcome(m, r) for m, r in zip(taken.sources, results)], offsets,

@@ -162,6 +162,7 @@ class ContinuousLoop:
                 topup_due = now + TOPUP_S
                 if self._start_tasks(block=not scheduler.inflight):
                     last_work = time.monotonic()
+            self.explorer.cores.set_busy(bool(scheduler.inflight))  # the engine computes while requests are in it
             finished = scheduler.step()
             stats.explore_s += time.monotonic() - started
             if finished:
@@ -201,6 +202,7 @@ class ContinuousLoop:
         """Load the newest version (`Explorer.refresh_weights`, with `load` when given) and record it in `reloads`."""
         engine = self.explorer.engine
         before = engine.weights_version
+        self.explorer.cores.set_busy(True)  # a reload computes (the loop marks it again after)
         self.explorer.refresh_weights(load)
         if engine.weights_version != before:
             self.reloads.append((engine.weights_version, len(self.scheduler.inflight)))

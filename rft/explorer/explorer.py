@@ -53,6 +53,7 @@ import time
 from typing import TYPE_CHECKING
 
 from rft.config import ExplorerConfig, KafkaConfig, SyncConfig
+from rft.cores import CoreShare, NoShare
 from rft.explorer.admission import Admission, AdmitAll
 from rft.explorer.batch import run_batch, run_batches
 from rft.explorer.continuous import ContinuousLoop
@@ -97,7 +98,9 @@ class Explorer:
 
     It takes the config sections it uses; `topics` names the run it serves (its run id, topics and the explorers'
     consumer group), `store` is the run's weight store, `prometheus` its metrics endpoint (None: off), `transport`
-    builds its clients (default: the run's Kafka, `connect(kafka)`; `kafka` also gives the timeouts).
+    builds its clients (default: the run's Kafka, `connect(kafka)`; `kafka` also gives the timeouts). `cores`: the
+    run's core board (rft/cores.py; default none): both loops mark the engine busy while it generates or reloads,
+    and waiting otherwise, so that a trainer on this machine runs on the cores it leaves.
     `build_explorer` (rft/explorer/main.py) composes one from the root config.
 
     Its parts: `membership` (the tasks consumer, `tasks`), `intake` and `delivery` (the pipeline both loops share),
@@ -107,8 +110,9 @@ class Explorer:
     def __init__(self, explorer: ExplorerConfig, *, kafka: KafkaConfig, sync: SyncConfig, topics: RunTopics,
                  store: VersionStore, explorer_id: str, engine: "Engine", workflow: "Workflow",
                  admission: Admission | None = None, prometheus: "MetricsEndpoint | None" = None,
-                 transport: Transport | None = None):
+                 transport: Transport | None = None, cores: "CoreShare | NoShare | None" = None):
         self.config, self.kafka, self.topics = explorer, kafka, topics
+        self.cores = cores or NoShare()  # marks the engine busy or waiting, for the trainer's threads (rft/cores.py)
         transport = self.transport = transport or connect(kafka)
         self.explorer_id, self.engine, self.workflow = explorer_id, engine, workflow
         self.admission = admission or AdmitAll()

@@ -15,6 +15,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from rft.config import Config, ConfigError
+from rft.cores import CoreShare, NoShare, core_share
 from rft.engine import build_engine
 from rft.engine.shared import adapter_slots
 from rft.explorer.admission import Admission, AdmitAll, fleet_admission
@@ -100,7 +101,7 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
     explorer = None
     reason = "error"
     try:
-        explorer = compose_explorer(cfg, explorer_id=explorer_id, engine=engine)
+        explorer = compose_explorer(cfg, explorer_id=explorer_id, engine=engine, cores=core_share())
         reason = explorer.run(stop, exit_when_idle_s=exit_when_idle_s)
         log.info("explorer %s %s after %d groups", explorer_id, reason, explorer.stats.groups)
         return 0
@@ -140,22 +141,26 @@ def _start_process(explorer_id: str, *, thread: bool = False) -> threading.Event
     return stop
 
 
-def compose_explorer(cfg: Config, *, explorer_id: str, engine: "Engine") -> Explorer:
+def compose_explorer(cfg: Config, *, explorer_id: str, engine: "Engine",
+                     cores: "CoreShare | NoShare | None" = None) -> Explorer:
     """Run `cfg`'s explorer on `engine`: its workflow and reward, its Kafka clients (one client factory), its
-    admission and metrics endpoint."""
+    admission and metrics endpoint; `cores`: the engine's place on the run's core board (rft/cores.py; one explorer
+    per process, so not for the explorers sharing one engine)."""
     workflow = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer, RewardContext.for_run(cfg)))
     transport = connect(cfg.kafka)
     return build_explorer(cfg, explorer_id=explorer_id, engine=engine, workflow=workflow,
-                          admission=build_admission(cfg, explorer_id, transport=transport), transport=transport)
+                          admission=build_admission(cfg, explorer_id, transport=transport), transport=transport,
+                          cores=cores)
 
 
 def build_explorer(cfg: Config, *, explorer_id: str, engine: "Engine", workflow: "Workflow",
-                   admission: Admission | None = None, transport: Transport | None = None) -> Explorer:
+                   admission: Admission | None = None, transport: Transport | None = None,
+                   cores: "CoreShare | NoShare | None" = None) -> Explorer:
     """Compose an Explorer from the root config: its sections, the run's topics and weight store, the metrics
     endpoint `monitor.prometheus_port` asks for; `transport` defaults to `connect(cfg.kafka)`."""
     return Explorer(cfg.explorer, kafka=cfg.kafka, sync=cfg.sync, topics=RunTopics.of(cfg),
                     store=open_store(cfg.sync, cfg.run_dir), explorer_id=explorer_id, engine=engine,
-                    workflow=workflow, admission=admission, transport=transport,
+                    workflow=workflow, admission=admission, transport=transport, cores=cores,
                     prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="explorer", instance=explorer_id))
 
 
@@ -169,5 +174,6 @@ def build_admission(cfg: Config, explorer_id: str, *, transport: Transport | Non
         return fleet_admission(cfg.run.mode, max_staleness=cfg.run.max_staleness,
                                groups_per_step=cfg.trainer.groups_per_step, transport=transport or connect(cfg.kafka),
                                control_topic=cfg.topic("control"), experiences_topic=cfg.topic("experiences"),
-                               explorer_id=explorer_id, heartbeat_s=cfg.explorer.heartbeat_s)
+                               explorer_id=explorer_id, heartbeat_s=cfg.explorer.heartbeat_s,
+                               counts_drops=cfg.explorer.admission_counts_drops)
     return import_object(cfg.explorer.admission, key="explorer.admission", noun="admission")(cfg, explorer_id)

@@ -31,6 +31,7 @@ of which group trained in which step) is cut back to that step so that it always
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -48,6 +49,7 @@ from rft.algorithms import Needs, build_algorithm
 from rft.algorithms.aggregation import with_kl_metric
 from rft.algorithms.mismatch import with_mismatch_metrics
 from rft.config import AlgorithmConfig, Config, ConfigError, ModelConfig, RunConfig, SyncConfig, TrainerConfig
+from rft.cores import CoreShare
 from rft.experience.operators import OperatorContext, build_operator_chain, split_drops
 from rft.modes import mode, staleness
 from rft.run.commandline import add_config_arguments, config_from_args, die_with_parent
@@ -67,12 +69,13 @@ from rft.trainer.replay_buffer import ExperienceReplay, open_replay
 from rft.trainer.staleness import StalenessTracker
 from rft.trainer.weights import TrainerWeights
 from rft.transport import RecordSink, Transport, TransportError, connect, lag
-from rft.transport.control import Kind, TrainerFinished, TrainerStarted, TrainerStep, TrainerWaiting
+from rft.transport.control import KEEP_METRIC, Kind, TrainerFinished, TrainerStarted, TrainerStep, TrainerWaiting
 from rft.weights.publisher import WeightPublisher
 from rft.weights.stores import open_store
 from rft.weights.vllm_transfer import push_transport
 
 WAIT_ANNOUNCE_S = 2.0
+KEEP_WINDOW = 4  # steps over which keep_fraction (the share of fresh groups kept) is measured
 
 
 def main(argv: list[str]) -> int:
@@ -254,6 +257,9 @@ class Trainer:
             reference=self.needs.reference, temperature=temperature, pack_sequences=t.pack_sequences,
             teacher=self.needs.teacher, routing_replay=t.routing_replay, lora=model.lora)
         self.critic = self._build_critic(model, run.seed) if self.needs.critic is not None else None
+        self.cores = CoreShare.from_environment()  # None: no core board (GPUs, OMP_NUM_THREADS chosen, no `rft run`)
+        if self.cores is not None:  # borrow the cores of the explorers that wait, micro-batch by micro-batch
+            self.policy.pace = self.cores.fit_torch
         self.staleness = StalenessTracker(mode=run.mode, max_staleness=run.max_staleness)
         self.is_reader = dist_io.rank() == 0
         if self.is_reader:
@@ -272,6 +278,7 @@ class Trainer:
             replay_state, demonstrations_state = state.replay_buffer, state.demonstrations
         self._last_checkpoint = self.step
         self.replay, self._replayed, self._reuse = None, [], []  # rank 0: the replay buffer, this step's replays
+        self._kept = collections.deque(maxlen=KEEP_WINDOW)  # rank 0: (fresh groups kept, dropped) of recent steps
         self.io: TrainerIO | None = None
         if self.is_reader:
             self._open_io(open_io(feed_state, replay_state), FeedState.from_json(demonstrations_state))
@@ -480,6 +487,8 @@ class Trainer:
             **(self.replay.step_metrics(step, self._replayed) if self.replay else {}),
             **({"demonstrations": len(self._demos)} if self.needs.demonstrations is not None else {}),
             **self.algorithm.step_metrics(step),
+            **({"cpu_threads": self.cores.mean_threads()} if self.cores is not None else {}),
+            KEEP_METRIC: self._keep_fraction(sum(r == 0 for r in self._reuse), sum(drops.values())),
         }
         record["consumer_lag"] = self._consumer_lag()
         self.io.metrics.log(record, step=step)
@@ -499,6 +508,14 @@ class Trainer:
             print(f"[trainer] step {step}/{self.run_config.max_steps} reward {record['reward_mean']:.3f} "
                   f"loss {record.get('loss', float('nan')):.4f} staleness max {record.get('staleness_max', 0)} "
                   f"{elapsed:.1f}s", flush=True)
+
+    def _keep_fraction(self, kept: int, dropped: int) -> float:
+        """The share of fresh groups kept over the last KEEP_WINDOW steps (this one's `kept`, and the groups its
+        operators `dropped`): explorers' admission counts on it (rft/explorer/admission.py, "Groups the trainer
+        drops"). Stale drops are not in it: they are what over-admission costs, not what the operators take."""
+        self._kept.append((kept, dropped))
+        total_kept, total = sum(k for k, _ in self._kept), sum(k + d for k, d in self._kept)
+        return total_kept / total if total else 1.0
 
     def _consumer_lag(self) -> int | None:
         """Experience records on the topic not consumed yet (None when the broker does not answer)."""

@@ -10,6 +10,7 @@ evaluator recorded versions 0 and 2 with plausible accuracies."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,8 +57,9 @@ def test_the_real_model_runs_the_loop(tmp_path, smollm2, bootstrap, topic_prefix
     from transformers import AutoTokenizer
 
     config = short_config(tmp_path, smollm2, bootstrap=bootstrap, prefix=topic_prefix)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the launcher splits the cores itself
     run = subprocess.run([sys.executable, "-m", "rft.cli", "run", str(config)], cwd=REPO, capture_output=True,
-                         text=True, timeout=900)
+                         text=True, timeout=900, env=env)
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     run_dir = tmp_path / "runs" / "real-e2e"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -71,6 +73,10 @@ def test_the_real_model_runs_the_loop(tmp_path, smollm2, bootstrap, topic_prefix
         assert r["staleness_max"] <= 1
         # each version (540 MB) is copied on the trainer's critical path and written behind it
         assert 0 < r["weights_s"] and 0 < r["weights_write_s"]
+        # cores follow the work (rft/cores.py): one thread each on this machine, the trainer's own and the
+        # explorer's when it waits; no operator here, so every fresh group is kept
+        assert 1 <= r["cpu_threads"] <= 2 and r["keep_fraction"] == 1.0
+    assert "cores follow the work" in run.stdout
     assert [r["step"] for r in evals] == [0, STEPS]
     for r in evals:
         assert r["eval/arithmetic/tasks"] == 8 and r["eval/arithmetic/errors"] == 0

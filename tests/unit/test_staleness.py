@@ -2,13 +2,14 @@
 simulation drives the production admission object (rft/explorer/admission.py) through an in-memory feed."""
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 
-from rft.explorer.admission import AdmissionState, FleetReading
+from rft.explorer.admission import KEEP_FLOOR, KEEP_MARGIN, AdmissionState, FleetReading, fleet_capacity
 from rft.explorer.admission import StalenessAdmission as AdmissionController
 from rft.modes import staleness_bound
 from rft.schema import ExperienceGroup, Sample
@@ -21,8 +22,8 @@ class InMemoryFeed:
     def __init__(self):
         self.pending: FleetReading | None = None
 
-    def publish(self, *, trainer_version: int, backlog: int) -> None:
-        self.pending = FleetReading(trainer_version=trainer_version, backlog=backlog)
+    def publish(self, *, trainer_version: int, backlog: int, in_batch: int = 0, keep: float = 1.0) -> None:
+        self.pending = FleetReading(trainer_version=trainer_version, backlog=backlog, in_batch=in_batch, keep=keep)
 
     def read(self) -> FleetReading | None:
         reading, self.pending = self.pending, None
@@ -33,6 +34,7 @@ class InMemoryFeed:
 
 
 # ---------------------------------------------------------------------------------------------- known inputs
+
 
 def test_capacity_follows_the_formula_through_reserve_finish_fail_version_and_resync():
     ctrl = AdmissionController(groups_per_step=4, max_staleness=1)
@@ -118,6 +120,7 @@ def test_sync_drops_anything_stale_and_async_keeps_everything():
 
 # ------------------------------------------------------------------------------------------------- simulation
 
+
 @dataclass
 class Simulation:
     """Explorers admit rollouts through the controller; finished groups go to a topic (a list, in arrival order);
@@ -135,6 +138,8 @@ class Simulation:
     admission: bool = True
     explorer_restart_at: int | None = None
     seed: int = 0
+    drop_rate: float = 0.0  # the share of groups the trainer's operators drop (they take no slot)
+    counts_drops: bool = False  # admission counts on the trainer's keep fraction (over its last 4 steps)
     metrics: list[dict] = field(default_factory=list)
 
     def run(self) -> "Simulation":
@@ -143,6 +148,7 @@ class Simulation:
         self.running, self.topic = [], []  # running: (finish tick, policy version); topic: policy versions
         self.read, self.committed = 0, {0: 0}  # trainer's topic position; its position at the end of each step
         self.arrivals, self.step, self.taken, self.train_done = {}, 1, 0, None
+        self.kept, self.waited = [[0, 0]], 0  # per step [kept, dropped by operators]; trainer ticks without data
         for tick in range(5000):
             if tick in self.arrivals:
                 self._load_weights(self.arrivals.pop(tick))
@@ -158,7 +164,14 @@ class Simulation:
     def _load_weights(self, version: int) -> None:
         self.explorer_version = version
         self.ctrl.set_version(version)
-        self.feed.publish(trainer_version=version, backlog=len(self.topic) - self.committed[version])
+        self._announce(version, backlog=len(self.topic) - self.committed[version])
+
+    def _announce(self, version: int, *, backlog: int, in_batch: int = 0) -> None:
+        """The trainer's reading, with its keep fraction over its last 4 finished steps."""
+        recent = self.kept[-5:-1]
+        kept, seen = sum(k for k, _ in recent), sum(k + d for k, d in recent)
+        self.feed.publish(trainer_version=version, backlog=backlog, in_batch=in_batch,
+                          keep=kept / seen if seen else 1.0)
 
     def _explore(self, tick: int) -> None:
         admitted = self.ctrl.reserve(self.max_running)
@@ -174,15 +187,25 @@ class Simulation:
     def _train(self, tick: int) -> None:
         if self.train_done is None:
             while self.taken < self.groups_per_step and self.read < len(self.topic):
-                self.taken += self.tracker.observe(step=self.step, policy_version=self.topic[self.read], n_samples=1)
+                if self.rng.random() < self.drop_rate:
+                    self.kept[-1][1] += 1
+                else:
+                    kept = self.tracker.observe(step=self.step, policy_version=self.topic[self.read], n_samples=1)
+                    self.taken += kept
+                    self.kept[-1][0] += kept
                 self.read += 1
             if self.taken == self.groups_per_step:
                 self.train_done = tick + self.train_ticks
+            else:  # starved: it says what it has consumed and taken (trainer_waiting)
+                self.waited += 1
+                if self.drop_rate:
+                    self._announce(self.step - 1, backlog=len(self.topic) - self.read, in_batch=self.taken)
         elif tick == self.train_done:  # step done: version `step` exists and is published
             self.committed[self.step] = self.read
             self.arrivals[tick + self.sync_ticks] = self.step
             self.metrics.append(self.tracker.step_metrics(self.step))
             self.step, self.taken, self.train_done = self.step + 1, 0, None
+            self.kept.append([0, 0])
 
     def _controller(self, version: int) -> AdmissionController:
         self.feed = InMemoryFeed()
@@ -191,7 +214,7 @@ class Simulation:
                                        max_running=self.max_running, version=version, feed=self.feed, refresh_s=0)
         return AdmissionController.for_mode(self.mode, max_staleness=self.k, groups_per_step=self.groups_per_step,
                                             max_running=self.max_running, version=version, feed=self.feed,
-                                            refresh_s=0)
+                                            refresh_s=0, counts_drops=self.counts_drops)
 
     @property
     def used(self) -> dict[int, int]:
@@ -242,3 +265,42 @@ def test_an_explorer_restart_rebuilds_the_controller_from_version_and_backlog():
 def test_async_is_unbounded_but_recorded():
     sim = Simulation(mode="async", k=0, duration=constant(1), max_running=64).run()
     assert sim.dropped == 0 and max(sim.used) > 3
+
+
+def test_counting_drops_fills_the_slots_left_by_the_keep_fraction():
+    """slots = (k + v + 1) * B - (accepted_fleet - backlog) are filled by floor(slots / keep) groups, less the
+    backlog made already; keep 1 is the plain formula."""
+    # k 1, version 2, B 4; trained 2 * 4 + 1 in the batch, 3 in the backlog: accepted_fleet 12, slots 16 - 9 = 7
+    assert fleet_capacity(1, 2, 4, 12, backlog=3) == 4 == fleet_capacity(1, 2, 4, 12, backlog=3, keep=1.0)
+    assert fleet_capacity(1, 2, 4, 12, backlog=3, keep=0.5) == 14 - 3
+    assert fleet_capacity(1, 2, 4, 12, backlog=3, keep=0.3) == 23 - 3  # floor(7 / 0.3)
+    assert fleet_capacity(1, 2, 4, 18, backlog=9, keep=0.5) == 14 - 9  # 9 trained, 9 made: 5 more
+    assert fleet_capacity(1, 2, 4, 18, backlog=1, keep=0.5) == -2  # no slot left (-1): nothing, and no amplification
+    ctrl = AdmissionController(groups_per_step=4, max_staleness=1, counts_drops=True, feed=InMemoryFeed(),
+                               refresh_s=0)
+    ctrl.feed.publish(trainer_version=2, backlog=3, keep=0.5)
+    ctrl.set_version(2)
+    assert ctrl.reserve(100) == math.floor(8 / (0.5 + KEEP_MARGIN)) - 3  # slots 16 - 2 * 4 = 8; 3 made
+    admitted = ctrl.state().running
+    ctrl.feed.publish(trainer_version=2, backlog=3, keep=-1.0)  # clamped to KEEP_FLOOR
+    assert ctrl.reserve(100) == math.floor(8 / KEEP_FLOOR) - 3 - admitted
+    plain = AdmissionController(groups_per_step=4, max_staleness=1, feed=InMemoryFeed(), refresh_s=0)
+    plain.feed.publish(trainer_version=2, backlog=3, keep=0.5)  # the option off: the reading's keep is ignored
+    plain.set_version(2)
+    assert plain.reserve(100) == 16 - 11
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_counting_drops_keeps_the_trainer_fed_and_the_bound_held(seed):
+    """The trainer's operators drop half the groups. Counting each admitted group as a slot, the trainer waits for
+    the replacements of what it dropped; counting on its keep fraction, it waits ~half as long, every sample
+    it trains is still within k (the tracker drops the few past it), and little work is thrown away (KEEP_MARGIN's
+    reason)."""
+    runs = {counts: Simulation(mode="off_policy", k=1, duration=uniform(1, 3), drop_rate=0.5, counts_drops=counts,
+                               max_running=64, steps=30, seed=seed).run() for counts in (False, True)}
+    plain, counting = runs[False], runs[True]
+    assert plain.dropped == 0 and max(plain.used) <= 1
+    assert max(counting.used) <= 1 and min(counting.used) >= 0
+    assert counting.waited < 0.6 * plain.waited, (counting.waited, plain.waited)
+    assert counting.dropped <= 0.1 * sum(counting.used.values()), counting.dropped
+
