@@ -266,8 +266,8 @@ class TrainerConfig:
     # the training-inference mismatch logged every step counts in logprob_mismatch_frac the tokens whose trainer /
     # rollout probability ratio is outside [1/mismatch_ratio, mismatch_ratio] (rft/algorithms/mismatch.py)
     mismatch_ratio: float = 2.0
-    # CPU runs of `rft run` (no GPUs, OMP_NUM_THREADS unset): before each micro-batch the trainer takes the threads of
-    # the explorers on this machine that are waiting (rft/cores.py; logged per step as cpu_threads); false: fixed
+    # CPU runs of `rft run` (no GPUs, OMP_NUM_THREADS unset): the trainer and the explorers on this machine take the
+    # threads of those that wait (rft/cores.py; the trainer's logged per step as cpu_threads); false: fixed threads
     borrow_cores: bool = True
 
 

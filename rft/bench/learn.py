@@ -38,6 +38,8 @@ Method.
   least `rft`'s (the config's own mode) within noise (less than 1.96 standard errors of the difference below, the
   standard error of an accuracy p on n held-out tasks being sqrt(p (1 - p) / n)); and at every mark the best rft
   system is at or above TRL's accuracy. The time resolution is the mark spacing.
+- With `--out`, the report is also written to `<out>/result.json` and the curve (accuracy against wall-clock, each
+  system with a band of +-1.96 standard errors) to `<out>/accuracy.png`.
 - `--seed N` sets `run.seed` for every system (TRL's too), `--eval-tasks N` makes every eval set generate N held-out
   tasks (300: a standard error of about 2.7 points at an accuracy of 0.35); both write a copy of the config into
   the output directory, which every system and the evaluation use. Each rft system's report also has its
@@ -570,11 +572,44 @@ def main(argv: list[str]) -> int:
     finally:
         if not args.out:
             shutil.rmtree(out, ignore_errors=True)
+    if args.out:
+        (out / "result.json").write_text(json.dumps(result, indent=1))
+        print(f"{PREFIX} the report: {out / 'result.json'}; the curve: {plot_race(result, out / 'accuracy.png')}",
+              file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(result))
     else:
         print_report(result)
     return 0
+
+
+def plot_race(result: dict, png: Path) -> Path:
+    """Held-out accuracy against wall-clock, one line per system (the initial model at 0 s, then each mark), with a
+    band of +-1.96 standard errors (sqrt(p (1 - p) / n) on the report's `eval_tasks`), as a PNG; returns `png`."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = result["eval_tasks"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system in result["systems"]:
+        marks = [m for m in system.get("marks", []) if m.get("accuracy") is not None]
+        if not marks:
+            continue
+        times = [0.0] + [m["time_s"] for m in marks]
+        accuracy = [result["initial_accuracy"]] + [m["accuracy"] for m in marks]
+        half = [1.96 * math.sqrt(p * (1 - p) / n) for p in accuracy]
+        line, = ax.plot(times, accuracy, marker="o", label=f"{system['system']} ({system['steps']} steps)")
+        ax.fill_between(times, [p - h for p, h in zip(accuracy, half)], [p + h for p, h in zip(accuracy, half)],
+                        color=line.get_color(), alpha=0.12)
+    ax.set(xlabel="wall-clock from launch (s)", ylabel=f"held-out accuracy ({n} tasks)",
+           title=f"{Path(result['config']).name}, seed {result['seed']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return Path(png)
 
 
 if __name__ == "__main__":

@@ -389,16 +389,16 @@ def cpu_threads_per_part(cfg: Config, roles: tuple[str, ...], gpus: dict[str, st
 
 def core_board(cfg: Config, roles: tuple[str, ...], threads: int | None, run_dir: Path) -> dict[str, str]:
     """Cores that follow the work (rft/cores.py): when `cpu_threads_per_part` split the cores (`threads` not None)
-    and the run has a trainer and explorers here, a board at `run_dir/cores` on which each explorer marks itself
-    busy or waiting, and from which the trainer's ranks borrow the waiting explorers' threads. Returns each part's
-    `RFT_CORES` value ({} without a board; `rft run --set trainer.borrow_cores=false` turns it off)."""
+    and the run has a trainer and explorers here, a board at `run_dir/cores` on which the trainer and each explorer
+    mark themselves busy or waiting, and from which those that compute take the threads of those that wait. Returns
+    each part's `RFT_CORES` value ({} without a board; `rft run --set trainer.borrow_cores=false` turns it off)."""
     if threads is None or "trainer" not in roles or "explorers" not in roles or not cfg.trainer.borrow_cores:
         return {}
-    parts = dict(compute_parts(cfg, roles))
-    lenders = {name: threads * n for name, n in parts.items() if name.startswith("explorer-")}
-    board = write_board(run_dir / "cores", lenders, {"trainer": parts["trainer"]}, base=threads)
-    print(f"[rft] cores follow the work: the trainer takes the threads of explorers that wait ({run_dir / 'cores'})",
-          flush=True)
+    parts = {name: (threads * n, n) for name, n in compute_parts(cfg, roles)
+             if name == "trainer" or name.startswith("explorer-")}
+    board = write_board(run_dir / "cores", parts)
+    print(f"[rft] cores follow the work: the trainer and the explorers take the threads of those that wait "
+          f"({run_dir / 'cores'})", flush=True)
     return board
 
 

@@ -53,6 +53,7 @@ def run_batch(explorer: "Explorer") -> int:
         return 0
     started = time.monotonic()
     with explorer.cores.working():
+        explorer.cores.fit_torch()  # the threads of a waiting trainer too (rft/cores.py)
         results = explorer.workflow.explore(taken.tasks, explorer.engine) if taken.tasks else []
     seconds = time.monotonic() - started
     explorer.stats.explore_s += seconds

@@ -163,6 +163,8 @@ class ContinuousLoop:
                 if self._start_tasks(block=not scheduler.inflight):
                     last_work = time.monotonic()
             self.explorer.cores.set_busy(bool(scheduler.inflight))  # the engine computes while requests are in it
+            if scheduler.inflight:
+                self.explorer.cores.fit_torch()  # the threads of a waiting trainer too (rft/cores.py)
             finished = scheduler.step()
             stats.explore_s += time.monotonic() - started
             if finished:

@@ -258,7 +258,7 @@ class Trainer:
             teacher=self.needs.teacher, routing_replay=t.routing_replay, lora=model.lora)
         self.critic = self._build_critic(model, run.seed) if self.needs.critic is not None else None
         self.cores = CoreShare.from_environment()  # None: no core board (GPUs, OMP_NUM_THREADS chosen, no `rft run`)
-        if self.cores is not None:  # borrow the cores of the explorers that wait, micro-batch by micro-batch
+        if self.cores is not None:  # take the threads of the explorers that wait, micro-batch by micro-batch
             self.policy.pace = self.cores.fit_torch
         self.staleness = StalenessTracker(mode=run.mode, max_staleness=run.max_staleness)
         self.is_reader = dist_io.rank() == 0
@@ -308,7 +308,10 @@ class Trainer:
                                         prometheus_port=io.prometheus.port if io.prometheus else None))
 
     def _waiting(self, groups_so_far: int) -> None:
-        """While starved, tell the explorers what has been consumed (admission control reads it)."""
+        """While starved, tell the explorers what has been consumed (admission control reads it), and let them have
+        this part's threads (rft/cores.py)."""
+        if self.cores is not None:
+            self.cores.set_busy(False)
         now = time.monotonic()
         if now - self._last_wait_note >= WAIT_ANNOUNCE_S:
             self._last_wait_note = now
@@ -360,6 +363,8 @@ class Trainer:
             except EndOfReplay as end:
                 batch, exhausted = end.batch, True
             self._data_wait_s = time.time() - waiting_since
+            if self.cores is not None:
+                self.cores.set_busy(True)
             if self.replay:
                 self.replay.remember(step, batch.messages, batch.groups)
             self._replayed = replayed

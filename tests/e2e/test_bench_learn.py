@@ -49,6 +49,8 @@ def test_bench_learn_reports_accuracy_against_wall_clock_for_rft_and_trl(tmp_pat
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     assert "[bench learn] rft-async: step 1 at" in result.stderr and "[bench learn] trl: step 1 at" in result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert json.loads((out / "result.json").read_text()) == report  # kept beside the runs, with the curve
+    assert (out / "accuracy.png").read_bytes().startswith(b"\x89PNG")
     systems = {s["system"]: s for s in report["systems"]}
     assert list(systems) == ["rft-async", "trl"] and 0 <= report["initial_accuracy"] <= 1
     for s in systems.values():
