@@ -4,6 +4,7 @@ resizing torch's real thread pool."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -15,18 +16,18 @@ from rft.cores import CoreShare, NoShare, core_share
 from tests.waiting import wait_until
 
 EXPLORER = """
-import pathlib, sys, time
+import signal, sys
 import torch
 from rft.cores import core_share
-share, go = core_share(), pathlib.Path(sys.argv[1])
+share = core_share()
 share.set_busy(False)
 print('waiting', flush=True)
-while not go.exists():  # the test's signal; this child has no other channel
-    time.sleep(0.05)
+with open(sys.argv[1]) as go:  # a FIFO: blocks until the test writes its signal and closes it
+    go.read()
 with share.working():
     n = share.fit_torch()
     print('threads', n, 'torch', torch.get_num_threads(), flush=True)
-    time.sleep(600)  # killed by the test
+    signal.pause()  # until the test stops it
 """
 
 
@@ -41,13 +42,14 @@ def test_the_parts_take_the_threads_of_those_that_wait_and_give_them_back(tmp_pa
     runner = PartRunner(tmp_path, threads=1, cores=board)
     threads_before = torch.get_num_threads()
     go, log = tmp_path / "go", tmp_path / "logs" / "explorer-0.log"
+    os.mkfifo(go)
     try:
         runner.start("explorer-0", [sys.executable, "-c", EXPLORER, str(go)])
         runner.start("publisher", [sys.executable, "-c", "import os; print('cores', os.environ.get('RFT_CORES'))"])
         wait_until(lambda: trainer.threads() == 2, timeout=60, what="the trainer to see explorer-0 waiting")
         assert trainer.fit_torch() == 2 and torch.get_num_threads() == 2
         trainer.set_busy(False)  # starved: explorer-0 takes the trainer's thread when it computes
-        go.touch()
+        go.write_text("go")  # opens the FIFO once explorer-0 reads it
         wait_until(lambda: trainer.threads() == 1, timeout=60, what="the trainer to see explorer-0 busy")
         wait_until(lambda: "threads" in log.read_text(), timeout=60, what="explorer-0 to fit its threads")
         assert "threads 2 torch 2" in log.read_text()  # its own 1, and the waiting trainer's 1
