@@ -130,7 +130,7 @@ class ContinuousLoop:
       4. the membership watchdog (every MEMBERSHIP_CHECK_S while generating, every turn when idle); after a switch of
          consumer group the offsets start afresh: the new group re-delivers what was not committed.
     A stop finishes the tasks in flight (delivered and committed) and returns "stopped"; with `exit_when_idle_s`,
-    "idle" once nothing was in flight or started for that long. `stats.batches` counts deliveries that produced at
+    "idle" once nothing was in flight, started or loaded for that long. `stats.batches` counts deliveries that produced at
     least one group. `sync.method: push` is refused (ValueError): a push is a collective taken between batches."""
 
     def __init__(self, explorer: "Explorer"):
@@ -153,10 +153,8 @@ class ContinuousLoop:
         last_work = last_export = time.monotonic()
         while not (stop.is_set() and not scheduler.inflight):
             now = time.monotonic()
-            if self.in_flight:
-                self._reload_in_flight(now)
-            else:
-                self._reload_when_drained(now)
+            if self._reload_in_flight(now) if self.in_flight else self._reload_when_drained(now):
+                last_work = time.monotonic()  # a reload is work: the idle clock starts after it, not before
             started = time.monotonic()
             if self._may_start(stop, topup_due=topup_due, now=now):
                 topup_due = now + TOPUP_S
@@ -179,9 +177,9 @@ class ContinuousLoop:
                 return "idle"
         return "stopped"
 
-    def _reload_when_drained(self, now: float) -> None:
+    def _reload_when_drained(self, now: float) -> bool:
         """Step 1 of the class docstring, draining: start draining when a newer version is out; load it once nothing
-        is in flight."""
+        is in flight. True when it loaded (or tried to)."""
         engine = self.explorer.engine
         if not self.draining and now >= self._weights_due:
             self._weights_due = now + WEIGHTS_CHECK_S
@@ -189,16 +187,20 @@ class ContinuousLoop:
         if self.draining and not self.scheduler.inflight:
             self._refresh()
             self.draining = False
+            return True
+        return False
 
-    def _reload_in_flight(self, now: float) -> None:
+    def _reload_in_flight(self, now: float) -> bool:
         """Step 1 of the class docstring, in flight: every WEIGHTS_CHECK_S, load the newest version now, between two
-        engine steps, the requests in flight kept (`VLLMEngine.load_weights_in_flight`)."""
+        engine steps, the requests in flight kept (`VLLMEngine.load_weights_in_flight`). True when it loaded."""
         if now < self._weights_due:
-            return
+            return False
         self._weights_due = now + WEIGHTS_CHECK_S
         engine = self.explorer.engine
-        if self.explorer.weights.newest(above=engine.weights_version) is not None:
-            self._refresh(lambda path, version: engine.load_weights_in_flight(path, version, recompute=self.recompute))
+        if self.explorer.weights.newest(above=engine.weights_version) is None:
+            return False
+        self._refresh(lambda path, version: engine.load_weights_in_flight(path, version, recompute=self.recompute))
+        return True
 
     def _refresh(self, load=None) -> None:
         """Load the newest version (`Explorer.refresh_weights`, with `load` when given) and record it in `reloads`."""

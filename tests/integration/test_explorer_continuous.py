@@ -51,6 +51,9 @@ def test_continuous_reloads_between_versions(broker, tiny_model, tmp_path, topic
     marker = [line for line in proc.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
     assert proc.returncode == 0 and marker, f"probe failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     out = json.loads(marker[0].removeprefix("PROBE-RESULT "))
+    assert out["reason"] == "idle" and out["stats"]["groups"] == len(tasks), (
+        f"the explorer went {out['reason']} after {out['stats']['groups']} of {len(tasks)} groups, reloads "
+        f"{out['reloads']}:\n{proc.stderr[-4000:]}")
 
     experiences, dead, tasks_topic = (Experiences(cfg, cfg.topic("experiences")),
                                       TopicReader(cfg, cfg.topic("dead_letter")), TopicReader(cfg, cfg.topic("tasks")))
@@ -66,7 +69,6 @@ def test_continuous_reloads_between_versions(broker, tiny_model, tmp_path, topic
     # every task once; the oversized one dead-lettered with its reason
     assert sorted(g.group_id for g in groups) == sorted(t.group_id for t in tasks)
     assert len(dead.raw) == 1 and "over model.max_prompt_len" in dict(dead.raw[0].headers)["rft-error"].decode()
-    assert out["reason"] == "idle" and out["stats"]["groups"] == len(tasks)
 
     assert [v for v, _ in out["loads"]] == [1, 2], out["loads"]
     assert sorted(out["submitted"]) == sorted(out["finished"]) and len(out["submitted"]) == len(tasks)
@@ -75,8 +77,6 @@ def test_continuous_reloads_between_versions(broker, tiny_model, tmp_path, topic
         check_in_flight_versions(out, by_group)
     else:
         check_drained_versions(out, by_group)
-
-    # commits: a committed offset never passes a task whose group (or dead letter) was not sent before the commit
 
     # commits: a committed offset never passes a task whose group (or dead letter) was not sent before the commit
     key_at = {(m.position, m.offset): m.key.decode() if isinstance(m.key, bytes) else m.key for m in tasks_topic.raw}
