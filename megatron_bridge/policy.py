@@ -125,10 +125,10 @@ class TrainedModel:
         self.steps = 0
 
     def _optimizer_step(self, micro_batches: list[dict[str, torch.Tensor]], on_output, *,
-                        packed: bool = False, before_forward=None) -> dict[str, float]:
+                        packed: bool = False, before_forward=None, head_from_loss: bool = False) -> dict[str, float]:
         """One optimizer step: `on_output(model output on the last stage, micro_batch) -> (loss, metrics)` per
-        micro-batch (schedule.run's training contract); returns the metrics summed over micro-batches and
-        data-parallel ranks, plus `grad_norm` and `step_skipped`, on every rank."""
+        micro-batch (schedule.run's training contract, `head_from_loss` passed on); returns the metrics summed over
+        micro-batches and data-parallel ranks, plus `grad_norm` and `step_skipped`, on every rank."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
@@ -141,7 +141,7 @@ class TrainedModel:
         if moe:
             count = moe_losses.set_step_coefficients(self.models, moe, len(micro_batches), ps.get_data_parallel_group())
         per_micro_batch = schedule.run(self.models, micro_batches, on_output, forward_only=False, packed=packed,
-                                       before_forward=before_forward)
+                                       before_forward=before_forward, head_from_loss=head_from_loss)
         finalize_model_grads(self.models)
         totals = self._sum_over_replicas(per_micro_batch)
         if self._update_is_finite(totals.get("loss", 0.0)):
@@ -340,7 +340,9 @@ class MegatronPolicy(TrainedModel):
         """One optimizer step over this DP rank's micro-batches. Returns, on every rank, `loss`, `entropy`
         and each metric summed over micro-batches and data-parallel ranks (maximum for names ending in `_max`),
         plus `grad_norm` (before clipping)
-        and `step_skipped` (1.0 when megatron skipped the update, e.g. non-finite gradients)."""
+        and `step_skipped` (1.0 when megatron skipped the update, e.g. non-finite gradients). The LM head runs only
+        from each micro-batch's first loss position (schedule.run's `head_from_loss`): `loss_fn` gets log-probs and
+        the micro-batch's [b, T, ...] tensors cut to [b, T - first, ...] (`head_from` = first)."""
         def on_logits(logits, mb):
             logits = self._tempered(logits)
             entropy = entropy_sum(logits, mb["loss_mask"], self.vocab_size) / mb["global_tokens"].clamp(min=1)
@@ -351,7 +353,7 @@ class MegatronPolicy(TrainedModel):
             return loss, {"loss": loss.detach(), "entropy": entropy, **{k: v.detach() for k, v in metrics.items()}}
 
         return self._optimizer_step(micro_batches, on_logits, packed=self.pack_sequences,
-                                    before_forward=self._before_forward(self.models))
+                                    before_forward=self._before_forward(self.models), head_from_loss=True)
 
     def forward_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """token_logprobs [b, T] (float32, CPU) for each micro-batch, without gradients, on every rank

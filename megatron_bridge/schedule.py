@@ -14,6 +14,14 @@ With sequence parallelism (megatron requires it to train a mixture of experts at
 on then) the sequence is split over the TP ranks, so each micro-batch is right-padded here to a multiple of
 TP (padding tokens at the end change no earlier position's output under causal attention) and the logits
 are cut back to T before `on_logits`.
+
+With `head_from_loss`, the output layer (the LM head: [h, V/tp] per position, ~20% of a small model's FLOPs) runs
+only from each micro-batch's first position with `loss_mask` > 0 to its end: prompt positions before it produce no
+logits (their hidden states still feed every later position through attention, so the logits it does produce are
+those of the full forward). `on_logits` then sees logits [b, T - first, V/tp] and the micro-batch cut the same way
+(`cut_positions`), with `head_from` = first. The trainer's step uses it (MegatronPolicy.train_step); forward-only
+log-probs keep every position. Not with packing or sequence parallelism (their hidden states are not one [T, b, h]
+block).
 """
 from __future__ import annotations
 
@@ -49,7 +57,8 @@ def to_compute_device(mb: dict[str, Any]) -> dict[str, Any]:
 
 def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tensor]],
         on_logits: Callable[[torch.Tensor, dict], Any], *, forward_only: bool, packed: bool = False,
-        before_forward: Callable[[torch.nn.Module, dict], None] | None = None) -> list[Any]:
+        before_forward: Callable[[torch.nn.Module, dict], None] | None = None,
+        head_from_loss: bool = False) -> list[Any]:
     """Run the schedule; `on_logits(logits_shard [b, T, V/tp], micro_batch)` runs on the last stage.
 
     Training (`forward_only=False`): `on_logits` returns `(loss, metrics)`; backward runs on `loss`
@@ -58,6 +67,8 @@ def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tenso
     micro-batch as one packed sequence (needs `row_lens`; Transformer Engine only, see megatron_bridge.packing).
     `before_forward(model_chunk, micro_batch)` runs right before each chunk's forward on a micro-batch (routing
     replay sets the micro-batch's routed experts there: pipeline schedules interleave micro-batches).
+    `head_from_loss`: the LM head only from each micro-batch's first loss position (module docstring; ignored with
+    `packed` or sequence parallelism).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -71,8 +82,15 @@ def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tenso
         raise ValueError("packed sequences with sequence parallelism (a mixture of experts at TP > 1) are not "
                          "supported")
 
-    def loss_func(mb, output_tensor, non_loss_data=False):
+    cut = head_from_loss and not packed and multiple == 1
+    start = {"at": 0}  # the micro-batch in forward's first loss position, read by the output layers' hook
+    hooks = [layer.register_forward_pre_hook(partial(_from_position, start)) for layer in _output_layers(models)
+             ] if cut else []
+
+    def loss_func(mb, first, output_tensor, non_loss_data=False):
         output_tensor = output_tensor[:, :mb["input_ids"].shape[1]].contiguous()  # drop sequence-parallel padding
+        if first:
+            mb = cut_positions(mb, first)
         if forward_only:
             return on_logits(output_tensor, mb)
         loss, metrics = on_logits(output_tensor, mb)
@@ -83,17 +101,60 @@ def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tenso
         if before_forward is not None:
             before_forward(model, mb)
         if packed:
-            return packing.packed_forward(model, mb), partial(loss_func, mb)
+            return packing.packed_forward(model, mb), partial(loss_func, mb, 0)
+        start["at"] = first = first_loss_position(mb) if cut else 0
         ids, positions = _right_pad(mb["input_ids"], multiple), _right_pad(mb["position_ids"], multiple, positions=True)
         logits = model(input_ids=ids, position_ids=positions, attention_mask=None)
-        return logits, partial(loss_func, mb)
+        return logits, partial(loss_func, mb, first)
 
     longest = max(mb["input_ids"].shape[1] for mb in micro_batches)
-    return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=models,
-        num_microbatches=len(micro_batches), seq_length=-(-longest // multiple) * multiple,
-        micro_batch_size=max(mb["input_ids"].shape[0] for mb in micro_batches), forward_only=forward_only,
-        collect_non_loss_data=forward_only)
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=models,
+            num_microbatches=len(micro_batches), seq_length=-(-longest // multiple) * multiple,
+            micro_batch_size=max(mb["input_ids"].shape[0] for mb in micro_batches), forward_only=forward_only,
+            collect_non_loss_data=forward_only)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def first_loss_position(mb: dict[str, torch.Tensor]) -> int:
+    """The first position (column) where any row of `mb` has `loss_mask` > 0; 0 when there is none or no mask."""
+    mask = mb.get("loss_mask")
+    if mask is None:
+        return 0
+    columns = torch.nonzero(mask.reshape(mask.shape[0], -1).gt(0).any(0))
+    return int(columns[0]) if len(columns) else 0
+
+
+def cut_positions(mb: dict[str, Any], first: int) -> dict[str, Any]:
+    """`mb` from position `first` on: every tensor laid out [b, T, ...] cut to [b, T - first, ...] (others as they
+    are), plus `head_from` = first."""
+    b, t = mb["input_ids"].shape
+    out = {k: v[:, first:] if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (b, t) else v
+           for k, v in mb.items()}
+    out["head_from"] = first
+    return out
+
+
+def _output_layers(models: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The LM heads of the model chunks that have one (the last pipeline stage's), under any wrappers."""
+    layers = []
+    for model in models:
+        while not hasattr(model, "output_layer") and hasattr(model, "module"):
+            model = model.module
+        if getattr(model, "post_process", False) and getattr(model, "output_layer", None) is not None:
+            layers.append(model.output_layer)
+    return layers
+
+
+def _from_position(start: dict, module: torch.nn.Module, args: tuple) -> tuple | None:
+    """Forward pre-hook of an output layer: its hidden states [T, b, h] from position `start["at"]` on."""
+    first = start["at"]
+    if not first:
+        return None
+    return (args[0][first:], *args[1:])
 
 
 def _sequence_multiple(models: list[torch.nn.Module]) -> int:

@@ -12,7 +12,8 @@ Usage: torchrun --nproc-per-node 2 _worker_policy.py SPEC.json, with SPEC {"out_
   `qwen_dp2_resumed.loaded.hf`; step on batch 2 -> `qwen_dp2_resumed.step2.hf`.
 - llama_pp2: step on batch 1 -> `llama_pp2.step1.hf`, checkpoint `llama_pp2.ckpt`.
 - llama_tp2: load `llama_pp2.ckpt` (saved at PP=2) -> `llama_tp2.loaded.hf`.
-Step metrics go to `<case>.metrics.json` (rank 0). The entropy metric is computed in chunks of
+Step metrics go to `<case>.metrics.json` (rank 0), with `head_positions`: the number of positions the LM head
+computed logits for, per micro-batch, in each step (rank 0; empty where rank 0 is not the last pipeline stage). The entropy metric is computed in chunks of
 `ENTROPY_CHUNK_TOKENS` positions (7 here, so that micro-batches span several chunks, one of them
 partial). The data and the loss function below are also imported by the test, which computes the
 unsharded reference with transformers and torch's AdamW.
@@ -67,13 +68,15 @@ def shard_for_data_parallel(batches: list, dp_rank: int, dp: int) -> list:
 def run_case(spec: dict, *, name: str, model: str, tp: int, pp: int, steps: list[int],
              load: str | None = None, save_after: int | None = None, logprobs: bool = False,
              reference: bool = False) -> None:
-    from megatron_bridge import parallel
+    from megatron_bridge import parallel, schedule
     from megatron_bridge.policy import MegatronPolicy
 
     out = Path(spec["out_dir"])
     policy = MegatronPolicy(spec[model], tp=tp, pp=pp, seed=0, reference=reference, **HYPERPARAMETERS)
     where = policy.layout
-    metrics = {}
+    metrics, head_positions = {}, []
+    for layer in schedule._output_layers(policy.models):
+        layer.register_forward_hook(lambda module, args, out: head_positions.append(out[0].shape[0]))  # [s, b, V/tp]
     if load:
         policy.load_checkpoint(out / load)
         policy.save_hf(out / f"{name}.loaded.hf")
@@ -81,7 +84,8 @@ def run_case(spec: dict, *, name: str, model: str, tp: int, pp: int, steps: list
         batches = shard_for_data_parallel(micro_batches(step, policy.vocab_size), where.dp_rank, where.dp)
         if logprobs and step == steps[0]:
             save_logprobs(policy.forward_logprobs(batches), out / f"{name}.logprobs.safetensors")
-        metrics[f"step{step}"] = policy.train_step(batches, token_mean_nll)
+        head_positions.clear()
+        metrics[f"step{step}"] = {**policy.train_step(batches, token_mean_nll), "head_positions": list(head_positions)}
         policy.save_hf(out / f"{name}.step{step}.hf")
         if reference and step == steps[0]:
             save_logprobs(policy.reference_logprobs(batches), out / f"{name}.reference.safetensors")

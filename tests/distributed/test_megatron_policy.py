@@ -1,6 +1,7 @@
 """MegatronPolicy under torchrun with gloo: one optimizer step at TP=2, PP=2 and DP=2 equals the unsharded
-step (transformers + torch AdamW, computed here), including the entropy metric; dist checkpoints reload
-across layouts; the reference model stays the initial model after an optimizer step.
+step (transformers + torch AdamW, computed here), including the entropy metric, with the LM head run only from each
+micro-batch's first loss position (its input lengths recorded); dist checkpoints reload across layouts; the reference
+model stays the initial model after an optimizer step.
 
 One 2-process launch (_worker_policy.py) runs every case and writes exported weights and metrics.
 """
@@ -14,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_bridge import schedule
 from rft.models.tiny import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -159,6 +161,10 @@ def test_one_step_matches_the_unsharded_step(results, reference, case):
     for key in ("loss", "grad_norm", "token_fraction", "entropy"):
         assert got[key] == pytest.approx(expected_metrics[key], rel=RELATIVE), key
     assert got["step_skipped"] == 0.0
+    # the LM head ran only from each micro-batch's first loss position (megatron_bridge.schedule, head_from_loss)
+    batches = cases.shard_for_data_parallel(cases.micro_batches(1, 101), 0, 2 if case == "qwen_dp2" else 1)
+    heads = [cases.SEQ_LEN - schedule.first_loss_position(mb) for mb in batches]
+    assert got["head_positions"] == ([] if case == "qwen_pp2" else heads) and all(h < cases.SEQ_LEN for h in heads)
     initial = load_file(Path(json.loads((results / "spec.json").read_text())["qwen"]) / "model.safetensors")
     weights = exported(results, f"{case}.step1.hf")
     assert any(not torch.equal(weights[k], initial[k]) for k in initial), "the step changed nothing"
