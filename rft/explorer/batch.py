@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 
 def run_batches(explorer: "Explorer", stop: threading.Event, *, exit_when_idle_s: float | None = None) -> str:
     """Batches (after `Explorer.join`) until `stop` is set ("stopped") or no task was admitted nor weights loaded for
-    `exit_when_idle_s` seconds ("idle"). While a push that failed part-way leaves the engine part-loaded, it generates nothing and waits
-    for a whole version."""
+    `exit_when_idle_s` seconds ("idle"). While a push that failed part-way leaves the engine part-loaded, it generates
+    nothing and waits for a whole version."""
     last_work = time.monotonic()
     while not stop.is_set():
         before = explorer.engine.weights_version

@@ -130,8 +130,9 @@ class ContinuousLoop:
       4. the membership watchdog (every MEMBERSHIP_CHECK_S while generating, every turn when idle); after a switch of
          consumer group the offsets start afresh: the new group re-delivers what was not committed.
     A stop finishes the tasks in flight (delivered and committed) and returns "stopped"; with `exit_when_idle_s`,
-    "idle" once nothing was in flight, started or loaded for that long. `stats.batches` counts deliveries that produced at
-    least one group. `sync.method: push` is refused (ValueError): a push is a collective taken between batches."""
+    "idle" once nothing was in flight, started or loaded for that long. `stats.batches` counts deliveries that
+    produced at least one group. `sync.method: push` is refused (ValueError): a push is a collective taken between
+    batches."""
 
     def __init__(self, explorer: "Explorer"):
         if explorer.push is not None:

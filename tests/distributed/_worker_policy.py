@@ -13,9 +13,9 @@ Usage: torchrun --nproc-per-node 2 _worker_policy.py SPEC.json, with SPEC {"out_
 - llama_pp2: step on batch 1 -> `llama_pp2.step1.hf`, checkpoint `llama_pp2.ckpt`.
 - llama_tp2: load `llama_pp2.ckpt` (saved at PP=2) -> `llama_tp2.loaded.hf`.
 Step metrics go to `<case>.metrics.json` (rank 0), with `head_positions`: the number of positions the LM head
-computed logits for, per micro-batch, in each step (rank 0; empty where rank 0 is not the last pipeline stage). The entropy metric is computed in chunks of
-`ENTROPY_CHUNK_TOKENS` positions (7 here, so that micro-batches span several chunks, one of them
-partial). The data and the loss function below are also imported by the test, which computes the
+computed logits for, per micro-batch, in each step (rank 0; empty where rank 0 is not the last pipeline stage). The
+entropy metric is computed in chunks of `ENTROPY_CHUNK_TOKENS` positions (7 here, so that micro-batches span several
+chunks, one of them partial). The data and the loss function below are also imported by the test, which computes the
 unsharded reference with transformers and torch's AdamW.
 """
 from __future__ import annotations
