@@ -84,7 +84,7 @@ def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tenso
 
     cut = head_from_loss and not packed and multiple == 1
     start = {"at": 0}  # the micro-batch in forward's first loss position, read by the output layers' hook
-    hooks = [layer.register_forward_pre_hook(partial(_from_position, start)) for layer in _output_layers(models)
+    hooks = [layer.register_forward_pre_hook(partial(_from_position, start)) for layer in output_layers(models)
              ] if cut else []
 
     def loss_func(mb, first, output_tensor, non_loss_data=False):
@@ -138,7 +138,7 @@ def cut_positions(mb: dict[str, Any], first: int) -> dict[str, Any]:
     return out
 
 
-def _output_layers(models: list[torch.nn.Module]) -> list[torch.nn.Module]:
+def output_layers(models: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """The LM heads of the model chunks that have one (the last pipeline stage's), under any wrappers."""
     layers = []
     for model in models:

@@ -154,7 +154,8 @@ class ContinuousLoop:
         last_work = last_export = time.monotonic()
         while not (stop.is_set() and not scheduler.inflight):
             now = time.monotonic()
-            if self._reload_in_flight(now) if self.in_flight else self._reload_when_drained(now):
+            reloaded = self._reload_in_flight(now) if self.in_flight else self._reload_when_drained(now)
+            if reloaded:
                 last_work = time.monotonic()  # a reload is work: the idle clock starts after it, not before
             started = time.monotonic()
             if self._may_start(stop, topup_due=topup_due, now=now):

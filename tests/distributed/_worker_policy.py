@@ -75,7 +75,7 @@ def run_case(spec: dict, *, name: str, model: str, tp: int, pp: int, steps: list
     policy = MegatronPolicy(spec[model], tp=tp, pp=pp, seed=0, reference=reference, **HYPERPARAMETERS)
     where = policy.layout
     metrics, head_positions = {}, []
-    for layer in schedule._output_layers(policy.models):
+    for layer in schedule.output_layers(policy.models):
         layer.register_forward_hook(lambda module, args, out: head_positions.append(out[0].shape[0]))  # [s, b, V/tp]
     if load:
         policy.load_checkpoint(out / load)
