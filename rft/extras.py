@@ -18,7 +18,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "envs": ("gymnasium", "textarena"),  # the frozenlake and textarena environments and task sets
     "web": ("fastapi", "uvicorn", "starlette"),  # `rft serve`, `rft dashboard`; starlette comes with fastapi
     "ray": ("ray",),  # explorer fleets on a Ray cluster (launch/ray/fleet.py)
-    "browser": ("selenium",),  # the dashboard's browser test (tests/e2e/test_dashboard_browser.py)
+    "browser": ("selenium",),  # the dashboard's browser test (tests/e2e/test_run_faults.py)
 }
 
 

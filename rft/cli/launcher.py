@@ -38,6 +38,7 @@ from rft.cores import CoreShare, write_board
 from rft.data.demonstrations import prompt_tools, publish_demonstrations
 from rft.data.selectors import selector_needs_rewards
 from rft.data.tasks import DatasetError, publish_tasks
+from rft.explorer.membership import fresh_group_for_restart
 from rft.modes import MODES, mode
 from rft.ops.status import StallWatch
 from rft.processes import signal_group
@@ -137,6 +138,8 @@ def run(cfg: Config) -> int:
         online = "explorers" in roles and selector_needs_rewards(cfg.data)  # publish as rewards come in
         if "explorers" in roles and not online:
             _publish_tasks(cfg)
+        if "explorers" in roles:
+            _fresh_explorers_group(cfg)
         if cfg.replay.from_data and not _publish_demonstrations(cfg, cfg.replay.topic or cfg.topic("experiences")):
             return 2
         demonstrations = build_algorithm(cfg.algorithm).needs.demonstrations if "trainer" in roles else None
@@ -245,6 +248,16 @@ def _publish_tasks(cfg: Config) -> None:
         return
     count = publish_tasks(cfg.data, topics, cfg.kafka, progress=cfg.monitor.progress)
     print(f"[rft] published {count} tasks to {topics.tasks}", flush=True)
+
+
+def _fresh_explorers_group(cfg: Config) -> None:
+    """A restarted run (its explorers' group committed offsets before) starts its explorers in a fresh consumer
+    group, so that a group wedged by the fleet's last stop cannot hold them up (rft/explorer/membership.py)."""
+    topics = RunTopics.of(cfg)
+    group = fresh_group_for_restart(connect(cfg.kafka), topics, by="rft-run")
+    if group is not None:
+        print(f"[rft] {topics.tasks} was consumed before: the explorers start in a fresh consumer group, {group} "
+              "(seeded with the old group's positions)", flush=True)
 
 
 def _publish_demonstrations(cfg: Config, topic: str) -> bool:

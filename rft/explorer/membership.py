@@ -133,6 +133,45 @@ def seed_group(transport: Transport, group: str, topic: str, offsets: dict[str, 
         source.close()
 
 
+def move_group(transport: Transport, topics: "RunTopics", *, epoch: int, offsets: dict[str, int], by: str,
+               sink: "RecordSink") -> str:
+    """Seed the explorers' group of `epoch` with `offsets` (the tasks topic's "topic:partition" -> next offset), then
+    announce it on the control topic (`tasks_group`, from `by`) through `sink`: every explorer follows the announcement
+    of the highest epoch. The group's name."""
+    target = group_name(topics.explorers_group, epoch)
+    seed_group(transport, target, topics.tasks, offsets, client_id=f"{by}-seed")
+    sink.send_record(topics.control, TasksGroup(explorer_id=by, group=target, epoch=epoch, offsets=offsets).to_message())
+    sink.flush()
+    return target
+
+
+def fresh_group_for_restart(transport: Transport, topics: "RunTopics", *, by: str) -> Optional[str]:
+    """Before a restarted run's explorers join (`rft run` again over topics its explorers consumed from): move the
+    fleet to the next epoch's group, seeded with the current group's committed offsets, and return its name; None,
+    with nothing done, when the current group has committed nothing (the run's first start).
+
+    Why: when a whole fleet stops at once (a run that ends or dies stops its explorers together), the last members'
+    LeaveGroups cross an election, and on the bundled Tansu broker that leaves the group wedged (the module
+    docstring): the restarted explorers would hold nothing until the watchdog moved them, 2 x
+    `explorer.unassigned_rejoin_s` later (measured: 65-70 s of each restart of `rft chaos`'s trainer-kill scenario).
+    A fresh group has no history to be wedged by. Explorers still live from elsewhere follow the announcement too;
+    tasks their old group delivered but had not committed are explored again (at least once, as in any move)."""
+    announced = announced_group(transport, topics.control, client_id=f"{by}-groups")
+    epoch = 0 if announced is None else announced.epoch
+    source = transport.source(group=group_name(topics.explorers_group, epoch), client_id=by)
+    try:
+        offsets = {k: v for k, v in source.committed(topics.tasks).items() if v is not None}
+    finally:
+        source.close()
+    if not offsets:
+        return None
+    sink = transport.sink(client_id=by, linger_ms=0)
+    try:
+        return move_group(transport, topics, epoch=epoch + 1, offsets=offsets, by=by, sink=sink)
+    finally:
+        sink.close()
+
+
 def partition_holders(view: ControlView, *, now: float, horizon_s: float, exclude: str = "") -> list[str]:
     """Explorers (other than `exclude`) that have not left, were heard within `horizon_s` of `now` (the time
     `view` received their newest message, this process's clock) and whose newest heartbeat names partitions."""
@@ -285,13 +324,10 @@ class Membership:
             log.warning("membership watchdog: cannot read group %s's committed offsets (%s); not moving now",
                         self.group, e)
             return
-        target = group_name(self.topics.explorers_group, epoch)
         log.warning("explorer %s: consumer group %s still gives nobody a partition after a rejoin (%d tasks wait): "
-                    "moving the explorers to %s", self.explorer_id, self.group, decision.pending, target)
-        seed_group(self.transport, target, self.topics.tasks, offsets, client_id=f"{self.explorer_id}-seed")
-        self.sink.send_record(self.topics.control, TasksGroup(explorer_id=self.explorer_id, group=target, epoch=epoch,
-                                                              offsets=offsets).to_message())
-        self.sink.flush()
+                    "moving the explorers to %s", self.explorer_id, self.group, decision.pending,
+                    group_name(self.topics.explorers_group, epoch))
+        move_group(self.transport, self.topics, epoch=epoch, offsets=offsets, by=self.explorer_id, sink=self.sink)
         self._switch(epoch)
 
     def _subscribe(self, static: bool) -> None:
