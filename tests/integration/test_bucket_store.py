@@ -203,24 +203,27 @@ def test_deltas_rebuild_each_version_and_a_damaged_delta_falls_back_to_the_full_
 
 
 def test_the_explorers_of_a_host_fetch_each_version_once(s3, tmp_path, hf_dir):
-    """Three processes ask the shared cache for the same version at the same moment (released together by a file):
-    the flock lets one download it; the others find it built. Counted from the server's request log."""
+    """Three processes ask the shared cache for the same version at the same moment (released together: each blocks
+    reading its stdin until the test writes a line to all three): the flock lets one download it; the others find it
+    built. Counted from the server's request log."""
     store = open_bucket(s3, tmp_path)
     store.publish(7, buckets(7), hf_dir)
-    go = tmp_path / "go"
-    reader = ("import sys, pathlib, time\n"
+    reader = ("import sys, pathlib\n"
               "from rft.weights.bucket import BucketStore\n"
               "store = BucketStore('s3://weights/runs/r1', endpoint=sys.argv[1], cache_dir=sys.argv[2])\n"
-              "pathlib.Path(sys.argv[4]).touch()\n"
-              "while not pathlib.Path(sys.argv[3]).exists(): time.sleep(0.01)\n"
+              "pathlib.Path(sys.argv[3]).touch()\n"
+              "sys.stdin.readline()\n"
               "print(store.local(7))\n")
     env = {**__import__("os").environ, **S3_ENV}
-    readers = [subprocess.Popen([sys.executable, "-c", reader, s3.endpoint, str(tmp_path / "shared"), str(go),
-                                 str(tmp_path / f"ready{i}")], env=env, stdout=subprocess.PIPE, text=True)
+    readers = [subprocess.Popen([sys.executable, "-c", reader, s3.endpoint, str(tmp_path / "shared"),
+                                 str(tmp_path / f"ready{i}")], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True)
                for i in range(3)]
     wait_until(lambda: all((tmp_path / f"ready{i}").exists() for i in range(3)), timeout=60,
                what="three readers ready", alive=readers)
-    go.touch()
+    for r in readers:  # the go: each reader's readline returns
+        r.stdin.write("go\n")
+        r.stdin.flush()
     paths = {r.communicate(timeout=120)[0].strip() for r in readers}
     assert [r.returncode for r in readers] == [0, 0, 0] and len(paths) == 1
     for shard in ("model-00000.safetensors", "model-00001.safetensors", "tokenizer.json"):
