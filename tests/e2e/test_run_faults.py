@@ -210,9 +210,11 @@ def test_an_explorer_killed_in_a_push_run_neither_stops_nor_stalls_it_and_its_pa
         assert {"logprob_mismatch_mean", "logprob_mismatch_stale0_mean"} <= {name for name, _, _ in drawn}
         for name, step, y in drawn:
             assert records[step][name] == pytest.approx(y, rel=1e-3), f"{name} at step {step}"
-        summary = browser.find_element("css selector", '[data-summary="push-kill"]')
-        assert summary.get_attribute("data-run-state") == "running"
-        assert "max staleness 1" in summary.text and "off_policy" in summary.text
+        # read in one script: the page re-renders the summary as it refreshes (an element handle can go stale)
+        state, text = browser.execute_script(
+            "const e = document.querySelector('[data-summary=\"push-kill\"]'); return [e.dataset.runState, e.innerText]")
+        assert state == "running"
+        assert "max staleness 1" in text and "off_policy" in text
         shown = browser.execute_script("return document.querySelector('[data-config=\"push-kill\"]').textContent")
         assert "name: push-kill" in shown and "method: push" in shown
         assert browser.execute_script(
