@@ -18,7 +18,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from rft.explorer.pipeline import POLL_S, Offsets, Outcome
+from rft.explorer.pipeline import POLL_S, IdleClock, Offsets, Outcome
 
 if TYPE_CHECKING:
     from rft.explorer.explorer import Explorer
@@ -26,23 +26,23 @@ if TYPE_CHECKING:
 
 def run_batches(explorer: "Explorer", stop: threading.Event, *, exit_when_idle_s: float | None = None) -> str:
     """Batches (after `Explorer.join`) until `stop` is set ("stopped") or no task was admitted nor weights loaded for
-    `exit_when_idle_s` seconds ("idle"). While a push that failed part-way leaves the engine part-loaded, it generates
-    nothing and waits for a whole version."""
-    last_work = time.monotonic()
+    `exit_when_idle_s` seconds since the consumer group answered the join ("idle": `IdleClock`). While a push that
+    failed part-way leaves the engine part-loaded, it generates nothing and waits for a whole version."""
+    idle = IdleClock(explorer.membership, exit_when_idle_s)
     while not stop.is_set():
         before = explorer.engine.weights_version
         with explorer.cores.working():  # a reload computes; waiting for tasks or admission does not
             whole = explorer.refresh_weights()
         if explorer.engine.weights_version != before:
-            last_work = time.monotonic()  # a reload is work: the idle clock starts after it, not before
+            idle.work()  # a reload is work: the idle clock starts after it, not before
         if not whole:
             stop.wait(POLL_S)
             continue
         handled = run_batch(explorer)
         explorer.membership.watch()
         if handled:
-            last_work = time.monotonic()
-        elif exit_when_idle_s is not None and time.monotonic() - last_work > exit_when_idle_s:
+            idle.work()
+        elif idle.expired():
             return "idle"
     return "stopped"
 

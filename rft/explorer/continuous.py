@@ -34,7 +34,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from rft.engine import EngineError
-from rft.explorer.pipeline import POLL_S, Offsets, Outcome
+from rft.explorer.pipeline import POLL_S, IdleClock, Offsets, Outcome
 from rft.workflows import GroupResult
 
 if TYPE_CHECKING:
@@ -130,9 +130,9 @@ class ContinuousLoop:
       4. the membership watchdog (every MEMBERSHIP_CHECK_S while generating, every turn when idle); after a switch of
          consumer group the offsets start afresh: the new group re-delivers what was not committed.
     A stop finishes the tasks in flight (delivered and committed) and returns "stopped"; with `exit_when_idle_s`,
-    "idle" once nothing was in flight, started or loaded for that long. `stats.batches` counts deliveries that
-    produced at least one group. `sync.method: push` is refused (ValueError): a push is a collective taken between
-    batches."""
+    "idle" once nothing was in flight, started or loaded for that long after the consumer group answered the join
+    (`IdleClock`). `stats.batches` counts deliveries that produced at least one group. `sync.method: push` is refused
+    (ValueError): a push is a collective taken between batches."""
 
     def __init__(self, explorer: "Explorer"):
         if explorer.push is not None:
@@ -151,17 +151,18 @@ class ContinuousLoop:
     def run(self, stop: threading.Event, *, exit_when_idle_s: float | None = None) -> str:
         scheduler, stats = self.scheduler, self.explorer.stats
         membership_due = topup_due = 0.0
-        last_work = last_export = time.monotonic()
+        idle = IdleClock(self.explorer.membership, exit_when_idle_s)
+        last_export = time.monotonic()
         while not (stop.is_set() and not scheduler.inflight):
             now = time.monotonic()
             reloaded = self._reload_in_flight(now) if self.in_flight else self._reload_when_drained(now)
             if reloaded:
-                last_work = time.monotonic()  # a reload is work: the idle clock starts after it, not before
+                idle.work()  # a reload is work: the idle clock starts after it, not before
             started = time.monotonic()
             if self._may_start(stop, topup_due=topup_due, now=now):
                 topup_due = now + TOPUP_S
                 if self._start_tasks(block=not scheduler.inflight):
-                    last_work = time.monotonic()
+                    idle.work()
             self.explorer.cores.set_busy(bool(scheduler.inflight))  # the engine computes while requests are in it
             if scheduler.inflight:
                 self.explorer.cores.fit_torch()  # the threads of a waiting trainer too (rft/cores.py)
@@ -169,13 +170,13 @@ class ContinuousLoop:
             stats.explore_s += time.monotonic() - started
             if finished:
                 self._deliver(finished, seconds=time.monotonic() - last_export)
-                last_work = last_export = time.monotonic()
+                idle.work()
+                last_export = time.monotonic()
             if not scheduler.inflight or now >= membership_due:
                 membership_due = now + MEMBERSHIP_CHECK_S
                 if self.explorer.membership.watch():
                     self.offsets = Offsets()
-            if (not scheduler.inflight and exit_when_idle_s is not None
-                    and time.monotonic() - last_work > exit_when_idle_s):
+            if not scheduler.inflight and idle.expired():
                 return "idle"
         return "stopped"
 

@@ -48,6 +48,29 @@ def notify_admission(admission: "Admission", hook: str, value: int) -> None:
         fn(value)
 
 
+class IdleClock:
+    """`exit_when_idle_s` for both loops: `expired()` once `limit_s` seconds passed since the last `work()` (None:
+    never). The clock runs only while the tasks consumer holds its group's answer to the join (`RecordSource.joined`):
+    before it the explorer cannot tell whether tasks are waiting for it (seen: an explorer that took Tansu's JoinGroup
+    for an idle window and left with every task unexplored)."""
+
+    def __init__(self, membership: "Membership", limit_s: float | None):
+        self.membership, self.limit_s = membership, limit_s
+        self._last = time.monotonic()
+
+    def work(self) -> None:
+        self._last = time.monotonic()
+
+    def expired(self) -> bool:
+        if self.limit_s is None:
+            return False
+        tasks = self.membership.tasks
+        if tasks is None or not tasks.joined:
+            self.work()
+            return False
+        return time.monotonic() - self._last > self.limit_s
+
+
 class Offsets:
     """Task offsets in flight per partition (`position` = "topic:partition"); `committable()` gives, per partition
     with news, the offset to commit: one past the highest done offset, but never past the lowest unfinished one, so a

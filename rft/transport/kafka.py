@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, KafkaTimeoutError, OffsetOutOfRangeError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
@@ -180,6 +180,20 @@ def _reset_policy(group: str | None, from_beginning: bool) -> str:
     return "earliest" if from_beginning else "latest"
 
 
+class _JoinListener(ConsumerRebalanceListener):
+    """Sets `joined` when the group's answer to a join arrives (kafka-python calls it from `poll`, with the
+    assignment, possibly empty); `KafkaSource.joined` reads it."""
+
+    def __init__(self, joined: threading.Event):
+        self._joined = joined
+
+    def on_partitions_revoked(self, revoked) -> None:
+        pass
+
+    def on_partitions_assigned(self, assigned) -> None:
+        self._joined.set()
+
+
 class KafkaSource(SourceBase):
     """rft.transport.RecordSource on a kafka-python consumer. `group` joins a consumer group (subscribe);
     without one, partitions are assigned explicitly with `assign()` / `seek()` (replay, trainer with stored
@@ -200,10 +214,17 @@ class KafkaSource(SourceBase):
         self._consumer = _connect(KafkaConsumer, "consumer", bootstrap, **settings)
         self._probe = None
         self.group = group
+        self._joined = threading.Event()
         if topics:
             if group is None:
                 raise TransportError("subscribing to topics needs a consumer group; use assign() without one")
-            self._consumer.subscribe(list(topics))
+            self._consumer.subscribe(list(topics), listener=_JoinListener(self._joined))
+        else:
+            self._joined.set()
+
+    @property
+    def joined(self) -> bool:
+        return self._joined.is_set()
 
     # -- reading
     def poll(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[Message]:

@@ -136,6 +136,8 @@ class MemorySource(SourceBase):
     """rft.transport.RecordSource in memory. With a group: subscribed to `topics`, sharing their partitions
     with the group's other members (see the module docstring)."""
 
+    joined = True  # a member is dealt its partitions when it subscribes
+
     def __init__(self, broker: _Broker, *, group: str | None = None, topics: Iterable[str] = (),
                  from_beginning: bool = True):
         self._broker, self.group = broker, group

@@ -1,6 +1,7 @@
 """Run in a subprocess by test_explorer_continuous.py (vLLM's LLM must be built under __main__): one explorer with
 `explorer.continuous: true` on a real vLLM engine explores the run's tasks topic until idle while this script
-publishes new weights versions into the store mid-run. It records, independently of the explorer's bookkeeping:
+publishes new weights versions into the store mid-run, and stops it once it has delivered GROUPS groups and one dead letter (a watcher thread reads the explorer's
+counters; the stop finishes whatever is in flight, delivered and committed). It records, independently of the explorer's bookkeeping:
 every engine request's weights version at submission and at completion, vLLM's own count of unfinished requests at
 each reload, every task-offset commit with the experience/dead-letter records sent before it. Prints one
 `PROBE-RESULT {json}` line.
@@ -9,7 +10,11 @@ With `explorer.inflight_updates: true` a version is published right after an eng
 unfinished (so they have sampled tokens and will sample more), and the loop looks for weights at every turn: the
 next turn loads it in flight, before any other engine step.
 
-argv: CONFIG_PATH
+The stop is the event, not an idle window: the first poll joins the consumer group, and a Tansu rebalance beside a
+full suite's runs has taken longer than a 4 s idle window (CI: "idle after 0 of 16 groups"). `exit_when_idle_s` stays
+as the failure path: an explorer that stops producing ends "idle" after IDLE_FAILURE_S, and the test names it.
+
+argv: CONFIG_PATH GROUPS
 """
 from __future__ import annotations
 
@@ -18,8 +23,10 @@ import sys
 import threading
 import time
 
+IDLE_FAILURE_S = 120.0
 
-def main(config_path: str) -> dict:
+
+def main(config_path: str, groups_expected: int) -> dict:
     import torch
 
     from rft.config import load_config
@@ -98,8 +105,15 @@ def main(config_path: str) -> dict:
                 return
             publish(groups, version)
 
+    def watcher(stop: threading.Event, over: threading.Event) -> None:
+        while ((explorer.stats.groups < groups_expected or explorer.stats.dead_letters < 1)
+               and not over.wait(0.05)):
+            pass
+        stop.set()
+
     stop, publisher_stop = threading.Event(), threading.Event()
     thread = threading.Thread(target=publisher, args=(publisher_stop,), daemon=True)
+    threading.Thread(target=watcher, args=(stop, publisher_stop), daemon=True).start()
     try:
         explorer.refresh_weights()
         explorer.join()
@@ -112,7 +126,7 @@ def main(config_path: str) -> dict:
         explorer.tasks.commit = recorded_commit
         if not in_flight:  # in flight: published from recorded_step
             thread.start()
-        out["reason"] = explorer.run_continuous(stop, exit_when_idle_s=4.0)
+        out["reason"] = explorer.run_continuous(stop, exit_when_idle_s=IDLE_FAILURE_S)
         out["reloads"] = explorer.reloads
         out["committed"] = explorer.tasks.committed(cfg.topic("tasks"))
         out["stats"] = explorer._stats()
@@ -124,4 +138,4 @@ def main(config_path: str) -> dict:
 
 
 if __name__ == "__main__":
-    print("PROBE-RESULT " + json.dumps(main(sys.argv[1])), flush=True)
+    print("PROBE-RESULT " + json.dumps(main(sys.argv[1], int(sys.argv[2]))), flush=True)

@@ -46,12 +46,13 @@ def test_continuous_reloads_between_versions(broker, tiny_model, tmp_path, topic
     sink.flush()
     sink.close()
 
-    proc = subprocess.run([sys.executable, str(REPO / "tests/integration/continuous_probe.py"), str(config)],
+    proc = subprocess.run([sys.executable, str(REPO / "tests/integration/continuous_probe.py"), str(config),
+                           str(len(tasks))],
                           capture_output=True, text=True, timeout=600, env=subprocess_env())
     marker = [line for line in proc.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
     assert proc.returncode == 0 and marker, f"probe failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     out = json.loads(marker[0].removeprefix("PROBE-RESULT "))
-    assert out["reason"] == "idle" and out["stats"]["groups"] == len(tasks), (
+    assert out["reason"] == "stopped" and out["stats"]["groups"] == len(tasks), (
         f"the explorer went {out['reason']} after {out['stats']['groups']} of {len(tasks)} groups, reloads "
         f"{out['reloads']}:\n{proc.stderr[-4000:]}")
 

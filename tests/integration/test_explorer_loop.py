@@ -1,8 +1,10 @@
 """The explorer's batch loop in this process, with the real broker and a real (HF transformers) engine: partial
 admission gives tasks back, bad tasks are dead-lettered with their reason and exploring goes on, a task seen
-twice gets a new attempt number, offsets are committed after the groups, and weights are picked up from the
-store and from control-topic announcements."""
+twice gets a new attempt number, offsets are committed after the groups, weights are picked up from the store and
+from control-topic announcements, and the idle clock waits for the consumer group's answer to the join."""
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch
 from rft.config import config_from_dict
 from rft.data.tasks import load_rows, rows_to_tasks
 from rft.engine import TransformersEngine
+from rft.explorer.batch import run_batches
 from rft.explorer.main import build_explorer
 from rft.rewards import build_reward
 from rft.schema import ControlMessage, TaskRecord
@@ -60,9 +63,6 @@ def test_explorer_batches(broker, tiny_model, tmp_path, topic_prefix):
     oversized = TaskRecord(run_id=topic_prefix, task_id="big", epoch=0, prompt="7" * 250, answer="7")
     published = toy[:3] + [foreign, toy[0], oversized] + toy[3:]  # toy[0] twice: a re-delivery
     sink = connect(cfg.kafka, broker.bootstrap_servers).sink()
-    for t in published:
-        sink.send_record(cfg.topic("tasks"), t, key=t.task_id)
-    sink.flush()
 
     engine = TransformersEngine(tiny_model)
     admission = HalfAdmission()
@@ -73,6 +73,14 @@ def test_explorer_batches(broker, tiny_model, tmp_path, topic_prefix):
     try:
         explorer.refresh_weights()
         explorer.join()
+        # idle only once the group answered the join: Tansu answers a JoinGroup after 3 s, and until then an explorer
+        # cannot tell an empty topic from tasks it will be given (CI once saw an explorer leave with all unexplored)
+        assert not explorer.tasks.joined
+        assert run_batches(explorer, threading.Event(), exit_when_idle_s=0.0) == "idle"
+        assert explorer.tasks.joined and explorer.stats.groups == 0
+        for t in published:
+            sink.send_record(cfg.topic("tasks"), t, key=t.task_id)
+        sink.flush()
         handled = []  # tasks handled per batch
 
         def all_handled() -> bool:
