@@ -58,12 +58,11 @@ policy starts it itself, asking Linux to kill it with its parent (`checkpoint_wr
 """
 from __future__ import annotations
 
-import ctypes
+import functools
 import json
 import math
 import multiprocessing
 import signal
-import sys
 from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
@@ -82,6 +81,7 @@ import megatron_bridge.schedule as schedule
 from megatron_bridge.layout import vocabulary_problem
 from megatron_bridge.logprobs import entropy_sum, token_logprobs
 from megatron_bridge.model import build_model, unwrap
+from rft.processes import die_with_parent
 
 if TYPE_CHECKING:
     from rft.config import LoraConfig
@@ -440,14 +440,10 @@ def checkpoint_writer_dies_with_us() -> None:
 
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=_exit_with_parent)
+        # the initializer from a standard-library-only module: the spawned child imports what it names (this module
+        # would cost it torch's import, ~2 s of CPU per trainer start)
+        manager.start(initializer=functools.partial(die_with_parent, signal.SIGKILL))
         filesystem_async._results_queue = manager.Queue()
-
-
-def _exit_with_parent() -> None:
-    """In a child process (Linux): SIGKILL when the parent dies (prctl PR_SET_PDEATHSIG); elsewhere nothing."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def _frozen(models: list[torch.nn.Module]) -> list[torch.nn.Module]:
