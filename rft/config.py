@@ -191,8 +191,9 @@ class ExplorerConfig:
     admission_counts_drops: bool = True
     heartbeat_s: float = 5.0  # seconds between explorer heartbeats on the control topic
     max_batch_s: float = 300.0  # longest one batch may take before the consumer group presumes the explorer dead
-    # > 0: an explorer exits (code 0) after this long without tasks; 0: never, except that `rft run` in explore mode
-    # uses 30 s (its explorers end the run once the task set is exhausted)
+    # > 0: an explorer exits (code 0) after this long without tasks, counted from when its consumer group answered its
+    # join; 0: never, except that `rft run` in explore mode uses 30 s (its explorers end the run once the task set is
+    # exhausted)
     exit_when_idle_s: float = 0.0
     static_membership: bool = False  # join the tasks group with group_instance_id = explorer id (KIP-345; docs/operations.md)
     unassigned_rejoin_s: float = 30.0  # membership watchdog: rejoin / move the tasks group after this long without partitions (0: off)
