@@ -50,9 +50,9 @@ def notify_admission(admission: "Admission", hook: str, value: int) -> None:
 
 class IdleClock:
     """`exit_when_idle_s` for both loops: `expired()` once `limit_s` seconds passed since the last `work()` (None:
-    never). The clock runs only while the tasks consumer holds its group's answer to the join (`RecordSource.joined`):
-    before it the explorer cannot tell whether tasks are waiting for it (seen: an explorer that took Tansu's JoinGroup
-    for an idle window and left with every task unexplored)."""
+    never). The clock runs only while the tasks consumer holds its group's answer to its join (`RecordSource.joined`):
+    before it, and during a rebalance, the explorer cannot tell whether tasks are waiting for it (seen: an explorer
+    that took Tansu's JoinGroup for an idle window and left with every task unexplored)."""
 
     def __init__(self, membership: "Membership", limit_s: float | None):
         self.membership, self.limit_s = membership, limit_s

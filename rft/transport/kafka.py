@@ -181,14 +181,15 @@ def _reset_policy(group: str | None, from_beginning: bool) -> str:
 
 
 class _JoinListener(ConsumerRebalanceListener):
-    """Sets `joined` when the group's answer to a join arrives (kafka-python calls it from `poll`, with the
-    assignment, possibly empty); `KafkaSource.joined` reads it."""
+    """`joined` is set when the group's answer to a join arrives (kafka-python calls `on_partitions_assigned` from
+    `poll`, with the assignment, possibly empty) and cleared when a rebalance starts (`on_partitions_revoked`, before
+    the rejoin); `KafkaSource.joined` reads it."""
 
     def __init__(self, joined: threading.Event):
         self._joined = joined
 
     def on_partitions_revoked(self, revoked) -> None:
-        pass
+        self._joined.clear()
 
     def on_partitions_assigned(self, assigned) -> None:
         self._joined.set()
