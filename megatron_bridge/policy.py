@@ -440,8 +440,8 @@ def checkpoint_writer_dies_with_us() -> None:
 
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        # the initializer from a standard-library-only module: the spawned child imports what it names (this module
-        # would cost it torch's import, ~2 s of CPU per trainer start)
+        # rft.processes holds the one die-with-parent helper (the child imports torch anyway, when megatron queues a
+        # save's results)
         manager.start(initializer=functools.partial(die_with_parent, signal.SIGKILL))
         filesystem_async._results_queue = manager.Queue()
 
