@@ -50,9 +50,10 @@ def notify_admission(admission: "Admission", hook: str, value: int) -> None:
 
 class IdleClock:
     """`exit_when_idle_s` for both loops: `expired()` once `limit_s` seconds passed since the last `work()` (None:
-    never). The clock runs only while the tasks consumer holds its group's answer to its join (`RecordSource.joined`):
-    before it, and during a rebalance, the explorer cannot tell whether tasks are waiting for it (seen: an explorer
-    that took Tansu's JoinGroup for an idle window and left with every task unexplored)."""
+    never). The clock starts once the tasks consumer has its group's first answer to its join (`RecordSource.joined`):
+    before it the explorer cannot tell whether tasks are waiting for it (seen: an explorer that took Tansu's JoinGroup
+    for an idle window and left with every task unexplored). Later rebalances do not stop it: a group wedged by a
+    leaving member would hold the explorer for ever where `rft run`'s explore mode needs it to end."""
 
     def __init__(self, membership: "Membership", limit_s: float | None):
         self.membership, self.limit_s = membership, limit_s

@@ -225,10 +225,9 @@ class RecordSource(Protocol):
 
     @property
     def joined(self) -> bool:
-        """With a group: True while this member holds the group's answer to its latest join, an assignment (possibly
-        empty); before it, and during a rebalance, it cannot tell whether it will have records. A Kafka consumer joins
-        in its first polls, and Tansu answers a JoinGroup after 3 s (more on a loaded machine). Without a group:
-        True."""
+        """With a group: True once the group has answered this member's first join with an assignment (possibly
+        empty); before that it cannot tell whether it will have records. A Kafka consumer joins in its first polls,
+        and Tansu answers a JoinGroup after 3 s (more on a loaded machine). Without a group: True."""
 
     def seek(self, offsets: dict[str, int]) -> None:
         """Position at stored offsets ("topic:partition" -> next offset); assigns them if unassigned."""

@@ -181,15 +181,15 @@ def _reset_policy(group: str | None, from_beginning: bool) -> str:
 
 
 class _JoinListener(ConsumerRebalanceListener):
-    """`joined` is set when the group's answer to a join arrives (kafka-python calls `on_partitions_assigned` from
-    `poll`, with the assignment, possibly empty) and cleared when a rebalance starts (`on_partitions_revoked`, before
-    the rejoin); `KafkaSource.joined` reads it."""
+    """`joined` is set when the group's first answer to a join arrives (kafka-python calls `on_partitions_assigned`
+    from `poll`, with the assignment, possibly empty); `KafkaSource.joined` reads it. A later rebalance does not clear
+    it: a group that a leaving member wedges (Tansu) must not hold an explorer's idle clock for ever."""
 
     def __init__(self, joined: threading.Event):
         self._joined = joined
 
     def on_partitions_revoked(self, revoked) -> None:
-        self._joined.clear()
+        pass
 
     def on_partitions_assigned(self, assigned) -> None:
         self._joined.set()
