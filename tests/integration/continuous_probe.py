@@ -1,10 +1,10 @@
 """Run in a subprocess by test_explorer_continuous.py (vLLM's LLM must be built under __main__): one explorer with
-`explorer.continuous: true` on a real vLLM engine explores the run's tasks topic until idle while this script
-publishes new weights versions into the store mid-run, and stops it once it has delivered GROUPS groups and one dead letter (a watcher thread reads the explorer's
-counters; the stop finishes whatever is in flight, delivered and committed). It records, independently of the explorer's bookkeeping:
-every engine request's weights version at submission and at completion, vLLM's own count of unfinished requests at
-each reload, every task-offset commit with the experience/dead-letter records sent before it. Prints one
-`PROBE-RESULT {json}` line.
+`explorer.continuous: true` on a real vLLM engine explores the run's tasks topic while this script publishes new
+weights versions into the store mid-run, and stops it once it has delivered GROUPS groups and one dead letter (a
+watcher thread reads the explorer's counters; the stop finishes whatever is in flight, delivered and committed). It
+records, independently of the explorer's bookkeeping: every engine request's weights version at submission and at
+completion, vLLM's own count of unfinished requests at each reload, every task-offset commit with the
+experience/dead-letter records sent before it. Prints one `PROBE-RESULT {json}` line.
 
 With `explorer.inflight_updates: true` a version is published right after an engine step that left requests
 unfinished (so they have sampled tokens and will sample more), and the loop looks for weights at every turn: the
