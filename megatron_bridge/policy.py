@@ -50,20 +50,16 @@ steps of a run while it backs off, a large share of an RL run's steps).
 Checkpoints: megatron `dist_checkpointing` (PyTorch distributed checkpoint format, "torch_dist"),
 model and optimizer in the fully reshardable layout, so a checkpoint saved at one TP/PP/DP reloads
 at another; it works on CPU under gloo. Beside it, `rft_policy.json` records the step count and the
-layout it was saved at. Megatron's checkpoint writer starts a `multiprocessing` manager with the
-"spawn" method, which re-imports the `__main__` module: the program's entry point must keep its
-work under `if __name__ == "__main__":` (a console script or `python -m` module does). That manager process
-outlived a trainer killed with SIGKILL (a spawned process is not a fork, so no at-fork hook reaches it), so the
-policy starts it itself, asking Linux to kill it with its parent (`checkpoint_writer_dies_with_us`).
+layout it was saved at. Saves are synchronous (`dist_checkpointing.save`: each rank forks its writer processes,
+waits for them and collects their results itself), so the queue megatron hands those results through lives in this
+process (`checkpoint_results_in_process`); megatron's own choice, a manager process started with "spawn", cost a
+process per trainer rank that outlived a trainer killed with SIGKILL.
 """
 from __future__ import annotations
 
-import functools
 import json
 import math
-import multiprocessing
-import signal
-from multiprocessing.managers import SyncManager
+import queue
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -81,7 +77,6 @@ import megatron_bridge.schedule as schedule
 from megatron_bridge.layout import vocabulary_problem
 from megatron_bridge.logprobs import entropy_sum, token_logprobs
 from megatron_bridge.model import build_model, unwrap
-from rft.processes import die_with_parent
 
 if TYPE_CHECKING:
     from rft.config import LoraConfig
@@ -228,7 +223,7 @@ class TrainedModel:
         out = Path(checkpoint_dir)
         if self.layout.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-        checkpoint_writer_dies_with_us()
+        checkpoint_results_in_process()
         dist.barrier()
         dist_checkpointing.save(self._sharded_state(is_loading=False), str(out))
         if self.layout.rank == 0:
@@ -432,18 +427,19 @@ class MegatronPolicy(TrainedModel):
 
 
 
-def checkpoint_writer_dies_with_us() -> None:
-    """Start the manager process behind megatron's checkpoint-results queue (filesystem_async, created on the first
-    save with the "spawn" method) ourselves, with an initializer that makes Linux SIGKILL it when this process dies.
-    Idempotent; a no-op once megatron has its queue."""
+def checkpoint_results_in_process() -> None:
+    """Give megatron's checkpoint writer (filesystem_async) an in-process results queue before its first save.
+
+    Contract: valid for synchronous saves only, which are all this module makes. `dist_checkpointing.save` runs the
+    writer's `write_preloaded_data_multiproc` in the calling process: it forks one writer per bucket, gathers their
+    results through its own fork queue and puts the dict on this queue, which `retrieve_write_results` then reads
+    in the same process. Megatron's default is a `multiprocessing` manager started with "spawn" (built for async
+    saves, where another process puts): a process per rank, ~4 s of CPU to start, and one that outlived a trainer
+    killed with SIGKILL. Idempotent; a queue megatron already has is kept."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async  # heavy: megatron.core
 
     if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        # rft.processes holds the one die-with-parent helper (the child imports torch anyway, when megatron queues a
-        # save's results)
-        manager.start(initializer=functools.partial(die_with_parent, signal.SIGKILL))
-        filesystem_async._results_queue = manager.Queue()
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _frozen(models: list[torch.nn.Module]) -> list[torch.nn.Module]:
