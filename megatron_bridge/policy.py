@@ -434,8 +434,8 @@ def checkpoint_results_in_process() -> None:
     writer's `write_preloaded_data_multiproc` in the calling process: it forks one writer per bucket, gathers their
     results through its own fork queue and puts the dict on this queue, which `retrieve_write_results` then reads
     in the same process. Megatron's default is a `multiprocessing` manager started with "spawn" (built for async
-    saves, where another process puts): a process per rank, ~4 s of CPU to start, and one that outlived a trainer
-    killed with SIGKILL. Idempotent; a queue megatron already has is kept."""
+    saves, where another process puts): a process per rank, 6-7 s of CPU each (it imports torch to unpickle the
+    results), and one that outlived a trainer killed with SIGKILL. Idempotent; a queue megatron already has is kept."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async  # heavy: megatron.core
 
     if filesystem_async._results_queue is None:
