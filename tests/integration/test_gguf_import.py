@@ -25,6 +25,19 @@ def rft_model(*args: str, preamble: str = "") -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+# counts the `gguf.GGUFReader`s built in the process (each parses all of the file's metadata), said on stderr at exit
+COUNT_READERS = """
+import atexit, sys, gguf
+built = []
+build = gguf.GGUFReader.__init__
+def counted(self, *args, **kwargs):
+    built.append(1)
+    build(self, *args, **kwargs)
+gguf.GGUFReader.__init__ = counted
+atexit.register(lambda: print(f"gguf readers built: {len(built)}", file=sys.stderr))
+"""
+
+
 # llama in float32: the import must reproduce the HF model the GGUF was written from (q/k permutation undone);
 # qwen2 in Q8_0: transformers' dequantization on the way, so the original is reproduced up to quantization only
 @pytest.mark.parametrize("arch, quantize, from_original", [("llama", None, 1e-5), ("qwen2", "Q8_0", 0.02)])
@@ -35,8 +48,9 @@ def test_import_matches_transformers_on_the_same_gguf(tmp_path, arch, quantize, 
     out = tmp_path / "imported"
     out.mkdir()
     (out / "stale.txt").write_text("replaced by --force")
-    done = rft_model("import-gguf", str(gguf), str(out), "--force")
+    done = rft_model("import-gguf", str(gguf), str(out), "--force", preamble=COUNT_READERS)
     assert done.returncode == 0, done.stderr
+    assert "gguf readers built: 1\n" in done.stderr, done.stderr  # rft.models.gguf.one_metadata_parse
     assert "[4/4] wrote" in done.stdout and done.stdout.strip().endswith(str(out))
     assert not (tmp_path / "imported.partial").exists() and not (out / "stale.txt").exists()
 
