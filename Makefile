@@ -12,7 +12,7 @@ EXTRAS := envs,web,ray,browser
 venv: $(STAMP)
 
 # uv (pinned) installs the pinned sets of .venv and moto's venv: it downloads and unpacks in parallel and compiles
-# the bytecode on both cores (.venv: 75 s on a fresh 2-core machine, against pip's 180 s)
+# the bytecode on both cores (.venv: 75 to 100 s on a fresh 2-core machine, against pip's 180 s)
 UV := $(BIN)/uv
 $(UV): $(CONSTRAINTS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
