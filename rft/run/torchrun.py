@@ -5,6 +5,10 @@ for `--standalone` (host `localhost`). Here every master store created without a
 bound to its host (rft.processes.listening_socket, as `master_listen_fd`); a multi-tenant store whose port this
 process already serves is left to torch (it reuses that server). `rft run` starts its trainer with this
 (rft/cli/launcher.py); the workers connect to the stores as before.
+
+A stop by signal (`rft run` stopping its parts) ends with one line and the shell's status for the signal (128 + its
+number: 143 for SIGTERM) instead of torch's traceback: torchrun's agent has already stopped its workers when its
+`SignalException` reaches `main`.
 """
 from __future__ import annotations
 
@@ -55,9 +59,14 @@ def install() -> None:
 
 def main() -> None:
     install()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun  # after install(): its modules take the bound store
 
-    torchrun()
+    try:
+        torchrun()
+    except SignalException as e:  # raised by the agent's handler after it stopped the workers (module docstring)
+        print(f"[torchrun] stopped by {e.sigval.name}; its workers were stopped first", file=sys.stderr, flush=True)
+        sys.exit(128 + int(e.sigval))
 
 
 if __name__ == "__main__":
