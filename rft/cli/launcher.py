@@ -63,6 +63,9 @@ class Part:
 
 
 STOP_REQUESTED = threading.Event()
+# set while PartRunner.start forks a part and records it: a stop then only sets STOP_REQUESTED, and start raises once
+# the part is recorded (a KeyboardInterrupt between the fork and the record left a part nobody stopped)
+STARTING_PART = threading.Event()
 
 
 def _install_stop_signals() -> None:
@@ -70,7 +73,8 @@ def _install_stop_signals() -> None:
     tick, so a stop that arrives while library code swallows the KeyboardInterrupt is still honoured."""
     def on_signal(signum, frame):
         STOP_REQUESTED.set()
-        raise KeyboardInterrupt
+        if not STARTING_PART.is_set():
+            raise KeyboardInterrupt
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
@@ -454,10 +458,16 @@ class PartRunner:
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus
         block = (lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked_signals)) if blocked_signals else None
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                   preexec_fn=block)
-        self.parts[name] = Part(name, process, log_path)
+        STARTING_PART.set()  # a stop from here to the record is raised after it (STARTING_PART)
+        try:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                       preexec_fn=block)
+            self.parts[name] = Part(name, process, log_path)
+        finally:
+            STARTING_PART.clear()
         print(f"[rft] started {name} (pid {process.pid}, log {log_path})", flush=True)
+        if STOP_REQUESTED.is_set():
+            raise KeyboardInterrupt  # the run's `finally` stops every recorded part, this one too
 
     def supervise(self, main_part: str | None, *, on_tick=None, poll_s: float = 0.5,
                   essential: set[str] = frozenset()) -> int:
