@@ -2,8 +2,10 @@
 point and restarted. The (group id, step) sequence the restarted run trains on equals the uninterrupted one:
 no group missing, none twice, even though the kill can fall between a step and its checkpoint. The run trains LoRA
 adapters (`model.lora`: the checkpoint holds adapters, their Adam state and the offsets), and the killed run's last
-published adapter is bit-identical to the uninterrupted run's. The same SIGKILL of a full fine-tuning trainer, at
-aimed phases, is `rft chaos`'s trainer-kill scenario (tests/e2e/test_chaos.py); both share the offsets' code."""
+published adapter is bit-identical to the uninterrupted run's. The trainer is started as an operator starts it on one
+node, with launch/torchrun.sh, whose rendezvous stores must listen on loopback only (docs/security.md). The same
+SIGKILL of a full fine-tuning trainer, at aimed phases, is `rft chaos`'s trainer-kill scenario
+(tests/e2e/test_chaos.py); both share the offsets' code."""
 from __future__ import annotations
 
 import json
@@ -21,6 +23,7 @@ import yaml
 from rft.config import KafkaConfig
 from rft.schema import encode
 from rft.transport import connect
+from tests.listeners import descendants, listeners
 from tests.records import make_group
 from tests.waiting import tail_of, wait_until
 
@@ -46,11 +49,19 @@ def write_config(path: Path, *, run_name: str, output_dir: Path, model: Path, bo
 
 
 def start_trainer(config: Path, log: Path) -> subprocess.Popen:
+    """launch/torchrun.sh CONFIG: one node, --standalone, one process (TP x PP x DP = 1)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-         "-m", "rft.cli", "trainer", str(config)],
+        ["bash", str(REPO / "launch" / "torchrun.sh"), str(config)],
         cwd=REPO, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        env=dict(os.environ, PYTHONUNBUFFERED="1", RFT_PYTHON=sys.executable))
+
+
+def assert_loopback_stores(process: subprocess.Popen, log: Path) -> None:
+    """Once torchrun's rendezvous store listens, nothing in the trainer's process tree listens on every interface."""
+    found = wait_until(lambda: listeners(descendants(process.pid)) or None, timeout=120, interval=0.2,
+                       alive=[process], what="torchrun's store listening", context=tail_of(log, 3000))
+    wildcard = [str(item) for item in found if item.wildcard]
+    assert not wildcard, f"listening on every interface: {wildcard}; all: {[str(i) for i in found]}"
 
 
 def consumed(run_dir: Path) -> list[tuple[str, int]]:
@@ -98,7 +109,9 @@ def test_sigkill_and_resume_trains_each_group_once(tmp_path, tiny_model, bootstr
     reference_dir = tmp_path / "reference"
     config = write_config(tmp_path / "reference.yaml", run_name=run_name, output_dir=reference_dir,
                           model=tiny_model, bootstrap=bootstrap, sections=sections)
-    wait(start_trainer(config, tmp_path / "reference.log"), tmp_path / "reference.log")
+    trainer = start_trainer(config, tmp_path / "reference.log")
+    assert_loopback_stores(trainer, tmp_path / "reference.log")
+    wait(trainer, tmp_path / "reference.log")
     expected = consumed(reference_dir / run_name)
     assert expected == [(g.group_id, 1 + i // GROUPS_PER_STEP) for i, g in enumerate(groups)]
 
