@@ -66,7 +66,7 @@ from pathlib import Path
 
 import yaml
 
-from rft.bench.trl_reference import TRLReferenceError, check_trl_config, run_trl, trl_missing
+from rft.bench.trl_reference import TRLReferenceError, check_trl_config, run_trl, step_note, trl_missing
 from rft.config import Config, ConfigError
 from rft.processes import signal_group
 from rft.run.loading import load_run_config
@@ -143,12 +143,12 @@ def take_marks(system: str, process: subprocess.Popen, cfg: Config, *, out: Path
     for i in range(1, count + 1):
         due = started + budget_s * i / count
         while time.time() < due and process.poll() is None:
-            shown = _show_steps(system, cfg.run_dir, started, shown)
+            shown = _show_steps(system, cfg.run_dir, started, shown, budget_s)
             time.sleep(min(POLL_S, max(0.0, due - time.time())))
         previous = (taken[-1]["version"], taken[-1]["path"]) if taken else (0, None)
         version, path = snapshot(root, out / f"mark-{i}", previous) if stores else (None, None)
         taken.append({"mark": i, "time_s": budget_s * i / count, "version": version, "path": path})
-    _show_steps(system, cfg.run_dir, started, shown)
+    _show_steps(system, cfg.run_dir, started, shown, budget_s)
     return taken
 
 
@@ -160,10 +160,10 @@ def snapshot(root: Path, dest: Path, previous: tuple[int, str | None]) -> tuple[
     return link_version(root, dest)
 
 
-def _show_steps(system: str, run_dir: Path, started: float, shown: int) -> int:
+def _show_steps(system: str, run_dir: Path, started: float, shown: int, budget_s: float) -> int:
     steps = trained_steps(run_dir)
     for s in steps[shown:]:
-        note(f"{system}: step {s['step']} at {s['time'] - started:.0f} s")
+        note(step_note(system, s["step"], s["time"] - started, budget_s))
     return max(shown, len(steps))
 
 

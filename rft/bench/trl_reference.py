@@ -246,6 +246,13 @@ class Marks:
         return str(path)
 
 
+def step_note(system: str, step: int, at_s: float, budget_s: float | None) -> str:
+    """The progress line of a step that ended `at_s` seconds from launch; a step past the budget, which the report
+    does not count, says so."""
+    late = budget_s is not None and at_s > budget_s
+    return f"{system}: step {step} at {at_s:.0f} s{' (past the budget: not counted)' if late else ''}"
+
+
 def stepping_callback(clock: Clock, *, budget_s: float | None, marks: Marks | None, progress: str):
     """A TrainerCallback recording step end times (on `clock`), taking the marks and stopping at the budget."""
     from transformers import TrainerCallback  # heavy: transformers
@@ -257,7 +264,7 @@ def stepping_callback(clock: Clock, *, budget_s: float | None, marks: Marks | No
         def on_step_end(self, args, state, control, **kwargs):
             now = clock.now()
             self.ends.append(now)
-            print(f"{progress}: step {state.global_step} at {now:.0f} s", flush=True)
+            print(step_note(progress, state.global_step, now, budget_s), flush=True)
             if marks is not None:
                 marks.take(state.global_step, now)
             if budget_s is not None and now >= budget_s:

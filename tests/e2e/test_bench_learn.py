@@ -48,6 +48,8 @@ def test_bench_learn_reports_accuracy_against_wall_clock_for_rft_and_trl(tmp_pat
                             cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     assert "[bench learn] rft-async: step 1 at" in result.stderr and "[bench learn] trl: step 1 at" in result.stderr
+    progress = {name: [line for line in result.stderr.splitlines() if line.startswith(f"[bench learn] {name}: step ")]
+                for name in ("rft-async", "trl")}
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert json.loads((out / "result.json").read_text()) == report  # kept beside the runs, with the curve
     assert (out / "accuracy.png").read_bytes().startswith(b"\x89PNG")
@@ -61,6 +63,9 @@ def test_bench_learn_reports_accuracy_against_wall_clock_for_rft_and_trl(tmp_pat
         assert versions == sorted(versions) and 1 <= versions[-1] <= s["steps"] + 1
         assert s["steps"] > 0 and 0 < s["first_step_s"] <= BUDGET_S and s["step_times_s"][-1] <= BUDGET_S
         assert s["reach_trl_s"] is None or 0 <= s["reach_trl_s"] <= BUDGET_S
+        # a progress line per step; those that ended past the budget say so, and the report counts the others
+        counted = [line for line in progress[s["system"]] if not line.endswith("(past the budget: not counted)")]
+        assert len(counted) == s["steps"], progress[s["system"]]
     targets = report["targets"]
     assert set(targets) == {"half_time", "equal_budget", "quarter_time", "vs_off_policy", "every_mark"}
     assert all(targets[k]["met"] in (True, False) for k in ("half_time", "equal_budget", "quarter_time", "every_mark"))
