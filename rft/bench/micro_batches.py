@@ -9,6 +9,12 @@ steps after the first (warm-up) of `train_s` (batching + forward/backward + opti
 `train_tokens_per_s` (real input tokens / train_s) — the numbers the trainer logs in metrics.jsonl. Loss per step is
 printed too: the settings train the same rows at lr 1e-12 (the weights stay put), so their losses agree to float
 rounding.
+
+`--transformers` adds a reference row: the same rows trained by Hugging Face transformers' model of MODEL_DIR
+(`AutoModelForCausalLM`, what TRL's GRPOTrainer trains) in the same process and threads, `--micro-batch-size` rows per
+micro-batch padded to the longest, the output layer run from each micro-batch's first response prediction on (as the
+trainer does, and TRL with `logits_to_keep`), the loss the advantage-weighted token mean of the response
+log-probabilities, one AdamW step: the time the same work takes outside Megatron (`train_s`, median after the first).
 """
 from __future__ import annotations
 
@@ -54,6 +60,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--response-len", type=_lengths, default=(4, 200), help="LOW:HIGH tokens")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[1024])
+    parser.add_argument("--transformers", action="store_true", help="add transformers' step on the same rows")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -89,4 +96,48 @@ def main(argv: list[str]) -> int:
                   f"{record['train_tokens_per_s']:.0f} tokens/s, loss {', '.join(f'{x:.5f}' for x in losses)}",
                   flush=True)
     policy.close()
+    if args.transformers:
+        seconds = [transformers_step(model, optimizer, rows, args.micro_batch_size)
+                   for model, optimizer in [transformers_model(args.model_dir)] for rows in steps]
+        record = {"reference": "transformers", "micro_batch_size": args.micro_batch_size,
+                  "train_s": statistics.median(seconds[1:] if len(seconds) > 1 else seconds)}
+        print(json.dumps(record) if args.json else f"transformers: {record['train_s']:.2f} s/step", flush=True)
     return 0
+
+
+def transformers_model(model_dir: str):
+    """(model, AdamW at lr 1e-12): transformers' model of `model_dir` in float32, training mode."""
+    import torch  # heavy: torch
+    from transformers import AutoModelForCausalLM  # heavy: transformers
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-12)
+
+
+def transformers_step(model, optimizer, rows, micro_batch_size: int) -> float:
+    """Seconds for one step on `rows` (trainer.batch.Row): micro-batches of `micro_batch_size` rows right-padded to
+    their longest, logits from the micro-batch's first response prediction on, loss -sum(advantage x response
+    log-prob) / response tokens, backward per micro-batch, one optimizer step."""
+    import torch  # heavy: torch
+
+    started = time.perf_counter()
+    tokens = sum(int(r.loss_mask.sum()) for r in rows)
+    for first in range(0, len(rows), micro_batch_size):
+        batch = rows[first:first + micro_batch_size]
+        width = max(len(r.tokens) for r in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        attention = torch.zeros(len(batch), width, dtype=torch.long)
+        weights = torch.zeros(len(batch), width - 1)
+        for i, r in enumerate(batch):
+            ids[i, :len(r.tokens)] = torch.from_numpy(r.tokens.astype(np.int64))
+            attention[i, :len(r.tokens)] = 1
+            # the response token at position p is predicted from position p - 1
+            weights[i, r.prompt_len - 1:len(r.tokens) - 1] = torch.from_numpy(r.loss_mask.astype(np.float32)) \
+                * r.advantage
+        start = min(r.prompt_len for r in batch) - 1  # the output layer runs from the first response prediction on
+        logits = model(input_ids=ids, attention_mask=attention, logits_to_keep=width - start).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, start + 1:, None]).squeeze(-1)
+        (-(logp * weights[:, start:]).sum() / tokens).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return time.perf_counter() - started
