@@ -176,8 +176,8 @@ def run(cfg: Config) -> int:
             _start_evaluator(cfg, runner, config_path, roles, gpus=gpus.get(EVALUATOR))
             progress = MetricsProgress(run_dir / "metrics.jsonl", cfg.run.max_steps) if cfg.monitor.progress else None
             watch = StallWatch(cfg, run_dir / "metrics.jsonl") if "explorers" in roles else None
-            code = runner.supervise(main_part="trainer" if "trainer" in roles else None, on_tick=_ticks(progress, watch),
-                                    essential={"publisher", SERVER})
+            code = runner.supervise(main_part="trainer" if "trainer" in roles else None,
+                                    on_tick=_ticks(progress, watch), essential={"publisher", SERVER})
             if code == 0 and EVALUATOR in runner.parts:
                 runner.stop_all(keep=(EVALUATOR,))
                 runner.finish(EVALUATOR, timeout_s=cfg.eval.finish_timeout_s, on_tick=progress)
