@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
     loss_fn = with_kl_metric(build_algorithm(AlgorithmConfig()).loss_fn)
     steps = [step_rows(np.random.default_rng(s), rows=args.rows, vocab=policy.vocab_size,
                        prompt_len=args.prompt_len, response_len=args.response_len) for s in range(args.steps)]
-    for budget in [0, *args.budgets]:
+    for budget in dict.fromkeys([0, *args.budgets]):  # the default (0) once, then each budget
         seconds, rates, fractions, losses = [], [], [], []
         for rows in steps:
             started = time.perf_counter()
