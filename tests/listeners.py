@@ -97,7 +97,12 @@ def assert_no_wildcard_listener(process, log, *, ports: set[int], prometheus: in
 
     found = wait_until(all_listening, timeout=60, interval=1, alive=[process], context=tail_of(log),
                        what=f"ports {sorted(ports)} and a Prometheus endpoint listening")
-    wildcard = [str(item) for item in found if item.wildcard]
-    assert not wildcard, f"listening on every interface: {wildcard}; all: {[str(i) for i in found]}"
+    assert_none_wildcard(found)
     assert len({item.pid for item in found}) >= parts, [str(i) for i in found]
     return found
+
+
+def assert_none_wildcard(found: list[Listener]) -> None:
+    """No listener of `found` listens on every interface."""
+    wildcard = [str(item) for item in found if item.wildcard]
+    assert not wildcard, f"listening on every interface: {wildcard}; all: {[str(i) for i in found]}"
