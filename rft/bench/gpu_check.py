@@ -10,8 +10,12 @@ It prints one table row per check, with pass / FAIL / skip, the seconds the chec
   float16            one float16 step (megatron's dynamic loss scaling) against one float32 step on the same batch:
                      the gradient norms must agree
   distributed optim  the same step ran with megatron's distributed optimizer (needs TE or Apex; else skip)
-  rft run            a short `rft run` of the tiny model on the toy task (sync mode, embedded broker; explorer
-                     engine vLLM when it is installed, else `transformers`), parts sharing the machine's GPUs
+  rft run            a short `rft run` of the tiny model on the toy task (sync mode, GRPO with the decoupled objective
+                     and truncated importance sampling, embedded broker; explorer engine vLLM when it is installed,
+                     else `transformers`), parts sharing the machine's GPUs
+  mismatch           the rft run's training-inference mismatch (trainer vs engine log-probs, same device and dtype)
+                     and its truncated importance weights: finite, every token in the staleness-0 bucket, and a
+                     mean below the dtype's bound
   weight sync        at real size (SmolLM2-135M's shape, random weights, bfloat16): gathering the HF buckets off the
                      megatron model, the host copy (the trainer's critical path with write-behind), the store write,
                      and an engine's reload from the store
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -48,6 +53,9 @@ REPO = Path(__file__).resolve().parents[2]
 SMOLLM2_SHAPE = dict(arch="llama", hidden_size=576, layers=30, heads=9, kv_heads=3, intermediate_size=1536,
                      vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)
 TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}  # x logit scale (megatron_bridge.check); bf16 keeps 8 bits
+# the mean |trainer - engine| log-prob of a synchronous step (nats): float32 kernels agree to rounding; bfloat16's 8
+# bits give ~1e-2 on this model, and a wrong or stale weights version shows far above either
+MISMATCH_BOUND = {"float32": 1e-3, "bfloat16": 0.1}
 FLOAT16_GRAD_NORM_TOLERANCE = 0.05  # relative; float16 keeps 11 bits, the loss scale makes the gradients representable
 
 
@@ -86,6 +94,11 @@ class Context:
     @property
     def device(self) -> str:
         return "cpu" if self.cpu else "cuda"
+
+    @property
+    def dtype(self) -> str:
+        """The dtype of the rft-run row's run: float32 on --cpu, bfloat16 on a GPU."""
+        return "float32" if self.cpu else "bfloat16"
 
     def model(self, name: str) -> Path:
         """"tiny": rft's tiny char-level qwen2; "smollm2": random weights in SmolLM2-135M's shape (GPU only)."""
@@ -224,7 +237,12 @@ def check_distributed_optimizer(ctx: Context) -> tuple[str, str]:
     return "pass", "the train + checkpoint row ran with megatron's distributed optimizer"
 
 
-def check_rft_run(ctx: Context) -> tuple[str, str]:
+def _run_report(ctx: Context) -> dict:
+    """Run the short `rft run` once (the rft-run and mismatch rows read it): sync mode, GRPO with the decoupled
+    objective and truncated importance weights (`off_policy_correction`, the GPU configs' setting), so its metrics
+    hold the training-inference mismatch and the correction's weights."""
+    if "run" in ctx.reports:
+        return ctx.reports["run"]
     import yaml
 
     engine = "vllm" if _installed("vllm") and not ctx.cpu else "transformers"
@@ -233,12 +251,12 @@ def check_rft_run(ctx: Context) -> tuple[str, str]:
         "run": {"name": "gpu-check", "mode": "sync", "max_steps": ctx.args.steps, "output_dir": str(ctx.work / "runs"),
                 "share_gpus": True},
         "model": {"path": str(ctx.model("tiny")), "max_prompt_len": 8, "max_response_len": 1,
-                  "dtype": "float32" if ctx.cpu else "bfloat16"},
+                  "dtype": ctx.dtype},
         "kafka": {"bootstrap_servers": "embedded", "partitions": 2},
         "explorer": {"replicas": 1, "engine": engine, "n_samples": 8, "max_tokens": 1, "tasks_per_batch": 8,
                      "workflow": "single_turn", "reward": "char_accuracy", "gpu_memory_utilization": 0.3},
         "trainer": {"groups_per_step": 8, "micro_batch_size": 64, "lr": 3e-3},
-        "algorithm": {"name": "grpo"},
+        "algorithm": {"name": "grpo", "off_policy_correction": True},
         "data": {"format": "generated", "path": "copy_char", "generated_tasks": 200},
         "monitor": {"progress": False},
     }
@@ -246,13 +264,19 @@ def check_rft_run(ctx: Context) -> tuple[str, str]:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     started = time.monotonic()
     result = ctx.python("-m", "rft.cli", "run", str(path))
-    seconds = time.monotonic() - started
-    metrics = run_dir / "metrics.jsonl"
-    steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    trainer_log = (run_dir / "logs" / "trainer.log").read_text(errors="replace") \
-        if (run_dir / "logs" / "trainer.log").exists() else ""
-    placed = re.search(r"\[trainer\] .* on (\w+) \((\w+)\)", trainer_log)
-    detail = (f"{len(steps)}/{ctx.args.steps} steps in {seconds:.0f} s, explorer engine {engine}, "
+    metrics, log = run_dir / "metrics.jsonl", run_dir / "logs" / "trainer.log"
+    ctx.reports["run"] = {
+        "engine": engine, "seconds": time.monotonic() - started, "result": result,
+        "steps": [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else [],
+        "trainer_log": log.read_text(errors="replace") if log.exists() else ""}
+    return ctx.reports["run"]
+
+
+def check_rft_run(ctx: Context) -> tuple[str, str]:
+    r = _run_report(ctx)
+    steps, seconds, result = r["steps"], r["seconds"], r["result"]
+    placed = re.search(r"\[trainer\] .* on (\w+) \((\w+)\)", r["trainer_log"])
+    detail = (f"{len(steps)}/{ctx.args.steps} steps in {seconds:.0f} s, explorer engine {r['engine']}, "
               f"reward {steps[0]['reward_mean']:.2f} -> {steps[-1]['reward_mean']:.2f}" if steps
               else f"no step finished in {seconds:.0f} s")
     if result.returncode != 0 or len(steps) < ctx.args.steps:
@@ -261,6 +285,36 @@ def check_rft_run(ctx: Context) -> tuple[str, str]:
     if placed is None or placed[1] != ctx.device.split(":")[0]:
         return "FAIL", f"{detail}; {where}, expected {ctx.device}"
     return "pass", f"{detail}, {where}"
+
+
+def check_mismatch(ctx: Context) -> tuple[str, str]:
+    """The training-inference mismatch of the rft-run row's steps (rft/algorithms/mismatch.py): the trainer's
+    log-probs against the engine's, both on this machine's device and dtype. The run is synchronous, so every token
+    is of staleness 0 (the `stale0` bucket must hold them all) and what remains is numerics: kernels and dtype."""
+    r = _run_report(ctx)
+    steps = r["steps"]
+    if not steps:
+        return "FAIL", "the rft-run row finished no step; " + _failure(r["result"])
+    keys = ("logprob_mismatch_mean", "logprob_mismatch_max", "logprob_mismatch_kl", "logprob_mismatch_frac",
+            "logprob_mismatch_stale0_mean", "importance_weight_mean", "importance_weight_truncated_frac")
+    missing = sorted({k for s in steps for k in keys if not isinstance(s.get(k), (int, float))})
+    if missing:
+        return "FAIL", f"metrics.jsonl lacks {', '.join(missing)}"
+    values = {k: [float(s[k]) for s in steps] for k in keys}
+    bound = MISMATCH_BOUND[ctx.dtype]
+    detail = (f"{len(steps)} steps, trainer vs {r['engine']} engine in {ctx.dtype}: mean abs dlogp "
+              f"{max(values['logprob_mismatch_mean']):.2e} (allowed {bound:g}), max "
+              f"{max(values['logprob_mismatch_max']):.2e}, KL {max(values['logprob_mismatch_kl']):.2e}, tokens past "
+              f"2x {max(values['logprob_mismatch_frac']):.1%}; TIS weight mean "
+              f"{min(values['importance_weight_mean']):.4f}-{max(values['importance_weight_mean']):.4f}, truncated "
+              f"{max(values['importance_weight_truncated_frac']):.1%}")
+    problems = [p for p, bad in (
+        ("a value is not finite", not all(math.isfinite(v) for vs in values.values() for v in vs)),
+        ("stale0 does not hold every token of a synchronous run",
+         not all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-12) for a, b in zip(values["logprob_mismatch_mean"],
+                                                                                  values["logprob_mismatch_stale0_mean"]))),
+        (f"the mean mismatch exceeds {bound:g}", max(values["logprob_mismatch_mean"]) > bound)) if bad]
+    return ("FAIL", detail + "; " + "; ".join(problems)) if problems else ("pass", detail)
 
 
 def check_weight_sync(ctx: Context) -> tuple[str, str]:
@@ -294,6 +348,7 @@ CHECKS = {
     "float16": check_float16,
     "distributed-optimizer": check_distributed_optimizer,
     "rft-run": check_rft_run,
+    "mismatch": check_mismatch,
     "weight-sync": check_weight_sync,
     "push-nccl": check_push,
 }
@@ -315,7 +370,8 @@ def print_table(rows: list[Row]) -> None:
     print(f"\n| {'check'.ljust(width)} | result | seconds | detail |")
     print(f"| {'-' * width} | ------ | ------- | ------ |")
     for r in rows:
-        print(f"| {r.check.ljust(width)} | {r.status.ljust(6)} | {r.seconds:7.1f} | {r.detail} |", flush=True)
+        detail = r.detail.replace("|", "\\|")  # a detail's own bars (|logit diff|) would split its cell
+        print(f"| {r.check.ljust(width)} | {r.status.ljust(6)} | {r.seconds:7.1f} | {detail} |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
