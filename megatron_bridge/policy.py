@@ -74,6 +74,7 @@ import megatron_bridge.packing as packing
 import megatron_bridge.parallel as parallel
 import megatron_bridge.routing_replay as routing_replay_module
 import megatron_bridge.schedule as schedule
+import megatron_bridge.shared_prompts as shared_prompts
 from megatron_bridge.layout import vocabulary_problem
 from megatron_bridge.logprobs import entropy_sum, token_logprobs
 from megatron_bridge.model import build_model, unwrap
@@ -120,9 +121,10 @@ class TrainedModel:
         self.steps = 0
 
     def _optimizer_step(self, micro_batches: list[dict[str, torch.Tensor]], on_output, *,
-                        packed: bool = False, before_forward=None, head_from_loss: bool = False) -> dict[str, float]:
+                        packed: bool = False, before_forward=None, head_from_loss: bool = False,
+                        share_prompts: bool = False) -> dict[str, float]:
         """One optimizer step: `on_output(model output on the last stage, micro_batch) -> (loss, metrics)` per
-        micro-batch (schedule.run's training contract, `head_from_loss` passed on); returns the metrics summed over
+        micro-batch (schedule.run's training contract, `head_from_loss` and `share_prompts` passed on); returns the metrics summed over
         micro-batches and data-parallel ranks, plus `grad_norm` and `step_skipped`, on every rank."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
@@ -136,7 +138,8 @@ class TrainedModel:
         if moe:
             count = moe_losses.set_step_coefficients(self.models, moe, len(micro_batches), ps.get_data_parallel_group())
         per_micro_batch = schedule.run(self.models, micro_batches, on_output, forward_only=False, packed=packed,
-                                       before_forward=before_forward, head_from_loss=head_from_loss)
+                                       before_forward=before_forward, head_from_loss=head_from_loss,
+                                       share_prompts=share_prompts)
         finalize_model_grads(self.models)
         totals = self._sum_over_replicas(per_micro_batch)
         if self._update_is_finite(totals.get("loss", 0.0)):
@@ -173,7 +176,7 @@ class TrainedModel:
         return (f"{layout.world_size} ranks (tp {layout.tp} x pp {layout.pp} x dp {layout.dp}, ep {layout.ep}) on {where.type} "
                 f"({layout.backend}), {self.config.params_dtype}, "
                 f"{'distributed' if self.distributed_optimizer else 'replicated'} optimizer state"
-                f"{self._lora_description()}")
+                f"{self._lora_description()}{self._shared_note}")
 
     def _lora_description(self) -> str:
         if self.lora is None:
@@ -277,7 +280,7 @@ class MegatronPolicy(TrainedModel):
                  seed: int = 0, dtype: str = "float32", reference: bool = False, temperature: float = 1.0,
                  initial_loss_scale: float = 2.0 ** 16, pack_sequences: bool = False,
                  teacher: str | Path | None = None, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0,
-                 routing_replay: bool = False, lora: "LoraConfig | None" = None):
+                 routing_replay: bool = False, lora: "LoraConfig | None" = None, share_prompts: bool = False):
         """`temperature`: the sampling temperature of the explorers. Log-probs (and entropy) are those of
         softmax(logits / temperature), the distribution the behaviour log-probs in the records come from, so
         that importance ratios compare like with like. `initial_loss_scale`: float16 only, the dynamic loss
@@ -289,7 +292,9 @@ class MegatronPolicy(TrainedModel):
         replay each micro-batch's `routed_experts` in `train_step` and `forward_logprobs`
         (megatron_bridge.routing_replay; ValueError for a model without routers); the reference and teacher models
         route by themselves. `lora` (rank > 0): train LoRA adapters only (megatron_bridge.lora; "LoRA" in the
-        module docstring; dense models)."""
+        module docstring; dense models). `share_prompts`: `train_step` runs the rows of a micro-batch that share a prompt
+        as one sequence with the prompt once (megatron_bridge.shared_prompts), where the model allows it (else padded,
+        and `describe` says why)."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (greedy sampling has no log-probs to train on), got {temperature}")
         self.temperature = temperature
@@ -316,6 +321,10 @@ class MegatronPolicy(TrainedModel):
                 raise ValueError("routing_replay does not replay packed sequences; turn pack_sequences off")
             if not routing_replay_module.install(self.models):
                 raise ValueError(f"routing_replay needs a mixture-of-experts model; {hf_dir} has no routers")
+        why_not = shared_prompts.applies(self.models[0]) if share_prompts and not pack_sequences else None
+        self.share_prompts = share_prompts and not pack_sequences and why_not is None
+        self._shared_note = ("" if not share_prompts else ", prompts shared" if self.share_prompts
+                             else f", prompts not shared ({why_not or 'sequences packed'})")
         # LoRA: the reference is the policy's own frozen base with its adapters switched off (no second copy)
         self.reference = reference
         self.reference_models = (_frozen(build_model(hf_dir, dtype=dtype))
@@ -348,7 +357,8 @@ class MegatronPolicy(TrainedModel):
             return loss, {"loss": loss.detach(), "entropy": entropy, **{k: v.detach() for k, v in metrics.items()}}
 
         return self._optimizer_step(micro_batches, on_logits, packed=self.pack_sequences,
-                                    before_forward=self._before_forward(self.models), head_from_loss=True)
+                                    before_forward=self._before_forward(self.models), head_from_loss=True,
+                                    share_prompts=self.share_prompts)
 
     def forward_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """token_logprobs [b, T] (float32, CPU) for each micro-batch, without gradients, on every rank

@@ -32,6 +32,7 @@ import torch
 
 import megatron_bridge.device as device
 import megatron_bridge.packing as packing
+import megatron_bridge.shared_prompts as shared_prompts
 
 REQUIRED_KEYS = ("input_ids", "position_ids")
 
@@ -58,7 +59,7 @@ def to_compute_device(mb: dict[str, Any]) -> dict[str, Any]:
 def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tensor]],
         on_logits: Callable[[torch.Tensor, dict], Any], *, forward_only: bool, packed: bool = False,
         before_forward: Callable[[torch.nn.Module, dict], None] | None = None,
-        head_from_loss: bool = False) -> list[Any]:
+        head_from_loss: bool = False, share_prompts: bool = False) -> list[Any]:
     """Run the schedule; `on_logits(logits_shard [b, T, V/tp], micro_batch)` runs on the last stage.
 
     Training (`forward_only=False`): `on_logits` returns `(loss, metrics)`; backward runs on `loss`
@@ -68,7 +69,9 @@ def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tenso
     `before_forward(model_chunk, micro_batch)` runs right before each chunk's forward on a micro-batch (routing
     replay sets the micro-batch's routed experts there: pipeline schedules interleave micro-batches).
     `head_from_loss`: the LM head only from each micro-batch's first loss position (module docstring; ignored with
-    `packed` or sequence parallelism).
+    `packed` or sequence parallelism). `share_prompts` (with `head_from_loss`; the caller has checked
+    `shared_prompts.applies`): a micro-batch with `prompt_lens` whose rows share a prompt runs it once
+    (megatron_bridge.shared_prompts); `on_logits` sees the same cut layout. Not with routing replay (`routed_experts`).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -83,6 +86,7 @@ def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tenso
                          "supported")
 
     cut = head_from_loss and not packed and multiple == 1
+    costs = shared_prompts.Costs.of(models[0]) if cut and share_prompts else None
     start = {"at": 0}  # the micro-batch in forward's first loss position, read by the output layers' hook
     hooks = [layer.register_forward_pre_hook(partial(_from_position, start)) for layer in output_layers(models)
              ] if cut else []
@@ -103,6 +107,11 @@ def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tenso
         if packed:
             return packing.packed_forward(model, mb), partial(loss_func, mb, 0)
         start["at"] = first = first_loss_position(mb) if cut else 0
+        if costs is not None and "prompt_lens" in mb and "routed_experts" not in mb:
+            plan = shared_prompts.layout(mb, first, costs)
+            if plan is not None:
+                start["at"] = 0  # the shared forward picks the output layer's positions itself
+                return shared_prompts.forward(model, mb, plan, first), partial(loss_func, mb, first)
         ids, positions = _right_pad(mb["input_ids"], multiple), _right_pad(mb["position_ids"], multiple, positions=True)
         logits = model(input_ids=ids, position_ids=positions, attention_mask=None)
         return logits, partial(loss_func, mb, first)

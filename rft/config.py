@@ -246,6 +246,7 @@ class TrainerConfig:
     groups_per_step: int = 8
     micro_batch_size: int = 8  # rows per micro-batch (fixed shape); not used when max_tokens_per_micro_batch > 0
     max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by token budget, rows grouped by length (rows x own longest row <= budget; pipeline_parallel 1); 0: fixed micro_batch_size
+    share_prompts: bool = True  # the trainer runs the rows of a micro-batch that share a prompt (a group's samples) as one sequence with the prompt once; same loss and gradients, fewer positions; megatron's local layer spec, dense models, pipeline_parallel 1 (else rows run padded, as the trainer's first log line says)
     pack_sequences: bool = False  # concatenate each micro-batch's rows into one sequence (PackedSeqParams, thd); needs Transformer Engine on a GPU and pipeline_parallel 1
     # MoE models: explorers record the experts their engine routed each token to (prompt and response), and training
     # routes each recorded token to the same experts (rollout routing replay); tokens without a record route

@@ -4,6 +4,9 @@ One process (world size 1, gloo on CPU): a MegatronPolicy from MODEL_DIR trains 
 (GRPO, token_mean) whose prompt and response lengths are drawn uniformly from `--prompt-len` and
 `--response-len` (seeded; the same rows for every setting), once per setting: `--micro-batch-size` rows padded to
 the step's longest row (`trainer.max_tokens_per_micro_batch: 0`, the default), and each budget of `--budgets`.
+`--group-size G`: each run of G rows shares one prompt, as a GRPO group's samples do (default 1: every row its own);
+`--share-prompts` adds the default setting again with the trainer's shared prompts (`trainer.share_prompts`,
+megatron_bridge.shared_prompts: a prompt shared by rows of a micro-batch runs once), which the others run without.
 Per setting it prints (and with `--json`, one JSON line of) the step's `padding_fraction`, and the median over
 steps after the first (warm-up) of `train_s` (batching + forward/backward + optimizer step) and
 `train_tokens_per_s` (real input tokens / train_s) — the numbers the trainer logs in metrics.jsonl. Loss per step is
@@ -38,14 +41,17 @@ def _lengths(text: str) -> tuple[int, int]:
 
 
 def step_rows(rng: np.random.Generator, *, rows: int, vocab: int, prompt_len: tuple[int, int],
-              response_len: tuple[int, int]):
-
+              response_len: tuple[int, int], group_size: int = 1):
+    """`rows` rows in groups of 8 (the advantages' groups); each run of `group_size` rows shares one prompt."""
     samples = []
     for j in range(rows):
         n = int(rng.integers(response_len[0], response_len[1] + 1))
-        samples.append(Sample(sample_index=j, prompt_tokens=rng.integers(3, vocab, int(rng.integers(
-            prompt_len[0], prompt_len[1] + 1))).astype(np.int32), response_tokens=rng.integers(3, vocab, n).astype(np.int32),
-            logprobs=np.full(n, -5.0, np.float32), loss_mask=np.ones(n, np.uint8), reward=float(rng.random())))
+        if j % group_size == 0:
+            prompt = rng.integers(3, vocab, int(rng.integers(prompt_len[0], prompt_len[1] + 1))).astype(np.int32)
+        samples.append(Sample(sample_index=j, prompt_tokens=prompt,
+                              response_tokens=rng.integers(3, vocab, n).astype(np.int32),
+                              logprobs=np.full(n, -5.0, np.float32), loss_mask=np.ones(n, np.uint8),
+                              reward=float(rng.random())))
     groups = [ExperienceGroup(run_id="bench", task_id=f"t{i}", group_id=f"g{i}", attempt=0, explorer_id="e",
                               policy_version=0, samples=samples[i:i + 8]) for i in range(0, rows, 8)]
     return rows_from_groups(groups, build_algorithm(AlgorithmConfig()).advantages([g.rewards for g in groups]))
@@ -60,18 +66,30 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--response-len", type=_lengths, default=(4, 200), help="LOW:HIGH tokens")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[1024])
+    parser.add_argument("--group-size", type=int, default=1,
+                        help="rows that share one prompt, as a GRPO group's samples do (default: %(default)s)")
+    parser.add_argument("--share-prompts", action="store_true",
+                        help="add the default setting with trainer.share_prompts (megatron_bridge.shared_prompts)")
     parser.add_argument("--transformers", action="store_true", help="add transformers' step on the same rows")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if not 1 <= args.group_size <= 8 or 8 % args.group_size:
+        parser.error(f"--group-size must divide 8 (the rows of a group), got {args.group_size}")
 
     from megatron_bridge.policy import MegatronPolicy  # heavy: megatron.core
     from rft.algorithms import build_algorithm
 
-    policy = MegatronPolicy(args.model_dir, lr=1e-12, seed=0)  # Adam moves weights by ~lr: they stay put
+    # Adam moves weights by ~lr: they stay put
+    policy = MegatronPolicy(args.model_dir, lr=1e-12, seed=0, share_prompts=args.share_prompts)
+    if args.share_prompts and not policy.share_prompts:
+        parser.error(f"--share-prompts: not on this model here: {policy.describe()}")
     loss_fn = with_kl_metric(build_algorithm(AlgorithmConfig()).loss_fn)
     steps = [step_rows(np.random.default_rng(s), rows=args.rows, vocab=policy.vocab_size,
-                       prompt_len=args.prompt_len, response_len=args.response_len) for s in range(args.steps)]
-    for budget in dict.fromkeys([0, *args.budgets]):  # the default (0) once, then each budget
+                       prompt_len=args.prompt_len, response_len=args.response_len, group_size=args.group_size)
+             for s in range(args.steps)]
+    settings = [(budget, False) for budget in dict.fromkeys([0, *args.budgets])]  # the default (0) once, each budget
+    for budget, shared in settings + ([(0, True)] if args.share_prompts else []):
+        policy.share_prompts = shared
         seconds, rates, fractions, losses = [], [], [], []
         for rows in steps:
             started = time.perf_counter()
@@ -85,13 +103,14 @@ def main(argv: list[str]) -> int:
             losses.append(metrics["loss"])
         timed = slice(1, None) if len(steps) > 1 else slice(None)
         record = {"max_tokens_per_micro_batch": budget, "micro_batch_size": args.micro_batch_size,
+                  "share_prompts": shared, "group_size": args.group_size,
                   "micro_batches": len(plan.ranks[0]), "padding_fraction": statistics.mean(fractions),
                   "train_s": statistics.median(seconds[timed]),
                   "train_tokens_per_s": statistics.median(rates[timed]), "loss": losses}
         if args.json:
             print(json.dumps(record), flush=True)
         else:
-            print(f"budget {budget or 'off':>6}: padding {record['padding_fraction']:.3f}, "
+            print(f"budget {budget or 'off':>6}{', prompts shared' if shared else ''}: padding {record['padding_fraction']:.3f}, "
                   f"{record['micro_batches']} micro-batches, train {record['train_s']:.2f} s/step, "
                   f"{record['train_tokens_per_s']:.0f} tokens/s, loss {', '.join(f'{x:.5f}' for x in losses)}",
                   flush=True)

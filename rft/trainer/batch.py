@@ -7,7 +7,9 @@ By default all micro-batches of a step have the same shape [micro_batch_size, T]
 because the pipeline schedule sends fixed-shape activations between stages. With a token budget
 (`trainer.max_tokens_per_micro_batch`, pipeline_parallel 1) rows are grouped by length and each micro-batch is
 padded only to its own longest row (`plan_micro_batches`). Every micro-batch carries `row_lens` [b] (input
-positions of each row, 0 for padding rows), which sequence packing (megatron_bridge.packing) reads.
+positions of each row, 0 for padding rows), which sequence packing (megatron_bridge.packing) reads, and `prompt_lens`
+[b] (each row's prompt tokens, at most its row_len; 0 for padding rows), which shared prompts
+(megatron_bridge.shared_prompts) read.
 
 Preference pairs (algorithms that declare `Needs(pairwise=True)`): one ExperienceGroup is one pair, exactly 2 samples
 with different rewards; the higher reward is the chosen response (`preference_pair_problem` says why a group is
@@ -333,11 +335,12 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
     pair_index = np.full(batch_size, -1, dtype=np.int64)
     pair_chosen = np.zeros(batch_size, dtype=bool)
     row_lens = np.zeros(batch_size, dtype=np.int64)
+    prompt_lens = np.zeros(batch_size, dtype=np.int64)
     demo_mask = np.zeros(batch_size, dtype=np.float32)
     buckets = np.full((batch_size, seq_len), -1, dtype=np.int64)
     for i, row in enumerate(rows):
         n = len(row.tokens) - 1
-        row_lens[i] = n
+        row_lens[i], prompt_lens[i] = n, min(row.prompt_len, n)
         input_ids[i, :n], target_ids[i, :n] = row.tokens[:-1], row.tokens[1:]
         start = row.prompt_len - 1  # target index of the first response token
         r = len(row.loss_mask)
@@ -362,6 +365,7 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
         "position_ids": torch.arange(seq_len, dtype=torch.int64).expand(batch_size, seq_len).contiguous(),
         "loss_mask": torch.from_numpy(loss_mask), "old_logprobs": torch.from_numpy(old_logprobs),
         "advantages": torch.from_numpy(advantages), "row_lens": torch.from_numpy(row_lens),
+        "prompt_lens": torch.from_numpy(prompt_lens),
         "demo_mask": torch.from_numpy(demo_mask),
         "global_tokens": torch.tensor(global_tokens), "global_sequences": torch.tensor(global_sequences),
         **(pairs if pairwise else {}), **routing,

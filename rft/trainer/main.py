@@ -255,7 +255,8 @@ class Trainer:
             weight_decay=t.weight_decay, moe_aux_loss_coeff=t.moe_aux_loss_coeff, moe_z_loss_coeff=t.moe_z_loss_coeff,
             grad_clip=t.grad_clip, betas=(t.adam_beta1, t.adam_beta2), seed=run.seed, dtype=model.dtype,
             reference=self.needs.reference, temperature=temperature, pack_sequences=t.pack_sequences,
-            teacher=self.needs.teacher, routing_replay=t.routing_replay, lora=model.lora)
+            teacher=self.needs.teacher, routing_replay=t.routing_replay, lora=model.lora,
+            share_prompts=t.share_prompts)
         self.critic = self._build_critic(model, run.seed) if self.needs.critic is not None else None
         self.cores = CoreShare.from_environment()  # None: no core board (GPUs, OMP_NUM_THREADS chosen, no `rft run`)
         if self.cores is not None:  # take the threads of the explorers that wait, micro-batch by micro-batch

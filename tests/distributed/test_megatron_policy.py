@@ -21,9 +21,10 @@ from rft.models.tiny import make_tiny_model
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _worker_policy as cases  # noqa: E402  (the worker's data and loss function)
 from _launch import HERE, assert_succeeded, torchrun  # noqa: E402
+from _weights import RELATIVE, exported  # noqa: E402
+from _weights import assert_weights_close as close  # noqa: E402
 
 pytestmark = pytest.mark.distributed
-RELATIVE = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -95,33 +96,8 @@ def reference(models) -> dict:
     return runs
 
 
-def exported(results: Path, name: str) -> dict[str, torch.Tensor]:
-    directory = results / name
-    index = json.loads((directory / "model.safetensors.index.json").read_text())
-    tensors = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        tensors.update(load_file(directory / shard))
-    return tensors
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
-
-
 def assert_weights_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, steps: int) -> None:
-    """Relative error < 1e-5 per tensor, except the key biases: softmax is invariant to adding the same
-    number to every attention score, so their exact gradient is zero and Adam (g / (|g| + eps)) turns
-    rounding noise into steps of up to lr; for them only that bound is checked (a mapping error would
-    be off by the bias values themselves, ~1e-2)."""
-    expected = {k: v for k, v in expected.items() if k in actual}  # tied lm_head is not exported
-    assert sorted(actual) == sorted(expected)
-    noise_driven = [k for k in expected if k.endswith("self_attn.k_proj.bias")]
-    for name in noise_driven:
-        bound = 2 * cases.HYPERPARAMETERS["lr"] * steps
-        assert (actual[name] - expected[name]).abs().max().item() <= bound, name
-    errors = {k: relative_error(actual[k], expected[k]) for k in expected if k not in noise_driven}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] < RELATIVE, (worst, errors[worst])
+    close(actual, expected, lr=cases.HYPERPARAMETERS["lr"], steps=steps)
 
 
 def metrics(results: Path, case: str) -> dict:
