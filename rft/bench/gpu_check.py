@@ -16,6 +16,8 @@ It prints one table row per check, with pass / FAIL / skip, the seconds the chec
   mismatch           the rft run's training-inference mismatch (trainer vs engine log-probs, same device and dtype)
                      and its truncated importance weights: finite, every token in the staleness-0 bucket, and a
                      mean below the dtype's bound
+  shared prompts     the trainer's step with shared prompts (trainer.share_prompts) against the padded step on the
+                     flagship's groups (SmolLM2's shape): the same loss and gradient norm, and each one's seconds
   weight sync        at real size (SmolLM2-135M's shape, random weights, bfloat16): gathering the HF buckets off the
                      megatron model, the host copy (the trainer's critical path with write-behind), the store write,
                      and an engine's reload from the store
@@ -56,7 +58,8 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}  # x logit scale (megatron_bridg
 # the mean |trainer - engine| log-prob of a synchronous step (nats): float32 kernels agree to rounding; bfloat16's 8
 # bits give ~1e-2 on this model, and a wrong or stale weights version shows far above either
 MISMATCH_BOUND = {"float32": 1e-3, "bfloat16": 0.1}
-FLOAT16_GRAD_NORM_TOLERANCE = 0.05  # relative; float16 keeps 11 bits, the loss scale makes the gradients representable
+FLOAT16_GRAD_NORM_TOLERANCE = 0.05
+SHARED_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # relative: loss and grad norm, shared prompts vs padded  # relative; float16 keeps 11 bits, the loss scale makes the gradients representable
 
 
 @dataclass
@@ -317,6 +320,27 @@ def check_mismatch(ctx: Context) -> tuple[str, str]:
     return ("FAIL", detail + "; " + "; ".join(problems)) if problems else ("pass", detail)
 
 
+def check_shared_prompts(ctx: Context) -> tuple[str, str]:
+    """The trainer's step with shared prompts (megatron_bridge.shared_prompts) against the padded step, the same
+    rows (the flagship's groups): it must be in use here, agree on loss and gradient norm, and its time is shown."""
+    out = ctx.work / "shared.json"
+    model = ctx.model("tiny" if ctx.cpu else "smollm2")
+    result = ctx.python("-m", "rft.bench.gpu_check_worker", "shared", str(model), "3", str(out))
+    if result.returncode != 0:
+        return "FAIL", _failure(result)
+    r = json.loads(out.read_text())
+    if not r["active"]:
+        return "FAIL", f"shared prompts are not in use: {r['describe']}"
+    padded, shared = r["padded"], r["shared"]
+    tolerance = SHARED_TOLERANCE[r["dtype"]]
+    detail = (f"{r['model']} {r['dtype']}, 32 rows in groups of 8: padded {padded['step_s']:.2f} s/step, shared "
+              f"{shared['step_s']:.2f} s/step; loss {padded['loss']:.5f} vs {shared['loss']:.5f}, grad norm "
+              f"{padded['grad_norm']:.4g} vs {shared['grad_norm']:.4g} (allowed {tolerance:.0e} relative)")
+    differ = [name for name in ("loss", "grad_norm")
+              if not math.isclose(padded[name], shared[name], rel_tol=tolerance, abs_tol=tolerance * 1e-2)]
+    return ("FAIL", detail + f"; {', '.join(differ)} differ") if differ else ("pass", detail)
+
+
 def check_weight_sync(ctx: Context) -> tuple[str, str]:
     out = ctx.work / "sync.json"
     model = ctx.model("tiny" if ctx.cpu else "smollm2")
@@ -349,6 +373,7 @@ CHECKS = {
     "distributed-optimizer": check_distributed_optimizer,
     "rft-run": check_rft_run,
     "mismatch": check_mismatch,
+    "shared-prompts": check_shared_prompts,
     "weight-sync": check_weight_sync,
     "push-nccl": check_push,
 }

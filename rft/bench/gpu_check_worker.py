@@ -1,4 +1,4 @@
-"""The processes behind two rows of `python -m rft.bench.gpu_check` (one process each: megatron's parallel state is
+"""The processes behind three rows of `python -m rft.bench.gpu_check` (one process each: megatron's parallel state is
 per process). Not a command for operators.
 
   python -m rft.bench.gpu_check_worker train HF_DIR CHECKPOINT_DIR OUT.json
@@ -9,8 +9,12 @@ per process). Not a command for operators.
   python -m rft.bench.gpu_check_worker sync HF_DIR STORE_DIR OUT.json
       the pull path's stages at this model's size: gathering the HF buckets, the host copy, the store write, and a
       transformers engine's reload of the stored version; reports seconds and megabytes
+  python -m rft.bench.gpu_check_worker shared HF_DIR STEPS OUT.json
+      the trainer's step with shared prompts against the padded step on the same rows (the flagship's shape: 32 rows
+      in groups of 8 sharing a 35-45-token prompt, 2-8 response tokens; lr 1e-12, so the weights stay put): losses
+      and gradient norms of each, and the median seconds per step of STEPS timed steps after a warm-up
 
-Both run on CUDA when torch sees a GPU, else on the CPU paths (megatron_bridge.device).
+They run on CUDA when torch sees a GPU, else on the CPU paths (megatron_bridge.device).
 """
 from __future__ import annotations
 
@@ -118,8 +122,34 @@ def sync(hf_dir: str, store_dir: str, out: str) -> None:
     policy.close()
 
 
+def shared(hf_dir: str, steps: str, out: str) -> None:
+    import numpy as np
+
+    from rft.algorithms import build_algorithm
+    from rft.bench.micro_batches import step_rows
+    from rft.config import AlgorithmConfig
+    from rft.trainer.batch import plan_micro_batches
+
+    dtype = DTYPE if torch.cuda.is_available() else "float32"
+    policy = MegatronPolicy(hf_dir, dtype=dtype, lr=1e-12, seed=0, share_prompts=True)
+    active = policy.share_prompts
+    rows = step_rows(np.random.default_rng(0), rows=32, vocab=policy.vocab_size, prompt_len=(35, 45),
+                     response_len=(2, 8), group_size=8)
+    batches = plan_micro_batches(rows, dp_size=1, micro_batch_size=8).for_rank(0)
+    loss_fn = build_algorithm(AlgorithmConfig()).loss_fn
+    report = {"model": Path(hf_dir).name, "dtype": dtype, "active": active, "describe": policy.describe()}
+    for setting in ("padded", "shared"):
+        policy.share_prompts = setting == "shared" and active
+        metrics = policy.train_step(batches, loss_fn)  # warm-up, and the step compared
+        seconds = [_timed(lambda: policy.train_step(batches, loss_fn))[1] for _ in range(int(steps))]
+        report[setting] = {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+                           "step_s": float(np.median(seconds))}
+    Path(out).write_text(json.dumps(report))
+    policy.close()
+
+
 if __name__ == "__main__":
-    commands = {"train": train, "sync": sync}
+    commands = {"train": train, "sync": sync, "shared": shared}
     if len(sys.argv) != 5 or sys.argv[1] not in commands:
         print(__doc__, file=sys.stderr)
         sys.exit(2)

@@ -43,7 +43,8 @@ def test_gpu_check_runs_on_the_cpu_paths_without_the_packages_gpu_machines_lack(
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = {r["check"]: r for r in json.loads(rows_file.read_text())}
     assert list(rows) == ["environment", "bridge-float32", "bridge-bfloat16", "train-checkpoint", "float16",
-                          "distributed-optimizer", "rft-run", "mismatch", "weight-sync", "push-nccl"]
+                          "distributed-optimizer", "rft-run", "mismatch", "shared-prompts", "weight-sync",
+                          "push-nccl"]
     assert rows["distributed-optimizer"]["status"] == "skip" and "Apex" in rows["distributed-optimizer"]["detail"]
     assert rows["push-nccl"]["status"] == "skip"
     assert all(r["status"] == "pass" for name, r in rows.items() if name not in ("distributed-optimizer", "push-nccl"))
@@ -55,5 +56,6 @@ def test_gpu_check_runs_on_the_cpu_paths_without_the_packages_gpu_machines_lack(
     assert "3/3 steps" in rows["rft-run"]["detail"] and "engine transformers" in rows["rft-run"]["detail"]
     assert "reload bit-exact" in rows["train-checkpoint"]["detail"]
     mean, allowed = map(float, re.search(r"mean abs dlogp (\S+) \(allowed (\S+)\)", rows["mismatch"]["detail"]).groups())
+    assert "shared" in rows["shared-prompts"]["detail"]
     assert 0 <= mean <= allowed == 1e-3  # float32 trainer and engine on the CPU agree to rounding
     assert "| rft-run " in result.stdout  # the table operators read
