@@ -23,10 +23,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from megatron_bridge import parallel
 from megatron_bridge.policy import MegatronPolicy
+from rft.algorithms import build_algorithm
+from rft.bench.micro_batches import step_rows
+from rft.config import AlgorithmConfig
+from rft.trainer.batch import plan_micro_batches
 from rft.weights.store import WeightStore
 
 DTYPE = "bfloat16"
@@ -123,13 +128,6 @@ def sync(hf_dir: str, store_dir: str, out: str) -> None:
 
 
 def shared(hf_dir: str, steps: str, out: str) -> None:
-    import numpy as np
-
-    from rft.algorithms import build_algorithm
-    from rft.bench.micro_batches import step_rows
-    from rft.config import AlgorithmConfig
-    from rft.trainer.batch import plan_micro_batches
-
     dtype = DTYPE if torch.cuda.is_available() else "float32"
     policy = MegatronPolicy(hf_dir, dtype=dtype, lr=1e-12, seed=0, share_prompts=True)
     active = policy.share_prompts
