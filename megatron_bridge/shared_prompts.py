@@ -81,20 +81,20 @@ def layout(mb: dict[str, torch.Tensor], first: int, costs: Costs) -> Layout | No
     if all(len(rows) < 2 for rows in groups.values()):
         return None
     shared = sum(prompts[rows[0]] + sum(lens[i] - prompts[i] for i in rows) for rows in groups.values())
-    rows, width = sum(n > 0 for n in lens), ids.shape[1]
+    real, width = sum(n > 0 for n in lens), ids.shape[1]  # the padded rows that hold tokens, and their width
     if (shared * costs.per_position + shared ** 2 * costs.per_pair
-            >= rows * width * costs.per_position + rows * width ** 2 * costs.per_pair):
+            >= real * width * costs.per_position + real * width ** 2 * costs.per_pair):
         return None
     tokens, positions, segment, owner = [], [], [], []  # segment: the group's number; owner: the row, -1 for a prompt
     packed_at: dict[tuple[int, int], int] = {}  # (row, input position) -> packed index
-    for g, rows in enumerate(groups.values()):
-        p = prompts[rows[0]]
+    for g, members in enumerate(groups.values()):
+        p = prompts[members[0]]
         start = len(tokens)
-        tokens += ids[rows[0], :p].tolist()
+        tokens += ids[members[0], :p].tolist()
         positions += range(p)
         segment += [g] * p
         owner += [-1] * p
-        for i in rows:
+        for i in members:
             packed_at.update({(i, c): start + c for c in range(p)})
             packed_at.update({(i, c): len(tokens) + c - p for c in range(p, lens[i])})
             tokens += ids[i, p:lens[i]].tolist()
