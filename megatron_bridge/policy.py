@@ -124,8 +124,8 @@ class TrainedModel:
                         packed: bool = False, before_forward=None, head_from_loss: bool = False,
                         share_prompts: bool = False) -> dict[str, float]:
         """One optimizer step: `on_output(model output on the last stage, micro_batch) -> (loss, metrics)` per
-        micro-batch (schedule.run's training contract, `head_from_loss` and `share_prompts` passed on); returns the metrics summed over
-        micro-batches and data-parallel ranks, plus `grad_norm` and `step_skipped`, on every rank."""
+        micro-batch (schedule.run's training contract, `head_from_loss` and `share_prompts` passed on); returns the
+        metrics summed over micro-batches and data-parallel ranks, plus `grad_norm` and `step_skipped`, on every rank."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
@@ -321,10 +321,11 @@ class MegatronPolicy(TrainedModel):
                 raise ValueError("routing_replay does not replay packed sequences; turn pack_sequences off")
             if not routing_replay_module.install(self.models):
                 raise ValueError(f"routing_replay needs a mixture-of-experts model; {hf_dir} has no routers")
-        why_not = shared_prompts.applies(self.models[0]) if share_prompts and not pack_sequences else None
-        self.share_prompts = share_prompts and not pack_sequences and why_not is None
-        self._shared_note = ("" if not share_prompts else ", prompts shared" if self.share_prompts
-                             else f", prompts not shared ({why_not or 'sequences packed'})")
+        why_not = None if not share_prompts else "sequences packed" if pack_sequences else \
+            shared_prompts.applies(self.models[0])
+        self.share_prompts = share_prompts and why_not is None
+        self._shared_note = ("" if not share_prompts else f", prompts not shared ({why_not})" if why_not
+                             else ", prompts shared")
         # LoRA: the reference is the policy's own frozen base with its adapters switched off (no second copy)
         self.reference = reference
         self.reference_models = (_frozen(build_model(hf_dir, dtype=dtype))

@@ -43,10 +43,6 @@ class Layout:
     rows: torch.Tensor
     columns: torch.Tensor
 
-    @property
-    def length(self) -> int:
-        return self.input_ids.shape[1]
-
 
 @dataclass(frozen=True)
 class Costs:
