@@ -167,6 +167,9 @@ class ExplorerConfig:
     # vLLM on a GPU: the share of its memory the engine may take (weights, KV cache); lower it when parts share GPUs
     gpu_memory_utilization: float = 0.5
     cpu_kvcache_gb: float = 1.0  # vLLM on CPU: GiB of memory the engine reserves for its KV cache
+    # vLLM on CPU: tokens per KV-cache block, a multiple of 32 (vLLM's CPU default 128). Prefix caching shares whole
+    # blocks, so a group's samples share their prompt's KV only for its full blocks (rft/engine/vllm_engine.py)
+    cpu_kv_block_size: int = 32
     vllm_in_process: Optional[bool] = None  # null: in-process on CPU with TP 1 (fast start), own process otherwise
     environment: str = "retry"  # multi_turn: registered environment (retry, frozenlake, textarena) or package.module:Class
     max_turns: int = 2  # multi_turn, tool_agent: model turns per episode
@@ -896,6 +899,7 @@ RANGES: dict[str, Range] = {
     "explorer.temperature": at_least(0, "0: greedy"), "explorer.top_p": Range(0, 1, low_open=True),
     "explorer.max_tokens": COUNT, "explorer.tasks_per_batch": COUNT, "explorer.max_inflight": COUNT,
     "explorer.gpu_memory_utilization": Range(0, 1, low_open=True), "explorer.cpu_kvcache_gb": POSITIVE,
+    "explorer.cpu_kv_block_size": at_least(32, "a multiple of 32"),
     "explorer.max_turns": COUNT, "explorer.tool_timeout_s": POSITIVE, "explorer.tool_memory_mb": at_least(64),
     "explorer.tool_output_chars": COUNT,
     "explorer.tool_max_processes": COUNT, "explorer.heartbeat_s": POSITIVE, "explorer.max_batch_s": POSITIVE,
@@ -981,6 +985,8 @@ def check_semantics(cfg: Config, source: str) -> None:
             "sync.method", "push needs a fixed fleet: set explorer.replicas to the number of explorers")
     require(cfg.sync.push_transport != "vllm" or cfg.explorer.engine == "vllm", "sync.push_transport",
             f"vllm (vLLM's own weight transfer) needs explorer.engine vllm, not {cfg.explorer.engine}; use auto or rft")
+    require(cfg.explorer.cpu_kv_block_size % 32 == 0, "explorer.cpu_kv_block_size",
+            f"must be a multiple of 32 (vLLM's CPU attention), got {cfg.explorer.cpu_kv_block_size}")
     require(not cfg.explorer.continuous or cfg.sync.method != "push", "explorer.continuous",
             "needs sync.method pull (a push is a collective the explorer joins between batches)")
     require(not cfg.explorer.inflight_updates or not cfg.model.lora.rank, "explorer.inflight_updates",

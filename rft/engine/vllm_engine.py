@@ -31,12 +31,16 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank va
 def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: int, max_model_len: int | None,
                   gpu_memory_utilization: float, cpu_kvcache_gb: float, in_process: bool | None,
                   weight_transfer: bool = False, record_routing: bool = False, lora_rank: int = 0,
-                  max_loras: int = 1, prefix_cache: bool = True) -> tuple[dict, bool]:
+                  max_loras: int = 1, prefix_cache: bool = True, cpu_kv_block_size: int = 32) -> tuple[dict, bool]:
     """Arguments of vLLM's `LLM` for an explorer engine, and whether it runs in this process. `weight_transfer`:
     enable vLLM's NCCL weight transfer (pushed weights, rft.weights.vllm_transfer; CUDA only). `record_routing`:
     vLLM's routed-experts output (`enable_return_routed_experts`; its V2 model runner, with prefix caching; CUDA only,
     EngineError on CPU). `lora_rank` > 0: enable vLLM's LoRA (adapters up to that rank, `max_loras` of them in one
-    batch). `prefix_cache` false: no prefix caching (in-flight weight updates that keep the KV cache)."""
+    batch). `prefix_cache` false: no prefix caching (in-flight weight updates that keep the KV cache).
+    `cpu_kv_block_size`: tokens per KV-cache block on CPU (`explorer.cpu_kv_block_size`; vLLM's CPU default is 128).
+    Prefix caching reuses whole blocks only, so the n samples of a group share their prompt's KV for its full blocks:
+    with 128, a prompt under 128 tokens is computed once per sample. Measured on the 2-core CPU (SmolLM2-135M,
+    8 prompts of 42 tokens x 8 samples of 8 tokens, 2 threads): 10.3 samples/s with 128, 25.3 with 32."""
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
@@ -75,6 +79,7 @@ def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: in
         settings["enable_prefix_caching"] = False
     if on_cpu:
         settings["kv_cache_memory_bytes"] = int(cpu_kvcache_gb * (1 << 30))
+        settings["block_size"] = cpu_kv_block_size
     if in_process is None:
         in_process = on_cpu and tensor_parallel_size == 1
     if in_process:
@@ -82,6 +87,21 @@ def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: in
             raise EngineError(f"an in-process vLLM engine has one worker; tensor_parallel_size is {tensor_parallel_size}")
         settings["distributed_executor_backend"] = "uni"
     return settings, in_process
+
+
+def _gemm_that_follows_threads() -> None:
+    """Make this process's vLLM CPU engines, built after the call, compute their linear layers with torch's GEMM
+    (`torch.nn.functional.linear`, vLLM's own fallback) instead of its oneDNN handler. The handler caches one
+    primitive per input shape, and a primitive keeps the thread count of the call that created it: an explorer whose
+    threads follow the work (rft/cores.py) creates most shapes while the trainer holds a core, and then computes them
+    on one thread when it is given two. Measured on the 2-core CPU, SmolLM2-135M, 8-token samples: a batch shape
+    first run on 1 thread ran at 7.0 samples/s on 2 threads with oneDNN, 11.4 with torch's GEMM; at a fixed 2 threads
+    oneDNN is 6% faster (13.1 against 12.3), at 1 thread they are equal (6.7) (docs/benchmarks.md, "The explorer on
+    CPU"; tests/integration/test_engine.py checks the dispatch and the decoding). vLLM reads the switch when it loads each layer (`_supports_onednn`,
+    vllm/model_executor/layers/utils.py `dispatch_cpu_unquantized_gemm`), so it holds for the process."""
+    import vllm._custom_ops as ops
+
+    ops._supports_onednn = False
 
 
 class VLLMEngine(TokenizerMixin):
@@ -99,20 +119,24 @@ class VLLMEngine(TokenizerMixin):
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
                  cpu_kvcache_gb: float = 1.0, seed: int = 0, weights_version: int = 0,
                  in_process: bool | None = None, chat_template: bool = False, weight_transfer: bool = False,
-                 record_routing: bool = False, lora_rank: int = 0, max_loras: int = 1, prefix_cache: bool = True):
+                 record_routing: bool = False, lora_rank: int = 0, max_loras: int = 1, prefix_cache: bool = True,
+                 cpu_kv_block_size: int = 32, elastic_threads: bool = False):
         """`record_routing`: completions carry `routed_experts` from vLLM's routed-experts output (GPU only: see
         `ROUTED_EXPERTS_ON_CPU`). Written to vLLM 0.32's documented output ([prompt + output - 1 positions,
         layers, top_k]) and not yet run on a GPU here: `_routed` refuses any other shape by name. `lora_rank` > 0:
         versions may be LoRA adapters (rft.weights.store), loaded beside the base model without reloading it
         (`load_weights`), `max_loras` of them at once (`rft serve`: one per served adapter). `prefix_cache` false:
-        no prefix caching (`load_weights_in_flight` without recomputing)."""
+        no prefix caching (`load_weights_in_flight` without recomputing). `cpu_kv_block_size`: see `_llm_settings`.
+        `elastic_threads`: this process's torch threads change while the engine runs (rft/cores.py, an explorer on a
+        run's core board): on CPU, the engine's linear layers then use torch's GEMM (`_gemm_that_follows_threads`)."""
         from vllm import LLM
 
         settings, self.in_process = _llm_settings(
             model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
             cpu_kvcache_gb=cpu_kvcache_gb, in_process=in_process, weight_transfer=weight_transfer,
-            record_routing=record_routing, lora_rank=lora_rank, max_loras=max_loras, prefix_cache=prefix_cache)
+            record_routing=record_routing, lora_rank=lora_rank, max_loras=max_loras, prefix_cache=prefix_cache,
+            cpu_kv_block_size=cpu_kv_block_size)
         self.moe = MoELayout.of(model_path) if record_routing else None
         self.lora = None  # vllm.lora.request.LoRARequest of the adapter version in use; None: the base weights
         self.adapters: dict[str, object] = {}  # name -> LoRARequest of every adapter loaded (`rft serve`)
@@ -120,6 +144,9 @@ class VLLMEngine(TokenizerMixin):
         self._vllm_push = None  # rft.weights.vllm_transfer.VLLMReceiver while in a vLLM weight-transfer push group
         if self.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            if elastic_threads and settings.get("kv_cache_memory_bytes") is not None:  # on CPU
+                _gemm_that_follows_threads()
+                log.info("linear layers on torch's GEMM: this engine's threads follow the work (rft/cores.py)")
         started = time.monotonic()
         self.llm = LLM(**settings)
         log.info("vLLM engine for %s started in %.1f s", model_path, time.monotonic() - started)
@@ -132,15 +159,17 @@ class VLLMEngine(TokenizerMixin):
     @classmethod
     def from_config(cls, explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
                     model_path: str | None = None, weight_transfer: bool = False,
-                    record_routing: bool = False, max_loras: int = 1) -> "VLLMEngine":
-        """The engine the explorer and model sections describe, on `model_path` (default `model.path`)."""
+                    record_routing: bool = False, max_loras: int = 1, elastic_threads: bool = False) -> "VLLMEngine":
+        """The engine the explorer and model sections describe, on `model_path` (default `model.path`);
+        `elastic_threads` as in the constructor."""
         return cls(model_path or model.path, tensor_parallel_size=explorer.tensor_parallel_size,
                    dtype=model.dtype, max_model_len=model.max_prompt_len + model.max_response_len,
                    gpu_memory_utilization=explorer.gpu_memory_utilization,
-                   cpu_kvcache_gb=explorer.cpu_kvcache_gb, seed=seed, in_process=explorer.vllm_in_process,
+                   cpu_kvcache_gb=explorer.cpu_kvcache_gb, cpu_kv_block_size=explorer.cpu_kv_block_size, seed=seed, in_process=explorer.vllm_in_process,
                    chat_template=model.chat_template, weight_transfer=weight_transfer, record_routing=record_routing,
                    lora_rank=model.lora.rank, max_loras=max_loras,
-                   prefix_cache=not (explorer.inflight_updates and explorer.inflight_kv == "keep"))
+                   prefix_cache=not (explorer.inflight_updates and explorer.inflight_kv == "keep"),
+                   elastic_threads=elastic_threads)
 
     def _set_version(self, version: int) -> None:
         self.weights_version = version

@@ -94,14 +94,16 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
     stop = _start_process(explorer_id)
     from rft.weights.vllm_transfer import push_transport  # heavy: torch
 
+    cores = core_share()
     engine = build_engine(cfg.explorer, cfg.model, seed=cfg.run.seed,
                           weight_transfer=push_transport(cfg.sync, cfg.explorer,
                                                          lora=cfg.model.lora.rank > 0) == "vllm",
-                          record_routing=cfg.trainer.routing_replay)  # what the trainer replays
+                          record_routing=cfg.trainer.routing_replay,  # what the trainer replays
+                          elastic_threads=isinstance(cores, CoreShare))
     explorer = None
     reason = "error"
     try:
-        explorer = compose_explorer(cfg, explorer_id=explorer_id, engine=engine, cores=core_share())
+        explorer = compose_explorer(cfg, explorer_id=explorer_id, engine=engine, cores=cores)
         reason = explorer.run(stop, exit_when_idle_s=exit_when_idle_s)
         log.info("explorer %s %s after %d groups", explorer_id, reason, explorer.stats.groups)
         return 0

@@ -1,7 +1,9 @@
 """Run in a subprocess by test_engine.py (vLLM's LLM must be built under __main__): starts one VLLMEngine on
 the given model, exercises it, and prints one JSON object with everything the test checks.
 
-argv: MODEL_DIR WORK_DIR
+argv: MODEL_DIR WORK_DIR [--elastic-threads]
+With --elastic-threads the engine is built with `elastic_threads=True` (its linear layers on torch's GEMM) and the
+probe stops after the greedy decoding before any reload.
 """
 from __future__ import annotations
 
@@ -13,17 +15,23 @@ from pathlib import Path
 from tests.waiting import wait_until
 
 
-def main(model_dir: str, work_dir: str) -> dict:
+def main(model_dir: str, work_dir: str, *, elastic_threads: bool = False) -> dict:
     import torch
 
     from rft.engine import SamplingSettings, VLLMEngine
     from rft.weights.store import WeightStore, iter_safetensors
 
     started = time.monotonic()
-    engine = VLLMEngine(model_dir, max_model_len=128, cpu_kvcache_gb=0.25, seed=0)
-    out: dict = {"start_s": time.monotonic() - started}
+    engine = VLLMEngine(model_dir, max_model_len=128, cpu_kvcache_gb=0.25, seed=0, elastic_threads=elastic_threads)
+    out: dict = {"start_s": time.monotonic() - started, "linear_layers": linear_layers(engine)}
     prompts = [engine.encode(p) for p in (":3", ":8", "+1")]
     out["prompts"] = prompts
+    if elastic_threads:
+        out["greedy_before"] = [g.completions[0].token_ids
+                                for g in engine.generate(prompts, SamplingSettings(n=1, temperature=0.0, max_tokens=12))]
+        engine.close()
+        return out
+    out["prefix_cached"] = prefix_cached(engine, engine.encode(":3+1") * 20)
     sampled = engine.generate(prompts, SamplingSettings(n=4, temperature=0.8, top_p=1.0, max_tokens=12))
     out["sampled"] = [[{"tokens": c.token_ids, "logprobs": c.logprobs, "text": c.text, "finish": c.finish_reason,
                         "version": c.weights_version} for c in g.completions] for g in sampled]
@@ -51,6 +59,29 @@ def main(model_dir: str, work_dir: str) -> dict:
     out.update(push_version(engine, model_dir, store, prompts, greedy))
     engine.close()
     return out
+
+
+def linear_layers(engine) -> dict:
+    """How the engine's model computes its linear layers: {"all": n, "onednn": those holding a vLLM oneDNN handler}
+    (vllm/model_executor/layers/utils.py `dispatch_cpu_unquantized_gemm` binds `cpu_linear` to one or to torch)."""
+    from vllm._custom_ops import CPUDNNLGEMMHandler
+
+    def count(model) -> dict:
+        layers = [m.cpu_linear for m in model.modules() if callable(getattr(m, "cpu_linear", None))]
+        onednn = [f for f in layers if any(isinstance(c.cell_contents, CPUDNNLGEMMHandler) for c in f.__closure__ or ())]
+        return {"all": len(layers), "onednn": len(onednn)}
+
+    return engine.llm.apply_model(count)[0]
+
+
+def prefix_cached(engine, prompt: list[int]) -> list[int]:
+    """The same prompt (over two KV blocks of `explorer.cpu_kv_block_size`'s default 32, under vLLM's CPU default
+    of 128) twice, one sample each: the prompt tokens each request found in vLLM's prefix cache."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    return [engine.llm.generate([TokensPrompt(prompt_token_ids=prompt[:70])], SamplingParams(max_tokens=2),
+                                use_tqdm=False)[0].num_cached_tokens for _ in range(2)]
 
 
 def push_version(engine, model_dir: str, store, prompts, greedy) -> dict:
@@ -90,4 +121,5 @@ def push_version(engine, model_dir: str, store, prompts, greedy) -> dict:
 
 
 if __name__ == "__main__":
-    print("PROBE-RESULT " + json.dumps(main(sys.argv[1], sys.argv[2])), flush=True)
+    print("PROBE-RESULT " + json.dumps(main(sys.argv[1], sys.argv[2], elastic_threads="--elastic-threads" in sys.argv)),
+          flush=True)

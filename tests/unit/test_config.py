@@ -86,6 +86,8 @@ def test_saved_resolved_config_round_trips(tmp_path, model_dir):
     ({"explorer": {"inflight_kv": "later"}}, [], r"explorer.inflight_kv: must be one of recompute, keep"),
     ({}, ["trainer.mismatch_ratio=1"], r"trainer.mismatch_ratio: must be > 1"),
     ({}, ["explorer.max_inflight=0"], r"explorer.max_inflight: must be >= 1, got 0"),
+    ({}, ["explorer.cpu_kv_block_size=16"], r"explorer.cpu_kv_block_size: must be >= 32 \(a multiple of 32\), got 16"),
+    ({}, ["explorer.cpu_kv_block_size=48"], r"explorer.cpu_kv_block_size: must be a multiple of 32 .*got 48"),
     ({"trainer": {"data_parallel": 2, "expert_parallel": 4}}, [],
      r"trainer.expert_parallel: must divide trainer.data_parallel \(2\)"),
     ({}, ["trainer.expert_parallel=0"], r"trainer.expert_parallel: must be >= 1, got 0"),
