@@ -39,8 +39,9 @@ def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: in
     batch). `prefix_cache` false: no prefix caching (in-flight weight updates that keep the KV cache).
     `cpu_kv_block_size`: tokens per KV-cache block on CPU (`explorer.cpu_kv_block_size`; vLLM's CPU default is 128).
     Prefix caching reuses whole blocks only, so the n samples of a group share their prompt's KV for its full blocks:
-    with 128, a prompt under 128 tokens is computed once per sample. Measured on the 2-core CPU (SmolLM2-135M,
-    8 prompts of 42 tokens x 8 samples of 8 tokens, 2 threads): 10.3 samples/s with 128, 25.3 with 32."""
+    with 128, a prompt under 129 tokens is computed once per sample (and with 32, a prompt of exactly 32: vLLM
+    recomputes a prompt's last token, so its last block). Measured on the 2-core CPU (SmolLM2-135M, 8 prompts of 42
+    tokens x 8 samples of 8 tokens, 2 threads): 10.3 samples/s with 128, 25.3 with 32."""
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
