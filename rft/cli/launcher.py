@@ -37,7 +37,7 @@ from rft.config import REDACTED, Config, secret_values
 from rft.cores import CoreShare, write_board
 from rft.data.demonstrations import prompt_tools, publish_demonstrations
 from rft.data.selectors import selector_needs_rewards
-from rft.data.tasks import DatasetError, publish_tasks
+from rft.data.tasks import DatasetError, build_picker, publish_tasks, published_groups
 from rft.explorer.membership import fresh_group_for_restart
 from rft.modes import MODES, mode
 from rft.ops.status import StallWatch
@@ -240,18 +240,25 @@ def _start_evaluator(cfg: Config, runner: "PartRunner", config_path: Path, roles
 
 
 def _publish_tasks(cfg: Config) -> None:
-    """Publish the task set, unless the tasks topic already holds tasks (a resumed run on a durable broker)."""
+    """Publish the task set. A tasks topic that holds it already (a resumed run on a durable broker) is left as it
+    is; one that holds part of it (a publish cut short, by Ctrl-C or a crash, before the broker acknowledged every
+    task) gets the tasks it lacks, else the run would wait for groups that can never come."""
     topics = RunTopics.of(cfg)
     source = connect(cfg.kafka).source()
     try:
         existing = sum(source.end_offsets(topics.tasks).values())
     finally:
         source.close()
-    if existing:
+    if existing and existing >= build_picker(cfg.data, run_id=topics.run).remaining:
         print(f"[rft] {topics.tasks} already holds {existing} tasks: not publishing again", flush=True)
         return
-    count = publish_tasks(cfg.data, topics, cfg.kafka, progress=cfg.monitor.progress)
-    print(f"[rft] published {count} tasks to {topics.tasks}", flush=True)
+    present = published_groups(topics, cfg.kafka) if existing else set()
+    count = publish_tasks(cfg.data, topics, cfg.kafka, progress=cfg.monitor.progress, skip=present)
+    if present:
+        print(f"[rft] {topics.tasks} held {len(present)} of its tasks (a publish cut short): published the {count} "
+              "it lacked", flush=True)
+    else:
+        print(f"[rft] published {count} tasks to {topics.tasks}", flush=True)
 
 
 def _fresh_explorers_group(cfg: Config) -> None:

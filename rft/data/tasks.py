@@ -44,7 +44,7 @@ from rft.config import DataConfig, KafkaConfig
 from rft.data.gym_tasks import METADATA_KEY, GymError, gym_rows
 from rft.data.selectors import SetProgress, TaskPicker, build_selector
 from rft.data.toy_tasks import TOY_TASKS, generate_rows
-from rft.schema import TaskRecord
+from rft.schema import TaskRecord, decode_task
 from rft.transport import connect
 from rft.transport.run_topics import RunTopics
 
@@ -223,9 +223,10 @@ def build_picker(data: DataConfig, *, run_id: str) -> TaskPicker:
 
 
 def publish_tasks(data: DataConfig, topics: RunTopics, kafka: KafkaConfig, *, bootstrap: str | None = None,
-                  progress: bool = False) -> int:
-    """Publish the selector's whole sequence to `topics.tasks` (created if missing); returns how many, once the
-    broker acknowledged every one. For selectors that need no rewards (an online selector would see none: use
+                  progress: bool = False, skip: frozenset[str] | set[str] = frozenset()) -> int:
+    """Publish the selector's whole sequence to `topics.tasks` (created if missing), in order, less the tasks whose
+    group ids are in `skip` (those a publish cut short wrote already: `published_groups`); returns how many were sent,
+    once the broker acknowledged every one. For selectors that need no rewards (an online selector would see none: use
     rft/explorer/publisher.py). `progress`: a progress bar for 1000 tasks or more."""
     bootstrap = bootstrap or kafka.bootstrap_servers
     picker = build_picker(data, run_id=topics.run)
@@ -236,13 +237,24 @@ def publish_tasks(data: DataConfig, topics: RunTopics, kafka: KafkaConfig, *, bo
         futures = []
         for task in tqdm(picker.drain(), total=total, desc=f"publish {topic}", unit="task",
                          disable=not progress or total < 1000):
-            futures.append(sink.send_record(topic, task, key=task.task_id))
+            if task.group_id not in skip:
+                futures.append(sink.send_record(topic, task, key=task.task_id))
         sink.flush()
         for future in futures:
             future.get(timeout=kafka.request_timeout_ms / 1000)
     finally:
         sink.close()
-    return total
+    return len(futures)
+
+
+def published_groups(topics: RunTopics, kafka: KafkaConfig, *, bootstrap: str | None = None) -> set[str]:
+    """The group ids of every task on `topics.tasks` (read from the beginning, without a consumer group)."""
+    source = connect(kafka, bootstrap or kafka.bootstrap_servers).source()
+    try:
+        begin, end = source.beginning_offsets(topics.tasks), source.end_offsets(topics.tasks)
+        return {decode_task(m.value, m.headers).group_id for m in source.read_offsets(begin, end)}
+    finally:
+        source.close()
 
 
 def ensure_tasks_topic(topics: RunTopics, kafka: KafkaConfig, bootstrap: str) -> str:

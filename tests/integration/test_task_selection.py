@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 import yaml
 
+from rft.cli.launcher import _publish_tasks
 from rft.config import config_from_dict
 from rft.data.selectors import RewardStats
-from rft.data.tasks import build_picker, publish_tasks
+from rft.data.tasks import build_picker, publish_tasks, published_groups
 from rft.explorer.publisher import OnlinePublisher
 from rft.schema import ExperienceGroup, Sample, TaskRecord, decode, encode, group_id_for
 from rft.transport import connect
@@ -94,6 +95,23 @@ def test_sequential_mix_follows_the_weights(bootstrap, topic_prefix, tmp_path):
     assert [t.prompt for t in first_set] == [f"question {i}" for i in range(6)] and {t.epoch for t in first_set} == {0}
     toy = [t.task_id for t in build_picker(cfg.data, run_id=cfg.run.name).sets[1].tasks]  # dataset order
     assert picks([t for t in tasks if t.task_id.startswith("m1.")]) == [(toy[0], 0), (toy[1], 0), (toy[0], 1), (toy[1], 1)]
+
+
+def test_a_publish_cut_short_is_completed_and_a_whole_one_left_alone(bootstrap, topic_prefix, tmp_path, capsys):
+    """`rft run` publishes the tasks a cut-short publish (Ctrl-C before the broker acknowledged them all) left out,
+    each once; a topic that holds the whole set is not written again. Before, a resumed run found 1 of 8 tasks,
+    published nothing, and waited for groups that could never come (tests/e2e/test_stages_run.py hung on it)."""
+    cfg = make_cfg(bootstrap, topic_prefix, {"path": str(write_rows(tmp_path / "a.jsonl", 8)), "epochs": 2})
+    topics = RunTopics.of(cfg)
+    every = [t.group_id for t in build_picker(cfg.data, run_id=topics.run).drain()]
+    assert publish_tasks(cfg.data, topics, cfg.kafka, skip=set(every[3:])) == 3  # the cut: 3 of 16 made it
+    _publish_tasks(cfg)
+    assert "held 3 of its tasks (a publish cut short): published the 13 it lacked" in capsys.readouterr().out
+    on_topic = [t.group_id for t in read_topic(cfg, topics.tasks)]
+    assert sorted(on_topic) == sorted(every) and published_groups(topics, cfg.kafka) == set(every)
+    _publish_tasks(cfg)  # a resumed run on a whole topic
+    assert "already holds 16 tasks: not publishing again" in capsys.readouterr().out
+    assert len(read_topic(cfg, topics.tasks)) == 16
 
 
 def test_curriculum_revisits_tasks_closest_to_half_first(bootstrap, topic_prefix, tmp_path):
