@@ -170,6 +170,9 @@ class ExplorerConfig:
     # vLLM on CPU: tokens per KV-cache block, a multiple of 32 (vLLM's CPU default 128). Prefix caching shares whole
     # blocks, so a group's samples share their prompt's KV only for its full blocks (rft/engine/vllm_engine.py)
     cpu_kv_block_size: int = 32
+    # vLLM: a group whose prompt fills whole KV blocks (length a multiple of the block size) computes its prompt once;
+    # its n first tokens are drawn from that one distribution (rft/engine/vllm_engine.py `_prefills_once`)
+    prefill_once: bool = True
     vllm_in_process: Optional[bool] = None  # null: in-process on CPU with TP 1 (fast start), own process otherwise
     environment: str = "retry"  # multi_turn: registered environment (retry, frozenlake, textarena) or package.module:Class
     max_turns: int = 2  # multi_turn, tool_agent: model turns per episode

@@ -6,9 +6,13 @@ import math
 import os
 import tempfile
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
+
 from rft.engine.base import Completion, EngineError, Generation, SamplingSettings, TokenizerMixin
+from rft.engine.prefill_once import PROBE_TOKENS, ForkedGroup, Request, prefills_once
 from rft.engine.routing import MoELayout
 from rft.weights.store import is_adapter_version
 
@@ -121,7 +125,7 @@ class VLLMEngine(TokenizerMixin):
                  cpu_kvcache_gb: float = 1.0, seed: int = 0, weights_version: int = 0,
                  in_process: bool | None = None, chat_template: bool = False, weight_transfer: bool = False,
                  record_routing: bool = False, lora_rank: int = 0, max_loras: int = 1, prefix_cache: bool = True,
-                 cpu_kv_block_size: int = 32, elastic_threads: bool = False):
+                 cpu_kv_block_size: int = 32, elastic_threads: bool = False, prefill_once: bool = True):
         """`record_routing`: completions carry `routed_experts` from vLLM's routed-experts output (GPU only: see
         `ROUTED_EXPERTS_ON_CPU`). Written to vLLM 0.32's documented output ([prompt + output - 1 positions,
         layers, top_k]) and not yet run on a GPU here: `_routed` refuses any other shape by name. `lora_rank` > 0:
@@ -129,7 +133,8 @@ class VLLMEngine(TokenizerMixin):
         (`load_weights`), `max_loras` of them at once (`rft serve`: one per served adapter). `prefix_cache` false:
         no prefix caching (`load_weights_in_flight` without recomputing). `cpu_kv_block_size`: see `_llm_settings`.
         `elastic_threads`: this process's torch threads change while the engine runs (rft/cores.py, an explorer on a
-        run's core board): on CPU, the engine's linear layers then use torch's GEMM (`_gemm_that_follows_threads`)."""
+        run's core board): on CPU, the engine's linear layers then use torch's GEMM (`_gemm_that_follows_threads`).
+        `prefill_once`: a group whose prompt fills whole KV blocks is generated from one prefill (`_prefills_once`)."""
         from vllm import LLM
 
         settings, self.in_process = _llm_settings(
@@ -156,6 +161,16 @@ class VLLMEngine(TokenizerMixin):
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self.weights_version = -1
         self._set_version(weights_version)
+        self.prefill_once = prefill_once and prefix_cache
+        self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
+        self._first_token_rng = np.random.default_rng(seed)
+        self._end_ids = self._ending_token_ids()
+        self._vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self._groups: dict[str, ForkedGroup] = {}  # the groups prefilled once, unfinished, by request id
+        self._lora_of: dict[str, object] = {}  # their LoRARequests (None: the base weights)
+        self._calls = 0  # of generate(), naming its requests
+        self._requests: dict[str, tuple[ForkedGroup, Request]] = {}  # their requests in the engine, by vLLM id
+        self.fork_requests: Counter[str] = Counter()  # requests of groups prefilled once sent, by kind (probe, tail, ...)
 
     @classmethod
     def from_config(cls, explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
@@ -170,19 +185,59 @@ class VLLMEngine(TokenizerMixin):
                    chat_template=model.chat_template, weight_transfer=weight_transfer, record_routing=record_routing,
                    lora_rank=model.lora.rank, max_loras=max_loras,
                    prefix_cache=not (explorer.inflight_updates and explorer.inflight_kv == "keep"),
-                   elastic_threads=elastic_threads)
+                   elastic_threads=elastic_threads, prefill_once=explorer.prefill_once)
 
     def _set_version(self, version: int) -> None:
         self.weights_version = version
         self.llm.update_weight_version(str(version))  # vLLM stamps it on every output token span
 
-    def _params(self, sampling: SamplingSettings):
+    def _params(self, sampling: SamplingSettings, **overrides):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        return SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                              max_tokens=sampling.max_tokens, logprobs=0, stop_token_ids=self.stop_token_ids or None,
-                              stop=list(sampling.stop) or None, output_kind=RequestOutputKind.FINAL_ONLY)
+        settings = dict(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                        max_tokens=sampling.max_tokens, logprobs=0, stop_token_ids=self.stop_token_ids or None,
+                        stop=list(sampling.stop) or None, output_kind=RequestOutputKind.FINAL_ONLY)
+        return SamplingParams(**{**settings, **overrides})
+
+    def _ending_token_ids(self) -> frozenset[int]:
+        """The token ids that end a completion in this engine (the EOS, the generation config's, `stop_token_ids`):
+        what vLLM adds to each request's sampling parameters."""
+        from vllm import SamplingParams
+
+        processor = self.llm.llm_engine.input_processor
+        params = SamplingParams(stop_token_ids=list(self.stop_token_ids))
+        params.update_from_generation_config(processor.generation_config_fields, processor.renderer.get_eos_token_id())
+        return frozenset(params._all_stop_token_ids) | frozenset(params.stop_token_ids or ())
+
+    def _prefills_once(self, prompt: Sequence[int], sampling: SamplingSettings) -> bool:
+        """Whether a group runs as a `ForkedGroup` (rft/engine/prefill_once.py): its prompt computed once for its n
+        samples, where vLLM's prefix cache would compute its last block once per sample. Not with MoE routing
+        records (a sample's first token would have none)."""
+        return self.prefill_once and self.moe is None and prefills_once(len(prompt), sampling, self.block_size)
+
+    def _request_params(self, request: Request, sampling: SamplingSettings):
+        self.fork_requests[request.kind] += 1
+        if request.kind == "probe":
+            return self._params(sampling, n=1, max_tokens=1, logprobs=PROBE_TOKENS, detokenize=False)
+        if request.kind == "tail":
+            allowed = [t for t in range(self._vocab_size) if t not in request.exclude]
+            return self._params(sampling, n=1, max_tokens=1, allowed_token_ids=allowed, detokenize=False)
+        return self._params(sampling, n=request.n, max_tokens=request.max_tokens)
+
+    def _take(self, group: ForkedGroup, request: Request, output) -> None:
+        """Give `group` what its `request` returned (vLLM's RequestOutput)."""
+        if request.kind == "all":
+            group.on_all(self._generation(output))
+            return
+        completion = self._completion(output.outputs[0])
+        if request.kind == "probe":
+            known = {token: p.logprob for token, p in output.outputs[0].logprobs[0].items()}
+            group.on_probe(known, completion.weights_version, self._first_token_rng)
+        elif request.kind == "tail":
+            group.on_tail(request.index, completion.token_ids[0], completion.logprobs[0], completion.weights_version)
+        else:
+            group.on_sample(request.index, completion, request.kind)
 
     def _generation(self, output) -> Generation:
         prompt = list(output.prompt_token_ids)
@@ -195,29 +250,52 @@ class VLLMEngine(TokenizerMixin):
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, *,
                  adapter: str | None = None) -> list[Generation]:
         """`adapter`: generate with the adapter of that name (`load_adapter`), whose version its completions carry,
-        instead of the engine's own weights."""
-        from vllm.inputs import TokensPrompt
-
+        instead of the engine's own weights. Runs the prompts through `submit` and `step` (nothing else may be
+        unfinished), so the samples of groups prefilled once decode beside the other prompts'."""
         lora, version = self.lora, None
         if adapter is not None:
             if adapter not in self.adapters:
                 raise EngineError(f"no adapter named {adapter!r} is loaded (loaded: {sorted(self.adapters)})")
             lora, version = self.adapters[adapter], self._adapter_versions[adapter]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], self._params(sampling),
-                                    use_tqdm=False, lora_request=lora)
-        generations = [self._generation(o) for o in outputs]
+        if self.unfinished():
+            raise EngineError("generate() runs alone: this engine has submitted requests unfinished")
+        self._calls += 1
+        ids = [f"generate-{self._calls}-{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts):
+            self.submit(request_id, prompt, sampling, lora=lora)
+        finished: dict[str, Generation] = {}
+        while len(finished) < len(ids):
+            finished.update(self.step())
+        generations = [finished[request_id] for request_id in ids]
         for completion in (c for g in generations for c in g.completions if version is not None):
             completion.stamp(version)  # the adapter's, not the engine's labels
         return generations
 
     # -- continuous submission (rft/explorer/continuous.py): requests enter and leave the running engine one by one
-    def submit(self, request_id: str, prompt: Sequence[int], sampling: SamplingSettings) -> None:
+    def submit(self, request_id: str, prompt: Sequence[int], sampling: SamplingSettings, *, lora=None) -> None:
         """Queue one prompt's `sampling.n` completions as request `request_id` (unique among unfinished requests);
-        `step()` returns them together once all n are done. Weights must not be reloaded while any is unfinished."""
+        `step()` returns them together once all n are done. Weights must not be reloaded while any is unfinished,
+        except by `load_weights_in_flight`. A group prefilled once (`_prefills_once`) runs as the requests
+        `request_id/<kind><sample>` (rft/engine/prefill_once.py). `lora`: a LoRARequest (default: the engine's)."""
         from vllm.inputs import TokensPrompt
 
+        lora = lora or self.lora
+        if self._prefills_once(prompt, sampling):
+            self._groups[request_id] = ForkedGroup(request_id, list(prompt), sampling, self._end_ids)
+            self._lora_of[request_id] = lora
+            self._send(self._groups[request_id])
+            return
         self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)),
-                                        self._params(sampling), lora_request=self.lora)
+                                        self._params(sampling), lora_request=lora)
+
+    def _send(self, group: ForkedGroup) -> None:
+        from vllm.inputs import TokensPrompt
+
+        for request in group.requests():
+            self._requests[request.request_id] = (group, request)
+            self.llm.llm_engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=request.prompt),
+                                            self._request_params(request, group.sampling),
+                                            lora_request=self._lora_of[group.request_id])
 
     def step(self) -> list[tuple[str, Generation]]:
         """One engine iteration (schedule, forward, sample); the requests that finished in it as (request_id,
@@ -225,11 +303,25 @@ class VLLMEngine(TokenizerMixin):
         engine = self.llm.llm_engine
         if not engine.has_unfinished_requests():
             return []
-        return [(o.request_id, self._generation(o)) for o in engine.step() if o.finished]
+        done: list[tuple[str, Generation]] = []
+        for output in (o for o in engine.step() if o.finished):
+            if output.request_id not in self._requests:
+                done.append((output.request_id, self._generation(output)))
+                continue
+            group, request = self._requests.pop(output.request_id)
+            self._take(group, request, output)
+            self._send(group)
+            if group.complete():
+                del self._groups[group.request_id], self._lora_of[group.request_id]
+                done.append((group.request_id, group.generation(self.decode)))
+        return done
 
     def unfinished(self) -> int:
-        """Sequences (not requests: a request of n samples counts n) submitted and not yet returned by `step`."""
-        return self.llm.llm_engine.get_num_unfinished_requests()
+        """Sequences (not requests: a request of n samples counts n) submitted and not yet returned by `step`: a
+        group prefilled once counts its n samples until it returns."""
+        in_engine = sum(request.n for _, request in self._requests.values())
+        return (self.llm.llm_engine.get_num_unfinished_requests() - in_engine
+                + sum(g.sampling.n for g in self._groups.values()))
 
     def _completion(self, c) -> Completion:
         token_ids = list(c.token_ids)

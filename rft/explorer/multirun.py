@@ -42,7 +42,7 @@ log = logging.getLogger("rft.explorer")
 # what builds the shared engine (rft.engine.VLLMEngine.from_config, rft/explorer/main.py): equal in every run
 ENGINE_KEYS = ("model.path", "model.dtype", "model.chat_template", "model.max_prompt_len", "model.max_response_len",
                "explorer.tensor_parallel_size", "explorer.gpu_memory_utilization", "explorer.cpu_kvcache_gb",
-               "explorer.cpu_kv_block_size",
+               "explorer.cpu_kv_block_size", "explorer.prefill_once",
                "explorer.vllm_in_process", "trainer.routing_replay")
 
 

@@ -32,6 +32,7 @@ def main(model_dir: str, work_dir: str, *, elastic_threads: bool = False) -> dic
         engine.close()
         return out
     out["prefix_cached"] = prefix_cached(engine, engine.encode(":3+1") * 20)
+    out.update(prefill_once(engine))
     sampled = engine.generate(prompts, SamplingSettings(n=4, temperature=0.8, top_p=1.0, max_tokens=12))
     out["sampled"] = [[{"tokens": c.token_ids, "logprobs": c.logprobs, "text": c.text, "finish": c.finish_reason,
                         "version": c.weights_version} for c in g.completions] for g in sampled]
@@ -48,6 +49,7 @@ def main(model_dir: str, work_dir: str, *, elastic_threads: bool = False) -> dic
     perturbed = {name: t + 0.3 * torch.randn(t.shape, generator=generator)
                  for name, t in iter_safetensors(model_dir)}
     path = store.publish(7, [perturbed], model_dir)
+    out["forked_in_flight"] = fork_across_versions(engine, path)
     started = time.monotonic()
     engine.load_weights(path, 7)
     out["reload_s"] = time.monotonic() - started
@@ -82,6 +84,88 @@ def prefix_cached(engine, prompt: list[int]) -> list[int]:
 
     return [engine.llm.generate([TokensPrompt(prompt_token_ids=prompt[:70])], SamplingParams(max_tokens=2),
                                 use_tqdm=False)[0].num_cached_tokens for _ in range(2)]
+
+
+WHOLE_BLOCKS = 64  # tokens: two of the engine's 32-token KV blocks, so its groups are prefilled once
+FORKED = dict(n=8, temperature=0.8, top_p=1.0, max_tokens=12)  # the tiny model's first tokens mostly in the tail
+
+
+def whole_blocks_prompt(engine) -> list[int]:
+    return (engine.encode(":3+1") * 40)[:WHOLE_BLOCKS]
+
+
+def completions(generation) -> list[dict]:
+    return [{"tokens": c.token_ids, "logprobs": c.logprobs, "text": c.text, "finish": c.finish_reason,
+             "version": c.weights_version, "token_versions": c.token_versions} for c in generation.completions]
+
+
+def prefill_once(engine) -> dict:
+    """A group whose prompt fills whole KV blocks (`VLLMEngine._prefills_once`), through `generate` and through
+    continuous submission, with the tokens vLLM's scheduler computed for it; the same group with prefill-once off;
+    400 first tokens at a low temperature (a peaked distribution to compare with transformers')."""
+    from rft.engine import SamplingSettings
+
+    scheduler = engine.llm.llm_engine.engine_core.engine_core.scheduler  # in-process engine
+    counted = {"tokens": 0}
+    schedule = scheduler.schedule
+
+    def counting(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        counted["tokens"] += output.total_num_scheduled_tokens
+        return output
+
+    scheduler.schedule = counting
+
+    def computed(run) -> tuple[object, dict]:
+        engine.llm.reset_prefix_cache()
+        counted["tokens"], before = 0, dict(engine.fork_requests)
+        result = run()
+        return result, {"tokens": counted["tokens"],
+                        "requests": {k: n - before.get(k, 0) for k, n in engine.fork_requests.items() if n > before.get(k, 0)}}
+
+    prompt, sampling = whole_blocks_prompt(engine), SamplingSettings(**FORKED)
+    forked, forked_tokens = computed(lambda: engine.generate([prompt], sampling)[0])
+
+    def continuous():
+        engine.submit("group", prompt, sampling)
+        unfinished = [engine.unfinished()]
+        returned = []
+        while not returned:
+            returned = engine.step()
+            unfinished.append(engine.unfinished())
+        return returned, unfinished
+
+    (returned, unfinished), continuous_tokens = computed(continuous)
+    engine.prefill_once = False
+    plain, plain_tokens = computed(lambda: engine.generate([prompt], sampling)[0])
+    engine.prefill_once = True
+    first = engine.generate([prompt[:32]], SamplingSettings(n=400, temperature=0.2, top_p=1.0, max_tokens=2))[0]
+    nucleus, nucleus_count = computed(lambda: engine.generate([prompt], SamplingSettings(**{**FORKED, "top_p": 0.9}))[0])
+    scheduler.schedule = schedule
+    return {"forked": completions(forked), "forked_tokens": forked_tokens,
+            "continuous": {"ids": [rid for rid, _ in returned], "completions": completions(returned[0][1]),
+                           "prompt": returned[0][1].prompt_token_ids, "tokens": continuous_tokens,
+                           "unfinished": unfinished},
+            "plain": completions(plain), "plain_tokens": plain_tokens, "forked_prompt": prompt,
+            "first_tokens": [c.token_ids[0] for c in first.completions],
+            "forked_nucleus": completions(nucleus), "forked_nucleus_count": nucleus_count}
+
+
+def fork_across_versions(engine, path: str) -> dict:
+    """A group prefilled once whose probe ran on version 0 and whose samples go on after an in-flight load of
+    version 7 (continuous submission, KV recomputed): a sample whose first token came from the probe has it from
+    version 0 and the rest from 7; one whose first token was in the tail runs on version 7 alone."""
+    from rft.engine import SamplingSettings
+
+    prompt = whole_blocks_prompt(engine)
+    engine.submit("across", prompt, SamplingSettings(**{**FORKED, "temperature": 0.2}))
+    returned = []
+    while "across/probe" in engine._requests:  # until the probe is back: the samples and tails are queued
+        returned += engine.step()
+    engine.load_weights_in_flight(path, 7, recompute=True)
+    while not returned:
+        returned = engine.step()
+    return {"prompt": prompt, "completions": completions(returned[0][1])}
 
 
 def push_version(engine, model_dir: str, store, prompts, greedy) -> dict:
