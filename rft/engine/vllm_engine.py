@@ -71,7 +71,8 @@ def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: in
         extra = {}
     settings = dict(model=str(model_path), tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
                     max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                    logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, enforce_eager=on_cpu,
+                    logprobs_mode="processed_logprobs", max_logprobs=PROBE_TOKENS, worker_extension_cls=WORKER_EXTENSION,
+                    enforce_eager=on_cpu,
                     **extra, **routing)
     if lora_rank:
         fitting = [r for r in VLLM_LORA_RANKS if r >= lora_rank]
@@ -165,10 +166,10 @@ class VLLMEngine(TokenizerMixin):
         self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
         self._first_token_rng = np.random.default_rng(seed)
         self._end_ids = self._ending_token_ids()
-        self._vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self._groups: dict[str, ForkedGroup] = {}  # the groups prefilled once, unfinished, by request id
         self._lora_of: dict[str, object] = {}  # their LoRARequests (None: the base weights)
         self._calls = 0  # of generate(), naming its requests
+        self.probe_tokens = PROBE_TOKENS  # next-token log-probs of a probe (at most PROBE_TOKENS; tests lower it)
         self._requests: dict[str, tuple[ForkedGroup, Request]] = {}  # their requests in the engine, by vLLM id
         self.fork_requests: Counter[str] = Counter()  # requests of groups prefilled once sent, by kind (probe, tail, ...)
 
@@ -219,10 +220,10 @@ class VLLMEngine(TokenizerMixin):
     def _request_params(self, request: Request, sampling: SamplingSettings):
         self.fork_requests[request.kind] += 1
         if request.kind == "probe":
-            return self._params(sampling, n=1, max_tokens=1, logprobs=PROBE_TOKENS, detokenize=False)
-        if request.kind == "tail":
-            allowed = [t for t in range(self._vocab_size) if t not in request.exclude]
-            return self._params(sampling, n=1, max_tokens=1, allowed_token_ids=allowed, detokenize=False)
+            return self._params(sampling, n=1, max_tokens=1, logprobs=self.probe_tokens, detokenize=False)
+        if request.kind == "tail":  # vLLM's largest logit bias takes the probe's tokens out (a factor e^-100)
+            return self._params(sampling, n=1, max_tokens=1, logit_bias={t: -100.0 for t in request.exclude},
+                                detokenize=False)
         return self._params(sampling, n=request.n, max_tokens=request.max_tokens)
 
     def _take(self, group: ForkedGroup, request: Request, output) -> None:
