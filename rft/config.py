@@ -171,7 +171,7 @@ class ExplorerConfig:
     # blocks, so a group's samples share their prompt's KV only for its full blocks (rft/engine/vllm_engine.py)
     cpu_kv_block_size: int = 32
     # vLLM: a group whose prompt fills whole KV blocks (length a multiple of the block size) computes its prompt once;
-    # its n first tokens are drawn from that one distribution (rft/engine/vllm_engine.py `_prefills_once`)
+    # its n first tokens are drawn from that one distribution (rft/engine/prefill_once.py)
     prefill_once: bool = True
     vllm_in_process: Optional[bool] = None  # null: in-process on CPU with TP 1 (fast start), own process otherwise
     environment: str = "retry"  # multi_turn: registered environment (retry, frozenlake, textarena) or package.module:Class

@@ -135,7 +135,7 @@ class VLLMEngine(TokenizerMixin):
         no prefix caching (`load_weights_in_flight` without recomputing). `cpu_kv_block_size`: see `_llm_settings`.
         `elastic_threads`: this process's torch threads change while the engine runs (rft/cores.py, an explorer on a
         run's core board): on CPU, the engine's linear layers then use torch's GEMM (`_gemm_that_follows_threads`).
-        `prefill_once`: a group whose prompt fills whole KV blocks is generated from one prefill (`_prefills_once`)."""
+        `prefill_once`: a group whose prompt fills whole KV blocks is generated from one prefill (`ForkedGroups`)."""
         from vllm import LLM
 
         settings, self.in_process = _llm_settings(
@@ -162,16 +162,8 @@ class VLLMEngine(TokenizerMixin):
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self.weights_version = -1
         self._set_version(weights_version)
-        self.prefill_once = prefill_once and prefix_cache
-        self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
-        self._first_token_rng = np.random.default_rng(seed)
-        self._end_ids = self._ending_token_ids()
-        self._groups: dict[str, ForkedGroup] = {}  # the groups prefilled once, unfinished, by request id
-        self._lora_of: dict[str, object] = {}  # their LoRARequests (None: the base weights)
+        self.forks = ForkedGroups(self, enabled=prefill_once and prefix_cache, seed=seed)
         self._calls = 0  # of generate(), naming its requests
-        self.probe_tokens = PROBE_TOKENS  # next-token log-probs of a probe (at most PROBE_TOKENS; tests lower it)
-        self._requests: dict[str, tuple[ForkedGroup, Request]] = {}  # their requests in the engine, by vLLM id
-        self.fork_requests: Counter[str] = Counter()  # requests of groups prefilled once sent, by kind (probe, tail, ...)
 
     @classmethod
     def from_config(cls, explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
@@ -200,45 +192,6 @@ class VLLMEngine(TokenizerMixin):
                         max_tokens=sampling.max_tokens, logprobs=0, stop_token_ids=self.stop_token_ids or None,
                         stop=list(sampling.stop) or None, output_kind=RequestOutputKind.FINAL_ONLY)
         return SamplingParams(**{**settings, **overrides})
-
-    def _ending_token_ids(self) -> frozenset[int]:
-        """The token ids that end a completion in this engine (the EOS, the generation config's, `stop_token_ids`):
-        what vLLM adds to each request's sampling parameters."""
-        from vllm import SamplingParams
-
-        processor = self.llm.llm_engine.input_processor
-        params = SamplingParams(stop_token_ids=list(self.stop_token_ids))
-        params.update_from_generation_config(processor.generation_config_fields, processor.renderer.get_eos_token_id())
-        return frozenset(params._all_stop_token_ids) | frozenset(params.stop_token_ids or ())
-
-    def _prefills_once(self, prompt: Sequence[int], sampling: SamplingSettings) -> bool:
-        """Whether a group runs as a `ForkedGroup` (rft/engine/prefill_once.py): its prompt computed once for its n
-        samples, where vLLM's prefix cache would compute its last block once per sample. Not with MoE routing
-        records (a sample's first token would have none)."""
-        return self.prefill_once and self.moe is None and prefills_once(len(prompt), sampling, self.block_size)
-
-    def _request_params(self, request: Request, sampling: SamplingSettings):
-        self.fork_requests[request.kind] += 1
-        if request.kind == "probe":
-            return self._params(sampling, n=1, max_tokens=1, logprobs=self.probe_tokens, detokenize=False)
-        if request.kind == "tail":  # vLLM's largest logit bias takes the probe's tokens out (a factor e^-100)
-            return self._params(sampling, n=1, max_tokens=1, logit_bias={t: -100.0 for t in request.exclude},
-                                detokenize=False)
-        return self._params(sampling, n=request.n, max_tokens=request.max_tokens)
-
-    def _take(self, group: ForkedGroup, request: Request, output) -> None:
-        """Give `group` what its `request` returned (vLLM's RequestOutput)."""
-        if request.kind == "all":
-            group.on_all(self._generation(output))
-            return
-        completion = self._completion(output.outputs[0])
-        if request.kind == "probe":
-            known = {token: p.logprob for token, p in output.outputs[0].logprobs[0].items()}
-            group.on_probe(known, completion.weights_version, self._first_token_rng)
-        elif request.kind == "tail":
-            group.on_tail(request.index, completion.token_ids[0], completion.logprobs[0], completion.weights_version)
-        else:
-            group.on_sample(request.index, completion, request.kind)
 
     def _generation(self, output) -> Generation:
         prompt = list(output.prompt_token_ids)
@@ -276,27 +229,16 @@ class VLLMEngine(TokenizerMixin):
     def submit(self, request_id: str, prompt: Sequence[int], sampling: SamplingSettings, *, lora=None) -> None:
         """Queue one prompt's `sampling.n` completions as request `request_id` (unique among unfinished requests);
         `step()` returns them together once all n are done. Weights must not be reloaded while any is unfinished,
-        except by `load_weights_in_flight`. A group prefilled once (`_prefills_once`) runs as the requests
+        except by `load_weights_in_flight`. A group prefilled once (`ForkedGroups`) runs as the requests
         `request_id/<kind><sample>` (rft/engine/prefill_once.py). `lora`: a LoRARequest (default: the engine's)."""
         from vllm.inputs import TokensPrompt
 
         lora = lora or self.lora
-        if self._prefills_once(prompt, sampling):
-            self._groups[request_id] = ForkedGroup(request_id, list(prompt), sampling, self._end_ids)
-            self._lora_of[request_id] = lora
-            self._send(self._groups[request_id])
+        if self.forks.qualifies(prompt, sampling):
+            self.forks.start(request_id, prompt, sampling, lora)
             return
         self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)),
                                         self._params(sampling), lora_request=lora)
-
-    def _send(self, group: ForkedGroup) -> None:
-        from vllm.inputs import TokensPrompt
-
-        for request in group.requests():
-            self._requests[request.request_id] = (group, request)
-            self.llm.llm_engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=request.prompt),
-                                            self._request_params(request, group.sampling),
-                                            lora_request=self._lora_of[group.request_id])
 
     def step(self) -> list[tuple[str, Generation]]:
         """One engine iteration (schedule, forward, sample); the requests that finished in it as (request_id,
@@ -306,23 +248,16 @@ class VLLMEngine(TokenizerMixin):
             return []
         done: list[tuple[str, Generation]] = []
         for output in (o for o in engine.step() if o.finished):
-            if output.request_id not in self._requests:
+            if not self.forks.owns(output.request_id):
                 done.append((output.request_id, self._generation(output)))
-                continue
-            group, request = self._requests.pop(output.request_id)
-            self._take(group, request, output)
-            self._send(group)
-            if group.complete():
-                del self._groups[group.request_id], self._lora_of[group.request_id]
-                done.append((group.request_id, group.generation(self.decode)))
+            elif (group := self.forks.take(output)) is not None:
+                done.append(group)
         return done
 
     def unfinished(self) -> int:
         """Sequences (not requests: a request of n samples counts n) submitted and not yet returned by `step`: a
         group prefilled once counts its n samples until it returns."""
-        in_engine = sum(request.n for _, request in self._requests.values())
-        return (self.llm.llm_engine.get_num_unfinished_requests() - in_engine
-                + sum(g.sampling.n for g in self._groups.values()))
+        return self.llm.llm_engine.get_num_unfinished_requests() + self.forks.uncounted()
 
     def _completion(self, c) -> Completion:
         token_ids = list(c.token_ids)
@@ -450,6 +385,93 @@ class VLLMEngine(TokenizerMixin):
             if shutdown is not None:
                 shutdown()
             del llm
+
+
+class ForkedGroups:
+    """A `VLLMEngine`'s groups prefilled once (`explorer.prefill_once`; the group logic in rft/engine/prefill_once.py):
+    which groups qualify, their vLLM requests, and what comes back. `sent` counts the requests by kind (probe, tail,
+    rest, whole, all); `probe_tokens` is the log-probs a probe asks for (at most PROBE_TOKENS, vLLM's
+    `max_logprobs` here; the tests lower it to reach the tail of a 99-token vocabulary)."""
+
+    def __init__(self, engine: VLLMEngine, *, enabled: bool, seed: int):
+        self.engine, self.enabled = engine, enabled
+        self.block_size = engine.llm.llm_engine.vllm_config.cache_config.block_size
+        self.rng = np.random.default_rng(seed)
+        self.end_ids = ending_token_ids(engine)
+        self.probe_tokens = PROBE_TOKENS
+        self.groups: dict[str, ForkedGroup] = {}  # unfinished, by the group's request id
+        self.lora_of: dict[str, object] = {}  # their LoRARequests (None: the base weights)
+        self.requests: dict[str, tuple[ForkedGroup, Request]] = {}  # their requests in the engine, by vLLM id
+        self.sent: Counter[str] = Counter()
+
+    def qualifies(self, prompt: Sequence[int], sampling: SamplingSettings) -> bool:
+        """Whether a group runs prefilled once: its prompt computed once for its n samples, where vLLM's prefix cache
+        would compute its last block once per sample. Not with MoE routing records (a first token would have none)."""
+        return self.enabled and self.engine.moe is None and prefills_once(len(prompt), sampling, self.block_size)
+
+    def start(self, request_id: str, prompt: Sequence[int], sampling: SamplingSettings, lora) -> None:
+        self.groups[request_id] = ForkedGroup(request_id, list(prompt), sampling, self.end_ids)
+        self.lora_of[request_id] = lora
+        self._send(self.groups[request_id])
+
+    def owns(self, vllm_request_id: str) -> bool:
+        return vllm_request_id in self.requests
+
+    def take(self, output) -> tuple[str, Generation] | None:
+        """A finished vLLM request of a group (`owns`): the group's id and samples once it is complete."""
+        group, request = self.requests.pop(output.request_id)
+        if request.kind == "all":
+            group.on_all(self.engine._generation(output))
+        else:
+            completion = self.engine._completion(output.outputs[0])
+            if request.kind == "probe":
+                known = {token: p.logprob for token, p in output.outputs[0].logprobs[0].items()}
+                group.on_probe(known, completion.weights_version, self.rng)
+            elif request.kind == "tail":
+                group.on_tail(request.index, completion.token_ids[0], completion.logprobs[0],
+                              completion.weights_version)
+            else:
+                group.on_sample(request.index, completion, request.kind)
+        self._send(group)
+        if not group.complete():
+            return None
+        del self.groups[group.request_id], self.lora_of[group.request_id]
+        return group.request_id, group.generation(self.engine.decode)
+
+    def uncounted(self) -> int:
+        """The groups' samples not yet returned, less the sequences of their requests in vLLM (which vLLM counts)."""
+        return (sum(g.sampling.n for g in self.groups.values())
+                - sum(request.n for _, request in self.requests.values()))
+
+    def _send(self, group: ForkedGroup) -> None:
+        from vllm.inputs import TokensPrompt
+
+        for request in group.requests():
+            self.requests[request.request_id] = (group, request)
+            self.engine.llm.llm_engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=request.prompt),
+                                                   self._params(request, group.sampling),
+                                                   lora_request=self.lora_of[group.request_id])
+
+    def _params(self, request: Request, sampling: SamplingSettings):
+        self.sent[request.kind] += 1
+        params = self.engine._params
+        if request.kind == "probe":
+            return params(sampling, n=1, max_tokens=1, logprobs=self.probe_tokens, detokenize=False)
+        if request.kind == "tail":  # vLLM's largest logit bias takes the probe's tokens out (a factor e^-100)
+            return params(sampling, n=1, max_tokens=1, logit_bias={t: -100.0 for t in request.exclude},
+                          detokenize=False)
+        return params(sampling, n=request.n, max_tokens=request.max_tokens)
+
+
+def ending_token_ids(engine: VLLMEngine) -> frozenset[int]:
+    """The token ids that end a completion in `engine` (the EOS, the generation config's, its `stop_token_ids`): what
+    vLLM adds to each request's sampling parameters."""
+    from vllm import SamplingParams
+
+    processor = engine.llm.llm_engine.input_processor
+    params = SamplingParams(stop_token_ids=list(engine.stop_token_ids))
+    params.update_from_generation_config(processor.generation_config_fields, processor.renderer.get_eos_token_id())
+    return frozenset(params._all_stop_token_ids) | frozenset(params.stop_token_ids or ())
 
 
 def token_versions(spans, n_tokens: int) -> list[int] | None:

@@ -100,7 +100,7 @@ def completions(generation) -> list[dict]:
 
 
 def prefill_once(engine) -> dict:
-    """A group whose prompt fills whole KV blocks (`VLLMEngine._prefills_once`), through `generate` and through
+    """A group whose prompt fills whole KV blocks (`VLLMEngine.forks`, rft/engine/prefill_once.py), through `generate` and through
     continuous submission, with the tokens vLLM's scheduler computed for it; the same group with prefill-once off;
     400 first tokens at a low temperature (a peaked distribution to compare with transformers')."""
     from rft.engine import SamplingSettings
@@ -118,12 +118,12 @@ def prefill_once(engine) -> dict:
 
     def computed(run) -> tuple[object, dict]:
         engine.llm.reset_prefix_cache()
-        counted["tokens"], before = 0, dict(engine.fork_requests)
+        counted["tokens"], before = 0, dict(engine.forks.sent)
         result = run()
         return result, {"tokens": counted["tokens"],
-                        "requests": {k: n - before.get(k, 0) for k, n in engine.fork_requests.items() if n > before.get(k, 0)}}
+                        "requests": {k: n - before.get(k, 0) for k, n in engine.forks.sent.items() if n > before.get(k, 0)}}
 
-    engine.probe_tokens = 20  # of the tiny model's 99: its first tokens fall in the tail too
+    engine.forks.probe_tokens = 20  # of the tiny model's 99: its first tokens fall in the tail too
     prompt, sampling = whole_blocks_prompt(engine), SamplingSettings(**FORKED)
     forked, forked_tokens = computed(lambda: engine.generate([prompt], sampling)[0])
 
@@ -137,9 +137,9 @@ def prefill_once(engine) -> dict:
         return returned, unfinished
 
     (returned, unfinished), continuous_tokens = computed(continuous)
-    engine.prefill_once = False
+    engine.forks.enabled = False
     plain, plain_tokens = computed(lambda: engine.generate([prompt], sampling)[0])
-    engine.prefill_once = True
+    engine.forks.enabled = True
     first = engine.generate([prompt[:32]], SamplingSettings(n=400, temperature=0.2, top_p=1.0, max_tokens=2))[0]
     nucleus, nucleus_count = computed(lambda: engine.generate([prompt], SamplingSettings(**{**FORKED, "top_p": 0.9}))[0])
     scheduler.schedule = schedule
@@ -161,7 +161,7 @@ def fork_across_versions(engine, path: str) -> dict:
     prompt = whole_blocks_prompt(engine)
     engine.submit("across", prompt, SamplingSettings(**{**FORKED, "temperature": 0.2}))
     returned = []
-    while "across/probe" in engine._requests:  # until the probe is back: the samples and tails are queued
+    while engine.forks.owns("across/probe"):  # until the probe is back: the samples and tails are queued
         returned += engine.step()
     engine.load_weights_in_flight(path, 7, recompute=True)
     while not returned:
