@@ -46,13 +46,17 @@ class RunConfig:
     # names the run: its directory `<output_dir>/<name>`, and its topics and consumer group unless kafka.topic_prefix;
     # letters, digits, '.', '_', '-'
     name: str = "rft-run"
-    # which parts `rft run` starts and the staleness bound: sync (0), off_policy (run.max_staleness), async (none),
-    # offline (replays a topic), explore (explorers only), train (explorers run elsewhere), serve (learns from
-    # `rft serve` traffic); table: rft/modes.py
+    # which parts `rft run` starts and the staleness bound: sync (0), off_policy (run.max_staleness), async (none; its
+    # explorers wait at run.async_max_staleness), offline (replays a topic), explore (explorers only), train (explorers
+    # run elsewhere), serve (learns from `rft serve` traffic); table: rft/modes.py
     mode: Literal[MODES] = "off_policy"
     # off_policy: the largest staleness ((step - 1) - policy version) a sample may have when it trains; admission holds
     # explorers back, the trainer drops older samples; other modes ignore it
     max_staleness: int = 1
+    # async: flow control; explorers wait (as admission does in off_policy) once their samples would train more than
+    # this many versions late, but the trainer keeps every sample, later ones included (algorithm.off_policy_correction
+    # weighs them); null: explorers never wait and a fast fleet outruns its trainer; other modes ignore it
+    async_max_staleness: Optional[int] = 4
     # seeds the trainer's random state (megatron's RNG, a critic's new value head), every engine's sampling (explorers,
     # evaluator, `rft serve`) and the replay buffer unless replay_buffer.seed; the task order is data.shuffle_seed's
     seed: int = 0
@@ -892,7 +896,7 @@ PORT_OR_OFF = Range(0, 65535, note="0: off")
 PORT_OR_ANY = Range(0, 65535, note="0: any free port")
 
 RANGES: dict[str, Range] = {
-    "run.max_staleness": at_least(0), "run.seed": SEED, "run.max_steps": COUNT,
+    "run.max_staleness": at_least(0), "run.async_max_staleness": at_least(0, "null: no bound"), "run.seed": SEED, "run.max_steps": COUNT,
     "model.max_prompt_len": COUNT, "model.max_response_len": COUNT, "model.lora.rank": at_least(0, "0: off"),
     "model.lora.alpha": POSITIVE, "model.lora.dropout": Range(0, 1, high_open=True),
     "kafka.partitions": COUNT, "kafka.experience_partitions": COUNT, "kafka.replication_factor": COUNT,

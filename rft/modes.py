@@ -5,20 +5,23 @@ version s. A sample generated with weights `policy_version` and used in step s h
 `(s - 1) - policy_version` (`staleness()`); the mode's bound k is the largest staleness a sample may have when
 it is used (`staleness_bound()`):
 
-    mode        bound                explorers  trainer  trainer publishes weights  admission waits
-    sync        0                    yes        yes      yes                        yes
-    off_policy  run.max_staleness    yes        yes      yes                        yes
-    async       none                 yes        yes      yes                        no
-    offline     none                 no         yes      no (replays a topic)       no
-    explore     none                 yes        no       no trainer                 no
-    train       none                 no         yes      yes (explorers elsewhere)  no
-    serve       none                 no         yes      yes (for `rft serve`)      no
+    mode        bound                explorers  trainer  trainer publishes weights  admission waits at
+    sync        0                    yes        yes      yes                        0
+    off_policy  run.max_staleness    yes        yes      yes                        run.max_staleness
+    async       none                 yes        yes      yes                        run.async_max_staleness
+    offline     none                 no         yes      no (replays a topic)       -
+    explore     none                 yes        no       no trainer                 -
+    train       none                 no         yes      yes (explorers elsewhere)  -
+    serve       none                 no         yes      yes (for `rft serve`)      -
 
 In serve mode the experience comes from traffic: `rft serve` answers requests with the newest weights and records
 them, the joiner turns rewarded completions into groups (rft/serve/); `rft run` starts both beside the trainer.
 
-Admission (`explorer.admission: staleness`, rft/explorer/admission.py) waits exactly when the mode has a
-bound; the trainer drops what exceeds it (rft/trainer/staleness.py). Every other module asks this one (`MODES`,
+Admission (`explorer.admission: staleness`, rft/explorer/admission.py) holds explorers back at the mode's
+admission bound (`admission_bound()`); the trainer drops what exceeds the mode's bound (rft/trainer/staleness.py).
+The two differ in async mode only: its explorers wait once they run `run.async_max_staleness` versions ahead of the
+trainer (flow control: an explorer faster than its trainer otherwise fills the topic with ever older samples; null
+turns it off), and the trainer keeps every sample, late ones included (the off-policy correction weighs them). Every other module asks this one (`MODES`,
 `mode()`) rather than listing mode names itself. This module imports nothing from rft.
 """
 from __future__ import annotations
@@ -36,11 +39,7 @@ class Mode:
     trainer: bool  # `rft run` starts a trainer
     publishes_weights: bool  # the trainer publishes each version for explorers
     serves: bool = False  # `rft run` starts `rft serve` and the joiner (experience from live traffic)
-
-    @property
-    def admission_waits(self) -> bool:
-        """Whether `explorer.admission: staleness` can make an explorer wait (only under a bound)."""
-        return self.bound != "none"
+    soft_bound: bool = False  # admission waits at run.async_max_staleness; the trainer drops nothing (async)
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -58,11 +57,20 @@ class Mode:
             raise ValueError(f"run.max_staleness: must be >= 0, got {max_staleness}")
         return max_staleness
 
+    def admission_bound(self, max_staleness: int, async_max_staleness: Optional[int] = None) -> Optional[int]:
+        """The staleness admission holds explorers to: the mode's bound, or `async_max_staleness` (None: no bound)
+        in a mode with a soft bound."""
+        if not self.soft_bound:
+            return self.staleness_bound(max_staleness)
+        if async_max_staleness is not None and async_max_staleness < 0:
+            raise ValueError(f"run.async_max_staleness: must be >= 0 or null, got {async_max_staleness}")
+        return async_max_staleness
+
 
 MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("sync", "zero", explorers=True, trainer=True, publishes_weights=True),
     Mode("off_policy", "max_staleness", explorers=True, trainer=True, publishes_weights=True),
-    Mode("async", "none", explorers=True, trainer=True, publishes_weights=True),
+    Mode("async", "none", explorers=True, trainer=True, publishes_weights=True, soft_bound=True),
     Mode("offline", "none", explorers=False, trainer=True, publishes_weights=False),
     Mode("explore", "none", explorers=True, trainer=False, publishes_weights=False),
     Mode("train", "none", explorers=False, trainer=True, publishes_weights=True),
@@ -81,6 +89,11 @@ def mode(name: str) -> Mode:
 def staleness_bound(name: str, max_staleness: int) -> Optional[int]:
     """The largest staleness a sample may have when used in mode `name`: 0 (sync), k (off_policy) or None."""
     return mode(name).staleness_bound(max_staleness)
+
+
+def admission_bound(name: str, max_staleness: int, async_max_staleness: Optional[int] = None) -> Optional[int]:
+    """The staleness admission holds the explorers of mode `name` to (`Mode.admission_bound`)."""
+    return mode(name).admission_bound(max_staleness, async_max_staleness)
 
 
 def staleness(step: int, policy_version: int) -> int:

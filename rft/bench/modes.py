@@ -78,8 +78,9 @@ def workload(args: argparse.Namespace, model: str, out: Path, name: str, mode: s
         body = {"model": {"max_prompt_len": 8}, "explorer": {"temperature": 1.0, "reward": "char_accuracy"},
                 "trainer": {}, "data": {"format": "generated", "path": "copy_char"}}
     groups, samples, max_tokens = args.groups, args.samples, args.max_tokens
-    body["run"] = {"name": name, "mode": mode, "max_staleness": k, "max_steps": args.steps, "seed": args.seed,
-                   "output_dir": str(out)}
+    # async without flow control: the benchmark measures how far the stages overlap, unbounded (rft.modes)
+    body["run"] = {"name": name, "mode": mode, "max_staleness": k, "async_max_staleness": None, "max_steps": args.steps,
+                   "seed": args.seed, "output_dir": str(out)}
     body["model"].update(path=model, max_response_len=max_tokens)
     body["kafka"] = {"bootstrap_servers": bootstrap, "partitions": 4}
     body["explorer"].update(replicas=args.explorers, n_samples=samples, max_tokens=max_tokens,

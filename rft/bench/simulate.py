@@ -49,8 +49,8 @@ from rft.explorer.admission import AdmissionLedger, capacity, fleet_capacity
 from rft.modes import staleness_bound
 from rft.transport.control import AdmissionClaim, AdmissionRelease
 
-# The runs `rft bench modes` and `rft bench simulate` compare: label -> (run.mode, run.max_staleness). What each mode
-# means (its staleness bound) is rft.modes', the one table of modes.
+# The runs `rft bench modes` and `rft bench simulate` compare: label -> (run.mode, run.max_staleness), async with
+# run.async_max_staleness null (no flow control). What each mode means (its bounds) is rft.modes', the one table.
 BENCH_MODES = {"sync": ("sync", 0), "off_policy k=1": ("off_policy", 1), "off_policy k=2": ("off_policy", 2),
                "async": ("async", 0)}
 

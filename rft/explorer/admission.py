@@ -1,8 +1,8 @@
 """Admission control at the explorers: how many rollouts may start now (`explorer.admission`).
 
 `StalenessAdmission` (`explorer.admission: staleness`, the default) is AReaL's staleness manager, counted in
-groups and shared by the fleet. With B = trainer.groups_per_step and k the run mode's staleness bound
-(rft.modes), an explorer may start
+groups and shared by the fleet. With B = trainer.groups_per_step and k the run mode's admission bound
+(rft.modes.admission_bound: the mode's staleness bound, or async's `run.async_max_staleness`), an explorer may start
 
     capacity = share((k + version + 1) * B - accepted_fleet) - (accepted_here + running)
 
@@ -101,7 +101,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Optional, Protocol
 
-from rft.modes import staleness_bound
+from rft.modes import admission_bound
 from rft.schema import ControlMessage, RecordError, decode, encode
 from rft.transport import RecordSource, Transport, TransportError, lag
 from rft.transport.control import (
@@ -247,8 +247,11 @@ class StalenessAdmission:
         self._lock = threading.Lock()
 
     @classmethod
-    def for_mode(cls, mode: str, *, max_staleness: int, groups_per_step: int, **kwargs) -> "StalenessAdmission":
-        return cls(groups_per_step=groups_per_step, max_staleness=staleness_bound(mode, max_staleness), **kwargs)
+    def for_mode(cls, mode: str, *, max_staleness: int, groups_per_step: int,
+                 async_max_staleness: Optional[int] = None, **kwargs) -> "StalenessAdmission":
+        """Admission at mode `mode`'s admission bound (rft.modes.admission_bound)."""
+        bound = admission_bound(mode, max_staleness, async_max_staleness)
+        return cls(groups_per_step=groups_per_step, max_staleness=bound, **kwargs)
 
     def capacity(self) -> int:
         """Groups this explorer may start now (<= 0: none)."""
@@ -569,10 +572,11 @@ class KafkaFleetFeed:
 
 def fleet_admission(mode: str, *, max_staleness: int, groups_per_step: int, transport: Transport,
                     control_topic: str, experiences_topic: str, explorer_id: str,
-                    heartbeat_s: float, counts_drops: bool = False) -> StalenessAdmission:
-    """`explorer.admission: staleness` for one explorer: the mode's bound, fed from Kafka when there is one;
-    `counts_drops`: `explorer.admission_counts_drops`."""
-    bound = staleness_bound(mode, max_staleness)
+                    heartbeat_s: float, counts_drops: bool = False,
+                    async_max_staleness: Optional[int] = None) -> StalenessAdmission:
+    """`explorer.admission: staleness` for one explorer: the mode's admission bound (rft.modes; async:
+    `async_max_staleness`), fed from Kafka when there is one; `counts_drops`: `explorer.admission_counts_drops`."""
+    bound = admission_bound(mode, max_staleness, async_max_staleness)
     feed = None if bound is None else KafkaFleetFeed(
         transport, control_topic=control_topic, experiences_topic=experiences_topic,
         client_id=f"{explorer_id}-admission", live_horizon_s=3 * heartbeat_s, explorer_id=explorer_id)

@@ -177,5 +177,6 @@ def build_admission(cfg: Config, explorer_id: str, *, transport: Transport | Non
                                groups_per_step=cfg.trainer.groups_per_step, transport=transport or connect(cfg.kafka),
                                control_topic=cfg.topic("control"), experiences_topic=cfg.topic("experiences"),
                                explorer_id=explorer_id, heartbeat_s=cfg.explorer.heartbeat_s,
-                               counts_drops=cfg.explorer.admission_counts_drops)
+                               counts_drops=cfg.explorer.admission_counts_drops,
+                               async_max_staleness=cfg.run.async_max_staleness)
     return import_object(cfg.explorer.admission, key="explorer.admission", noun="admission")(cfg, explorer_id)

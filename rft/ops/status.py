@@ -138,6 +138,7 @@ def collect(cfg: Config) -> dict:
     t = status.trainer
     return {
         "run": cfg.run.name, "mode": cfg.run.mode, "max_staleness": cfg.run.max_staleness,
+        "async_max_staleness": cfg.run.async_max_staleness,
         "mismatch_ratio": cfg.trainer.mismatch_ratio,
         "bootstrap": cfg.kafka.bootstrap_servers, "max_steps": cfg.run.max_steps, "time": now,
         "trainer": {**{k: v for k, v in asdict(t).items() if k != "history"},
@@ -270,6 +271,9 @@ class StallWatch:
 def render(report: dict) -> str:
     t, x = report["trainer"], report["explorers"]
     bound = f", k={report['max_staleness']}" if mode(report["mode"]).bound == "max_staleness" else ""
+    if mode(report["mode"]).soft_bound:
+        lead = report.get("async_max_staleness")
+        bound = ", explorers never wait" if lead is None else f", explorers wait at staleness {lead}"
     seen = f", last message {t['seconds_since_seen']:.0f} s ago" if t["seconds_since_seen"] is not None else ""
     live = sum(e["state"] == "live" for e in x)
     lines = [

@@ -4,7 +4,8 @@ everything is SIGKILLed mid-run at once (the `rft run` process group and every p
 processes die with it), and the same `rft run` command started again comes back on the same broker data (the tasks
 are not published again), resumes from the trainer's checkpoint and finishes with no experience group lost or
 trained twice (by group id, from consumed.jsonl against the experiences topic, read from the broker data after
-the run ended). The run is async: the explorers never wait for the trainer, and staleness is recorded every step.
+the run ended). The run is async without flow control (`run.async_max_staleness: null`): the explorers never wait for
+the trainer, and staleness is recorded every step (async's flow control: tests/integration/test_admission.py).
 
 Before the kill, the run is the suite's check of where a whole run listens: with the dashboard, Prometheus endpoints,
 the durable broker and its object server, no part of its process tree holds a socket in LISTEN state on every
@@ -43,7 +44,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest
 def test_a_local_run_killed_outright_resumes_on_its_durable_broker_exactly_once(tmp_path, tiny_model):
     steps, name = 8, "durable-run"
     prometheus, dashboard = free_port(), free_port()
-    config = write_config(tmp_path, tiny_model, name, run={"mode": "async", "max_steps": steps},
+    config = write_config(tmp_path, tiny_model, name, run={"mode": "async", "max_steps": steps,
+                                                             "async_max_staleness": None},
                           kafka={"bootstrap_servers": "embedded", "embedded_data_dir": "broker"},
                           explorer={"replicas": 1},
                           monitor={"prometheus_port": prometheus, "dashboard_port": dashboard})

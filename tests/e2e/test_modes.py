@@ -7,7 +7,7 @@ and nothing goes through the weight store; it picks its tasks with the online cu
 part), which the run stops cleanly at its end. A LoRA run over the pull path: tests/e2e/test_lora_run.py; full
 weights over the push path: tests/e2e/test_run_faults.py. The other modes' runs, each made once in the suite:
 off_policy (k = 1) -> none exceeds 1, over the push and then the pull path: tests/e2e/test_run_faults.py; async
-(explorers never wait, staleness recorded): tests/e2e/test_durable_run.py."""
+without flow control (explorers never wait, staleness recorded): tests/e2e/test_durable_run.py."""
 from __future__ import annotations
 
 import json

@@ -187,3 +187,28 @@ def test_explorers_claiming_at_once_agree_on_every_grant(bootstrap, topic_prefix
     for feed in feeds:  # (closing releases a feed's groups: after every feed was checked)
         feed.close()
     assert 0 < fold.granted - fold.released <= 10
+
+
+def test_async_explorers_wait_at_the_flow_control_bound(bootstrap, topic_prefix, tiny_model):
+    """async mode through `build_admission` (what an explorer of `rft run` builds) on the real broker: with
+    run.async_max_staleness L the fleet may start (L + 0 + 1) * B groups at version 0, then waits for the trainer,
+    fed by the control topic as off_policy's admission is; with null it never waits."""
+    from rft.explorer.main import build_admission
+
+    def config(lead):
+        return config_from_dict({
+            "run": {"name": topic_prefix, "mode": "async", "async_max_staleness": lead},
+            "model": {"path": str(tiny_model)}, "kafka": {"bootstrap_servers": bootstrap, "partitions": 1},
+            "trainer": {"groups_per_step": 2},
+        })
+    cfg = config(1)
+    connect(cfg.kafka, bootstrap).admin().create_topics([cfg.topic("control"), cfg.topic("experiences")],
+                                                          partitions=1)
+    admission = build_admission(cfg, "explorer-a")
+    try:
+        assert isinstance(admission.feed, KafkaFleetFeed) and admission.max_staleness == 1
+        assert admission.admit(100) == 4 and admission.admit(100) == 0  # (1 + 0 + 1) * 2, then it waits
+    finally:
+        admission.feed.close()
+    unbounded = build_admission(config(None), "explorer-b")
+    assert unbounded.feed is None and unbounded.admit(100) == 100

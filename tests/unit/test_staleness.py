@@ -11,7 +11,7 @@ import pytest
 
 from rft.explorer.admission import KEEP_FLOOR, KEEP_MARGIN, AdmissionState, FleetReading, fleet_capacity
 from rft.explorer.admission import StalenessAdmission as AdmissionController
-from rft.modes import staleness_bound
+from rft.modes import admission_bound, staleness_bound
 from rft.schema import ExperienceGroup, Sample
 from rft.trainer.staleness import StalenessTracker
 
@@ -78,6 +78,22 @@ def test_modes_set_the_bound():
     assert unbounded.reserve(100) == 7 and unbounded.capacity() == 0
     with pytest.raises(ValueError, match="run.mode: unknown mode 'offpolicy'"):
         staleness_bound("offpolicy", 1)
+
+
+def test_async_flow_control_holds_admission_but_not_the_trainer():
+    """async with run.async_max_staleness L: explorers wait at (L + version + 1) * B, like off_policy k = L, while the
+    trainer's bound stays none (it keeps late samples); null: no wait at all; other modes ignore L."""
+    assert [admission_bound(m, 1, 3) for m in ("sync", "off_policy", "async", "explore", "train", "offline")] == \
+        [0, 1, 3, None, None, None]
+    assert admission_bound("async", 1, None) is None and staleness_bound("async", 1) is None
+    ctrl = AdmissionController.for_mode("async", max_staleness=0, async_max_staleness=2, groups_per_step=4)
+    assert ctrl.admit(100) == 12  # (2 + 0 + 1) * 4
+    ctrl.finish(12)
+    ctrl.set_version(1)
+    assert ctrl.admit(100) == 4  # one version more: one step's groups more
+    assert StalenessTracker(mode="async", max_staleness=0).bound is None  # the trainer drops nothing for staleness
+    with pytest.raises(ValueError, match="run.async_max_staleness: must be >= 0 or null, got -1"):
+        admission_bound("async", 1, -1)
 
 
 def test_controller_refuses_impossible_updates():
