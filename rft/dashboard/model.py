@@ -317,6 +317,7 @@ class RunWatch:
             "run": self.name, "dir": str(self.run_dir), "time": now, "state": state,
             "notices": _notices(self, cfg, state, broker), "broker": broker,
             "config": None if cfg is None else {"mode": cfg.run.mode, "max_staleness": cfg.run.max_staleness,
+                                                "async_max_staleness": cfg.run.async_max_staleness,
                                                 "max_steps": cfg.run.max_steps, "yaml": cfg.to_yaml()},
             "records": records, "records_offset": since, "records_total": total,
             "records_epoch": metrics_epoch,

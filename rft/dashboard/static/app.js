@@ -239,7 +239,10 @@ function render() {
                         text));
     }
     const t = s.trainer || {}, c = s.config || {};
-    const bound = c.mode === "off_policy" ? ` (max staleness ${c.max_staleness})` : "";
+    const bound = c.mode === "off_policy" ? ` (max staleness ${c.max_staleness})`
+      : c.mode === "async" ? (c.async_max_staleness == null ? " (explorers never wait)"
+                                                             : ` (explorers wait at staleness ${c.async_max_staleness})`)
+      : "";
     summary.append(el("h2", {}, `${name}: ${s.state}`), kv([
       ["mode", (c.mode || "?") + bound], ["trainer", t.state], ["step", `${t.step ?? "-"} / ${c.max_steps ?? "?"}`],
       ["weights version", t.version], ["broker", `${s.broker.state} ${s.broker.bootstrap}`],
