@@ -14,9 +14,17 @@ work (a trainer micro-batch, an explorer batch or engine step) a process asks ho
 (`CoreShare.threads`): its own share plus an equal part of the waiting parts' threads, and `CoreShare.fit_torch`
 applies it to torch's OpenMP pool in the calling thread (the one that computes: OpenMP's thread count is per
 thread; vLLM's CPU engine computes in the explorer's thread when it runs in-process, the CPU default).
-A part that starts computing while another is mid-unit shares the cores for at most that unit. A part that never
-marks itself stays busy (the board starts all ones), so nothing is borrowed by mistake; a part that dies waiting
-leaves its byte 0, and its cores are free indeed. Standard library only (the launcher imports it).
+
+A part that starts computing again while another computes on its threads waits for that unit to end: the borrower's
+byte says how many threads it borrowed (0 waiting, 1 + borrowed while computing), and a part that resumes waits, in
+its first `fit_torch`, until no other part holds more threads than the board now gives it, at most YIELD_S. Without
+that wait the two overlapped for the rest of the borrower's unit with one thread more than there are cores, and
+OpenMP's threads, each waiting for the slowest at every barrier, made the unit slower than on its own thread: on the
+flagship in async mode, steps in which the trainer borrowed and the explorer came back trained 115-143 tokens/s
+against 166-170 on one thread (2026-11-27, docs/benchmarks.md). A unit is one trainer micro-batch or one engine step.
+A part that never marks itself stays busy (the board starts all ones), so nothing is borrowed by mistake; a part
+that dies waiting leaves its byte 0, and its cores are free indeed; one that dies borrowing costs the others at most
+YIELD_S each time they resume. Standard library only (the launcher imports it).
 """
 from __future__ import annotations
 
@@ -24,8 +32,12 @@ import contextlib
 import json
 import mmap
 import os
+import time
 from pathlib import Path
 from typing import Callable, Iterator
+
+YIELD_S = 5.0  # the longest a part that resumes waits for a borrower's unit to end
+YIELD_POLL_S = 0.002
 
 
 class CoreShare:
@@ -41,6 +53,7 @@ class CoreShare:
         with open(board, "r+b") as f:
             self._board = mmap.mmap(f.fileno(), len(slots))
         self._busy: bool | None = None
+        self._resumed = False  # busy again since the last fit_torch: yield to borrowers first
         self._applied: int | None = None
         self._fitted = (0, 0)  # (sum, count) of what fit_torch applied since mean_threads
 
@@ -62,6 +75,7 @@ class CoreShare:
         several processes marks from one of them (the trainer's rank 0)."""
         if busy != self._busy:
             self._board[self.slot] = int(busy)
+            self._resumed = busy and self._busy is False
             self._busy = busy
 
     @contextlib.contextmanager
@@ -77,16 +91,40 @@ class CoreShare:
         """The threads this process may use now: its own share, plus the threads of the other parts that wait,
         divided evenly among the processes of the parts that compute (this one counted as computing: it asks), rounded
         down."""
+        return self.base + self._borrowable(self.slot, bytes(self._board))
+
+    def _borrowable(self, slot: int, flags: bytes) -> int:
+        """The threads each process of part `slot` may borrow now (counted as computing): the waiting parts'
+        threads divided evenly among the processes that compute, rounded down."""
+        waiting = sum(t for j, (t, _) in enumerate(self.slots) if j != slot and not flags[j])
+        computing = sum(p for j, (_, p) in enumerate(self.slots) if j == slot or flags[j])
+        return waiting // computing
+
+    def _borrowers(self) -> dict[int, int]:
+        """The other parts that hold more threads than the board now gives them: slot -> its byte."""
         flags = bytes(self._board)
-        waiting = sum(t for j, (t, _) in enumerate(self.slots) if j != self.slot and not flags[j])
-        computing = sum(p for j, (_, p) in enumerate(self.slots) if j == self.slot or flags[j])
-        return self.base + waiting // computing
+        return {j: flags[j] for j in range(len(self.slots))
+                if j != self.slot and flags[j] > 1 and flags[j] - 1 > self._borrowable(j, flags)}
+
+    def _yield_to_borrowers(self) -> None:
+        """Wait until no other part computes on threads this one's return took back, at most YIELD_S (module
+        docstring)."""
+        deadline = time.monotonic() + YIELD_S
+        while self._borrowers() and time.monotonic() < deadline:
+            time.sleep(YIELD_POLL_S)
 
     def fit_torch(self, set_threads: Callable[[int], None] | None = None) -> int:
         """Apply `threads()` (to torch's intra-op threads, or `set_threads`) when it changed; returns it. Call it in
-        the thread that computes. torch._C.set_num_threads, because vLLM's CPU worker replaces
+        the thread that computes, before each unit of work. A part that has just become busy first waits for the
+        parts borrowing its threads to finish their unit (module docstring); the process that marks its part records
+        how many threads it borrows. torch._C.set_num_threads, because vLLM's CPU worker replaces
         `torch.set_num_threads` with a no-op in the process it runs in."""
+        if self._resumed:
+            self._resumed = False
+            self._yield_to_borrowers()
         n = self.threads()
+        if self._busy:  # the process that marks its part (the trainer's rank 0): 1 + what it borrows
+            self._board[self.slot] = min(255, 1 + n - self.base)
         self._fitted = (self._fitted[0] + n, self._fitted[1] + 1)
         if n != self._applied:
             if set_threads is None:

@@ -99,3 +99,37 @@ def test_a_malformed_description_is_refused_by_name(tmp_path):
         CoreShare.from_environment({CoreShare.ENV: json.dumps({**spec, "slot": 0, "slots": [[1, 2]]})})
     with pytest.raises(ValueError, match="RFT_CORES"):
         CoreShare.from_environment({CoreShare.ENV: json.dumps({**spec, "slot": 0, "board": str(tmp_path / "no")})})
+
+
+def test_a_part_that_comes_back_waits_for_the_unit_computed_on_its_threads(tmp_path, monkeypatch):
+    """The trainer borrows the waiting explorer's thread for a micro-batch (its byte says 1 + 1 borrowed); the explorer
+    that comes back does not compute beside it with one thread too many: its first `fit_torch` returns only once the
+    trainer's next `fit_torch` gave the thread back. A part that computed all along never waits, and a borrower that
+    never gives back (dead) is waited for at most YIELD_S. Two shares of one real board, in two threads of this process."""
+    import threading
+    import time
+
+    import rft.cores
+
+    board = core_board(Config(), ROLES_BY_MODE["async"], 1, tmp_path)
+    trainer, explorer = (CoreShare.from_environment({CoreShare.ENV: board[p]}) for p in ("trainer", "explorer-0"))
+    keep = lambda n: None  # noqa: E731  (torch's pool stays as it is: the board is what is tested)
+    explorer.set_busy(False)
+    trainer.set_busy(True)
+    assert trainer.fit_torch(keep) == 2 and (tmp_path / "cores").read_bytes()[0] == 2  # 1 + 1 borrowed
+
+    explorer.set_busy(True)  # new work came: the explorer computes again
+    got: list[int] = []
+    fitted = threading.Event()
+    threading.Thread(target=lambda: (got.append(explorer.fit_torch(keep)), fitted.set()), daemon=True).start()
+    assert not fitted.wait(0.5), "the explorer computed beside the trainer's borrowed thread"
+    assert trainer.fit_torch(keep) == 1  # the trainer's next micro-batch: the explorer is busy, the thread goes back
+    assert fitted.wait(30) and got == [1]
+    assert explorer.fit_torch(keep) == 1  # computing all along: no wait, whatever the board says
+
+    monkeypatch.setattr(rft.cores, "YIELD_S", 0.2)
+    explorer.set_busy(False)
+    assert trainer.fit_torch(keep) == 2  # and it never fits again (as if it died mid-unit)
+    explorer.set_busy(True)
+    started = time.monotonic()
+    assert explorer.fit_torch(keep) == 1 and time.monotonic() - started >= 0.2  # after YIELD_S
