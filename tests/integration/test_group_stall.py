@@ -13,9 +13,10 @@ which then closes cleanly (kafka-python sends LeaveGroup). Whether this is exact
 (there, a consumer from another client joining unwedged the group; here nothing in the same group does) is not
 known; the symptoms are the same: live explorers, `"partitions": []`, tasks pending, no error.
 
-Then: two explorers join the wedged group; `rft status` says STALLED; each explorer's watchdog rejoins (no help on
-Tansu), then one moves the fleet to `<run>.explorers.1` (seeded with the old group's committed offsets) and
-announces it; both follow; every task is explored; `rft status` reads the new group's lag.
+Then: two explorers join the wedged group (the first to load its model, at least); `rft status` says STALLED; the
+explorers' watchdogs rejoin (no help on Tansu), then one moves the fleet to `<run>.explorers.1` (seeded with the old
+group's committed offsets) and announces it; both follow; every task is explored; `rft status` reads the new group's
+lag.
 """
 from __future__ import annotations
 
@@ -88,15 +89,15 @@ def test_wedged_group_is_reported_and_the_explorers_recover(broker, tiny_model, 
     explorers = {e: start_explorer(config, e, logs) for e in EXPLORERS}
     alive = list(explorers.values())
     try:
-        # both live in the wedged group, holding nothing, for longer than a heartbeat: rft status says so. Each must
-        # send a heartbeat while unassigned for between STALL_AFTER_S (+1) and its rejoin (unassigned_rejoin_s): a
+        # an explorer live in the wedged group, holding nothing, for longer than a heartbeat: rft status says so. It
+        # must send a heartbeat while unassigned for between STALL_AFTER_S (+1) and its rejoin (unassigned_rejoin_s): a
         # window of 14 s, almost 3 heartbeats (5 s apart), so a loaded machine's late heartbeat still lands in it (with
-        # a rejoin at 25 s the window was 4 s, under one heartbeat, and one run beside the e2e tests missed it)
+        # a rejoin at 25 s the window was 4 s, under one heartbeat, and one run beside the e2e tests missed it). The
+        # first explorer to load is waited for, not both: one that loads its model more than a rejoin and a move after
+        # the other joins the fleet's new group directly and is never wedged (a suite run under load, 2026-11-27)
         def wedged() -> bool:
-            beats = [m for m in control.messages("explorer_heartbeat") if m.body["unassigned_s"] > 21.0]  # > STALL_AFTER_S
-            return {m.sender for m in beats} >= set(EXPLORERS)
-        control.wait_for(wedged, timeout_s=300, what="both explorers live without partitions", alive=alive,
-                         log_dir=logs)
+            return any(m.body["unassigned_s"] > 21.0 for m in control.messages("explorer_heartbeat"))  # > STALL_AFTER_S
+        control.wait_for(wedged, timeout_s=300, what="an explorer live without partitions", alive=alive, log_dir=logs)
         assert not experiences.groups, "the group was not wedged: explorers produced groups"
         report = collect(cfg)
         assert report["fleet"]["stalled"] is not None and report["fleet"]["stalled"].startswith(
