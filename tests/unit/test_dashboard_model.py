@@ -103,6 +103,7 @@ def test_snapshot_folds_the_control_topic_and_metrics_counting_what_it_skips(tmp
     assert fleet["e1"]["state"] == "left" and fleet["e1"]["left_reason"] == "stopped"
     assert [(e["kind"], e["who"]) for e in snap["fleet_events"]] == [("join", "e0"), ("join", "e1"), ("leave", "e1")]
     assert snap["trainer"]["version"] == 2 and snap["config"]["mode"] == cfg.run.mode
+    assert snap["config"]["async_max_staleness"] == cfg.run.async_max_staleness == 4  # the page's async label
     assert {"experiences", "tasks"} <= set(snap["lags"])
 
     # three heartbeats without a message: silent; a stream gets only the records it has not had yet
