@@ -21,8 +21,9 @@ Admission (`explorer.admission: staleness`, rft/explorer/admission.py) holds exp
 admission bound (`admission_bound()`); the trainer drops what exceeds the mode's bound (rft/trainer/staleness.py).
 The two differ in async mode only: its explorers wait once they run `run.async_max_staleness` versions ahead of the
 trainer (flow control: an explorer faster than its trainer otherwise fills the topic with ever older samples; null
-turns it off), and the trainer keeps every sample, late ones included (the off-policy correction weighs them). Every other module asks this one (`MODES`,
-`mode()`) rather than listing mode names itself. This module imports nothing from rft.
+turns it off), and the trainer keeps every sample, late ones included (the off-policy correction weighs them). Every
+other module asks this one (`MODES`, `mode()`) rather than listing mode names itself. This module imports nothing from
+rft.
 """
 from __future__ import annotations
 
