@@ -105,7 +105,8 @@ def test_a_part_that_comes_back_waits_for_the_unit_computed_on_its_threads(tmp_p
     """The trainer borrows the waiting explorer's thread for a micro-batch (its byte says 1 + 1 borrowed); the explorer
     that comes back does not compute beside it with one thread too many: its first `fit_torch` returns only once the
     trainer's next `fit_torch` gave the thread back. A part that computed all along never waits, and a borrower that
-    never gives back (dead) is waited for at most YIELD_S. Two shares of one real board, in two threads of this process."""
+    never gives back (dead) is waited for at most YIELD_S. Two shares of one real board, in two threads of this
+    process."""
     import threading
     import time
 
