@@ -100,17 +100,17 @@ class CoreShare:
         computing = sum(p for j, (_, p) in enumerate(self.slots) if j == slot or flags[j])
         return waiting // computing
 
-    def _borrowers(self) -> dict[int, int]:
-        """The other parts that hold more threads than the board now gives them: slot -> its byte."""
+    def _borrowed(self) -> bool:
+        """Whether another part holds more threads than the board now gives it (its byte: 1 + what it borrowed)."""
         flags = bytes(self._board)
-        return {j: flags[j] for j in range(len(self.slots))
-                if j != self.slot and flags[j] > 1 and flags[j] - 1 > self._borrowable(j, flags)}
+        return any(j != self.slot and flags[j] - 1 > self._borrowable(j, flags)
+                   for j in range(len(self.slots)) if flags[j])
 
     def _yield_to_borrowers(self) -> None:
         """Wait until no other part computes on threads this one's return took back, at most YIELD_S (module
         docstring)."""
         deadline = time.monotonic() + YIELD_S
-        while self._borrowers() and time.monotonic() < deadline:
+        while self._borrowed() and time.monotonic() < deadline:
             time.sleep(YIELD_POLL_S)
 
     def fit_torch(self, set_threads: Callable[[int], None] | None = None) -> int:
