@@ -299,11 +299,16 @@ class KafkaSource(SourceBase):
         return {_key(tp): self._consumer.committed(tp) for tp in self._partitions(topic)}
 
     def end_offsets(self, topic: str) -> dict[str, int]:
-        """One past the last record of each partition.
+        """One past the last record of each partition: the high watermark.
 
-        The broker's answer is verified by reading the last batch: Tansu reports the base offset of
-        the last batch + 1 instead of the high watermark, so a batch of 10 records reads as end 1.
-        On Apache Kafka the probe only confirms what the broker said."""
+        The broker's ListOffsets answer is not trusted on its own: Tansu answers with the base offset + 1 of the
+        record batch whose object was written last, so a batch of 10 records reads as end 1, and a batch whose
+        write finished after a later one's (produce requests in flight together) hides every batch after it. Each
+        partition that holds records is fetched once from there, and its end is the high watermark the fetch
+        response carries (Tansu's is the partition's watermark, the offset its produce advanced before acknowledging;
+        Apache Kafka's is the log's high watermark, which the ListOffsets answer already was). Nothing is read to
+        the end, so the answer does not depend on how many batches follow or how fast they come.
+        TransportError when the broker cannot be asked, or sends no fetch response within 10 s."""
         tps = self._partitions(topic)
         try:
             reported = self._consumer.end_offsets(tps)
@@ -311,30 +316,34 @@ class KafkaSource(SourceBase):
         except (KafkaTimeoutError, StuckClientError) as e:
             raise TransportError(f"end_offsets({topic!r}): {e}") from None
         probe_at = {tp: o - 1 for tp, o in reported.items() if o > starts[tp]}
-        true_ends = {tp: max(o, starts[tp]) for tp, o in reported.items()}
+        ends = {tp: max(o, starts[tp]) for tp, o in reported.items()}
         if probe_at:
-            true_ends.update(self._probe_last_offsets(probe_at))
-        return {_key(tp): o for tp, o in true_ends.items()}
+            ends.update({tp: max(mark, ends[tp]) for tp, mark in self._high_watermarks(probe_at).items()})
+        return {_key(tp): o for tp, o in ends.items()}
 
-    def _probe_last_offsets(self, probe_at: dict[TopicPartition, int], timeout_s: float = 10.0) -> dict[TopicPartition, int]:
+    def _high_watermarks(self, fetch_at: dict[TopicPartition, int], timeout_s: float = 10.0
+                         ) -> dict[TopicPartition, int]:
+        """The high watermark of each partition, from the response to one fetch at `fetch_at[tp]` (an offset that
+        holds a record, so the fetch is answered at once). The records it returns are dropped."""
         if self._probe is None:  # kept for the life of the source: end offsets are asked for often
             self._probe = KafkaConsumer(**{k: v for k, v in self._consumer.config.items() if k in _PROBE_KEYS})
         probe = self._probe
         try:
-            probe.assign(list(probe_at))
-            for tp, offset in probe_at.items():
+            probe.assign(list(fetch_at))  # a fresh assignment: no high watermark known yet
+            for tp, offset in fetch_at.items():
                 probe.seek(tp, offset)
-            last = {tp: offset for tp, offset in probe_at.items()}
             deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                for tp, records in probe.poll(timeout_ms=200).items():
-                    last[tp] = max(last[tp], records[-1].offset)
-                if all(probe.position(tp) is not None and probe.position(tp) > last[tp] for tp in probe_at) \
-                        and not probe.poll(timeout_ms=50):
-                    break
-            return {tp: o + 1 for tp, o in last.items()}
+            while True:
+                marks = {tp: probe.highwater(tp) for tp in fetch_at}
+                if all(mark is not None for mark in marks.values()):
+                    return marks
+                if time.monotonic() > deadline:
+                    missing = sorted(_key(tp) for tp, mark in marks.items() if mark is None)
+                    raise TransportError(f"end_offsets (reading the high watermark): no fetch response for "
+                                         f"{', '.join(missing)} within {timeout_s:.0f} s")
+                probe.poll(timeout_ms=200)
         except (KafkaTimeoutError, StuckClientError) as e:  # as every other call here: the caller's to retry
-            raise TransportError(f"end_offsets (reading the last batch): {e}") from None
+            raise TransportError(f"end_offsets (reading the high watermark): {e}") from None
         finally:
             probe.assign([])
 

@@ -5,7 +5,9 @@
   and appends after them;
 - the process that started it SIGKILLed (as a killed `rft run`): its broker processes die with it, or, when they
   were started from another thread and so outlive it, the next broker on the directory kills them first;
-- bad directories and ports get one clear error line (also from `rft broker --data`).
+- bad directories and ports get one clear error line (also from `rft broker --data`);
+- the end of a topic (`end_offsets` of rft's Kafka transport) is every acknowledged record's, after a restart too,
+  whichever batch object Tansu wrote last: its ListOffsets answer names that one.
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ from kafka.admin import NewTopic
 from kafka.structs import OffsetAndMetadata
 
 from rft.broker.local import BrokerError, LocalBroker
+from rft.config import KafkaConfig
 from rft.processes import alive
+from rft.transport import connect
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -53,7 +57,10 @@ def read_all(bootstrap: str) -> dict[tuple[int, int], bytes]:
     partitions = [TopicPartition(TOPIC, p) for p in (0, 1)]
     consumer.assign(partitions)
     consumer.seek_to_beginning()
-    end = consumer.end_offsets(partitions)
+    source = connect(KafkaConfig(bootstrap_servers=bootstrap)).source()  # the true end (the last test below)
+    ends = source.end_offsets(TOPIC)
+    source.close()
+    end = {tp: ends[f"{TOPIC}:{tp.partition}"] for tp in partitions}
     seen = {}
 
     def take() -> None:
@@ -105,6 +112,50 @@ def test_acknowledged_records_and_committed_offsets_survive_kill_9_of_both_proce
     finally:
         broker.stop()
     assert not any(alive(pid) for pid in pids + broker.pids())
+
+
+def test_a_topic_ends_after_its_last_acknowledged_record_whichever_batch_was_written_last(tmp_path):
+    """Tansu's ListOffsets (latest) answers with the base offset + 1 of the batch object modified last. Produce
+    requests in flight together can finish their writes out of order, and the object server lists modification
+    times to the millisecond, so that batch need not be the last one: rft read the end from there by reading on
+    until a 50 ms poll came back empty, which a slow fetch ended early (Tansu lists the partition's objects on every
+    fetch) and a resumed `rft run` counted 7985 of its 8000 tasks and published 15 again. Here a batch in the middle
+    is made the newest object (its file's mtime: the out-of-order finish cannot be produced on demand; the broker,
+    its object server and every record are real); the end must still be the last acknowledged record's, read from
+    the fetch response's high watermark, after a SIGKILL and restart too, and a replay must read every record."""
+    broker = LocalBroker(data_dir=tmp_path / "data", log_path=tmp_path / "broker.log").start()
+    try:
+        address = broker.bootstrap_servers
+        admin = KafkaAdminClient(bootstrap_servers=address)
+        admin.create_topics([NewTopic("batches", 1, 1)])
+        admin.close()
+        producer = KafkaProducer(bootstrap_servers=address, acks="all", linger_ms=0)
+        for i in range(150):  # each send waited for: one batch, one object each
+            producer.send("batches", f"record-{i}".encode(), partition=0).get(timeout=30)
+        producer.close()
+        records = tmp_path / "data" / "objects" / "tansu" / "clusters"
+        objects = sorted(records.glob("*/topics/batches/partitions/0000000000/records/*.batch"))
+        assert len(objects) == 150
+        newest = time.time() + 60
+        os.utime(objects[10], (newest, newest))  # batch 10 (offset 10) finished its write last
+        tp = TopicPartition("batches", 0)
+        consumer = KafkaConsumer(bootstrap_servers=address)
+        assert consumer.end_offsets([tp]) == {tp: 11}  # the fault is in effect: the broker names batch 10
+        consumer.close()
+
+        for restarted in (False, True):
+            if restarted:
+                broker.kill()
+                broker.start()
+            source = connect(KafkaConfig(bootstrap_servers=address)).source()
+            try:
+                assert source.end_offsets("batches") == {"batches:0": 150}, f"restarted={restarted}"
+                values = [m.value for m in source.read_range("batches")]
+            finally:
+                source.close()
+            assert values == [f"record-{i}".encode() for i in range(150)]
+    finally:
+        broker.stop()
 
 
 OWNER = textwrap.dedent("""

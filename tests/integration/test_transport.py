@@ -208,7 +208,7 @@ def test_dead_letter_routing(bootstrap, kafka_cfg, topic_prefix):
 
 def test_a_wedged_client_call_in_end_offsets_is_a_transport_error(bootstrap, kafka_cfg, topic_prefix):
     """kafka-python's hang (dpkp/kafka-python#3121, or a call starved on an overloaded machine) surfaces as
-    StuckClientError; end_offsets' probe of the last batch must turn it into TransportError like every other call,
+    StuckClientError; end_offsets' fetch of the high watermark must turn it into TransportError like every other call,
     which callers (admission, the stall watch) catch and retry. The wedge cannot be produced on demand, so the
     probe consumer's poll is replaced by one that raises it (the only fake here; the broker and topic are real)."""
     from rft.transport import TransportError
@@ -224,7 +224,7 @@ def test_a_wedged_client_call_in_end_offsets_is_a_transport_error(bootstrap, kaf
             raise StuckClientError("kafka-python call wait_for did not complete in 2.0 s (dpkp/kafka-python#3121)")
 
         source._probe.poll = wedged
-        with pytest.raises(TransportError, match=r"end_offsets \(reading the last batch\): kafka-python call"):
+        with pytest.raises(TransportError, match=r"end_offsets \(reading the high watermark\): kafka-python call"):
             source.end_offsets(topic)
         del source._probe.poll
         assert source.end_offsets(topic) == {f"{topic}:0": 1}  # usable again: the caller's retry works
