@@ -11,6 +11,8 @@ Served, path-style (`http://HOST:PORT/BUCKET/KEY`), credentials not checked:
   PUT object (If-None-Match: * -> 412 when it exists; If-Match: ETAG -> 412 unless the current ETag matches),
   GET / HEAD object (Range; If-Match / If-None-Match), DELETE object, POST ?delete (DeleteObjects),
   GET bucket ?list-type=2 (prefix, delimiter `/`, start-after, continuation-token, max-keys), PUT / HEAD bucket.
+  A listing without max-keys is one page of up to 100,000 keys (S3's pages hold 1,000): Tansu lists a partition's
+  every batch object on each fetch and gives up when the listing outlasts the fetch's wait.
 
 Contract (what the durable broker's guarantees rest on):
 - An object is a file `ROOT/BUCKET/KEY`. A PUT writes a temporary file beside it, fsyncs it, then, under one lock
@@ -51,7 +53,7 @@ from xml.sax.saxutils import escape
 
 TMP_PREFIX = ".rft-tmp-"
 XMLNS = "http://s3.amazonaws.com/doc/2006-03-01/"
-MAX_KEYS = 1000
+MAX_KEYS = 100_000  # a page's entries when the request names no max-keys, and the most it may ask for (S3: 1,000)
 
 
 class S3Error(Exception):
@@ -94,7 +96,7 @@ class ObjectStore:
         self.root = Path(root).resolve()
         self.fsync = fsync
         self._lock = threading.Lock()
-        self._etags: dict[Path, tuple[tuple[int, int, int], str]] = {}
+        self._etags: dict[str, tuple[tuple[int, int, int], str]] = {}  # by the file's path
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_temporaries()
 
@@ -114,11 +116,20 @@ class ObjectStore:
         with open(path, "rb") as f:
             return self._etag(path, os.fstat(f.fileno()), f)
 
+    def listed_etag(self, path: str, st: os.stat_result) -> str:
+        """The ETag of the object in the file `path` as a listing saw it (`st`): from the cache when that version
+        was hashed before (every PUT and GET hashes or caches), else hashed now."""
+        with self._lock:
+            cached = self._etags.get(path)
+            if cached and cached[0] == (st.st_ino, st.st_mtime_ns, st.st_size):
+                return cached[1]
+            return self.etag(Path(path))
+
     def _etag(self, path: Path, st: os.stat_result, f: BinaryIO) -> str:
         """The ETag of the open file `f` (stat `st`) at `path`: cached by (inode, mtime, size), else hashed (and
         `f` left at its start)."""
         signature = (st.st_ino, st.st_mtime_ns, st.st_size)
-        cached = self._etags.get(path)
+        cached = self._etags.get(str(path))
         if cached and cached[0] == signature:
             return cached[1]
         digest = hashlib.md5()
@@ -126,7 +137,7 @@ class ObjectStore:
             digest.update(chunk)
         f.seek(0)
         etag = f'"{digest.hexdigest()}"'
-        self._etags[path] = (signature, etag)
+        self._etags[str(path)] = (signature, etag)
         return etag
 
     def _makedirs(self, directory: Path) -> None:
@@ -174,7 +185,7 @@ class ObjectStore:
                     os.unlink(tmp)
                 else:
                     os.replace(tmp, target)
-                self._etags[target] = ((lambda s: (s.st_ino, s.st_mtime_ns, s.st_size))(target.stat()), etag)
+                self._etags[str(target)] = ((lambda s: (s.st_ino, s.st_mtime_ns, s.st_size))(target.stat()), etag)
                 if self.fsync:
                     _fsync_dir(target.parent)
         finally:
@@ -209,7 +220,7 @@ class ObjectStore:
                 path.unlink()
             except (FileNotFoundError, IsADirectoryError):
                 return
-            self._etags.pop(path, None)
+            self._etags.pop(str(path), None)
             parent = path.parent
             while parent != bucket_dir and parent != self.root:  # drop emptied prefixes, as S3 shows none
                 try:
@@ -220,40 +231,46 @@ class ObjectStore:
             if self.fsync and parent.exists():
                 _fsync_dir(parent)
 
-    def list(self, bucket: str, prefix: str, delimiter: str, after: str) -> tuple[list[tuple[str, os.stat_result]],
-                                                                                   list[str]]:
-        """Objects (key, stat) and common prefixes under `prefix`, sorted, all keys > `after`."""
+    def list(self, bucket: str, prefix: str, delimiter: str, after: str, limit: int | None = None
+             ) -> tuple[list[tuple[str, os.stat_result, str]], list[str]]:
+        """Objects (key, stat, file path) and common prefixes under `prefix`, sorted, all keys > `after`; with `limit`, only
+        the first `limit` of them (objects and prefixes together). Only the objects returned are stat-ed: a page of
+        a large listing costs a scan of names and a stat per entry on the page, not one per object below it."""
         bucket_dir = self.path(bucket)
         if delimiter not in ("", "/"):
             raise S3Error(400, "InvalidArgument", "only the delimiter '/' is supported")
         # every directory part of the prefix must be a plain name; the last (partial) part only filters names
         base = self.root.joinpath(*_parts(bucket, prefix.split("/")[:-1], what="prefix"))
         base_key = prefix.rsplit("/", 1)[0] + "/" if "/" in prefix else ""
-        objects, prefixes = [], set()
+        files, prefixes = {}, set()  # key -> path; common prefixes
         if not base.is_dir():
             return [], []
         if delimiter:
             for entry in os.scandir(base):
                 key = base_key + entry.name
-                if entry.name.startswith(TMP_PREFIX) or not key.startswith(prefix):
+                if entry.name.startswith(TMP_PREFIX) or not key.startswith(prefix) or key <= after:
                     continue
                 if entry.is_dir():
                     prefixes.add(key + "/")
                 elif entry.is_file():
-                    objects.append((key, entry.stat()))
+                    files[key] = entry.path
         else:
-            for dirpath, dirnames, files in os.walk(base):
+            for dirpath, dirnames, names in os.walk(base):
                 rel = os.path.relpath(dirpath, bucket_dir)
                 key_dir = "" if rel == "." else rel.replace(os.sep, "/") + "/"
-                for name in files:
+                for name in names:
                     key = key_dir + name
-                    if not name.startswith(TMP_PREFIX) and key.startswith(prefix):
-                        try:
-                            objects.append((key, os.stat(os.path.join(dirpath, name))))
-                        except FileNotFoundError:
-                            pass
-        objects = sorted((o for o in objects if o[0] > after), key=lambda o: o[0])
-        return objects, sorted(p for p in prefixes if p > after)
+                    if not name.startswith(TMP_PREFIX) and key.startswith(prefix) and key > after:
+                        files[key] = os.path.join(dirpath, name)
+        page = sorted([*files, *prefixes])[:limit]
+        objects = []
+        for key in page:
+            if key in files:
+                try:
+                    objects.append((key, os.stat(files[key]), files[key]))
+                except FileNotFoundError:  # deleted since the scan
+                    pass
+        return objects, [k for k in page if k not in files]
 
 
 def _parts(bucket: str, parts: list[str], *, what: str) -> list[str]:
@@ -406,8 +423,8 @@ class Handler(BaseHTTPRequestHandler):
         if not max_keys.isdigit():
             raise S3Error(400, "InvalidArgument", f"max-keys {max_keys!r} is not a number >= 0")
         max_keys = min(int(max_keys), MAX_KEYS)
-        objects, prefixes = self.store.list(bucket, prefix, delimiter, after)
-        entries = sorted([(k, st) for k, st in objects] + [(p, None) for p in prefixes], key=lambda e: e[0])
+        objects, prefixes = self.store.list(bucket, prefix, delimiter, after, limit=max_keys + 1)
+        entries = sorted([(k, st, f) for k, st, f in objects] + [(p, None, None) for p in prefixes], key=lambda e: e[0])
         truncated = len(entries) > max_keys
         entries = entries[:max_keys]
         parts = [f'<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult xmlns="{XMLNS}">',
@@ -416,14 +433,12 @@ class Handler(BaseHTTPRequestHandler):
                  f"<IsTruncated>{'true' if truncated else 'false'}</IsTruncated>"]
         if delimiter:
             parts.append(f"<Delimiter>{escape(delimiter)}</Delimiter>")
-        for k, st in entries:
+        for k, st, file in entries:
             if st is None:
                 parts.append(f"<CommonPrefixes><Prefix>{escape(k)}</Prefix></CommonPrefixes>")
             else:
-                path = self.store.path(bucket, k)
                 try:
-                    with self.store._lock:
-                        etag = self.store.etag(path)
+                    etag = self.store.listed_etag(file, st)
                 except FileNotFoundError:
                     continue
                 parts.append(f"<Contents><Key>{escape(k)}</Key><LastModified>{_iso(st.st_mtime)}</LastModified>"

@@ -102,6 +102,34 @@ def test_reads_lists_and_deletes(s3):
     assert keys(body, "CommonPrefixes") == ["t/p0/"]  # an emptied prefix is gone, as on S3
 
 
+def test_a_listing_without_max_keys_is_one_page_with_each_objects_etag(s3):
+    """Tansu lists a partition's every batch object on each fetch, and its fetch gives up when the listing outlasts
+    the fetch's max wait: 1,000-key pages, each stat-ing the whole directory, stalled a consumer at the tail of a
+    20,000-batch partition for good. A request without max-keys gets every key in one page (S3 caps pages at 1,000;
+    clients follow IsTruncated either way), with the ETag of each object's current content."""
+    import hashlib
+
+    for i in range(1200):
+        assert s3.request("PUT", f"/b/r/{i:05d}.batch", f"batch {i}".encode())[0] == 200
+    assert s3.request("PUT", "/b/r/00007.batch", b"rewritten")[0] == 200
+    status, _, body = s3.request("GET", "/b?list-type=2&prefix=r/")
+    root = ElementTree.fromstring(body)
+    assert status == 200 and root.findtext("{*}IsTruncated") == "false"
+    listed = {e.findtext("{*}Key"): e.findtext("{*}ETag") for e in root if e.tag.endswith("Contents")}
+    assert list(listed) == [f"r/{i:05d}.batch" for i in range(1200)]
+    contents = {f"r/{i:05d}.batch": f"batch {i}".encode() for i in range(1200)} | {"r/00007.batch": b"rewritten"}
+    assert listed == {k: f'"{hashlib.md5(v).hexdigest()}"' for k, v in contents.items()}
+
+    # pages mixing common prefixes and objects, after a token
+    for key in ("d/a/x", "d/b", "d/c/y", "d/d"):
+        assert s3.request("PUT", f"/b/{key}", b"-")[0] == 200
+    _, _, body = s3.request("GET", "/b?list-type=2&prefix=d/&delimiter=/&max-keys=3")
+    assert (keys(body, "CommonPrefixes"), keys(body, "Contents")) == (["d/a/", "d/c/"], ["d/b"])
+    token = ElementTree.fromstring(body).findtext("{*}NextContinuationToken")
+    _, _, body = s3.request("GET", f"/b?list-type=2&prefix=d/&delimiter=/&max-keys=3&continuation-token={token}")
+    assert (keys(body, "CommonPrefixes"), keys(body, "Contents")) == ([], ["d/d"])
+
+
 def test_objects_survive_a_restart_with_their_etags(tmp_path):
     first = Server(tmp_path / "objects")
     etag = first.request("PUT", "/b/k", b"kept", If_None_Match="*")[1]["ETag"]
