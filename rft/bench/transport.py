@@ -15,6 +15,11 @@ encoded before the clock starts: this measures the transport, not msgpack.
 `--durable`: the same against the durable local broker (`LocalBroker(data_dir=...)`: Tansu on rft.broker.objects, every
 object fsynced before it is acknowledged), its data in a temporary directory under the current one (or `--data
 DIR`), removed afterwards; compare with a run without it (the in-memory broker).
+
+`--tail-batches N`: instead, a long partition: N records sent one at a time (each acknowledged before the next, so
+N batches; Tansu keeps each as one object) into a one-partition topic, then the seconds to learn its end
+(`end_offsets`) and to read its last 10 records from a fresh source, as a consumer at the tail of a long run's topic
+does (Tansu lists every batch object of the partition on each fetch).
 """
 from __future__ import annotations
 
@@ -225,6 +230,41 @@ def run_benchmark(clients: list[str], counts: dict[str, int], repeats: int, cfg:
     return results
 
 
+def tail_read(batches: int, cfg: KafkaConfig, data_dir: str | Path | None = None, tail: int = 10) -> dict:
+    """`--tail-batches` (module docstring): {"batches", "produce_s", "end_offsets_s", "tail_read_s", "tail"}."""
+    topic = f"bench-tail-{batches}"
+    with LocalBroker(data_dir=data_dir) as broker:
+        bootstrap = broker.bootstrap_servers
+        admin = connect(cfg, bootstrap).admin()
+        admin.create_topics([topic], partitions=1)
+        admin.close()
+        sink = connect(cfg, bootstrap).sink(client_id="bench")
+        started = time.perf_counter()
+        try:
+            for i in range(batches):
+                sink.send(topic, f"record {i}".encode(), partition=0).get(timeout=60)
+                if (i + 1) % 5000 == 0:
+                    print(f"  {i + 1} of {batches} batches sent", flush=True)
+        finally:
+            sink.close()
+        produce_s = time.perf_counter() - started
+        source = connect(cfg, bootstrap).source(client_id="bench")
+        try:
+            started = time.perf_counter()
+            end = source.end_offsets(topic)[f"{topic}:0"]
+            end_s = time.perf_counter() - started
+            if end != batches:
+                raise RuntimeError(f"{topic} ends at {end}, not at the {batches} records sent")
+            started = time.perf_counter()
+            read = list(source.read_offsets({f"{topic}:0": end - tail}, {f"{topic}:0": end}, idle_timeout_s=60))
+            tail_s = time.perf_counter() - started
+        finally:
+            source.close()
+    if [m.value for m in read] != [f"record {i}".encode() for i in range(batches - tail, batches)]:
+        raise RuntimeError(f"the last {tail} records of {topic} did not read back as sent")
+    return {"batches": batches, "produce_s": produce_s, "end_offsets_s": end_s, "tail_read_s": tail_s, "tail": tail}
+
+
 def ratios(results: list[Result]) -> dict[str, dict[str, float]]:
     """confluent-kafka / kafka-python throughput per size and direction (>1: librdkafka is faster)."""
     by = {(r.size, r.client): r for r in results}
@@ -268,19 +308,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--durable", action="store_true", help="the durable local broker instead of the in-memory "
                         "one (its data in a temporary directory here, or --data)")
     parser.add_argument("--data", default=None, metavar="DIR", help="--durable: keep the broker data in DIR (kept)")
+    parser.add_argument("--tail-batches", type=int, default=0, metavar="N",
+                        help="measure reading the tail of a one-partition topic of N one-record batches instead")
     args = parser.parse_args(argv)
+    if args.tail_batches < 0 or 0 < args.tail_batches < 10:
+        parser.error(f"--tail-batches must be 0 (off) or at least 10, got {args.tail_batches}")
     if args.records < LARGE_RECORD_SHARE:
         parser.error(f"--records must be at least {LARGE_RECORD_SHARE}")
     clients = ["kafka-python"] + (["confluent-kafka"] if confluent_available() and not args.no_reference else [])
     counts = {"20KB": args.records, "1MB": args.records // LARGE_RECORD_SHARE}
     data_dir = (args.data or tempfile.mkdtemp(prefix=".bench-broker-", dir=".")) if args.durable else None
+    broker = "durable" if args.durable else "memory"
+    if args.tail_batches:
+        try:
+            result = {"broker": broker, **tail_read(args.tail_batches, KafkaConfig(), data_dir=data_dir)}
+        finally:
+            if data_dir is not None and args.data is None:
+                shutil.rmtree(data_dir, ignore_errors=True)
+        print(json.dumps(result) if args.json else
+              f"broker {broker}: {result['batches']} batches sent in {result['produce_s']:.1f} s; end_offsets "
+              f"{result['end_offsets_s']:.2f} s; the last {result['tail']} records read in {result['tail_read_s']:.2f} s")
+        return 0
     try:
         results = run_benchmark(clients, counts, max(1, args.repeat), KafkaConfig(partitions=4), data_dir=data_dir)
     finally:
         if data_dir is not None and args.data is None:
             shutil.rmtree(data_dir, ignore_errors=True)
     ratio = ratios(results)
-    broker = "durable" if args.durable else "memory"
     if args.json:
         print(json.dumps({"unit": "MB = 1e6 bytes of record values", "broker": broker,
                           "results": [asdict(r) for r in results],

@@ -158,6 +158,18 @@ def test_a_topic_ends_after_its_last_acknowledged_record_whichever_batch_was_wri
         broker.stop()
 
 
+def test_the_tail_benchmark_reads_back_the_last_records_of_a_long_partition(tmp_path):
+    """`rft bench transport --durable --tail-batches N` (docs/operations.md, "Long partitions"): N batches, its end
+    and its last 10 records read back as sent (it raises otherwise)."""
+    from rft.bench.transport import tail_read
+
+    result = tail_read(40, KafkaConfig(), data_dir=tmp_path / "data")
+    assert result["batches"] == 40 and result["tail"] == 10
+    assert all(result[k] > 0 for k in ("produce_s", "end_offsets_s", "tail_read_s"))
+    objects = list((tmp_path / "data" / "objects").rglob("*/topics/bench-tail-40/partitions/*/records/*.batch"))
+    assert len(objects) == 40  # one object per batch: what makes a partition long for Tansu
+
+
 OWNER = textwrap.dedent("""
     import sys, threading, time
     from rft.broker.local import LocalBroker
