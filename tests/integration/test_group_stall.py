@@ -121,7 +121,9 @@ def test_wedged_group_is_reported_and_the_explorers_recover(broker, tiny_model, 
                          alive=alive, log_dir=logs)
         report = collect(cfg)
         assert report["tasks"]["group"] == f"{consumer_group(cfg)}.1" and report["fleet"]["stalled"] is None
-        assert watch.check()["stalled"] is None and said[-1].startswith("[rft] recovered: 0 tasks pending")
+        before = len(said)  # this check says `recovered`, then the idle line if the explorers are idle by now
+        assert watch.check()["stalled"] is None and said[before].startswith("[rft] recovered: 0 tasks pending"), said
+        assert all(line.startswith("[rft] explorers idle:") for line in said[before + 1:]), said
         late = GroupFollower(transport, consumer_group(cfg), cfg.topic("control"), client_id="late-follower")
         assert late.group == f"{consumer_group(cfg)}.1"  # found by replay
         control.wait_for(lambda: follower.group == late.group, timeout_s=20, what="the follower to follow the move")
