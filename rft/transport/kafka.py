@@ -8,6 +8,7 @@ record metadata) stay inside this module: positions leave as "topic:partition" s
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -36,6 +37,9 @@ _OVERHEAD_BYTES = 64 * 1024  # room for the batch and header framing around one 
 
 
 _STUCK_CALL_S = 20.0
+HOLE_WAIT_S = 30.0  # a hole in a partition's offsets still there after this long is passed over (KafkaSource.poll)
+
+log = logging.getLogger(__name__)
 
 
 class StuckClientError(RuntimeError):
@@ -198,7 +202,16 @@ class _JoinListener(ConsumerRebalanceListener):
 class KafkaSource(SourceBase):
     """rft.transport.RecordSource on a kafka-python consumer. `group` joins a consumer group (subscribe);
     without one, partitions are assigned explicitly with `assign()` / `seek()` (replay, trainer with stored
-    offsets)."""
+    offsets).
+
+    Holes. Without a group, `poll` hands out each partition's records without a gap from the offset it was sought
+    to: rft writes no transactions and compacts nothing, so every offset holds a record, and a record past a missing
+    one means the missing one is not readable yet. Tansu advances a partition's watermark before it writes the
+    batch (rft's embedded broker): with two producers on one partition (explorers on the experiences topic) the
+    later batch can be listed before the earlier one, and a fetch at the earlier offset then answers with the later
+    batch, which kafka-python hands out, passing over the earlier one for good. Here the source seeks back to the
+    missing offset and polls again; a hole still there after HOLE_WAIT_S (a batch whose write failed after the
+    watermark moved) is passed over with a warning naming it."""
 
     def __init__(self, cfg: KafkaConfig, bootstrap: str, *, group: str | None = None,
                  topics: Iterable[str] = (), client_id: str = "rft", from_beginning: bool = True,
@@ -215,6 +228,8 @@ class KafkaSource(SourceBase):
         self._consumer = _connect(KafkaConsumer, "consumer", bootstrap, **settings)
         self._probe = None
         self.group = group
+        self._next: dict[TopicPartition, int] = {}  # without a group: the offset each partition reads next
+        self._holes: dict[tuple[TopicPartition, int], float] = {}  # (partition, missing offset) -> first seen
         self._joined = threading.Event()
         if topics:
             if group is None:
@@ -243,9 +258,30 @@ class KafkaSource(SourceBase):
         except (KafkaTimeoutError, StuckClientError) as e:
             raise TransportError(f"poll: {e}") from None
         out = [Message(r.topic, r.partition, r.offset, r.key, r.value, list(r.headers or []), r.timestamp)
-               for records in batches.values() for r in records]
+               for tp, records in batches.items() for r in self._without_holes(tp, records)]
         out.sort(key=lambda m: (m.topic, m.partition, m.offset))
         return out
+
+    def _without_holes(self, tp: TopicPartition, records: list) -> list:
+        """`records` (one partition's, in offset order) up to the first hole after the offset this source read
+        next (class docstring); at a hole, seeks back to it. In group mode, or before a `seek`, all of them."""
+        expected = self._next.get(tp)
+        if self.group is not None or expected is None:
+            return records
+        kept = []
+        for r in records:
+            if r.offset > expected:
+                first_seen = self._holes.setdefault((tp, expected), time.monotonic())
+                if time.monotonic() - first_seen < HOLE_WAIT_S:
+                    self._consumer.seek(tp, expected)  # drops what kafka-python fetched past the hole
+                    break
+                log.warning("%s: offsets %d to %d never became readable in %.0f s: going on from %d", _key(tp),
+                            expected, r.offset - 1, HOLE_WAIT_S, r.offset)
+                del self._holes[(tp, expected)]
+            kept.append(r)
+            expected = r.offset + 1
+        self._next[tp] = expected
+        return kept
 
     def _unstick_validation(self) -> None:
         """kafka-python 3.0.12 can stop fetching a partition whose position awaits leader-epoch validation
@@ -267,6 +303,7 @@ class KafkaSource(SourceBase):
     def assign(self, topics: Iterable[str]) -> list[str]:
         tps = [tp for t in topics for tp in self._partitions(t)]
         self._consumer.assign(tps)
+        self._next.clear()  # read from wherever kafka-python positions them, unchecked until a seek
         return [_key(tp) for tp in tps]
 
     def assignment(self) -> set[str]:
@@ -281,9 +318,11 @@ class KafkaSource(SourceBase):
                 self._consumer.assign(list(assigned | set(tps)))
         for tp, offset in tps.items():
             self._consumer.seek(tp, offset)
+            self._next[tp] = offset
 
     def seek_to_beginning(self) -> None:
         self._consumer.seek_to_beginning()
+        self._next.clear()
 
     def positions(self) -> dict[str, int]:
         return {_key(tp): self._consumer.position(tp) for tp in self._consumer.assignment()}
@@ -383,6 +422,7 @@ class KafkaSource(SourceBase):
             raise TransportError("read_range / read_offsets need a source without a consumer group")
         pending = {k for k in begin if begin[k] < stop.get(k, 0)}
         self._consumer.assign([_tp(k) for k in sorted(pending)])
+        self._next.clear()
         self.seek({k: begin[k] for k in pending})
         last_progress = time.monotonic()
         while pending:

@@ -7,7 +7,9 @@
   were started from another thread and so outlive it, the next broker on the directory kills them first;
 - bad directories and ports get one clear error line (also from `rft broker --data`);
 - the end of a topic (`end_offsets` of rft's Kafka transport) is every acknowledged record's, after a restart too,
-  whichever batch object Tansu wrote last: its ListOffsets answer names that one.
+  whichever batch object Tansu wrote last: its ListOffsets answer names that one;
+- a source reading from sought offsets never passes over a batch that is not readable yet (Tansu writes a batch
+  after advancing the watermark), unless it stays missing for HOLE_WAIT_S.
 """
 from __future__ import annotations
 
@@ -154,6 +156,59 @@ def test_a_topic_ends_after_its_last_acknowledged_record_whichever_batch_was_wri
             finally:
                 source.close()
             assert values == [f"record-{i}".encode() for i in range(150)]
+    finally:
+        broker.stop()
+
+
+def test_a_batch_not_readable_yet_is_waited_for_not_passed_over(tmp_path, monkeypatch, caplog):
+    """Tansu advances a partition's watermark, then writes the batch: with two producers on one partition, a later
+    batch can be listed while an earlier one is still being written, and a fetch at the earlier offset answers with
+    the later one, which kafka-python hands out (the trainer would never train the group in between). The write in
+    progress is made by moving batch 5's object out of the listing (it cannot be timed on demand; the broker, its
+    object server and the records are real): the source must hand out 0-4, then nothing, and 5-9 once it is back;
+    a batch that never comes back is passed over after HOLE_WAIT_S, with a warning naming the offsets."""
+    import rft.transport.kafka as kafka_transport
+
+    broker = LocalBroker(data_dir=tmp_path / "data", log_path=tmp_path / "broker.log").start()
+    try:
+        address = broker.bootstrap_servers
+        admin = KafkaAdminClient(bootstrap_servers=address)
+        admin.create_topics([NewTopic("holes", 1, 1)])
+        admin.close()
+        producer = KafkaProducer(bootstrap_servers=address, acks="all", linger_ms=0)
+        for i in range(10):  # one batch, one object each
+            producer.send("holes", f"record-{i}".encode(), partition=0).get(timeout=30)
+        producer.close()
+        records = next((tmp_path / "data" / "objects").rglob("topics/holes/partitions/0000000000/records"))
+        batch5, aside = records / f"{5:020d}.batch", tmp_path / "batch5"
+        batch5.rename(aside)
+
+        source = connect(KafkaConfig(bootstrap_servers=address)).source()
+        try:
+            source.assign(["holes"])
+            source.seek({"holes:0": 0})
+            got = []
+            wait_until(lambda: len(got) >= 5, timeout=30, between=lambda: got.extend(source.poll(timeout_s=0.5)),
+                       what="records 0-4")
+            for _ in range(6):  # a test of absence: kafka-python has the batches past the hole after one fetch
+                got.extend(source.poll(timeout_s=0.5))
+            assert [m.offset for m in got] == [0, 1, 2, 3, 4]
+            aside.rename(batch5)  # the write finishes
+            wait_until(lambda: len(got) >= 10, timeout=30, between=lambda: got.extend(source.poll(timeout_s=0.5)),
+                       what="records 5-9")
+            assert [m.value for m in got] == [f"record-{i}".encode() for i in range(10)]
+
+            monkeypatch.setattr(kafka_transport, "HOLE_WAIT_S", 1.0)
+            batch5.rename(aside)  # now for good: a write that failed after the watermark moved
+            source.seek({"holes:0": 0})
+            got = []
+            with caplog.at_level("WARNING", logger="rft.transport.kafka"):
+                wait_until(lambda: len(got) >= 9, timeout=30,
+                           between=lambda: got.extend(source.poll(timeout_s=0.5)), what="records past the hole")
+            assert [m.offset for m in got] == [0, 1, 2, 3, 4, 6, 7, 8, 9]
+            assert "holes:0: offsets 5 to 5 never became readable" in caplog.text
+        finally:
+            source.close()
     finally:
         broker.stop()
 
