@@ -116,6 +116,19 @@ def test_acknowledged_records_and_committed_offsets_survive_kill_9_of_both_proce
     assert not any(alive(pid) for pid in pids + broker.pids())
 
 
+def one_batch_each(bootstrap: str, topic: str, count: int, data_dir: Path) -> Path:
+    """A new one-partition `topic` of `count` records `record-<i>`, each send waited for (so one batch, and one
+    object in the durable broker's store, each); returns the directory of those objects."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.create_topics([NewTopic(topic, 1, 1)])
+    admin.close()
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
+    for i in range(count):
+        producer.send(topic, f"record-{i}".encode(), partition=0).get(timeout=30)
+    producer.close()
+    return next((data_dir / "objects").rglob(f"topics/{topic}/partitions/0000000000/records"))
+
+
 def test_a_topic_ends_after_its_last_acknowledged_record_whichever_batch_was_written_last(tmp_path):
     """Tansu's ListOffsets (latest) answers with the base offset + 1 of the batch object modified last. Produce
     requests in flight together can finish their writes out of order, and the object server lists modification
@@ -128,15 +141,8 @@ def test_a_topic_ends_after_its_last_acknowledged_record_whichever_batch_was_wri
     broker = LocalBroker(data_dir=tmp_path / "data", log_path=tmp_path / "broker.log").start()
     try:
         address = broker.bootstrap_servers
-        admin = KafkaAdminClient(bootstrap_servers=address)
-        admin.create_topics([NewTopic("batches", 1, 1)])
-        admin.close()
-        producer = KafkaProducer(bootstrap_servers=address, acks="all", linger_ms=0)
-        for i in range(150):  # each send waited for: one batch, one object each
-            producer.send("batches", f"record-{i}".encode(), partition=0).get(timeout=30)
-        producer.close()
-        records = tmp_path / "data" / "objects" / "tansu" / "clusters"
-        objects = sorted(records.glob("*/topics/batches/partitions/0000000000/records/*.batch"))
+        records = one_batch_each(address, "batches", 150, tmp_path / "data")
+        objects = sorted(records.glob("*.batch"))
         assert len(objects) == 150
         newest = time.time() + 60
         os.utime(objects[10], (newest, newest))  # batch 10 (offset 10) finished its write last
@@ -172,14 +178,7 @@ def test_a_batch_not_readable_yet_is_waited_for_not_passed_over(tmp_path, monkey
     broker = LocalBroker(data_dir=tmp_path / "data", log_path=tmp_path / "broker.log").start()
     try:
         address = broker.bootstrap_servers
-        admin = KafkaAdminClient(bootstrap_servers=address)
-        admin.create_topics([NewTopic("holes", 1, 1)])
-        admin.close()
-        producer = KafkaProducer(bootstrap_servers=address, acks="all", linger_ms=0)
-        for i in range(10):  # one batch, one object each
-            producer.send("holes", f"record-{i}".encode(), partition=0).get(timeout=30)
-        producer.close()
-        records = next((tmp_path / "data" / "objects").rglob("topics/holes/partitions/0000000000/records"))
+        records = one_batch_each(address, "holes", 10, tmp_path / "data")
         batch5, aside = records / f"{5:020d}.batch", tmp_path / "batch5"
         batch5.rename(aside)
 
