@@ -199,6 +199,42 @@ class _JoinListener(ConsumerRebalanceListener):
         self._joined.set()
 
 
+class _GaplessReads:
+    """Each partition's records without a gap from the offset it was sought to (KafkaSource's docstring, "Holes")."""
+
+    def __init__(self):
+        self._next: dict[TopicPartition, int] = {}  # the offset each sought partition reads next
+        self._first_seen: dict[tuple[TopicPartition, int], float] = {}  # (partition, missing offset) -> monotonic s
+
+    def sought(self, tp: TopicPartition, offset: int) -> None:
+        self._next[tp] = offset
+
+    def forget(self) -> None:
+        """Positions moved where this cannot follow (assign, seek to the beginning): check nothing until a seek."""
+        self._next.clear()
+
+    def records(self, tp: TopicPartition, records: list, consumer: KafkaConsumer) -> list:
+        """`records` (one partition's, in offset order) up to the first hole after the offset it reads next; at a
+        hole younger than HOLE_WAIT_S, seeks `consumer` back to it (dropping what it fetched past it)."""
+        expected = self._next.get(tp)
+        if expected is None:
+            return records
+        kept = []
+        for r in records:
+            if r.offset > expected:
+                first_seen = self._first_seen.setdefault((tp, expected), time.monotonic())
+                if time.monotonic() - first_seen < HOLE_WAIT_S:
+                    consumer.seek(tp, expected)
+                    break
+                log.warning("%s: offsets %d to %d never became readable in %.0f s: going on from %d", _key(tp),
+                            expected, r.offset - 1, HOLE_WAIT_S, r.offset)
+                del self._first_seen[(tp, expected)]
+            kept.append(r)
+            expected = r.offset + 1
+        self._next[tp] = expected
+        return kept
+
+
 class KafkaSource(SourceBase):
     """rft.transport.RecordSource on a kafka-python consumer. `group` joins a consumer group (subscribe);
     without one, partitions are assigned explicitly with `assign()` / `seek()` (replay, trainer with stored
@@ -228,8 +264,7 @@ class KafkaSource(SourceBase):
         self._consumer = _connect(KafkaConsumer, "consumer", bootstrap, **settings)
         self._probe = None
         self.group = group
-        self._next: dict[TopicPartition, int] = {}  # without a group: the offset each partition reads next
-        self._holes: dict[tuple[TopicPartition, int], float] = {}  # (partition, missing offset) -> first seen
+        self._gapless = _GaplessReads()  # without a group (class docstring, "Holes")
         self._joined = threading.Event()
         if topics:
             if group is None:
@@ -258,30 +293,10 @@ class KafkaSource(SourceBase):
         except (KafkaTimeoutError, StuckClientError) as e:
             raise TransportError(f"poll: {e}") from None
         out = [Message(r.topic, r.partition, r.offset, r.key, r.value, list(r.headers or []), r.timestamp)
-               for tp, records in batches.items() for r in self._without_holes(tp, records)]
+               for tp, records in batches.items()
+               for r in (records if self.group is not None else self._gapless.records(tp, records, self._consumer))]
         out.sort(key=lambda m: (m.topic, m.partition, m.offset))
         return out
-
-    def _without_holes(self, tp: TopicPartition, records: list) -> list:
-        """`records` (one partition's, in offset order) up to the first hole after the offset this source read
-        next (class docstring); at a hole, seeks back to it. In group mode, or before a `seek`, all of them."""
-        expected = self._next.get(tp)
-        if self.group is not None or expected is None:
-            return records
-        kept = []
-        for r in records:
-            if r.offset > expected:
-                first_seen = self._holes.setdefault((tp, expected), time.monotonic())
-                if time.monotonic() - first_seen < HOLE_WAIT_S:
-                    self._consumer.seek(tp, expected)  # drops what kafka-python fetched past the hole
-                    break
-                log.warning("%s: offsets %d to %d never became readable in %.0f s: going on from %d", _key(tp),
-                            expected, r.offset - 1, HOLE_WAIT_S, r.offset)
-                del self._holes[(tp, expected)]
-            kept.append(r)
-            expected = r.offset + 1
-        self._next[tp] = expected
-        return kept
 
     def _unstick_validation(self) -> None:
         """kafka-python 3.0.12 can stop fetching a partition whose position awaits leader-epoch validation
@@ -303,7 +318,7 @@ class KafkaSource(SourceBase):
     def assign(self, topics: Iterable[str]) -> list[str]:
         tps = [tp for t in topics for tp in self._partitions(t)]
         self._consumer.assign(tps)
-        self._next.clear()  # read from wherever kafka-python positions them, unchecked until a seek
+        self._gapless.forget()  # read from wherever kafka-python positions them, unchecked until a seek
         return [_key(tp) for tp in tps]
 
     def assignment(self) -> set[str]:
@@ -318,11 +333,11 @@ class KafkaSource(SourceBase):
                 self._consumer.assign(list(assigned | set(tps)))
         for tp, offset in tps.items():
             self._consumer.seek(tp, offset)
-            self._next[tp] = offset
+            self._gapless.sought(tp, offset)
 
     def seek_to_beginning(self) -> None:
         self._consumer.seek_to_beginning()
-        self._next.clear()
+        self._gapless.forget()
 
     def positions(self) -> dict[str, int]:
         return {_key(tp): self._consumer.position(tp) for tp in self._consumer.assignment()}
@@ -422,7 +437,7 @@ class KafkaSource(SourceBase):
             raise TransportError("read_range / read_offsets need a source without a consumer group")
         pending = {k for k in begin if begin[k] < stop.get(k, 0)}
         self._consumer.assign([_tp(k) for k in sorted(pending)])
-        self._next.clear()
+        self._gapless.forget()
         self.seek({k: begin[k] for k in pending})
         last_progress = time.monotonic()
         while pending:
