@@ -37,7 +37,7 @@ _OVERHEAD_BYTES = 64 * 1024  # room for the batch and header framing around one 
 
 
 _STUCK_CALL_S = 20.0
-HOLE_WAIT_S = 30.0  # a hole in a partition's offsets still there after this long is passed over (KafkaSource.poll)
+HOLE_WAIT_S = 5.0  # a hole in a partition's offsets still there after this long is passed over (KafkaSource.poll)
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +203,7 @@ class _GaplessReads:
     """Each partition's records without a gap from the offset it was sought to (KafkaSource's docstring, "Holes")."""
 
     def __init__(self):
+        self.wait_s: float | None = None  # how long a hole is waited for; None: HOLE_WAIT_S
         self._next: dict[TopicPartition, int] = {}  # the offset each sought partition reads next
         self._first_seen: dict[tuple[TopicPartition, int], float] = {}  # (partition, missing offset) -> monotonic s
 
@@ -223,11 +224,12 @@ class _GaplessReads:
         for r in records:
             if r.offset > expected:
                 first_seen = self._first_seen.setdefault((tp, expected), time.monotonic())
-                if time.monotonic() - first_seen < HOLE_WAIT_S:
+                wait_s = HOLE_WAIT_S if self.wait_s is None else self.wait_s
+                if time.monotonic() - first_seen < wait_s:
                     consumer.seek(tp, expected)
                     break
-                log.warning("%s: offsets %d to %d never became readable in %.0f s: going on from %d", _key(tp),
-                            expected, r.offset - 1, HOLE_WAIT_S, r.offset)
+                log.warning("%s: offsets %d to %d never became readable in %.1f s: going on from %d", _key(tp),
+                            expected, r.offset - 1, wait_s, r.offset)
                 del self._first_seen[(tp, expected)]
             kept.append(r)
             expected = r.offset + 1
@@ -247,7 +249,9 @@ class KafkaSource(SourceBase):
     later batch can be listed before the earlier one, and a fetch at the earlier offset then answers with the later
     batch, which kafka-python hands out, passing over the earlier one for good. Here the source seeks back to the
     missing offset and polls again; a hole still there after HOLE_WAIT_S (a batch whose write failed after the
-    watermark moved) is passed over with a warning naming it."""
+    watermark moved, or that a SIGKILL of the broker cut off) is passed over with a warning naming it. `read_offsets`
+    waits a quarter of its idle timeout at a hole, and ends a partition whose position stays below its stop offset for
+    half of it while the broker answers its fetches: the rest are holes (a tail a SIGKILL cut off)."""
 
     def __init__(self, cfg: KafkaConfig, bootstrap: str, *, group: str | None = None,
                  topics: Iterable[str] = (), client_id: str = "rft", from_beginning: bool = True,
@@ -439,25 +443,38 @@ class KafkaSource(SourceBase):
         self._consumer.assign([_tp(k) for k in sorted(pending)])
         self._gapless.forget()
         self.seek({k: begin[k] for k in pending})
+        self._gapless.wait_s = idle_timeout_s / 4
         last_progress = time.monotonic()
-        while pending:
-            messages = self.poll(timeout_s=0.5)
-            if messages:
-                last_progress = time.monotonic()
-            elif time.monotonic() - last_progress > idle_timeout_s:
-                raise TransportError(f"replay stalled: partitions {sorted(pending)} "
-                                     f"returned nothing for {idle_timeout_s:.0f} s")
-            for m in messages:
-                if m.position not in pending or m.offset >= stop[m.position]:
-                    continue
-                if (from_time_ms is None or m.timestamp_ms >= from_time_ms) and \
-                        (to_time_ms is None or m.timestamp_ms < to_time_ms):
-                    yield m
-                if m.offset + 1 >= stop[m.position]:
-                    pending.discard(m.position)
-            for key in list(pending):
-                if self._consumer.position(_tp(key)) >= stop[key]:
-                    pending.discard(key)
+        moved = dict.fromkeys(pending, last_progress)
+        try:
+            while pending:
+                messages = self.poll(timeout_s=0.5)
+                now = time.monotonic()
+                if messages:
+                    last_progress = now
+                elif now - last_progress > idle_timeout_s:
+                    raise TransportError(f"replay stalled: partitions {sorted(pending)} "
+                                         f"returned nothing for {idle_timeout_s:.0f} s")
+                for m in messages:
+                    moved[m.position] = now
+                    if m.position not in pending or m.offset >= stop[m.position]:
+                        continue
+                    if (from_time_ms is None or m.timestamp_ms >= from_time_ms) and \
+                            (to_time_ms is None or m.timestamp_ms < to_time_ms):
+                        yield m
+                    if m.offset + 1 >= stop[m.position]:
+                        pending.discard(m.position)
+                for key in list(pending):
+                    tp = _tp(key)
+                    position = self._consumer.position(tp)
+                    if position >= stop[key]:
+                        pending.discard(key)
+                    elif now - moved[key] > idle_timeout_s / 2 and self._consumer.highwater(tp) is not None:
+                        log.warning("%s: offsets %d to %d never became readable in %.1f s: the read ends there",
+                                    key, position, stop[key] - 1, idle_timeout_s / 2)
+                        pending.discard(key)
+        finally:
+            self._gapless.wait_s = None
 
     def fetch(self, position: str, offset: int, *, idle_timeout_s: float = 10.0) -> Optional[Message]:
         """The record at `offset` of `position` ("topic:partition"), re-read by seeking to it; None when the

@@ -172,7 +172,9 @@ def test_a_batch_not_readable_yet_is_waited_for_not_passed_over(tmp_path, monkey
     the later one, which kafka-python hands out (the trainer would never train the group in between). The write in
     progress is made by moving batch 5's object out of the listing (it cannot be timed on demand; the broker, its
     object server and the records are real): the source must hand out 0-4, then nothing, and 5-9 once it is back;
-    a batch that never comes back is passed over after HOLE_WAIT_S, with a warning naming the offsets."""
+    a batch that never comes back is passed over after HOLE_WAIT_S, with a warning naming the offsets, and a read
+    bounded by the end (`read_range`) ends at a tail that never comes (a SIGKILL between the two writes: an e2e run
+    once stalled on one in its control topic)."""
     import rft.transport.kafka as kafka_transport
 
     broker = LocalBroker(data_dir=tmp_path / "data", log_path=tmp_path / "broker.log").start()
@@ -206,6 +208,13 @@ def test_a_batch_not_readable_yet_is_waited_for_not_passed_over(tmp_path, monkey
                            between=lambda: got.extend(source.poll(timeout_s=0.5)), what="records past the hole")
             assert [m.offset for m in got] == [0, 1, 2, 3, 4, 6, 7, 8, 9]
             assert "holes:0: offsets 5 to 5 never became readable" in caplog.text
+
+            # a tail a SIGKILL cut off (the watermark moved, the batch never written): a bounded read ends there
+            (records / f"{9:020d}.batch").rename(tmp_path / "batch9")
+            with caplog.at_level("WARNING", logger="rft.transport.kafka"):
+                read = list(source.read_range("holes", idle_timeout_s=4.0))
+            assert [m.offset for m in read] == [0, 1, 2, 3, 4, 6, 7, 8]
+            assert "holes:0: offsets 9 to 9 never became readable" in caplog.text
         finally:
             source.close()
     finally:
