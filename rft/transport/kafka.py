@@ -213,6 +213,7 @@ class _GaplessReads:
     def forget(self) -> None:
         """Positions moved where this cannot follow (assign, seek to the beginning): check nothing until a seek."""
         self._next.clear()
+        self._first_seen.clear()
 
     def records(self, tp: TopicPartition, records: list, consumer: KafkaConsumer) -> list:
         """`records` (one partition's, in offset order) up to the first hole after the offset it reads next; at a
@@ -231,6 +232,8 @@ class _GaplessReads:
                 log.warning("%s: offsets %d to %d never became readable in %.1f s: going on from %d", _key(tp),
                             expected, r.offset - 1, wait_s, r.offset)
                 del self._first_seen[(tp, expected)]
+            elif self._first_seen:  # a hole that filled: forget when it was seen
+                self._first_seen.pop((tp, expected), None)
             kept.append(r)
             expected = r.offset + 1
         self._next[tp] = expected
