@@ -62,6 +62,11 @@ class S3Error(Exception):
         self.status, self.code, self.message = status, code, message or code
 
 
+def _signature(st: os.stat_result) -> tuple[int, int, int]:
+    """What identifies one version of a file for the ETag cache: (inode, mtime in ns, size)."""
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -121,14 +126,14 @@ class ObjectStore:
         was hashed before (every PUT and GET hashes or caches), else hashed now."""
         with self._lock:
             cached = self._etags.get(path)
-            if cached and cached[0] == (st.st_ino, st.st_mtime_ns, st.st_size):
+            if cached and cached[0] == _signature(st):
                 return cached[1]
             return self.etag(Path(path))
 
     def _etag(self, path: Path, st: os.stat_result, f: BinaryIO) -> str:
         """The ETag of the open file `f` (stat `st`) at `path`: cached by (inode, mtime, size), else hashed (and
         `f` left at its start)."""
-        signature = (st.st_ino, st.st_mtime_ns, st.st_size)
+        signature = _signature(st)
         cached = self._etags.get(str(path))
         if cached and cached[0] == signature:
             return cached[1]
@@ -185,7 +190,7 @@ class ObjectStore:
                     os.unlink(tmp)
                 else:
                     os.replace(tmp, target)
-                self._etags[str(target)] = ((lambda s: (s.st_ino, s.st_mtime_ns, s.st_size))(target.stat()), etag)
+                self._etags[str(target)] = (_signature(target.stat()), etag)
                 if self.fsync:
                     _fsync_dir(target.parent)
         finally:
@@ -232,10 +237,11 @@ class ObjectStore:
                 _fsync_dir(parent)
 
     def list(self, bucket: str, prefix: str, delimiter: str, after: str, limit: int | None = None
-             ) -> tuple[list[tuple[str, os.stat_result, str]], list[str]]:
-        """Objects (key, stat, file path) and common prefixes under `prefix`, sorted, all keys > `after`; with `limit`, only
-        the first `limit` of them (objects and prefixes together). Only the objects returned are stat-ed: a page of
-        a large listing costs a scan of names and a stat per entry on the page, not one per object below it."""
+             ) -> list[tuple[str, os.stat_result | None, str | None]]:
+        """The objects and common prefixes under `prefix` with keys > `after`, sorted by key, the first `limit` of
+        them: (key, stat, file path) for an object, (prefix, None, None) for a common prefix. Only the objects
+        returned are stat-ed: a page of a large listing costs a scan of names and a stat per entry on the page, not
+        one per object below it."""
         bucket_dir = self.path(bucket)
         if delimiter not in ("", "/"):
             raise S3Error(400, "InvalidArgument", "only the delimiter '/' is supported")
@@ -244,7 +250,7 @@ class ObjectStore:
         base_key = prefix.rsplit("/", 1)[0] + "/" if "/" in prefix else ""
         files, prefixes = {}, set()  # key -> path; common prefixes
         if not base.is_dir():
-            return [], []
+            return []
         if delimiter:
             for entry in os.scandir(base):
                 key = base_key + entry.name
@@ -262,15 +268,16 @@ class ObjectStore:
                     key = key_dir + name
                     if not name.startswith(TMP_PREFIX) and key.startswith(prefix) and key > after:
                         files[key] = os.path.join(dirpath, name)
-        page = sorted([*files, *prefixes])[:limit]
-        objects = []
-        for key in page:
-            if key in files:
-                try:
-                    objects.append((key, os.stat(files[key]), files[key]))
-                except FileNotFoundError:  # deleted since the scan
-                    pass
-        return objects, [k for k in page if k not in files]
+        entries = []
+        for key in sorted([*files, *prefixes])[:limit]:
+            if key not in files:
+                entries.append((key, None, None))
+                continue
+            try:
+                entries.append((key, os.stat(files[key]), files[key]))
+            except FileNotFoundError:  # deleted since the scan
+                pass
+        return entries
 
 
 def _parts(bucket: str, parts: list[str], *, what: str) -> list[str]:
@@ -423,8 +430,7 @@ class Handler(BaseHTTPRequestHandler):
         if not max_keys.isdigit():
             raise S3Error(400, "InvalidArgument", f"max-keys {max_keys!r} is not a number >= 0")
         max_keys = min(int(max_keys), MAX_KEYS)
-        objects, prefixes = self.store.list(bucket, prefix, delimiter, after, limit=max_keys + 1)
-        entries = sorted([(k, st, f) for k, st, f in objects] + [(p, None, None) for p in prefixes], key=lambda e: e[0])
+        entries = self.store.list(bucket, prefix, delimiter, after, limit=max_keys + 1)
         truncated = len(entries) > max_keys
         entries = entries[:max_keys]
         parts = [f'<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult xmlns="{XMLNS}">',
