@@ -687,7 +687,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     refs: dict[str, str] = {}
     raw = _interpolate(raw, source, "", refs)
     for item in overrides:
-        _apply_override(raw, item)
+        apply_override(raw, item)
         refs.pop(item.split("=", 1)[0].strip(), None)  # set on the command line: its own value now
     cfg = build_config(raw, source)
     cfg.env_refs = refs
@@ -742,7 +742,8 @@ def _interpolate(node: Any, source: str, key: str, refs: dict[str, str]) -> Any:
     return node
 
 
-def _apply_override(raw: dict[str, Any], item: str) -> None:
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set `item` (`a.b.c=value`, the value read as YAML) in the raw config mapping `raw`, creating sections."""
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected key.path=value")
     key, value = item.split("=", 1)

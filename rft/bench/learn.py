@@ -9,7 +9,8 @@ Method.
   (`rft-async`, `rft-async-push`, and `rft-async-inflight`: the continuous explorer with in-flight weight updates and
   the decoupled objective's off-policy correction, `SYSTEM_SETTINGS`) or sync (`rft-sync`), `sync.method` pull, or
   push for `rft-async-push`; `--system-set SYSTEM:KEY=VALUE` adds a config override to one system (e.g. the
-  correction: `rft-async-inflight:algorithm.importance_sampling=mis`); `run.max_steps` unlimited, no evaluator
+  correction: `rft-async-inflight:algorithm.importance_sampling=mis`) and `--set KEY=VALUE` one to every system, TRL
+  and the evaluation included (e.g. `model.dtype=bfloat16`); `run.max_steps` unlimited, no evaluator
   during training (`eval.every_steps: 0`: evaluation must not take CPU from training), its own embedded broker and
   weight store under `--out`. Its clock starts when `rft run` is launched: start-up (broker, engines, trainer) is
   part of the user's wall-clock and counts. When the budget has elapsed the run is stopped (SIGTERM to its process
@@ -67,7 +68,7 @@ from pathlib import Path
 import yaml
 
 from rft.bench.trl_reference import TRLReferenceError, check_trl_config, run_trl, step_note, trl_missing
-from rft.config import Config, ConfigError
+from rft.config import Config, ConfigError, apply_override
 from rft.processes import signal_group
 from rft.run.loading import load_run_config
 from rft.weights.store import ADAPTER_CONFIG, LATEST, WeightStore, is_adapter_version, store_root, version_dirname
@@ -461,6 +462,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "config's)")
     parser.add_argument("--eval-tasks", type=int, default=None, metavar="N",
                         help="held-out tasks per evaluation: every eval set generates N (default: the config's)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every system, TRL and the evaluation included (repeatable), "
+                             "e.g. model.dtype=bfloat16")
     parser.add_argument("--system-set", action="append", default=[], metavar="SYSTEM:KEY=VALUE",
                         help="a config override for one rft system (repeatable), e.g. "
                              "rft-async-inflight:algorithm.importance_sampling=mis")
@@ -486,12 +490,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def derived_config(path: str, out: Path, *, seed: int | None, eval_tasks: int | None) -> str:
-    """`path` as it is when neither is given; else a copy in `out` with `run.seed` = `seed` and every eval set
-    generating `eval_tasks` tasks (ConfigError naming the set when one reads a file: its size is the file's)."""
-    if seed is None and eval_tasks is None:
+def derived_config(path: str, out: Path, *, seed: int | None, eval_tasks: int | None,
+                   overrides: list[str] = ()) -> str:
+    """`path` as it is when none is given; else a copy in `out` with `overrides` (`--set`: `a.b=value`) applied,
+    `run.seed` = `seed` and every eval set generating `eval_tasks` tasks (ConfigError naming the set when one reads
+    a file: its size is the file's)."""
+    if seed is None and eval_tasks is None and not overrides:
         return path
     raw = yaml.safe_load(Path(path).read_text()) or {}
+    for item in overrides:
+        apply_override(raw, item)
     if seed is not None:
         raw.setdefault("run", {})["seed"] = seed
     for i, task_set in enumerate((raw.get("eval") or {}).get("sets") or []):
@@ -508,8 +516,9 @@ def derived_config(path: str, out: Path, *, seed: int | None, eval_tasks: int | 
 
 def check_config(args: argparse.Namespace) -> str | None:
     """Why the config cannot be benchmarked (None: it can)."""
+    common = getattr(args, "set", [])  # --set: every system's
     try:
-        cfg = load_run_config(args.config)
+        cfg = load_run_config(args.config, common)
         if "trl" in args.systems:
             check_trl_config(cfg)
     except (ConfigError, TRLReferenceError) as e:
@@ -518,8 +527,8 @@ def check_config(args: argparse.Namespace) -> str | None:
         return f"{args.config}: stages: a multi-stage config cannot be benchmarked; give one stage's config"
     for system in (s for s in args.systems if s in RFT_SYSTEMS and s not in LORA_SYSTEMS):
         try:  # each system's own settings and --system-set overrides, before anything runs
-            load_run_config(args.config, rft_overrides(system, Path(tempfile.gettempdir()),
-                                                       getattr(args, "extra", {}).get(system, [])))
+            load_run_config(args.config, [*common, *rft_overrides(system, Path(tempfile.gettempdir()),
+                                                                  getattr(args, "extra", {}).get(system, []))])
         except ConfigError as e:
             return f"{system}: {e}"
     if not (Path(cfg.model.path) / "config.json").is_file():
@@ -527,7 +536,7 @@ def check_config(args: argparse.Namespace) -> str | None:
                 "builds the flagship's)")
     if any(s in LORA_SYSTEMS for s in args.systems):
         try:
-            if not load_run_config(args.lora_config).model.lora.rank:
+            if not load_run_config(args.lora_config, common).model.lora.rank:
                 return f"--lora-config {args.lora_config}: model.lora.rank is 0 (rft-lora needs a LoRA config)"
         except ConfigError as e:
             return str(e)
@@ -541,9 +550,10 @@ def check_config(args: argparse.Namespace) -> str | None:
 
 def run_all(args: argparse.Namespace, out: Path) -> dict:
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
-    config = derived_config(args.config, out, seed=args.seed, eval_tasks=args.eval_tasks)
+    config = derived_config(args.config, out, seed=args.seed, eval_tasks=args.eval_tasks, overrides=args.set)
     lora = any(s in LORA_SYSTEMS for s in args.systems)
-    lora_config = derived_config(args.lora_config, out, seed=args.seed, eval_tasks=args.eval_tasks) if lora else None
+    lora_config = (derived_config(args.lora_config, out, seed=args.seed, eval_tasks=args.eval_tasks,
+                                  overrides=args.set) if lora else None)
     systems = []
     for system in args.systems:
         if system == "trl":

@@ -21,8 +21,8 @@ rft config describes:
   `algorithm.kl_coef`, `epsilon` / `epsilon_high` = `algorithm.clip_eps_low` / `clip_eps_high` (each
   `algorithm.clip_eps` when null), `loss_type` dapo for `loss_agg: token_mean` (the token mean
   over the step) and grpo for seq_mean, rewards scaled by the group std unless `algorithm.std_normalize: false`;
-  `model.dtype` decides bf16 / fp16 / fp32; no gradient checkpointing (TRL's default
-  recomputes activations to save memory, which rft's trainer does not do). Only `algorithm.name: grpo` has a TRL counterpart here.
+  `model.dtype` decides bf16 / fp16 autocast over float32 parameters, or fp32 (`trl_model`); no gradient
+  checkpointing (TRL's default recomputes activations to save memory, which rft's trainer does not do). Only `algorithm.name: grpo` has a TRL counterpart here.
 Not reproduced: `trainer.operators` (TRL trains on every group; a group whose samples all scored the same gets
 zero advantages), replay buffers, and `model.max_prompt_len` (TRL does not drop long prompts). Generation is
 Hugging Face `generate`, on the GPU when there is one, else on the CPU.
@@ -166,6 +166,17 @@ def check_trl_config(cfg: Config) -> None:
         raise TRLReferenceError("stages: the TRL reference runs single-stage configs only")
 
 
+def trl_model(cfg: Config):
+    """The policy TRL trains, with float32 parameters whatever `model.dtype`: bfloat16 and float16 become TRL's
+    autocast (`grpo_config`'s bf16 / fp16), the mixed precision rft's trainer runs (megatron keeps float32 main
+    weights). Parameters held in bfloat16 would round most AdamW updates of a small learning rate away (3e-5 against
+    a bfloat16 spacing of ~1e-4 at a weight of 0.03), a TRL that could not learn."""
+    import torch  # heavy: torch
+    from transformers import AutoModelForCausalLM  # heavy: transformers
+
+    return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+
+
 def grpo_config(cfg: Config, *, out: Path, steps: int | None, use_cpu: bool):
     """TRL's GRPOConfig for the rft config (the mapping of the module docstring)."""
     from trl import GRPOConfig  # heavy: trl
@@ -281,7 +292,7 @@ def train(spec: dict) -> dict:
     """The child: TRL on the spec's config (see `run_trl`); returns the result."""
     import torch  # heavy: torch
     from datasets import Dataset  # heavy: datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: transformers
+    from transformers import AutoTokenizer  # heavy: transformers
     from trl import GRPOTrainer  # heavy: trl
 
     clock = Clock(spec["started_at"])
@@ -289,7 +300,7 @@ def train(spec: dict) -> dict:
     out = Path(spec["out"])
     tasks = list(build_picker(cfg.data, run_id=cfg.run.name).drain())
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
+    model = trl_model(cfg)
     if cfg.model.chat_template:
         model.generation_config.eos_token_id = stop_token_ids(tokenizer)
     texts = trl_prompts(cfg, tokenizer, tasks)

@@ -15,7 +15,15 @@ import torch
 import yaml
 
 from rft.bench.learn import derived_config, link_version, main, mismatch_summary, reach_time, snapshot, summarise
-from rft.bench.trl_reference import Clock, Marks, TRLReferenceError, check_same_tokens, trl_prompts
+from rft.bench.trl_reference import (
+    Clock,
+    Marks,
+    TRLReferenceError,
+    check_same_tokens,
+    grpo_config,
+    trl_model,
+    trl_prompts,
+)
 from rft.config import ConfigError
 from rft.models.tiny import build_tokenizer
 from rft.run.loading import run_config_from_dict
@@ -191,6 +199,20 @@ def test_trl_gets_the_chat_prompt_text_whose_tokens_are_rfts(hf_dir):
 
 
 
+def test_trl_trains_float32_parameters_under_bfloat16_autocast(tmp_path, tiny_model):
+    """model.dtype bfloat16 is mixed precision on both sides of a race: TRL's parameters stay float32 (as megatron's
+    main weights) and its config turns on bf16 autocast; bfloat16 parameters would round small AdamW steps away."""
+    cfg = run_config_from_dict({"model": {"path": str(tiny_model), "dtype": "bfloat16"},
+                                "data": {"format": "generated", "path": "copy_char"}})
+    model = trl_model(cfg)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    args = grpo_config(cfg, out=tmp_path, steps=1, use_cpu=True)
+    assert args.bf16 and not args.fp16
+    # what the float32 copy is for: one AdamW-sized step (lr 3e-5) survives in float32 and rounds away in bfloat16
+    weight = torch.tensor(0.03)
+    assert weight + 3e-5 != weight
+    assert (weight.bfloat16() + 3e-5).item() == weight.bfloat16().item()
+
 def test_race_targets_of_issue_28():
     """A quarter of TRL's time, the target system within noise of the config's own mode, and the best rft system at
     or above TRL at every mark."""
@@ -231,6 +253,9 @@ def test_seed_and_held_out_tasks_make_a_copy_of_the_config(tmp_path):
     assert derived_config(str(config), tmp_path, seed=None, eval_tasks=None) == str(config)
     copy = yaml.safe_load(open(derived_config(str(config), tmp_path, seed=3, eval_tasks=300)))
     assert copy["run"]["seed"] == 3 and [s["generated_tasks"] for s in copy["eval"]["sets"]] == [300, 300]
+    copy = yaml.safe_load(open(derived_config(str(config), tmp_path, seed=None, eval_tasks=None,
+                                              overrides=["model.dtype=bfloat16", "trainer.lr=6.0e-5"])))
+    assert copy["model"] == {"path": "m", "dtype": "bfloat16"} and copy["trainer"]["lr"] == 6e-5
     config.write_text(yaml.safe_dump({"model": {"path": "m"}, "eval": {"sets": [{"name": "f", "format": "jsonl",
                                                                                   "path": "held.jsonl"}]}}))
     with pytest.raises(ConfigError, match=r"eval.sets\[0\]: --eval-tasks resizes generated task sets"):
@@ -258,3 +283,5 @@ def test_system_overrides_are_checked_before_anything_runs(tmp_path, hf_dir, cap
     assert "rft-async-inflight:" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--config", str(config), "--systems", "rft", "--system-set", "trl:run.seed=1"])
+    assert main(["--config", str(config), "--systems", "trl", "--set", "model.dtype=bf16"]) == 2
+    assert "model.dtype" in capsys.readouterr().err

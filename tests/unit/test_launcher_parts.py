@@ -55,3 +55,29 @@ def test_cpu_runs_split_the_cores_over_the_compute_parts(tmp_path, monkeypatch, 
     runner.start("explorer-0", python("import os; print('threads', os.environ['OMP_NUM_THREADS'])"))
     runner.parts["explorer-0"].process.wait(timeout=30)
     assert "threads 2" in (tmp_path / "logs" / "explorer-0.log").read_text()
+
+
+def test_a_float32_run_on_a_cpu_with_native_bfloat16_is_told_so(tmp_path, capsys):
+    """The flags come from Linux's /proc/cpuinfo format (two processors, the flags line of each); a CPU without
+    them, a bfloat16 run or GPUs print nothing."""
+    from rft.cli.launcher import bf16_hint
+    from rft.config import Config
+
+    def cpuinfo(flags: str):
+        path = tmp_path / f"cpuinfo-{len(flags)}"
+        path.write_text("".join(f"processor\t: {i}\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 {flags}\n\n"
+                                for i in range(2)))
+        return path
+
+    cfg = Config()
+    assert cfg.model.dtype == "float32"
+    assert bf16_hint(cfg, {}, cpuinfo("avx512f avx512_bf16"))
+    assert "natively (avx512_bf16): --set model.dtype=bfloat16" in capsys.readouterr().out
+    assert bf16_hint(cfg, {}, cpuinfo("amx_tile amx_bf16 avx512_bf16"))
+    assert "(avx512_bf16, amx_bf16)" in capsys.readouterr().out
+    assert not bf16_hint(cfg, {}, cpuinfo("avx512f"))  # avx512 without its bfloat16 extension
+    assert not bf16_hint(cfg, {"trainer": "0"}, cpuinfo("avx512_bf16"))
+    assert not bf16_hint(cfg, {}, tmp_path / "absent")
+    cfg.model.dtype = "bfloat16"
+    assert not bf16_hint(cfg, {}, cpuinfo("avx512_bf16"))
+    assert capsys.readouterr().out == ""
