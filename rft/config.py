@@ -95,7 +95,8 @@ class ModelConfig:
     # required: the Hugging Face model directory the trainer starts from and every engine loads first (version 0)
     path: str = ""
     tokenizer: str = ""  # empty: same as path
-    # parameter dtype of the trainer (bfloat16, float16: megatron's mixed precision) and of the engines
+    # parameter dtype of the trainer (bfloat16, float16: megatron's mixed precision) and of the engines; on a CPU,
+    # bfloat16 is fast only with avx512_bf16 or amx_bf16 (`rft run` says when it has them)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # tokens: a task whose prompt is longer is not explored (dead-lettered) and `rft serve` refuses such a request (400)
     max_prompt_len: int = 256
