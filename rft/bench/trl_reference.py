@@ -22,7 +22,8 @@ rft config describes:
   `algorithm.clip_eps` when null), `loss_type` dapo for `loss_agg: token_mean` (the token mean
   over the step) and grpo for seq_mean, rewards scaled by the group std unless `algorithm.std_normalize: false`;
   `model.dtype` decides bf16 / fp16 autocast over float32 parameters, or fp32 (`trl_model`); no gradient
-  checkpointing (TRL's default recomputes activations to save memory, which rft's trainer does not do). Only `algorithm.name: grpo` has a TRL counterpart here.
+  checkpointing (TRL's default recomputes activations to save memory, which rft's trainer does not do). Only
+  `algorithm.name: grpo` has a TRL counterpart here.
 Not reproduced: `trainer.operators` (TRL trains on every group; a group whose samples all scored the same gets
 zero advantages), replay buffers, and `model.max_prompt_len` (TRL does not drop long prompts). Generation is
 Hugging Face `generate`, on the GPU when there is one, else on the CPU.
