@@ -40,6 +40,7 @@ step, path) and the seconds spent on snapshots.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -83,9 +84,10 @@ def run_trl(config: str | os.PathLike, *, out: Path, env: dict, timeout_s: float
             steps: int | None = None, budget_s: float | None = None, marks: int = 0,
             started_at: float | None = None, progress: str = "[bench] trl") -> dict:
     """Train TRL on `config` (+ `overrides`, `--set` style) in a child process; its log goes to `out/trl.log`,
-    snapshots to `out/mark-<i>`. Stops after `steps` steps or at `budget_s` seconds after `started_at` (default:
-    now). Lines the child prints with the `progress` prefix are echoed to stderr. Returns the child's result, or
-    {"error": ...} when it failed or ran past `timeout_s`."""
+    TRL's per-step values (reward, entropy, ...) to `out/metrics.jsonl`, snapshots to `out/mark-<i>`. Stops after
+    `steps` steps or at `budget_s` seconds after `started_at` (default: now). Lines the child prints with the
+    `progress` prefix are echoed to stderr. Returns the child's result, or {"error": ...} when it failed or ran past
+    `timeout_s`."""
     out.mkdir(parents=True, exist_ok=True)
     spec = {"config": str(config), "overrides": list(overrides), "out": str(out), "steps": steps,
             "budget_s": budget_s, "marks": marks, "started_at": started_at or time.time(), "progress": progress}
@@ -265,13 +267,29 @@ def step_note(system: str, step: int, at_s: float, budget_s: float | None) -> st
     return f"{system}: step {step} at {at_s:.0f} s{' (past the budget: not counted)' if late else ''}"
 
 
-def stepping_callback(clock: Clock, *, budget_s: float | None, marks: Marks | None, progress: str):
-    """A TrainerCallback recording step end times (on `clock`), taking the marks and stopping at the budget."""
+def log_record(step: int, at_s: float, logs: dict) -> dict:
+    """One line of TRL's `metrics.jsonl`: the step, the clock's seconds and TRL's own log values (its names: reward,
+    reward_std, entropy, completions/mean_length, clip_ratio/..., loss, grad_norm, learning_rate); a value that is
+    not a finite number is left out (strict JSON has no NaN)."""
+    values = {k: float(v) for k, v in logs.items()
+              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return {"step": step, "at_s": round(at_s, 3), **values}
+
+
+def stepping_callback(clock: Clock, *, budget_s: float | None, marks: Marks | None, progress: str,
+                      metrics: Path | None = None):
+    """A TrainerCallback recording step end times (on `clock`), taking the marks, stopping at the budget and
+    appending TRL's per-step logs to `metrics` (JSON lines, `log_record`), the record rft's runs keep in theirs."""
     from transformers import TrainerCallback  # heavy: transformers
 
     class Stepping(TrainerCallback):
         def __init__(self):
             self.ends: list[float] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if metrics is not None and logs and "reward" in logs:  # a training step's log, not the final summary
+                with open(metrics, "a") as f:
+                    f.write(json.dumps(log_record(state.global_step, clock.now(), logs)) + "\n")
 
         def on_step_end(self, args, state, control, **kwargs):
             now = clock.now()
@@ -309,7 +327,8 @@ def train(spec: dict) -> dict:
     dataset = Dataset.from_list([{"prompt": text, "task_index": i} for i, text in enumerate(texts)])
     marks = Marks(model, tokenizer, out=out, budget_s=spec["budget_s"], count=spec["marks"],
                   clock=clock) if spec["marks"] else None
-    stepping = stepping_callback(clock, budget_s=spec["budget_s"], marks=marks, progress=spec["progress"])
+    stepping = stepping_callback(clock, budget_s=spec["budget_s"], marks=marks, progress=spec["progress"],
+                                 metrics=out / "metrics.jsonl")
     trainer = GRPOTrainer(model=model, reward_funcs=trl_reward(cfg, tasks), train_dataset=dataset,
                           args=grpo_config(cfg, out=out, steps=spec["steps"], use_cpu=not torch.cuda.is_available()),
                           processing_class=tokenizer, callbacks=[stepping])

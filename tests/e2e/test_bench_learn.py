@@ -77,6 +77,10 @@ def test_bench_learn_reports_accuracy_against_wall_clock_for_rft_and_trl(tmp_pat
     assert (final / "config.json").is_file() and list(final.glob("*.safetensors"))
     if store_version.exists():  # not collected since: the snapshot is that version, hard-linked
         assert all((store_version / f.name).samefile(f) for f in final.iterdir())
+    trl_log = [json.loads(line) for line in (out / "trl" / "metrics.jsonl").read_text().splitlines()]
+    # TRL's own per-step values, one line per step it trained (the one past the budget too)
+    assert [r["step"] for r in trl_log][:systems["trl"]["steps"]] == list(range(1, systems["trl"]["steps"] + 1))
+    assert all(0 <= r["reward"] <= 1 and r["at_s"] > 0 and "entropy" in r for r in trl_log), trl_log[:2]
     assert_weight_sync_numbers(rft, tiny_model)
     assert_scored_by_rft_eval(out, report)
     print_report(report)

@@ -21,6 +21,7 @@ from rft.bench.trl_reference import (
     TRLReferenceError,
     check_same_tokens,
     grpo_config,
+    log_record,
     trl_model,
     trl_prompts,
 )
@@ -285,3 +286,10 @@ def test_system_overrides_are_checked_before_anything_runs(tmp_path, hf_dir, cap
         main(["--config", str(config), "--systems", "rft", "--system-set", "trl:run.seed=1"])
     assert main(["--config", str(config), "--systems", "trl", "--set", "model.dtype=bf16"]) == 2
     assert "model.dtype" in capsys.readouterr().err
+
+
+def test_trls_log_values_become_strict_json_lines():
+    record = log_record(3, 41.23456, {"reward": 0.25, "entropy": 1.5, "grad_norm": float("nan"), "epoch": 0,
+                                      "note": "text", "flag": True})
+    assert record == {"step": 3, "at_s": 41.235, "reward": 0.25, "entropy": 1.5, "epoch": 0.0}
+    json.loads(json.dumps(record, allow_nan=False))
