@@ -45,6 +45,11 @@ Method.
   tasks (300: a standard error of about 2.7 points at an accuracy of 0.35); both write a copy of the config into
   the output directory, which every system and the evaluation use. Each rft system's report also has its
   training-inference mismatch (`mismatch`: medians over its steps of the logprob_mismatch metrics, and by staleness).
+- Where the time went (`signal`), per quarter of the budget: steps; for an rft system the seconds its trainer waited
+  for experiences and trained, the share of groups its filter kept and the policy's entropy; for TRL (from its
+  per-step log, `trl/metrics.jsonl`) the steps without a gradient (every group's samples scored alike), the share of
+  groups with one, and the entropy. A policy whose entropy collapses samples a group's answers alike: a filtering
+  trainer waits, TRL trains steps that change nothing.
 
 Threads: `--threads N` sets OMP_NUM_THREADS for every process of every system; 0 (default) leaves it as is.
 Disk: each snapshot of a real model is a full version (the SmolLM2 flagship: ~540 MB).
@@ -86,6 +91,7 @@ GENERATED_FORMATS = ("generated", "reasoning_gym")  # task sets whose size is `g
 POLL_S = 0.5
 STOP_GRACE_S = 120.0  # `rft run` gives its parts 15 s, then kills them; the broker stops after
 PREFIX = "[bench learn]"
+SIGNAL_WINDOWS = 4  # parts of the budget over which each system's learning signal is reported
 RELOAD_LINES = (re.compile(r"loaded weights version (\d+) in ([\d.]+) s"),  # pull (rft/weights/subscriber.py)
                 re.compile(r"received pushed weights version (\d+) in ([\d.]+) s"))  # push (rft/engine/)
 
@@ -128,6 +134,7 @@ def run_rft(system: str, config: str, *, out: Path, budget_s: float, marks: int,
     result = {"system": system, "steps": len(within), "first_step_s": _first_step(steps, started),
               "step_times_s": [round(s["time"] - started, 1) for s in within], "marks": taken,
               "weights": weight_sync_costs(cfg.run_dir, steps, taken), "mismatch": mismatch_summary(within),
+              "signal": rft_signal(within, started, budget_s),
               "settings": [*SYSTEM_SETTINGS.get(system, []), *extra], "run_dir": str(cfg.run_dir)}
     if code not in (0, 130, -signal.SIGTERM):
         result["error"] = f"rft run exited with code {code}; see {log_path}"
@@ -210,18 +217,7 @@ def stop_run(process: subprocess.Popen) -> int:
 
 def trained_steps(run_dir: Path) -> list[dict]:
     """The trainer's per-step records in `<run dir>/metrics.jsonl` (a line still being written is skipped)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "policy_version" in record:
-            records.append(record)
-    return records
+    return [record for record in read_jsonl(run_dir / "metrics.jsonl") if "policy_version" in record]
 
 
 def _first_step(steps: list[dict], started: float) -> float | None:
@@ -260,6 +256,54 @@ def _median(values: list, digits: int = 3) -> float | None:
     return round(statistics.median(present), digits) if present else None
 
 
+def _windows(records: list[dict], times: list[float], budget_s: float) -> list[list[dict]]:
+    """The records whose step ended in each of SIGNAL_WINDOWS equal parts of the budget (times in seconds from
+    launch; a record past the budget is left out)."""
+    windows: list[list[dict]] = [[] for _ in range(SIGNAL_WINDOWS)]
+    for record, at in zip(records, times):
+        if 0 <= at <= budget_s:
+            windows[min(int(at / budget_s * SIGNAL_WINDOWS), SIGNAL_WINDOWS - 1)].append(record)
+    return windows
+
+
+def rft_signal(steps: list[dict], started: float, budget_s: float) -> dict:
+    """Where an rft system's time went, per window of the budget (`_windows`): steps; seconds the trainer waited for
+    experiences (`data_wait_s`: a starved zero-variance filter shows here) and trained (`train_s`); the median share
+    of fresh groups its operators kept (`keep_fraction`); the median policy entropy (nats per token)."""
+    windows = _windows(steps, [s["time"] - started for s in steps], budget_s)
+    return {"steps": [len(w) for w in windows],
+            "data_wait_s": [round(sum(s.get("data_wait_s") or 0 for s in w), 1) for w in windows],
+            "train_s": [round(sum(s.get("train_s") or 0 for s in w), 1) for w in windows],
+            "keep_fraction": [_median([s.get("keep_fraction") for s in w], digits=2) for w in windows],
+            "entropy": [_median([s.get("entropy") for s in w], digits=2) for w in windows]}
+
+
+def trl_signal(records: list[dict], budget_s: float) -> dict:
+    """The same for TRL, from its per-step log (`trl/metrics.jsonl`, rft/bench/trl_reference.py `log_record`):
+    steps; steps without a gradient (every group's samples scored alike: `frac_reward_zero_std` 1); the median share
+    of groups with a gradient (1 - `frac_reward_zero_std`: TRL trains on every group, rft's filter keeps those);
+    the median entropy."""
+    windows = _windows(records, [r["at_s"] for r in records], budget_s)
+    return {"steps": [len(w) for w in windows],
+            "no_gradient_steps": [sum(r.get("frac_reward_zero_std") == 1 for r in w) for w in windows],
+            "keep_fraction": [_median([None if r.get("frac_reward_zero_std") is None
+                                       else 1 - r["frac_reward_zero_std"] for r in w], digits=2) for w in windows],
+            "entropy": [_median([r.get("entropy") for r in w], digits=2) for w in windows]}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON lines of `path` ([] when it does not exist; a line still being written is skipped)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
 # --------------------------------------------------------------------------------------------------
 # TRL
 
@@ -278,7 +322,8 @@ def run_trl_system(config: str, *, out: Path, budget_s: float, marks: int, env: 
     return {"system": "trl", "steps": len(within), "step_times_s": within,
             "first_step_s": round(result["first_step_s"], 1) if result["first_step_s"] is not None else None,
             "marks": [{"mark": m["mark"], "time_s": m["time_s"], "version": m["step"], "path": m["path"]}
-                      for m in result["marks"]], "snapshot_s": result["snapshot_s"]}
+                      for m in result["marks"]], "snapshot_s": result["snapshot_s"],
+            "signal": trl_signal(read_jsonl(out / "trl" / "metrics.jsonl"), budget_s)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -400,6 +445,21 @@ def _mark_cell(mark: dict) -> str:
     return "-" if mark["version"] is None else f"{_fmt(mark['accuracy'], '.3f')} (v{mark['version']})"
 
 
+def signal_line(signal: dict) -> str:
+    """One system's `signal` (rft_signal / trl_signal), each value per window joined by slashes."""
+    def cells(key: str, spec: str) -> str:
+        return "/".join(_fmt(v, spec) for v in signal[key])
+
+    parts = [f"by {SIGNAL_WINDOWS} parts of the budget: steps {cells('steps', 'd')}"]
+    if "data_wait_s" in signal:
+        parts += [f"waiting for data {cells('data_wait_s', '.0f')} s", f"training {cells('train_s', '.0f')} s",
+                  f"groups kept {cells('keep_fraction', '.2f')}"]
+    else:
+        parts += [f"steps without a gradient {cells('no_gradient_steps', 'd')}",
+                  f"groups with a gradient {cells('keep_fraction', '.2f')}"]
+    return ", ".join(parts + [f"entropy {cells('entropy', '.2f')}"])
+
+
 def print_report(result: dict) -> None:
     """The table and the two verdict lines."""
     marks = [m["time_s"] for m in next((s["marks"] for s in result["systems"] if s["marks"]), [])]
@@ -432,6 +492,9 @@ def print_report(result: dict) -> None:
             stale = ", ".join(f"{k.replace('plus', '+')}: {v:.4f}" for k, v in m["by_staleness"].items() if v is not None)
             print(f"  {system['system']}: mismatch per step (median) |dlogp| {m['mean']:.4f}, KL {m['kl']:.5f}, "
                   f"{100 * m['frac']:.2f}% past the ratio, max {m['max']:.3f}; by staleness {stale}")
+    for system in result["systems"]:
+        if system.get("signal"):
+            print(f"  {system['system']}: {signal_line(system['signal'])}")
     for key, verdict in result["targets"].items():
         met = {True: "met", False: "NOT met", None: "not measured"}[verdict["met"]]
         print(f"target: {names[key]}: {met} ({verdict['text']})")

@@ -81,11 +81,15 @@ def test_bench_learn_reports_accuracy_against_wall_clock_for_rft_and_trl(tmp_pat
     # TRL's own per-step values, one line per step it trained (the one past the budget too)
     assert [r["step"] for r in trl_log][:systems["trl"]["steps"]] == list(range(1, systems["trl"]["steps"] + 1))
     assert all(0 <= r["reward"] <= 1 and r["at_s"] > 0 and "entropy" in r for r in trl_log), trl_log[:2]
+    for s in systems.values():  # where the time went, per quarter of the budget, over the steps the report counts
+        assert sum(s["signal"]["steps"]) == s["steps"] and len(s["signal"]["entropy"]) == 4, s["signal"]
+    assert all(0 <= w <= BUDGET_S for w in rft["signal"]["data_wait_s"]) and sum(rft["signal"]["train_s"]) > 0
     assert_weight_sync_numbers(rft, tiny_model)
     assert_scored_by_rft_eval(out, report)
     print_report(report)
     table = capsys.readouterr().out
     assert "rft-async" in table and "trl" in table and table.count("target: ") == 5
+    assert "trl: by 4 parts of the budget: steps " in table and "rft-async: by 4 parts of the budget" in table
 
 
 def assert_weight_sync_numbers(rft: dict, model: Path) -> None:

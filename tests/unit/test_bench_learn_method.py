@@ -14,7 +14,18 @@ import pytest
 import torch
 import yaml
 
-from rft.bench.learn import derived_config, link_version, main, mismatch_summary, reach_time, snapshot, summarise
+from rft.bench.learn import (
+    derived_config,
+    link_version,
+    main,
+    mismatch_summary,
+    reach_time,
+    rft_signal,
+    signal_line,
+    snapshot,
+    summarise,
+    trl_signal,
+)
 from rft.bench.trl_reference import (
     Clock,
     Marks,
@@ -293,3 +304,21 @@ def test_trls_log_values_become_strict_json_lines():
                                       "note": "text", "flag": True})
     assert record == {"step": 3, "at_s": 41.235, "reward": 0.25, "entropy": 1.5, "epoch": 0.0}
     json.loads(json.dumps(record, allow_nan=False))
+
+
+def test_where_the_time_went_is_reported_per_quarter_of_the_budget():
+    started = 1000.0
+    steps = [{"time": started + at, "data_wait_s": wait, "train_s": 5.0, "keep_fraction": keep, "entropy": ent}
+             for at, wait, keep, ent in [(30, 20.0, 0.5, 2.0), (40, 0.0, 0.25, 1.0), (120, 10.0, 0.1, 0.5),
+                                         (399, 15.0, 0.1, 0.2), (401, 99.0, 0.0, 0.0)]]  # the last past the budget
+    signal = rft_signal(steps, started, budget_s=400)
+    assert signal == {"steps": [2, 1, 0, 1], "data_wait_s": [20.0, 10.0, 0.0, 15.0], "train_s": [10.0, 5.0, 0.0, 5.0],
+                      "keep_fraction": [0.38, 0.1, None, 0.1], "entropy": [1.5, 0.5, None, 0.2]}
+    assert signal_line(signal) == ("by 4 parts of the budget: steps 2/1/0/1, waiting for data 20/10/0/15 s, "
+                                   "training 10/5/0/5 s, groups kept 0.38/0.10/-/0.10, entropy 1.50/0.50/-/0.20")
+    log = [{"step": i + 1, "at_s": at, "frac_reward_zero_std": zero, "entropy": 1.0}
+           for i, (at, zero) in enumerate([(20, 0.5), (90, 1.0), (110, 0.75), (350, 1.0), (420, 0.0)])]
+    trl = trl_signal(log, budget_s=400)
+    assert trl == {"steps": [2, 1, 0, 1], "no_gradient_steps": [1, 0, 0, 1], "keep_fraction": [0.25, 0.25, None, 0.0],
+                   "entropy": [1.0, 1.0, None, 1.0]}
+    assert "steps without a gradient 1/0/0/1, groups with a gradient 0.25/0.25/-/0.00" in signal_line(trl)
