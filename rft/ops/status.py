@@ -1,7 +1,8 @@
 """`rft status CONFIG`: a live run as its control topic tells it: the trainer's step and version, the explorer fleet
 (who joined, who is live, left or silent, which weights each holds, what each produced, which tasks partitions each
 holds), the consumer lags of the experiences and tasks topics, throughput over the last minute, and the newest
-step's training-inference mismatch (its `trainer_step` message: `mismatch_line`). Read-only: it joins no consumer
+step's training-inference mismatch and where its time went (its `trainer_step` message: `mismatch_line`,
+`signal_line`). Read-only: it joins no consumer
 group.
 
 Fleet health (`fleet_health`, in `--json` as "fleet"): the live explorers holding no tasks partition ("explorers
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 WINDOW_S = 60.0  # throughput window
 STALL_CHECK_S = 30.0  # how often `rft run` looks for a stall
+STARVED_KEEP = 0.15  # a trainer keeping fewer of its fresh groups, and waiting most of its step, is starved
 STALL_AFTER_S = 20.0  # no partition held for longer than this is a stall (a group's first rebalance takes seconds)
 
 
@@ -289,6 +291,9 @@ def render(report: dict) -> str:
     ]
     if t.get("metrics"):
         lines.append(mismatch_line(t["step"], t["metrics"], report.get("mismatch_ratio", 2.0)))
+        signal = signal_line(t["step"], t["metrics"])
+        if signal:
+            lines.append(signal)
     refused = sum(e.get("weights_refused", 0) for e in x)
     if refused:
         lines.append(f"REFUSED: {refused} weights announcements did not pass the explorers' trust checks (a path "
@@ -323,6 +328,28 @@ def mismatch_line(step: int, metrics: dict[str, float], ratio: float) -> str:
     if stale:
         ordered = sorted(stale.items(), key=lambda kv: int(kv[0].removesuffix("plus")))
         line += "; by staleness: " + ", ".join(f"{name.replace('plus', '+')}: {v:.4f}" for name, v in ordered)
+    return line
+
+
+def signal_line(step: int, metrics: dict[str, float]) -> str | None:
+    """Where the trainer's newest step went (its `trainer_step` message): `learning signal (step 41): 8% of fresh
+    groups kept, waited 15.6 s of a 21.5-s step for experiences, entropy 0.13`, and, when the filter keeps under
+    STARVED_KEEP of the groups and the trainer waited most of its step, why: the policy's samples of a task agree
+    (docs/benchmarks.md, "where the time went"). None when the step reported none of these."""
+    keep, wait, step_s, entropy = (metrics.get(k) for k in ("keep_fraction", "data_wait_s", "step_time_s", "entropy"))
+    parts = []
+    if keep is not None:
+        parts.append(f"{keep:.0%} of fresh groups kept")
+    if wait is not None and step_s:
+        parts.append(f"waited {wait:.1f} s of a {step_s:.1f}-s step for experiences")
+    if entropy is not None:
+        parts.append(f"entropy {entropy:.2f}")
+    if not parts:
+        return None
+    line = f"learning signal (step {step}): " + ", ".join(parts)
+    if keep is not None and keep < STARVED_KEEP and wait is not None and step_s and wait > step_s / 2:
+        line += ("; STARVED of informative groups: most groups' samples scored alike (a sharpened policy), so the "
+                 "explorers generate many groups per one kept (docs/benchmarks.md, \"where the time went\")")
     return line
 
 

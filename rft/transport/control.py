@@ -189,7 +189,8 @@ class TrainerWaiting(Kind):
 
 
 KEEP_METRIC = "keep_fraction"  # the share of its recent fresh groups the trainer kept (explorer admission reads it)
-TRAINER_STEP_METRICS = ("loss", "reward_mean", "kl", "staleness_mean", "staleness_max", "dropped_stale", KEEP_METRIC)
+TRAINER_STEP_METRICS = ("loss", "reward_mean", "kl", "staleness_mean", "staleness_max", "dropped_stale", KEEP_METRIC,
+                        "data_wait_s", "step_time_s", "entropy")
 TRAINER_STEP_PREFIXES = ("logprob_mismatch_",)  # and every metric named so (rft/algorithms/mismatch.py)
 
 

@@ -170,6 +170,8 @@ def test_an_explorer_killed_in_a_push_run_neither_stops_nor_stalls_it_and_its_pa
         live = rft_status(run_dir)
         assert live["trainer"]["state"] in ("training", "waiting") and live["trainer"]["version"] >= 2
         assert port <= live["trainer"]["prometheus_port"] < port + 64
+        # the newest step's message carries where its time went, which `rft status` prints as its learning signal
+        assert {"data_wait_s", "step_time_s", "entropy"} <= set(live["trainer"]["metrics"]), live["trainer"]
         explorers = {e["explorer_id"]: e for e in live["explorers"]}
         assert set(explorers) == {"explorer-0", "explorer-1"}
         assert all(e["state"] == "live" and e["weights_version"] >= 1 and e["prometheus_port"]

@@ -146,9 +146,12 @@ def test_push_groups_pushed_versions_and_abandonment():
 
 def test_trainer_step_carries_the_step_metrics_rft_status_prints():
     record = {"step": 4, "loss": 0.1, "reward_mean": 0.5, "staleness_max": 1, "skipped": {"stale": 2},
-              "logprob_mismatch_mean": 0.01, "logprob_mismatch_stale1_kl": 0.002, "grad_norm": 3.0, "flag": True}
+              "logprob_mismatch_mean": 0.01, "logprob_mismatch_stale1_kl": 0.002, "grad_norm": 3.0, "flag": True,
+              "keep_fraction": 0.25, "data_wait_s": 3.5, "step_time_s": 8.0, "entropy": 0.7, "train_s": 4.5}
     assert TrainerStep.step_metrics(record) == {"loss": 0.1, "reward_mean": 0.5, "staleness_max": 1.0,
-                                                "logprob_mismatch_mean": 0.01, "logprob_mismatch_stale1_kl": 0.002}
+                                                "logprob_mismatch_mean": 0.01, "logprob_mismatch_stale1_kl": 0.002,
+                                                "keep_fraction": 0.25, "data_wait_s": 3.5, "step_time_s": 8.0,
+                                                "entropy": 0.7}
     view = ControlView()
     view.apply(TrainerWaiting(version=3).to_message(created_at=10.0))
     view.apply(TrainerStep(step=4, metrics={"logprob_mismatch_mean": 0.01}).to_message(created_at=11.0))

@@ -1,7 +1,7 @@
 """`rft status`'s view of a run, from a known sequence of control messages (the e2e fault tests read a live run)."""
 from __future__ import annotations
 
-from rft.ops.status import RunStatus, mismatch_line, render
+from rft.ops.status import RunStatus, mismatch_line, render, signal_line
 from rft.schema import ControlMessage
 
 
@@ -74,3 +74,15 @@ def test_the_newest_steps_mismatch_is_printed_from_its_trainer_step_message():
         "mismatch (step 7): |dlogp| mean 0.0123 max 0.510, KL 0.00041, 0.2% of tokens past ratio 2; by staleness: "
         "0: 0.0101, 1: 0.0164, 4+: 0.2000")
     assert mismatch_line(3, {"reward_mean": 0.1}, 2.0) == "mismatch (step 3): not reported"
+
+
+def test_the_newest_steps_learning_signal_says_when_the_filter_starves_the_trainer():
+    metrics = {"keep_fraction": 0.4, "data_wait_s": 2.0, "step_time_s": 7.5, "entropy": 1.234}
+    assert signal_line(12, metrics) == ("learning signal (step 12): 40% of fresh groups kept, waited 2.0 s of a 7.5-s "
+                                        "step for experiences, entropy 1.23")
+    starved = signal_line(41, {**metrics, "keep_fraction": 0.08, "data_wait_s": 15.6, "step_time_s": 21.5})
+    assert starved.startswith("learning signal (step 41): 8% of fresh groups kept, waited 15.6 s of a 21.5-s step")
+    assert "STARVED of informative groups" in starved
+    assert "STARVED" not in signal_line(41, {**metrics, "keep_fraction": 0.08})  # kept few, but did not wait
+    assert signal_line(3, {"reward_mean": 0.1}) is None  # a step that reported none of them: no line
+    assert signal_line(3, {"entropy": 0.5}) == "learning signal (step 3): entropy 0.50"  # no filter in the run
