@@ -461,7 +461,7 @@ def signal_line(signal: dict) -> str:
 
 
 def print_report(result: dict) -> None:
-    """The table and the two verdict lines."""
+    """The table, each system's mismatch and learning-signal lines, and the targets' verdict lines."""
     marks = [m["time_s"] for m in next((s["marks"] for s in result["systems"] if s["marks"]), [])]
     print(f"budget {result['budget_s']:.0f} s per system, clock from launch; held-out accuracy (greedy) of the "
           f"initial model: {_fmt(result['initial_accuracy'], '.3f')}")

@@ -2,8 +2,7 @@
 (who joined, who is live, left or silent, which weights each holds, what each produced, which tasks partitions each
 holds), the consumer lags of the experiences and tasks topics, throughput over the last minute, and the newest
 step's training-inference mismatch and where its time went (its `trainer_step` message: `mismatch_line`,
-`signal_line`). Read-only: it joins no consumer
-group.
+`signal_line`). Read-only: it joins no consumer group.
 
 Fleet health (`fleet_health`, in `--json` as "fleet"): the live explorers holding no tasks partition ("explorers
 idle: 2 of 6 (4 task partitions)": normal when the fleet outgrows the partitions) and a stall, said loudly:
