@@ -52,7 +52,9 @@ Method.
   trainer waits, TRL trains steps that change nothing.
 
 Threads: `--threads N` sets OMP_NUM_THREADS for every process of every system; 0 (default) leaves it as is.
-Disk: each snapshot of a real model is a full version (the SmolLM2 flagship: ~540 MB).
+Disk: each snapshot of a real model is a full version (the SmolLM2 flagship: ~270 MB in bfloat16, ~540 MB in
+float32; TRL's are float32). Before anything runs, the race's largest footprint (`disk_needed`) is checked against
+the free space where `--out` (or the temporary directory) is, and the race is refused when it would not fit.
 """
 from __future__ import annotations
 
@@ -91,6 +93,8 @@ GENERATED_FORMATS = ("generated", "reasoning_gym")  # task sets whose size is `g
 POLL_S = 0.5
 STOP_GRACE_S = 120.0  # `rft run` gives its parts 15 s, then kills them; the broker stops after
 PREFIX = "[bench learn]"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DISK_SLACK_BYTES = 1 << 30  # beyond the snapshots: logs, the broker's topics, metrics, the evaluation's records
 SIGNAL_WINDOWS = 4  # parts of the budget over which each system's learning signal is reported
 RELOAD_LINES = (re.compile(r"loaded weights version (\d+) in ([\d.]+) s"),  # pull (rft/weights/subscriber.py)
                 re.compile(r"received pushed weights version (\d+) in ([\d.]+) s"))  # push (rft/engine/)
@@ -577,6 +581,51 @@ def derived_config(path: str, out: Path, *, seed: int | None, eval_tasks: int | 
     return str(derived)
 
 
+def parameter_count(model_dir: str | os.PathLike) -> int:
+    """The parameters in a Hugging Face model directory's `*.safetensors` files, read from their headers (no tensor
+    is loaded); 0 when it has none."""
+    from safetensors import safe_open
+
+    count = 0
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            count += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return count
+
+
+def disk_needed(cfg: Config, systems: list[str], marks: int) -> dict[str, int]:
+    """The most bytes each system writes under `--out` (key: system; "slack": the rest, DISK_SLACK_BYTES). An rft
+    system's store holds at most `marks` versions kept alive by the marks' hard links plus `sync.keep_versions`, each
+    the model in `model.dtype`; TRL saves `marks` float32 snapshots (it trains float32 parameters); a LoRA system's
+    versions are adapters, counted as nothing."""
+    parameters = parameter_count(cfg.model.path)
+    need = {"slack": DISK_SLACK_BYTES}
+    for system in systems:
+        if system == "trl":
+            need[system] = marks * parameters * DTYPE_BYTES["float32"]
+        elif system not in LORA_SYSTEMS and RFT_SYSTEMS[system][1] == "pull":
+            need[system] = (marks + cfg.sync.keep_versions) * parameters * DTYPE_BYTES[cfg.model.dtype]
+    return need
+
+
+def check_disk(need: dict[str, int], where: Path, free: int) -> str | None:
+    """Why the race would not fit in `free` bytes at `where` (None: it fits)."""
+    total = sum(need.values())
+    if total <= free:
+        return None
+    parts = ", ".join(f"{name} {size / 1e9:.1f}" for name, size in need.items() if name != "slack" and size)
+    return (f"--out {where}: the race writes up to {total / 1e9:.1f} GB (snapshots, GB: {parts}; "
+            f"{DISK_SLACK_BYTES / 1e9:.1f} for logs and topics) and {free / 1e9:.1f} GB is free there: free some "
+            "space, point --out elsewhere or take fewer --marks")
+
+
+def free_bytes(where: Path) -> int:
+    """Free bytes on the filesystem of `where`, or of its nearest existing parent when it does not exist yet."""
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    return shutil.disk_usage(where).free
+
+
 def check_config(args: argparse.Namespace) -> str | None:
     """Why the config cannot be benchmarked (None: it can)."""
     common = getattr(args, "set", [])  # --set: every system's
@@ -608,7 +657,8 @@ def check_config(args: argparse.Namespace) -> str | None:
     if not cfg.eval.sets:
         return (f"{args.config}: eval.sets: no held-out task set; bench learn measures held-out accuracy (see "
                 "configs/smollm2-arithmetic.yaml for one)")
-    return None
+    where = Path(args.out or tempfile.gettempdir()).absolute()
+    return check_disk(disk_needed(cfg, args.systems, args.marks), where, free_bytes(where))
 
 
 def run_all(args: argparse.Namespace, out: Path) -> dict:

@@ -14,11 +14,16 @@ import pytest
 import torch
 import yaml
 
+from rft.bench import learn
 from rft.bench.learn import (
+    DISK_SLACK_BYTES,
+    check_disk,
     derived_config,
+    disk_needed,
     link_version,
     main,
     mismatch_summary,
+    parameter_count,
     reach_time,
     rft_signal,
     signal_line,
@@ -322,3 +327,33 @@ def test_where_the_time_went_is_reported_per_quarter_of_the_budget():
     assert trl == {"steps": [2, 1, 0, 1], "no_gradient_steps": [1, 0, 0, 1], "keep_fraction": [0.25, 0.25, None, 0.0],
                    "entropy": [1.0, 1.0, None, 1.0]}
     assert "steps without a gradient 1/0/0/1, groups with a gradient 0.25/0.25/-/0.00" in signal_line(trl)
+
+
+def test_a_race_whose_snapshots_would_not_fit_is_refused_before_anything_runs(tmp_path, tiny_model, capsys,
+                                                                              monkeypatch):
+    """An rft system keeps up to marks + keep_versions versions in model.dtype, TRL `marks` float32 snapshots; the
+    parameter count read from the safetensors headers is checked against transformers' own count. A 16-mark race
+    once filled the disk 20 minutes in (TRL's snapshots): the check refuses it before the first system starts."""
+    from transformers import AutoModelForCausalLM
+
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model).parameters())
+    assert parameter_count(tiny_model) == params > 0
+    cfg = run_config_from_dict({"model": {"path": str(tiny_model), "dtype": "bfloat16"},
+                                "data": {"format": "generated", "path": "copy_char"}})
+    need = disk_needed(cfg, ["rft", "rft-async-push", "rft-lora", "trl"], marks=16)
+    assert need == {"slack": DISK_SLACK_BYTES, "rft": (16 + cfg.sync.keep_versions) * params * 2,
+                    "trl": 16 * params * 4}  # push stores no versions, LoRA versions are adapters
+    assert check_disk(need, tmp_path, free=sum(need.values())) is None
+    problem = check_disk(need, tmp_path / "out", free=sum(need.values()) - 1)
+    assert problem.startswith(f"--out {tmp_path / 'out'}: the race writes up to") and "fewer --marks" in problem
+
+    # Through the command: a full disk cannot be made here, so the free space is the one thing faked.
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": str(tiny_model)}, "data": {"format": "generated",
+                                                                                  "path": "copy_char"},
+                                      "eval": {"sets": [{"name": "c", "format": "generated", "path": "copy_char"}]}}))
+    monkeypatch.setattr(learn, "free_bytes", lambda where: DISK_SLACK_BYTES)
+    out = tmp_path / "race"
+    assert main(["--config", str(config), "--systems", "rft,trl", "--marks", "16", "--out", str(out)]) == 2
+    assert "take fewer --marks" in capsys.readouterr().err
+    assert not out.exists()
