@@ -657,8 +657,14 @@ def check_config(args: argparse.Namespace) -> str | None:
     if not cfg.eval.sets:
         return (f"{args.config}: eval.sets: no held-out task set; bench learn measures held-out accuracy (see "
                 "configs/smollm2-arithmetic.yaml for one)")
+    from safetensors import SafetensorError
+
+    try:
+        need = disk_needed(cfg, args.systems, args.marks)
+    except (OSError, SafetensorError) as e:
+        return f"{args.config}: model.path: {cfg.model.path}: its safetensors files cannot be read ({e})"
     where = Path(args.out or tempfile.gettempdir()).absolute()
-    return check_disk(disk_needed(cfg, args.systems, args.marks), where, free_bytes(where))
+    return check_disk(need, where, free_bytes(where))
 
 
 def run_all(args: argparse.Namespace, out: Path) -> dict:

@@ -357,3 +357,13 @@ def test_a_race_whose_snapshots_would_not_fit_is_refused_before_anything_runs(tm
     assert main(["--config", str(config), "--systems", "rft,trl", "--marks", "16", "--out", str(out)]) == 2
     assert "take fewer --marks" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_model_whose_weights_cannot_be_read_is_refused_with_its_path(tmp_path, hf_dir, capsys):
+    (hf_dir / "model.safetensors").write_bytes(b"not a safetensors file")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": str(hf_dir)}, "data": {"format": "generated",
+                                                                              "path": "copy_char"},
+                                      "eval": {"sets": [{"name": "c", "format": "generated", "path": "copy_char"}]}}))
+    assert main(["--config", str(config), "--systems", "rft", "--out", str(tmp_path / "race")]) == 2
+    assert f"model.path: {hf_dir}: its safetensors files cannot be read" in capsys.readouterr().err
