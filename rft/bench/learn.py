@@ -93,7 +93,6 @@ GENERATED_FORMATS = ("generated", "reasoning_gym")  # task sets whose size is `g
 POLL_S = 0.5
 STOP_GRACE_S = 120.0  # `rft run` gives its parts 15 s, then kills them; the broker stops after
 PREFIX = "[bench learn]"
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DISK_SLACK_BYTES = 1 << 30  # beyond the snapshots: logs, the broker's topics, metrics, the evaluation's records
 SIGNAL_WINDOWS = 4  # parts of the budget over which each system's learning signal is reported
 RELOAD_LINES = (re.compile(r"loaded weights version (\d+) in ([\d.]+) s"),  # pull (rft/weights/subscriber.py)
@@ -598,13 +597,15 @@ def disk_needed(cfg: Config, systems: list[str], marks: int) -> dict[str, int]:
     system's store holds at most `marks` versions kept alive by the marks' hard links plus `sync.keep_versions`, each
     the model in `model.dtype`; TRL saves `marks` float32 snapshots (it trains float32 parameters); a LoRA system's
     versions are adapters, counted as nothing."""
+    import torch
+
     parameters = parameter_count(cfg.model.path)
     need = {"slack": DISK_SLACK_BYTES}
     for system in systems:
         if system == "trl":
-            need[system] = marks * parameters * DTYPE_BYTES["float32"]
+            need[system] = marks * parameters * torch.float32.itemsize
         elif system not in LORA_SYSTEMS and RFT_SYSTEMS[system][1] == "pull":
-            need[system] = (marks + cfg.sync.keep_versions) * parameters * DTYPE_BYTES[cfg.model.dtype]
+            need[system] = (marks + cfg.sync.keep_versions) * parameters * getattr(torch, cfg.model.dtype).itemsize
     return need
 
 
