@@ -44,6 +44,8 @@ def run_batches(explorer: "Explorer", stop: threading.Event, *, exit_when_idle_s
             idle.work()
         elif idle.expired():
             return "idle"
+        else:
+            explorer.warm_up_while_joining()
     return "stopped"
 
 

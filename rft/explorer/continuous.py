@@ -178,6 +178,8 @@ class ContinuousLoop:
                     self.offsets = Offsets()
             if not scheduler.inflight and idle.expired():
                 return "idle"
+            if not scheduler.inflight:
+                self.explorer.warm_up_while_joining()
         return "stopped"
 
     def _reload_when_drained(self, now: float) -> bool:

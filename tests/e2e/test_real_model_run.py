@@ -77,6 +77,8 @@ def test_the_real_model_runs_the_loop(tmp_path, smollm2, bootstrap, topic_prefix
         # explorer's when it waits; no operator here, so every fresh group is kept
         assert 1 <= r["cpu_threads"] <= 2 and r["keep_fraction"] == 1.0
     assert "cores follow the work" in run.stdout
+    # the explorer's engine was warmed up once, while the broker held its consumer group's join
+    assert (run_dir / "logs" / "explorer-0.log").read_text().count("explorer-0 warmed its engine up") == 1
     assert [r["step"] for r in evals] == [0, STEPS]
     for r in evals:
         assert r["eval/arithmetic/tasks"] == 8 and r["eval/arithmetic/errors"] == 0

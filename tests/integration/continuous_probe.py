@@ -43,12 +43,15 @@ def main(config_path: str, groups_expected: int) -> dict:
 
         continuous.WEIGHTS_CHECK_S = 0.0  # the version published after a step is loaded at the next turn
     engine = build_engine(cfg.explorer, cfg.model, seed=0)
-    out: dict = {"submitted": {}, "finished": {}, "loads": [], "commits": [], "sent": []}
+    out: dict = {"submitted": {}, "finished": {}, "loads": [], "commits": [], "sent": [], "warm_up": []}
     submit, step, load = engine.submit, engine.step, engine.load_weights
 
-    def recorded_submit(request_id, prompt, sampling):
-        out["submitted"][request_id] = engine.weights_version
-        submit(request_id, prompt, sampling)
+    def recorded_submit(request_id, prompt, sampling, **kwargs):
+        if request_id.startswith("generate-"):  # `generate` (the explorer's warm-up), not a task
+            out["warm_up"].append(request_id)
+        else:
+            out["submitted"][request_id] = engine.weights_version
+        submit(request_id, prompt, sampling, **kwargs)
 
     def recorded_step():
         # paced: on a quiet machine the tiny model finishes all 16 tasks within one weights check (0.5 s); 0.1 s per
@@ -58,6 +61,8 @@ def main(config_path: str, groups_expected: int) -> dict:
             time.sleep(0.1)
         done = step()
         for request_id, generation in done:
+            if request_id.startswith("generate-"):
+                continue
             out["finished"][request_id] = [engine.weights_version, [c.weights_version for c in generation.completions],
                                            [c.token_versions for c in generation.completions]]
         if (in_flight and schedule and explorer.stats.groups >= schedule[0][0] and engine.unfinished()

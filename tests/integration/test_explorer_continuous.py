@@ -3,8 +3,8 @@ a subprocess), both ways of taking a new weights version. Draining: versions pub
 nothing is in flight, and every group's `policy_version` (vLLM's per-token version stamps) is the version its request
 was submitted and finished with. In flight (`explorer.inflight_updates`): versions are loaded while vLLM has
 unfinished requests, samples record the version of each token (some two versions), and each group's `policy_version`
-is its oldest token's, on the wire. Both: every task is produced once, and no commit ever passes a task whose group
-was not yet sent."""
+is its oldest token's, on the wire. Both: every task is produced once, no commit ever passes a task whose group was
+not yet sent, and the engine was warmed up once while the broker held the explorer's join."""
 from __future__ import annotations
 
 import json
@@ -72,6 +72,8 @@ def test_continuous_reloads_between_versions(broker, tiny_model, tmp_path, topic
     assert len(dead.raw) == 1 and "over model.max_prompt_len" in dict(dead.raw[0].headers)["rft-error"].decode()
 
     assert [v for v, _ in out["loads"]] == [1, 2], out["loads"]
+    # the engine was warmed up once, while the broker held the join: one `generate` of tasks_per_batch prompts
+    assert out["warm_up"] == [f"generate-1-{i}" for i in range(cfg.explorer.tasks_per_batch)], out["warm_up"]
     assert sorted(out["submitted"]) == sorted(out["finished"]) and len(out["submitted"]) == len(tasks)
     by_group = {g.group_id: g for g in groups}
     if in_flight:

@@ -8,8 +8,8 @@ One scenario, because every explorer costs an engine start:
   5. wave 2 and one malformed record are published.
 Then: every task of both waves has its group (none lost; duplicates are recognisable by group id and differ
 in explorer/attempt), C generated nothing with weights older than version 1, wave 2 was generated with
-version 2, the malformed record is in the dead-letter topic, and on SIGTERM the replicas' parent passes the
-signal on and B-0, B-1 and C leave cleanly.
+version 2, the malformed record is in the dead-letter topic, each explorer warmed its engine up once while the
+broker held its join, and on SIGTERM the replicas' parent passes the signal on and B-0, B-1 and C leave cleanly.
 """
 from __future__ import annotations
 
@@ -142,6 +142,12 @@ def test_fleet_kill_late_join_reload_and_dead_letters(broker, tiny_model, tmp_pa
     assert all(control.messages("explorer_heartbeat", b) for b in B)
     assert {m.body["reason"] for m in control.messages("explorer_leave")} == {"stopped"}
     assert not control.messages("explorer_leave", "A")
+
+    # each engine was warmed up once, while the broker held its explorer's join (rft/explorer/explorer.py); the
+    # replicas of B formed the group, C joined it late
+    text = "\n".join(log.read_text(errors="replace") for log in logs.glob("*.log"))
+    for name in (*B, "C"):
+        assert text.count(f"explorer {name} warmed its engine up") == 1, log_tail(logs)
 
     # the malformed record went to the dead-letter topic with its reason
     dead = Experiences(cfg, cfg.topic("dead_letter"))
