@@ -152,8 +152,7 @@ class Explorer:
                                  admission=self.admission, membership=self.membership, stats=self.stats,
                                  rewards=RewardRange.of(explorer))
         self.reloads: list[tuple[int, int]] = []  # the continuous loop's reloads (ContinuousLoop.reloads)
-        self.warm_up_s: float | None = None  # how long the warm-up took (None: none was done)
-        self._warm_up_due = True
+        self._warm_up_due = True  # warm_up_while_joining has not been called yet
         self._heartbeat_stop = threading.Event()
 
     @property
@@ -238,9 +237,8 @@ class Explorer:
         started = time.monotonic()
         with self.cores.working():
             self.engine.generate([self.engine.encode(WARM_UP_PROMPT)] * self.config.tasks_per_batch, sampling)
-        self.warm_up_s = time.monotonic() - started
         log.info("explorer %s warmed its engine up in %.1f s while its consumer group formed", self.explorer_id,
-                 self.warm_up_s)
+                 time.monotonic() - started)
 
     def announce(self, message: Kind) -> None:
         self.sink.send_record(self.topics.control, message.to_message())
