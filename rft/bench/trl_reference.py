@@ -268,7 +268,7 @@ def step_note(system: str, step: int, at_s: float, budget_s: float | None) -> st
 
 
 def log_record(step: int, at_s: float, logs: dict) -> dict:
-    """One line of TRL's `metrics.jsonl`: the step, the clock's seconds and TRL's own log values (its names: reward,
+    """One line of TRL's `metrics.jsonl`: the step, when it ended (the clock's seconds) and TRL's own log values (its names: reward,
     reward_std, entropy, completions/mean_length, clip_ratio/..., loss, grad_norm, learning_rate); a value that is
     not a finite number is left out (strict JSON has no NaN)."""
     values = {k: float(v) for k, v in logs.items()
@@ -288,8 +288,9 @@ def stepping_callback(clock: Clock, *, budget_s: float | None, marks: Marks | No
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if metrics is not None and logs and "reward" in logs:  # a training step's log, not the final summary
+                # at the time its step ended (`on_step_end` runs first), which decides whether the report counts it
                 with open(metrics, "a") as f:
-                    f.write(json.dumps(log_record(state.global_step, clock.now(), logs)) + "\n")
+                    f.write(json.dumps(log_record(state.global_step, self.ends[-1], logs)) + "\n")
 
         def on_step_end(self, args, state, control, **kwargs):
             now = clock.now()
