@@ -11,7 +11,8 @@ ranks, each tensor-parallel duplicate counted once: megatron's `clip_grad_by_tot
 On CPU, `megatron_bridge.device` makes its CUDA type assertions accept CPU tensors. With Transformer
 Engine or Apex installed (GPU production) it is megatron's distributed optimizer (state sharded over
 data-parallel ranks, fused Adam). Without them (CPU, or a bare GPU install) megatron falls back to
-torch's AdamW, and megatron-core 0.16.1's distributed optimizer then cannot reload a checkpoint
+torch's AdamW (run by its fused kernel on the CPU: `_fuse_cpu_adam`), and megatron-core 0.16.1's distributed
+optimizer then cannot reload a checkpoint
 (`_set_main_param_and_optimizer_states` expects a per-parameter "step" tensor that the
 fully-reshardable format does not store: KeyError 'step'), so there the non-distributed megatron
 optimizer is used (state replicated over data-parallel ranks), which reshards correctly.
@@ -78,6 +79,7 @@ import megatron_bridge.shared_prompts as shared_prompts
 from megatron_bridge.layout import vocabulary_problem
 from megatron_bridge.logprobs import entropy_sum, token_logprobs
 from megatron_bridge.model import build_model, unwrap
+from rft.weights.store import all_finite
 
 if TYPE_CHECKING:
     from rft.config import LoraConfig
@@ -160,7 +162,7 @@ class TrainedModel:
         megatron's loss scaler finds non-finite gradients itself and must see them, to lower its scale."""
         finite = math.isfinite(loss)
         if finite and not self.config.fp16:
-            finite = _finite([p.main_grad for m in self.models for p in m.parameters()
+            finite = all_finite([p.main_grad for m in self.models for p in m.parameters()
                               if getattr(p, "main_grad", None) is not None])
         return _on_every_rank(finite)
 
@@ -168,7 +170,7 @@ class TrainedModel:
         """Collective: True (on every rank) when no rank's trained parameters hold a NaN or an infinity. The trainer
         asks before publishing a version: non-finite weights are never published. Frozen parameters (a LoRA base)
         cannot change between versions and are not published with them, so only trained ones are read."""
-        return _on_every_rank(_finite([p.data for m in self.models for p in m.parameters() if p.requires_grad]))
+        return _on_every_rank(all_finite([p.data for m in self.models for p in m.parameters() if p.requires_grad]))
 
     def describe(self) -> str:
         """One line for logs: ranks and layout, the device and backend, dtype, optimizer state sharding."""
@@ -258,6 +260,7 @@ class TrainedModel:
             raise ValueError(f"{src}: adapter checkpoint does not fit this model: missing "
                              f"{[k for k in missing if adapters.is_adapter(k)][:5]}, unexpected {unexpected[:5]}")
         self.optimizer.load_state_dict(state["optimizer"])
+        _fuse_cpu_adam(self.optimizer)  # the loaded parameter groups carry the flag they were saved with
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(meta["steps"])
 
@@ -491,10 +494,31 @@ def _build_optimizer(models, *, lr: float, weight_decay: float, grad_clip: float
                              initial_loss_scale=initial_loss_scale)
     # On CPU the default process groups are gloo already; megatron's extra gloo groups are not created.
     optimizer = get_megatron_optimizer(config, models, use_gloo_process_groups=not device.is_installed())
+    _fuse_cpu_adam(optimizer)
     scheduler = OptimizerParamScheduler(optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0,
                                         lr_decay_steps=1, lr_decay_style="constant", start_wd=weight_decay,
                                         end_wd=weight_decay, wd_incr_steps=1, wd_incr_style="constant")
     return optimizer, scheduler
+
+
+def _torch_adams(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch Adam / AdamW optimizers inside megatron's optimizer (chained or not); none with TE's or Apex's."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [p.optimizer for p in parts if isinstance(getattr(p, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW))]
+
+
+def _fuse_cpu_adam(optimizer) -> None:
+    """Run megatron's torch AdamW fallback by torch's fused kernel where its parameters are on the CPU.
+
+    megatron builds `torch.optim.AdamW` without `fused`, and on CPU tensors torch then takes its per-tensor loop:
+    0.36 s a step for the flagship's 128 M float32 main parameters on one core, against 0.08 s fused (the same
+    update, one vectorised pass). The flag is a parameter group's, so a checkpoint's groups bring back theirs:
+    `load_checkpoint` calls this again. The step counters of both paths are float32 CPU tensors, so a state saved
+    by either loads into the other. GPU parameters are left to megatron (TE's or Apex's fused Adam in production)."""
+    for adam in _torch_adams(optimizer):
+        for group in adam.param_groups:
+            if group["params"] and all(p.device.type == "cpu" for p in group["params"]):
+                group["fused"], group["foreach"] = True, None
 
 
 def _broadcast_names(names: list[str] | None) -> list[str]:
@@ -527,9 +551,7 @@ def _from_last_stage(tensor: torch.Tensor | None, shape: tuple[int, ...], *,
     return buffer.cpu()
 
 
-def _finite(tensors: list[torch.Tensor]) -> bool:
-    """No NaN and no infinity in any of `tensors` (one host sync for all of them)."""
-    return not tensors or bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+
 
 
 def _on_every_rank(ok: bool) -> bool:

@@ -69,7 +69,7 @@ def run_case(spec: dict, *, name: str, model: str, tp: int, pp: int, steps: list
              load: str | None = None, save_after: int | None = None, logprobs: bool = False,
              reference: bool = False) -> None:
     from megatron_bridge import parallel, schedule
-    from megatron_bridge.policy import MegatronPolicy
+    from megatron_bridge.policy import MegatronPolicy, _torch_adams
 
     out = Path(spec["out_dir"])
     policy = MegatronPolicy(spec[model], tp=tp, pp=pp, seed=0, reference=reference, **HYPERPARAMETERS)
@@ -85,7 +85,9 @@ def run_case(spec: dict, *, name: str, model: str, tp: int, pp: int, steps: list
         if logprobs and step == steps[0]:
             save_logprobs(policy.forward_logprobs(batches), out / f"{name}.logprobs.safetensors")
         head_positions.clear()
-        metrics[f"step{step}"] = {**policy.train_step(batches, token_mean_nll), "head_positions": list(head_positions)}
+        metrics[f"step{step}"] = {**policy.train_step(batches, token_mean_nll), "head_positions": list(head_positions),
+                                  "fused_adam": [group["fused"] for adam in _torch_adams(policy.optimizer)
+                                                 for group in adam.param_groups]}
         policy.save_hf(out / f"{name}.step{step}.hf")
         if reference and step == steps[0]:
             save_logprobs(policy.reference_logprobs(batches), out / f"{name}.reference.safetensors")

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
 from rft.transport.control import PushGroup, Weights
 from rft.transport.memory import MemoryTransport
-from rft.weights.store import MANIFEST, WeightStore, WeightStoreError, verify_version
+from rft.weights.store import MANIFEST, WeightStore, WeightStoreError, all_finite, first_non_finite, verify_version
 from rft.weights.subscriber import PushAllowList, PushMembership, WeightUpdates, load_newest_weights
 
 CONTROL = "run.control"
@@ -142,6 +143,35 @@ def test_a_corrupted_version_is_refused_counted_and_the_weights_kept(run, damage
     path3 = store.publish(3, buckets(3), hf_dir=None)  # the next good version is loaded
     announce(Weights(version=3, path=str(path3)))
     assert step()[0] == 3 and engine.loads[-1] == (3, str(path3.resolve()))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_poisoned_version_is_refused_counted_and_the_weights_kept(run, bad):
+    store, updates, engine, announce, step = run
+    poisoned = buckets(2)
+    poisoned[1]["b.bias"][17] = bad  # a manifest and checksums that match: only the values are wrong
+    path = store.publish(2, poisoned, hf_dir=None)
+    with pytest.raises(WeightStoreError, match="tensor b.bias holds NaN or infinity"):
+        verify_version(path, 2)
+    announce(Weights(version=2, path=str(path)))
+    assert step() is None
+    assert engine.weights_version == 1 and updates.refused == 1
+
+
+def test_all_finite_agrees_with_numpy_isfinite():
+    """The min/max reduction against numpy's elementwise test, one bad value anywhere, in every float dtype."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        dtype = [torch.float32, torch.bfloat16, torch.float16, torch.float64][trial % 4]
+        tensors = [torch.randn(shape, generator=g).to(dtype) for shape in [(7, 33), (), (0,), (1000,)]]
+        if trial % 3:
+            t = tensors[trial % 4 if trial % 4 != 2 else 3]
+            t.view(-1)[int(torch.randint(t.numel(), (1,), generator=g))] = [float("nan"), float("inf"), -float("inf")][trial % 3]
+        expected = all(bool(np.isfinite(t.float().numpy()).all()) for t in tensors)
+        assert all_finite(tensors) == expected, trial
+        named = [(f"t{i}", t) for i, t in enumerate(tensors)]
+        assert first_non_finite(named) == next((n for n, t in named if not np.isfinite(t.float().numpy()).all()), None)
+    assert all_finite([]) and all_finite([torch.tensor([1, 2])])  # integer tensors hold no NaN
 
 
 def test_a_path_not_on_this_host_names_the_version_in_this_store(run):
