@@ -79,7 +79,7 @@ import megatron_bridge.shared_prompts as shared_prompts
 from megatron_bridge.layout import vocabulary_problem
 from megatron_bridge.logprobs import entropy_sum, token_logprobs
 from megatron_bridge.model import build_model, unwrap
-from rft.weights.store import all_finite
+from rft.tensors import all_finite
 
 if TYPE_CHECKING:
     from rft.config import LoraConfig

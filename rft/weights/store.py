@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
+from rft.tensors import all_finite
+
 if TYPE_CHECKING:
     import torch
 
@@ -509,18 +511,6 @@ def first_non_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
         if tensor.is_floating_point() and not all_finite([tensor]):
             return name
     return None
-
-
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """True when none of the floating-point `tensors` holds a NaN or an infinity (True for none; one host sync).
-
-    Each tensor is reduced to its minimum and maximum: a NaN makes both NaN, and an infinity is one of them. That is
-    one read of the tensor, where `isfinite(t).all()` also writes and reads a mask as large as it: 0.024 s against
-    0.36 s for the flagship's 128 M float32 gradients on one core."""
-    import torch
-
-    extremes = [torch.stack(torch.aminmax(t)).float() for t in tensors if t.numel()]
-    return not extremes or bool(torch.isfinite(torch.cat(extremes)).all())
 
 
 def check_publish(version: int, staging: Staging | None, adapter_config: dict | None) -> None:

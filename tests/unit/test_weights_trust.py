@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from rft.tensors import all_finite
 from rft.transport.control import PushGroup, Weights
 from rft.transport.memory import MemoryTransport
-from rft.weights.store import MANIFEST, WeightStore, WeightStoreError, all_finite, first_non_finite, verify_version
+from rft.weights.store import MANIFEST, WeightStore, WeightStoreError, first_non_finite, verify_version
 from rft.weights.subscriber import PushAllowList, PushMembership, WeightUpdates, load_newest_weights
 
 CONTROL = "run.control"
