@@ -551,9 +551,6 @@ def _from_last_stage(tensor: torch.Tensor | None, shape: tuple[int, ...], *,
     return buffer.cpu()
 
 
-
-
-
 def _on_every_rank(ok: bool) -> bool:
     """Collective over the whole world: True on every rank when `ok` is True on every rank."""
     flag = torch.tensor([0.0 if ok else 1.0], device=device.compute_device())

@@ -268,9 +268,9 @@ def step_note(system: str, step: int, at_s: float, budget_s: float | None) -> st
 
 
 def log_record(step: int, at_s: float, logs: dict) -> dict:
-    """One line of TRL's `metrics.jsonl`: the step, when it ended (the clock's seconds) and TRL's own log values (its names: reward,
-    reward_std, entropy, completions/mean_length, clip_ratio/..., loss, grad_norm, learning_rate); a value that is
-    not a finite number is left out (strict JSON has no NaN)."""
+    """One line of TRL's `metrics.jsonl`: the step, when it ended (the clock's seconds) and TRL's own log values
+    (its names: reward, reward_std, entropy, completions/mean_length, clip_ratio/..., loss, grad_norm,
+    learning_rate); a value that is not a finite number is left out (strict JSON has no NaN)."""
     values = {k: float(v) for k, v in logs.items()
               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
     return {"step": step, "at_s": round(at_s, 3), **values}

@@ -162,13 +162,15 @@ def test_a_poisoned_version_is_refused_counted_and_the_weights_kept(run, bad):
 def test_all_finite_agrees_with_numpy_isfinite():
     """The min/max reduction against numpy's elementwise test, one bad value anywhere, in every float dtype."""
     g = torch.Generator().manual_seed(0)
-    for trial in range(300):
-        dtype = [torch.float32, torch.bfloat16, torch.float16, torch.float64][trial % 4]
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+    values = [None, float("nan"), float("inf"), float("-inf")]  # None: every value finite
+    for trial in range(4 * 4 * 3 * 5):  # each dtype x value x tensor, 5 random positions
+        dtype, value, which = dtypes[trial % 4], values[trial // 4 % 4], [0, 1, 3][trial // 16 % 3]
         tensors = [torch.randn(shape, generator=g).to(dtype) for shape in [(7, 33), (), (0,), (1000,)]]
-        if trial % 3:
-            t = tensors[trial % 4 if trial % 4 != 2 else 3]
-            t.view(-1)[int(torch.randint(t.numel(), (1,), generator=g))] = [float("nan"), float("inf"), -float("inf")][trial % 3]
+        if value is not None:  # tensors[1] is 0-d, tensors[2] empty
+            tensors[which].view(-1)[int(torch.randint(tensors[which].numel(), (1,), generator=g))] = value
         expected = all(bool(np.isfinite(t.float().numpy()).all()) for t in tensors)
+        assert expected == (value is None)
         assert all_finite(tensors) == expected, trial
         named = [(f"t{i}", t) for i, t in enumerate(tensors)]
         assert first_non_finite(named) == next((n for n, t in named if not np.isfinite(t.float().numpy()).all()), None)
