@@ -680,7 +680,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         except OSError as e:
             raise ConfigError(f"{source}: cannot read config file: {e.strerror}") from None
         try:
-            raw = yaml.safe_load(text) or {}
+            raw = load_yaml(text) or {}
         except yaml.YAMLError as e:
             raise ConfigError(yaml_error(source, e)) from None
         if not isinstance(raw, dict):
@@ -693,6 +693,33 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     cfg = build_config(raw, source)
     cfg.env_refs = refs
     return cfg
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that names a key twice (PyYAML keeps the last and says nothing, so a
+    section written twice loses the first silently). Keys merged in by `<<` may still be overridden."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, yaml.Node] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: the base class names it
+                    break
+                if first is not key_node:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"key {key!r} appears twice (first on line {first.start_mark.line + 1})", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """`yaml.safe_load`, except that a mapping naming a key twice is a yaml.YAMLError (naming the key and both lines)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
 
 
 def yaml_error(source: str, error: yaml.YAMLError) -> str:

@@ -75,7 +75,7 @@ from pathlib import Path
 import yaml
 
 from rft.bench.trl_reference import TRLReferenceError, check_trl_config, run_trl, step_note, trl_missing
-from rft.config import Config, ConfigError, apply_override
+from rft.config import Config, ConfigError, apply_override, load_yaml
 from rft.processes import signal_group
 from rft.run.loading import load_run_config
 from rft.weights.store import ADAPTER_CONFIG, LATEST, WeightStore, is_adapter_version, store_root, version_dirname
@@ -563,7 +563,7 @@ def derived_config(path: str, out: Path, *, seed: int | None, eval_tasks: int | 
     a file: its size is the file's)."""
     if seed is None and eval_tasks is None and not overrides:
         return path
-    raw = yaml.safe_load(Path(path).read_text()) or {}
+    raw = load_yaml(Path(path).read_text()) or {}
     for item in overrides:
         apply_override(raw, item)
     if seed is not None:

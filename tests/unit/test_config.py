@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rft.config import Config, ConfigError, load_config
+from rft.config import Config, ConfigError, load_config, load_yaml
 from rft.run.loading import load_run_config
 
 
@@ -126,6 +126,19 @@ def test_not_a_mapping_and_bad_yaml(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_a_key_named_twice_is_refused(tmp_path):
+    """PyYAML keeps the last of two equal keys without a word: a section written twice would lose the first."""
+    bad = tmp_path / "twice.yaml"
+    bad.write_text("run:\n  name: a\ntrainer:\n  lr: 1.0e-5\nrun:\n  name: b\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml:5:1: not valid YAML: key 'run' appears twice \(first on line 1\)"):
+        load_config(bad)
+    bad.write_text("run:\n  name: a\n  seed: 1\n  seed: 2\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml:4:3: .*key 'seed' appears twice \(first on line 3\)"):
+        load_config(bad)
+    # a key merged in by `<<` may be overridden: that is YAML's rule, not a repetition
+    assert load_yaml("base: &b {lr: 1, seed: 3}\ntrainer:\n  <<: *b\n  lr: 2\n")["trainer"] == {"lr": 2, "seed": 3}
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
