@@ -90,6 +90,7 @@ class TopicReader:
         self.source = connect(cfg.kafka, cfg.kafka.bootstrap_servers).source()
         self.source.assign([topic])
         self.source.seek_to_beginning()
+        self.topic = topic
         self.records: list = []
         self.raw = []
 
@@ -100,6 +101,14 @@ class TopicReader:
                 self.records.append(decode(m.value, m.headers))
             except ValueError:
                 self.records.append(None)
+
+    def catch_up(self, timeout_s: float = 30.0) -> None:
+        """Read every record the topic held when called (its end offsets then): one `poll` returns one fetch's worth,
+        so a check after a single poll can miss a record written long before it (a suite run, 2026-11-28: the fleet's
+        move, announced ~60 s earlier, unread behind the heartbeats)."""
+        end = self.source.end_offsets(self.topic)
+        wait_until(lambda: all(self.source.positions().get(k, 0) >= v for k, v in end.items()), timeout=timeout_s,
+                   what=f"{self.topic} read up to {end}", between=self.poll)
 
     def wait_for(self, condition: Callable[[], object], *, timeout_s: float, what: str,
                  alive: list[subprocess.Popen] = (), log_dir: Path | None = None) -> object:

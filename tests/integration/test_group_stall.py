@@ -118,7 +118,7 @@ def test_wedged_group_is_reported_and_the_explorers_recover(broker, tiny_model, 
         # the watchdog rejoins, then moves the fleet; every task is explored
         experiences.wait_for(lambda: len({g.group_id for g in experiences.groups}) == 16, timeout_s=180,
                              what="all 16 tasks explored after the move", alive=alive, log_dir=logs)
-        control.poll()
+        control.catch_up()
         moves = control.messages("tasks_group")
         assert moves and {m.body["epoch"] for m in moves} == {1}, [m.body for m in moves]
         assert moves[0].body["group"] == f"{consumer_group(cfg)}.1"
@@ -175,7 +175,7 @@ def test_an_idle_extra_explorer_stays_idle(broker, tiny_model, tmp_path, topic_p
         assert publish_tasks(cfg.data, RunTopics.of(cfg), cfg.kafka, progress=False) == IDLE_TASKS
         experiences.wait_for(lambda: len({g.group_id for g in experiences.groups}) == IDLE_TASKS, timeout_s=300,
                              what=f"all {IDLE_TASKS} tasks explored", alive=alive, log_dir=logs)
-        control.poll()
+        control.catch_up()
         beats = control.messages("explorer_heartbeat")
         idle = {m.sender for m in beats if not m.body["partitions"] and m.body["unassigned_s"] > 24.0}
         assert idle, "no explorer was idle past the watchdog's bound (and its next look) while tasks were pending"
