@@ -13,7 +13,8 @@ The watchdog (`UnassignedWatchdog`, `explorer.unassigned_rejoin_s`). Seen on Tan
 ever rebalancing it. Reproduced here with Tansu 0.6.0 and kafka-python 3.0.12 (tests/integration/test_group_stall.py):
 the group's leader leaves (LeaveGroup) just as it is elected, before its SyncGroup; the coordinator keeps it as
 the leader, so every later member's SyncGroup ends in REBALANCE_IN_PROGRESS, it joins again, forever, holding
-nothing; new members, static members and a group that every member left stay wedged the same way. So the
+nothing; new members, static members and a group that every member left stay wedged the same way (almost always:
+once, in a suite run, two explorers' rejoins at the same instant unwedged it). So the
 watchdog acts in two steps when, all at once,
   1. it has held no partition of the tasks topic for longer than `unassigned_rejoin_s`;
   2. the group's lag on the tasks topic (end offsets minus the group's committed offsets) is > 0: there is work;

@@ -14,7 +14,7 @@ which then closes cleanly (kafka-python sends LeaveGroup). Whether this is exact
 known; the symptoms are the same: live explorers, `"partitions": []`, tasks pending, no error.
 
 Then: two explorers join the wedged group (the first to load its model, at least); `rft status` says STALLED; the
-explorers' watchdogs rejoin (no help on Tansu), then one moves the fleet to `<run>.explorers.1` (seeded with the old
+explorers' watchdogs rejoin (almost always no help on Tansu: see the test), then one moves the fleet to `<run>.explorers.1` (seeded with the old
 group's committed offsets) and announces it; both follow; every task is explored; `rft status` reads the new group's
 lag.
 """
@@ -115,30 +115,36 @@ def test_wedged_group_is_reported_and_the_explorers_recover(broker, tiny_model, 
         watch = StallWatch(cfg, tmp_path / "metrics.jsonl", say=lambda line, **_: said.append(line))
         assert watch.check()["stalled"] and said[-1].startswith("[rft] STALLED: 16 tasks pending, no explorer holds")
 
-        # the watchdog rejoins, then moves the fleet; every task is explored
+        # the watchdog rejoins, and moves the fleet when the rejoin did not help; every task is explored. On Tansu the
+        # rejoin almost always leaves the group wedged, but not always (a suite run, 2026-11-28: both explorers rejoined
+        # at the same instant and the group assigned its partitions; no move): each path is checked for what it owes
         experiences.wait_for(lambda: len({g.group_id for g in experiences.groups}) == 16, timeout_s=180,
-                             what="all 16 tasks explored after the move", alive=alive, log_dir=logs)
+                             what="all 16 tasks explored after the recovery", alive=alive, log_dir=logs)
         control.catch_up()
         moves = control.messages("tasks_group")
-        assert moves and {m.body["epoch"] for m in moves} == {1}, [m.body for m in moves]
-        assert moves[0].body["group"] == f"{consumer_group(cfg)}.1"
-        logged = (logs / f"{moves[0].sender}.log").read_text()
-        assert "rejoining the consumer group" in logged and "moving the explorers to" in logged
-        control.wait_for(lambda: any(m.body["rejoins"] >= 2 for m in control.messages("explorer_heartbeat")),
-                         timeout_s=30, what="a heartbeat counting the rejoin and the move", alive=alive, log_dir=logs)
-        control.wait_for(lambda: collect(cfg)["tasks"]["lag"] == 0, timeout_s=60, what="the new group's lag to be 0",
+        logged = {name: (logs / f"{name}.log").read_text() for name in EXPLORERS}
+        assert any("rejoining the consumer group" in text for text in logged.values()), log_tail(logs)
+        if moves:
+            assert {m.body["epoch"] for m in moves} == {1}, [m.body for m in moves]
+            assert moves[0].body["group"] == f"{consumer_group(cfg)}.1"
+            assert "moving the explorers to" in logged[moves[0].sender]
+        group, actions = (f"{consumer_group(cfg)}.1", 2) if moves else (consumer_group(cfg), 1)
+        control.wait_for(lambda: any(m.body["rejoins"] >= actions for m in control.messages("explorer_heartbeat")),
+                         timeout_s=30, what=f"a heartbeat counting the watchdog's {actions} action(s)", alive=alive,
+                         log_dir=logs)
+        control.wait_for(lambda: collect(cfg)["tasks"]["lag"] == 0, timeout_s=60, what="the group's lag to be 0",
                          alive=alive, log_dir=logs)
         report = collect(cfg)
-        assert report["tasks"]["group"] == f"{consumer_group(cfg)}.1" and report["fleet"]["stalled"] is None
+        assert report["tasks"]["group"] == group and report["fleet"]["stalled"] is None
         before = len(said)  # this check says `recovered`, then the idle line if the explorers are idle by now
         assert watch.check()["stalled"] is None and said[before].startswith("[rft] recovered: 0 tasks pending"), said
         assert all(line.startswith("[rft] explorers idle:") for line in said[before + 1:]), said
         late = GroupFollower(transport, consumer_group(cfg), cfg.topic("control"), client_id="late-follower")
-        assert late.group == f"{consumer_group(cfg)}.1"  # found by replay
+        assert late.group == group  # found by replay
         control.wait_for(lambda: follower.group == late.group, timeout_s=20, what="the follower to follow the move")
         late.close()
         health = [json.loads(line) for line in watch.health_path.read_text().splitlines()]
-        assert health[0]["stalled"] and health[-1]["stalled"] is None and health[-1]["rejoins"] >= 2
+        assert health[0]["stalled"] and health[-1]["stalled"] is None and health[-1]["rejoins"] >= actions
         for explorer in explorers.values():
             os.kill(explorer.pid, signal.SIGTERM)
         for name, explorer in explorers.items():
