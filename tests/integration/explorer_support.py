@@ -104,8 +104,7 @@ class TopicReader:
 
     def catch_up(self, timeout_s: float = 30.0) -> None:
         """Read every record the topic held when called (its end offsets then): one `poll` returns one fetch's worth,
-        so a check after a single poll can miss a record written long before it (a suite run, 2026-11-28: the fleet's
-        move, announced ~60 s earlier, unread behind the heartbeats)."""
+        so a check after a single poll can miss a record written long before it."""
         end = self.source.end_offsets(self.topic)
         wait_until(lambda: all(self.source.positions().get(k, 0) >= v for k, v in end.items()), timeout=timeout_s,
                    what=f"{self.topic} read up to {end}", between=self.poll)

@@ -14,9 +14,9 @@ which then closes cleanly (kafka-python sends LeaveGroup). Whether this is exact
 known; the symptoms are the same: live explorers, `"partitions": []`, tasks pending, no error.
 
 Then: two explorers join the wedged group (the first to load its model, at least); `rft status` says STALLED; the
-explorers' watchdogs rejoin (almost always no help on Tansu: see the test), then one moves the fleet to `<run>.explorers.1` (seeded with the old
-group's committed offsets) and announces it; both follow; every task is explored; `rft status` reads the new group's
-lag.
+explorers' watchdogs rejoin (almost always no help on Tansu: see the test), then one moves the fleet to
+`<run>.explorers.1` (seeded with the old group's committed offsets) and announces it; both follow; every task is
+explored; `rft status` reads the new group's lag.
 """
 from __future__ import annotations
 
