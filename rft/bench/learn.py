@@ -74,7 +74,7 @@ from pathlib import Path
 
 import yaml
 
-from rft.bench.trl_reference import TRLReferenceError, check_trl_config, run_trl, step_note, trl_missing
+from rft.bench.trl_reference import TRLReferenceError, check_trl_config, run_trl, step_note, trl_missing, within_budget
 from rft.config import Config, ConfigError, apply_override, load_yaml
 from rft.processes import signal_group
 from rft.run.loading import load_run_config
@@ -133,7 +133,7 @@ def run_rft(system: str, config: str, *, out: Path, budget_s: float, marks: int,
     finally:
         code = stop_run(process)
     steps = trained_steps(cfg.run_dir)
-    within = [s for s in steps if s["time"] - started <= budget_s]
+    within = [s for s in steps if within_budget(s["time"] - started, budget_s)]
     result = {"system": system, "steps": len(within), "first_step_s": _first_step(steps, started),
               "step_times_s": [round(s["time"] - started, 1) for s in within], "marks": taken,
               "weights": weight_sync_costs(cfg.run_dir, steps, taken), "mismatch": mismatch_summary(within),
@@ -264,7 +264,7 @@ def _windows(records: list[dict], times: list[float], budget_s: float) -> list[l
     launch; a record past the budget is left out)."""
     windows: list[list[dict]] = [[] for _ in range(SIGNAL_WINDOWS)]
     for record, at in zip(records, times):
-        if 0 <= at <= budget_s:
+        if within_budget(at, budget_s):
             windows[min(int(at / budget_s * SIGNAL_WINDOWS), SIGNAL_WINDOWS - 1)].append(record)
     return windows
 
@@ -321,7 +321,7 @@ def run_trl_system(config: str, *, out: Path, budget_s: float, marks: int, env: 
                      started_at=time.time(), progress=f"{PREFIX} trl")
     if "error" in result:
         return {"system": "trl", "error": result["error"], "marks": []}
-    within = [round(end, 1) for end in result["step_end_s"] if end <= budget_s]
+    within = [round(end, 1) for end in result["step_end_s"] if within_budget(end, budget_s)]
     return {"system": "trl", "steps": len(within), "step_times_s": within,
             "first_step_s": round(result["first_step_s"], 1) if result["first_step_s"] is not None else None,
             "marks": [{"mark": m["mark"], "time_s": m["time_s"], "version": m["step"], "path": m["path"]}

@@ -260,20 +260,28 @@ class Marks:
         return str(path)
 
 
+def within_budget(at_s: float, budget_s: float | None) -> bool:
+    """Whether a step that ended `at_s` seconds from launch counts in the report: the one rule the progress line, the
+    step count and the per-window signal share (so a step a hair past the budget is judged the same by all three;
+    the times it is judged on are never rounded first)."""
+    return budget_s is None or 0 <= at_s <= budget_s
+
+
 def step_note(system: str, step: int, at_s: float, budget_s: float | None) -> str:
     """The progress line of a step that ended `at_s` seconds from launch; a step past the budget, which the report
-    does not count, says so."""
-    late = budget_s is not None and at_s > budget_s
+    does not count (`within_budget`), says so."""
+    late = not within_budget(at_s, budget_s)
     return f"{system}: step {step} at {at_s:.0f} s{' (past the budget: not counted)' if late else ''}"
 
 
 def log_record(step: int, at_s: float, logs: dict) -> dict:
     """One line of TRL's `metrics.jsonl`: the step, when it ended (the clock's seconds) and TRL's own log values
     (its names: reward, reward_std, entropy, completions/mean_length, clip_ratio/..., loss, grad_norm,
-    learning_rate); a value that is not a finite number is left out (strict JSON has no NaN)."""
+    learning_rate); a value that is not a finite number is left out (strict JSON has no NaN). `at_s` is kept as
+    measured: rounded, a step a hair past the budget would be counted by the report yet noted as past it."""
     values = {k: float(v) for k, v in logs.items()
               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-    return {"step": step, "at_s": round(at_s, 3), **values}
+    return {"step": step, "at_s": at_s, **values}
 
 
 def stepping_callback(clock: Clock, *, budget_s: float | None, marks: Marks | None, progress: str,
@@ -335,7 +343,7 @@ def train(spec: dict) -> dict:
                           processing_class=tokenizer, callbacks=[stepping])
     trainer.train()
     ends = stepping.ends
-    return {"steps": len(ends), "step_end_s": [round(e, 3) for e in ends], "first_step_s": ends[0] if ends else None,
+    return {"steps": len(ends), "step_end_s": ends, "first_step_s": ends[0] if ends else None,
             "samples_per_step": cfg.trainer.groups_per_step * cfg.explorer.n_samples,
             "marks": marks.taken if marks else [], "snapshot_s": round(clock.excluded, 3)}
 

@@ -38,8 +38,10 @@ from rft.bench.trl_reference import (
     check_same_tokens,
     grpo_config,
     log_record,
+    step_note,
     trl_model,
     trl_prompts,
+    within_budget,
 )
 from rft.config import ConfigError
 from rft.models.tiny import build_tokenizer
@@ -307,8 +309,19 @@ def test_system_overrides_are_checked_before_anything_runs(tmp_path, hf_dir, cap
 def test_trls_log_values_become_strict_json_lines():
     record = log_record(3, 41.23456, {"reward": 0.25, "entropy": 1.5, "grad_norm": float("nan"), "epoch": 0,
                                       "note": "text", "flag": True})
-    assert record == {"step": 3, "at_s": 41.235, "reward": 0.25, "entropy": 1.5, "epoch": 0.0}
+    assert record == {"step": 3, "at_s": 41.23456, "reward": 0.25, "entropy": 1.5, "epoch": 0.0}
     json.loads(json.dumps(record, allow_nan=False))
+
+
+def test_a_step_a_hair_past_the_budget_is_judged_alike_by_its_line_the_count_and_the_signal():
+    """CI once counted 1991 TRL steps against 1990 lines not marked past the budget: the count and the signal read
+    end times rounded to the millisecond, the line the time as measured. One rule now judges all three."""
+    budget, late = 12.0, 12.0004  # rounds to the budget, yet ended after it
+    assert step_note("trl", 7, late, budget) == "trl: step 7 at 12 s (past the budget: not counted)"
+    assert not within_budget(late, budget) and within_budget(budget, budget) and within_budget(5.0, None)
+    record = log_record(7, late, {"reward": 0.5})
+    assert trl_signal([record], budget)["steps"] == [0, 0, 0, 0]
+    assert trl_signal([log_record(7, budget, {"reward": 0.5})], budget)["steps"] == [0, 0, 0, 1]
 
 
 def test_where_the_time_went_is_reported_per_quarter_of_the_budget():
