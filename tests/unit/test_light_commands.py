@@ -59,3 +59,23 @@ def test_the_light_commands_import_and_build_every_algorithm_without_torch(witho
     done = run(without_torch, "-c", script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.split()[-1]) >= 9
+
+
+def test_the_launcher_learns_a_machine_has_no_gpu_without_torch(without_torch, tmp_path):
+    """`rft run`'s launcher asks torch for the GPUs only where a GPU driver's device node exists; with none (the
+    node list pointed at a path that does not exist) the answer is no GPU and torch is never imported. With one (the
+    list pointed at a file that exists) it does ask torch, which the blocker refuses: the shortcut is the only
+    reason the first run did not import it."""
+    present = tmp_path / "nvidiactl"
+    present.write_text("")
+    script = textwrap.dedent("""\
+        import sys
+        from rft.cli import launcher
+        launcher.GPU_DEVICE_NODES = (sys.argv[1],)
+        print(launcher.visible_gpus())
+        """)
+    env = {k: v for k, v in without_torch.items() if k != "CUDA_VISIBLE_DEVICES"}
+    done = run(env, "-c", script, str(tmp_path / "absent"))
+    assert done.returncode == 0 and done.stdout.split() == ["[]"], done.stderr[-3000:]
+    done = run(env, "-c", script, str(present))
+    assert done.returncode != 0 and "blocked by the test" in done.stderr, done.stdout
