@@ -6,9 +6,13 @@ records, independently of the explorer's bookkeeping: every engine request's wei
 completion, vLLM's own count of unfinished requests at each reload, every task-offset commit with the
 experience/dead-letter records sent before it. Prints one `PROBE-RESULT {json}` line.
 
-With `explorer.inflight_updates: true` a version is published right after an engine step that left requests
-unfinished (so they have sampled tokens and will sample more), and the loop looks for weights at every turn: the
-next turn loads it in flight, before any other engine step.
+Each version is published from the engine's step (never from a timer: a paced engine and a watching thread raced on
+a fast machine), once enough groups were produced and the version before it is loaded; the loop looks for weights
+at every turn. Draining, the next turn stops admitting and loads it once nothing is in flight; with
+`explorer.inflight_updates: true` it is published only after a step that left requests unfinished (so they have
+sampled tokens and will sample more), and the next turn loads it in flight, before any other engine step. With
+`max_inflight` tasks at most in the engine and versions due at 4 and 10 groups of 16, tasks remain to be submitted
+under each new version.
 
 The stop is the event, not an idle window: the first poll joins the consumer group, and a Tansu rebalance beside a
 full suite's runs has taken longer than a 4 s idle window (CI: "idle after 0 of 16 groups"). `exit_when_idle_s` stays
@@ -21,7 +25,6 @@ from __future__ import annotations
 import json
 import sys
 import threading
-import time
 
 IDLE_FAILURE_S = 120.0
 
@@ -29,6 +32,7 @@ IDLE_FAILURE_S = 120.0
 def main(config_path: str, groups_expected: int) -> dict:
     import torch
 
+    import rft.explorer.continuous as continuous
     from rft.config import load_config
     from rft.engine import build_engine
     from rft.explorer.main import build_explorer
@@ -38,10 +42,7 @@ def main(config_path: str, groups_expected: int) -> dict:
 
     cfg = load_config(config_path)
     in_flight = cfg.explorer.inflight_updates
-    if in_flight:
-        import rft.explorer.continuous as continuous
-
-        continuous.WEIGHTS_CHECK_S = 0.0  # the version published after a step is loaded at the next turn
+    continuous.WEIGHTS_CHECK_S = 0.0  # the version published after a step is seen at the next turn
     engine = build_engine(cfg.explorer, cfg.model, seed=0)
     out: dict = {"submitted": {}, "finished": {}, "loads": [], "commits": [], "sent": [], "warm_up": []}
     submit, step, load = engine.submit, engine.step, engine.load_weights
@@ -54,19 +55,14 @@ def main(config_path: str, groups_expected: int) -> dict:
         submit(request_id, prompt, sampling, **kwargs)
 
     def recorded_step():
-        # paced: on a quiet machine the tiny model finishes all 16 tasks within one weights check (0.5 s); 0.1 s per
-        # engine step makes the run span several checks, so both versions arrive while tasks are still to be done (in
-        # flight, versions are published from here, between steps: no pacing needed)
-        if not in_flight:
-            time.sleep(0.1)
         done = step()
         for request_id, generation in done:
             if request_id.startswith("generate-"):
                 continue
             out["finished"][request_id] = [engine.weights_version, [c.weights_version for c in generation.completions],
                                            [c.token_versions for c in generation.completions]]
-        if (in_flight and schedule and explorer.stats.groups >= schedule[0][0] and engine.unfinished()
-                and engine.weights_version == schedule[0][1] - 1):
+        if (schedule and explorer.stats.groups >= schedule[0][0] and engine.weights_version == schedule[0][1] - 1
+                and (engine.unfinished() or not in_flight)):
             publish(*schedule.pop(0))
         return done
 
@@ -100,25 +96,14 @@ def main(config_path: str, groups_expected: int) -> dict:
                       cfg.model.path)
         out.setdefault("published_at_groups", []).append([version, explorer.stats.groups])
 
-    def publisher(stop: threading.Event) -> None:
-        for groups, version in list(schedule):
-            # and only once the previous version is loaded: a loaded machine must not skip a version between reloads
-            while ((explorer.stats.groups < groups or explorer.engine.weights_version < version - 1)
-                   and not stop.wait(0.05)):
-                pass
-            if stop.is_set():
-                return
-            publish(groups, version)
-
     def watcher(stop: threading.Event, over: threading.Event) -> None:
         while ((explorer.stats.groups < groups_expected or explorer.stats.dead_letters < 1)
                and not over.wait(0.05)):
             pass
         stop.set()
 
-    stop, publisher_stop = threading.Event(), threading.Event()
-    thread = threading.Thread(target=publisher, args=(publisher_stop,), daemon=True)
-    threading.Thread(target=watcher, args=(stop, publisher_stop), daemon=True).start()
+    stop, over = threading.Event(), threading.Event()
+    threading.Thread(target=watcher, args=(stop, over), daemon=True).start()
     try:
         explorer.refresh_weights()
         explorer.join()
@@ -129,14 +114,12 @@ def main(config_path: str, groups_expected: int) -> dict:
             return commit(offsets)
 
         explorer.tasks.commit = recorded_commit
-        if not in_flight:  # in flight: published from recorded_step
-            thread.start()
         out["reason"] = explorer.run_continuous(stop, exit_when_idle_s=IDLE_FAILURE_S)
         out["reloads"] = explorer.reloads
         out["committed"] = explorer.tasks.committed(cfg.topic("tasks"))
         out["stats"] = explorer._stats()
     finally:
-        publisher_stop.set()
+        over.set()
         explorer.close("probe over")
         engine.close()
     return out
