@@ -116,27 +116,24 @@ def test_invalid_configs_name_file_and_key(tmp_path, model_dir, body_patch, over
     assert "run.yaml" in str(info.value)
 
 
-def test_not_a_mapping_and_bad_yaml(tmp_path):
+@pytest.mark.parametrize("text, expected", [
+    ("run: [1, 2\n", r"bad.yaml:2:1: not valid YAML"),
+    ("- a\n- b\n", "top level must be a mapping"),
+    # PyYAML keeps the last of two equal keys without a word: a section written twice would lose the first
+    ("run:\n  name: a\ntrainer:\n  lr: 1.0e-5\nrun:\n  name: b\n",
+     r"bad.yaml:5:1: not valid YAML: key 'run' appears twice \(first on line 1\)"),
+    ("run:\n  name: a\n  seed: 1\n  seed: 2\n", r"bad.yaml:4:3: .*key 'seed' appears twice \(first on line 3\)"),
+], ids=["bad_yaml", "not_a_mapping", "section_twice", "key_twice"])
+def test_a_file_that_is_not_a_config_says_where(tmp_path, text, expected):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("run: [1, 2\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml:2:1: not valid YAML"):
+    bad.write_text(text)
+    with pytest.raises(ConfigError, match=expected):
         load_config(bad)
-    bad.write_text("- a\n- b\n")
-    with pytest.raises(ConfigError, match="top level must be a mapping"):
-        load_config(bad)
+
+
+def test_a_missing_file_is_named_and_a_merged_key_may_be_overridden(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "missing.yaml")
-
-
-def test_a_key_named_twice_is_refused(tmp_path):
-    """PyYAML keeps the last of two equal keys without a word: a section written twice would lose the first."""
-    bad = tmp_path / "twice.yaml"
-    bad.write_text("run:\n  name: a\ntrainer:\n  lr: 1.0e-5\nrun:\n  name: b\n")
-    with pytest.raises(ConfigError, match=r"twice.yaml:5:1: not valid YAML: key 'run' appears twice \(first on line 1\)"):
-        load_config(bad)
-    bad.write_text("run:\n  name: a\n  seed: 1\n  seed: 2\n")
-    with pytest.raises(ConfigError, match=r"twice.yaml:4:3: .*key 'seed' appears twice \(first on line 3\)"):
-        load_config(bad)
     # a key merged in by `<<` may be overridden: that is YAML's rule, not a repetition
     assert load_yaml("base: &b {lr: 1, seed: 3}\ntrainer:\n  <<: *b\n  lr: 2\n")["trainer"] == {"lr": 2, "seed": 3}
 
