@@ -7,7 +7,7 @@ STAMP := $(VENV)/.rft-installed
 CONSTRAINTS := requirements/constraints.txt
 EXTRAS := envs,web,ray,browser
 
-.PHONY: venv quickstart flagship tiny-run lint bytecode test test-deps test-fast system-deps clean-venv assets smollm2 gpu-check-wheels moto
+.PHONY: venv quickstart flagship tiny-run lint typecheck bytecode test test-deps test-fast system-deps clean-venv assets smollm2 gpu-check-wheels moto
 
 venv: $(STAMP)
 
@@ -91,9 +91,13 @@ flagship: venv $(SMOLLM2)/config.json
 tiny-run: venv assets/tiny-qwen2/config.json
 	$(BIN)/rft run configs/quickstart.yaml
 
-# pyflakes errors (undefined names, unused imports and variables) and import order, at 0 findings (ruff.toml)
+# pyflakes, import order, pycodestyle, bugbear and pyupgrade, at 0 findings (ruff.toml)
 lint: venv
 	$(BIN)/ruff check .
+
+# mypy over rft/ and megatron_bridge/ at 0 errors (mypy.ini; its cache in .cache/mypy)
+typecheck: venv
+	$(BIN)/mypy
 
 # Three pytest-xdist workers on 2 cores: one runs the whole runs of tests/e2e one after another, the second the rest
 # beside it, the third only the tests that mostly wait (tests/conftest.py WAITING); the distributed and Slurm files
@@ -104,8 +108,8 @@ test:
 	$(BIN)/python -m pytest -n 3 --dist loadgroup
 
 # What the tests need, three at a time: the venv, moto's venv and the Debian tools do not depend on one another, the
-# model, the linter and the bytecode wait for the venv (a minute less on a fresh clone than one after another)
-test-deps: venv system-deps $(SMOLLM2)/config.json $(MOTO) lint bytecode
+# model, the linter, the type checker and the bytecode wait for the venv (a minute less on a fresh clone than one after another)
+test-deps: venv system-deps $(SMOLLM2)/config.json $(MOTO) lint typecheck bytecode
 
 # This checkout's own modules compiled once (pip compiles the packages it installs, not an editable source tree):
 # where PYTHONDONTWRITEBYTECODE is set, as on these machines, every process of the suite would otherwise compile each

@@ -20,8 +20,8 @@ collective over all ranks, like MegatronPolicy's.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 

@@ -49,7 +49,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _installed = False
-_mode: "_CudaToCpuMode | None" = None
+_mode: _CudaToCpuMode | None = None
 
 _CUDA_TYPE_NAMES = {
     "torch.FloatTensor": "torch.cuda.FloatTensor",
@@ -140,7 +140,7 @@ class _CpuStream:
     def wait_event(self, event) -> None:
         return None
 
-    def record_event(self, event=None) -> "_CpuStream":
+    def record_event(self, event=None) -> _CpuStream:
         return self
 
     def synchronize(self) -> None:

@@ -26,8 +26,8 @@ plus the HF tensors of the one parameter being converted. Yielded tensors live o
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist

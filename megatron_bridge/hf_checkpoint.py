@@ -46,7 +46,7 @@ class HFCheckpoint:
         raise FileNotFoundError(f"{self.dir}: no {self.single_file} or {INDEX_FILE} (only safetensors checkpoints "
                                 "are supported)")
 
-    def __enter__(self) -> "HFCheckpoint":
+    def __enter__(self) -> HFCheckpoint:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -40,8 +40,9 @@ import contextlib
 import dataclasses
 import hashlib
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +74,7 @@ class Adapter:
         return self.alpha / self.rank
 
 
-def adapter_of(lora: "LoraConfig", target: str) -> Adapter | None:
+def adapter_of(lora: LoraConfig, target: str) -> Adapter | None:
     """The adapter `lora` puts on the linear named `target` (one of TARGETS), None when it targets another."""
     if not lora.rank or target not in lora.target_modules:
         return None
@@ -163,7 +164,7 @@ def lora_linears():
     return LoRAColumnParallelLinear, LoRARowParallelLinear
 
 
-def layer_spec(lora: "LoraConfig", *, qk_layernorm: bool = False):
+def layer_spec(lora: LoraConfig, *, qk_layernorm: bool = False):
     """megatron's local GPT layer spec (RMSNorm; q/k norms for `qk_layernorm`, as Qwen3) with the targeted linears
     replaced by LoRA linears."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -204,7 +205,7 @@ def freeze_base(model: torch.nn.Module) -> int:
     return trainable
 
 
-def init_adapters(model: torch.nn.Module, info: "BridgeInfo", pp_rank: int, tp_rank: int, tp: int,
+def init_adapters(model: torch.nn.Module, info: BridgeInfo, pp_rank: int, tp_rank: int, tp: int,
                   seed: int) -> None:
     """A Kaiming-uniform (a = sqrt(5), PEFT's default) from a generator seeded by (seed, global name), this rank's
     slice of it; B zero. Layout independent (module docstring)."""
@@ -223,7 +224,7 @@ def init_adapters(model: torch.nn.Module, info: "BridgeInfo", pp_rank: int, tp_r
                 param.copy_(part.to(param.dtype))
 
 
-def global_name(info: "BridgeInfo", local: str, pp_rank: int) -> str:
+def global_name(info: BridgeInfo, local: str, pp_rank: int) -> str:
     """The global (layer-resolved) megatron name of stage `pp_rank`'s local parameter name."""
     prefix = "decoder.layers."
     if not local.startswith(prefix):
@@ -265,7 +266,7 @@ class SharedA(ParamMapping):
     def merge_shards(self, shards, dims):
         return {name: shards[0] for name in self.names}
 
-    def for_layer(self, layer: int) -> "SharedA":
+    def for_layer(self, layer: int) -> SharedA:
         return dataclasses.replace(super().for_layer(layer),
                                    names=tuple(n.replace("*", str(layer)) for n in self.names))
 
@@ -287,7 +288,7 @@ def _adapter_pair(base: ParamMapping) -> tuple[ParamMapping, ParamMapping]:
     raise TypeError(f"no LoRA layout for a {type(base).__name__} mapping ({base.megatron})")
 
 
-def adapter_mappings(info: "BridgeInfo", lora: "LoraConfig") -> list[ParamMapping]:
+def adapter_mappings(info: BridgeInfo, lora: LoraConfig) -> list[ParamMapping]:
     """Layer-resolved (A, B) mappings of every adapter `lora` puts on the model, in pipeline order."""
     out = []
     for mapping in info.resolved_mappings():
@@ -297,14 +298,14 @@ def adapter_mappings(info: "BridgeInfo", lora: "LoraConfig") -> list[ParamMappin
     return out
 
 
-def hf_target_modules(info: "BridgeInfo", lora: "LoraConfig") -> list[str]:
+def hf_target_modules(info: BridgeInfo, lora: LoraConfig) -> list[str]:
     """The HF module names (q_proj, ...) PEFT's `target_modules` lists for `lora` on this architecture."""
     names = {name.removesuffix(".lora_A.weight").rsplit(".", 1)[-1]
              for m in adapter_mappings(info, lora) for name in m.hf_names if name.endswith(".lora_A.weight")}
     return sorted(names)
 
 
-def peft_config(info: "BridgeInfo", lora: "LoraConfig") -> dict:
+def peft_config(info: BridgeInfo, lora: LoraConfig) -> dict:
     """The adapter_config.json of `lora` on this model (a PEFT LoraConfig as it serialises)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(info.hf_dir),
             "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
@@ -313,7 +314,7 @@ def peft_config(info: "BridgeInfo", lora: "LoraConfig") -> dict:
 
 
 def load_adapter(model: torch.nn.Module, wanted: dict[str, ParamMapping], adapter_dir: str | Path,
-                 *, tp_rank: int, tp: int, dims: "ModelDims") -> None:
+                 *, tp_rank: int, tp: int, dims: ModelDims) -> None:
     """Copy a PEFT adapter directory (adapter_model.safetensors) into this rank's adapter shards; `wanted`: local
     adapter parameter name -> its PEFT mapping (this stage's `adapter_mappings`)."""
     params = dict(model.named_parameters())

@@ -102,15 +102,15 @@ class ParamMapping(ABC):
         """A routed expert's weight: `#` in the names stands for the expert index."""
         return "#" in self.megatron
 
-    def for_layer(self, layer: int) -> "ParamMapping":
+    def for_layer(self, layer: int) -> ParamMapping:
         """This mapping with `*` replaced by the global layer index in every name."""
         return self._substitute("*", layer)
 
-    def for_expert(self, expert: int) -> "ParamMapping":
+    def for_expert(self, expert: int) -> ParamMapping:
         """This mapping with `#` replaced by the global expert index in every name."""
         return self._substitute("#", expert)
 
-    def _substitute(self, placeholder: str, index: int) -> "ParamMapping":
+    def _substitute(self, placeholder: str, index: int) -> ParamMapping:
         names = {f: getattr(self, f) for f in self.__dataclass_fields__ if isinstance(getattr(self, f), str)}
         return replace(self, **{f: name.replace(placeholder, str(index)) for f, name in names.items()})
 

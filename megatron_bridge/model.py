@@ -196,7 +196,7 @@ def _mark_experts_expert_parallel(model: torch.nn.Module) -> None:
 
 def build_model(hf_dir: str | Path, *, dtype: str | torch.dtype = "float32", load_weights: bool = True,
                 pp_layers: tuple[int, ...] | None = None, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
-                lora: "LoraConfig | None" = None, seed: int = 0):
+                lora: LoraConfig | None = None, seed: int = 0):
     """This rank's pipeline stage of the HF model as `[GPTModel]`, weights loaded from `hf_dir`.
 
     `pp_layers`: decoder layers per pipeline stage for an uneven split (None: even). `aux_loss_coeff`,

@@ -61,8 +61,9 @@ from __future__ import annotations
 import json
 import math
 import queue
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -283,7 +284,7 @@ class MegatronPolicy(TrainedModel):
                  seed: int = 0, dtype: str = "float32", reference: bool = False, temperature: float = 1.0,
                  initial_loss_scale: float = 2.0 ** 16, pack_sequences: bool = False,
                  teacher: str | Path | None = None, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0,
-                 routing_replay: bool = False, lora: "LoraConfig | None" = None, share_prompts: bool = False):
+                 routing_replay: bool = False, lora: LoraConfig | None = None, share_prompts: bool = False):
         """`temperature`: the sampling temperature of the explorers. Log-probs (and entropy) are those of
         softmax(logits / temperature), the distribution the behaviour log-probs in the records come from, so
         that importance ratios compare like with like. `initial_loss_scale`: float16 only, the dynamic loss

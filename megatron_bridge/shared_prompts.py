@@ -54,7 +54,7 @@ class Costs:
     per_pair: float
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> "Costs":
+    def of(cls, model: torch.nn.Module) -> Costs:
         config = unwrap(model).config
         parameters = sum(p.numel() for p in model.parameters())
         return cls(per_position=2.0 * parameters,

@@ -18,10 +18,11 @@ import json
 import math
 import os
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, ClassVar, Literal
 
 import yaml
 
@@ -56,7 +57,7 @@ class RunConfig:
     # async: flow control; explorers wait (as admission does in off_policy) once their samples would train more than
     # this many versions late, but the trainer keeps every sample, later ones included (algorithm.off_policy_correction
     # weighs them); null: explorers never wait and a fast fleet outruns its trainer; other modes ignore it
-    async_max_staleness: Optional[int] = 4
+    async_max_staleness: int | None = 4
     # seeds the trainer's random state (megatron's RNG, a critic's new value head), every engine's sampling (explorers,
     # evaluator, `rft serve`) and the replay buffer unless replay_buffer.seed; the task order is data.shuffle_seed's
     seed: int = 0
@@ -123,7 +124,7 @@ class KafkaConfig:
     # consumers' fetch sizes follow it; the broker must accept as much
     max_record_bytes: int = 8 * 1024 * 1024
     # codec the producers compress records with; null: none (zstd, lz4: 2-4x less experience traffic, docs/operations.md)
-    compression: Optional[Literal["gzip", "snappy", "lz4", "zstd"]] = None
+    compression: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
     # the Kafka clients' request timeout; also how long a part waits for the broker to acknowledge a record it sent
     request_timeout_ms: int = 30000
     # a consumer-group member silent this long is presumed dead and its partitions move to the others (heartbeats every
@@ -178,7 +179,7 @@ class ExplorerConfig:
     # vLLM: a group whose prompt fills whole KV blocks (length a multiple of the block size) computes its prompt once;
     # its n first tokens are drawn from that one distribution (rft/engine/prefill_once.py)
     prefill_once: bool = True
-    vllm_in_process: Optional[bool] = None  # null: in-process on CPU with TP 1 (fast start), own process otherwise
+    vllm_in_process: bool | None = None  # null: in-process on CPU with TP 1 (fast start), own process otherwise
     environment: str = "retry"  # multi_turn: registered environment (retry, frozenlake, textarena) or package.module:Class
     max_turns: int = 2  # multi_turn, tool_agent: model turns per episode
     tools: list[str] = field(default_factory=lambda: ["calculator", "python"])  # tool_agent: registered tool names or package.module:Class
@@ -298,7 +299,7 @@ class AlgorithmConfig:
     options: dict[str, Any] = field(default_factory=dict, metadata={"rest": True})
 
     @classmethod
-    def of(cls, name: str = "grpo", **options: Any) -> "AlgorithmConfig":
+    def of(cls, name: str = "grpo", **options: Any) -> AlgorithmConfig:
         """The section `{name: name, **options}`, as code writes it."""
         return cls(name=name, options=options)
 
@@ -315,14 +316,14 @@ class TaskSetConfig:
     """One entry of `data.mix`; a key left null takes the value of the `data.` key of the same name."""
     path: str = ""  # required: the set's dataset (the toy task for format generated)
     weight: float = 1.0  # relative share of the picks while the set has tasks left
-    format: Optional[DataFormat] = None  # null: data.format
-    epochs: Optional[int] = None  # visits per task; null: data.epochs
-    prompt_key: Optional[str] = None  # null: data.prompt_key
-    answer_key: Optional[str] = None  # null: data.answer_key
-    prompt_template: Optional[str] = None  # null: data.prompt_template
-    generated_tasks: Optional[int] = None  # null: data.generated_tasks
-    seed: Optional[int] = None  # generated / reasoning_gym: the generator's seed; null: data.shuffle_seed
-    options: Optional[dict[str, Any]] = None  # reasoning_gym / generated: the dataset's options; null: data.options
+    format: DataFormat | None = None  # null: data.format
+    epochs: int | None = None  # visits per task; null: data.epochs
+    prompt_key: str | None = None  # null: data.prompt_key
+    answer_key: str | None = None  # null: data.answer_key
+    prompt_template: str | None = None  # null: data.prompt_template
+    generated_tasks: int | None = None  # null: data.generated_tasks
+    seed: int | None = None  # generated / reasoning_gym: the generator's seed; null: data.shuffle_seed
+    options: dict[str, Any] | None = None  # reasoning_gym / generated: the dataset's options; null: data.options
 
 
 @dataclass
@@ -348,7 +349,7 @@ class DataConfig:
     # a task's prompt: this string formatted with the row's fields, {prompt} being the prompt_key field
     prompt_template: str = "{prompt}"
     epochs: int = 1  # times each task is published (its visits; selectors pick among tasks with visits left)
-    shuffle_seed: Optional[int] = 0  # seeds every selector (shuffle: null keeps the dataset order)
+    shuffle_seed: int | None = 0  # seeds every selector (shuffle: null keeps the dataset order)
     selector: str = "shuffle"  # sequential, shuffle, curriculum, or package.module:factory (docs/data.md)
     generated_tasks: int = 1000  # format generated / reasoning_gym: how many tasks data.path generates
     options: dict[str, Any] = field(default_factory=dict)  # reasoning_gym / generated: the dataset's options (docs/data.md)
@@ -501,7 +502,7 @@ class ReplayBufferConfig:
     priority: str = "reward_variance"  # reward_variance, uniform, or package.module:function(group) -> score >= 0
     decay: float = 0.9  # recency: priority = score x decay^(steps since the group trained fresh), in (0, 1]
     capacity: int = 1024  # candidates remembered (metadata only, not records); beyond it the oldest are forgotten
-    seed: Optional[int] = None  # of the weighted choice; null: run.seed
+    seed: int | None = None  # of the weighted choice; null: run.seed
 
     def __post_init__(self) -> None:
         for key in ("groups_per_step", "max_reuse", "capacity"):
@@ -652,7 +653,7 @@ def _free_form_keys() -> tuple[str, ...]:
                 walk(tp, f"{prefix}{f.name}.")
             elif typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
                 walk(args[0], f"{prefix}{f.name}[].")
-            elif typing.get_origin(tp) is typing.Union and any(
+            elif typing.get_origin(tp) in (typing.Union, types.UnionType) and any(
                     typing.get_origin(a) is dict and typing.get_args(a)[1] is Any for a in args):
                 out.append(f"{prefix}{f.name}")
             elif typing.get_origin(tp) is dict and args[1] is Any:
@@ -836,7 +837,7 @@ def _coerce(tp: Any, value: Any, source: str, path: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value if value is not None else {}, source, path)
-    if origin is typing.Union:
+    if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
@@ -990,7 +991,7 @@ def numeric_values(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 def _numeric_type(tp: Any) -> bool:
-    inner = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) is typing.Union else [tp]
+    inner = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) in (typing.Union, types.UnionType) else [tp]
     return len(inner) == 1 and inner[0] in (int, float)
 
 

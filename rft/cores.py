@@ -33,8 +33,8 @@ import json
 import mmap
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 YIELD_S = 5.0  # the longest a part that resumes waits for a borrower's unit to end
 YIELD_POLL_S = 0.002
@@ -58,7 +58,7 @@ class CoreShare:
         self._fitted = (0, 0)  # (sum, count) of what fit_torch applied since mean_threads
 
     @classmethod
-    def from_environment(cls, environ: dict[str, str] | None = None) -> "CoreShare | None":
+    def from_environment(cls, environ: dict[str, str] | None = None) -> CoreShare | None:
         """The share `RFT_CORES` describes (None when it is unset: no board, e.g. with GPUs or OMP_NUM_THREADS set by
         the operator, or a part started outside `rft run`). A malformed value is refused by name."""
         value = (os.environ if environ is None else environ).get(cls.ENV)
@@ -155,7 +155,7 @@ class NoShare:
         pass
 
 
-def core_share() -> "CoreShare | NoShare":
+def core_share() -> CoreShare | NoShare:
     """This process's share (`CoreShare.from_environment`), or a `NoShare`."""
     return CoreShare.from_environment() or NoShare()
 

@@ -28,7 +28,7 @@ rft.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Mode:
         return tuple(role for role, on in (("trainer", self.trainer), ("explorers", self.explorers),
                                            ("serve", self.serves)) if on)
 
-    def staleness_bound(self, max_staleness: int) -> Optional[int]:
+    def staleness_bound(self, max_staleness: int) -> int | None:
         """0, `max_staleness` (>= 0) or None (no bound)."""
         if self.bound == "zero":
             return 0
@@ -58,7 +58,7 @@ class Mode:
             raise ValueError(f"run.max_staleness: must be >= 0, got {max_staleness}")
         return max_staleness
 
-    def admission_bound(self, max_staleness: int, async_max_staleness: Optional[int] = None) -> Optional[int]:
+    def admission_bound(self, max_staleness: int, async_max_staleness: int | None = None) -> int | None:
         """The staleness admission holds explorers to: the mode's bound, or `async_max_staleness` (None: no bound)
         in a mode with a soft bound."""
         if not self.soft_bound:
@@ -87,12 +87,12 @@ def mode(name: str) -> Mode:
         raise ValueError(f"run.mode: unknown mode {name!r} ({', '.join(MODES)})") from None
 
 
-def staleness_bound(name: str, max_staleness: int) -> Optional[int]:
+def staleness_bound(name: str, max_staleness: int) -> int | None:
     """The largest staleness a sample may have when used in mode `name`: 0 (sync), k (off_policy) or None."""
     return mode(name).staleness_bound(max_staleness)
 
 
-def admission_bound(name: str, max_staleness: int, async_max_staleness: Optional[int] = None) -> Optional[int]:
+def admission_bound(name: str, max_staleness: int, async_max_staleness: int | None = None) -> int | None:
     """The staleness admission holds the explorers of mode `name` to (`Mode.admission_bound`)."""
     return mode(name).admission_bound(max_staleness, async_max_staleness)
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from collections.abc import Iterator, Mapping
-from typing import Any, Callable, Generic, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 

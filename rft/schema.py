@@ -50,7 +50,7 @@ class RewardRange:
     high: float
 
     @classmethod
-    def of(cls, explorer: Any) -> "RewardRange":
+    def of(cls, explorer: Any) -> RewardRange:
         """The range an `ExplorerConfig` configures."""
         return cls(float(explorer.reward_min), float(explorer.reward_max))
 
@@ -63,7 +63,7 @@ class RewardRange:
                     f"[{self.low:g}, {self.high:g}]")
         return None
 
-    def group_problem(self, group: "ExperienceGroup") -> str | None:
+    def group_problem(self, group: ExperienceGroup) -> str | None:
         """`problem` of the first sample of `group` whose reward is not accepted, naming the sample."""
         for position, sample in enumerate(group.samples):
             problem = self.problem(sample.reward)

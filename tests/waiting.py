@@ -5,8 +5,9 @@ of an event; a test of absence (nothing more arrives) may sleep, and says so in 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 

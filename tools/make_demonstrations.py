@@ -22,8 +22,9 @@ import argparse
 import json
 import random
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from rft.agent_tools import ToolBox, ToolLimits
 from rft.schema import TaskRecord

@@ -101,7 +101,7 @@ class Fleet:
         self.scale(0, grace_s)
 
 
-def start_fleet(config_yaml: str, run: str, replicas: int, *, detached: bool = False, **options) -> "ray.actor.ActorHandle":
+def start_fleet(config_yaml: str, run: str, replicas: int, *, detached: bool = False, **options) -> ray.actor.ActorHandle:
     """Create the named fleet of `run` and scale it to `replicas` (ray must be initialised)."""
     lifetime = {"lifetime": "detached"} if detached else {}
     fleet = Fleet.options(name=fleet_name(run), namespace=NAMESPACE, **lifetime).remote(config_yaml, run, **options)
@@ -109,7 +109,7 @@ def start_fleet(config_yaml: str, run: str, replicas: int, *, detached: bool = F
     return fleet
 
 
-def get_fleet(run: str) -> "ray.actor.ActorHandle":
+def get_fleet(run: str) -> ray.actor.ActorHandle:
     try:
         return ray.get_actor(fleet_name(run), namespace=NAMESPACE)
     except ValueError:

@@ -19,7 +19,7 @@ from rft.lazy import lazy
 torch, F = lazy("torch"), lazy("torch.nn.functional")  # the registry is read by config checks, without torch
 
 OUTPUT_LAYER = "output_layer.weight"
-_REGISTRY: dict[str, type["DecoderBridge"]] = {}
+_REGISTRY: dict[str, type[DecoderBridge]] = {}
 
 # megatron's RotaryEmbedding hard-codes these Llama 3 scaling constants; other values are refused.
 _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -31,7 +31,7 @@ class UnsupportedModelError(ValueError):
 
 def register(hf_class_name: str):
     """Class decorator: make `bridge_for` pick this bridge for configs naming `hf_class_name`."""
-    def decorate(cls: type["DecoderBridge"]) -> type["DecoderBridge"]:
+    def decorate(cls: type[DecoderBridge]) -> type[DecoderBridge]:
         if hf_class_name in _REGISTRY:
             raise ValueError(f"a bridge for {hf_class_name} is already registered ({_REGISTRY[hf_class_name]})")
         cls.hf_class = hf_class_name
@@ -44,7 +44,7 @@ def registered_architectures() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def bridge_for(hf_config) -> "DecoderBridge":
+def bridge_for(hf_config) -> DecoderBridge:
     """The bridge for an HF config object (`transformers.PretrainedConfig`); raises UnsupportedModelError."""
     names = list(getattr(hf_config, "architectures", None) or [])
     for name in names:

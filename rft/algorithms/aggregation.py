@@ -15,7 +15,7 @@ when it reports none, the k3 estimate of KL(behaviour || current) over loss toke
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from rft.lazy import lazy
 

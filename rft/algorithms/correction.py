@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 from rft.algorithms.aggregation import token_metric
 from rft.config import ConfigError
@@ -57,7 +57,7 @@ class CorrectionOptions:
     importance_sampling: Literal["tis", "mis"] = "tis"  # off_policy_correction's token weight of rho = pi_prox / pi_behav: tis min(rho, importance_cap); mis rho inside [importance_floor, importance_cap], else 0 (IcePop's token mask)
     importance_cap: float = 2.0  # off_policy_correction: tis truncates the behaviour weight here; mis masks tokens above it
     importance_floor: float = 0.5  # off_policy_correction with mis: tokens whose rho is below it leave the loss
-    sequence_mask: Optional[float] = None  # off_policy_correction: a sample whose geometric-mean rho is outside [1/sequence_mask, sequence_mask] leaves the loss (IcePop-style sequence masking); null: none
+    sequence_mask: float | None = None  # off_policy_correction: a sample whose geometric-mean rho is outside [1/sequence_mask, sequence_mask] leaves the loss (IcePop-style sequence masking); null: none
 
     def check_correction(self) -> None:
         """Ranges and combinations; ConfigError naming `algorithm.<key>`."""

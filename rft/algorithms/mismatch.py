@@ -31,7 +31,7 @@ tokens.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

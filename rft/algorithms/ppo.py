@@ -32,8 +32,8 @@ float32 [b, T] and 0 outside the loss mask.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -88,7 +88,7 @@ class PPOOptions(GRPOOptions):
     """GRPO's keys (the policy loss) and the critic's."""
     gamma: float = 1.0  # GAE discount per response token
     lam: float = 0.95  # GAE lambda (1: Monte-Carlo returns minus values; 0: one-step TD)
-    value_clip: Optional[float] = 0.2  # the value loss clips V to V_old +- value_clip; null: unclipped
+    value_clip: float | None = 0.2  # the value loss clips V to V_old +- value_clip; null: unclipped
     whiten_advantages: bool = True  # normalise GAE advantages to mean 0, std 1 over the step's loss tokens
     critic_lr: float = 1.0e-5  # the critic's own Adam learning rate
     critic_path: str = ""  # HF directory the critic's trunk starts from; empty: model.path (the policy's)

@@ -26,8 +26,9 @@ declares: a frozen reference model, a teacher, a critic, demonstration groups, p
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -69,7 +70,7 @@ class Demonstrations:
     groups_per_step: int
     topic: str = ""  # empty: the run's `<run>.demonstrations`
 
-    def topic_of(self, cfg: "Config") -> str:
+    def topic_of(self, cfg: Config) -> str:
         """The topic the demonstrations are read from in the run `cfg`."""
         return self.topic or cfg.topic("demonstrations")
 

@@ -7,7 +7,7 @@ GRPO's (`kl_coef`, k3 estimator).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -77,9 +77,9 @@ import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 import numpy as np
 import yaml
@@ -126,8 +126,8 @@ MODE, MAX_STALENESS = "off_policy", 2
 class Offered:
     """One record of the experiences topic as the ledger sees it: `group_id` None when it does not decode."""
     offset: int
-    group_id: Optional[str]
-    run_id: Optional[str] = None
+    group_id: str | None
+    run_id: str | None = None
     policy_version: int = 0
 
 
@@ -152,7 +152,7 @@ class Ledger:
 
 
 def build_ledger(records: list[Offered], trained: list[dict], final_offset: int, *, run_id: str,
-                 bound: Optional[int]) -> Ledger:
+                 bound: int | None) -> Ledger:
     """The ledger of the module docstring from the experiences topic's records in log order (one partition),
     consumed.jsonl's records in order, and the final checkpoint's next offset on that partition."""
     ledger = Ledger()
@@ -222,7 +222,7 @@ class KafkaProxy:
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
 
-    def start(self) -> "KafkaProxy":
+    def start(self) -> KafkaProxy:
         threading.Thread(target=self._serve, daemon=True, name="kafka-proxy").start()
         if not self._ready.wait(10):
             raise RuntimeError("the proxy did not start")
@@ -306,14 +306,14 @@ class ChaosBroker(LocalBroker):
 @dataclass
 class Scenario:
     name: str
-    inject: Callable[["Context"], None]  # starts the run (ctx.start_run), injects faults while it runs
+    inject: Callable[[Context], None]  # starts the run (ctx.start_run), injects faults while it runs
     proxy: bool = False  # clients through KafkaProxy (ctx.proxy, ctx.drop)
     config: dict = field(default_factory=dict)  # section -> overrides of the run config
     steps: int = 30  # run.max_steps (--quick: 16)
     durable: bool = False  # the broker keeps its topics on disk (LocalBroker(data_dir=...)) and can be killed
     # a fault that lasts the whole run: armed before the run starts, it returns its disarm (which records the faults
     # it made); such a scenario can share another's run (`combined`)
-    arm: Callable[["Context"], Callable[[], None]] | None = None
+    arm: Callable[[Context], Callable[[], None]] | None = None
 
     @property
     def run(self) -> str:

@@ -47,8 +47,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import yaml
 

@@ -46,8 +46,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rft.algorithms import build_options
 from rft.config import Config

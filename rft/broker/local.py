@@ -121,7 +121,7 @@ class LocalBroker:
         subprocess.run([str(storage), "format", "-t", uuid, "-c", str(props)], capture_output=True, check=True)
         return [str(home / "bin" / "kafka-server-start.sh"), str(props)]
 
-    def start(self, timeout_s: float = 60.0) -> "LocalBroker":
+    def start(self, timeout_s: float = 60.0) -> LocalBroker:
         if self._process is not None:
             raise BrokerError("broker already started")
         if self.data_dir is not None:
@@ -156,7 +156,7 @@ class LocalBroker:
         if not _port_free(self.host, self.port):
             raise BrokerError(f"port {self.port} on {self.host} is in use (another broker?): choose another port")
 
-    def _start_durable(self, timeout_s: float) -> "LocalBroker":
+    def _start_durable(self, timeout_s: float) -> LocalBroker:
         if os.environ.get("KAFKA_HOME"):
             raise BrokerError("a durable local broker (data_dir) runs Tansu on local S3 storage; unset KAFKA_HOME, "
                               "or run Apache Kafka yourself and set kafka.bootstrap_servers")
@@ -263,7 +263,7 @@ class LocalBroker:
             self._workdir.cleanup()
             self._workdir = None
 
-    def __enter__(self) -> "LocalBroker":
+    def __enter__(self) -> LocalBroker:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -86,7 +86,7 @@ class Snapshot:
     def size(self) -> int:
         return self.stat.st_size
 
-    def __enter__(self) -> "Snapshot":
+    def __enter__(self) -> Snapshot:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -198,7 +198,7 @@ class ObjectStore:
                 tmp.unlink()
         return etag
 
-    def open(self, bucket: str, key: str) -> "Snapshot":
+    def open(self, bucket: str, key: str) -> Snapshot:
         """One version of the object: an open file, its stat and its ETag, taken under the lock that PUTs replace
         objects under, so the three belong to the same version whatever is written after (a replaced object's
         file stays readable through this handle). The caller closes it (a context manager)."""
@@ -301,7 +301,7 @@ def _iso(epoch: float) -> str:
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     store: ObjectStore  # set on the subclass that `serve` makes
-    access_log: "AccessLog | None" = None  # ... and, with --access-log, this
+    access_log: AccessLog | None = None  # ... and, with --access-log, this
 
     def log_message(self, fmt, *args):  # quiet: Tansu makes thousands of requests
         pass
@@ -399,7 +399,7 @@ class Handler(BaseHTTPRequestHandler):
         with self.store.open(bucket, key) as snapshot:
             self._send_object(snapshot, head)
 
-    def _send_object(self, snapshot: "Snapshot", head: bool) -> None:
+    def _send_object(self, snapshot: Snapshot, head: bool) -> None:
         st, etag = snapshot.stat, snapshot.etag
         if_match, if_none = self.headers.get("If-Match"), self.headers.get("If-None-Match")
         if if_match is not None and not _etag_in(if_match, etag):

@@ -226,7 +226,7 @@ def _ticks(*calls):
     return tick
 
 
-def _start_evaluator(cfg: Config, runner: "PartRunner", config_path: Path, roles: tuple[str, ...], *,
+def _start_evaluator(cfg: Config, runner: PartRunner, config_path: Path, roles: tuple[str, ...], *,
                      gpus: str | None = None) -> None:
     """Periodic evaluation (`eval.every_steps`): `rft eval --follow` beside the trainer, reading the weight store
     (see rft/evaluation/main.py); it never blocks training."""

@@ -26,8 +26,9 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from rft.config import Config, ConfigError, load_config
 from rft.ops.status import RunStatus, explorer_rows, tasks_group_of, topic_lags
@@ -65,7 +66,7 @@ def _clean(value: Any) -> Any:
     return None
 
 
-def metrics_record(line: str) -> Optional[dict]:
+def metrics_record(line: str) -> dict | None:
     """One metrics line as a record for the page (`time` a number, `step` an int when present, values cleaned by
     `_clean`), or None when the line is not such a record."""
     try:
@@ -92,10 +93,10 @@ class MetricsTail:
         self.malformed = 0
         self.epoch = 0
         self._offset = 0
-        self._inode: Optional[int] = None
+        self._inode: int | None = None
         self._lock = threading.Lock()
 
-    def view(self, since: int = 0, epoch: Optional[int] = None) -> tuple[list[dict], int, int, int, int]:
+    def view(self, since: int = 0, epoch: int | None = None) -> tuple[list[dict], int, int, int, int]:
         """(records from index `since` on - all of them when `epoch` is not the current one -, the index they
         start at, the total, the epoch, the malformed lines), all of one moment."""
         with self._lock:
@@ -132,7 +133,7 @@ class MetricsTail:
             else:
                 self.records.append(record)
 
-    def _restart(self, inode: Optional[int]) -> None:
+    def _restart(self, inode: int | None) -> None:
         if self._inode is not None or self.records:
             self.epoch += 1
         self.records, self.malformed, self._offset, self._inode = [], 0, 0, inode
@@ -157,7 +158,7 @@ class ControlFollower:
         self.transport_for = transport_for
         self.lock = threading.Lock()
         self.broker = {"state": "connecting", "bootstrap": "", "error": ""}
-        self.status: Optional[RunStatus] = None
+        self.status: RunStatus | None = None
         self.events: list[dict] = []
         self.lags: dict = {}
         self.undecodable = 0
@@ -165,7 +166,7 @@ class ControlFollower:
         self._bootstrap = ""
         self._lags_at = 0.0
 
-    def step(self, cfg: Optional[Config], *, poll_s: float = 1.0) -> None:
+    def step(self, cfg: Config | None, *, poll_s: float = 1.0) -> None:
         if cfg is None or cfg.kafka.bootstrap_servers == "embedded":
             self.close()
             self._set_broker("no-config" if cfg is None else "embedded", "", "")
@@ -250,18 +251,18 @@ class RunWatch:
     `metrics.jsonl`, and its control topic. `start()` refreshes them from a background thread until `stop()`;
     `refresh()` does one round in the caller's thread (tests)."""
 
-    def __init__(self, name: str, run_dir: Path, *, fallback: Optional[Config] = None,
+    def __init__(self, name: str, run_dir: Path, *, fallback: Config | None = None,
                  transport_for: Callable[[Config], Transport] = connect_for):
         self.name, self.run_dir, self.fallback = name, Path(run_dir), fallback
         self.metrics = MetricsTail(self.run_dir / "metrics.jsonl")
         self.control = ControlFollower(transport_for=transport_for)
-        self._config: Optional[Config] = None
-        self._config_mtime: Optional[float] = None
+        self._config: Config | None = None
+        self._config_mtime: float | None = None
         self._config_error = ""
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
-    def config(self) -> Optional[Config]:
+    def config(self) -> Config | None:
         """The run's resolved config (`<run dir>/config.yaml`), else `fallback`; None when neither is there."""
         path = self.run_dir / "config.yaml"
         try:
@@ -280,7 +281,7 @@ class RunWatch:
         self.metrics.read()
         self.control.step(self.config(), poll_s=poll_s)
 
-    def start(self) -> "RunWatch":
+    def start(self) -> RunWatch:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=f"dashboard-{self.name}", daemon=True)
             self._thread.start()
@@ -296,7 +297,7 @@ class RunWatch:
             self._thread.join(timeout=10)
         self.control.close()
 
-    def snapshot(self, *, since: int = 0, epoch: Optional[int] = None, now: Optional[float] = None) -> dict:
+    def snapshot(self, *, since: int = 0, epoch: int | None = None, now: float | None = None) -> dict:
         """The run as JSON (module docstring). `records` holds the metrics records from index `since` on (all of
         them when `epoch` is not the file's current `records_epoch`): a stream sends each record once."""
         now = time.time() if now is None else now
@@ -328,7 +329,7 @@ class RunWatch:
         }
 
 
-def _run_state(trainer: Optional[dict], explorers: list[dict], *, has_metrics: bool, broker: str) -> str:
+def _run_state(trainer: dict | None, explorers: list[dict], *, has_metrics: bool, broker: str) -> str:
     if trainer is not None and trainer["state"] == "finished":
         return "finished"
     heard = trainer is not None and (trainer["state"] != "not started" or explorers)
@@ -339,7 +340,7 @@ def _run_state(trainer: Optional[dict], explorers: list[dict], *, has_metrics: b
     return "not-started"
 
 
-def _notices(watch: RunWatch, cfg: Optional[Config], state: str, broker: dict) -> list[str]:
+def _notices(watch: RunWatch, cfg: Config | None, state: str, broker: dict) -> list[str]:
     """What the page says above the charts, in words."""
     notices = []
     if watch._config_error:
@@ -392,7 +393,7 @@ class RunIndex:
         return [{"name": name, "dir": str(d), "default": name == self.cfg.run.name,
                  "has_metrics": (d / "metrics.jsonl").is_file()} for name, d in self.run_dirs().items()]
 
-    def get(self, name: str) -> Optional[RunWatch]:
+    def get(self, name: str) -> RunWatch | None:
         """The watched run `name` (started on first use); None when there is no such run."""
         with self._lock:
             if name not in self._watches:

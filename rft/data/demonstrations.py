@@ -28,7 +28,8 @@ tokens, is an error naming the row; nothing is published then.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 

@@ -47,7 +47,7 @@ class GymSpec:
         return asdict(self)
 
     @classmethod
-    def from_metadata(cls, metadata: Any) -> "GymSpec":
+    def from_metadata(cls, metadata: Any) -> GymSpec:
         """The spec in a task's `metadata["reasoning_gym"]`; GymError naming the field that is missing or wrong."""
         spec = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
         if not isinstance(spec, dict):

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
 from rft.config import DataConfig
 from rft.registry import Registry

@@ -203,7 +203,7 @@ def rows_to_tasks(rows: list[dict[str, Any]], data: DataConfig | TaskSet, *, run
                                f"{type(e).__name__}: {e}") from None
         answer = row[answer_key] if answer_key else None
         metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
-        task_id = task_id_for(index, prompt, answer, data.id_prefix, 
+        task_id = task_id_for(index, prompt, answer, data.id_prefix,
                               identity=metadata.get(METADATA_KEY) if data.format == "reasoning_gym" else None)
         tasks.append(TaskRecord(run_id=run_id, task_id=task_id, epoch=0, prompt=prompt, answer=answer,
                                 metadata=metadata))

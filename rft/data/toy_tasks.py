@@ -29,8 +29,9 @@ import argparse
 import json
 import random
 import string
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rft.registry import import_object
 

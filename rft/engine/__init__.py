@@ -44,7 +44,7 @@ __all__ = ["Completion", "Engine", "EngineError", "Generation", "SamplingSetting
 ENGINES = {"vllm": VLLMEngine, "transformers": TransformersEngine}
 
 
-def build_engine(explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
+def build_engine(explorer: ExplorerConfig, model: ModelConfig, *, seed: int,
                  model_path: str | None = None, weight_transfer: bool = False, record_routing: bool = False,
                  max_loras: int = 1, elastic_threads: bool = False) -> Engine:
     """The engine `explorer.engine` names, on `model_path` (default `model.path`); `seed` is `run.seed`.
@@ -71,7 +71,7 @@ def build_engine(explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
                   record_routing=record_routing, max_loras=max_loras, elastic_threads=elastic_threads)
 
 
-def _build(explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int, model_path: str | None,
+def _build(explorer: ExplorerConfig, model: ModelConfig, *, seed: int, model_path: str | None,
            weight_transfer: bool, record_routing: bool, max_loras: int, elastic_threads: bool) -> Engine:
     """`build_engine` without loading anything after the start."""
     extra = {"record_routing": True} if record_routing else {}

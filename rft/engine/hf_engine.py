@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from rft.engine.base import Completion, EngineError, Generation, SamplingSettings, TokenizerMixin
 from rft.engine.routing import RoutingRecorder
@@ -49,8 +50,8 @@ class TransformersEngine(TokenizerMixin):
         torch.manual_seed(seed)
 
     @classmethod
-    def from_config(cls, explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
-                    model_path: str | None = None, record_routing: bool = False) -> "TransformersEngine":
+    def from_config(cls, explorer: ExplorerConfig, model: ModelConfig, *, seed: int,
+                    model_path: str | None = None, record_routing: bool = False) -> TransformersEngine:
         """The engine the model section describes, on `model_path` (default `model.path`)."""
         import torch
 

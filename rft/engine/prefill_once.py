@@ -25,8 +25,8 @@ This module imports no vLLM: the engine turns `Request`s into vLLM requests.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 

@@ -8,8 +8,8 @@ completion's share out of a recorded `generate` call.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import numpy as np
 
@@ -40,7 +40,7 @@ class RoutingRecorder:
         self._calls: list[list] = []
 
     @contextmanager
-    def recording(self) -> Iterator["RoutingRecorder"]:
+    def recording(self) -> Iterator[RoutingRecorder]:
         """Record the routers' indices of every forward pass inside the block (earlier records are dropped)."""
         self._calls = [[] for _ in self.routers]
         handles = [module.register_forward_hook(self._hook(i)) for i, (_, module) in enumerate(self.routers)]
@@ -84,7 +84,7 @@ class MoELayout:
         self.num_hidden_layers = num_hidden_layers
 
     @classmethod
-    def of(cls, model_dir) -> "MoELayout":
+    def of(cls, model_dir) -> MoELayout:
         """From `config.json` (Qwen2/3-MoE keys: `num_experts`, `num_experts_per_tok`, `decoder_sparse_step`,
         `mlp_only_layers`); EngineError for a config without experts."""
         import json

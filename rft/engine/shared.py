@@ -21,7 +21,8 @@ from __future__ import annotations
 import copy
 import os
 import threading
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rft.engine.base import EngineError, Generation, SamplingSettings, TokenizerMixin
 from rft.weights.store import is_adapter_version
@@ -34,7 +35,7 @@ class AdapterSlot(TokenizerMixin):
     """Run `name`'s view of the shared `engine` (module docstring); `lock` is the one every slot of the engine holds
     (`adapter_slots` makes them)."""
 
-    def __init__(self, engine: "VLLMEngine", name: str, lock: threading.Lock):
+    def __init__(self, engine: VLLMEngine, name: str, lock: threading.Lock):
         self.engine, self.name, self._lock = engine, name, lock
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.stop_token_ids = list(engine.stop_token_ids)
@@ -82,7 +83,7 @@ def require_adapter(run: str, path: str | os.PathLike, version: int) -> None:
                           "run with model.lora)")
 
 
-def adapter_slots(engine: "VLLMEngine", names: Sequence[str]) -> list[AdapterSlot]:
+def adapter_slots(engine: VLLMEngine, names: Sequence[str]) -> list[AdapterSlot]:
     """One slot per name (the runs' names, distinct) over `engine`, which must hold LoRA adapters, at least one per
     slot (`max_loras`)."""
     if len(set(names)) != len(names):

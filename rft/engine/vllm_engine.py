@@ -7,7 +7,8 @@ import os
 import tempfile
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -166,9 +167,9 @@ class VLLMEngine(TokenizerMixin):
         self._calls = 0  # of generate(), naming its requests
 
     @classmethod
-    def from_config(cls, explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int,
+    def from_config(cls, explorer: ExplorerConfig, model: ModelConfig, *, seed: int,
                     model_path: str | None = None, weight_transfer: bool = False,
-                    record_routing: bool = False, max_loras: int = 1, elastic_threads: bool = False) -> "VLLMEngine":
+                    record_routing: bool = False, max_loras: int = 1, elastic_threads: bool = False) -> VLLMEngine:
         """The engine the explorer and model sections describe, on `model_path` (default `model.path`);
         `elastic_threads` as in the constructor."""
         return cls(model_path or model.path, tensor_parallel_size=explorer.tensor_parallel_size,

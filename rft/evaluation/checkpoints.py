@@ -35,7 +35,7 @@ class Checkpoint:
     step: int | None  # the policy version, when known
 
 
-def resolve_checkpoint(spec: str, model: ModelConfig, *, run_dir: Path, store: "VersionStore | None",
+def resolve_checkpoint(spec: str, model: ModelConfig, *, run_dir: Path, store: VersionStore | None,
                        checksums: bool = True) -> Checkpoint:
     """The checkpoint SPEC names (see the module docstring) for the run in `run_dir` (`<output_dir>/<run name>`),
     whose weight store is `store` (None: it has none yet; only read); a weight store version is verified against its
@@ -78,7 +78,7 @@ def _final_step(run_dir: Path) -> int | None:
     return checkpoints.read_state(latest).step if latest is not None else None
 
 
-def _latest(run_dir: Path, store: "VersionStore | None") -> Checkpoint:
+def _latest(run_dir: Path, store: VersionStore | None) -> Checkpoint:
 
     candidates = []
     found = store.latest() if store is not None else None

@@ -59,8 +59,8 @@ POLL_S = 1.0  # --follow: pause between looks at the weight store
 @dataclass
 class EvalSet:
     name: str
-    tasks: list["TaskRecord"]
-    workflow: "Workflow"
+    tasks: list[TaskRecord]
+    workflow: Workflow
 
 
 def sampling_explorer(explorer: ExplorerConfig, evaluation: EvalConfig, eval_set: EvalSetConfig) -> ExplorerConfig:
@@ -93,7 +93,7 @@ def load_eval_sets(evaluation: EvalConfig, explorer: ExplorerConfig, model: Mode
 class Evaluator:
     """Scores the weights an engine holds on every task set and logs one metrics record per evaluation."""
 
-    def __init__(self, evaluation: EvalConfig, task_sets: list[EvalSet], engine: "Engine", *,
+    def __init__(self, evaluation: EvalConfig, task_sets: list[EvalSet], engine: Engine, *,
                  metrics: MetricsLogger, progress: bool):
         self.evaluation, self.task_sets, self.engine, self.progress = evaluation, task_sets, engine, progress
         self.metrics = metrics

@@ -12,8 +12,8 @@ For a task with n samples of which c are correct, every metric is computed per t
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -34,7 +34,8 @@ import difflib
 import inspect
 import math
 import re
-from typing import Any, Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -58,7 +59,7 @@ class ArgumentError(OperatorError):
 
 
 class Operator(Protocol):
-    reason: Optional[str]
+    reason: str | None
 
     def apply(self, group: ExperienceGroup) -> ExperienceGroup | None: ...
 
@@ -278,7 +279,7 @@ class FormatBonus:
 class ResponseLength:
     reason = "response_length"
 
-    def __init__(self, context: OperatorContext, min_tokens: int = 0, max_tokens: Optional[int] = None,
+    def __init__(self, context: OperatorContext, min_tokens: int = 0, max_tokens: int | None = None,
                  max_fraction: float = 0.0):
         self.min_tokens = _number("min_tokens", min_tokens, minimum=0, integer=True)
         self.max_tokens = None if max_tokens is None else _number("max_tokens", max_tokens, minimum=min_tokens,

@@ -6,7 +6,7 @@ scored 0 is never replayed.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -98,8 +98,9 @@ import math
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional, Protocol
+from typing import Protocol
 
 from rft.modes import admission_bound
 from rft.schema import ControlMessage, RecordError, decode, encode
@@ -162,7 +163,7 @@ class FleetReading:
     backlog: int
     explorers: int = 1
     rank: int = 0  # this explorer's place among them (module docstring, `share`)
-    seen: Optional[int] = None
+    seen: int | None = None
     in_batch: int = 0  # groups the trainer took into the step it waits to complete (module docstring)
     keep: float = 1.0  # the share of recent groups the trainer kept (its `keep_fraction`; 1.0 before it said)
 
@@ -201,7 +202,7 @@ class AdmissionLedger:
         i = bisect.bisect_right(self._releases, (seen, float("inf")))
         return self.granted - (self._releases[i - 1][1] if i else 0)
 
-    def apply(self, offset: int, kind: Kind) -> Optional[int]:
+    def apply(self, offset: int, kind: Kind) -> int | None:
         if offset < self.position:
             return None
         self.position = offset + 1
@@ -227,8 +228,8 @@ class StalenessAdmission:
     v. With a feed that takes claims (its `ledger`), admissions go through the fleet's ledger; otherwise the count is
     this explorer's own (module docstring)."""
 
-    def __init__(self, *, groups_per_step: int, max_staleness: Optional[int], version: int = 0,
-                 accepted: int = 0, max_running: Optional[int] = None, feed: FleetFeed | None = None,
+    def __init__(self, *, groups_per_step: int, max_staleness: int | None, version: int = 0,
+                 accepted: int = 0, max_running: int | None = None, feed: FleetFeed | None = None,
                  refresh_s: float = 0.5, counts_drops: bool = False):
         """`counts_drops`: expect the trainer to drop the share of groups its readings say (`FleetReading.keep`,
         "Groups the trainer drops" in the module docstring); False: every group takes a slot."""
@@ -241,14 +242,14 @@ class StalenessAdmission:
         self._backlog, self._keep = 0, 1.0  # of the reading in force
         self._state = AdmissionState(version=version, accepted=accepted, running=0)
         self._fleet_accepted, self._explorers, self._rank = accepted, 1, 0
-        self._seen: Optional[int] = None  # the ledger position of the reading in force (None: no reading yet)
+        self._seen: int | None = None  # the ledger position of the reading in force (None: no reading yet)
         self._ledger = getattr(feed, "ledger", None) if max_staleness is not None else None
         self._last_read = -float("inf")
         self._lock = threading.Lock()
 
     @classmethod
     def for_mode(cls, mode: str, *, max_staleness: int, groups_per_step: int,
-                 async_max_staleness: Optional[int] = None, **kwargs) -> "StalenessAdmission":
+                 async_max_staleness: int | None = None, **kwargs) -> StalenessAdmission:
         """Admission at mode `mode`'s admission bound (rft.modes.admission_bound)."""
         bound = admission_bound(mode, max_staleness, async_max_staleness)
         return cls(groups_per_step=groups_per_step, max_staleness=bound, **kwargs)
@@ -573,7 +574,7 @@ class KafkaFleetFeed:
 def fleet_admission(mode: str, *, max_staleness: int, groups_per_step: int, transport: Transport,
                     control_topic: str, experiences_topic: str, explorer_id: str,
                     heartbeat_s: float, counts_drops: bool = False,
-                    async_max_staleness: Optional[int] = None) -> StalenessAdmission:
+                    async_max_staleness: int | None = None) -> StalenessAdmission:
     """`explorer.admission: staleness` for one explorer: the mode's admission bound (rft.modes; async:
     `async_max_staleness`), fed from Kafka when there is one; `counts_drops`: `explorer.admission_counts_drops`."""
     bound = admission_bound(mode, max_staleness, async_max_staleness)

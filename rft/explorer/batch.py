@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from rft.explorer.explorer import Explorer
 
 
-def run_batches(explorer: "Explorer", stop: threading.Event, *, exit_when_idle_s: float | None = None) -> str:
+def run_batches(explorer: Explorer, stop: threading.Event, *, exit_when_idle_s: float | None = None) -> str:
     """Batches (after `Explorer.join`) until `stop` is set ("stopped") or no task was admitted nor weights loaded for
     `exit_when_idle_s` seconds since the consumer group answered the join ("idle": `IdleClock`). While a push that
     failed part-way leaves the engine part-loaded, it generates nothing and waits for a whole version."""
@@ -49,7 +49,7 @@ def run_batches(explorer: "Explorer", stop: threading.Event, *, exit_when_idle_s
     return "stopped"
 
 
-def run_batch(explorer: "Explorer") -> int:
+def run_batch(explorer: Explorer) -> int:
     """Steps 2-4 of the module docstring; returns the number of tasks handled (groups + dead letters). Counts the
     batch (`stats.batches`) and the seconds in the workflow (`stats.explore_s`)."""
     offsets = Offsets()  # the batch's tasks, all done once its groups are acknowledged

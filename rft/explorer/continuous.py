@@ -52,7 +52,7 @@ MEMBERSHIP_CHECK_S = 1.0  # how often the membership watchdog runs while generat
 @dataclasses.dataclass
 class Inflight:
     """One task's request in the engine; `source` is the caller's handle (the task's Kafka message)."""
-    task: "TaskRecord"
+    task: TaskRecord
     source: Any
     submitted_version: int
 
@@ -60,7 +60,7 @@ class Inflight:
 @dataclasses.dataclass
 class Finished:
     source: Any
-    result: "GroupResult"
+    result: GroupResult
     submitted_version: int
     finished_version: int
 
@@ -70,7 +70,7 @@ class Continuous:
     `sampling`. Not
     thread-safe; the engine must have the streaming methods (`submit`, `step`: VLLMEngine)."""
 
-    def __init__(self, engine: "Engine", workflow: Any, max_inflight: int, *, in_flight_updates: bool = False):
+    def __init__(self, engine: Engine, workflow: Any, max_inflight: int, *, in_flight_updates: bool = False):
         for name in ("submit", "step") + (("load_weights_in_flight",) if in_flight_updates else ()):
             if not callable(getattr(engine, name, None)):
                 raise EngineError(f"explorer.continuous: the {type(engine).__name__} has no request-level API "
@@ -90,7 +90,7 @@ class Continuous:
         n = max(1, getattr(self.workflow.sampling, "n", 1))
         return max(0, (self.max_inflight * n - unfinished()) // n)
 
-    def submit(self, task: "TaskRecord", source: Any) -> Finished | None:
+    def submit(self, task: TaskRecord, source: Any) -> Finished | None:
         """Start `task`; None once it is in the engine, or its finished (error) result when it cannot be explored."""
         prompt = self.workflow.prepare(task, self.engine)
         version = self.engine.weights_version
@@ -134,7 +134,7 @@ class ContinuousLoop:
     (`IdleClock`). `stats.batches` counts deliveries that produced at least one group. `sync.method: push` is refused
     (ValueError): a push is a collective taken between batches."""
 
-    def __init__(self, explorer: "Explorer"):
+    def __init__(self, explorer: Explorer):
         if explorer.push is not None:
             raise ValueError("explorer.continuous: sync.method push is not supported (a push is a collective the "
                              "explorer takes part in between batches); use sync.method pull")

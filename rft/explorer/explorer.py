@@ -117,9 +117,9 @@ class Explorer:
     then the mode's loop (`run` does all three), `close` last."""
 
     def __init__(self, explorer: ExplorerConfig, *, kafka: KafkaConfig, sync: SyncConfig, topics: RunTopics,
-                 store: VersionStore, explorer_id: str, engine: "Engine", workflow: "Workflow",
-                 admission: Admission | None = None, prometheus: "MetricsEndpoint | None" = None,
-                 transport: Transport | None = None, cores: "CoreShare | NoShare | None" = None):
+                 store: VersionStore, explorer_id: str, engine: Engine, workflow: Workflow,
+                 admission: Admission | None = None, prometheus: MetricsEndpoint | None = None,
+                 transport: Transport | None = None, cores: CoreShare | NoShare | None = None):
         self.config, self.kafka, self.topics = explorer, kafka, topics
         self.cores = cores or NoShare()  # marks the engine busy or waiting, for the trainer's threads (rft/cores.py)
         transport = self.transport = transport or connect(kafka)
@@ -156,7 +156,7 @@ class Explorer:
         self._heartbeat_stop = threading.Event()
 
     @property
-    def tasks(self) -> "RecordSource | None":
+    def tasks(self) -> RecordSource | None:
         """The tasks consumer (`membership.tasks`): None before `join`."""
         return self.membership.tasks
 
@@ -183,7 +183,7 @@ class Explorer:
         return loop.run(stop, exit_when_idle_s=exit_when_idle_s)
 
     # -- weights
-    def refresh_weights(self, load: "Callable[[Path, int], None] | None" = None) -> bool:
+    def refresh_weights(self, load: Callable[[Path, int], None] | None = None) -> bool:
         """Take part in pushed versions (push path), then reload in place if a newer version is in the store (pull
         path, see `load_newest_weights`; `load(path, version)` loads it, default the engine's `load_weights`); raises
         if the engine cannot be brought up to date. False while the engine must not generate: a push failed part-way
@@ -254,7 +254,7 @@ class Explorer:
             self.stats.unassigned_s = round(self.membership.watchdog.unassigned_s(time.monotonic()), 3)
         return dataclasses.asdict(self.stats)
 
-    def export_metrics(self, results: list["GroupResult"], seconds: float) -> None:
+    def export_metrics(self, results: list[GroupResult], seconds: float) -> None:
         """After a delivery (with a metrics endpoint): the counters, the weights version, the tokens per second of
         `results` generated in `seconds`, and the group's lag on the tasks topic (left out when unreadable)."""
         if self.prometheus is None:

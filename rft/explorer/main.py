@@ -143,8 +143,8 @@ def _start_process(explorer_id: str, *, thread: bool = False) -> threading.Event
     return stop
 
 
-def compose_explorer(cfg: Config, *, explorer_id: str, engine: "Engine",
-                     cores: "CoreShare | NoShare | None" = None) -> Explorer:
+def compose_explorer(cfg: Config, *, explorer_id: str, engine: Engine,
+                     cores: CoreShare | NoShare | None = None) -> Explorer:
     """Run `cfg`'s explorer on `engine`: its workflow and reward, its Kafka clients (one client factory), its
     admission and metrics endpoint; `cores`: the engine's place on the run's core board (rft/cores.py; one explorer
     per process, so not for the explorers sharing one engine)."""
@@ -155,9 +155,9 @@ def compose_explorer(cfg: Config, *, explorer_id: str, engine: "Engine",
                           cores=cores)
 
 
-def build_explorer(cfg: Config, *, explorer_id: str, engine: "Engine", workflow: "Workflow",
+def build_explorer(cfg: Config, *, explorer_id: str, engine: Engine, workflow: Workflow,
                    admission: Admission | None = None, transport: Transport | None = None,
-                   cores: "CoreShare | NoShare | None" = None) -> Explorer:
+                   cores: CoreShare | NoShare | None = None) -> Explorer:
     """Compose an Explorer from the root config: its sections, the run's topics and weight store, the metrics
     endpoint `monitor.prometheus_port` asks for; `transport` defaults to `connect(cfg.kafka)`."""
     return Explorer(cfg.explorer, kafka=cfg.kafka, sync=cfg.sync, topics=RunTopics.of(cfg),

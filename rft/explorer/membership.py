@@ -47,8 +47,9 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 from rft.transport import Transport, TransportError, lag
 from rft.transport.control import ControlView, TasksGroup, control_messages
@@ -79,7 +80,7 @@ def group_name(base: str, epoch: int) -> str:
     return base if epoch == 0 else f"{base}.{epoch}"
 
 
-def announced_group(transport: Transport, control_topic: str, *, client_id: str) -> Optional[TasksGroup]:
+def announced_group(transport: Transport, control_topic: str, *, client_id: str) -> TasksGroup | None:
     """The highest-epoch `tasks_group` announcement on the control topic (read from its beginning), None if none."""
     source = transport.source(client_id=client_id)
     try:
@@ -134,8 +135,8 @@ def seed_group(transport: Transport, group: str, topic: str, offsets: dict[str, 
         source.close()
 
 
-def move_group(transport: Transport, topics: "RunTopics", *, epoch: int, offsets: dict[str, int], by: str,
-               sink: "RecordSink") -> str:
+def move_group(transport: Transport, topics: RunTopics, *, epoch: int, offsets: dict[str, int], by: str,
+               sink: RecordSink) -> str:
     """Seed the explorers' group of `epoch` with `offsets` (the tasks topic's "topic:partition" -> next offset), then
     announce it on the control topic (`tasks_group`, from `by`) through `sink`: every explorer follows the announcement
     of the highest epoch. The group's name."""
@@ -146,7 +147,7 @@ def move_group(transport: Transport, topics: "RunTopics", *, epoch: int, offsets
     return target
 
 
-def fresh_group_for_restart(transport: Transport, topics: "RunTopics", *, by: str) -> Optional[str]:
+def fresh_group_for_restart(transport: Transport, topics: RunTopics, *, by: str) -> str | None:
     """Before a restarted run's explorers join (`rft run` again over topics its explorers consumed from): move the
     fleet to the next epoch's group, seeded with the current group's committed offsets, and return its name; None,
     with nothing done, when the current group has committed nothing (the run's first start).
@@ -205,8 +206,8 @@ class UnassignedWatchdog:
 
     def __init__(self, bound_s: float):
         self.bound_s = bound_s
-        self.unassigned_since: Optional[float] = None  # since when this explorer has held no partition (reported)
-        self._clock: Optional[float] = None  # since the later of that and its last (re)join: when the next step is due
+        self.unassigned_since: float | None = None  # since when this explorer has held no partition (reported)
+        self._clock: float | None = None  # since the later of that and its last (re)join: when the next step is due
         self._next_look = 0.0
         self.rejoins = 0  # actions taken (rejoins and moves)
         self._tries = 0  # actions since this explorer last held a partition
@@ -256,13 +257,13 @@ class Membership:
     (`rft_explorer_partitions`, `rft_explorer_unassigned_seconds`, `rft_explorer_rejoins_total`). Called by the
     explorer's loop only (not thread-safe); the heartbeat thread reads `tasks` and `watchdog`."""
 
-    def __init__(self, *, transport: Transport, topics: "RunTopics", explorer_id: str, config: "ExplorerConfig",
-                 kafka: "KafkaConfig", control: "WeightUpdates", sink: "RecordSink", stats: "ExplorerStats",
-                 prometheus: "MetricsEndpoint | None" = None):
+    def __init__(self, *, transport: Transport, topics: RunTopics, explorer_id: str, config: ExplorerConfig,
+                 kafka: KafkaConfig, control: WeightUpdates, sink: RecordSink, stats: ExplorerStats,
+                 prometheus: MetricsEndpoint | None = None):
         self.transport, self.topics, self.explorer_id = transport, topics, explorer_id
         self.config, self.kafka, self.control, self.sink = config, kafka, control, sink
         self.stats, self.prometheus = stats, prometheus
-        self.tasks: "RecordSource | None" = None
+        self.tasks: RecordSource | None = None
         self.epoch = 0  # the group is group_name(topics.explorers_group, epoch)
         self.watchdog = UnassignedWatchdog(config.unassigned_rejoin_s)
 

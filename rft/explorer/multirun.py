@@ -27,7 +27,8 @@ import functools
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from rft.config import ConfigError
 from rft.modes import mode
@@ -46,12 +47,12 @@ ENGINE_KEYS = ("model.path", "model.dtype", "model.chat_template", "model.max_pr
                "explorer.vllm_in_process", "trainer.routing_replay")
 
 
-def _value(cfg: "Config", key: str) -> Any:
+def _value(cfg: Config, key: str) -> Any:
     value = functools.reduce(getattr, key.split("."), cfg)
     return os.path.realpath(value) if key == "model.path" else value
 
 
-def check_runs(runs: Sequence[tuple[str, "Config"]]) -> None:
+def check_runs(runs: Sequence[tuple[str, Config]]) -> None:
     """ConfigError (`SOURCE: KEY: why`) unless one shared engine can serve every run of `runs` (source, config),
     the first run's settings being the engine's (module docstring)."""
     for source, cfg in runs:
@@ -72,7 +73,7 @@ def check_runs(runs: Sequence[tuple[str, "Config"]]) -> None:
             seen[key, value] = source
 
 
-def _check_run(source: str, cfg: "Config") -> None:
+def _check_run(source: str, cfg: Config) -> None:
     def require(ok: bool, key: str, message: str) -> None:
         if not ok:
             raise ConfigError(f"{source}: {key}: {message} (an explorer serving several runs: docs/lora.md)")
@@ -88,7 +89,7 @@ def _check_run(source: str, cfg: "Config") -> None:
             "itself, which other runs share")
 
 
-def engine_sections(runs: Sequence["Config"]) -> tuple["ExplorerConfig", "ModelConfig"]:
+def engine_sections(runs: Sequence[Config]) -> tuple[ExplorerConfig, ModelConfig]:
     """The sections the shared engine is built from: the first run's explorer section and the model section of the
     run with the largest LoRA rank (the engine takes adapters up to it; the keys the engine reads otherwise agree,
     `check_runs`), without its `lora.init_from`: each run's starting adapter is its own slot's version 0, loaded into
@@ -97,7 +98,7 @@ def engine_sections(runs: Sequence["Config"]) -> tuple["ExplorerConfig", "ModelC
     return runs[0].explorer, dataclasses.replace(model, lora=dataclasses.replace(model.lora, init_from=""))
 
 
-def run_explorers(explorers: Sequence["Explorer"], stop: threading.Event,
+def run_explorers(explorers: Sequence[Explorer], stop: threading.Event,
                   exit_when_idle_s: Sequence[float | None]) -> dict[str, str]:
     """Each explorer's `run(stop, exit_when_idle_s=...)` in a thread named after its run, then its `close(reason)`;
     returns run -> reason ("stopped", "idle", "error") once every thread has ended. An error in one sets `stop` (the
@@ -106,7 +107,7 @@ def run_explorers(explorers: Sequence["Explorer"], stop: threading.Event,
     reasons: dict[str, str] = {}
     errors: list[BaseException] = []
 
-    def one(explorer: "Explorer", idle_s: float | None) -> None:
+    def one(explorer: Explorer, idle_s: float | None) -> None:
         reason = "error"
         try:
             reason = explorer.run(stop, exit_when_idle_s=idle_s)

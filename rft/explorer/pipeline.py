@@ -20,7 +20,8 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from rft.schema import ExperienceGroup, decode_task
 from rft.transport import RecordTooLarge
@@ -41,7 +42,7 @@ IDLE_SLEEP_S = 0.2  # pause when admission lets nothing start
 ADMISSION_WAIT_S = 2.0  # longest wait for news when admission lets nothing start (it wakes on a control message)
 
 
-def notify_admission(admission: "Admission", hook: str, value: int) -> None:
+def notify_admission(admission: Admission, hook: str, value: int) -> None:
     """Call admission's optional hook `hook` (`finish`, `fail`: with a count, skipped for 0; `set_version`)."""
     fn = getattr(admission, hook, None)
     if fn is not None and (value or hook == "set_version"):
@@ -55,7 +56,7 @@ class IdleClock:
     for an idle window and left with every task unexplored). Later rebalances do not stop it: a group wedged by a
     leaving member would hold the explorer for ever where `rft run`'s explore mode needs it to end."""
 
-    def __init__(self, membership: "Membership", limit_s: float | None):
+    def __init__(self, membership: Membership, limit_s: float | None):
         self.membership, self.limit_s = membership, limit_s
         self._last = time.monotonic()
 
@@ -121,8 +122,8 @@ class Offsets:
 class Taken:
     """What one intake took: `admitted` tasks in all, of which `tasks` decoded (with their messages, `sources`) and
     `diverted` dead-lettered."""
-    sources: list["Message"]
-    tasks: list["TaskRecord"]
+    sources: list[Message]
+    tasks: list[TaskRecord]
     admitted: int
 
     @property
@@ -133,8 +134,8 @@ class Taken:
 @dataclasses.dataclass
 class Outcome:
     """One explored task, ready to deliver: its message, the workflow's result, extra group metadata."""
-    source: "Message"
-    result: "GroupResult"
+    source: Message
+    result: GroupResult
     metadata: dict = dataclasses.field(default_factory=dict)
 
 
@@ -142,8 +143,8 @@ class TaskIntake:
     """Poll -> admit -> decode (the module docstring). Updates `stats.partitions` (the partitions held at the last
     poll) and `stats.admission_waits`. Reads through the consumer `membership.tasks` holds at each call."""
 
-    def __init__(self, *, membership: "Membership", admission: "Admission", dead_letter: "DeadLetter", run_id: str,
-                 stats: "ExplorerStats"):
+    def __init__(self, *, membership: Membership, admission: Admission, dead_letter: DeadLetter, run_id: str,
+                 stats: ExplorerStats):
         self.membership, self.admission, self.dead_letter = membership, admission, dead_letter
         self.run_id, self.stats = run_id, stats
 
@@ -161,7 +162,7 @@ class TaskIntake:
                 offsets.done(m.position, m.offset)
         return Taken(sources, tasks, len(admitted))
 
-    def _poll_admitted(self, *, timeout_s: float, max_records: int, wait: bool) -> list["Message"]:
+    def _poll_admitted(self, *, timeout_s: float, max_records: int, wait: bool) -> list[Message]:
         tasks = self.membership.tasks
         messages = tasks.poll(timeout_s=timeout_s, max_records=max_records)
         self.stats.partitions = sorted(tp.partition for tp in tasks.assignment())
@@ -177,7 +178,7 @@ class TaskIntake:
                 time.sleep(IDLE_SLEEP_S)
         return admitted
 
-    def _admit(self, messages: list["Message"]) -> list["Message"]:
+    def _admit(self, messages: list[Message]) -> list[Message]:
         n = max(0, min(len(messages), int(self.admission.admit(len(messages)))))
         taken, returned = messages[:n], messages[n:]
         rewind: dict[str, int] = {}
@@ -187,7 +188,7 @@ class TaskIntake:
             self.membership.tasks.seek(rewind)
         return taken
 
-    def _decode(self, messages: list["Message"]) -> tuple[list["Message"], list["TaskRecord"]]:
+    def _decode(self, messages: list[Message]) -> tuple[list[Message], list[TaskRecord]]:
         sources, tasks = [], []
         for m, task in self.dead_letter.decode(messages, decode_task):
             if task.run_id != self.run_id:
@@ -209,9 +210,9 @@ class Delivery:
     numbered `(explorer_id, attempt)`: the attempt counts this explorer's earlier groups of the same group id (a
     re-delivery to the same explorer)."""
 
-    def __init__(self, *, sink: "RecordSink", dead_letter: "DeadLetter", topics: "RunTopics", explorer_id: str,
-                 workflow: str, ack_timeout_s: float, admission: "Admission", membership: "Membership",
-                 stats: "ExplorerStats", rewards: "RewardRange"):
+    def __init__(self, *, sink: RecordSink, dead_letter: DeadLetter, topics: RunTopics, explorer_id: str,
+                 workflow: str, ack_timeout_s: float, admission: Admission, membership: Membership,
+                 stats: ExplorerStats, rewards: RewardRange):
         self.sink, self.dead_letter, self.topics = sink, dead_letter, topics
         self.rewards = rewards  # a group with a reward outside it is dead-lettered, never produced
         self.explorer_id, self.workflow, self.ack_timeout_s = explorer_id, workflow, ack_timeout_s
@@ -250,7 +251,7 @@ class Delivery:
             self.dead_letter.divert(outcome.source, f"experience group too large: {e}")
             return None
 
-    def _group(self, result: "GroupResult") -> ExperienceGroup:
+    def _group(self, result: GroupResult) -> ExperienceGroup:
         task = result.task
         return ExperienceGroup(run_id=task.run_id, task_id=task.task_id, group_id=task.group_id,
                                attempt=self._next_attempt(task.group_id), explorer_id=self.explorer_id,

@@ -26,6 +26,7 @@ import io
 import sys
 import textwrap
 import tokenize
+import types
 import typing
 from pathlib import Path
 
@@ -185,7 +186,7 @@ def _type_name(tp) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in args)
-    if origin is typing.Union:
+    if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in args if a is not type(None)) + " or null"
     if origin in (dict, list):
         return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"

@@ -16,8 +16,9 @@ Importing this package registers the built-in rewards (text, math_answer, countd
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from rft.engine import build_engine
 from rft.rewards import countdown, judge, math_answer, reasoning_gym, text  # noqa: F401  (registers the built-ins)
@@ -49,16 +50,16 @@ WEIGHTED = "weighted"
 class RewardContext:
     """What a stateful reward may need beyond the explorer section: the policy model's section (lengths) and a
     way to start an engine of the explorer's kind on another model directory (`engine(path)`)."""
-    model: "ModelConfig"
-    engine: Callable[[str], "Engine"]
+    model: ModelConfig
+    engine: Callable[[str], Engine]
 
     @classmethod
-    def of(cls, explorer: "ExplorerConfig", model: "ModelConfig", *, seed: int) -> "RewardContext":
+    def of(cls, explorer: ExplorerConfig, model: ModelConfig, *, seed: int) -> RewardContext:
         """Engines of `explorer.engine`'s kind over `model`'s settings, seeded with `seed` (`run.seed`)."""
         return cls(model, lambda path: build_engine(explorer, model, seed=seed, model_path=path))
 
     @classmethod
-    def for_run(cls, cfg: "Config") -> "RewardContext":
+    def for_run(cls, cfg: Config) -> RewardContext:
         """Composition helper for entry points: `of` over the run's sections (holds no reference to `cfg`)."""
         return cls.of(cfg.explorer, cfg.model, seed=cfg.run.seed)
 
@@ -73,7 +74,7 @@ class FunctionReward:
     def __init__(self, name: str, fn: RewardFn):
         self.name, self.fn = name, fn
 
-    def score(self, responses: Sequence[str], task: "TaskRecord") -> list[RewardResult]:
+    def score(self, responses: Sequence[str], task: TaskRecord) -> list[RewardResult]:
         return [checked(self.name, self.fn(response, task)) for response in responses]
 
 
@@ -86,11 +87,11 @@ class WeightedReward:
         self.total = sum(weights.values())
 
     @classmethod
-    def from_config(cls, explorer: "ExplorerConfig", context: RewardContext | None) -> "WeightedReward":
+    def from_config(cls, explorer: ExplorerConfig, context: RewardContext | None) -> WeightedReward:
         parts = {name: _build_one(name, explorer, context) for name in explorer.reward_weights}
         return cls(parts, dict(explorer.reward_weights))
 
-    def score(self, responses: Sequence[str], task: "TaskRecord") -> list[RewardResult]:
+    def score(self, responses: Sequence[str], task: TaskRecord) -> list[RewardResult]:
         per_part = {name: part.score(responses, task) for name, part in self.parts.items()}
         out = []
         for i in range(len(responses)):
@@ -118,7 +119,7 @@ def resolve(spec: str, *, key: str = "explorer.reward") -> tuple[str, Any]:
     return ("factory", obj) if is_factory(obj) else ("function", obj)
 
 
-def check_reward_config(explorer: "ExplorerConfig") -> None:
+def check_reward_config(explorer: ExplorerConfig) -> None:
     """Resolve `explorer.reward` and `explorer.reward_weights` without building anything.
     Raises RewardError whose message starts with the offending dotted key."""
     weights = explorer.reward_weights
@@ -141,19 +142,19 @@ def check_reward_config(explorer: "ExplorerConfig") -> None:
     resolve(explorer.reward, key="explorer.reward")
 
 
-def _check_judge(explorer: "ExplorerConfig") -> None:
+def _check_judge(explorer: ExplorerConfig) -> None:
     names = explorer.reward_weights if explorer.reward == WEIGHTED else [explorer.reward]
     if "judge" in names and not explorer.judge_model:
         raise RewardError("explorer.judge_model: the judge reward needs a judge model directory")
 
 
-def build_reward(explorer: "ExplorerConfig", context: RewardContext | None = None) -> Reward:
+def build_reward(explorer: ExplorerConfig, context: RewardContext | None = None) -> Reward:
     """The `Reward` that `explorer.reward` names (stateful ones, e.g. a judge, start their engines here through
     `context`, which only they need)."""
     check_reward_config(explorer)
     return _build_one(explorer.reward, explorer, context)
 
 
-def _build_one(spec: str, explorer: "ExplorerConfig", context: RewardContext | None) -> Reward:
+def _build_one(spec: str, explorer: ExplorerConfig, context: RewardContext | None) -> Reward:
     kind, obj = resolve(spec)
     return obj.from_config(explorer, context) if kind == "factory" else FunctionReward(spec, obj)

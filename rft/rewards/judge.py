@@ -8,7 +8,8 @@ be single tokens of the judge's tokenizer; that is checked when the judge starts
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rft.rewards.registry import RewardError, RewardResult, register_reward_factory
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 class JudgeReward:
     """A `Reward` backed by an `Engine` running the judge model."""
 
-    def __init__(self, engine: "Engine", *, template: str, yes: str, no: str, max_prompt_tokens: int | None = None):
+    def __init__(self, engine: Engine, *, template: str, yes: str, no: str, max_prompt_tokens: int | None = None):
         self.engine, self.template, self.max_prompt_tokens = engine, template, max_prompt_tokens
         self.candidates = [self._single_token(yes), self._single_token(no)]
 
@@ -34,7 +35,7 @@ class JudgeReward:
         return ids[0]
 
     @classmethod
-    def from_config(cls, explorer: "ExplorerConfig", context: "RewardContext | None") -> "JudgeReward":
+    def from_config(cls, explorer: ExplorerConfig, context: RewardContext | None) -> JudgeReward:
         """The judge of `explorer.judge_model`, on an engine that `context` starts (prompts are cut to the
         policy model's context length, `context.model`)."""
         if not explorer.judge_model:
@@ -45,11 +46,11 @@ class JudgeReward:
         return cls(context.engine(explorer.judge_model), template=explorer.judge_template, yes=explorer.judge_yes,
                    no=explorer.judge_no, max_prompt_tokens=model.max_prompt_len + model.max_response_len - 1)
 
-    def judge_prompt(self, response: str, task: "TaskRecord") -> str:
+    def judge_prompt(self, response: str, task: TaskRecord) -> str:
         return self.template.format(prompt=task.prompt, response=response,
                                     answer="" if task.answer is None else task.answer)
 
-    def score(self, responses: Sequence[str], task: "TaskRecord") -> list[RewardResult]:
+    def score(self, responses: Sequence[str], task: TaskRecord) -> list[RewardResult]:
         prompts = [self.engine.encode(self.judge_prompt(r, task)) for r in responses]
         if self.max_prompt_tokens is not None:  # keep the end, where the question to the judge is
             prompts = [p[-self.max_prompt_tokens:] for p in prompts]

@@ -12,8 +12,9 @@ A reward that returns a score outside [0, 1] (or NaN) is a bug in the reward and
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rft.registry import Registry
 
@@ -41,7 +42,7 @@ class RewardResult:
 class Reward(Protocol):
     """Scores all responses to one task at once (batching lets a judge model score a group in one call)."""
 
-    def score(self, responses: Sequence[str], task: "TaskRecord") -> list[RewardResult]: ...
+    def score(self, responses: Sequence[str], task: TaskRecord) -> list[RewardResult]: ...
 
 
 RewardFn = Callable[[str, "TaskRecord"], "RewardResult | float"]

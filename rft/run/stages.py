@@ -21,9 +21,10 @@ import copy
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rft.algorithms import option_keys
 from rft.config import Config, ConfigError, build_config, flatten

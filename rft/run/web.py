@@ -20,9 +20,10 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -157,7 +158,7 @@ class Access:
         return Depends(checked)
 
 
-def serve_access(serve: "ServeConfig", host: str) -> Access:
+def serve_access(serve: ServeConfig, host: str) -> Access:
     """The access of `rft serve` listening on `host` (serve.api_key_env / api_key_file / allowed_hosts).
     AccessConfigError when the keys cannot be read, or `host` is beyond loopback and there is none."""
     keys = load_keys(env=serve.api_key_env, file=serve.api_key_file, what="rft serve")
@@ -169,7 +170,7 @@ def serve_access(serve: "ServeConfig", host: str) -> Access:
 DASHBOARD_COOKIE = "rft_dashboard_key"
 
 
-def dashboard_access(monitor: "MonitorConfig", host: str) -> Access:
+def dashboard_access(monitor: MonitorConfig, host: str) -> Access:
     """The access of `rft dashboard` listening on `host` (monitor.dashboard_key_env / _key_file / _allowed_hosts);
     a browser gives the key once as `/?key=KEY`, kept in the DASHBOARD_COOKIE cookie. AccessConfigError as
     `serve_access`."""
@@ -192,7 +193,7 @@ class AppThread:
                                                     timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
 
-    def start(self, timeout_s: float = 30.0) -> "AppThread":
+    def start(self, timeout_s: float = 30.0) -> AppThread:
         self.thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from rft.run.commandline import add_config_arguments, config_from_args
 

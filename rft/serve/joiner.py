@@ -36,8 +36,9 @@ import hashlib
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -105,7 +106,7 @@ class Joining:
     """The join itself: records in (`add_served`, `add_feedback`), groups out (`tick(now)`), and the offsets still
     held (`held`). No Kafka and no clock; see the module docstring for the rules."""
 
-    def __init__(self, settings: "ServeConfig", run_id: str, *, done: Iterable[str] = ()):
+    def __init__(self, settings: ServeConfig, run_id: str, *, done: Iterable[str] = ()):
         self.settings, self.run_id = settings, run_id
         self.pending: dict[str, _Pending] = {}
         self.orphans: dict[str, list[tuple[Feedback, Position]]] = {}  # feedback before its served record
@@ -292,8 +293,8 @@ class Joiner:
     """The joiner's Kafka loop over `Joining` (module docstring: ordering and exactly-once). `step()` is one cycle;
     `run(stop)` cycles until `stop` is set. `clock` gives epoch seconds (tests pass their own)."""
 
-    def __init__(self, settings: "ServeConfig", *, topics: RunTopics, kafka: "KafkaConfig",
-                 transport: "Transport | None" = None, client_id: str = "joiner", clock=time.time):
+    def __init__(self, settings: ServeConfig, *, topics: RunTopics, kafka: KafkaConfig,
+                 transport: Transport | None = None, client_id: str = "joiner", clock=time.time):
         self.topics, self.kafka, self.clock = topics, kafka, clock
         transport = self.transport = transport or connect(kafka)
         admin = transport.admin()
@@ -359,7 +360,7 @@ class Joiner:
             self.source.commit(self.joining.commit_offsets(positions))
         return groups
 
-    def run(self, stop: threading.Event, *, prometheus: "MetricsEndpoint | None" = None) -> None:
+    def run(self, stop: threading.Event, *, prometheus: MetricsEndpoint | None = None) -> None:
         """Cycle until `stop`; `prometheus` gets the counts as `rft_joiner_<count>_total` after each cycle."""
         while not stop.is_set():
             groups = self.step()

@@ -53,8 +53,9 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -209,7 +210,7 @@ class _Job:
 class Served:
     """One request's result: the prompt ids, the generation, and (streaming) each choice's text deltas."""
     prompt_tokens: list[int]
-    generation: "Generation"
+    generation: Generation
     deltas: list[list[str]]
 
 
@@ -221,12 +222,12 @@ class EngineWorker:
     for it. A submitted job whose future is cancelled before the thread takes it is skipped (its deadline passed);
     one cancelled later is generated and its result dropped."""
 
-    def __init__(self, factory: Callable[[], "Engine"], *, newest: Callable[[int], Any] | None = None,
+    def __init__(self, factory: Callable[[], Engine], *, newest: Callable[[int], Any] | None = None,
                  max_batch: int = 16, adapters: dict[str, Callable[[int], Any]] | None = None):
         self.factory, self.newest, self.max_batch = factory, newest, max_batch
         self.adapters = adapters or {}
         self.adapter_versions: dict[str, int] = {}  # adapter name -> the version loaded
-        self.engine: "Engine | None" = None
+        self.engine: Engine | None = None
         self.queue: queue.Queue[_Job | None] = queue.Queue()
         self.reloads = 0
         self.last_call_s = 0.0  # how long the last engine call took (seconds)
@@ -353,7 +354,7 @@ class EngineWorker:
         return pieces
 
 
-def renderer(cfg: "Config") -> Callable[[Any, list], list[int]]:
+def renderer(cfg: Config) -> Callable[[Any, list], list[int]]:
     """How messages become prompt ids (module docstring), refusing prompts over model.max_prompt_len."""
     model = cfg.model
 
@@ -410,7 +411,7 @@ class Limits:
     request_timeout_s: float = 300.0  # from received to generated
 
     @classmethod
-    def of(cls, serve: "ServeConfig") -> "Limits":
+    def of(cls, serve: ServeConfig) -> Limits:
         return cls(serve.max_body_bytes, serve.max_request_tokens, serve.max_queue, serve.request_timeout_s)
 
 
@@ -419,7 +420,7 @@ class ServeService:
     one tokenizer thread: `tokenize(messages) -> ids` (raising ApiError for a prompt it refuses) runs there, one
     request at a time, never on the engine's thread."""
 
-    def __init__(self, *, worker: EngineWorker, sink: "RecordSink", ledger: FeedbackLedger, topics: RunTopics,
+    def __init__(self, *, worker: EngineWorker, sink: RecordSink, ledger: FeedbackLedger, topics: RunTopics,
                  model_name: str, max_tokens: int, tokenize: Callable[[list], list[int]], rewards: RewardRange,
                  limits: Limits = Limits(), ack_timeout_s: float = 30.0):
         self.worker, self.sink, self.ledger, self.topics = worker, sink, ledger, topics
@@ -651,7 +652,7 @@ def _chunks(answer: dict, deltas: list[list[str]]):
 # Composition and command line
 
 
-def build_service(cfg: "Config", *, transport: "Transport | None" = None, engine_factory=None) -> ServeService:
+def build_service(cfg: Config, *, transport: Transport | None = None, engine_factory=None) -> ServeService:
     """The service `cfg` describes, its engine started (`engine_factory` defaults to the explorers' `build_engine`)
     with the newest weights of the run's store, its ledger read back from the topics."""
     transport = transport or connect(cfg.kafka)
@@ -705,7 +706,7 @@ class _NoAnnouncements:
         pass
 
 
-def adapter_stores(cfg: "Config") -> dict[str, Callable[[int], Any]]:
+def adapter_stores(cfg: Config) -> dict[str, Callable[[int], Any]]:
     """`serve.adapters` as name -> newest(above): the newest checked version of that run's weight store."""
     stores = {}
     for name, root in cfg.serve.adapters.items():

@@ -43,7 +43,7 @@ class ChatPrompt:
     tools: tuple[dict[str, Any], ...] = ()
 
     @classmethod
-    def of(cls, model: "ModelConfig", tools: tuple[dict[str, Any], ...] = ()) -> "ChatPrompt | None":
+    def of(cls, model: ModelConfig, tools: tuple[dict[str, Any], ...] = ()) -> ChatPrompt | None:
         """The model section's chat settings; None when `model.chat_template` is off."""
         return cls(model.system_prompt, tools) if model.chat_template else None
 

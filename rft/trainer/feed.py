@@ -27,8 +27,9 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 from rft.schema import ExperienceGroup, RecordError, decode_group, encode
 from rft.transport import (
@@ -55,7 +56,7 @@ class FeedTimeout(TimeoutError):
 class EndOfReplay(Exception):
     """The replay window is exhausted; `batch` holds the groups taken since the last full batch."""
 
-    def __init__(self, batch: "Batch"):
+    def __init__(self, batch: Batch):
         super().__init__(f"replay window exhausted ({len(batch.groups)} groups in the last, partial batch)")
         self.batch = batch
 
@@ -67,15 +68,15 @@ class ReplayWindow:
     that a resumed or repeated replay reads exactly the same records."""
     begin: dict[str, int]
     stop: dict[str, int]
-    from_time_ms: Optional[int] = None
-    to_time_ms: Optional[int] = None
+    from_time_ms: int | None = None
+    to_time_ms: int | None = None
 
     def to_json(self) -> dict:
         return {"begin": self.begin, "stop": self.stop, "from_time_ms": self.from_time_ms,
                 "to_time_ms": self.to_time_ms}
 
     @classmethod
-    def from_json(cls, data: dict) -> "ReplayWindow":
+    def from_json(cls, data: dict) -> ReplayWindow:
         return cls(begin={k: int(v) for k, v in data["begin"].items()},
                    stop={k: int(v) for k, v in data["stop"].items()},
                    from_time_ms=data.get("from_time_ms"), to_time_ms=data.get("to_time_ms"))
@@ -97,7 +98,7 @@ class FeedState:
                 "operators": json.loads(json.dumps(self.operators))}
 
     @classmethod
-    def from_json(cls, data: dict) -> "FeedState":
+    def from_json(cls, data: dict) -> FeedState:
         return cls(offsets={str(k): int(v) for k, v in data.get("offsets", {}).items()},
                    taken_groups=[str(g) for g in data.get("taken_groups", [])],
                    operators=dict(data.get("operators", {})))
@@ -111,13 +112,13 @@ class Batch:
 
 
 # A decision on one decoded group: None to take it, or a skip reason.
-Admit = Callable[[ExperienceGroup], Optional[str]]
+Admit = Callable[[ExperienceGroup], str | None]
 
 
 class ExperienceFeed:
     def __init__(self, source: RecordSource, *, topic: str, run_id: str | None, dead_letter: DeadLetter,
                  state: FeedState | None = None, window: ReplayWindow | None = None,
-                 reconnect: Callable[[], RecordSource] | None = None, operators: "OperatorChain | None" = None,
+                 reconnect: Callable[[], RecordSource] | None = None, operators: OperatorChain | None = None,
                  check: Callable[[ExperienceGroup], str | None] | None = None):
         """`run_id=None` accepts records of any run (replaying another run's topic). `reconnect` makes a new
         source when the current one fails (TransportError); the feed re-seeks it to its own state. `check(group)`:
@@ -239,7 +240,7 @@ class ExperienceFeed:
 
 def open_feed(transport: Transport, *, topic: str, dead_letter_topic: str,
               run_id: str | None, state: FeedState | None = None, window: ReplayWindow | None = None,
-              client_id: str = "rft-trainer", operators: "OperatorChain | None" = None,
+              client_id: str = "rft-trainer", operators: OperatorChain | None = None,
               check: Callable[[ExperienceGroup], str | None] | None = None,
               ) -> tuple[ExperienceFeed, RecordSink, RecordSource]:
     """Build a feed with its own source and dead-letter sink from `transport`; the caller closes both. `check`: as

@@ -38,9 +38,9 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -99,7 +99,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def build_trainer(cfg: Config, *, resume: bool = True) -> "Trainer":
+def build_trainer(cfg: Config, *, resume: bool = True) -> Trainer:
     """Compose a Trainer from the root config: its sections, and rank 0's Kafka side (`open_trainer_io`)."""
     return Trainer(cfg.trainer, run=cfg.run, model=cfg.model, algorithm=cfg.algorithm, sync=cfg.sync,
                    run_dir=cfg.run_dir, temperature=cfg.explorer.temperature or 1.0,  # 0 = greedy: untempered
@@ -119,10 +119,10 @@ class TrainerIO:
     experiences_topic: str
     metrics: MetricsLogger
     prometheus: MetricsEndpoint | None
-    replay: "ExperienceReplay | None" = None
+    replay: ExperienceReplay | None = None
     weights: WeightPublisher | None = None
     # opens the demonstrations feed at a checkpointed state (None when the algorithm needs none)
-    demonstrations_opener: "Callable[[FeedState], tuple[ExperienceFeed, RecordSink]] | None" = None
+    demonstrations_opener: Callable[[FeedState], tuple[ExperienceFeed, RecordSink]] | None = None
     demonstrations: ExperienceFeed | None = None
     demonstrations_sink: RecordSink | None = None
 

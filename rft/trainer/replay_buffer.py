@@ -30,8 +30,9 @@ Not thread-safe; rank 0 only.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -169,7 +170,7 @@ def _decode_if(message: Message | None, group_id: str) -> ExperienceGroup | None
     return group if group.group_id == group_id else None
 
 
-def open_replay(section: "ReplayBufferConfig", *, run_seed: int, topic_source: Callable[[], RecordSource],
+def open_replay(section: ReplayBufferConfig, *, run_seed: int, topic_source: Callable[[], RecordSource],
                 state: dict | None) -> ExperienceReplay:
     """The trainer's ExperienceReplay from the `replay_buffer` section (its seed defaults to `run_seed`), reading
     through sources made by `topic_source` (a fresh one after a TransportError) and restored from a checkpoint's
@@ -187,7 +188,7 @@ class RecordReader:
     def __init__(self, new_source: Callable[[], RecordSource]):
         self.new_source, self.source = new_source, None
 
-    def fetch(self, position: str, offset: int) -> Optional[Message]:
+    def fetch(self, position: str, offset: int) -> Message | None:
         for attempt in (1, 2):
             if self.source is None:
                 self.source = self.new_source()

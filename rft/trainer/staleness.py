@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Optional
 
 from rft import modes
 
@@ -49,7 +48,7 @@ class StalenessTracker:
         counts.histogram[staleness] += n_samples
         return True
 
-    def check(self, group, step: int) -> Optional[str]:
+    def check(self, group, step: int) -> str | None:
         """`observe` for an ExperienceGroup, in the shape of ExperienceFeed's `admit` callback: None to use the
         group, else the skip reason ("stale" or "future_version")."""
         if self.observe(step=step, policy_version=group.policy_version, n_samples=len(group.samples)):

@@ -11,8 +11,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from rft.trainer import distributed as dist_io
 from rft.weights.publisher import StagePublisher
@@ -52,7 +53,7 @@ class TrainerWeights:
     `iter_hf_buckets`); `io`: rank 0's side of the run (its `weights` publisher and the feed whose offsets each
     announcement carries), None on the other ranks; `lora`: versions are adapters (published whole by rank 0)."""
 
-    def __init__(self, policy, sync: "SyncConfig", run_dir: Path, *, io: "TrainerIO | None", lora: bool):
+    def __init__(self, policy, sync: SyncConfig, run_dir: Path, *, io: TrainerIO | None, lora: bool):
         self.policy, self.sync, self.run_dir, self.io, self.lora = policy, sync, Path(run_dir), io, lora
         self.seconds: float | None = None  # seconds the newest publish held up the trainer
         self._stage_weights: StagePublisher | None = None  # a later pipeline stage's publishing rank (pull path)

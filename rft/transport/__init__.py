@@ -50,7 +50,7 @@ __all__ = ["HEADER_ORIGIN", "Admin", "BrokerUnreachable", "DeadLetter", "Message
            "parse_time_ms", "probe_bootstrap", "record_size"]
 
 
-def connect(kafka_cfg: "KafkaConfig", bootstrap: str | None = None) -> Transport:
+def connect(kafka_cfg: KafkaConfig, bootstrap: str | None = None) -> Transport:
     """The Kafka transport for `kafka_cfg` (at `bootstrap`, default kafka.bootstrap_servers). Nothing connects
     until a client is built."""
     # heavy: kafka-python, loaded only by processes that talk to a broker

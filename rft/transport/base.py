@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterable, Iterator, Optional, Protocol
+from typing import Any, Protocol
 
 from rft.schema import HEADER_ERROR, RecordError, encode
 
@@ -88,7 +89,7 @@ class Message:
     topic: str
     partition: int
     offset: int
-    key: Optional[bytes]
+    key: bytes | None
     value: bytes
     headers: list[tuple[str, bytes]]
     timestamp_ms: int
@@ -264,7 +265,7 @@ class RecordSource(Protocol):
         """The records in `[begin, stop)` of each partition named in `begin`, only those stamped in
         `[from_time_ms, to_time_ms)` when given. No group; leaves the source assigned to those partitions."""
 
-    def fetch(self, position: str, offset: int, *, idle_timeout_s: float = 10.0) -> Optional[Message]:
+    def fetch(self, position: str, offset: int, *, idle_timeout_s: float = 10.0) -> Message | None:
         """The record at `offset` of `position`; None when the partition no longer holds it (retention)."""
 
     def close(self) -> None: ...

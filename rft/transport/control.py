@@ -40,8 +40,9 @@ import logging
 import time
 import types
 import typing
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional, Union
+from typing import Any, ClassVar, Union
 
 from rft.schema import ControlMessage, RecordError, decode
 
@@ -167,7 +168,7 @@ class PushGroup(Kind):
 class PushAbandoned(Kind):
     KIND: ClassVar[str] = "push_abandoned"
     group_id: str
-    version: Optional[int] = None
+    version: int | None = None
     reason: str = ""
 
 
@@ -177,7 +178,7 @@ class TrainerStarted(Kind):
     step: int
     version: int
     offsets: dict[str, int] = field(default_factory=dict)
-    prometheus_port: Optional[int] = None
+    prometheus_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -212,17 +213,17 @@ class TrainerStep(Kind):
 @dataclass(frozen=True)
 class TrainerFinished(Kind):
     KIND: ClassVar[str] = "trainer_finished"
-    step: Optional[int] = None
+    step: int | None = None
 
 
 @dataclass(frozen=True)
 class ExplorerJoin(_FromExplorer):
     KIND: ClassVar[str] = "explorer_join"
     explorer_id: str
-    weights_version: Optional[int] = None
+    weights_version: int | None = None
     host: str = ""
-    pid: Optional[int] = None
-    prometheus_port: Optional[int] = None
+    pid: int | None = None
+    prometheus_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -232,12 +233,12 @@ class ExplorerHeartbeat(_FromExplorer):
     `rejoins`: how often its membership watchdog rejoined the group (rft/explorer/membership.py)."""
     KIND: ClassVar[str] = "explorer_heartbeat"
     explorer_id: str
-    weights_version: Optional[int] = None
-    groups: Optional[int] = None
-    batches: Optional[int] = None
-    dead_letters: Optional[int] = None
-    admission_waits: Optional[int] = None
-    weights_refused: Optional[int] = None  # weights versions / push groups refused (rft.weights.subscriber: trust)
+    weights_version: int | None = None
+    groups: int | None = None
+    batches: int | None = None
+    dead_letters: int | None = None
+    admission_waits: int | None = None
+    weights_refused: int | None = None  # weights versions / push groups refused (rft.weights.subscriber: trust)
     explore_s: float = 0.0
     joined_s: float = 0.0
     partitions: list[int] = field(default_factory=list)
@@ -250,7 +251,7 @@ class ExplorerWeights(_FromExplorer):
     KIND: ClassVar[str] = "explorer_weights"
     explorer_id: str
     version: int
-    seconds: Optional[float] = None  # None: received by push
+    seconds: float | None = None  # None: received by push
 
 
 @dataclass(frozen=True)
@@ -258,7 +259,7 @@ class ExplorerLeave(_FromExplorer):
     KIND: ClassVar[str] = "explorer_leave"
     explorer_id: str
     reason: str = ""
-    groups: Optional[int] = None
+    groups: int | None = None
 
 
 @dataclass(frozen=True)
@@ -316,7 +317,7 @@ def parse(message: ControlMessage) -> Kind | None:
 
 
 def control_messages(records: Iterable, *,
-                     undecodable: Optional[Callable[[Any, RecordError], None]] = None) -> Iterator[ControlMessage]:
+                     undecodable: Callable[[Any, RecordError], None] | None = None) -> Iterator[ControlMessage]:
     """The control messages among transport records (`.value`, `.headers`); other records are skipped: other
     roles write to the control topic too, and a reader is not the judge of them. `undecodable(record, error)`,
     when given, hears of each record that is no schema record at all (a reader that counts them)."""

@@ -11,7 +11,8 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
@@ -479,7 +480,7 @@ class KafkaSource(SourceBase):
         finally:
             self._gapless.wait_s = None
 
-    def fetch(self, position: str, offset: int, *, idle_timeout_s: float = 10.0) -> Optional[Message]:
+    def fetch(self, position: str, offset: int, *, idle_timeout_s: float = 10.0) -> Message | None:
         """The record at `offset` of `position` ("topic:partition"), re-read by seeking to it; None when the
         partition no longer holds it (deleted by retention or compaction). Needs a source without a group;
         leaves it assigned to that partition. TransportError if the broker returns nothing for `idle_timeout_s`

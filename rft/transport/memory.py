@@ -16,8 +16,9 @@ from __future__ import annotations
 import threading
 import time
 import zlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any
 
 from rft.transport.base import (
     Message,
@@ -35,7 +36,7 @@ MAX_POLL_RECORDS = 500  # kafka-python's default max_poll_records
 
 @dataclass
 class _Group:
-    members: list["MemorySource"] = field(default_factory=list)  # in join order
+    members: list[MemorySource] = field(default_factory=list)  # in join order
     committed: dict[str, int] = field(default_factory=dict)
 
 
@@ -62,7 +63,7 @@ class _Broker:
         position = parse_offset_key(key)
         return self.beginning(key) + len(self.partitions(position.topic)[position.partition])
 
-    def record(self, key: str, offset: int) -> Optional[Message]:
+    def record(self, key: str, offset: int) -> Message | None:
         position = parse_offset_key(key)
         index = offset - self.beginning(key)
         records = self.partitions(position.topic)[position.partition]
@@ -261,7 +262,7 @@ class MemorySource(SourceBase):
             yield from (m for m in records if (from_time_ms is None or m.timestamp_ms >= from_time_ms)
                         and (to_time_ms is None or m.timestamp_ms < to_time_ms))
 
-    def fetch(self, position: str, offset: int, *, idle_timeout_s: float = 10.0) -> Optional[Message]:
+    def fetch(self, position: str, offset: int, *, idle_timeout_s: float = 10.0) -> Message | None:
         if self.group is not None:
             raise TransportError("fetch needs a source without a consumer group")
         with self._broker.changed:

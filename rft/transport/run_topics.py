@@ -37,7 +37,7 @@ class RunTopics:
     feedback: str = ""  # serve mode: their rewards
 
     @classmethod
-    def of(cls, cfg: Config) -> "RunTopics":
+    def of(cls, cfg: Config) -> RunTopics:
         """The names `cfg` gives its run (`Config.topic`, `consumer_group`)."""
         return cls(run=cfg.run.name, tasks=cfg.topic("tasks"), experiences=cfg.topic("experiences"),
                    control=cfg.topic("control"), dead_letter=cfg.topic("dead_letter"),

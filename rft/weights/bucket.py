@@ -44,9 +44,10 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import obstore
 from obstore.exceptions import AlreadyExistsError, NotFoundError, PreconditionError
@@ -220,12 +221,12 @@ class BucketStore:
         it is published already."""
         return self.writer.stage(version, stages)
 
-    def write_stage(self, staging: Staging, stage: int, buckets: Iterable[dict[str, "torch.Tensor"]]) -> None:
+    def write_stage(self, staging: Staging, stage: int, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
         """Upload pipeline stage `stage`'s buckets under the version's prefix, then its `.stage-KK.json`; on failure
         `.stage-KK.failed` with the reason, and raises."""
         self.writer.write_stage(staging, stage, buckets)
 
-    def publish(self, version: int, buckets: Iterable[dict[str, "torch.Tensor"]], hf_dir: str | os.PathLike | None,
+    def publish(self, version: int, buckets: Iterable[dict[str, torch.Tensor]], hf_dir: str | os.PathLike | None,
                 *, staging: Staging | None = None, wait_s: float = 120.0, adapter_config: dict | None = None) -> str:
         """Write one version (WeightStore.publish's contract, on S3: module docstring); returns its location."""
         return self.writer.publish(version, buckets, hf_dir, staging=staging, wait_s=wait_s,
@@ -250,7 +251,7 @@ class BucketWriter:
             return None
         return Staging(version=version, dir=PurePosixPath(version_dirname(version)), stages=stages)
 
-    def write_stage(self, staging: Staging, stage: int, buckets: Iterable[dict[str, "torch.Tensor"]]) -> None:
+    def write_stage(self, staging: Staging, stage: int, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
         check_stage(staging, stage)
         try:
             written = self._write_shards(staging.version, buckets, prefix=f"model-stage{stage:02d}")
@@ -264,7 +265,7 @@ class BucketWriter:
                 pass
             raise
 
-    def publish(self, version: int, buckets: Iterable[dict[str, "torch.Tensor"]], hf_dir: str | os.PathLike | None,
+    def publish(self, version: int, buckets: Iterable[dict[str, torch.Tensor]], hf_dir: str | os.PathLike | None,
                 *, staging: Staging | None = None, wait_s: float = 120.0, adapter_config: dict | None = None) -> str:
         check_publish(version, staging, adapter_config)
         if staging is None and self.store.has(version):
@@ -325,7 +326,7 @@ class BucketWriter:
             files[item.name] = self._put(version, item.name, item.read_bytes())
         return files, written.deltas
 
-    def _write_shards(self, version: int, buckets: Iterable[dict[str, "torch.Tensor"]], prefix: str) -> StageMerge:
+    def _write_shards(self, version: int, buckets: Iterable[dict[str, torch.Tensor]], prefix: str) -> StageMerge:
         """One `<prefix>-NNNNN.safetensors` per non-empty bucket, uploaded `UPLOADS_IN_FLIGHT` at a time (the buckets
         are read in this thread: a trainer's gather is a collective), each with its delta when one is due."""
         base = self._delta_base(version)

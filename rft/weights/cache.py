@@ -37,9 +37,10 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Protocol
 
 from rft.weights import delta as deltas
 from rft.weights.store import (

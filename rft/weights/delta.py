@@ -61,7 +61,7 @@ def header_bytes(data: bytes | memoryview) -> bytes:
     return bytes(data[:8 + n])
 
 
-def encode(file: str, old: dict[str, "torch.Tensor"], new: dict[str, "torch.Tensor"], *, base_sha256: str,
+def encode(file: str, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, base_sha256: str,
            new_header: bytes, new_size: int) -> bytes | None:
     """The delta from shard `file` holding `old` (whose file's SHA-256 is `base_sha256`) to the same shard holding
     `new` (its file's header `new_header`, `new_size` bytes); None when the two do not have the same tensors, dtypes
@@ -110,7 +110,7 @@ def apply(delta: bytes, base: Path, out: Path, *, base_sha256: str) -> None:
         raise
 
 
-def _bits(tensor: "torch.Tensor") -> "torch.Tensor":
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's elements as integers of the same width, flattened (bitwise comparison and XOR)."""
     import torch
 

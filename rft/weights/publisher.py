@@ -8,7 +8,8 @@ import logging
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Protocol
 
 from rft.transport.control import Kind, PushAbandoned, Weights, WeightsPush
 from rft.weights.push import PushError, PushGroupSpec, PushSender
@@ -57,7 +58,7 @@ class WeightPublisher:
 
     ANNOUNCE_EVERY_S = 2.0
 
-    def __init__(self, sync: "SyncConfig", *, store: "VersionStore", announce: Callable[[Kind], None],
+    def __init__(self, sync: SyncConfig, *, store: VersionStore, announce: Callable[[Kind], None],
                  hf_dir: str | None, push_members: int = 0, sender: Sender | None = None, transport: str = "rft"):
         self.store, self.announce, self.hf_dir = store, announce, hf_dir
         self.method = sync.method
@@ -77,7 +78,7 @@ class WeightPublisher:
         self.adapter_config: dict | None = None
 
     def deliver(self, version: int, buckets: Iterable[dict], offsets: dict[str, int], *,
-                staging: "Staging | None" = None) -> bool:
+                staging: Staging | None = None) -> bool:
         """Deliver `version`. Push: returns when every member acked; False when the push failed (the caller
         gathers the buckets again and calls again, which then takes the pull path); a failed push may leave
         `buckets` partly unread, and the caller reads the rest (the trainer's export is a collective:
@@ -100,7 +101,7 @@ class WeightPublisher:
         self._background.flush()
 
     def _store_and_announce(self, version: int, buckets: Iterable[dict], offsets: dict[str, int],
-                            staging: "Staging | None" = None) -> None:
+                            staging: Staging | None = None) -> None:
         started = time.monotonic()
         path = self.store.publish(version, buckets, hf_dir=self.hf_dir, staging=staging, wait_s=self.stage_wait_s,
                                   adapter_config=self.adapter_config)
@@ -160,11 +161,11 @@ class StagePublisher:
     version in flight, its failure raised by the next `deliver` or `flush`; host memory: this stage's share of up
     to two versions); the publishing rank also learns of a failure, from the `.stage-KK.failed` marker."""
 
-    def __init__(self, sync: "SyncConfig", *, store: "VersionStore", stage: int):
+    def __init__(self, sync: SyncConfig, *, store: VersionStore, stage: int):
         self.store, self.stage, self.write_behind = store, stage, sync.write_behind
         self._background = _WriteBehind(f"writing pipeline stage {stage}'s weights")
 
-    def deliver(self, staging: "Staging", buckets: Iterable[dict]) -> None:
+    def deliver(self, staging: Staging, buckets: Iterable[dict]) -> None:
         """Write (or, with write-behind, copy and start writing) this stage's share of `staging.version`."""
         if not self.write_behind:
             self.store.write_stage(staging, self.stage, _host_copies(buckets) if self.store.delta else buckets)

@@ -51,8 +51,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import torch
 
@@ -77,7 +77,7 @@ class PushGroupSpec(PushGroup):
         return self.body()
 
     @classmethod
-    def from_json(cls, body: dict) -> "PushGroupSpec":
+    def from_json(cls, body: dict) -> PushGroupSpec:
         try:
             return cls.from_body(body)
         except ControlError as e:
@@ -212,7 +212,7 @@ class _Member:
                              daemon=True).start()
 
 
-def bound_store(host: str, port: int, world_size: int, timeout_s: float) -> "torch.distributed.TCPStore":
+def bound_store(host: str, port: int, world_size: int, timeout_s: float) -> torch.distributed.TCPStore:
     """A master TCPStore that listens on `host` alone. TCPStore(host, is_master=True) binds every interface whatever
     `host` says (torch 2.13: the name is only where clients connect); so the socket is bound and listening here
     (rft.processes.listening_socket), and handed over as `master_listen_fd` (libuv backend: the store takes the
@@ -239,7 +239,7 @@ class PushSender(_Member):
 
     @classmethod
     def host(cls, *, host: str, world_size: int, group_id: str, timeout_s: float,
-             backend: str | None = None, port: int = 0) -> "PushSender":
+             backend: str | None = None, port: int = 0) -> PushSender:
         """Start the group's TCPStore listening on `host` only (`port` 0: a free one). Members join later."""
         if world_size < 2:
             raise PushError(f"a push group needs at least one explorer engine (world size {world_size})")
@@ -281,7 +281,7 @@ class PushReceiver(_Member):
     """One engine worker's membership. Construct, then `connect()` (blocks until the whole group is in)."""
 
     @classmethod
-    def join(cls, spec: PushGroupSpec) -> "PushReceiver":
+    def join(cls, spec: PushGroupSpec) -> PushReceiver:
         store = torch.distributed.TCPStore(spec.host, spec.port, spec.world_size, is_master=False,
                                            timeout=datetime.timedelta(seconds=spec.timeout_s))
         rank = int(store.add(RANK_COUNTER, 1))

@@ -53,9 +53,10 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from rft.tensors import all_finite
 
@@ -96,7 +97,7 @@ class Staging:
         return json.dumps({"version": self.version, "dir": self.dir.name, "stages": self.stages}).encode()
 
     @classmethod
-    def from_json(cls, root: str | os.PathLike, data: bytes) -> "Staging":
+    def from_json(cls, root: str | os.PathLike, data: bytes) -> Staging:
         """The staging `to_json` describes, in the store at `root` (as this host sees it)."""
         body = json.loads(data.decode())
         return cls(version=int(body["version"]), dir=Path(root) / body["dir"], stages=int(body["stages"]))
@@ -126,7 +127,7 @@ def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tenso
                 yield name, f.get_tensor(name)
 
 
-def store_root(sync: "SyncConfig", run_dir: str | os.PathLike) -> Path:
+def store_root(sync: SyncConfig, run_dir: str | os.PathLike) -> Path:
     """Where a run's weight store is: `sync.weight_store`, default `<run dir>/weights` (not created here)."""
     return Path(sync.weight_store or Path(run_dir) / "weights")
 
@@ -146,7 +147,7 @@ class WeightStore:
         self.writer = DirectoryWriter(self)
 
     @classmethod
-    def for_sync(cls, sync: "SyncConfig", run_dir: str | os.PathLike) -> "WeightStore":
+    def for_sync(cls, sync: SyncConfig, run_dir: str | os.PathLike) -> WeightStore:
         """The store `sync.weight_store` names (default `<run dir>/weights`), keeping `sync.keep_versions`."""
         return cls(store_root(sync, run_dir), keep=sync.keep_versions)
 
@@ -216,7 +217,7 @@ class WeightStore:
         return iter_safetensors(path)
 
     # -- publishing (DirectoryWriter)
-    def staging_from_json(self, data: bytes) -> "Staging":
+    def staging_from_json(self, data: bytes) -> Staging:
         """The staging another rank's `Staging.to_json` describes, in this store (as this host sees it)."""
         return Staging.from_json(self.root, data)
 
@@ -402,7 +403,7 @@ def is_adapter_version(path: str | os.PathLike) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def read_adapter(path: str | os.PathLike) -> tuple[dict, dict[str, tuple["torch.Tensor", "torch.Tensor"]]]:
+def read_adapter(path: str | os.PathLike) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """A PEFT adapter directory as (adapter_config, {HF module name: (A [r, in], B [out, r])}), module names without
     PEFT's `base_model.model.` prefix (`model.layers.0.self_attn.q_proj`). Each output adds alpha / r * B A x."""
     from safetensors.torch import load_file
@@ -423,14 +424,14 @@ def read_adapter(path: str | os.PathLike) -> tuple[dict, dict[str, tuple["torch.
     return config, pairs
 
 
-def pushed_adapter_bucket(adapter_config: dict) -> dict[str, "torch.Tensor"]:
+def pushed_adapter_bucket(adapter_config: dict) -> dict[str, torch.Tensor]:
     """The first bucket of a pushed adapter version: its adapter_config.json as a uint8 tensor."""
     import torch
 
     return {PUSHED_ADAPTER_CONFIG: torch.frombuffer(bytearray(json.dumps(adapter_config).encode()), dtype=torch.uint8)}
 
 
-def save_pushed_adapter(first: tuple[str, "torch.Tensor"], rest: Iterable[tuple[str, "torch.Tensor"]],
+def save_pushed_adapter(first: tuple[str, torch.Tensor], rest: Iterable[tuple[str, torch.Tensor]],
                         out: str | os.PathLike) -> int:
     """Write a pushed adapter version (`first`: its PUSHED_ADAPTER_CONFIG tensor, `rest`: its tensors, read to the
     end) as a PEFT directory `out` (created; files written aside and renamed); returns the number of tensors."""
@@ -541,7 +542,7 @@ def failure_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:2000]
 
 
-def shard_tensors(bucket: dict[str, "torch.Tensor"], written: dict[str, str]) -> tuple[dict[str, "torch.Tensor"], int]:
+def shard_tensors(bucket: dict[str, torch.Tensor], written: dict[str, str]) -> tuple[dict[str, torch.Tensor], int]:
     """One bucket's tensors as a shard holds them (on the CPU, contiguous) and their bytes; WeightStoreError when a
     name is in `written` (tensor name -> shard: the buckets before) or twice in this one."""
     tensors: dict[str, torch.Tensor] = {}
@@ -643,7 +644,7 @@ def model_files(hf_dir: str | os.PathLike) -> list[Path]:
                   and item.name not in (*_WEIGHT_INDEXES, MANIFEST))
 
 
-def adapter_tensors(buckets: Iterable[dict[str, "torch.Tensor"]]) -> dict[str, "torch.Tensor"]:
+def adapter_tensors(buckets: Iterable[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Every tensor of `buckets` (a LoRA adapter version's, all in one file), on the CPU and contiguous."""
     tensors: dict[str, torch.Tensor] = {}
     for bucket in buckets:

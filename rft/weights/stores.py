@@ -5,8 +5,9 @@ the `VersionStore` methods, never which kind it is."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rft.config import S3_SCHEME
 from rft.weights.store import Staging, WeightStore, store_root
@@ -30,13 +31,13 @@ class VersionStore(Protocol):
     def local(self, version: int, location: str | os.PathLike | None = None, *, checksums: bool = True) -> Path: ...
     def stage(self, version: int, stages: int) -> Staging | None: ...
     def staging_from_json(self, data: bytes) -> Staging: ...
-    def write_stage(self, staging: Staging, stage: int, buckets: Iterable[dict[str, "torch.Tensor"]]) -> None: ...
-    def publish(self, version: int, buckets: Iterable[dict[str, "torch.Tensor"]], hf_dir: str | os.PathLike | None,
+    def write_stage(self, staging: Staging, stage: int, buckets: Iterable[dict[str, torch.Tensor]]) -> None: ...
+    def publish(self, version: int, buckets: Iterable[dict[str, torch.Tensor]], hf_dir: str | os.PathLike | None,
                 *, staging: Staging | None = None, wait_s: float = 120.0,
                 adapter_config: dict | None = None) -> Path | str: ...
 
 
-def open_store(sync: "SyncConfig", run_dir: str | os.PathLike) -> VersionStore:
+def open_store(sync: SyncConfig, run_dir: str | os.PathLike) -> VersionStore:
     """The store `sync.weight_store` names: an `s3://BUCKET/PREFIX` URL (with `sync.s3_endpoint`, `sync.s3_region`,
     `sync.cache_dir`, `sync.delta`, `sync.full_every`), else a directory (default `<run dir>/weights`, created);
     keeping `sync.keep_versions` versions."""
@@ -49,7 +50,7 @@ def open_store(sync: "SyncConfig", run_dir: str | os.PathLike) -> VersionStore:
     return WeightStore.for_sync(sync, run_dir)
 
 
-def store_exists(sync: "SyncConfig", run_dir: str | os.PathLike) -> bool:
+def store_exists(sync: SyncConfig, run_dir: str | os.PathLike) -> bool:
     """Whether the run's store may hold versions, without creating a directory store (readers such as `rft eval`)."""
     if sync.weight_store.startswith(S3_SCHEME):
         return True

@@ -17,8 +17,9 @@ import ipaddress
 import logging
 import socket
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rft.transport.control import ControlView, PushGroup
 from rft.weights.store import WeightStoreError
@@ -47,7 +48,7 @@ class WeightUpdates:
     ControlView) says of push groups. `verify`: check checksums too (sizes are always checked). `refused` counts
     the versions and announcements refused. Not thread-safe."""
 
-    def __init__(self, store: "VersionStore", control_source: ControlSource, *, verify: bool = True):
+    def __init__(self, store: VersionStore, control_source: ControlSource, *, verify: bool = True):
         self.store, self.control_source, self.verify = store, control_source, verify
         self.view = ControlView()
         self.refused = 0
@@ -103,7 +104,7 @@ class PushAllowList:
         self.addresses = set().union(*(_addresses(h) for h in self.hosts)) if self.hosts else set()
 
     @classmethod
-    def for_sync(cls, sync: "SyncConfig") -> "PushAllowList":
+    def for_sync(cls, sync: SyncConfig) -> PushAllowList:
         """`sync.push_allow`, else `[sync.push_host]`, else this host (its name, its addresses and loopback: a
         one-machine run); the port must be `sync.push_port` when that is set."""
         hosts = list(sync.push_allow) or ([sync.push_host] if sync.push_host else _this_host_names())
@@ -150,7 +151,7 @@ class PushMembership:
     announced addresses may be joined (None: any; the explorer passes `PushAllowList.for_sync`); a group at any
     other address is refused (`updates.refuse`) and never joined."""
 
-    def __init__(self, engine: "Engine", updates: WeightUpdates, *, allowed: "PushAllowList | None" = None):
+    def __init__(self, engine: Engine, updates: WeightUpdates, *, allowed: PushAllowList | None = None):
         self.engine, self.updates, self.allowed = engine, updates, allowed
         self.group_id: str | None = None
         self.received = 0  # versions received in the current group
@@ -219,7 +220,7 @@ class PushMembership:
             pass
 
 
-def load_newest_weights(engine: "Engine", newest: Callable[[], tuple[int, Path] | None], *,
+def load_newest_weights(engine: Engine, newest: Callable[[], tuple[int, Path] | None], *,
                         tries: int = RELOAD_TRIES,
                         load: Callable[[Path, int], None] | None = None) -> tuple[int, float] | None:
     """Reload `engine` in place with the version `newest()` names when it is newer than the engine's; returns

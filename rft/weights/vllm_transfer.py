@@ -42,7 +42,8 @@ import json
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -67,7 +68,7 @@ POLL_S = 0.005
 # Selection
 
 
-def push_transport(sync: "SyncConfig", explorer: "ExplorerConfig", *, cuda: bool | None = None,
+def push_transport(sync: SyncConfig, explorer: ExplorerConfig, *, cuda: bool | None = None,
                    lora: bool = False) -> str:
     """Which push transport a run uses: "vllm" (this module) or "rft" (rft.weights.push); "rft" too when
     `sync.method` is not push (nothing is pushed), and for LoRA adapters (`lora`: vLLM's transfer loads whole
@@ -179,7 +180,7 @@ class VLLMSender(PushSender):
 
     @classmethod
     def host(cls, *, host: str, world_size: int, group_id: str, timeout_s: float,
-             backend: str | None = None, port: int = 0) -> "VLLMSender":
+             backend: str | None = None, port: int = 0) -> VLLMSender:
         return super().host(host=host, world_size=world_size, group_id=group_id, timeout_s=timeout_s,
                             backend=BACKEND, port=port)
 
@@ -271,7 +272,7 @@ class VLLMReceiver:
         self.received = 0
 
     @classmethod
-    def join(cls, llm, spec: dict, *, cuda: bool | None = None) -> "VLLMReceiver":
+    def join(cls, llm, spec: dict, *, cuda: bool | None = None) -> VLLMReceiver:
         """Join the announced group (blocks until the whole fleet is in). PushError when this engine cannot."""
         import datetime
 

@@ -41,7 +41,7 @@ def resolve_workflow(spec: str) -> Any:
     return WORKFLOWS.resolve(spec, key="explorer.workflow")
 
 
-def check_workflow_config(explorer: "ExplorerConfig") -> None:
+def check_workflow_config(explorer: ExplorerConfig) -> None:
     """Resolve `explorer.workflow` (and, for multi_turn, `explorer.environment`, whose optional extra must be installed
     (MissingExtra); for tool_agent, `explorer.tools`); errors start with the key."""
     cls = resolve_workflow(explorer.workflow)
@@ -65,5 +65,5 @@ def streams(workflow: Any) -> bool:
     return callable(getattr(workflow, "prepare", None)) and callable(getattr(workflow, "finish", None))
 
 
-def build_workflow(explorer: "ExplorerConfig", model: "ModelConfig", reward: "Reward") -> Workflow:
+def build_workflow(explorer: ExplorerConfig, model: ModelConfig, reward: Reward) -> Workflow:
     return resolve_workflow(explorer.workflow)(explorer, model, reward)

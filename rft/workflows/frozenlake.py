@@ -55,7 +55,7 @@ class LakeSpec:
     p: float = 0.8
 
     @classmethod
-    def of(cls, spec: Any) -> "LakeSpec":
+    def of(cls, spec: Any) -> LakeSpec:
         """The spec of a task's `frozenlake` metadata; TaskError naming what is wrong."""
         if not isinstance(spec, dict) or not isinstance(spec.get("seed"), int):
             raise TaskError(f"task metadata {METADATA_KEY!r} must be a mapping with an int 'seed'; got {spec!r}")
@@ -142,7 +142,7 @@ class FrozenLakeEnvironment:
     owns_reward = True
     extra = "envs"  # gymnasium
 
-    def __init__(self, task: TaskRecord, reward: "Reward | None" = None):
+    def __init__(self, task: TaskRecord, reward: Reward | None = None):
         gymnasium = require("gymnasium", feature="frozenlake")  # its registry; FrozenLake-v1 is pure Python (toy_text)
 
         self.spec = LakeSpec.of(task.metadata.get(METADATA_KEY))

@@ -28,8 +28,9 @@ turn as the template renders it, followed by the assistant header (`rft.text.cha
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rft.engine import SamplingSettings
 from rft.registry import Registry
@@ -82,7 +83,7 @@ class RetryEnvironment:
     """Scores each model turn with the run's reward; a perfect score ends the episode, anything else
     gets the score back and another try."""
 
-    def __init__(self, task: TaskRecord, reward: "Reward"):
+    def __init__(self, task: TaskRecord, reward: Reward):
         self.task, self.reward = task, reward
 
     def step(self, model_text: str) -> EnvStep:
@@ -109,7 +110,7 @@ class _Episode:
     env_steps: int = 0
     error: str | None = None  # a TaskError the environment raised
 
-    def add_model_turn(self, c: "Completion") -> None:
+    def add_model_turn(self, c: Completion) -> None:
         self.tokens += c.token_ids
         self.logprobs += c.logprobs
         self.mask += [1] * len(c.token_ids)
@@ -131,7 +132,7 @@ def _metadata(episode: _Episode) -> dict[str, Any]:
 
 @register_workflow("multi_turn")
 class MultiTurn:
-    def __init__(self, explorer: "ExplorerConfig", model: "ModelConfig", reward: "Reward"):
+    def __init__(self, explorer: ExplorerConfig, model: ModelConfig, reward: Reward):
         self.sampling = SamplingSettings.from_config(explorer, model)
         self.max_prompt_len = model.max_prompt_len
         self.chat = ChatPrompt.of(model)
@@ -140,7 +141,7 @@ class MultiTurn:
         self.environment_cls = ENVIRONMENTS.resolve(explorer.environment, key="explorer.environment")
         self.reward = reward
 
-    def explore(self, tasks: Sequence[TaskRecord], engine: "Engine") -> list[GroupResult]:
+    def explore(self, tasks: Sequence[TaskRecord], engine: Engine) -> list[GroupResult]:
         results = [GroupResult(task) for task in tasks]
         episodes = []
         for i, task in enumerate(tasks):
@@ -164,7 +165,7 @@ class MultiTurn:
         self._score(episodes, tasks, results)
         return results
 
-    def _model_turn(self, episodes: list[_Episode], engine: "Engine") -> None:
+    def _model_turn(self, episodes: list[_Episode], engine: Engine) -> None:
         by_budget: dict[int, list[_Episode]] = defaultdict(list)
         for e in episodes:
             by_budget[min(self.sampling.max_tokens, self.max_response_len - len(e.tokens))].append(e)
@@ -175,7 +176,7 @@ class MultiTurn:
             for episode, generation in zip(batch, generations):
                 episode.add_model_turn(generation.completions[0])
 
-    def _environment_turn(self, episode: _Episode, engine: "Engine", *, last_turn: bool) -> None:
+    def _environment_turn(self, episode: _Episode, engine: Engine, *, last_turn: bool) -> None:
         out_of_budget = last_turn or len(episode.tokens) >= self.max_response_len
         if out_of_budget and not owns_reward(episode.environment):
             episode.done = True

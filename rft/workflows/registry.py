@@ -18,8 +18,9 @@ A registered class (or one named by an import path `package.module:Class`) is bu
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -46,14 +47,14 @@ class GroupResult:
 
 
 class Workflow(Protocol):
-    def explore(self, tasks: Sequence[TaskRecord], engine: "Engine") -> list[GroupResult]: ...
+    def explore(self, tasks: Sequence[TaskRecord], engine: Engine) -> list[GroupResult]: ...
 
 
 WORKFLOWS: Registry[Any] = Registry("workflow", noun="workflow", error=WorkflowError)
 register_workflow = WORKFLOWS.register  # class decorator: `explorer.workflow: <name>`
 
 
-def encode_prompt(engine: "Engine", task: TaskRecord, max_prompt_len: int,
+def encode_prompt(engine: Engine, task: TaskRecord, max_prompt_len: int,
                   chat: ChatPrompt | None = None) -> list[int] | str:
     """The task's prompt as token ids (rendered by the chat template when `chat` is given: `ChatPrompt.of(model)`,
     else plain text with the tokenizer's special tokens), or the reason it cannot be explored."""
@@ -68,7 +69,7 @@ def encode_prompt(engine: "Engine", task: TaskRecord, max_prompt_len: int,
     return ids
 
 
-def score_group(reward: "Reward", texts: Sequence[str], task: TaskRecord) -> "list[RewardResult] | str":
+def score_group(reward: Reward, texts: Sequence[str], task: TaskRecord) -> list[RewardResult] | str:
     """The reward's results for one task's replies, or the reason the task cannot be scored (a `TaskError`: the
     group's `error`, so the task goes to the dead-letter topic)."""
     try:
@@ -78,7 +79,7 @@ def score_group(reward: "Reward", texts: Sequence[str], task: TaskRecord) -> "li
 
 
 def build_sample(index: int, *, prompt: Sequence[int], tokens: Sequence[int], logprobs: Sequence[float],
-                 loss_mask: Sequence[int], reward: "RewardResult", finish_reason: str,
+                 loss_mask: Sequence[int], reward: RewardResult, finish_reason: str,
                  metadata: dict[str, Any] | None = None, extra_components: dict[str, float] | None = None,
                  routed_experts: RoutedExperts | None = None, token_versions: Sequence[int] | None = None) -> Sample:
     """One sample with the wire dtypes (int32 tokens, float32 log-probs, uint8 mask); `routed_experts`: the engine's

@@ -2,7 +2,8 @@
 engine request per task (`prepare` / `finish`, the continuous explorer's streaming interface)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rft.engine import SamplingSettings
 from rft.schema import TaskRecord
@@ -17,13 +18,13 @@ if TYPE_CHECKING:
 
 @register_workflow("single_turn")
 class SingleTurn:
-    def __init__(self, explorer: "ExplorerConfig", model: "ModelConfig", reward: "Reward"):
+    def __init__(self, explorer: ExplorerConfig, model: ModelConfig, reward: Reward):
         self.sampling = SamplingSettings.from_config(explorer, model)
         self.max_prompt_len = model.max_prompt_len
         self.chat = ChatPrompt.of(model)
         self.reward = reward
 
-    def explore(self, tasks: Sequence[TaskRecord], engine: "Engine") -> list[GroupResult]:
+    def explore(self, tasks: Sequence[TaskRecord], engine: Engine) -> list[GroupResult]:
         encoded = [self.prepare(task, engine) for task in tasks]
         runnable = [i for i, e in enumerate(encoded) if not isinstance(e, str)]
         generations = engine.generate([encoded[i] for i in runnable], self.sampling) if runnable else []
@@ -33,11 +34,11 @@ class SingleTurn:
         return results
 
     # -- the streaming interface of rft/explorer/continuous.py: prepare, one engine request of `sampling`, finish
-    def prepare(self, task: TaskRecord, engine: "Engine") -> list[int] | str:
+    def prepare(self, task: TaskRecord, engine: Engine) -> list[int] | str:
         """The task's prompt token ids, or the reason it cannot be explored."""
         return encode_prompt(engine, task, self.max_prompt_len, self.chat)
 
-    def finish(self, task: TaskRecord, generation: "Generation") -> GroupResult:
+    def finish(self, task: TaskRecord, generation: Generation) -> GroupResult:
         """The task's group from its n completions: scored, `policy_version` the oldest completion's version (the
         oldest token's: a completion's version is its oldest token's), each sample with its tokens' versions."""
         completions = generation.completions

@@ -23,7 +23,8 @@ without it, and a config that names it without the extra fails when it loads, na
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from rft.extras import require
 from rft.rewards.registry import TaskError
@@ -95,7 +96,7 @@ class TextArenaEnvironment:
     owns_reward = True
     extra = "envs"  # textarena
 
-    def __init__(self, task: TaskRecord, reward: "Reward | None" = None):
+    def __init__(self, task: TaskRecord, reward: Reward | None = None):
         spec = task.metadata.get(METADATA_KEY)
         if not isinstance(spec, dict) or set(spec) != {"env_id", "seed"} or not isinstance(spec["seed"], int):
             raise TaskError(f"task metadata {METADATA_KEY!r} must be {{'env_id': str, 'seed': int}}; got {spec!r}")

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from rft.rewards import Reward
 
 
-def build_toolbox(explorer: "ExplorerConfig") -> ToolBox:
+def build_toolbox(explorer: ExplorerConfig) -> ToolBox:
     """The tools `explorer.tools` names, under the explorer's limits; WorkflowError naming the key."""
     limits = ToolLimits(timeout_s=explorer.tool_timeout_s, memory_mb=explorer.tool_memory_mb,
                         output_chars=explorer.tool_output_chars, sandbox=explorer.python_sandbox,
@@ -46,13 +46,13 @@ def build_toolbox(explorer: "ExplorerConfig") -> ToolBox:
 class _Conversation:
     """An episode's `environment`: the task whose conversation the tool messages continue."""
 
-    def __init__(self, task: TaskRecord, reward: "Reward"):
+    def __init__(self, task: TaskRecord, reward: Reward):
         self.task = task
 
 
 @register_workflow("tool_agent")
 class ToolAgent(MultiTurn):
-    def __init__(self, explorer: "ExplorerConfig", model: "ModelConfig", reward: "Reward"):
+    def __init__(self, explorer: ExplorerConfig, model: ModelConfig, reward: Reward):
         super().__init__(explorer, model, reward)
         if not model.chat_template:
             raise WorkflowError("model.chat_template: the tool_agent workflow shows tools and their results through "
@@ -61,7 +61,7 @@ class ToolAgent(MultiTurn):
         self.chat = ChatPrompt.of(model, tuple(self.toolbox.schemas))
         self.environment_cls = _Conversation
 
-    def _environment_turn(self, episode: _Episode, engine: "Engine", *, last_turn: bool) -> None:
+    def _environment_turn(self, episode: _Episode, engine: Engine, *, last_turn: bool) -> None:
         if last_turn or episode.finish_reason != "stop" or len(episode.tokens) >= self.max_response_len:
             episode.done = True
             return

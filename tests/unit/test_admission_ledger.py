@@ -109,7 +109,7 @@ class Fleet:
     def announce(self, message: ControlMessage) -> None:
         self.sink.send_record(self.control, message)
 
-    def run(self, actions: int) -> "Fleet":
+    def run(self, actions: int) -> Fleet:
         for _ in range(actions):
             self.act()
         return self

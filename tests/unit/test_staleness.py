@@ -158,7 +158,7 @@ class Simulation:
     counts_drops: bool = False  # admission counts on the trainer's keep fraction (over its last 4 steps)
     metrics: list[dict] = field(default_factory=list)
 
-    def run(self) -> "Simulation":
+    def run(self) -> Simulation:
         self.rng, self.tracker = random.Random(self.seed), StalenessTracker(mode=self.mode, max_staleness=self.k)
         self.ctrl, self.explorer_version = self._controller(version=0), 0
         self.running, self.topic = [], []  # running: (finish tick, policy version); topic: policy versions

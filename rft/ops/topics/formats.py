@@ -18,9 +18,10 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from rft.ops.topics import TopicsError
 from rft.ops.topics.render import decoded_view, json_default
