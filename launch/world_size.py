@@ -9,7 +9,8 @@ reason when the config is invalid or the processes do not fit the nodes."""
 import argparse
 import sys
 
-from rft.config import ConfigError, load_config
+from rft.config import ConfigError
+from rft.run.config import load_config
 
 
 def processes_per_node(world_size: int, nodes: int, nproc_per_node: int | None) -> int:

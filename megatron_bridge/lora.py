@@ -49,11 +49,11 @@ import torch.nn.functional as F
 
 from megatron_bridge.hf_checkpoint import HFCheckpoint
 from megatron_bridge.mapping import QKV, ColumnParallel, GatedMLP, ModelDims, ParamMapping, Replicated, RowParallel
-from rft.config import LORA_TARGETS
+from rft.models.config import LORA_TARGETS
 
 if TYPE_CHECKING:
     from megatron_bridge.model import BridgeInfo
-    from rft.config import LoraConfig
+    from rft.models.config import LoraConfig
 
 TARGETS = LORA_TARGETS  # megatron linears that take adapters (model.lora.target_modules)
 ADAPTER_FILE = "adapter_model.safetensors"

@@ -32,7 +32,7 @@ from megatron_bridge.models import DecoderBridge, bridge_for
 from megatron_bridge.models.base import OUTPUT_LAYER, stage_layer_counts
 
 if TYPE_CHECKING:
-    from rft.config import LoraConfig
+    from rft.models.config import LoraConfig
 
 TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}

@@ -83,7 +83,7 @@ from megatron_bridge.model import build_model, unwrap
 from rft.tensors import all_finite
 
 if TYPE_CHECKING:
-    from rft.config import LoraConfig
+    from rft.models.config import LoraConfig
 
 LossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}

@@ -43,23 +43,23 @@ class RecordError(ValueError):
 
 @dataclass(frozen=True)
 class RewardRange:
-    """The rewards a run accepts wherever one enters it (`explorer.reward_min` .. `explorer.reward_max`, inclusive):
+    """The rewards a run accepts wherever one enters it (`run.reward_min` .. `run.reward_max`, inclusive):
     finite and within [low, high]. A reward outside would poison the advantages (two rewards of 1e308 make GRPO's
     mean overflow and its advantages NaN)."""
-    low: float
-    high: float
+    low: float = -1e6
+    high: float = 1e6
 
     @classmethod
-    def of(cls, explorer: Any) -> RewardRange:
-        """The range an `ExplorerConfig` configures."""
-        return cls(float(explorer.reward_min), float(explorer.reward_max))
+    def of(cls, run: Any) -> RewardRange:
+        """The range a `RunConfig` configures."""
+        return cls(float(run.reward_min), float(run.reward_max))
 
     def problem(self, reward: Any) -> str | None:
         """None when `reward` is a finite number in range, else why not (names the config keys)."""
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             return f"reward {reward!r} is not a finite number"
         if not self.low <= reward <= self.high:
-            return (f"reward {reward!r} is outside explorer.reward_min..explorer.reward_max "
+            return (f"reward {reward!r} is outside run.reward_min..run.reward_max "
                     f"[{self.low:g}, {self.high:g}]")
         return None
 

@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from rft.broker.local import LocalBroker
-from rft.config import KafkaConfig
+from rft.transport.config import KafkaConfig
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite's runs share 2 cores two at a time (below) and train models of 0.3 M parameters, which one thread does as

@@ -61,7 +61,7 @@ class ChordOptions(GRPOOptions):
     chord_mu_steps: int = 100  # steps over which mu goes from chord_mu_start to chord_mu_end
     chord_mu_schedule: Literal["linear", "cosine"] = "cosine"  # the shape of mu's decay
     chord_topic: str = ""  # the topic of demonstration groups; empty: <run>.demonstrations (rft run fills it from data)
-    chord_groups_per_step: int = 2  # demonstration groups mixed into each step (besides trainer.groups_per_step)
+    chord_groups_per_step: int = 2  # demonstration groups mixed into each step (besides run.groups_per_step)
 
     def __post_init__(self) -> None:
         super().__post_init__()

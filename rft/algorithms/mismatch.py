@@ -18,7 +18,7 @@ updates one sample's tokens may come from several versions, rft.schema `version_
 
 All are computed per micro-batch in the training forward (the weights the step starts from), so they measure what
 the engine and the trainer disagree on: numerics (dtype, kernels), MoE routing (a token routed to other experts;
-`trainer.routing_replay` removes that part), and staleness (records of an older policy version): `stale0` is the
+`run.routing_replay` removes that part), and staleness (records of an older policy version): `stale0` is the
 numerics and routing alone, the older buckets add the policy's own movement.
 
 Reduction contract (megatron_bridge.policy's `train_step`): a metric named `*_max` is reduced by max over

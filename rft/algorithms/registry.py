@@ -32,14 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rft.config import AlgorithmConfig, build_section
+from rft.algorithms.config import AlgorithmConfig
+from rft.config import build_section
 from rft.lazy import lazy
 from rft.registry import Registry
 
 torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
 
 if TYPE_CHECKING:
-    from rft.config import Config
+    from rft.run.config import Config
 
 MicroBatch = dict[str, "torch.Tensor"]  # the batch contract's micro-batch
 Metrics = dict[str, "torch.Tensor"]

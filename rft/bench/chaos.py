@@ -96,7 +96,6 @@ from rft.bench.run_support import (
     write_config,
 )
 from rft.broker.local import LocalBroker
-from rft.config import KafkaConfig
 from rft.modes import staleness_bound
 from rft.processes import free_port, kill_matching, matching, signal_group, stop_group
 from rft.schema import (
@@ -113,6 +112,7 @@ from rft.schema import (
 )
 from rft.transport import TransportError, connect
 from rft.transport.base import HEADER_ORIGIN
+from rft.transport.config import KafkaConfig
 
 PRODUCE, FETCH = 0, 1
 MODE, MAX_STALENESS = "off_policy", 2

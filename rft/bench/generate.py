@@ -22,11 +22,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from rft.config import DataConfig, ExplorerConfig, ModelConfig
+from rft.data.config import DataConfig
 from rft.data.tasks import load_rows, rows_to_tasks
 from rft.data.toy_tasks import generate_rows
 from rft.engine import SamplingSettings, VLLMEngine
+from rft.explorer.config import ExplorerConfig
 from rft.explorer.continuous import Continuous
+from rft.models.config import ModelConfig
 from rft.models.tiny import make_tiny_model
 from rft.rewards import build_reward
 from rft.workflows import build_workflow

@@ -29,8 +29,8 @@ import torch
 from megatron_bridge import parallel
 from megatron_bridge.policy import MegatronPolicy
 from rft.algorithms import build_algorithm
+from rft.algorithms.config import AlgorithmConfig
 from rft.bench.micro_batches import step_rows
-from rft.config import AlgorithmConfig
 from rft.trainer.batch import plan_micro_batches
 from rft.weights.store import WeightStore
 

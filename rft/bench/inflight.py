@@ -30,11 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from rft.config import load_config
 from rft.data.tasks import load_rows, rows_to_tasks
 from rft.engine import SamplingSettings, VLLMEngine
 from rft.explorer.continuous import Continuous
 from rft.rewards import RewardContext, build_reward
+from rft.run.config import load_config
 from rft.weights.store import WeightStore, iter_safetensors
 from rft.workflows import build_workflow
 

@@ -75,8 +75,10 @@ from pathlib import Path
 import yaml
 
 from rft.bench.trl_reference import TRLReferenceError, check_trl_config, run_trl, step_note, trl_missing, within_budget
-from rft.config import Config, ConfigError, apply_override, load_yaml
+from rft.config import ConfigError, load_yaml
+from rft.config.loader import apply_override
 from rft.processes import signal_group
+from rft.run.config import Config
 from rft.run.loading import load_run_config
 from rft.weights.store import ADAPTER_CONFIG, LATEST, WeightStore, is_adapter_version, store_root, version_dirname
 

@@ -38,8 +38,8 @@ import uuid
 from pathlib import Path
 
 from rft.broker.local import LocalBroker
-from rft.config import KafkaConfig
 from rft.transport import connect, parse_offset_key
+from rft.transport.config import KafkaConfig
 
 EVENTS = ("join", "leave", "restart", "crash")
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from rft.algorithms import build_algorithm
 from rft.algorithms.aggregation import with_kl_metric
-from rft.config import AlgorithmConfig
+from rft.algorithms.config import AlgorithmConfig
 from rft.schema import ExperienceGroup, Sample
 from rft.trainer.batch import plan_micro_batches, rows_from_groups
 

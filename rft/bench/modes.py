@@ -55,10 +55,10 @@ import yaml
 from rft.bench.simulate import BENCH_MODES, Stages, simulate
 from rft.bench.trl_reference import run_trl, trl_missing
 from rft.broker.local import LocalBroker
-from rft.config import KafkaConfig
 from rft.modes import MODES as RUN_MODES
 from rft.schema import decode_group
 from rft.transport import connect
+from rft.transport.config import KafkaConfig
 from rft.transport.control import ExplorerWeights, Weights, control_messages, parse
 
 REPO = Path(__file__).resolve().parents[2]

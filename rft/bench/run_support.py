@@ -18,9 +18,9 @@ from pathlib import Path
 
 import yaml
 
-from rft.config import KafkaConfig
 from rft.processes import matching, signal_group
 from rft.transport import connect
+from rft.transport.config import KafkaConfig
 
 REPO = Path(__file__).resolve().parents[2]
 GROUPS_PER_STEP = 4

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from rft.broker.local import LocalBroker
-from rft.config import config_from_dict
+from rft.run.config import config_from_dict
 from rft.schema import RecordError, decode_served
 from rft.serve.server import ServerThread, build_service
 from rft.transport import connect

@@ -24,7 +24,7 @@ import statistics
 import time
 
 from megatron_bridge.policy import MegatronPolicy
-from rft.config import config_from_dict
+from rft.run.config import config_from_dict
 from rft.trainer import distributed as dist_io
 from rft.trainer.main import Trainer, open_trainer_io
 from rft.transport.memory import MemoryTransport

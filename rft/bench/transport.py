@@ -35,9 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from rft.broker.local import LocalBroker
-from rft.config import KafkaConfig
 from rft.schema import ExperienceGroup, Sample, encode
 from rft.transport import connect
+from rft.transport.config import KafkaConfig
 
 SAMPLES_PER_GROUP = 8
 PROMPT_TOKENS = 64

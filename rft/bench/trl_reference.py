@@ -14,7 +14,7 @@ rft config describes:
 - reward: `explorer.reward` built from rft's reward registry, scoring the decoded completion (special tokens
   skipped, as rft's engines decode) against the task record; a task the reward cannot score (`TaskError`) scores 0
   (rft would dead-letter it);
-- batch and optimisation: `trainer.groups_per_step` prompts x `explorer.n_samples` completions per step
+- batch and optimisation: `run.groups_per_step` prompts x `explorer.n_samples` completions per step
   (`per_device_train_batch_size` = their product, `num_generations` = n_samples), `trainer.lr` constant (no warm-up,
   no decay, as rft's trainer), Adam betas, weight decay and gradient clipping from `trainer`, `temperature` and
   `top_p` from `explorer`, at most min(`explorer.max_tokens`, `model.max_response_len`) new tokens, `beta` =
@@ -51,10 +51,10 @@ from pathlib import Path
 from typing import Any
 
 from rft.algorithms import build_options
-from rft.config import Config
 from rft.data.tasks import build_picker
 from rft.rewards import RewardContext, build_reward
 from rft.rewards.registry import TaskError
+from rft.run.config import Config
 from rft.run.loading import load_run_config
 from rft.schema import TaskRecord
 from rft.text.chat import ChatPrompt, encode_chat, stop_token_ids
@@ -188,7 +188,7 @@ def grpo_config(cfg: Config, *, out: Path, steps: int | None, use_cpu: bool):
     check_trl_config(cfg)
     e, t, a = cfg.explorer, cfg.trainer, build_options(cfg.algorithm)
     return GRPOConfig(
-        output_dir=str(out / "trainer"), per_device_train_batch_size=t.groups_per_step * e.n_samples,
+        output_dir=str(out / "trainer"), per_device_train_batch_size=cfg.run.groups_per_step * e.n_samples,
         num_generations=e.n_samples, max_completion_length=min(e.max_tokens, cfg.model.max_response_len),
         temperature=e.temperature, top_p=e.top_p, top_k=0, learning_rate=t.lr, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
@@ -345,7 +345,7 @@ def train(spec: dict) -> dict:
     trainer.train()
     ends = stepping.ends
     return {"steps": len(ends), "step_end_s": ends, "first_step_s": ends[0] if ends else None,
-            "samples_per_step": cfg.trainer.groups_per_step * cfg.explorer.n_samples,
+            "samples_per_step": cfg.run.groups_per_step * cfg.explorer.n_samples,
             "marks": marks.taken if marks else [], "snapshot_s": round(clock.excluded, 3)}
 
 

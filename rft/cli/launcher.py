@@ -20,6 +20,7 @@ broker; finished stages (`stage_done.json`) are skipped on a re-run (see rft/run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from rft.algorithms import REPLAY_HINT, build_algorithm
 from rft.broker.local import KafkaEndpoint
-from rft.config import REDACTED, Config, secret_values
+from rft.config.secrets import REDACTED
 from rft.cores import CoreShare, native_bf16_flags, write_board
 from rft.data.demonstrations import prompt_tools, publish_demonstrations
 from rft.data.selectors import selector_needs_rewards
@@ -43,6 +44,7 @@ from rft.modes import MODES, mode
 from rft.ops.status import StallWatch
 from rft.processes import signal_group
 from rft.run.commandline import add_config_arguments, config_from_args, require_broker
+from rft.run.config import Config
 from rft.run.monitor import plot_rewards
 from rft.run.stages import resolve_stages
 from rft.transport import connect
@@ -133,7 +135,7 @@ def run(cfg: Config) -> int:
     run_dir = cfg.run_dir
     make_private_dir(run_dir / "logs")
     with KafkaEndpoint(cfg.kafka, log_path=run_dir / "logs" / "broker.log", run_dir=run_dir) as bootstrap:
-        cfg.kafka.bootstrap_servers = bootstrap
+        cfg = cfg.with_broker(bootstrap)
         config_path = run_dir / "config.yaml"
         write_run_config(cfg, config_path)
         print(f"[rft] run {cfg.run.name!r} mode {cfg.run.mode} -> {run_dir} (kafka {bootstrap})", flush=True)
@@ -199,18 +201,17 @@ def make_private_dir(path: Path) -> None:
 
 
 def write_run_config(cfg: Config, path: Path) -> None:
-    """`cfg` as the parts read it, at `path` (mode 0600): secrets redacted (rft.config.redacted: `${ENV}`
+    """`cfg` as the parts read it, at `path` (mode 0600): secrets redacted (rft.config.secrets: `${ENV}`
     references as written); a secret written in the config itself reaches the parts through this process's
     environment, which they inherit, as `${RFT_SECRET_<KEY>:-<redacted>}` (a reader without it sees REDACTED)."""
     refs = dict(cfg.env_refs)
-    for key, value in secret_values(cfg).items():
+    for key, value in cfg.secret_values().items():
         name = "RFT_SECRET_" + re.sub(r"[^A-Za-z0-9]+", "_", key).strip("_").upper()
         os.environ[name] = json.dumps(value)  # YAML reads it back with its type ("123" stays a string)
         refs[key] = f"${{{name}:-{REDACTED}}}"
-    cfg.env_refs = refs
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(cfg.to_yaml())
+        f.write(dataclasses.replace(cfg, env_refs=refs).to_yaml())
     os.chmod(path, 0o600)  # a file from an earlier run keeps its mode otherwise
 
 
@@ -292,7 +293,7 @@ def run_stages(cfg: Config) -> int:
     make_private_dir(cfg.run_dir / "logs")
     with KafkaEndpoint(cfg.kafka, log_path=cfg.run_dir / "logs" / "broker.log",
                        run_dir=cfg.run_dir) as bootstrap:
-        cfg.kafka.bootstrap_servers = bootstrap
+        cfg = cfg.with_broker(bootstrap)
         write_run_config(cfg, cfg.run_dir / "config.yaml")
         stages = resolve_stages(cfg)
         for stage in stages:

@@ -30,8 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rft.config import Config, ConfigError, load_config
+from rft.config import ConfigError
 from rft.ops.status import RunStatus, explorer_rows, tasks_group_of, topic_lags
+from rft.run.config import Config, load_config
 from rft.schema import ControlMessage
 from rft.transport import Transport, connect
 from rft.transport.control import ExplorerJoin, ExplorerLeave, TrainerFinished, TrainerStarted, control_messages

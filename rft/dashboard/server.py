@@ -25,9 +25,9 @@ from pathlib import Path
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
-from rft.config import Config
 from rft.dashboard.model import RunIndex, RunWatch
 from rft.run.commandline import add_config_arguments, config_from_args
+from rft.run.config import Config
 from rft.run.web import DASHBOARD_COOKIE, Access, AccessConfigError, AccessDenied, allowed_hosts, dashboard_access
 
 STATIC = Path(__file__).resolve().parent / "static"

@@ -34,11 +34,14 @@ from typing import Any
 import numpy as np
 
 from rft.agent_tools import ToolBox, ToolError, ToolLimits
-from rft.config import DataConfig, ExplorerConfig, KafkaConfig, ModelConfig
+from rft.data.config import DataConfig
 from rft.data.tasks import DatasetError, build_picker, load_task_sets
+from rft.explorer.config import ExplorerConfig
+from rft.models.config import ModelConfig
 from rft.schema import ExperienceGroup, Sample, TaskRecord
 from rft.text.chat import ChatError, ChatPrompt, encode_chat, end_of_turn_id, observation_text, tool_turn_text
 from rft.transport import connect
+from rft.transport.config import KafkaConfig
 
 ROLES = ("assistant", "tool", "user")  # the messages of a conversation answer
 

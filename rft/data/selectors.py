@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from rft.config import DataConfig
+from rft.data.config import DataConfig
 from rft.registry import Registry
 from rft.schema import ExperienceGroup, TaskRecord
 

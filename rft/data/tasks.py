@@ -40,12 +40,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from rft.config import DataConfig, KafkaConfig
+from rft.data.config import DataConfig
 from rft.data.gym_tasks import METADATA_KEY, GymError, gym_rows
 from rft.data.selectors import SetProgress, TaskPicker, build_selector
 from rft.data.toy_tasks import TOY_TASKS, generate_rows
 from rft.schema import TaskRecord, decode_task
 from rft.transport import connect
+from rft.transport.config import KafkaConfig
 from rft.transport.run_topics import RunTopics
 
 

@@ -36,7 +36,8 @@ from rft.engine.vllm_engine import WORKER_EXTENSION, VLLMEngine
 from rft.weights.store import is_adapter_version, version_of
 
 if TYPE_CHECKING:
-    from rft.config import ExplorerConfig, ModelConfig
+    from rft.explorer.config import ExplorerConfig
+    from rft.models.config import ModelConfig
 
 __all__ = ["Completion", "Engine", "EngineError", "Generation", "SamplingSettings", "TransformersEngine", "VLLMEngine",
            "WORKER_EXTENSION", "ENGINES", "build_engine"]
@@ -50,7 +51,7 @@ def build_engine(explorer: ExplorerConfig, model: ModelConfig, *, seed: int,
     """The engine `explorer.engine` names, on `model_path` (default `model.path`); `seed` is `run.seed`.
     `weight_transfer`: it receives pushed weights by vLLM's weight transfer (rft.weights.vllm_transfer.push_transport
     chose "vllm"); only a vllm engine can. `record_routing`: completions carry their MoE routing (routing replay,
-    `trainer.routing_replay`). A `model_path` that is a LoRA adapter version (rft.weights.store) starts the engine on
+    `run.routing_replay`). A `model_path` that is a LoRA adapter version (rft.weights.store) starts the engine on
     `model.path` and loads the adapter (stamped with the version its directory names, else 0). `max_loras`: LoRA
     adapters a vLLM engine holds at once (`rft serve` with serve.adapters). `elastic_threads`: this process's torch
     threads change while the engine runs (an explorer on a run's core board, rft/cores.py; see VLLMEngine). On the

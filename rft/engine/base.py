@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Protocol
 from rft.text.chat import ChatPrompt, encode_chat, observation_text, stop_token_ids
 
 if TYPE_CHECKING:
-    from rft.config import ExplorerConfig, ModelConfig
+    from rft.explorer.config import ExplorerConfig
+    from rft.models.config import ModelConfig
     from rft.schema import RoutedExperts
 
 log = logging.getLogger(__name__)

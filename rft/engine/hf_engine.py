@@ -20,7 +20,8 @@ from rft.weights.store import (
 )
 
 if TYPE_CHECKING:
-    from rft.config import ExplorerConfig, ModelConfig
+    from rft.explorer.config import ExplorerConfig
+    from rft.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

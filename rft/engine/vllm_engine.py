@@ -18,7 +18,8 @@ from rft.engine.routing import MoELayout
 from rft.weights.store import is_adapter_version
 
 if TYPE_CHECKING:
-    from rft.config import ExplorerConfig, ModelConfig
+    from rft.explorer.config import ExplorerConfig
+    from rft.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rft.config import ModelConfig
+from rft.models.config import ModelConfig
 from rft.weights.store import WeightStoreError, is_adapter_version, verify_version, version_of
 
 if TYPE_CHECKING:

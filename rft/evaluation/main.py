@@ -32,13 +32,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rft.config import Config, ConfigError, EvalConfig, EvalSetConfig, ExplorerConfig, ModelConfig
+from rft.config import ConfigError
 from rft.data.tasks import DatasetError, TaskSet, load_rows, rows_to_tasks
 from rft.engine import build_engine
 from rft.evaluation.checkpoints import Checkpoint, CheckpointError, resolve_checkpoint
+from rft.evaluation.config import EvalConfig, EvalSetConfig
 from rft.evaluation.metrics import SetScores, score_tasks
+from rft.explorer.config import ExplorerConfig
+from rft.models.config import ModelConfig
 from rft.rewards import RewardContext, build_reward
 from rft.run.commandline import add_config_arguments, config_from_args, install_stop_signals
+from rft.run.config import Config
 from rft.run.monitor import MetricsLogger
 from rft.weights.store import WeightStoreError
 from rft.weights.stores import VersionStore, open_store, store_exists

@@ -1,7 +1,7 @@
 """Admission control at the explorers: how many rollouts may start now (`explorer.admission`).
 
 `StalenessAdmission` (`explorer.admission: staleness`, the default) is AReaL's staleness manager, counted in
-groups and shared by the fleet. With B = trainer.groups_per_step and k the run mode's admission bound
+groups and shared by the fleet. With B = run.groups_per_step and k the run mode's admission bound
 (rft.modes.admission_bound: the mode's staleness bound, or async's `run.async_max_staleness`), an explorer may start
 
     capacity = share((k + version + 1) * B - accepted_fleet) - (accepted_here + running)
@@ -234,7 +234,7 @@ class StalenessAdmission:
         """`counts_drops`: expect the trainer to drop the share of groups its readings say (`FleetReading.keep`,
         "Groups the trainer drops" in the module docstring); False: every group takes a slot."""
         if groups_per_step < 1:
-            raise ValueError(f"trainer.groups_per_step: must be >= 1, got {groups_per_step}")
+            raise ValueError(f"run.groups_per_step: must be >= 1, got {groups_per_step}")
         if max_running is not None and max_running < 1:
             raise ValueError(f"max_running: must be >= 1 or None, got {max_running}")
         self.groups_per_step, self.max_staleness, self.max_running = groups_per_step, max_staleness, max_running

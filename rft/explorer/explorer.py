@@ -57,18 +57,20 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from rft.config import ExplorerConfig, KafkaConfig, SyncConfig
 from rft.cores import CoreShare, NoShare
 from rft.engine.base import SamplingSettings
 from rft.explorer.admission import Admission, AdmitAll
 from rft.explorer.batch import run_batch, run_batches
+from rft.explorer.config import ExplorerConfig
 from rft.explorer.continuous import ContinuousLoop
 from rft.explorer.membership import Membership
 from rft.explorer.pipeline import Delivery, TaskIntake, notify_admission
 from rft.schema import RewardRange
 from rft.transport import DeadLetter, Transport, TransportError, connect, lag
+from rft.transport.config import KafkaConfig
 from rft.transport.control import ExplorerHeartbeat, ExplorerJoin, ExplorerLeave, ExplorerWeights, Kind
 from rft.transport.run_topics import RunTopics
+from rft.weights.config import SyncConfig
 from rft.weights.stores import VersionStore
 from rft.weights.subscriber import PushAllowList, PushMembership, WeightUpdates, load_newest_weights
 
@@ -119,7 +121,8 @@ class Explorer:
     def __init__(self, explorer: ExplorerConfig, *, kafka: KafkaConfig, sync: SyncConfig, topics: RunTopics,
                  store: VersionStore, explorer_id: str, engine: Engine, workflow: Workflow,
                  admission: Admission | None = None, prometheus: MetricsEndpoint | None = None,
-                 transport: Transport | None = None, cores: CoreShare | NoShare | None = None):
+                 transport: Transport | None = None, cores: CoreShare | NoShare | None = None,
+                 rewards: RewardRange = RewardRange()):
         self.config, self.kafka, self.topics = explorer, kafka, topics
         self.cores = cores or NoShare()  # marks the engine busy or waiting, for the trainer's threads (rft/cores.py)
         transport = self.transport = transport or connect(kafka)
@@ -150,7 +153,7 @@ class Explorer:
         self.delivery = Delivery(sink=self.sink, dead_letter=self.dead_letter, topics=topics, explorer_id=explorer_id,
                                  workflow=explorer.workflow, ack_timeout_s=kafka.request_timeout_ms / 1000,
                                  admission=self.admission, membership=self.membership, stats=self.stats,
-                                 rewards=RewardRange.of(explorer))
+                                 rewards=rewards)
         self.reloads: list[tuple[int, int]] = []  # the continuous loop's reloads (ContinuousLoop.reloads)
         self._warm_up_due = True  # warm_up_while_joining has not been called yet
         self._heartbeat_stop = threading.Event()

@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from rft.config import Config, ConfigError
+from rft.config import ConfigError
 from rft.cores import CoreShare, NoShare, core_share
 from rft.engine import build_engine
 from rft.engine.shared import adapter_slots
@@ -26,7 +26,9 @@ from rft.modes import mode
 from rft.registry import import_object
 from rft.rewards import RewardContext, build_reward
 from rft.run.commandline import add_config_arguments, config_from_args, install_stop_signals
+from rft.run.config import Config
 from rft.run.monitor import metrics_endpoint
+from rft.schema import RewardRange
 from rft.transport import Transport, connect, probe_bootstrap
 from rft.transport.run_topics import RunTopics
 from rft.weights.stores import open_store
@@ -98,7 +100,7 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
     engine = build_engine(cfg.explorer, cfg.model, seed=cfg.run.seed,
                           weight_transfer=push_transport(cfg.sync, cfg.explorer,
                                                          lora=cfg.model.lora.rank > 0) == "vllm",
-                          record_routing=cfg.trainer.routing_replay,  # what the trainer replays
+                          record_routing=cfg.run.routing_replay,  # what the trainer replays
                           elastic_threads=isinstance(cores, CoreShare))
     explorer = None
     reason = "error"
@@ -119,7 +121,7 @@ def run_shared(cfgs: list[Config], *, explorer_id: str, exit_when_idle_s: list[f
     stop = _start_process(explorer_id, thread=True)
     section, model = engine_sections(cfgs)
     engine = build_engine(section, model, seed=cfgs[0].run.seed, max_loras=len(cfgs),
-                          record_routing=cfgs[0].trainer.routing_replay)
+                          record_routing=cfgs[0].run.routing_replay)
     try:
         slots = adapter_slots(engine, [cfg.run.name for cfg in cfgs])
         for cfg, slot in zip(cfgs, slots):
@@ -161,7 +163,7 @@ def build_explorer(cfg: Config, *, explorer_id: str, engine: Engine, workflow: W
     """Compose an Explorer from the root config: its sections, the run's topics and weight store, the metrics
     endpoint `monitor.prometheus_port` asks for; `transport` defaults to `connect(cfg.kafka)`."""
     return Explorer(cfg.explorer, kafka=cfg.kafka, sync=cfg.sync, topics=RunTopics.of(cfg),
-                    store=open_store(cfg.sync, cfg.run_dir), explorer_id=explorer_id, engine=engine,
+                    rewards=RewardRange.of(cfg.run), store=open_store(cfg.sync, cfg.run_dir), explorer_id=explorer_id, engine=engine,
                     workflow=workflow, admission=admission, transport=transport, cores=cores,
                     prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="explorer", instance=explorer_id))
 
@@ -174,7 +176,7 @@ def build_admission(cfg: Config, explorer_id: str, *, transport: Transport | Non
         return AdmitAll()
     if cfg.explorer.admission == "staleness":
         return fleet_admission(cfg.run.mode, max_staleness=cfg.run.max_staleness,
-                               groups_per_step=cfg.trainer.groups_per_step, transport=transport or connect(cfg.kafka),
+                               groups_per_step=cfg.run.groups_per_step, transport=transport or connect(cfg.kafka),
                                control_topic=cfg.topic("control"), experiences_topic=cfg.topic("experiences"),
                                explorer_id=explorer_id, heartbeat_s=cfg.explorer.heartbeat_s,
                                counts_drops=cfg.explorer.admission_counts_drops,

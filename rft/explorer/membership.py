@@ -55,10 +55,11 @@ from rft.transport import Transport, TransportError, lag
 from rft.transport.control import ControlView, TasksGroup, control_messages
 
 if TYPE_CHECKING:
-    from rft.config import ExplorerConfig, KafkaConfig
+    from rft.explorer.config import ExplorerConfig
     from rft.explorer.explorer import ExplorerStats
     from rft.run.monitor import MetricsEndpoint
     from rft.transport import RecordSink, RecordSource
+    from rft.transport.config import KafkaConfig
     from rft.transport.run_topics import RunTopics
     from rft.weights.subscriber import WeightUpdates
 

@@ -35,8 +35,10 @@ from rft.modes import mode
 from rft.weights.store import store_root
 
 if TYPE_CHECKING:
-    from rft.config import Config, ExplorerConfig, ModelConfig
+    from rft.explorer.config import ExplorerConfig
     from rft.explorer.explorer import Explorer
+    from rft.models.config import ModelConfig
+    from rft.run.config import Config
 
 log = logging.getLogger("rft.explorer")
 
@@ -44,7 +46,7 @@ log = logging.getLogger("rft.explorer")
 ENGINE_KEYS = ("model.path", "model.dtype", "model.chat_template", "model.max_prompt_len", "model.max_response_len",
                "explorer.tensor_parallel_size", "explorer.gpu_memory_utilization", "explorer.cpu_kvcache_gb",
                "explorer.cpu_kv_block_size", "explorer.prefill_once",
-               "explorer.vllm_in_process", "trainer.routing_replay")
+               "explorer.vllm_in_process", "run.routing_replay")
 
 
 def _value(cfg: Config, key: str) -> Any:

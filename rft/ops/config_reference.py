@@ -1,9 +1,12 @@
-"""Generate docs/config.md from the typed config tree (rft/config.py), so the reference cannot drift.
+"""Generate docs/config.md from the typed config tree (rft/run/config.py and the sections it composes), so the
+reference cannot drift.
 
 `python -m rft.ops.config_reference` rewrites docs/config.md; `--check` exits 1 if the file is not current (a test
 runs the check in CI). Either fails, naming every dotted key, when a key has no description.
 
-A key's description is the comment written with its field in rft/config.py, in one of two forms:
+A section key's description is its field's `help` (`rft.config.option`, beside the component that owns it). The
+`algorithm` section lists every key of the registered algorithms' options (rft/algorithms/), whose descriptions are
+the comments written with their fields, in one of two forms:
 
     # One or more comment lines directly above the field
     # (no blank line between), joined into one line.
@@ -12,9 +15,8 @@ A key's description is the comment written with its field in rft/config.py, in o
 
 A field with both is an error (a note meant for several fields stands apart, above a blank line). Comments are read
 with Python's tokenizer and the fields' lines with its parser, so a `#` inside a default or a default spanning
-several lines is no trouble. A section's class docstring becomes the paragraph above its table. The `algorithm`
-section lists every key of the registered algorithms' options (rft/algorithms/, described the same way) once, with
-the algorithms that take it.
+several lines is no trouble. A section's class docstring becomes the paragraph above its table; an algorithm key is
+listed once, with the algorithms that take it.
 """
 from __future__ import annotations
 
@@ -30,15 +32,18 @@ import types
 import typing
 from pathlib import Path
 
-from rft import config as config_module
 from rft.algorithms import ALGORITHMS
+from rft.algorithms.config import AlgorithmConfig
 from rft.algorithms.registry import options_type
+from rft.config.fields import HELP, NOT_A_KEY, REST
+from rft.run.config import Config
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 HEADER = """# Configuration reference
 
-Generated from `rft/config.py` by `python -m rft.ops.config_reference`; a test keeps it current.
+Generated from the config sections (`rft/run/config.py` composes them; each key is declared beside its component) by
+`python -m rft.ops.config_reference`; a test keeps it current.
 Every key can be overridden on the command line with `--set section.key=value`, and any string value may use
 `${ENV_VAR}` or `${ENV_VAR:-default}`. Unknown keys, wrong types and out-of-range values are errors that name the
 file and the dotted key.
@@ -99,34 +104,36 @@ class Row:
     description: str  # "" when the field has none
 
 
-def rows(root: type = config_module.Config) -> list[tuple[str, type | None, list[Row]]]:
+def rows(root: type = Config) -> list[tuple[str, type | None, list[Row]]]:
     """The reference of dataclass `root` as (section name, section class or None, rows) per field of `root`: a field
     that is a dataclass is a section (its nested dataclass fields flattened into it, a list of dataclasses as
     `key[].field`); any other field of `root` (`stages`) is a section of one row."""
     sections = []
-    hints, descriptions = typing.get_type_hints(root), field_descriptions(root)
+    hints = typing.get_type_hints(root)
     for f in dataclasses.fields(root):
         tp = hints[f.name]
+        if f.metadata.get(NOT_A_KEY):
+            continue
         if dataclasses.is_dataclass(tp):
-            extra = _algorithm_rows(f.name) if tp is config_module.AlgorithmConfig else []
+            extra = _algorithm_rows(f.name) if tp is AlgorithmConfig else []
             sections.append((f.name, tp, _rows(tp, f.name) + extra))
         else:
-            sections.append((f.name, None, [Row(f.name, _type_name(tp), _default(f), descriptions.get(f.name, ""))]))
+            sections.append((f.name, None, [Row(f.name, _type_name(tp), _default(f), f.metadata.get(HELP, ""))]))
     return sections
 
 
 def _rows(cls: type, prefix: str) -> list[Row]:
     out = []
-    hints, descriptions = typing.get_type_hints(cls), field_descriptions(cls, prefix)
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.metadata.get("rest"):  # not a key: the section's other keys (an algorithm's options, `_algorithm_rows`)
+        if f.metadata.get(REST):  # not a key: the section's other keys (an algorithm's options, `_algorithm_rows`)
             continue
         tp = hints[f.name]
         item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
         if dataclasses.is_dataclass(tp):
             out.extend(_rows(tp, f"{prefix}.{f.name}"))
             continue
-        out.append(Row(f"{prefix}.{f.name}", _type_name(tp), _default(f), descriptions.get(f.name, "")))
+        out.append(Row(f"{prefix}.{f.name}", _type_name(tp), _default(f), f.metadata.get(HELP, "")))
         if item is not None and dataclasses.is_dataclass(item):
             out.extend(_rows(item, f"{prefix}.{f.name}[]"))
     return out
@@ -153,17 +160,17 @@ def _algorithm_rows(prefix: str) -> list[Row]:
     return out
 
 
-def check_descriptions(root: type = config_module.Config) -> None:
+def check_descriptions(root: type = Config) -> None:
     """ConfigReferenceError naming every dotted key of `root` without a description."""
     missing = [row.key for _, _, section in rows(root) for row in section if not row.description]
     if missing:
         raise ConfigReferenceError(
-            f"{len(missing)} config keys have no description: {', '.join(missing)}. Describe each with a comment on "
-            "its field's line (rft/config.py, or the algorithm's options in rft/algorithms/), or comment lines "
-            "directly above the field", missing)
+            f"{len(missing)} config keys have no description: {', '.join(missing)}. Describe each with "
+            "`option(..., help=...)` where its section is declared, or, for an algorithm's options (rft/algorithms/), "
+            "a comment on its field's line or comment lines directly above the field", missing)
 
 
-def render(root: type = config_module.Config) -> str:
+def render(root: type = Config) -> str:
     """docs/config.md's text; ConfigReferenceError (`check_descriptions`) first if a key lacks a description."""
     check_descriptions(root)
     parts = [HEADER]

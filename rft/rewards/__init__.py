@@ -35,8 +35,10 @@ from rft.rewards.registry import (
 )
 
 if TYPE_CHECKING:
-    from rft.config import Config, ExplorerConfig, ModelConfig
     from rft.engine import Engine
+    from rft.explorer.config import ExplorerConfig
+    from rft.models.config import ModelConfig
+    from rft.run.config import Config
     from rft.schema import TaskRecord
 
 __all__ = ["REWARDS", "WEIGHTED", "FunctionReward", "Reward", "RewardContext", "RewardError", "RewardFn",

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from rft.rewards.registry import RewardError, RewardResult, register_reward_factory
 
 if TYPE_CHECKING:
-    from rft.config import ExplorerConfig
     from rft.engine import Engine
+    from rft.explorer.config import ExplorerConfig
     from rft.rewards import RewardContext
     from rft.schema import TaskRecord
 

@@ -10,8 +10,9 @@ import sys
 import threading
 from pathlib import Path
 
-from rft.config import Config, ConfigError
+from rft.config import ConfigError
 from rft.processes import die_with_parent  # noqa: F401 - re-exported: commands import it from here
+from rft.run.config import Config
 from rft.run.loading import load_run_config
 
 

@@ -25,18 +25,21 @@ from typing import Any
 from megatron_bridge.layout import layout_problem, vocabulary_problem
 from megatron_bridge.models import registered_architectures
 from rft.algorithms import REPLAY_HINT, build_algorithm, build_options
-from rft.config import ADMISSIONS, Config, ConfigError, EvalConfig, config_from_dict, load_config
+from rft.config import ConfigError
 from rft.data.gym_tasks import GymError, build_dataset
 from rft.data.selectors import SelectionError, build_selector
 from rft.data.tasks import TaskSet, task_sets
 from rft.data.toy_tasks import TOY_TASKS, generate_rows
+from rft.evaluation.config import EvalConfig
 from rft.experience.operators import OperatorError, check_operator_specs
 from rft.experience.priorities import resolve_priority
+from rft.explorer.config import ADMISSIONS
 from rft.extras import MissingExtra, check_installed
 from rft.modes import mode
 from rft.registry import RegistryError, import_object
 from rft.rewards import WEIGHTED, RewardError, check_reward_config, resolve
 from rft.rewards.reasoning_gym import GYM_REWARDS
+from rft.run.config import Config, config_from_dict, load_config
 from rft.run.stages import resolve_stages
 from rft.workflows import WorkflowError, check_workflow_config
 
@@ -44,29 +47,28 @@ NAME_ERRORS = (RegistryError, RewardError, WorkflowError, SelectionError, Operat
                MissingExtra)
 
 
-def load_run_config(path: str | os.PathLike | None = None, overrides: list[str] = (), *,
+def load_run_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | tuple[str, ...] = (), *,
                     need_model: bool = False) -> Config:
-    """`rft.config.load_config`, then `check_run_config`: the config as a run uses it (`resolve_algorithm_options`).
-    `need_model`: the model must be on disk here (`check_model`)."""
+    """`rft.run.config.load_config`, then `check_run_config`: the config as a run uses it
+    (`with_algorithm_options`). `need_model`: the model must be on disk here (`check_model`)."""
     source = str(path) if path else "<defaults>"
     cfg = load_config(path, overrides)
     check_run_config(cfg, source, need_model=need_model)
-    resolve_algorithm_options(cfg, source)
-    return cfg
+    return with_algorithm_options(cfg, source)
 
 
 def run_config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
-    """`rft.config.config_from_dict`, then `check_run_config` and `resolve_algorithm_options`."""
+    """`rft.run.config.config_from_dict`, then `check_run_config` and `with_algorithm_options`."""
     cfg = config_from_dict(raw, source)
     check_run_config(cfg, source)
-    resolve_algorithm_options(cfg, source)
-    return cfg
+    return with_algorithm_options(cfg, source)
 
 
-def resolve_algorithm_options(cfg: Config, source: str) -> None:
-    """Every key of the chosen algorithm in `cfg.algorithm.options`, defaults included, so the resolved config a
-    run saves (`<run dir>/config.yaml`) says every value its algorithm uses."""
-    cfg.algorithm.options = dataclasses.asdict(build_options(cfg.algorithm, source=source))
+def with_algorithm_options(cfg: Config, source: str) -> Config:
+    """`cfg` with every key of the chosen algorithm in `algorithm.options`, defaults included, so the resolved config
+    a run saves (`<run dir>/config.yaml`) says every value its algorithm uses."""
+    options = dataclasses.asdict(build_options(cfg.algorithm, source=source))
+    return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, options=options))
 
 
 def check_run_config(cfg: Config, source: str, *, need_model: bool = False) -> None:
@@ -101,8 +103,9 @@ def check_model(cfg: Config, source: str, *, need_model: bool = False) -> None:
         raise ConfigError(f"{source}: model.path: {hf_config} names architecture(s) "
                           f"{', '.join(architectures) or '(none)'}; the trainer supports {', '.join(supported)}")
     problem = layout_problem(str(model), tp=cfg.trainer.tensor_parallel, pp=cfg.trainer.pipeline_parallel,
-                             ep=cfg.trainer.expert_parallel, options=("trainer.tensor_parallel:", "trainer.pipeline_parallel:",
-                                                                      "trainer.expert_parallel:"))
+                             ep=cfg.trainer.expert_parallel,
+                             options=("trainer.tensor_parallel:", "trainer.pipeline_parallel:",
+                                      "trainer.expert_parallel:"))
     if problem:
         raise ConfigError(f"{source}: {problem}")
     _check_teacher(cfg, source, need_model=need_model)
@@ -192,7 +195,8 @@ def _check_generated_sets(cfg: Config) -> None:
                 raise ConfigError(f"{task_set.key}.path: {e}") from None
         if task_set.format != "reasoning_gym":
             if task_set.options and task_set.format != "generated":
-                raise ConfigError(f"{task_set.key}.options: dataset options are for formats reasoning_gym and generated, "
+                raise ConfigError(f"{task_set.key}.options: dataset options are for formats reasoning_gym and "
+                                  f"generated, "
                                   f"and this set's format is {task_set.format}")
             gym = sorted(rewards & set(GYM_REWARDS))
             if gym and task_set.format in ("generated", "gsm8k"):

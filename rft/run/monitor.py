@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rft.config import MonitorConfig
+from rft.observability.config import MonitorConfig
 
 
 def _jsonable(value: Any) -> Any:

@@ -18,6 +18,7 @@ first unfinished one, whose trainer resumes from its own checkpoint, then the re
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import re
@@ -27,7 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from rft.algorithms import option_keys
-from rft.config import Config, ConfigError, build_config, flatten
+from rft.config import ConfigError
+from rft.config.loader import move_renamed_keys
+from rft.config.secrets import flatten
+from rft.run.config import RENAMED, Config, build_config
 
 DONE_MARKER = "stage_done.json"
 _LAYOUT_KEYS = {("run", "name"), ("run", "output_dir"), ("kafka", "topic_prefix"), ("kafka", "bootstrap_servers")}
@@ -80,7 +84,8 @@ def resolve_stages(cfg: Config, source: str = "<config>", *,
     stages: list[Stage] = []
     for i, raw in enumerate(cfg.stages):
         name = _stage_name(raw, i, source, seen={s.name for s in stages})
-        overrides = {k: v for k, v in raw.items() if k != "name"}
+        overrides = move_renamed_keys({k: v for k, v in raw.items() if k != "name"}, RENAMED, source,
+                                      f"stages[{i}].")
         _check_layout_keys(overrides, i, source, first=not stages)
         merged = _deep_merge(_inherited(base, overrides), overrides)
         merged["run"].update(name=f"{cfg.run.name}.{name}", output_dir=str(cfg.run_dir / "stages"))
@@ -88,7 +93,7 @@ def resolve_stages(cfg: Config, source: str = "<config>", *,
         if stages:
             merged["model"]["path"] = str(stages[-1].weights_out)
         stage = _validated(merged, i, source, check)
-        stage.env_refs = _kept_refs(cfg, stage, i)
+        stage = dataclasses.replace(stage, env_refs=_kept_refs(cfg, stage, i))
         stages.append(Stage(i, name, stage))
     return stages
 

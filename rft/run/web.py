@@ -31,7 +31,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from rft.processes import free_port
 
 if TYPE_CHECKING:
-    from rft.config import MonitorConfig, ServeConfig
+    from rft.observability.config import MonitorConfig
+    from rft.serve.config import ServeConfig
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARDS = ("", "0.0.0.0", "::")

@@ -1,26 +1,3 @@
 """Serve mode: `rft serve` (rft/serve/server.py), an OpenAI-compatible endpoint that records every completion and
 takes feedback, and the joiner (rft/serve/joiner.py) that turns rewarded completions into experience groups for the
 trainer. The records are rft.schema's `ServedCompletion` and `Feedback` (docs/schema.md)."""
-from __future__ import annotations
-
-import argparse
-import logging
-from collections.abc import Callable
-
-from rft.run.commandline import add_config_arguments, config_from_args
-
-
-def part_config(prog: str, description: str, argv: list[str],
-                add_arguments: Callable[[argparse.ArgumentParser], None] | None = None):
-    """The command line of a serve-mode part (`rft serve`, `rft joiner`): CONFIG and `--set` (plus `add_arguments`),
-    the config loaded and checked, and its logging set up. Returns (config, args); exits 2 after one line on stderr
-    when the config names no broker (`embedded`: rft.run.commandline.require_broker)."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    add_config_arguments(parser)
-    if add_arguments is not None:
-        add_arguments(parser)
-    args = parser.parse_args(argv)
-    cfg = config_from_args(args, joins_broker=prog)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {prog.split()[-1]} %(levelname)s %(message)s")
-    logging.getLogger("kafka").setLevel(logging.WARNING)
-    return cfg, args

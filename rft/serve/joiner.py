@@ -54,14 +54,15 @@ from rft.schema import (
     decode,
     decode_group,
 )
-from rft.serve import part_config
+from rft.serve.part import part_config
 from rft.transport import DeadLetter, connect
 from rft.transport.run_topics import RunTopics
 
 if TYPE_CHECKING:
-    from rft.config import KafkaConfig, ServeConfig
     from rft.run.monitor import MetricsEndpoint
+    from rft.serve.config import ServeConfig
     from rft.transport import Transport
+    from rft.transport.config import KafkaConfig
 
 log = logging.getLogger("rft.joiner")
 

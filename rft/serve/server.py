@@ -64,7 +64,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from rft.engine import SamplingSettings, build_engine
 from rft.run.web import Access, AccessConfigError, AccessDenied, AppThread, allowed_hosts, serve_access
 from rft.schema import Feedback, RewardRange, ServedChoice, ServedCompletion
-from rft.serve import part_config
+from rft.serve.part import part_config
 from rft.serve.ledger import FeedbackLedger, FeedbackRefused
 from rft.text.chat import ChatError, encode_messages
 from rft.transport import connect
@@ -74,8 +74,9 @@ from rft.weights.stores import open_store
 from rft.weights.subscriber import WeightUpdates, load_newest_weights
 
 if TYPE_CHECKING:
-    from rft.config import Config, ServeConfig
     from rft.engine import Engine, Generation
+    from rft.run.config import Config
+    from rft.serve.config import ServeConfig
     from rft.transport import RecordSink, Transport
 
 log = logging.getLogger("rft.serve")
@@ -424,7 +425,7 @@ class ServeService:
                  model_name: str, max_tokens: int, tokenize: Callable[[list], list[int]], rewards: RewardRange,
                  limits: Limits = Limits(), ack_timeout_s: float = 30.0):
         self.worker, self.sink, self.ledger, self.topics = worker, sink, ledger, topics
-        self.rewards = rewards  # the feedback rewards accepted (explorer.reward_min / reward_max); 400 otherwise
+        self.rewards = rewards  # the feedback rewards accepted (run.reward_min / reward_max); 400 otherwise
         self.model_name, self.max_tokens, self.ack_timeout_s = model_name, max_tokens, ack_timeout_s
         self.tokenize, self.limits = tokenize, limits
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="serve-tokenize")
@@ -682,7 +683,7 @@ def build_service(cfg: Config, *, transport: Transport | None = None, engine_fac
     return ServeService(worker=worker, sink=transport.sink(client_id="serve"), ledger=ledger, topics=topics,
                         model_name=cfg.serve.model_name or cfg.run.name, max_tokens=cfg.model.max_response_len,
                         tokenize=lambda messages: render(tokenizer, messages), limits=Limits.of(cfg.serve),
-                        rewards=RewardRange.of(cfg.explorer),
+                        rewards=RewardRange.of(cfg.run),
                         ack_timeout_s=cfg.kafka.request_timeout_ms / 1000)
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rft.config import ModelConfig
+    from rft.models.config import ModelConfig
 
 _PROBE = "rft-end-of-turn-probe"  # an assistant message whose end the template marks
 

@@ -17,7 +17,7 @@ not a pair). Rows then carry the pair's number in the step, and a pair is the un
 ranks and packed into micro-batches, so both rows of a pair are always in the same micro-batch; micro-batches get
 `pair_chosen` / `pair_index` (padding rows: pair_index -1).
 
-Routing replay (`trainer.routing_replay`, `rows_from_groups(routing=True)`): a micro-batch with any row whose sample
+Routing replay (`run.routing_replay`, `rows_from_groups(routing=True)`): a micro-batch with any row whose sample
 recorded its MoE routing carries `routed_experts` [b, T, layers, top_k] int32 (the expert ids of each input
 position, -1 where not recorded: other rows, padding, prompt positions before the record's first one) and
 `routed_layers` [layers] (the MoE layers' decoder indices); megatron_bridge.routing_replay replays them.
@@ -65,7 +65,7 @@ class TrainableLimits:
     """What a group must satisfy to be trained on (`problem`); the feed dead-letters one that does not, so a record
     that decodes but cannot be batched never crashes the trainer (nor, re-read from a checkpoint's offsets, again).
     `vocab_size`: the model's (config.json `vocab_size`); lengths in tokens (model.max_prompt_len / max_response_len,
-    which every producer honours); `rewards`: explorer.reward_min .. reward_max."""
+    which every producer honours); `rewards`: run.reward_min .. reward_max."""
     vocab_size: int
     max_prompt_len: int
     max_response_len: int

@@ -1,7 +1,7 @@
 """`rft trainer CONFIG`: the Megatron trainer, one process per rank (torchrun or srun).
 
 The loop, per step s (policy version s-1 -> s):
-  1. global rank 0 takes `trainer.groups_per_step` whole groups from the experiences topic (skipping dead letters,
+  1. global rank 0 takes `run.groups_per_step` whole groups from the experiences topic (skipping dead letters,
      duplicates and samples too stale for the mode), and broadcasts their raw bytes to every rank;
   2. every rank computes advantages and its data-parallel share of micro-batches; the policy runs forward/backward
      through the pipeline schedule and one optimizer step;
@@ -47,12 +47,15 @@ import torch
 
 from rft.algorithms import Needs, build_algorithm
 from rft.algorithms.aggregation import with_kl_metric
+from rft.algorithms.config import AlgorithmConfig
 from rft.algorithms.mismatch import with_mismatch_metrics
-from rft.config import AlgorithmConfig, Config, ConfigError, ModelConfig, RunConfig, SyncConfig, TrainerConfig
+from rft.config import ConfigError
 from rft.cores import CoreShare
 from rft.experience.operators import OperatorContext, build_operator_chain, split_drops
+from rft.models.config import ModelConfig
 from rft.modes import mode, staleness
 from rft.run.commandline import add_config_arguments, config_from_args, die_with_parent
+from rft.run.config import Config, RunConfig
 from rft.run.monitor import MetricsEndpoint, MetricsLogger, metrics_endpoint
 from rft.schema import RewardRange, decode_group
 from rft.trainer import distributed as dist_io
@@ -64,12 +67,14 @@ from rft.trainer.batch import (
     rows_from_groups,
 )
 from rft.trainer.checkpoint import CheckpointDir, TrainerState, capture_rng, restore_rng
+from rft.trainer.config import TrainerConfig
 from rft.trainer.feed import EndOfReplay, ExperienceFeed, FeedState, ReplayWindow, open_feed, resolve_window
 from rft.trainer.replay_buffer import ExperienceReplay, open_replay
 from rft.trainer.staleness import StalenessTracker
 from rft.trainer.weights import TrainerWeights
 from rft.transport import RecordSink, Transport, TransportError, connect, lag
 from rft.transport.control import KEEP_METRIC, Kind, TrainerFinished, TrainerStarted, TrainerStep, TrainerWaiting
+from rft.weights.config import SyncConfig
 from rft.weights.publisher import WeightPublisher
 from rft.weights.stores import open_store
 from rft.weights.vllm_transfer import push_transport
@@ -192,7 +197,7 @@ def trainable_limits(cfg: Config) -> TrainableLimits:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"model.path: {hf_config} has no readable vocab_size: {e}") from None
     return TrainableLimits(vocab_size=vocab_size, max_prompt_len=cfg.model.max_prompt_len,
-                           max_response_len=cfg.model.max_response_len, rewards=RewardRange.of(cfg.explorer))
+                           max_response_len=cfg.model.max_response_len, rewards=RewardRange.of(cfg.run))
 
 
 def _open_demonstrations(cfg: Config, topic: str, transport: Transport,
@@ -255,7 +260,7 @@ class Trainer:
             weight_decay=t.weight_decay, moe_aux_loss_coeff=t.moe_aux_loss_coeff, moe_z_loss_coeff=t.moe_z_loss_coeff,
             grad_clip=t.grad_clip, betas=(t.adam_beta1, t.adam_beta2), seed=run.seed, dtype=model.dtype,
             reference=self.needs.reference, temperature=temperature, pack_sequences=t.pack_sequences,
-            teacher=self.needs.teacher, routing_replay=t.routing_replay, lora=model.lora,
+            teacher=self.needs.teacher, routing_replay=run.routing_replay, lora=model.lora,
             share_prompts=t.share_prompts)
         self.critic = self._build_critic(model, run.seed) if self.needs.critic is not None else None
         self.cores = CoreShare.from_environment()  # None: no core board (GPUs, OMP_NUM_THREADS chosen, no `rft run`)
@@ -359,7 +364,7 @@ class Trainer:
             replayed = self.replay.replay(step) if self.replay else []  # chosen before this step's fresh groups
             waiting_since = time.time()
             try:
-                batch = self.feed.next_batch(self.config.groups_per_step, admit=lambda g: self._admit(g, step),
+                batch = self.feed.next_batch(self.run_config.groups_per_step, admit=lambda g: self._admit(g, step),
                                              timeout_s=self.config.poll_timeout_s, on_wait=self._waiting)
             except EndOfReplay as end:
                 batch, exhausted = end.batch, True
@@ -406,7 +411,7 @@ class Trainer:
             return {"step_skipped": 1.0, "nonfinite_advantages": 1.0}
         max_len = self.model.max_prompt_len + self.model.max_response_len
         rows = rows_from_groups(groups, advantages, pairs=self.needs.pairwise, max_len=max_len,
-                                routing=t.routing_replay)
+                                routing=self.run_config.routing_replay)
         if self.needs.demonstrations is not None:
             demos = rows_from_groups(self._demos, [np.zeros(len(g.samples)) for g in self._demos], max_len=max_len)
             for row in demos:
@@ -433,7 +438,7 @@ class Trainer:
             metrics.update({k if k.startswith("value_") or k == "return_mean" else f"critic_{k}": v
                             for k, v in critic.items()})
         seconds = max(time.perf_counter() - started, 1e-9)
-        replayed = {"routing_replayed": replayed_fraction(rows)} if t.routing_replay else {}
+        replayed = {"routing_replayed": replayed_fraction(rows)} if self.run_config.routing_replay else {}
         return {**metrics, "padding_fraction": plan.padding_fraction, "train_s": seconds,
                 "train_tokens_per_s": plan.real_tokens / seconds, **replayed}
 

@@ -42,7 +42,7 @@ from rft.schema import ExperienceGroup, RecordError, decode_group
 from rft.transport import TransportError
 
 if TYPE_CHECKING:
-    from rft.config import ReplayBufferConfig
+    from rft.trainer.config import ReplayBufferConfig
     from rft.transport import Message, RecordSource
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from rft.weights.store import Staging
 from rft.weights.stores import VersionStore, open_store
 
 if TYPE_CHECKING:
-    from rft.config import SyncConfig
     from rft.trainer.main import TrainerIO
+    from rft.weights.config import SyncConfig
 
 
 def deliver_version(version: int, attempt: Callable[[int], bool]) -> None:

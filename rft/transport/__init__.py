@@ -42,7 +42,7 @@ from rft.transport.base import (
 )
 
 if TYPE_CHECKING:
-    from rft.config import KafkaConfig
+    from rft.transport.config import KafkaConfig
 
 __all__ = ["HEADER_ORIGIN", "Admin", "BrokerUnreachable", "DeadLetter", "Message", "PartitionInfo", "Position",
            "PositionSpecError", "RecordMetadata", "RecordSink", "RecordSource", "RecordTooLarge", "SendFuture", "SinkBase", "SourceBase",

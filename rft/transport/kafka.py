@@ -19,7 +19,6 @@ from kafka.admin import NewTopic
 from kafka.errors import KafkaError, KafkaTimeoutError, OffsetOutOfRangeError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
-from rft.config import KafkaConfig
 from rft.transport.base import (
     BrokerUnreachable,
     Message,
@@ -33,6 +32,7 @@ from rft.transport.base import (
     parse_offset_key,
     probe_bootstrap,
 )
+from rft.transport.config import KafkaConfig
 
 _OVERHEAD_BYTES = 64 * 1024  # room for the batch and header framing around one maximal record
 

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from contextlib import closing
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rft.config import Config, KafkaConfig
 from rft.transport import Transport, connect
+from rft.transport.config import KafkaConfig
+
+if TYPE_CHECKING:
+    from rft.run.config import Config  # the root, read by the composition that builds RunTopics
 
 RUN_TOPICS = ("tasks", "control", "dead_letter")  # kafka.partitions each; experiences: kafka.experience_partitions
 

@@ -53,9 +53,9 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, NotFoundError, PreconditionError
 from obstore.store import S3Store
 
-from rft.config import S3_SCHEME, split_s3_url
 from rft.weights import delta as deltas
 from rft.weights.cache import HostCache
+from rft.weights.config import S3_SCHEME, split_s3_url
 from rft.weights.store import (
     ADAPTER_CONFIG,
     ADAPTER_FILE,

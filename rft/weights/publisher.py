@@ -17,7 +17,7 @@ from rft.weights.store import pushed_adapter_bucket
 from rft.weights.vllm_transfer import VLLMSender
 
 if TYPE_CHECKING:
-    from rft.config import SyncConfig
+    from rft.weights.config import SyncConfig
     from rft.weights.store import Staging
     from rft.weights.stores import VersionStore
 

@@ -63,7 +63,7 @@ from rft.tensors import all_finite
 if TYPE_CHECKING:
     import torch
 
-    from rft.config import SyncConfig
+    from rft.weights.config import SyncConfig
 
 log = logging.getLogger(__name__)
 

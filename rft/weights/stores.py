@@ -9,13 +9,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from rft.config import S3_SCHEME
+from rft.weights.config import S3_SCHEME
 from rft.weights.store import Staging, WeightStore, store_root
 
 if TYPE_CHECKING:
     import torch
 
-    from rft.config import SyncConfig
+    from rft.weights.config import SyncConfig
 
 
 class VersionStore(Protocol):

@@ -25,8 +25,8 @@ from rft.transport.control import ControlView, PushGroup
 from rft.weights.store import WeightStoreError
 
 if TYPE_CHECKING:
-    from rft.config import SyncConfig
     from rft.engine import Engine
+    from rft.weights.config import SyncConfig
     from rft.weights.stores import VersionStore
 
 log = logging.getLogger(__name__)

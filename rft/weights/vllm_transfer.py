@@ -52,7 +52,8 @@ from rft.processes import free_port
 from rft.weights.push import JOINED_COUNTER, RANK_COUNTER, PushError, PushGroupSpec, PushSender
 
 if TYPE_CHECKING:
-    from rft.config import ExplorerConfig, SyncConfig
+    from rft.explorer.config import ExplorerConfig
+    from rft.weights.config import SyncConfig
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ from rft.workflows.registry import (
 )
 
 if TYPE_CHECKING:
-    from rft.config import ExplorerConfig, ModelConfig
+    from rft.explorer.config import ExplorerConfig
+    from rft.models.config import ModelConfig
     from rft.rewards import Reward
 
 __all__ = ["ENVIRONMENTS", "WORKFLOWS", "GroupResult", "Workflow", "WorkflowError", "available_workflows",

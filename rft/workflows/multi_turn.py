@@ -47,8 +47,9 @@ from rft.workflows.registry import (
 )
 
 if TYPE_CHECKING:
-    from rft.config import ExplorerConfig, ModelConfig
     from rft.engine import Completion, Engine
+    from rft.explorer.config import ExplorerConfig
+    from rft.models.config import ModelConfig
     from rft.rewards import Reward
 
 

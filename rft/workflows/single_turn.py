@@ -11,8 +11,9 @@ from rft.text.chat import ChatPrompt
 from rft.workflows.registry import GroupResult, build_sample, encode_prompt, register_workflow, score_group
 
 if TYPE_CHECKING:
-    from rft.config import ExplorerConfig, ModelConfig
     from rft.engine import Engine, Generation
+    from rft.explorer.config import ExplorerConfig
+    from rft.models.config import ModelConfig
     from rft.rewards import Reward
 
 

@@ -27,8 +27,9 @@ from rft.workflows.multi_turn import MultiTurn, _Episode
 from rft.workflows.registry import WorkflowError, register_workflow
 
 if TYPE_CHECKING:
-    from rft.config import ExplorerConfig, ModelConfig
     from rft.engine import Engine
+    from rft.explorer.config import ExplorerConfig
+    from rft.models.config import ModelConfig
     from rft.rewards import Reward
 
 

@@ -37,7 +37,7 @@ def value_targets(batches: list[dict], values: list[torch.Tensor], seed: int) ->
 
 def algorithm():
     from rft.algorithms import build_algorithm
-    from rft.config import AlgorithmConfig
+    from rft.algorithms.config import AlgorithmConfig
 
     return build_algorithm(AlgorithmConfig.of(name="ppo", value_clip=VALUE_CLIP))
 

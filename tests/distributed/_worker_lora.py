@@ -33,7 +33,7 @@ HYPERPARAMETERS = dict(lr=1e-2, weight_decay=0.0, grad_clip=1e9, betas=(0.9, 0.9
 
 
 def lora_config(adapter: str):
-    from rft.config import LoraConfig
+    from rft.models.config import LoraConfig
 
     return LoraConfig(rank=RANK, alpha=ALPHA, init_from=adapter)
 

@@ -20,7 +20,7 @@ import torch
 
 from rft.algorithms import build_algorithm
 from rft.algorithms.aggregation import with_kl_metric
-from rft.config import AlgorithmConfig
+from rft.algorithms.config import AlgorithmConfig
 from rft.schema import ExperienceGroup, Sample
 from rft.trainer.batch import Row, plan_micro_batches, rows_from_groups
 

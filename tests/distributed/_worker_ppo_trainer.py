@@ -26,7 +26,7 @@ GROUPS, SAMPLES = 4, 3
 
 
 def config(out: Path, model: str, max_steps: int):
-    from rft.config import config_from_dict
+    from rft.run.config import config_from_dict
 
     return config_from_dict({
         "run": {"name": "run", "mode": "train", "max_steps": max_steps, "output_dir": str(out)},

@@ -36,8 +36,8 @@ def trainer(spec: dict) -> None:
     from megatron_bridge import parallel
     from megatron_bridge.export import iter_hf_buckets
     from megatron_bridge.model import build_model
-    from rft.config import SyncConfig
     from rft.trainer.weights import deliver_buckets, deliver_version
+    from rft.weights.config import SyncConfig
     from rft.weights.publisher import WeightPublisher
     from rft.weights.push import PushSender
     from rft.weights.store import WeightStore

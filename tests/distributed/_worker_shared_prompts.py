@@ -22,7 +22,7 @@ GROUP, MICRO_BATCH_SIZE, LR = 4, 6, 1e-3
 
 def step_rows(seed: int, vocab_size: int) -> list:
     from rft.algorithms import build_algorithm
-    from rft.config import AlgorithmConfig
+    from rft.algorithms.config import AlgorithmConfig
     from rft.schema import ExperienceGroup, Sample
     from rft.trainer.batch import rows_from_groups
 
@@ -47,7 +47,7 @@ def run(spec: dict, model: str, setting: str) -> None:
     from megatron_bridge.model import unwrap
     from megatron_bridge.policy import MegatronPolicy
     from rft.algorithms import build_algorithm
-    from rft.config import AlgorithmConfig
+    from rft.algorithms.config import AlgorithmConfig
     from rft.trainer.batch import plan_micro_batches
 
     out = Path(spec["out_dir"])

@@ -21,7 +21,7 @@ import torch
 from megatron_bridge import parallel
 from megatron_bridge.model import unwrap
 from megatron_bridge.policy import MegatronPolicy
-from rft.config import config_from_dict
+from rft.run.config import config_from_dict
 from rft.trainer import distributed as dist_io
 from rft.trainer.main import Trainer, open_trainer_io
 from rft.transport.control import Weights, control_messages, parse

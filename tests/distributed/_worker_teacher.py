@@ -28,7 +28,7 @@ def run_case(spec: dict, *, name: str, teacher: str, tp: int, pp: int) -> None:
     from megatron_bridge.policy import MegatronPolicy
     from rft.algorithms import build_algorithm
     from rft.algorithms.aggregation import with_kl_metric
-    from rft.config import AlgorithmConfig
+    from rft.algorithms.config import AlgorithmConfig
 
     out = Path(spec["out_dir"])
     algorithm = build_algorithm(AlgorithmConfig.of(name="on_policy_distill", teacher_path=spec[teacher]))

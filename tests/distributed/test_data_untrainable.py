@@ -57,7 +57,7 @@ def run(broker, tiny_model, tmp_path_factory):
             "sync": {"write_behind": False}, "monitor": {"progress": False}}
     config = tmp / "run.yaml"
     config.write_text(yaml.safe_dump(body))
-    from rft.config import load_config
+    from rft.run.config import load_config
     cfg = load_config(config)
     vocab = json.loads((Path(tiny_model) / "config.json").read_text())["vocab_size"]
     g = [make_group(name, i, n_samples=4, prompt_len=4, response_len=5) for i in range(6)]

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rft.config import KafkaConfig
 from rft.schema import decode_group
 from rft.transport import connect
+from rft.transport.config import KafkaConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
 

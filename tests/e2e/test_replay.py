@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rft.config import KafkaConfig
 from rft.transport import connect
+from rft.transport.config import KafkaConfig
 from tests.records import make_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from rft.config import KafkaConfig
 from rft.experience.priorities import resolve_priority
 from rft.trainer.replay_buffer import Candidate, ReplayBuffer
 from rft.transport import connect
+from rft.transport.config import KafkaConfig
 from tests.e2e.test_trainer_resume import GROUPS_PER_STEP, STEPS, kill_and_resume, start_trainer, wait, write_config
 from tests.records import make_group
 

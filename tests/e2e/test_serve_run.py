@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from rft.bench.run_support import REPO, finish, rft_run, steps_done, wait_for_step, write_config
-from rft.config import load_config
 from rft.processes import free_port, kill_matching, matching
+from rft.run.config import load_config
 from rft.schema import decode_group
 from rft.serve.joiner import emitted_completions
 from rft.transport import connect

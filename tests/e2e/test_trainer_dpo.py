@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rft.config import KafkaConfig
 from rft.schema import encode
 from rft.transport import connect
+from rft.transport.config import KafkaConfig
 from tests.records import make_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.integration]

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import yaml
 
-from rft.config import KafkaConfig
 from rft.schema import encode
 from rft.transport import connect
+from rft.transport.config import KafkaConfig
 from tests.e2e.test_trainer_resume import consumed, start_trainer, wait
 from tests.records import make_group
 

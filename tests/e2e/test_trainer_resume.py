@@ -20,9 +20,9 @@ import pytest
 import torch
 import yaml
 
-from rft.config import KafkaConfig
 from rft.schema import encode
 from rft.transport import connect
+from rft.transport.config import KafkaConfig
 from tests.listeners import assert_none_wildcard, descendants, listeners
 from tests.records import make_group
 from tests.waiting import tail_of, wait_until

@@ -33,10 +33,10 @@ def main(config_path: str, groups_expected: int) -> dict:
     import torch
 
     import rft.explorer.continuous as continuous
-    from rft.config import load_config
     from rft.engine import build_engine
     from rft.explorer.main import build_explorer
     from rft.rewards import build_reward
+    from rft.run.config import load_config
     from rft.weights.store import WeightStore, iter_safetensors
     from rft.workflows import build_workflow
 

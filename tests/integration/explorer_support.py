@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from rft.config import Config, load_config
+from rft.run.config import Config, load_config
 from rft.schema import ControlMessage, ExperienceGroup, decode
 from rft.transport import connect
 from tests.waiting import wait_until

@@ -11,10 +11,11 @@ import time
 
 import pytest
 
-from rft.config import KafkaConfig, config_from_dict
 from rft.explorer.admission import AdmissionLedger, KafkaFleetFeed, StalenessAdmission
+from rft.run.config import config_from_dict
 from rft.schema import ControlMessage, decode, encode
 from rft.transport import connect
+from rft.transport.config import KafkaConfig
 from rft.transport.control import AdmissionClaim, parse
 from tests.records import make_group
 from tests.unit.test_admission_ledger import Fleet

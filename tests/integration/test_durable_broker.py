@@ -27,9 +27,9 @@ from kafka.admin import NewTopic
 from kafka.structs import OffsetAndMetadata
 
 from rft.broker.local import BrokerError, LocalBroker
-from rft.config import KafkaConfig
 from rft.processes import alive
 from rft.transport import connect
+from rft.transport.config import KafkaConfig
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration

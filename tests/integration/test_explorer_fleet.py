@@ -97,7 +97,7 @@ def test_fleet_kill_late_join_reload_and_dead_letters(broker, tiny_model, tmp_pa
         # 5. wave 2 (different tasks) and a malformed record
         wave2_cfg = load(write_config(tmp_path / "wave2.yaml", run=topic_prefix, bootstrap=broker.bootstrap_servers,
                                       model=tiny_model, store=tmp_path / "store"))
-        wave2_cfg.data.path = "next_digit"
+        wave2_cfg = wave2_cfg.with_values({"data.path": "next_digit"})
         wave2 = {t.group_id for t in _tasks(wave2_cfg)}
         assert not wave1 & wave2
         publish_tasks(wave2_cfg.data, RunTopics.of(wave2_cfg), wave2_cfg.kafka, progress=False)

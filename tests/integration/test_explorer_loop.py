@@ -9,12 +9,12 @@ import threading
 import pytest
 import torch
 
-from rft.config import config_from_dict
 from rft.data.tasks import load_rows, rows_to_tasks
 from rft.engine import TransformersEngine
 from rft.explorer.batch import run_batches
 from rft.explorer.main import build_explorer
 from rft.rewards import build_reward
+from rft.run.config import config_from_dict
 from rft.schema import ControlMessage, TaskRecord
 from rft.transport import connect
 from rft.transport.run_topics import consumer_group

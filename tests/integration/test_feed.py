@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rft.config import KafkaConfig
 from rft.trainer.feed import FeedState, FeedTimeout, open_feed
 from rft.transport import connect
+from rft.transport.config import KafkaConfig
 from tests.records import make_group, send_groups
 
 pytestmark = pytest.mark.integration

@@ -86,8 +86,9 @@ def test_transformers_engine_merges_each_version_on_load(tiny_model, adapters, s
 def test_a_run_starting_from_an_adapter_generates_version_0_with_it(tiny_model, adapters):
     """`model.lora.init_from`: the trainer's version 0 is the base with that adapter, so an engine built for the run
     (rft.engine.build_engine, as explorers, serve and evaluation build theirs) holds it as version 0."""
-    from rft.config import ExplorerConfig, LoraConfig, ModelConfig
     from rft.engine import build_engine
+    from rft.explorer.config import ExplorerConfig
+    from rft.models.config import LoraConfig, ModelConfig
 
     model = ModelConfig(path=str(tiny_model), lora=LoraConfig(rank=4, alpha=8.0, init_from=str(adapters[0])))
     engine = build_engine(ExplorerConfig(engine="transformers"), model, seed=0)

@@ -9,11 +9,11 @@ import re
 import numpy as np
 import pytest
 
-from rft.config import KafkaConfig
 from rft.experience.operators import OperatorContext, build_operator_chain
 from rft.schema import decode_group
 from rft.trainer.feed import FeedState, open_feed
 from rft.transport import connect
+from rft.transport.config import KafkaConfig
 from tests.integration.test_feed import fill_topic
 from tests.records import make_group
 

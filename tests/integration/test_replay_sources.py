@@ -8,13 +8,14 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from rft.config import KafkaConfig, config_from_dict
 from rft.data.demonstrations import publish_demonstrations
 from rft.data.tasks import DatasetError
 from rft.experience.priorities import resolve_priority
+from rft.run.config import config_from_dict
 from rft.schema import decode_group
 from rft.trainer.replay_buffer import Candidate, ExperienceReplay, RecordReader, ReplayBuffer
 from rft.transport import connect
+from rft.transport.config import KafkaConfig
 from tests.records import make_group
 
 pytestmark = pytest.mark.integration

@@ -5,9 +5,9 @@ it on the control topic, where a starting explorer reads it (announced_group). T
 trainer kill, with no watchdog move: tests/e2e/test_chaos.py."""
 from __future__ import annotations
 
-from rft.config import KafkaConfig
 from rft.explorer.membership import announced_group, fresh_group_for_restart, group_name, seed_group
 from rft.transport import connect
+from rft.transport.config import KafkaConfig
 from rft.transport.run_topics import RunTopics, create_run_topics
 
 

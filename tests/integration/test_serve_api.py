@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from rft.config import config_from_dict
+from rft.run.config import config_from_dict
 from rft.schema import Feedback, ServedCompletion, decode
 from rft.serve.joiner import Joiner
 from rft.serve.ledger import FeedbackLedger, FeedbackRefused

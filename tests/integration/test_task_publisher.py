@@ -7,9 +7,9 @@ import pytest
 import yaml
 
 from rft.cli import main as rft
-from rft.config import load_config
 from rft.data.selectors import epoch_order
 from rft.data.tasks import load_rows, rows_to_tasks
+from rft.run.config import load_config
 from rft.schema import TaskRecord
 from tests.integration.explorer_support import TopicReader
 

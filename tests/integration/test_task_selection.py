@@ -21,10 +21,10 @@ import pytest
 import yaml
 
 from rft.cli.launcher import _publish_tasks
-from rft.config import config_from_dict
 from rft.data.selectors import RewardStats
 from rft.data.tasks import build_picker, publish_tasks, published_groups
 from rft.explorer.publisher import OnlinePublisher
+from rft.run.config import config_from_dict
 from rft.schema import ExperienceGroup, Sample, TaskRecord, decode, encode, group_id_for
 from rft.transport import connect
 from rft.transport.run_topics import RunTopics, consumer_group

@@ -17,10 +17,10 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from rft.config import KafkaConfig
 from rft.ops.topics.cli import main as topics
 from rft.schema import HEADER_ERROR, ExperienceGroup, decode_group, encode
 from rft.transport import HEADER_ORIGIN, DeadLetter, RecordTooLarge, connect, offset_key
+from rft.transport.config import KafkaConfig
 from tests.records import make_group
 from tests.waiting import wait_until
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rft.config import KafkaConfig
 from rft.transport import connect
+from rft.transport.config import KafkaConfig
 from tests import transport_scenarios as scenarios
 
 pytestmark = pytest.mark.integration

@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 
-from rft.config import config_from_dict
 from rft.data.tasks import load_rows, rows_to_tasks
 from rft.engine import TransformersEngine
 from rft.explorer.main import build_explorer
 from rft.rewards import build_reward
+from rft.run.config import config_from_dict
 from rft.schema import HEADER_ERROR
 from rft.transport import connect
 from rft.workflows.single_turn import SingleTurn

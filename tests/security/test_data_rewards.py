@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from rft.algorithms import build_algorithm
-from rft.config import AlgorithmConfig
+from rft.algorithms.config import AlgorithmConfig
 from rft.schema import HEADER_ERROR, RewardRange, decode_group
 from rft.trainer.main import NonFiniteWeights
 from rft.transport.control import Weights
@@ -35,7 +35,7 @@ from tests.unit.test_trainer_loop import StandInPolicy, build, fill, make_config
 def run_trainer(cfg, items, policy_class=StandInPolicy):
     """Run the loop of `cfg` (3 steps of 2 groups) over `items` with no staleness bound; (transport, the policy's
     steps, metrics by step)."""
-    cfg.run.mode = "async"
+    cfg = cfg.with_values({"run.mode": "async"})
     transport = MemoryTransport(partitions=1)
     fill(transport, cfg, items)
     trained: list = []
@@ -103,10 +103,10 @@ def test_an_untrainable_group_is_dead_lettered_with_its_reason_and_the_trainer_g
 
 
 def test_a_step_with_non_finite_advantages_is_skipped_and_counted(tmp_path):
-    """With the range opened wide (explorer.reward_max 1e308), the poisoned group reaches the step: its advantages
+    """With the range opened wide (run.reward_max 1e308), the poisoned group reaches the step: its advantages
     are NaN, so no optimizer step is taken, the step is counted, and the weights published are still finite."""
     cfg = make_config(tmp_path)
-    cfg.explorer.reward_min, cfg.explorer.reward_max = -1e308, 1e308
+    cfg = cfg.with_values({"run.reward_min": -1e308, "run.reward_max": 1e308})
     groups = [make_group("run", 0, n_samples=3), make_group("run", 1, rewards=[1e308, 1e308, 0.0, 0.0]),
               *[make_group("run", i, n_samples=3) for i in range(2, 6)]]
     with np.errstate(over="ignore", invalid="ignore"):

@@ -15,8 +15,9 @@ import pytest
 import yaml
 
 from rft.cli.launcher import make_private_dir, write_run_config
-from rft.config import REDACTED, load_config
+from rft.config.secrets import REDACTED
 from rft.dashboard.model import RunWatch
+from rft.run.config import load_config
 from rft.run.stages import resolve_stages
 
 ENV_SECRET = f"env-{uuid.uuid4().hex}"

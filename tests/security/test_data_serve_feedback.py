@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from rft.config import config_from_dict
+from rft.run.config import config_from_dict
 from rft.schema import Feedback, decode
 from rft.serve.server import ServerThread, build_service
 from rft.transport import connect

@@ -6,9 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from rft.config import config_from_dict
 from rft.dashboard.model import RunIndex
 from rft.dashboard.server import create_app
+from rft.run.config import config_from_dict
 from rft.run.web import DASHBOARD_COOKIE, Access, AppThread, allowed_hosts
 
 KEY = "d-" + "fedcba9876543210" * 2

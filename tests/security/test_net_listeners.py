@@ -10,7 +10,7 @@ import os
 import torch
 
 from rft.broker.objects import serve
-from rft.config import MonitorConfig
+from rft.observability.config import MonitorConfig
 from rft.processes import free_port
 from rft.run.monitor import metrics_endpoint
 from rft.weights.push import PushSender

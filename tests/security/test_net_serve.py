@@ -19,10 +19,11 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
-from rft.config import ServeConfig, config_from_dict
 from rft.processes import free_port
+from rft.run.config import config_from_dict
 from rft.run.web import Access, AccessConfigError, allowed_hosts, serve_access
 from rft.schema import RewardRange
+from rft.serve.config import ServeConfig
 from rft.serve.ledger import FeedbackLedger
 from rft.serve.server import EngineWorker, Limits, ServerThread, ServeService, build_service, renderer
 from rft.transport import connect

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rft.config import load_config
+from rft.run.config import load_config
 from tests.integration.explorer_support import REPO, Control, Experiences, subprocess_env
 from tests.slurm.cluster import FINAL_STATES
 

@@ -22,7 +22,8 @@ from rft.algorithms import (
     resolve_algorithm,
 )
 from rft.algorithms.aggregation import behaviour_kl, with_kl_metric
-from rft.config import AlgorithmConfig, ConfigError
+from rft.algorithms.config import AlgorithmConfig
+from rft.config import ConfigError
 
 EPS = 1e-6
 

@@ -12,7 +12,8 @@ import pytest
 from test_algorithms import assert_split_changes_nothing, random_batch, torch_loss_and_grad
 
 from rft.algorithms import build_algorithm
-from rft.config import AlgorithmConfig, ConfigError
+from rft.algorithms.config import AlgorithmConfig
+from rft.config import ConfigError
 
 
 def drifted_batch(seed: int, *, rows: int = 12, length: int = 9) -> dict[str, np.ndarray]:

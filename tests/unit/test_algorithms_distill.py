@@ -13,7 +13,8 @@ from test_algorithms import assert_split_changes_nothing, random_batch, torch_lo
 from rft.algorithms import build_algorithm
 from rft.algorithms.aggregation import with_kl_metric
 from rft.algorithms.chord import sft_weight
-from rft.config import AlgorithmConfig, ConfigError
+from rft.algorithms.config import AlgorithmConfig
+from rft.config import ConfigError
 
 
 def distill_batch(seed: int, *, rows: int = 7, stale: float = 0.3, teacher_gap: float = 0.8) -> dict[str, np.ndarray]:

@@ -10,8 +10,9 @@ import torch
 from test_algorithms import loss_over_parts, ppo_reference, random_batch, to_torch, torch_loss_and_grad
 
 from rft.algorithms import build_algorithm
+from rft.algorithms.config import AlgorithmConfig
 from rft.algorithms.ppo import gae, token_moments
-from rft.config import AlgorithmConfig, ConfigError
+from rft.config import ConfigError
 
 
 def gae_reference(rewards, values, mask, gamma, lam):
@@ -191,8 +192,8 @@ def test_advantages_pass_the_rewards_through_and_config_is_checked():
 
 
 def test_a_critic_of_another_vocabulary_is_refused_naming_the_key(tiny_model, tmp_path):
-    from rft.config import config_from_dict
     from rft.models.tiny import make_tiny_model
+    from rft.run.config import config_from_dict
     from rft.run.loading import check_model
 
     wide = make_tiny_model(tmp_path / "wide", vocab_size=101)

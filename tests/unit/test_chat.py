@@ -11,12 +11,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from rft.config import ConfigError, DataConfig, ExplorerConfig, ModelConfig, config_from_dict
+from rft.config import ConfigError
+from rft.data.config import DataConfig
 from rft.data.demonstrations import demonstration_groups, prompt_tools
 from rft.data.tasks import DatasetError
 from rft.engine import TransformersEngine
+from rft.explorer.config import ExplorerConfig
+from rft.models.config import ModelConfig
 from rft.models.tiny import build_tokenizer, make_tiny_model
 from rft.rewards import build_reward
+from rft.run.config import config_from_dict
 from rft.schema import TaskRecord
 from rft.text.chat import TOOLS_FALLBACK, ChatPrompt, encode_chat, end_of_turn_id, stop_token_ids
 from rft.workflows import WorkflowError, build_workflow, encode_prompt

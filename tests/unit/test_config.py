@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rft.config import Config, ConfigError, load_config, load_yaml
+from rft.config import ConfigError, load_yaml
+from rft.run.config import Config, config_from_dict, load_config
 from rft.run.loading import load_run_config
 
 
@@ -179,3 +180,30 @@ def test_unknown_algorithm_is_a_config_error(tmp_path, model_dir):
 def test_algorithm_options_are_checked_when_the_config_loads(tmp_path, model_dir, algorithm, message):
     with pytest.raises(ConfigError, match=message):
         load_run_config(write(tmp_path, minimal(model_dir, algorithm=algorithm)))
+
+
+def test_a_moved_key_still_loads_with_one_deprecation_line(tmp_path, caplog):
+    """Keys both roles read moved to `run:`; the old names load (file, `--set`, a stage's overrides) with one warning
+    naming the new key, and naming both is an error."""
+    path = tmp_path / "old.yaml"
+    path.write_text("model: {path: m}\ntrainer: {groups_per_step: 3}\nexplorer: {reward_min: -2.0}\n")
+    with caplog.at_level("WARNING", logger="rft.config.loader"):
+        cfg = load_config(path, ["trainer.routing_replay=true"])
+    assert (cfg.run.groups_per_step, cfg.run.reward_min, cfg.run.routing_replay) == (3, -2.0, True)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 3 and all("is deprecated, use run." in m for m in warned), warned
+    path.write_text("model: {path: m}\ntrainer: {groups_per_step: 3}\nrun: {groups_per_step: 4}\n")
+    with pytest.raises(ConfigError, match=r"trainer.groups_per_step: is the deprecated name of run.groups_per_step"):
+        load_config(path)
+    stage = config_from_dict({"model": {"path": "m"}, "stages": [{"name": "a", "trainer": {"groups_per_step": 5}}]})
+    assert stage.stages[0]["trainer"] == {"groups_per_step": 5}  # as written; resolved when the stage is built
+
+
+def test_the_checked_config_cannot_change():
+    """Sections are frozen: a part derives a changed copy (`dataclasses.replace`, `Config.with_broker`)."""
+    import dataclasses
+
+    cfg = config_from_dict({"model": {"path": "m"}})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.kafka.bootstrap_servers = "h:1"  # type: ignore[misc]
+    assert cfg.with_broker("h:1").kafka.bootstrap_servers == "h:1" and cfg.kafka.bootstrap_servers == "embedded"

@@ -3,6 +3,7 @@ process marking itself waiting and busy on it and resizing its own torch threads
 resizing torch's real thread pool."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -11,8 +12,10 @@ import pytest
 import torch
 
 from rft.cli.launcher import ROLES_BY_MODE, PartRunner, core_board
-from rft.config import Config
 from rft.cores import CoreShare, NoShare, core_share
+from rft.explorer.config import ExplorerConfig
+from rft.run.config import Config
+from rft.trainer.config import TrainerConfig
 from tests.waiting import wait_until
 
 EXPLORER = """
@@ -63,8 +66,7 @@ def test_the_parts_take_the_threads_of_those_that_wait_and_give_them_back(tmp_pa
 
 
 def test_the_waiting_parts_threads_are_split_among_the_processes_that_compute(tmp_path):
-    cfg = Config()
-    cfg.trainer.data_parallel, cfg.explorer.replicas = 2, 3
+    cfg = Config(trainer=TrainerConfig(data_parallel=2), explorer=ExplorerConfig(replicas=3))
     board = core_board(cfg, ROLES_BY_MODE["async"], 2, tmp_path)  # 10 threads: 2 trainer ranks, 3 explorers
     rank = CoreShare.from_environment({CoreShare.ENV: board["trainer"]})
     explorers = [CoreShare.from_environment({CoreShare.ENV: board[f"explorer-{i}"]}) for i in range(3)]
@@ -83,7 +85,7 @@ def test_no_board_without_a_split_or_explorers_or_when_turned_off(tmp_path, monk
     cfg = Config()
     assert core_board(cfg, ROLES_BY_MODE["off_policy"], None, tmp_path) == {}  # GPUs or OMP_NUM_THREADS chosen
     assert core_board(cfg, ROLES_BY_MODE["train"], 1, tmp_path) == {}  # no explorer to share with
-    cfg.trainer.borrow_cores = False
+    cfg = dataclasses.replace(cfg, trainer=TrainerConfig(borrow_cores=False))
     assert core_board(cfg, ROLES_BY_MODE["off_policy"], 1, tmp_path) == {}
     assert not (tmp_path / "cores").exists()
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rft.config import Config, config_from_dict
 from rft.dashboard.model import MetricsTail, RunIndex, RunWatch
+from rft.run.config import Config, config_from_dict
 from rft.schema import ControlMessage
 from rft.transport import TransportError
 from rft.transport.control import (

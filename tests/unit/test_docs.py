@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from rft.config import option
 from rft.ops.config_reference import ConfigReferenceError, check_descriptions, field_descriptions, main, render, rows
 
 
@@ -19,7 +20,7 @@ def test_every_config_key_has_a_description():
     assert len(keys) > 150 and "run.mode" in keys and "eval.sets[].format" in keys  # the whole tree is walked
 
 
-# A small config tree written like rft/config.py, with keys left undescribed on purpose.
+# Options classes described by comments, as an algorithm's options are (rft/algorithms/).
 @dataclass
 class _Item:
     described: int = 0  # on the field's line
@@ -47,9 +48,29 @@ class _Section:
 
 
 @dataclass
+class _KeyItem:
+    described: int = option(0, help="an item's key")
+    bare: int = option(0, help="")
+
+
+@dataclass
+class _KeyNested:
+    deep: str = option("", help="")
+
+
+@dataclass
+class _KeySection:
+    block: str = option("#not a comment", help="described")
+    undescribed: bool = option(False, help="")
+    nested: _KeyNested = field(default_factory=_KeyNested)
+    items: list[_KeyItem] = option(factory=list, help="a list of sections")
+
+
+@dataclass
 class _Root:
-    section: _Section = field(default_factory=_Section)
-    loose: int = 0
+    """A config tree declared as rft's sections are (`option(..., help=...)`), with keys left undescribed."""
+    section: _KeySection = field(default_factory=_KeySection)
+    loose: int = option(0, help="")
 
 
 @dataclass

@@ -84,10 +84,12 @@ def test_task_sets_come_from_the_task_loader(tmp_path, model_dir):
     assert (view.explorer.n_samples, view.explorer.temperature, view.explorer.reward) == (2, 0.5, "exact_match")
     assert sampling_config(cfg, cfg.eval.sets[0]).explorer.reward == "char_accuracy"
 
-    cfg.eval.sets[1].prompt_key = "question"
+    sets = [cfg.eval.sets[0], dataclasses.replace(cfg.eval.sets[1], prompt_key="question")]
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, sets=sets))
     with pytest.raises(DatasetError, match=r"no field 'question' \(eval.sets\[1\].prompt_key\)"):
         eval_sets(cfg)
-    cfg.eval.sets[1].path = str(tmp_path / "missing.jsonl")
+    sets = [cfg.eval.sets[0], dataclasses.replace(cfg.eval.sets[1], path=str(tmp_path / "missing.jsonl"))]
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, sets=sets))
     with pytest.raises(DatasetError, match=r"eval.sets\[1\].path: dataset .* does not exist"):
         eval_sets(cfg)
 

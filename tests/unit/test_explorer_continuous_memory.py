@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import threading
 
-from rft.config import ExplorerConfig, KafkaConfig, SyncConfig
 from rft.engine import Completion, Generation
 from rft.explorer.admission import StalenessAdmission
+from rft.explorer.config import ExplorerConfig
 from rft.explorer.explorer import Explorer
 from rft.rewards.registry import RewardResult
 from rft.schema import TaskRecord, decode_group
+from rft.transport.config import KafkaConfig
 from rft.transport.memory import MemoryTransport
 from rft.transport.run_topics import create_run_topics
+from rft.weights.config import SyncConfig
 from rft.weights.store import WeightStore
 from rft.workflows import GroupResult, build_sample
 from tests.records import read_topic

@@ -19,12 +19,14 @@ import threading
 import numpy as np
 import torch
 
-from rft.config import ExplorerConfig, KafkaConfig, SyncConfig
+from rft.explorer.config import ExplorerConfig
 from rft.explorer.explorer import Explorer
 from rft.schema import HEADER_ERROR, Sample, TaskRecord, decode_group
+from rft.transport.config import KafkaConfig
 from rft.transport.control import ExplorerJoin, ExplorerLeave, ExplorerWeights, control_messages, parse
 from rft.transport.memory import MemoryTransport
 from rft.transport.run_topics import RunTopics, create_run_topics
+from rft.weights.config import SyncConfig
 from rft.weights.store import WeightStore
 from rft.workflows import GroupResult
 from tests.records import read_topic

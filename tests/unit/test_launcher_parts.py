@@ -2,10 +2,14 @@
 ends the run with 1 while the main part still runs; a failed explorer beside a live one is tolerated."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
 from rft.cli.launcher import PartRunner
+from rft.evaluation.config import EvalConfig, EvalSetConfig
+from rft.explorer.config import ExplorerConfig
+from rft.trainer.config import TrainerConfig
 
 
 def python(code: str) -> list[str]:
@@ -35,16 +39,16 @@ def test_cpu_runs_split_the_cores_over_the_compute_parts(tmp_path, monkeypatch, 
     """Trainer ranks, explorers and the evaluator each get cores // parts OpenMP threads (at least 1), which the
     child processes really see; an operator's OMP_NUM_THREADS, or GPUs, leave the environment alone."""
     from rft.cli.launcher import ROLES_BY_MODE, cpu_threads_per_part
-    from rft.config import Config
+    from rft.run.config import Config
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
-    cfg = Config()
-    cfg.trainer.tensor_parallel, cfg.explorer.replicas, cfg.eval.every_steps = 2, 1, 10
+    cfg = Config(trainer=TrainerConfig(tensor_parallel=2), explorer=ExplorerConfig(replicas=1),
+                 eval=EvalConfig(sets=[EvalSetConfig(name="a", path="p")], every_steps=10))
     roles = ROLES_BY_MODE["async"]
     assert cpu_threads_per_part(cfg, roles, {}) == 2  # 8 cores / (2 trainer ranks + 1 explorer + 1 evaluator)
     assert "8 CPU cores for 4 compute processes: OMP_NUM_THREADS=2" in capsys.readouterr().out
-    cfg.explorer.replicas = 20
+    cfg = dataclasses.replace(cfg, explorer=ExplorerConfig(replicas=20))
     assert cpu_threads_per_part(cfg, roles, {}) == 1
     assert cpu_threads_per_part(cfg, roles, {"trainer": "0,1"}) is None
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
@@ -61,7 +65,7 @@ def test_a_float32_run_on_a_cpu_with_native_bfloat16_is_told_so(tmp_path, capsys
     """The flags come from Linux's /proc/cpuinfo format (two processors, the flags line of each); a CPU without
     them, a bfloat16 run or GPUs print nothing."""
     from rft.cli.launcher import bf16_hint
-    from rft.config import Config
+    from rft.run.config import Config
 
     def cpuinfo(flags: str):
         path = tmp_path / f"cpuinfo-{len(flags)}"
@@ -78,6 +82,6 @@ def test_a_float32_run_on_a_cpu_with_native_bfloat16_is_told_so(tmp_path, capsys
     assert not bf16_hint(cfg, {}, cpuinfo("avx512f"))  # avx512 without its bfloat16 extension
     assert not bf16_hint(cfg, {"trainer": "0"}, cpuinfo("avx512_bf16"))
     assert not bf16_hint(cfg, {}, tmp_path / "absent")
-    cfg.model.dtype = "bfloat16"
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="bfloat16"))
     assert not bf16_hint(cfg, {}, cpuinfo("avx512_bf16"))
     assert capsys.readouterr().out == ""

@@ -50,7 +50,7 @@ def test_the_light_commands_import_and_build_every_algorithm_without_torch(witho
         for module in {LIGHT_MODULES!r}:
             importlib.import_module(module)
         from rft.algorithms import ALGORITHMS, build_algorithm
-        from rft.config import AlgorithmConfig
+        from rft.algorithms.config import AlgorithmConfig
         built = [type(build_algorithm(AlgorithmConfig(name=name))).__name__ for name in ALGORITHMS
                  if name != "on_policy_distill"]  # needs a teacher's model directory
         assert "torch" not in sys.modules, "torch was imported"

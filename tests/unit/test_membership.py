@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rft.config import ConfigError, ExplorerConfig
+from rft.config import ConfigError
+from rft.explorer.config import ExplorerConfig
 from rft.explorer.membership import UnassignedWatchdog, group_name, instance_id, partition_holders
 from rft.ops.status import RunStatus, fleet_health, fleet_line
 from rft.schema import ControlMessage

@@ -68,12 +68,12 @@ def test_the_gpu_plan_refuses_a_run_larger_than_the_machine_and_is_empty_on_cpu(
 def test_with_share_gpus_the_parts_share_the_machines_gpus_round_robin(tmp_path, monkeypatch):
     cfg = recipe("gsm8k-7b.yaml", tmp_path, monkeypatch)  # 8 trainer GPUs + 4 explorers x 2
     roles = ROLES_BY_MODE[cfg.run.mode]
-    cfg.run.share_gpus = True
+    cfg = cfg.with_values({"run.share_gpus": True})
     plan = gpu_plan(cfg, roles, [str(i) for i in range(8)])
     assert plan["trainer"] == "0,1,2,3,4,5,6,7"
     assert [plan[f"explorer-{i}"] for i in range(4)] == ["0,1", "2,3", "4,5", "6,7"]
     with pytest.raises(LaunchError, match="has 4 GPUs"):  # the trainer alone needs 8: sharing cannot help
         gpu_plan(cfg, roles, [str(i) for i in range(4)])
-    cfg.run.share_gpus = False
+    cfg = cfg.with_values({"run.share_gpus": False})
     with pytest.raises(LaunchError, match="run.share_gpus"):
         gpu_plan(cfg, roles, [str(i) for i in range(8)])

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rft.config import ServeConfig
 from rft.schema import Feedback, RecordError, ServedChoice, ServedCompletion, decode, decode_served, encode
+from rft.serve.config import ServeConfig
 from rft.serve.joiner import Joining
 from rft.serve.ledger import FeedbackLedger, FeedbackRefused
 from rft.serve.server import ApiError, parse_chat_request

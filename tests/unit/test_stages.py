@@ -3,6 +3,7 @@ overrides, validated as a whole, with errors naming `stages[i].<key>`; the stage
 topics, weights handed from stage to stage) is fixed by the base."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -41,9 +42,9 @@ def test_stages_inherit_the_base_and_chain_weights(base, tmp_path):
 def test_the_digest_ignores_only_the_broker_address_and_monitoring(base):
     cfg = run_config_from_dict({**base, "stages": [{"name": "a"}]})
     (stage,) = resolve_stages(cfg)
-    cfg.kafka.bootstrap_servers, cfg.monitor.wandb = "host:9092", True
+    cfg = dataclasses.replace(cfg.with_broker("host:9092"), monitor=dataclasses.replace(cfg.monitor, wandb=True))
     assert resolve_stages(cfg)[0].digest() == stage.digest()
-    cfg.trainer.lr = 0.5
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, lr=0.5))
     assert resolve_stages(cfg)[0].digest() != stage.digest()
 
 
@@ -71,7 +72,7 @@ def test_bad_stages_name_the_stage_and_key(base, stages, expected):
 
 
 @pytest.mark.parametrize("section, expected", [
-    ({"groups_per_step": -1}, r"replay_buffer.groups_per_step: must be >= 0, got -1"),
+    ({"groups_per_step": -1}, r"replay_buffer.groups_per_step: must be >= 0 \(0: off\), got -1"),
     ({"max_reuse": 0}, r"replay_buffer.max_reuse: must be >= 1, got 0"),
     ({"capacity": 0}, r"replay_buffer.capacity: must be >= 1, got 0"),
     ({"decay": 1.5}, r"replay_buffer.decay: must be in \(0, 1\], got 1.5"),

@@ -103,7 +103,7 @@ def test_controller_refuses_impossible_updates():
         ctrl.finish(2)
     with pytest.raises(ValueError, match="version 2 is older than the current 3"):
         ctrl.set_version(2)
-    with pytest.raises(ValueError, match="trainer.groups_per_step: must be >= 1"):
+    with pytest.raises(ValueError, match="run.groups_per_step: must be >= 1"):
         AdmissionController(groups_per_step=0, max_staleness=1)
 
 

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from rft.config import config_from_dict
 from rft.data.tasks import DatasetError, build_picker, load_rows, rows_to_tasks
 from rft.data.toy_tasks import generate_rows
 from rft.data.toy_tasks import main as toy_main
+from rft.run.config import config_from_dict
 
 ROWS = [{"question": f"q{i}", "answer": str(i), "level": i % 3} for i in range(20)]
 

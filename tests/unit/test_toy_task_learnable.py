@@ -6,9 +6,9 @@ import random
 
 import torch
 
-from rft.config import config_from_dict
 from rft.data.toy_tasks import generate_rows
 from rft.rewards import build_reward
+from rft.run.config import config_from_dict
 from rft.schema import TaskRecord
 
 

@@ -15,9 +15,11 @@ import torch
 import yaml
 
 from rft.algorithms import build_algorithm
-from rft.config import AlgorithmConfig, ConfigError, TrainerConfig
+from rft.algorithms.config import AlgorithmConfig
+from rft.config import ConfigError
 from rft.schema import ExperienceGroup, Sample
 from rft.trainer.batch import micro_batches_for_rank, plan_micro_batches, preference_pair_problem, rows_from_groups
+from rft.trainer.config import TrainerConfig
 from rft.trainer.main import check_parallel_layout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -212,7 +214,7 @@ def test_the_default_plan_is_the_fixed_round_robin_one():
     ({"pack_sequences": True, "pipeline_parallel": 2}, r"trainer.pack_sequences: needs trainer.pipeline_parallel 1"),
 ])
 def test_micro_batching_keys_are_checked(tmp_path, overrides, message):
-    from rft.config import load_config
+    from rft.run.config import load_config
 
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"run": {"name": "mb-check", "output_dir": str(tmp_path)},

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from test_trainer_loop import StandInPolicy, consumed, fill
 
-from rft.config import config_from_dict
+from rft.run.config import config_from_dict
 from rft.trainer.main import Trainer, open_trainer_io
 from rft.transport.memory import MemoryTransport
 from tests.records import make_group, send_groups

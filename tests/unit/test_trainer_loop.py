@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from rft.config import config_from_dict
+from rft.run.config import config_from_dict
 from rft.schema import HEADER_ERROR
 from rft.trainer.feed import FeedTimeout
 from rft.trainer.main import Trainer, open_trainer_io

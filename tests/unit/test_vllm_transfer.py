@@ -18,7 +18,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rft.config import ConfigError, ExplorerConfig, SyncConfig
+from rft.config import ConfigError
+from rft.explorer.config import ExplorerConfig
+from rft.weights.config import SyncConfig
 from rft.weights.push import RANK_COUNTER, PushError
 from rft.weights.vllm_transfer import (
     BACKEND,

@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
-from rft.config import SyncConfig
 from rft.schema import encode
 from rft.transport.control import Kind, PushAbandoned, PushGroup, Weights, WeightsPush
+from rft.weights.config import SyncConfig
 from rft.weights.publisher import WeightPublisher
 from rft.weights.push import PushError, PushGroupSpec
 from rft.weights.store import INDEX, WeightStore

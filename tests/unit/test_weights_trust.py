@@ -200,7 +200,7 @@ def test_a_forged_push_group_address_is_refused_counted_and_not_joined(run):
 
 
 def test_the_default_allow_list_is_the_push_host_else_this_host():
-    from rft.config import SyncConfig
+    from rft.weights.config import SyncConfig
 
     spec = dict(group_id="g", port=5, world_size=2, backend="gloo", timeout_s=1.0)
     local = PushAllowList.for_sync(SyncConfig(method="push"))
@@ -216,10 +216,12 @@ def test_the_default_allow_list_is_the_push_host_else_this_host():
 def test_an_explorer_refuses_a_forged_announcement_and_reports_the_count(tmp_path):
     """The real Explorer over the in-memory transport: a forged `weights` announcement (a complete version outside
     the store) is refused, the engine keeps its version, and the count is in the explorer's heartbeat."""
-    from rft.config import ExplorerConfig, KafkaConfig, SyncConfig
+    from rft.explorer.config import ExplorerConfig
     from rft.explorer.explorer import Explorer
+    from rft.transport.config import KafkaConfig
     from rft.transport.control import ExplorerHeartbeat, control_messages, parse
     from rft.transport.run_topics import RunTopics, create_run_topics
+    from rft.weights.config import SyncConfig
 
     topics = RunTopics(run="run", tasks="run.tasks", experiences="run.experiences", control="run.control",
                        dead_letter="run.dead_letter", explorers_group="run.explorers")

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rft.config import KafkaConfig
 from rft.ops.topics import TopicsError
 from rft.ops.topics.formats import (
     EXPORT_FORMAT,
@@ -45,6 +44,7 @@ from rft.transport import (
     parse_positions,
     parse_time_ms,
 )
+from rft.transport.config import KafkaConfig
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,34 @@
+"""The tools' keys of the `explorer` section (tool_agent): which tools, and the python tool's limits and sandbox."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rft.config import COUNT, POSITIVE, Section, at_least, option
+
+
+@dataclass(frozen=True)
+class ToolOptions(Section):
+    """Which tools a tool_agent episode offers, and the limits every tool call has."""
+    KEY = "explorer"
+    tools: list[str] = option(factory=lambda: ["calculator", "python"],
+        help="tool_agent: registered tool names or package.module:Class")
+    tool_timeout_s: float = option(5.0, range=POSITIVE,
+        help="tool_agent: wall-clock limit of one tool call (the python tool: also its CPU seconds)")
+    tool_output_chars: int = option(1000, range=COUNT,
+        help="tool_agent: characters of a tool result the model sees (the rest is cut)")
+
+
+@dataclass(frozen=True)
+class PythonToolOptions(Section):
+    """The python tool's isolation and limits (rft/agent_tools/python.py)."""
+    KEY = "explorer"
+    python_sandbox: Literal["bwrap", "none"] = option("bwrap",
+        help="tool_agent: how the python tool is isolated. bwrap (bubblewrap, `make system-deps`): no network, no "
+        "other processes in view, the filesystem read-only but for its working directory, the whole process "
+        "tree killed after the call; an explorer refuses to start when it cannot work here. none: no "
+        "isolation (trusted code only)")
+    tool_memory_mb: int = option(512, range=at_least(64),
+        help="tool_agent: address-space limit of the python tool's process")
+    tool_max_processes: int = option(16, range=COUNT,
+        help="tool_agent: processes and threads the python tool's code may run at once")
