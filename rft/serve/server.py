@@ -64,8 +64,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from rft.engine import SamplingSettings, build_engine
 from rft.run.web import Access, AccessConfigError, AccessDenied, AppThread, allowed_hosts, serve_access
 from rft.schema import Feedback, RewardRange, ServedChoice, ServedCompletion
-from rft.serve.part import part_config
 from rft.serve.ledger import FeedbackLedger, FeedbackRefused
+from rft.serve.part import part_config
 from rft.text.chat import ChatError, encode_messages
 from rft.transport import connect
 from rft.transport.run_topics import RunTopics
