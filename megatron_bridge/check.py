@@ -119,7 +119,7 @@ def transformers_logits(args: argparse.Namespace, batch: dict[str, torch.Tensor]
     transformers_logging.disable_progress_bar()
     dtype = getattr(torch, args.dtype)
     target = device.compute_device()  # the GPU on a GPU machine: both sides then use CUDA kernels
-    model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=dtype).to(target)
+    model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=dtype).to(target)  # type: ignore[arg-type]  # transformers' wrapped `to`
     with torch.no_grad():
         return model(input_ids=batch["input_ids"].to(target),
                      position_ids=batch["position_ids"].to(target)).logits.float().cpu()
@@ -132,6 +132,7 @@ def round_trip(models, args: argparse.Namespace) -> list[str]:
     seen: set[str] = set()
     source = HFCheckpoint(args.hf_dir) if parallel.layout().is_publisher else None
     for bucket in iter_hf_buckets(models, int(args.bucket_mb * (1 << 20))):
+        assert source is not None  # the buckets come out on the publishing rank only
         for name, tensor in bucket.items():
             seen.add(name)
             if name not in source:

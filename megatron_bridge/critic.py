@@ -4,13 +4,13 @@ the policy's, sharded at the same TP/PP layout) with its vocabulary output layer
 Values: V[i, t] (float32 [b, T]) is the head applied to the final-norm hidden state at position t, the state in which
 the policy scores target token t, so values line up with `token_logprobs` and the loss mask.
 
-Value head: a linear map hidden -> 1 (weight [1, hidden], bias [1]) on the last pipeline stage only (the other stages end in hidden states, as the
-policy's do), replicated on every tensor-parallel rank: the hidden states it reads are the same on all of them (no
-sequence parallelism), so its output and its gradients are too, and megatron counts a replicated parameter once in
-the gradient norm. Its weight starts as normal(0, 1 / sqrt(hidden)) drawn from a generator seeded with `head_seed`
-(the same numbers on every rank and layout), its bias at 0. The trunk's tied output embedding (if any) is no longer an
-output layer: the critic is built untied, so megatron does not all-reduce embedding gradients between the first
-and last stages.
+Value head: a linear map hidden -> 1 (weight [1, hidden], bias [1]) on the last pipeline stage only (the other stages
+end in hidden states, as the policy's do), replicated on every tensor-parallel rank: the hidden states it reads are the
+same on all of them (no sequence parallelism), so its output and its gradients are too, and megatron counts a replicated
+parameter once in the gradient norm. Its weight starts as normal(0, 1 / sqrt(hidden)) drawn from a generator seeded with
+`head_seed` (the same numbers on every rank and layout), its bias at 0. The trunk's tied output embedding (if any) is no
+longer an output layer: the critic is built untied, so megatron does not all-reduce embedding gradients between the
+first and last stages.
 
 Training: its own megatron optimizer and learning rate (a second DDP + optimizer beside the policy's, on the
 parallel groups the policy set up: build the policy first), one optimizer step per `train_step`; checkpoints are
@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ import megatron_bridge.parallel as parallel
 import megatron_bridge.schedule as schedule
 from megatron_bridge.model import build_model
 from megatron_bridge.policy import TrainedModel, _check_micro_batches, _from_last_stage
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 ValueLossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
@@ -49,7 +53,7 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
-def add_value_head(model: torch.nn.Module, *, seed: int) -> torch.nn.Module:
+def add_value_head(model: GPTModel, *, seed: int) -> GPTModel:
     """`model` (a GPTModel chunk from build_model) with its output layer replaced by a `ValueHead` on the last stage
     and embedding/output tying switched off on every stage; returns it."""
     model.share_embeddings_and_output_weights = False

@@ -167,7 +167,7 @@ def _uneven_gather(original):
         padded[: input_.shape[0]] = input_
         pieces = [torch.empty_like(padded) for _ in sizes]
         torch.distributed.all_gather(pieces, padded, group=group)
-        return torch.cat([piece[:n] for piece, n in zip(pieces, sizes)], dim=0)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, sizes, strict=True)], dim=0)
     return gather
 
 
@@ -188,16 +188,14 @@ def install() -> bool:
         return True
     if gpu_available():
         return False
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.get_rng_state = _cpu_get_rng_state
-    torch.cuda.set_rng_state = _cpu_set_rng_state
-    torch.cuda.manual_seed = _cpu_manual_seed
-    torch.cuda.synchronize = _nothing
-    torch.cuda.empty_cache = _nothing
-    torch.cuda.Stream = _CpuStream
-    torch.cuda.Event = _CpuStream
-    torch.cuda.current_stream = lambda device=None: _CpuStream()
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    # CPU stand-ins, of other types than torch's by design (a "cpu" device, streams that do nothing)
+    cuda_shims = {"current_device": lambda: "cpu", "get_rng_state": _cpu_get_rng_state,
+                  "set_rng_state": _cpu_set_rng_state, "manual_seed": _cpu_manual_seed, "synchronize": _nothing,
+                  "empty_cache": _nothing, "Stream": _CpuStream, "Event": _CpuStream,
+                  "current_stream": lambda device=None: _CpuStream(),
+                  "stream": lambda stream=None: contextlib.nullcontext()}
+    for name, shim in cuda_shims.items():
+        setattr(torch.cuda, name, shim)
     from megatron.core.tensor_parallel import random as megatron_random
     megatron_random._get_cuda_rng_state = _cpu_get_rng_state
     megatron_random._set_cuda_rng_state = _cpu_set_rng_state

@@ -54,7 +54,7 @@ def _gather_tp(mapping: ParamMapping, local: torch.Tensor, info: BridgeInfo,
     root = dist.get_process_group_ranks(group)[0]
     shards = [torch.empty_like(local) for _ in range(where.tp)] if where.tp_rank == 0 else None
     dist.gather(local.contiguous(), gather_list=shards, dst=root, group=group)
-    return mapping.merge_shards(shards, info.dims) if where.tp_rank == 0 else None
+    return mapping.merge_shards(shards, info.dims) if shards is not None else None  # TP rank 0 gathered them
 
 
 def _send(tensor: torch.Tensor, dst: int) -> None:
@@ -162,6 +162,7 @@ def save_hf(models: list[torch.nn.Module], out_dir: str | Path, *, bucket_bytes:
     dtype = None
     for bucket in iter_hf_buckets(models, bucket_bytes, merged=merged):
         dtype = next(iter(bucket.values())).dtype
+        assert writer is not None  # the buckets come out on the publishing rank only (per_stage=False)
         writer.add_bucket({k: v.cpu() for k, v in bucket.items()})
     result = None
     if writer is not None:

@@ -35,7 +35,7 @@ class HFCheckpoint:
         self.single_file = single_file
         self._file_of = self._index()
         self._stack = ExitStack()
-        self._open: dict[str, object] = {}
+        self._open: dict[str, safe_open] = {}  # file -> its open handle
 
     def _index(self) -> dict[str, str]:
         if (self.dir / INDEX_FILE).is_file():

@@ -52,6 +52,8 @@ from megatron_bridge.mapping import QKV, ColumnParallel, GatedMLP, ModelDims, Pa
 from rft.models.config import LORA_TARGETS
 
 if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
+
     from megatron_bridge.model import BridgeInfo
     from rft.models.config import LoraConfig
 
@@ -82,7 +84,19 @@ def adapter_of(lora: LoraConfig, target: str) -> Adapter | None:
 
 
 class _LoRA:
-    """What both LoRA linears share: the adapter parameters beside megatron's own, and the adapter path."""
+    """What both LoRA linears share: the adapter parameters beside megatron's own, and the adapter path. Mixed into
+    megatron's Column/RowParallelLinear, whose attributes and methods it uses (declared here for the type checker)."""
+    config: TransformerConfig
+    weight: torch.Tensor
+    tp_group: torch.distributed.ProcessGroup | None
+    if TYPE_CHECKING:
+        def state_dict(self, *, prefix: str, keep_vars: bool) -> dict[str, torch.Tensor]: ...
+
+    adapter: Adapter
+    lora_a: torch.nn.Parameter
+    lora_b: torch.nn.Parameter
+    lora_dropout: torch.nn.Module
+    lora_off: bool  # set by `disabled` only
 
     def _add_adapter(self, adapter: Adapter, in_features: int, out_features: int, *, split_a: bool) -> None:
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -236,7 +250,8 @@ def global_name(info: BridgeInfo, local: str, pp_rank: int) -> str:
 # ---- PEFT layout
 
 def _peft(hf_weight: str, part: str) -> str:
-    """`model.layers.0.self_attn.q_proj.weight`, "lora_A" -> `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
+    """`model.layers.0.self_attn.q_proj.weight`, "lora_A" ->
+    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
     module = hf_weight.removesuffix(".weight")
     return f"{PEFT_PREFIX}{module}.{part}.weight"
 
@@ -284,13 +299,14 @@ def _adapter_pair(base: ParamMapping) -> tuple[ParamMapping, ParamMapping]:
     if isinstance(base, RowParallel):
         return RowParallel(megatron=a, hf=_peft(base.hf, "lora_A")), Replicated(megatron=b, hf=_peft(base.hf, "lora_B"))
     if isinstance(base, ColumnParallel):
-        return Replicated(megatron=a, hf=_peft(base.hf, "lora_A")), ColumnParallel(megatron=b, hf=_peft(base.hf, "lora_B"))
+        return (Replicated(megatron=a, hf=_peft(base.hf, "lora_A")),
+                ColumnParallel(megatron=b, hf=_peft(base.hf, "lora_B")))
     raise TypeError(f"no LoRA layout for a {type(base).__name__} mapping ({base.megatron})")
 
 
 def adapter_mappings(info: BridgeInfo, lora: LoraConfig) -> list[ParamMapping]:
     """Layer-resolved (A, B) mappings of every adapter `lora` puts on the model, in pipeline order."""
-    out = []
+    out: list[ParamMapping] = []
     for mapping in info.resolved_mappings():
         target = mapping.megatron.removesuffix(".weight").rsplit(".", 1)[-1]
         if mapping.megatron.endswith(".weight") and adapter_of(lora, target) is not None:

@@ -26,11 +26,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rft.lazy import lazy
 
-torch = lazy("torch")  # the architecture tables are read by config checks, without torch (rft/lazy.py)
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11; annotations only
+
+    import torch
+else:
+    torch = lazy("torch")  # the architecture tables are read by config checks, without torch (rft/lazy.py)
 
 
 class TensorSource(Protocol):
@@ -102,15 +107,15 @@ class ParamMapping(ABC):
         """A routed expert's weight: `#` in the names stands for the expert index."""
         return "#" in self.megatron
 
-    def for_layer(self, layer: int) -> ParamMapping:
+    def for_layer(self, layer: int) -> Self:
         """This mapping with `*` replaced by the global layer index in every name."""
         return self._substitute("*", layer)
 
-    def for_expert(self, expert: int) -> ParamMapping:
+    def for_expert(self, expert: int) -> Self:
         """This mapping with `#` replaced by the global expert index in every name."""
         return self._substitute("#", expert)
 
-    def _substitute(self, placeholder: str, index: int) -> ParamMapping:
+    def _substitute(self, placeholder: str, index: int) -> Self:
         names = {f: getattr(self, f) for f in self.__dataclass_fields__ if isinstance(getattr(self, f), str)}
         return replace(self, **{f: name.replace(placeholder, str(index)) for f, name in names.items()})
 

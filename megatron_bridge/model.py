@@ -1,17 +1,16 @@
 """Build a TP/PP-sharded megatron GPTModel from an HF directory and load its safetensors into it.
 
-`build_model(hf_dir, dtype=...)` needs `megatron_bridge.parallel.initialize(tp, pp, ep=)` first and
-returns `[GPTModel]` (a list of model chunks, as megatron's schedules take; one chunk per rank, no
-virtual pipeline). Each rank builds only its pipeline stage (an even split of the layers, or the
-`pp_layers` given) and, in a mixture of experts, only its expert-parallel rank's experts, and reads only its
-own slices of the HF tensors. The returned model carries a `BridgeInfo` (attribute `bridge_info`) so export and the policy
-know the architecture without re-reading the config.
+`build_model(hf_dir, dtype=...)` needs `megatron_bridge.parallel.initialize(tp, pp, ep=)` first and returns `[GPTModel]`
+(a list of model chunks, as megatron's schedules take; one chunk per rank, no virtual pipeline). Each rank builds only
+its pipeline stage (an even split of the layers, or the `pp_layers` given) and, in a mixture of experts, only its
+expert-parallel rank's experts, and reads only its own slices of the HF tensors. The returned model carries a
+`BridgeInfo` (attribute `bridge_info`) so export and the policy know the architecture without re-reading the config.
 
-Layer spec: Transformer Engine's when `transformer_engine` is importable and a GPU is present,
-megatron's local spec otherwise; a mixture of experts gets megatron's decoder block spec (dense and MoE
-layers by the config's `moe_layer_freq`), with SequentialMLP experts (no grouped GEMM). TE fuses the MLP's norm into
-fc1 only in dense layers: a MoE layer keeps `pre_mlp_layernorm`. The mapping tables use local-spec names; `TE_NAMES` renames the
-two norms TE fuses into the following linear layer.
+Layer spec: Transformer Engine's when `transformer_engine` is importable and a GPU is present, megatron's local spec
+otherwise; a mixture of experts gets megatron's decoder block spec (dense and MoE layers by the config's
+`moe_layer_freq`), with SequentialMLP experts (no grouped GEMM). TE fuses the MLP's norm into fc1 only in dense layers:
+a MoE layer keeps `pre_mlp_layernorm`. The mapping tables use local-spec names; `TE_NAMES` renames the two norms TE
+fuses into the following linear layer.
 """
 from __future__ import annotations
 
@@ -32,6 +31,9 @@ from megatron_bridge.models import DecoderBridge, bridge_for
 from megatron_bridge.models.base import OUTPUT_LAYER, stage_layer_counts
 
 if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
     from rft.models.config import LoraConfig
 
 TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -157,7 +159,7 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         if config.normalization != "RMSNorm":
             raise ValueError(f"SequenceParallelRMSNorm with normalization={config.normalization!r}")
         super().__init__(normalized_shape=hidden_size, eps=eps)
-        self.weight.sequence_parallel = config.sequence_parallel
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]  # megatron's mark
 
 
 def _replace_module(spec, old: type, new: type):
@@ -191,7 +193,7 @@ def _mark_experts_expert_parallel(model: torch.nn.Module) -> None:
     sizes. At EP 1 the expert data-parallel group is the data-parallel group: gradients are reduced the same."""
     for name, param in model.named_parameters():
         if ".mlp.experts." in name:
-            param.allreduce = False
+            param.allreduce = False  # type: ignore[attr-defined]  # megatron's mark on a Parameter
 
 
 def build_model(hf_dir: str | Path, *, dtype: str | torch.dtype = "float32", load_weights: bool = True,
@@ -246,13 +248,21 @@ def build_model(hf_dir: str | Path, *, dtype: str | torch.dtype = "float32", loa
     return [model]
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model: torch.nn.Module) -> GPTModel:
     """The GPTModel inside megatron's DDP / Float16Module wrappers."""
     while not hasattr(model, "bridge_info") and hasattr(model, "module"):
-        model = model.module
+        inner = model.module
+        assert isinstance(inner, torch.nn.Module)  # what megatron's wrappers wrap
+        model = inner
     if not hasattr(model, "bridge_info"):
         raise TypeError(f"{type(model).__name__} was not built by megatron_bridge.build_model")
     return model
+
+
+def config_of(chunk: torch.nn.Module) -> TransformerConfig:
+    """megatron's TransformerConfig of a model chunk: a GPTModel or a megatron wrapper of one (DDP, Float16Module),
+    each a MegatronModule, which keeps it as `config`."""
+    return chunk.config
 
 
 def local_mappings(info: BridgeInfo, pp_rank: int, ep_rank: int = 0) -> dict[str, ParamMapping]:
@@ -265,7 +275,8 @@ def local_mappings_of(info: BridgeInfo, mappings: list[ParamMapping], pp_rank: i
                       ep_rank: int = 0) -> dict[str, ParamMapping]:
     """Local parameter name -> mapping, for those of the resolved `mappings` that the rank at (pp_rank, ep_rank)
     holds."""
-    return {info.local_name(m.megatron, pp_rank, ep_rank): m for m in mappings if info.holds(m.megatron, pp_rank, ep_rank)}
+    return {info.local_name(m.megatron, pp_rank, ep_rank): m for m in mappings
+            if info.holds(m.megatron, pp_rank, ep_rank)}
 
 
 def load_hf_weights(models: list[torch.nn.Module], hf_dir: str | Path) -> None:

@@ -15,15 +15,21 @@ micro-batches and data-parallel ranks of the unscaled loss (present only when it
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
 import megatron_bridge.device as device
+from megatron_bridge.model import config_of
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.moe.router import TopKRouter
 
 TRACKED = {"load_balancing_loss": "moe_load_balancing_loss", "z_loss": "moe_z_loss"}
 
 
-def routers(models: list[torch.nn.Module]) -> list[torch.nn.Module]:
+def routers(models: list[torch.nn.Module]) -> list[TopKRouter]:
     from megatron.core.transformer.moe.router import TopKRouter
 
     return [m for model in models for m in model.modules() if isinstance(m, TopKRouter)]
@@ -32,7 +38,7 @@ def routers(models: list[torch.nn.Module]) -> list[torch.nn.Module]:
 def prepare(models: list[torch.nn.Module]) -> tuple[float, float]:
     """Take the configured (aux, z) coefficients from the models' config and stop the routers scaling their
     losses by token counts. Returns the configured coefficients (0.0 when off)."""
-    config = models[0].config
+    config = config_of(models[0])
     for router in routers(models):
         if router.config is not config:
             raise RuntimeError("a router does not share the model's TransformerConfig; its loss coefficients "
@@ -50,7 +56,7 @@ def set_step_coefficients(models: list[torch.nn.Module], base: tuple[float, floa
     total = torch.tensor([micro_batches], dtype=torch.float64, device=device.compute_device())
     dist.all_reduce(total, group=dp_group)
     count = int(total.item())
-    config = models[0].config
+    config = config_of(models[0])
     aux, z = base
     config.moe_aux_loss_coeff = aux / count if aux else 0.0
     config.moe_z_loss_coeff = z / count if z else None
@@ -68,7 +74,7 @@ def step_metrics(models: list[torch.nn.Module], base: tuple[float, float], count
         reduce_aux_losses_tracker_across_ranks,
     )
 
-    config = models[0].config
+    config = config_of(models[0])
     moe_layers = sum(config.moe_layer_freq) if isinstance(config.moe_layer_freq, list) else config.num_layers
     tracker = get_moe_layer_wise_logging_tracker()
     metrics = {}

@@ -79,10 +79,12 @@ import megatron_bridge.schedule as schedule
 import megatron_bridge.shared_prompts as shared_prompts
 from megatron_bridge.layout import vocabulary_problem
 from megatron_bridge.logprobs import entropy_sum, token_logprobs
-from megatron_bridge.model import build_model, unwrap
+from megatron_bridge.model import BridgeInfo, build_model, config_of, unwrap
 from rft.tensors import all_finite
 
 if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+
     from rft.models.config import LoraConfig
 
 LossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
@@ -99,16 +101,18 @@ class TrainedModel:
     after `parallel.initialize`, and set `layout`."""
 
     layout: parallel.ParallelLayout
+    info: BridgeInfo
     steps: int = 0
     kind = "policy"  # what a checkpoint of it is called in errors
+    _shared_note = ""  # `describe`'s note on shared prompts (MegatronPolicy sets it)
 
-    def _train(self, models: list[torch.nn.Module], *, lr: float, weight_decay: float, grad_clip: float,
+    def _train(self, models: list[GPTModel], *, lr: float, weight_decay: float, grad_clip: float,
                betas: tuple[float, float], eps: float, dtype: str, initial_loss_scale: float) -> None:
         """Wrap `models` (built by `build_model`) in megatron's DDP and give them an optimizer and scheduler."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         self.info = models[0].bridge_info
-        self.config = models[0].config
+        self.config = config_of(models[0])
         self.distributed_optimizer = distributed_optimizer_available()
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=self.distributed_optimizer)
@@ -128,7 +132,8 @@ class TrainedModel:
                         share_prompts: bool = False) -> dict[str, float]:
         """One optimizer step: `on_output(model output on the last stage, micro_batch) -> (loss, metrics)` per
         micro-batch (schedule.run's training contract, `head_from_loss` and `share_prompts` passed on); returns the
-        metrics summed over micro-batches and data-parallel ranks, plus `grad_norm` and `step_skipped`, on every rank."""
+        metrics summed over micro-batches and data-parallel ranks, plus `grad_norm` and `step_skipped`, on every
+        rank."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
@@ -176,8 +181,8 @@ class TrainedModel:
     def describe(self) -> str:
         """One line for logs: ranks and layout, the device and backend, dtype, optimizer state sharding."""
         layout, where = self.layout, next(self.models[0].parameters()).device
-        return (f"{layout.world_size} ranks (tp {layout.tp} x pp {layout.pp} x dp {layout.dp}, ep {layout.ep}) on {where.type} "
-                f"({layout.backend}), {self.config.params_dtype}, "
+        return (f"{layout.world_size} ranks (tp {layout.tp} x pp {layout.pp} x dp {layout.dp}, ep {layout.ep}) "
+                f"on {where.type} ({layout.backend}), {self.config.params_dtype}, "
                 f"{'distributed' if self.distributed_optimizer else 'replicated'} optimizer state"
                 f"{self._lora_description()}{self._shared_note}")
 
@@ -207,11 +212,12 @@ class TrainedModel:
             if bool(is_max.any()):  # the same names on every rank, so every rank takes this branch or none
                 dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
         values = _from_last_stage(torch.where(is_max, maxima, sums), (len(names),), dtype=torch.float64)
-        return {name: float(v) for name, v in zip(names, values.tolist())}
+        return {name: float(v) for name, v in zip(names, values.tolist(), strict=True)}
 
     # ---- checkpoints
 
-    lora = None  # a MegatronPolicy's model.lora with rank > 0: the checkpoint holds the adapters only
+    # a MegatronPolicy's model.lora with rank > 0: the checkpoint holds the adapters only
+    lora: LoraConfig | None = None
 
     def _sharded_state(self, *, is_loading: bool) -> dict:
         model_state = unwrap(self.models[0]).sharded_state_dict()
@@ -279,10 +285,10 @@ class TrainedModel:
 class MegatronPolicy(TrainedModel):
     """A sharded causal LM that trains on batch-contract micro-batches (see the module docstring)."""
 
-    def __init__(self, hf_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, lr: float, weight_decay: float = 0.0,
-                 grad_clip: float = 1.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 seed: int = 0, dtype: str = "float32", reference: bool = False, temperature: float = 1.0,
-                 initial_loss_scale: float = 2.0 ** 16, pack_sequences: bool = False,
+    def __init__(self, hf_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, lr: float,
+                 weight_decay: float = 0.0, grad_clip: float = 1.0, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, seed: int = 0, dtype: str = "float32", reference: bool = False,
+                 temperature: float = 1.0, initial_loss_scale: float = 2.0 ** 16, pack_sequences: bool = False,
                  teacher: str | Path | None = None, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0,
                  routing_replay: bool = False, lora: LoraConfig | None = None, share_prompts: bool = False):
         """`temperature`: the sampling temperature of the explorers. Log-probs (and entropy) are those of
@@ -296,11 +302,12 @@ class MegatronPolicy(TrainedModel):
         replay each micro-batch's `routed_experts` in `train_step` and `forward_logprobs`
         (megatron_bridge.routing_replay; ValueError for a model without routers); the reference and teacher models
         route by themselves. `lora` (rank > 0): train LoRA adapters only (megatron_bridge.lora; "LoRA" in the
-        module docstring; dense models). `share_prompts`: `train_step` runs the rows of a micro-batch that share a prompt
-        as one sequence with the prompt once (megatron_bridge.shared_prompts), where the model allows it (else padded,
-        and `describe` says why)."""
+        module docstring; dense models). `share_prompts`: `train_step` runs the rows of a micro-batch that share a
+        prompt as one sequence with the prompt once (megatron_bridge.shared_prompts), where the model allows it (else
+        padded, and `describe` says why)."""
         if temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (greedy sampling has no log-probs to train on), got {temperature}")
+            raise ValueError(f"temperature must be > 0 (greedy sampling has no log-probs to train on), "
+                             f"got {temperature}")
         self.temperature = temperature
         if teacher is not None and (problem := vocabulary_problem(str(hf_dir), str(teacher))):
             raise ValueError(f"teacher model: {problem}")
@@ -505,7 +512,8 @@ def _build_optimizer(models, *, lr: float, weight_decay: float, grad_clip: float
 def _torch_adams(optimizer) -> list[torch.optim.Optimizer]:
     """The torch Adam / AdamW optimizers inside megatron's optimizer (chained or not); none with TE's or Apex's."""
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [p.optimizer for p in parts if isinstance(getattr(p, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW))]
+    return [p.optimizer for p in parts
+            if isinstance(getattr(p, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW))]
 
 
 def _fuse_cpu_adam(optimizer) -> None:
@@ -541,10 +549,12 @@ def _from_last_stage(tensor: torch.Tensor | None, shape: tuple[int, ...], *,
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
+        assert tensor is not None  # the only stage is the last
         return tensor.cpu()
     group = ps.get_pipeline_model_parallel_group()
     last = dist.get_process_group_ranks(group)[-1]
     if ps.is_pipeline_last_stage():
+        assert tensor is not None  # the last stage holds it
         buffer = tensor.to(device.compute_device(), dtype).contiguous()
     else:
         buffer = torch.empty(shape, dtype=dtype, device=device.compute_device())

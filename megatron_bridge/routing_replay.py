@@ -1,11 +1,11 @@
 """Routing replay: train an MoE model with each token routed to the experts the inference engine chose.
 
-megatron-core 0.16.1's `RouterReplay` (transformer/moe/router_replay.py) is the hook: a router that holds one
-routes through `RouterReplay.get_replay_topk`, which in `REPLAY_FORWARD` takes the target top-k indices instead of
-computing them and gathers the router's scores at those indices (so the gates' weights still come from the trainer's
-router, with gradients; only the choice of experts is replayed). `PartialReplay` (`partial_replay()`) extends it to tokens without a
-record: a target row of -1 routes that token by the trainer's own top-k, so prompt positions an engine did not
-record, padding, and rows of records without routing route normally.
+megatron-core 0.16.1's `RouterReplay` (transformer/moe/router_replay.py) is the hook: a router that holds one routes
+through `RouterReplay.get_replay_topk`, which in `REPLAY_FORWARD` takes the target top-k indices instead of computing
+them and gathers the router's scores at those indices (so the gates' weights still come from the trainer's router, with
+gradients; only the choice of experts is replayed). `PartialReplay` (`partial_replay()`) extends it to tokens without a
+record: a target row of -1 routes that token by the trainer's own top-k, so prompt positions an engine did not record,
+padding, and rows of records without routing route normally.
 
 Micro-batch contract (rft.trainer.batch): `routed_experts` [b, T, L, k] int32, for input position t of row i the
 expert ids of the MoE layer `routed_layers[l]` (0-based decoder layer index, [L] int64), -1 where not recorded. A
@@ -85,8 +85,8 @@ def set_targets(model: torch.nn.Module, micro_batch: dict[str, torch.Tensor]) ->
 
 def targets(ids: torch.Tensor, config) -> torch.Tensor:
     """[b, T, k] ids -> the [tokens, k] rows one router sees: sequence-major ([T, b] flattened), this tensor-parallel
-    rank's slice of T under sequence parallelism (T right-padded with -1 to a multiple of TP, as megatron_bridge.schedule
-    pads the tokens)."""
+    rank's slice of T under sequence parallelism (T right-padded with -1 to a multiple of TP, as
+    megatron_bridge.schedule pads the tokens)."""
     from megatron.core import parallel_state
 
     ids = ids.transpose(0, 1)

@@ -34,6 +34,7 @@ import torch
 import megatron_bridge.device as device
 import megatron_bridge.packing as packing
 import megatron_bridge.shared_prompts as shared_prompts
+from megatron_bridge.model import config_of
 
 REQUIRED_KEYS = ("input_ids", "position_ids")
 
@@ -153,9 +154,11 @@ def output_layers(models: list[torch.nn.Module]) -> list[torch.nn.Module]:
     layers = []
     for model in models:
         while not hasattr(model, "output_layer") and hasattr(model, "module"):
-            model = model.module
-        if getattr(model, "post_process", False) and getattr(model, "output_layer", None) is not None:
-            layers.append(model.output_layer)
+            inner = model.module
+            assert isinstance(inner, torch.nn.Module)  # what megatron's wrappers wrap
+            model = inner
+        if getattr(model, "post_process", False) and (layer := getattr(model, "output_layer", None)) is not None:
+            layers.append(layer)
     return layers
 
 
@@ -169,7 +172,7 @@ def _from_position(start: dict, module: torch.nn.Module, args: tuple) -> tuple |
 
 def _sequence_multiple(models: list[torch.nn.Module]) -> int:
     """The sequence length must be a multiple of this: TP under sequence parallelism, else 1."""
-    config = models[0].config
+    config = config_of(models[0])
     return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
 

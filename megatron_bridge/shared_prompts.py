@@ -69,9 +69,9 @@ def layout(mb: dict[str, torch.Tensor], first: int, costs: Costs) -> Layout | No
     prompt are cheaper padded (8 rows of a 100-token prompt and 4,000-token responses: ~8x the attention)."""
     ids = mb["input_ids"].cpu()
     lens = mb["row_lens"].cpu().tolist()
-    prompts = [min(p, n) for p, n in zip(mb["prompt_lens"].cpu().tolist(), lens)]
+    prompts = [min(p, n) for p, n in zip(mb["prompt_lens"].cpu().tolist(), lens, strict=True)]
     groups: dict[tuple, list[int]] = {}
-    for i, (n, p) in enumerate(zip(lens, prompts)):
+    for i, (n, p) in enumerate(zip(lens, prompts, strict=True)):
         if n > 0:
             groups.setdefault((p, *ids[i, :p].tolist()), []).append(i)
     if all(len(rows) < 2 for rows in groups.values()):
@@ -81,7 +81,10 @@ def layout(mb: dict[str, torch.Tensor], first: int, costs: Costs) -> Layout | No
     if (shared * costs.per_position + shared ** 2 * costs.per_pair
             >= real * width * costs.per_position + real * width ** 2 * costs.per_pair):
         return None
-    tokens, positions, segment, owner = [], [], [], []  # segment: the group's number; owner: the row, -1 for a prompt
+    tokens: list[int] = []
+    positions: list[int] = []
+    segment: list[int] = []  # the group's number
+    owner: list[int] = []  # the row, -1 for a prompt
     packed_at: dict[tuple[int, int], int] = {}  # (row, input position) -> packed index
     for g, members in enumerate(groups.values()):
         p = prompts[members[0]]
@@ -101,15 +104,18 @@ def layout(mb: dict[str, torch.Tensor], first: int, costs: Costs) -> Layout | No
     sees = ((seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
             & ((own[None, :] == -1) | (own[None, :] == own[:, None])))  # [query, key]
     heads, rows, columns = [], [], []
-    for i, (n, p) in enumerate(zip(lens, prompts)):
+    for i, (n, p) in enumerate(zip(lens, prompts, strict=True)):
         for c in range(max(first, p - 1, 0), n):
             heads.append(packed_at[(i, c)])
             rows.append(i)
             columns.append(c - first)
     device = mb["input_ids"].device
-    as_long = dict(dtype=torch.int64, device=device)
-    return Layout(torch.tensor([tokens], **as_long), pos[None].to(device), (~sees)[None, None].to(device),
-                  torch.tensor(heads, **as_long), torch.tensor(rows, **as_long), torch.tensor(columns, **as_long))
+
+    def as_long(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return Layout(as_long([tokens]), pos[None].to(device), (~sees)[None, None].to(device),
+                  as_long(heads), as_long(rows), as_long(columns))
 
 
 def forward(model: torch.nn.Module, mb: dict[str, torch.Tensor], plan: Layout, first: int) -> torch.Tensor:

@@ -1,22 +1,26 @@
 """The architecture registry and the shared translation of a dense decoder's HF config to megatron.
 
-An architecture file (qwen2.py, llama.py, qwen3.py; the mixtures of experts build on `moe.MoEBridge`) subclasses `DecoderBridge`, registers it under the HF class
-name found in `config.json`'s `architectures`, and declares its parameter mapping table. This module
-turns the HF config into megatron's `TransformerConfig` plus the `GPTModel` arguments, and refuses
-options megatron (or this bridge) cannot reproduce exactly, naming each one.
+An architecture file (qwen2.py, llama.py, qwen3.py; the mixtures of experts build on `moe.MoEBridge`) subclasses
+`DecoderBridge`, registers it under the HF class name found in `config.json`'s `architectures`, and declares its
+parameter mapping table. This module turns the HF config into megatron's `TransformerConfig` plus the `GPTModel`
+arguments, and refuses options megatron (or this bridge) cannot reproduce exactly, naming each one.
 
 Parameter names in the tables are those of megatron's local layer spec; `megatron_bridge.model`
 renames the two fused-norm parameters when the Transformer Engine spec is used.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from megatron_bridge.layout import stage_layer_counts
 from megatron_bridge.mapping import ModelDims, ParamMapping
 from rft.lazy import lazy
 
-torch, F = lazy("torch"), lazy("torch.nn.functional")  # the registry is read by config checks, without torch
+if TYPE_CHECKING:
+    import torch
+    import torch.nn.functional as F
+else:
+    torch, F = lazy("torch"), lazy("torch.nn.functional")  # the registry is read by config checks, without torch
 
 OUTPUT_LAYER = "output_layer.weight"
 _REGISTRY: dict[str, type[DecoderBridge]] = {}

@@ -7,8 +7,10 @@ from megatron_bridge.models.llama import LLAMA_TABLE
 from megatron_bridge.models.qwen2 import window_refusals
 
 QK_NORM_TABLE = (
-    Replicated(hf="model.layers.*.self_attn.q_norm.weight", megatron="decoder.layers.*.self_attention.q_layernorm.weight"),
-    Replicated(hf="model.layers.*.self_attn.k_norm.weight", megatron="decoder.layers.*.self_attention.k_layernorm.weight"),
+    Replicated(hf="model.layers.*.self_attn.q_norm.weight",
+               megatron="decoder.layers.*.self_attention.q_layernorm.weight"),
+    Replicated(hf="model.layers.*.self_attn.k_norm.weight",
+               megatron="decoder.layers.*.self_attention.k_layernorm.weight"),
 )
 
 

@@ -126,10 +126,12 @@ class LocalBroker:
             raise BrokerError("broker already started")
         if self.data_dir is not None:
             return self._start_durable(timeout_s)
-        self._check_port_free()
+        port = self.port
+        assert port is not None  # in memory: chosen in __init__
+        self._check_port_free(port)
         self._process = self._spawn(self.command())
         try:
-            wait_for_port(self.host, self.port, timeout_s, self._process)
+            wait_for_port(self.host, port, timeout_s, self._process)
         except BrokerError:
             self.stop()
             raise
@@ -149,47 +151,56 @@ class LocalBroker:
             return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
                                     preexec_fn=_die_with_parent if main_thread else None)
         finally:
-            if out is not subprocess.DEVNULL:
+            if not isinstance(out, int):  # our log file, not subprocess.DEVNULL
                 out.close()
 
-    def _check_port_free(self) -> None:
-        if not _port_free(self.host, self.port):
-            raise BrokerError(f"port {self.port} on {self.host} is in use (another broker?): choose another port")
+    def _check_port_free(self, port: int) -> None:
+        if not _port_free(self.host, port):
+            raise BrokerError(f"port {port} on {self.host} is in use (another broker?): choose another port")
+
+    @property
+    def _durable_dir(self) -> Path:
+        """DIR of a durable broker: only the durable mode's methods ask."""
+        assert self.data_dir is not None, "not a durable broker"
+        return self.data_dir
 
     def _start_durable(self, timeout_s: float) -> LocalBroker:
         if os.environ.get("KAFKA_HOME"):
             raise BrokerError("a durable local broker (data_dir) runs Tansu on local S3 storage; unset KAFKA_HOME, "
                               "or run Apache Kafka yourself and set kafka.bootstrap_servers")
+        data_dir = self._durable_dir
         self._lock_data_dir()
         try:
             state = self._read_state()
-            _kill_stale(state.get("s3_pid"), "rft.broker.objects", str(self.data_dir / "objects"))
+            _kill_stale(state.get("s3_pid"), "rft.broker.objects", str(data_dir / "objects"))
             _kill_stale(state.get("tansu_pid"), str(tansu_binary()), f"tcp://{self.host}:{state.get('port')}")
-            if self.port is None:  # this object never ran: the last port on DIR when it is free, else any
+            port = self.port
+            if port is None:  # this object never ran: the last port on DIR when it is free, else any
                 recorded = state.get("port")
                 deadline = time.monotonic() + 5  # a process just killed above may hold it for a moment
                 while isinstance(recorded, int) and not _port_free(self.host, recorded) and time.monotonic() < deadline:
                     time.sleep(0.1)
-                self.port = recorded if isinstance(recorded, int) and _port_free(self.host, recorded) else free_port()
-            self._check_port_free()
-            ready = self.data_dir / "s3.port"
+                port = self.port = (recorded if isinstance(recorded, int) and _port_free(self.host, recorded)
+                                    else free_port())
+            self._check_port_free(port)
+            ready = data_dir / "s3.port"
             ready.unlink(missing_ok=True)
-            (self.data_dir / "objects" / "tansu").mkdir(parents=True, exist_ok=True)
-            self._store = self._spawn([sys.executable, "-m", "rft.broker.objects", str(self.data_dir / "objects"),
+            (data_dir / "objects" / "tansu").mkdir(parents=True, exist_ok=True)
+            self._store = self._spawn([sys.executable, "-m", "rft.broker.objects", str(data_dir / "objects"),
                                        "--ready-file", str(ready)])
             s3_port = _wait_for_file(ready, timeout_s, self._store, "the S3 object server (rft.broker.objects)")
             self._process = self._spawn(self.command(s3=True), {
                 "AWS_ACCESS_KEY_ID": "rft", "AWS_SECRET_ACCESS_KEY": "rft", "AWS_DEFAULT_REGION": "us-east-1",
                 "AWS_REGION": "us-east-1", "AWS_ENDPOINT": f"http://127.0.0.1:{s3_port}", "AWS_ALLOW_HTTP": "true"})
             self._write_state(s3_port)
-            wait_for_port(self.host, self.port, timeout_s, self._process)
+            wait_for_port(self.host, port, timeout_s, self._process)
         except BaseException:
             self.stop()
             raise
         return self
 
     def _lock_data_dir(self) -> None:
-        d = self.data_dir
+        d = self._durable_dir
         try:
             d.mkdir(parents=True, exist_ok=True)
             probe = d / f".write-test-{os.getpid()}"
@@ -210,13 +221,14 @@ class LocalBroker:
 
     def _read_state(self) -> dict:
         try:
-            state = json.loads((self.data_dir / "broker.json").read_text())
+            state = json.loads((self._durable_dir / "broker.json").read_text())
             return state if isinstance(state, dict) else {}
         except (OSError, ValueError):
             return {}
 
     def _write_state(self, s3_port: int) -> None:
-        path = self.data_dir / "broker.json"
+        assert self._store is not None and self._process is not None  # both started before the state is written
+        path = self._durable_dir / "broker.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"port": self.port, "s3_port": s3_port, "owner_pid": os.getpid(),
                                    "s3_pid": self._store.pid, "tansu_pid": self._process.pid}) + "\n")

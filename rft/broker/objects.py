@@ -248,7 +248,8 @@ class ObjectStore:
         # every directory part of the prefix must be a plain name; the last (partial) part only filters names
         base = self.root.joinpath(*_parts(bucket, prefix.split("/")[:-1], what="prefix"))
         base_key = prefix.rsplit("/", 1)[0] + "/" if "/" in prefix else ""
-        files, prefixes = {}, set()  # key -> path; common prefixes
+        files: dict[str, str] = {}  # key -> path
+        prefixes: set[str] = set()  # common prefixes
         if not base.is_dir():
             return []
         if delimiter:
@@ -261,14 +262,14 @@ class ObjectStore:
                 elif entry.is_file():
                     files[key] = entry.path
         else:
-            for dirpath, dirnames, names in os.walk(base):
+            for dirpath, _dirnames, names in os.walk(base):
                 rel = os.path.relpath(dirpath, bucket_dir)
                 key_dir = "" if rel == "." else rel.replace(os.sep, "/") + "/"
                 for name in names:
                     key = key_dir + name
                     if not name.startswith(TMP_PREFIX) and key.startswith(prefix) and key > after:
                         files[key] = os.path.join(dirpath, name)
-        entries = []
+        entries: list[tuple[str, os.stat_result | None, str | None]] = []
         for key in sorted([*files, *prefixes])[:limit]:
             if key not in files:
                 entries.append((key, None, None))

@@ -45,9 +45,9 @@ if TYPE_CHECKING:
     from rft.transport.config import KafkaConfig
 
 __all__ = ["HEADER_ORIGIN", "Admin", "BrokerUnreachable", "DeadLetter", "Message", "PartitionInfo", "Position",
-           "PositionSpecError", "RecordMetadata", "RecordSink", "RecordSource", "RecordTooLarge", "SendFuture", "SinkBase", "SourceBase",
-           "Transport", "TransportError", "connect", "lag", "offset_key", "parse_offset_key", "parse_positions",
-           "parse_time_ms", "probe_bootstrap", "record_size"]
+           "PositionSpecError", "RecordMetadata", "RecordSink", "RecordSource", "RecordTooLarge", "SendFuture",
+           "SinkBase", "SourceBase", "Transport", "TransportError", "connect", "lag", "offset_key", "parse_offset_key",
+           "parse_positions", "parse_time_ms", "probe_bootstrap", "record_size"]
 
 
 def connect(kafka_cfg: KafkaConfig, bootstrap: str | None = None) -> Transport:

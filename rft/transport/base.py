@@ -67,7 +67,7 @@ class Position(str):
         return self.rpartition(":")[0]
 
     @property
-    def partition(self) -> int:
+    def partition(self) -> int:  # type: ignore[override]  # deliberate: a Position is never split as a str
         return int(self.rpartition(":")[2])
 
 
@@ -132,7 +132,7 @@ def record_size(value: bytes | None, key: bytes | None, headers: list[tuple[str,
 
 def parse_positions(specs: list[str], topic: str, option: str, partitions: int) -> dict[str, int]:
     """`["0:100", "1:250"]` -> {"topic:0": 100, "topic:1": 250}; PositionSpecError naming `option` otherwise."""
-    out = {}
+    out: dict[str, int] = {}
     for spec in specs:
         partition, sep, offset = spec.partition(":")
         if not sep or not partition.isdigit() or not offset.isdigit():
@@ -313,7 +313,7 @@ class SinkBase:
     """`send_record` and the size check, over an implementation's `send` and `limit`."""
     limit: int
 
-    def send_record(self, topic: str, record: Any, *, key: str | None = None) -> SendFuture:
+    def send_record(self: RecordSink, topic: str, record: Any, *, key: str | None = None) -> SendFuture:
         value, headers = encode(record)
         return self.send(topic, value, key=key, headers=headers)
 
@@ -331,12 +331,12 @@ class SinkBase:
 class SourceBase:
     """Iteration and replay bounds, over an implementation's `poll`, offsets and `read_offsets`."""
 
-    def __iter__(self) -> Iterator[Message]:
+    def __iter__(self: RecordSource) -> Iterator[Message]:
         while True:
             yield from self.poll()
 
-    def read_range(self, topic: str, *, start: dict[str, int] | None = None, end: dict[str, int] | None = None,
-                   from_time_ms: int | None = None, to_time_ms: int | None = None,
+    def read_range(self: RecordSource, topic: str, *, start: dict[str, int] | None = None,
+                   end: dict[str, int] | None = None, from_time_ms: int | None = None, to_time_ms: int | None = None,
                    idle_timeout_s: float = 10.0) -> Iterator[Message]:
         """Replay `[start, end)` offsets (default: whole topic as of now), optionally bounded by record
         time `[from_time_ms, to_time_ms)` (each record's own timestamp). Needs a source without a group.
@@ -345,7 +345,8 @@ class SourceBase:
         yield from self.read_offsets(begin, stop, from_time_ms=from_time_ms, to_time_ms=to_time_ms,
                                      idle_timeout_s=idle_timeout_s)
 
-    def replay_bounds(self, topic: str, *, start: dict[str, int] | None = None, end: dict[str, int] | None = None,
+    def replay_bounds(self: RecordSource, topic: str, *, start: dict[str, int] | None = None,
+                      end: dict[str, int] | None = None,
                       from_time_ms: int | None = None) -> tuple[dict[str, int], dict[str, int]]:
         """`(begin, stop)` offsets per partition of `topic` for a replay: the topic's current extent,
         narrowed by `start`/`end` ("topic:partition" -> offset) and by the first record at or after

@@ -90,6 +90,7 @@ def _hints(cls: type) -> dict[str, Any]:
 class Kind:
     """Base of the control kinds: `KIND` (the wire string), `to_message()`, `from_message()`."""
     KIND: ClassVar[str]
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # every kind is a dataclass
 
     @property
     def sender(self) -> str:
@@ -107,7 +108,8 @@ class Kind:
         """Validate `body` (see the module docstring); ControlError if it does not fit."""
         if not isinstance(body, dict):
             raise ControlError(f"{cls.KIND}: body must be a map, got {body!r:.80}")
-        hints, values = _hints(cls), {}
+        hints = _hints(cls)  # type: ignore[arg-type]  # mypy takes a class object for unhashable (type[X] vs Hashable)
+        values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.name in body:
                 values[f.name] = _check(cls.KIND, f.name, body[f.name], hints[f.name])
@@ -475,8 +477,8 @@ class ControlView:
             e.state, e.left_reason = "left", kind.reason
         elif isinstance(kind, ExplorerWeights):
             e.weights_version = kind.version
-        if getattr(kind, "weights_version", None) is not None:
-            e.weights_version = kind.weights_version
+        if (weights_version := getattr(kind, "weights_version", None)) is not None:
+            e.weights_version = weights_version
         for name in ("groups", "batches", "dead_letters", "admission_waits", "weights_refused"):
             if getattr(kind, name, None) is not None:
                 setattr(e, name, getattr(kind, name))

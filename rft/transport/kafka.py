@@ -97,7 +97,7 @@ def _nudge_stuck_waits() -> None:
             raise state["exception"]
         return state["value"]
 
-    run._rft_nudged = True
+    vars(run)["_rft_nudged"] = True  # the marker checked above: patched once per process
     selector.NetworkSelector.run = run
 
 
@@ -203,7 +203,7 @@ class _JoinListener(ConsumerRebalanceListener):
 class _GaplessReads:
     """Each partition's records without a gap from the offset it was sought to (KafkaSource's docstring, "Holes")."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.wait_s: float | None = None  # how long a hole is waited for; None: HOLE_WAIT_S
         self._next: dict[TopicPartition, int] = {}  # the offset each sought partition reads next
         self._first_seen: dict[tuple[TopicPartition, int], float] = {}  # (partition, missing offset) -> monotonic s
@@ -270,7 +270,7 @@ class KafkaSource(SourceBase):
         if group_instance_id:
             settings["group_instance_id"] = group_instance_id
         self._consumer = _connect(KafkaConsumer, "consumer", bootstrap, **settings)
-        self._probe = None
+        self._probe: KafkaConsumer | None = None
         self.group = group
         self._gapless = _GaplessReads()  # without a group (class docstring, "Holes")
         self._joined = threading.Event()
@@ -426,7 +426,7 @@ class KafkaSource(SourceBase):
         tps = self._partitions(topic)
         found = self._consumer.offsets_for_times({tp: timestamp_ms for tp in tps})
         ends = self.end_offsets(topic)
-        out = {}
+        out: dict[str, int] = {}
         for tp in tps:
             key, hit = _key(tp), found.get(tp)
             offset = ends[key] if hit is None else hit.offset

@@ -69,6 +69,12 @@ class _Broker:
         records = self.partitions(position.topic)[position.partition]
         return records[index] if 0 <= index < len(records) else None
 
+    def held(self, key: str, offset: int) -> Message:
+        """The record at `offset`, which the caller knows is held (beginning <= offset < end, under the lock)."""
+        m = self.record(key, offset)
+        assert m is not None, f"{key}@{offset} is not held"
+        return m
+
     def pick_partition(self, topic: str, key: bytes | None) -> int:
         count = len(self.partitions(topic))
         if key is not None:
@@ -87,7 +93,7 @@ class _Broker:
         """Share the subscribed partitions round-robin over the members, in join order. A member that loses a
         partition forgets its position there: whoever takes it starts at the group's committed offset."""
         members = self.groups[group].members
-        keys = sorted({k for member in members for t in member.subscription if t in self.logs
+        keys: list[str] = sorted({k for member in members for t in member.subscription if t in self.logs
                        for k in (offset_key(t, p) for p in range(len(self.logs[t])))})
         for i, member in enumerate(members):
             member._assigned = keys[i::len(members)]
@@ -242,7 +248,7 @@ class MemorySource(SourceBase):
             out = {}
             for key in self.partitions(topic):
                 offset, end = self._broker.beginning(key), self._broker.end(key)
-                while offset < end and self._broker.record(key, offset).timestamp_ms < timestamp_ms:
+                while offset < end and self._broker.held(key, offset).timestamp_ms < timestamp_ms:
                     offset += 1
                 out[key] = offset
             return out
@@ -256,7 +262,7 @@ class MemorySource(SourceBase):
         self.seek({k: begin[k] for k in pending})
         for key in pending:
             with self._broker.changed:
-                records = [self._broker.record(key, o) for o in range(max(begin[key], self._broker.beginning(key)),
+                records = [self._broker.held(key, o) for o in range(max(begin[key], self._broker.beginning(key)),
                                                                       min(stop[key], self._broker.end(key)))]
             self._positions[key] = stop[key]
             yield from (m for m in records if (from_time_ms is None or m.timestamp_ms >= from_time_ms)

@@ -58,10 +58,10 @@ directory carries a manifest (sizes and SHA-256 of every file, per-stage shards 
 explorer loads only its own store's directory of the announced version, after checking it against the manifest,
 and joins only push groups at allowed addresses; what it refuses is logged, counted, and its weights stay.
 
-Tested with in-memory fakes in tests/unit/test_weights_ordering.py; trust in tests/unit/test_weights_trust.py; the wire protocol over gloo in
-tests/integration/test_weight_push.py; a push failing in a two-rank trainer in tests/distributed/test_push_abort.py;
-the bucket store, its host cache and deltas against rft's object server and moto's in
-tests/integration/test_bucket_store.py (deltas alone: tests/unit/test_weight_delta.py; per-stage publishing into a
+Tested with in-memory fakes in tests/unit/test_weights_ordering.py; trust in tests/unit/test_weights_trust.py; the wire
+protocol over gloo in tests/integration/test_weight_push.py; a push failing in a two-rank trainer in
+tests/distributed/test_push_abort.py; the bucket store, its host cache and deltas against rft's object server and moto's
+in tests/integration/test_bucket_store.py (deltas alone: tests/unit/test_weight_delta.py; per-stage publishing into a
 bucket: tests/distributed/test_stage_publish.py); a fleet that reaches only the broker and a bucket in
 tests/e2e/test_bucket_fleet.py.
 """

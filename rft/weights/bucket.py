@@ -83,6 +83,8 @@ from rft.weights.store import (
 
 if TYPE_CHECKING:
     import torch
+    from obstore import PutMode
+    from obstore.store import S3Config
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,11 @@ class BucketStore:
         self.root = f"{S3_SCHEME}{bucket}/{prefix}".rstrip("/")
         self.keep, self.delta = keep, delta
         endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL", "") or os.environ.get("AWS_ENDPOINT", "")
-        config = {key: value for key, value in (("endpoint", endpoint), ("region", region)) if value}
+        config: S3Config = {}
+        if endpoint:
+            config["endpoint"] = endpoint
+        if region:
+            config["region"] = region
         self.objects = S3Store(bucket, prefix=prefix or None, config=config,
                                client_options={"allow_http": endpoint.startswith("http://")})
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
@@ -188,7 +194,7 @@ class BucketStore:
             raise FileNotFoundError(f"{self.root}/{key} is not there") from None
         return digest.hexdigest()
 
-    def read_latest(self) -> tuple[int, str] | None:
+    def read_latest(self) -> tuple[int, str | None] | None:
         """(version, ETag) of LATEST, None when absent; WeightStoreError when it is not a version number."""
         try:
             result = obstore.get(self.objects, LATEST)
@@ -295,7 +301,7 @@ class BucketWriter:
             current = self.store.read_latest()
             if current is not None and current[0] >= version:
                 return
-            mode = "create" if current is None else {"e_tag": current[1]}
+            mode: PutMode = "create" if current is None else {"e_tag": current[1]}
             try:
                 obstore.put(self.objects, LATEST, f"{version}\n".encode(), mode=mode, use_multipart=False)
                 return

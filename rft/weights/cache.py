@@ -96,10 +96,10 @@ class HostCache:
         """The cached, complete directory of `version`, built first if needed (module docstring).
         FileNotFoundError when the store does not have it (not yet, or any more)."""
         path = self.path(version)
-        if self._whole(path):
+        if self._whole(version):
             return path
         with self._locked():
-            if self._whole(path):  # another process built it while this one waited
+            if self._whole(version):  # another process built it while this one waited
                 return path
             if path.exists():  # short files (a crash after the rename): out of the namespace first, then rebuilt
                 os.rename(path, self.directory / f".trash-{version_dirname(version)}-{uuid.uuid4().hex[:8]}")
@@ -114,9 +114,10 @@ class HostCache:
                  done["deltas_applied"], done["delta_fallbacks"], done["files_linked"])
         return path
 
-    def _whole(self, path: Path) -> bool:
-        """Whether the cached version at `path` is there with every file of its manifest at its size (a stat each)."""
-        manifest = self._cached_manifest(version_of(path))
+    def _whole(self, version: int) -> bool:
+        """Whether the cached `version` is there with every file of its manifest at its size (a stat each)."""
+        path = self.path(version)
+        manifest = self._cached_manifest(version)
         if manifest is None:
             return False
         try:
@@ -178,7 +179,7 @@ class _Plan:
 
     def __init__(self, cache: HostCache, version: int, manifest: dict):
         self.cache, self.version = cache, version
-        self.linkable: dict[tuple[str, str], Path] = {}  # (name, sha256) -> a cached file with that content
+        self.linkable: dict[tuple[str, str | None], Path] = {}  # (name, sha256) -> a cached file with that content
         for v in cache.versions():  # newest last: its files win
             cached = cache._cached_manifest(v)
             for name, entry in (cached or {}).get("files", {}).items():
@@ -213,16 +214,18 @@ class _Plan:
 
     def _from_delta(self, name: str, entry: dict, out: Path) -> bool:
         """Rebuild `name` from the base's copy and its delta; False (counted, logged) when that fails or differs."""
-        base_entry = self.base.get("files", {}).get(name)
+        base, base_version = self.base, self.base_version
+        assert base is not None and isinstance(base_version, int)  # only a cached base's files have deltas planned
+        base_entry = base.get("files", {}).get(name)
         try:
             if base_entry is None:
-                raise deltas.DeltaError(f"version {self.base_version} has no {name}")
+                raise deltas.DeltaError(f"version {base_version} has no {name}")
             data = self.cache.source.read(self.version, name + deltas.SUFFIX)
             self.cache.count("bytes_downloaded", len(data))
             self.cache.count("delta_bytes", len(data))
             if bytes_entry(data) != self.deltas[name]:
                 raise deltas.DeltaError("the delta does not match its manifest entry")
-            deltas.apply(data, self.cache.path(self.base_version) / name, out, base_sha256=base_entry[CHECKSUM])
+            deltas.apply(data, self.cache.path(base_version) / name, out, base_sha256=base_entry[CHECKSUM])
             if file_entry(out) != {"size": entry.get("size"), CHECKSUM: entry.get(CHECKSUM)}:
                 out.unlink()
                 raise deltas.DeltaError("the rebuilt file does not match the manifest")

@@ -51,7 +51,7 @@ class DeltaError(ValueError):
     """A delta that cannot be applied to this base (malformed, for another base or header, out of range)."""
 
 
-def header_bytes(data: bytes | memoryview) -> bytes:
+def header_bytes(data: bytes | memoryview | mmap.mmap) -> bytes:
     """The first 8 + N bytes of a safetensors file's contents (its length field and JSON header)."""
     if len(data) < 8:
         raise DeltaError("not a safetensors file: shorter than 8 bytes")
@@ -145,7 +145,8 @@ def _patch(data: mmap.mmap, body: dict) -> None:
         itemsize = _ITEMSIZE.get(info["dtype"])
         begin, end = info["data_offsets"]
         count, width = entry.get("count"), entry.get("gap_width")
-        if entry.get("itemsize") != itemsize or width not in _WIDTHS or not isinstance(count, int) or count < 1:
+        if (itemsize is None or entry.get("itemsize") != itemsize or width not in _WIDTHS or not isinstance(count, int)
+                or count < 1):
             raise DeltaError(f"{body['file']}: tensor {name}: bad itemsize, gap width or count in the delta")
         elements = (end - begin) // itemsize
         gaps = np.frombuffer(_inflate(entry.get("gaps"), count * width), dtype=_WIDTHS[width]).astype(np.int64)
@@ -167,5 +168,6 @@ def _inflate(blob: object, size: int) -> bytes:
     except zlib.error as e:
         raise DeltaError(f"corrupt compressed data: {e}") from None
     if len(out) != size or inflate.unconsumed_tail or not inflate.eof:
-        raise DeltaError(f"compressed data of {len(out)}{'+' if inflate.unconsumed_tail else ''} bytes, expected {size}")
+        more = "+" if inflate.unconsumed_tail else ""
+        raise DeltaError(f"compressed data of {len(out)}{more} bytes, expected {size}")
     return out

@@ -109,7 +109,8 @@ class WeightPublisher:
         self.last_write_s = time.monotonic() - started
 
     def _push(self, version: int, buckets: Iterable[dict], offsets: dict[str, int]) -> bool:
-        group_id = self.sender.spec.group_id
+        sender = self._sender()
+        group_id = sender.spec.group_id
         try:
             if not self._connected:
                 self._form_group()
@@ -117,27 +118,33 @@ class WeightPublisher:
             started = time.monotonic()
             if self.adapter_config is not None:  # self-describing: the receiver writes the PEFT directory
                 buckets = itertools.chain([pushed_adapter_bucket(self.adapter_config)], buckets)
-            sent = self.sender.send(version, buckets)
+            sent = sender.send(version, buckets)
             log.info("pushed version %d (%.1f MB) in %.2f s", version, sent / 1e6, time.monotonic() - started)
             return True
         except PushError as e:
             log.warning("weight push failed, switching to the pull path for the rest of the run: %s", e)
             self.announce(PushAbandoned(group_id=group_id, version=version, reason=str(e)[:500]))
-            self.sender.close()
+            sender.close()
             self.method, self.sender = "pull", None
             return False
 
+    def _sender(self) -> Sender:
+        """The push group's rank 0: there is one while the method is push (dropped with the switch to pull)."""
+        assert self.sender is not None, "push without a sender"
+        return self.sender
+
     def _form_group(self) -> None:
-        spec, members = self.sender.spec, self.sender.spec.world_size - 1
+        sender = self._sender()
+        spec, members = sender.spec, sender.spec.world_size - 1
         deadline = time.monotonic() + spec.timeout_s
-        while (joined := self.sender.members_joined()) < members:
+        while (joined := sender.members_joined()) < members:
             if time.monotonic() > deadline:
                 raise PushError(f"only {joined} of {members} explorer engine workers joined the push group within "
                                 f"sync.timeout_s={spec.timeout_s:g}")
             self.announce(spec)
             time.sleep(self.ANNOUNCE_EVERY_S)
         try:
-            self.sender.connect()
+            sender.connect()
         except RuntimeError as e:
             raise PushError(f"connecting the push group: {e}") from e
         self._connected = True

@@ -53,11 +53,15 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rft.processes import listening_socket
 from rft.transport.control import ControlError, PushGroup
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11; annotations only (3.10 runs this module)
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +243,7 @@ class PushSender(_Member):
 
     @classmethod
     def host(cls, *, host: str, world_size: int, group_id: str, timeout_s: float,
-             backend: str | None = None, port: int = 0) -> PushSender:
+             backend: str | None = None, port: int = 0) -> Self:
         """Start the group's TCPStore listening on `host` only (`port` 0: a free one). Members join later."""
         if world_size < 2:
             raise PushError(f"a push group needs at least one explorer engine (world size {world_size})")
@@ -269,7 +273,7 @@ class PushSender(_Member):
     def _send_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
         tensors = [t.detach().contiguous() for t in bucket.values()]
         manifest = json.dumps([[name, str(t.dtype).removeprefix("torch."), list(t.shape)]
-                               for name, t in zip(bucket, tensors)]).encode()
+                               for name, t in zip(bucket, tensors, strict=True)]).encode()
         self._broadcast(torch.tensor([len(manifest)], dtype=torch.int64, device=self.device))
         self._broadcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(self.device))
         payload = torch.cat([t.reshape(-1).view(torch.uint8).to(self.device) for t in tensors])
@@ -306,7 +310,7 @@ class PushReceiver(_Member):
             sizes = [_nbytes(dtype, shape) for _, dtype, shape in manifest]
             payload = self._broadcast(torch.empty(sum(sizes), dtype=torch.uint8, device=self.device))
             offset = 0
-            for (name, dtype, shape), size in zip(manifest, sizes):
+            for (name, dtype, shape), size in zip(manifest, sizes, strict=True):
                 chunk = payload[offset:offset + size]
                 offset += size
                 yield name, _typed(chunk, getattr(torch, dtype)).reshape(shape)

@@ -246,6 +246,12 @@ class WeightStore:
                                    adapter_config=adapter_config)
 
 
+def _local_dir(staging: Staging) -> Path:
+    """A directory store's staging directory (`DirectoryWriter.stage` and `Staging.from_json` make it a Path)."""
+    assert isinstance(staging.dir, Path), f"not a directory store's staging: {staging.dir!r}"
+    return staging.dir
+
+
 class DirectoryWriter:
     """The directory store's publishing part (the one writer of its root, module docstring: temporary directory,
     manifest, rename; then LATEST forward and garbage collection). Its store's `stage`, `write_stage` and `publish`
@@ -258,25 +264,26 @@ class DirectoryWriter:
         check_stage_count(version, stages)
         if self.store.path(version).exists():
             return None
-        staging = Staging(version=version, dir=self._temporary(version), stages=stages)
-        staging.dir.mkdir()
-        return staging
+        directory = self._temporary(version)
+        directory.mkdir()
+        return Staging(version=version, dir=directory, stages=stages)
 
     def write_stage(self, staging: Staging, stage: int, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
         check_stage(staging, stage)
-        if not staging.dir.is_dir():
-            raise WeightStoreError(f"version {staging.version}: the staging directory {staging.dir} is not there: "
+        directory = _local_dir(staging)
+        if not directory.is_dir():
+            raise WeightStoreError(f"version {staging.version}: the staging directory {directory} is not there: "
                                    f"every pipeline stage's publishing rank must see the weight store at the same "
                                    f"path (sync.weight_store on a shared filesystem)")
         try:
-            weight_map, total = self._write_shards(staging.dir, buckets, prefix=f"model-stage{stage:02d}")
-            files = {shard: file_entry(staging.dir / shard) for shard in sorted(set(weight_map.values()))}
-            _write_atomically(staging.dir / stage_manifest(stage), json.dumps(
+            weight_map, total = self._write_shards(directory, buckets, prefix=f"model-stage{stage:02d}")
+            files = {shard: file_entry(directory / shard) for shard in sorted(set(weight_map.values()))}
+            _write_atomically(directory / stage_manifest(stage), json.dumps(
                 {"version": staging.version, "stage": stage, "total_size": total, "weight_map": weight_map,
                  "files": files}))
         except BaseException as e:
             try:
-                _write_atomically(staging.dir / stage_failed(stage), failure_reason(e))
+                _write_atomically(directory / stage_failed(stage), failure_reason(e))
             except OSError:
                 pass  # the directory is gone: the publishing rank gave up on this version already
             raise
@@ -290,7 +297,7 @@ class DirectoryWriter:
             log.info("weight store: version %d already published at %s", version, final)
             self._advance_latest(version)
             return final
-        tmp = staging.dir if staging is not None else self._temporary(version)
+        tmp = _local_dir(staging) if staging is not None else self._temporary(version)
         try:
             files: dict[str, dict] = {}
             if staging is None:
@@ -359,17 +366,19 @@ class DirectoryWriter:
     def _gather_stages(staging: Staging, wait_s: float) -> tuple[dict[str, str], int, dict[str, dict]]:
         """Every stage's manifest merged (`gather_stages`); then the manifests are dropped. Returns (tensor name ->
         shard, total bytes, shard -> manifest entry)."""
+        directory = _local_dir(staging)
+
         def read(name: str) -> bytes | None:
             try:
-                return (staging.dir / name).read_bytes()
+                return (directory / name).read_bytes()
             except FileNotFoundError:
                 return None
 
-        merged = gather_stages(staging, wait_s, read=read, progress=lambda: len(os.listdir(staging.dir)),
-                               where=str(staging.dir), reach="does it see the weight store at the same path (a "
-                                                                 "shared filesystem)")
+        merged = gather_stages(staging, wait_s, read=read, progress=lambda: len(os.listdir(directory)),
+                               where=str(directory), reach="does it see the weight store at the same path (a "
+                                                           "shared filesystem)")
         for stage in range(staging.stages):
-            (staging.dir / stage_manifest(stage)).unlink()
+            (directory / stage_manifest(stage)).unlink()
         return merged.weight_map, merged.total_bytes, merged.files
 
     @staticmethod

@@ -20,9 +20,11 @@ if TYPE_CHECKING:
 
 class VersionStore(Protocol):
     """What both stores offer (their docstrings state the contracts). `root`: the directory or the URL."""
-    root: Path | str
     keep: int
     delta: bool  # whether it keeps the tensors it publishes as the next delta's base (then nothing may change them)
+
+    @property
+    def root(self) -> Path | str: ...  # read-only: a WeightStore's is a Path, a BucketStore's a str
 
     def location(self, version: int) -> str: ...
     def latest(self) -> tuple[int, Path | str] | None: ...

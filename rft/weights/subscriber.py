@@ -2,14 +2,14 @@
 newest version (the store's LATEST or an announcement, never going back), `PushMembership` takes part in the
 trainer's push group, `load_newest_weights` reloads an engine in place.
 
-Trust (docs/operations.md, "Trust"): the control topic is not trusted. A `weights` announcement's path is loaded
-only if it is the announced version's location in this explorer's own weight store (`local`: a directory store's
-directory once symlinks are resolved, where a path that does not exist here names the same version in this store: the
-trainer's mount point may differ; a bucket store's URL of that version), and only after the version matches its
-manifest (a directory store: `verify_version`, sizes always, SHA-256 checksums with `sync.verify`; a bucket store:
-every file's size and SHA-256 as this host's cache fetches it, rft.weights.cache). A push-group announcement is joined only if its address is allowed
-(`PushAllowList`: `sync.push_allow`, else `sync.push_host`, else this host). A refused announcement or version is
-logged (one line), counted (`WeightUpdates.refused`, in the explorer's heartbeat and metrics) and never tried again;
+Trust (docs/operations.md, "Trust"): the control topic is not trusted. A `weights` announcement's path is loaded only if
+it is the announced version's location in this explorer's own weight store (`local`: a directory store's directory once
+symlinks are resolved, where a path that does not exist here names the same version in this store: the trainer's mount
+point may differ; a bucket store's URL of that version), and only after the version matches its manifest (a directory
+store: `verify_version`, sizes always, SHA-256 checksums with `sync.verify`; a bucket store: every file's size and
+SHA-256 as this host's cache fetches it, rft.weights.cache). A push-group announcement is joined only if its address is
+allowed (`PushAllowList`: `sync.push_allow`, else `sync.push_host`, else this host). A refused announcement or version
+is logged (one line), counted (`WeightUpdates.refused`, in the explorer's heartbeat and metrics) and never tried again;
 the engine keeps its current weights."""
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def _addresses(host: str) -> set[str]:
     except ValueError:
         pass
     try:
-        return {info[4][0] for info in socket.getaddrinfo(host, None)}
+        return {info[4][0] for info in socket.getaddrinfo(host, None) if isinstance(info[4][0], str)}
     except (OSError, UnicodeError):
         return set()
 
@@ -244,4 +244,4 @@ def load_newest_weights(engine: Engine, newest: Callable[[], tuple[int, Path] | 
         seconds = round(time.monotonic() - started, 3)
         log.info("loaded weights version %d in %.2f s", version, seconds)
         return version, seconds
-    raise RuntimeError(f"could not load weights version {found[0]} from {found[1]} after {tries} tries")
+    raise RuntimeError(f"could not load weights version {version} from {path} after {tries} tries")

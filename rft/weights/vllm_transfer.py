@@ -42,8 +42,8 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -52,6 +52,8 @@ from rft.processes import free_port
 from rft.weights.push import JOINED_COUNTER, RANK_COUNTER, PushError, PushGroupSpec, PushSender
 
 if TYPE_CHECKING:
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+
     from rft.explorer.config import ExplorerConfig
     from rft.weights.config import SyncConfig
 
@@ -132,12 +134,21 @@ class _Keys:
 # Trainer side
 
 
+class DataPlane(Protocol):
+    """How VLLMSender's buckets travel once the engines joined: vLLM's NCCL group (NcclDataPlane) or a test's
+    stand-in, built from the INIT_KEY record."""
+
+    def open(self) -> None: ...
+    def broadcast(self, bucket: Mapping[str, torch.Tensor]) -> None: ...
+    def close(self) -> None: ...
+
+
 class NcclDataPlane:
     """Rank 0 of vLLM's NCCL weight-transfer group: opened by `open`, one packed broadcast per bucket. GPU only."""
 
     def __init__(self, init: dict):
         self.init = init
-        self.group = None
+        self.group: PyNcclCommunicator | None = None
         self.device = torch.device("cuda", torch.cuda.current_device())
 
     def open(self) -> None:
@@ -169,7 +180,7 @@ class VLLMSender(PushSender):
     on the same host and records it, with the packed-broadcast geometry, under INIT_KEY. `data_plane`: how the
     NCCL group is made from that record (default NcclDataPlane; tests pass a stand-in, see the module docstring)."""
 
-    data_plane_cls = NcclDataPlane
+    data_plane_cls: Callable[[dict], DataPlane] = NcclDataPlane
 
     def __init__(self, spec: PushGroupSpec, store):
         super().__init__(spec, store)
@@ -177,7 +188,7 @@ class VLLMSender(PushSender):
                      "packed_buffer_size_bytes": PACKED_BUFFER_BYTES, "packed_num_buffers": PACKED_BUFFERS}
         self.store.set(INIT_KEY, json.dumps(self.init))
         self.pushed = 0  # versions pushed in this group
-        self.plane = None
+        self.plane: DataPlane | None = None
 
     @classmethod
     def host(cls, *, host: str, world_size: int, group_id: str, timeout_s: float,
@@ -190,7 +201,6 @@ class VLLMSender(PushSender):
         `init_weight_transfer_engine` until then)."""
         self.plane = self.data_plane_cls(self.init)
         self.plane.open()
-        self.group = self.plane
 
     def send(self, version: int, buckets: Iterable[dict[str, torch.Tensor]]) -> float:
         """Push one version (module docstring: control protocol); returns the bytes sent once every engine
@@ -202,18 +212,18 @@ class VLLMSender(PushSender):
         sent, index = 0, 0
         try:
             self.store.set(keys.version, str(version))
-            self._wait(keys.ready, members, keys, f"version {version}: explorer engines ready to receive")
+            self._wait_count(keys.ready, members, keys, f"version {version}: explorer engines ready to receive")
             for bucket in buckets:
                 if not bucket:
                     continue
                 self.store.set(keys.bucket(index), json.dumps(update_info(bucket)))
                 index += 1
-                self._broadcast(bucket, f"version {version}, bucket {index - 1}")
+                self._broadcast_bucket(bucket, f"version {version}, bucket {index - 1}")
                 sent += sum(t.numel() * t.element_size() for t in bucket.values())
-                self._wait(keys.got(index - 1), members, keys, f"version {version}: bucket {index - 1} loaded")
+                self._wait_count(keys.got(index - 1), members, keys, f"version {version}: bucket {index - 1} loaded")
             self.store.set(keys.bucket(index), "null")
             index += 1
-            self._wait(keys.ok, members, keys, f"version {version}: update finished")
+            self._wait_count(keys.ok, members, keys, f"version {version}: update finished")
         except (PushError, RuntimeError, ValueError) as e:
             try:  # receivers waiting for the next bucket stop instead of timing out
                 self.store.set(keys.bucket(index), json.dumps({"abort": str(e)[:500]}))
@@ -222,13 +232,15 @@ class VLLMSender(PushSender):
             raise e if isinstance(e, PushError) else PushError(f"pushing version {version} failed: {e}") from e
         return sent
 
-    def _broadcast(self, bucket: Mapping[str, torch.Tensor], what: str) -> None:
+    def _broadcast_bucket(self, bucket: Mapping[str, torch.Tensor], what: str) -> None:
         """The NCCL broadcast has no timeout of its own: run it aside and wait at most sync.timeout_s."""
         error: list[BaseException] = []
+        plane = self.plane
+        assert plane is not None  # `send` checked it
 
-        def run():
+        def run() -> None:
             try:
-                self.plane.broadcast(bucket)
+                plane.broadcast(bucket)
             except BaseException as e:  # handed to the sending thread below
                 error.append(e)
 
@@ -241,7 +253,7 @@ class VLLMSender(PushSender):
         if error:
             raise PushError(f"{what}: broadcast failed: {error[0]}") from error[0]
 
-    def _wait(self, key: str, target: int, keys: _Keys, what: str) -> None:
+    def _wait_count(self, key: str, target: int, keys: _Keys, what: str) -> None:
         deadline = time.monotonic() + self.spec.timeout_s
         while int(self.store.add(key, 0)) < target:
             if self.store.check([keys.failed]):
@@ -252,8 +264,9 @@ class VLLMSender(PushSender):
             time.sleep(POLL_S)
 
     def close(self) -> None:
-        if getattr(self, "plane", None) is not None:
-            self.plane.close()
+        plane = getattr(self, "plane", None)
+        if plane is not None:
+            plane.close()
             self.plane = None
         super().close()
 
@@ -285,7 +298,8 @@ class VLLMReceiver:
                             "CUDA (set sync.push_transport: rft for the gloo broadcast)")
         if getattr(llm.llm_engine.vllm_config, "weight_transfer_config", None) is None:
             raise PushError("this vLLM engine was built without weight_transfer_config; build it with "
-                            "VLLMEngine(weight_transfer=True) (rft explorer does so when sync.push_transport selects vllm)")
+                            "VLLMEngine(weight_transfer=True) (rft explorer does so when sync.push_transport selects "
+                            "vllm)")
         workers = int(llm.get_world_size(include_dp=False))
         store = torch.distributed.TCPStore(group.host, group.port, group.world_size, is_master=False,
                                            timeout=datetime.timedelta(seconds=group.timeout_s))
