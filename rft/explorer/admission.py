@@ -396,7 +396,7 @@ def fleet_capacity(max_staleness: int, version: int, groups_per_step: int, accep
 def capacity(max_staleness: int, version: int, groups_per_step: int, accepted_fleet: int, *, explorers: int = 1,
              rank: int = 0, here: int = 0, backlog: int = 0, keep: float = 1.0) -> int:
     """The formula of the module docstring, the one place it is written (StalenessAdmission and the fleet simulator,
-    rft/bench/simulate.py, both call it): the groups the explorer of `rank` among `explorers` may start now,
+    benchmarks/simulate.py, both call it): the groups the explorer of `rank` among `explorers` may start now,
     share(fleet_capacity(...)) - here, `here` = accepted_here + running. <= 0: none."""
     return share(fleet_capacity(max_staleness, version, groups_per_step, accepted_fleet, backlog=backlog, keep=keep),
                  explorers, rank) - here

@@ -3,7 +3,7 @@ with and without static membership (`group_instance_id`, KIP-345), against a rea
 
 Starts a local broker (`rft.broker.local.LocalBroker`; `--bootstrap` uses another), creates a topic of `--partitions`
 partitions and produces a steady stream into it (`--rate` records/s, round-robin over the partitions). Three
-consumers A, B, C (real processes: `python -m rft.bench.membership consume ...`, each an `rft.transport`
+consumers A, B, C (real processes: `python -m benchmarks.membership consume ...`, each an `rft.transport`
 source in one consumer group, committing after every poll) consume it. Then, one after the other:
 
   join      a fourth consumer D starts;
@@ -84,7 +84,7 @@ class Member:
                  log_dir: Path):
         self.name, self.times = name, []
         self.held: list[tuple[float, list[int]]] = []  # (time, partitions held) from every line
-        command = [sys.executable, "-m", "rft.bench.membership", "consume", "--bootstrap", bootstrap,
+        command = [sys.executable, "-m", "benchmarks.membership", "consume", "--bootstrap", bootstrap,
                    "--topic", topic, "--group", group, "--name", name,
                    "--session-timeout-ms", str(session_timeout_ms)]
         if static:

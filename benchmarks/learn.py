@@ -15,7 +15,7 @@ Method.
   weight store under `--out`. Its clock starts when `rft run` is launched: start-up (broker, engines, trainer) is
   part of the user's wall-clock and counts. When the budget has elapsed the run is stopped (SIGTERM to its process
   group; `rft run` stops every part).
-- TRL: `GRPOTrainer` on the same config (rft/bench/trl_reference.py says what is mapped to what, and what is not), HF
+- TRL: `GRPOTrainer` on the same config (benchmarks/trl_reference.py says what is mapped to what, and what is not), HF
   generate, in a child process whose clock starts when it is launched.
 - Accuracy against wall-clock without evaluating during training: at each of `--marks` times budget x i / marks,
   the newest weights are snapshotted. rft: the weight store's newest complete version (LATEST), hard-linked file
@@ -74,7 +74,7 @@ from pathlib import Path
 
 import yaml
 
-from rft.bench.trl_reference import TRLReferenceError, check_trl_config, run_trl, step_note, trl_missing, within_budget
+from benchmarks.trl_reference import TRLReferenceError, check_trl_config, run_trl, step_note, trl_missing, within_budget
 from rft.config import Config, ConfigError, apply_override, load_yaml
 from rft.processes import signal_group
 from rft.run.loading import load_run_config
@@ -282,7 +282,7 @@ def rft_signal(steps: list[dict], started: float, budget_s: float) -> dict:
 
 
 def trl_signal(records: list[dict], budget_s: float) -> dict:
-    """The same for TRL, from its per-step log (`trl/metrics.jsonl`, rft/bench/trl_reference.py `log_record`):
+    """The same for TRL, from its per-step log (`trl/metrics.jsonl`, benchmarks/trl_reference.py `log_record`):
     steps; steps without a gradient (every group's samples scored alike: `frac_reward_zero_std` 1); the median share
     of groups with a gradient (1 - `frac_reward_zero_std`: TRL trains on every group, rft's filter keeps those);
     the median entropy."""
@@ -312,7 +312,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def run_trl_system(config: str, *, out: Path, budget_s: float, marks: int, env: dict) -> dict:
-    """TRL on the config for `budget_s` seconds from launch (rft/bench/trl_reference.py)."""
+    """TRL on the config for `budget_s` seconds from launch (benchmarks/trl_reference.py)."""
     missing = trl_missing()
     if missing:
         return {"system": "trl", "skipped": missing, "marks": []}
@@ -510,7 +510,7 @@ def print_report(result: dict) -> None:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rft bench learn", description="Held-out accuracy against wall-clock for "
                                      "rft and TRL's GRPOTrainer, each trained on the same config for the same budget "
-                                     "(the method: rft/bench/learn.py's docstring).")
+                                     "(the method: benchmarks/learn.py's docstring).")
     parser.add_argument("--config", default="configs/smollm2-arithmetic.yaml",
                         help="the run config, with eval.sets (default: %(default)s)")
     parser.add_argument("--budget-s", type=float, default=720.0,

@@ -337,7 +337,7 @@ FLEETS = [1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rft bench simulate", description=__doc__.split("\n")[0])
-    parser.add_argument("--stage-times", type=Path, help="JSON of Stages fields (defaults: see rft/bench/simulate.py)")
+    parser.add_argument("--stage-times", type=Path, help="JSON of Stages fields (defaults: see benchmarks/simulate.py)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override one stage field")
     parser.add_argument("--explorers", type=int, nargs="+", default=FLEETS)
     parser.add_argument("--partitions", type=int, nargs="+", default=[4])

@@ -1,6 +1,6 @@
 """TRL's `GRPOTrainer` trained on an rft run config: the reference the benchmarks race rft against.
 
-`run_trl(config, ...)` starts one child process (`python -m rft.bench.trl_reference SPEC`, SPEC is JSON; the child has
+`run_trl(config, ...)` starts one child process (`python -m benchmarks.trl_reference SPEC`, SPEC is JSON; the child has
 its own torch thread settings and imports) and returns the child's result. The child trains TRL on exactly what the
 rft config describes:
 - tasks: every task the run's task publisher would publish, in its order (`build_picker(data).drain()`, the
@@ -94,7 +94,7 @@ def run_trl(config: str | os.PathLike, *, out: Path, env: dict, timeout_s: float
             "budget_s": budget_s, "marks": marks, "started_at": started_at or time.time(), "progress": progress}
     log_path = out / "trl.log"
     with open(log_path, "ab") as log:
-        child = subprocess.Popen([sys.executable, "-m", "rft.bench.trl_reference", json.dumps(spec)], env=env,
+        child = subprocess.Popen([sys.executable, "-m", "benchmarks.trl_reference", json.dumps(spec)], env=env,
                                  stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
         killer = threading.Timer(timeout_s, child.kill)
         killer.start()
@@ -351,7 +351,7 @@ def train(spec: dict) -> dict:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m rft.bench.trl_reference SPEC_JSON (started by run_trl)", file=sys.stderr)
+        print("usage: python -m benchmarks.trl_reference SPEC_JSON (started by run_trl)", file=sys.stderr)
         return 2
     print(RESULT_PREFIX + json.dumps(train(json.loads(argv[0]))), flush=True)
     return 0

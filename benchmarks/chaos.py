@@ -84,7 +84,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from rft.bench.run_support import (
+from benchmarks.runs import (
     consumed,
     latest_checkpoint_state,
     log_tail,
