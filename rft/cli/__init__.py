@@ -4,8 +4,9 @@ commands share lives in `rft.run.commandline`.
 
 Errors every command can meet are reported here, once, as one line on stderr and an exit status (docs/operations.md):
   2  bad input: a config that does not load or check (ConfigError: the file, the key), bad arguments
-  3  the command is not available in this build (`rft bench`, `rft chaos` outside a source checkout), or it (or a feature it was asked for) needs an optional extra that
-     is not installed (MissingExtra: the feature, the extra and the pip command; rft/extras.py)
+  3  the command is not available in this build (`rft bench`, `rft chaos` outside a source checkout), or it (or a
+     feature it was asked for) needs an optional extra that is not installed (MissingExtra: the feature, the extra
+     and the pip command; rft/extras.py)
   4  the Kafka broker cannot be reached (BrokerUnreachable: the address and why) or failed (TransportError), or
      the local broker cannot start (BrokerError: a port in use, a data directory not writable or in use)
 `rft --debug COMMAND ...` or RFT_DEBUG=1 shows the traceback instead."""

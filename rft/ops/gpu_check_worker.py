@@ -78,7 +78,7 @@ def _micro_batches(vocab_size: int, *, count: int = 2, rows: int = 4, length: in
         mask[:, :8] = 0
         batches.append({"input_ids": tokens[:, :-1].contiguous(), "target_ids": tokens[:, 1:].contiguous(),
                         "position_ids": torch.arange(length).expand(rows, -1).contiguous(), "loss_mask": mask})
-    total = sum(b["loss_mask"].sum() for b in batches)
+    total = torch.stack([b["loss_mask"].sum() for b in batches]).sum()
     for b in batches:
         b["global_tokens"] = total.clone()
     return batches
