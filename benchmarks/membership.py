@@ -16,8 +16,8 @@ than the one that changed (A and B, with C for join and leave) consumed nothing 
 between two records of the stream (1 / rate), floored at 0; "own" is the longest pause of the restarted member
 itself (from its stop to its first record after starting again), and "covered" the time after the event from which
 the members present together held every partition to the end of the window (none: some partition was left without
-a consumer, e.g. a static member's after it stopped, until the broker expired it). A consumer prints one JSON line per poll that
-returned records and at least one a second (`{"t": time, "n": records, "partitions": [held]}`); the
+a consumer, e.g. a static member's after it stopped, until the broker expired it). A consumer prints one JSON line
+per poll that returned records and at least one a second (`{"t": time, "n": records, "partitions": [held]}`); the
 orchestrator reads them.
 
 Everything runs twice: dynamic members (instance id None) and static members (instance id = consumer name).
@@ -113,7 +113,7 @@ class Member:
 def longest_gap(times: list[float], start: float, end: float) -> float:
     """The longest interval in [start, end] without any of `times`."""
     points = [start] + sorted(t for t in times if start < t < end) + [end]
-    return max(b - a for a, b in zip(points, points[1:]))
+    return max(b - a for a, b in zip(points, points[1:], strict=False))
 
 
 def held_at(member: Member, t: float) -> set[int]:

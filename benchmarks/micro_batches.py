@@ -1,4 +1,5 @@
-"""`rft bench micro-batches MODEL_DIR`: trainer steps on variable-length rows, fixed-shape vs token-budget micro-batches.
+"""`rft bench micro-batches MODEL_DIR`: trainer steps on variable-length rows, fixed-shape vs token-budget
+micro-batches.
 
 One process (world size 1, gloo on CPU): a MegatronPolicy from MODEL_DIR trains `--steps` steps of `--rows` rows
 (GRPO, token_mean) whose prompt and response lengths are drawn uniformly from `--prompt-len` and
@@ -92,7 +93,8 @@ def main(argv: list[str]) -> int:
         if args.json:
             print(json.dumps(record), flush=True)
         else:
-            print(f"budget {budget or 'off':>6}{', prompts shared' if shared else ''}: padding {record['padding_fraction']:.3f}, "
+            print(f"budget {budget or 'off':>6}{', prompts shared' if shared else ''}: "
+                  f"padding {record['padding_fraction']:.3f}, "
                   f"{record['micro_batches']} micro-batches, train {record['train_s']:.2f} s/step, "
                   f"{record['train_tokens_per_s']:.0f} tokens/s, loss {', '.join(f'{x:.5f}' for x in losses)}",
                   flush=True)

@@ -302,7 +302,8 @@ def print_table(result: dict) -> None:
               f"{num(r['trainer_idle'], '.0%'):>13} {num(r['explorer_idle'], '.0%'):>14} {sync_s:>25} "
               f"{num(r.get('predicted'), '.2f'):>10}  "
               f"{r['staleness_hist']} (dropped {r['dropped_stale']})")
-    print("  sync s/version: publish + notice + reload, seconds per weights version; simulated: benchmarks/simulate.py's "
+    print("  sync s/version: publish + notice + reload, seconds per weights version; simulated: "
+          "benchmarks/simulate.py's "
           "samples/s from the stages-alone times")
 
 
@@ -325,7 +326,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for every part (0: leave as is)")
     parser.add_argument("--modes", default="sync,off_policy k=1,off_policy k=2,async,trl",
                         help="comma-separated subset of: sync, off_policy k=1, off_policy k=2, async, trl")
-    parser.add_argument("--no-bounds", action="store_true", help="skip the stages-alone runs (no bounds, no efficiency)")
+    parser.add_argument("--no-bounds", action="store_true",
+                        help="skip the stages-alone runs (no bounds, no efficiency)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)

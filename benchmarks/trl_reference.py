@@ -138,7 +138,7 @@ def check_same_tokens(cfg: Config, tokenizer: Any, tasks: list[TaskRecord], text
     tokenizes string prompts) gives the ids rft's explorers generate from (`encode_prompt`'s: `encode_chat`, or
     the tokenizer with its special tokens)."""
     chat = ChatPrompt.of(cfg.model)
-    for task, text, ids in zip(tasks, texts, tokenizer(text=texts)["input_ids"]):
+    for task, text, ids in zip(tasks, texts, tokenizer(text=texts)["input_ids"], strict=True):
         expected = encode_chat(tokenizer, task.prompt, chat) if chat else tokenizer(text=task.prompt)["input_ids"]
         if list(ids) != list(expected):
             raise TRLReferenceError(f"TRL would tokenize the prompt of task {task.task_id} differently from rft's "
@@ -151,7 +151,7 @@ def trl_reward(cfg: Config, tasks: list[TaskRecord]) -> Callable[..., list[float
 
     def score(completions: list[str], task_index: list[int], **_: Any) -> list[float]:
         scores = []
-        for text, index in zip(completions, task_index):
+        for text, index in zip(completions, task_index, strict=True):
             try:
                 scores.append(reward.score([text], tasks[index])[0].score)
             except TaskError:
@@ -246,7 +246,7 @@ class Marks:
         while len(self.taken) < len(self.due) and self.due[len(self.taken)] <= until:
             i = len(self.taken) + 1
             same = next((m["path"] for m in self.taken if m["step"] == step), None)
-            path = same if same or weights is None else self.clock.off_clock(lambda: self._save(i, weights))
+            path = same if same or weights is None else self.clock.off_clock(lambda i=i: self._save(i, weights))
             self.taken.append({"mark": i, "time_s": self.due[i - 1], "step": step, "path": path})
 
     def _copy(self) -> dict:
