@@ -23,6 +23,7 @@ BENCHMARKS = {
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCHMARKS:
-        print(f"usage: rft bench {{{' | '.join(BENCHMARKS)}}} [options]", file=sys.stderr)
-        return 2
+        asked = argv[:1] in (["-h"], ["--help"])
+        print(f"usage: rft bench {{{' | '.join(BENCHMARKS)}}} [options]", file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     return run_entry(BENCHMARKS[argv[0]], argv[1:], command=f"bench {argv[0]}")
