@@ -50,7 +50,7 @@ above and its proof holds as written.
 
 A fleet: the ledger. Several explorers read the fleet at different moments, and the groups the others are running
 are in no reading: each dividing what is left of the capacity without counting them started 20 to 33% more than
-the bound with 2 and 3 explorers (issue 28; docs/benchmarks.md). So the fleet counts what is running through the
+the bound with 2 and 3 explorers (docs/benchmarks.md). So the fleet counts what is running through the
 control topic, with Kafka as the sequencer (`AdmissionLedger`): an explorer that wants to start groups writes an
 `admission_claim` {groups wanted, limit, seen} to control partition 0, where `limit` = (k + version + 1) * B -
 accepted_fleet is the capacity as it read the fleet, and `seen` a partition-0 offset below which every record was

@@ -40,7 +40,8 @@ BUCKET_BYTES = 64 << 20  # sync.bucket_mb's default
 
 def step_rows(rng: np.random.Generator, *, rows: int, vocab: int, prompt_len: tuple[int, int],
               response_len: tuple[int, int], group_size: int = 1):
-    """`rows` rows in groups of 8 (the advantages' groups); each run of `group_size` rows shares one prompt."""
+    """`rows` rows in groups of 8 (the advantages' groups); each run of `group_size` rows shares one prompt. The
+    shared-prompts row trains on them, and so does `rft bench micro-batches`."""
     samples = []
     for j in range(rows):
         n = int(rng.integers(response_len[0], response_len[1] + 1))
