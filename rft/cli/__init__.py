@@ -4,16 +4,19 @@ commands share lives in `rft.run.commandline`.
 
 Errors every command can meet are reported here, once, as one line on stderr and an exit status (docs/operations.md):
   2  bad input: a config that does not load or check (ConfigError: the file, the key), bad arguments
-  3  the command is not available in this build, or it (or a feature it was asked for) needs an optional extra that
-     is not installed (MissingExtra: the feature, the extra and the pip command; rft/extras.py)
+  3  the command is not available in this build (`rft bench`, `rft chaos` outside a source checkout), or it (or a
+     feature it was asked for) needs an optional extra that is not installed (MissingExtra: the feature, the extra
+     and the pip command; rft/extras.py)
   4  the Kafka broker cannot be reached (BrokerUnreachable: the address and why) or failed (TransportError), or
      the local broker cannot start (BrokerError: a port in use, a data directory not writable or in use)
 `rft --debug COMMAND ...` or RFT_DEBUG=1 shows the traceback instead."""
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 import sys
+from pathlib import Path
 
 from rft.broker.local import BrokerError
 from rft.config import ConfigError
@@ -38,19 +41,49 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "topics": ("rft.ops.topics.cli:main", "list | describe | tail | export | import topics"),
     "status": ("rft.ops.status:main", "a live run: trainer, explorer fleet, weight versions, lag, throughput"),
     "dashboard": ("rft.dashboard.server:main", "the live run page in a browser: curves, fleet, staleness, throughput"),
-    "bench": ("rft.bench.main:main", "benchmarks: transport|generate|modes|learn|membership|simulate|serve|micro-batches|reload|weights|delivery|inflight"),
-    "chaos": ("rft.bench.chaos:main", "fault scenarios against real runs, and a ledger: acknowledged, trained, lost, twice"),
-    "gpu-check": ("rft.bench.gpu_check:main", "prove a GPU machine runs rft's GPU paths (--cpu: the CPU paths): a table"),
+    "bench": ("benchmarks.main:main", "benchmarks (from a checkout): transport|generate|modes|learn|membership|"
+              "simulate|serve|micro-batches|reload|weights|delivery|inflight"),
+    "chaos": ("benchmarks.chaos:main", "fault scenarios against real runs (from a checkout), and a ledger: "
+              "acknowledged, trained, lost, twice"),
+    "gpu-check": ("rft.ops.gpu_check:main", "prove a GPU machine runs rft's GPU paths (--cpu: the CPU paths): a table"),
     "tiny-model": ("rft.models.tiny:main", "write a tiny seeded HF model (tests, quickstart)"),
     "model": ("rft.models.gguf:main", "model files: import-gguf FILE OUT_DIR (a GGUF into a safetensors HF directory)"),
     "bridge-check": ("megatron_bridge.check:main", "check HF <-> Megatron on a model: logits vs transformers, round trip"),
 }
 
 
+# Developer tooling that lives in the source checkout beside `rft/` and is not installed with the package.
+CHECKOUT_PACKAGES = ("benchmarks",)
+
+
+def checkout_importable(package: str) -> bool:
+    """Whether `package`, a directory of the source checkout (CHECKOUT_PACKAGES), can be imported. When this `rft` is
+    a checkout's (an editable install, or PYTHONPATH at one), its root goes first on sys.path and on the PYTHONPATH
+    of the processes the command starts; otherwise `package` must be importable as it is (e.g. from the current
+    directory)."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "setup.py").is_file() and (root / package / "__init__.py").is_file():
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
+        paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if str(root) not in paths:
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), *paths]))
+        return True
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ImportError:  # an import hook that refuses the name
+        return False
+
+
 def run_entry(target: str, argv: list[str], *, command: str = "") -> int:
     """Import `module:function` and call it with `argv`; its exit code, or one line and the module docstring's exit
     code for the errors listed there (their traceback with RFT_DEBUG=1). `command` (`serve`, `bench serve`) names
     the command in the error of a module that needs an extra that is not installed."""
+    package = target.partition(".")[0]
+    if package in CHECKOUT_PACKAGES and not checkout_importable(package):
+        print(f"rft: `rft {command or target}` runs from a source checkout of rft ({package}/ is not installed with "
+              f"the package): from the repository's root, `python -m rft.cli {command or '...'} ...`", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     try:
         require(target.partition(":")[0], feature=f"`rft {command}`" if command else target)
     except MissingExtra as e:

@@ -50,7 +50,7 @@ above and its proof holds as written.
 
 A fleet: the ledger. Several explorers read the fleet at different moments, and the groups the others are running
 are in no reading: each dividing what is left of the capacity without counting them started 20 to 33% more than
-the bound with 2 and 3 explorers (issue 28; docs/benchmarks.md). So the fleet counts what is running through the
+the bound with 2 and 3 explorers (docs/benchmarks.md). So the fleet counts what is running through the
 control topic, with Kafka as the sequencer (`AdmissionLedger`): an explorer that wants to start groups writes an
 `admission_claim` {groups wanted, limit, seen} to control partition 0, where `limit` = (k + version + 1) * B -
 accepted_fleet is the capacity as it read the fleet, and `seen` a partition-0 offset below which every record was
@@ -396,7 +396,7 @@ def fleet_capacity(max_staleness: int, version: int, groups_per_step: int, accep
 def capacity(max_staleness: int, version: int, groups_per_step: int, accepted_fleet: int, *, explorers: int = 1,
              rank: int = 0, here: int = 0, backlog: int = 0, keep: float = 1.0) -> int:
     """The formula of the module docstring, the one place it is written (StalenessAdmission and the fleet simulator,
-    rft/bench/simulate.py, both call it): the groups the explorer of `rank` among `explorers` may start now,
+    benchmarks/simulate.py, both call it): the groups the explorer of `rank` among `explorers` may start now,
     share(fleet_capacity(...)) - here, `here` = accepted_here + running. <= 0: none."""
     return share(fleet_capacity(max_staleness, version, groups_per_step, accepted_fleet, backlog=backlog, keep=keep),
                  explorers, rank) - here

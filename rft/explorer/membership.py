@@ -8,8 +8,8 @@ LeaveGroup when it closes: its partitions wait for it until `kafka.session_timeo
 Tansu broker ignores instance ids (docs/operations.md, "Consumer-group membership": measured), so there every
 join, leave and restart rebalances the group as for dynamic members.
 
-The watchdog (`UnassignedWatchdog`, `explorer.unassigned_rejoin_s`). Seen on Tansu after quick join/leave cycles
-(issue #19): every member of the group live, none holding a partition, the tasks topic's lag growing, nothing
+The watchdog (`UnassignedWatchdog`, `explorer.unassigned_rejoin_s`). Seen on Tansu after quick join/leave cycles:
+every member of the group live, none holding a partition, the tasks topic's lag growing, nothing
 ever rebalancing it. Reproduced here with Tansu 0.6.0 and kafka-python 3.0.12 (tests/integration/test_group_stall.py):
 the group's leader leaves (LeaveGroup) just as it is elected, before its SyncGroup; the coordinator keeps it as
 the leader, so every later member's SyncGroup ends in REBALANCE_IN_PROGRESS, it joins again, forever, holding

@@ -11,6 +11,7 @@ import argparse
 import json
 import string
 from pathlib import Path
+from typing import TypedDict
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]
 CHARACTERS = list(string.digits + string.ascii_letters + string.punctuation + " \n")
@@ -29,6 +30,34 @@ def build_tokenizer():
 
 ARCHITECTURES = ("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe")
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe")
+
+
+class _Common(TypedDict):
+    """The keyword arguments every architecture's transformers config takes here."""
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_parameters: dict[str, str | float]
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+    dtype: str
+
+
+class _Experts(TypedDict):
+    """The mixture-of-experts keyword arguments of the qwen3_moe and qwen2_moe configs."""
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    mlp_only_layers: list[int]
+    decoder_sparse_step: int
 
 
 def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", hidden_size: int = 128, layers: int = 2,
@@ -51,6 +80,7 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", hidden_size: in
     from transformers import (
         AutoModelForCausalLM,
         LlamaConfig,
+        PretrainedConfig,
         PreTrainedTokenizerFast,
         Qwen2Config,
         Qwen2MoeConfig,
@@ -65,13 +95,15 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", hidden_size: in
     vocab_size = vocab_size or n_tokens
     if vocab_size < n_tokens:
         raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {n_tokens} tokens")
-    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate_size,
-                  tie_word_embeddings=tie_word_embeddings, max_position_embeddings=max_position_embeddings,
-                  rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=2, eos_token_id=1, pad_token_id=0,
-                  dtype="float32")
-    moe = dict(num_experts=experts, num_experts_per_tok=experts_per_token, moe_intermediate_size=moe_intermediate_size,
-               norm_topk_prob=norm_topk_prob, mlp_only_layers=list(mlp_only_layers), decoder_sparse_step=1)
+    common = _Common(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=layers,
+                     num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate_size,
+                     tie_word_embeddings=tie_word_embeddings, max_position_embeddings=max_position_embeddings,
+                     rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                     bos_token_id=2, eos_token_id=1, pad_token_id=0, dtype="float32")
+    moe = _Experts(num_experts=experts, num_experts_per_tok=experts_per_token,
+                   moe_intermediate_size=moe_intermediate_size, norm_topk_prob=norm_topk_prob,
+                   mlp_only_layers=list(mlp_only_layers), decoder_sparse_step=1)
+    config: PretrainedConfig
     if arch == "qwen2":
         config = Qwen2Config(**common, use_sliding_window=False)
     elif arch == "llama":
@@ -84,7 +116,10 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", hidden_size: in
     elif arch == "qwen3":
         config = Qwen3Config(**common, head_dim=head_dim or hidden_size // heads, use_sliding_window=False)
     elif arch == "qwen3_moe":
-        config = Qwen3MoeConfig(**common, **moe, head_dim=head_dim or hidden_size // heads, use_sliding_window=False)
+        # head_dim is one of the extra keywords Qwen3MoeConfig's generated __init__ passes on undeclared (its model
+        # reads config.head_dim); the stub lists only the declared ones
+        config = Qwen3MoeConfig(**common, **moe, head_dim=head_dim or hidden_size // heads,  # type: ignore[call-arg]
+                                use_sliding_window=False)
     elif arch == "qwen2_moe":
         config = Qwen2MoeConfig(**common, **moe, shared_expert_intermediate_size=shared_expert_intermediate_size,
                                 use_sliding_window=False)

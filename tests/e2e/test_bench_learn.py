@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rft.bench.learn import print_report
+from benchmarks.learn import print_report
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed]
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from rft.bench.run_support import consumed, finish, log_tail, read_topic, rft_run, start, write_config
+from benchmarks.runs import consumed, log_tail, read_topic, rft_run, start, write_config
 from rft.broker.objects import ObjectServer
 from rft.data.tasks import publish_tasks
 from rft.run.loading import load_run_config
@@ -25,6 +25,7 @@ from rft.schema import decode_group
 from rft.transport.run_topics import RunTopics, create_run_topics
 from rft.weights.bucket import BucketStore
 from tests.s3_servers import S3_ENV
+from tests.support.runs import finish
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
 

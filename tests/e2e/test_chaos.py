@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from rft.bench.run_support import REPO
+from benchmarks.runs import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
 

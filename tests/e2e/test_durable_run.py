@@ -22,20 +22,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rft.bench.run_support import (
-    assert_trained_exactly_once,
-    finish,
-    no_process_left,
-    read_topic,
-    rft_run,
-    steps_done,
-    wait_for_step,
-    write_config,
-)
+from benchmarks.runs import no_process_left, read_topic, rft_run, steps_done, write_config
 from rft.broker.local import LocalBroker, tansu_binary
 from rft.processes import free_port, kill_matching
 from rft.schema import ControlMessage, decode
 from tests.listeners import assert_no_wildcard_listener
+from tests.support.runs import assert_trained_exactly_once, finish, wait_for_step
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]
 

@@ -1,4 +1,4 @@
-"""`python -m rft.bench.gpu_check --cpu`: the GPU machine check on the CPU paths, in the bare environment a lent GPU
+"""`python -m rft.ops.gpu_check --cpu`: the GPU machine check on the CPU paths, in the bare environment a lent GPU
 machine has. Packages that such a machine lacks (vLLM, ray, reasoning-gym, math-verify, gguf, FastAPI, TRL, ...)
 are made unimportable in every process of the check (a `sitecustomize` on PYTHONPATH), so an import that would
 break the command there breaks this test here. Every row must pass, except the two that cannot run without TE/Apex
@@ -38,7 +38,7 @@ def test_gpu_check_runs_on_the_cpu_paths_without_the_packages_gpu_machines_lack(
     probe = subprocess.run([sys.executable, "-c", "import vllm"], env=env, capture_output=True, text=True)
     assert probe.returncode != 0 and "hidden" in probe.stderr  # the environment really lacks them
     rows_file = tmp_path / "rows.json"
-    result = subprocess.run([sys.executable, "-m", "rft.bench.gpu_check", "--cpu", "--work-dir", str(tmp_path / "work"),
+    result = subprocess.run([sys.executable, "-m", "rft.ops.gpu_check", "--cpu", "--work-dir", str(tmp_path / "work"),
                              "--json", str(rows_file)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = {r["check"]: r for r in json.loads(rows_file.read_text())}

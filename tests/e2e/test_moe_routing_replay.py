@@ -11,9 +11,10 @@ import math
 import pytest
 import yaml
 
-from rft.bench.run_support import finish, log_tail, read_topic, rft_run, steps_done, write_config
+from benchmarks.runs import log_tail, read_topic, rft_run, steps_done, write_config
 from rft.models.tiny import make_tiny_model
 from rft.schema import decode_group
+from tests.support.runs import finish
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 STEPS = 3

@@ -35,18 +35,10 @@ from pathlib import Path
 
 import pytest
 
-from rft.bench.run_support import (
-    GROUPS_PER_STEP,
-    REPO,
-    consumed,
-    finish,
-    rft_run,
-    steps_done,
-    wait_for_step,
-    write_config,
-)
+from benchmarks.runs import GROUPS_PER_STEP, REPO, consumed, rft_run, steps_done, write_config
 from rft.processes import free_port, kill_matching, signal_group
 from tests.listeners import assert_no_wildcard_listener
+from tests.support.runs import finish, wait_for_step
 from tests.waiting import tail_of, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.distributed, pytest.mark.integration]

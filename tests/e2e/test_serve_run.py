@@ -14,12 +14,13 @@ import httpx
 import pytest
 import yaml
 
-from rft.bench.run_support import REPO, finish, rft_run, steps_done, wait_for_step, write_config
+from benchmarks.runs import REPO, rft_run, steps_done, write_config
 from rft.processes import free_port, kill_matching, matching
 from rft.run.config import load_config
 from rft.schema import decode_group
 from rft.serve.joiner import emitted_completions
 from rft.transport import connect
+from tests.support.runs import finish, wait_for_step
 from tests.waiting import tail_of, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.integration]

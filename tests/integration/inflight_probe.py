@@ -1,5 +1,5 @@
 """Run in a subprocess by test_inflight_updates.py (vLLM's LLM must be built under __main__): part 1 of `rft bench
-inflight` (rft/bench/inflight.py) without the scoring: one VLLMEngine on MODEL_DIR (prefix cache off, as
+inflight` (benchmarks/inflight.py) without the scoring: one VLLMEngine on MODEL_DIR (prefix cache off, as
 `explorer.inflight_kv: keep` runs it), requests stepped `steps_before` engine steps, the next version loaded in flight
 keeping the KV cache (0 -> 1), then recomputing it (1 -> 2), the requests finished. Version v is MODEL_DIR's weights
 plus v x `scale` x seeded normal noise. Prints one `PROBE-RESULT {json}` line: both scenarios (per completion its
@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def main(model_dir: str, work_dir: str, scale: float, max_tokens: int, steps_before: int, prompts: int) -> dict:
-    from rft.bench.inflight import PROMPTS, in_flight_scenario, publish_versions
+    from benchmarks.inflight import PROMPTS, in_flight_scenario, publish_versions
     from rft.engine import VLLMEngine
 
     engine = VLLMEngine(model_dir, max_model_len=256, cpu_kvcache_gb=0.25, seed=0, prefix_cache=False)

@@ -224,7 +224,7 @@ def test_a_batch_not_readable_yet_is_waited_for_not_passed_over(tmp_path, monkey
 def test_the_tail_benchmark_reads_back_the_last_records_of_a_long_partition(tmp_path):
     """`rft bench transport --durable --tail-batches N` (docs/operations.md, "Long partitions"): N batches, its end
     and its last 10 records read back as sent (it raises otherwise)."""
-    from rft.bench.transport import tail_read
+    from benchmarks.transport import tail_read
 
     result = tail_read(40, KafkaConfig(), data_dir=tmp_path / "data")
     assert result["batches"] == 40 and result["tail"] == 10

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from rft.bench.inflight import old_cache_continuation, teacher_forced
+from benchmarks.inflight import old_cache_continuation, teacher_forced
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

@@ -1,10 +1,10 @@
-"""`rft bench delivery` (rft/bench/delivery.py): the delivery model's times, checked against the formulas worked by
+"""`rft bench delivery` (benchmarks/delivery.py): the delivery model's times, checked against the formulas worked by
 hand for one case per path, and the per-host cache's saving equal to the explorers per host."""
 from __future__ import annotations
 
 import pytest
 
-from rft.bench.delivery import FLEETS, MODELS, Links, deliver_s, table
+from benchmarks.delivery import FLEETS, MODELS, Links, deliver_s, table
 
 
 def test_times_match_the_formulas_worked_by_hand():

@@ -14,8 +14,8 @@ import pytest
 import torch
 import yaml
 
-from rft.bench import learn
-from rft.bench.learn import (
+from benchmarks import learn
+from benchmarks.learn import (
     DISK_SLACK_BYTES,
     check_disk,
     derived_config,
@@ -31,7 +31,7 @@ from rft.bench.learn import (
     summarise,
     trl_signal,
 )
-from rft.bench.trl_reference import (
+from benchmarks.trl_reference import (
     Clock,
     Marks,
     TRLReferenceError,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rft.bench.modes import bounds, generation_rate, weight_sync
+from benchmarks.modes import bounds, generation_rate, weight_sync
 from rft.transport.control import ExplorerHeartbeat, ExplorerWeights, Weights
 
 
@@ -61,9 +61,9 @@ def test_weight_sync_without_reloads_reports_none():
 def test_simulator_stages_come_from_the_measurements(tmp_path, monkeypatch):
     import argparse
 
-    import rft.bench.modes
-    from rft.bench.modes import simulator_stages
-    monkeypatch.setattr(rft.bench.modes.os, "cpu_count", lambda: 2)  # this machine's shape, wherever it runs
+    import benchmarks.modes
+    from benchmarks.modes import simulator_stages
+    monkeypatch.setattr(benchmarks.modes.os, "cpu_count", lambda: 2)  # this machine's shape, wherever it runs
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 2_000_000)
     args = argparse.Namespace(samples=8, groups=4, tasks_per_batch=4, explorers=2, threads=1)
     stages = {"generation": {"samples_per_s": 4.0}, "training": {"samples_per_s": 2.0}}

@@ -1,9 +1,9 @@
-"""The arithmetic of `rft chaos`'s ledger (rft/bench/chaos.py `build_ledger`, `longest_stall`) on crafted records: the
+"""The arithmetic of `rft chaos`'s ledger (benchmarks/chaos.py `build_ledger`, `longest_stall`) on crafted records: the
 experiences topic as `Offered` records in log order, the trainer's consumed.jsonl as dicts, the final offset; and
 how scenarios combine into one run (`combined`)."""
 import pytest
 
-from rft.bench.chaos import SCENARIOS, Offered, build_ledger, combined, longest_stall
+from benchmarks.chaos import SCENARIOS, Offered, build_ledger, combined, longest_stall
 
 RUN = "r"
 

@@ -115,7 +115,7 @@ def test_no_tracked_file_holds_merge_conflict_markers():
 
 
 def test_the_bench_help_names_every_registered_benchmark():
-    from rft.bench.main import BENCHMARKS
+    from benchmarks.main import BENCHMARKS
     from rft.cli import COMMANDS
 
     help_text = COMMANDS["bench"][1]

@@ -1,4 +1,4 @@
-"""The gpu-check `mismatch` row's verdict on a run's metrics (rft.bench.gpu_check.check_mismatch). The run itself is
+"""The gpu-check `mismatch` row's verdict on a run's metrics (rft.ops.gpu_check.check_mismatch). The run itself is
 real in tests/e2e/test_gpu_check.py; here the row reads given metrics.jsonl rows, so each way it must fail is shown."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from rft.bench.gpu_check import Context, check_mismatch
+from rft.ops.gpu_check import Context, check_mismatch
 
 GOOD = {"logprob_mismatch_mean": 2e-7, "logprob_mismatch_max": 5e-7, "logprob_mismatch_kl": 4e-14,
         "logprob_mismatch_frac": 0.0, "logprob_mismatch_stale0_mean": 2e-7, "importance_weight_mean": 1.0,

@@ -1,4 +1,4 @@
-"""The fleet simulator (rft/bench/simulate.py) on cases with known answers: one explorer in sync mode, a trainer-bound
+"""The fleet simulator (benchmarks/simulate.py) on cases with known answers: one explorer in sync mode, a trainer-bound
 and a generation-bound overlapped run, members beyond the partition count, the staleness bound, rebalances and
 weight-store contention, and the admission ledger keeping a fleet within the bound."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rft.bench.simulate import MODES, Simulation, Stages, bounds, main, simulate
+from benchmarks.simulate import MODES, Simulation, Stages, bounds, main, simulate
 from rft.explorer.admission import StalenessAdmission
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,15 +1,15 @@
-"""The processes behind three rows of `python -m rft.bench.gpu_check` (one process each: megatron's parallel state is
+"""The processes behind three rows of `python -m rft.ops.gpu_check` (one process each: megatron's parallel state is
 per process). Not a command for operators.
 
-  python -m rft.bench.gpu_check_worker train HF_DIR CHECKPOINT_DIR OUT.json
+  python -m rft.ops.gpu_check_worker train HF_DIR CHECKPOINT_DIR OUT.json
       one bfloat16 MegatronPolicy step on a random batch, a dist-checkpoint save, a reload into a fresh policy;
       reports seconds, loss, grad norm, skipped, how many exported tensors differ after the reload (must be 0);
       then one float32 and one float16 step of fresh policies on the same batch: float16's gradient norm (after
       megatron's dynamic loss scaling) must be float32's
-  python -m rft.bench.gpu_check_worker sync HF_DIR STORE_DIR OUT.json
+  python -m rft.ops.gpu_check_worker sync HF_DIR STORE_DIR OUT.json
       the pull path's stages at this model's size: gathering the HF buckets, the host copy, the store write, and a
       transformers engine's reload of the stored version; reports seconds and megabytes
-  python -m rft.bench.gpu_check_worker shared HF_DIR STEPS OUT.json
+  python -m rft.ops.gpu_check_worker shared HF_DIR STEPS OUT.json
       the trainer's step with shared prompts against the padded step on the same rows (the flagship's shape: 32 rows
       in groups of 8 sharing a 35-45-token prompt, 2-8 response tokens; lr 1e-12, so the weights stay put): losses
       and gradient norms of each, and the median seconds per step of STEPS timed steps after a warm-up
@@ -30,12 +30,30 @@ from megatron_bridge import parallel
 from megatron_bridge.policy import MegatronPolicy
 from rft.algorithms import build_algorithm
 from rft.algorithms.config import AlgorithmConfig
-from rft.bench.micro_batches import step_rows
-from rft.trainer.batch import plan_micro_batches
+from rft.schema import ExperienceGroup, Sample
+from rft.trainer.batch import plan_micro_batches, rows_from_groups
 from rft.weights.store import WeightStore
 
 DTYPE = "bfloat16"
 BUCKET_BYTES = 64 << 20  # sync.bucket_mb's default
+
+
+def step_rows(rng: np.random.Generator, *, rows: int, vocab: int, prompt_len: tuple[int, int],
+              response_len: tuple[int, int], group_size: int = 1):
+    """`rows` rows in groups of 8 (the advantages' groups); each run of `group_size` rows shares one prompt. The
+    shared-prompts row trains on them, and so does `rft bench micro-batches`."""
+    samples = []
+    for j in range(rows):
+        n = int(rng.integers(response_len[0], response_len[1] + 1))
+        if j % group_size == 0:
+            prompt = rng.integers(3, vocab, int(rng.integers(prompt_len[0], prompt_len[1] + 1))).astype(np.int32)
+        samples.append(Sample(sample_index=j, prompt_tokens=prompt,
+                              response_tokens=rng.integers(3, vocab, n).astype(np.int32),
+                              logprobs=np.full(n, -5.0, np.float32), loss_mask=np.ones(n, np.uint8),
+                              reward=float(rng.random())))
+    groups = [ExperienceGroup(run_id="bench", task_id=f"t{i}", group_id=f"g{i}", attempt=0, explorer_id="e",
+                              policy_version=0, samples=samples[i:i + 8]) for i in range(0, rows, 8)]
+    return rows_from_groups(groups, build_algorithm(AlgorithmConfig()).advantages([g.rewards for g in groups]))
 
 
 def _synchronize() -> None:
@@ -61,7 +79,7 @@ def _micro_batches(vocab_size: int, *, count: int = 2, rows: int = 4, length: in
         mask[:, :8] = 0
         batches.append({"input_ids": tokens[:, :-1].contiguous(), "target_ids": tokens[:, 1:].contiguous(),
                         "position_ids": torch.arange(length).expand(rows, -1).contiguous(), "loss_mask": mask})
-    total = sum(b["loss_mask"].sum() for b in batches)
+    total = torch.stack([b["loss_mask"].sum() for b in batches]).sum()
     for b in batches:
         b["global_tokens"] = total.clone()
     return batches

@@ -171,7 +171,8 @@ def bench_continuous(model_dir: str, count: int, *, seed: int, n: int, max_token
     limit = timed["offline"]["tokens_per_s"]
     for name, r in timed.items():
         got = sorted(lengths[name])
-        paired = sorted(a / b for a, b in zip(r["repeat_tokens_per_s"], timed["offline"]["repeat_tokens_per_s"]))
+        paired = sorted(a / b for a, b in
+                        zip(r["repeat_tokens_per_s"], timed["offline"]["repeat_tokens_per_s"], strict=True))
         r.update(ratio=r["tokens_per_s"] / limit, paired_ratios=[round(x, 3) for x in paired],
                  median_paired_ratio=paired[len(paired) // 2], sequences=len(got), mean_len=sum(got) / len(got),
                  median_len=got[len(got) // 2], max_len=got[-1], min_len=got[0])
@@ -186,8 +187,9 @@ def _print_continuous(result: dict, args) -> None:
     for name in ("offline", "continuous", "batch"):
         r = result[name]
         print(f"  {name:<11} {r['tokens']:>7} tokens  {r['seconds']:7.2f} s  {r['tokens_per_s']:8.0f} tokens/s  "
-              f"{r['ratio']:.2f} of offline (same-round median {r['median_paired_ratio']:.2f})  (response length min/median/mean/max {r['min_len']}/{r['median_len']}/"
-              f"{r['mean_len']:.1f}/{r['max_len']})")
+              f"{r['ratio']:.2f} of offline (same-round median {r['median_paired_ratio']:.2f})  "
+              f"(response length min/median/mean/max {r['min_len']}/{r['median_len']}/{r['mean_len']:.1f}/"
+              f"{r['max_len']})")
     print(f"  (vLLM engine start {result['engine_start_s']:.1f} s, not timed; "
           f"{'in-process' if result['in_process'] else 'separate'} engine core)")
 

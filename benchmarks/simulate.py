@@ -29,9 +29,9 @@ The model (deterministic, one event queue, times in seconds):
   it. Stage times are each part's time with a core to itself.
 
 It reports what `rft bench modes` measures: samples/s over the steady state (from the end of the first tenth of
-the steps, at least step 1, to the end of the last step), the trainer's idle fraction, the active explorers' idle fraction, idle members, the staleness histogram
-and the groups dropped as stale. Stage times come from measured runs (`--stage-times FILE`, JSON with the
-`Stages` fields; see docs/scaling.md for where each number comes from).
+the steps, at least step 1, to the end of the last step), the trainer's idle fraction, the active explorers' idle
+fraction, idle members, the staleness histogram and the groups dropped as stale. Stage times come from measured
+runs (`--stage-times FILE`, JSON with the `Stages` fields; see docs/scaling.md for where each number comes from).
 """
 from __future__ import annotations
 
@@ -118,7 +118,8 @@ class Simulation:
 
     def __init__(self, stages: Stages, *, explorers: int, partitions: int, k: float, steps: int, mode: str = ""):
         if explorers < 1 or partitions < 1 or steps < 2:
-            raise ValueError(f"need explorers >= 1, partitions >= 1, steps >= 2; got {explorers}, {partitions}, {steps}")
+            raise ValueError(f"need explorers >= 1, partitions >= 1, steps >= 2; "
+                             f"got {explorers}, {partitions}, {steps}")
         self.s, self.k, self.steps, self.mode = stages, k, steps, mode
         self.explorers, self.active = explorers, min(explorers, partitions)
         self._queue: list[_Event] = []
@@ -337,7 +338,7 @@ FLEETS = [1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rft bench simulate", description=__doc__.split("\n")[0])
-    parser.add_argument("--stage-times", type=Path, help="JSON of Stages fields (defaults: see rft/bench/simulate.py)")
+    parser.add_argument("--stage-times", type=Path, help="JSON of Stages fields (defaults: see benchmarks/simulate.py)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override one stage field")
     parser.add_argument("--explorers", type=int, nargs="+", default=FLEETS)
     parser.add_argument("--partitions", type=int, nargs="+", default=[4])
@@ -397,7 +398,7 @@ def plot(rows: list[dict], path: Path) -> None:
         for mode in dict.fromkeys(r["mode"] for r in rows):
             points = [(r["explorers"], r["samples_per_s"]) for r in rows
                       if r["mode"] == mode and r["partitions"] == partitions]
-            axis.plot(*zip(*points), marker="o", label=f"{mode}, {partitions} partitions")
+            axis.plot(*zip(*points, strict=True), marker="o", label=f"{mode}, {partitions} partitions")
     axis.set_xscale("log", base=2)
     axis.set_xlabel("explorers")
     axis.set_ylabel("samples/s (simulated)")

@@ -3,7 +3,7 @@ with and without static membership (`group_instance_id`, KIP-345), against a rea
 
 Starts a local broker (`rft.broker.local.LocalBroker`; `--bootstrap` uses another), creates a topic of `--partitions`
 partitions and produces a steady stream into it (`--rate` records/s, round-robin over the partitions). Three
-consumers A, B, C (real processes: `python -m rft.bench.membership consume ...`, each an `rft.transport`
+consumers A, B, C (real processes: `python -m benchmarks.membership consume ...`, each an `rft.transport`
 source in one consumer group, committing after every poll) consume it. Then, one after the other:
 
   join      a fourth consumer D starts;
@@ -16,8 +16,8 @@ than the one that changed (A and B, with C for join and leave) consumed nothing 
 between two records of the stream (1 / rate), floored at 0; "own" is the longest pause of the restarted member
 itself (from its stop to its first record after starting again), and "covered" the time after the event from which
 the members present together held every partition to the end of the window (none: some partition was left without
-a consumer, e.g. a static member's after it stopped, until the broker expired it). A consumer prints one JSON line per poll that
-returned records and at least one a second (`{"t": time, "n": records, "partitions": [held]}`); the
+a consumer, e.g. a static member's after it stopped, until the broker expired it). A consumer prints one JSON line
+per poll that returned records and at least one a second (`{"t": time, "n": records, "partitions": [held]}`); the
 orchestrator reads them.
 
 Everything runs twice: dynamic members (instance id None) and static members (instance id = consumer name).
@@ -84,7 +84,7 @@ class Member:
                  log_dir: Path):
         self.name, self.times = name, []
         self.held: list[tuple[float, list[int]]] = []  # (time, partitions held) from every line
-        command = [sys.executable, "-m", "rft.bench.membership", "consume", "--bootstrap", bootstrap,
+        command = [sys.executable, "-m", "benchmarks.membership", "consume", "--bootstrap", bootstrap,
                    "--topic", topic, "--group", group, "--name", name,
                    "--session-timeout-ms", str(session_timeout_ms)]
         if static:
@@ -113,7 +113,7 @@ class Member:
 def longest_gap(times: list[float], start: float, end: float) -> float:
     """The longest interval in [start, end] without any of `times`."""
     points = [start] + sorted(t for t in times if start < t < end) + [end]
-    return max(b - a for a, b in zip(points, points[1:]))
+    return max(b - a for a, b in zip(points, points[1:], strict=False))
 
 
 def held_at(member: Member, t: float) -> set[int]:

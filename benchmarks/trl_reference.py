@@ -1,6 +1,6 @@
 """TRL's `GRPOTrainer` trained on an rft run config: the reference the benchmarks race rft against.
 
-`run_trl(config, ...)` starts one child process (`python -m rft.bench.trl_reference SPEC`, SPEC is JSON; the child has
+`run_trl(config, ...)` starts one child process (`python -m benchmarks.trl_reference SPEC`, SPEC is JSON; the child has
 its own torch thread settings and imports) and returns the child's result. The child trains TRL on exactly what the
 rft config describes:
 - tasks: every task the run's task publisher would publish, in its order (`build_picker(data).drain()`, the
@@ -94,7 +94,7 @@ def run_trl(config: str | os.PathLike, *, out: Path, env: dict, timeout_s: float
             "budget_s": budget_s, "marks": marks, "started_at": started_at or time.time(), "progress": progress}
     log_path = out / "trl.log"
     with open(log_path, "ab") as log:
-        child = subprocess.Popen([sys.executable, "-m", "rft.bench.trl_reference", json.dumps(spec)], env=env,
+        child = subprocess.Popen([sys.executable, "-m", "benchmarks.trl_reference", json.dumps(spec)], env=env,
                                  stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
         killer = threading.Timer(timeout_s, child.kill)
         killer.start()
@@ -138,7 +138,7 @@ def check_same_tokens(cfg: Config, tokenizer: Any, tasks: list[TaskRecord], text
     tokenizes string prompts) gives the ids rft's explorers generate from (`encode_prompt`'s: `encode_chat`, or
     the tokenizer with its special tokens)."""
     chat = ChatPrompt.of(cfg.model)
-    for task, text, ids in zip(tasks, texts, tokenizer(text=texts)["input_ids"]):
+    for task, text, ids in zip(tasks, texts, tokenizer(text=texts)["input_ids"], strict=True):
         expected = encode_chat(tokenizer, task.prompt, chat) if chat else tokenizer(text=task.prompt)["input_ids"]
         if list(ids) != list(expected):
             raise TRLReferenceError(f"TRL would tokenize the prompt of task {task.task_id} differently from rft's "
@@ -151,7 +151,7 @@ def trl_reward(cfg: Config, tasks: list[TaskRecord]) -> Callable[..., list[float
 
     def score(completions: list[str], task_index: list[int], **_: Any) -> list[float]:
         scores = []
-        for text, index in zip(completions, task_index):
+        for text, index in zip(completions, task_index, strict=True):
             try:
                 scores.append(reward.score([text], tasks[index])[0].score)
             except TaskError:
@@ -246,7 +246,7 @@ class Marks:
         while len(self.taken) < len(self.due) and self.due[len(self.taken)] <= until:
             i = len(self.taken) + 1
             same = next((m["path"] for m in self.taken if m["step"] == step), None)
-            path = same if same or weights is None else self.clock.off_clock(lambda: self._save(i, weights))
+            path = same if same or weights is None else self.clock.off_clock(lambda i=i: self._save(i, weights))
             self.taken.append({"mark": i, "time_s": self.due[i - 1], "step": step, "path": path})
 
     def _copy(self) -> dict:
@@ -351,7 +351,7 @@ def train(spec: dict) -> dict:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m rft.bench.trl_reference SPEC_JSON (started by run_trl)", file=sys.stderr)
+        print("usage: python -m benchmarks.trl_reference SPEC_JSON (started by run_trl)", file=sys.stderr)
         return 2
     print(RESULT_PREFIX + json.dumps(train(json.loads(argv[0]))), flush=True)
     return 0

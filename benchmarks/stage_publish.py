@@ -3,7 +3,7 @@ rft/trainer/weights.py), at PP=2.
 
 Usage (CPU, gloo; 2 processes):
     OMP_NUM_THREADS=1 PYTHONPATH=. python -m torch.distributed.run --standalone --nproc-per-node 2 \\
-        rft/bench/stage_publish.py MODEL_DIR OUT_DIR [--versions N] [--write-behind 0|1] [--pp 2] [--lora-rank R]
+        benchmarks/stage_publish.py MODEL_DIR OUT_DIR [--versions N] [--write-behind 0|1] [--pp 2] [--lora-rank R]
 
 It builds a MegatronPolicy at PP=`--pp` (TP=1) from MODEL_DIR, a trainer over the in-memory transport, and
 publishes N versions to the store `OUT_DIR/<run>/weights`. Per version, on every rank:

@@ -4,7 +4,7 @@ adapters beside the base), through `VLLMEngine.load_weights`, the explorer's own
 Usage: rft bench reload --model BASE_DIR VERSION_DIR [VERSION_DIR ...] [--repeats N] [--lora-rank R] [--json]
 
 One engine on BASE_DIR (LoRA enabled up to rank R when R > 0); each VERSION_DIR (a `vNNNNNNNN` directory of a weight
-store, e.g. written by rft/bench/stage_publish.py) is loaded `--repeats` times in turn. Reported per directory: its
+store, e.g. written by benchmarks/stage_publish.py) is loaded `--repeats` times in turn. Reported per directory: its
 size on disk (MB) and the median and every load's seconds.
 """
 from __future__ import annotations

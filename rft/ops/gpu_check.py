@@ -1,4 +1,4 @@
-"""`python -m rft.bench.gpu_check` (or `rft gpu-check`): one command that proves a fresh GPU machine runs rft's GPU paths.
+"""`python -m rft.ops.gpu_check` (or `rft gpu-check`): one command that proves a fresh GPU machine runs rft's GPU paths.
 
 It prints one table row per check, with pass / FAIL / skip, the seconds the check took and what it measured:
 
@@ -50,16 +50,14 @@ from pathlib import Path
 
 from rft.cli.launcher import failure_line
 
-REPO = Path(__file__).resolve().parents[2]
-# SmolLM2-135M-Instruct's shape (its config.json): the real model's size for the weight-sync timings.
-SMOLLM2_SHAPE = dict(arch="llama", hidden_size=576, layers=30, heads=9, kv_heads=3, intermediate_size=1536,
-                     vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)
+# the directory holding this rft (a checkout, or site-packages): the check processes import rft from it
+PACKAGES = Path(__file__).resolve().parents[2]
 TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}  # x logit scale (megatron_bridge.check); bf16 keeps 8 bits
 # the mean |trainer - engine| log-prob of a synchronous step (nats): float32 kernels agree to rounding; bfloat16's 8
 # bits give ~1e-2 on this model, and a wrong or stale weights version shows far above either
 MISMATCH_BOUND = {"float32": 1e-3, "bfloat16": 0.1}
-FLOAT16_GRAD_NORM_TOLERANCE = 0.05
-SHARED_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # relative: loss and grad norm, shared prompts vs padded  # relative; float16 keeps 11 bits, the loss scale makes the gradients representable
+FLOAT16_GRAD_NORM_TOLERANCE = 0.05  # relative; float16 keeps 11 bits, the loss scale makes the gradients representable
+SHARED_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # relative: loss and grad norm, shared prompts vs padded
 
 
 @dataclass
@@ -71,7 +69,7 @@ class Row:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rft.bench.gpu_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rft.ops.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="check the CPU paths instead (no GPU needed; what CI runs)")
     p.add_argument("--work-dir", help="where models, checkpoints and the run go (default: a temporary directory)")
     p.add_argument("--json", help="also write the rows to this JSON file")
@@ -108,20 +106,25 @@ class Context:
         if name not in self._models:
             from rft.models.tiny import make_tiny_model  # heavy: transformers
 
-            shape = {} if name == "tiny" else SMOLLM2_SHAPE
-            self._models[name] = make_tiny_model(self.work / "models" / name, seed=0, **shape)
+            out = self.work / "models" / name
+            if name == "tiny":
+                self._models[name] = make_tiny_model(out, seed=0)
+            else:  # SmolLM2-135M-Instruct's shape (its config.json): the real model's size for the weight-sync timings
+                self._models[name] = make_tiny_model(out, seed=0, arch="llama", hidden_size=576, layers=30, heads=9,
+                                                     kv_heads=3, intermediate_size=1536, vocab_size=49152,
+                                                     tie_word_embeddings=True, max_position_embeddings=2048)
         return self._models[name]
 
     def env(self) -> dict[str, str]:
-        """The environment of the check processes: the repo importable; on --cpu, CUDA hidden."""
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        """The environment of the check processes: this rft importable (PACKAGES); on --cpu, CUDA hidden."""
+        path = os.pathsep.join(filter(None, [str(PACKAGES), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
         if self.cpu:
             env["CUDA_VISIBLE_DEVICES"] = ""
         return env
 
     def python(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, *args], cwd=REPO, env=self.env(), capture_output=True, text=True,
+        return subprocess.run([sys.executable, *args], cwd=PACKAGES, env=self.env(), capture_output=True, text=True,
                               timeout=timeout or self.args.timeout)
 
 
@@ -198,8 +201,8 @@ def _train_report(ctx: Context) -> dict:
     """Run the train + checkpoint worker once (two rows read its report)."""
     if "train" not in ctx.reports:
         out = ctx.work / "train.json"
-        result = ctx.python("-m", "rft.bench.gpu_check_worker", "train", str(ctx.model("tiny" if ctx.cpu else "smollm2")),
-                            str(ctx.work / "checkpoint"), str(out))
+        result = ctx.python("-m", "rft.ops.gpu_check_worker", "train",
+                            str(ctx.model("tiny" if ctx.cpu else "smollm2")), str(ctx.work / "checkpoint"), str(out))
         ctx.reports["train"] = json.loads(out.read_text()) if result.returncode == 0 else {"error": _failure(result)}
     return ctx.reports["train"]
 
@@ -311,11 +314,11 @@ def check_mismatch(ctx: Context) -> tuple[str, str]:
               f"2x {max(values['logprob_mismatch_frac']):.1%}; TIS weight mean "
               f"{min(values['importance_weight_mean']):.4f}-{max(values['importance_weight_mean']):.4f}, truncated "
               f"{max(values['importance_weight_truncated_frac']):.1%}")
+    stale0_all = all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-12) for a, b in
+                     zip(values["logprob_mismatch_mean"], values["logprob_mismatch_stale0_mean"], strict=True))
     problems = [p for p, bad in (
         ("a value is not finite", not all(math.isfinite(v) for vs in values.values() for v in vs)),
-        ("stale0 does not hold every token of a synchronous run",
-         not all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-12) for a, b in zip(values["logprob_mismatch_mean"],
-                                                                                  values["logprob_mismatch_stale0_mean"]))),
+        ("stale0 does not hold every token of a synchronous run", not stale0_all),
         (f"the mean mismatch exceeds {bound:g}", max(values["logprob_mismatch_mean"]) > bound)) if bad]
     return ("FAIL", detail + "; " + "; ".join(problems)) if problems else ("pass", detail)
 
@@ -325,7 +328,7 @@ def check_shared_prompts(ctx: Context) -> tuple[str, str]:
     rows (the flagship's groups): it must be in use here, agree on loss and gradient norm, and its time is shown."""
     out = ctx.work / "shared.json"
     model = ctx.model("tiny" if ctx.cpu else "smollm2")
-    result = ctx.python("-m", "rft.bench.gpu_check_worker", "shared", str(model), "3", str(out))
+    result = ctx.python("-m", "rft.ops.gpu_check_worker", "shared", str(model), "3", str(out))
     if result.returncode != 0:
         return "FAIL", _failure(result)
     r = json.loads(out.read_text())
@@ -344,7 +347,7 @@ def check_shared_prompts(ctx: Context) -> tuple[str, str]:
 def check_weight_sync(ctx: Context) -> tuple[str, str]:
     out = ctx.work / "sync.json"
     model = ctx.model("tiny" if ctx.cpu else "smollm2")
-    result = ctx.python("-m", "rft.bench.gpu_check_worker", "sync", str(model), str(ctx.work / "store"), str(out))
+    result = ctx.python("-m", "rft.ops.gpu_check_worker", "sync", str(model), str(ctx.work / "store"), str(out))
     if result.returncode != 0:
         return "FAIL", _failure(result)
     r = json.loads(out.read_text())

@@ -327,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(data_dir, ignore_errors=True)
         print(json.dumps(result) if args.json else
               f"broker {broker}: {result['batches']} batches sent in {result['produce_s']:.1f} s; end_offsets "
-              f"{result['end_offsets_s']:.2f} s; the last {result['tail']} records read in {result['tail_read_s']:.2f} s")
+              f"{result['end_offsets_s']:.2f} s; the last {result['tail']} records read in "
+              f"{result['tail_read_s']:.2f} s")
         return 0
     try:
         results = run_benchmark(clients, counts, max(1, args.repeat), KafkaConfig(partitions=4), data_dir=data_dir)

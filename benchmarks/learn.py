@@ -15,7 +15,7 @@ Method.
   weight store under `--out`. Its clock starts when `rft run` is launched: start-up (broker, engines, trainer) is
   part of the user's wall-clock and counts. When the budget has elapsed the run is stopped (SIGTERM to its process
   group; `rft run` stops every part).
-- TRL: `GRPOTrainer` on the same config (rft/bench/trl_reference.py says what is mapped to what, and what is not), HF
+- TRL: `GRPOTrainer` on the same config (benchmarks/trl_reference.py says what is mapped to what, and what is not), HF
   generate, in a child process whose clock starts when it is launched.
 - Accuracy against wall-clock without evaluating during training: at each of `--marks` times budget x i / marks,
   the newest weights are snapshotted. rft: the weight store's newest complete version (LATEST), hard-linked file
@@ -33,12 +33,12 @@ Method.
   seconds per step the trainer spent publishing on its critical path (`weights_s`), median background write
   (`weights_write_s`, pull path with write-behind), median explorer reload per version (explorer logs), and the
   size of one version.
-- Targets, for the system `--target` (default rft-async). Issue 13: it reaches TRL's final accuracy within half the
-  time TRL took to reach it (TRL's first mark at its final accuracy), and its final accuracy is at least TRL's at the
-  same budget. Issue 28: it reaches TRL's final accuracy within a quarter of TRL's time; its final accuracy is at
-  least `rft`'s (the config's own mode) within noise (less than 1.96 standard errors of the difference below, the
-  standard error of an accuracy p on n held-out tasks being sqrt(p (1 - p) / n)); and at every mark the best rft
-  system is at or above TRL's accuracy. The time resolution is the mark spacing.
+- Targets, for the system `--target` (default rft-async). `verdicts`: it reaches TRL's final accuracy within half
+  the time TRL took to reach it (TRL's first mark at its final accuracy), and its final accuracy is at least TRL's at
+  the same budget. `race_verdicts`: it reaches TRL's final accuracy within a quarter of TRL's time; its final
+  accuracy is at least `rft`'s (the config's own mode) within noise (less than 1.96 standard errors of the
+  difference below, the standard error of an accuracy p on n held-out tasks being sqrt(p (1 - p) / n)); and at every
+  mark the best rft system is at or above TRL's accuracy. The time resolution is the mark spacing.
 - With `--out`, the report is also written to `<out>/result.json` and the curve (accuracy against wall-clock, each
   system with a band of +-1.96 standard errors) to `<out>/accuracy.png`.
 - `--seed N` sets `run.seed` for every system (TRL's too), `--eval-tasks N` makes every eval set generate N held-out
@@ -74,7 +74,7 @@ from pathlib import Path
 
 import yaml
 
-from rft.bench.trl_reference import TRLReferenceError, check_trl_config, run_trl, step_note, trl_missing, within_budget
+from benchmarks.trl_reference import TRLReferenceError, check_trl_config, run_trl, step_note, trl_missing, within_budget
 from rft.config import ConfigError, load_yaml
 from rft.config.loader import apply_override
 from rft.processes import signal_group
@@ -265,7 +265,7 @@ def _windows(records: list[dict], times: list[float], budget_s: float) -> list[l
     """The records whose step ended in each of SIGNAL_WINDOWS equal parts of the budget (times in seconds from
     launch; a record past the budget is left out)."""
     windows: list[list[dict]] = [[] for _ in range(SIGNAL_WINDOWS)]
-    for record, at in zip(records, times):
+    for record, at in zip(records, times, strict=True):
         if within_budget(at, budget_s):
             windows[min(int(at / budget_s * SIGNAL_WINDOWS), SIGNAL_WINDOWS - 1)].append(record)
     return windows
@@ -284,7 +284,7 @@ def rft_signal(steps: list[dict], started: float, budget_s: float) -> dict:
 
 
 def trl_signal(records: list[dict], budget_s: float) -> dict:
-    """The same for TRL, from its per-step log (`trl/metrics.jsonl`, rft/bench/trl_reference.py `log_record`):
+    """The same for TRL, from its per-step log (`trl/metrics.jsonl`, benchmarks/trl_reference.py `log_record`):
     steps; steps without a gradient (every group's samples scored alike: `frac_reward_zero_std` 1); the median share
     of groups with a gradient (1 - `frac_reward_zero_std`: TRL trains on every group, rft's filter keeps those);
     the median entropy."""
@@ -314,7 +314,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def run_trl_system(config: str, *, out: Path, budget_s: float, marks: int, env: dict) -> dict:
-    """TRL on the config for `budget_s` seconds from launch (rft/bench/trl_reference.py)."""
+    """TRL on the config for `budget_s` seconds from launch (benchmarks/trl_reference.py)."""
     missing = trl_missing()
     if missing:
         return {"system": "trl", "skipped": missing, "marks": []}
@@ -388,8 +388,8 @@ def reach_time(system: dict, initial: float | None, target: float | None) -> flo
 
 
 def verdicts(rft: dict | None, trl: dict | None, *, name: str = "rft-async") -> dict:
-    """The two targets of issue 13 for the system `rft` (named `name`): {target: {"met": bool | None, "text": ...}}
-    (None: not measured)."""
+    """The half-time and equal-budget targets for the system `rft` (named `name`): {target: {"met": bool | None,
+    "text": ...}} (None: not measured)."""
     if not rft or not trl or rft.get("final_accuracy") is None or trl.get("final_accuracy") is None:
         missing = {"met": None, "text": f"not measured (needs {name} and trl with accuracies)"}
         return {"half_time": missing, "equal_budget": missing}
@@ -410,7 +410,7 @@ def standard_error(accuracy: float, tasks: int) -> float:
 
 
 def race_verdicts(by_name: dict[str, dict], target: str, eval_tasks: int | None) -> dict:
-    """Issue 28's targets for the system `target`: `quarter_time` (it reaches TRL's final accuracy in at most a
+    """The race targets for the system `target`: `quarter_time` (it reaches TRL's final accuracy in at most a
     quarter of TRL's time), `vs_off_policy` (its final accuracy is at least `rft`'s, the config's own mode, within
     noise: less than 1.96 standard errors of the difference below it, with `eval_tasks` held-out tasks) and
     `every_mark` (at every mark the best rft system is at or above TRL)."""
@@ -420,7 +420,8 @@ def race_verdicts(by_name: dict[str, dict], target: str, eval_tasks: int | None)
     if mine and trl and mine.get("final_accuracy") is not None and trl.get("reach_trl_s") is not None:
         t = mine["reach_trl_s"]
         out["quarter_time"] = {"met": t is not None and t <= trl["reach_trl_s"] / 4,
-                               "text": f"{target} reached TRL's final accuracy {'never' if t is None else f'at {t:.0f} s'}"
+                               "text": f"{target} reached TRL's final accuracy "
+                                       f"{'never' if t is None else f'at {t:.0f} s'}"
                                        f"; a quarter of TRL's {trl['reach_trl_s']:.0f} s is "
                                        f"{trl['reach_trl_s'] / 4:.0f} s"}
     if mine and own and target != "rft" and None not in (mine.get("final_accuracy"), own.get("final_accuracy")):
@@ -435,7 +436,8 @@ def race_verdicts(by_name: dict[str, dict], target: str, eval_tasks: int | None)
             best = max((s["marks"][i]["accuracy"] for s in rft_systems if i < len(s["marks"])
                         and s["marks"][i]["accuracy"] is not None), default=None)
             if best is None or mark["accuracy"] is None or best < mark["accuracy"]:
-                behind.append(f"{mark['time_s']:.0f} s (best rft {_fmt(best, '.3f')}, TRL {_fmt(mark['accuracy'], '.3f')})")
+                behind.append(f"{mark['time_s']:.0f} s (best rft {_fmt(best, '.3f')}, "
+                              f"TRL {_fmt(mark['accuracy'], '.3f')})")
         out["every_mark"] = {"met": not behind, "text": "the best rft system is behind TRL at " + ", ".join(behind)
                              if behind else "the best rft system is at or above TRL at every mark"}
     return out
@@ -494,7 +496,8 @@ def print_report(result: dict) -> None:
     for system in result["systems"]:
         m = system.get("mismatch")
         if m and m.get("mean") is not None:
-            stale = ", ".join(f"{k.replace('plus', '+')}: {v:.4f}" for k, v in m["by_staleness"].items() if v is not None)
+            stale = ", ".join(f"{k.replace('plus', '+')}: {v:.4f}" for k, v in m["by_staleness"].items()
+                              if v is not None)
             print(f"  {system['system']}: mismatch per step (median) |dlogp| {m['mean']:.4f}, KL {m['kl']:.5f}, "
                   f"{100 * m['frac']:.2f}% past the ratio, max {m['max']:.3f}; by staleness {stale}")
     for system in result["systems"]:
@@ -512,7 +515,7 @@ def print_report(result: dict) -> None:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rft bench learn", description="Held-out accuracy against wall-clock for "
                                      "rft and TRL's GRPOTrainer, each trained on the same config for the same budget "
-                                     "(the method: rft/bench/learn.py's docstring).")
+                                     "(the method: benchmarks/learn.py's docstring).")
     parser.add_argument("--config", default="configs/smollm2-arithmetic.yaml",
                         help="the run config, with eval.sets (default: %(default)s)")
     parser.add_argument("--budget-s", type=float, default=720.0,
@@ -545,7 +548,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for item in args.system_set:
         system, sep, override = item.partition(":")
         if not sep or "=" not in override or system not in RFT_SYSTEMS:
-            parser.error(f"--system-set {item!r}: expected SYSTEM:KEY=VALUE with SYSTEM one of {', '.join(RFT_SYSTEMS)}")
+            parser.error(f"--system-set {item!r}: expected SYSTEM:KEY=VALUE with SYSTEM one of "
+                         f"{', '.join(RFT_SYSTEMS)}")
         args.extra.setdefault(system, []).append(override)
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown or not args.systems:
@@ -732,7 +736,8 @@ def plot_race(result: dict, png: Path) -> Path:
         accuracy = [result["initial_accuracy"]] + [m["accuracy"] for m in marks]
         half = [1.96 * math.sqrt(p * (1 - p) / n) for p in accuracy]
         line, = ax.plot(times, accuracy, marker="o", label=f"{system['system']} ({system['steps']} steps)")
-        ax.fill_between(times, [p - h for p, h in zip(accuracy, half)], [p + h for p, h in zip(accuracy, half)],
+        ax.fill_between(times, [p - h for p, h in zip(accuracy, half, strict=True)],
+                        [p + h for p, h in zip(accuracy, half, strict=True)],
                         color=line.get_color(), alpha=0.12)
     ax.set(xlabel="wall-clock from launch (s)", ylabel=f"held-out accuracy ({n} tasks)",
            title=f"{Path(result['config']).name}, seed {result['seed']}")

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -86,8 +87,8 @@ def _measure(args, source: WeightStore, versions: list[int], server: ObjectServe
         tensors = {name: t.to(dtype).contiguous() for name, t in iter_safetensors(source.path(version))}
         buckets = _buckets(tensors, args.bucket_mb << 20)
         row = {"version": version}
-        row["publish_s"] = _timed(lambda: plain.publish(version, buckets, source.path(version)))
-        row["publish_delta_s"] = _timed(lambda: sparse.publish(version, buckets, source.path(version)))
+        row["publish_s"] = _timed(plain.publish, version, buckets, source.path(version))
+        row["publish_delta_s"] = _timed(sparse.publish, version, buckets, source.path(version))
         manifest = json.loads(sparse.read(version, MANIFEST))
         shards = {n: e["size"] for n, e in manifest["files"].items() if n.endswith(".safetensors")}
         row["full_mb"] = round(sum(shards.values()) / 1e6, 2)
@@ -95,8 +96,8 @@ def _measure(args, source: WeightStore, versions: list[int], server: ObjectServe
         row["delta_fraction"] = round(row["delta_mb"] / row["full_mb"], 4) if "delta" in manifest else None
         row["deltas"] = len(manifest.get("delta", {}).get("files", {}))
         fetch_full = store("plain", f"reader-full-{version}")  # a host without any version: it downloads every file
-        row["fetch_full_s"] = _timed(lambda: _check(fetch_full.local(version), tensors))
-        row["apply_delta_s"] = _timed(lambda: _check(apply_delta.local(version), tensors))
+        row["fetch_full_s"] = _timed(_fetch_checked, fetch_full, version, tensors)
+        row["apply_delta_s"] = _timed(_fetch_checked, apply_delta, version, tensors)
         row["delta_fallbacks"] = apply_delta.cache.stats["delta_fallbacks"]
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
@@ -105,7 +106,8 @@ def _measure(args, source: WeightStore, versions: list[int], server: ObjectServe
                "full_mb": rows[-1]["full_mb"],
                "delta_fraction_median": statistics.median(r["delta_fraction"] or 1.0 for r in later),
                "delta_fraction_max": max(r["delta_fraction"] or 1.0 for r in later),
-               "publish_s_median": _median(later, "publish_s"), "publish_delta_s_median": _median(later, "publish_delta_s"),
+               "publish_s_median": _median(later, "publish_s"),
+               "publish_delta_s_median": _median(later, "publish_delta_s"),
                "fetch_full_s_median": _median(later, "fetch_full_s"),
                "apply_delta_s_median": _median(later, "apply_delta_s")}
     summary["host_cache"] = _host_cache(args.explorers, server, work, versions[-1], list(shards))
@@ -124,6 +126,11 @@ def _buckets(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, tor
     return buckets + ([current] if current else [])
 
 
+def _fetch_checked(store: BucketStore, version: int, expected: dict[str, torch.Tensor]) -> None:
+    """`version` through `store` (downloaded, or built from deltas), checked against the tensors published."""
+    _check(store.local(version), expected)
+
+
 def _check(path: Path, expected: dict[str, torch.Tensor]) -> None:
     loaded = dict(iter_safetensors(path))
     if loaded.keys() != expected.keys() or not all(torch.equal(loaded[k], v) for k, v in expected.items()):
@@ -131,7 +138,8 @@ def _check(path: Path, expected: dict[str, torch.Tensor]) -> None:
 
 
 def _host_cache(explorers: int, server: ObjectServer, work: Path, version: int, shards: list[str]) -> dict:
-    """`explorers` processes fetch `version` of the plain store at once: one shared cache (a host), then a cache each."""
+    """`explorers` processes fetch `version` of the plain store at once: one shared cache (a host), then a cache
+    each."""
     out = {"explorers": explorers}
     for layout in ("shared", "separate"):
         log = work / "access.log"
@@ -173,9 +181,10 @@ def _read(argv: list[str]) -> int:
     return 0
 
 
-def _timed(call) -> float:
+def _timed(call: Callable[..., object], *args: object) -> float:
+    """Seconds `call(*args)` took."""
     started = time.perf_counter()
-    call()
+    call(*args)
     return round(time.perf_counter() - started, 3)
 
 

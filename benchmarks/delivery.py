@@ -45,7 +45,8 @@ class Model:
 @dataclass(frozen=True)
 class Links:
     """The bandwidths assumed, GB/s (docs/scaling.md says why each)."""
-    store_gbps: float = 100.0  # the object store's aggregate egress to the fleet (S3: scales with prefixes, request rate)
+    # the object store's aggregate egress to the fleet (S3: scales with prefixes, request rate)
+    store_gbps: float = 100.0
     host_gbps: float = 10.0  # one host's download from the store (a 100 Gbit/s NIC, many streams)
     upload_gbps: float = 10.0  # one trainer host's upload to the store
     verify_gbps: float = 4.0  # one host rebuilding and SHA-256-checking a version (4 threads)
@@ -91,8 +92,8 @@ def markdown(rows: list[dict]) -> str:
     for model in MODELS:
         for n in FLEETS:
             cells = {r["path"]: r for r in rows if r["model"] == model.name and r["explorers"] == n}
-            lines.append(f"| {model.name} ({model.size_gb:.0f} GB, {model.explorers_per_host}/host, P={model.publishing_hosts}) "
-                         f"| {n} | " + " | ".join(
+            lines.append(f"| {model.name} ({model.size_gb:.0f} GB, {model.explorers_per_host}/host, "
+                         f"P={model.publishing_hosts}) | {n} | " + " | ".join(
                 f"{cells[p]['deliver_s']:g} ({cells[p]['egress_gb']:g})" for p in PATHS) + " |")
     return "\n".join(lines)
 

@@ -3,9 +3,10 @@
 Starts a local broker (`rft.broker.local.LocalBroker`) and the server in this process (`rft.serve.server.build_service`
 under uvicorn, the code `rft serve` runs) on a model (default: a freshly made tiny model) with `--engine`
 (transformers or vllm). Then `--clients` asyncio clients (httpx) each send chat completions back to back for
-`--seconds` (after one warm-up request off the clock): `n` 1, `--max-tokens` new tokens, one of a few prompts. Reports requests/s (answered with 200), p50 / p99
-latency (request sent to answer read), errors, and, read back from the served topic afterwards, the fraction of
-answered completions recorded (target 1.0) and the number recorded more than once (target 0).
+`--seconds` (after one warm-up request off the clock): `n` 1, `--max-tokens` new tokens, one of a few prompts.
+Reports requests/s (answered with 200), p50 / p99 latency (request sent to answer read), errors, and, read back
+from the served topic afterwards, the fraction of answered completions recorded (target 1.0) and the number
+recorded more than once (target 0).
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`rft bench micro-batches MODEL_DIR`: trainer steps on variable-length rows, fixed-shape vs token-budget micro-batches.
+"""`rft bench micro-batches MODEL_DIR`: trainer steps on variable-length rows, fixed-shape vs token-budget
+micro-batches.
 
 One process (world size 1, gloo on CPU): a MegatronPolicy from MODEL_DIR trains `--steps` steps of `--rows` rows
 (GRPO, token_mean) whose prompt and response lengths are drawn uniformly from `--prompt-len` and
@@ -31,30 +32,12 @@ import numpy as np
 from rft.algorithms import build_algorithm
 from rft.algorithms.aggregation import with_kl_metric
 from rft.algorithms.config import AlgorithmConfig
-from rft.schema import ExperienceGroup, Sample
-from rft.trainer.batch import plan_micro_batches, rows_from_groups
+from rft.trainer.batch import plan_micro_batches
 
 
 def _lengths(text: str) -> tuple[int, int]:
     low, _, high = text.partition(":")
     return int(low), int(high or low)
-
-
-def step_rows(rng: np.random.Generator, *, rows: int, vocab: int, prompt_len: tuple[int, int],
-              response_len: tuple[int, int], group_size: int = 1):
-    """`rows` rows in groups of 8 (the advantages' groups); each run of `group_size` rows shares one prompt."""
-    samples = []
-    for j in range(rows):
-        n = int(rng.integers(response_len[0], response_len[1] + 1))
-        if j % group_size == 0:
-            prompt = rng.integers(3, vocab, int(rng.integers(prompt_len[0], prompt_len[1] + 1))).astype(np.int32)
-        samples.append(Sample(sample_index=j, prompt_tokens=prompt,
-                              response_tokens=rng.integers(3, vocab, n).astype(np.int32),
-                              logprobs=np.full(n, -5.0, np.float32), loss_mask=np.ones(n, np.uint8),
-                              reward=float(rng.random())))
-    groups = [ExperienceGroup(run_id="bench", task_id=f"t{i}", group_id=f"g{i}", attempt=0, explorer_id="e",
-                              policy_version=0, samples=samples[i:i + 8]) for i in range(0, rows, 8)]
-    return rows_from_groups(groups, build_algorithm(AlgorithmConfig()).advantages([g.rewards for g in groups]))
 
 
 def main(argv: list[str]) -> int:
@@ -77,7 +60,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"--group-size must divide 8 (the rows of a group), got {args.group_size}")
 
     from megatron_bridge.policy import MegatronPolicy  # heavy: megatron.core
-    from rft.algorithms import build_algorithm
+    from rft.ops.gpu_check_worker import step_rows  # heavy: torch; the rows gpu-check's shared-prompts row trains
 
     # Adam moves weights by ~lr: they stay put
     policy = MegatronPolicy(args.model_dir, lr=1e-12, seed=0, share_prompts=args.share_prompts)
@@ -110,7 +93,8 @@ def main(argv: list[str]) -> int:
         if args.json:
             print(json.dumps(record), flush=True)
         else:
-            print(f"budget {budget or 'off':>6}{', prompts shared' if shared else ''}: padding {record['padding_fraction']:.3f}, "
+            print(f"budget {budget or 'off':>6}{', prompts shared' if shared else ''}: "
+                  f"padding {record['padding_fraction']:.3f}, "
                   f"{record['micro_batches']} micro-batches, train {record['train_s']:.2f} s/step, "
                   f"{record['train_tokens_per_s']:.0f} tokens/s, loss {', '.join(f'{x:.5f}' for x in losses)}",
                   flush=True)

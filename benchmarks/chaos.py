@@ -43,7 +43,8 @@ Scenarios (`SCENARIOS`: data, name -> Scenario; adding one is adding an entry). 
                     the model save or the state write), `publish` (a `weights/.tmp-*` directory, polled every 2 ms:
                     inside the store write of a version), `step` (approximate: a seeded 10-80 ms after a metrics line
                     whose consumer lag shows a full batch waiting, i.e. somewhere in the next step's read, training
-                    or publish). A phase not seen within 60 s (checkpoint, publish: 150 s) is killed at once and marked `(missed)`.
+                    or publish). A phase not seen within 60 s (checkpoint, publish: 150 s) is killed at once and
+                    marked `(missed)`.
   explorer-kill     two extra `rft explorer` processes (besides the run's explorer-0), SIGKILLed and restarted with
                     the same id: `generation` (approximate: 0-50 ms after the proxy passed that explorer a fetch
                     response of more than 1 KiB, i.e. with tasks: between taking tasks and producing their groups)
@@ -84,7 +85,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from rft.bench.run_support import (
+from benchmarks.runs import (
     consumed,
     latest_checkpoint_state,
     log_tail,
@@ -200,7 +201,7 @@ def build_ledger(records: list[Offered], trained: list[dict], final_offset: int,
 def longest_stall(step_times: list[float], restarts: list[float]) -> float:
     """The longest gap between consecutive step times (sorted) that contains no restart time."""
     times = sorted(step_times)
-    gaps = [b - a for a, b in zip(times, times[1:]) if not any(a < r < b for r in restarts)]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False) if not any(a < r < b for r in restarts)]
     return round(max(gaps, default=0.0), 2)
 
 
@@ -530,6 +531,30 @@ def inject_trainer_kill(ctx: Context) -> None:
     ctx.start_run()
 
 
+def explorer_killer(ctx: Context, kind: str, victim: str, killed: threading.Event
+                    ) -> tuple[Callable[[], None], Callable[[str, int, int], bool]]:
+    """(kill, hook): `kill` SIGKILLs explorer `victim` and sets `killed`; `hook`, the proxy's, calls it at the
+    moment `kind` names (the scenario's `publish` or `generation`)."""
+
+    def kill() -> None:
+        for pid in ctx.explorer_pids(victim):
+            os.kill(pid, signal.SIGKILL)
+        killed.set()
+
+    if kind == "publish":
+        def hook(client: str, api_key: int, size: int) -> bool:
+            if client == victim and api_key == PRODUCE and not killed.is_set():
+                kill()
+                return False  # the response to the produce the explorer was waiting for: never delivered
+            return True
+    else:
+        def hook(client: str, api_key: int, size: int) -> bool:
+            if client == victim and api_key == FETCH and size > 1024 and not killed.is_set():
+                threading.Timer(ctx.rng.uniform(0.0, 0.05), kill).start()
+            return True
+    return kill, hook
+
+
 def inject_explorer_kill(ctx: Context) -> None:
     ctx.start_run()
     ids = ["x1", "x2"]
@@ -542,23 +567,7 @@ def inject_explorer_kill(ctx: Context) -> None:
             break
         victim = ctx.rng.choice(ids)
         killed = threading.Event()
-
-        def kill() -> None:
-            for pid in ctx.explorer_pids(victim):
-                os.kill(pid, signal.SIGKILL)
-            killed.set()
-
-        if kind == "publish":
-            def hook(client: str, api_key: int, size: int) -> bool:
-                if client == victim and api_key == PRODUCE and not killed.is_set():
-                    kill()
-                    return False  # the response to the produce the explorer was waiting for: never delivered
-                return True
-        else:
-            def hook(client: str, api_key: int, size: int) -> bool:
-                if client == victim and api_key == FETCH and size > 1024 and not killed.is_set():
-                    threading.Timer(ctx.rng.uniform(0.0, 0.05), kill).start()
-                return True
+        kill, hook = explorer_killer(ctx, kind, victim, killed)
         ctx.drop = hook
         exact = killed.wait(60)
         ctx.drop = None
@@ -777,7 +786,8 @@ def run_scenario(scenario: Scenario, out: Path, model: Path, seed: int, quick: b
         poison_tasks = [f for f in ctx.faults if f["kind"] == "poison" and f["topic"] == "tasks"]
         committed = tasks_committed(bootstrap, name)
         reached = [f for f in poison_tasks if f["offset"] < committed.get(f"{name}.tasks:{f['partition']}", 0)]
-        tasks_missing_dlq = [f["what"] for f in reached if f"{name}.tasks:{f['partition']}@{f['offset']}" not in origins]
+        tasks_missing_dlq = [f["what"] for f in reached
+                             if f"{name}.tasks:{f['partition']}@{f['offset']}" not in origins]
         metrics = steps_done(ctx.run_dir)
         stall = longest_stall([m["time"] for m in metrics], ctx.restarts)
         poll_timeout = float(yaml.safe_load(ctx.config.read_text())["trainer"]["poll_timeout_s"])  # the run's own
@@ -841,7 +851,8 @@ def table(rows: list[dict]) -> str:
                  r["duplicated"], r["dup_records"], f"{r['dead_letters']}", r["skipped"].get("stale", 0),
                  f"{r['longest_stall_s']}/{r['stall_bound_s']:.0f}", f"{r['staleness_max']}/{r['staleness_bound']}",
                  r["wall_s"], "pass" if r["passed"] else "FAIL"]
-        lines.append(" ".join(f"{c!s:>{w}}" if i else f"{c!s:<{w}}" for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS))))
+        lines.append(" ".join(f"{c!s:>{w}}" if i else f"{c!s:<{w}}"
+                              for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS, strict=True))))
     return "\n".join(lines)
 
 

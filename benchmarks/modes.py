@@ -27,11 +27,11 @@ Every run is a whole `rft run` on one local broker that outlives them (so the co
      reload = that explorer's reload seconds (its `explorer_weights` message). In sync mode the sum is the per-step
      coordination cost on the critical path;
    - the staleness histogram of the samples trained (staleness -> samples) and the samples dropped as stale;
-   - simulated: the fleet simulator's samples/s for the mode (rft/bench/simulate.py), driven by this invocation's stage
+   - simulated: the fleet simulator's samples/s for the mode (benchmarks/simulate.py), driven by this invocation's stage
      times (`simulator_stages`), and its error against the measurement: the simulator's validation here.
 The reference row runs TRL's `GRPOTrainer` (when `trl` is installed) on the same config, hence the same model,
 tasks, reward, batch (groups x samples per step), sampling and learning rate, in a child process with Hugging Face
-generate (rft/bench/trl_reference.py, shared with `rft bench learn`).
+generate (benchmarks/trl_reference.py, shared with `rft bench learn`).
 
 Threads: on a 2-core machine the stages overlap only if each uses one core: `--threads 1` (the default) sets
 OMP_NUM_THREADS for every part, in the stage-alone runs too, so each bound is what one core per stage allows.
@@ -52,8 +52,8 @@ from pathlib import Path
 
 import yaml
 
-from rft.bench.simulate import BENCH_MODES, Stages, simulate
-from rft.bench.trl_reference import run_trl, trl_missing
+from benchmarks.simulate import BENCH_MODES, Stages, simulate
+from benchmarks.trl_reference import run_trl, trl_missing
 from rft.broker.local import LocalBroker
 from rft.modes import MODES as RUN_MODES
 from rft.schema import decode_group
@@ -189,7 +189,7 @@ def stages_alone(args: argparse.Namespace, model: str, out: Path, env: dict, boo
 
 
 def simulator_stages(args: argparse.Namespace, stages: dict, sync_row: dict, model: str) -> Stages:
-    """The fleet simulator's stage times (rft/bench/simulate.py) from this invocation's measurements: a group's
+    """The fleet simulator's stage times (benchmarks/simulate.py) from this invocation's measurements: a group's
     generation time from generation alone (per explorer, with a core to itself: the explorers of generation alone
     shared `cores` when there were more of them), the trainer step from training alone less its critical-path
     publish, and publish / notice / reload from the sync run (where explorers wait idle for each version, so
@@ -261,7 +261,7 @@ def _final_stats(log: Path) -> list[dict]:
 
 
 def run_trl_row(args: argparse.Namespace, model: str, out: Path, env: dict) -> dict:
-    """TRL's GRPOTrainer on the same workload for `--steps` steps (rft/bench/trl_reference.py: a child process)."""
+    """TRL's GRPOTrainer on the same workload for `--steps` steps (benchmarks/trl_reference.py: a child process)."""
     label = "trl GRPOTrainer"
     missing = trl_missing()
     if missing:
@@ -302,7 +302,8 @@ def print_table(result: dict) -> None:
               f"{num(r['trainer_idle'], '.0%'):>13} {num(r['explorer_idle'], '.0%'):>14} {sync_s:>25} "
               f"{num(r.get('predicted'), '.2f'):>10}  "
               f"{r['staleness_hist']} (dropped {r['dropped_stale']})")
-    print("  sync s/version: publish + notice + reload, seconds per weights version; simulated: rft/bench/simulate.py's "
+    print("  sync s/version: publish + notice + reload, seconds per weights version; simulated: "
+          "benchmarks/simulate.py's "
           "samples/s from the stages-alone times")
 
 
@@ -325,7 +326,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for every part (0: leave as is)")
     parser.add_argument("--modes", default="sync,off_policy k=1,off_policy k=2,async,trl",
                         help="comma-separated subset of: sync, off_policy k=1, off_policy k=2, async, trl")
-    parser.add_argument("--no-bounds", action="store_true", help="skip the stages-alone runs (no bounds, no efficiency)")
+    parser.add_argument("--no-bounds", action="store_true",
+                        help="skip the stages-alone runs (no bounds, no efficiency)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)

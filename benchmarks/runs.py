@@ -1,16 +1,12 @@
-"""Helpers to drive whole `rft run`s from outside, shared by the e2e fault tests (tests/e2e/test_run_faults.py,
-tests/e2e/test_chaos.py) and `rft chaos` (rft/bench/chaos.py): a tiny-model run config, starting `rft` processes in
-their own session, reading a run's files (metrics.jsonl, consumed.jsonl, the latest checkpoint's feed state),
-finding its parts by command line (with rft.processes), and reading a topic.
-
-Failures (a run that ends early, a step that does not come, a run that does not finish) raise `RunFailed` (an
-AssertionError, so a test shows its message as a failed assertion) with the tail of the run's log.
+"""Driving whole `rft run`s from outside, for `rft chaos` (benchmarks/chaos.py) and the e2e tests (with
+tests/support/runs.py): a tiny-model run config, starting `rft` processes from the repository in their own session,
+reading a run's files (metrics.jsonl, consumed.jsonl, the latest checkpoint's feed state), finding its parts by
+command line (with rft.processes), and reading a topic. Nothing here asserts; tests/support/runs.py waits and checks.
 """
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,16 +14,12 @@ from pathlib import Path
 
 import yaml
 
-from rft.processes import matching, signal_group
+from rft.processes import matching
 from rft.transport import connect
 from rft.transport.config import KafkaConfig
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]  # the checkout: `rft` processes start here
 GROUPS_PER_STEP = 4
-
-
-class RunFailed(AssertionError):
-    pass
 
 
 def write_config(tmp_path: Path, model: Path, name: str, **sections) -> Path:
@@ -80,25 +72,6 @@ def last_step(run_dir: Path) -> int:
     return max((m["step"] for m in steps_done(run_dir)), default=0)
 
 
-def wait_for_step(process: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while last_step(run_dir) < step:
-        if process.poll() is not None:
-            raise RunFailed(f"run ended early ({process.returncode}):\n{log_tail(log)}")
-        if time.monotonic() > deadline:
-            raise RunFailed(f"no step {step} after {timeout_s} s:\n{log_tail(log)}")
-        time.sleep(0.5)
-
-
-def finish(process: subprocess.Popen, log: Path, timeout_s: float = 400) -> int:
-    """The exit status of `process`; after `timeout_s`, its whole session is SIGKILLed and RunFailed raised."""
-    try:
-        return process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        signal_group(process, signal.SIGKILL)  # the run and every part it started
-        raise RunFailed(f"run did not finish in {timeout_s} s:\n{log_tail(log)}") from None
-
-
 def no_process_left(*needles: str, timeout_s: float = 10) -> bool:
     """True once no process matches (children a killed trainer forked, e.g. megatron's checkpoint writers, die
     with it: rft/trainer/main.py asks Linux for that)."""
@@ -131,22 +104,3 @@ def latest_checkpoint_state(run_dir: Path) -> dict | None:
     if not (checkpoints / "latest").exists():
         return None
     return json.loads((checkpoints / (checkpoints / "latest").read_text().strip() / "trainer_state.json").read_text())
-
-
-def assert_trained_exactly_once(run_dir: Path, bootstrap: str, topic: str, steps: int) -> list[str]:
-    """Every step 1..`steps` full (GROUPS_PER_STEP groups), no group trained twice (by group id), and every group
-    the trainer's last checkpointed offsets cover on `topic` was trained (nothing lost; async mode drops none as
-    stale). Returns the trained group ids."""
-    from rft.schema import decode_group  # heavy: numpy
-
-    records = consumed(run_dir)
-    assert sorted({r["step"] for r in records}) == list(range(1, steps + 1))
-    assert len(records) == steps * GROUPS_PER_STEP
-    trained = [r["group_id"] for r in records]
-    assert len(set(trained)) == len(trained), "a group was trained twice"
-    state = latest_checkpoint_state(run_dir)
-    assert state is not None, f"no checkpoint in {run_dir}"
-    covered = {decode_group(m.value, m.headers).group_id
-               for m in read_topic(bootstrap, topic, end=state["feed"]["offsets"])}
-    assert covered == set(trained), f"lost: {sorted(covered - set(trained))[:5]}"
-    return trained

@@ -1,0 +1,57 @@
+"""Waiting on and checking whole `rft run`s in the e2e tests (tests/e2e/test_run_faults.py, test_durable_run.py,
+...); starting them and reading their files is benchmarks/runs.py's, shared with `rft chaos`.
+
+Failures (a run that ends early, a step that does not come, a run that does not finish) raise `RunFailed` (an
+AssertionError, so a test shows its message as a failed assertion) with the tail of the run's log.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from benchmarks.runs import GROUPS_PER_STEP, consumed, last_step, latest_checkpoint_state, log_tail, read_topic
+from rft.processes import signal_group
+
+
+class RunFailed(AssertionError):
+    pass
+
+
+def wait_for_step(process: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while last_step(run_dir) < step:
+        if process.poll() is not None:
+            raise RunFailed(f"run ended early ({process.returncode}):\n{log_tail(log)}")
+        if time.monotonic() > deadline:
+            raise RunFailed(f"no step {step} after {timeout_s} s:\n{log_tail(log)}")
+        time.sleep(0.5)
+
+
+def finish(process: subprocess.Popen, log: Path, timeout_s: float = 400) -> int:
+    """The exit status of `process`; after `timeout_s`, its whole session is SIGKILLed and RunFailed raised."""
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        signal_group(process, signal.SIGKILL)  # the run and every part it started
+        raise RunFailed(f"run did not finish in {timeout_s} s:\n{log_tail(log)}") from None
+
+
+def assert_trained_exactly_once(run_dir: Path, bootstrap: str, topic: str, steps: int) -> list[str]:
+    """Every step 1..`steps` full (GROUPS_PER_STEP groups), no group trained twice (by group id), and every group
+    the trainer's last checkpointed offsets cover on `topic` was trained (nothing lost; async mode drops none as
+    stale). Returns the trained group ids."""
+    from rft.schema import decode_group  # heavy: numpy
+
+    records = consumed(run_dir)
+    assert sorted({r["step"] for r in records}) == list(range(1, steps + 1))
+    assert len(records) == steps * GROUPS_PER_STEP
+    trained = [r["group_id"] for r in records]
+    assert len(set(trained)) == len(trained), "a group was trained twice"
+    state = latest_checkpoint_state(run_dir)
+    assert state is not None, f"no checkpoint in {run_dir}"
+    covered = {decode_group(m.value, m.headers).group_id
+               for m in read_topic(bootstrap, topic, end=state["feed"]["offsets"])}
+    assert covered == set(trained), f"lost: {sorted(covered - set(trained))[:5]}"
+    return trained
