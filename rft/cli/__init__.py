@@ -1,6 +1,6 @@
 """The `rft` console script: only the dispatcher. One subcommand per role, each a `main(argv) -> exit code` named
 by an import path and imported when called (so that `rft validate` does not pay for importing vLLM). What the
-commands share lives in `rft.run.commandline`.
+commands share lives in `rft.cli.commandline`.
 
 Errors every command can meet are reported here, once, as one line on stderr and an exit status (docs/operations.md):
   2  bad input: a config that does not load or check (ConfigError: the file, the key), bad arguments

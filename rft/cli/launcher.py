@@ -42,8 +42,8 @@ from rft.explorer.membership import fresh_group_for_restart
 from rft.modes import MODES, mode
 from rft.ops.status import StallWatch
 from rft.processes import signal_group
-from rft.run.commandline import add_config_arguments, config_from_args, require_broker
-from rft.run.monitor import plot_rewards
+from rft.cli.commandline import add_config_arguments, config_from_args, require_broker
+from rft.observability.plots import plot_rewards
 from rft.run.stages import resolve_stages
 from rft.transport import connect
 from rft.transport.run_topics import RunTopics, create_run_topics
@@ -108,11 +108,11 @@ def run_until_stopped(cfg: Config) -> int:
 
 def _endpoints_refused(cfg: Config) -> str | None:
     """Why an HTTP endpoint this run would start (`rft dashboard`, `rft serve`) must not: a key that cannot be read,
-    or one listening beyond loopback without a key (rft/run/web.py); None when they may start."""
+    or one listening beyond loopback without a key (rft/observability/access.py); None when they may start."""
     serving = "serve" in ROLES_BY_MODE[cfg.run.mode]
     if not (cfg.monitor.dashboard_port or serving):
         return None
-    from rft.run.web import AccessConfigError, dashboard_access, serve_access  # heavy: fastapi (the web extra)
+    from rft.observability.access import AccessConfigError, dashboard_access, serve_access  # heavy: fastapi (the web extra)
     try:
         if cfg.monitor.dashboard_port:
             dashboard_access(cfg.monitor, cfg.monitor.dashboard_host)
@@ -450,8 +450,8 @@ def core_board(cfg: Config, roles: tuple[str, ...], threads: int | None, run_dir
 def _trainer_command(cfg: Config, config_path: Path) -> list[str]:
     t = cfg.trainer
     nproc = t.tensor_parallel * t.pipeline_parallel * t.data_parallel
-    # torchrun whose stores listen on localhost only (rft/run/torchrun.py)
-    return [sys.executable, "-m", "rft.run.torchrun", "--standalone", f"--nproc-per-node={nproc}",
+    # torchrun whose stores listen on localhost only (rft/cli/torchrun.py)
+    return [sys.executable, "-m", "rft.cli.torchrun", "--standalone", f"--nproc-per-node={nproc}",
             "-m", "rft.cli", "trainer", str(config_path)]
 
 

@@ -9,7 +9,7 @@ Routes:
                                      every metrics record, later ones the records added since (see `snapshot`)
 
 The server keeps running when the run ends, when its broker goes away and when it restarts: the page says which.
-Access (rft/run/web.py, docs/security.md): it listens on monitor.dashboard_host (127.0.0.1 by default; `--host`);
+Access (rft/observability/access.py, docs/security.md): it listens on monitor.dashboard_host (127.0.0.1 by default; `--host`);
 every route checks the Host header (400) and, with keys set (monitor.dashboard_key_env / _key_file, required beyond
 loopback), a key (401): `Authorization: Bearer KEY`, or in a browser `/?key=KEY` once, which the page keeps in an
 HttpOnly, SameSite=Strict cookie for its own requests.
@@ -25,10 +25,17 @@ from pathlib import Path
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
+from rft.cli.commandline import add_config_arguments, config_from_args
 from rft.config import Config
 from rft.dashboard.model import RunIndex, RunWatch
-from rft.run.commandline import add_config_arguments, config_from_args
-from rft.run.web import DASHBOARD_COOKIE, Access, AccessConfigError, AccessDenied, allowed_hosts, dashboard_access
+from rft.observability.access import (
+    DASHBOARD_COOKIE,
+    Access,
+    AccessConfigError,
+    AccessDenied,
+    allowed_hosts,
+    dashboard_access,
+)
 
 STATIC = Path(__file__).resolve().parent / "static"
 STATIC_FILES = {"app.js": "text/javascript", "style.css": "text/css"}

@@ -38,8 +38,8 @@ from rft.engine import build_engine
 from rft.evaluation.checkpoints import Checkpoint, CheckpointError, resolve_checkpoint
 from rft.evaluation.metrics import SetScores, score_tasks
 from rft.rewards import RewardContext, build_reward
-from rft.run.commandline import add_config_arguments, config_from_args, install_stop_signals
-from rft.run.monitor import MetricsLogger
+from rft.cli.commandline import add_config_arguments, config_from_args, install_stop_signals
+from rft.observability.metrics import MetricsLogger
 from rft.weights.store import WeightStoreError
 from rft.weights.stores import VersionStore, open_store, store_exists
 from rft.weights.subscriber import load_newest_weights

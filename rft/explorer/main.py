@@ -25,8 +25,8 @@ from rft.explorer.replicas import run_replicas
 from rft.modes import mode
 from rft.registry import import_object
 from rft.rewards import RewardContext, build_reward
-from rft.run.commandline import add_config_arguments, config_from_args, install_stop_signals
-from rft.run.monitor import metrics_endpoint
+from rft.cli.commandline import add_config_arguments, config_from_args, install_stop_signals
+from rft.observability.prometheus import metrics_endpoint
 from rft.transport import Transport, connect, probe_bootstrap
 from rft.transport.run_topics import RunTopics
 from rft.weights.stores import open_store

@@ -57,7 +57,7 @@ from rft.transport.control import ControlView, TasksGroup, control_messages
 if TYPE_CHECKING:
     from rft.config import ExplorerConfig, KafkaConfig
     from rft.explorer.explorer import ExplorerStats
-    from rft.run.monitor import MetricsEndpoint
+    from rft.observability.prometheus import MetricsEndpoint
     from rft.transport import RecordSink, RecordSource
     from rft.transport.run_topics import RunTopics
     from rft.weights.subscriber import WeightUpdates

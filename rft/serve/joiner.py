@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rft.run.commandline import install_stop_signals
-from rft.run.monitor import metrics_endpoint
+from rft.cli.commandline import install_stop_signals
+from rft.observability.prometheus import metrics_endpoint
 from rft.schema import (
     ExperienceGroup,
     Feedback,
@@ -60,7 +60,7 @@ from rft.transport.run_topics import RunTopics
 
 if TYPE_CHECKING:
     from rft.config import KafkaConfig, ServeConfig
-    from rft.run.monitor import MetricsEndpoint
+    from rft.observability.prometheus import MetricsEndpoint
     from rft.transport import Transport
 
 log = logging.getLogger("rft.joiner")

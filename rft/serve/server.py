@@ -14,7 +14,7 @@ Every error is an OpenAI-style body `{"error": {"message", "type", "param", "cod
 engine or the broker failed): malformed JSON or fields 400, unknown model 404, prompt over model.max_prompt_len 400
 (`context_length_exceeded`), feedback refused as rft/serve/ledger.py says (400/404/409/410). Before any route:
 a Host not allowed 400, no valid bearer key 401 (when keys are set: serve.api_key_env / api_key_file, required
-beyond loopback), a body that is not `application/json` 415 (rft/run/web.py). Limits (serve.*): a body over
+beyond loopback), a body that is not `application/json` 415 (rft/observability/access.py). Limits (serve.*): a body over
 max_body_bytes 413, n x max_tokens over max_request_tokens 400, max_queue requests already waiting 429 with
 Retry-After, not generated within request_timeout_s 504 (nothing recorded).
 
@@ -62,7 +62,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rft.engine import SamplingSettings, build_engine
-from rft.run.web import Access, AccessConfigError, AccessDenied, AppThread, allowed_hosts, serve_access
+from rft.observability.access import Access, AccessConfigError, AccessDenied, allowed_hosts, serve_access
+from rft.observability.app_thread import AppThread
 from rft.schema import Feedback, RewardRange, ServedChoice, ServedCompletion
 from rft.serve import part_config
 from rft.serve.ledger import FeedbackLedger, FeedbackRefused
@@ -561,7 +562,7 @@ class ServeService:
 
 def create_app(service: ServeService, access: Access | None = None) -> FastAPI:
     """The app over `service` (which the caller starts and closes). Every route first passes `access`'s checks
-    (rft.run.web: Host, bearer key, JSON only; refused with an OpenAI-style error body); None: no key, loopback
+    (rft.observability.access: Host, bearer key, JSON only; refused with an OpenAI-style error body); None: no key, loopback
     Host names only."""
     access = access or Access(frozenset(), allowed_hosts([], "127.0.0.1"))
     app = FastAPI(title="rft serve", docs_url=None, redoc_url=None, openapi_url=None,

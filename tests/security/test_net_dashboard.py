@@ -9,7 +9,8 @@ import pytest
 from rft.config import config_from_dict
 from rft.dashboard.model import RunIndex
 from rft.dashboard.server import create_app
-from rft.run.web import DASHBOARD_COOKIE, Access, AppThread, allowed_hosts
+from rft.observability.access import DASHBOARD_COOKIE, Access, allowed_hosts
+from rft.observability.app_thread import AppThread
 
 KEY = "d-" + "fedcba9876543210" * 2
 

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from rft.config import ServeConfig, config_from_dict
 from rft.processes import free_port
-from rft.run.web import Access, AccessConfigError, allowed_hosts, serve_access
+from rft.observability.access import Access, AccessConfigError, allowed_hosts, serve_access
 from rft.schema import RewardRange
 from rft.serve.ledger import FeedbackLedger
 from rft.serve.server import EngineWorker, Limits, ServerThread, ServeService, build_service, renderer

@@ -2,7 +2,7 @@
 
 Connection: `--bootstrap HOST:PORT`, or `-c CONFIG [--set key=value]` whose `kafka.bootstrap_servers`
 and `kafka.security` are used (`--bootstrap` wins when both are given; the config also names the
-tokenizer for `--decode`). `embedded` is refused (rft.run.commandline.embedded_broker_error): an embedded broker
+tokenizer for `--decode`). `embedded` is refused (rft.cli.commandline.embedded_broker_error): an embedded broker
 lives only inside the run that started it, so there is nothing for this tool to connect to.
 
 Export file formats: rft/ops/topics//formats.py.
@@ -30,7 +30,7 @@ from rft.ops.topics.formats import (
     read_export,
 )
 from rft.ops.topics.render import format_message
-from rft.run.commandline import EMBEDDED, config_from_args, embedded_broker_error, install_stop_signals
+from rft.cli.commandline import EMBEDDED, config_from_args, embedded_broker_error, install_stop_signals
 from rft.text.tokens import Detokenizer, TokenizerError
 from rft.transport import (
     Admin,

@@ -1,4 +1,4 @@
-"""`python -m rft.run.torchrun ARGS`: torchrun (`torch.distributed.run`, same arguments) whose TCPStore servers
+"""`python -m rft.cli.torchrun ARGS`: torchrun (`torch.distributed.run`, same arguments) whose TCPStore servers
 listen only on the address each is created for. torch's TCPStore(host, is_master=True) listens on every interface
 whatever `host` says (torch 2.13), so torchrun's rendezvous and agent stores would be reachable from the network even
 for `--standalone` (host `localhost`). Here every master store created without a socket of its own is handed one
