@@ -11,8 +11,8 @@ import torch
 
 from rft.broker.objects import serve
 from rft.config import MonitorConfig
-from rft.processes import free_port
 from rft.observability.prometheus import metrics_endpoint
+from rft.processes import free_port
 from rft.weights.push import PushSender
 from tests.listeners import listeners
 

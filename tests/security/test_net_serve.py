@@ -20,11 +20,15 @@ import yaml
 from transformers import AutoTokenizer
 
 from rft.config import ServeConfig, config_from_dict
-from rft.processes import free_port
 from rft.observability.access import Access, AccessConfigError, allowed_hosts, serve_access
+from rft.processes import free_port
 from rft.schema import RewardRange
+from rft.serve.app import ServerThread
+from rft.serve.engine_thread import EngineWorker
 from rft.serve.ledger import FeedbackLedger
-from rft.serve.server import EngineWorker, Limits, ServerThread, ServeService, build_service, renderer
+from rft.serve.requests import renderer
+from rft.serve.server import build_service
+from rft.serve.service import Limits, ServeService
 from rft.transport import connect
 from rft.transport.run_topics import RunTopics
 from tests.waiting import wait_until
