@@ -48,7 +48,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rft.cli.launcher import failure_line
+from rft.cli.parts import failure_line
 
 REPO = Path(__file__).resolve().parents[2]
 # SmolLM2-135M-Instruct's shape (its config.json): the real model's size for the weight-sync timings.
@@ -126,7 +126,7 @@ class Context:
 
 
 def _failure(result: subprocess.CompletedProcess) -> str:
-    """The most telling line of a failed process's output: its exception (rft.cli.launcher.failure_line, as `rft run`
+    """The most telling line of a failed process's output: its exception (rft.cli.parts.failure_line, as `rft run`
     reports a failed part), else its last FAIL line, else its last line."""
     lines = [line for line in (result.stdout + "\n" + result.stderr).splitlines() if line.strip()]
     fails = [line for line in lines if "FAIL" in line]

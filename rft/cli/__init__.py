@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trainer": ("rft.trainer.main:main", "the Megatron trainer (one process per rank, under torchrun or srun)"),
     "explorer": ("rft.explorer.main:main", "one or more explorers joining a run"),
     "publish": ("rft.explorer.publisher:main", "publish a dataset's tasks to the run's tasks topic"),
-    "replay": ("rft.cli.launcher:replay_main", "offline training from an experiences topic (by offsets or time)"),
+    "replay": ("rft.cli.replay:main", "offline training from an experiences topic (by offsets or time)"),
     "serve": ("rft.serve.server:main", "an OpenAI-compatible endpoint whose traffic and feedback become training data"),
     "joiner": ("rft.serve.joiner:main", "serve mode: join served completions and feedback into experience groups"),
     "eval": ("rft.evaluation.main:main", "evaluate checkpoints on eval.sets: accuracy, pass@k, mean@k"),
@@ -43,7 +43,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gpu-check": ("rft.bench.gpu_check:main", "prove a GPU machine runs rft's GPU paths (--cpu: the CPU paths): a table"),
     "tiny-model": ("rft.models.tiny:main", "write a tiny seeded HF model (tests, quickstart)"),
     "model": ("rft.models.gguf:main", "model files: import-gguf FILE OUT_DIR (a GGUF into a safetensors HF directory)"),
-    "bridge-check": ("megatron_bridge.check:main", "check HF <-> Megatron on a model: logits vs transformers, round trip"),
+    "bridge-check": ("megatron_bridge.check:main",
+                     "check HF <-> Megatron on a model: logits vs transformers, round trip"),
 }
 
 

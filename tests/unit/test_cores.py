@@ -10,7 +10,9 @@ import sys
 import pytest
 import torch
 
-from rft.cli.launcher import ROLES_BY_MODE, PartRunner, core_board
+from rft.cli.launcher import ROLES_BY_MODE
+from rft.cli.parts import PartRunner
+from rft.cli.planning import core_board
 from rft.config import Config
 from rft.cores import CoreShare, NoShare, core_share
 from tests.waiting import wait_until
