@@ -32,14 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rft.cli.commandline import add_config_arguments, config_from_args, install_stop_signals
 from rft.config import Config, ConfigError, EvalConfig, EvalSetConfig, ExplorerConfig, ModelConfig
 from rft.data.tasks import DatasetError, TaskSet, load_rows, rows_to_tasks
 from rft.engine import build_engine
 from rft.evaluation.checkpoints import Checkpoint, CheckpointError, resolve_checkpoint
 from rft.evaluation.metrics import SetScores, score_tasks
-from rft.rewards import RewardContext, build_reward
-from rft.cli.commandline import add_config_arguments, config_from_args, install_stop_signals
 from rft.observability.metrics import MetricsLogger
+from rft.rewards import RewardContext, build_reward
 from rft.weights.store import WeightStoreError
 from rft.weights.stores import VersionStore, open_store, store_exists
 from rft.weights.subscriber import load_newest_weights

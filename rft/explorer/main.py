@@ -14,6 +14,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
+from rft.cli.commandline import add_config_arguments, config_from_args, install_stop_signals
 from rft.config import Config, ConfigError
 from rft.cores import CoreShare, NoShare, core_share
 from rft.engine import build_engine
@@ -23,10 +24,9 @@ from rft.explorer.explorer import Explorer
 from rft.explorer.multirun import check_runs, engine_sections, run_explorers
 from rft.explorer.replicas import run_replicas
 from rft.modes import mode
+from rft.observability.prometheus import metrics_endpoint
 from rft.registry import import_object
 from rft.rewards import RewardContext, build_reward
-from rft.cli.commandline import add_config_arguments, config_from_args, install_stop_signals
-from rft.observability.prometheus import metrics_endpoint
 from rft.transport import Transport, connect, probe_bootstrap
 from rft.transport.run_topics import RunTopics
 from rft.weights.stores import open_store

@@ -19,11 +19,11 @@ import signal
 import sys
 import threading
 
+from rft.cli.commandline import add_config_arguments, config_from_args
 from rft.config import Config, DataConfig, ExplorerConfig, KafkaConfig
 from rft.data.selectors import RewardStats, TaskPicker, selector_needs_rewards
 from rft.data.tasks import DatasetError, build_picker, ensure_tasks_topic, publish_tasks
 from rft.explorer.membership import GroupFollower
-from rft.cli.commandline import add_config_arguments, config_from_args
 from rft.schema import RecordError, TaskRecord, decode_group, decode_task
 from rft.transport import Transport, connect
 from rft.transport.run_topics import RunTopics, create_run_topics

@@ -27,10 +27,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from rft.cli.commandline import add_config_arguments, config_from_args
 from rft.config import Config
 from rft.explorer.membership import group_name
 from rft.modes import mode
-from rft.cli.commandline import add_config_arguments, config_from_args
 from rft.schema import ControlMessage
 from rft.transport import Admin, RecordSource, TransportError, connect, lag
 from rft.transport.control import ControlView, ExplorerView, TrainerView, control_messages

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rft.cli.commandline import EMBEDDED, config_from_args, embedded_broker_error, install_stop_signals
 from rft.config import KafkaConfig
 from rft.ops.topics import TopicsError
 from rft.ops.topics.formats import (
@@ -30,7 +31,6 @@ from rft.ops.topics.formats import (
     read_export,
 )
 from rft.ops.topics.render import format_message
-from rft.cli.commandline import EMBEDDED, config_from_args, embedded_broker_error, install_stop_signals
 from rft.text.tokens import Detokenizer, TokenizerError
 from rft.transport import (
     Admin,
