@@ -17,19 +17,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rft.engine import SamplingSettings
 from rft.serve.requests import ApiError
 from rft.weights.subscriber import load_newest_weights
 
 if TYPE_CHECKING:
-    from rft.engine import Engine, Generation
+    from rft.engine import Completion, Engine, Generation
 
 log = logging.getLogger("rft.serve")
 
@@ -104,8 +105,8 @@ class EngineWorker:
 
     def _run(self) -> None:
         try:
-            self.engine = self.factory()
-            self._refresh()
+            self.engine = engine = self.factory()
+            self._refresh(engine)
         except BaseException as e:
             self._error = e
             self._ready.set()
@@ -116,7 +117,7 @@ class EngineWorker:
                 try:
                     first = self.queue.get(timeout=REFRESH_S)
                 except queue.Empty:
-                    self._refresh()
+                    self._refresh(engine)
                     continue
                 if first is None:
                     return
@@ -130,30 +131,31 @@ class EngineWorker:
                         self.queue.put(None)
                         break
                     jobs.append(job)
-                self._refresh()
-                self._generate(jobs)
+                self._refresh(engine)
+                self._generate(engine, jobs)
         finally:
-            self.engine.close()
+            engine.close()
 
-    def _refresh(self) -> None:
-        for name, newest in self.adapters.items():
-            found = newest(self.adapter_versions.get(name, -1))
+    def _refresh(self, engine: Engine) -> None:
+        for name, adapter_newest in self.adapters.items():
+            found = adapter_newest(self.adapter_versions.get(name, -1))
             if found is not None:
                 version, path = found
                 try:
-                    self.engine.load_adapter(name, path, version)
+                    with_adapters(engine).load_adapter(name, path, version)
                     self.adapter_versions[name] = version
                 except Exception as e:  # noqa: BLE001  (keeps serving the version it has; tried again next time)
                     log.warning("adapter %s version %d from %s not loaded: %s", name, version, path, e)
-        if self.newest is None:
+        newest = self.newest
+        if newest is None:
             return
         try:
-            if load_newest_weights(self.engine, lambda: self.newest(self.engine.weights_version)) is not None:
+            if load_newest_weights(engine, lambda: newest(engine.weights_version)) is not None:
                 self.reloads += 1
         except RuntimeError as e:  # keeps serving the weights it has; tried again next time
             log.warning("%s", e)
 
-    def _generate(self, jobs: list[_Job]) -> None:
+    def _generate(self, engine: Engine, jobs: list[_Job]) -> None:
         runnable: dict[tuple[SamplingSettings, str | None], list[tuple[_Job, list[int]]]] = {}
         for job in jobs:
             if not job.future.set_running_or_notify_cancel():  # cancelled while it waited (its deadline passed)
@@ -168,26 +170,45 @@ class EngineWorker:
         for (sampling, adapter), batch in runnable.items():
             prompts = [ids for _, ids in batch]
             try:
-                generations = (self.engine.generate(prompts, sampling) if adapter is None
-                               else self.engine.generate(prompts, sampling, adapter=adapter))
+                generations = (engine.generate(prompts, sampling) if adapter is None
+                               else with_adapters(engine).generate(prompts, sampling, adapter=adapter))
             except Exception as e:  # the engine failed: every request of the call gets a 500
                 log.exception("generation failed")
                 for job, _ in batch:
                     job.future.set_exception(ApiError(500, f"generation failed: {e}", kind="server_error"))
                 continue
             for (job, ids), generation in zip(batch, generations, strict=True):
-                deltas = [self._deltas(c) for c in generation.completions] if job.stream else []
+                deltas = [text_deltas(engine, c) for c in generation.completions] if job.stream else []
                 job.future.set_result(Served(ids, generation, deltas))
         self.last_call_s = time.monotonic() - started
 
-    def _deltas(self, completion) -> list[str]:
-        """Per-token text deltas that add up to the completion's text."""
-        pieces, sent = [], ""
-        for k in range(1, len(completion.token_ids) + 1):
-            text = self.engine.decode(completion.token_ids[:k])[:len(completion.text)]
-            if len(text) > len(sent) and completion.text.startswith(text):
-                pieces.append(text[len(sent):])
-                sent = text
-        if sent != completion.text:
-            pieces.append(completion.text[len(sent):])
-        return pieces
+
+@runtime_checkable
+class AdapterEngine(Protocol):
+    """An engine that serves LoRA adapters beside its base weights (rft.engine.VLLMEngine)."""
+
+    def load_adapter(self, name: str, path: str | os.PathLike, version: int) -> object: ...
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, *,
+                 adapter: str | None = None) -> list[Generation]: ...
+
+
+def with_adapters(engine: Engine) -> AdapterEngine:
+    """`engine` as an engine that serves adapters; TypeError for one that cannot (serve.adapters needs vLLM)."""
+    if not isinstance(engine, AdapterEngine):
+        raise TypeError(f"{type(engine).__name__} serves no adapters (serve.adapters needs explorer.engine vllm)")
+    return engine
+
+
+def text_deltas(engine: Engine, completion: Completion) -> list[str]:
+    """Per-token text deltas that add up to the completion's text."""
+    pieces: list[str] = []
+    sent = ""
+    for k in range(1, len(completion.token_ids) + 1):
+        text = engine.decode(completion.token_ids[:k])[:len(completion.text)]
+        if len(text) > len(sent) and completion.text.startswith(text):
+            pieces.append(text[len(sent):])
+            sent = text
+    if sent != completion.text:
+        pieces.append(completion.text[len(sent):])
+    return pieces

@@ -263,6 +263,9 @@ class Joining:
             reward = item.feedback.reward
             components = dict(item.feedback.components, feedback=reward)
             if kind == "window":
+                if item.baseline is None:
+                    raise RuntimeError(f"{completion_id(item.served.request_id, item.choice.index)}: in the baseline "
+                                       "window without a baseline")
                 components["baseline"] = item.baseline
                 reward = reward - item.baseline
             samples.append(Sample(
@@ -316,7 +319,7 @@ class Joiner:
         """Completion ids on the experiences topic since the oldest committed input record (module docstring)."""
         reader = self.transport.source(client_id=f"{self.group}-rescan")
         try:
-            times = []  # the time of the first record to be read again, per partition that has one
+            times: list[int | None] = []  # the time of the first record to be read again, per partition that has one
             for topic in (self.topics.served, self.topics.feedback):
                 ends, starts = reader.end_offsets(topic), reader.beginning_offsets(topic)
                 for key, offset in self.source.committed(topic).items():
@@ -326,7 +329,8 @@ class Joiner:
                         times.append(None if m is None else m.timestamp_ms)  # None: gone, scan everything
             if not times:
                 return set()  # nothing will be read again
-            since = None if None in times else int(min(times) - RESCAN_MARGIN_S * 1000)
+            known = [t for t in times if t is not None]
+            since = int(min(known) - RESCAN_MARGIN_S * 1000) if len(known) == len(times) else None
             done: set[str] = set()
             for m in reader.read_range(self.topics.experiences, from_time_ms=since, idle_timeout_s=5.0):
                 try:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rft.engine import build_engine
+from rft.engine.base import TokenizerMixin
 from rft.observability.access import AccessConfigError, serve_access
 from rft.schema import RewardRange
 from rft.serve import part_config
@@ -37,6 +38,7 @@ from rft.weights.subscriber import WeightUpdates
 
 if TYPE_CHECKING:
     from rft.config import Config
+    from rft.engine import Engine
     from rft.transport import Transport
 
 log = logging.getLogger("rft.serve")
@@ -58,7 +60,7 @@ def build_service(cfg: Config, *, transport: Transport | None = None, engine_fac
     updates = WeightUpdates(open_store(cfg.sync, cfg.run_dir), control, verify=cfg.sync.verify)
     worker = EngineWorker(engine_factory or (lambda: build_engine(cfg.explorer, cfg.model, seed=cfg.run.seed,
                                                                   max_loras=1 + len(cfg.serve.adapters))),
-                          newest=lambda above: updates.newest(above=above), max_batch=cfg.serve.max_batch,
+                          newest=updates.newest, max_batch=cfg.serve.max_batch,
                           adapters=adapter_stores(cfg))
     ledger = FeedbackLedger(cfg.serve.feedback_expire_s)
     reader = transport.source(client_id="serve-ledger")
@@ -68,7 +70,7 @@ def build_service(cfg: Config, *, transport: Transport | None = None, engine_fac
         reader.close()
     log.info("ledger: %d served / feedback records read back", loaded)
     worker.start()
-    render, tokenizer = renderer(cfg), _own_copy(worker.engine.tokenizer)
+    render, tokenizer = renderer(cfg), _own_copy(_tokenizer_of(worker.engine))
     return ServeService(worker=worker, sink=transport.sink(client_id="serve"), ledger=ledger, topics=topics,
                         model_name=cfg.serve.model_name or cfg.run.name, max_tokens=cfg.model.max_response_len,
                         tokenize=lambda messages: render(tokenizer, messages), limits=Limits.of(cfg.serve),
@@ -76,7 +78,14 @@ def build_service(cfg: Config, *, transport: Transport | None = None, engine_fac
                         ack_timeout_s=cfg.kafka.request_timeout_ms / 1000)
 
 
-def _own_copy(tokenizer):
+def _tokenizer_of(engine: Engine | None) -> Any:
+    """The started engine's tokenizer (every engine of rft.engine has one: TokenizerMixin)."""
+    if not isinstance(engine, TokenizerMixin):
+        raise TypeError(f"the engine ({type(engine).__name__}) has no tokenizer to render requests with")
+    return engine.tokenizer
+
+
+def _own_copy(tokenizer: Any) -> Any:
     """A copy of the engine's tokenizer for the tokenizer thread (a fast tokenizer is not meant to be shared between
     threads); the engine's own where it cannot be copied (then two threads use it, which encoding tolerates)."""
     try:
@@ -98,11 +107,8 @@ class _NoAnnouncements:
 
 def adapter_stores(cfg: Config) -> dict[str, Callable[[int], Any]]:
     """`serve.adapters` as name -> newest(above): the newest checked version of that run's weight store."""
-    stores = {}
-    for name, root in cfg.serve.adapters.items():
-        updates = WeightUpdates(WeightStore(root), _NoAnnouncements(), verify=cfg.sync.verify)
-        stores[name] = lambda above, updates=updates: updates.newest(above=above)
-    return stores
+    return {name: WeightUpdates(WeightStore(root), _NoAnnouncements(), verify=cfg.sync.verify).newest
+            for name, root in cfg.serve.adapters.items()}
 
 
 def main(argv: list[str]) -> int:

@@ -188,6 +188,7 @@ def cmd_export(args: argparse.Namespace, conn: Connection) -> int:
         header = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "partitions": partitions,
                   "decoded": args.decoded}
         partial = out.with_name(out.name + ".partial")  # renamed when complete: a failed export leaves no OUT
+        writer: JsonlExport | ParquetExport
         if args.decoded:
             writer = DecodedJsonlExport(partial, header, Detokenizer(conn.tokenizer_path))
         else:
@@ -259,7 +260,7 @@ def cmd_import(args: argparse.Namespace, conn: Connection) -> int:
     plan = scan_export(path, conn.kafka.max_record_bytes)
     ends = prepare_target(conn, args.topic, plan, append=args.append)
     moved = sorted(plan.gaps | {p for p, first in plan.first_offsets.items() if ends.get(p, 0) != first})
-    errors: list[Exception] = []
+    errors: list[BaseException] = []
     sink = conn.transport.sink(client_id="rft-topics-import")
     with closing(sink), _progress(plan.records, f"import {args.topic}") as bar:
         for r in read_export(path)[1]:
