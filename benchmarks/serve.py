@@ -23,7 +23,8 @@ import numpy as np
 from rft.broker.local import LocalBroker
 from rft.run.config import config_from_dict
 from rft.schema import RecordError, decode_served
-from rft.serve.server import ServerThread, build_service
+from rft.serve.app import ServerThread
+from rft.serve.server import build_service
 from rft.transport import connect
 
 PROMPTS = [":1", ":2", ":3", ":4"]

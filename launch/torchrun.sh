@@ -9,7 +9,7 @@
 #   RFT_NODE_RANK    this node's rank, 0 .. RFT_NNODES-1
 # Processes per node: RFT_NPROC_PER_NODE (checked against the config), else TP x PP x DP / RFT_NNODES.
 # Kafka: kafka.bootstrap_servers from the config, or RFT_KAFKA_BOOTSTRAP in the environment.
-# torchrun is rft.run.torchrun (torch.distributed.run's arguments): its stores listen only on their host
+# torchrun is rft.cli.torchrun (torch.distributed.run's arguments): its stores listen only on their host
 # (localhost standalone, RFT_MASTER_ADDR otherwise), and a stop by signal ends with one line and 128 + the signal.
 set -euo pipefail
 config=${1:?usage: launch/torchrun.sh CONFIG [--set key=value ...]}
@@ -29,5 +29,5 @@ else
   fi
   rendezvous=(--standalone)
 fi
-exec "$rft_python" -m rft.run.torchrun "${rendezvous[@]}" --nproc-per-node "$nproc" \
+exec "$rft_python" -m rft.cli.torchrun "${rendezvous[@]}" --nproc-per-node "$nproc" \
   -m rft.cli trainer "$config" "$@" "${kafka_set[@]}"

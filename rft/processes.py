@@ -1,5 +1,5 @@
 """Processes and ports: a leaf module (standard library only), so that light modules such as rft/broker/local.py, the
-benchmarks and the tests use the same helpers without importing rft.run.commandline's dependencies.
+benchmarks and the tests use the same helpers without importing rft.cli.commandline's dependencies.
 
 - `die_with_parent`: a child process that dies with its parent (Linux).
 - `free_port`: a TCP port nothing listens on now; `listening_socket`: a socket listening on one address only.

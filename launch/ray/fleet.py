@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_foreground(argv: list[str]) -> int:
-    from rft.run.commandline import add_config_arguments, config_from_args
+    from rft.cli.commandline import add_config_arguments, config_from_args
 
     parser = argparse.ArgumentParser(prog="python -m launch.ray.fleet", description=__doc__.split("\n")[0])
     add_config_arguments(parser)

@@ -1,6 +1,6 @@
 """The `rft` console script: only the dispatcher. One subcommand per role, each a `main(argv) -> exit code` named
 by an import path and imported when called (so that `rft validate` does not pay for importing vLLM). What the
-commands share lives in `rft.run.commandline`.
+commands share lives in `rft.cli.commandline`.
 
 Errors every command can meet are reported here, once, as one line on stderr and an exit status (docs/operations.md):
   2  bad input: a config that does not load or check (ConfigError: the file, the key), bad arguments
@@ -32,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trainer": ("rft.trainer.main:main", "the Megatron trainer (one process per rank, under torchrun or srun)"),
     "explorer": ("rft.explorer.main:main", "one or more explorers joining a run"),
     "publish": ("rft.explorer.publisher:main", "publish a dataset's tasks to the run's tasks topic"),
-    "replay": ("rft.cli.launcher:replay_main", "offline training from an experiences topic (by offsets or time)"),
+    "replay": ("rft.cli.replay:main", "offline training from an experiences topic (by offsets or time)"),
     "serve": ("rft.serve.server:main", "an OpenAI-compatible endpoint whose traffic and feedback become training data"),
     "joiner": ("rft.serve.joiner:main", "serve mode: join served completions and feedback into experience groups"),
     "eval": ("rft.evaluation.main:main", "evaluate checkpoints on eval.sets: accuracy, pass@k, mean@k"),
@@ -48,7 +48,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gpu-check": ("rft.ops.gpu_check:main", "prove a GPU machine runs rft's GPU paths (--cpu: the CPU paths): a table"),
     "tiny-model": ("rft.models.tiny:main", "write a tiny seeded HF model (tests, quickstart)"),
     "model": ("rft.models.gguf:main", "model files: import-gguf FILE OUT_DIR (a GGUF into a safetensors HF directory)"),
-    "bridge-check": ("megatron_bridge.check:main", "check HF <-> Megatron on a model: logits vs transformers, round trip"),
+    "bridge-check": ("megatron_bridge.check:main",
+                     "check HF <-> Megatron on a model: logits vs transformers, round trip"),
 }
 
 

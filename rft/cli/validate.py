@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rft.run.commandline import add_config_arguments, config_from_args
+from rft.cli.commandline import add_config_arguments, config_from_args
 
 
 def main(argv: list[str]) -> int:

@@ -13,9 +13,10 @@ reached the last view is kept and the snapshot says so.
 
 States a snapshot reports (`state`): `not-started` (no metrics and no control message yet), `running`,
 `finished` (the trainer said so), `ended` (metrics but no broker to ask: the run is over or its broker is out
-of reach). `broker.state`: `connected`, `unreachable` (with the error), `connecting` (not asked yet), `no-topic` (the broker has no control
-topic for the run yet), `embedded` (the run's broker exists only while `rft run` runs, and it has not written
-its address yet), `no-config`. Records that do not fit are skipped and counted (`skipped`), never raised.
+of reach). `broker.state`: `connected`, `unreachable` (with the error), `connecting` (not asked yet), `no-topic`
+(the broker has no control topic for the run yet), `embedded` (the run's broker exists only while `rft run` runs,
+and it has not written its address yet), `no-config`. Records that do not fit are skipped and counted (`skipped`),
+never raised.
 
 Threads: a `RunWatch` refreshes from one background thread; `snapshot()` may be called from any thread.
 """
@@ -27,6 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ from rft.config import ConfigError
 from rft.ops.status import RunStatus, explorer_rows, tasks_group_of, topic_lags
 from rft.run.config import Config, load_config
 from rft.schema import ControlMessage
-from rft.transport import Transport, connect
+from rft.transport import Admin, RecordSource, Transport, connect
 from rft.transport.control import ExplorerJoin, ExplorerLeave, TrainerFinished, TrainerStarted, control_messages
 
 LAGS_EVERY_S = 3.0  # how often the consumer lags are asked of the broker
@@ -144,6 +146,14 @@ class MetricsTail:
 # The control topic
 
 
+@dataclass(frozen=True)
+class _Clients:
+    """A connection to the run's broker: the control topic's reader, the admin client (lags) and the fold it feeds."""
+    source: RecordSource
+    admin: Admin
+    status: RunStatus
+
+
 class ControlFollower:
     """One run's control topic, followed: `step()` connects when needed, polls once and folds what it read into
     `status` (rft.ops.status.RunStatus). Call `step()` from one thread; read the fields under `lock`.
@@ -163,7 +173,7 @@ class ControlFollower:
         self.events: list[dict] = []
         self.lags: dict = {}
         self.undecodable = 0
-        self._source = self._admin = None
+        self._clients: _Clients | None = None
         self._bootstrap = ""
         self._lags_at = 0.0
 
@@ -178,17 +188,18 @@ class ControlFollower:
             self.close()
             self._bootstrap = bootstrap
         try:
-            if self._source is None and not self._connect(cfg):
+            clients = self._clients or self._connect(cfg)
+            if clients is None:
                 time.sleep(poll_s)
                 return
-            messages = list(control_messages(self._source.poll(timeout_s=poll_s), undecodable=self._count))
+            messages = list(control_messages(clients.source.poll(timeout_s=poll_s), undecodable=self._count))
             with self.lock:
                 for message in sorted(messages, key=lambda m: m.created_at):  # partitions interleave
-                    self._apply(message)
+                    self._apply(clients.status, message)
             if time.monotonic() - self._lags_at > LAGS_EVERY_S:
                 with self.lock:
-                    consumed, group = dict(self.status.trainer.offsets), tasks_group_of(cfg, self.status)
-                lags = topic_lags(cfg, self._source, self._admin, consumed, group)
+                    consumed, group = dict(clients.status.trainer.offsets), tasks_group_of(cfg, clients.status)
+                lags = topic_lags(cfg, clients.source, clients.admin, consumed, group)
                 with self.lock:
                     self.lags, self._lags_at = lags, time.monotonic()
         except Exception as e:  # the broker went away: TransportError, or kafka-python's own errors
@@ -196,32 +207,32 @@ class ControlFollower:
             self._set_broker("unreachable", bootstrap, f"{type(e).__name__}: {e}"[:400])
             time.sleep(RETRY_S)
 
-    def _connect(self, cfg: Config) -> bool:
-        """Open the clients and start a fresh fold; False (broker state no-topic) when the topic is not there."""
+    def _connect(self, cfg: Config) -> _Clients | None:
+        """Open the clients and start a fresh fold; None (broker state no-topic) when the topic is not there."""
         transport = self.transport_for(cfg)
         admin = transport.admin()
         try:
             if cfg.topic("control") not in admin.list_topics():
                 self._set_broker("no-topic", cfg.kafka.bootstrap_servers, "")
                 admin.close()
-                return False
+                return None
             source = transport.source(client_id=f"{cfg.run.name}-dashboard")
         except Exception:
             admin.close()
             raise
-        self._source, self._admin = source, admin
+        self._clients = clients = _Clients(source, admin, RunStatus(cfg.explorer.heartbeat_s))
         source.assign([cfg.topic("control")])
         source.seek_to_beginning()
         with self.lock:
-            self.status, self.events, self.lags, self.undecodable = RunStatus(cfg.explorer.heartbeat_s), [], {}, 0
+            self.status, self.events, self.lags, self.undecodable = clients.status, [], {}, 0
             self.broker = {"state": "connected", "bootstrap": cfg.kafka.bootstrap_servers, "error": ""}
         self._lags_at = 0.0
-        return True
+        return clients
 
-    def _apply(self, message: ControlMessage) -> None:
-        before = self.status.view.malformed
-        self.status.apply(message)
-        if self.status.view.malformed == before and message.kind in FLEET_EVENTS:
+    def _apply(self, status: RunStatus, message: ControlMessage) -> None:
+        before = status.view.malformed
+        status.apply(message)
+        if status.view.malformed == before and message.kind in FLEET_EVENTS:
             self.events.append({"time": message.created_at, "kind": FLEET_EVENTS[message.kind],
                                 "who": message.sender})
 
@@ -233,13 +244,13 @@ class ControlFollower:
             self.broker = {"state": state, "bootstrap": bootstrap, "error": error}
 
     def close(self) -> None:
-        for client in (self._source, self._admin):
-            if client is not None:
+        if self._clients is not None:
+            for client in (self._clients.source, self._clients.admin):
                 try:
                     client.close()
                 except Exception:  # closing a client of a broker that is gone
                     pass
-        self._source = self._admin = None
+        self._clients = None
         self._bootstrap = ""
 
 

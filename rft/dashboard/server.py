@@ -9,10 +9,10 @@ Routes:
                                      every metrics record, later ones the records added since (see `snapshot`)
 
 The server keeps running when the run ends, when its broker goes away and when it restarts: the page says which.
-Access (rft/run/web.py, docs/security.md): it listens on monitor.dashboard_host (127.0.0.1 by default; `--host`);
-every route checks the Host header (400) and, with keys set (monitor.dashboard_key_env / _key_file, required beyond
-loopback), a key (401): `Authorization: Bearer KEY`, or in a browser `/?key=KEY` once, which the page keeps in an
-HttpOnly, SameSite=Strict cookie for its own requests.
+Access (rft/observability/access.py, docs/security.md): it listens on monitor.dashboard_host (127.0.0.1 by default;
+`--host`); every route checks the Host header (400) and, with keys set (monitor.dashboard_key_env / _key_file,
+required beyond loopback), a key (401): `Authorization: Bearer KEY`, or in a browser `/?key=KEY` once, which the
+page keeps in an HttpOnly, SameSite=Strict cookie for its own requests.
 """
 from __future__ import annotations
 
@@ -25,10 +25,17 @@ from pathlib import Path
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
+from rft.cli.commandline import add_config_arguments, config_from_args
 from rft.dashboard.model import RunIndex, RunWatch
-from rft.run.commandline import add_config_arguments, config_from_args
+from rft.observability.access import (
+    DASHBOARD_COOKIE,
+    Access,
+    AccessConfigError,
+    AccessDenied,
+    allowed_hosts,
+    dashboard_access,
+)
 from rft.run.config import Config
-from rft.run.web import DASHBOARD_COOKIE, Access, AccessConfigError, AccessDenied, allowed_hosts, dashboard_access
 
 STATIC = Path(__file__).resolve().parent / "static"
 STATIC_FILES = {"app.js": "text/javascript", "style.css": "text/css"}
@@ -57,8 +64,9 @@ def create_app(index: RunIndex, access: Access | None = None) -> FastAPI:
     def page(request: Request) -> FileResponse:
         response = FileResponse(STATIC / "index.html", media_type="text/html")
         key = request.query_params.get("key")
-        if key is not None and access.key_ok(key):  # a browser's first visit: keep the key for the page's requests
-            response.set_cookie(access.cookie, key, httponly=True, samesite="strict",
+        cookie = access.cookie
+        if key is not None and cookie is not None and access.key_ok(key):  # a browser's first visit: keep the key
+            response.set_cookie(cookie, key, httponly=True, samesite="strict",
                                 secure=request.url.scheme == "https")
         return response
 

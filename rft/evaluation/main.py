@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rft.cli.commandline import add_config_arguments, config_from_args, install_stop_signals
 from rft.config import ConfigError
 from rft.data.tasks import DatasetError, TaskSet, load_rows, rows_to_tasks
 from rft.engine import build_engine
@@ -40,10 +41,9 @@ from rft.evaluation.config import EvalConfig, EvalSetConfig
 from rft.evaluation.metrics import SetScores, score_tasks
 from rft.explorer.config import ExplorerConfig
 from rft.models.config import ModelConfig
+from rft.observability.metrics import MetricsLogger
 from rft.rewards import RewardContext, build_reward
-from rft.run.commandline import add_config_arguments, config_from_args, install_stop_signals
 from rft.run.config import Config
-from rft.run.monitor import MetricsLogger
 from rft.weights.store import WeightStoreError
 from rft.weights.stores import VersionStore, open_store, store_exists
 from rft.weights.subscriber import load_newest_weights

@@ -79,7 +79,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from rft.engine import Engine
-    from rft.run.monitor import MetricsEndpoint
+    from rft.observability.prometheus import MetricsEndpoint
     from rft.transport import RecordSource
     from rft.workflows import GroupResult, Workflow
 

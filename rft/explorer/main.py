@@ -14,6 +14,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
+from rft.cli.commandline import add_config_arguments, config_from_args, install_stop_signals
 from rft.config import ConfigError
 from rft.cores import CoreShare, NoShare, core_share
 from rft.engine import build_engine
@@ -23,11 +24,10 @@ from rft.explorer.explorer import Explorer
 from rft.explorer.multirun import check_runs, engine_sections, run_explorers
 from rft.explorer.replicas import run_replicas
 from rft.modes import mode
+from rft.observability.prometheus import metrics_endpoint
 from rft.registry import import_object
 from rft.rewards import RewardContext, build_reward
-from rft.run.commandline import add_config_arguments, config_from_args, install_stop_signals
 from rft.run.config import Config
-from rft.run.monitor import metrics_endpoint
 from rft.schema import RewardRange
 from rft.transport import Transport, connect, probe_bootstrap
 from rft.transport.run_topics import RunTopics
@@ -163,8 +163,8 @@ def build_explorer(cfg: Config, *, explorer_id: str, engine: Engine, workflow: W
     """Compose an Explorer from the root config: its sections, the run's topics and weight store, the metrics
     endpoint `monitor.prometheus_port` asks for; `transport` defaults to `connect(cfg.kafka)`."""
     return Explorer(cfg.explorer, kafka=cfg.kafka, sync=cfg.sync, topics=RunTopics.of(cfg),
-                    rewards=RewardRange.of(cfg.run), store=open_store(cfg.sync, cfg.run_dir), explorer_id=explorer_id, engine=engine,
-                    workflow=workflow, admission=admission, transport=transport, cores=cores,
+                    rewards=RewardRange.of(cfg.run), store=open_store(cfg.sync, cfg.run_dir), explorer_id=explorer_id,
+                    engine=engine, workflow=workflow, admission=admission, transport=transport, cores=cores,
                     prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="explorer", instance=explorer_id))
 
 

@@ -57,7 +57,7 @@ from rft.transport.control import ControlView, TasksGroup, control_messages
 if TYPE_CHECKING:
     from rft.explorer.config import ExplorerConfig
     from rft.explorer.explorer import ExplorerStats
-    from rft.run.monitor import MetricsEndpoint
+    from rft.observability.prometheus import MetricsEndpoint
     from rft.transport import RecordSink, RecordSource
     from rft.transport.config import KafkaConfig
     from rft.transport.run_topics import RunTopics

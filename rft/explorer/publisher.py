@@ -19,12 +19,12 @@ import signal
 import sys
 import threading
 
+from rft.cli.commandline import add_config_arguments, config_from_args
 from rft.data.config import DataConfig
 from rft.data.selectors import RewardStats, TaskPicker, selector_needs_rewards
 from rft.data.tasks import DatasetError, build_picker, ensure_tasks_topic, publish_tasks
 from rft.explorer.config import ExplorerConfig
 from rft.explorer.membership import GroupFollower
-from rft.run.commandline import add_config_arguments, config_from_args
 from rft.run.config import Config
 from rft.schema import RecordError, TaskRecord, decode_group, decode_task
 from rft.transport import Transport, connect

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-from rft.run.commandline import die_with_parent
+from rft.cli.commandline import die_with_parent
 
 
 def run_replicas(args: argparse.Namespace, replicas: int) -> int:

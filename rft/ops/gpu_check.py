@@ -48,7 +48,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rft.cli.launcher import failure_line
+from rft.cli.parts import failure_line
 
 # the directory holding this rft (a checkout, or site-packages): the check processes import rft from it
 PACKAGES = Path(__file__).resolve().parents[2]
@@ -129,7 +129,7 @@ class Context:
 
 
 def _failure(result: subprocess.CompletedProcess) -> str:
-    """The most telling line of a failed process's output: its exception (rft.cli.launcher.failure_line, as `rft run`
+    """The most telling line of a failed process's output: its exception (rft.cli.parts.failure_line, as `rft run`
     reports a failed part), else its last FAIL line, else its last line."""
     lines = [line for line in (result.stdout + "\n" + result.stderr).splitlines() if line.strip()]
     fails = [line for line in lines if "FAIL" in line]

@@ -19,6 +19,7 @@ For a run started by `rft run` with `kafka.bootstrap_servers: embedded`, pass th
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import sys
@@ -27,9 +28,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from rft.cli.commandline import add_config_arguments, config_from_args
 from rft.explorer.membership import group_name
 from rft.modes import mode
-from rft.run.commandline import add_config_arguments, config_from_args
 from rft.run.config import Config
 from rft.schema import ControlMessage
 from rft.transport import Admin, RecordSource, TransportError, connect, lag
@@ -103,7 +104,7 @@ class RunStatus:
             if e.state != "live" or not e.history:
                 continue
             moved = e.history[0][0]
-            for (_, before), (t, after) in zip(e.history, e.history[1:]):
+            for (_, before), (t, after) in itertools.pairwise(e.history):
                 if after > before:
                     moved = t
             latest = moved if latest is None else max(latest, moved)
@@ -124,8 +125,9 @@ def collect(cfg: Config) -> dict:
     try:
         topics = set(admin.list_topics())
         if cfg.topic("control") not in topics:
+            there = ", ".join(sorted(topics))[:300]
             raise StatusError(f"no run {cfg.run.name!r} on {cfg.kafka.bootstrap_servers}: topic "
-                              f"{cfg.topic('control')} does not exist (topics there: {', '.join(sorted(topics))[:300]})")
+                              f"{cfg.topic('control')} does not exist (topics there: {there})")
         status = RunStatus(cfg.explorer.heartbeat_s)
         messages = control_messages(source.read_range(cfg.topic("control"), idle_timeout_s=5.0))
         for message in sorted(messages, key=lambda c: c.created_at):

@@ -77,7 +77,7 @@ class RunConfig(Section):
         help="optimizer steps the trainer takes, then it exports the final weights and the run ends (offline: "
         "sooner if the replay reaches its end)")
     share_gpus: bool = option(False,
-        help="one-machine runs with fewer GPUs than parts: parts share them (rft.cli.launcher.gpu_plan)")
+        help="one-machine runs with fewer GPUs than parts: parts share them (rft.cli.planning.gpu_plan)")
     reward_min: float = option(-1e6, range=FINITE,
         help="the range every reward must lie in (finite, reward_min <= r <= reward_max) wherever one enters the "
         "run: a reward function's result, `rft serve` feedback (400 otherwise), a group the trainer reads "

@@ -12,7 +12,7 @@ supports its architecture and that trainer.tensor_parallel / pipeline_parallel d
 (megatron_bridge.layout.layout_problem); with `need_model` (`rft run`, `rft replay`, `rft validate`: before anything
 starts), also that model.path is a directory holding a config.json. Errors are `ConfigError`s
 naming the source file and the dotted key. Every command that loads a config for a run goes through
-`load_run_config` (`rft.run.commandline.config_from_args`).
+`load_run_config` (`rft.cli.commandline.config_from_args`).
 """
 from __future__ import annotations
 

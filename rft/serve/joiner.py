@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rft.run.commandline import install_stop_signals
-from rft.run.monitor import metrics_endpoint
+from rft.cli.commandline import install_stop_signals
+from rft.observability.prometheus import metrics_endpoint
 from rft.schema import (
     ExperienceGroup,
     Feedback,
@@ -59,7 +59,7 @@ from rft.transport import DeadLetter, connect
 from rft.transport.run_topics import RunTopics
 
 if TYPE_CHECKING:
-    from rft.run.monitor import MetricsEndpoint
+    from rft.observability.prometheus import MetricsEndpoint
     from rft.serve.config import ServeConfig
     from rft.transport import Transport
     from rft.transport.config import KafkaConfig
@@ -264,6 +264,9 @@ class Joining:
             reward = item.feedback.reward
             components = dict(item.feedback.components, feedback=reward)
             if kind == "window":
+                if item.baseline is None:
+                    raise RuntimeError(f"{completion_id(item.served.request_id, item.choice.index)}: in the baseline "
+                                       "window without a baseline")
                 components["baseline"] = item.baseline
                 reward = reward - item.baseline
             samples.append(Sample(
@@ -317,7 +320,7 @@ class Joiner:
         """Completion ids on the experiences topic since the oldest committed input record (module docstring)."""
         reader = self.transport.source(client_id=f"{self.group}-rescan")
         try:
-            times = []  # the time of the first record to be read again, per partition that has one
+            times: list[int | None] = []  # the time of the first record to be read again, per partition that has one
             for topic in (self.topics.served, self.topics.feedback):
                 ends, starts = reader.end_offsets(topic), reader.beginning_offsets(topic)
                 for key, offset in self.source.committed(topic).items():
@@ -327,7 +330,8 @@ class Joiner:
                         times.append(None if m is None else m.timestamp_ms)  # None: gone, scan everything
             if not times:
                 return set()  # nothing will be read again
-            since = None if None in times else int(min(times) - RESCAN_MARGIN_S * 1000)
+            known = [t for t in times if t is not None]
+            since = int(min(known) - RESCAN_MARGIN_S * 1000) if len(known) == len(times) else None
             done: set[str] = set()
             for m in reader.read_range(self.topics.experiences, from_time_ms=since, idle_timeout_s=5.0):
                 try:

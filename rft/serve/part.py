@@ -5,14 +5,14 @@ import argparse
 import logging
 from collections.abc import Callable
 
-from rft.run.commandline import add_config_arguments, config_from_args
+from rft.cli.commandline import add_config_arguments, config_from_args
 
 
 def part_config(prog: str, description: str, argv: list[str],
                 add_arguments: Callable[[argparse.ArgumentParser], None] | None = None):
     """The command line of a serve-mode part (`rft serve`, `rft joiner`): CONFIG and `--set` (plus `add_arguments`),
     the config loaded and checked, and its logging set up. Returns (config, args); exits 2 after one line on stderr
-    when the config names no broker (`embedded`: rft.run.commandline.require_broker)."""
+    when the config names no broker (`embedded`: rft.cli.commandline.require_broker)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_config_arguments(parser)
     if add_arguments is not None:

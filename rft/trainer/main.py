@@ -49,14 +49,15 @@ from rft.algorithms import Needs, build_algorithm
 from rft.algorithms.aggregation import with_kl_metric
 from rft.algorithms.config import AlgorithmConfig
 from rft.algorithms.mismatch import with_mismatch_metrics
+from rft.cli.commandline import add_config_arguments, config_from_args, die_with_parent
 from rft.config import ConfigError
 from rft.cores import CoreShare
 from rft.experience.operators import OperatorContext, build_operator_chain, split_drops
 from rft.models.config import ModelConfig
 from rft.modes import mode, staleness
-from rft.run.commandline import add_config_arguments, config_from_args, die_with_parent
+from rft.observability.metrics import MetricsLogger
+from rft.observability.prometheus import MetricsEndpoint, metrics_endpoint
 from rft.run.config import Config, RunConfig
-from rft.run.monitor import MetricsEndpoint, MetricsLogger, metrics_endpoint
 from rft.schema import RewardRange, decode_group
 from rft.trainer import distributed as dist_io
 from rft.trainer.batch import (

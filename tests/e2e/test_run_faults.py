@@ -4,7 +4,7 @@ path, and the run goes on without stalling; before the kill every part serves Pr
 shows the fleet and its weight versions, after it the killed explorer shows as silent. Over both paths every step
 trains a full batch and no sample is staler than k (the off_policy mode's bound). The test stops the run with
 SIGTERM: `rft run` exits with 130 and the trainer's log ends with torchrun's one line for the signal, no traceback
-(rft/run/torchrun.py).
+(rft/cli/torchrun.py).
 
 The same run has `monitor.dashboard_port` set, so `rft run` starts `rft dashboard` as one of its parts, and its live
 page is read in a real headless browser (Debian's chromium, driven by selenium through Debian's chromedriver): the
@@ -231,7 +231,7 @@ def test_an_explorer_killed_in_a_push_run_neither_stops_nor_stalls_it_and_its_pa
     assert max(r["staleness"] for r in records) <= 1 and all(m["staleness_max"] <= 1 for m in metrics)
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "switching to the pull path" in trainer_log
-    # stopped with the run (SIGTERM): one line from torchrun, not its traceback (rft/run/torchrun.py)
+    # stopped with the run (SIGTERM): one line from torchrun, not its traceback (rft/cli/torchrun.py)
     assert "[torchrun] stopped by SIGTERM" in trainer_log and "Traceback" not in trainer_log, trainer_log[-3000:]
     after = {e["explorer_id"]: e["state"] for e in rft_status(run_dir)["explorers"]}
     assert after == {"explorer-0": "left", "explorer-1": "silent"}  # stopped with the run / killed

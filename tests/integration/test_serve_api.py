@@ -13,9 +13,10 @@ import pytest
 
 from rft.run.config import config_from_dict
 from rft.schema import Feedback, ServedCompletion, decode
+from rft.serve.app import ServerThread
 from rft.serve.joiner import Joiner
 from rft.serve.ledger import FeedbackLedger, FeedbackRefused
-from rft.serve.server import ServerThread, build_service
+from rft.serve.server import build_service
 from rft.transport import connect
 from rft.transport.run_topics import RunTopics
 from rft.weights.store import WeightStore, iter_safetensors

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
-from rft.cli.launcher import _publish_tasks
+from rft.cli.prepare import publish_run_tasks
 from rft.data.selectors import RewardStats
 from rft.data.tasks import build_picker, publish_tasks, published_groups
 from rft.explorer.publisher import OnlinePublisher
@@ -105,11 +105,11 @@ def test_a_publish_cut_short_is_completed_and_a_whole_one_left_alone(bootstrap, 
     topics = RunTopics.of(cfg)
     every = [t.group_id for t in build_picker(cfg.data, run_id=topics.run).drain()]
     assert publish_tasks(cfg.data, topics, cfg.kafka, skip=set(every[3:])) == 3  # the cut: 3 of 16 made it
-    _publish_tasks(cfg)
+    publish_run_tasks(cfg)
     assert "held 3 of its tasks (a publish cut short): published the 13 it lacked" in capsys.readouterr().out
     on_topic = [t.group_id for t in read_topic(cfg, topics.tasks)]
     assert sorted(on_topic) == sorted(every) and published_groups(topics, cfg.kafka) == set(every)
-    _publish_tasks(cfg)  # a resumed run on a whole topic
+    publish_run_tasks(cfg)  # a resumed run on a whole topic
     assert "already holds 16 tasks: not publishing again" in capsys.readouterr().out
     assert len(read_topic(cfg, topics.tasks)) == 16
 

@@ -14,7 +14,7 @@ import uuid
 import pytest
 import yaml
 
-from rft.cli.launcher import make_private_dir, write_run_config
+from rft.cli.prepare import make_private_dir, write_run_config
 from rft.config.secrets import REDACTED
 from rft.dashboard.model import RunWatch
 from rft.run.config import load_config

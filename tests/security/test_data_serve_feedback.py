@@ -11,7 +11,8 @@ import pytest
 
 from rft.run.config import config_from_dict
 from rft.schema import Feedback, decode
-from rft.serve.server import ServerThread, build_service
+from rft.serve.app import ServerThread
+from rft.serve.server import build_service
 from rft.transport import connect
 
 pytestmark = [pytest.mark.integration]

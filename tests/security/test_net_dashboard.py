@@ -8,8 +8,9 @@ import pytest
 
 from rft.dashboard.model import RunIndex
 from rft.dashboard.server import create_app
+from rft.observability.access import DASHBOARD_COOKIE, Access, allowed_hosts
+from rft.observability.app_thread import AppThread
 from rft.run.config import config_from_dict
-from rft.run.web import DASHBOARD_COOKIE, Access, AppThread, allowed_hosts
 
 KEY = "d-" + "fedcba9876543210" * 2
 

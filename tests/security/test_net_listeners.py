@@ -11,8 +11,8 @@ import torch
 
 from rft.broker.objects import serve
 from rft.observability.config import MonitorConfig
+from rft.observability.prometheus import metrics_endpoint
 from rft.processes import free_port
-from rft.run.monitor import metrics_endpoint
 from rft.weights.push import PushSender
 from tests.listeners import listeners
 

@@ -19,13 +19,17 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
+from rft.observability.access import Access, AccessConfigError, allowed_hosts, serve_access
 from rft.processes import free_port
 from rft.run.config import config_from_dict
-from rft.run.web import Access, AccessConfigError, allowed_hosts, serve_access
 from rft.schema import RewardRange
+from rft.serve.app import ServerThread
 from rft.serve.config import ServeConfig
+from rft.serve.engine_thread import EngineWorker
 from rft.serve.ledger import FeedbackLedger
-from rft.serve.server import EngineWorker, Limits, ServerThread, ServeService, build_service, renderer
+from rft.serve.requests import renderer
+from rft.serve.server import build_service
+from rft.serve.service import Limits, ServeService
 from rft.transport import connect
 from rft.transport.run_topics import RunTopics
 from tests.waiting import wait_until

@@ -1,6 +1,6 @@
 """Bad input and a bad environment get one clear line and an exit status, before anything starts (rft.cli: 2 bad
 input, 4 broker unreachable): real subprocesses `python -m rft.cli ...`, a real unreachable port, real missing
-paths; `rft run` names a failed part's own exception (rft.cli.launcher.failure_line)."""
+paths; `rft run` names a failed part's own exception (rft.cli.parts.failure_line)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rft.cli.launcher import PartRunner, failure_line
+from rft.cli.parts import PartRunner, failure_line
 from rft.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,9 @@ import sys
 import pytest
 import torch
 
-from rft.cli.launcher import ROLES_BY_MODE, PartRunner, core_board
+from rft.cli.launcher import ROLES_BY_MODE
+from rft.cli.parts import PartRunner
+from rft.cli.planning import core_board
 from rft.cores import CoreShare, NoShare, core_share
 from rft.explorer.config import ExplorerConfig
 from rft.run.config import Config

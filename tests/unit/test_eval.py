@@ -17,8 +17,8 @@ from rft.config import ConfigError
 from rft.data.tasks import DatasetError
 from rft.evaluation.checkpoints import CheckpointError, resolve_checkpoint
 from rft.evaluation.main import EvalSchedule, _due_or_newest, follow, load_eval_sets, sampling_explorer
+from rft.observability.metrics import read_metrics
 from rft.run.loading import load_run_config
-from rft.run.monitor import read_metrics
 from rft.trainer.checkpoint import CheckpointDir, TrainerState
 from rft.trainer.feed import FeedState
 from rft.weights.store import WeightStore

@@ -22,7 +22,7 @@ def config(tmp_path):
 
 @pytest.mark.parametrize("command", ["explorer", "publish", "trainer", "status", "serve", "joiner", "replay"])
 def test_every_part_that_joins_a_broker_refuses_embedded_with_one_message(config, tmp_path, capsys, command):
-    """rft.run.commandline.require_broker: exit 2, the part named, the fix given, before anything starts."""
+    """rft.cli.commandline.require_broker: exit 2, the part named, the fix given, before anything starts."""
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')  # `rft replay` checks the model
     with pytest.raises(SystemExit) as exit_info:
         rft([command, config(run={"output_dir": str(tmp_path / "runs")})])

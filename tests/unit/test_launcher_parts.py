@@ -6,7 +6,7 @@ import dataclasses
 import sys
 import time
 
-from rft.cli.launcher import PartRunner
+from rft.cli.parts import PartRunner
 from rft.evaluation.config import EvalConfig, EvalSetConfig
 from rft.explorer.config import ExplorerConfig
 from rft.trainer.config import TrainerConfig
@@ -38,7 +38,8 @@ def test_failed_essential_part_ends_the_run(tmp_path):
 def test_cpu_runs_split_the_cores_over_the_compute_parts(tmp_path, monkeypatch, capsys):
     """Trainer ranks, explorers and the evaluator each get cores // parts OpenMP threads (at least 1), which the
     child processes really see; an operator's OMP_NUM_THREADS, or GPUs, leave the environment alone."""
-    from rft.cli.launcher import ROLES_BY_MODE, cpu_threads_per_part
+    from rft.cli.launcher import ROLES_BY_MODE
+    from rft.cli.planning import cpu_threads_per_part
     from rft.run.config import Config
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -64,7 +65,7 @@ def test_cpu_runs_split_the_cores_over_the_compute_parts(tmp_path, monkeypatch, 
 def test_a_float32_run_on_a_cpu_with_native_bfloat16_is_told_so(tmp_path, capsys):
     """The flags come from Linux's /proc/cpuinfo format (two processors, the flags line of each); a CPU without
     them, a bfloat16 run or GPUs print nothing."""
-    from rft.cli.launcher import bf16_hint
+    from rft.cli.planning import bf16_hint
     from rft.run.config import Config
 
     def cpuinfo(flags: str):

@@ -17,8 +17,8 @@ from tests.blocked_imports import blocking_env
 
 REPO = Path(__file__).resolve().parents[2]
 FLAGSHIP = REPO / "configs" / "smollm2-arithmetic.yaml"
-LIGHT_MODULES = ["rft.cli.launcher", "rft.explorer.publisher", "rft.dashboard.server", "rft.ops.status",
-                 "rft.ops.topics.cli", "rft.cli.validate"]
+LIGHT_MODULES = ["rft.cli.launcher", "rft.cli.replay", "rft.explorer.publisher", "rft.dashboard.server",
+                 "rft.ops.status", "rft.ops.topics.cli", "rft.cli.validate"]
 @pytest.fixture(scope="module")
 def without_torch(tmp_path_factory) -> dict[str, str]:
     return blocking_env(tmp_path_factory.mktemp("block_torch"), ["torch"])
@@ -70,9 +70,9 @@ def test_the_launcher_learns_a_machine_has_no_gpu_without_torch(without_torch, t
     present.write_text("")
     script = textwrap.dedent("""\
         import sys
-        from rft.cli import launcher
-        launcher.GPU_DEVICE_NODES = (sys.argv[1],)
-        print(launcher.visible_gpus())
+        from rft.cli import planning
+        planning.GPU_DEVICE_NODES = (sys.argv[1],)
+        print(planning.visible_gpus())
         """)
     env = {k: v for k, v in without_torch.items() if k != "CUDA_VISIBLE_DEVICES"}
     done = run(env, "-c", script, str(tmp_path / "absent"))

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rft.cli.launcher import ROLES_BY_MODE, LaunchError, gpu_plan
+from rft.cli.launcher import ROLES_BY_MODE
+from rft.cli.planning import LaunchError, gpu_plan
 from rft.run.loading import load_run_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rft.run.monitor import _eval_accuracies, plot_rewards
+from rft.observability.plots import _eval_accuracies, plot_rewards
 
 
 def test_the_plot_draws_rewards_and_each_eval_sets_accuracy(tmp_path):

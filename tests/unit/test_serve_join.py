@@ -10,7 +10,7 @@ from rft.schema import Feedback, RecordError, ServedChoice, ServedCompletion, de
 from rft.serve.config import ServeConfig
 from rft.serve.joiner import Joining
 from rft.serve.ledger import FeedbackLedger, FeedbackRefused
-from rft.serve.server import ApiError, parse_chat_request
+from rft.serve.requests import ApiError, parse_chat_request
 
 T0 = 1_000_000.0
 SETTINGS = ServeConfig(feedback_expire_s=100, group_size=3, group_wait_s=10, baseline_window=4)

@@ -2,7 +2,7 @@
 
 Connection: `--bootstrap HOST:PORT`, or `-c CONFIG [--set key=value]` whose `kafka.bootstrap_servers`
 and `kafka.security` are used (`--bootstrap` wins when both are given; the config also names the
-tokenizer for `--decode`). `embedded` is refused (rft.run.commandline.embedded_broker_error): an embedded broker
+tokenizer for `--decode`). `embedded` is refused (rft.cli.commandline.embedded_broker_error): an embedded broker
 lives only inside the run that started it, so there is nothing for this tool to connect to.
 
 Export file formats: rft/ops/topics//formats.py.
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rft.cli.commandline import EMBEDDED, config_from_args, embedded_broker_error, install_stop_signals
 from rft.ops.topics import TopicsError
 from rft.ops.topics.formats import (
     EXPORT_FORMAT,
@@ -29,7 +30,6 @@ from rft.ops.topics.formats import (
     read_export,
 )
 from rft.ops.topics.render import format_message
-from rft.run.commandline import EMBEDDED, config_from_args, embedded_broker_error, install_stop_signals
 from rft.text.tokens import Detokenizer, TokenizerError
 from rft.transport import (
     Admin,
@@ -188,6 +188,7 @@ def cmd_export(args: argparse.Namespace, conn: Connection) -> int:
         header = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "partitions": partitions,
                   "decoded": args.decoded}
         partial = out.with_name(out.name + ".partial")  # renamed when complete: a failed export leaves no OUT
+        writer: JsonlExport | ParquetExport
         if args.decoded:
             writer = DecodedJsonlExport(partial, header, Detokenizer(conn.tokenizer_path))
         else:
@@ -259,7 +260,7 @@ def cmd_import(args: argparse.Namespace, conn: Connection) -> int:
     plan = scan_export(path, conn.kafka.max_record_bytes)
     ends = prepare_target(conn, args.topic, plan, append=args.append)
     moved = sorted(plan.gaps | {p for p, first in plan.first_offsets.items() if ends.get(p, 0) != first})
-    errors: list[Exception] = []
+    errors: list[BaseException] = []
     sink = conn.transport.sink(client_id="rft-topics-import")
     with closing(sink), _progress(plan.records, f"import {args.topic}") as bar:
         for r in read_export(path)[1]:

@@ -8,7 +8,16 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
-from rft.schema import HEADER_ERROR, ControlMessage, ExperienceGroup, RecordError, TaskRecord, decode
+from rft.schema import (
+    HEADER_ERROR,
+    ControlMessage,
+    ExperienceGroup,
+    Feedback,
+    RecordError,
+    ServedCompletion,
+    TaskRecord,
+    decode,
+)
 from rft.text.tokens import Detokenizer
 from rft.transport import Message
 
@@ -35,7 +44,10 @@ def message_view(m: Message) -> dict[str, Any]:
             "headers": {name: printable(value) for name, value in m.headers}}
 
 
-def record_summary(record: TaskRecord | ExperienceGroup | ControlMessage) -> dict[str, Any]:
+Record = TaskRecord | ExperienceGroup | ControlMessage | ServedCompletion | Feedback  # what rft.schema.decode returns
+
+
+def record_summary(record: Record) -> dict[str, Any]:
     """Type, ids and policy version: what identifies a record, without its content."""
     if isinstance(record, ExperienceGroup):
         return {"type": "experience_group", "policy_version": record.policy_version, "group_id": record.group_id,
@@ -44,6 +56,12 @@ def record_summary(record: TaskRecord | ExperienceGroup | ControlMessage) -> dic
     if isinstance(record, TaskRecord):
         return {"type": "task", "group_id": record.group_id, "task_id": record.task_id, "run_id": record.run_id,
                 "epoch": record.epoch}
+    if isinstance(record, ServedCompletion):
+        return {"type": "served", "policy_version": record.policy_version, "request_id": record.request_id,
+                "run_id": record.run_id, "model": record.model, "n_choices": len(record.choices)}
+    if isinstance(record, Feedback):
+        return {"type": "feedback", "request_id": record.request_id, "run_id": record.run_id, "index": record.index,
+                "reward": record.reward}
     return {"type": "control", "kind": record.kind, "sender": record.sender}
 
 
@@ -55,13 +73,20 @@ def _tokens_or_text(name: str, tokens, detok: Detokenizer) -> dict[str, Any]:
     return {f"{name}_tokens": [int(t) for t in tokens]}
 
 
-def record_content(record: TaskRecord | ExperienceGroup | ControlMessage, detok: Detokenizer) -> dict[str, Any]:
+def record_content(record: Record, detok: Detokenizer) -> dict[str, Any]:
     """The human-readable content: prompt/response text (token ids without a tokenizer), rewards."""
     if isinstance(record, TaskRecord):
         return {"prompt": record.prompt, "answer": record.answer, "metadata": record.metadata,
                 "created_at": record.created_at}
     if isinstance(record, ControlMessage):
         return {"body": record.body, "created_at": record.created_at}
+    if isinstance(record, Feedback):
+        return {"reward": record.reward, "components": record.components, "created_at": record.created_at}
+    if isinstance(record, ServedCompletion):
+        choices = [{"index": c.index, "finish_reason": c.finish_reason, "response_len": len(c.response_tokens),
+                    **_tokens_or_text("response", c.response_tokens, detok)} for c in record.choices]
+        return {**_tokens_or_text("prompt", record.prompt_tokens, detok), "metadata": record.metadata,
+                "created_at": record.created_at, "choices": choices}
     samples = []
     for s in record.samples:
         samples.append({

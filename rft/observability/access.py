@@ -18,17 +18,12 @@ import hmac
 import ipaddress
 import os
 import socket
-import threading
-import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, params
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-
-from rft.processes import free_port
 
 if TYPE_CHECKING:
     from rft.observability.config import MonitorConfig
@@ -37,6 +32,8 @@ if TYPE_CHECKING:
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARDS = ("", "0.0.0.0", "::")
 BODY_METHODS = ("POST", "PUT", "PATCH")
+# the `Authorization: Bearer` credentials of a request, None without them (the key check decides)
+BearerCredentials = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]
 
 
 class AccessDenied(Exception):
@@ -149,11 +146,10 @@ class Access:
                 raise AccessDenied(415, f"the request body must be JSON (Content-Type: application/json), got "
                                    f"{media or 'no Content-Type'}", code="unsupported_media_type")
 
-    def dependency(self) -> Callable[..., Awaitable[None]]:
+    def dependency(self) -> params.Depends:
         """A FastAPI dependency running `check` (add it to the app: `FastAPI(dependencies=[...])`)."""
-        bearer = HTTPBearer(auto_error=False)
 
-        async def checked(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)):
+        async def checked(request: Request, credentials: BearerCredentials) -> None:
             self.check(request, credentials)
 
         return Depends(checked)
@@ -179,30 +175,3 @@ def dashboard_access(monitor: MonitorConfig, host: str) -> Access:
     require_keys(host, keys, what="rft dashboard", env=monitor.dashboard_key_env,
                  file_key="monitor.dashboard_key_file", host_key="monitor.dashboard_host / --host")
     return Access(keys, allowed_hosts(monitor.dashboard_allowed_hosts, host), cookie=DASHBOARD_COOKIE)
-
-
-class AppThread:
-    """An ASGI `app` under uvicorn in a thread of this process (tests, benchmarks): `url` once `start()` returns;
-    `stop()` ends it (within 2 s for open streams)."""
-
-    def __init__(self, app, *, host: str = "127.0.0.1", port: int = 0):
-        import uvicorn
-
-        port = port or free_port(host)
-        self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
-
-    def start(self, timeout_s: float = 30.0) -> AppThread:
-        self.thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the server at {self.url} did not start")
-            time.sleep(0.05)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)

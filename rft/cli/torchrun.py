@@ -1,4 +1,4 @@
-"""`python -m rft.run.torchrun ARGS`: torchrun (`torch.distributed.run`, same arguments) whose TCPStore servers
+"""`python -m rft.cli.torchrun ARGS`: torchrun (`torch.distributed.run`, same arguments) whose TCPStore servers
 listen only on the address each is created for. torch's TCPStore(host, is_master=True) listens on every interface
 whatever `host` says (torch 2.13), so torchrun's rendezvous and agent stores would be reachable from the network even
 for `--standalone` (host `localhost`). Here every master store created without a socket of its own is handed one
@@ -50,11 +50,12 @@ class BoundTCPStore(_TCPStore):
 
 def install() -> None:
     """Make `torch.distributed.TCPStore`, and every name already imported from it, the bound store."""
-    dist.TCPStore = BoundTCPStore
+    # setattr: the patch replaces a class torch's modules hold by name (mypy sees the assignment of a type)
+    setattr(dist, "TCPStore", BoundTCPStore)  # noqa: B010
     for module in list(sys.modules.values()):
         name = getattr(module, "__name__", "") or ""
         if name.startswith("torch") and getattr(module, "TCPStore", None) is _TCPStore:
-            module.TCPStore = BoundTCPStore
+            setattr(module, "TCPStore", BoundTCPStore)  # noqa: B010
 
 
 def main() -> None:
