@@ -35,7 +35,7 @@ from pathlib import Path
 from rft.algorithms import ALGORITHMS
 from rft.algorithms.config import AlgorithmConfig
 from rft.algorithms.registry import options_type
-from rft.config.fields import HELP, NOT_A_KEY, REST
+from rft.config.fields import HELP, NOT_A_KEY, REST, Section
 from rft.run.config import Config
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"
@@ -79,8 +79,10 @@ def field_descriptions(cls: type, prefix: str = "") -> dict[str, str]:
     for node in class_node.body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             name = node.target.id
-            on_line = [comments[r] for r in range(node.lineno, node.end_lineno + 1) if r in comments]
-            above, row = [], node.lineno - 1
+            end = node.end_lineno or node.lineno
+            on_line = [comments[r] for r in range(node.lineno, end + 1) if r in comments]
+            above: list[str] = []
+            row = node.lineno - 1
             while row > previous_end and row in alone:
                 above.insert(0, comments[row])
                 row -= 1
@@ -92,7 +94,7 @@ def field_descriptions(cls: type, prefix: str = "") -> dict[str, str]:
             text = " ".join(part for part in above or on_line if part)
             if text:
                 out[name] = text
-        previous_end = node.end_lineno
+        previous_end = node.end_lineno or node.lineno
     return out
 
 
@@ -108,13 +110,13 @@ def rows(root: type = Config) -> list[tuple[str, type | None, list[Row]]]:
     """The reference of dataclass `root` as (section name, section class or None, rows) per field of `root`: a field
     that is a dataclass is a section (its nested dataclass fields flattened into it, a list of dataclasses as
     `key[].field`); any other field of `root` (`stages`) is a section of one row."""
-    sections = []
+    sections: list[tuple[str, type | None, list[Row]]] = []
     hints = typing.get_type_hints(root)
     for f in dataclasses.fields(root):
         tp = hints[f.name]
         if f.metadata.get(NOT_A_KEY):
             continue
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             extra = _algorithm_rows(f.name) if tp is AlgorithmConfig else []
             sections.append((f.name, tp, _rows(tp, f.name) + extra))
         else:
@@ -123,18 +125,18 @@ def rows(root: type = Config) -> list[tuple[str, type | None, list[Row]]]:
 
 
 def _rows(cls: type, prefix: str) -> list[Row]:
-    out = []
+    out: list[Row] = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.metadata.get(REST):  # not a key: the section's other keys (an algorithm's options, `_algorithm_rows`)
             continue
         tp = hints[f.name]
         item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             out.extend(_rows(tp, f"{prefix}.{f.name}"))
             continue
         out.append(Row(f"{prefix}.{f.name}", _type_name(tp), _default(f), f.metadata.get(HELP, "")))
-        if item is not None and dataclasses.is_dataclass(item):
+        if isinstance(item, type) and dataclasses.is_dataclass(item):
             out.extend(_rows(item, f"{prefix}.{f.name}[]"))
     return out
 
@@ -177,11 +179,23 @@ def render(root: type = Config) -> str:
     for name, cls, section in rows(root):
         parts.append(f"\n## `{name}`\n")
         doc = inspect.getdoc(cls) if cls is not None else None
-        if doc and not doc.startswith(cls.__name__ + "("):  # not the signature dataclass writes as a docstring
+        if cls is not None and doc and not doc.startswith(cls.__name__ + "("):  # not dataclass's own signature
             parts.append(doc + "\n")
+        if cls is not None:
+            parts.append(f"Declared by {owners(cls)}.\n")
         parts.append("| key | type | default | meaning |\n|---|---|---|---|")
         parts.extend(f"| `{r.key}` | {r.type_name} | {r.default} | {_cell(r.description)} |" for r in section)
     return "\n".join(parts) + "\n"
+
+
+def owners(cls: type) -> str:
+    """Where a section's keys are declared: `module` (Class, ...) for each class of its MRO that declares fields."""
+    by_module: dict[str, list[str]] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass) and klass is not Section and klass.__dict__.get("__annotations__"):
+            path = klass.__module__.replace(".", "/") + ".py"
+            by_module.setdefault(path, []).append(klass.__name__)
+    return ", ".join(f"`{path}` ({', '.join(names)})" for path, names in reversed(by_module.items()))
 
 
 def _cell(text: str) -> str:
