@@ -26,7 +26,7 @@ from rft.engine import SamplingSettings
 from rft.text.chat import ChatError, encode_messages
 
 if TYPE_CHECKING:
-    from rft.run.config import Config
+    from rft.models.config import ModelConfig
 
 MAX_N = 16
 MAX_STOP = 4
@@ -136,9 +136,8 @@ def prompt_key(prompt_tokens: list[int]) -> str:
     return hashlib.sha1(np.asarray(prompt_tokens, dtype="<i4").tobytes()).hexdigest()[:16]
 
 
-def renderer(cfg: Config) -> Callable[[Any, list], list[int]]:
+def renderer(model: ModelConfig) -> Callable[[Any, list], list[int]]:
     """How messages become prompt ids (module docstring), refusing prompts over model.max_prompt_len."""
-    model = cfg.model
 
     def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:
         if model.chat_template:

@@ -70,7 +70,7 @@ def build_service(cfg: Config, *, transport: Transport | None = None, engine_fac
         reader.close()
     log.info("ledger: %d served / feedback records read back", loaded)
     worker.start()
-    render, tokenizer = renderer(cfg), _own_copy(_tokenizer_of(worker.engine))
+    render, tokenizer = renderer(cfg.model), _own_copy(_tokenizer_of(worker.engine))
     return ServeService(worker=worker, sink=transport.sink(client_id="serve"), ledger=ledger, topics=topics,
                         model_name=cfg.serve.model_name or cfg.run.name, max_tokens=cfg.model.max_response_len,
                         tokenize=lambda messages: render(tokenizer, messages), limits=Limits.of(cfg.serve),

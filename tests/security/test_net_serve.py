@@ -136,7 +136,7 @@ def stalled(broker, tiny_model, tmp_path):
     deadline (1.5 s). The tokenizer is the model's, so prompts are still tokenized and checked."""
     cfg = serve_config(tmp_path, tiny_model, broker)
     worker = EngineWorker(lambda: None, max_batch=1)
-    render, tokenizer = renderer(cfg), AutoTokenizer.from_pretrained(str(tiny_model))
+    render, tokenizer = renderer(cfg.model), AutoTokenizer.from_pretrained(str(tiny_model))
     transport = connect(cfg.kafka)
     service = ServeService(worker=worker, sink=transport.sink(), ledger=FeedbackLedger(60), topics=RunTopics.of(cfg),
                            model_name=cfg.run.name, max_tokens=8, tokenize=lambda m: render(tokenizer, m),

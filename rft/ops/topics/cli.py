@@ -16,7 +16,7 @@ import threading
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rft.cli.commandline import EMBEDDED, config_from_args, embedded_broker_error, install_stop_signals
 from rft.ops.topics import TopicsError
@@ -264,7 +264,10 @@ def cmd_import(args: argparse.Namespace, conn: Connection) -> int:
     sink = conn.transport.sink(client_id="rft-topics-import")
     with closing(sink), _progress(plan.records, f"import {args.topic}") as bar:
         for r in read_export(path)[1]:
-            future = sink.send(args.topic, r.value, key=r.key, headers=r.headers, partition=r.partition,
+            # a tombstone (no value) or a header without a value passes through as exported: the Kafka client
+            # sends None as Kafka's null; rft's own records always have both
+            value, headers = cast(bytes, r.value), cast("list[tuple[str, bytes]]", r.headers)
+            future = sink.send(args.topic, value, key=r.key, headers=headers, partition=r.partition,
                                timestamp_ms=r.timestamp_ms, check_size=False)
             future.add_errback(errors.append)
             bar.update(1)
