@@ -140,7 +140,7 @@ def stalled(broker, tiny_model, tmp_path):
     transport = connect(cfg.kafka)
     service = ServeService(worker=worker, sink=transport.sink(), ledger=FeedbackLedger(60), topics=RunTopics.of(cfg),
                            model_name=cfg.run.name, max_tokens=8, tokenize=lambda m: render(tokenizer, m),
-                           rewards=RewardRange.of(cfg.explorer), limits=Limits(max_queue=1, request_timeout_s=1.5))
+                           rewards=RewardRange.of(cfg.run), limits=Limits(max_queue=1, request_timeout_s=1.5))
     thread = ServerThread(service).start()
     yield thread.url, worker
     thread.stop()
