@@ -35,9 +35,10 @@ setup(
         # GPU: the pins of requirements/gpu.txt (a test keeps them equal). Transformer Engine's PyTorch extension and
         # NVIDIA Apex are built from source on GPU machines (docs/operations.md; the PyPI 'apex' is another project).
         "gpu": ["vllm==0.32.0", "transformer-engine[core-cu13]==2.20.2"],
-        # pytest-xdist: `make test` runs two workers (tests/conftest.py); ruff: `make lint` (ruff.toml); mypy: `make typecheck` (mypy.ini)
-        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "confluent-kafka", "tensorboard", "trl", "peft",
-                "openai==3.54.0", "ruff==0.17.6", "mypy==2.4.1"],
+        # pytest-xdist: `make test` runs two workers (tests/conftest.py); ruff: `make lint` (ruff.toml); mypy:
+        # `make typecheck` (mypy.ini)
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "confluent-kafka", "tensorboard", "trl",
+                "peft", "openai==3.54.0", "ruff==0.17.6", "mypy==2.4.1"],
         # Optional features (rft/extras.py names their modules; `import rft` and the core commands need none of them).
         # `make` installs them all.
         "envs": ["gymnasium==1.4.0",  # FrozenLake-v1, the `frozenlake` multi-turn environment

@@ -8,8 +8,8 @@ environments, so every tool result and observation is the text the explorers wil
 
 - `calculator`: reasoning-gym `basic_arithmetic` questions (`--options`: its options, default two-term 2-3 digit
   arithmetic, as configs/smollm2-tools.yaml's RL stage). The expert calls the calculator on the task's expression
-  (a `<tool_call>` block in the Hermes format rft.agent_tools parses), gets its result from rft's calculator, and answers
-  reasoning-gym's answer.
+  (a `<tool_call>` block in the Hermes format rft.agent_tools parses), gets its result from rft's calculator, and
+  answers reasoning-gym's answer.
 - `frozenlake`: lakes as `data.path: frozenlake` generates them (`--options`: `size`, `p`, `is_slippery`; a
   slippery lake is refused: a scripted path does not survive slips). The expert plays a shortest path (BFS over the
   map), one move word per turn, and each observation is the environment's own text after that move.
@@ -88,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--count must be >= 1, got {args.count}")
     rows, options = KINDS[args.kind]
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    written = 0
     with args.out.open("w") as f:
-        for written, row in enumerate(rows(args.count, args.seed, args.options or options), 1):
+        for row in rows(args.count, args.seed, args.options or options):
             f.write(json.dumps(row) + "\n")
+            written += 1
     print(f"[demonstrations] {args.out}: {written} {args.kind} conversations", file=sys.stderr)
     return 0
 

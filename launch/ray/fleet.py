@@ -50,7 +50,8 @@ class ExplorerActor:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "rft.cli", "explorer", str(config_path), "--explorer-id", explorer_id],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
     def status(self) -> dict:
         return {"explorer_id": self.explorer_id, "pid": self.process.pid, "returncode": self.process.poll(),
@@ -101,7 +102,8 @@ class Fleet:
         self.scale(0, grace_s)
 
 
-def start_fleet(config_yaml: str, run: str, replicas: int, *, detached: bool = False, **options) -> ray.actor.ActorHandle:
+def start_fleet(config_yaml: str, run: str, replicas: int, *, detached: bool = False,
+                **options) -> ray.actor.ActorHandle:
     """Create the named fleet of `run` and scale it to `replicas` (ray must be initialised)."""
     lifetime = {"lifetime": "detached"} if detached else {}
     fleet = Fleet.options(name=fleet_name(run), namespace=NAMESPACE, **lifetime).remote(config_yaml, run, **options)
