@@ -607,7 +607,8 @@ def test_the_trainer_and_the_launcher_know_no_algorithm():
     read `algorithm.needs`."""
     files = sorted((REPO / "rft" / "trainer").rglob("*.py")) + sorted((REPO / "rft" / "cli").rglob("*.py"))
     assert REPO / "rft" / "trainer" / "main.py" in files and REPO / "rft" / "cli" / "launcher.py" in files
-    assert knows_an_algorithm(files, REPO) == []
+    found = knows_an_algorithm(files, REPO)
+    assert not found, "the trainer or the launcher knows an algorithm:\n" + "\n".join(found)
 
 
 def test_the_algorithm_check_sees_every_way_of_importing_an_algorithm(tmp_path):
