@@ -95,7 +95,8 @@ def test_grpo_corrections_match_textbook(rule, floor, cap, mask_h, agg):
     w, truncated, masked, masked_samples = weights_reference(batch, rule=rule, cap=cap, floor=floor, mask_h=mask_h)
     tokens, sequences = float(batch["global_tokens"]), float(batch["global_sequences"])
     kept = w[batch["loss_mask"] > 0]
-    assert 0 < np.count_nonzero(kept) < kept.size or rule == "tis" and mask_h is None, "the rule must bite"
+    bitten = truncated if rule == "tis" else kept.size - np.count_nonzero(kept)  # tis caps, mis zeroes
+    assert 0 < bitten < kept.size, f"the rule must bite on some tokens, not all ({bitten} of {kept.size})"
     if mask_h is not None:
         assert 0 < masked_samples < sequences, "some samples masked, some kept"
     loss, grad, metrics = torch_loss_and_grad(algo, batch)

@@ -138,7 +138,7 @@ def reason(value: bytes, headers=None) -> str:
 def test_truncated_bytes_are_rejected_at_every_cut():
     value, headers = encode(_group())
     for cut in range(0, len(value), 7):
-        assert "not msgpack" in reason(value[:cut], headers) or cut == 0
+        assert "not msgpack" in reason(value[:cut], headers)
 
 
 def test_empty_and_non_map_values():
