@@ -1,14 +1,14 @@
 """The typed config tree: defaults, overrides, interpolation, and an error naming file and key for each kind of
-invalid config. `rft validate` is exercised as a real subprocess (exit codes 0 and 2)."""
+invalid config. `rft validate`'s exit codes (0 and 2), in this process (as a real subprocess:
+tests/integration/test_cli_errors.py)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from rft.cli import main
 from rft.config import Config, ConfigError, load_config, load_yaml
 from rft.run.loading import load_run_config
 
@@ -138,23 +138,29 @@ def test_a_missing_file_is_named_and_a_merged_key_may_be_overridden(tmp_path):
     assert load_yaml("base: &b {lr: 1, seed: 3}\ntrainer:\n  <<: *b\n  lr: 2\n")["trainer"] == {"lr": 2, "seed": 3}
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rft.cli", *args], capture_output=True, text=True, timeout=60)
+def run_cli(capsys, *args: str) -> tuple[int | str | None, str, str]:
+    """`rft ARGS` in this process: its exit code (returned or exited with), stdout and stderr."""
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_validate_command_exit_codes(tmp_path, model_dir):
+def test_validate_command_exit_codes(tmp_path, model_dir, capsys):
     good = write(tmp_path, minimal(model_dir), "good.yaml")
-    result = run_cli("validate", str(good))
-    assert result.returncode == 0, result.stderr
-    assert "valid" in result.stdout
+    code, out, err = run_cli(capsys, "validate", str(good))
+    assert code == 0, err
+    assert "valid" in out
 
     bad = write(tmp_path, minimal(model_dir, explorer={"n_sample": 4}), "bad.yaml")
-    result = run_cli("validate", str(bad))
-    assert result.returncode == 2
-    assert "bad.yaml: explorer.n_sample: unknown key (did you mean 'n_samples'?)" in result.stderr
+    code, out, err = run_cli(capsys, "validate", str(bad))
+    assert code == 2
+    assert "bad.yaml: explorer.n_sample: unknown key (did you mean 'n_samples'?)" in err
 
-    result = run_cli("validate", str(good), "--set", "run.max_staleness=-3")
-    assert result.returncode == 2 and "run.max_staleness" in result.stderr
+    code, out, err = run_cli(capsys, "validate", str(good), "--set", "run.max_staleness=-3")
+    assert code == 2 and "run.max_staleness" in err
 
 
 def test_shipped_configs_validate():
