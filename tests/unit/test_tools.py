@@ -1,6 +1,6 @@
 """Tools of the tool_agent workflow: tool-call parsing (Hermes / Qwen2.5 blocks), the calculator against Python's own
-arithmetic, the python sandbox (output, timeout, memory limit, exception, output truncation, empty environment),
-and every bad call becoming an `error:` message instead of an exception."""
+arithmetic, and every bad call becoming an `error:` message instead of an exception (the python sandbox, which
+starts interpreters: tests/integration/test_python_tool.py)."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,6 @@
 """rft.transport.memory, the in-memory transport of the unit tests: the scenarios of tests/transport_scenarios.py
 (which tests/integration/test_transport_fidelity.py runs on the real broker too), consumer groups sharing
-partitions, retention and fetch, and that neither the package nor the fake imports kafka-python."""
+partitions, retention and fetch (that neither imports kafka-python: tests/integration/test_transport_imports.py)."""
 from __future__ import annotations
 
 import pytest
