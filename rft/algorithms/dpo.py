@@ -21,7 +21,8 @@ torch, F = lazy("torch"), lazy("torch.nn.functional")  # imported by the first l
 
 @dataclass
 class DPOOptions:
-    dpo_beta: float = 0.1  # the inverse temperature of the preference margin (the strength of the pull away from the reference)
+    # the inverse temperature of the preference margin (the strength of the pull away from the reference)
+    dpo_beta: float = 0.1
 
 
 @register("dpo", options=DPOOptions)

@@ -54,12 +54,17 @@ ADVANTAGE_EPS = 1e-6
 class GRPOOptions(CorrectionOptions):
     """The keys of grpo, rloo, reinforce_pp, gspo and cispo (and of the algorithms built on them: ppo, chord,
     on_policy_distill, whose options add their own); the off-policy correction's are CorrectionOptions'."""
-    clip_eps: float = 0.2  # the ratio's clip range on both sides (unless clip_eps_low / clip_eps_high); not used by gspo and cispo
-    clip_eps_low: float | None = None  # clip below at 1 - clip_eps_low; null: the algorithm's default (docs/algorithms.md)
-    clip_eps_high: float | None = None  # clip above at 1 + clip_eps_high (DAPO's clip-higher: 0.28); null: the algorithm's default
+    # the ratio's clip range on both sides (unless clip_eps_low / clip_eps_high); not used by gspo and cispo
+    clip_eps: float = 0.2
+    # clip below at 1 - clip_eps_low; null: the algorithm's default (docs/algorithms.md)
+    clip_eps_low: float | None = None
+    # clip above at 1 + clip_eps_high (DAPO's clip-higher: 0.28); null: the algorithm's default
+    clip_eps_high: float | None = None
     kl_coef: float = 0.0  # weight of the k3 KL term to the frozen reference model (> 0 loads the reference); 0: none
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"  # token_mean: over all loss tokens of the step (DAPO); seq_mean: per sequence first (gspo: always)
-    std_normalize: bool = True  # divide group-centred rewards by the group std (false: Dr. GRPO); not used by rloo, reinforce_pp and ppo
+    # token_mean: over all loss tokens of the step (DAPO); seq_mean: per sequence first (gspo: always)
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    # divide group-centred rewards by the group std (false: Dr. GRPO); not used by rloo, reinforce_pp and ppo
+    std_normalize: bool = True
 
     def __post_init__(self) -> None:
         """Ranges (combinations an algorithm refuses are its own ConfigError, when it is built)."""

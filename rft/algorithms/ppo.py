@@ -137,8 +137,8 @@ class PPO(GRPO):
             mean = total / count.clamp(min=1)
             std = (squares / count.clamp(min=1) - mean * mean).clamp(min=0).sqrt()
             advantages = [torch.where(mb["loss_mask"] > 0, ((a - mean) / (std + WHITEN_EPS)).float(), 0.0)
-                          for a, mb in zip(advantages, out)]
-        return [{**mb, "token_advantages": a} for mb, a in zip(out, advantages)]
+                          for a, mb in zip(advantages, out, strict=True)]
+        return [{**mb, "token_advantages": a} for mb, a in zip(out, advantages, strict=True)]
 
     def policy_loss(self, logp: torch.Tensor, micro_batch: MicroBatch, prox: torch.Tensor,
                     weight: torch.Tensor) -> tuple[torch.Tensor, Metrics]:

@@ -17,7 +17,8 @@ torch = lazy("torch")  # imported by the first loss computed, not by a config ch
 
 @dataclass
 class SFTOptions:
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"  # token_mean: the NLL per loss token of the step; seq_mean: per sequence first
+    # token_mean: the NLL per loss token of the step; seq_mean: per sequence first
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
 
 
 @register("sft", options=SFTOptions)

@@ -106,7 +106,7 @@ class OperatorChain:
         return out, None
 
     def _stateful(self) -> dict[str, Operator]:
-        return {f"{i}:{name}": op for i, (name, op) in enumerate(zip(self.names, self.operators))
+        return {f"{i}:{name}": op for i, (name, op) in enumerate(zip(self.names, self.operators, strict=True))
                 if callable(getattr(op, "state", None))}
 
     def state(self) -> dict[str, Any]:
@@ -206,11 +206,12 @@ def _shaped(group: ExperienceGroup, amounts: list[float], component: str) -> Exp
     """A copy of `group` with `amounts[i]` added to sample i's reward and recorded as a reward component."""
     samples = [dataclasses.replace(s, reward=float(s.reward + a),
                                    reward_components={**s.reward_components, component: float(a)})
-               for s, a in zip(group.samples, amounts)]
+               for s, a in zip(group.samples, amounts, strict=True)]
     return dataclasses.replace(group, samples=samples)
 
 
-def _unless_too_many(group: ExperienceGroup, fails: Callable[[Sample], bool], max_fraction: float) -> ExperienceGroup | None:
+def _unless_too_many(group: ExperienceGroup, fails: Callable[[Sample], bool],
+                     max_fraction: float) -> ExperienceGroup | None:
     """None (drop) when more than `max_fraction` of the group's samples fail."""
     failing = sum(1 for s in group.samples if fails(s))
     return None if failing > max_fraction * len(group.samples) else group
