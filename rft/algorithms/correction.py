@@ -38,13 +38,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from rft.algorithms.aggregation import token_metric
 from rft.config import ConfigError
 from rft.lazy import lazy
 
-torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
+if TYPE_CHECKING:
+    import torch
+else:  # imported by the first loss computed, not by a config check (rft/lazy.py)
+    torch = lazy("torch")
 
 IMPORTANCE_SAMPLING = ("tis", "mis")
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -45,7 +45,10 @@ from rft.algorithms.registry import Algorithm, Metrics, MicroBatch, Needs, regis
 from rft.config import ConfigError
 from rft.lazy import lazy
 
-torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
+if TYPE_CHECKING:
+    import torch
+else:  # imported by the first loss computed, not by a config check (rft/lazy.py)
+    torch = lazy("torch")
 
 ADVANTAGE_EPS = 1e-6
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -43,7 +44,10 @@ from rft.algorithms.registry import Critic, Metrics, MicroBatch, Needs, register
 from rft.config import ConfigError
 from rft.lazy import lazy
 
-torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
+if TYPE_CHECKING:
+    import torch
+else:  # imported by the first loss computed, not by a config check (rft/lazy.py)
+    torch = lazy("torch")
 
 WHITEN_EPS = 1e-8
 

@@ -6,13 +6,16 @@ Uses recorded experiences only, so it runs in offline replay; no reference model
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from rft.algorithms.aggregation import aggregate, check_micro_batch, token_metric
 from rft.algorithms.registry import Algorithm, Metrics, MicroBatch, register, zero_advantages
 from rft.lazy import lazy
 
-torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
+if TYPE_CHECKING:
+    import torch
+else:  # imported by the first loss computed, not by a config check (rft/lazy.py)
+    torch = lazy("torch")
 
 
 @dataclass
