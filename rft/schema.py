@@ -95,7 +95,7 @@ def group_id_for(run_id: str, task_id: str, epoch: int) -> str:
 
 
 # Routed-expert ids: the narrowest of these that holds num_experts - 1, named in the record (`dtype`).
-ROUTED_EXPERT_DTYPES = {"u1": np.dtype("u1"), "u2": np.dtype("<u2")}
+ROUTED_EXPERT_DTYPES: dict[str, np.dtype] = {"u1": np.dtype("u1"), "u2": np.dtype("<u2")}
 
 
 @dataclass
@@ -174,8 +174,9 @@ class Sample:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sample):
             return NotImplemented
-        versions = (self.token_versions is None) == (other.token_versions is None) and (
-            self.token_versions is None or np.array_equal(self.token_versions, other.token_versions))
+        mine, theirs = self.token_versions, other.token_versions
+        versions = (mine is None and theirs is None) or (
+            mine is not None and theirs is not None and np.array_equal(mine, theirs))
         return (self.sample_index == other.sample_index and self.reward == other.reward
                 and self.reward_components == other.reward_components
                 and self.finish_reason == other.finish_reason and self.metadata == other.metadata

@@ -80,6 +80,8 @@ class ChordOptions(GRPOOptions):
 
 @register("chord", options=ChordOptions)
 class CHORD(GRPO):
+    cfg: ChordOptions
+
     def __init__(self, options: ChordOptions):
         super().__init__(options)
         # the demonstration rows, and the step for mu(step)

@@ -88,7 +88,8 @@ class GRPO(Algorithm):
     change `policy_loss` (and `default_clip`, `loss_agg`) are the other group policy losses."""
 
     default_clip: tuple[float, float] | None = None  # (eps_low, eps_high) when the config's are null; None: clip_eps
-    correction_level: str = "token"  # the behaviour weight per token, or per sequence (gspo): correction.py
+    # the behaviour weight per token, or per sequence (gspo): correction.py
+    correction_level: Literal["token", "sequence"] = "token"
     extra_keys: tuple[str, ...] = ()  # micro-batch keys a subclass's policy term reads besides GRPO's
 
     def __init__(self, options: GRPOOptions):

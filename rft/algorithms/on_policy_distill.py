@@ -55,6 +55,7 @@ class DistillOptions(GRPOOptions):
 
 @register("on_policy_distill", options=DistillOptions)
 class OnPolicyDistill(GRPO):
+    cfg: DistillOptions
     extra_keys = ("teacher_logprobs",)
 
     def __init__(self, options: DistillOptions):

@@ -110,6 +110,7 @@ class PPOOptions(GRPOOptions):
 
 @register("ppo", options=PPOOptions)
 class PPO(GRPO):
+    cfg: PPOOptions
     extra_keys = ("token_advantages",)
 
     def __init__(self, options: PPOOptions):

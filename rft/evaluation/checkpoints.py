@@ -82,7 +82,7 @@ def _latest(run_dir: Path, store: VersionStore | None) -> Checkpoint:
 
     candidates = []
     found = store.latest() if store is not None else None
-    if found is not None:
+    if store is not None and found is not None:
         version, location = found
         try:
             path = store.local(version, checksums=False)  # checked with checksums by resolve_checkpoint

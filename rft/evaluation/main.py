@@ -172,7 +172,8 @@ class EvalSchedule:
     one when the follower fell behind; and, once the run is finishing, the newest version unless it was evaluated."""
 
     def __init__(self, every_steps: int):
-        self.every_steps, self.next_due, self.last = every_steps, 0, None
+        self.every_steps, self.next_due = every_steps, 0
+        self.last: int | None = None
 
     def due(self, version: int, *, finishing: bool = False) -> bool:
         return version >= self.next_due or (finishing and (self.last is None or version > self.last))
