@@ -21,8 +21,8 @@ from tests.packaging import setup_requirements
 REPO = Path(__file__).resolve().parents[2]
 BLOCKED = sorted(module for modules in EXTRAS.values() for module in modules)
 # The modules that ARE optional features: each must fail to import without its extra (so this list cannot go stale)
-OPTIONAL_MODULES = {"rft.serve.server": "fastapi", "rft.run.web": "fastapi", "rft.dashboard.server": "fastapi", "rft.bench.serve": "fastapi",
-                    "launch.ray.fleet": "ray"}
+OPTIONAL_MODULES = {"rft.serve.server": "fastapi", "rft.run.web": "fastapi", "rft.dashboard.server": "fastapi",
+                    "rft.bench.serve": "fastapi", "launch.ray.fleet": "ray"}
 QUICKSTART = ["configs/smollm2-arithmetic.yaml", "--set", "run.name=smollm2-quickstart", "--set", "run.max_steps=20"]
 CORE_COMMANDS = ["validate", "run", "trainer", "explorer", "topics", "status", "publish", "replay", "eval", "broker"]
 

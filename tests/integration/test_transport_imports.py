@@ -7,6 +7,7 @@ import sys
 
 
 def test_the_transport_package_and_the_fake_import_no_kafka():
-    code = ("import sys, rft.transport, rft.transport.memory, rft.trainer.feed, rft.transport.run_topics, rft.ops.topics.render; "
+    code = ("import sys, rft.transport, rft.transport.memory, rft.trainer.feed, rft.transport.run_topics, "
+            "rft.ops.topics.render; "
             "assert 'kafka' not in sys.modules, 'kafka imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

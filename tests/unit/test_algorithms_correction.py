@@ -169,7 +169,7 @@ def test_cispo_takes_the_same_weights():
     logp, prox, mask = batch["logp"].astype(np.float64), batch["prox_logprobs"], batch["loss_mask"]
     tokens = float(batch["global_tokens"])
     ref_loss, ref_grad = 0.0, np.zeros_like(logp)
-    for i, t in zip(*np.nonzero(mask)):
+    for i, t in zip(*np.nonzero(mask), strict=True):
         r = min(max(math.exp(logp[i, t] - prox[i, t]), 0.0), 1.28)  # cispo's defaults: eps_low 1, eps_high 0.28
         A = float(batch["advantages"][i])
         ref_loss += -w[i, t] * r * A * logp[i, t] / tokens

@@ -39,7 +39,8 @@ def test_overrides_take_yaml_types(tmp_path, model_dir):
     cfg = load_config(write(tmp_path, minimal(model_dir)),
                       ["trainer.lr=3e-4", "run.max_staleness=2", "algorithm.off_policy_correction=true",
                        "kafka.security.security_protocol=SASL_SSL"])
-    assert cfg.trainer.lr == 3e-4 and cfg.run.max_staleness == 2 and cfg.algorithm.options["off_policy_correction"] is True
+    assert cfg.trainer.lr == 3e-4 and cfg.run.max_staleness == 2
+    assert cfg.algorithm.options["off_policy_correction"] is True
     assert cfg.kafka.security == {"security_protocol": "SASL_SSL"}
 
 
@@ -77,7 +78,8 @@ def test_saved_resolved_config_round_trips(tmp_path, model_dir):
     ({"sync": {"push_transport": "nccl"}}, [], r"sync.push_transport: must be one of"),
     ({"explorer": {"continuous": True, "engine": "transformers"}}, [],
      r"explorer.continuous: needs explorer.engine vllm \(its engine-level request API\), got transformers"),
-    ({"explorer": {"continuous": True}, "sync": {"method": "push"}}, [], r"explorer.continuous: needs sync.method pull"),
+    ({"explorer": {"continuous": True}, "sync": {"method": "push"}}, [],
+     r"explorer.continuous: needs sync.method pull"),
     ({"explorer": {"inflight_updates": True}}, [], r"explorer.inflight_updates: needs explorer.continuous: true"),
     ({"explorer": {"continuous": True, "inflight_updates": True}, "model": {"lora": {"rank": 8}}}, [],
      r"explorer.inflight_updates: reloads whole models in flight"),
@@ -93,7 +95,8 @@ def test_saved_resolved_config_round_trips(tmp_path, model_dir):
     ({}, ["trainer.expert_parallel=0"], r"trainer.expert_parallel: must be >= 1, got 0"),
     ({}, ["trainer.moe_z_loss_coeff=-0.1"], r"trainer.moe_z_loss_coeff: must be >= 0 \(0: off\), got -0.1"),
     ({}, ["model.lora.rank=-1"], r"model.lora.rank: must be >= 0"),
-    ({}, ["model.lora.rank=8", "model.lora.target_modules=[q_proj]"], r"model.lora.target_modules: must be a non-empty"),
+    ({}, ["model.lora.rank=8", "model.lora.target_modules=[q_proj]"],
+     r"model.lora.target_modules: must be a non-empty"),
     ({"serve": {"adapters": {"other": "/stores/other"}}}, [], r"serve.adapters: .* model.lora.rank > 0"),
     ({"sync": {"weight_store": "gs://bucket/x"}}, [], r"sync.weight_store: .*gs:// stores are not supported"),
     ({"sync": {"weight_store": "s3://A_B/x"}}, [], r"sync.weight_store: 'A_B' is not an S3 bucket name"),

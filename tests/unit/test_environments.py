@@ -189,7 +189,7 @@ def test_multi_turn_reward_is_the_replayed_return(tiny_model, engine, environmen
     if environment == "textarena":  # the game's own prompt is too long for the tiny model: a short one
         tasks = [dataclasses.replace(t, prompt="Guess 1-20 as [n]:") for t in tasks]
     results = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer)).explore(tasks, engine)
-    for task, result in zip(tasks, results):
+    for task, result in zip(tasks, results, strict=True):
         assert result.error is None and len(result.samples) == 3 and result.policy_version == 2
         assert all(s.metadata["environment"] == task.metadata[environment] for s in result.samples)
         for s in result.samples:

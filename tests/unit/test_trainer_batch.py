@@ -138,7 +138,7 @@ def test_token_budget_plan_loses_no_row_respects_the_budget_and_gives_ranks_equa
     slots = sum(b * t for rank in plan.ranks for _, b, t in rank)
     assert plan.padding_fraction == pytest.approx(1 - plan.real_tokens / slots)
     for dp_rank in range(dp_size):
-        for mb, (micro, _, _) in zip(plan.for_rank(dp_rank), plan.ranks[dp_rank]):
+        for mb, (micro, _, _) in zip(plan.for_rank(dp_rank), plan.ranks[dp_rank], strict=True):
             assert mb["row_lens"][:len(micro)].tolist() == [len(r.tokens) - 1 for r in micro]
             assert mb["global_sequences"].item() == len(rows)
             assert mb["global_tokens"].item() == sum(r.loss_mask.sum() for r in rows)
@@ -179,7 +179,7 @@ def test_the_default_plan_is_the_fixed_round_robin_one():
     for d in range(2):
         a = 1.0 if d == 0 else -1.0  # even rows are the first samples (advantage 1), odd rows the second
         assert [mb["advantages"].tolist() for mb in old[d]] == [[a, a], [a, a], [a, 0.0]]
-        for before, now in zip(old[d], plan.for_rank(d)):
+        for before, now in zip(old[d], plan.for_rank(d), strict=True):
             assert all(torch.equal(before[k], now[k]) for k in before)
         assert [r for micro, _, _ in plan.ranks[d] for r in micro] == rows[d::2]
 
