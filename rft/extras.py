@@ -4,7 +4,7 @@
 `rft status`, the trainer and the explorer) need none of the extras; a feature that needs one imports it when it is
 used, through `require` (a module) or `check_installed` (a config check, without importing), and an extra that is not
 installed is a `MissingExtra` naming the feature, the extra and the pip command. `EXTRAS` names each extra's
-top-level modules; setup.py's `extras_require` lists their distributions (tests/unit/test_optional_extras.py keeps
+top-level modules; setup.py's `extras_require` lists their distributions (tests/integration/test_extras.py keeps
 the two equal, and runs the core commands with these modules blocked).
 """
 from __future__ import annotations

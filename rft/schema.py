@@ -12,6 +12,7 @@ Invariant: `decode_*(encode(x)) == x` for every valid record, and every decode o
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -94,7 +95,7 @@ def group_id_for(run_id: str, task_id: str, epoch: int) -> str:
 
 
 # Routed-expert ids: the narrowest of these that holds num_experts - 1, named in the record (`dtype`).
-ROUTED_EXPERT_DTYPES = {"u1": np.dtype("u1"), "u2": np.dtype("<u2")}
+ROUTED_EXPERT_DTYPES: dict[str, np.dtype] = {"u1": np.dtype("u1"), "u2": np.dtype("<u2")}
 
 
 @dataclass
@@ -141,7 +142,7 @@ def routed_experts_problem(routed: RoutedExperts, prompt_len: int, response_len:
                 f"from first_position {routed.first_position} has {n_inputs - routed.first_position}")
     if ids.shape[1] != len(routed.layers) or not routed.layers:
         return f"{ids.shape[1]} layers of ids for {len(routed.layers)} layer indices {routed.layers}"
-    if any(b <= a for a, b in zip(routed.layers, routed.layers[1:])) or routed.layers[0] < 0:
+    if any(b <= a for a, b in itertools.pairwise(routed.layers)) or routed.layers[0] < 0:
         return f"layers {routed.layers} must be ascending decoder layer indices >= 0"
     if not 1 <= ids.shape[2] <= routed.num_experts:
         return f"top_k {ids.shape[2]} is outside 1..num_experts ({routed.num_experts})"
@@ -173,8 +174,9 @@ class Sample:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sample):
             return NotImplemented
-        versions = (self.token_versions is None) == (other.token_versions is None) and (
-            self.token_versions is None or np.array_equal(self.token_versions, other.token_versions))
+        mine, theirs = self.token_versions, other.token_versions
+        versions = (mine is None and theirs is None) or (
+            mine is not None and theirs is not None and np.array_equal(mine, theirs))
         return (self.sample_index == other.sample_index and self.reward == other.reward
                 and self.reward_components == other.reward_components
                 and self.finish_reason == other.finish_reason and self.metadata == other.metadata
@@ -208,12 +210,12 @@ def versions_from_spans(spans: Any, n_tokens: int) -> np.ndarray:
                                                         for x in p) for p in spans):
         raise RecordError("version_spans: must be an array of [version, start] pairs of integers >= 0")
     starts = [start for _, start in spans]
-    if not spans and n_tokens or spans and (starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:]))
+    if not spans and n_tokens or spans and (starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts))
                                             or starts[-1] >= n_tokens):
         raise RecordError(f"version_spans: starts {starts[:8]} must ascend from 0 and stay below the {n_tokens} "
                           f"response tokens")
     versions = np.empty(n_tokens, dtype=np.int64)
-    for (version, start), end in zip(spans, starts[1:] + [n_tokens]):
+    for (version, start), end in zip(spans, starts[1:] + [n_tokens], strict=False):  # no spans: no tokens
         versions[start:end] = version
     return versions
 

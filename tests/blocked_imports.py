@@ -1,6 +1,6 @@
 """Subprocesses in which some top-level modules cannot be imported, as if they were not installed: an import hook in
-a sitecustomize on PYTHONPATH (tests/unit/test_optional_extras.py blocks the extras, tests/unit/test_light_commands.py
-blocks torch)."""
+a sitecustomize on PYTHONPATH (tests/integration/test_extras.py blocks the extras,
+tests/integration/test_cli_without_torch.py blocks torch)."""
 from __future__ import annotations
 
 import os

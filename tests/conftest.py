@@ -16,7 +16,8 @@ from rft.transport.config import KafkaConfig
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite's runs share 2 cores two at a time (below) and train models of 0.3 M parameters, which one thread does as
 # fast as two: one OpenMP thread per process (the runs' parts inherit it; rft run's split of the cores is
-# tests/unit/test_launcher_parts.py's) measured the e2e tests 9% faster side by side than two spinning threads each.
+# tests/integration/test_launcher_parts.py's) measured the e2e tests 9% faster side by side than two spinning threads
+# each.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The tests that keep more than one core busy for most of their time (a whole run, torchrun ranks: measured 1.1 to
@@ -46,7 +47,7 @@ def pytest_collection_modifyitems(items):
 # instead of a busy worker idling through them. A file or a test id.
 WAITING = (  # cores measured in a full run of 2026-11-26 (RFT_TEST_CORES), the seconds it took
     "tests/integration/test_group_stall.py",  # 0.21 and 0.01 cores, 118 s and 39 s: the watchdog's 21 s and 35 s bounds
-    "tests/unit/test_gpu_requirements.py::test_gpu_requirements_resolve_binary_only",  # 0.29, 94 s: the registry
+    "tests/integration/test_gpu_requirements.py::test_gpu_requirements_resolve_binary_only",  # 0.29, 94 s: the registry
     "tests/integration/test_explorer_continuous.py::test_continuous_reloads_between_versions[drain]",  # 0.37, 67 s
     "tests/integration/test_admission.py::test_a_fleet_of_three_never_takes_more_than_the_bound_on_the_broker",  # 0.04
     "tests/integration/test_task_selection.py::test_rft_publish_online_keeps_a_bounded_lead_and_stops_on_sigterm",

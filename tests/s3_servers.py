@@ -72,5 +72,7 @@ class S3Server:
 
 
 def _moto_port(log: Path) -> str | None:
-    found = re.search(r"Running on http://127\.0\.0\.1:(\d+)", log.read_text(errors="replace")) if log.exists() else None
+    if not log.exists():
+        return None
+    found = re.search(r"Running on http://127\.0\.0\.1:(\d+)", log.read_text(errors="replace"))
     return found.group(1) if found else None

@@ -16,10 +16,14 @@ when it reports none, the k3 estimate of KL(behaviour || current) over loss toke
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from rft.lazy import lazy
 
-torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
+if TYPE_CHECKING:
+    import torch
+else:  # imported by the first loss computed, not by a config check (rft/lazy.py)
+    torch = lazy("torch")
 
 
 LossFn = Callable[["torch.Tensor", dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from rft.algorithms.aggregation import aggregate, behaviour_kl, check_micro_batch
 from rft.algorithms.grpo import GRPO, GRPOOptions
@@ -38,7 +38,10 @@ from rft.algorithms.registry import Demonstrations, Metrics, MicroBatch, Needs, 
 from rft.config import ConfigError
 from rft.lazy import lazy
 
-torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
+if TYPE_CHECKING:
+    import torch
+else:  # imported by the first loss computed, not by a config check (rft/lazy.py)
+    torch = lazy("torch")
 
 CHORD_KEYS = ["demo_mask", "global_demo_tokens", "global_demo_sequences", "step"]
 
@@ -77,6 +80,8 @@ class ChordOptions(GRPOOptions):
 
 @register("chord", options=ChordOptions)
 class CHORD(GRPO):
+    cfg: ChordOptions
+
     def __init__(self, options: ChordOptions):
         super().__init__(options)
         # the demonstration rows, and the step for mu(step)

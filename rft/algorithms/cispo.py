@@ -18,12 +18,17 @@ Metrics: `clip_frac` is the fraction of tokens whose weight was clipped, `is_wei
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rft.algorithms.aggregation import token_metric
 from rft.algorithms.grpo import GRPO, GRPOOptions
 from rft.algorithms.registry import Metrics, MicroBatch, register
 from rft.lazy import lazy
 
-torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
+if TYPE_CHECKING:
+    import torch
+else:  # imported by the first loss computed, not by a config check (rft/lazy.py)
+    torch = lazy("torch")
 
 
 @register("cispo", options=GRPOOptions)

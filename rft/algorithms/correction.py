@@ -38,13 +38,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from rft.algorithms.aggregation import token_metric
 from rft.config import ConfigError
 from rft.lazy import lazy
 
-torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
+if TYPE_CHECKING:
+    import torch
+else:  # imported by the first loss computed, not by a config check (rft/lazy.py)
+    torch = lazy("torch")
 
 IMPORTANCE_SAMPLING = ("tis", "mis")
 
@@ -53,11 +56,18 @@ IMPORTANCE_SAMPLING = ("tis", "mis")
 class CorrectionOptions:
     """The keys of the off-policy correction (module docstring); every policy-gradient algorithm's options extend
     this dataclass."""
-    off_policy_correction: bool = False  # decoupled PPO: the trust region centred on the policy the step starts from, each token weighted by its behaviour weight (importance_sampling); correct on old experiences
-    importance_sampling: Literal["tis", "mis"] = "tis"  # off_policy_correction's token weight of rho = pi_prox / pi_behav: tis min(rho, importance_cap); mis rho inside [importance_floor, importance_cap], else 0 (IcePop's token mask)
-    importance_cap: float = 2.0  # off_policy_correction: tis truncates the behaviour weight here; mis masks tokens above it
+    # decoupled PPO: the trust region centred on the policy the step starts from, each token weighted by its behaviour
+    # weight (importance_sampling); correct on old experiences
+    off_policy_correction: bool = False
+    # off_policy_correction's token weight of rho = pi_prox / pi_behav: tis min(rho, importance_cap); mis rho inside
+    # [importance_floor, importance_cap], else 0 (IcePop's token mask)
+    importance_sampling: Literal["tis", "mis"] = "tis"
+    # off_policy_correction: tis truncates the behaviour weight here; mis masks tokens above it
+    importance_cap: float = 2.0
     importance_floor: float = 0.5  # off_policy_correction with mis: tokens whose rho is below it leave the loss
-    sequence_mask: float | None = None  # off_policy_correction: a sample whose geometric-mean rho is outside [1/sequence_mask, sequence_mask] leaves the loss (IcePop-style sequence masking); null: none
+    # off_policy_correction: a sample whose geometric-mean rho is outside [1/sequence_mask, sequence_mask] leaves the
+    # loss (IcePop-style sequence masking); null: none
+    sequence_mask: float | None = None
 
     def check_correction(self) -> None:
         """Ranges and combinations; ConfigError naming `algorithm.<key>`."""

@@ -11,17 +11,23 @@ dpo_beta * (z_chosen - z_rejected)). Needs `ref_logprobs`; uses recorded pairs o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rft.algorithms.aggregation import check_micro_batch
 from rft.algorithms.registry import Algorithm, Metrics, MicroBatch, Needs, register, zero_advantages
 from rft.lazy import lazy
 
-torch, F = lazy("torch"), lazy("torch.nn.functional")  # imported by the first loss, not a config check (rft/lazy.py)
+if TYPE_CHECKING:
+    import torch
+    import torch.nn.functional as F
+else:  # imported by the first loss, not by a config check (rft/lazy.py)
+    torch, F = lazy("torch"), lazy("torch.nn.functional")
 
 
 @dataclass
 class DPOOptions:
-    dpo_beta: float = 0.1  # the inverse temperature of the preference margin (the strength of the pull away from the reference)
+    # the inverse temperature of the preference margin (the strength of the pull away from the reference)
+    dpo_beta: float = 0.1
 
 
 @register("dpo", options=DPOOptions)

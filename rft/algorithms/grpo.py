@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -45,7 +45,10 @@ from rft.algorithms.registry import Algorithm, Metrics, MicroBatch, Needs, regis
 from rft.config import ConfigError
 from rft.lazy import lazy
 
-torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
+if TYPE_CHECKING:
+    import torch
+else:  # imported by the first loss computed, not by a config check (rft/lazy.py)
+    torch = lazy("torch")
 
 ADVANTAGE_EPS = 1e-6
 
@@ -54,12 +57,17 @@ ADVANTAGE_EPS = 1e-6
 class GRPOOptions(CorrectionOptions):
     """The keys of grpo, rloo, reinforce_pp, gspo and cispo (and of the algorithms built on them: ppo, chord,
     on_policy_distill, whose options add their own); the off-policy correction's are CorrectionOptions'."""
-    clip_eps: float = 0.2  # the ratio's clip range on both sides (unless clip_eps_low / clip_eps_high); not used by gspo and cispo
-    clip_eps_low: float | None = None  # clip below at 1 - clip_eps_low; null: the algorithm's default (docs/algorithms.md)
-    clip_eps_high: float | None = None  # clip above at 1 + clip_eps_high (DAPO's clip-higher: 0.28); null: the algorithm's default
+    # the ratio's clip range on both sides (unless clip_eps_low / clip_eps_high); not used by gspo and cispo
+    clip_eps: float = 0.2
+    # clip below at 1 - clip_eps_low; null: the algorithm's default (docs/algorithms.md)
+    clip_eps_low: float | None = None
+    # clip above at 1 + clip_eps_high (DAPO's clip-higher: 0.28); null: the algorithm's default
+    clip_eps_high: float | None = None
     kl_coef: float = 0.0  # weight of the k3 KL term to the frozen reference model (> 0 loads the reference); 0: none
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"  # token_mean: over all loss tokens of the step (DAPO); seq_mean: per sequence first (gspo: always)
-    std_normalize: bool = True  # divide group-centred rewards by the group std (false: Dr. GRPO); not used by rloo, reinforce_pp and ppo
+    # token_mean: over all loss tokens of the step (DAPO); seq_mean: per sequence first (gspo: always)
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    # divide group-centred rewards by the group std (false: Dr. GRPO); not used by rloo, reinforce_pp and ppo
+    std_normalize: bool = True
 
     def __post_init__(self) -> None:
         """Ranges (combinations an algorithm refuses are its own ConfigError, when it is built)."""
@@ -80,7 +88,8 @@ class GRPO(Algorithm):
     change `policy_loss` (and `default_clip`, `loss_agg`) are the other group policy losses."""
 
     default_clip: tuple[float, float] | None = None  # (eps_low, eps_high) when the config's are null; None: clip_eps
-    correction_level: str = "token"  # the behaviour weight per token, or per sequence (gspo): correction.py
+    # the behaviour weight per token, or per sequence (gspo): correction.py
+    correction_level: Literal["token", "sequence"] = "token"
     extra_keys: tuple[str, ...] = ()  # micro-batch keys a subclass's policy term reads besides GRPO's
 
     def __init__(self, options: GRPOOptions):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rft.algorithms.aggregation import token_metric
 from rft.algorithms.grpo import GRPO, GRPOOptions
@@ -31,7 +32,10 @@ from rft.algorithms.registry import Metrics, MicroBatch, Needs, register
 from rft.config import ConfigError
 from rft.lazy import lazy
 
-torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
+if TYPE_CHECKING:
+    import torch
+else:  # imported by the first loss computed, not by a config check (rft/lazy.py)
+    torch = lazy("torch")
 
 
 @dataclass
@@ -51,6 +55,7 @@ class DistillOptions(GRPOOptions):
 
 @register("on_policy_distill", options=DistillOptions)
 class OnPolicyDistill(GRPO):
+    cfg: DistillOptions
     extra_keys = ("teacher_logprobs",)
 
     def __init__(self, options: DistillOptions):

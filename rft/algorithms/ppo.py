@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -43,7 +44,10 @@ from rft.algorithms.registry import Critic, Metrics, MicroBatch, Needs, register
 from rft.config import ConfigError
 from rft.lazy import lazy
 
-torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
+if TYPE_CHECKING:
+    import torch
+else:  # imported by the first loss computed, not by a config check (rft/lazy.py)
+    torch = lazy("torch")
 
 WHITEN_EPS = 1e-8
 
@@ -106,6 +110,7 @@ class PPOOptions(GRPOOptions):
 
 @register("ppo", options=PPOOptions)
 class PPO(GRPO):
+    cfg: PPOOptions
     extra_keys = ("token_advantages",)
 
     def __init__(self, options: PPOOptions):
@@ -137,8 +142,8 @@ class PPO(GRPO):
             mean = total / count.clamp(min=1)
             std = (squares / count.clamp(min=1) - mean * mean).clamp(min=0).sqrt()
             advantages = [torch.where(mb["loss_mask"] > 0, ((a - mean) / (std + WHITEN_EPS)).float(), 0.0)
-                          for a, mb in zip(advantages, out)]
-        return [{**mb, "token_advantages": a} for mb, a in zip(out, advantages)]
+                          for a, mb in zip(advantages, out, strict=True)]
+        return [{**mb, "token_advantages": a} for mb, a in zip(out, advantages, strict=True)]
 
     def policy_loss(self, logp: torch.Tensor, micro_batch: MicroBatch, prox: torch.Tensor,
                     weight: torch.Tensor) -> tuple[torch.Tensor, Metrics]:

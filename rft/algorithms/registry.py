@@ -37,10 +37,12 @@ from rft.config import build_section
 from rft.lazy import lazy
 from rft.registry import Registry
 
-torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
-
 if TYPE_CHECKING:
+    import torch
+
     from rft.run.config import Config
+else:  # imported by the first loss computed, not by a config check (rft/lazy.py)
+    torch = lazy("torch")
 
 MicroBatch = dict[str, "torch.Tensor"]  # the batch contract's micro-batch
 Metrics = dict[str, "torch.Tensor"]

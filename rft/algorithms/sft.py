@@ -6,18 +6,22 @@ Uses recorded experiences only, so it runs in offline replay; no reference model
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from rft.algorithms.aggregation import aggregate, check_micro_batch, token_metric
 from rft.algorithms.registry import Algorithm, Metrics, MicroBatch, register, zero_advantages
 from rft.lazy import lazy
 
-torch = lazy("torch")  # imported by the first loss computed, not by a config check (rft/lazy.py)
+if TYPE_CHECKING:
+    import torch
+else:  # imported by the first loss computed, not by a config check (rft/lazy.py)
+    torch = lazy("torch")
 
 
 @dataclass
 class SFTOptions:
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"  # token_mean: the NLL per loss token of the step; seq_mean: per sequence first
+    # token_mean: the NLL per loss token of the step; seq_mean: per sequence first
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
 
 
 @register("sft", options=SFTOptions)

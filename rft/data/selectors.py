@@ -169,7 +169,7 @@ class Curriculum:
         rng = random.Random(self.seed * SET_SEED_STRIDE + pick)
         best = min(distance)
         if self.temperature == 0:
-            return rng.choice([i for i, d in zip(pool, distance) if d == best])
+            return rng.choice([i for i, d in zip(pool, distance, strict=True) if d == best])
         return rng.choices(pool, weights=[math.exp(-(d - best) / self.temperature) for d in distance])[0]
 
     def _mean(self, stats: RewardStats, task_id: str) -> float:

@@ -1,8 +1,8 @@
 """What `rft eval --checkpoint SPEC` evaluates. SPEC is one of:
 - `initial`: `model.path`, step 0;
 - `latest`: the newest weights of the run: the weight store's LATEST version (`sync.weight_store`, default
-  `<run dir>/weights`; a bucket store's through this host's cache) or `<run dir>/final` (written by the trainer at the end), whichever has the later step
-  (`final` on a tie, or when its step is unknown);
+  `<run dir>/weights`; a bucket store's through this host's cache) or `<run dir>/final` (written by the trainer at
+  the end), whichever has the later step (`final` on a tie, or when its step is unknown);
 - a Hugging Face model directory; a weight store version `.../vNNNNNNNN` is step NNNNNNNN, the run's `final` is the
   step of the trainer's last checkpoint, any other directory has no step.
 
@@ -82,7 +82,7 @@ def _latest(run_dir: Path, store: VersionStore | None) -> Checkpoint:
 
     candidates = []
     found = store.latest() if store is not None else None
-    if found is not None:
+    if store is not None and found is not None:
         version, location = found
         try:
             path = store.local(version, checksums=False)  # checked with checksums by resolve_checkpoint

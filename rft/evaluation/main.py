@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import signal
 import sys
@@ -162,7 +163,8 @@ def format_table(results: list[tuple[Checkpoint, dict[str, SetScores]]], k: int)
              f"{s.pass_at_k:.3f}", f"{s.mean_at_k:.3f}", str(s.errors))
             for c, scores in results for name, s in scores.items()]
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in (header, *rows))
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+                     for row in (header, *rows))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -174,7 +176,8 @@ class EvalSchedule:
     one when the follower fell behind; and, once the run is finishing, the newest version unless it was evaluated."""
 
     def __init__(self, every_steps: int):
-        self.every_steps, self.next_due, self.last = every_steps, 0, None
+        self.every_steps, self.next_due = every_steps, 0
+        self.last: int | None = None
 
     def due(self, version: int, *, finishing: bool = False) -> bool:
         return version >= self.next_due or (finishing and (self.last is None or version > self.last))
@@ -203,8 +206,8 @@ def follow(evaluator: Evaluator, store: VersionStore, *, initial: Path, stop: th
             finishing = finish.is_set()
             latest = store.latest()
             if schedule.due(latest[0] if latest else 0, finishing=finishing):
-                load_newest_weights(evaluator.engine, lambda: _due_or_newest(store, schedule, finishing, refused,
-                                                                               checksums=checksums), load=load)
+                newest = functools.partial(_due_or_newest, store, schedule, finishing, refused, checksums=checksums)
+                load_newest_weights(evaluator.engine, newest, load=load)
                 version = evaluator.engine.weights_version
                 if schedule.last is not None and version <= schedule.last:  # the due versions were refused
                     schedule.done(max(refused | {version}))

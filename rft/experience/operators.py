@@ -35,7 +35,7 @@ import inspect
 import math
 import re
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import numpy as np
 
@@ -59,9 +59,22 @@ class ArgumentError(OperatorError):
 
 
 class Operator(Protocol):
-    reason: str | None
+    @property
+    def reason(self) -> str | None: ...  # the metric name of its drops; None: it never drops
 
     def apply(self, group: ExperienceGroup) -> ExperienceGroup | None: ...
+
+
+class StatefulOperator(Operator, Protocol):
+    """An operator whose state a checkpoint keeps (JSON)."""
+
+    def state(self) -> dict[str, Any]: ...
+
+    def load_state(self, state: dict[str, Any]) -> None: ...
+
+
+def is_stateful(op: Operator) -> TypeGuard[StatefulOperator]:
+    return callable(getattr(op, "state", None))
 
 
 class OperatorContext:
@@ -69,14 +82,16 @@ class OperatorContext:
 
     def __init__(self, tokenizer_path: str = ""):
         self.tokenizer_path = tokenizer_path
-        self._detokenizer = None
+        self._detokenizer: Detokenizer | None = None
 
     def text(self, tokens: np.ndarray) -> str:
         if self._detokenizer is None:
             if not self.tokenizer_path:
                 raise OperatorError("this operator needs the response text, and no tokenizer is configured")
             self._detokenizer = Detokenizer(self.tokenizer_path, skip_special_tokens=True)
-        return self._detokenizer.text(tokens)
+        text = self._detokenizer.text(tokens)
+        assert text is not None  # a Detokenizer with a path always decodes
+        return text
 
 
 OPERATORS: Registry[Callable[..., Operator]] = Registry("operator", error=OperatorError)
@@ -100,14 +115,15 @@ class OperatorChain:
         """The group after every operator, and None; or the input group and the reason of the first drop."""
         out = group
         for op in self.operators:
-            out = op.apply(out)
-            if out is None:
+            applied = op.apply(out)
+            if applied is None:
                 return group, DROP_PREFIX + (op.reason or "unnamed")
+            out = applied
         return out, None
 
-    def _stateful(self) -> dict[str, Operator]:
-        return {f"{i}:{name}": op for i, (name, op) in enumerate(zip(self.names, self.operators))
-                if callable(getattr(op, "state", None))}
+    def _stateful(self) -> dict[str, StatefulOperator]:
+        return {f"{i}:{name}": op for i, (name, op) in enumerate(zip(self.names, self.operators, strict=True))
+                if is_stateful(op)}
 
     def state(self) -> dict[str, Any]:
         """The stateful operators' states, keyed by position and name (a changed chain starts them afresh)."""
@@ -206,11 +222,12 @@ def _shaped(group: ExperienceGroup, amounts: list[float], component: str) -> Exp
     """A copy of `group` with `amounts[i]` added to sample i's reward and recorded as a reward component."""
     samples = [dataclasses.replace(s, reward=float(s.reward + a),
                                    reward_components={**s.reward_components, component: float(a)})
-               for s, a in zip(group.samples, amounts)]
+               for s, a in zip(group.samples, amounts, strict=True)]
     return dataclasses.replace(group, samples=samples)
 
 
-def _unless_too_many(group: ExperienceGroup, fails: Callable[[Sample], bool], max_fraction: float) -> ExperienceGroup | None:
+def _unless_too_many(group: ExperienceGroup, fails: Callable[[Sample], bool],
+                     max_fraction: float) -> ExperienceGroup | None:
     """None (drop) when more than `max_fraction` of the group's samples fail."""
     failing = sum(1 for s in group.samples if fails(s))
     return None if failing > max_fraction * len(group.samples) else group

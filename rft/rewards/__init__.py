@@ -16,12 +16,11 @@ Importing this package registers the built-in rewards (text, math_answer, countd
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rft.engine import build_engine
 from rft.rewards import countdown, judge, math_answer, reasoning_gym, text  # noqa: F401  (registers the built-ins)
+from rft.rewards.context import RewardContext
 from rft.rewards.registry import (
     REWARDS,
     Reward,
@@ -35,10 +34,7 @@ from rft.rewards.registry import (
 )
 
 if TYPE_CHECKING:
-    from rft.engine import Engine
     from rft.explorer.config import ExplorerConfig
-    from rft.models.config import ModelConfig
-    from rft.run.config import Config
     from rft.schema import TaskRecord
 
 __all__ = ["REWARDS", "WEIGHTED", "FunctionReward", "Reward", "RewardContext", "RewardError", "RewardFn",
@@ -46,24 +42,6 @@ __all__ = ["REWARDS", "WEIGHTED", "FunctionReward", "Reward", "RewardContext", "
            "register_reward", "register_reward_factory", "resolve"]
 
 WEIGHTED = "weighted"
-
-
-@dataclass(frozen=True)
-class RewardContext:
-    """What a stateful reward may need beyond the explorer section: the policy model's section (lengths) and a
-    way to start an engine of the explorer's kind on another model directory (`engine(path)`)."""
-    model: ModelConfig
-    engine: Callable[[str], Engine]
-
-    @classmethod
-    def of(cls, explorer: ExplorerConfig, model: ModelConfig, *, seed: int) -> RewardContext:
-        """Engines of `explorer.engine`'s kind over `model`'s settings, seeded with `seed` (`run.seed`)."""
-        return cls(model, lambda path: build_engine(explorer, model, seed=seed, model_path=path))
-
-    @classmethod
-    def for_run(cls, cfg: Config) -> RewardContext:
-        """Composition helper for entry points: `of` over the run's sections (holds no reference to `cfg`)."""
-        return cls.of(cfg.explorer, cfg.model, seed=cfg.run.seed)
 
 
 def available_rewards() -> list[str]:

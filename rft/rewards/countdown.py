@@ -25,6 +25,8 @@ _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.m
 
 def _target_and_numbers(task: TaskRecord) -> tuple[float, list[int]] | None:
     answer: Any = task.answer
+    target: Any  # JSON values from the record, checked by the conversions below
+    numbers: Any
     if isinstance(answer, dict):
         target, numbers = answer.get("target"), answer.get("numbers", answer.get("nums"))
     else:

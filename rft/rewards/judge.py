@@ -16,7 +16,7 @@ from rft.rewards.registry import RewardError, RewardResult, register_reward_fact
 if TYPE_CHECKING:
     from rft.engine import Engine
     from rft.explorer.config import ExplorerConfig
-    from rft.rewards import RewardContext
+    from rft.rewards.context import RewardContext
     from rft.schema import TaskRecord
 
 

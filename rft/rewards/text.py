@@ -64,7 +64,7 @@ def char_accuracy(response: str, task: TaskRecord) -> RewardResult:
     answer = "" if task.answer is None else str(task.answer)
     text = response.rstrip()
     longest = max(len(text), len(answer))
-    position = sum(a == b for a, b in zip(text, answer)) / longest if longest else 1.0
+    position = sum(a == b for a, b in zip(text, answer, strict=False)) / longest if longest else 1.0
     alphabet = set(task.metadata.get("alphabet") or answer)
     in_alphabet = sum(c in alphabet for c in text) / len(text) if text else 0.0
     return RewardResult(POSITION_WEIGHT * position + ALPHABET_WEIGHT * in_alphabet,

@@ -16,9 +16,10 @@ messages, through the next assistant header; a template that rejects the `tool` 
 message `<tool_response>\n...\n</tool_response>` (one block per result).
 
 Invariant: `encode_chat` returns exactly `tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-tokenize=True)`'s ids (with `tools=` when the prompt has tools and the template renders them); with `model.chat_template: false` nothing here is used (prompts are plain text with the
-tokenizer's special tokens). Tokenizers are duck-typed (any Hugging Face tokenizer); this module imports no rft
-module but the config types, and no heavy dependency.
+tokenize=True)`'s ids (with `tools=` when the prompt has tools and the template renders them); with
+`model.chat_template: false` nothing here is used (prompts are plain text with the tokenizer's special tokens).
+Tokenizers are duck-typed (any Hugging Face tokenizer); this module imports no rft module but the config types, and
+no heavy dependency.
 """
 from __future__ import annotations
 

@@ -2,6 +2,11 @@
 experience operators (rft/experience/operators.py). Loads the tokenizer on first use; without a path it returns None."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 class TokenizerError(Exception):
     """The tokenizer could not be loaded (a user-facing error: the path is in the message)."""
@@ -12,7 +17,7 @@ class Detokenizer:
 
     def __init__(self, path: str, *, skip_special_tokens: bool = False):
         self.path, self.skip_special_tokens = path, skip_special_tokens
-        self._tokenizer = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
 
     def text(self, tokens) -> str | None:
         if not self.path:
@@ -23,5 +28,7 @@ class Detokenizer:
                 self._tokenizer = AutoTokenizer.from_pretrained(self.path)
             except (OSError, ValueError) as e:
                 raise TokenizerError(f"cannot load a tokenizer from {self.path}: {e}") from None
-        return self._tokenizer.decode([int(t) for t in tokens], skip_special_tokens=self.skip_special_tokens)
+        text = self._tokenizer.decode([int(t) for t in tokens], skip_special_tokens=self.skip_special_tokens)
+        assert isinstance(text, str)  # one sequence of ids decodes to one string (transformers types batches too)
+        return text
 

@@ -29,7 +29,7 @@ VALUE_CLIP = 0.05
 def value_targets(batches: list[dict], values: list[torch.Tensor], seed: int) -> None:
     """Add V_old = values + noise (some tokens clip) and random returns R to each micro-batch, in place."""
     generator = torch.Generator().manual_seed(seed + 100)
-    for mb, v in zip(batches, values):
+    for mb, v in zip(batches, values, strict=True):
         mask = mb["loss_mask"]
         mb["values"] = (v + 0.1 * torch.randn(v.shape, generator=generator)) * mask
         mb["returns"] = torch.randn(v.shape, generator=generator) * mask

@@ -3,11 +3,11 @@ MoE rollouts, with and without routing replay, at expert parallelism 2 (world 2:
 ranks), then at tensor parallelism 2 (with megatron's sequence parallelism, which MoE at TP > 1 needs).
 
 Usage: torchrun --nproc-per-node 2 _worker_routing_replay.py SPEC.json, SPEC {"out_dir", "moe" (HF directory),
-"records": {name: file of msgpack-listed experience-group records}, "train_on": a name}. For each record set, the step's micro-batches are
-built as the trainer builds them (rft.trainer.batch, routing=True); `forward_logprobs` scores them with the recorded
-routing replayed and, on copies without `routed_experts`, routed by the trainer itself; each gives
-logprob_mismatch_mean / _max over both ranks. Then, on `train_on`'s, one `train_step` with replay reports the metrics itself (they must
-equal the replayed forward's; EP 2 only). Rank 0 writes `<name>.<layout>.json`, layout ep2 or tp2.
+"records": {name: file of msgpack-listed experience-group records}, "train_on": a name}. For each record set, the step's
+micro-batches are built as the trainer builds them (rft.trainer.batch, routing=True); `forward_logprobs` scores them
+with the recorded routing replayed and, on copies without `routed_experts`, routed by the trainer itself; each gives
+logprob_mismatch_mean / _max over both ranks. Then, on `train_on`'s, one `train_step` with replay reports the metrics
+itself (they must equal the replayed forward's; EP 2 only). Rank 0 writes `<name>.<layout>.json`, layout ep2 or tp2.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from rft.trainer.batch import plan_micro_batches, replayed_fraction, rows_from_g
 def mismatch(policy, micro_batches) -> dict[str, float]:
     """logprob_mismatch_mean / _max of `forward_logprobs` over this step (both data-parallel ranks)."""
     stats = [logprob_mismatch(lp, mb["old_logprobs"], mb["loss_mask"], normaliser=mb["global_tokens"])
-             for lp, mb in zip(policy.forward_logprobs(micro_batches), micro_batches)]
+             for lp, mb in zip(policy.forward_logprobs(micro_batches), micro_batches, strict=True)]
     total = torch.stack([sum(s["logprob_mismatch_mean"] for s in stats)])
     largest = torch.stack([max(s["logprob_mismatch_max"] for s in stats)])
     from megatron.core import parallel_state as ps

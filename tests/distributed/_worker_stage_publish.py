@@ -37,7 +37,8 @@ def run_case(case: dict, out: Path) -> None:
         "model": {"path": case["hf_dir"]},
         "kafka": {"bootstrap_servers": "memory"},
         "trainer": {"pipeline_parallel": 2, "data_parallel": 1},
-        "sync": {"write_behind": case["write_behind"], "bucket_mb": 1, **case.get("sync", {})},  # several shards a stage
+        # several shards a stage
+        "sync": {"write_behind": case["write_behind"], "bucket_mb": 1, **case.get("sync", {})},
         "monitor": {"progress": False},
     })
     transport = MemoryTransport(partitions=1)

@@ -36,7 +36,7 @@ def run_case(spec: dict, *, name: str, teacher: str, tp: int, pp: int) -> None:
     batches = cases.micro_batches(seed=1, vocab_size=policy.vocab_size)
     student = policy.forward_logprobs(batches)
     teacher_logprobs = policy.teacher_logprobs(batches)
-    for mb, own, scored in zip(batches, student, teacher_logprobs):
+    for mb, own, scored in zip(batches, student, teacher_logprobs, strict=True):
         mb.update(old_logprobs=own * mb["loss_mask"], teacher_logprobs=scored,
                   advantages=torch.zeros(mb["input_ids"].shape[0]))
     metrics = policy.train_step(batches, with_kl_metric(algorithm.loss_fn))

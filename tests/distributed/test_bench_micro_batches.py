@@ -18,7 +18,8 @@ STEPS = 3
 def test_micro_batch_settings_and_the_transformers_reference(tiny_model):
     result = subprocess.run(
         [sys.executable, "-m", "rft.cli", "bench", "micro-batches", str(tiny_model), "--rows", "16", "--steps",
-         str(STEPS), "--prompt-len", "4:12", "--response-len", "2:10", "--budgets", "48", "--group-size", "8", "--share-prompts", "--transformers", "--json"],
+         str(STEPS), "--prompt-len", "4:12", "--response-len", "2:10", "--budgets", "48", "--group-size", "8",
+         "--share-prompts", "--transformers", "--json"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]

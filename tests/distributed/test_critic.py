@@ -106,7 +106,8 @@ def test_value_loss_gradients_match_the_unsharded_computation(results, unsharded
 
 def test_checkpoint_resumes_weights_and_optimizer_at_another_layout(results, unsharded):
     after = saved(results / "tp2.after.safetensors")
-    for resumed, stepped, initial in zip(saved(results / "resumed.values.safetensors"), after, unsharded["values"]):
+    resumed_values = saved(results / "resumed.values.safetensors")
+    for resumed, stepped, initial in zip(resumed_values, after, unsharded["values"], strict=True):
         assert (stepped - initial).abs().max() > 1e-4, "the step must change the values"
         np.testing.assert_allclose(resumed.numpy(), stepped.numpy(), atol=2e-5, rtol=1e-4)
     continued = json.loads((results / "tp2.step2.json").read_text())

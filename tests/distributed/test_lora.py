@@ -111,7 +111,8 @@ def test_adapter_gradients_equal_peft(setup, results, case):
     assert json.loads((results / f"{case}.facts.json").read_text())["grad_norm"] == pytest.approx(norm, rel=1e-5)
     for name in expected:
         assert expected[name].abs().sum() > 0, name  # every adapter has a gradient to compare
-        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_only_adapters_train_and_checkpoints_reshard(results):

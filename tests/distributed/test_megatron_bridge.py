@@ -49,10 +49,10 @@ LAYOUT = {"qwen3_pp2_uneven": {"pp_layers": [1, 3]}, "qwen3moe_ep2": {"ep": 2},
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    """Qwen2: 4 layers, GQA, tied embeddings, vocab 101 (padded to 102 at TP=2). Llama: untied, vocab 99.
-    Llama 3: rope scaling (rope_type llama3). Qwen3: head_dim 48 (not hidden / heads = 32). Qwen3-MoE: 8 experts, top 2, renormalised, layer 1 dense.
-    Qwen2-MoE: 4 experts, top 2 not renormalised, gated shared expert. "big": a 19 MB Qwen2 for the export
-    memory bound."""
+    """Qwen2: 4 layers, GQA, tied embeddings, vocab 101 (padded to 102 at TP=2). Llama: untied, vocab 99. Llama 3: rope
+    scaling (rope_type llama3). Qwen3: head_dim 48 (not hidden / heads = 32). Qwen3-MoE: 8 experts, top 2, renormalised,
+    layer 1 dense. Qwen2-MoE: 4 experts, top 2 not renormalised, gated shared expert. "big": a 19 MB Qwen2 for the
+    export memory bound."""
     root = tmp_path_factory.mktemp("bridge-models")
     return {"big": make_tiny_model(root / "big", arch="qwen2", hidden_size=256, heads=8, kv_heads=2, layers=8,
                                    intermediate_size=512, vocab_size=101, seed=3),
@@ -121,7 +121,7 @@ def test_bucketed_export_holds_at_most_one_bucket_plus_one_tensor(results, model
     config = json.loads((models["big"] / "config.json").read_text())
     sizes = [sum(bucket.values()) for bucket in report["buckets"]]
     largest_tensor = max(size for bucket in report["buckets"] for size in bucket.values())
-    assert all(size <= BUCKET_BYTES or len(bucket) == 1 for size, bucket in zip(sizes, report["buckets"]))
+    assert all(size <= BUCKET_BYTES or len(bucket) == 1 for size, bucket in zip(sizes, report["buckets"], strict=True))
     assert len(sizes) > 3
     # In flight besides the bucket: one megatron parameter, at most the fused gate+up, held at most
     # twice while converted (gathered shards and gloo's receive buffer, or shards and HF tensors);

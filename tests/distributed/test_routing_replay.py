@@ -32,7 +32,8 @@ PROMPTS = ["12+7=", "hello world", "the cat sat on", "9*9=", "abc", "Q: why? A:"
 
 
 def record(model_dir: Path, dtype: str, out: Path) -> Path:
-    """Rollouts of PROMPTS (4 samples each, 24 tokens, temperature 1) with their routing, as experience-group records."""
+    """Rollouts of PROMPTS (4 samples each, 24 tokens, temperature 1) with their routing, as experience-group
+    records."""
     engine = TransformersEngine(model_dir, dtype=dtype, record_routing=True, seed=7)
     values = []
     for task, prompt in enumerate(PROMPTS):

@@ -50,7 +50,8 @@ def hf_token_logprobs(model, mb) -> torch.Tensor:
 
 
 def test_a_teacher_identical_to_the_student_gives_zero_loss_and_gradient(results):
-    for student, teacher in zip(saved(results / "same.student.safetensors"), saved(results / "same.teacher.safetensors")):
+    students, teachers = saved(results / "same.student.safetensors"), saved(results / "same.teacher.safetensors")
+    for student, teacher in zip(students, teachers, strict=True):
         assert torch.equal(student, teacher)
     metrics = json.loads((results / "same.metrics.json").read_text())
     assert metrics["loss"] == 0.0 and metrics["teacher_kl"] == 0.0 and metrics["grad_norm"] == 0.0
@@ -64,7 +65,7 @@ def test_another_teacher_matches_the_unsharded_computation(results, models):
     batches = cases.micro_batches(seed=1, vocab_size=student.config.vocab_size)
     scored = saved(results / "other.teacher.safetensors")
     loss = 0.0
-    for mb, megatron_teacher in zip(batches, scored):
+    for mb, megatron_teacher in zip(batches, scored, strict=True):
         with torch.no_grad():
             expected_teacher = hf_token_logprobs(teacher, mb)
         mask = mb["loss_mask"] > 0

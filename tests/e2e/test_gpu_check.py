@@ -55,7 +55,8 @@ def test_gpu_check_runs_on_the_cpu_paths_without_the_packages_gpu_machines_lack(
         assert diff <= allowed * scale
     assert "3/3 steps" in rows["rft-run"]["detail"] and "engine transformers" in rows["rft-run"]["detail"]
     assert "reload bit-exact" in rows["train-checkpoint"]["detail"]
-    mean, allowed = map(float, re.search(r"mean abs dlogp (\S+) \(allowed (\S+)\)", rows["mismatch"]["detail"]).groups())
+    found = re.search(r"mean abs dlogp (\S+) \(allowed (\S+)\)", rows["mismatch"]["detail"])
+    mean, allowed = map(float, found.groups())
     assert "shared" in rows["shared-prompts"]["detail"]
     assert 0 <= mean <= allowed == 1e-3  # float32 trainer and engine on the CPU agree to rounding
     assert "| rft-run " in result.stdout  # the table operators read

@@ -44,7 +44,8 @@ def predicted(groups, topic: str) -> list[tuple[int, str, int]]:
         buffer.mark_replayed(chosen)
         fresh = range((step - 1) * GROUPS_PER_STEP, step * GROUPS_PER_STEP)
         buffer.add([Candidate(f"{topic}:0", i, groups[i].group_id, score(groups[i]), step) for i in fresh])
-        out += [(step, groups[i].group_id, 0) for i in fresh] + [(step, c.group_id, r) for c, r in zip(chosen, reuse)]
+        out += [(step, groups[i].group_id, 0) for i in fresh]
+        out += [(step, c.group_id, r) for c, r in zip(chosen, reuse, strict=True)]
     return out
 
 

@@ -68,7 +68,8 @@ def browser():
 FLEET_JS = """return Array.from(document.querySelectorAll('tr[data-explorer]')).map(
     r => ({id: r.dataset.explorer, state: r.dataset.state, version: Number(r.dataset.version)}))"""
 POINTS_JS = """return Array.from(document.querySelectorAll(
-    'figure[data-chart="reward"] circle[data-series="reward_mean"]')).map(c => [Number(c.dataset.step), Number(c.dataset.y)])"""
+    'figure[data-chart="reward"] circle[data-series="reward_mean"]')).map(
+    c => [Number(c.dataset.step), Number(c.dataset.y)])"""
 SERIES_JS = """return Array.from(document.querySelectorAll('figure[data-chart="mismatch"] circle')).map(
     c => [c.dataset.series, Number(c.dataset.step), Number(c.dataset.y)])"""
 
@@ -124,7 +125,8 @@ def scrape_parts(port: int, run: str, search: int = 64) -> dict[str, dict[str, f
         samples = [s for s in samples if s.labels.get("run") == run and "role" in s.labels and "instance" in s.labels]
         if samples:
             role = samples[0].labels["role"]
-            parts["trainer" if role == "trainer" else samples[0].labels["instance"]] = {s.name: s.value for s in samples}
+            part = "trainer" if role == "trainer" else samples[0].labels["instance"]
+            parts[part] = {s.name: s.value for s in samples}
     return parts
 
 
@@ -208,7 +210,8 @@ def test_an_explorer_killed_in_a_push_run_neither_stops_nor_stalls_it_and_its_pa
             assert records[step][name] == pytest.approx(y, rel=1e-3), f"{name} at step {step}"
         # read in one script: the page re-renders the summary as it refreshes (an element handle can go stale)
         state, text = browser.execute_script(
-            "const e = document.querySelector('[data-summary=\"push-kill\"]'); return [e.dataset.runState, e.innerText]")
+            "const e = document.querySelector('[data-summary=\"push-kill\"]'); "
+            "return [e.dataset.runState, e.innerText]")
         assert state == "running"
         assert "max staleness 1" in text and "off_policy" in text
         shown = browser.execute_script("return document.querySelector('[data-config=\"push-kill\"]').textContent")

@@ -1,8 +1,9 @@
 """Serve mode end to end (`rft run` with run.mode: serve: a real broker, `rft serve` on the tiny model, the joiner, the
-Megatron trainer under torchrun): requests and feedback over HTTP become experience groups, the trainer steps on
-them and publishes weights, and the server's next responses report the new version. The broker outlives the run, so the topics are read after it. The joiner is SIGKILLed while
-it holds a rewarded completion waiting for a peer and after it emitted a group, then started again by hand: no
-rewarded completion is lost and none is emitted twice (by completion id and by group id)."""
+Megatron trainer under torchrun): requests and feedback over HTTP become experience groups, the trainer steps on them
+and publishes weights, and the server's next responses report the new version. The broker outlives the run, so the
+topics are read after it. The joiner is SIGKILLed while it holds a rewarded completion waiting for a peer and after it
+emitted a group, then started again by hand: no rewarded completion is lost and none is emitted twice (by completion id
+and by group id)."""
 from __future__ import annotations
 
 import collections

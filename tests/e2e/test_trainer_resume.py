@@ -74,7 +74,7 @@ def wait(process: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
         code = process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-        raise AssertionError(f"trainer did not finish in {timeout_s} s:\n{log.read_text()[-3000:]}")
+        raise AssertionError(f"trainer did not finish in {timeout_s} s:\n{log.read_text()[-3000:]}") from None
     assert code == 0, f"trainer exited with {code}:\n{log.read_text()[-3000:]}"
 
 

@@ -27,8 +27,8 @@ def main(model_dir: str, work_dir: str, *, elastic_threads: bool = False) -> dic
     prompts = [engine.encode(p) for p in (":3", ":8", "+1")]
     out["prompts"] = prompts
     if elastic_threads:
-        out["greedy_before"] = [g.completions[0].token_ids
-                                for g in engine.generate(prompts, SamplingSettings(n=1, temperature=0.0, max_tokens=12))]
+        greedy = SamplingSettings(n=1, temperature=0.0, max_tokens=12)
+        out["greedy_before"] = [g.completions[0].token_ids for g in engine.generate(prompts, greedy)]
         engine.close()
         return out
     out["prefix_cached"] = prefix_cached(engine, engine.encode(":3+1") * 20)
@@ -70,7 +70,8 @@ def linear_layers(engine) -> dict:
 
     def count(model) -> dict:
         layers = [m.cpu_linear for m in model.modules() if callable(getattr(m, "cpu_linear", None))]
-        onednn = [f for f in layers if any(isinstance(c.cell_contents, CPUDNNLGEMMHandler) for c in f.__closure__ or ())]
+        onednn = [f for f in layers
+                  if any(isinstance(c.cell_contents, CPUDNNLGEMMHandler) for c in f.__closure__ or ())]
         return {"all": len(layers), "onednn": len(onednn)}
 
     return engine.llm.apply_model(count)[0]
@@ -100,9 +101,9 @@ def completions(generation) -> list[dict]:
 
 
 def prefill_once(engine) -> dict:
-    """A group whose prompt fills whole KV blocks (`VLLMEngine.forks`, rft/engine/prefill_once.py), through `generate` and through
-    continuous submission, with the tokens vLLM's scheduler computed for it; the same group with prefill-once off;
-    400 first tokens at a low temperature (a peaked distribution to compare with transformers')."""
+    """A group whose prompt fills whole KV blocks (`VLLMEngine.forks`, rft/engine/prefill_once.py), through `generate`
+    and through continuous submission, with the tokens vLLM's scheduler computed for it; the same group with
+    prefill-once off; 400 first tokens at a low temperature (a peaked distribution to compare with transformers')."""
     from rft.engine import SamplingSettings
 
     scheduler = engine.llm.llm_engine.engine_core.engine_core.scheduler  # in-process engine
@@ -121,7 +122,8 @@ def prefill_once(engine) -> dict:
         counted["tokens"], before = 0, dict(engine.forks.sent)
         result = run()
         return result, {"tokens": counted["tokens"],
-                        "requests": {k: n - before.get(k, 0) for k, n in engine.forks.sent.items() if n > before.get(k, 0)}}
+                        "requests": {k: n - before.get(k, 0) for k, n in engine.forks.sent.items()
+                                     if n > before.get(k, 0)}}
 
     engine.forks.probe_tokens = 20  # of the tiny model's 99: its first tokens fall in the tail too
     prompt, sampling = whole_blocks_prompt(engine), SamplingSettings(**FORKED)
@@ -141,7 +143,8 @@ def prefill_once(engine) -> dict:
     plain, plain_tokens = computed(lambda: engine.generate([prompt], sampling)[0])
     engine.forks.enabled = True
     first = engine.generate([prompt[:32]], SamplingSettings(n=400, temperature=0.2, top_p=1.0, max_tokens=2))[0]
-    nucleus, nucleus_count = computed(lambda: engine.generate([prompt], SamplingSettings(**{**FORKED, "top_p": 0.9}))[0])
+    nucleus_settings = SamplingSettings(**{**FORKED, "top_p": 0.9})
+    nucleus, nucleus_count = computed(lambda: engine.generate([prompt], nucleus_settings)[0])
     scheduler.schedule = schedule
     return {"forked": completions(forked), "forked_tokens": forked_tokens,
             "continuous": {"ids": [rid for rid, _ in returned], "completions": completions(returned[0][1]),

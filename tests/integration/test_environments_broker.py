@@ -54,7 +54,7 @@ def test_environment_episodes_through_broker_and_vllm(broker, tiny_model, tmp_pa
             explorers[environment] = start_explorer(config, environment, logs)
             readers[environment] = Experiences(cfg, cfg.topic("experiences"))
         for environment, reader in readers.items():
-            reader.wait_for(lambda: len(reader.groups) >= TASKS, timeout_s=ENGINE_START_S,
+            reader.wait_for(lambda reader=reader: len(reader.groups) >= TASKS, timeout_s=ENGINE_START_S,
                             what=f"{TASKS} {environment} groups", alive=list(explorers.values()), log_dir=logs)
     finally:
         for p in explorers.values():

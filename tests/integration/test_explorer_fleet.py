@@ -60,7 +60,8 @@ def test_fleet_kill_late_join_reload_and_dead_letters(broker, tiny_model, tmp_pa
     explorers = {}
     try:
         # 1. two explorers; A admits one task per second, so it is mid-run when killed
-        explorers["A"] = start_explorer(config, "A", logs, "explorer.admission=tests.integration.slow_admission:SlowAdmission")
+        explorers["A"] = start_explorer(config, "A", logs,
+                                        "explorer.admission=tests.integration.slow_admission:SlowAdmission")
         explorers["B"] = start_explorer(config, "B", logs, replicas=2)
         control.wait_for(lambda: {m.sender for m in control.messages("explorer_join")} >= {"A", *B},
                          timeout_s=ENGINE_START_S, what="A and B-0, B-1 to join", alive=list(explorers.values()),
@@ -84,7 +85,8 @@ def test_fleet_kill_late_join_reload_and_dead_letters(broker, tiny_model, tmp_pa
         v2 = WeightStore(tmp_path / "elsewhere").publish(2, [perturbed(tiny_model, 2)], tiny_model)
         v2 = Path(shutil.move(str(v2), str(tmp_path / "store" / v2.name)))
         sink = connect(cfg.kafka, broker.bootstrap_servers).sink()
-        sink.send_record(cfg.topic("control"), ControlMessage("weights", "test-trainer", {"version": 2, "path": str(v2)}))
+        sink.send_record(cfg.topic("control"),
+                         ControlMessage("weights", "test-trainer", {"version": 2, "path": str(v2)}))
         sink.flush()
         control.wait_for(lambda: {m.sender for m in control.messages("explorer_weights") if m.body["version"] == 2}
                          >= {*B, "C"}, timeout_s=60, what="B-0, B-1 and C to load version 2",
@@ -169,7 +171,7 @@ def _task_partitions(cfg) -> dict[str, int]:
     reader = Experiences(cfg, cfg.topic("tasks"))
     reader.wait_for(lambda: len(reader.raw) >= 33, timeout_s=20, what="the tasks topic")
     reader.close()
-    return {task.group_id: m.partition for m, task in zip(reader.raw, reader.records) if task is not None}
+    return {task.group_id: m.partition for m, task in zip(reader.raw, reader.records, strict=True) if task is not None}
 
 
 def _settled(control: Control, members: tuple[str, ...]) -> bool:

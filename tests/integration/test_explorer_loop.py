@@ -66,8 +66,8 @@ def test_explorer_batches(broker, tiny_model, tmp_path, topic_prefix):
 
     engine = TransformersEngine(tiny_model)
     admission = HalfAdmission()
-    explorer = build_explorer(cfg, explorer_id="loop", engine=engine, workflow=build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer)),
-                              admission=admission)
+    workflow = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer))
+    explorer = build_explorer(cfg, explorer_id="loop", engine=engine, workflow=workflow, admission=admission)
     experiences, control = Experiences(cfg, cfg.topic("experiences")), Control(cfg, cfg.topic("control"))
     dead = Experiences(cfg, cfg.topic("dead_letter"))
     try:

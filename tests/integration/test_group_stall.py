@@ -146,7 +146,7 @@ def test_wedged_group_is_reported_and_the_explorers_recover(broker, tiny_model, 
         assert health[0]["stalled"] and health[-1]["stalled"] is None and health[-1]["rejoins"] >= actions
         for explorer in explorers.values():
             os.kill(explorer.pid, signal.SIGTERM)
-        for name, explorer in explorers.items():
+        for explorer in explorers.values():
             assert explorer.wait(timeout=60) == 0, log_tail(logs)
     finally:
         for explorer in explorers.values():

@@ -47,7 +47,7 @@ def test_published_tasks_score_known_replies_as_reasoning_gym_does(bootstrap, to
                                                      "explorer": {"reward": "reasoning_gym"}}).explorer)
     tagged = build_reward(run_config_from_dict({"model": {"path": "m"},
                                                 "explorer": {"reward": "reasoning_gym_tagged"}}).explorer)
-    for task, entry in zip(tasks, dataset):
+    for task, entry in zip(tasks, dataset, strict=True):
         right, wrong = entry["answer"], str(int(entry["answer"]) + 1)
         replies = [f"Sure! {entry['question']} The answer is {right}.", f"It is {wrong}", "no digits at all",
                    f"<answer>{right}</answer>", ""]

@@ -61,8 +61,8 @@ def test_vllm_serves_each_adapter_version_as_peft_computes_it(tiny_model, adapte
     references = [AutoModelForCausalLM.from_pretrained(tiny_model).eval()] + [peft_model(tiny_model, a)
                                                                              for a in adapters]
     assert len(probe["phases"]) == 3
-    for version, (phase, reference) in enumerate(zip(probe["phases"], references)):
-        for prompt, group in zip(probe["prompts"], phase):
+    for version, (phase, reference) in enumerate(zip(probe["phases"], references, strict=True)):
+        for prompt, group in zip(probe["prompts"], phase, strict=True):
             for c in group:
                 assert c["version"] == version
                 np.testing.assert_allclose(c["logprobs"], logprobs_of(reference, prompt, c["tokens"]), atol=2e-4)

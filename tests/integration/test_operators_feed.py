@@ -21,7 +21,8 @@ pytestmark = pytest.mark.integration
 
 PATTERN = r"<ok>"
 SPECS = ["dedup", "zero_variance", {"name": "response_length", "max_tokens": 30},
-         {"name": "repetition", "n": 3, "max_ratio": 0.6}, {"name": "length_penalty", "start": 8, "end": 16, "penalty": 0.5},
+         {"name": "repetition", "n": 3, "max_ratio": 0.6},
+         {"name": "length_penalty", "start": 8, "end": 16, "penalty": 0.5},
          {"name": "format_bonus", "pattern": PATTERN, "bonus": 0.2}]
 
 
@@ -29,7 +30,10 @@ def scenario(encode_text):
     """(the groups in topic order, the reason each is dropped or None)."""
     text = [encode_text(t) for t in ("abc <ok>", "abcdefghijkl", "hello world <ok> again", "no")]
     loop = encode_text("ab" * 10)
-    g = lambda task, rewards, responses, **kw: make_group("run", task, rewards=rewards, responses=responses, **kw)
+
+    def g(task, rewards, responses, **kw):
+        return make_group("run", task, rewards=rewards, responses=responses, **kw)
+
     items = [
         (g(0, [0.0, 1.0, 1.0, 0.0], text), None),
         (g(1, [1.0, 1.0, 1.0, 1.0], text), "dropped/zero_variance"),
@@ -80,7 +84,7 @@ def test_operator_chain_in_the_feed_survives_a_restart(bootstrap, topic_prefix, 
 
     whole, _ = consume(bootstrap, cfg, topic, dlq, context, steps=3)
     taken = [g.group_id for step in whole for g in step[0]]
-    assert taken == [g.group_id for g, r in zip(groups, reasons) if r is None]
+    assert taken == [g.group_id for g, r in zip(groups, reasons, strict=True) if r is None]
     skipped = {}
     for _, _, counts in whole:
         for k, v in counts.items():
@@ -91,14 +95,14 @@ def test_operator_chain_in_the_feed_survives_a_restart(bootstrap, topic_prefix, 
             expected[r] = expected.get(r, 0) + 1
     assert skipped == expected
 
-    originals = {g.group_id: g for g, r in zip(groups, reasons) if r is None}
+    originals = {g.group_id: g for g, r in zip(groups, reasons, strict=True) if r is None}
     for step_groups, rank_view, _ in whole:
         assert rank_view == step_groups  # what the other ranks decode is the shaped group
         for shaped in step_groups:
             original = originals[shaped.group_id]
             texts = [tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in original.samples]
-            np.testing.assert_allclose(shaped.rewards, [expected_reward(s, t) for s, t in zip(original.samples, texts)],
-                                       rtol=0, atol=1e-12)
+            expected_rewards = [expected_reward(s, t) for s, t in zip(original.samples, texts, strict=True)]
+            np.testing.assert_allclose(shaped.rewards, expected_rewards, rtol=0, atol=1e-12)
 
     first, state = consume(bootstrap, cfg, topic, dlq, context, steps=1)
     assert "0:dedup" in state.operators and groups[1].group_id in state.operators["0:dedup"]["seen"]

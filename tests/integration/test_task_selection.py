@@ -86,7 +86,7 @@ def test_sequential_mix_follows_the_weights(bootstrap, topic_prefix, tmp_path):
     assert publish_tasks(cfg.data, RunTopics.of(cfg), cfg.kafka, progress=False) == 10
     tasks = read_topic(cfg, cfg.topic("tasks"))
     sets = [int(t.task_id[1]) for t in tasks]
-    assert all(t.task_id.startswith(f"m{s}.r") for t, s in zip(tasks, sets))
+    assert all(t.task_id.startswith(f"m{s}.r") for t, s in zip(tasks, sets, strict=True))
     # While both sets have tasks left, set 0 holds 3/4 of every prefix of the picks (to within one pick).
     for k in range(1, 8):
         assert abs(sets[:k].count(0) - 0.75 * k) < 1, sets
@@ -94,7 +94,8 @@ def test_sequential_mix_follows_the_weights(bootstrap, topic_prefix, tmp_path):
     first_set = [t for t in tasks if t.task_id.startswith("m0.")]
     assert [t.prompt for t in first_set] == [f"question {i}" for i in range(6)] and {t.epoch for t in first_set} == {0}
     toy = [t.task_id for t in build_picker(cfg.data, run_id=cfg.run.name).sets[1].tasks]  # dataset order
-    assert picks([t for t in tasks if t.task_id.startswith("m1.")]) == [(toy[0], 0), (toy[1], 0), (toy[0], 1), (toy[1], 1)]
+    assert picks([t for t in tasks if t.task_id.startswith("m1.")]) == [(toy[0], 0), (toy[1], 0), (toy[0], 1),
+                                                                         (toy[1], 1)]
 
 
 def test_a_publish_cut_short_is_completed_and_a_whole_one_left_alone(bootstrap, topic_prefix, tmp_path, capsys):
@@ -148,7 +149,7 @@ def test_curriculum_restarted_continues_like_an_uninterrupted_publisher(bootstra
     uninterrupted.restore()
     first = uninterrupted.publish(8)
     rewards = {(t.task_id, t.epoch): list(rng.choice([0.0, 1.0], size=4, p=[p, 1 - p]))
-               for t, p in zip(first, np.linspace(0.05, 0.95, 8))}
+               for t, p in zip(first, np.linspace(0.05, 0.95, 8), strict=True)}
     record_rewards(whole, rewards)
     uninterrupted.sync_rewards()
     expected = uninterrupted.publish(8)

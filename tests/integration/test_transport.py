@@ -412,7 +412,8 @@ def test_tail_prints_the_last_records_and_follows(bootstrap, kafka_cfg, mixed_to
         lines = iter(follower.stdout.readline, "")
         assert f"{mixed_topic}:1@6" in next(lines)  # the last record: it has read up to the end
         produce_groups(kafka_cfg, bootstrap, mixed_topic, [make_group("run", 50, policy_version=50)], partition=0)
-        followed = [line for _, line in zip(range(5), lines)]  # the rest of 1@6 (2 lines), then 0@7 (3 lines)
+        followed = [line for _, line in zip(range(5), lines, strict=False)]  # the next 5 lines of the stream: the
+        # rest of 1@6 (2 lines), then 0@7 (3 lines)
         assert f"{mixed_topic}:0@7" in followed[2] and "policy_version=50" in followed[4]
     finally:
         watchdog.cancel()
@@ -455,7 +456,7 @@ def test_kcat_reads_what_rft_wrote(bootstrap, kafka_cfg, topic_prefix, kcat_env)
     rows = [line.split("|") for line in listing.stdout.splitlines()]
     assert sorted(r[2] for r in rows) == sorted(g.group_id for g in groups)
     sizes = {g.group_id: len(encode(g)[0]) for g in groups}
-    for partition, offset, key, size, header_text in rows:
+    for _partition, _offset, key, size, header_text in rows:
         assert int(size) == sizes[key]
         assert set(header_text.split(",")) == {"rft-schema=1", "rft-type=experience_group"}
 

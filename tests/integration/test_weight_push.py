@@ -40,7 +40,7 @@ def test_every_member_receives_every_version_bit_exactly():
     def member(receiver: PushReceiver, i: int) -> None:
         for _ in versions:
             got = {}
-            version = receive_into(receiver, lambda tensors: got.update((n, t.clone()) for n, t in tensors))
+            version = receive_into(receiver, lambda tensors, got=got: got.update((n, t.clone()) for n, t in tensors))
             received[i].append((version, got, receiver.rank))
 
     threads = start_members(sender, 2, member)
@@ -51,7 +51,7 @@ def test_every_member_receives_every_version_bit_exactly():
     assert sorted(r[0][2] for r in received.values()) == [1, 2]  # ranks from the store's counter
     for i in (0, 1):
         assert [version for version, _, _ in received[i]] == [10, 11]
-        for (_, got, _), buckets in zip(received[i], versions):
+        for (_, got, _), buckets in zip(received[i], versions, strict=True):
             expected = {n: t for b in buckets for n, t in b.items()}
             assert list(got) == list(expected)
             for name, tensor in expected.items():

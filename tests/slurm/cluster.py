@@ -133,7 +133,7 @@ class LocalSlurm:
                            "cancelled jobs to end")
             except WaitTimeout:
                 pass
-        for name, process in reversed(self.daemons.items()):  # slurmd, slurmctld, munged
+        for process in reversed(self.daemons.values()):  # slurmd, slurmctld, munged
             if process.poll() is not None:
                 continue
             process.terminate()

@@ -64,7 +64,7 @@ def test_every_explorer_folding_the_same_log_agrees_on_every_grant():
         else:
             log.append(AdmissionRelease(explorer_id=explorer, groups=rng.randint(0, 3), reset=rng.random() < 0.05))
     folds = []
-    for start in (0, 0, 0):
+    for _ in range(3):
         ledger = AdmissionLedger()
         folds.append([ledger.apply(o, k) for o, k in enumerate(log)] + [dict(ledger.outstanding)])
         assert all(v >= 0 for v in ledger.outstanding.values())
@@ -100,8 +100,8 @@ class Fleet:
                                   client_id=e, live_horizon_s=1e9, explorer_id=e)
             if not ledger:  # the same feed, read as a plain FleetFeed: no claims, each explorer counts alone
                 feed = PlainFeed(feed)
-            self.admissions[e] = StalenessAdmission.for_mode("off_policy", max_staleness=k, groups_per_step=groups_per_step,
-                                                             feed=feed, refresh_s=0.0)
+            self.admissions[e] = StalenessAdmission.for_mode("off_policy", max_staleness=k,
+                                                             groups_per_step=groups_per_step, feed=feed, refresh_s=0.0)
         self.running = {e: [] for e in self.ids}
         self.produced = self.consumed = self.trainer_version = 0
         self.worst_excess = 0  # max over admissions of (groups taken) - (k + version + 1) * B

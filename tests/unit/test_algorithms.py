@@ -5,7 +5,10 @@ and for invariance under splitting the batch into micro-batches and data-paralle
 """
 from __future__ import annotations
 
+import ast
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -380,7 +383,7 @@ def test_advantages_match_textbook(name, std_normalize, reference):
     algo = build_algorithm(AlgorithmConfig.of(name=name, std_normalize=std_normalize))
     got = algo.advantages(groups)
     assert [len(a) for a in got] == [len(g) for g in groups] and all(a.dtype == np.float32 for a in got)
-    for mine, theirs in zip(got, reference([list(g) for g in groups])):
+    for mine, theirs in zip(got, reference([list(g) for g in groups]), strict=True):
         np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
 
 
@@ -529,27 +532,125 @@ def test_each_algorithm_takes_its_own_keys_only():
     assert build_options(AlgorithmConfig.of("ppo", gamma="1e-1")).gamma == 0.1  # YAML 1.1 floats, as every section
 
 
-def test_the_trainer_and_the_launcher_know_no_algorithm():
-    """Algorithms own their hooks: rft/trainer/ and the launcher name no registered algorithm (a word, in any case, in
-    code, comments or docstrings), import no algorithm's module, and probe no algorithm with getattr / hasattr;
-    they read `algorithm.needs`."""
-    import re
-    from pathlib import Path
+REPO = Path(__file__).resolve().parents[2]
 
-    repo = Path(__file__).resolve().parents[2]
-    files = sorted((repo / "rft" / "trainer").glob("*.py")) + sorted((repo / "rft" / "cli").glob("*.py"))
-    names = re.compile(r"\b(" + "|".join(sorted(ALGORITHMS)) + r")\b", re.I)
-    probe = re.compile(r"\b(getattr|hasattr)\([^,]*algorithm|import.*\brft\.algorithms\.(?!aggregation\b)\w+")
-    found = [f"{path.relative_to(repo)}:{i}: {line.strip()}" for path in files
-             for i, line in enumerate(path.read_text().splitlines(), 1) if names.search(line) or probe.search(line)]
-    assert found == [], "\n".join(found)
+
+def algorithm_modules() -> set[str]:
+    """The modules of rft.algorithms that define a registered algorithm (grpo.py, ppo.py, ...); the others
+    (registry, aggregation, correction, mismatch) are the interface and tools the trainer may use."""
+    return {cls.__module__ for cls in ALGORITHMS.values() if cls.__module__.startswith("rft.algorithms.")}
+
+
+def imported_modules(path: Path, repo: Path) -> list[tuple[int, str, str | None]]:
+    """Every import in `path`, at any depth (functions, `if TYPE_CHECKING:` blocks, try/except): (line, the absolute
+    module it reads, the name taken from it or None), with relative imports resolved against the file's package.
+    `import a.b` gives (line, "a.b", None); `from a import b, c` gives (line, "a", "b") and (line, "a", "c")."""
+    parts = path.relative_to(repo).with_suffix("").parts
+    package = parts[:-1]  # a package's __init__ and its modules resolve `.` to the same package
+    found: list[tuple[int, str, str | None]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ((base,) if base else ()))
+            found += [(node.lineno, base, alias.name) for alias in node.names]
+    return found
+
+
+def algorithm_imports(path: Path, repo: Path, modules: set[str]) -> list[str]:
+    """The imports in `path` that reach an algorithm's module: the module or anything under it, imported as a module
+    (`import rft.algorithms.grpo`, `from rft.algorithms import grpo`, `from ..algorithms import ppo`) or an object
+    defined there, taken from the module or re-exported by the package (`from rft.algorithms import GRPO`)."""
+    import rft.algorithms as package
+
+    def reaches(module: str) -> bool:
+        return any(module == m or module.startswith(m + ".") for m in modules)
+
+    found = []
+    for line, module, name in imported_modules(path, repo):
+        target = f"{module}.{name}" if name else module
+        defined_in = getattr(getattr(package, name, None), "__module__", None) if module == package.__name__ else None
+        if reaches(module) or reaches(target) or (defined_in is not None and reaches(defined_in)):
+            found.append(f"{path.relative_to(repo)}:{line}: imports {target}")
+    return found
+
+
+def algorithm_probes(path: Path, repo: Path) -> list[str]:
+    """getattr / hasattr calls on an algorithm (their first argument names one): probing for a hook instead of
+    reading `algorithm.needs`."""
+    return [f"{path.relative_to(repo)}:{node.lineno}: {ast.unparse(node)}"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+            and node.args and "algorithm" in ast.unparse(node.args[0]).lower()]
+
+
+def algorithm_words(path: Path, repo: Path) -> list[str]:
+    """Lines naming a registered algorithm or an algorithm's class (a word, in any case: code, comments, docstrings)."""
+    words = set(ALGORITHMS) | {cls.__name__ for cls in ALGORITHMS.values()} | {
+        cls.Options.__name__ for cls in ALGORITHMS.values() if cls.Options.__name__ != "NoOptions"}
+    pattern = re.compile(r"\b(" + "|".join(sorted(words)) + r")\b", re.I)
+    return [f"{path.relative_to(repo)}:{i}: {line.strip()}"
+            for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+
+
+def knows_an_algorithm(files: list[Path], repo: Path) -> list[str]:
+    modules = algorithm_modules()
+    return [hit for path in files for hit in
+            algorithm_imports(path, repo, modules) + algorithm_probes(path, repo) + algorithm_words(path, repo)]
+
+
+def test_the_trainer_and_the_launcher_know_no_algorithm():
+    """Algorithms own their hooks: rft/trainer/ and the launcher (rft/cli/) name no registered algorithm or its
+    classes (a word, in any case, in code, comments or docstrings), import no algorithm's module (read from the AST:
+    any import statement at any depth, relative ones resolved), and probe no algorithm with getattr / hasattr; they
+    read `algorithm.needs`."""
+    files = sorted((REPO / "rft" / "trainer").rglob("*.py")) + sorted((REPO / "rft" / "cli").rglob("*.py"))
+    assert REPO / "rft" / "trainer" / "main.py" in files and REPO / "rft" / "cli" / "launcher.py" in files
+    found = knows_an_algorithm(files, REPO)
+    assert not found, "the trainer or the launcher knows an algorithm:\n" + "\n".join(found)
+
+
+def test_the_algorithm_check_sees_every_way_of_importing_an_algorithm(tmp_path):
+    """The check above against a trainer that knows algorithms in each way it looks for, and one that uses only
+    the interface and the shared tools (nothing found)."""
+    modules = algorithm_modules()
+    assert {"rft.algorithms.grpo", "rft.algorithms.ppo", "rft.algorithms.dpo"} <= modules
+    assert not modules & {"rft.algorithms", "rft.algorithms.registry", "rft.algorithms.mismatch",
+                          "rft.algorithms.aggregation"}
+    trainer = tmp_path / "rft" / "trainer"
+    trainer.mkdir(parents=True)
+    (trainer / "knows.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from rft.algorithms.mismatch import staleness_buckets\n"  # 2: a shared tool: allowed
+        "from rft.algorithms.gspo import X\n"  # 3
+        "import rft.algorithms.cispo.sub as c\n"  # 4
+        "from rft.algorithms import rloo, Needs\n"  # 5: a module taken from the package
+        "from rft.algorithms import PPOOptions\n"  # 6: an object defined in an algorithm's module
+        "from ..algorithms.dpo import Y\n"  # 7: relative
+        "if TYPE_CHECKING:\n"
+        "    from rft.algorithms.sft import Z\n"  # 9
+        "def f(algo):\n"
+        "    from ..algorithms import chord\n"  # 11: inside a function
+        "    return hasattr(algo.algorithm, 'critic')\n"  # 12: a probe
+        "# rewards for Reinforce_PP come from ...\n")  # 13: a name, in any case
+    knows = trainer / "knows.py"
+
+    def lines(found: list[str]) -> list[int]:
+        return [int(hit.split(": ", 1)[0].rsplit(":", 1)[1]) for hit in found]
+
+    assert lines(algorithm_imports(knows, tmp_path, modules)) == [3, 4, 5, 6, 7, 9, 11]
+    assert lines(algorithm_probes(knows, tmp_path)) == [12]
+    assert lines(algorithm_words(knows, tmp_path)) == [3, 4, 5, 6, 7, 9, 11, 13]  # module names are words too
+    (trainer / "clean.py").write_text("from rft.algorithms import Needs, build_algorithm\n"
+                                      "from ..algorithms.aggregation import with_kl_metric\n"
+                                      "def f(algorithm):\n    return algorithm.needs\n")
+    assert knows_an_algorithm([trainer / "clean.py"], tmp_path) == []
 
 
 def test_every_registered_algorithm_has_a_section_in_the_docs():
-    import re
-    from pathlib import Path
-
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "algorithms.md").read_text()
+    doc = (REPO / "docs" / "algorithms.md").read_text()
     assert set(re.findall(r"^## `(\w+)`$", doc, re.M)) == set(ALGORITHMS)
 
 
@@ -578,7 +679,7 @@ def test_missing_micro_batch_key_is_named():
 def behaviour_k3_reference(b) -> float:
     """Mean over loss tokens of k3 = r - 1 - log r, r = pi_current / pi_behaviour (tokens drawn from behaviour)."""
     total = 0.0
-    for i, t in zip(*np.nonzero(b["loss_mask"])):
+    for i, t in zip(*np.nonzero(b["loss_mask"]), strict=True):
         log_r = float(b["logp"][i, t]) - float(b["old_logprobs"][i, t])
         total += math.exp(log_r) - 1 - log_r
     return total / float(b["global_tokens"])

@@ -96,7 +96,8 @@ def test_grpo_corrections_match_textbook(rule, floor, cap, mask_h, agg):
     w, truncated, masked, masked_samples = weights_reference(batch, rule=rule, cap=cap, floor=floor, mask_h=mask_h)
     tokens, sequences = float(batch["global_tokens"]), float(batch["global_sequences"])
     kept = w[batch["loss_mask"] > 0]
-    assert 0 < np.count_nonzero(kept) < kept.size or rule == "tis" and mask_h is None, "the rule must bite"
+    bitten = truncated if rule == "tis" else kept.size - np.count_nonzero(kept)  # tis caps, mis zeroes
+    assert 0 < bitten < kept.size, f"the rule must bite on some tokens, not all ({bitten} of {kept.size})"
     if mask_h is not None:
         assert 0 < masked_samples < sequences, "some samples masked, some kept"
     loss, grad, metrics = torch_loss_and_grad(algo, batch)
@@ -169,7 +170,7 @@ def test_cispo_takes_the_same_weights():
     logp, prox, mask = batch["logp"].astype(np.float64), batch["prox_logprobs"], batch["loss_mask"]
     tokens = float(batch["global_tokens"])
     ref_loss, ref_grad = 0.0, np.zeros_like(logp)
-    for i, t in zip(*np.nonzero(mask)):
+    for i, t in zip(*np.nonzero(mask), strict=True):
         r = min(max(math.exp(logp[i, t] - prox[i, t]), 0.0), 1.28)  # cispo's defaults: eps_low 1, eps_high 0.28
         A = float(batch["advantages"][i])
         ref_loss += -w[i, t] * r * A * logp[i, t] / tokens

@@ -76,8 +76,8 @@ def test_distill_loss_and_gradient_match_textbook(agg, options):
 
 def test_distill_with_off_policy_correction_matches_textbook():
     batch = distill_batch(seed=22, stale=1.0)
-    algo = build_algorithm(AlgorithmConfig.of(name="on_policy_distill", teacher_path=TEACHER, off_policy_correction=True,
-                                           importance_cap=2.0))
+    algo = build_algorithm(AlgorithmConfig.of(name="on_policy_distill", teacher_path=TEACHER,
+                                              off_policy_correction=True, importance_cap=2.0))
     loss, grad, metrics = torch_loss_and_grad(algo, batch)
     ref_loss, ref_grad, _ = distill_reference(batch, agg="token_mean", correction=True, cap=2.0)
     assert metrics["importance_weight_truncated_frac"] > 0.05
@@ -247,7 +247,8 @@ def test_chord_config_errors_name_the_key():
     del batch["step"]
     logp = torch.tensor(batch.pop("logp"))
     with pytest.raises(ValueError, match="chord loss: micro-batch lacks step"):
-        build_algorithm(AlgorithmConfig.of(name="chord")).loss_fn(logp, {k: torch.as_tensor(v) for k, v in batch.items()})
+        build_algorithm(AlgorithmConfig.of(name="chord")).loss_fn(logp,
+                                                                  {k: torch.as_tensor(v) for k, v in batch.items()})
 
 
 # ----------------------------------------------------------------------------- micro-batch and data-parallel splits

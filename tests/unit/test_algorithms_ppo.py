@@ -89,11 +89,12 @@ def test_targets_are_the_same_for_any_micro_batch_and_data_parallel_split(whiten
     shards = [[rows[0::2][:3], rows[0::2][3:]], [rows[1::2][:2], rows[1::2][2:]]]
     local = [[micro(batch, r) for r in shard] for shard in shards]
     moments = sum(token_moments([gae(mb["advantages"], values[torch.as_tensor(r)], mb["loss_mask"], gamma=0.97,
-                                     lam=0.9)[0] for mb, r in zip(mbs, shard)], [mb["loss_mask"] for mb in mbs])
-                  for mbs, shard in zip(local, shards))
-    for mbs, shard in zip(local, shards):
+                                     lam=0.9)[0] for mb, r in zip(mbs, shard, strict=True)],
+                                [mb["loss_mask"] for mb in mbs])
+                  for mbs, shard in zip(local, shards, strict=True))
+    for mbs, shard in zip(local, shards, strict=True):
         parts = algo.add_targets(mbs, [values[torch.as_tensor(r)] for r in shard], lambda _local: moments)
-        for part, r in zip(parts, shard):
+        for part, r in zip(parts, shard, strict=True):
             for key in ("token_advantages", "returns", "values"):
                 np.testing.assert_allclose(part[key].numpy(), whole[key].numpy()[r], rtol=1e-5, atol=1e-6,
                                            err_msg=key)

@@ -143,7 +143,7 @@ def system(name: str, accuracies: list[float | None], *, versions=None) -> dict:
     marks = [{"mark": i + 1, "time_s": 240.0 * (i + 1), "version": versions[i] if versions else i + 1,
               "path": f"/{name}/mark-{i + 1}"} for i in range(len(accuracies))]
     return {"system": name, "steps": 9, "first_step_s": 30.0, "marks": marks}, dict(
-        (m["path"], a) for m, a in zip(marks, accuracies) if a is not None)
+        (m["path"], a) for m, a in zip(marks, accuracies, strict=True) if a is not None)
 
 
 def test_report_times_to_trl_accuracy_and_verdicts():

@@ -33,8 +33,8 @@ PROMPT = "What is 2 + 3?"
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     """The tiny model (untied output layer) with `<|im_start|>`, `<|im_end|>` and a ChatML template."""
-    path = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-chat", vocab_size=build_tokenizer().get_vocab_size() + 2,
-                           tie_word_embeddings=False)
+    path = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-chat",
+                           vocab_size=build_tokenizer().get_vocab_size() + 2, tie_word_embeddings=False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.chat_template = CHATML
@@ -60,7 +60,8 @@ def test_prompts_are_rendered_by_the_chat_template(chat_model):
     rendered = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
                                               {"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                              tokenize=False)
-    assert rendered == f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n"
+    assert rendered == (f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{PROMPT}<|im_end|>\n"
+                        "<|im_start|>assistant\n")
     assert encode_prompt(engine, task(), 256, ChatPrompt()) == template_ids(tokenizer, [{"role": "user",
                                                                                         "content": PROMPT}])
     assert encode_prompt(engine, task(), 256) == tokenizer(PROMPT)["input_ids"]  # chat off: plain text
@@ -118,7 +119,7 @@ def test_demonstrations_put_the_answer_in_the_assistant_turn(chat_model, tmp_pat
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model = ModelConfig(path=str(chat_model), chat_template=True, system_prompt="Answer with a number.")
     groups = list(demonstration_groups(data, model, tokenizer, run_id="r"))
-    for group, row in zip(groups, rows):
+    for group, row in zip(groups, rows, strict=True):
         [sample] = group.samples
         assert sample.prompt_tokens.tolist() == template_ids(tokenizer, [
             {"role": "system", "content": "Answer with a number."}, {"role": "user", "content": row["prompt"]}])
@@ -152,7 +153,7 @@ def test_conversation_demonstrations_are_laid_out_as_the_workflows_lay_out_episo
     assert prompt_tools(ExplorerConfig()) == ()  # single_turn shows no tools
     groups = list(demonstration_groups(data, model, tokenizer, run_id="r", tools=tools))
     system = "S.\n\n" + TOOLS_FALLBACK.format(tools=json.dumps(tools[0]))  # CHATML ignores tools=
-    for group, row in zip(groups, rows):
+    for group, row in zip(groups, rows, strict=True):
         [sample] = group.samples
         assert sample.prompt_tokens.tolist() == encode_chat(tokenizer, row["prompt"], ChatPrompt("S.", tools))
         rendered = tokenizer.apply_chat_template([{"role": "system", "content": system},
@@ -161,7 +162,7 @@ def test_conversation_demonstrations_are_laid_out_as_the_workflows_lay_out_episo
         assert rendered.endswith("<|im_end|>\n")
         whole = tokenizer(rendered[:-1], add_special_tokens=False)["input_ids"]
         assert sample.prompt_tokens.tolist() + sample.response_tokens.tolist() == whole
-        trained = [t for t, m in zip(sample.response_tokens.tolist(), sample.loss_mask.tolist()) if m]
+        trained = [t for t, m in zip(sample.response_tokens.tolist(), sample.loss_mask.tolist(), strict=True) if m]
         assert trained == [t for turn in row["answer"] if turn["role"] == "assistant"
                            for t in tokenizer(turn["content"], add_special_tokens=False)["input_ids"] + [im_end]]
         assert sample.logprobs.tolist() == [0.0] * len(sample.response_tokens)

@@ -1,14 +1,14 @@
 """The typed config tree: defaults, overrides, interpolation, and an error naming file and key for each kind of
-invalid config. `rft validate` is exercised as a real subprocess (exit codes 0 and 2)."""
+invalid config. `rft validate`'s exit codes (0 and 2), in this process (as a real subprocess:
+tests/integration/test_cli_errors.py)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from rft.cli import main
 from rft.config import ConfigError, load_yaml
 from rft.run.config import Config, config_from_dict, load_config
 from rft.run.loading import load_run_config
@@ -40,7 +40,8 @@ def test_overrides_take_yaml_types(tmp_path, model_dir):
     cfg = load_config(write(tmp_path, minimal(model_dir)),
                       ["trainer.lr=3e-4", "run.max_staleness=2", "algorithm.off_policy_correction=true",
                        "kafka.security.security_protocol=SASL_SSL"])
-    assert cfg.trainer.lr == 3e-4 and cfg.run.max_staleness == 2 and cfg.algorithm.options["off_policy_correction"] is True
+    assert cfg.trainer.lr == 3e-4 and cfg.run.max_staleness == 2
+    assert cfg.algorithm.options["off_policy_correction"] is True
     assert cfg.kafka.security == {"security_protocol": "SASL_SSL"}
 
 
@@ -78,7 +79,8 @@ def test_saved_resolved_config_round_trips(tmp_path, model_dir):
     ({"sync": {"push_transport": "nccl"}}, [], r"sync.push_transport: must be one of"),
     ({"explorer": {"continuous": True, "engine": "transformers"}}, [],
      r"explorer.continuous: needs explorer.engine vllm \(its engine-level request API\), got transformers"),
-    ({"explorer": {"continuous": True}, "sync": {"method": "push"}}, [], r"explorer.continuous: needs sync.method pull"),
+    ({"explorer": {"continuous": True}, "sync": {"method": "push"}}, [],
+     r"explorer.continuous: needs sync.method pull"),
     ({"explorer": {"inflight_updates": True}}, [], r"explorer.inflight_updates: needs explorer.continuous: true"),
     ({"explorer": {"continuous": True, "inflight_updates": True}, "model": {"lora": {"rank": 8}}}, [],
      r"explorer.inflight_updates: reloads whole models in flight"),
@@ -94,7 +96,8 @@ def test_saved_resolved_config_round_trips(tmp_path, model_dir):
     ({}, ["trainer.expert_parallel=0"], r"trainer.expert_parallel: must be >= 1, got 0"),
     ({}, ["trainer.moe_z_loss_coeff=-0.1"], r"trainer.moe_z_loss_coeff: must be >= 0 \(0: off\), got -0.1"),
     ({}, ["model.lora.rank=-1"], r"model.lora.rank: must be >= 0"),
-    ({}, ["model.lora.rank=8", "model.lora.target_modules=[q_proj]"], r"model.lora.target_modules: must be a non-empty"),
+    ({}, ["model.lora.rank=8", "model.lora.target_modules=[q_proj]"],
+     r"model.lora.target_modules: must be a non-empty"),
     ({"serve": {"adapters": {"other": "/stores/other"}}}, [], r"serve.adapters: .* model.lora.rank > 0"),
     ({"sync": {"weight_store": "gs://bucket/x"}}, [], r"sync.weight_store: .*gs:// stores are not supported"),
     ({"sync": {"weight_store": "s3://A_B/x"}}, [], r"sync.weight_store: 'A_B' is not an S3 bucket name"),
@@ -139,23 +142,29 @@ def test_a_missing_file_is_named_and_a_merged_key_may_be_overridden(tmp_path):
     assert load_yaml("base: &b {lr: 1, seed: 3}\ntrainer:\n  <<: *b\n  lr: 2\n")["trainer"] == {"lr": 2, "seed": 3}
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rft.cli", *args], capture_output=True, text=True, timeout=60)
+def run_cli(capsys, *args: str) -> tuple[int | str | None, str, str]:
+    """`rft ARGS` in this process: its exit code (returned or exited with), stdout and stderr."""
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_validate_command_exit_codes(tmp_path, model_dir):
+def test_validate_command_exit_codes(tmp_path, model_dir, capsys):
     good = write(tmp_path, minimal(model_dir), "good.yaml")
-    result = run_cli("validate", str(good))
-    assert result.returncode == 0, result.stderr
-    assert "valid" in result.stdout
+    code, out, err = run_cli(capsys, "validate", str(good))
+    assert code == 0, err
+    assert "valid" in out
 
     bad = write(tmp_path, minimal(model_dir, explorer={"n_sample": 4}), "bad.yaml")
-    result = run_cli("validate", str(bad))
-    assert result.returncode == 2
-    assert "bad.yaml: explorer.n_sample: unknown key (did you mean 'n_samples'?)" in result.stderr
+    code, out, err = run_cli(capsys, "validate", str(bad))
+    assert code == 2
+    assert "bad.yaml: explorer.n_sample: unknown key (did you mean 'n_samples'?)" in err
 
-    result = run_cli("validate", str(good), "--set", "run.max_staleness=-3")
-    assert result.returncode == 2 and "run.max_staleness" in result.stderr
+    code, out, err = run_cli(capsys, "validate", str(good), "--set", "run.max_staleness=-3")
+    assert code == 2 and "run.max_staleness" in err
 
 
 def test_shipped_configs_validate():

@@ -1,5 +1,5 @@
-"""The typed control protocol (rft/transport/control.py): the wire format stays schema 1 (same kinds, same body keys), bodies
-are validated, and ControlView folds messages in the documented order, skipping malformed ones."""
+"""The typed control protocol (rft/transport/control.py): the wire format stays schema 1 (same kinds, same body keys),
+bodies are validated, and ControlView folds messages in the documented order, skipping malformed ones."""
 from __future__ import annotations
 
 import dataclasses

@@ -101,19 +101,6 @@ def test_a_field_described_twice_is_an_error():
         field_descriptions(_Twice)
 
 
-def test_no_tracked_file_holds_merge_conflict_markers():
-    import re
-    import subprocess
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[2]
-    files = subprocess.run(["git", "ls-files"], cwd=repo, capture_output=True, text=True, check=True).stdout.split()
-    marker = re.compile(r"^(<<<<<<< |>>>>>>> |=======$)", re.M)
-    found = [name for name in files if (repo / name).suffix in {".py", ".md", ".yaml", ".txt", ".js", ".html", ".css"}
-             and (repo / name).is_file() and marker.search((repo / name).read_text(errors="replace"))]
-    assert found == [], f"merge conflict markers left in {found}"
-
-
 def test_the_bench_help_names_every_registered_benchmark():
     from benchmarks.main import BENCHMARKS
     from rft.cli import COMMANDS

@@ -189,7 +189,7 @@ def test_multi_turn_reward_is_the_replayed_return(tiny_model, engine, environmen
     if environment == "textarena":  # the game's own prompt is too long for the tiny model: a short one
         tasks = [dataclasses.replace(t, prompt="Guess 1-20 as [n]:") for t in tasks]
     results = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer)).explore(tasks, engine)
-    for task, result in zip(tasks, results):
+    for task, result in zip(tasks, results, strict=True):
         assert result.error is None and len(result.samples) == 3 and result.policy_version == 2
         assert all(s.metadata["environment"] == task.metadata[environment] for s in result.samples)
         for s in result.samples:
@@ -214,7 +214,7 @@ def test_episode_reward_is_the_sum_of_step_rewards_the_last_turn_included(tiny_m
         assert len(texts) == min(max_turns, 3)  # the environment ends the episode after its third step
         expected = sum(len(t) % 3 / 10 for t in texts)  # every model turn was stepped, the last one too
         assert s.reward == pytest.approx(expected) and s.reward_components["steps"] == len(texts)
-    assert len({round(s.reward, 6) for s in samples}) > 1 or any(s.reward > 0 for s in samples)
+    assert any(s.reward > 0 for s in samples), "the sums above are checked on rewards that are not all 0"
 
 
 def test_environment_tasks_as_a_jsonl_file_are_the_generated_ones(tmp_path):

@@ -245,8 +245,8 @@ class RecordingEvaluator:
 
 
 def test_follow_scores_a_version_collected_after_it_was_loaded(tmp_path, model_dir):
-    """A full suite run once saw the evaluator die on FileNotFoundError: it looked the loaded version up again in the store after
-    the trainer had collected it; it scores what the engine loaded, wherever that was."""
+    """A full suite run once saw the evaluator die on FileNotFoundError: it looked the loaded version up again in the
+    store after the trainer had collected it; it scores what the engine loaded, wherever that was."""
     cfg = config(tmp_path, model_dir, sets=[COPY_SET], every_steps=2)
     store = WeightStore.for_sync(cfg.sync, cfg.run_dir)
     for version in (1, 2, 3):

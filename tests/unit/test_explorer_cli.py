@@ -63,7 +63,8 @@ def test_invalid_explorer_config_exits_2_naming_the_key(config, capsys):
     ({"max_turns": 0}, "explorer.max_turns: must be >= 1"),
     ({"heartbeat_s": 0}, "explorer.heartbeat_s: must be > 0"),
     ({"max_batch_s": -1}, "explorer.max_batch_s: must be > 0"),
-    ({"admission": "stalenes"}, "explorer.admission: admission import path 'stalenes' must look like package.module:name"),
+    ({"admission": "stalenes"},
+     "explorer.admission: admission import path 'stalenes' must look like package.module:name"),
     ({"admission": "rft.trainer.staleness:nothing"}, "explorer.admission: .*has no callable 'nothing'"),
     ({"engine": "sglang"}, "explorer.engine: must be one of vllm, transformers"),
 ])

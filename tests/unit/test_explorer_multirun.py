@@ -76,7 +76,7 @@ def test_the_first_run_is_checked_too(runs, capsys):
 def test_the_engine_takes_every_runs_rank(runs):
     a, b = runs({"model": {"lora": {"rank": 32, "alpha": 64.0}}})
     cfgs = [load_run_config(p) for p in (a, b)]
-    check_runs(list(zip((a, b), cfgs)))
+    check_runs(list(zip((a, b), cfgs, strict=True)))
     explorer, model = engine_sections(cfgs)
     assert explorer is cfgs[0].explorer and model.lora.rank == 32
 

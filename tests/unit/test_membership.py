@@ -102,5 +102,6 @@ def test_status_says_stalled_when_the_trainer_waits_and_explorers_produce_nothin
     for t in range(100, 200, 5):
         status.apply(heartbeat("explorer-0", t, [0, 1], groups=7))  # holds partitions, produces nothing
     fleet = fleet_health(status, now=200, task_partitions=2, pending=12)
-    assert fleet["stalled"] == "STALLED: 12 tasks pending, the trainer waits and the explorers produced nothing for 100 s"
+    assert fleet["stalled"] == ("STALLED: 12 tasks pending, the trainer waits and the explorers produced nothing "
+                                "for 100 s")
     assert fleet_health(status, now=150, task_partitions=2, pending=12)["stalled"] is None  # within the window

@@ -42,7 +42,8 @@ def test_length_penalty_is_linear_between_start_and_end():
     expected_penalty = [0.6 * min(1.0, max(0.0, (n - 4) / 6)) for n in lengths]
     assert reason is None and shaped is not group
     np.testing.assert_allclose(shaped.rewards, group.rewards - np.array(expected_penalty))
-    assert [s.reward_components["length_penalty"] for s in shaped.samples] == pytest.approx([-p for p in expected_penalty])
+    penalties = [s.reward_components["length_penalty"] for s in shaped.samples]
+    assert penalties == pytest.approx([-p for p in expected_penalty])
     assert [s.reward for s in group.samples] == [1.0, 0.5, 1.0, 0.0, 1.0]  # the input is not changed
 
 

@@ -22,7 +22,8 @@ def buffer_with(scores: list[float], *, first_steps: list[int] | None = None, de
                 max_reuse: int = 3, seed: int = 7) -> ReplayBuffer:
     steps = first_steps or [1] * len(scores)
     buffer = ReplayBuffer(max_reuse=max_reuse, decay=decay, capacity=100, seed=seed)
-    buffer.add([Candidate("t.experiences:0", i, f"g{i}", s, step) for i, (s, step) in enumerate(zip(scores, steps))])
+    buffer.add([Candidate("t.experiences:0", i, f"g{i}", s, step)
+                for i, (s, step) in enumerate(zip(scores, steps, strict=True))])
     return buffer
 
 
@@ -32,7 +33,7 @@ def test_priorities_are_recency_decayed_reward_variance():
     first_steps = [1, 2, 2, 4, 7, 9]
     buffer = buffer_with([score(g) for g in groups], first_steps=first_steps, decay=0.8)
     expected = [statistics.pvariance([s.reward for s in g.samples]) * 0.8 ** (10 - first)
-                for g, first in zip(groups, first_steps)]
+                for g, first in zip(groups, first_steps, strict=True)]
     assert buffer.priorities(10).tolist() == pytest.approx(expected, rel=1e-12)
     assert PRIORITIES["uniform"](groups[0]) == 1.0
 
@@ -92,10 +93,11 @@ def simulate(buffer: ReplayBuffer, steps: range, *, per_step: int, fresh: int, r
         reuse = [c.reuse + 1 for c in chosen]
         buffer.mark_replayed(chosen)
         rng = np.random.default_rng([rng_seed, step])
-        new = [Candidate("t:0", offset_base + step * fresh + j, f"g{step}-{j}", float(rng.random() < 0.8) * rng.random(),
-                         step) for j in range(fresh)]
+        new = [Candidate("t:0", offset_base + step * fresh + j, f"g{step}-{j}",
+                         float(rng.random() < 0.8) * rng.random(), step) for j in range(fresh)]
         buffer.add(new)
-        trained += [(step, c.group_id, 0) for c in new] + [(step, c.group_id, r) for c, r in zip(chosen, reuse)]
+        trained += [(step, c.group_id, 0) for c in new]
+        trained += [(step, c.group_id, r) for c, r in zip(chosen, reuse, strict=True)]
     return trained
 
 

@@ -126,7 +126,8 @@ def test_out_of_range_reward_is_an_error_naming_it():
 
 
 def test_registry_rejects_duplicates_and_lists_builtins():
-    assert {"exact_match", "math", "format", "countdown", "char_accuracy", "judge", "weighted"} <= set(available_rewards())
+    built_in = {"exact_match", "math", "format", "countdown", "char_accuracy", "judge", "weighted"}
+    assert built_in <= set(available_rewards())
     with pytest.raises(RewardError, match="already registered"):
         register_reward("math")(lambda r, t: 0.0)
 
@@ -146,7 +147,8 @@ def test_import_path_reward_is_resolved_at_config_load():
     ({"reward": "weighted"}, "explorer.reward_weights: reward 'weighted' needs"),
     ({"reward": "weighted", "reward_weights": {"math": -1.0}}, "explorer.reward_weights.math: weight must be >= 0"),
     ({"reward": "weighted", "reward_weights": {"math": 0.0}}, "must not all be 0"),
-    ({"reward": "weighted", "reward_weights": {"formt": 1.0}}, "explorer.reward_weights.formt: .*did you mean 'format'"),
+    ({"reward": "weighted", "reward_weights": {"formt": 1.0}},
+     "explorer.reward_weights.formt: .*did you mean 'format'"),
     ({"reward": "judge"}, "explorer.judge_model: the judge reward needs"),
 ])
 def test_bad_reward_config_fails_at_load_naming_the_key(explorer, message):
@@ -165,7 +167,7 @@ def test_judge_scores_are_its_yes_probability(tiny_model):
     t = TaskRecord(run_id="r", task_id="t", epoch=0, prompt="2+2", answer="4")
     results = judge.score(["4", "5", ""], t)
     yes, no = engine.encode("1", add_special_tokens=False)[0], engine.encode("0", add_special_tokens=False)[0]
-    for response, result in zip(["4", "5", ""], results):
+    for response, result in zip(["4", "5", ""], results, strict=True):
         ids = torch.tensor([engine.encode(f"Q2+2A4R{response}?")])
         with torch.no_grad():
             p = torch.softmax(engine.model(ids).logits[0, -1].double(), -1)

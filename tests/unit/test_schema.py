@@ -85,7 +85,7 @@ def test_experience_group_round_trip(group):
     value, headers = encode(group)
     back = decode_group(value, headers)
     assert back == group
-    for ours, theirs in zip(back.samples, group.samples):
+    for ours, theirs in zip(back.samples, group.samples, strict=True):
         assert ours.response_tokens.dtype == np.int32 and ours.logprobs.dtype == np.float32
         assert ours.loss_mask.dtype == np.uint8
         assert ours.logprobs.tobytes() == theirs.logprobs.astype("<f4").tobytes()  # bit-exact, -0.0 included
@@ -138,7 +138,7 @@ def reason(value: bytes, headers=None) -> str:
 def test_truncated_bytes_are_rejected_at_every_cut():
     value, headers = encode(_group())
     for cut in range(0, len(value), 7):
-        assert "not msgpack" in reason(value[:cut], headers) or cut == 0
+        assert "not msgpack" in reason(value[:cut], headers)
 
 
 def test_empty_and_non_map_values():
@@ -302,7 +302,7 @@ def test_doc_reader_decodes_what_rft_writes(doc_examples):
     value, headers = encode(group)
     read = doc_examples["read_experience_group"](value, headers)
     assert (read["group_id"], read["policy_version"], read["explorer_id"]) == ("run/t/e0", 3, "x")
-    for ours, theirs in zip(read["samples"], group.samples):
+    for ours, theirs in zip(read["samples"], group.samples, strict=True):
         assert ours["prompt_tokens"] == theirs.prompt_tokens.tolist()
         assert ours["response_tokens"] == theirs.response_tokens.tolist()
         assert ours["logprobs"] == theirs.logprobs.astype(np.float32).tolist()

@@ -54,7 +54,8 @@ def test_fleet_states_versions_and_throughput_follow_the_control_topic():
     assert render(report).splitlines()[0] == "STALLED: 60 tasks pending, no explorer holds a partition for 45 s"
     assert "REFUSED" not in text
     assert "(mode off_policy, k=1)" in text
-    assert "(mode async, explorers wait at staleness 4)" in render({**report, "mode": "async", "async_max_staleness": 4})
+    assert "(mode async, explorers wait at staleness 4)" in render({**report, "mode": "async",
+                                                                     "async_max_staleness": 4})
     assert "(mode async, explorers never wait)" in render({**report, "mode": "async", "async_max_staleness": None})
     report["explorers"][0]["weights_refused"] = 2  # forged or damaged announcements: counted by each explorer
     text = render(report)

@@ -52,7 +52,8 @@ def test_epochs_are_seeded_shuffles_of_every_task(tmp_path):
     assert per_epoch[0] != per_epoch[1]  # each epoch has its own order
     assert [t.task_id for t in build_picker(cfg.data, run_id=cfg.run.name).drain()] == sum(per_epoch, [])
     unshuffled = cfg_for(path, prompt_key="question", shuffle_seed=None)
-    assert [t.task_id for t in build_picker(unshuffled.data, run_id=unshuffled.run.name).drain()] == [t.task_id for t in tasks]
+    drained = build_picker(unshuffled.data, run_id=unshuffled.run.name).drain()
+    assert [t.task_id for t in drained] == [t.task_id for t in tasks]
 
 
 def test_parquet_and_hf_disk(tmp_path):
@@ -92,7 +93,8 @@ def test_next_digit_rows_and_jsonl_writer(tmp_path):
 @pytest.mark.parametrize("content,data,message", [
     ('{"question": "a", "answer": 1}\nnot json\n', {"prompt_key": "question"}, "d.jsonl:2: not valid JSON"),
     ('[1, 2]\n', {}, "d.jsonl:1: expected a JSON object, got list"),
-    ('{"question": "a", "answer": 1}\n', {}, "row 0: no field 'prompt' \\(data.prompt_key\\); fields: \\['answer', 'question'\\]"),
+    ('{"question": "a", "answer": 1}\n', {},
+     "row 0: no field 'prompt' \\(data.prompt_key\\); fields: \\['answer', 'question'\\]"),
     ('{"question": "a"}\n', {"prompt_key": "question"}, "row 0: no field 'answer' \\(data.answer_key\\)"),
     ('{"question": "a", "answer": 1}\n', {"prompt_key": "question", "prompt_template": "{prompt} {missing}"},
      "row 0: data.prompt_template .* does not format: KeyError"),

@@ -2,9 +2,9 @@
 test_trainer_loop.py's stand-in policy (it runs the algorithm's real loss on the micro-batches the loop builds, with the
 behaviour log-probs as the current policy's; here its teacher scores every token 0.5 nats below them).
 
-Checked: on_policy_distill's micro-batches carry the policy's teacher_logprobs, and the step loss is the mean
-per-token gap (0.5 at rho = 1). chord: each step mixes up to `chord_groups_per_step` demonstration groups from the demonstrations topic into its
-`groups_per_step` policy groups, as rows with `demo_mask` 1 and the step's counts; the step's loss is
+Checked: on_policy_distill's micro-batches carry the policy's teacher_logprobs, and the step loss is the mean per-token
+gap (0.5 at rho = 1). chord: each step mixes up to `chord_groups_per_step` demonstration groups from the demonstrations
+topic into its `groups_per_step` policy groups, as rows with `demo_mask` 1 and the step's counts; the step's loss is
 (1 - mu) * L_grpo + mu * L_sft computed independently in NumPy from the groups; when the topic is used up the steps go
 on without demonstrations; the demonstrations feed's offsets are checkpointed, so a resumed trainer takes only
 demonstrations it has not trained on.
@@ -76,7 +76,7 @@ def expected_loss(groups, demos, mu: float) -> float:
     for g in groups:
         r = np.array([s.reward for s in g.samples], np.float64)
         advantages = (r - r.mean()) / (r.std(ddof=1) + 1e-6)
-        rl += sum(-a * s.loss_mask.sum() for a, s in zip(advantages, g.samples))
+        rl += sum(-a * s.loss_mask.sum() for a, s in zip(advantages, g.samples, strict=True))
     demo_samples = [s for g in demos for s in g.samples]
     demo_tokens = sum(s.loss_mask.sum() for s in demo_samples)
     sft = -sum(float((s.logprobs * s.loss_mask).sum()) for s in demo_samples) / max(demo_tokens, 1)
@@ -115,7 +115,7 @@ def test_chord_mixes_demonstrations_into_steps_and_resumes_exactly_once(tmp_path
     assert [m["demonstrations"] for m in metrics] == [2, 1, 0]
     assert [m["sft_mu"] for m in metrics] == pytest.approx([MU[1], MU[2], MU[3]])
     step_demos = [demos[:2], demos[2:], []]
-    for step, (mbs, m) in enumerate(zip(batches, metrics), start=1):
+    for step, (mbs, m) in enumerate(zip(batches, metrics, strict=True), start=1):
         mine = step_demos[step - 1]
         assert sum(float(mb["demo_mask"].sum()) for mb in mbs) == len(mine)
         assert all(float(mb["step"]) == step for mb in mbs)

@@ -1,10 +1,7 @@
 """rft.transport.memory, the in-memory transport of the unit tests: the scenarios of tests/transport_scenarios.py
 (which tests/integration/test_transport_fidelity.py runs on the real broker too), consumer groups sharing
-partitions, retention and fetch, and that neither the package nor the fake imports kafka-python."""
+partitions, retention and fetch (that neither imports kafka-python: tests/integration/test_transport_imports.py)."""
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 
@@ -93,7 +90,3 @@ def test_positions_values():
     assert lag({"t:0": 10, "t:1": 5}, {"t:0": 4}) == 11 and lag({"t:0": 10, "t:1": 5}, {"t:0": 4}, ["t:1"]) == 5
 
 
-def test_the_transport_package_and_the_fake_import_no_kafka():
-    code = ("import sys, rft.transport, rft.transport.memory, rft.trainer.feed, rft.transport.run_topics, rft.ops.topics.render; "
-            "assert 'kafka' not in sys.modules, 'kafka imported'")
-    subprocess.run([sys.executable, "-c", code], check=True)

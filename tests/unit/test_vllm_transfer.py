@@ -101,7 +101,7 @@ def test_update_info_is_what_vllms_packed_consumer_unpacks():
     NCCLWeightTransferUpdateInfo(**info)  # the worker parses it into this
     chunk = pack_tensors(iter(sent.items()), lambda item: item[1], PACKED_BUFFER_BYTES)
     dtypes = [getattr(torch, name) for name in info["dtype_names"]]
-    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(info["shapes"], dtypes)]
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(info["shapes"], dtypes, strict=True)]
     assert sizes == chunk.tensor_sizes and sum(sizes) == chunk.packed_tensor.numel()
     received = dict(unpack_tensor(chunk.packed_tensor, info["names"], info["shapes"], dtypes, sizes))
     assert list(received) == list(sent)

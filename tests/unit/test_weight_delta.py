@@ -51,7 +51,7 @@ def test_a_delta_rebuilds_the_new_shard_bit_for_bit(tmp_path):
     delta.apply(blob, tmp_path / "base", tmp_path / "out", base_sha256=hashlib.sha256(base).hexdigest())
     assert (tmp_path / "out").read_bytes() == target
     changed = sum(int((a.view(-1).view(torch.uint8) != b.view(-1).view(torch.uint8)).any())
-                  for a, b in zip(old.values(), new.values()))
+                  for a, b in zip(old.values(), new.values(), strict=True))
     body = msgpack.unpackb(blob)
     assert {t["name"] for t in body["tensors"]} == {"embed", "norm", "steps", "mask"} and changed == 4
     assert len(blob) < len(target) / 5  # sparse: far smaller than the shard

@@ -62,7 +62,8 @@ def test_single_turn_groups(tiny_model, engine):
 def test_too_long_prompt_is_an_error_not_a_crash(tiny_model, engine):
     cfg = make_cfg(tiny_model, n_samples=2, max_tokens=2)
     long_task = TaskRecord("r", "long", 0, "9" * 300, "9")
-    results = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer)).explore([long_task] + toy_tasks(1), engine)
+    workflow = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer))
+    results = workflow.explore([long_task] + toy_tasks(1), engine)
     assert results[0].error == "prompt is 300 tokens, over model.max_prompt_len=256" and not results[0].samples
     assert results[1].error is None and len(results[1].samples) == 2
 
@@ -115,7 +116,8 @@ def test_transformers_engine_reload_changes_weights_and_version(tiny_model, tmp_
     greedy = SamplingSettings(n=1, temperature=0.0, max_tokens=8)
     prompt = engine.encode(":5")
     before = engine.generate([prompt], greedy)[0].completions[0].token_ids
-    perturbed = {k: v + 0.5 * torch.randn_like(v) for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    perturbed = {k: v + 0.5 * torch.randn_like(v) for k, v in engine.model.state_dict().items()
+                 if k != "lm_head.weight"}
     path = WeightStore(tmp_path).publish(1, [perturbed], tiny_model)
     engine.load_weights(path, 1)
     after = engine.generate([prompt], greedy)[0].completions[0]

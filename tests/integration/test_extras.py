@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from rft.extras import EXTRAS, MissingExtra, check_installed, extra_of, require
-from rft.run.loading import load_run_config
 from tests.blocked_imports import blocking_env
 from tests.packaging import setup_requirements
 
@@ -153,10 +152,18 @@ def test_a_feature_used_without_its_extra_names_the_extra_and_the_key(blocked_en
     assert "launch.ray.fleet needs the 'ray' extra (ray is not installed): pip install 'rft[ray]'" in fleet.stderr
 
 
-def test_the_same_configs_pass_with_the_extras_installed():
-    """The control for the test above: the errors come from the missing extras, not from the configs."""
-    load_run_config(REPO / "configs/smollm2-frozenlake.yaml")
-    load_run_config(REPO / "configs/quickstart.yaml", ["monitor.dashboard_port=8765", "data.path=textarena"])
+def test_the_same_configs_pass_with_the_extras_installed(tmp_path, tiny_model):
+    """The control for the test above: the same script with nothing blocked validates the same configs (exit 0, no
+    error) and builds the environment, so the errors there come from the missing extras, not from the configs.
+    configs/quickstart.yaml's model (assets/tiny-qwen2, made by `make assets`) is the session's tiny model here."""
+    tiny = ["--set", f"model.path={tiny_model}"]
+    validations = [[*argv, *(tiny if argv[1] == "configs/quickstart.yaml" else [])]
+                   for argv in USES if argv[0] == "validate"]
+    assert len(validations) == 3
+    done = run_blocked(blocking_env(tmp_path, []), ["-c", FEATURES, json.dumps(validations)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out == {**{" ".join(argv): [0, ""] for argv in validations}, "frozenlake": "built"}, out
 
 
 def test_require_and_check_installed_name_the_feature_and_the_extra(monkeypatch):

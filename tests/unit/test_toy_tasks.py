@@ -35,7 +35,8 @@ def _train(tiny_model, *, steps: int) -> list[float]:
     tokenizer = build_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    reward = build_reward(config_from_dict({"model": {"path": "unused"}, "explorer": {"reward": "char_accuracy"}}).explorer)
+    cfg = config_from_dict({"model": {"path": "unused"}, "explorer": {"reward": "char_accuracy"}})
+    reward = build_reward(cfg.explorer)
     rows = generate_rows("copy_char", 2000, seed=0)
     tasks_per_step, samples = 32, 8
     curve = []
@@ -47,7 +48,8 @@ def _train(tiny_model, *, steps: int) -> list[float]:
         tokens = torch.multinomial(torch.softmax(logits, -1), 1)[:, 0]  # one-token answers (max_tokens: 1)
         texts = [tokenizer.decode([t]) for t in tokens.tolist()]
         scores = torch.tensor([
-            reward.score([texts[i]], TaskRecord("r", "t", 0, batch[i // samples]["prompt"], batch[i // samples]["answer"],
+            reward.score([texts[i]], TaskRecord("r", "t", 0, batch[i // samples]["prompt"],
+                                                batch[i // samples]["answer"],
                                                 {"alphabet": batch[i // samples]["alphabet"]}))[0].score
             for i in range(len(texts))]).view(tasks_per_step, samples)
         advantages = ((scores - scores.mean(1, keepdim=True)) / (scores.std(1, keepdim=True) + 1e-4)).view(-1)

@@ -39,7 +39,7 @@ def test_a_shared_prompt_runs_once_and_each_token_sees_what_its_row_showed_it():
             assert bool(plan.blocked[0, 0, q, k]) == (not sees), (q, k)
     # logits from cut column 1: row 0 predicts at its positions 2 (the prompt's last), 3, 4; row 1 at 2; row 2 at
     # 2, 3; row 3 (prompt 2) at 1, 2
-    got = sorted(zip(plan.rows.tolist(), plan.columns.tolist(), plan.heads.tolist()))
+    got = sorted(zip(plan.rows.tolist(), plan.columns.tolist(), plan.heads.tolist(), strict=True))
     assert got == [(0, 1, 2), (0, 2, 3), (0, 3, 4), (1, 1, 2), (2, 1, 2), (2, 2, 5), (3, 0, 7), (3, 1, 8)]
 
 

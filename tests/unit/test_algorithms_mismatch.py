@@ -67,12 +67,12 @@ def test_split_over_micro_batches_and_ranks_equals_the_reference(dp, micro):
     for row in demo_rows:
         row.demo = True
     keys = [(g.group_id, s.sample_index) for g in groups + [demo] for s in g.samples]
-    by_row = {id(row): trainer[key] for row, key in zip(rows + demo_rows, keys)}
+    by_row = {id(row): trainer[key] for row, key in zip(rows + demo_rows, keys, strict=True)}
     plan = plan_micro_batches(rows + demo_rows, dp_size=dp, micro_batch_size=micro, trained_version=TRAINED)
     wrapped = with_mismatch_metrics(lambda logp, mb: (logp.sum() * 0, {}), ratio=1.5)
     per_micro = []
     for rank in range(dp):
-        for (planned, _, _), mb in zip(plan.ranks[rank], plan.for_rank(rank)):
+        for (planned, _, _), mb in zip(plan.ranks[rank], plan.for_rank(rank), strict=True):
             logp = torch.full(mb["loss_mask"].shape, -1e30)  # what padding holds must not matter
             for i, row in enumerate(planned):
                 start = row.prompt_len - 1

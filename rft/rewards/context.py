@@ -1,0 +1,34 @@
+"""What a stateful reward (a judge) receives besides the explorer section: `RewardContext`, the policy model's
+section and a way to start an engine of the explorer's kind on another model directory. Built by the composition
+(entry points) and passed through `build_reward` to the rewards that need it."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rft.engine import build_engine
+
+if TYPE_CHECKING:
+    from rft.engine import Engine
+    from rft.explorer.config import ExplorerConfig
+    from rft.models.config import ModelConfig
+    from rft.run.config import Config
+
+
+@dataclass(frozen=True)
+class RewardContext:
+    """What a stateful reward may need beyond the explorer section: the policy model's section (lengths) and a
+    way to start an engine of the explorer's kind on another model directory (`engine(path)`)."""
+    model: ModelConfig
+    engine: Callable[[str], Engine]
+
+    @classmethod
+    def of(cls, explorer: ExplorerConfig, model: ModelConfig, *, seed: int) -> RewardContext:
+        """Engines of `explorer.engine`'s kind over `model`'s settings, seeded with `seed` (`run.seed`)."""
+        return cls(model, lambda path: build_engine(explorer, model, seed=seed, model_path=path))
+
+    @classmethod
+    def for_run(cls, cfg: Config) -> RewardContext:
+        """Composition helper for entry points: `of` over the run's sections (holds no reference to `cfg`)."""
+        return cls.of(cfg.explorer, cfg.model, seed=cfg.run.seed)
