@@ -113,7 +113,7 @@ def apply_override(raw: dict[str, Any], item: str, renames: Mapping[str, str] = 
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected key.path=value")
     key, value = item.split("=", 1)
-    key = renamed(key.strip(), renames, f"--set {key.strip()}")
+    key = renamed(key.strip(), renames, "--set")
     parts = key.split(".")
     node = raw
     for part in parts[:-1]:
