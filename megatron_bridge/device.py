@@ -1,14 +1,13 @@
 """The CPU device shim: lets megatron-core run on a machine without a GPU (gloo backend).
 
-megatron-core assumes CUDA in places that have nothing to do with the maths (`torch.cuda.current_device()`,
-`device="cuda"`, `.cuda()` / `.to("cuda")`, CUDA RNG states for dropout, optimizer asserts on
-`torch.cuda.FloatTensor`). On a machine with no GPU, `install()` redirects exactly these to the CPU:
+megatron-core assumes CUDA where the maths does not need it; on a machine with no GPU, `install()` redirects
+exactly these to the CPU:
 1. A `TorchFunctionMode` (`_CudaToCpuMode`), pushed once: a `device=` naming CUDA (or an integer ordinal) becomes
    "cpu"; `Tensor.cuda()` returns the tensor; `Tensor.to(<cuda>)` goes to the CPU; `Tensor.type()` with no argument
    reports CPU tensors under their CUDA names (megatron compares type strings).
 2. On `torch.cuda`: `current_device` returns "cpu"; the RNG functions act on the CPU generator; `synchronize` and
    `empty_cache` do nothing; `Stream`, `current_stream`, `Event` and `stream(s)` are no-op stand-ins.
-3. `megatron.core.tensor_parallel.random`'s `_get/_set_cuda_rng_state` act on the CPU generator.
+3. `tensor_parallel.random`'s `_get/_set_cuda_rng_state` act on the CPU generator.
 4. MoE's `maybe_move_tensor_to_cpu` converts CPU tensors too (the all-to-all's split sizes).
 5. `tensor_parallel.mappings`' `_gather_along_first_dim` / `_reduce_scatter_along_first_dim` with uneven splits:
    gloo needs equal sizes, so the gather pads and cuts, the reduce-scatter all-reduces and keeps this rank's piece
@@ -16,8 +15,8 @@ megatron-core assumes CUDA in places that have nothing to do with the maths (`to
 
 Invariants: `install()` is a no-op returning False when `torch.cuda.is_available()`; on CPU it is idempotent and
 must run before megatron-core builds a model (`megatron_bridge.parallel.initialize` calls it first). The mode is
-pushed on the calling thread's stack, so megatron work must happen on that thread. Nothing changes numerics. The
-patches are process-wide: other code in a CPU process also sees CUDA devices go to the CPU.
+pushed on the calling thread's stack, so megatron work must happen on that thread. Nothing changes numerics; the
+patches are process-wide.
 """
 from __future__ import annotations
 

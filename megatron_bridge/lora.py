@@ -1,10 +1,9 @@
 """LoRA adapters on megatron-core's tensor-parallel linears, and their PEFT layout.
 
 Model: a targeted linear W computes `W x + s * B (A x)`, A [r, in], B [out, r], s = alpha / r; dropout applies to x
-on the adapter path only (as PEFT's). A starts Kaiming-uniform, B at zero, so version 0 is the base model. Base
-weights are frozen, so megatron's DDP buffers, the DP all-reduce, Adam's state and gradient clipping cover the
-adapters alone. Targets (`model.lora.target_modules`): `linear_qkv` (HF q/k/v_proj), `linear_proj` (o_proj),
-`linear_fc1` (gate/up_proj), `linear_fc2` (down_proj).
+on the adapter path only. A starts Kaiming-uniform, B at zero (version 0 is the base model). Base weights are
+frozen: DDP, Adam's state and gradient clipping cover the adapters alone. Targets (`model.lora.target_modules`):
+`linear_qkv` (HF q/k/v_proj), `linear_proj` (o_proj), `linear_fc1` (gate/up_proj), `linear_fc2` (down_proj).
 
 Tensor parallelism (Megatron-Bridge / NeMo's parallel adapters with megatron's region mappings; every TP layout
 computes the unsharded function and gradient):
@@ -14,10 +13,10 @@ computes the unsharded function and gradient):
   reduce_from_tensor_model_parallel_region(A_t x_t)`, then `B h` is added to the base's reduced output.
 Split parameters carry megatron's TP attributes; replicated ones count once, on TP rank 0. `sharded_state_dict`
 declares the same axes, so checkpoints reshard across TP/PP. No sequence parallelism, no TE fused layers.
+`load_adapter` requires a PEFT adapter's projections that share one A here to carry the same A.
 Initialisation is layout independent: each full A is drawn from (seed, global parameter name), each rank keeps its
-slice. PEFT layout (`adapter_mappings`): a LoRA on fused QKV is three PEFT adapters q/k/v_proj sharing A, B split as
-the base QKV mapping splits the weight; gate/up_proj share fc1's A. Names: `base_model.model.<hf module>.lora_A.weight`.
-`load_adapter` takes the shared A from q_proj (gate_proj) and requires k/v_proj (up_proj) to carry the same A.
+slice. PEFT layout (`adapter_mappings`, names `base_model.model.<hf module>.lora_A.weight`): a LoRA on fused QKV is
+three PEFT adapters q/k/v_proj sharing A (B split as the base QKV weight is), gate/up_proj share fc1's A.
 """
 from __future__ import annotations
 

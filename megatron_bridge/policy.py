@@ -1,8 +1,8 @@
 """`MegatronPolicy`: the trainer's model, a TP/PP/DP-sharded megatron GPTModel loaded from HF, with megatron's DDP,
 optimizer and pipeline schedule, behind the few operations the trainer needs.
 
-Every method is collective: create one policy per process on every rank and call the methods on all ranks in the
-same order. Each data-parallel rank passes its own micro-batches (the same list on every TP and PP rank of a replica).
+Every method is collective: one policy per process on every rank, methods called on all ranks in the same order;
+each data-parallel rank passes its own micro-batches (the same list on every TP and PP rank of a replica).
 
 Optimizer: megatron's `get_megatron_optimizer` (Adam, decoupled weight decay not on biases and norms, gradients
 clipped to `grad_clip` by the global norm, TP duplicates counted once). With Transformer Engine or Apex it is the
@@ -12,13 +12,11 @@ checkpoint there (KeyError 'step'). `distributed_optimizer` tells which. Learnin
 Reference model (`reference=True`): a frozen copy of `hf_dir` with the same sharding, in eval mode (with LoRA: the
 policy's base with adapters off). Teacher (`teacher=DIR`): another HF directory, frozen, sharded like the policy,
 with the policy's vocabulary size (ValueError otherwise); `teacher_logprobs` scores at the policy's temperature.
-`train_step` also reports `entropy` (a batch-contract sum over loss tokens, vocab-parallel, without gradients).
 Loss contract: `loss_fn` returns each micro-batch's contribution to the global step loss; megatron runs in
 per-token-loss mode (no division by micro-batches, no DP averaging), so gradients are those of the global loss.
-float16 only: megatron's dynamic loss scaler (overflowing steps skipped, `step_skipped` 1.0; starts at
-`initial_loss_scale`, 2^16). Checkpoints: megatron `dist_checkpointing` ("torch_dist", fully reshardable: saved at
-one TP/PP/DP, reloaded at another; works on CPU), with `rft_policy.json` (step count, layout); saves are synchronous
-and their results queue lives in this process (`checkpoint_results_in_process`).
+float16 only: megatron's dynamic loss scaler from `initial_loss_scale` (overflowing steps: `step_skipped` 1.0).
+Checkpoints: megatron `dist_checkpointing` ("torch_dist", fully reshardable across TP/PP/DP, works on CPU), with
+`rft_policy.json` (step count, layout); saves are synchronous (`checkpoint_results_in_process`).
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Off-policy corrections of the policy-gradient losses: the behaviour weight w of the decoupled objective, in one
-place for every algorithm built on GRPO's loss (grpo, rloo, reinforce_pp, gspo, cispo, ppo, chord,
-on_policy_distill; rft/algorithms/grpo.py).
+place for every algorithm built on GRPO's loss (rft/algorithms/grpo.py).
 
 Three policies (rft/algorithms/grpo.py): behaviour (`old_logprobs`, behav: the engine's, of the version that
 generated each token), proximal (prox: the weights the step starts from) and current (logp). With
@@ -16,9 +15,8 @@ The sequence mask combines with either token rule. `level="sequence"` (gspo) rep
 mean first. Without `off_policy_correction`, prox = behav and w = 1; asking for mis or a sequence mask is then a
 config error naming the key.
 
-Metrics (contributions to step sums, rft/algorithms/aggregation.py): `importance_weight_truncated_frac` (tis: tokens
-with rho_t >= cap), `importance_masked_frac` (tokens whose weight is 0), `sequence_masked_frac` (samples the
-sequence mask left out); the loss adds `importance_weight_mean`.
+Metrics (step-sum contributions): `importance_weight_truncated_frac` (tis: rho_t >= cap), `importance_masked_frac`
+(weight 0), `sequence_masked_frac` (samples masked out); the loss adds `importance_weight_mean`.
 """
 from __future__ import annotations
 

@@ -15,9 +15,8 @@ Which log-probs play which role: logp = `token_logprobs` (the current policy, th
 behav = `old_logprobs` (the weights the explorer sampled with); ref = `ref_logprobs` (read only when kl_coef > 0);
 prox = the centre of the trust region. `off_policy_correction: false`: prox = behav, w_t = 1.
 `off_policy_correction: true` (decoupled PPO): prox = the policy the step starts from, w_t the behaviour weight of
-exp(prox_t - behav_t) (rft/algorithms/correction.py). A micro-batch may carry `prox_logprobs`; without them prox =
-`token_logprobs` detached, exact because one step is one optimizer update.
-Tokens outside `loss_mask` never reach the loss: their log-ratios are zeroed before exponentiation.
+exp(prox_t - behav_t) (rft/algorithms/correction.py); prox is `prox_logprobs`, else `token_logprobs` detached (exact:
+one step is one optimizer update). Tokens outside `loss_mask` never reach the loss (log-ratios zeroed first).
 """
 from __future__ import annotations
 

@@ -15,10 +15,8 @@ A name is a registered key (`grpo`, `rloo`, `reinforce_pp`, `gspo`, `cispo`, `dp
         def advantages(self, rewards_per_group): ...
         def loss_fn(self, token_logprobs, micro_batch): ...
 
-The `algorithm:` section's other keys are built into the class's `Options` by `rft.config.build_section` (errors
-name `algorithm.<key>`); `Class(options)` is checked against the `Algorithm` interface. The trainer and the launcher
-know no algorithm by name: they provide what `algorithm.needs` (a `Needs`) declares (reference, teacher, critic,
-demonstrations, preference pairs, the step number).
+The section's other keys are built into `Options` by `rft.config.build_section` (errors name `algorithm.<key>`).
+The trainer and launcher know no algorithm by name: they provide what `algorithm.needs` (a `Needs`) declares.
 """
 from __future__ import annotations
 

@@ -12,13 +12,11 @@ Contract (what the durable broker's guarantees rest on):
   checks the condition, links or renames it into place and fsyncs the directory; only then is the 200 sent. An
   acknowledged PUT survives a SIGKILL (and, as far as fsync holds, a power loss); an interrupted one leaves the old
   object or the new one, never a torn one.
-- ETags are the quoted MD5 of the content. A GET or HEAD answers from one snapshot (body, length, ETag of one version).
-- Keys stay inside ROOT: an empty, `.` or `..` part, a NUL or a backslash is a 400; a PUT or POST without
-  Content-Length is a 411; a malformed length, max-keys or Range is a 400.
+- ETags are the quoted MD5 of the content; a GET or HEAD answers from one snapshot. Keys stay inside ROOT: an
+  empty, `.` or `..` part, a NUL or a backslash is a 400; no Content-Length is a 411; a malformed one is a 400.
 - One server per ROOT (the broker locks its data directory).
-`python -m rft.broker.objects ROOT [--port 0] [--ready-file PATH] [--access-log PATH]`: serves until SIGTERM /
-SIGINT; --ready-file receives the port (atomically) once it accepts; --access-log appends
-`METHOD /BUCKET/KEY?QUERY STATUS` per request.
+`python -m rft.broker.objects ROOT [--port 0] [--ready-file PATH] [--access-log PATH]`: serves until SIGTERM;
+--ready-file receives the port once it accepts; --access-log appends `METHOD /BUCKET/KEY?QUERY STATUS` per request.
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Task selection: which task the task publisher sends next (`data.selector`), and how task sets mix (`data.mix`).
 
-A pick is a pure function of what was published before (counts per set and per task, read back from the tasks topic
-after a restart), of the reward statistics (`RewardStats`, read back from the experiences topic) and of
-`data.shuffle_seed`; so a restarted publisher continues the sequence an uninterrupted one would have published.
+A pick is a pure function of what was published before, of the reward statistics (`RewardStats`) and of
+`data.shuffle_seed` (both read back from the topics after a restart), so a restarted publisher continues the sequence.
 
 - Mixing: each task set has a budget of `len(set) x epochs` picks. The next set is the one with the smallest
   `(picks so far + 1) / weight` among the sets with budget left (ties: the earlier set), so the sets' shares follow

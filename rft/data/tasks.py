@@ -1,5 +1,4 @@
-"""Task sets: a local dataset -> TaskRecords; publishing a selector's whole sequence (`rft publish CONFIG`, whose
-entry point is in rft/explorer/publisher.py).
+"""Task sets: a local dataset -> TaskRecords; publishing a selector's whole sequence (`rft publish`).
 
 Sources (`format`): `jsonl`, `parquet`, `hf_disk` (`save_to_disk`; a DatasetDict as `path:split`), `generated` (a toy
 or environment task named by `path`: rft.data.toy_tasks), `reasoning_gym` (rft/data/gym_tasks.py), `gsm8k` (JSONL
@@ -14,8 +13,7 @@ Each row becomes one TaskRecord:
 - `epoch`: how many times the task was published before, so `(task_id, epoch)` names one group;
 - `prompt`: `prompt_template` formatted with the row's fields (`{prompt}` is the `prompt_key` field);
 - `answer`: the `answer_key` field (`""`: none); `metadata`: the row's other fields.
-A row that lacks a key or whose template does not format is an error naming the row and key; rows are all checked
-before the first send, so nothing is published then.
+A row that lacks a key or does not format is an error naming row and key, before anything is sent.
 Publishing: a selector that reads no rewards (`sequential`, `shuffle`) has its whole sequence published at once
 (`publish_tasks` returns after the broker acknowledged every record); one that does (`curriculum`) runs online in
 the task publisher (rft/explorer/publisher.py), `data.tasks_ahead` tasks ahead of the explorers.

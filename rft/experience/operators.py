@@ -15,9 +15,8 @@ max_tokens=null, max_fraction=0.0)` and `repetition(n=4, max_ratio=0.5, max_frac
 than `max_fraction` of its responses are out of length bounds / above the n-gram repetition ratio; `dedup()` drops
 a group id seen before, including ones later operators dropped (put it first).
 
-Factory contract: `factory(context: OperatorContext, **args)` returns an object with `reason` (the metric name of
-its drops, None if it never drops), `apply(group) -> ExperienceGroup | None`, and optionally `state() -> dict`
-(JSON) and `load_state(dict)`. A bad argument is an `ArgumentError` naming it.
+Factory contract: `factory(context: OperatorContext, **args)` returns an object with `reason` (drops' metric name,
+None: never drops), `apply(group) -> ExperienceGroup | None`, optionally `state()` / `load_state(dict)` (JSON).
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The joiner (`rft joiner CONFIG`): served completions + their feedback -> experience groups, exactly once.
 
-Inputs: `<prefix>.served` (`ServedCompletion` per answered request) and `<prefix>.feedback` (`Feedback` per rewarded
-choice), keyed by request id. Output: `ExperienceGroup`s on `<prefix>.experiences` (serve mode). Rules (`Joining`,
-pure and clock-free):
+Inputs: `<prefix>.served` (`ServedCompletion`s) and `<prefix>.feedback` (`Feedback` per rewarded choice), keyed by
+request id. Output: `ExperienceGroup`s on `<prefix>.experiences`. Rules (`Joining`, pure and clock-free):
 - a request with `n > 1` choices is one group once every choice has its reward (`<run>/serve/<request id>`); at
   expiry the rewarded choices are a group and the rest count as expired;
 - single completions wait, by `prompt_key`, for `serve.group_size` rewarded ones of the same prompt (a group); one
@@ -11,15 +10,13 @@ pure and clock-free):
   `serve.group_size` samples or its oldest waited `serve.group_wait_s`; raw reward and baseline are kept as reward
   components `feedback` / `baseline`;
 - a completion without feedback after `serve.feedback_expire_s` expires (counted, never trained on); feedback for
-  an expired, rewarded or unknown choice is counted and dropped. Feedback read before its served record waits.
-Each completion (`request_id`, `index` in sample metadata; `completions` in the group's) is emitted at most once.
+  an expired, rewarded or unknown choice is counted and dropped; feedback read before its served record waits.
 
 Exactly-once (`Joiner`): one joiner per run, consumer group `<prefix>.joiner`. A cycle polls, joins, produces the
 ready groups, waits for the acks, then commits per partition the offset of the oldest record still held (else the
 position): the committed offsets are its checkpoint, so a SIGKILLed joiner loses nothing held. Before starting it
 reads the experiences topic from the oldest committed record's time (minus `RESCAN_MARGIN_S`) and treats every
-completion named there as done, so none is emitted twice. Counters (`Joining.counts`, `rft_joiner_<count>_total`)
-restart with the process.
+completion named there as done, so none is emitted twice.
 """
 from __future__ import annotations
 

@@ -15,9 +15,8 @@ Sender an explorer id: `explorer_join`, `explorer_heartbeat` (every explorer.hea
 explorers moved to consumer group `group`, epoch `epoch`, seeded with `offsets`: rft/explorer/membership.py),
 `admission_claim` and `admission_release` (partition 0; the admission ledger, rft/explorer/admission.py).
 
-`ControlView.apply()` folds messages into what the run has said so far. Partitions interleave, so the trainer's
-state follows the newest trainer message (an older one read later is ignored): the view never goes back in time.
-A malformed message is skipped and counted in `malformed`, never raised.
+`ControlView.apply()` folds messages; the trainer's state follows its newest message (partitions interleave; an older
+one read later is ignored), so the view never goes back in time. A malformed message is counted, never raised.
 """
 from __future__ import annotations
 

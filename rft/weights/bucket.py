@@ -16,8 +16,7 @@ version exists for readers once its manifest does), and `LATEST`. The directory 
   shard; every version keeps all its full files, so a host without the base downloads whole files.
 One writer per prefix; any number of readers. Readers never load from the bucket: each host's cache
 (rft.weights.cache) fetches or rebuilds a version once, checks it and hands engines a local directory.
-`BucketStore` reads and hands writing to its `BucketWriter`. Client: obstore. Endpoint and region from `sync.s3_*`
-or the AWS environment variables; credentials only from the environment, never the config (docs/security.md).
+`BucketStore` reads, its `BucketWriter` writes (obstore). Credentials only from the environment (docs/security.md).
 """
 from __future__ import annotations
 

@@ -16,8 +16,7 @@ Deadline and abort, on both sides: every collective is issued asynchronously and
 (ncclCommAbort on NCCL) and raises PushError, so failure never depends on the backend raising. NCCL settings this
 relies on: the push group is constructed with TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (restored afterwards, so the
 trainer's own groups keep the operator's setting) and TORCH_NCCL_BLOCKING_WAIT unset, with a backend timeout
-(`backend_timeout_s`) beyond rft's deadline; the trainer's own group timeout must exceed sync.timeout_s (its other
-ranks wait in the weight export while rank 0 pushes). The aborted group is released in a background thread.
+(`backend_timeout_s`) beyond rft's deadline; the trainer's own group timeout must exceed sync.timeout_s.
 """
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
 """The push path over vLLM's own weight transfer (`vllm.distributed.weight_transfer`, NCCL backend), for GPU fleets.
 
-Not exercised without a GPU: the NCCL data plane and an engine built with `weight_transfer_config`; the CPU tests
-cover the selection rule, the bucket-to-`update_weights` mapping and the control protocol over a real TCPStore.
+Not exercised without a GPU: the NCCL data plane and an engine built with `weight_transfer_config`.
 
 Selection (`push_transport`): `sync.method: push` + CUDA + `explorer.engine: vllm` uses this transport
 (`sync.push_transport: auto`); `rft` forces rft's own broadcast (rft.weights.push); `vllm` demands this one and
 fails naming what is missing. The trainer announces the choice in `PushGroup.backend` (`vllm-nccl`); an explorer
 that cannot follow refuses to join, so the group does not form and everyone falls back to pull.
-rft keeps the announcements, the TCPStore (hosted by the publishing rank) and the fallback; vLLM owns the NCCL group.
 
 Control protocol, through the TCPStore, JSON values (no pickle). Rank 0 is the trainer; each engine reserves
 `workers` (its TP x PP) consecutive ranks, adds them to the joined count, reads INIT_KEY and calls
