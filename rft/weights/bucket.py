@@ -207,7 +207,7 @@ class BucketStore:
     def stage(self, version: int, stages: int) -> Staging | None:
         """Open `version` for per-stage publishing: the stages write under its prefix (module docstring). None when
         it is published already."""
-        return self.writer.stage(version, stages)
+        return self.writer.open_staging(version, stages)
 
     def write_stage(self, staging: Staging, stage: int, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
         """Upload pipeline stage `stage`'s buckets under the version's prefix, then its `.stage-KK.json`; on failure
@@ -233,7 +233,7 @@ class BucketWriter:
         self._base: tuple[int, dict[str, tuple[dict, dict]]] | None = None  # version, shard -> (tensors, entry)
         self._base_lock = threading.Lock()
 
-    def stage(self, version: int, stages: int) -> Staging | None:
+    def open_staging(self, version: int, stages: int) -> Staging | None:
         check_stage_count(version, stages)
         if self.store.has(version):
             return None

@@ -199,7 +199,7 @@ class WeightStore:
     def stage(self, version: int, stages: int) -> Staging | None:
         """Open `version` for per-stage publishing by `stages` pipeline stages: creates its temporary directory.
         None when the version is published already (then `publish` without staging is a no-op)."""
-        return self.writer.stage(version, stages)
+        return self.writer.open_staging(version, stages)
 
     def write_stage(self, staging: Staging, stage: int, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
         """Write pipeline stage `stage`'s buckets (one safetensors shard each) into `staging.dir`, then its
@@ -235,7 +235,7 @@ class DirectoryWriter:
     def __init__(self, store: WeightStore):
         self.store = store
 
-    def stage(self, version: int, stages: int) -> Staging | None:
+    def open_staging(self, version: int, stages: int) -> Staging | None:
         check_stage_count(version, stages)
         if self.store.path(version).exists():
             return None
