@@ -50,7 +50,7 @@ ADAPTER_CONFIG = "adapter_config.json"  # ... and its PEFT config; its presence 
 # the push path (rft.weights.push) sends an adapter version as this uint8 tensor (its adapter_config.json, UTF-8)
 # first, then the adapter's tensors: what a receiver needs to write the PEFT directory (`save_pushed_adapter`)
 PUSHED_ADAPTER_CONFIG = "rft.adapter_config.json"
-CHECKSUM = "sha256"  # hashlib's, ~1 GB/s with the CPU's SHA extensions (faster than blake2b there)
+CHECKSUM = "sha256"  # hashlib's: faster than blake2b on CPUs with SHA extensions (docs/benchmarks.md)
 _VERSION_DIR = re.compile(r"v(\d{8})")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
