@@ -222,7 +222,7 @@ class WeightStore:
 
 
 def _local_dir(staging: Staging) -> Path:
-    """A directory store's staging directory (`DirectoryWriter.stage` and `Staging.from_json` make it a Path)."""
+    """A directory store's staging directory (`DirectoryWriter.open_staging` and `Staging.from_json` make it a Path)."""
     assert isinstance(staging.dir, Path), f"not a directory store's staging: {staging.dir!r}"
     return staging.dir
 
