@@ -1,45 +1,22 @@
-"""The CPU device shim: lets megatron-core 0.16.1 run on a machine without a GPU (gloo backend).
+"""The CPU device shim: lets megatron-core run on a machine without a GPU (gloo backend).
 
-megatron-core assumes CUDA in a handful of places that have nothing to do with the maths: it asks
-`torch.cuda.current_device()`, creates tensors with `device="cuda"`, moves tensors with `.cuda()` /
-`.to("cuda")`, keeps its dropout RNG states with the CUDA RNG functions, and its optimizer asserts
-that parameters are `torch.cuda.FloatTensor`. On a machine with no GPU, `install()` redirects exactly
-these to the CPU, and nothing else:
+megatron-core assumes CUDA where the maths does not need it; on a machine with no GPU, `install()` redirects
+exactly these to the CPU:
+1. A `TorchFunctionMode` (`_CudaToCpuMode`), pushed once: a `device=` naming CUDA (or an integer ordinal) becomes
+   "cpu"; `Tensor.cuda()` returns the tensor; `Tensor.to(<cuda>)` goes to the CPU; `Tensor.type()` with no argument
+   reports CPU tensors under their CUDA names (megatron compares type strings).
+2. On `torch.cuda`: `current_device` returns "cpu"; the RNG functions act on the CPU generator; `synchronize` and
+   `empty_cache` do nothing; `Stream`, `current_stream`, `Event` and `stream(s)` are no-op stand-ins.
+3. `tensor_parallel.random`'s `_get/_set_cuda_rng_state` act on the CPU generator.
+4. MoE's `maybe_move_tensor_to_cpu` converts CPU tensors too (the all-to-all's split sizes).
+5. `tensor_parallel.mappings`' `_gather_along_first_dim` / `_reduce_scatter_along_first_dim` with uneven splits:
+   gloo needs equal sizes, so the gather pads and cuts, the reduce-scatter all-reduces and keeps this rank's piece
+   (same sums, more bytes); equal splits go to megatron's own functions.
 
-1. A `torch.overrides.TorchFunctionMode` (`_CudaToCpuMode`), pushed once for the whole process:
-   - any `device=` keyword argument naming CUDA (`"cuda"`, `"cuda:N"`, `torch.device("cuda")`, or an
-     integer, which torch reads as a CUDA ordinal) becomes `"cpu"`;
-   - `Tensor.cuda(...)` returns the tensor itself (it is already on the CPU);
-   - `Tensor.to(...)` with a CUDA device (positional or keyword) goes to the CPU instead;
-   - `Tensor.type()` called with no argument (a query, not a cast) reports CPU tensors under their
-     CUDA names (`torch.FloatTensor` -> `torch.cuda.FloatTensor`), because megatron's optimizer and
-     grad-clipping check parameter types by comparing against those strings.
-2. Functions replaced on `torch.cuda`: `current_device` returns `"cpu"`; `get_rng_state`,
-   `set_rng_state` and `manual_seed` act on the CPU generator; `synchronize` and
-   `empty_cache` do nothing; `Stream`, `current_stream` and `Event` give stand-in streams whose waits,
-   events and synchronisations do nothing, and `stream(s)` is a no-op context (megatron's MoE all-to-all
-   dispatcher copies its token counts device-to-host on a side stream; on the CPU everything is
-   already synchronous and on the host).
-3. Functions replaced on `megatron.core.tensor_parallel.random`: `_get_cuda_rng_state` and
-   `_set_cuda_rng_state` act on the CPU generator (megatron's `CudaRNGStatesTracker`, used for
-   tensor-parallel dropout and initialisation, forks and restores RNG state through them).
-4. `maybe_move_tensor_to_cpu` of megatron's MoE utilities (also as imported by its token dispatcher):
-   the all-to-all dispatcher asks it for the split sizes of its all-to-all as numpy arrays, but it converts
-   only CUDA tensors; here a CPU tensor is converted too (torch's all_to_all_single takes sequences,
-   not tensors, as split sizes).
-5. `_gather_along_first_dim` and `_reduce_scatter_along_first_dim` of `megatron.core.tensor_parallel.mappings`
-   when given uneven split sizes (the MoE dispatcher's tokens per tensor-parallel rank): gloo's all_gather
-   needs equal sizes and it has no list reduce_scatter, so the uneven gather pads every piece to the largest
-   and cuts the padding off, and the uneven reduce-scatter all-reduces the whole tensor and keeps this
-   rank's piece. Same sums, more bytes moved; equal splits go to megatron's own functions.
-
-Invariants: `install()` is a no-op returning False when `torch.cuda.is_available()`; on CPU it is
-idempotent and must run before megatron-core builds a model (`megatron_bridge.parallel.initialize`
-calls it first). The mode is pushed on the calling thread's torch-function-mode stack, so megatron
-work must happen on that thread (autograd's CPU backward runs there too). Nothing here changes
-numerics: every redirected call does on the CPU what it would have done on the GPU. The patches are
-process-wide: other code in a CPU process also sees CUDA device arguments go to the CPU and
-`Tensor.type()` report CUDA names.
+Invariants: `install()` is a no-op returning False when `torch.cuda.is_available()`; on CPU it is idempotent and
+must run before megatron-core builds a model (`megatron_bridge.parallel.initialize` calls it first). The mode is
+pushed on the calling thread's stack, so megatron work must happen on that thread. Nothing changes numerics; the
+patches are process-wide.
 """
 from __future__ import annotations
 

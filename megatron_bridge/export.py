@@ -1,27 +1,20 @@
 """Export a TP/PP-sharded megatron model back to Hugging Face tensors, streamed in buckets.
 
-Protocol (call on every rank, and consume the iterator to the end on every rank):
-for each HF tensor group in a fixed global order (embedding, layer 0..L-1, final norm, output layer),
-the owning pipeline stage's TP ranks of data-parallel replica 0 (for a routed expert's weights: of the
-expert-parallel rank holding that expert, expert data-parallel replica 0) gather their shards to TP rank 0
-(`dist.gather` over the TP group), and that rank merges them into full HF tensors. Then, by mode:
-
-- funnel (`per_stage=False`; the push path and `save_hf`): when TP rank 0 is not global rank 0, it
-  sends the tensors point-to-point to global rank 0 (a small shape/dtype header, then the data).
-  Global rank 0, the publishing rank, packs every tensor of the model into buckets; other ranks take
-  part in the collectives and yield nothing.
-- per stage (`per_stage=True`; the pull path): no point-to-point hop for dense weights (a routed expert's
-  held on another expert-parallel rank of the stage is sent to the publisher). Each stage's publisher (TP rank 0
-  of data-parallel replica 0: `ParallelLayout.is_stage_publisher`) packs the tensors its own stage owns
-  into buckets, in the same global order; the stages run in parallel. Every HF tensor is yielded by
-  exactly one stage (the embedding by the first, the final norm and output layer by the last; the
-  last stage's copy of a tied embedding is not exported: no `lm_head.weight` for tied embeddings).
-
+Protocol (call on every rank, and consume the iterator to the end on every rank): for each HF tensor group in a fixed
+global order (embedding, layer 0..L-1, final norm, output layer), the owning pipeline stage's TP ranks of
+data-parallel replica 0 (a routed expert's: of the expert-parallel rank holding it, expert-DP replica 0) gather their
+shards to TP rank 0, which merges them into full HF tensors. Then, by mode:
+- funnel (`per_stage=False`; the push path and `save_hf`): TP rank 0 sends the tensors point-to-point to global rank
+  0 (a shape/dtype header, then the data), which packs every tensor into buckets; other ranks yield nothing.
+- per stage (`per_stage=True`; the pull path): each pipeline stage's publisher (TP rank 0 of DP replica 0:
+  `ParallelLayout.is_stage_publisher`) packs the tensors its stage owns, in the same global order; stages run in
+  parallel; only a routed expert held on another expert-parallel rank is sent. Every HF tensor is yielded by exactly
+  one stage (embedding: first; final norm and output layer: last; a tied embedding's last-stage copy: never).
 Replicas with data-parallel rank > 0 hold identical weights and are idle.
 
-Memory bound on a yielding rank: one bucket (at most `bucket_bytes`, or a single larger tensor)
-plus the HF tensors of the one parameter being converted. Yielded tensors live on the compute device
-(CUDA on GPU, CPU otherwise); the consumer must drop a bucket before asking for the next.
+Memory bound on a yielding rank: one bucket (at most `bucket_bytes`, or a single larger tensor) plus the HF tensors
+of the parameter being converted. Yielded tensors live on the compute device; the consumer must drop a bucket
+before asking for the next.
 """
 from __future__ import annotations
 

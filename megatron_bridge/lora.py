@@ -1,38 +1,22 @@
 """LoRA adapters on megatron-core's tensor-parallel linears, and their PEFT layout.
 
-Model. For a targeted linear with weight W (HF [out, in]) the layer computes `W x + s * B (A x)`, A [r, in],
-B [out, r], s = alpha / r (PEFT's `lora_alpha / r`); dropout (`model.lora.dropout`) applies to x on the adapter
-path only, as PEFT's. A starts Kaiming-uniform (PEFT's default), B at zero, so version 0 is the base model. The base
-weights are frozen (`requires_grad=False`): megatron's DDP allocates gradient buffers, and its optimizer builds
-parameter groups, only for parameters that require gradients (megatron.core.distributed.DistributedDataParallel,
-megatron.core.optimizer._get_param_groups), so the data-parallel all-reduce, Adam's state and the gradient-norm
-clipping cover the adapters alone.
+Model: a targeted linear W computes `W x + s * B (A x)`, A [r, in], B [out, r], s = alpha / r; dropout applies to x
+on the adapter path only. A starts Kaiming-uniform, B at zero (version 0 is the base model). Base weights are
+frozen: DDP, Adam's state and gradient clipping cover the adapters alone. Targets (`model.lora.target_modules`):
+`linear_qkv` (HF q/k/v_proj), `linear_proj` (o_proj), `linear_fc1` (gate/up_proj), `linear_fc2` (down_proj).
 
-Targets (megatron names of the local layer spec; `model.lora.target_modules`): `linear_qkv` (HF q_proj, k_proj,
-v_proj), `linear_proj` (o_proj), `linear_fc1` (gate_proj, up_proj), `linear_fc2` (down_proj).
-
-Tensor parallelism, the scheme of Megatron-Bridge / NeMo's parallel adapters expressed with megatron's own
-region mappings, so that every TP layout computes the unsharded function and gradient:
-- column-parallel base (linear_qkv, linear_fc1; W split on out): A replicated [r, in], B split on out
-  [out/tp, r]. `h = A x` is computed on every rank; `copy_to_tensor_model_parallel_region(h)` (identity forward,
-  all-reduce backward) before B makes A's gradient (and the adapter's input gradient) the full one on every rank.
-- row-parallel base (linear_proj, linear_fc2; W split on in, input already split): A split on in [r, in/tp],
-  B replicated [out, r]. `h = reduce_from_tensor_model_parallel_region(A_t x_t)` (all-reduce forward, identity
-  backward), then `B h` is added to the base layer's reduced output.
-Split parameters carry megatron's tensor-parallel attributes (so gradient clipping counts them on every rank);
-replicated ones are counted once, on TP rank 0 (megatron's `param_is_not_tensor_parallel_duplicate`). Checkpoints
-(`sharded_state_dict`) declare the same split axes, so dist_checkpointing reshards adapters across TP/PP. Sequence
-parallelism and Transformer Engine's fused layers are not supported (a LoRA model is built with the local spec).
-
-Initialisation is layout independent: each adapter's full A is drawn from a generator seeded by (seed, global
-parameter name) and each rank keeps its slice, so a model at TP=2 or PP=2 starts from the unsharded one's adapters.
-
-PEFT layout (`adapter_mappings`): a LoRA on megatron's fused QKV is exactly three PEFT adapters q_proj, k_proj,
-v_proj sharing A: y_q = W_q x + s B_q A x, with B split into its q, k and v rows as the base QKV mapping splits the
-weight (group-interleaved). Likewise gate_proj and up_proj share fc1's A and take B's gate and up halves. Names are
-PEFT's for the HF model: `base_model.model.<hf module>.lora_A.weight`. Loading a PEFT adapter
-(`load_adapter`) takes the shared A from q_proj (gate_proj) and checks that k_proj and v_proj (up_proj) carry the
-same A: an adapter trained elsewhere with separate A per projection cannot be represented on the fused layer.
+Tensor parallelism (Megatron-Bridge / NeMo's parallel adapters with megatron's region mappings; every TP layout
+computes the unsharded function and gradient):
+- column-parallel base (linear_qkv, linear_fc1): A replicated [r, in], B split on out; `h = A x` then
+  `copy_to_tensor_model_parallel_region(h)` before B, so A's gradient is the full one on every rank.
+- row-parallel base (linear_proj, linear_fc2): A split on in, B replicated; `h =
+  reduce_from_tensor_model_parallel_region(A_t x_t)`, then `B h` is added to the base's reduced output.
+Split parameters carry megatron's TP attributes; replicated ones count once, on TP rank 0. `sharded_state_dict`
+declares the same axes, so checkpoints reshard across TP/PP. No sequence parallelism, no TE fused layers.
+`load_adapter` requires a PEFT adapter's projections that share one A here to carry the same A.
+Initialisation is layout independent: each full A is drawn from (seed, global parameter name), each rank keeps its
+slice. PEFT layout (`adapter_mappings`, names `base_model.model.<hf module>.lora_A.weight`): a LoRA on fused QKV is
+three PEFT adapters q/k/v_proj sharing A (B split as the base QKV weight is), gate/up_proj share fc1's A.
 """
 from __future__ import annotations
 

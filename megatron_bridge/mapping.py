@@ -1,26 +1,20 @@
 """Parameter mappings between Hugging Face tensors and tensor-parallel megatron shards.
 
-Each architecture (megatron_bridge/models/*.py) declares a table of these; the sharding arithmetic
-lives here once. A mapping knows one megatron parameter name (with `*` standing for the layer index and,
-for a routed expert's weights, `#` for the expert index) and the HF tensor name(s) it comes from, and
-converts in both directions:
-
-- `load_shard(source, tp_rank, tp_size, dims)`: this TP rank's megatron shard, reading only the HF
-  rows/columns it needs from a `TensorSource` (safetensors slices).
-- `merge_shards(shards, dims)`: given the shards of all TP ranks in rank order, the full HF tensors.
+Each architecture (megatron_bridge/models/*.py) declares a table of these; the sharding arithmetic lives here once.
+A mapping knows one megatron parameter name (`*` for the layer index, `#` for a routed expert's index) and the HF
+tensor name(s) it comes from, and converts both ways: `load_shard(source, tp_rank, tp_size, dims)` reads only this TP
+rank's rows/columns from a `TensorSource`; `merge_shards(shards, dims)` joins all TP ranks' shards into HF tensors.
 
 Megatron layouts (TP splits along the stated dimension):
 - column-parallel linear weight/bias: [out, in], split on out (dim 0);
 - row-parallel linear weight: [out, in], split on in (dim 1);
-- vocabulary-parallel embedding / output layer: [padded_vocab, hidden], split on dim 0; rows past
-  the real vocabulary are zero on load and dropped on export;
-- fused QKV: per query group g, `heads_per_group` query heads, then one key head, then one value
-  head, each `head_dim` rows; TP splits whole groups;
-- fused gated MLP (SwiGLU fc1): [gate; up] per TP shard, each half split on dim 0 (dense MLP, each
-  routed expert and the shared expert alike: their sizes come from the HF tensors' shapes).
-
-Expert parallelism does not split tensors: an expert-parallel rank holds whole experts (`#` resolved to
-the global expert index by `for_expert`); which rank holds which is `megatron_bridge.model`'s business.
+- vocabulary-parallel embedding / output layer: [padded_vocab, hidden], split on dim 0; rows past the real
+  vocabulary are zero on load and dropped on export;
+- fused QKV: per query group, `heads_per_group` query heads, one key head, one value head, each `head_dim` rows;
+  TP splits whole groups;
+- fused gated MLP (SwiGLU fc1): [gate; up] per TP shard, each half split on dim 0 (dense, routed and shared experts).
+Expert parallelism does not split tensors: an expert-parallel rank holds whole experts (`for_expert` resolves `#`);
+which rank holds which is `megatron_bridge.model`'s business.
 """
 from __future__ import annotations
 

@@ -1,60 +1,22 @@
-"""`MegatronPolicy`: the trainer's model — a TP/PP/DP-sharded megatron GPTModel loaded from HF, with
-megatron's DDP, optimizer and pipeline schedule, behind the few operations the trainer needs.
+"""`MegatronPolicy`: the trainer's model, a TP/PP/DP-sharded megatron GPTModel loaded from HF, with megatron's DDP,
+optimizer and pipeline schedule, behind the few operations the trainer needs.
 
-Every method is collective: create one policy per process on every rank (torchrun / srun) and call
-the methods on all ranks in the same order. Data parallelism: each data-parallel rank passes its own
-micro-batches (the same list on every TP and PP rank of one replica).
+Every method is collective: one policy per process on every rank, methods called on all ranks in the same order;
+each data-parallel rank passes its own micro-batches (the same list on every TP and PP rank of a replica).
 
-Optimizer: always megatron's `get_megatron_optimizer` (Adam, decoupled weight decay not applied to
-biases and norm weights; gradients clipped to `grad_clip` by the global norm over all model-parallel
-ranks, each tensor-parallel duplicate counted once: megatron's `clip_grad_by_total_norm_fp32`).
-On CPU, `megatron_bridge.device` makes its CUDA type assertions accept CPU tensors. With Transformer
-Engine or Apex installed (GPU production) it is megatron's distributed optimizer (state sharded over
-data-parallel ranks, fused Adam). Without them (CPU, or a bare GPU install) megatron falls back to
-torch's AdamW (run by its fused kernel on the CPU: `_fuse_cpu_adam`), and megatron-core 0.16.1's distributed
-optimizer then cannot reload a checkpoint
-(`_set_main_param_and_optimizer_states` expects a per-parameter "step" tensor that the
-fully-reshardable format does not store: KeyError 'step'), so there the non-distributed megatron
-optimizer is used (state replicated over data-parallel ranks), which reshards correctly.
-`distributed_optimizer` tells which one a policy has. Learning rate and weight decay are constant
-(megatron's `OptimizerParamScheduler`, stepped once per optimizer step).
-
-Reference model (`reference=True`, for KL penalties and DPO): a second, frozen copy of the HF
-weights at `hf_dir` (the initial policy, whatever checkpoint the policy loads later) with the same
-TP/PP sharding; no DDP wrapper, no optimizer, no gradients, always in eval mode. It doubles the
-model's parameter memory on each rank, not the optimizer's. With LoRA there is no copy: the reference is the
-policy's frozen base, run with its adapters switched off (`megatron_bridge.lora.disabled`).
-
-Teacher model (`teacher=DIR`, for on-policy distillation): the same machinery loaded from another HF directory
-(any architecture the bridge loads, sharded at the policy's TP/PP), frozen; it must have the policy's vocabulary
-size (ValueError naming both directories otherwise, before anything is built). `teacher_logprobs` scores the
-micro-batches' tokens with it, at the policy's temperature.
-
-Metrics of `train_step` besides the loss function's: `entropy`, the mean entropy of the current
-policy's next-token distribution over loss tokens (a sum in the batch-contract sense: sum over
-this micro-batch's loss tokens / global_tokens), computed vocab-parallel without gradients.
-
-Loss scaling contract (batch contract): `loss_fn` returns each micro-batch's contribution to the
-global step loss. megatron runs in per-token-loss mode, so it neither divides by the number of
-micro-batches nor averages gradients over data-parallel ranks: gradients are those of the sum of
-contributions, which is the global loss.
-
-Loss scaling (float16 only; bfloat16 and float32 train unscaled): megatron's dynamic loss scaler. Each
-micro-batch's loss is multiplied by the current scale S before backward (the model config's `grad_scale_func`),
-and the optimizer divides the float16 gradients by S into its float32 main gradients. A step whose gradients
-overflow is skipped (`step_skipped` 1.0, weights unchanged) and S halves from the second overflow on (megatron's
-`DynamicGradScaler` with hysteresis 2, whose count resets only when S grows); after 1000 clean steps in a row S
-doubles.
-S starts at `initial_loss_scale` (2^16, torch's GradScaler default; megatron's own 2^32 skips the first ~17
-steps of a run while it backs off, a large share of an RL run's steps).
-
-Checkpoints: megatron `dist_checkpointing` (PyTorch distributed checkpoint format, "torch_dist"),
-model and optimizer in the fully reshardable layout, so a checkpoint saved at one TP/PP/DP reloads
-at another; it works on CPU under gloo. Beside it, `rft_policy.json` records the step count and the
-layout it was saved at. Saves are synchronous (`dist_checkpointing.save`: each rank forks its writer processes,
-waits for them and collects their results itself), so the queue megatron hands those results through lives in this
-process (`checkpoint_results_in_process`); megatron's own choice, a manager process started with "spawn", cost a
-process per trainer rank that outlived a trainer killed with SIGKILL.
+Optimizer: megatron's `get_megatron_optimizer` (Adam, decoupled weight decay not on biases and norms, gradients
+clipped to `grad_clip` by the global norm, TP duplicates counted once). With Transformer Engine or Apex it is the
+distributed optimizer (state sharded over DP ranks); without them torch's AdamW (fused CPU kernel, `_fuse_cpu_adam`)
+with the non-distributed optimizer, because megatron-core's distributed optimizer cannot reload a fully reshardable
+checkpoint there (KeyError 'step'). `distributed_optimizer` tells which. Learning rate and weight decay are constant.
+Reference model (`reference=True`): a frozen copy of `hf_dir` with the same sharding, in eval mode (with LoRA: the
+policy's base with adapters off). Teacher (`teacher=DIR`): another HF directory, frozen, sharded like the policy,
+with the policy's vocabulary size (ValueError otherwise); `teacher_logprobs` scores at the policy's temperature.
+Loss contract: `loss_fn` returns each micro-batch's contribution to the global step loss; megatron runs in
+per-token-loss mode (no division by micro-batches, no DP averaging), so gradients are those of the global loss.
+float16 only: megatron's dynamic loss scaler from `initial_loss_scale` (overflowing steps: `step_skipped` 1.0).
+Checkpoints: megatron `dist_checkpointing` ("torch_dist", fully reshardable across TP/PP/DP, works on CPU), with
+`rft_policy.json` (step count, layout); saves are synchronous (`checkpoint_results_in_process`).
 """
 from __future__ import annotations
 
@@ -456,8 +418,8 @@ def checkpoint_results_in_process() -> None:
     writer's `write_preloaded_data_multiproc` in the calling process: it forks one writer per bucket, gathers their
     results through its own fork queue and puts the dict on this queue, which `retrieve_write_results` then reads
     in the same process. Megatron's default is a `multiprocessing` manager started with "spawn" (built for async
-    saves, where another process puts): a process per rank, 6-7 s of CPU each (it imports torch to unpickle the
-    results), and one that outlived a trainer killed with SIGKILL. Idempotent; a queue megatron already has is kept."""
+    saves, where another process puts): a process per rank that imports torch to unpickle the results, and one
+    that outlived a trainer killed with SIGKILL. Idempotent; a queue megatron already has is kept."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async  # heavy: megatron.core
 
     if filesystem_async._results_queue is None:
@@ -519,11 +481,11 @@ def _torch_adams(optimizer) -> list[torch.optim.Optimizer]:
 def _fuse_cpu_adam(optimizer) -> None:
     """Run megatron's torch AdamW fallback by torch's fused kernel where its parameters are on the CPU.
 
-    megatron builds `torch.optim.AdamW` without `fused`, and on CPU tensors torch then takes its per-tensor loop:
-    0.36 s a step for the flagship's 128 M float32 main parameters on one core, against 0.08 s fused (the same
-    update, one vectorised pass). The flag is a parameter group's, so a checkpoint's groups bring back theirs:
-    `load_checkpoint` calls this again. The step counters of both paths are float32 CPU tensors, so a state saved
-    by either loads into the other. GPU parameters are left to megatron (TE's or Apex's fused Adam in production)."""
+    megatron builds `torch.optim.AdamW` without `fused`, and on CPU tensors torch then takes its per-tensor loop;
+    fused, the same update is one vectorised pass (docs/benchmarks.md). The flag is a parameter group's, so a
+    checkpoint's groups bring back theirs: `load_checkpoint` calls this again. The step counters of both paths are
+    float32 CPU tensors, so a state saved by either loads into the other. GPU parameters are left to megatron (TE's
+    or Apex's fused Adam in production)."""
     for adam in _torch_adams(optimizer):
         for group in adam.param_groups:
             if group["params"] and all(p.device.type == "cpu" for p in group["params"]):

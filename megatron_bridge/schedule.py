@@ -1,27 +1,20 @@
 """Megatron's pipeline schedule (`get_forward_backward_func()`) over batch-contract micro-batches.
 
-Every rank of a model replica (all its TP and PP ranks) passes the same list of micro-batches; the
-first stage embeds `input_ids`, the last stage turns its vocabulary-parallel logits into results.
-`run(...)` returns, on the last pipeline stage, one result per micro-batch in order; on other
-stages an empty list.
+Every rank of a model replica (all its TP and PP ranks) passes the same list of micro-batches; the first stage
+embeds `input_ids`, the last stage turns its vocabulary-parallel logits into results. `run(...)` returns, on the
+last pipeline stage, one result per micro-batch in order; on other stages an empty list.
 
-Megatron's rotary embedding uses positions 0..T-1 whatever `position_ids` says, so position_ids
-must be that (right-padded rows); `check_micro_batch` refuses anything else. Micro-batches may differ in shape
-[b_i, T_i] when the pipeline has one stage (token-budget micro-batches); with `packed`, each runs as one packed
-sequence (megatron_bridge.packing) and `on_logits` still sees the padded [b, T, V/tp] layout.
+position_ids must be 0..T-1 (right-padded rows: megatron's rotary embedding ignores them); `check_micro_batch`
+refuses anything else. Micro-batches may differ in shape [b_i, T_i] with one pipeline stage; with `packed` each runs
+as one packed sequence (megatron_bridge.packing) and `on_logits` still sees the padded [b, T, V/tp] layout.
+With sequence parallelism (turned on for MoE at TP > 1) each micro-batch is right-padded to a multiple of TP and the
+logits cut back to T before `on_logits`.
 
-With sequence parallelism (megatron requires it to train a mixture of experts at TP > 1; the bridge turns it
-on then) the sequence is split over the TP ranks, so each micro-batch is right-padded here to a multiple of
-TP (padding tokens at the end change no earlier position's output under causal attention) and the logits
-are cut back to T before `on_logits`.
-
-With `head_from_loss`, the output layer (the LM head: [h, V/tp] per position, ~20% of a small model's FLOPs) runs
-only from each micro-batch's first position with `loss_mask` > 0 to its end: prompt positions before it produce no
-logits (their hidden states still feed every later position through attention, so the logits it does produce are
-those of the full forward). `on_logits` then sees logits [b, T - first, V/tp] and the micro-batch cut the same way
-(`cut_positions`), with `head_from` = first. The trainer's step uses it (MegatronPolicy.train_step); forward-only
-log-probs keep every position. Not with packing or sequence parallelism (their hidden states are not one [T, b, h]
-block).
+With `head_from_loss`, the output layer runs only from each micro-batch's first position with `loss_mask` > 0 to its
+end (earlier positions still feed later ones through attention, so the logits produced are the full forward's):
+`on_logits` then sees logits [b, T - first, V/tp] and the micro-batch cut the same way (`cut_positions`), with
+`head_from` = first. The training step uses it; forward-only log-probs keep every position. Not with packing or
+sequence parallelism.
 """
 from __future__ import annotations
 

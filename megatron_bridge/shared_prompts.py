@@ -1,26 +1,20 @@
 """Shared prompts: the rows of a micro-batch that start with the same prompt run it once (`trainer.share_prompts`).
 
-A GRPO group is n samples of one prompt, so a batch-contract micro-batch of one group holds the prompt n times: on
-the flagship (a ~35-token prompt, 2-8 response tokens, n = 8) most of a training step's positions are the
-same prompt again. Here a micro-batch's rows run as one sequence [1, S] laid out group by group:
+A GRPO group is n samples of one prompt, so a micro-batch of one group holds the prompt n times. Here a
+micro-batch's rows run as one sequence [1, S] laid out group by group:
 
     prompt of group g (positions 0..p-1) | row a's response inputs (p..n_a-1) | row b's (p..n_b-1) | ... | group g+1
 
-(a row's input positions are its tokens but the last, `row_lens`; `prompt_lens` [b] says where its response starts).
-Attention is masked so that each token sees exactly what it saw in its own row: a prompt token its group's earlier
-prompt tokens; a response token its group's whole prompt and its own row's earlier response tokens. Rotary positions
-are each token's position in its row (the rotary table is indexed by them), so every hidden state is the one the row
-computes alone, up to float rounding, and the gradient of a shared prompt position is the sum of what each row sends
-it: the step is the padded step's, with ~5x fewer positions on the flagship.
+(`row_lens`: a row's input positions; `prompt_lens` [b]: where its response starts). Attention is masked so each
+token sees exactly what it saw in its own row, and rotary positions are each token's position in its row, so every
+hidden state is the row's own (up to float rounding) and a shared prompt position's gradient is the sum of its
+rows': the step is the padded step's, on fewer positions (docs/benchmarks.md).
+The output layer runs only from position p - 1 to n_i - 1; the logits are scattered into the cut layout [b, T -
+first, V/tp] that `schedule.run` hands `on_logits` (`head_from_loss`), zeros elsewhere (loss_mask 0 there).
 
-The output layer runs only where a row has a target from its first response prediction on (position p - 1, the
-prompt's last, shared by the group's rows, to n_i - 1); the logits are scattered into the cut layout [b, T - first,
-V/tp] that `schedule.run` hands `on_logits` (`head_from_loss`), zeros elsewhere (those positions have loss_mask 0).
-
-Where it applies (`applies`): megatron's local layer spec (an explicit [S, S] mask; Transformer Engine's fused
-attention is not given one here: use `pack_sequences` there), rotary position embeddings, a dense model (a mixture of
-experts' load-balancing loss would see fewer tokens), one pipeline stage, no sequence parallelism, no routing replay.
-A micro-batch in which no two rows share a prompt runs padded as before (nothing to save).
+Where it applies (`applies`): megatron's local layer spec (an explicit [S, S] mask; with Transformer Engine use
+`pack_sequences`), rotary embeddings, a dense model, one pipeline stage, no sequence parallelism, no routing replay.
+A micro-batch in which no two rows share a prompt runs padded.
 """
 from __future__ import annotations
 

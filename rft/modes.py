@@ -1,9 +1,8 @@
 """What each run mode means: the one table of modes, and the staleness of a sample.
 
-Definitions (docs/architecture.md). Version 0 is the initial weights; optimizer step s consumes one batch and produces
-version s. A sample generated with weights `policy_version` and used in step s has staleness
-`(s - 1) - policy_version` (`staleness()`); the mode's bound k is the largest staleness a sample may have when
-it is used (`staleness_bound()`):
+Version 0 is the initial weights; optimizer step s produces version s (docs/architecture.md, "Glossary"). A sample
+generated with `policy_version` and used in step s has staleness `(s - 1) - policy_version` (`staleness()`); the
+mode's bound is the largest staleness a sample may have when it is used (`staleness_bound()`):
 
     mode        bound                explorers  trainer  trainer publishes weights  admission waits at
     sync        0                    yes        yes      yes                        0
@@ -14,16 +13,10 @@ it is used (`staleness_bound()`):
     train       none                 no         yes      yes (explorers elsewhere)  -
     serve       none                 no         yes      yes (for `rft serve`)      -
 
-In serve mode the experience comes from traffic: `rft serve` answers requests with the newest weights and records
-them, the joiner turns rewarded completions into groups (rft/serve/); `rft run` starts both beside the trainer.
-
-Admission (`explorer.admission: staleness`, rft/explorer/admission.py) holds explorers back at the mode's
-admission bound (`admission_bound()`); the trainer drops what exceeds the mode's bound (rft/trainer/staleness.py).
-The two differ in async mode only: its explorers wait once they run `run.async_max_staleness` versions ahead of the
-trainer (flow control: an explorer faster than its trainer otherwise fills the topic with ever older samples; null
-turns it off), and the trainer keeps every sample, late ones included (the off-policy correction weighs them). Every
-other module asks this one (`MODES`, `mode()`) rather than listing mode names itself. This module imports nothing from
-rft.
+Serve mode's experience comes from traffic (`rft serve` and the joiner, rft/serve/). Admission holds explorers back
+at the mode's admission bound (`admission_bound()`); the trainer drops what exceeds the mode's bound. They differ in
+async mode only: its explorers wait `run.async_max_staleness` versions ahead of the trainer (null: never), and the
+trainer keeps every sample (the off-policy correction weighs them). Other modules ask this one (`MODES`, `mode()`).
 """
 from __future__ import annotations
 

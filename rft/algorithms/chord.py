@@ -1,30 +1,21 @@
 """CHORD (Zhang et al. 2025, "On-Policy RL Meets Off-Policy Experts"): expert demonstrations trained by SFT inside
 the policy-gradient steps, with a scheduled weight.
 
-A step's rows are of two kinds: the policy's own samples (policy-gradient rows) and expert demonstrations
-(`demo_mask` 1: rows of one-sample groups from rft/data/demonstrations.py). With mu = mu(step),
-    loss = (1 - mu) * L_rl + mu * L_sft
-- L_rl: GRPO's loss (clipped surrogate, optional KL, off-policy correction; rft/algorithms/grpo.py) over the
-  policy-gradient rows only, aggregated by `algorithm.loss_agg` with their own counts: N_rl = global_tokens -
-  global_demo_tokens, S_rl = global_sequences - global_demo_sequences;
-- L_sft: the negative log-likelihood -logp_t of the demonstration tokens, aggregated by `loss_agg` over the
-  demonstrations' own counts N_sft = global_demo_tokens, S_sft = global_demo_sequences.
-A demonstration's tokens never enter L_rl (its advantage and behaviour log-probs are ignored), a policy sample's
-never enter L_sft. A step without demonstrations gives (1 - mu) * L_rl (and one without policy rows mu * L_sft).
-Each part is a sum over rows, so micro-batch and data-parallel splits change nothing (the batch contract).
-
-The schedule (`chord_mu_schedule`), with T = `chord_mu_steps` and p = min(step - 1, T) / T (p = 1 when T = 0):
+A step's rows are the policy's own samples and expert demonstrations (`demo_mask` 1: one-sample groups from
+rft/data/demonstrations.py). With mu = mu(step), loss = (1 - mu) * L_rl + mu * L_sft:
+- L_rl: GRPO's loss (rft/algorithms/grpo.py) over the policy rows only, aggregated by `algorithm.loss_agg` with their
+  own counts (global_tokens - global_demo_tokens, global_sequences - global_demo_sequences);
+- L_sft: the NLL of the demonstration tokens, aggregated over global_demo_tokens / global_demo_sequences.
+Demonstration tokens never enter L_rl, policy tokens never L_sft; each part is a sum over rows, so micro-batch and DP
+splits change nothing (the batch contract).
+Schedule (`chord_mu_schedule`), T = `chord_mu_steps`, p = min(step - 1, T) / T (1 when T = 0):
     linear: mu = mu_start + (mu_end - mu_start) * p
     cosine: mu = mu_end + (mu_start - mu_end) * (1 + cos(pi p)) / 2
-so step 1 trains with mu_start and steps T + 1 onwards with mu_end. The step is the micro-batch's `step` (the
-optimizer step being taken, from 1). The paper's per-token expert weighting phi is not implemented: its L_sft is
-the plain NLL.
-
-Micro-batch keys besides GRPO's: `demo_mask` [b] (1.0: demonstration row), `global_demo_tokens`,
-`global_demo_sequences`, `step` (scalars). Metrics: GRPO's (over policy-gradient rows), `rl_loss` and `sft_loss`
-(the unweighted L_rl and L_sft; mu itself is the schedule's value at the logged step), and `kl` (the algorithm's KL
-term when kl_coef > 0, else the behaviour k3 over policy rows only, since demonstrations have no behaviour
-policy).
+so step 1 uses mu_start and steps T + 1 on mu_end (`step` is the micro-batch's, from 1). The paper's per-token
+expert weighting phi is not implemented.
+Micro-batch keys besides GRPO's: `demo_mask` [b], `global_demo_tokens`, `global_demo_sequences`, `step`. Metrics:
+GRPO's (over policy rows), `rl_loss`, `sft_loss` (unweighted), and `kl` (the KL term when kl_coef > 0, else the
+behaviour k3 over policy rows only).
 """
 from __future__ import annotations
 

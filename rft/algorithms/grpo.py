@@ -1,35 +1,22 @@
 """GRPO: group-normalised advantages, the clipped-ratio PPO objective, optional KL, optional off-policy correction.
 
 Advantages, for one group of n samples (one task) with rewards r_1..r_n:
-    A_i = (r_i - mean(r)) / (std(r) + eps)     std with Bessel's correction, as TRL and verl; a group of one gets 0
+    A_i = (r_i - mean(r)) / (std(r) + eps)     std with Bessel's correction; a group of one gets 0
     A_i = r_i - mean(r)                         with algorithm.std_normalize: false (Dr. GRPO)
-
 Loss of response token t of sample i (A_i broadcast over the sample's tokens):
     rho_t = exp(logp_t - prox_t)
     l_t   = -w_t * min(rho_t * A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_i)  +  kl_coef * k3_t
-    k3_t  = exp(ref_t - logp_t) - (ref_t - logp_t) - 1       (Schulman's k3 estimator of KL(pi_theta || pi_ref))
-reduced to the step loss by `algorithm.loss_agg` (see aggregation.py). eps_low / eps_high are
-`algorithm.clip_eps_low` / `clip_eps_high`, each `clip_eps` when null; a larger eps_high is DAPO's clip-higher.
-Subclasses replace the policy term (`policy_loss`: GSPO, CISPO) or the advantages (RLOO, REINFORCE++) and keep
-the rest: the KL term, the behaviour weight w, aggregation and the common metrics.
+    k3_t  = exp(ref_t - logp_t) - (ref_t - logp_t) - 1       (k3 estimator of KL(pi_theta || pi_ref))
+reduced to the step loss by `algorithm.loss_agg` (aggregation.py); eps_low / eps_high are `clip_eps_low` /
+`clip_eps_high`, each `clip_eps` when null. Subclasses replace the policy term (`policy_loss`: GSPO, CISPO) or the
+advantages (RLOO, REINFORCE++) and keep the KL term, the behaviour weight w, aggregation and the common metrics.
 
-Which log-probs play which role:
-- logp  = `token_logprobs`: the current policy pi_theta, the only differentiated input.
-- behav = `old_logprobs`: the behaviour policy, i.e. the weights (policy_version) the explorer sampled with.
-- ref   = `ref_logprobs`: the frozen reference model (only read when kl_coef > 0).
-- prox  = the proximal policy, the centre of the trust region:
-  * `off_policy_correction: false` (standard PPO): prox = behav and w_t = 1. With stale samples rho drifts away
-    from 1 and clipping silences their gradients.
-  * `off_policy_correction: true` (decoupled PPO, Hilton et al. 2022, as in AReaL): prox = the policy the step
-    starts from, and w_t is the behaviour weight of rho_t = exp(prox_t - behav_t), a constant (no gradient):
-    truncated (`importance_sampling: tis`, w_t = min(rho_t, importance_cap), the default), masked (`mis`, AReaL's
-    and IcePop's: tokens outside [importance_floor, importance_cap] leave the loss), and optionally a whole sample
-    masked by its geometric-mean ratio (`sequence_mask`); the rules are rft/algorithms/correction.py's, shared by
-    every algorithm built on this loss. A micro-batch may carry `prox_logprobs`; without them prox =
-    `token_logprobs` detached, which is exact because one step is one optimizer update, so every micro-batch is
-    evaluated with the weights the step started from: the ratio against prox is 1 in value and the loss is an
-    importance-weighted policy gradient.
-Tokens outside `loss_mask` never reach the loss: their log-ratios are zeroed before exponentiation.
+Which log-probs play which role: logp = `token_logprobs` (the current policy, the only differentiated input);
+behav = `old_logprobs` (the weights the explorer sampled with); ref = `ref_logprobs` (read only when kl_coef > 0);
+prox = the centre of the trust region. `off_policy_correction: false`: prox = behav, w_t = 1.
+`off_policy_correction: true` (decoupled PPO): prox = the policy the step starts from, w_t the behaviour weight of
+exp(prox_t - behav_t) (rft/algorithms/correction.py); prox is `prox_logprobs`, else `token_logprobs` detached (exact:
+one step is one optimizer update). Tokens outside `loss_mask` never reach the loss (log-ratios zeroed first).
 """
 from __future__ import annotations
 

@@ -1,30 +1,20 @@
 """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): GRPO's advantages with a sequence-level ratio.
 
-For sample i with |y_i| loss tokens, the importance ratio is the length-normalised sequence likelihood ratio
+For sample i with |y_i| loss tokens the ratio is the length-normalised sequence likelihood ratio
     s_i = (pi_theta(y_i) / pi_prox(y_i)) ^ (1 / |y_i|) = exp( sum_t m_it (logp_it - prox_it) / |y_i| )
-and the loss is the clipped surrogate on whole sequences, averaged over the sequences of the step:
     l_i  = -w_i * min(s_i * A_i, clip(s_i, 1 - eps_low, 1 + eps_high) * A_i)
     loss = sum_i l_i / global_sequences     (+ kl_coef * the k3 KL term per sequence mean, as GRPO's seq_mean)
-so a sample is clipped (all its tokens, or none) by how far its whole sequence moved. `loss_agg` does not apply: the
-objective is per sequence (the paper's; verl's and Trinity-RFT's "seq-mean-token-mean"), which every partition of
-the rows into micro-batches and data-parallel shards reproduces exactly (a row is always a whole sample). The
-gradient of l_i is -w_i A_i s_i / |y_i| * sum_t grad logp_it where the unclipped term is the minimum, else 0 (the
-paper's equation 8).
+so a sample is clipped whole. `loss_agg` does not apply (the objective is per sequence, which every micro-batch and
+DP partition reproduces exactly: a row is always a whole sample). Default clip range eps_low = 3e-4, eps_high =
+4e-4 (the paper's); `algorithm.clip_eps` is not used.
 
-Ratios of whole sequences stay much closer to 1 than per-token ones, so the clip range is small: eps_low = 3e-4,
-eps_high = 4e-4 by default (the paper's settings, as verl's recipe and Trinity-RFT); `algorithm.clip_eps` is not
-used.
-
-prox and w, as GRPO's roles (rft/algorithms/grpo.py) at the sequence level:
+prox and w, GRPO's roles (rft/algorithms/grpo.py) at the sequence level:
 - `off_policy_correction: false` (the paper): prox = the behaviour policy (`old_logprobs`), w_i = 1.
-- `off_policy_correction: true`: prox = the policy the step starts from (`prox_logprobs`, else `token_logprobs`
-  detached: s_i = 1 in value), and w_i = min((pi_prox(y_i) / pi_behav(y_i)) ^ (1 / |y_i|), importance_cap), the
-  length-normalised sequence importance weight, a constant: a truncated, sequence-level importance-weighted policy
-  gradient that is usable on recorded experiences of any age (`supports_replay`). This decoupled form is rft's
-  extension (GRPO's decoupled PPO at the sequence level), not in the paper. `importance_sampling: mis` and
-  `sequence_mask` apply to the same sequence ratio (rft/algorithms/correction.py, `level="sequence"`).
-Metrics: `clip_frac` is the fraction of sequences clipped, `seq_ratio_mean` the mean of s_i over sequences;
-`importance_weight_mean` / `importance_weight_truncated_frac` are over loss tokens of the w_i of their samples.
+- `off_policy_correction: true` (rft's extension): prox = the policy the step starts from, and w_i =
+  min((pi_prox(y_i) / pi_behav(y_i)) ^ (1 / |y_i|), importance_cap), a constant, usable on recorded experiences of
+  any age (`supports_replay`); `mis` and `sequence_mask` apply to the same ratio (correction.py, `level="sequence"`).
+Metrics: `clip_frac` (fraction of sequences clipped), `seq_ratio_mean` (mean s_i); `importance_weight_mean` /
+`importance_weight_truncated_frac` over loss tokens of their samples' w_i.
 """
 from __future__ import annotations
 

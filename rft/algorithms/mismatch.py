@@ -1,32 +1,22 @@
 """The training-inference log-probability mismatch: how far the trainer's log-probs of the sampled tokens are from
-those the inference engine reported while sampling them (the records' behaviour log-probs, `old_logprobs`: each
-token's, from the weights version that generated it).
+those the engine reported while sampling them (`old_logprobs`, from the version that generated each token).
 
-With x_t = log p_trainer(y_t) - log p_rollout(y_t) over the step's response tokens that enter the loss
-(loss_mask > 0, demonstration rows left out: their recorded log-probs are not an engine's), N those tokens over the
-whole step (all micro-batches, all data-parallel ranks) and r = `trainer.mismatch_ratio`:
+With x_t = log p_trainer(y_t) - log p_rollout(y_t) over the step's loss tokens (demonstration rows left out), N those
+tokens over the whole step (all micro-batches, all DP ranks) and r = `trainer.mismatch_ratio`:
     logprob_mismatch_mean = sum_t |x_t| / N
-    logprob_mismatch_max  = max_t |x_t|                    (0 when the step has no such token)
-    logprob_mismatch_kl   = sum_t (exp(x_t) - x_t - 1) / N  (k3 estimate of KL(rollout || trainer): the tokens were
-                                                           drawn from the rollout policy)
-    logprob_mismatch_frac = #{t : |x_t| > log r} / N       (tokens whose probability ratio is outside [1/r, r])
-and the same four split by staleness, `logprob_mismatch_stale{s}_*` for s = 0, 1, 2, 3 and `stale4plus` (4 or
-more), each over the tokens of that staleness (N_s of them), for the staleness values present in the step. A token's
-staleness is (step - 1) - the version that generated it (rft.modes.staleness; per token: with in-flight weight
-updates one sample's tokens may come from several versions, rft.schema `version_spans`); tokens of negative staleness
-(offline replay of another lineage) are in the totals only.
+    logprob_mismatch_max  = max_t |x_t|                     (0 when the step has no such token)
+    logprob_mismatch_kl   = sum_t (exp(x_t) - x_t - 1) / N   (k3 estimate of KL(rollout || trainer))
+    logprob_mismatch_frac = #{t : |x_t| > log r} / N        (ratio outside [1/r, r])
+and the same four per staleness, `logprob_mismatch_stale{s}_*` for s = 0..3 and `stale4plus`, over that staleness's
+tokens. A token's staleness is (step - 1) - its version (rft.modes.staleness; per token with in-flight updates);
+negative staleness (offline replay of another lineage) counts in the totals only. Computed in the training forward,
+they measure numerics, MoE routing (`run.routing_replay` removes that part) and staleness; `stale0` is numerics and
+routing alone.
 
-All are computed per micro-batch in the training forward (the weights the step starts from), so they measure what
-the engine and the trainer disagree on: numerics (dtype, kernels), MoE routing (a token routed to other experts;
-`run.routing_replay` removes that part), and staleness (records of an older policy version): `stale0` is the
-numerics and routing alone, the older buckets add the policy's own movement.
-
-Reduction contract (megatron_bridge.policy's `train_step`): a metric named `*_max` is reduced by max over
-micro-batches and data-parallel ranks, every other by sum; `*_mean`, `*_kl` and `*_frac` are emitted as each
-micro-batch's share of the step value (its token sum / N), so the sum of shares is the step value. Every micro-batch
-of a step emits the same names: the staleness buckets present are known step-wide (`staleness_tokens`, the batch
-contract: rft/trainer/batch.py). `logprob_mismatch` is the one function that computes the four for any subset of
-tokens.
+Reduction contract (megatron_bridge.policy's `train_step`): `*_max` is reduced by max over micro-batches and DP ranks,
+every other by sum; `*_mean`, `*_kl` and `*_frac` are each micro-batch's share of the step value (its token sum / N).
+Every micro-batch of a step emits the same names (the staleness buckets present are step-wide: `staleness_tokens`,
+rft/trainer/batch.py). `logprob_mismatch` computes the four for any subset of tokens.
 """
 from __future__ import annotations
 

@@ -1,24 +1,19 @@
 """On-policy distillation (Agarwal et al. 2024 "GKD"; Thinking Machines 2025): a teacher scores the student's samples.
 
-The student (the policy) samples responses as in any RL run; the trainer runs a frozen *teacher* model
-(`algorithm.teacher_path`: any HF directory the bridge loads, with the student's vocabulary) over the recorded
-tokens, and every response token gets the per-token reverse-KL estimate
+The student samples as in any RL run; the trainer runs a frozen teacher (`algorithm.teacher_path`, any HF directory
+the bridge loads, with the student's vocabulary) over the recorded tokens, and every response token gets the
+per-token reverse-KL estimate
     k_t = logp_t - teacher_t          (log pi_student(y_t) - log pi_teacher(y_t), y_t drawn from the student)
-whose expectation over the student's samples is KL(pi_student || pi_teacher) per token. The loss is GRPO's clipped
-policy-gradient surrogate with the per-token advantage
+The loss is GRPO's clipped surrogate with the per-token advantage
     A_it = distill_reward_coef * A_i  -  distill_coef * sg(k_t)         (A_i: GRPO's group advantage of sample i)
     l_t  = -w_t * min(rho_t A_it, clip(rho_t, 1 - eps_low, 1 + eps_high) A_it)  +  kl_coef * k3_t
-reduced by `algorithm.loss_agg`; rho, prox, w, the clip range and the optional reference-KL term are GRPO's
-(rft/algorithms/grpo.py). sg is stop-gradient, and k_t is taken at the current policy detached (the weights the
-step starts from: the trainer's own forward pass, so teacher == student gives k = 0 exactly). At rho = 1 the
-gradient is distill_coef * sum_t k_t grad logp_t / N: the score-function gradient of the reverse KL
-KL(pi_student || pi_teacher), which pulls the student towards the teacher on the student's own samples
-(mode-seeking). With the default distill_reward_coef = 0 rewards do not enter the loss (they are still recorded and
-logged); > 0 adds the task reward's group advantage.
+reduced by `algorithm.loss_agg`; rho, prox, w, the clip range and the reference-KL term are GRPO's
+(rft/algorithms/grpo.py). sg is stop-gradient; k_t is taken at the current policy detached (teacher == student
+gives k = 0 exactly). At rho = 1 the gradient is the score-function gradient of KL(pi_student || pi_teacher)
+(mode-seeking). With distill_reward_coef = 0 (the default) rewards are logged but not trained on.
 
-Needs the micro-batch key `teacher_logprobs` [b, T] (the trainer adds it: `needs.teacher`).
-Replay: as GRPO's (`off_policy_correction`), since the teacher scores recorded tokens at training time.
-Metrics: GRPO's, plus `teacher_kl`, the token mean of k_t (the estimate of the per-token reverse KL).
+Needs the micro-batch key `teacher_logprobs` [b, T] (`needs.teacher`). Replay: as GRPO's (`off_policy_correction`).
+Metrics: GRPO's, plus `teacher_kl`, the token mean of k_t.
 """
 from __future__ import annotations
 

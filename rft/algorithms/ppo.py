@@ -1,34 +1,21 @@
-"""PPO with a critic (Schulman et al. 2017; the RLHF form of Ouyang et al. 2022): GAE advantages from a learned value
-model instead of group statistics, GRPO's clipped surrogate per token, and a clipped value loss for the critic.
+"""PPO with a critic (the RLHF form): GAE advantages from a learned value model instead of group statistics, GRPO's
+clipped surrogate per token, and a clipped value loss for the critic.
 
-Positions: everything is [b, T] in the batch contract's layout, position t scoring target token t. The critic's
-value V_t at position t is the value of the state *before* response token t is emitted (the hidden state that also
-gives the policy's log-prob of token t). The response of row i is its loss tokens in order (t_1 < ... < t_n with
-m_t = 1; tokens outside the mask, e.g. tool output, are skipped, not stepped over).
-
-Rewards: the sample's scalar reward r_i on its last response token t_n, 0 elsewhere. The per-sample "advantage"
-channel of the batch contract carries r_i (`advantages` returns the rewards unchanged), so every micro-batch has
-the rewards as `advantages` [b] and the trainer turns them into per-token targets once the critic's values on the
-recorded tokens are known (`add_targets`).
-
-GAE (generalised advantage estimation), over the response tokens of one row, k = n..1, with V_{t_{n+1}} = 0:
-    delta_k = r_k + gamma * V_{t_{k+1}} - V_{t_k}            (r_k = r_i at k = n, else 0)
-    A_k     = delta_k + gamma * lam * A_{k+1}                 (A_{n+1} = 0)
-    R_k     = A_k + V_{t_k}                                   (the value target, "returns")
-`algorithm.whiten_advantages`: A <- (A - mean) / (std + eps) over all loss tokens of the optimizer step (every
-micro-batch on every data-parallel rank; population std), returns are left unwhitened.
-
-Policy loss: GRPO's (rft/algorithms/grpo.py) with the per-token advantage A_t in place of A_i:
-    l_t = -w_t * min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t)  +  kl_coef * k3_t
-(the KL to the reference model stays a loss term, as in grpo; it is not folded into the rewards).
-Value loss (the critic's own loss, trained by its own optimizer in the same step), with V_old the values of
-`add_targets` (the critic before the step) and eps_v = `algorithm.value_clip`:
+Positions: everything is [b, T] in the batch contract's layout, position t scoring target token t; V_t is the value
+of the state before response token t. Row i's response is its loss tokens in order (t_1 < ... < t_n with m_t = 1;
+masked tokens, e.g. tool output, are skipped). Rewards: r_i on the last response token, 0 elsewhere; the batch's
+per-sample `advantages` channel carries r_i and the trainer turns it into per-token targets once the critic's
+values are known (`add_targets`).
+GAE over a row's response tokens, k = n..1, with V_{t_{n+1}} = 0 and A_{n+1} = 0:
+    delta_k = r_k + gamma * V_{t_{k+1}} - V_{t_k}      A_k = delta_k + gamma * lam * A_{k+1}      R_k = A_k + V_{t_k}
+`algorithm.whiten_advantages`: A <- (A - mean) / (std + eps) over all loss tokens of the step (every micro-batch, every
+DP rank; population std); returns stay unwhitened.
+Policy loss: GRPO's (rft/algorithms/grpo.py) with A_t in place of A_i (the KL stays a loss term).
+Value loss (the critic's, its own optimizer, same step), V_old from `add_targets`, eps_v = `algorithm.value_clip`:
     v_t = 0.5 * max((V_t - R_t)^2, (clip(V_t, V_old_t - eps_v, V_old_t + eps_v) - R_t)^2)
-(value_clip null: 0.5 (V_t - R_t)^2), reduced by `algorithm.loss_agg` like the policy loss, so micro-batch and
-data-parallel splits change neither.
-
-Micro-batch keys after `add_targets`: `values` (V_old), `returns` (R), `token_advantages` (A, whitened or not), all
-float32 [b, T] and 0 outside the loss mask.
+(value_clip null: 0.5 (V_t - R_t)^2), reduced by `algorithm.loss_agg`, so micro-batch and DP splits change neither.
+Micro-batch keys after `add_targets`: `values` (V_old), `returns` (R), `token_advantages` (A), float32 [b, T], 0
+outside the loss mask.
 """
 from __future__ import annotations
 

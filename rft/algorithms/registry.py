@@ -1,7 +1,7 @@
 """Algorithm registry: `algorithm.name` -> an algorithm class, its typed options, and what it needs from the trainer.
 
-A name is either a registered key (`grpo`, `rloo`, `reinforce_pp`, `gspo`, `cispo`, `dpo`, `sft`,
-`on_policy_distill`, `chord`, `ppo`) or an import path `package.module:Class`. An algorithm is written in one file:
+A name is a registered key (`grpo`, `rloo`, `reinforce_pp`, `gspo`, `cispo`, `dpo`, `sft`, `on_policy_distill`,
+`chord`, `ppo`) or an import path `package.module:Class`. An algorithm is written in one file:
 
     @dataclass
     class MyOptions:                      # the keys of `algorithm:` besides `name`, with their defaults
@@ -15,13 +15,8 @@ A name is either a registered key (`grpo`, `rloo`, `reinforce_pp`, `gspo`, `cisp
         def advantages(self, rewards_per_group): ...
         def loss_fn(self, token_logprobs, micro_batch): ...
 
-The `algorithm:` section's other keys are built into the class's `Options` (set by `register`; an import-path
-class sets `Options` itself, and one without takes no keys) by `rft.config.build_section`, so unknown keys, types
-and the options' own range checks are errors naming `algorithm.<key>` (and the file, when a config is loaded:
-rft.run.loading). The result of `Class(options)` is checked against the `Algorithm` interface.
-
-The trainer and the launcher know no algorithm by name: they read `algorithm.needs` (a `Needs`) and provide what it
-declares: a frozen reference model, a teacher, a critic, demonstration groups, preference pairs, the step number.
+The section's other keys are built into `Options` by `rft.config.build_section` (errors name `algorithm.<key>`).
+The trainer and launcher know no algorithm by name: they provide what `algorithm.needs` (a `Needs`) declares.
 """
 from __future__ import annotations
 

@@ -247,7 +247,7 @@ class LocalBroker:
         process, self._process = self._process, None
         store, self._store = self._store, None
         if process is not None and process.poll() is None:
-            # Tansu's memory engine has nothing to flush and takes ~5 s to honour SIGTERM: interrupt it.
+            # Tansu's memory engine has nothing to flush and is slow to honour SIGTERM (docs/benchmarks.md): SIGINT.
             first = signal.SIGTERM if os.environ.get("KAFKA_HOME") else signal.SIGINT
             stop_group(process, first)
         if store is not None:

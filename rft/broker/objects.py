@@ -1,36 +1,22 @@
 """A minimal S3-compatible object server on a local directory: the storage behind the durable local broker.
 
-Tansu's S3 storage engine (`--storage-engine s3://BUCKET/`, see rft/broker/local.py) keeps every record batch and every
-piece of metadata (high watermarks, consumer-group offsets, topic configs) as one object, and relies on conditional
-writes for its metadata: `If-None-Match: *` (create only) and `If-Match: <etag>` (compare-and-swap). The local S3
-servers on PyPI that were tried either keep objects in memory (moto), or ignore `If-Match` on PUT (localbucket,
-nanio), or are a 150 MB multi-server distribution (SeaweedFS): so rft serves the handful of S3 calls Tansu makes
-from here, with the Python standard library only.
-
-Served, path-style (`http://HOST:PORT/BUCKET/KEY`), credentials not checked:
-  PUT object (If-None-Match: * -> 412 when it exists; If-Match: ETAG -> 412 unless the current ETag matches),
-  GET / HEAD object (Range; If-Match / If-None-Match), DELETE object, POST ?delete (DeleteObjects),
-  GET bucket ?list-type=2 (prefix, delimiter `/`, start-after, continuation-token, max-keys), PUT / HEAD bucket.
-  A listing without max-keys is one page of up to 100,000 keys (S3's pages hold 1,000): Tansu lists a partition's
-  every batch object on each fetch and gives up when the listing outlasts the fetch's wait.
+Tansu's S3 storage engine (rft/broker/local.py) keeps every record batch and piece of metadata as one object and
+relies on conditional writes (`If-None-Match: *`, `If-Match: <etag>`); no local S3 server on PyPI both persists
+and honours `If-Match`, so rft serves the handful of calls Tansu makes, with the standard library only.
+Served, path-style (`http://HOST:PORT/BUCKET/KEY`), credentials not checked: PUT object (conditional: 412), GET /
+HEAD object (Range; conditional), DELETE object, POST ?delete, GET bucket ?list-type=2 (prefix, delimiter `/`,
+start-after, continuation-token, max-keys; without max-keys one page of up to 100,000 keys), PUT / HEAD bucket.
 
 Contract (what the durable broker's guarantees rest on):
-- An object is a file `ROOT/BUCKET/KEY`. A PUT writes a temporary file beside it, fsyncs it, then, under one lock
-  that also checks the condition, links (create) or renames (overwrite) it into place and fsyncs the directory
-  (and any directory it created). A 200 is sent only after that: an acknowledged PUT survives a SIGKILL of this
-  server and, as far as the filesystem honours fsync, a power loss. A PUT interrupted before its 200 leaves either
-  the old object or the new one, never a torn one (temporary files are removed at the next start).
-- ETags are the MD5 of the content, quoted, as S3 returns them for single-part uploads. A GET or HEAD answers
-  from one snapshot (ObjectStore.open): the body, its length and its ETag are one version's, whatever PUT comes.
-- Buckets, keys and list prefixes stay inside ROOT: an empty, `.` or `..` part (a `../` prefix), a NUL or a
-  backslash is a 400. A PUT or POST without Content-Length (chunked) is a 411 and stores nothing; a malformed
-  length, max-keys or Range is a 400.
-- One server per ROOT: a second one on the same directory would break the conditional writes (the broker holds a
-  lock on its data directory, rft/broker/local.py).
-
-`python -m rft.broker.objects ROOT [--port 0] [--ready-file PATH] [--access-log PATH]`: serves until SIGTERM / SIGINT;
-with --ready-file, the port it listens on is written there (atomically) once it accepts connections; with
---access-log, one line per request is appended there, `METHOD /BUCKET/KEY?QUERY STATUS` (tests count GETs with it).
+- An object is the file `ROOT/BUCKET/KEY`. A PUT writes and fsyncs a temporary file, then, under one lock that also
+  checks the condition, links or renames it into place and fsyncs the directory; only then is the 200 sent. An
+  acknowledged PUT survives a SIGKILL (and, as far as fsync holds, a power loss); an interrupted one leaves the old
+  object or the new one, never a torn one.
+- ETags are the quoted MD5 of the content; a GET or HEAD answers from one snapshot. Keys stay inside ROOT: an
+  empty, `.` or `..` part, a NUL or a backslash is a 400; no Content-Length is a 411; a malformed one is a 400.
+- One server per ROOT (the broker locks its data directory).
+`python -m rft.broker.objects ROOT [--port 0] [--ready-file PATH] [--access-log PATH]`: serves until SIGTERM;
+--ready-file receives the port once it accepts; --access-log appends `METHOD /BUCKET/KEY?QUERY STATUS` per request.
 """
 from __future__ import annotations
 

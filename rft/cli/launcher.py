@@ -1,21 +1,17 @@
 """`rft run CONFIG`: everything a run needs on one machine, as child processes, stopped together.
 
-Starts, in order: the local broker (when `kafka.bootstrap_servers: embedded`), the topics, the task publisher
-(every task at once, or the online `publisher` part for a selector that reads rewards, see
-rft/explorer/publisher.py), the trainer under torchrun (TP x PP x DP processes), and `explorer.replicas` explorers
-(the weight-broadcast coordinator is a role of the trainer's publishing rank: see rft/trainer/main.py), and the live
-run page (`rft dashboard`) when `monitor.dashboard_port` is set. Which parts
-start follows `run.mode`: `explore` starts no trainer, `train` and `offline` no explorers. A failed `publisher`
-ends the run like a failed trainer. In `serve` mode `rft serve` and the joiner start beside the trainer (a failed
-server ends the run; a joiner that dies is reported, and may be started again with `rft joiner`).
+Starts, in order: the local broker (`kafka.bootstrap_servers: embedded`), the topics, the task publisher (every task
+at once, or the online `publisher` part for a selector that reads rewards), the trainer under torchrun (TP x PP x DP
+processes), `explorer.replicas` explorers, and the live run page when `monitor.dashboard_port` is set. Which parts
+start follows `run.mode` (rft/modes.py); in `serve` mode `rft serve` and the joiner start beside the trainer (a
+failed server ends the run; a dead joiner is reported and may be restarted with `rft joiner`).
 
-Shutdown: when the trainer finishes, the explorers are stopped and the run ends with 0. When the trainer dies,
-or every explorer has died, everything is stopped and the run ends with 1, printing the failed part's last log
-lines. A single explorer dying is reported and tolerated while others remain (fleets are elastic). Ctrl-C stops
-everything, as does SIGTERM. Each part's output goes to `<run dir>/logs/<part>.log`.
-
-A config with `stages:` runs its stages in order, each as above in `<run dir>/stages/<run>.<stage>/`, on one
-broker; finished stages (`stage_done.json`) are skipped on a re-run (see rft/run/stages.py).
+Shutdown: when the trainer finishes, the explorers are stopped and the run ends with 0. When the trainer, the online
+task publisher, or every explorer dies, everything is stopped and the run ends with 1, printing the failed part's
+last log lines; a single explorer dying is tolerated while others remain. Ctrl-C and SIGTERM stop everything. Each
+part's output goes to `<run dir>/logs/<part>.log`.
+A config with `stages:` runs its stages in order in `<run dir>/stages/<run>.<stage>/`, on one broker; finished
+stages (`stage_done.json`) are skipped on a re-run (rft/run/stages.py).
 
 `run` is the recipe; each step lives beside it: prepare.py (run directory, config, topics), planning.py (GPUs and
 cores), part_commands.py (what starts), parts.py (the processes), progress.py (watching the run, the reward curve).

@@ -22,8 +22,7 @@ class LaunchError(RuntimeError):
 
 
 # The device nodes a GPU driver makes on Linux: NVIDIA's, AMD's (ROCm, which torch.cuda also counts) and WSL's. With
-# none of them torch sees no GPU, so the launcher need not import torch to learn so: that import took 1.5-1.8 s of a
-# 2-core machine before any part of a run could start.
+# none of them torch sees no GPU, so the launcher need not import torch (seconds of CPU) to learn so.
 GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 
 

@@ -1,22 +1,15 @@
 """What the run page shows: one run's `metrics.jsonl` and control topic folded into a JSON-able snapshot.
 
-Sources, and nothing else (no database):
-- `<run dir>/metrics.jsonl`, read as it grows (`MetricsTail`): one record per line as the trainer and the evaluator
-  wrote it, never merged here (the page picks from each record the keys it draws);
-- the run's control topic, followed from its beginning with rft's transport (`ControlFollower`) and folded by
-  `rft.ops.status.RunStatus` (the fold `rft status` uses): trainer state, the fleet, joins and leaves, lags.
+Sources, and nothing else (no database): `<run dir>/metrics.jsonl`, read as it grows (`MetricsTail`; records are
+never merged here), and the run's control topic, followed from its beginning (`ControlFollower`) and folded by
+`rft.ops.status.RunStatus` (the fold `rft status` uses). The broker comes from the run's own `config.yaml` (`rft run`
+writes the address of the broker it started there), re-read when it changes. Each (re)connection reads the control
+topic again from its beginning; while the broker cannot be reached the last view is kept and the snapshot says so.
 
-The broker comes from the run's own `config.yaml` (`rft run` writes the address of the broker it started there,
-also for `kafka.bootstrap_servers: embedded`), re-read when it changes: a run restarted on a new embedded broker is
-followed there. Each (re)connection reads the control topic again from its beginning; while the broker cannot be
-reached the last view is kept and the snapshot says so.
-
-States a snapshot reports (`state`): `not-started` (no metrics and no control message yet), `running`,
-`finished` (the trainer said so), `ended` (metrics but no broker to ask: the run is over or its broker is out
-of reach). `broker.state`: `connected`, `unreachable` (with the error), `connecting` (not asked yet), `no-topic`
-(the broker has no control topic for the run yet), `embedded` (the run's broker exists only while `rft run` runs,
-and it has not written its address yet), `no-config`. Records that do not fit are skipped and counted (`skipped`),
-never raised.
+States (`state`): `not-started` (no metrics, no control message), `running`, `finished` (the trainer said so),
+`ended` (metrics but no broker to ask). `broker.state`: `connected`, `unreachable` (with the error), `connecting`,
+`no-topic`, `embedded` (the run's broker has not written its address yet), `no-config`. Records that do not fit are
+skipped and counted (`skipped`), never raised.
 
 Threads: a `RunWatch` refreshes from one background thread; `snapshot()` may be called from any thread.
 """

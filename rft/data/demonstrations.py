@@ -1,30 +1,20 @@
 """SFT demonstrations: a dataset's (prompt, answer) rows as one-sample experience groups on a topic.
 
-`rft run` publishes them before the trainer starts when `replay.from_data: true` (an offline run, e.g. the SFT
-stage of a multi-stage run), into the replay's topic (`replay.topic`, else the run's experiences topic), unless
-that topic already holds records (a resumed run). The rows, prompt templates, epochs, seeded shuffles and task ids
-are the task publisher's (rft/data/tasks.py); each task becomes one ExperienceGroup (group id
-`<run>/<task id>/e<epoch>`) with one Sample:
-- prompt tokens: the prompt as explorers encode it: with the tokenizer's special tokens, or, with
-  `model.chat_template: true`, rendered by the chat template as a user turn (after `model.system_prompt`) up to
-  the assistant header (rft/text/chat.py);
-- response tokens: the answer (`str()` of it unless it is a string or a conversation) encoded without special
-  tokens, then the token that ends the model's turn (the tokenizer's EOS, or the chat template's end-of-turn token
-  such as `<|im_end|>`) when there is one, so the model learns to stop where the engines stop; loss mask all ones:
-  the loss is on the answer (the assistant turn) only, never on the prompt;
-- a conversation answer (a multi-turn demonstration, `model.chat_template: true`): a list of messages
-  `{"role": "assistant" | "tool" | "user", "content": str}` (a tool message may name its tool: `"name"`) that
-  starts and ends with an assistant turn. Its tokens are laid out exactly as the multi-turn workflows lay out an
-  episode: each assistant turn is its content then the end-of-turn token (loss mask 1); each run of tool messages
-  is the template's tool turn through the next assistant header (`rft.text.chat.tool_turn_text`, as `tool_agent`
-  writes tool results) and each user message the next user turn through the assistant header
-  (`rft.text.chat.observation_text`, as `multi_turn` writes an environment's observation), both with loss mask 0;
-- the prompt shows the tools the explorers show (`tools`: the function schemas of `explorer.tools` when the
-  workflow is `tool_agent`, see `prompt_tools`), so a demonstration is trained on the prompt RL will see;
-- behaviour log-probs 0 (there is no behaviour policy: for `sft`, not for policy-gradient algorithms), reward 1,
-  policy version 0.
-A row with no answer, or whose prompt or response is over `model.max_prompt_len` / `model.max_response_len`
-tokens, is an error naming the row; nothing is published then.
+`rft run` publishes them before the trainer starts when `replay.from_data: true` (an offline run, e.g. the SFT stage
+of a multi-stage run), into `replay.topic` (else the run's experiences topic), unless that topic already holds
+records (a resumed run). Rows, templates, epochs, shuffles and task ids are the task publisher's (rft/data/tasks.py);
+each task becomes one ExperienceGroup (`<run>/<task id>/e<epoch>`) with one Sample:
+- prompt tokens: as explorers encode the prompt (special tokens, or with `model.chat_template: true` the chat
+  template's user turn after `model.system_prompt`, up to the assistant header; rft/text/chat.py), showing the tools
+  the explorers show (`prompt_tools`);
+- response tokens: the answer encoded without special tokens, then the end-of-turn token (EOS or the template's,
+  e.g. `<|im_end|>`) when there is one; loss mask all ones (the loss is on the answer only);
+- a conversation answer (`model.chat_template: true`): messages `{"role": "assistant" | "tool" | "user", "content"}`
+  starting and ending with an assistant turn, laid out as the multi-turn workflows lay out an episode: assistant
+  turns with loss mask 1, tool runs (`tool_turn_text`) and user turns (`observation_text`) with loss mask 0;
+- behaviour log-probs 0 (no behaviour policy: for `sft`, not policy-gradient algorithms), reward 1, version 0.
+A row with no answer, or over `model.max_prompt_len` / `model.max_response_len` tokens, is an error naming the row;
+nothing is published then.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ calls the dataset's own `score_answer`. The same spec always gives the same entr
 index).
 
 Invariant: a spec read from a topic is validated field by field (`GymSpec.from_metadata`) before anything is
-built from it. reasoning_gym takes ~1.5 s to import, so it is imported on first use only.
+built from it. reasoning_gym is slow to import, so it is imported on first use only.
 """
 from __future__ import annotations
 
@@ -65,13 +65,13 @@ class GymSpec:
 
 
 def dataset_names() -> list[str]:
-    from reasoning_gym.factory import DATASETS  # heavy: reasoning_gym (~1.5 s import)
+    from reasoning_gym.factory import DATASETS  # heavy: reasoning_gym
     return sorted(DATASETS)
 
 
 @functools.lru_cache(maxsize=64)
 def _dataset(name: str, options_json: str, seed: int, size: int) -> Any:
-    from reasoning_gym.factory import DATASETS, create_dataset  # heavy: reasoning_gym (~1.5 s import)
+    from reasoning_gym.factory import DATASETS, create_dataset  # heavy: reasoning_gym
 
     if name not in DATASETS:
         near = difflib.get_close_matches(name, list(DATASETS), n=1)

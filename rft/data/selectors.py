@@ -1,22 +1,20 @@
-"""Task selection: which task the publisher sends next (`data.selector`), and how task sets mix (`data.mix`).
+"""Task selection: which task the task publisher sends next (`data.selector`), and how task sets mix (`data.mix`).
 
-A pick is a pure function of what was published before (counts per set and per task, read back from the tasks
-topic after a restart), of the reward statistics (`RewardStats`, read back from the experiences topic) and of
-`data.shuffle_seed`; so a restarted publisher continues the sequence an uninterrupted one would have published
-from the same recorded experiences.
+A pick is a pure function of what was published before, of the reward statistics (`RewardStats`) and of
+`data.shuffle_seed` (both read back from the topics after a restart), so a restarted publisher continues the sequence.
 
 - Mixing: each task set has a budget of `len(set) x epochs` picks. The next set is the one with the smallest
-  `(picks so far + 1) / weight` among the sets with budget left (ties: the earlier set): the sets' shares of
-  the picks follow their weights while all have tasks left, deterministically. A set that is used up drops out.
-- A selector then picks a task of that set with visits left (`epochs` visits per task); the TaskRecord's
-  `epoch` is the number of earlier visits of the task, so every visit has its own group id.
+  `(picks so far + 1) / weight` among the sets with budget left (ties: the earlier set), so the sets' shares follow
+  their weights while all have tasks left, deterministically. A set that is used up drops out.
+- A selector then picks a task of that set with visits left (`epochs` visits per task); the TaskRecord's `epoch` is
+  the number of earlier visits of the task, so every visit has its own group id.
   - `sequential`: the set in dataset order, once per epoch.
-  - `shuffle`: every epoch in its own order, `random.Random(shuffle_seed + epoch + 1000003 x set index)`
-    (no shuffle when the seed is null).
-  - `curriculum` (online: reads rewards): among the tasks with visits left, and not waiting for the rewards of
-    their last visit (unless all are), the weight of a task is `exp(-|mean - target| / temperature)`, where
-    `mean` is its mean reward over every recorded sample (`data.curriculum.prior` before any); temperature 0
-    takes the closest (ties drawn). Each pick draws from `random.Random(shuffle_seed x 1000003 + pick number)`.
+  - `shuffle`: every epoch in its own order, `random.Random(shuffle_seed + epoch + 1000003 x set index)` (no
+    shuffle when the seed is null).
+  - `curriculum` (online: reads rewards): among the tasks with visits left and not waiting for their last visit's
+    rewards (unless all are), a task's weight is `exp(-|mean - target| / temperature)`, `mean` its mean reward over
+    every recorded sample (`data.curriculum.prior` before any); temperature 0 takes the closest (ties drawn). Each
+    pick draws from `random.Random(shuffle_seed x 1000003 + pick number)`.
 - `package.module:factory`: `factory(data: DataConfig)` returns an object with `needs_rewards` (bool) and
   `choose(progress: SetProgress, stats: RewardStats, pick: int) -> task index in progress.tasks`.
 """

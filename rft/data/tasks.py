@@ -1,34 +1,22 @@
-"""Task sets: a local dataset -> TaskRecords; publishing a selector's whole sequence (`rft publish CONFIG`, whose
-entry point is in rft/explorer/publisher.py).
+"""Task sets: a local dataset -> TaskRecords; publishing a selector's whole sequence (`rft publish`).
 
-Sources (`format`): `jsonl` (one JSON object per line), `parquet`, `hf_disk` (a Hugging Face dataset saved
-with `save_to_disk`; a DatasetDict must name its split as `path:split`), `generated` (a toy task from
-rft.data.toy_tasks named by `path`, `generated_tasks` rows, `options` for the environment tasks `frozenlake`
-and `textarena`), `reasoning_gym` (the reasoning-gym dataset that
-`path` names, with `options`, `generated_tasks` rows: rft/data/gym_tasks.py), `gsm8k` (a GSM8K-style JSONL
-file: `question`, and `answer` ending with `#### N`; the task's answer is N, the worked solution is kept as the
-`solution` metadata field). `generated` and `reasoning_gym` draw from the set's generator seed: `data.mix[i].seed`,
-else `data.shuffle_seed` (`eval.sets[i].seed` for an evaluation set). `reasoning_gym` and `gsm8k` rows have the
-fixed fields `prompt` and `answer` (`prompt_key` / `answer_key` do not apply; `prompt_template` does). A run has
-one task set (`data.path`) or several mixed by weight (`data.mix`, see rft/data/selectors.py for how sets and
-tasks are picked).
+Sources (`format`): `jsonl`, `parquet`, `hf_disk` (`save_to_disk`; a DatasetDict as `path:split`), `generated` (a toy
+or environment task named by `path`: rft.data.toy_tasks), `reasoning_gym` (rft/data/gym_tasks.py), `gsm8k` (JSONL
+with `question` and an `answer` ending `#### N`: the answer is N, the solution kept as `solution` metadata).
+`generated` and `reasoning_gym` draw from the set's seed (`data.mix[i].seed`, else `data.shuffle_seed`;
+`eval.sets[i].seed`); their rows and gsm8k's have fixed `prompt` / `answer` fields (`prompt_template` still applies).
+A run has one task set (`data.path`) or several mixed by weight (`data.mix`, rft/data/selectors.py).
 
 Each row becomes one TaskRecord:
-- `task_id`: `r<row index>-<8 hex of sha1(prompt, answer)>` (`m<set>.r...` for the sets of `data.mix`; the hash
-  also covers the reasoning-gym spec of a `reasoning_gym` row): stable across epochs and re-publishes of the same
-  file, and distinct for duplicate rows;
-- `epoch`: how many times the task was published before (every task once per epoch with `sequential` and
-  `shuffle`), so `(task_id, epoch)` names one group;
-- `prompt`: `prompt_template` formatted with the row's fields, where `{prompt}` is the row's `prompt_key` field;
-- `answer`: the row's `answer_key` field (the ground truth; `answer_key: ""` for none);
-- `metadata`: the row's other fields (e.g. `numbers` for countdown, `alphabet` for toy tasks).
-A row that lacks a key or whose template does not format is an error naming the row and the key;
-nothing is published then (rows are all checked before the first send).
-
-Publishing: a selector that does not read rewards (`sequential`, `shuffle`) has its whole sequence published at
-once; `publish_tasks` returns after the broker acknowledged every record. A selector that reads rewards
-(`curriculum`) runs online (rft/explorer/publisher.py): `rft publish` then keeps `data.tasks_ahead` tasks ahead of
-the explorers until the sequence ends or it is stopped.
+- `task_id`: `r<row index>-<8 hex of sha1(prompt, answer)>` (`m<set>.r...` in a mix): stable across epochs and
+  re-publishes of the same file, distinct for duplicate rows;
+- `epoch`: how many times the task was published before, so `(task_id, epoch)` names one group;
+- `prompt`: `prompt_template` formatted with the row's fields (`{prompt}` is the `prompt_key` field);
+- `answer`: the `answer_key` field (`""`: none); `metadata`: the row's other fields.
+A row that lacks a key or does not format is an error naming row and key, before anything is sent.
+Publishing: a selector that reads no rewards (`sequential`, `shuffle`) has its whole sequence published at once
+(`publish_tasks` returns after the broker acknowledged every record); one that does (`curriculum`) runs online in
+the task publisher (rft/explorer/publisher.py), `data.tasks_ahead` tasks ahead of the explorers.
 """
 from __future__ import annotations
 

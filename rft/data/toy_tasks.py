@@ -2,26 +2,17 @@
 
 - `copy_char`: prompt ":7" -> answer "7" (repeat the single character after the colon).
 - `next_digit`: prompt "+7" -> answer "8" (the digit that follows, 9 -> 0).
-Answers are one character from `ALPHABET` (the ten digits); rows carry it as `alphabet`, which the
-`char_accuracy` reward uses for partial credit. Pair them with `explorer.max_tokens: 1` (the answer's
-length): the response is then exactly one character and the reward is 1, 0.25 or 0.
+Answers are one character from `ALPHABET` (the ten digits); rows carry it as `alphabet`, which the `char_accuracy`
+reward uses for partial credit. Pair them with `explorer.max_tokens: 1`: the response is then exactly one character
+and the reward is 1, 0.25 or 0 (learning curves: docs/benchmarks.md).
 
-Measured on this machine (2 CPU cores) with a plain GRPO loop (HF model, Adam lr 3e-3, 32 tasks x 8
-samples per step, one token per response) on the 0.3 M-parameter `rft.models.tiny` from random init:
-`copy_char` mean reward 0.05 -> 0.72 after 40 steps (3 s) and 0.95 after 140 steps (15 s);
-`next_digit` 0.04 -> 0.65 after 100 steps. With 3 tokens per response (the model must also learn to
-stop) `copy_char` reached only 0.5 in 300 steps, hence `max_tokens: 1`.
+`python -m rft.data.toy_tasks copy_char out.jsonl --count 1000 --seed 0` writes a JSONL dataset (`prompt`, `answer`,
+`alphabet`); `data.format: generated` with `data.path: copy_char` generates the same rows in the task publisher.
 
-`python -m rft.data.toy_tasks copy_char out.jsonl --count 1000 --seed 0` writes a JSONL dataset
-(`prompt`, `answer`, `alphabet` per line); `data.format: generated` with `data.path: copy_char`
-generates the same rows in the task publisher instead.
-
-Environment tasks for the multi_turn workflow are generated here too, by the environment's own module:
-`frozenlake` (rft/workflows/frozenlake.py) and `textarena` (rft/workflows/textarena_game.py), named by import path
-and imported on first use (the workflows sit above this package, and gymnasium and textarena are optional extras
-that load only when a set uses them); each row's seed is
-drawn from the set's generator seed, and `data.options` (`--options JSON` here) sets the environment's options
-(the char tasks take none). A JSONL file of them works as `data.format: jsonl`: the spec is the row's metadata.
+Environment tasks for the multi_turn workflow are generated here too, by the environment's own module (`frozenlake`,
+`textarena`), named by import path and imported on first use (the workflows sit above this package, and their
+extras are optional); each row's seed is drawn from the set's seed, and `data.options` (`--options JSON`) sets the
+environment's options. A JSONL file of them works as `data.format: jsonl`: the spec is the row's metadata.
 """
 from __future__ import annotations
 

@@ -4,20 +4,17 @@ reward); no trainer, no broker.
     rft eval CONFIG --checkpoint initial --checkpoint runs/NAME/final    # the named checkpoints, in order
     rft eval CONFIG --follow                                             # the versions a live run publishes
 
-Each task set's tasks are built as the task publisher builds them (rft/data/tasks.py); each task is sampled
-`eval.n_samples` times with eval's sampling settings and scored by the set's reward (default `explorer.reward`);
-metrics are defined in rft/evaluation/metrics.py. One engine serves all checkpoints: it starts on the first and
-loads the others in place, as explorers reload weights, so they must share the architecture (a run's checkpoints
-do). Every evaluation appends one record to `<run dir>/metrics.jsonl`: `step` (when the checkpoint's step is known),
-`eval/checkpoint`, and `eval/<set>/accuracy`, `eval/<set>/pass@<k>`, `eval/<set>/mean@<k>`, `eval/<set>/tasks`,
-`eval/<set>/errors`. `--checkpoint` prints a table at the end.
+Tasks are built as the task publisher builds them (rft/data/tasks.py), each sampled `eval.n_samples` times with
+eval's sampling settings and scored by the set's reward; metrics: rft/evaluation/metrics.py. One engine serves all
+checkpoints (loading each in place), so they must share the architecture. Every evaluation appends one record to
+`<run dir>/metrics.jsonl`: `step` (when known), `eval/checkpoint`, `eval/<set>/accuracy`, `pass@<k>`, `mean@<k>`,
+`tasks`, `errors`. `--checkpoint` prints a table at the end.
 
-Periodic evaluation in a live run (`eval.every_steps: N`) is `--follow`, which `rft run` starts as its `evaluator`
-part. It runs in its own process and reads the weight store (the pull path explorers use), so the trainer never
-waits for it. It evaluates versions 0, N, 2N, ...; when it fell so far behind that a due version was
-garbage-collected (`sync.keep_versions`), it evaluates the newest version instead, and the record carries that
-version as its step. SIGUSR1 (sent by `rft run` once the trainer has finished) makes it evaluate the newest version,
-unless done already, and exit; SIGTERM / Ctrl-C stop it after the evaluation in progress (a second one aborts).
+`--follow` is periodic evaluation in a live run (`eval.every_steps: N`, `rft run`'s `evaluator` part): its own
+process reading the weight store, so the trainer never waits. It evaluates versions 0, N, 2N, ...; a due version
+already garbage-collected is replaced by the newest (the record carries that version as its step). SIGUSR1 (sent
+once the trainer finished) evaluates the newest version, unless done, and exits; SIGTERM / Ctrl-C stop it after the
+evaluation in progress (a second one aborts).
 """
 from __future__ import annotations
 

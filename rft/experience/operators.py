@@ -1,31 +1,22 @@
 """Experience operators: a chain the trainer applies to each group as it takes it from the feed (`trainer.operators`).
 
-A spec is a registered name or an import path `package.module:factory`, alone (`zero_variance`) or as a mapping
-with arguments (`{name: length_penalty, start: 48, end: 64}`). Operators run in the order given, on rank 0's feed,
-after its own checks (decoding, foreign run, duplicate group id, staleness): `apply(group)` returns the group, a
-changed copy (reward shaping), or None to drop it. A dropped group is consumed for good: its offset is in the
-feed's checkpointed state, with the state of stateful operators, so a resumed trainer neither reads it again nor
-decides differently on what follows (operators are deterministic functions of the groups they have seen). Drops
-are counted per step in metrics.jsonl as `dropped/<reason>` (every filter of the chain reports, 0 included).
-Shaped rewards are what the algorithm trains on and what `reward_mean` reports; each shaping adds its amount as a
-reward component (`length_penalty`, `format_bonus`) beside the explorer's.
+A spec is a registered name or `package.module:factory`, alone or as a mapping with arguments (`{name:
+length_penalty, start: 48, end: 64}`). Operators run in order on rank 0's feed, after its own checks (decoding,
+foreign run, duplicate group id, staleness): `apply(group)` returns the group, a changed copy (reward shaping), or
+None to drop it. A dropped group is consumed for good (its offset and the operators' state are in the feed's
+checkpoint; operators are deterministic functions of the groups seen), so a resumed trainer decides the same.
+Drops are counted per step as `dropped/<reason>` (0 included). Shaped rewards are what the algorithm trains on and
+`reward_mean` reports; each shaping adds a reward component (`length_penalty`, `format_bonus`).
 
-Built-ins (arguments with defaults):
-- `zero_variance(eps=1e-6)`: drop a group whose rewards have standard deviation <= eps (no GRPO signal).
-- `length_penalty(start, end, penalty=1.0)`: reward -= penalty x clip((response tokens - start) / (end - start),
-  0, 1): nothing up to `start` tokens, the full penalty from `end` on (DAPO's soft overlong punishment).
-- `format_bonus(pattern, bonus=0.1)`: reward += bonus where the decoded response (model.tokenizer, special tokens
-  skipped) contains a match of the regular expression `pattern` (a negative bonus is a penalty).
-- `response_length(min_tokens=0, max_tokens=null, max_fraction=0.0)`: drop a group when more than `max_fraction`
-  of its responses have a length outside [min_tokens, max_tokens].
-- `repetition(n=4, max_ratio=0.5, max_fraction=0.0)`: drop a group when more than `max_fraction` of its responses
-  have an n-gram repetition ratio (1 - distinct n-grams / n-grams) above `max_ratio`.
-- `dedup()`: drop a group whose group id this operator has seen before, including groups that later operators
-  dropped (the feed itself only skips ids it has trained on); put it first.
+Built-ins: `zero_variance(eps=1e-6)` drops a group whose rewards' std <= eps; `length_penalty(start, end,
+penalty=1.0)`: reward -= penalty x clip((response tokens - start) / (end - start), 0, 1); `format_bonus(pattern,
+bonus=0.1)`: reward += bonus where the decoded response matches `pattern`; `response_length(min_tokens=0,
+max_tokens=null, max_fraction=0.0)` and `repetition(n=4, max_ratio=0.5, max_fraction=0.0)` drop a group when more
+than `max_fraction` of its responses are out of length bounds / above the n-gram repetition ratio; `dedup()` drops
+a group id seen before, including ones later operators dropped (put it first).
 
-Factory contract: `factory(context: OperatorContext, **args)` returns an object with `reason` (the metric name of
-its drops, None for an operator that never drops), `apply(group) -> ExperienceGroup | None`, and optionally
-`state() -> dict` (JSON) and `load_state(dict)`. A bad argument is an `ArgumentError` naming it.
+Factory contract: `factory(context: OperatorContext, **args)` returns an object with `reason` (drops' metric name,
+None: never drops), `apply(group) -> ExperienceGroup | None`, optionally `state()` / `load_state(dict)` (JSON).
 """
 from __future__ import annotations
 

@@ -59,10 +59,10 @@ def one_metadata_parse():
 
     transformers builds a new `gguf.GGUFReader` for the config, another for the model and a third for the tokenizer
     (`load_gguf_checkpoint`, which imports the class from `gguf` at each call), and `read_gguf_info` a fourth; each
-    parses every metadata field in Python, SmolLM2's 49k-token vocabulary and merges among them (SmolLM2's import: 29 s
-    instead of 40 on 2 cores, the same files written). The reader only memory-maps the file read-only and its users
-    only read it, so one serves them all. Other modes ('r+', 'c') get their own reader, as before. Without the `gguf`
-    package it changes nothing (`read_gguf_info` says what is missing)."""
+    parses every metadata field in Python, a vocabulary and its merges among them (docs/benchmarks.md). The reader
+    only memory-maps the file read-only and its users only read it, so one serves them all. Other modes ('r+', 'c')
+    get their own reader, as before. Without the `gguf` package it changes nothing (`read_gguf_info` says what is
+    missing)."""
     if importlib.util.find_spec("gguf") is None:
         yield
         return

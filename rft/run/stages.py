@@ -38,7 +38,7 @@ _LAYOUT_KEYS = {("run", "name"), ("run", "output_dir"), ("kafka", "topic_prefix"
 
 
 @dataclass
-class Stage:
+class RunStage:
     index: int
     name: str
     config: Config
@@ -76,12 +76,12 @@ class Stage:
 
 
 def resolve_stages(cfg: Config, source: str = "<config>", *,
-                   check: Callable[[Config], None] | None = None) -> list[Stage]:
+                   check: Callable[[Config], None] | None = None) -> list[RunStage]:
     """Every stage's own config (see the module docstring), each built like a whole config and then passed to
     `check` (rft.run.loading checks registry names there); ConfigError naming `stages[i].<key>` if one is bad."""
     base = cfg.to_dict()
     del base["stages"]
-    stages: list[Stage] = []
+    stages: list[RunStage] = []
     for i, raw in enumerate(cfg.stages):
         name = _stage_name(raw, i, source, seen={s.name for s in stages})
         overrides = move_renamed_keys({k: v for k, v in raw.items() if k != "name"}, RENAMED, source,
@@ -94,7 +94,7 @@ def resolve_stages(cfg: Config, source: str = "<config>", *,
             merged["model"]["path"] = str(stages[-1].weights_out)
         stage = _validated(merged, i, source, check)
         stage = dataclasses.replace(stage, env_refs=_kept_refs(cfg, stage, i))
-        stages.append(Stage(i, name, stage))
+        stages.append(RunStage(i, name, stage))
     return stages
 
 

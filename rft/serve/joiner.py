@@ -1,33 +1,22 @@
 """The joiner (`rft joiner CONFIG`): served completions + their feedback -> experience groups, exactly once.
 
-Inputs: `<prefix>.served` (one `ServedCompletion` per request answered by `rft serve`) and `<prefix>.feedback` (one
-`Feedback` per rewarded choice), both keyed by request id. Output: `ExperienceGroup`s on `<prefix>.experiences`,
-which the trainer consumes like any explorer's (serve mode, rft/modes.py). Rules (`Joining`, pure and clock-free):
-- a request with `n > 1` choices is one group once every choice has its reward (group id `<run>/serve/<request id>`);
-  at expiry the rewarded choices are a group of their own and the rest count as expired;
-- single completions (`n = 1`) wait, by prompt (`prompt_key`), for `serve.group_size` rewarded completions of the same
-  prompt: those are a group (GRPO's group baseline). A single that waited `serve.group_wait_s` (from its feedback's
-  time) joins the baseline window instead, with reward `r - b`, `b` the running mean of the last
-  `serve.baseline_window` rewards of its prompt before it (of every prompt, when its prompt has none; `r` itself
-  when there are none at all); the window is a group (RLOO-style across prompts) once it holds `serve.group_size`
-  samples or its oldest waited `serve.group_wait_s` there. Each sample keeps the raw reward in
-  `reward_components["feedback"]` (and the baseline in `"baseline"`) beside the application's own components;
-- a completion without feedback `serve.feedback_expire_s` after it was served expires (counted, never trained on);
-  feedback for an expired, already rewarded or unknown choice is counted and dropped (`rft serve` refuses it first,
-  with a 4xx; the joiner is the authority when several servers race). Feedback read before its served record
-  waits for it until it would have expired.
-Every sample's metadata names its completion (`request_id`, `index`), and the group's metadata lists them
-(`completions`): a completion is emitted at most once.
+Inputs: `<prefix>.served` (`ServedCompletion`s) and `<prefix>.feedback` (`Feedback` per rewarded choice), keyed by
+request id. Output: `ExperienceGroup`s on `<prefix>.experiences`. Rules (`Joining`, pure and clock-free):
+- a request with `n > 1` choices is one group once every choice has its reward (`<run>/serve/<request id>`); at
+  expiry the rewarded choices are a group and the rest count as expired;
+- single completions wait, by `prompt_key`, for `serve.group_size` rewarded ones of the same prompt (a group); one
+  that waited `serve.group_wait_s` joins the baseline window with reward `r - b` (`b` the running mean of the last
+  `serve.baseline_window` rewards of its prompt, else of every prompt, else `r`), a group once it holds
+  `serve.group_size` samples or its oldest waited `serve.group_wait_s`; raw reward and baseline are kept as reward
+  components `feedback` / `baseline`;
+- a completion without feedback after `serve.feedback_expire_s` expires (counted, never trained on); feedback for
+  an expired, rewarded or unknown choice is counted and dropped; feedback read before its served record waits.
 
-Ordering and exactly-once (`Joiner`): one joiner per run, in the consumer group `<prefix>.joiner` of both input
-topics. One cycle: poll -> join -> produce the ready groups -> wait for the broker's acks -> commit, per partition, the
-offset of the oldest record still held (a served completion waiting for feedback or peers, feedback waiting for its
-completion), else the position read to. So the committed offsets are the joiner's checkpoint: a joiner SIGKILLed at
-any point restarts from them and reads again every record whose completion was not yet emitted, and nothing held
-is lost. What it emitted after that commit is found again before it starts: it reads the experiences topic from the
-oldest committed record's time (minus `RESCAN_MARGIN_S` for clock skew between hosts) and treats every completion
-named there as done, so none is emitted twice. Counters (`Joining.counts`: served, feedback, groups, expired, ...;
-logged, and on Prometheus as `rft_joiner_<count>_total` with `monitor.prometheus_port`) restart with the process.
+Exactly-once (`Joiner`): one joiner per run, consumer group `<prefix>.joiner`. A cycle polls, joins, produces the
+ready groups, waits for the acks, then commits per partition the offset of the oldest record still held (else the
+position): the committed offsets are its checkpoint, so a SIGKILLed joiner loses nothing held. Before starting it
+reads the experiences topic from the oldest committed record's time (minus `RESCAN_MARGIN_S`) and treats every
+completion named there as done, so none is emitted twice.
 """
 from __future__ import annotations
 

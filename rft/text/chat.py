@@ -1,25 +1,19 @@
 """Chat prompts (`model.chat_template: true`): a task's prompt rendered by the tokenizer's chat template, and the
 token ids that end the model's turn.
 
-A prompt becomes the conversation `[system: model.system_prompt (only when set), user: the prompt]`, rendered with
-`add_generation_prompt=True`, so the model's reply starts right after the template's assistant header. The end of
-the model's turn is the tokenizer's EOS and the special token the template writes right after an assistant message
-(`<|im_end|>` for ChatML templates such as SmolLM2's and Qwen's, `<|eot_id|>` for Llama 3's); both engines stop
-at either, and SFT demonstrations end the answer with it.
-
-Tools (the `tool_agent` workflow): a `ChatPrompt` with `tools` (OpenAI function schemas) renders them with
-`apply_chat_template(messages, tools=...)`, as Qwen2.5's and Hermes' templates do. A template that ignores `tools`
-(its rendering is the same with and without them, e.g. SmolLM2's) gets the documented fallback instead: the
-Hermes tool instructions (`TOOLS_FALLBACK`) appended to the system message (one is added when there is none).
-`tool_turn_text` is the text the template writes after an assistant turn's end-of-turn token for the given tool
-messages, through the next assistant header; a template that rejects the `tool` role gets the results as a user
-message `<tool_response>\n...\n</tool_response>` (one block per result).
+A prompt becomes `[system: model.system_prompt (when set), user: the prompt]`, rendered with
+`add_generation_prompt=True`, so the reply starts right after the assistant header. The end of the model's turn is
+the tokenizer's EOS and the special token the template writes after an assistant message (`<|im_end|>` for ChatML,
+`<|eot_id|>` for Llama 3); both engines stop at either, and SFT demonstrations end the answer with it.
+Tools (`tool_agent`): a `ChatPrompt` with `tools` (OpenAI function schemas) renders them with
+`apply_chat_template(messages, tools=...)`; a template that ignores `tools` gets the Hermes tool instructions
+(`TOOLS_FALLBACK`) appended to the system message. `tool_turn_text` is the text the template writes after an
+assistant turn for the given tool messages, through the next assistant header (a template that rejects the `tool`
+role gets them as a user message of `<tool_response>` blocks).
 
 Invariant: `encode_chat` returns exactly `tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-tokenize=True)`'s ids (with `tools=` when the prompt has tools and the template renders them); with
-`model.chat_template: false` nothing here is used (prompts are plain text with the tokenizer's special tokens).
-Tokenizers are duck-typed (any Hugging Face tokenizer); this module imports no rft module but the config types, and
-no heavy dependency.
+tokenize=True)`'s ids (with `tools=` when the template renders them); with `model.chat_template: false` nothing here
+is used. Tokenizers are duck-typed; this module imports no rft module but the config types, and no heavy dependency.
 """
 from __future__ import annotations
 

@@ -228,7 +228,7 @@ class RecordSource(Protocol):
     def joined(self) -> bool:
         """With a group: True once the group has answered this member's first join with an assignment (possibly
         empty); before that it cannot tell whether it will have records. A Kafka consumer joins in its first polls,
-        and Tansu answers a JoinGroup after 3 s (more on a loaded machine). Without a group: True."""
+        and Tansu answers a JoinGroup only after seconds (docs/benchmarks.md). Without a group: True."""
 
     def seek(self, offsets: dict[str, int]) -> None:
         """Position at stored offsets ("topic:partition" -> next offset); assigns them if unassigned."""

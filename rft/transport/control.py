@@ -1,36 +1,22 @@
 """The control protocol: one typed message per control kind, and `ControlView`, the one fold of them.
 
-Wire format (unchanged, docs/schema.md, schema 1): a `schema.ControlMessage(kind, sender, body, created_at)` whose
-body keys are exactly the fields of the kind's dataclass below. Senders build a dataclass and send
-`to_message()`; readers `parse()` a ControlMessage into one (None for a kind they do not know: readers ignore
-those). `from_message()` validates: a missing required field or a field of the wrong type raises ControlError
-naming the kind and the field; missing optional fields take their defaults; unknown extra keys are ignored.
+Wire format (docs/schema.md, schema 1): a `schema.ControlMessage(kind, sender, body, created_at)` whose body keys are
+exactly the fields of the kind's dataclass below. Senders send `to_message()`; readers `parse()` a ControlMessage
+(None for an unknown kind: ignored). `from_message()` raises ControlError naming the kind and field for a missing
+required field or a wrong type; missing optional fields take defaults; unknown extra keys are ignored.
 
-Kinds (sender `trainer` unless said otherwise):
-  weights             version `version` is in the weight store at `path` (pull path); `offsets` consumed
-  weights_push        version `version` is being pushed in push group `group_id` (push path)
-  push_group          a push group to join (the fields of rft.weights.push.PushGroupSpec)
-  push_abandoned      the trainer gave up push group `group_id` at `version`; everyone pulls from then on
-  trainer_started     the trainer (re)started at `step` with weights `version` and consumed `offsets`
-  trainer_waiting     the trainer waits for data; `offsets` consumed so far (admission reads them)
-  trainer_finished    the run's last step is done
-  trainer_step        step `step` is done; `metrics`: a few of its metrics (reward, staleness, drops, the
-                      training-inference mismatch: TRAINER_STEP_METRICS), what `rft status` prints
-  explorer_join       (sender: the explorer id) an explorer joined the tasks consumer group
-  explorer_heartbeat  (sender: the explorer id) every explorer.heartbeat_s, with its counters
-  explorer_weights    (sender: the explorer id) it loaded weights `version` (`seconds`: None when pushed)
-  explorer_leave      (sender: the explorer id) it left, and why
-  tasks_group         (sender: an explorer id) the explorers moved to consumer group `group` (epoch `epoch`) on the
-                      tasks topic, seeded with the old group's committed `offsets` (rft/explorer/membership.py)
-  admission_claim     (sender: an explorer id; partition 0) it asks to start `groups` groups under the fleet's
-                      `limit` as it read it at control offset `seen` (rft/explorer/admission.py, the ledger)
-  admission_release   (sender: an explorer id; partition 0) `groups` of `explorer_id`'s granted groups ended (produced
-                      or given up); `reset`: all of them (a start, a leave, or a silent explorer reclaimed by `by`)
+Kinds, sender `trainer`: `weights` (a pull-path version in the store at `path`, with consumed `offsets`),
+`weights_push` (a version being pushed in group `group_id`), `push_group` (a group to join: PushGroupSpec),
+`push_abandoned` (push given up at `version`: everyone pulls from then on), `trainer_started` (step, version,
+offsets), `trainer_waiting` (waits for data; offsets, read by admission), `trainer_finished`, `trainer_step` (a few
+of the step's metrics, TRAINER_STEP_METRICS, for `rft status`).
+Sender an explorer id: `explorer_join`, `explorer_heartbeat` (every explorer.heartbeat_s, with counters),
+`explorer_weights` (loaded `version`; `seconds` None when pushed), `explorer_leave` (and why), `tasks_group` (the
+explorers moved to consumer group `group`, epoch `epoch`, seeded with `offsets`: rft/explorer/membership.py),
+`admission_claim` and `admission_release` (partition 0; the admission ledger, rft/explorer/admission.py).
 
-`ControlView.apply()` folds messages into what the run has said so far. Partitions interleave, so messages
-arrive in partition order, not time order: the trainer's state follows the newest trainer message (an older
-one read later is ignored), so the view never goes back in time. A malformed message is skipped and counted
-in `malformed`, never raised.
+`ControlView.apply()` folds messages; the trainer's state follows its newest message (partitions interleave; an older
+one read later is ignored), so the view never goes back in time. A malformed message is counted, never raised.
 """
 from __future__ import annotations
 

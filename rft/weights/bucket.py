@@ -1,40 +1,22 @@
 """Versioned weights in an S3 bucket: the pull path for fleets that share no filesystem with the trainer (rft.weights).
 
-`sync.weight_store: s3://BUCKET/PREFIX`. Under PREFIX/ (object keys):
-    v00000003/model-00000.safetensors ...   the version's files, as in a directory store (rft.weights.store)
-    v00000003/model-00000.safetensors.delta optional (`sync.delta`): that shard as a sparse delta from version 2
-    v00000003/rft-manifest.json             written last: a version exists for readers once its manifest does
-    LATEST                                  text: the newest published version number
-The contract is the directory store's, on S3:
-- Complete before visible: every file of a version (and its deltas) is uploaded before the manifest, which names
-  each one's size and SHA-256 (deltas under "delta": {"base": the version they apply to, "files": {shard: entry}}).
-  Readers trust only versions whose manifest is there, and only files that match it.
-- A version is never rewritten: its manifest is created with `If-None-Match: *`; publishing a version whose manifest
-  exists is a no-op (a resumed trainer re-publishes).
-- LATEST only moves forward, by compare-and-swap: created with `If-None-Match: *` when absent, else replaced with
-  `If-Match: <ETag read>` only when it names an older version; a write that loses a race reads again and retries.
-- Garbage collection keeps the newest `keep` versions and LATEST's: a version's manifest is deleted first (it is gone
-  for readers at once), then its files; a reader that loses the race gets FileNotFoundError and reads LATEST again.
-  Versions older than the one just published that never got a manifest (a publish that died) are deleted too.
-- Per-stage publishing (pipeline parallelism): each stage's publishing rank writes its shards, then
-  `.stage-KK.json` (or `.stage-KK.failed`), straight under the version's prefix, where nothing is visible without
-  the manifest; the publishing rank waits for them as the directory store's does (`wait_s` without progress).
-- Deltas (`sync.delta`): the writer of a shard keeps the tensors it wrote for the last version and, when it writes
-  version v = last + 1 with v % `sync.full_every` != 0, also writes the shard's delta (rft.weights.delta) if it is
-  smaller than half the shard. Every version still has all its full files: a host without the previous version, or
-  whose delta does not reproduce a file bit for bit, downloads that file whole.
-One writer per prefix (the trainer's publishing ranks); any number of readers. Readers never load from the bucket:
-each host's cache (rft.weights.cache) fetches a version once, or builds it from the version before and the deltas,
-checks it against the manifest and hands engines a local directory.
-Code: `BucketStore` reads (versions, LATEST, a version's objects, this host's cache) and hands `stage`, `write_stage`
-and `publish` to its `writer`, a `BucketWriter` (uploads, deltas and their base, LATEST by compare-and-swap, garbage
-collection).
-
-The client is obstore (Rust's object_store: conditional puts by ETag, streaming and concurrent transfers, no Python
-dependencies; boto3's botocore pins python-dateutil < 3, which this environment's pins exclude). Endpoint and region
-come from `sync.s3_endpoint` / `sync.s3_region` or the standard AWS environment variables (AWS_ENDPOINT_URL,
-AWS_REGION); credentials only from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
-AWS_PROFILE's files, instance roles): never from the config, so never in the run directory (docs/security.md).
+`sync.weight_store: s3://BUCKET/PREFIX`. Under PREFIX/: `vNNNNNNNN/<files>` as in a directory store
+(rft.weights.store), optional `<shard>.delta` files (`sync.delta`), `vNNNNNNNN/rft-manifest.json` (written last: a
+version exists for readers once its manifest does), and `LATEST`. The directory store's contract, on S3:
+- Complete before visible: every file (and delta) is uploaded before the manifest, which names each one's size and
+  SHA-256; readers trust only versions with a manifest, and only files that match it.
+- Never rewritten: the manifest is created with `If-None-Match: *`; re-publishing an existing version is a no-op.
+- LATEST only moves forward, by compare-and-swap (`If-None-Match: *` when absent, else `If-Match: <ETag>` only
+  over an older version; a lost race reads again and retries).
+- Garbage collection keeps the newest `keep` versions and LATEST's, deleting a manifest before its files; versions
+  older than the one just published that never got a manifest are deleted too.
+- Per-stage publishing: each pipeline stage's publishing rank writes its shards then `.stage-KK.json` (or
+  `.failed`) under the version's prefix; the publishing rank waits for them as the directory store's does.
+- Deltas: a shard of version v = last + 1 (v % `sync.full_every` != 0) also gets a delta when it is under half the
+  shard; every version keeps all its full files, so a host without the base downloads whole files.
+One writer per prefix; any number of readers. Readers never load from the bucket: each host's cache
+(rft.weights.cache) fetches or rebuilds a version once, checks it and hands engines a local directory.
+`BucketStore` reads, its `BucketWriter` writes (obstore). Credentials only from the environment (docs/security.md).
 """
 from __future__ import annotations
 
@@ -225,7 +207,7 @@ class BucketStore:
     def stage(self, version: int, stages: int) -> Staging | None:
         """Open `version` for per-stage publishing: the stages write under its prefix (module docstring). None when
         it is published already."""
-        return self.writer.stage(version, stages)
+        return self.writer.open_staging(version, stages)
 
     def write_stage(self, staging: Staging, stage: int, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
         """Upload pipeline stage `stage`'s buckets under the version's prefix, then its `.stage-KK.json`; on failure
@@ -251,7 +233,7 @@ class BucketWriter:
         self._base: tuple[int, dict[str, tuple[dict, dict]]] | None = None  # version, shard -> (tensors, entry)
         self._base_lock = threading.Lock()
 
-    def stage(self, version: int, stages: int) -> Staging | None:
+    def open_staging(self, version: int, stages: int) -> Staging | None:
         check_stage_count(version, stages)
         if self.store.has(version):
             return None

@@ -1,30 +1,22 @@
 """A host's cache of the versions of a bucket weight store (rft.weights.bucket): the explorers (and `rft serve`, the
-evaluator) on one host share it, so each version crosses the network once per host, and as a sparse delta when the
+evaluator) on one host share it, so each version crosses the network once per host, as a sparse delta when the
 host has the version before it.
 
-Layout under `directory` (one per store; the bucket store names it after the store's endpoint and URL):
-    .lock                 fcntl lock: one process at a time builds a version or collects garbage
-    v00000003/            a complete version: every file of its manifest, checked, and the manifest itself
-    .tmp-v00000004-XXXX/  a version being built (removed on failure; a killed builder's leftovers go at the next build)
+Layout under `directory` (one per store): `.lock` (fcntl: one process at a time builds or collects garbage),
+`vNNNNNNNN/` (a complete, checked version and its manifest), `.tmp-vNNNNNNNN-XXXX/` (a version being built).
 Contract:
-- A `vNNNNNNNN/` directory is complete whenever it is visible: it is built aside, every file's size and SHA-256 is
-  checked against the version's manifest (and, with `checksums`, every floating-point tensor is finite), then it is
-  renamed into place. Engines load from it (a loadable HF directory, or a PEFT adapter directory).
-- Building version v from its manifest, each file is (1) hard-linked from the newest cached version holding a file of
-  that name with the same SHA-256 (config and tokenizer files, shards that did not change), else (2) rebuilt from the
-  cached base's file and its delta when v has deltas from a version this cache holds (rft.weights.delta), and kept
-  only if its SHA-256 is the manifest's, else (3) downloaded. A downloaded file that does not match the manifest
-  refuses the version (WeightStoreError); a delta that is malformed or does not reproduce its file bit for bit is
-  counted (`stats["delta_fallbacks"]`), logged, and the file is downloaded instead.
-- Many processes: `materialize` returns a complete version without locking when it is there (and its files have
-  the manifest's sizes: a version a crash left short is removed and built again); otherwise it takes the lock, looks
-  again (another process may have just built it) and builds it. So the explorers of a host fetch each version once.
+- A `vNNNNNNNN/` directory is complete whenever it is visible: built aside, every file checked against the
+  manifest's size and SHA-256 (with `checksums`, every floating-point tensor finite), then renamed into place.
+- Each file of version v is (1) hard-linked from the newest cached version with the same name and SHA-256, else
+  (2) rebuilt from the cached base and its delta (kept only if its SHA-256 matches), else (3) downloaded. A
+  downloaded file that does not match refuses the version (WeightStoreError); a bad delta is counted
+  (`stats["delta_fallbacks"]`), logged, and the file downloaded instead.
+- `materialize` returns a complete version without locking when it is there (a short one is removed and rebuilt);
+  otherwise it takes the lock, looks again and builds it: the explorers of a host fetch each version once.
 - Garbage collection (under the lock, after each build) keeps the newest `keep` versions (>= 2: the newest is the
-  next delta's base); a doomed version is renamed out of the `vNNNNNNNN` namespace before it is removed, so a reader
-  sees it whole or not at all; an engine that loses that race gets FileNotFoundError and the explorer takes the
-  newest version again (rft.weights.subscriber.load_newest_weights).
-The directory must be on a local filesystem (flock over NFS is not dependable) that every explorer of the host can
-write.
+  next delta's base), renaming a doomed version out of the namespace first; a reader that loses the race gets
+  FileNotFoundError and takes the newest version again (rft.weights.subscriber.load_newest_weights).
+The directory must be on a local filesystem (flock over NFS is not dependable) every explorer of the host can write.
 """
 from __future__ import annotations
 

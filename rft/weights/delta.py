@@ -1,17 +1,12 @@
 """Sparse deltas between two versions of one safetensors shard: what `sync.delta` publishes beside each version
 (rft.weights.bucket) and what a host's cache applies to its copy of the previous version (rft.weights.cache).
 
-A delta turns the shard file F of the base version (the previous one) into F of the new version byte for byte. It
-exists only when the two files have the same header (the same tensors, in the same order, with the same dtypes and
-shapes, so the same byte offsets): the trainer's buckets keep their composition from one version to the next. For
-each tensor with changed elements it holds
-- the positions of the changed elements (flat indices into the tensor, ascending) as the gaps between successive
-  positions (the first one's from -1, minus one), in the smallest unsigned width (1, 2, 4 or 8 bytes) that holds the
-  largest gap, zlib-compressed;
-- the XOR of the old and the new bit pattern at those positions (the element width as an unsigned integer, little
-  endian), zlib-compressed: a change of a few units in the last place flips only low bits, which compress (SmolLM2
-  in bf16 over real GRPO steps: 4-6 % of the full version; positions and new values instead of XOR: 6-9 %).
-Elements are compared bit for bit (an integer view), so a NaN payload or a signed zero is a change like any other.
+A delta turns the base version's shard file into the new version's byte for byte. It exists only when both files
+have the same header (same tensors, order, dtypes and shapes, so the same byte offsets). For each tensor with
+changed elements it holds the positions of the changed elements (flat, ascending, as gaps between successive
+positions, the first from -1, minus one, in the smallest unsigned width of 1, 2, 4 or 8 bytes, zlib-compressed) and
+the XOR of old and new bit patterns there (little endian, zlib-compressed: small changes flip only low bits).
+Elements are compared bit for bit, so a NaN payload or a signed zero is a change like any other.
 
 The file (`<shard>.delta`) is one msgpack map, never pickle: {"format": FORMAT, "file": shard name,
 "base_sha256": the whole base file's SHA-256, "header_sha256": SHA-256 of the new file's first 8 + N bytes (length

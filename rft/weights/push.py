@@ -1,46 +1,22 @@
 """The push path of weight synchronisation: one torch.distributed process group (gloo on CPU, NCCL on GPU)
 between the trainer's publishing rank and the workers of a fixed fleet of explorer engines.
 
-The group is not the trainer's own world: it is built from a TCPStore that the publishing rank hosts,
-so it lives beside torchrun's group and never touches it. Rank 0 is the trainer; each engine worker
-takes the next rank from a counter in the store (ranks 1..world_size-1, world_size = 1 + explorers x
-engine TP size). Every message is a broadcast from rank 0 of plain tensors (no pickle):
+The group is built from a TCPStore the publishing rank hosts, beside torchrun's world (never touching it). Rank 0
+is the trainer; each engine worker takes the next rank from a counter in the store (world_size = 1 + explorers x
+engine TP size). Every message is a broadcast from rank 0 of plain tensors (no pickle): the version (int64[1]);
+per bucket, streamed one at a time: the manifest's length (int64[1], 0: no more buckets), the manifest (uint8,
+JSON list of [HF name, dtype, shape] in payload order) and the payload (the tensors' bytes, concatenated); then an
+ack all_reduce(sum) where each receiver adds 1 if it loaded the whole version.
 
-    header   int64[1]  the version
-    per bucket (streamed as the trainer gathers them; one bucket in memory at a time):
-      int64[1]         length of the manifest (0: no more buckets)
-      uint8[length]    manifest: JSON list of [name, dtype, shape], in payload order (HF names)
-      uint8[bytes]     payload: the bucket's tensors' bytes, concatenated
-    ack      int64[1]  all_reduce(sum): each receiver adds 1 if it loaded the whole version, else 0
+`send` returns only after the ack: every member then holds the version and the buffers may be reused. Any failure
+or a short ack raises PushError on the sender; the group is then unusable and the caller falls back to pull.
 
-`send` returns only after the ack, so when it returns every member holds the version: the sender may
-then reuse or overwrite the buffers (next optimizer step), and receivers resume generating with it.
-Any failure or an ack below world_size - 1 raises PushError on the sender; the group is then unusable
-and the caller falls back to the pull path (rft.weights.publisher.WeightPublisher).
-
-Deadline and abort, on both sides. Every collective is issued asynchronously and its Work polled
-(`is_completed`) against a deadline of `timeout_s` (sync.timeout_s) from its start; on expiry the member
-aborts the group (`abort()`: ncclCommAbort on NCCL) and raises PushError. A collective that completes with
-an error (gloo reports a lost peer at once) raises PushError too, after the same abort. So a failure never
-depends on the backend raising from a blocking wait, which NCCL does not do by default: its watchdog tears
-the whole process down on a timeout or error. The backend's own timeout is set longer than the deadline
-(`backend_timeout_s`), so rft's deadline always comes first. The aborted group is released in a
-background thread once its operation in flight has ended (a gloo group's destructor waits for it).
-
-NCCL settings this relies on (GPU only: the CPU tests run the same code over gloo):
-  - TORCH_NCCL_ASYNC_ERROR_HANDLING is read when a ProcessGroupNCCL is constructed (default 3,
-    SkipCleanUp: the watchdog kills the process on a timeout or a communicator error). The push group is
-    constructed with it set to 0 (no handling: rft's deadline aborts the group), then the variable is
-    restored, so the trainer's own NCCL groups keep the operator's setting.
-  - TORCH_NCCL_BLOCKING_WAIT must not be set for rft's processes (it is forced to 0 for the push group's
-    construction as well): it makes `wait` block and raise on the backend's timeout instead.
-  - The NCCL group's timeout (Options._timeout) is `backend_timeout_s`; the trainer's own group timeout
-    (init_process_group, 10 min by default on NCCL, 30 min on gloo) must exceed sync.timeout_s, because
-    the other trainer ranks wait in the weight export while rank 0 pushes (rft.trainer.weights.deliver_version).
-  - TORCH_NCCL_ENABLE_MONITORING / TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (default on, 10 min): the heartbeat
-    monitor kills the process only when the watchdog thread itself hangs; leave the defaults.
-  - NCCL_* transport timeouts (NCCL_IB_TIMEOUT, NCCL_SOCKET_*) need no change: a dead peer is detected
-    by rft's deadline, whatever NCCL reports.
+Deadline and abort, on both sides: every collective is issued asynchronously and polled against `timeout_s`
+(sync.timeout_s); on expiry, or a collective that completes with an error, the member aborts the group
+(ncclCommAbort on NCCL) and raises PushError, so failure never depends on the backend raising. NCCL settings this
+relies on: the push group is constructed with TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (restored afterwards, so the
+trainer's own groups keep the operator's setting) and TORCH_NCCL_BLOCKING_WAIT unset, with a backend timeout
+(`backend_timeout_s`) beyond rft's deadline; the trainer's own group timeout must exceed sync.timeout_s.
 """
 from __future__ import annotations
 

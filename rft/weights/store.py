@@ -1,47 +1,22 @@
 """Versioned weights on a shared filesystem: the pull path of weight synchronisation (rft.weights).
 
-Layout under `root`:
-    v00000003/              one published version: HF-layout safetensors shards + the model's
-        model-00000.safetensors ...   config / tokenizer files, so each version is a loadable HF model
-        model.safetensors.index.json
-        config.json, tokenizer.json, ...
-        rft-manifest.json           every other file of the version: its size and SHA-256 (written last)
-    LATEST                  text: the newest published version number
-A LoRA run's version (`publish(..., adapter_config=...)`) is a PEFT adapter directory instead: `adapter_config.json`,
-`adapter_model.safetensors` (every tensor in one file, PEFT's names) and the manifest; no model files beside them
-(explorers keep the base model they loaded and take each version as a LoRA adapter, rft.engine).
+Layout under `root`: `vNNNNNNNN/` (one published version: HF-layout safetensors shards, the index, config and
+tokenizer files, and `rft-manifest.json` with every other file's size and SHA-256, written last) and `LATEST` (the
+newest published version number). A LoRA run's version is a PEFT adapter directory plus the manifest.
 
 Invariants (readers on other hosts rely on them):
-- A `vNNNNNNNN/` directory is complete whenever it is visible: it is written under a temporary name
-  in `root` and renamed into place (rename is atomic within one filesystem).
-- `LATEST` only moves forward and always names a complete version: it is written to a temporary
-  file and `os.replace`d, after the version directory is in place.
-- Garbage collection keeps the newest `keep` versions (and whatever LATEST names); a version being
-  removed is first renamed out of the `vNNNNNNNN` namespace, so a reader sees it whole or not at all.
-  A reader that loses the race gets FileNotFoundError and should read `latest()` again.
-- Publishing a version that exists already is a no-op returning its path (a trainer resuming from a
-  checkpoint re-publishes the same weights under the same number).
-- Per-stage publishing (a pipeline-parallel trainer): the publishing rank opens a version with `stage()`,
-  which creates its temporary directory; each pipeline stage's publishing rank writes its own shards there
-  (`write_stage`: `model-stageKK-NNNNN.safetensors`, then a manifest `.stage-KK.json` naming its tensors, written
-  last and atomically; a failure leaves `.stage-KK.failed` with the reason); `publish(..., staging=)` writes the
-  first stage's shards, waits for every other stage's manifest (raising an error that names the missing stage
-  when none of them makes progress for `wait_s`), then writes the index over every stage's shards, the config
-  and tokenizer files, drops the manifests and renames the directory into place. Every trainer rank that
-  publishes a stage must see `root` at the same path (a shared filesystem, as the explorers' readers do).
-- Every version directory holds a manifest (`rft-manifest.json`: {"version", "algorithm": "sha256", "files":
-  {name: {"size", "sha256"}}}) naming every file in it, written before the rename. Each pipeline stage's
-  publishing rank hashes its own shards as it writes them (its `.stage-KK.json` carries their entries); the
-  publishing rank merges them with the entries of the files it wrote. Readers that do not trust the control topic
-  check a version against it (`verify_version`) before loading it.
-One writer per root (the trainer's publishing rank, with its pipeline stages' publishing ranks writing into the
-temporary directories it opens); any number of readers.
-
-Code: `WeightStore` reads (versions, LATEST, a checked version directory) and hands `stage`, `write_stage` and
-`publish` to its `writer`, a `DirectoryWriter` (temporary directory, manifest, rename, LATEST, garbage collection).
-The functions below them are the format both stores share with the host cache (rft.weights.cache): manifests and
-`verify_version`, LoRA adapter directories, and per-stage publishing's parts (`Staging`, the stage manifests,
-`gather_stages`, the argument checks).
+- A `vNNNNNNNN/` directory is complete whenever it is visible: written under a temporary name, then renamed.
+- `LATEST` only moves forward and always names a complete version (temporary file, `os.replace`, after the rename).
+- Garbage collection keeps the newest `keep` versions (and LATEST's); a removed version is first renamed out of
+  the namespace; a reader that loses the race gets FileNotFoundError and reads `latest()` again.
+- Publishing a version that exists is a no-op returning its path (a resumed trainer re-publishes).
+- Per-stage publishing (pipeline stages): `stage()` opens the temporary directory; each stage's publishing rank
+  writes its shards and then `.stage-KK.json` (or `.stage-KK.failed`) with `write_stage`; `publish(..., staging=)`
+  writes the first stage's shards, waits for every stage's manifest (an error names a stage without progress for
+  `wait_s`), writes the index and renames. Every publishing rank must see `root` at the same path.
+- `verify_version` checks a directory against its manifest before a distrusting reader loads it.
+One writer per root; any number of readers. `WeightStore` reads and hands `stage`, `write_stage` and `publish` to
+its `DirectoryWriter`; the functions below are the format shared with the bucket store and the host cache.
 """
 from __future__ import annotations
 
@@ -75,7 +50,7 @@ ADAPTER_CONFIG = "adapter_config.json"  # ... and its PEFT config; its presence 
 # the push path (rft.weights.push) sends an adapter version as this uint8 tensor (its adapter_config.json, UTF-8)
 # first, then the adapter's tensors: what a receiver needs to write the PEFT directory (`save_pushed_adapter`)
 PUSHED_ADAPTER_CONFIG = "rft.adapter_config.json"
-CHECKSUM = "sha256"  # hashlib's, ~1 GB/s with the CPU's SHA extensions (faster than blake2b there)
+CHECKSUM = "sha256"  # hashlib's: faster than blake2b on CPUs with SHA extensions (docs/benchmarks.md)
 _VERSION_DIR = re.compile(r"v(\d{8})")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -224,7 +199,7 @@ class WeightStore:
     def stage(self, version: int, stages: int) -> Staging | None:
         """Open `version` for per-stage publishing by `stages` pipeline stages: creates its temporary directory.
         None when the version is published already (then `publish` without staging is a no-op)."""
-        return self.writer.stage(version, stages)
+        return self.writer.open_staging(version, stages)
 
     def write_stage(self, staging: Staging, stage: int, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
         """Write pipeline stage `stage`'s buckets (one safetensors shard each) into `staging.dir`, then its
@@ -247,7 +222,7 @@ class WeightStore:
 
 
 def _local_dir(staging: Staging) -> Path:
-    """A directory store's staging directory (`DirectoryWriter.stage` and `Staging.from_json` make it a Path)."""
+    """A directory store's staging directory (`DirectoryWriter.open_staging` and `Staging.from_json` make it a Path)."""
     assert isinstance(staging.dir, Path), f"not a directory store's staging: {staging.dir!r}"
     return staging.dir
 
@@ -260,7 +235,7 @@ class DirectoryWriter:
     def __init__(self, store: WeightStore):
         self.store = store
 
-    def stage(self, version: int, stages: int) -> Staging | None:
+    def open_staging(self, version: int, stages: int) -> Staging | None:
         check_stage_count(version, stages)
         if self.store.path(version).exists():
             return None

@@ -1,40 +1,22 @@
 """The push path over vLLM's own weight transfer (`vllm.distributed.weight_transfer`, NCCL backend), for GPU fleets.
 
-NOT EXERCISED WITHOUT A GPU: the NCCL data plane (vLLM's `nccl_common.trainer_init` / `PyNcclCommunicator`, its
-packed broadcast producer on the trainer and the workers' `NCCLWeightTransferEngine`), and an engine built with
-`weight_transfer_config`. Tested on CPU (tests/unit/test_vllm_transfer.py): the selection rule and its errors, the
-mapping from rft buckets to `update_weights` arguments (checked against vLLM's own packer / unpacker), the control
-protocol below over a real TCPStore (with a stand-in for the NCCL broadcast and for vLLM's `LLM`, which cannot run
-here), and that every vLLM entry point and class this module calls exists with the signature used here.
+Not exercised without a GPU: the NCCL data plane and an engine built with `weight_transfer_config`.
 
 Selection (`push_transport`): `sync.method: push` + CUDA + `explorer.engine: vllm` uses this transport
 (`sync.push_transport: auto`); `rft` forces rft's own broadcast (rft.weights.push); `vllm` demands this one and
-fails with an error naming what is missing. The trainer announces the choice in `PushGroup.backend`
-(`vllm-nccl`); an explorer follows the announcement, and one that cannot (no CUDA, a transformers engine, an engine
-built without weight transfer) refuses to join, so the group does not form and everyone falls back to the pull
-path, as with any push failure (rft/weights/__init__.py).
+fails naming what is missing. The trainer announces the choice in `PushGroup.backend` (`vllm-nccl`); an explorer
+that cannot follow refuses to join, so the group does not form and everyone falls back to pull.
 
-What stays rft's: announcements on the control topic (`PushGroup`, `WeightsPush`, `PushAbandoned`), the group's
-TCPStore hosted by the publishing rank (rft.weights.push.PushSender.host: rank reservation, joined count), and the
-fallback to pull. What is vLLM's: the NCCL group (vLLM's own rendezvous on a second port) and the bytes on it.
-
-Control protocol, all through the TCPStore, values are JSON text (no pickle). Rank 0 is the trainer; each engine
-reserves `workers` (its TP x PP) consecutive ranks from the rank counter, adds them to the joined count, reads
-INIT_KEY and calls `LLM.init_weight_transfer_engine` (which blocks until the trainer opens its endpoint, i.e. until
-the whole fleet joined). Version number n of the group (n = 0, 1, ... in push order) uses keys `rft/push/vllm/<n>/`:
-    version       set by the trainer: the version being pushed
-    ready         each engine adds `workers` when it is about to receive (the trainer waits for all, timeout_s)
-    b<i>          set by the trainer before broadcasting bucket i: `update_info(bucket)`; JSON null after the
-                  last bucket; {"abort": reason} when the trainer gives the version up
-    b<i>.got      each engine adds `workers` once bucket i is loaded (the trainer waits for all before bucket i+1)
-    ok            each engine adds `workers` after `finish_weight_update`; `send` returns when all did
-    failed        set by an engine that failed (reason): the trainer stops and raises PushError
-An engine receives a version as one vLLM update session: `start_weight_update`, one `update_weights` per bucket,
-`finish_weight_update` (vLLM's layerwise reload then processes every layer once).
-
-Known limit (GPU): vLLM's PyNcclCommunicator has no timeout. The trainer broadcasts from a helper thread and gives
-up after `sync.timeout_s` (PushError: the push group is abandoned), but a receiver that dies in the middle of a
-bucket leaves that thread and its NCCL kernel stuck on the trainer's GPU until the process exits.
+Control protocol, through the TCPStore, JSON values (no pickle). Rank 0 is the trainer; each engine reserves
+`workers` (its TP x PP) consecutive ranks, adds them to the joined count, reads INIT_KEY and calls
+`LLM.init_weight_transfer_engine`. The group's n-th push (n = 0, 1, ...) uses keys `rft/push/vllm/<n>/`:
+`version` (set by the trainer), `ready` (each engine adds `workers` before receiving), `b<i>` (the trainer's
+`update_info(bucket)` for bucket i; null after the last; {"abort": reason} to give up), `b<i>.got` (engines add
+`workers` once bucket i is loaded; the trainer waits before bucket i+1), `ok` (after `finish_weight_update`; `send`
+returns when all did), `failed` (an engine's reason: the trainer raises PushError). An engine receives a version as
+one vLLM update session (`start_weight_update`, one `update_weights` per bucket, `finish_weight_update`).
+Limit: vLLM's PyNcclCommunicator has no timeout; the trainer gives up after `sync.timeout_s`, but a receiver dying
+mid-bucket leaves that helper thread stuck on the trainer's GPU until the process exits.
 """
 from __future__ import annotations
 
