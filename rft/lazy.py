@@ -3,9 +3,9 @@
 Checking a config imports the algorithms (their options are config keys: rft.run.loading), whose losses need torch.
 With `torch = lazy("torch")` in rft/algorithms/ the commands that only read a config or the broker (`rft validate`,
 `rft status`, `rft topics`, `rft run`'s launcher, its task publisher and dashboard) never import torch; the first
-loss computed imports it (tests/integration/test_cli_without_torch.py checks which commands stay without it). Each attribute
-read once is kept on the stand-in, so a loss's later reads of `torch.where` and the like are plain attribute reads;
-an attribute the module gains later is found when first read.
+loss computed imports it (tests/integration/test_cli_without_torch.py checks which commands stay without it). Each
+attribute read once is kept on the stand-in, so a loss's later reads of `torch.where` and the like are plain
+attribute reads; an attribute the module gains later is found when first read.
 """
 from __future__ import annotations
 

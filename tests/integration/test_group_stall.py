@@ -76,7 +76,8 @@ def test_wedged_group_is_reported_and_the_explorers_recover(broker, tiny_model, 
     config = write_config(tmp_path / "run.yaml", run=topic_prefix, bootstrap=broker.bootstrap_servers,
                           model=tiny_model, store=tmp_path / "store", partitions=4, engine="transformers",
                           admission="all", unassigned_rejoin_s=35.0, tasks_per_batch=4)
-    cfg = load(config).with_values({"run.output_dir": str(tmp_path / "runs")})  # where the stall check writes health.jsonl
+    # the run directory: where the stall check writes health.jsonl
+    cfg = load(config).with_values({"run.output_dir": str(tmp_path / "runs")})
     cfg.run_dir.mkdir(parents=True)
     create_topics(cfg)
     wedge_group(broker.bootstrap_servers, consumer_group(cfg), cfg.topic("tasks"))
