@@ -28,9 +28,10 @@ import torch.distributed as dist
 import megatron_bridge.device as device
 import megatron_bridge.parallel as parallel
 from megatron_bridge.hf_checkpoint import HFDirectoryWriter
+from megatron_bridge.info import BridgeInfo
 from megatron_bridge.lora import MergedParameters
 from megatron_bridge.mapping import ParamMapping
-from megatron_bridge.model import BridgeInfo, unwrap
+from megatron_bridge.model import unwrap
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HEADER_LEN = 6  # ndim, up to 4 dims, dtype code

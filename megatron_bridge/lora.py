@@ -38,7 +38,7 @@ from rft.models.config import LORA_TARGETS
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_bridge.model import BridgeInfo
+    from megatron_bridge.info import BridgeInfo
     from rft.models.config import LoraConfig
 
 TARGETS = LORA_TARGETS  # megatron linears that take adapters (model.lora.target_modules)

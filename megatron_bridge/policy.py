@@ -39,9 +39,10 @@ import megatron_bridge.parallel as parallel
 import megatron_bridge.routing_replay as routing_replay_module
 import megatron_bridge.schedule as schedule
 import megatron_bridge.shared_prompts as shared_prompts
+from megatron_bridge.info import BridgeInfo
 from megatron_bridge.layout import vocabulary_problem
 from megatron_bridge.logprobs import entropy_sum, token_logprobs
-from megatron_bridge.model import BridgeInfo, build_model, config_of, unwrap
+from megatron_bridge.model import build_model, config_of, unwrap
 from rft.tensors import all_finite
 
 if TYPE_CHECKING:

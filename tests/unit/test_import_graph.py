@@ -307,7 +307,6 @@ KNOWN_CYCLES: dict[tuple[str, ...], str] = {
     ("rft.explorer.batch", "rft.explorer.continuous", "rft.explorer.explorer", "rft.explorer.membership",
      "rft.explorer.pipeline"): "the loops call back into Explorer: the explorer's responsibilities refactor",
     ("rft.trainer.main", "rft.trainer.weights"): "weights.py types TrainerIO: one owner of weight publication",
-    ("megatron_bridge.lora", "megatron_bridge.model"): "lora.py types model.BridgeInfo",
 }
 
 
