@@ -67,7 +67,10 @@ class Generation:
 class Engine(Protocol):
     """What workflows and rewards need from an inference engine. Not thread-safe."""
 
-    weights_version: int
+    @property
+    def weights_version(self) -> int:
+        """The version of the weights it holds (the package docstring)."""
+        ...
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 

@@ -100,8 +100,9 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
+from rft.config import ConfigError
 from rft.modes import admission_bound
 from rft.schema import ControlMessage, RecordError, decode, encode
 from rft.transport import RecordSource, Transport, TransportError, lag
@@ -128,21 +129,59 @@ log = logging.getLogger(__name__)
 
 
 class Admission(Protocol):
-    """How many rollouts may start now. Required: `admit(n) -> int`, 0 <= result <= n, called before each
-    batch with the number of tasks at hand. Optional hooks, called when the object has them:
-    `finish(k)` after k admitted groups were acknowledged by the broker, `fail(k)` for k admitted tasks
-    given up (dead-lettered), `set_version(v)` after weights v were loaded (v never decreases),
-    `wait(seconds)` after an admission let nothing start: block until something that may change the answer
-    happens (for StalenessAdmission: a control message, e.g. the trainer's next version) or `seconds` pass."""
+    """How many rollouts may start now. The explorer calls every method (rft/explorer/pipeline.py, parts.py):
+      admit(n)          before starting tasks, with the number at hand: how many may start, 0 <= result <= n;
+      finish(n)         n admitted groups were acknowledged by the broker (n > 0);
+      fail(n)           n admitted tasks were given up, e.g. dead-lettered (n > 0);
+      set_version(v)    weights v were loaded (v never decreases);
+      wait(timeout_s)   after an admit that let nothing start: block until something may change the answer
+                        (StalenessAdmission: a control message, e.g. the trainer's next version) or `timeout_s`
+                        passes; True on news;
+      close()           the explorer leaves.
+    A plugin (`explorer.admission: package.module:factory`) returns an object with all of them: `checked` refuses
+    one that lacks any, by name, when the explorer is composed."""
 
     def admit(self, n: int) -> int: ...
+    def finish(self, n: int) -> None: ...
+    def fail(self, n: int) -> None: ...
+    def set_version(self, version: int) -> None: ...
+    def wait(self, timeout_s: float) -> bool: ...
+    def close(self) -> None: ...
+
+
+ADMISSION_METHODS = tuple(name for name, value in vars(Admission).items() if callable(value) and name[0] != "_")
+
+
+def checked(admission: object, *, key: str = "explorer.admission") -> Admission:
+    """`admission` as an `Admission`; ConfigError naming `key` and every method it lacks."""
+    missing = [name for name in ADMISSION_METHODS if not callable(getattr(admission, name, None))]
+    if missing:
+        raise ConfigError(f"{key}: {type(admission).__name__} lacks {', '.join(missing)} (every method of the "
+                          "Admission interface, rft/explorer/admission.py)")
+    return cast(Admission, admission)
 
 
 class AdmitAll:
-    """`explorer.admission: all`: every task may start."""
+    """`explorer.admission: all`: every task may start; the notifications change nothing."""
 
     def admit(self, n: int) -> int:
         return n
+
+    def finish(self, n: int) -> None:
+        pass
+
+    def fail(self, n: int) -> None:
+        pass
+
+    def set_version(self, version: int) -> None:
+        pass
+
+    def wait(self, timeout_s: float) -> bool:
+        time.sleep(timeout_s)
+        return False
+
+    def close(self) -> None:
+        pass
 
 
 # ------------------------------------------------------------------------------------------------ the formula

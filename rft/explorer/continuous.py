@@ -31,15 +31,17 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rft.engine import EngineError
+from rft.explorer.parts import ExplorerParts
 from rft.explorer.pipeline import POLL_S, IdleClock, Offsets, Outcome
 from rft.workflows import GroupResult
 
 if TYPE_CHECKING:
     from rft.engine import Engine
-    from rft.explorer.explorer import Explorer
     from rft.schema import TaskRecord
 
 log = logging.getLogger("rft.explorer")
@@ -119,7 +121,7 @@ class Continuous:
 
 
 class ContinuousLoop:
-    """The explorer's loop with `explorer.continuous: true` (after `Explorer.join`). Each turn:
+    """The explorer's loop with `explorer.continuous: true` (after `Explorer.join`), over its `parts`. Each turn:
       1. weights: every WEIGHTS_CHECK_S, look for a newer version (store or announcement); if there is one, load it
          at once, in flight (`explorer.inflight_updates`), or stop admitting (drain) and load it once nothing is in
          flight; `reloads` records (version, tasks in flight when it was loaded: 0 when draining);
@@ -134,14 +136,14 @@ class ContinuousLoop:
     (`IdleClock`). `stats.batches` counts deliveries that produced at least one group. `sync.method: push` is refused
     (ValueError): a push is a collective taken between batches."""
 
-    def __init__(self, explorer: Explorer):
-        if explorer.push is not None:
+    def __init__(self, parts: ExplorerParts):
+        if parts.weights.push is not None:
             raise ValueError("explorer.continuous: sync.method push is not supported (a push is a collective the "
                              "explorer takes part in between batches); use sync.method pull")
-        self.explorer = explorer
-        self.in_flight = explorer.config.inflight_updates
-        self.recompute = explorer.config.inflight_kv == "recompute"
-        self.scheduler = Continuous(explorer.engine, explorer.workflow, explorer.config.max_inflight,
+        self.parts = parts
+        self.in_flight = parts.config.inflight_updates
+        self.recompute = parts.config.inflight_kv == "recompute"
+        self.scheduler = Continuous(parts.engine, parts.workflow, parts.config.max_inflight,
                                     in_flight_updates=self.in_flight)
         self.offsets = Offsets()
         self.reloads: list[tuple[int, int]] = []  # (version, tasks in flight when it was loaded): 0 when draining
@@ -149,9 +151,9 @@ class ContinuousLoop:
         self._weights_due = 0.0
 
     def run(self, stop: threading.Event, *, exit_when_idle_s: float | None = None) -> str:
-        scheduler, stats = self.scheduler, self.explorer.stats
+        scheduler, parts = self.scheduler, self.parts
         membership_due = topup_due = 0.0
-        idle = IdleClock(self.explorer.membership, exit_when_idle_s)
+        idle = IdleClock(parts.membership, exit_when_idle_s)
         last_export = time.monotonic()
         while not (stop.is_set() and not scheduler.inflight):
             now = time.monotonic()
@@ -163,32 +165,28 @@ class ContinuousLoop:
                 topup_due = now + TOPUP_S
                 if self._start_tasks(block=not scheduler.inflight):
                     idle.work()
-            self.explorer.cores.set_busy(bool(scheduler.inflight))  # the engine computes while requests are in it
-            if scheduler.inflight:
-                self.explorer.cores.fit_torch()  # the threads of a waiting trainer too (rft/cores.py)
             finished = scheduler.step()
-            stats.explore_s += time.monotonic() - started
+            parts.stats.explore_s += time.monotonic() - started
             if finished:
                 self._deliver(finished, seconds=time.monotonic() - last_export)
                 idle.work()
                 last_export = time.monotonic()
             if not scheduler.inflight or now >= membership_due:
                 membership_due = now + MEMBERSHIP_CHECK_S
-                if self.explorer.membership.watch():
+                if parts.membership.watch():
                     self.offsets = Offsets()
             if not scheduler.inflight and idle.expired():
                 return "idle"
             if not scheduler.inflight:
-                self.explorer.warm_up_while_joining()
+                parts.warm_up()
         return "stopped"
 
     def _reload_when_drained(self, now: float) -> bool:
         """Step 1 of the class docstring, draining: start draining when a newer version is out; load it once nothing
         is in flight. True when it loaded (or tried to)."""
-        engine = self.explorer.engine
         if not self.draining and now >= self._weights_due:
             self._weights_due = now + WEIGHTS_CHECK_S
-            self.draining = self.explorer.weights.newest(above=engine.weights_version) is not None
+            self.draining = self.parts.weights.newer()
         if self.draining and not self.scheduler.inflight:
             self._refresh()
             self.draining = False
@@ -201,18 +199,17 @@ class ContinuousLoop:
         if now < self._weights_due:
             return False
         self._weights_due = now + WEIGHTS_CHECK_S
-        engine = self.explorer.engine
-        if self.explorer.weights.newest(above=engine.weights_version) is None:
+        engine = self.parts.engine
+        if not self.parts.weights.newer():
             return False
         self._refresh(lambda path, version: engine.load_weights_in_flight(path, version, recompute=self.recompute))
         return True
 
-    def _refresh(self, load=None) -> None:
-        """Load the newest version (`Explorer.refresh_weights`, with `load` when given) and record it in `reloads`."""
-        engine = self.explorer.engine
+    def _refresh(self, load: Callable[[Path, int], None] | None = None) -> None:
+        """Load the newest version (`EngineWeights.refresh`, with `load` when given) and record it in `reloads`."""
+        engine = self.parts.engine
         before = engine.weights_version
-        self.explorer.cores.set_busy(True)  # a reload computes (the loop marks it again after)
-        self.explorer.refresh_weights(load)
+        self.parts.weights.refresh(load)
         if engine.weights_version != before:
             self.reloads.append((engine.weights_version, len(self.scheduler.inflight)))
             log.info("loaded weights version %d with %d tasks in flight", engine.weights_version,
@@ -226,11 +223,11 @@ class ContinuousLoop:
     def _start_tasks(self, *, block: bool) -> int:
         """Poll up to `scheduler.free()` tasks (waiting up to POLL_S when `block`), admit, decode, submit; returns the
         number of tasks handled (started or dead-lettered)."""
-        taken = self.explorer.intake.take(self.offsets, timeout_s=POLL_S if block else 0.0,
+        taken = self.parts.intake.take(self.offsets, timeout_s=POLL_S if block else 0.0,
                                           max_records=self.scheduler.free(), wait=block)
         if not taken.admitted:
             return 0
-        immediate = [f for f in (self.scheduler.submit(t, m) for m, t in zip(taken.sources, taken.tasks))
+        immediate = [f for f in (self.scheduler.submit(t, m) for m, t in zip(taken.sources, taken.tasks, strict=True))
                      if f is not None]
         if immediate or taken.diverted:  # dead letters: their offsets may be committed, their admission slots freed
             self._deliver(immediate, seconds=0.0, failed=taken.diverted)
@@ -239,7 +236,7 @@ class ContinuousLoop:
     def _deliver(self, finished: list[Finished], *, seconds: float, failed: int = 0) -> None:
         outcomes = [Outcome(f.source, f.result, {"submitted_version": f.submitted_version,
                                                  "finished_version": f.finished_version}) for f in finished]
-        if self.explorer.delivery.deliver(outcomes, self.offsets, failed=failed):
-            self.explorer.stats.batches += 1
+        if self.parts.delivery.deliver(outcomes, self.offsets, failed=failed):
+            self.parts.stats.batches += 1
         if finished:
-            self.explorer.export_metrics([f.result for f in finished], seconds)
+            self.parts.metrics.export([f.result for f in finished], seconds)

@@ -56,7 +56,7 @@ from rft.transport.control import ControlView, TasksGroup, control_messages
 
 if TYPE_CHECKING:
     from rft.explorer.config import ExplorerConfig
-    from rft.explorer.explorer import ExplorerStats
+    from rft.explorer.stats import ExplorerStats
     from rft.observability.prometheus import MetricsEndpoint
     from rft.transport import RecordSink, RecordSource
     from rft.transport.config import KafkaConfig

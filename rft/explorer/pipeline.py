@@ -28,7 +28,7 @@ from rft.transport import RecordTooLarge
 
 if TYPE_CHECKING:
     from rft.explorer.admission import Admission
-    from rft.explorer.explorer import ExplorerStats
+    from rft.explorer.stats import ExplorerStats
     from rft.explorer.membership import Membership
     from rft.schema import RewardRange, TaskRecord
     from rft.transport import DeadLetter, Message, RecordSink
@@ -38,15 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("rft.explorer")
 
 POLL_S = 0.5  # longest wait for tasks in one poll
-IDLE_SLEEP_S = 0.2  # pause when admission lets nothing start
 ADMISSION_WAIT_S = 2.0  # longest wait for news when admission lets nothing start (it wakes on a control message)
-
-
-def notify_admission(admission: Admission, hook: str, value: int) -> None:
-    """Call admission's optional hook `hook` (`finish`, `fail`: with a count, skipped for 0; `set_version`)."""
-    fn = getattr(admission, hook, None)
-    if fn is not None and (value or hook == "set_version"):
-        fn(value)
 
 
 class IdleClock:
@@ -171,11 +163,8 @@ class TaskIntake:
         admitted = self._admit(messages)
         if not admitted:
             self.stats.admission_waits += 1
-            waiter = getattr(self.admission, "wait", None)  # wakes on the trainer's next announcement
-            if wait and waiter is not None:
-                waiter(ADMISSION_WAIT_S)
-            elif wait:
-                time.sleep(IDLE_SLEEP_S)
+            if wait:
+                self.admission.wait(ADMISSION_WAIT_S)  # wakes on news, e.g. the trainer's next announcement
         return admitted
 
     def _admit(self, messages: list[Message]) -> list[Message]:
@@ -232,8 +221,10 @@ class Delivery:
             offsets.committed(committable)
         self.stats.groups += len(futures)
         self.stats.dead_letters = self.dead_letter.count
-        notify_admission(self.admission, "finish", len(futures))
-        notify_admission(self.admission, "fail", len(outcomes) - len(futures) + failed)
+        if futures:
+            self.admission.finish(len(futures))
+        if given_up := len(outcomes) - len(futures) + failed:
+            self.admission.fail(given_up)
         return len(futures)
 
     def _produce(self, outcome: Outcome) -> Callable | None:
