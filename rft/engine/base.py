@@ -110,6 +110,23 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+class StreamingEngine(Engine, Protocol):
+    """An engine with continuous submission (VLLMEngine; rft/explorer/continuous.py): requests enter and leave the
+    running engine one by one."""
+
+    def submit(self, request_id: str, prompt: Sequence[int], sampling: SamplingSettings) -> None:
+        """Queue one prompt's `sampling.n` completions as request `request_id`; `step` returns them together."""
+        ...
+
+    def step(self) -> list[tuple[str, Generation]]:
+        """One engine iteration; the requests that finished in it."""
+        ...
+
+    def load_weights_in_flight(self, path: str | os.PathLike, version: int, *, recompute: bool) -> None:
+        """`load_weights` between two steps, the requests in flight kept (in-flight weight updates)."""
+        ...
+
+
 class TokenizerMixin:
     tokenizer = None
     stop_token_ids: list[int] = []  # besides the engine's default (the EOS); see the module docstring

@@ -100,7 +100,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Protocol, cast, runtime_checkable
 
 from rft.config import ConfigError
 from rft.modes import admission_bound
@@ -218,6 +218,23 @@ class FleetFeed(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class WaitingFeed(Protocol):
+    """A `FleetFeed` that can wait for news (`FleetFeed`'s docstring)."""
+
+    def wait(self, timeout_s: float) -> bool: ...
+
+
+@runtime_checkable
+class LedgerFeed(Protocol):
+    """A `FleetFeed` with a ledger, which takes claims (`FleetFeed`'s docstring; KafkaFleetFeed)."""
+
+    ledger: AdmissionLedger
+
+    def claim(self, groups: int, *, limit: int, seen: int, version: int) -> int: ...
+    def release(self, groups: int) -> None: ...
+
+
 # ------------------------------------------------------------------------------------------------ the ledger
 
 class AdmissionLedger:
@@ -282,7 +299,7 @@ class StalenessAdmission:
         self._state = AdmissionState(version=version, accepted=accepted, running=0)
         self._fleet_accepted, self._explorers, self._rank = accepted, 1, 0
         self._seen: int | None = None  # the ledger position of the reading in force (None: no reading yet)
-        self._ledger = getattr(feed, "ledger", None) if max_staleness is not None else None
+        self._claims = feed if isinstance(feed, LedgerFeed) and max_staleness is not None else None
         self._last_read = -float("inf")
         self._lock = threading.Lock()
 
@@ -312,11 +329,12 @@ class StalenessAdmission:
             if reading is not None:
                 self._resync(reading)
             wanted = max(0, min(n, self._capacity()))
-            if self._ledger is None or not wanted:
+            if self._claims is None or not wanted:
                 self._update(running=self._state.running + wanted)
                 return wanted
-            claim = dict(limit=self._fleet_capacity(), seen=self._seen, version=self._state.version)
-        granted = max(0, min(wanted, self.feed.claim(wanted, **claim)))  # one round trip through the broker
+            claims, limit, seen, version = self._claims, self._fleet_capacity(), self._seen, self._state.version
+        assert seen is not None  # _capacity() is 0 without a reading of the fleet
+        granted = max(0, min(wanted, claims.claim(wanted, limit=limit, seen=seen, version=version)))  # a round trip
         with self._lock:
             self._update(running=self._state.running + granted)
         return granted
@@ -338,8 +356,8 @@ class StalenessAdmission:
 
     def _give_back(self, n: int) -> None:
         """Release `n` granted groups through the ledger (with one)."""
-        if self._ledger is not None and n:
-            self.feed.release(n)
+        if self._claims is not None and n:
+            self._claims.release(n)
 
     def set_version(self, version: int) -> None:
         """This explorer now generates with weights `version` (never decreases)."""
@@ -359,11 +377,10 @@ class StalenessAdmission:
         """Block until the feed has news (then the next `admit` reads it at once, whatever `refresh_s` says) or
         `timeout_s` passes; True on news. Without a feed that can wait, sleeps. What makes sync mode pay no polling
         interval: an explorer refused for want of the trainer's next version wakes on its announcement."""
-        wait = getattr(self.feed, "wait", None)
-        if wait is None or self.max_staleness is None:
+        if not isinstance(self.feed, WaitingFeed) or self.max_staleness is None:
             time.sleep(timeout_s)
             return False
-        news = wait(timeout_s)
+        news = self.feed.wait(timeout_s)
         if news:
             self._last_read = -float("inf")
         return news
@@ -395,6 +412,8 @@ class StalenessAdmission:
         self._update(accepted=self._fleet_accepted)
 
     def _fleet_capacity(self) -> int:
+        if self.max_staleness is None:
+            return sys.maxsize
         return fleet_capacity(self.max_staleness, self._state.version, self.groups_per_step, self._fleet_accepted,
                               backlog=self._backlog, keep=self._keep)
 
@@ -405,7 +424,7 @@ class StalenessAdmission:
         by_concurrency = sys.maxsize if self.max_running is None else self.max_running - s.running
         if self.max_staleness is None:
             return by_concurrency
-        if self._ledger is not None and self._seen is None:
+        if self._claims is not None and self._seen is None:
             return 0  # no reading of the fleet yet: nothing to claim against
         here = s.accepted - self._fleet_accepted + s.running
         return min(by_concurrency, share(self._fleet_capacity(), self._explorers, self._rank) - here)

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from rft.engine import EngineError
 from rft.explorer.parts import ExplorerParts
@@ -42,6 +42,7 @@ from rft.workflows import GroupResult
 
 if TYPE_CHECKING:
     from rft.engine import Engine
+    from rft.engine.base import StreamingEngine
     from rft.schema import TaskRecord
 
 log = logging.getLogger("rft.explorer")
@@ -77,7 +78,8 @@ class Continuous:
             if not callable(getattr(engine, name, None)):
                 raise EngineError(f"explorer.continuous: the {type(engine).__name__} has no request-level API "
                                   f"({name}); use explorer.engine vllm")
-        self.engine, self.workflow, self.max_inflight = engine, workflow, max_inflight
+        self.engine = cast("StreamingEngine", engine)  # as checked above
+        self.workflow, self.max_inflight = workflow, max_inflight
         self.in_flight_updates = in_flight_updates  # weights may change while a request is in flight
         self.inflight: dict[str, Inflight] = {}
         self._ids = itertools.count()
@@ -199,7 +201,7 @@ class ContinuousLoop:
         if now < self._weights_due:
             return False
         self._weights_due = now + WEIGHTS_CHECK_S
-        engine = self.parts.engine
+        engine = self.scheduler.engine
         if not self.parts.weights.newer():
             return False
         self._refresh(lambda path, version: engine.load_weights_in_flight(path, version, recompute=self.recompute))

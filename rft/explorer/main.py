@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 from rft.cli.commandline import add_config_arguments, config_from_args, install_stop_signals
 from rft.config import ConfigError
 from rft.cores import CoreShare
-from rft.engine import build_engine
+from rft.engine import EngineError, VLLMEngine, build_engine
 from rft.engine.paced import paced
 from rft.engine.shared import adapter_slots
 from rft.explorer.admission import Admission, AdmitAll, checked, fleet_admission
 from rft.explorer.explorer import Explorer
-from rft.explorer.multirun import check_runs, engine_sections, run_explorers
+from rft.explorer.multirun import SharedRun, check_runs, engine_sections, run_explorers
 from rft.explorer.replicas import run_replicas
 from rft.modes import mode
 from rft.observability.prometheus import metrics_endpoint
@@ -32,6 +32,7 @@ from rft.run.config import Config
 from rft.schema import RewardRange
 from rft.transport import Transport, connect, probe_bootstrap
 from rft.transport.run_topics import RunTopics
+from rft.weights.store import store_root
 from rft.weights.stores import open_store
 from rft.workflows import build_workflow
 
@@ -73,7 +74,7 @@ def main(argv: list[str]) -> int:
         return 2
     if len(cfgs) > 1:
         try:
-            check_runs(list(zip(paths, cfgs)))
+            check_runs([shared_run(path, cfg) for path, cfg in zip(paths, cfgs, strict=True)])
         except ConfigError as e:
             print(f"rft explorer: invalid config: {e}", file=sys.stderr)
             return 2
@@ -120,19 +121,28 @@ def run_shared(cfgs: list[Config], *, explorer_id: str, exit_when_idle_s: list[f
     """One engine with LoRA for every run of `cfgs` (checked by `check_runs`), one `AdapterSlot` and one explorer
     per run on it; explore until SIGTERM / Ctrl-C (or each run idle): rft/explorer/multirun.py."""
     stop = _start_process(explorer_id, thread=True)
-    section, model = engine_sections(cfgs)
+    section, model = engine_sections([shared_run("", cfg) for cfg in cfgs])
     engine = build_engine(section, model, seed=cfgs[0].run.seed, max_loras=len(cfgs),
                           record_routing=cfgs[0].run.routing_replay)
+    if not isinstance(engine, VLLMEngine):  # build_engine's engine for several adapters
+        raise EngineError(f"several runs in one engine need a VLLMEngine, got {type(engine).__name__}")
     try:
         slots = adapter_slots(engine, [cfg.run.name for cfg in cfgs])
-        for cfg, slot in zip(cfgs, slots):
+        for cfg, slot in zip(cfgs, slots, strict=True):
             if cfg.model.lora.init_from:  # the run's version 0: the base and its starting adapter
                 slot.load_weights(cfg.model.lora.init_from, 0)
-        explorers = [compose_explorer(cfg, explorer_id=explorer_id, engine=slot) for cfg, slot in zip(cfgs, slots)]
+        explorers = [compose_explorer(cfg, explorer_id=explorer_id, engine=slot)
+                     for cfg, slot in zip(cfgs, slots, strict=True)]
         run_explorers(explorers, stop, exit_when_idle_s)
         return 0
     finally:
         engine.close()
+
+
+def shared_run(source: str, cfg: Config) -> SharedRun:
+    """The sections of `cfg` (read from `source`) that decide whether it may share an engine (multirun.py)."""
+    return SharedRun(source=source, run=cfg.run, model=cfg.model, explorer=cfg.explorer, sync=cfg.sync,
+                     kafka=cfg.kafka, store=str(store_root(cfg.sync, cfg.run_dir)))
 
 
 def _start_process(explorer_id: str, *, thread: bool = False) -> threading.Event:

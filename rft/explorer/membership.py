@@ -272,6 +272,13 @@ class Membership:
     def group(self) -> str:
         return group_name(self.topics.explorers_group, self.epoch)
 
+    @property
+    def consumer(self) -> RecordSource:
+        """`tasks`, once joined (RuntimeError before `join`)."""
+        if self.tasks is None:
+            raise RuntimeError(f"explorer {self.explorer_id} reads tasks before joining the tasks consumer group")
+        return self.tasks
+
     def join(self) -> None:
         """Join the group the newest `tasks_group` announcement names (the run's base group when none), as a static
         member when `explorer.static_membership`."""
@@ -322,7 +329,7 @@ class Membership:
         """Seed the next epoch's group with this group's committed offsets, announce it (`tasks_group`), join it."""
         epoch = self.epoch + 1
         try:
-            offsets = {k: v for k, v in self.tasks.committed(self.topics.tasks).items() if v is not None}
+            offsets = {k: v for k, v in self.consumer.committed(self.topics.tasks).items() if v is not None}
         except TransportError as e:
             log.warning("membership watchdog: cannot read group %s's committed offsets (%s); not moving now",
                         self.group, e)
@@ -343,7 +350,7 @@ class Membership:
     def _switch(self, epoch: int) -> None:
         """Leave the tasks group and join the group of `epoch` (the same one: a rejoin), as a dynamic member: a static
         member that rejoins may be handed its old (empty) assignment."""
-        self.tasks.close()
+        self.consumer.close()
         self.tasks = None
         self.epoch = epoch
         self._subscribe(static=False)
@@ -352,9 +359,10 @@ class Membership:
     def _tasks_pending(self) -> int:
         """The group's lag on the tasks topic (records past its committed offsets); 0 when unreadable."""
         try:
-            end = self.tasks.end_offsets(self.topics.tasks)
-            committed = self.tasks.committed(self.topics.tasks)
-            start = self.tasks.beginning_offsets(self.topics.tasks)
+            tasks = self.consumer
+            end = tasks.end_offsets(self.topics.tasks)
+            committed = tasks.committed(self.topics.tasks)
+            start = tasks.beginning_offsets(self.topics.tasks)
         except TransportError as e:
             log.warning("membership watchdog: cannot read the tasks topic's offsets (%s)", e)
             return 0

@@ -20,18 +20,17 @@ import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rft.schema import ExperienceGroup, decode_task
-from rft.transport import RecordTooLarge
+from rft.transport import RecordTooLarge, parse_offset_key
 
 if TYPE_CHECKING:
     from rft.explorer.admission import Admission
     from rft.explorer.stats import ExplorerStats
     from rft.explorer.membership import Membership
     from rft.schema import RewardRange, TaskRecord
-    from rft.transport import DeadLetter, Message, RecordSink
+    from rft.transport import DeadLetter, Message, RecordSink, SendFuture
     from rft.transport.run_topics import RunTopics
     from rft.workflows import GroupResult
 
@@ -155,9 +154,9 @@ class TaskIntake:
         return Taken(sources, tasks, len(admitted))
 
     def _poll_admitted(self, *, timeout_s: float, max_records: int, wait: bool) -> list[Message]:
-        tasks = self.membership.tasks
+        tasks = self.membership.consumer
         messages = tasks.poll(timeout_s=timeout_s, max_records=max_records)
-        self.stats.partitions = sorted(tp.partition for tp in tasks.assignment())
+        self.stats.partitions = sorted(parse_offset_key(p).partition for p in tasks.assignment())
         if not messages:
             return []
         admitted = self._admit(messages)
@@ -174,7 +173,7 @@ class TaskIntake:
         for m in returned:  # poll() sorts by partition and offset: the first of each partition is the oldest
             rewind.setdefault(m.position, m.offset)
         if rewind:
-            self.membership.tasks.seek(rewind)
+            self.membership.consumer.seek(rewind)
         return taken
 
     def _decode(self, messages: list[Message]) -> tuple[list[Message], list[TaskRecord]]:
@@ -227,7 +226,7 @@ class Delivery:
             self.admission.fail(given_up)
         return len(futures)
 
-    def _produce(self, outcome: Outcome) -> Callable | None:
+    def _produce(self, outcome: Outcome) -> SendFuture | None:
         if outcome.result.error is not None:
             self.dead_letter.divert(outcome.source, f"task cannot be explored: {outcome.result.error}")
             return None
@@ -261,7 +260,7 @@ class Delivery:
     def _commit(self, offsets: dict[str, int]) -> bool:
         """Commit `offsets` (position -> next offset); False (logged) when the broker refused."""
         try:
-            self.membership.tasks.commit(offsets)
+            self.membership.consumer.commit(offsets)
         except Exception as e:  # a rebalance took the partitions: another explorer re-explores them
             log.warning("committing task offsets %s failed (%s: %s); those tasks will be explored again "
                         "and their duplicate groups dropped by group id", offsets, type(e).__name__, e)
