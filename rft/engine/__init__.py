@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 __all__ = ["Completion", "Engine", "EngineError", "Generation", "SamplingSettings", "TransformersEngine", "VLLMEngine",
            "WORKER_EXTENSION", "ENGINES", "build_engine"]
 
-ENGINES = {"vllm": VLLMEngine, "transformers": TransformersEngine}
+ENGINES: dict[str, type[VLLMEngine] | type[TransformersEngine]] = {"vllm": VLLMEngine,
+                                                                    "transformers": TransformersEngine}
 
 
 def build_engine(explorer: ExplorerConfig, model: ModelConfig, *, seed: int,

@@ -6,7 +6,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rft.text.chat import ChatPrompt, encode_chat, observation_text, stop_token_ids
 
@@ -72,6 +72,11 @@ class Engine(Protocol):
         """The version of the weights it holds (the package docstring)."""
         ...
 
+    @property
+    def tokenizer(self) -> Any:
+        """Its Hugging Face tokenizer (the tool agent renders tool turns with its chat template)."""
+        ...
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     def encode_chat(self, prompt: str, chat: ChatPrompt) -> list[int]:
@@ -128,7 +133,7 @@ class StreamingEngine(Engine, Protocol):
 
 
 class TokenizerMixin:
-    tokenizer = None
+    tokenizer: Any = None  # a Hugging Face tokenizer (transformers' or vLLM's), set by the engine
     stop_token_ids: list[int] = []  # besides the engine's default (the EOS); see the module docstring
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:

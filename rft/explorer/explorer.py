@@ -73,7 +73,7 @@ class Explorer:
     def __init__(self, explorer: ExplorerConfig, *, kafka: KafkaConfig, sync: SyncConfig, topics: RunTopics,
                  store: VersionStore, explorer_id: str, engine: Engine, workflow: Workflow,
                  admission: Admission | None = None, prometheus: MetricsEndpoint | None = None,
-                 transport: Transport | None = None, rewards: RewardRange = RewardRange()):
+                 transport: Transport | None = None, rewards: RewardRange | None = None):
         self.config, self.topics, self.explorer_id, self.prometheus = explorer, topics, explorer_id, prometheus
         self.admission = admission = admission or AdmitAll()
         transport = transport or connect(kafka)
@@ -100,7 +100,8 @@ class Explorer:
                               stats=stats),
             delivery=Delivery(sink=sink, dead_letter=dead_letter, topics=topics, explorer_id=explorer_id,
                               workflow=explorer.workflow, ack_timeout_s=kafka.request_timeout_ms / 1000,
-                              admission=admission, membership=membership, stats=stats, rewards=rewards),
+                              admission=admission, membership=membership, stats=stats,
+                              rewards=rewards or RewardRange()),
             weights=EngineWeights(engine=engine, updates=updates, push=push, admission=admission,
                                   announce=self.announce, explorer_id=explorer_id, stats=stats),
             warm_up=WarmUp(engine=engine, config=explorer, membership=membership, explorer_id=explorer_id),

@@ -143,7 +143,8 @@ def move_group(transport: Transport, topics: RunTopics, *, epoch: int, offsets: 
     of the highest epoch. The group's name."""
     target = group_name(topics.explorers_group, epoch)
     seed_group(transport, target, topics.tasks, offsets, client_id=f"{by}-seed")
-    sink.send_record(topics.control, TasksGroup(explorer_id=by, group=target, epoch=epoch, offsets=offsets).to_message())
+    moved = TasksGroup(explorer_id=by, group=target, epoch=epoch, offsets=offsets)
+    sink.send_record(topics.control, moved.to_message())
     sink.flush()
     return target
 

@@ -27,8 +27,8 @@ from rft.transport import RecordTooLarge, parse_offset_key
 
 if TYPE_CHECKING:
     from rft.explorer.admission import Admission
-    from rft.explorer.stats import ExplorerStats
     from rft.explorer.membership import Membership
+    from rft.explorer.stats import ExplorerStats
     from rft.schema import RewardRange, TaskRecord
     from rft.transport import DeadLetter, Message, RecordSink, SendFuture
     from rft.transport.run_topics import RunTopics

@@ -174,7 +174,7 @@ class MultiTurn:
             settings = SamplingSettings(n=1, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                         max_tokens=budget)
             generations = engine.generate([e.prompt + e.tokens for e in batch], settings)
-            for episode, generation in zip(batch, generations):
+            for episode, generation in zip(batch, generations, strict=True):
                 episode.add_model_turn(generation.completions[0])
 
     def _environment_turn(self, episode: _Episode, engine: Engine, *, last_turn: bool) -> None:
@@ -208,6 +208,7 @@ class MultiTurn:
             if errors:
                 results[i].error = f"task cannot be scored: {errors[0]}"
                 continue
+            rewards: list[RewardResult] | str
             if owns_reward(self.environment_cls):
                 rewards = [RewardResult(e.env_return, {"return": e.env_return, "steps": float(e.env_steps)})
                            for e in group]
@@ -220,5 +221,5 @@ class MultiTurn:
                 build_sample(e.sample_index, prompt=e.prompt, tokens=e.tokens, logprobs=e.logprobs, loss_mask=e.mask,
                              reward=r, finish_reason=e.finish_reason, metadata=_metadata(e),
                              extra_components={"turns": float(e.turns)})
-                for e, r in zip(group, rewards)]
+                for e, r in zip(group, rewards, strict=True)]
             results[i].policy_version = min(v for e in group for v in e.versions)
