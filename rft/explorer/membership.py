@@ -8,39 +8,19 @@ LeaveGroup when it closes: its partitions wait for it until `kafka.session_timeo
 Tansu broker ignores instance ids (docs/operations.md, "Consumer-group membership": measured), so there every
 join, leave and restart rebalances the group as for dynamic members.
 
-The watchdog (`UnassignedWatchdog`, `explorer.unassigned_rejoin_s`). Seen on Tansu after quick join/leave cycles:
-every member of the group live, none holding a partition, the tasks topic's lag growing, nothing
-ever rebalancing it. Reproduced here with Tansu 0.6.0 and kafka-python 3.0.12 (tests/integration/test_group_stall.py):
-the group's leader leaves (LeaveGroup) just as it is elected, before its SyncGroup; the coordinator keeps it as
-the leader, so every later member's SyncGroup ends in REBALANCE_IN_PROGRESS, it joins again, forever, holding
-nothing; new members, static members and a group that every member left stay wedged the same way (almost always:
-once, in a suite run, two explorers' rejoins at the same instant unwedged it). So the
-watchdog acts in two steps when, all at once,
-  1. it has held no partition of the tasks topic for longer than `unassigned_rejoin_s`;
-  2. the group's lag on the tasks topic (end offsets minus the group's committed offsets) is > 0: there is work;
-  3. no other live explorer holds a partition: none of the explorers heard on the control topic within three
-     heartbeat intervals said in its newest heartbeat that it holds one.
-then:
-  a. first, it rejoins the group (closes its consumer and joins again as a dynamic member, which makes a working
-     coordinator rebalance; on Kafka this is what a new member's join does);
-  b. if the rule holds again a full `unassigned_rejoin_s` later, it moves the fleet to a fresh consumer group:
-     `group_name(base, epoch + 1)` (`<run>.explorers.1`, ...), seeded with the old group's committed offsets, and
-     announces it on the control topic (`tasks_group`); every explorer follows the announcement of the highest
-     epoch, a starting explorer replays the control topic for it (`announced_group`), and `rft status` reads the
-     lag of that group. Two explorers moving at once pick the same name and seed the same offsets.
-Delivery stays at-least-once: tasks polled but not committed in the old group are explored again.
-An explorer left idle because the fleet outgrew the partitions sees its peers' heartbeats with partitions
-(rule 3) and stays idle: it never churns the group. A member holding partitions but stopped (SIGSTOP, a hung
-host) stops heartbeating and is no longer live; the coordinator drops it after the session timeout and
-rebalances, and if it does not, the watchdog's rejoin forces it. After every rejoin, move or follow the watchdog waits another
-full `unassigned_rejoin_s` before the next step: make it well above the time the group needs to form (Tansu
-answers a JoinGroup after 3 s; a rebalance waits for every member's next poll, up to `explorer.max_batch_s`).
+The watchdog (`UnassignedWatchdog`, `explorer.unassigned_rejoin_s`): a consumer group on Tansu can wedge with every
+member live and none holding a partition (tests/integration/test_group_stall.py reproduces it). When this explorer has
+held no partition for that long, the group has lag and no live explorer holds one, it rejoins; if that did not help,
+it moves the fleet to a fresh consumer group (`<run>.explorers.<epoch>`, seeded with the old group's committed
+offsets) and announces it (`tasks_group`); every explorer follows the highest epoch. Delivery stays at-least-once.
+The class docstring has the rule, what was seen, and its timing.
 
 `Membership` is the explorer's side of all this: its tasks consumer, the group's epoch, and the watchdog's steps taken
 between deliveries.
 
 Readers of the explorers' lag besides `rft status` (the online task publisher, `rft publish`) follow the moves with
 a `GroupFollower`.
+
 """
 from __future__ import annotations
 
@@ -202,9 +182,36 @@ class Decision:
 
 
 class UnassignedWatchdog:
-    """The rule of the module docstring, fed by the explorer's loop. `observe(held, now)` after every poll;
+    """The rule below, fed by the explorer's loop. `observe(held, now)` after every poll;
     when `due(now)`, the caller measures the group's lag and the fleet's holders (broker requests: only then)
-    and calls `decide`. Times are `time.monotonic()` seconds. `bound_s` <= 0 turns it off."""
+    and calls `decide`. Times are `time.monotonic()` seconds. `bound_s` <= 0 turns it off.
+
+    The rule, and why. Seen on Tansu after quick join/leave cycles: every member of the group live, none holding a
+    partition, the tasks topic's lag growing, nothing ever rebalancing it. Reproduced here with Tansu 0.6.0 and
+    kafka-python 3.0.12 (tests/integration/test_group_stall.py): the group's leader leaves (LeaveGroup) just as it is
+    elected, before its SyncGroup; the coordinator keeps it as the leader, so every later member's SyncGroup ends in
+    REBALANCE_IN_PROGRESS, it joins again, forever, holding nothing; new members, static members and a group that every
+    member left stay wedged the same way (almost always: once, in a suite run, two explorers' rejoins at the same
+    instant unwedged it). So the watchdog acts in two steps when, all at once,
+      1. it has held no partition of the tasks topic for longer than `unassigned_rejoin_s`;
+      2. the group's lag on the tasks topic (end offsets minus the group's committed offsets) is > 0: there is work;
+      3. no other live explorer holds a partition: none of the explorers heard on the control topic within three
+         heartbeat intervals said in its newest heartbeat that it holds one.
+    then:
+      a. first, it rejoins the group (closes its consumer and joins again as a dynamic member, which makes a working
+         coordinator rebalance; on Kafka this is what a new member's join does);
+      b. if the rule holds again a full `unassigned_rejoin_s` later, it moves the fleet to a fresh consumer group:
+         `group_name(base, epoch + 1)` (`<run>.explorers.1`, ...), seeded with the old group's committed offsets, and
+         announces it on the control topic (`tasks_group`); every explorer follows the announcement of the highest
+         epoch, a starting explorer replays the control topic for it (`announced_group`), and `rft status` reads the
+         lag of that group. Two explorers moving at once pick the same name and seed the same offsets.
+    Delivery stays at-least-once: tasks polled but not committed in the old group are explored again. An explorer left
+    idle because the fleet outgrew the partitions sees its peers' heartbeats with partitions (rule 3) and stays idle: it
+    never churns the group. A member holding partitions but stopped (SIGSTOP, a hung host) stops heartbeating and is no
+    longer live; the coordinator drops it after the session timeout and rebalances, and if it does not, the watchdog's
+    rejoin forces it. After every rejoin, move or follow the watchdog waits another full `unassigned_rejoin_s` before
+    the next step: make it well above the time the group needs to form (Tansu answers a JoinGroup after 3 s; a rebalance
+    waits for every member's next poll, up to `explorer.max_batch_s`)."""
 
     def __init__(self, bound_s: float):
         self.bound_s = bound_s
@@ -289,7 +296,7 @@ class Membership:
         self._subscribe(static=self.config.static_membership)
 
     def watch(self) -> bool:
-        """Between deliveries: follow a newer `tasks_group` move; then the rule of the module docstring: rejoin the
+        """Between deliveries: follow a newer `tasks_group` move; then the rule of `UnassignedWatchdog`: rejoin the
         group when this explorer has held no partition for `explorer.unassigned_rejoin_s` while the group has lag and
         no live explorer holds one, and move the fleet to a fresh group when a rejoin did not help. True when it
         switched to a new consumer (the group re-delivers whatever the old one had not committed)."""
