@@ -49,8 +49,7 @@ def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: in
     `cpu_kv_block_size`: tokens per KV-cache block on CPU (`explorer.cpu_kv_block_size`; vLLM's CPU default is 128).
     Prefix caching reuses whole blocks only, so the n samples of a group share their prompt's KV for its full blocks:
     with 128, a prompt under 129 tokens is computed once per sample (and with 32, a prompt of exactly 32: vLLM
-    recomputes a prompt's last token, so its last block). Measured on the 2-core CPU (SmolLM2-135M, 8 prompts of 42
-    tokens x 8 samples of 8 tokens, 2 threads): 10.3 samples/s with 128, 25.3 with 32."""
+    recomputes a prompt's last token, so its last block; docs/benchmarks.md, "The explorer on CPU", has the effect)."""
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
@@ -107,10 +106,8 @@ def _gemm_that_follows_threads() -> None:
     (`torch.nn.functional.linear`, vLLM's own fallback) instead of its oneDNN handler. The handler caches one
     primitive per input shape, and a primitive keeps the thread count of the call that created it: an explorer whose
     threads follow the work (rft/cores.py) creates most shapes while the trainer holds a core, and then computes them
-    on one thread when it is given two. Measured on the 2-core CPU, SmolLM2-135M, 8-token samples: a batch shape
-    first run on 1 thread ran at 7.0 samples/s on 2 threads with oneDNN, 11.4 with torch's GEMM; at a fixed 2 threads
-    oneDNN is 6% faster (13.1 against 12.3), at 1 thread they are equal (6.7) (docs/benchmarks.md, "The explorer on
-    CPU"; tests/integration/test_engine.py checks the dispatch and the decoding). vLLM reads the switch when it loads
+    on one thread when it is given two (docs/benchmarks.md, "The explorer on CPU", has the measurements;
+    tests/integration/test_engine.py checks the dispatch and the decoding). vLLM reads the switch when it loads
     each layer (`_supports_onednn`, vllm/model_executor/layers/utils.py `dispatch_cpu_unquantized_gemm`), so it holds
     for the process."""
     import vllm._custom_ops as ops

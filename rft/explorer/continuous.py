@@ -5,23 +5,17 @@ slowest sequence.
 the workflow's streaming interface `prepare` / `finish`, rft/workflows/__init__.py `streams`). `ContinuousLoop`, the
 explorer's loop in this mode, tops it up with newly polled tasks whenever slots are free, steps the engine, and
 delivers each group as soon as all n samples of its task are finished (rft/explorer/pipeline.py: produce, acks, then
-commit). Tasks therefore finish out of order; `Offsets` (pipeline.py) says up to where each partition may be
-committed (below its lowest unfinished offset).
+commit below the lowest unfinished offset of each partition, `Offsets`): tasks finish out of order.
 
 Weights, two ways (`explorer.inflight_updates`).
-- Drain (false, the default): a newer version is loaded only when nothing is in flight: the loop stops admitting,
-  lets the requests of the old version finish, reloads, resumes. So every sample of a group comes from the version the
-  engine held when the task's request was submitted; `Continuous.step` checks it (EngineError otherwise).
-- In flight (true): a newer version is loaded between two engine steps with the requests in flight kept
-  (`VLLMEngine.load_weights_in_flight`, PipelineRL's update): the engine never empties, and a request's tokens after
-  the load come from the new version. Every token carries the version that generated it (vLLM's weight-version
-  spans -> `Completion.token_versions` -> the sample's `token_versions`, `version_spans` on the wire), and the group's
-  `policy_version` is its oldest token's, which the trainer's staleness bound and drops use. Admission is unchanged:
-  a group admitted while the explorer held version w has no token older than w, so the bound's argument
-  (rft/explorer/admission.py) holds with its oldest token. The KV cache of the requests in flight is recomputed with
-  the new weights (`explorer.inflight_kv: recompute`: a new-version token's log-prob is exactly that version's) or
-  kept (`keep`: the new weights over the old prefix's KV, PipelineRL's choice); docs/architecture.md has the
-  measured difference.
+- Drain (false, the default): a newer version is loaded only when nothing is in flight, so every sample of a group
+  comes from the version the engine held when its request was submitted (`Continuous.step` checks it).
+- In flight (true): a newer version is loaded between two engine steps with the requests kept
+  (`VLLMEngine.load_weights_in_flight`, PipelineRL's update). Every token carries the version that generated it
+  (`token_versions`; `version_spans` on the wire) and a group's `policy_version` is its oldest token's, which the
+  trainer's staleness bound uses; admission's argument holds with it (rft/explorer/admission.py). The requests' KV
+  cache is recomputed with the new weights (`explorer.inflight_kv: recompute`) or kept (`keep`, PipelineRL's choice;
+  docs/architecture.md compares them).
 Each result carries `submitted_version` / `finished_version` (also in the group's metadata).
 """
 from __future__ import annotations
