@@ -131,6 +131,10 @@ class StreamingEngine(Engine, Protocol):
         """`load_weights` between two steps, the requests in flight kept (in-flight weight updates)."""
         ...
 
+    def unfinished(self) -> int:
+        """Sequences submitted and not yet returned by `step`."""
+        ...
+
 
 class TokenizerMixin:
     tokenizer: Any = None  # a Hugging Face tokenizer (transformers' or vLLM's), set by the engine

@@ -16,27 +16,21 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from rft.cores import CoreShare
-from rft.engine.base import Engine, Generation, SamplingSettings
+from rft.engine.base import Engine, Generation, SamplingSettings, StreamingEngine
 
 if TYPE_CHECKING:
     from rft.schema import TaskRecord
     from rft.text.chat import ChatPrompt
 
 
-class Explores(Protocol):
-    """The workflow interface (rft.workflows.registry.Workflow), as far as pacing needs it."""
-
-    def explore(self, tasks: Sequence[TaskRecord], engine: Engine) -> list[Any]: ...
-
-
 class Pace:
     """The units of the module docstring over one part's `cores`; `unfinished()`: the engine's requests in flight."""
 
-    def __init__(self, cores: CoreShare, unfinished: Any = None):
+    def __init__(self, cores: CoreShare, unfinished: Callable[[], int] | None = None):
         self.cores, self.unfinished = cores, unfinished
         self._depth = 0
 
@@ -57,9 +51,9 @@ class Pace:
 
 
 class PacedEngine:
-    """`engine` (an Engine), each call that computes a unit of `pace` (module docstring); the rest as is."""
+    """`engine`, each call that computes a unit of `pace` (module docstring); the rest as is."""
 
-    def __init__(self, engine: Any, pace: Pace):
+    def __init__(self, engine: Engine, pace: Pace):
         self.engine, self.pace = engine, pace
 
     @property
@@ -111,25 +105,29 @@ class PacedEngine:
 class PacedStreamingEngine(PacedEngine):
     """A `PacedEngine` of an engine with continuous submission (`submit`, `step`: VLLMEngine)."""
 
+    def __init__(self, engine: StreamingEngine, pace: Pace):
+        super().__init__(engine, pace)
+        self.streaming = engine
+
     def submit(self, request_id: str, prompt: Sequence[int], sampling: SamplingSettings) -> None:
-        self.engine.submit(request_id, prompt, sampling)
+        self.streaming.submit(request_id, prompt, sampling)
 
     def step(self) -> list[tuple[str, Generation]]:
         with self.pace.unit(fit=True):
-            return self.engine.step()
+            return self.streaming.step()
 
     def unfinished(self) -> int:
-        return self.engine.unfinished()
+        return self.streaming.unfinished()
 
     def load_weights_in_flight(self, path: str | os.PathLike, version: int, *, recompute: bool) -> None:
         with self.pace.unit(fit=False):
-            self.engine.load_weights_in_flight(path, version, recompute=recompute)
+            self.streaming.load_weights_in_flight(path, version, recompute=recompute)
 
 
 class PacedWorkflow:
     """`workflow`, each `explore` one unit of `pace` (its generates nest in it); the streaming interface as is."""
 
-    def __init__(self, workflow: Any, pace: Pace):
+    def __init__(self, workflow: Any, pace: Pace):  # a Workflow, with the streaming interface or without
         self.workflow, self.pace = workflow, pace
 
     def explore(self, tasks: Sequence[TaskRecord], engine: Engine) -> list[Any]:
@@ -147,8 +145,11 @@ class PacedWorkflow:
         return self.workflow.finish(task, generation)
 
 
-def paced(engine: Any, workflow: Any, cores: CoreShare) -> tuple[PacedEngine, PacedWorkflow]:
+def paced(engine: Engine, workflow: Any, cores: CoreShare) -> tuple[PacedEngine, PacedWorkflow]:
     """`engine` and `workflow` paced on `cores` (the module docstring)."""
-    streams = callable(getattr(engine, "step", None))
-    pace = Pace(cores, engine.unfinished if streams else None)
-    return (PacedStreamingEngine if streams else PacedEngine)(engine, pace), PacedWorkflow(workflow, pace)
+    if not callable(getattr(engine, "step", None)):
+        pace = Pace(cores)
+        return PacedEngine(engine, pace), PacedWorkflow(workflow, pace)
+    streaming = cast(StreamingEngine, engine)  # it has continuous submission (VLLMEngine)
+    pace = Pace(cores, streaming.unfinished)
+    return PacedStreamingEngine(streaming, pace), PacedWorkflow(workflow, pace)
