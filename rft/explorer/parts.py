@@ -96,11 +96,11 @@ class EngineWeights:
 
 class WarmUp:
     """An engine's first generate pays one-time costs, and a broker holds a new consumer group's join a few seconds
-    (Tansu; Apache Kafka's `group.initial.rebalance.delay.ms`). So both loops call the warm-up after a poll that
-    brought no task: the first time, if the tasks consumer still waits for its group's answer to its join
+    (Tansu; Apache Kafka's `group.initial.rebalance.delay.ms`). So both loops call the warm-up after a poll that brought
+    no task: the first time, if the tasks consumer still waits for its group's answer to its join
     (`RecordSource.joined`), one generate of `tasks_per_batch` copies of a short prompt, `n_samples` each,
-    WARM_UP_TOKENS new tokens, the output dropped (docs/benchmarks.md has the measured effect). Never again after the
-    first call: when the group answered already, the first batch pays the costs itself."""
+    WARM_UP_TOKENS new tokens, the output dropped (docs/architecture.md, docs/benchmarks.md: the measured effect). Never
+    again after the first call: when the group answered already, the first batch pays the costs itself."""
 
     def __init__(self, *, engine: Engine, config: ExplorerConfig, membership: Membership, explorer_id: str):
         self.engine, self.config, self.membership, self.explorer_id = engine, config, membership, explorer_id
