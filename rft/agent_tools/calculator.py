@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+from collections.abc import Callable
 from typing import Any
 
 from rft.agent_tools.registry import ToolError, ToolLimits, function_schema, register_tool, require_arguments
@@ -20,7 +21,7 @@ MAX_DIGITS = 4000
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
 def evaluate(expression: str) -> int | float:
@@ -35,7 +36,7 @@ def evaluate(expression: str) -> int | float:
 
 
 def _value(node: ast.AST) -> int | float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_value(node.operand))

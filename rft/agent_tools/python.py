@@ -2,9 +2,9 @@
 
 The process: `sys.executable -I` (isolated: no PYTHON* variables, no user site, the script's directory not on
 the path) reading the code from stdin, in a new session, with an environment of its own (TOOL_ENVIRONMENT: no
-proxies, no credentials, no PYTHONPATH), cwd a fresh temporary directory, and `resource` limits set before exec: CPU time
-`ceil(timeout_s) + 1` seconds, address space `memory_mb`, files written at most 1 MiB, no core files. The wall-clock
-limit is `timeout_s`; past it the whole process group is killed. stdout and stderr go to one file in that
+proxies, no credentials, no PYTHONPATH), cwd a fresh temporary directory, and `resource` limits set before exec: CPU
+time `ceil(timeout_s) + 1` seconds, address space `memory_mb`, files written at most 1 MiB, no core files. The
+wall-clock limit is `timeout_s`; past it the whole process group is killed. stdout and stderr go to one file in that
 directory (never an unbounded pipe) and the model sees at most `output_chars` characters of it.
 
 The sandbox (`ToolLimits.sandbox`, explorer.python_sandbox), `bwrap` (bubblewrap, Debian's `bubblewrap`, installed by
@@ -66,8 +66,9 @@ def sandboxed(command: list[str], workdir: str, sandbox: str) -> list[str]:
                "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
     command = ["env", "-u", "PWD", *command]  # bwrap sets PWD: the code's environment stays the one it was given
     if os.geteuid() == 0:
-        return wrapped + _reachable(_interpreter_paths()) + ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
-                          "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", *command]
+        return wrapped + _reachable(_interpreter_paths()) + [
+            "setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--no-new-privs", *command]
     return wrapped + ["--unshare-user", *command]
 
 

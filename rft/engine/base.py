@@ -6,7 +6,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rft.text.chat import ChatPrompt, encode_chat, observation_text, stop_token_ids
 
@@ -67,7 +67,15 @@ class Generation:
 class Engine(Protocol):
     """What workflows and rewards need from an inference engine. Not thread-safe."""
 
-    weights_version: int
+    @property
+    def weights_version(self) -> int:
+        """The version of the weights it holds (the package docstring)."""
+        ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """Its Hugging Face tokenizer (the tool agent renders tool turns with its chat template)."""
+        ...
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -107,8 +115,29 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+class StreamingEngine(Engine, Protocol):
+    """An engine with continuous submission (VLLMEngine; rft/explorer/continuous.py): requests enter and leave the
+    running engine one by one."""
+
+    def submit(self, request_id: str, prompt: Sequence[int], sampling: SamplingSettings) -> None:
+        """Queue one prompt's `sampling.n` completions as request `request_id`; `step` returns them together."""
+        ...
+
+    def step(self) -> list[tuple[str, Generation]]:
+        """One engine iteration; the requests that finished in it."""
+        ...
+
+    def load_weights_in_flight(self, path: str | os.PathLike, version: int, *, recompute: bool) -> None:
+        """`load_weights` between two steps, the requests in flight kept (in-flight weight updates)."""
+        ...
+
+    def unfinished(self) -> int:
+        """Sequences submitted and not yet returned by `step`."""
+        ...
+
+
 class TokenizerMixin:
-    tokenizer = None
+    tokenizer: Any = None  # a Hugging Face tokenizer (transformers' or vLLM's), set by the engine
     stop_token_ids: list[int] = []  # besides the engine's default (the EOS); see the module docstring
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:

@@ -7,7 +7,7 @@ import os
 import re
 from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rft.engine.base import Completion, EngineError, Generation, SamplingSettings, TokenizerMixin
 from rft.engine.routing import RoutingRecorder
@@ -22,6 +22,7 @@ from rft.weights.store import (
 if TYPE_CHECKING:
     from rft.explorer.config import ExplorerConfig
     from rft.models.config import ModelConfig
+    from rft.weights.push import PushReceiver
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,8 @@ class TransformersEngine(TokenizerMixin):
 
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype)).to(device)
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype))
+        self.model = model.to(device)  # type: ignore[arg-type]  # transformers types `to` as a PreTrainedModel method
         self.model.eval()
         self._stop_at_end_of_turn(chat_template)
         self.stops = set(self.stop_token_ids) | {self.tokenizer.eos_token_id} - {None}
@@ -48,6 +50,7 @@ class TransformersEngine(TokenizerMixin):
         self.weights_version = weights_version
         self.routing = RoutingRecorder(self.model) if record_routing else None
         self._base_weights: dict = {}  # HF module name -> its weight before the first adapter merged into it
+        self._push: PushReceiver | None = None  # the push group it is in (join_push_group)
         torch.manual_seed(seed)
 
     @classmethod
@@ -66,11 +69,13 @@ class TransformersEngine(TokenizerMixin):
         torch = self.torch
         ids = torch.tensor([prompt], device=self.device)
         greedy = sampling.temperature == 0
-        sample_args = {} if greedy else dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+        sample_args: dict[str, Any] = {} if greedy else dict(temperature=sampling.temperature, top_p=sampling.top_p,
+                                                               top_k=0)
         if self.stop_token_ids:
             sample_args["eos_token_id"] = sorted(self.stops)
         rows = 1 if greedy else sampling.n
-        with torch.no_grad(), (self.routing.recording() if self.routing else nullcontext()):
+        routing = self.routing
+        with torch.no_grad(), (routing.recording() if routing else nullcontext()):
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=not greedy,
                                       num_return_sequences=rows, max_new_tokens=sampling.max_tokens,
                                       output_scores=True, return_dict_in_generate=True,
@@ -78,13 +83,13 @@ class TransformersEngine(TokenizerMixin):
         new_tokens = out.sequences[:, len(prompt):]
         # scores are the processed logits the sampler drew from (after temperature / top-p)
         logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
-        routed = self.routing.positions(rows) if self.routing else None
+        routed = routing.positions(rows) if routing else None
         # greedy: HF generates one sequence; the n samples are its copies (as vLLM's n greedy samples are)
         completions = [self._completion(new_tokens[0 if greedy else i].tolist(), logprobs[0 if greedy else i],
                                         sampling.stop) for i in range(sampling.n)]
-        if routed is not None:
+        if routing is not None and routed is not None:
             for i, c in enumerate(completions):
-                c.routed_experts = self.routing.routed_experts(routed, 0 if greedy else i,
+                c.routed_experts = routing.routed_experts(routed, 0 if greedy else i,
                                                                len(prompt) + len(c.token_ids) - 1)
         return Generation(prompt, completions)
 
@@ -151,6 +156,8 @@ class TransformersEngine(TokenizerMixin):
     def receive_pushed_weights(self) -> int:
         from rft.weights.push import receive_into  # heavy: torch
 
+        if self._push is None:
+            raise EngineError("receive_pushed_weights before join_push_group")
         self.weights_version = receive_into(self._push, self._load_pushed)
         return self.weights_version
 
@@ -199,7 +206,7 @@ def _fuse_experts(state: dict) -> dict:
     (what `from_pretrained` converts on load); other names unchanged."""
     import torch
 
-    experts: dict[str, dict[int, dict[str, object]]] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     fused = {}
     for name, tensor in state.items():
         match = _EXPERT.match(name)

@@ -60,7 +60,7 @@ class RoutingRecorder:
         import torch
 
         per_layer = []
-        for layer, calls in zip(self.layers, self._calls):
+        for layer, calls in zip(self.layers, self._calls, strict=True):
             if not calls:
                 raise EngineError(f"routing recorder: MoE layer {layer} saw no forward pass")
             per_layer.append(torch.cat([c.reshape(batch, -1, self.top_k) for c in calls], dim=1))

@@ -62,11 +62,14 @@ class AdapterSlot(TokenizerMixin):
             self.weights_version = version
 
     def join_push_group(self, spec: dict) -> None:
-        raise EngineError(f"run {self.name}: an engine shared by several runs takes no pushed weights "
-                          "(sync.method: pull)")
+        raise self._no_push()
 
     def receive_pushed_weights(self) -> int:
-        return self.join_push_group({})
+        raise self._no_push()
+
+    def _no_push(self) -> EngineError:
+        return EngineError(f"run {self.name}: an engine shared by several runs takes no pushed weights "
+                           "(sync.method: pull)")
 
     def leave_push_group(self) -> None:
         pass

@@ -18,8 +18,11 @@ from rft.engine.routing import MoELayout
 from rft.weights.store import is_adapter_version
 
 if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
+
     from rft.explorer.config import ExplorerConfig
     from rft.models.config import ModelConfig
+    from rft.weights.vllm_transfer import VLLMReceiver
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +49,7 @@ def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: in
     `cpu_kv_block_size`: tokens per KV-cache block on CPU (`explorer.cpu_kv_block_size`; vLLM's CPU default is 128).
     Prefix caching reuses whole blocks only, so the n samples of a group share their prompt's KV for its full blocks:
     with 128, a prompt under 129 tokens is computed once per sample (and with 32, a prompt of exactly 32: vLLM
-    recomputes a prompt's last token, so its last block). Measured on the 2-core CPU (SmolLM2-135M, 8 prompts of 42
-    tokens x 8 samples of 8 tokens, 2 threads): 10.3 samples/s with 128, 25.3 with 32."""
+    recomputes a prompt's last token, so its last block; docs/benchmarks.md, "The explorer on CPU", has the effect)."""
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
@@ -73,7 +75,8 @@ def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: in
         extra = {}
     settings = dict(model=str(model_path), tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
                     max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                    logprobs_mode="processed_logprobs", max_logprobs=PROBE_TOKENS, worker_extension_cls=WORKER_EXTENSION,
+                    logprobs_mode="processed_logprobs", max_logprobs=PROBE_TOKENS,
+                    worker_extension_cls=WORKER_EXTENSION,
                     enforce_eager=on_cpu,
                     **extra, **routing)
     if lora_rank:
@@ -92,7 +95,8 @@ def _llm_settings(model_path, *, tensor_parallel_size: int, dtype: str, seed: in
         in_process = on_cpu and tensor_parallel_size == 1
     if in_process:
         if tensor_parallel_size != 1:
-            raise EngineError(f"an in-process vLLM engine has one worker; tensor_parallel_size is {tensor_parallel_size}")
+            raise EngineError(f"an in-process vLLM engine has one worker; tensor_parallel_size is "
+                              f"{tensor_parallel_size}")
         settings["distributed_executor_backend"] = "uni"
     return settings, in_process
 
@@ -102,11 +106,10 @@ def _gemm_that_follows_threads() -> None:
     (`torch.nn.functional.linear`, vLLM's own fallback) instead of its oneDNN handler. The handler caches one
     primitive per input shape, and a primitive keeps the thread count of the call that created it: an explorer whose
     threads follow the work (rft/cores.py) creates most shapes while the trainer holds a core, and then computes them
-    on one thread when it is given two. Measured on the 2-core CPU, SmolLM2-135M, 8-token samples: a batch shape
-    first run on 1 thread ran at 7.0 samples/s on 2 threads with oneDNN, 11.4 with torch's GEMM; at a fixed 2 threads
-    oneDNN is 6% faster (13.1 against 12.3), at 1 thread they are equal (6.7) (docs/benchmarks.md, "The explorer on
-    CPU"; tests/integration/test_engine.py checks the dispatch and the decoding). vLLM reads the switch when it loads each layer (`_supports_onednn`,
-    vllm/model_executor/layers/utils.py `dispatch_cpu_unquantized_gemm`), so it holds for the process."""
+    on one thread when it is given two (docs/benchmarks.md, "The explorer on CPU", has the measurements;
+    tests/integration/test_engine.py checks the dispatch and the decoding). vLLM reads the switch when it loads
+    each layer (`_supports_onednn`, vllm/model_executor/layers/utils.py `dispatch_cpu_unquantized_gemm`), so it holds
+    for the process."""
     import vllm._custom_ops as ops
 
     ops._supports_onednn = False
@@ -147,10 +150,10 @@ class VLLMEngine(TokenizerMixin):
             record_routing=record_routing, lora_rank=lora_rank, max_loras=max_loras, prefix_cache=prefix_cache,
             cpu_kv_block_size=cpu_kv_block_size)
         self.moe = MoELayout.of(model_path) if record_routing else None
-        self.lora = None  # vllm.lora.request.LoRARequest of the adapter version in use; None: the base weights
-        self.adapters: dict[str, object] = {}  # name -> LoRARequest of every adapter loaded (`rft serve`)
+        self.lora: LoRARequest | None = None  # the adapter version in use; None: the base weights
+        self.adapters: dict[str, LoRARequest] = {}  # name -> LoRARequest of every adapter loaded (`rft serve`)
         self._adapter_versions: dict[str, int] = {}  # name -> the version of the adapter loaded
-        self._vllm_push = None  # rft.weights.vllm_transfer.VLLMReceiver while in a vLLM weight-transfer push group
+        self._vllm_push: VLLMReceiver | None = None  # while in a vLLM weight-transfer push group
         if self.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             if elastic_threads and settings.get("kv_cache_memory_bytes") is not None:  # on CPU
@@ -176,7 +179,8 @@ class VLLMEngine(TokenizerMixin):
         return cls(model_path or model.path, tensor_parallel_size=explorer.tensor_parallel_size,
                    dtype=model.dtype, max_model_len=model.max_prompt_len + model.max_response_len,
                    gpu_memory_utilization=explorer.gpu_memory_utilization,
-                   cpu_kvcache_gb=explorer.cpu_kvcache_gb, cpu_kv_block_size=explorer.cpu_kv_block_size, seed=seed, in_process=explorer.vllm_in_process,
+                   cpu_kvcache_gb=explorer.cpu_kvcache_gb, cpu_kv_block_size=explorer.cpu_kv_block_size, seed=seed,
+                   in_process=explorer.vllm_in_process,
                    chat_template=model.chat_template, weight_transfer=weight_transfer, record_routing=record_routing,
                    lora_rank=model.lora.rank, max_loras=max_loras,
                    prefix_cache=not (explorer.inflight_updates and explorer.inflight_kv == "keep"),
@@ -199,7 +203,7 @@ class VLLMEngine(TokenizerMixin):
         prompt = list(output.prompt_token_ids)
         completions = [self._completion(c) for c in output.outputs]
         if self.moe is not None:
-            for raw, c in zip(output.outputs, completions):
+            for raw, c in zip(output.outputs, completions, strict=True):
                 c.routed_experts = self.moe.routed(raw.routed_experts, len(prompt) + len(c.token_ids) - 1)
         return Generation(prompt, completions)
 
@@ -217,18 +221,20 @@ class VLLMEngine(TokenizerMixin):
             raise EngineError("generate() runs alone: this engine has submitted requests unfinished")
         self._calls += 1
         ids = [f"generate-{self._calls}-{i}" for i in range(len(prompts))]
-        for request_id, prompt in zip(ids, prompts):
+        for request_id, prompt in zip(ids, prompts, strict=True):
             self.submit(request_id, prompt, sampling, lora=lora)
         finished: dict[str, Generation] = {}
         while len(finished) < len(ids):
             finished.update(self.step())
         generations = [finished[request_id] for request_id in ids]
-        for completion in (c for g in generations for c in g.completions if version is not None):
-            completion.stamp(version)  # the adapter's, not the engine's labels
+        if version is not None:
+            for completion in (c for g in generations for c in g.completions):
+                completion.stamp(version)  # the adapter's, not the engine's labels
         return generations
 
     # -- continuous submission (rft/explorer/continuous.py): requests enter and leave the running engine one by one
-    def submit(self, request_id: str, prompt: Sequence[int], sampling: SamplingSettings, *, lora=None) -> None:
+    def submit(self, request_id: str, prompt: Sequence[int], sampling: SamplingSettings, *,
+               lora: LoRARequest | None = None) -> None:
         """Queue one prompt's `sampling.n` completions as request `request_id` (unique among unfinished requests);
         `step()` returns them together once all n are done. Weights must not be reloaded while any is unfinished,
         except by `load_weights_in_flight`. A group prefilled once (`ForkedGroups`) runs as the requests
@@ -263,7 +269,7 @@ class VLLMEngine(TokenizerMixin):
 
     def _completion(self, c) -> Completion:
         token_ids = list(c.token_ids)
-        logprobs = [float(position[token].logprob) for position, token in zip(c.logprobs, token_ids)]
+        logprobs = [float(position[token].logprob) for position, token in zip(c.logprobs, token_ids, strict=True)]
         spans = getattr(c, "weight_versions", None) or []
         labels = [int(s.version) for s in spans if str(s.version).lstrip("-").isdigit()]
         return Completion(token_ids=token_ids, logprobs=logprobs, text=c.text, finish_reason=c.finish_reason or "",
@@ -280,7 +286,10 @@ class VLLMEngine(TokenizerMixin):
                                     use_tqdm=False, lora_request=self.lora)
         probs = []
         for o in outputs:
-            first = o.outputs[0].logprobs[0]
+            logprobs = o.outputs[0].logprobs
+            if logprobs is None:  # asked for above
+                raise EngineError("vLLM returned no logprobs for next_token_probs")
+            first = logprobs[0]
             probs.append([math.exp(first[c].logprob) if c in first else 0.0 for c in candidates])
         return probs
 
@@ -325,7 +334,7 @@ class VLLMEngine(TokenizerMixin):
         log.info("reloaded %s tensors of version %d from %s in %.2f s", loaded[0], version, path,
                  time.monotonic() - started)
 
-    def load_adapter(self, name: str, path: str | os.PathLike, version: int):
+    def load_adapter(self, name: str, path: str | os.PathLike, version: int) -> LoRARequest:
         """Load the PEFT adapter at `path` into the engine now as adapter `name` (replacing the one of that name,
         if any) and return its LoRARequest (pass it as `lora` / a request's adapter). Needs `lora_rank` > 0."""
         from vllm.lora.request import LoRARequest
@@ -380,10 +389,11 @@ class VLLMEngine(TokenizerMixin):
         self.llm.collective_rpc("rft_leave_push_group")
 
     def close(self) -> None:
-        llm, self.llm = getattr(self, "llm", None), None
+        llm = vars(self).pop("llm", None)  # closed (or never started): later calls fail
         if llm is not None:
             engine = getattr(llm, "llm_engine", None)
-            shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            shutdown = (getattr(engine, "shutdown", None)
+                        or getattr(getattr(engine, "engine_core", None), "shutdown", None))
             if shutdown is not None:
                 shutdown()
             del llm
@@ -402,7 +412,7 @@ class ForkedGroups:
         self.end_ids = ending_token_ids(engine)
         self.probe_tokens = PROBE_TOKENS
         self.groups: dict[str, ForkedGroup] = {}  # unfinished, by the group's request id
-        self.lora_of: dict[str, object] = {}  # their LoRARequests (None: the base weights)
+        self.lora_of: dict[str, LoRARequest | None] = {}  # their adapters (None: the base weights)
         self.requests: dict[str, tuple[ForkedGroup, Request]] = {}  # their requests in the engine, by vLLM id
         self.sent: Counter[str] = Counter()
 
@@ -411,7 +421,8 @@ class ForkedGroups:
         would compute its last block once per sample. Not with MoE routing records (a first token would have none)."""
         return self.enabled and self.engine.moe is None and prefills_once(len(prompt), sampling, self.block_size)
 
-    def start(self, request_id: str, prompt: Sequence[int], sampling: SamplingSettings, lora) -> None:
+    def start(self, request_id: str, prompt: Sequence[int], sampling: SamplingSettings,
+              lora: LoRARequest | None) -> None:
         self.groups[request_id] = ForkedGroup(request_id, list(prompt), sampling, self.end_ids)
         self.lora_of[request_id] = lora
         self._send(self.groups[request_id])

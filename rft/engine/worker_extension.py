@@ -20,6 +20,7 @@ against Hugging Face greedy decoding of the reloaded weights.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 from rft.weights.push import PushGroupSpec, PushReceiver, receive_into
 from rft.weights.store import PUSHED_ADAPTER_CONFIG, iter_safetensors, save_pushed_adapter
@@ -27,6 +28,10 @@ from rft.weights.store import PUSHED_ADAPTER_CONFIG, iter_safetensors, save_push
 
 class WeightReloadExtension:
     """Methods added to vLLM's worker. `self.model_runner` is the worker's model runner."""
+
+    rank: int  # the worker's, set by vLLM
+    model_runner: Any  # the worker's model runner, set by vLLM
+    _rft_push: PushReceiver | None = None  # the push group it is in (rft_join_push_group)
 
     def rft_reload_weights(self, path: str) -> int:
         """Load every tensor of the safetensors files in `path` into the running model; returns how many."""
@@ -41,6 +46,8 @@ class WeightReloadExtension:
         """Take part in one pushed version and load it in place; returns the version. A pushed LoRA adapter
         (rft.weights.store.PUSHED_ADAPTER_CONFIG first) is not loaded here: the first worker writes it as a PEFT
         directory into `adapter_dir` (the others drain it) for the engine to load as an adapter."""
+        if self._rft_push is None:
+            raise RuntimeError("rft_receive_pushed_weights before rft_join_push_group")
         return receive_into(self._rft_push, lambda tensors: self._rft_take(tensors, adapter_dir))
 
     def _rft_take(self, tensors, adapter_dir: str) -> int:

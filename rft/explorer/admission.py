@@ -1,91 +1,19 @@
 """Admission control at the explorers: how many rollouts may start now (`explorer.admission`).
 
-`StalenessAdmission` (`explorer.admission: staleness`, the default) is AReaL's staleness manager, counted in
-groups and shared by the fleet. With B = run.groups_per_step and k the run mode's admission bound
-(rft.modes.admission_bound: the mode's staleness bound, or async's `run.async_max_staleness`), an explorer may start
+`Admission` is the interface the explorer calls (every method); `AdmitAll` (`all`) lets every task start; a plugin
+(`package.module:factory`) returns an object with every method of `Admission` (checked when the explorer is composed).
+
+`StalenessAdmission` (`staleness`, the default) is AReaL's staleness manager, counted in groups and shared by the
+fleet. With B = run.groups_per_step and k the run mode's admission bound (rft.modes.admission_bound: the mode's
+staleness bound, or async's `run.async_max_staleness`), an explorer may start
 
     capacity = share((k + version + 1) * B - accepted_fleet) - (accepted_here + running)
 
-groups now, where
-  version         the weights version this explorer generates with (`set_version`);
-  accepted_fleet  = trainer_version * B + in_batch + backlog, the training slots taken as of the last reading of
-                  the fleet: trainer_version is the trainer's newest version, in_batch the groups it has taken into
-                  the step it waits to complete (its `trainer_waiting` says how many; 0 at a step's end), backlog
-                  the experience groups produced but not yet consumed by the trainer (the experiences topic's end
-                  offsets minus the trainer's consumed offsets, as last announced; those offsets include in_batch's
-                  groups, which is why they are counted apart: without them a waiting trainer's partial step made
-                  the bound look larger by up to B - 1 groups);
-  explorers       the live explorers sharing the capacity (>= 1);
-  share(c)        this explorer's part of c: c // explorers, plus one more for the `c % explorers` lowest ranks
-                  (rank: its place among the live explorers' ids, sorted; one not heard from yet comes last),
-                  so the parts add up to c exactly and a fleet larger than c still starts c groups (a plain
-                  c // explorers gives every member 0 once explorers > c: in sync mode a fleet larger than
-                  groups_per_step would never start anything);
-  accepted_here   groups this explorer finished (acknowledged by the broker) since that reading;
-  running         groups it admitted and has not finished or given up.
-With one explorer this is AReaL's (k + version + 1) * B - (accepted + running), accepted = accepted_fleet +
-accepted_here; without a bound only `max_running` (if any) limits. With a fleet, accepted_here + running is replaced
-by the fleet's outstanding groups, counted by the ledger below.
-
-Why it bounds staleness: the trainer takes B groups per step in arrival order, so the j-th slot (1-based) is
-trained in step ceil(j / B). A group admitted at version w holds one of the first (k + w + 1) * B slots, so if
-groups finish in the order they were admitted it is trained in a step s <= k + w + 1, i.e. with staleness <= k.
-A straggler overtaken by later rollouts can still exceed k; the trainer's StalenessTracker drops and counts it.
-With in-flight weight updates (rft/explorer/continuous.py) a group admitted at w has no token older than w, so its
-staleness (its oldest token's) obeys the same bound.
-
-Groups the trainer drops (`explorer.admission_counts_drops`, default true). The trainer's operators drop groups
-(the flagship's zero-variance filter: ~55% of them early on), and a dropped group takes no slot. Counting each
-admitted group as a slot, the explorers stop once a step's B groups are made, the trainer drops some, waits for
-replacements, announces that it waits, and only then are they admitted and generated: the flagship's trainer waited
-~10 s of each ~26 s step so (2026-11-26). So the trainer announces `keep_fraction` with each step (the share of its
-fresh groups kept over its last 4 steps; stale drops not counted), and with keep q < 1 the slots not yet taken by
-trained groups, slots = (k + version + 1) * B - trainer_version * B - in_batch, are filled by floor(slots / q)
-groups, of which the backlog is made already (`fleet_capacity`; q is the trainer's keep fraction plus KEEP_MARGIN,
-clamped to [KEEP_FLOOR, 1]). The bound then holds in
-expectation at admission, and exactly at the trainer: a group left over when the trainer kept more than q of them
-trains in a later step, and one past the bound is dropped as stale by the trainer's StalenessTracker (counted as
-`dropped_stale`). With q = 1 (no operator drops, or before the first step, or the option off) the formula is the one
-above and its proof holds as written.
-
-A fleet: the ledger. Several explorers read the fleet at different moments, and the groups the others are running
-are in no reading: each dividing what is left of the capacity without counting them started 20 to 33% more than
-the bound with 2 and 3 explorers (docs/benchmarks.md). So the fleet counts what is running through the
-control topic, with Kafka as the sequencer (`AdmissionLedger`): an explorer that wants to start groups writes an
-`admission_claim` {groups wanted, limit, seen} to control partition 0, where `limit` = (k + version + 1) * B -
-accepted_fleet is the capacity as it read the fleet, and `seen` a partition-0 offset below which every record was
-written before that reading (the records it had folded, and those before its own newest acknowledged release);
-every group it starts it later gives back with an `admission_release` (produced or given up). Every explorer folds
-partition 0 in offset order, the same log for all, so all agree on each claim's grant:
-
-    outstanding_i = (groups granted by the claims before i) - (groups released at offsets below seen_i)
-    granted_i     = clamp(limit_i - outstanding_i, 0, groups_i)
-
-A claimer learns its grant by reading its own claim back (one round trip). Why it holds the bound: every release
-below seen_i was written before the reading behind limit_i read the experiences' end offsets, and a release is
-written after its group was acknowledged, so those groups are in accepted_fleet; groups released at or after seen_i
-are still counted as outstanding (at worst twice: conservative, for one reading). So accepted + outstanding + granted never exceeds
-(k + version + 1) * B, whoever claims, in any interleaving. What an explorer asks for is the capacity formula above
-(its share, less what it runs), so a version's groups are still spread over the fleet; the ledger grants what the
-others' outstanding groups leave of it. A claim the
-claimer gave up waiting for (CLAIM_TIMEOUT_S) and that the log later grants is released at once. Outstanding groups
-of an explorer that stopped without releasing them: it releases them all (`reset`) when it starts again or leaves,
-and a live explorer releases those of an explorer silent for the liveness horizon (`by`), once. Heartbeats carrying
-running counts were the other design: a count is as old as its heartbeat, two explorers can still fill the same slots
-between heartbeats, and there is no order to agree on; the ledger costs a round trip per admission and two small
-messages per started group on the control topic (keep its retention unlimited: every explorer replays it).
-
-Where the reading comes from: a `FleetFeed`. In production `KafkaFleetFeed` replays the control topic into a
-ControlView and the ledger (the trainer announces its version and consumed offsets after every step and, while it
-waits for data, every few seconds, so records it skipped never block admission; explorers are live when heard from
-within three heartbeat intervals) and reads the experiences topic's end offsets, at most every `refresh_s`; an
-explorer that admission refused waits on the control topic (`wait`) and reads again as soon as a message other than
-a claim or a release arrives. Without a feed that takes claims (one explorer, the unit tests) the count is local: a
-reading rebuilds it (`resync`), and `accepted_here` + `running` stand for the fleet's outstanding. Rollouts that
-were running in a dead explorer are gone (their tasks are re-explored), so `running` restarts at 0. Counting slots
-rather than all groups ever accepted matters because groups the trainer drops never take a slot. A restarted
-trainer announces its rewound offsets, the backlog grows by what it will consume again, and admission tightens by
-itself. Unit tests drive the same objects with in-memory feeds (tests/unit/test_staleness.py,
+groups now (`capacity`, the one place the formula is written; `StalenessAdmission` defines each term, says why it
+bounds staleness by k and how it counts the groups the trainer drops). With a fleet, the groups the other explorers
+run are counted through an admission log on the control topic, Kafka as the sequencer (`AdmissionLedger`: its rule
+and why it keeps the bound); `KafkaFleetFeed` reads the fleet (the trainer's announcements, the live explorers, the
+experiences' backlog) from Kafka. Unit tests drive the same objects with in-memory feeds (tests/unit/test_staleness.py,
 tests/unit/test_admission_ledger.py); tests/integration/test_admission.py runs the ledger on the real broker.
 """
 from __future__ import annotations
@@ -100,8 +28,9 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast, runtime_checkable
 
+from rft.config import ConfigError
 from rft.modes import admission_bound
 from rft.schema import ControlMessage, RecordError, decode, encode
 from rft.transport import RecordSource, Transport, TransportError, lag
@@ -128,21 +57,59 @@ log = logging.getLogger(__name__)
 
 
 class Admission(Protocol):
-    """How many rollouts may start now. Required: `admit(n) -> int`, 0 <= result <= n, called before each
-    batch with the number of tasks at hand. Optional hooks, called when the object has them:
-    `finish(k)` after k admitted groups were acknowledged by the broker, `fail(k)` for k admitted tasks
-    given up (dead-lettered), `set_version(v)` after weights v were loaded (v never decreases),
-    `wait(seconds)` after an admission let nothing start: block until something that may change the answer
-    happens (for StalenessAdmission: a control message, e.g. the trainer's next version) or `seconds` pass."""
+    """How many rollouts may start now. The explorer calls every method (rft/explorer/pipeline.py, parts.py):
+      admit(n)          before starting tasks, with the number at hand: how many may start, 0 <= result <= n;
+      finish(n)         n admitted groups were acknowledged by the broker (n > 0);
+      fail(n)           n admitted tasks were given up, e.g. dead-lettered (n > 0);
+      set_version(v)    weights v were loaded (v never decreases);
+      wait(timeout_s)   after an admit that let nothing start: block until something may change the answer
+                        (StalenessAdmission: a control message, e.g. the trainer's next version) or `timeout_s`
+                        passes; True on news;
+      close()           the explorer leaves.
+    A plugin (`explorer.admission: package.module:factory`) returns an object with all of them: `checked` refuses
+    one that lacks any, by name, when the explorer is composed."""
 
     def admit(self, n: int) -> int: ...
+    def finish(self, n: int) -> None: ...
+    def fail(self, n: int) -> None: ...
+    def set_version(self, version: int) -> None: ...
+    def wait(self, timeout_s: float) -> bool: ...
+    def close(self) -> None: ...
+
+
+ADMISSION_METHODS = tuple(name for name, value in vars(Admission).items() if callable(value) and name[0] != "_")
+
+
+def checked(admission: object, *, key: str = "explorer.admission") -> Admission:
+    """`admission` as an `Admission`; ConfigError naming `key` and every method it lacks."""
+    missing = [name for name in ADMISSION_METHODS if not callable(getattr(admission, name, None))]
+    if missing:
+        raise ConfigError(f"{key}: {type(admission).__name__} lacks {', '.join(missing)} (every method of the "
+                          "Admission interface, rft/explorer/admission.py)")
+    return cast(Admission, admission)
 
 
 class AdmitAll:
-    """`explorer.admission: all`: every task may start."""
+    """`explorer.admission: all`: every task may start; the notifications change nothing."""
 
     def admit(self, n: int) -> int:
         return n
+
+    def finish(self, n: int) -> None:
+        pass
+
+    def fail(self, n: int) -> None:
+        pass
+
+    def set_version(self, version: int) -> None:
+        pass
+
+    def wait(self, timeout_s: float) -> bool:
+        time.sleep(timeout_s)
+        return False
+
+    def close(self) -> None:
+        pass
 
 
 # ------------------------------------------------------------------------------------------------ the formula
@@ -158,13 +125,13 @@ class AdmissionState:
 class FleetReading:
     """What the fleet says now: the trainer's newest version, the groups produced and not consumed yet, and
     the live explorers sharing the capacity. `seen`: with a ledger, the position of the admission log (control
-    partition 0) the reading was taken after (module docstring); None without one."""
+    partition 0) the reading was taken after (AdmissionLedger); None without one."""
     trainer_version: int
     backlog: int
     explorers: int = 1
-    rank: int = 0  # this explorer's place among them (module docstring, `share`)
+    rank: int = 0  # this explorer's place among them (`share`)
     seen: int | None = None
-    in_batch: int = 0  # groups the trainer took into the step it waits to complete (module docstring)
+    in_batch: int = 0  # groups the trainer took into the step it waits to complete (StalenessAdmission)
     keep: float = 1.0  # the share of recent groups the trainer kept (its `keep_fraction`; 1.0 before it said)
 
 
@@ -179,16 +146,60 @@ class FleetFeed(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class WaitingFeed(Protocol):
+    """A `FleetFeed` that can wait for news (`FleetFeed`'s docstring)."""
+
+    def wait(self, timeout_s: float) -> bool: ...
+
+
+@runtime_checkable
+class LedgerFeed(Protocol):
+    """A `FleetFeed` with a ledger, which takes claims (`FleetFeed`'s docstring; KafkaFleetFeed)."""
+
+    ledger: AdmissionLedger
+
+    def claim(self, groups: int, *, limit: int, seen: int, version: int) -> int: ...
+    def release(self, groups: int) -> None: ...
+
+
 # ------------------------------------------------------------------------------------------------ the ledger
 
 class AdmissionLedger:
     """The fold of the admission log: `admission_claim` and `admission_release` messages in log order (control
-    partition 0, by offset), the module docstring's rule. Deterministic: every explorer folding the same log gets the
+    partition 0, by offset), by the rule below. Deterministic: every explorer folding the same log gets the
     same grants. Not thread-safe.
 
     `apply(offset, kind)` applies one message (offsets below `position` were applied already and are ignored) and
     returns a claim's grant (None for a release); `outstanding` holds the groups granted to each explorer and not
-    released; `outstanding_at(seen)` is the fleet's outstanding as a claim that read the fleet at `seen` counts it."""
+    released; `outstanding_at(seen)` is the fleet's outstanding as a claim that read the fleet at `seen` counts it.
+
+    A fleet: the ledger. Several explorers read the fleet at different moments, and the groups the others are running
+    are in no reading: each dividing what is left of the capacity without counting them starts more than the bound
+    (docs/benchmarks.md). So the fleet counts what is running through the
+    control topic, with Kafka as the sequencer (`AdmissionLedger`): an explorer that wants to start groups writes an
+    `admission_claim` {groups wanted, limit, seen} to control partition 0, where `limit` = (k + version + 1) * B -
+    accepted_fleet is the capacity as it read the fleet, and `seen` a partition-0 offset below which every record was
+    written before that reading (the records it had folded, and those before its own newest acknowledged release);
+    every group it starts it later gives back with an `admission_release` (produced or given up). Every explorer folds
+    partition 0 in offset order, the same log for all, so all agree on each claim's grant:
+
+        outstanding_i = (groups granted by the claims before i) - (groups released at offsets below seen_i)
+        granted_i     = clamp(limit_i - outstanding_i, 0, groups_i)
+
+    A claimer learns its grant by reading its own claim back (one round trip). Why it holds the bound: every release
+    below seen_i was written before the reading behind limit_i read the experiences' end offsets, and a release is
+    written after its group was acknowledged, so those groups are in accepted_fleet; groups released at or after seen_i
+    are still counted as outstanding (at worst twice: conservative, for one reading). So accepted + outstanding +
+    granted never exceeds (k + version + 1) * B, whoever claims, in any interleaving. What an explorer asks for is the
+    capacity formula above (its share, less what it runs), so a version's groups are still spread over the fleet; the
+    ledger grants what the others' outstanding groups leave of it. A claim the claimer gave up waiting for
+    (CLAIM_TIMEOUT_S) and that the log later grants is released at once. Outstanding groups of an explorer that stopped
+    without releasing them: it releases them all (`reset`) when it starts again or leaves, and a live explorer releases
+    those of an explorer silent for the liveness horizon (`by`), once. Heartbeats carrying running counts were the other
+    design: a count is as old as its heartbeat, two explorers can still fill the same slots between heartbeats, and
+    there is no order to agree on; the ledger costs a round trip per admission and two small messages per started group
+    on the control topic (keep its retention unlimited: every explorer replays it)."""
 
     def __init__(self) -> None:
         self.position = 0  # the next log offset to apply
@@ -226,13 +237,55 @@ class StalenessAdmission:
     are made, outside it). Use: `n = admit(wanted)` (alias `reserve`) before starting rollouts, then `finish(k)` for
     groups written to the experiences topic and `fail(k)` for groups given up; `set_version(v)` after loading weights
     v. With a feed that takes claims (its `ledger`), admissions go through the fleet's ledger; otherwise the count is
-    this explorer's own (module docstring)."""
+    this explorer's own (below).
+
+    An explorer may start capacity = share((k + version + 1) * B - accepted_fleet) - (accepted_here + running)
+    groups now, where
+      version         the weights version this explorer generates with (`set_version`);
+      accepted_fleet  = trainer_version * B + in_batch + backlog, the training slots taken as of the last reading of
+                      the fleet: trainer_version is the trainer's newest version, in_batch the groups it has taken into
+                      the step it waits to complete (its `trainer_waiting` says how many; 0 at a step's end), backlog
+                      the experience groups produced but not yet consumed by the trainer (the experiences topic's end
+                      offsets minus the trainer's consumed offsets, as last announced; those offsets include in_batch's
+                      groups, which is why they are counted apart: without them a waiting trainer's partial step made
+                      the bound look larger by up to B - 1 groups);
+      explorers       the live explorers sharing the capacity (>= 1);
+      share(c)        this explorer's part of c: c // explorers, plus one more for the `c % explorers` lowest ranks
+                      (rank: its place among the live explorers' ids, sorted; one not heard from yet comes last),
+                      so the parts add up to c exactly and a fleet larger than c still starts c groups (a plain
+                      c // explorers gives every member 0 once explorers > c: in sync mode a fleet larger than
+                      groups_per_step would never start anything);
+      accepted_here   groups this explorer finished (acknowledged by the broker) since that reading;
+      running         groups it admitted and has not finished or given up.
+    With one explorer this is AReaL's (k + version + 1) * B - (accepted + running), accepted = accepted_fleet +
+    accepted_here; without a bound only `max_running` (if any) limits. With a fleet, accepted_here + running is replaced
+    by the fleet's outstanding groups, counted by the ledger below.
+
+    Why it bounds staleness: the trainer takes B groups per step in arrival order, so the j-th slot (1-based) is
+    trained in step ceil(j / B). A group admitted at version w holds one of the first (k + w + 1) * B slots, so if
+    groups finish in the order they were admitted it is trained in a step s <= k + w + 1, i.e. with staleness <= k.
+    A straggler overtaken by later rollouts can still exceed k; the trainer's StalenessTracker drops and counts it.
+    With in-flight weight updates (rft/explorer/continuous.py) a group admitted at w has no token older than w, so its
+    staleness (its oldest token's) obeys the same bound.
+
+    Groups the trainer drops (`explorer.admission_counts_drops`, default true). The trainer's operators drop groups (the
+    zero-variance filter), and a dropped group takes no slot. Counting each admitted group as a slot, the explorers stop
+    once a step's B groups are made, the trainer drops some, waits for replacements, announces that it waits, and only
+    then are they admitted and generated (docs/benchmarks.md has what the trainer waited so). So the trainer announces
+    `keep_fraction` with each step (the share of its fresh groups kept over its last 4 steps; stale drops not counted),
+    and with keep q < 1 the slots not yet taken by trained groups, slots = (k + version + 1) * B - trainer_version * B -
+    in_batch, are filled by floor(slots / q) groups, of which the backlog is made already (`fleet_capacity`; q is the
+    trainer's keep fraction plus KEEP_MARGIN, clamped to [KEEP_FLOOR, 1]). The bound then holds in expectation at
+    admission, and exactly at the trainer: a group left over when the trainer kept more than q of them trains in a later
+    step, and one past the bound is dropped as stale by the trainer's StalenessTracker (counted as `dropped_stale`).
+    With q = 1 (no operator drops, or before the first step, or the option off) the formula is the one above and its
+    proof holds as written."""
 
     def __init__(self, *, groups_per_step: int, max_staleness: int | None, version: int = 0,
                  accepted: int = 0, max_running: int | None = None, feed: FleetFeed | None = None,
                  refresh_s: float = 0.5, counts_drops: bool = False):
         """`counts_drops`: expect the trainer to drop the share of groups its readings say (`FleetReading.keep`,
-        "Groups the trainer drops" in the module docstring); False: every group takes a slot."""
+        "Groups the trainer drops" in the class docstring); False: every group takes a slot."""
         if groups_per_step < 1:
             raise ValueError(f"run.groups_per_step: must be >= 1, got {groups_per_step}")
         if max_running is not None and max_running < 1:
@@ -243,7 +296,7 @@ class StalenessAdmission:
         self._state = AdmissionState(version=version, accepted=accepted, running=0)
         self._fleet_accepted, self._explorers, self._rank = accepted, 1, 0
         self._seen: int | None = None  # the ledger position of the reading in force (None: no reading yet)
-        self._ledger = getattr(feed, "ledger", None) if max_staleness is not None else None
+        self._claims = feed if isinstance(feed, LedgerFeed) and max_staleness is not None else None
         self._last_read = -float("inf")
         self._lock = threading.Lock()
 
@@ -273,11 +326,12 @@ class StalenessAdmission:
             if reading is not None:
                 self._resync(reading)
             wanted = max(0, min(n, self._capacity()))
-            if self._ledger is None or not wanted:
+            if self._claims is None or not wanted:
                 self._update(running=self._state.running + wanted)
                 return wanted
-            claim = dict(limit=self._fleet_capacity(), seen=self._seen, version=self._state.version)
-        granted = max(0, min(wanted, self.feed.claim(wanted, **claim)))  # one round trip through the broker
+            claims, limit, seen, version = self._claims, self._fleet_capacity(), self._seen, self._state.version
+        assert seen is not None  # _capacity() is 0 without a reading of the fleet
+        granted = max(0, min(wanted, claims.claim(wanted, limit=limit, seen=seen, version=version)))  # a round trip
         with self._lock:
             self._update(running=self._state.running + granted)
         return granted
@@ -299,8 +353,8 @@ class StalenessAdmission:
 
     def _give_back(self, n: int) -> None:
         """Release `n` granted groups through the ledger (with one)."""
-        if self._ledger is not None and n:
-            self.feed.release(n)
+        if self._claims is not None and n:
+            self._claims.release(n)
 
     def set_version(self, version: int) -> None:
         """This explorer now generates with weights `version` (never decreases)."""
@@ -311,7 +365,7 @@ class StalenessAdmission:
 
     def resync(self, *, trainer_version: int, backlog: int, explorers: int = 1, rank: int = 0,
                in_batch: int = 0) -> None:
-        """Recount the fleet's accepted groups from a reading (see the module docstring)."""
+        """Recount the fleet's accepted groups from a reading (the class docstring)."""
         with self._lock:
             self._resync(FleetReading(trainer_version=trainer_version, backlog=backlog, explorers=explorers,
                                       rank=rank, in_batch=in_batch))
@@ -320,11 +374,10 @@ class StalenessAdmission:
         """Block until the feed has news (then the next `admit` reads it at once, whatever `refresh_s` says) or
         `timeout_s` passes; True on news. Without a feed that can wait, sleeps. What makes sync mode pay no polling
         interval: an explorer refused for want of the trainer's next version wakes on its announcement."""
-        wait = getattr(self.feed, "wait", None)
-        if wait is None or self.max_staleness is None:
+        if not isinstance(self.feed, WaitingFeed) or self.max_staleness is None:
             time.sleep(timeout_s)
             return False
-        news = wait(timeout_s)
+        news = self.feed.wait(timeout_s)
         if news:
             self._last_read = -float("inf")
         return news
@@ -356,6 +409,8 @@ class StalenessAdmission:
         self._update(accepted=self._fleet_accepted)
 
     def _fleet_capacity(self) -> int:
+        if self.max_staleness is None:
+            return sys.maxsize
         return fleet_capacity(self.max_staleness, self._state.version, self.groups_per_step, self._fleet_accepted,
                               backlog=self._backlog, keep=self._keep)
 
@@ -366,7 +421,7 @@ class StalenessAdmission:
         by_concurrency = sys.maxsize if self.max_running is None else self.max_running - s.running
         if self.max_staleness is None:
             return by_concurrency
-        if self._ledger is not None and self._seen is None:
+        if self._claims is not None and self._seen is None:
             return 0  # no reading of the fleet yet: nothing to claim against
         here = s.accepted - self._fleet_accepted + s.running
         return min(by_concurrency, share(self._fleet_capacity(), self._explorers, self._rank) - here)
@@ -385,7 +440,7 @@ def fleet_capacity(max_staleness: int, version: int, groups_per_step: int, accep
     """AReaL's bound for the whole fleet, (k + version + 1) * B - accepted_fleet (module docstring): the groups it may
     still start so that none is trained more than k = `max_staleness` versions after `version`. May be <= 0.
     With `keep` < 1 (the share of groups the trainer keeps, its operators dropping the rest: "Groups the trainer
-    drops" in the module docstring), the slots not yet taken by trained groups, slots = (k + version + 1) * B -
+    drops" in StalenessAdmission), the slots not yet taken by trained groups, slots = (k + version + 1) * B -
     (accepted_fleet - backlog), are filled by slots / keep groups, of which the `backlog` are made already."""
     if keep >= 1:
         return (max_staleness + version + 1) * groups_per_step - accepted_fleet
@@ -404,7 +459,7 @@ def capacity(max_staleness: int, version: int, groups_per_step: int, accepted_fl
 
 def share(capacity: int, explorers: int, rank: int) -> int:
     """The part of `capacity` (may be <= 0) that the explorer of `rank` (0-based) among `explorers` may start:
-    the parts of ranks 0..explorers-1 add up to `capacity` (module docstring)."""
+    the parts of ranks 0..explorers-1 add up to `capacity`."""
     if capacity <= 0:
         return capacity // explorers
     return capacity // explorers + (1 if rank < capacity % explorers else 0)
@@ -415,8 +470,22 @@ def share(capacity: int, explorers: int, rank: int) -> int:
 class KafkaFleetFeed:
     """Readings from Kafka: the control topic replayed from its beginning into a ControlView and the admission ledger
     (its partition 0), and the experiences topic's end offsets; claims and releases written to control partition 0
-    (module docstring). On a transport failure the source is rebuilt and `read()` returns None. Used from one thread
-    (the explorer's loop)."""
+    (AdmissionLedger). On a transport failure the source is rebuilt and `read()` returns None. Used from one thread
+    (the explorer's loop).
+
+    Where the reading comes from: a `FleetFeed`. In production `KafkaFleetFeed` replays the control topic into a
+    ControlView and the ledger (the trainer announces its version and consumed offsets after every step and, while it
+    waits for data, every few seconds, so records it skipped never block admission; explorers are live when heard from
+    within three heartbeat intervals) and reads the experiences topic's end offsets, at most every `refresh_s`; an
+    explorer that admission refused waits on the control topic (`wait`) and reads again as soon as a message other than
+    a claim or a release arrives. Without a feed that takes claims (one explorer, the unit tests) the count is local: a
+    reading rebuilds it (`resync`), and `accepted_here` + `running` stand for the fleet's outstanding. Rollouts that
+    were running in a dead explorer are gone (their tasks are re-explored), so `running` restarts at 0. Counting slots
+    rather than all groups ever accepted matters because groups the trainer drops never take a slot. A restarted
+    trainer announces its rewound offsets, the backlog grows by what it will consume again, and admission tightens by
+    itself. Unit tests drive the same objects with in-memory feeds (tests/unit/test_staleness.py,
+    tests/unit/test_admission_ledger.py); tests/integration/test_admission.py runs the ledger on the real broker.
+"""
 
     def __init__(self, transport: Transport, *, control_topic: str, experiences_topic: str, client_id: str,
                  live_horizon_s: float, explorer_id: str = ""):
@@ -446,7 +515,7 @@ class KafkaFleetFeed:
             self._apply(self._source.poll(timeout_s=0, max_records=10_000))
             # every admission record below `seen` was written before the experiences' end offsets are read (those it
             # folded, and those before its own newest release), so a release below it has its group in this
-            # reading's backlog (module docstring)
+            # reading's backlog (AdmissionLedger)
             seen = max(self.ledger.position, self._released_through)
             self._experience_ends = self._source.end_offsets(self.experiences_topic)
         except TransportError as e:

@@ -5,23 +5,17 @@ slowest sequence.
 the workflow's streaming interface `prepare` / `finish`, rft/workflows/__init__.py `streams`). `ContinuousLoop`, the
 explorer's loop in this mode, tops it up with newly polled tasks whenever slots are free, steps the engine, and
 delivers each group as soon as all n samples of its task are finished (rft/explorer/pipeline.py: produce, acks, then
-commit). Tasks therefore finish out of order; `Offsets` (pipeline.py) says up to where each partition may be
-committed (below its lowest unfinished offset).
+commit below the lowest unfinished offset of each partition, `Offsets`): tasks finish out of order.
 
 Weights, two ways (`explorer.inflight_updates`).
-- Drain (false, the default): a newer version is loaded only when nothing is in flight: the loop stops admitting,
-  lets the requests of the old version finish, reloads, resumes. So every sample of a group comes from the version the
-  engine held when the task's request was submitted; `Continuous.step` checks it (EngineError otherwise).
-- In flight (true): a newer version is loaded between two engine steps with the requests in flight kept
-  (`VLLMEngine.load_weights_in_flight`, PipelineRL's update): the engine never empties, and a request's tokens after
-  the load come from the new version. Every token carries the version that generated it (vLLM's weight-version
-  spans -> `Completion.token_versions` -> the sample's `token_versions`, `version_spans` on the wire), and the group's
-  `policy_version` is its oldest token's, which the trainer's staleness bound and drops use. Admission is unchanged:
-  a group admitted while the explorer held version w has no token older than w, so the bound's argument
-  (rft/explorer/admission.py) holds with its oldest token. The KV cache of the requests in flight is recomputed with
-  the new weights (`explorer.inflight_kv: recompute`: a new-version token's log-prob is exactly that version's) or
-  kept (`keep`: the new weights over the old prefix's KV, PipelineRL's choice); docs/architecture.md has the
-  measured difference.
+- Drain (false, the default): a newer version is loaded only when nothing is in flight, so every sample of a group
+  comes from the version the engine held when its request was submitted (`Continuous.step` checks it).
+- In flight (true): a newer version is loaded between two engine steps with the requests kept
+  (`VLLMEngine.load_weights_in_flight`, PipelineRL's update). Every token carries the version that generated it
+  (`token_versions`; `version_spans` on the wire) and a group's `policy_version` is its oldest token's, which the
+  trainer's staleness bound uses; admission's argument holds with it (rft/explorer/admission.py). The requests' KV
+  cache is recomputed with the new weights (`explorer.inflight_kv: recompute`) or kept (`keep`, PipelineRL's choice;
+  docs/architecture.md compares them).
 Each result carries `submitted_version` / `finished_version` (also in the group's metadata).
 """
 from __future__ import annotations
@@ -31,15 +25,18 @@ import itertools
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from rft.engine import EngineError
+from rft.explorer.parts import ExplorerParts
 from rft.explorer.pipeline import POLL_S, IdleClock, Offsets, Outcome
 from rft.workflows import GroupResult
 
 if TYPE_CHECKING:
     from rft.engine import Engine
-    from rft.explorer.explorer import Explorer
+    from rft.engine.base import StreamingEngine
     from rft.schema import TaskRecord
 
 log = logging.getLogger("rft.explorer")
@@ -75,7 +72,8 @@ class Continuous:
             if not callable(getattr(engine, name, None)):
                 raise EngineError(f"explorer.continuous: the {type(engine).__name__} has no request-level API "
                                   f"({name}); use explorer.engine vllm")
-        self.engine, self.workflow, self.max_inflight = engine, workflow, max_inflight
+        self.engine = cast("StreamingEngine", engine)  # as checked above
+        self.workflow, self.max_inflight = workflow, max_inflight
         self.in_flight_updates = in_flight_updates  # weights may change while a request is in flight
         self.inflight: dict[str, Inflight] = {}
         self._ids = itertools.count()
@@ -119,7 +117,7 @@ class Continuous:
 
 
 class ContinuousLoop:
-    """The explorer's loop with `explorer.continuous: true` (after `Explorer.join`). Each turn:
+    """The explorer's loop with `explorer.continuous: true` (after `Explorer.join`), over its `parts`. Each turn:
       1. weights: every WEIGHTS_CHECK_S, look for a newer version (store or announcement); if there is one, load it
          at once, in flight (`explorer.inflight_updates`), or stop admitting (drain) and load it once nothing is in
          flight; `reloads` records (version, tasks in flight when it was loaded: 0 when draining);
@@ -134,14 +132,14 @@ class ContinuousLoop:
     (`IdleClock`). `stats.batches` counts deliveries that produced at least one group. `sync.method: push` is refused
     (ValueError): a push is a collective taken between batches."""
 
-    def __init__(self, explorer: Explorer):
-        if explorer.push is not None:
+    def __init__(self, parts: ExplorerParts):
+        if parts.weights.push is not None:
             raise ValueError("explorer.continuous: sync.method push is not supported (a push is a collective the "
                              "explorer takes part in between batches); use sync.method pull")
-        self.explorer = explorer
-        self.in_flight = explorer.config.inflight_updates
-        self.recompute = explorer.config.inflight_kv == "recompute"
-        self.scheduler = Continuous(explorer.engine, explorer.workflow, explorer.config.max_inflight,
+        self.parts = parts
+        self.in_flight = parts.config.inflight_updates
+        self.recompute = parts.config.inflight_kv == "recompute"
+        self.scheduler = Continuous(parts.engine, parts.workflow, parts.config.max_inflight,
                                     in_flight_updates=self.in_flight)
         self.offsets = Offsets()
         self.reloads: list[tuple[int, int]] = []  # (version, tasks in flight when it was loaded): 0 when draining
@@ -149,9 +147,9 @@ class ContinuousLoop:
         self._weights_due = 0.0
 
     def run(self, stop: threading.Event, *, exit_when_idle_s: float | None = None) -> str:
-        scheduler, stats = self.scheduler, self.explorer.stats
+        scheduler, parts = self.scheduler, self.parts
         membership_due = topup_due = 0.0
-        idle = IdleClock(self.explorer.membership, exit_when_idle_s)
+        idle = IdleClock(parts.membership, exit_when_idle_s)
         last_export = time.monotonic()
         while not (stop.is_set() and not scheduler.inflight):
             now = time.monotonic()
@@ -163,32 +161,28 @@ class ContinuousLoop:
                 topup_due = now + TOPUP_S
                 if self._start_tasks(block=not scheduler.inflight):
                     idle.work()
-            self.explorer.cores.set_busy(bool(scheduler.inflight))  # the engine computes while requests are in it
-            if scheduler.inflight:
-                self.explorer.cores.fit_torch()  # the threads of a waiting trainer too (rft/cores.py)
             finished = scheduler.step()
-            stats.explore_s += time.monotonic() - started
+            parts.stats.explore_s += time.monotonic() - started
             if finished:
                 self._deliver(finished, seconds=time.monotonic() - last_export)
                 idle.work()
                 last_export = time.monotonic()
             if not scheduler.inflight or now >= membership_due:
                 membership_due = now + MEMBERSHIP_CHECK_S
-                if self.explorer.membership.watch():
+                if parts.membership.watch():
                     self.offsets = Offsets()
             if not scheduler.inflight and idle.expired():
                 return "idle"
             if not scheduler.inflight:
-                self.explorer.warm_up_while_joining()
+                parts.warm_up()
         return "stopped"
 
     def _reload_when_drained(self, now: float) -> bool:
         """Step 1 of the class docstring, draining: start draining when a newer version is out; load it once nothing
         is in flight. True when it loaded (or tried to)."""
-        engine = self.explorer.engine
         if not self.draining and now >= self._weights_due:
             self._weights_due = now + WEIGHTS_CHECK_S
-            self.draining = self.explorer.weights.newest(above=engine.weights_version) is not None
+            self.draining = self.parts.weights.newer()
         if self.draining and not self.scheduler.inflight:
             self._refresh()
             self.draining = False
@@ -201,18 +195,17 @@ class ContinuousLoop:
         if now < self._weights_due:
             return False
         self._weights_due = now + WEIGHTS_CHECK_S
-        engine = self.explorer.engine
-        if self.explorer.weights.newest(above=engine.weights_version) is None:
+        engine = self.scheduler.engine
+        if not self.parts.weights.newer():
             return False
         self._refresh(lambda path, version: engine.load_weights_in_flight(path, version, recompute=self.recompute))
         return True
 
-    def _refresh(self, load=None) -> None:
-        """Load the newest version (`Explorer.refresh_weights`, with `load` when given) and record it in `reloads`."""
-        engine = self.explorer.engine
+    def _refresh(self, load: Callable[[Path, int], None] | None = None) -> None:
+        """Load the newest version (`EngineWeights.refresh`, with `load` when given) and record it in `reloads`."""
+        engine = self.parts.engine
         before = engine.weights_version
-        self.explorer.cores.set_busy(True)  # a reload computes (the loop marks it again after)
-        self.explorer.refresh_weights(load)
+        self.parts.weights.refresh(load)
         if engine.weights_version != before:
             self.reloads.append((engine.weights_version, len(self.scheduler.inflight)))
             log.info("loaded weights version %d with %d tasks in flight", engine.weights_version,
@@ -226,11 +219,11 @@ class ContinuousLoop:
     def _start_tasks(self, *, block: bool) -> int:
         """Poll up to `scheduler.free()` tasks (waiting up to POLL_S when `block`), admit, decode, submit; returns the
         number of tasks handled (started or dead-lettered)."""
-        taken = self.explorer.intake.take(self.offsets, timeout_s=POLL_S if block else 0.0,
+        taken = self.parts.intake.take(self.offsets, timeout_s=POLL_S if block else 0.0,
                                           max_records=self.scheduler.free(), wait=block)
         if not taken.admitted:
             return 0
-        immediate = [f for f in (self.scheduler.submit(t, m) for m, t in zip(taken.sources, taken.tasks))
+        immediate = [f for f in (self.scheduler.submit(t, m) for m, t in zip(taken.sources, taken.tasks, strict=True))
                      if f is not None]
         if immediate or taken.diverted:  # dead letters: their offsets may be committed, their admission slots freed
             self._deliver(immediate, seconds=0.0, failed=taken.diverted)
@@ -239,7 +232,7 @@ class ContinuousLoop:
     def _deliver(self, finished: list[Finished], *, seconds: float, failed: int = 0) -> None:
         outcomes = [Outcome(f.source, f.result, {"submitted_version": f.submitted_version,
                                                  "finished_version": f.finished_version}) for f in finished]
-        if self.explorer.delivery.deliver(outcomes, self.offsets, failed=failed):
-            self.explorer.stats.batches += 1
+        if self.parts.delivery.deliver(outcomes, self.offsets, failed=failed):
+            self.parts.stats.batches += 1
         if finished:
-            self.explorer.export_metrics([f.result for f in finished], seconds)
+            self.parts.metrics.export([f.result for f in finished], seconds)

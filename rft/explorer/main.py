@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 
 from rft.cli.commandline import add_config_arguments, config_from_args, install_stop_signals
 from rft.config import ConfigError
-from rft.cores import CoreShare, NoShare, core_share
-from rft.engine import build_engine
+from rft.cores import CoreShare
+from rft.engine import EngineError, VLLMEngine, build_engine
+from rft.engine.paced import paced
 from rft.engine.shared import adapter_slots
-from rft.explorer.admission import Admission, AdmitAll, fleet_admission
+from rft.explorer.admission import Admission, AdmitAll, checked, fleet_admission
 from rft.explorer.explorer import Explorer
-from rft.explorer.multirun import check_runs, engine_sections, run_explorers
+from rft.explorer.multirun import SharedRun, check_runs, engine_sections, run_explorers
 from rft.explorer.replicas import run_replicas
 from rft.modes import mode
 from rft.observability.prometheus import metrics_endpoint
@@ -31,6 +32,7 @@ from rft.run.config import Config
 from rft.schema import RewardRange
 from rft.transport import Transport, connect, probe_bootstrap
 from rft.transport.run_topics import RunTopics
+from rft.weights.store import store_root
 from rft.weights.stores import open_store
 from rft.workflows import build_workflow
 
@@ -72,7 +74,7 @@ def main(argv: list[str]) -> int:
         return 2
     if len(cfgs) > 1:
         try:
-            check_runs(list(zip(paths, cfgs)))
+            check_runs([shared_run(path, cfg) for path, cfg in zip(paths, cfgs, strict=True)])
         except ConfigError as e:
             print(f"rft explorer: invalid config: {e}", file=sys.stderr)
             return 2
@@ -96,12 +98,12 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
     stop = _start_process(explorer_id)
     from rft.weights.vllm_transfer import push_transport  # heavy: torch
 
-    cores = core_share()
+    cores = CoreShare.from_environment()  # a CPU run's core board (rft/cores.py); None with GPUs
     engine = build_engine(cfg.explorer, cfg.model, seed=cfg.run.seed,
                           weight_transfer=push_transport(cfg.sync, cfg.explorer,
                                                          lora=cfg.model.lora.rank > 0) == "vllm",
                           record_routing=cfg.run.routing_replay,  # what the trainer replays
-                          elastic_threads=isinstance(cores, CoreShare))
+                          elastic_threads=cores is not None)
     explorer = None
     reason = "error"
     try:
@@ -119,19 +121,28 @@ def run_shared(cfgs: list[Config], *, explorer_id: str, exit_when_idle_s: list[f
     """One engine with LoRA for every run of `cfgs` (checked by `check_runs`), one `AdapterSlot` and one explorer
     per run on it; explore until SIGTERM / Ctrl-C (or each run idle): rft/explorer/multirun.py."""
     stop = _start_process(explorer_id, thread=True)
-    section, model = engine_sections(cfgs)
+    section, model = engine_sections([shared_run("", cfg) for cfg in cfgs])
     engine = build_engine(section, model, seed=cfgs[0].run.seed, max_loras=len(cfgs),
                           record_routing=cfgs[0].run.routing_replay)
+    if not isinstance(engine, VLLMEngine):  # build_engine's engine for several adapters
+        raise EngineError(f"several runs in one engine need a VLLMEngine, got {type(engine).__name__}")
     try:
         slots = adapter_slots(engine, [cfg.run.name for cfg in cfgs])
-        for cfg, slot in zip(cfgs, slots):
+        for cfg, slot in zip(cfgs, slots, strict=True):
             if cfg.model.lora.init_from:  # the run's version 0: the base and its starting adapter
                 slot.load_weights(cfg.model.lora.init_from, 0)
-        explorers = [compose_explorer(cfg, explorer_id=explorer_id, engine=slot) for cfg, slot in zip(cfgs, slots)]
+        explorers = [compose_explorer(cfg, explorer_id=explorer_id, engine=slot)
+                     for cfg, slot in zip(cfgs, slots, strict=True)]
         run_explorers(explorers, stop, exit_when_idle_s)
         return 0
     finally:
         engine.close()
+
+
+def shared_run(source: str, cfg: Config) -> SharedRun:
+    """The sections of `cfg` (read from `source`) that decide whether it may share an engine (multirun.py)."""
+    return SharedRun(source=source, run=cfg.run, model=cfg.model, explorer=cfg.explorer, sync=cfg.sync,
+                     kafka=cfg.kafka, store=str(store_root(cfg.sync, cfg.run_dir)))
 
 
 def _start_process(explorer_id: str, *, thread: bool = False) -> threading.Event:
@@ -145,33 +156,32 @@ def _start_process(explorer_id: str, *, thread: bool = False) -> threading.Event
     return stop
 
 
-def compose_explorer(cfg: Config, *, explorer_id: str, engine: Engine,
-                     cores: CoreShare | NoShare | None = None) -> Explorer:
+def compose_explorer(cfg: Config, *, explorer_id: str, engine: Engine, cores: CoreShare | None = None) -> Explorer:
     """Run `cfg`'s explorer on `engine`: its workflow and reward, its Kafka clients (one client factory), its
-    admission and metrics endpoint; `cores`: the engine's place on the run's core board (rft/cores.py; one explorer
-    per process, so not for the explorers sharing one engine)."""
+    admission and metrics endpoint; `cores`: the engine's place on a CPU run's core board (rft/cores.py): the engine
+    and workflow are paced on it (rft/engine/paced.py; one explorer per process, so not for a shared engine)."""
     workflow = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer, RewardContext.for_run(cfg)))
+    if cores is not None:
+        engine, workflow = paced(engine, workflow, cores)
     transport = connect(cfg.kafka)
     return build_explorer(cfg, explorer_id=explorer_id, engine=engine, workflow=workflow,
-                          admission=build_admission(cfg, explorer_id, transport=transport), transport=transport,
-                          cores=cores)
+                          admission=build_admission(cfg, explorer_id, transport=transport), transport=transport)
 
 
 def build_explorer(cfg: Config, *, explorer_id: str, engine: Engine, workflow: Workflow,
-                   admission: Admission | None = None, transport: Transport | None = None,
-                   cores: CoreShare | NoShare | None = None) -> Explorer:
+                   admission: Admission | None = None, transport: Transport | None = None) -> Explorer:
     """Compose an Explorer from the root config: its sections, the run's topics and weight store, the metrics
     endpoint `monitor.prometheus_port` asks for; `transport` defaults to `connect(cfg.kafka)`."""
     return Explorer(cfg.explorer, kafka=cfg.kafka, sync=cfg.sync, topics=RunTopics.of(cfg),
                     rewards=RewardRange.of(cfg.run), store=open_store(cfg.sync, cfg.run_dir), explorer_id=explorer_id,
-                    engine=engine, workflow=workflow, admission=admission, transport=transport, cores=cores,
+                    engine=engine, workflow=workflow, admission=admission, transport=transport,
                     prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="explorer", instance=explorer_id))
 
 
 def build_admission(cfg: Config, explorer_id: str, *, transport: Transport | None = None) -> Admission:
     """`explorer.admission`: `staleness` (the run mode's bound, fleet-wide: rft/explorer/admission.py; read through
     `transport`, default `connect(cfg.kafka)`), `all`, or `package.module:factory` called as
-    factory(cfg, explorer_id)."""
+    factory(cfg, explorer_id), whose result must have every method of `Admission` (ConfigError otherwise)."""
     if cfg.explorer.admission == "all":
         return AdmitAll()
     if cfg.explorer.admission == "staleness":
@@ -181,4 +191,5 @@ def build_admission(cfg: Config, explorer_id: str, *, transport: Transport | Non
                                explorer_id=explorer_id, heartbeat_s=cfg.explorer.heartbeat_s,
                                counts_drops=cfg.explorer.admission_counts_drops,
                                async_max_staleness=cfg.run.async_max_staleness)
-    return import_object(cfg.explorer.admission, key="explorer.admission", noun="admission")(cfg, explorer_id)
+    factory = import_object(cfg.explorer.admission, key="explorer.admission", noun="admission")
+    return checked(factory(cfg, explorer_id), key="explorer.admission")

@@ -8,39 +8,19 @@ LeaveGroup when it closes: its partitions wait for it until `kafka.session_timeo
 Tansu broker ignores instance ids (docs/operations.md, "Consumer-group membership": measured), so there every
 join, leave and restart rebalances the group as for dynamic members.
 
-The watchdog (`UnassignedWatchdog`, `explorer.unassigned_rejoin_s`). Seen on Tansu after quick join/leave cycles:
-every member of the group live, none holding a partition, the tasks topic's lag growing, nothing
-ever rebalancing it. Reproduced here with Tansu 0.6.0 and kafka-python 3.0.12 (tests/integration/test_group_stall.py):
-the group's leader leaves (LeaveGroup) just as it is elected, before its SyncGroup; the coordinator keeps it as
-the leader, so every later member's SyncGroup ends in REBALANCE_IN_PROGRESS, it joins again, forever, holding
-nothing; new members, static members and a group that every member left stay wedged the same way (almost always:
-once, in a suite run, two explorers' rejoins at the same instant unwedged it). So the
-watchdog acts in two steps when, all at once,
-  1. it has held no partition of the tasks topic for longer than `unassigned_rejoin_s`;
-  2. the group's lag on the tasks topic (end offsets minus the group's committed offsets) is > 0: there is work;
-  3. no other live explorer holds a partition: none of the explorers heard on the control topic within three
-     heartbeat intervals said in its newest heartbeat that it holds one.
-then:
-  a. first, it rejoins the group (closes its consumer and joins again as a dynamic member, which makes a working
-     coordinator rebalance; on Kafka this is what a new member's join does);
-  b. if the rule holds again a full `unassigned_rejoin_s` later, it moves the fleet to a fresh consumer group:
-     `group_name(base, epoch + 1)` (`<run>.explorers.1`, ...), seeded with the old group's committed offsets, and
-     announces it on the control topic (`tasks_group`); every explorer follows the announcement of the highest
-     epoch, a starting explorer replays the control topic for it (`announced_group`), and `rft status` reads the
-     lag of that group. Two explorers moving at once pick the same name and seed the same offsets.
-Delivery stays at-least-once: tasks polled but not committed in the old group are explored again.
-An explorer left idle because the fleet outgrew the partitions sees its peers' heartbeats with partitions
-(rule 3) and stays idle: it never churns the group. A member holding partitions but stopped (SIGSTOP, a hung
-host) stops heartbeating and is no longer live; the coordinator drops it after the session timeout and
-rebalances, and if it does not, the watchdog's rejoin forces it. After every rejoin, move or follow the watchdog waits another
-full `unassigned_rejoin_s` before the next step: make it well above the time the group needs to form (Tansu
-answers a JoinGroup after 3 s; a rebalance waits for every member's next poll, up to `explorer.max_batch_s`).
+The watchdog (`UnassignedWatchdog`, `explorer.unassigned_rejoin_s`): a consumer group on Tansu can wedge with every
+member live and none holding a partition (tests/integration/test_group_stall.py reproduces it). When this explorer has
+held no partition for that long, the group has lag and no live explorer holds one, it rejoins; if that did not help,
+it moves the fleet to a fresh consumer group (`<run>.explorers.<epoch>`, seeded with the old group's committed
+offsets) and announces it (`tasks_group`); every explorer follows the highest epoch. Delivery stays at-least-once.
+The class docstring has the rule, what was seen, and its timing.
 
 `Membership` is the explorer's side of all this: its tasks consumer, the group's epoch, and the watchdog's steps taken
 between deliveries.
 
 Readers of the explorers' lag besides `rft status` (the online task publisher, `rft publish`) follow the moves with
 a `GroupFollower`.
+
 """
 from __future__ import annotations
 
@@ -56,7 +36,7 @@ from rft.transport.control import ControlView, TasksGroup, control_messages
 
 if TYPE_CHECKING:
     from rft.explorer.config import ExplorerConfig
-    from rft.explorer.explorer import ExplorerStats
+    from rft.explorer.stats import ExplorerStats
     from rft.observability.prometheus import MetricsEndpoint
     from rft.transport import RecordSink, RecordSource
     from rft.transport.config import KafkaConfig
@@ -143,7 +123,8 @@ def move_group(transport: Transport, topics: RunTopics, *, epoch: int, offsets: 
     of the highest epoch. The group's name."""
     target = group_name(topics.explorers_group, epoch)
     seed_group(transport, target, topics.tasks, offsets, client_id=f"{by}-seed")
-    sink.send_record(topics.control, TasksGroup(explorer_id=by, group=target, epoch=epoch, offsets=offsets).to_message())
+    moved = TasksGroup(explorer_id=by, group=target, epoch=epoch, offsets=offsets)
+    sink.send_record(topics.control, moved.to_message())
     sink.flush()
     return target
 
@@ -201,9 +182,36 @@ class Decision:
 
 
 class UnassignedWatchdog:
-    """The rule of the module docstring, fed by the explorer's loop. `observe(held, now)` after every poll;
+    """The rule below, fed by the explorer's loop. `observe(held, now)` after every poll;
     when `due(now)`, the caller measures the group's lag and the fleet's holders (broker requests: only then)
-    and calls `decide`. Times are `time.monotonic()` seconds. `bound_s` <= 0 turns it off."""
+    and calls `decide`. Times are `time.monotonic()` seconds. `bound_s` <= 0 turns it off.
+
+    The rule, and why. Seen on Tansu after quick join/leave cycles: every member of the group live, none holding a
+    partition, the tasks topic's lag growing, nothing ever rebalancing it. Reproduced here with Tansu 0.6.0 and
+    kafka-python 3.0.12 (tests/integration/test_group_stall.py): the group's leader leaves (LeaveGroup) just as it is
+    elected, before its SyncGroup; the coordinator keeps it as the leader, so every later member's SyncGroup ends in
+    REBALANCE_IN_PROGRESS, it joins again, forever, holding nothing; new members, static members and a group that every
+    member left stay wedged the same way (almost always: once, in a suite run, two explorers' rejoins at the same
+    instant unwedged it). So the watchdog acts in two steps when, all at once,
+      1. it has held no partition of the tasks topic for longer than `unassigned_rejoin_s`;
+      2. the group's lag on the tasks topic (end offsets minus the group's committed offsets) is > 0: there is work;
+      3. no other live explorer holds a partition: none of the explorers heard on the control topic within three
+         heartbeat intervals said in its newest heartbeat that it holds one.
+    then:
+      a. first, it rejoins the group (closes its consumer and joins again as a dynamic member, which makes a working
+         coordinator rebalance; on Kafka this is what a new member's join does);
+      b. if the rule holds again a full `unassigned_rejoin_s` later, it moves the fleet to a fresh consumer group:
+         `group_name(base, epoch + 1)` (`<run>.explorers.1`, ...), seeded with the old group's committed offsets, and
+         announces it on the control topic (`tasks_group`); every explorer follows the announcement of the highest
+         epoch, a starting explorer replays the control topic for it (`announced_group`), and `rft status` reads the
+         lag of that group. Two explorers moving at once pick the same name and seed the same offsets.
+    Delivery stays at-least-once: tasks polled but not committed in the old group are explored again. An explorer left
+    idle because the fleet outgrew the partitions sees its peers' heartbeats with partitions (rule 3) and stays idle: it
+    never churns the group. A member holding partitions but stopped (SIGSTOP, a hung host) stops heartbeating and is no
+    longer live; the coordinator drops it after the session timeout and rebalances, and if it does not, the watchdog's
+    rejoin forces it. After every rejoin, move or follow the watchdog waits another full `unassigned_rejoin_s` before
+    the next step: make it well above the time the group needs to form (Tansu answers a JoinGroup after 3 s; a rebalance
+    waits for every member's next poll, up to `explorer.max_batch_s`)."""
 
     def __init__(self, bound_s: float):
         self.bound_s = bound_s
@@ -272,6 +280,13 @@ class Membership:
     def group(self) -> str:
         return group_name(self.topics.explorers_group, self.epoch)
 
+    @property
+    def consumer(self) -> RecordSource:
+        """`tasks`, once joined (RuntimeError before `join`)."""
+        if self.tasks is None:
+            raise RuntimeError(f"explorer {self.explorer_id} reads tasks before joining the tasks consumer group")
+        return self.tasks
+
     def join(self) -> None:
         """Join the group the newest `tasks_group` announcement names (the run's base group when none), as a static
         member when `explorer.static_membership`."""
@@ -281,7 +296,7 @@ class Membership:
         self._subscribe(static=self.config.static_membership)
 
     def watch(self) -> bool:
-        """Between deliveries: follow a newer `tasks_group` move; then the rule of the module docstring: rejoin the
+        """Between deliveries: follow a newer `tasks_group` move; then the rule of `UnassignedWatchdog`: rejoin the
         group when this explorer has held no partition for `explorer.unassigned_rejoin_s` while the group has lag and
         no live explorer holds one, and move the fleet to a fresh group when a rejoin did not help. True when it
         switched to a new consumer (the group re-delivers whatever the old one had not committed)."""
@@ -322,7 +337,7 @@ class Membership:
         """Seed the next epoch's group with this group's committed offsets, announce it (`tasks_group`), join it."""
         epoch = self.epoch + 1
         try:
-            offsets = {k: v for k, v in self.tasks.committed(self.topics.tasks).items() if v is not None}
+            offsets = {k: v for k, v in self.consumer.committed(self.topics.tasks).items() if v is not None}
         except TransportError as e:
             log.warning("membership watchdog: cannot read group %s's committed offsets (%s); not moving now",
                         self.group, e)
@@ -343,7 +358,7 @@ class Membership:
     def _switch(self, epoch: int) -> None:
         """Leave the tasks group and join the group of `epoch` (the same one: a rejoin), as a dynamic member: a static
         member that rejoins may be handed its old (empty) assignment."""
-        self.tasks.close()
+        self.consumer.close()
         self.tasks = None
         self.epoch = epoch
         self._subscribe(static=False)
@@ -352,9 +367,10 @@ class Membership:
     def _tasks_pending(self) -> int:
         """The group's lag on the tasks topic (records past its committed offsets); 0 when unreadable."""
         try:
-            end = self.tasks.end_offsets(self.topics.tasks)
-            committed = self.tasks.committed(self.topics.tasks)
-            start = self.tasks.beginning_offsets(self.topics.tasks)
+            tasks = self.consumer
+            end = tasks.end_offsets(self.topics.tasks)
+            committed = tasks.committed(self.topics.tasks)
+            start = tasks.beginning_offsets(self.topics.tasks)
         except TransportError as e:
             log.warning("membership watchdog: cannot read the tasks topic's offsets (%s)", e)
             return 0

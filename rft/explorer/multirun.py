@@ -32,13 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 from rft.config import ConfigError
 from rft.modes import mode
-from rft.weights.store import store_root
 
 if TYPE_CHECKING:
     from rft.explorer.config import ExplorerConfig
     from rft.explorer.explorer import Explorer
     from rft.models.config import ModelConfig
-    from rft.run.config import Config
+    from rft.run.config import RunConfig
+    from rft.transport.config import KafkaConfig
+    from rft.weights.config import SyncConfig
 
 log = logging.getLogger("rft.explorer")
 
@@ -49,54 +50,67 @@ ENGINE_KEYS = ("model.path", "model.dtype", "model.chat_template", "model.max_pr
                "explorer.vllm_in_process", "run.routing_replay")
 
 
-def _value(cfg: Config, key: str) -> Any:
-    value = functools.reduce(getattr, key.split("."), cfg)
+@dataclasses.dataclass(frozen=True)
+class SharedRun:
+    """One run of a shared engine, as `check_runs` reads it: the file it came from, its sections (named as in the
+    YAML, so a key names its value), and its weight store's root (rft/explorer/main.py `shared_run` builds it)."""
+    source: str
+    run: RunConfig
+    model: ModelConfig
+    explorer: ExplorerConfig
+    sync: SyncConfig
+    kafka: KafkaConfig
+    store: str
+
+
+def _value(shared: SharedRun, key: str) -> Any:
+    value: Any = functools.reduce(getattr, key.split("."), shared)
     return os.path.realpath(value) if key == "model.path" else value
 
 
-def check_runs(runs: Sequence[tuple[str, Config]]) -> None:
-    """ConfigError (`SOURCE: KEY: why`) unless one shared engine can serve every run of `runs` (source, config),
-    the first run's settings being the engine's (module docstring)."""
-    for source, cfg in runs:
-        _check_run(source, cfg)
-    first_source, first = runs[0]
+def check_runs(runs: Sequence[SharedRun]) -> None:
+    """ConfigError (`SOURCE: KEY: why`) unless one shared engine can serve every run of `runs`, the first run's
+    settings being the engine's (module docstring)."""
+    for r in runs:
+        _check_run(r)
+    first = runs[0]
     seen: dict[tuple[str, Any], str] = {}
-    for source, cfg in runs:
+    for r in runs:
         for key in ENGINE_KEYS:
-            if _value(cfg, key) != _value(first, key):
-                raise ConfigError(f"{source}: {key}: {_value(cfg, key)!r}, while {first_source} has "
+            if _value(r, key) != _value(first, key):
+                raise ConfigError(f"{r.source}: {key}: {_value(r, key)!r}, while {first.source} has "
                                   f"{_value(first, key)!r}: runs sharing an explorer share its engine, which needs the "
                                   "same base model and engine settings")
-        for key, value in (("run.name", cfg.run.name), ("kafka.topic_prefix", cfg.kafka.topic_prefix or cfg.run.name),
-                           ("sync.weight_store", os.path.realpath(store_root(cfg.sync, cfg.run_dir)))):
+        for key, value in (("run.name", r.run.name), ("kafka.topic_prefix", r.kafka.topic_prefix or r.run.name),
+                           ("sync.weight_store", os.path.realpath(r.store))):
             if (key, value) in seen:
-                raise ConfigError(f"{source}: {key}: {value!r} is also {seen[key, value]}'s: each config given to "
+                raise ConfigError(f"{r.source}: {key}: {value!r} is also {seen[key, value]}'s: each config given to "
                                   "one explorer must be another run, with topics and a weight store of its own")
-            seen[key, value] = source
+            seen[key, value] = r.source
 
 
-def _check_run(source: str, cfg: Config) -> None:
+def _check_run(r: SharedRun) -> None:
     def require(ok: bool, key: str, message: str) -> None:
         if not ok:
-            raise ConfigError(f"{source}: {key}: {message} (an explorer serving several runs: docs/lora.md)")
+            raise ConfigError(f"{r.source}: {key}: {message} (an explorer serving several runs: docs/lora.md)")
 
-    require(mode(cfg.run.mode).explorers, "run.mode", f"mode {cfg.run.mode} runs no explorers")
-    require(cfg.model.lora.rank > 0, "model.lora.rank", "must be > 0: one engine serves several runs only as LoRA "
+    require(mode(r.run.mode).explorers, "run.mode", f"mode {r.run.mode} runs no explorers")
+    require(r.model.lora.rank > 0, "model.lora.rank", "must be > 0: one engine serves several runs only as LoRA "
             "adapters of the base they share")
-    require(cfg.explorer.engine == "vllm", "explorer.engine", f"must be vllm (LoRA adapters side by side in one "
-            f"engine), got {cfg.explorer.engine}")
-    require(cfg.sync.method == "pull", "sync.method", "must be pull: a push group drives the whole engine, which "
+    require(r.explorer.engine == "vllm", "explorer.engine", f"must be vllm (LoRA adapters side by side in one "
+            f"engine), got {r.explorer.engine}")
+    require(r.sync.method == "pull", "sync.method", "must be pull: a push group drives the whole engine, which "
             "other runs share")
-    require(not cfg.explorer.continuous, "explorer.continuous", "must be false: the continuous loop steps the engine "
+    require(not r.explorer.continuous, "explorer.continuous", "must be false: the continuous loop steps the engine "
             "itself, which other runs share")
 
 
-def engine_sections(runs: Sequence[Config]) -> tuple[ExplorerConfig, ModelConfig]:
+def engine_sections(runs: Sequence[SharedRun]) -> tuple[ExplorerConfig, ModelConfig]:
     """The sections the shared engine is built from: the first run's explorer section and the model section of the
     run with the largest LoRA rank (the engine takes adapters up to it; the keys the engine reads otherwise agree,
     `check_runs`), without its `lora.init_from`: each run's starting adapter is its own slot's version 0, loaded into
     that slot (`run_shared`), never the engine's default adapter, which a slot without an adapter would use."""
-    model = max(runs, key=lambda c: c.model.lora.rank).model
+    model = max(runs, key=lambda r: r.model.lora.rank).model
     return runs[0].explorer, dataclasses.replace(model, lora=dataclasses.replace(model.lora, init_from=""))
 
 
@@ -123,7 +137,7 @@ def run_explorers(explorers: Sequence[Explorer], stop: threading.Event,
             log.info("run %s: %s after %d groups", explorer.topics.run, reason, explorer.stats.groups)
 
     threads = [threading.Thread(target=one, args=(e, idle_s), name=e.topics.run, daemon=True)  # a 2nd signal aborts
-               for e, idle_s in zip(explorers, exit_when_idle_s)]
+               for e, idle_s in zip(explorers, exit_when_idle_s, strict=True)]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -20,33 +20,24 @@ import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rft.schema import ExperienceGroup, decode_task
-from rft.transport import RecordTooLarge
+from rft.transport import RecordTooLarge, parse_offset_key
 
 if TYPE_CHECKING:
     from rft.explorer.admission import Admission
-    from rft.explorer.explorer import ExplorerStats
     from rft.explorer.membership import Membership
+    from rft.explorer.stats import ExplorerStats
     from rft.schema import RewardRange, TaskRecord
-    from rft.transport import DeadLetter, Message, RecordSink
+    from rft.transport import DeadLetter, Message, RecordSink, SendFuture
     from rft.transport.run_topics import RunTopics
     from rft.workflows import GroupResult
 
 log = logging.getLogger("rft.explorer")
 
 POLL_S = 0.5  # longest wait for tasks in one poll
-IDLE_SLEEP_S = 0.2  # pause when admission lets nothing start
 ADMISSION_WAIT_S = 2.0  # longest wait for news when admission lets nothing start (it wakes on a control message)
-
-
-def notify_admission(admission: Admission, hook: str, value: int) -> None:
-    """Call admission's optional hook `hook` (`finish`, `fail`: with a count, skipped for 0; `set_version`)."""
-    fn = getattr(admission, hook, None)
-    if fn is not None and (value or hook == "set_version"):
-        fn(value)
 
 
 class IdleClock:
@@ -163,19 +154,16 @@ class TaskIntake:
         return Taken(sources, tasks, len(admitted))
 
     def _poll_admitted(self, *, timeout_s: float, max_records: int, wait: bool) -> list[Message]:
-        tasks = self.membership.tasks
+        tasks = self.membership.consumer
         messages = tasks.poll(timeout_s=timeout_s, max_records=max_records)
-        self.stats.partitions = sorted(tp.partition for tp in tasks.assignment())
+        self.stats.partitions = sorted(parse_offset_key(p).partition for p in tasks.assignment())
         if not messages:
             return []
         admitted = self._admit(messages)
         if not admitted:
             self.stats.admission_waits += 1
-            waiter = getattr(self.admission, "wait", None)  # wakes on the trainer's next announcement
-            if wait and waiter is not None:
-                waiter(ADMISSION_WAIT_S)
-            elif wait:
-                time.sleep(IDLE_SLEEP_S)
+            if wait:
+                self.admission.wait(ADMISSION_WAIT_S)  # wakes on news, e.g. the trainer's next announcement
         return admitted
 
     def _admit(self, messages: list[Message]) -> list[Message]:
@@ -185,7 +173,7 @@ class TaskIntake:
         for m in returned:  # poll() sorts by partition and offset: the first of each partition is the oldest
             rewind.setdefault(m.position, m.offset)
         if rewind:
-            self.membership.tasks.seek(rewind)
+            self.membership.consumer.seek(rewind)
         return taken
 
     def _decode(self, messages: list[Message]) -> tuple[list[Message], list[TaskRecord]]:
@@ -232,11 +220,13 @@ class Delivery:
             offsets.committed(committable)
         self.stats.groups += len(futures)
         self.stats.dead_letters = self.dead_letter.count
-        notify_admission(self.admission, "finish", len(futures))
-        notify_admission(self.admission, "fail", len(outcomes) - len(futures) + failed)
+        if futures:
+            self.admission.finish(len(futures))
+        if given_up := len(outcomes) - len(futures) + failed:
+            self.admission.fail(given_up)
         return len(futures)
 
-    def _produce(self, outcome: Outcome) -> Callable | None:
+    def _produce(self, outcome: Outcome) -> SendFuture | None:
         if outcome.result.error is not None:
             self.dead_letter.divert(outcome.source, f"task cannot be explored: {outcome.result.error}")
             return None
@@ -270,7 +260,7 @@ class Delivery:
     def _commit(self, offsets: dict[str, int]) -> bool:
         """Commit `offsets` (position -> next offset); False (logged) when the broker refused."""
         try:
-            self.membership.tasks.commit(offsets)
+            self.membership.consumer.commit(offsets)
         except Exception as e:  # a rebalance took the partitions: another explorer re-explores them
             log.warning("committing task offsets %s failed (%s: %s); those tasks will be explored again "
                         "and their duplicate groups dropped by group id", offsets, type(e).__name__, e)

@@ -115,7 +115,7 @@ class OnlinePublisher:
 
     def publish(self, n: int) -> list[TaskRecord]:
         """Pick and send up to `n` tasks; returns them once the broker has acknowledged every one."""
-        tasks = []
+        tasks: list[TaskRecord] = []
         while len(tasks) < n and (task := self.picker.next(self.stats)) is not None:
             tasks.append(task)
         futures = [self.sink.send_record(self.topic, t, key=t.task_id) for t in tasks]

@@ -117,14 +117,14 @@ def shortest_path(desc: list[str]) -> list[int]:
     (rows, row 0 first), by BFS: the scripted expert of tools/make_demonstrations.py."""
     n = len(desc)
     start = next((r, c) for r in range(n) for c in range(n) if desc[r][c] == "S")
-    previous = {start: None}
+    previous: dict[tuple[int, int], tuple[tuple[int, int], int] | None] = {start: None}
     queue = collections.deque([start])
     while queue:
         r, c = queue.popleft()
         if desc[r][c] == "G":
             actions, cell = [], (r, c)
-            while previous[cell] is not None:
-                cell, action = previous[cell]
+            while (step := previous[cell]) is not None:
+                cell, action = step
                 actions.append(action)
             return actions[::-1]
         for action, (dr, dc) in MOVES.items():

@@ -1,29 +1,22 @@
 """multi_turn: the model and an environment take turns; environment tokens are masked out of the loss.
 
-Episode: prompt -> model turn -> environment observation -> model turn -> ... until the environment
-says done, `explorer.max_turns` model turns were taken, or the response budget
-(`model.max_response_len` tokens, model and environment tokens together) is spent.
-A sample's response is the concatenation of all turns. Model tokens have loss_mask 1 and their
-behaviour log-probs; environment tokens have loss_mask 0 and log-prob 0.
+Episode: prompt -> model turn -> environment observation -> model turn -> ... until the environment says done,
+`explorer.max_turns` model turns were taken, or the response budget (`model.max_response_len` tokens, model and
+environment tokens together) is spent. A sample's response is all turns concatenated: model tokens with loss_mask 1
+and their behaviour log-probs, environment tokens with loss_mask 0 and log-prob 0.
 
-Rewards: by default the episode's reward is the configured reward (`explorer.reward`) of the *last* model turn.
-An environment whose class sets `owns_reward = True` reports rewards itself: every model turn, the last one
-included, is stepped through the environment, and the episode's reward is the *sum of the `EnvStep.reward`s* of
-its steps (None counts 0; an environment that pays only at the end, like FrozenLake's goal, reports the return on
-its final step). The configured reward is then not used. Components add `turns` (model turns) and, for an
-environment that owns its reward, `return` (the same sum) and `steps` (environment steps taken). A sample's
-metadata has `turns`, and `environment`: the environment's `episode_info` mapping when it has one (frozenlake and
-textarena: the episode's spec, seed included, so a group's samples show they played one seed).
+Rewards: by default the configured reward (`explorer.reward`) of the *last* model turn. An environment whose class
+sets `owns_reward = True` reports rewards itself: every model turn is stepped through it and the episode's reward is
+the *sum of its `EnvStep.reward`s* (None counts 0); components then add `return` and `steps`. Every sample has the
+`turns` component and metadata `turns`, and `environment`: the environment's `episode_info` when it has one
+(frozenlake, textarena: the episode's spec, seed included).
 
-Environments are registered by name (`@register_environment`) or given as `package.module:Class`;
-an environment class is built per episode as `cls(task, reward)` (a `TaskError` there, e.g. a task without the
-environment's metadata, makes the group an error, not a crash) and answers `step(model_text)`; one that imports an
-optional extra's modules when built says which (`extra = "envs"`), and a config naming it is checked for the
-extra. Built-in environments: `retry` (below), `frozenlake` (rft/workflows/frozenlake.py) and `textarena`
-(rft/workflows/textarena_game.py).
-Observations are raw text appended after the model's turn; with `model.chat_template: true` the first prompt is
-rendered by the template, a model turn ends at its end-of-turn token, and each observation becomes the next user
-turn as the template renders it, followed by the assistant header (`rft.text.chat.observation_text`).
+Environments are registered by name (`@register_environment`) or given as `package.module:Class`; one is built per
+episode as `cls(task, reward)` (a `TaskError` there makes the group an error, not a crash) and answers
+`step(model_text)`; one that needs an optional extra says which (`extra = "envs"`). Built-in: `retry` (below),
+`frozenlake`, `textarena`. Observations are raw text appended after the model's turn; with `model.chat_template:
+true` the prompt is rendered by the template, a model turn ends at its end-of-turn token, and each observation becomes
+the next user turn and the assistant header (`rft.text.chat.observation_text`).
 """
 from __future__ import annotations
 
@@ -174,7 +167,7 @@ class MultiTurn:
             settings = SamplingSettings(n=1, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                         max_tokens=budget)
             generations = engine.generate([e.prompt + e.tokens for e in batch], settings)
-            for episode, generation in zip(batch, generations):
+            for episode, generation in zip(batch, generations, strict=True):
                 episode.add_model_turn(generation.completions[0])
 
     def _environment_turn(self, episode: _Episode, engine: Engine, *, last_turn: bool) -> None:
@@ -208,6 +201,7 @@ class MultiTurn:
             if errors:
                 results[i].error = f"task cannot be scored: {errors[0]}"
                 continue
+            rewards: list[RewardResult] | str
             if owns_reward(self.environment_cls):
                 rewards = [RewardResult(e.env_return, {"return": e.env_return, "steps": float(e.env_steps)})
                            for e in group]
@@ -220,5 +214,5 @@ class MultiTurn:
                 build_sample(e.sample_index, prompt=e.prompt, tokens=e.tokens, logprobs=e.logprobs, loss_mask=e.mask,
                              reward=r, finish_reason=e.finish_reason, metadata=_metadata(e),
                              extra_components={"turns": float(e.turns)})
-                for e, r in zip(group, rewards)]
+                for e, r in zip(group, rewards, strict=True)]
             results[i].policy_version = min(v for e in group for v in e.versions)

@@ -27,10 +27,11 @@ class SingleTurn:
 
     def explore(self, tasks: Sequence[TaskRecord], engine: Engine) -> list[GroupResult]:
         encoded = [self.prepare(task, engine) for task in tasks]
-        runnable = [i for i, e in enumerate(encoded) if not isinstance(e, str)]
-        generations = engine.generate([encoded[i] for i in runnable], self.sampling) if runnable else []
-        results = [GroupResult(task, error=e if isinstance(e, str) else None) for task, e in zip(tasks, encoded)]
-        for i, generation in zip(runnable, generations):
+        runnable = {i: e for i, e in enumerate(encoded) if not isinstance(e, str)}
+        generations = engine.generate(list(runnable.values()), self.sampling) if runnable else []
+        results = [GroupResult(task, error=e if isinstance(e, str) else None)
+                   for task, e in zip(tasks, encoded, strict=True)]
+        for i, generation in zip(runnable, generations, strict=True):
             results[i] = self.finish(tasks[i], generation)
         return results
 
@@ -49,5 +50,5 @@ class SingleTurn:
         samples = [build_sample(k, prompt=generation.prompt_token_ids, tokens=c.token_ids, logprobs=c.logprobs,
                                 loss_mask=[1] * len(c.token_ids), reward=r, finish_reason=c.finish_reason,
                                 routed_experts=c.routed_experts, token_versions=c.token_versions)
-                   for k, (c, r) in enumerate(zip(completions, rewards))]
+                   for k, (c, r) in enumerate(zip(completions, rewards, strict=True))]
         return GroupResult(task, samples=samples, policy_version=min(c.weights_version for c in completions))

@@ -59,7 +59,8 @@ class ToolAgent(MultiTurn):
             raise WorkflowError("model.chat_template: the tool_agent workflow shows tools and their results through "
                                 "the chat template; set model.chat_template: true")
         self.toolbox = build_toolbox(explorer)
-        self.chat = ChatPrompt.of(model, tuple(self.toolbox.schemas))
+        self.tool_chat = ChatPrompt(model.system_prompt, tuple(self.toolbox.schemas))  # = ChatPrompt.of: a template
+        self.chat = self.tool_chat
         self.environment_cls = _Conversation
 
     def _environment_turn(self, episode: _Episode, engine: Engine, *, last_turn: bool) -> None:
@@ -72,8 +73,10 @@ class ToolAgent(MultiTurn):
             return
         results: list[dict[str, Any]] = [{"role": "tool", "name": call.name or "unknown", "content": result}
                                          for call, result in calls]
-        text = tool_turn_text(engine.tokenizer, self.chat.messages(episode.environment.task.prompt), results,
-                              self.chat.tools)
+        conversation = episode.environment
+        assert isinstance(conversation, _Conversation)  # this workflow's environment_cls
+        text = tool_turn_text(engine.tokenizer, self.tool_chat.messages(conversation.task.prompt), results,
+                              self.tool_chat.tools)
         observation = engine.encode(text, add_special_tokens=False)
         if len(episode.tokens) + len(observation) >= self.max_response_len:  # no room left for a model token
             episode.done = True

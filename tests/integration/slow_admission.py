@@ -1,6 +1,6 @@
 """An admission hook for tests (`explorer.admission: tests.integration.slow_admission:SlowAdmission`): admits one
 task per batch, after a pause, so that an explorer is still busy when a test kills it. It also exercises the
-hook protocol: partial admission (the rest is given back to the topic) and the finish/fail notifications."""
+Admission interface: partial admission (the rest is given back to the topic) and the finish/fail notifications."""
 from __future__ import annotations
 
 import time
@@ -22,3 +22,13 @@ class SlowAdmission:
 
     def fail(self, n: int) -> None:
         self.failed += n
+
+    def set_version(self, version: int) -> None:
+        pass
+
+    def wait(self, timeout_s: float) -> bool:
+        time.sleep(timeout_s)
+        return False
+
+    def close(self) -> None:
+        pass

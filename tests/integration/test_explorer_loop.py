@@ -11,6 +11,7 @@ import torch
 
 from rft.data.tasks import load_rows, rows_to_tasks
 from rft.engine import TransformersEngine
+from rft.explorer.admission import AdmitAll
 from rft.explorer.batch import run_batches
 from rft.explorer.main import build_explorer
 from rft.rewards import build_reward
@@ -26,7 +27,7 @@ from tests.waiting import wait_until
 pytestmark = [pytest.mark.integration]
 
 
-class HalfAdmission:
+class HalfAdmission(AdmitAll):
     """Admits half of what is offered (rounded up) and records every call."""
 
     def __init__(self):
@@ -76,7 +77,7 @@ def test_explorer_batches(broker, tiny_model, tmp_path, topic_prefix):
         # idle only once the group answered the join: Tansu answers a JoinGroup after 3 s, and until then an explorer
         # cannot tell an empty topic from tasks it will be given (CI once saw an explorer leave with all unexplored)
         assert not explorer.tasks.joined
-        assert run_batches(explorer, threading.Event(), exit_when_idle_s=0.0) == "idle"
+        assert run_batches(explorer.parts, threading.Event(), exit_when_idle_s=0.0) == "idle"
         assert explorer.tasks.joined and explorer.stats.groups == 0
         for t in published:
             sink.send_record(cfg.topic("tasks"), t, key=t.task_id)

@@ -19,6 +19,7 @@ import threading
 import numpy as np
 import torch
 
+from rft.explorer.admission import AdmitAll
 from rft.explorer.config import ExplorerConfig
 from rft.explorer.explorer import Explorer
 from rft.schema import HEADER_ERROR, Sample, TaskRecord, decode_group
@@ -71,7 +72,7 @@ class StandInWorkflow:
         return results
 
 
-class HalfAdmission:
+class HalfAdmission(AdmitAll):
     """Admits half of what is offered (rounded up)."""
 
     def __init__(self):

@@ -12,6 +12,7 @@ from rft.cli import main as rft
 from rft.config import ConfigError
 from rft.engine import EngineError
 from rft.engine.shared import require_adapter
+from rft.explorer.main import shared_run
 from rft.explorer.multirun import check_runs, engine_sections
 from rft.run.loading import load_run_config
 
@@ -64,7 +65,7 @@ def test_what_one_engine_cannot_serve_is_refused_naming_file_and_key(runs, capsy
 def test_two_runs_with_one_store_are_refused(runs, tmp_path):
     a, b = runs({"sync": {"weight_store": str(tmp_path / "store-A")}})
     with pytest.raises(ConfigError, match=f"{b}: sync.weight_store: .* is also {a}'s"):
-        check_runs([(p, load_run_config(p)) for p in (a, b)])
+        check_runs([shared_run(p, load_run_config(p)) for p in (a, b)])
 
 
 def test_the_first_run_is_checked_too(runs, capsys):
@@ -76,8 +77,9 @@ def test_the_first_run_is_checked_too(runs, capsys):
 def test_the_engine_takes_every_runs_rank(runs):
     a, b = runs({"model": {"lora": {"rank": 32, "alpha": 64.0}}})
     cfgs = [load_run_config(p) for p in (a, b)]
-    check_runs(list(zip((a, b), cfgs, strict=True)))
-    explorer, model = engine_sections(cfgs)
+    runs = [shared_run(p, cfg) for p, cfg in zip((a, b), cfgs, strict=True)]
+    check_runs(runs)
+    explorer, model = engine_sections(runs)
     assert explorer is cfgs[0].explorer and model.lora.rank == 32
 
 
@@ -86,7 +88,7 @@ def test_the_shared_engine_starts_without_any_runs_starting_adapter(runs):
     default adapter, which a slot without one generates with, must not be one run's."""
     a, b = runs({"model": {"lora": {"rank": 32, "init_from": "/adapters/b"}}})
     cfgs = [load_run_config(p) for p in (a, b)]
-    _, model = engine_sections(cfgs)
+    _, model = engine_sections([shared_run(p, cfg) for p, cfg in zip((a, b), cfgs, strict=True)])
     assert model.lora.rank == 32 and model.lora.init_from == "" and cfgs[1].model.lora.init_from == "/adapters/b"
 
 
