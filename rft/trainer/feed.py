@@ -15,9 +15,9 @@ Contract:
 - With a single-partition experiences topic (the default, `kafka.experience_partitions: 1`) the order of groups
   is the log order, so a restarted trainer assembles exactly the batches an uninterrupted one would have. With
   several partitions, the guarantee is the same set of groups, each once, in arrival order.
-- Experience operators (rft/experience/operators.py, `trainer.operators`) run on each group the feed would take: a group they
-  drop is skipped with reason `dropped/<reason>`; a group they change (reward shaping) is taken changed, and its
-  message re-encoded so that every rank trains on the same. Their state is part of `FeedState`.
+- Experience operators (`trainer.operators`, rft/experience/operators.py) run on each group the feed would take:
+  one they drop is skipped as `dropped/<reason>`; one they change is taken changed (its message re-encoded, so every
+  rank trains on the same). Their state is part of `FeedState`.
 Not thread-safe; one feed per trainer (global rank 0 reads, then broadcasts).
 """
 from __future__ import annotations
