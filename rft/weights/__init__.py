@@ -5,9 +5,9 @@ in an S3 bucket, `sync.weight_store: s3://BUCKET/PREFIX`, for fleets that share 
 `cache` (a host's cache of a bucket's versions: one download per host), `delta` (sparse deltas between versions,
 `sync.delta`), `stores` (`open_store`: the store the config names, behind the one `VersionStore` interface), `push`
 (the push path's process group and wire protocol), `publisher` (trainer side: `WeightPublisher` delivers each
-version), `subscriber` (explorer side: `WeightUpdates` knows the newest version, `PushMembership` takes part in the
-push group, `load_newest_weights` reloads an engine). Announcements travel on the control topic
-(rft.transport.control).
+version, in the order rft.trainer.weights.WeightSync owns), `subscriber` (explorer side: `WeightUpdates` knows the
+newest version, `PushMembership` takes part in the push group, `load_newest_weights` reloads an engine).
+Announcements travel on the control topic (rft.transport.control).
 
 The publisher lives in the trainer's publishing rank (global rank 0). After each optimizer step s the trainer
 streams version s in HF layout (megatron_bridge buckets) to it, and it delivers the version by the configured
@@ -33,7 +33,8 @@ topic (`Weights`: version, path (a bucket store: its URL), and the trainer's con
      last word on staleness (it drops and counts what exceeds the bound).
   With `sync.write_behind` (the default) the trainer copies version s to host memory and goes on training while a
   background thread stores and announces it (one version in flight; the publisher's docstring has the rules); it
-  waits for that write before it commits a checkpoint and before it announces that it finished.
+  waits for that write before it commits a checkpoint and before it announces that it finished (the trainer's side
+  of the order: rft.trainer.weights.WeightSync).
 
 Push (fixed fleets: `explorer.replicas` engines of `explorer.tensor_parallel_size` workers). The publisher hosts
 a process group (`push`; gloo on CPU, NCCL on GPU) and announces it (`PushGroup`) every few seconds until every
