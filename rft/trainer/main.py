@@ -125,10 +125,9 @@ class TrainerIO:
     demonstrations: ExperienceFeed | None = None
     demonstrations_sink: RecordSink | None = None
 
-    def open_demonstrations(self, state: FeedState) -> ExperienceFeed:
+    def open_demonstrations(self, state: FeedState) -> None:
         assert self.demonstrations_opener is not None, "the algorithm needs no demonstrations"
         self.demonstrations, self.demonstrations_sink = self.demonstrations_opener(state)
-        return self.demonstrations
 
     def close(self) -> None:
         if self.prometheus is not None:
@@ -289,12 +288,13 @@ class Trainer:
         # rank 0: (fresh groups kept, dropped) of recent steps (_keep_fraction)
         self._kept: collections.deque[tuple[int, int]] = collections.deque(maxlen=KEEP_WINDOW)
         self.io: TrainerIO | None = None
+        self.replay: ExperienceReplay | None = None  # rank 0's replay buffer (replay_buffer.groups_per_step > 0)
         if self.is_reader:
             self._open_io(open_io(state.feed if state else FeedState(), state.replay_buffer if state else {}),
                           FeedState.from_json(state.demonstrations if state else {}))
         self.weights = WeightSync(self.policy, sync, self.run_dir, publisher=self.io.publisher if self.io else None,
-                                  offsets=lambda: dict(self.feed.state.offsets), lora=bool(model.lora.rank),
-                                  publishes=mode(run.mode).publishes_weights)
+                                  offsets=(lambda: dict(self.feed.state.offsets)) if self.io else None,
+                                  lora=bool(model.lora.rank), publishes=mode(run.mode).publishes_weights)
 
     def _resume(self) -> TrainerState | None:
         """Load the newest complete checkpoint (policy, critic, RNG); its trainer state, None without one."""
