@@ -74,7 +74,7 @@ def test_the_trainer_dead_letters_a_poisoned_group_and_trains_on(tmp_path):
     assert len(trained) == 3  # every step trained, on good groups only
     assert by_step[1]["skipped"] == {"untrainable": 1}
     [reason] = reasons(transport, cfg)
-    assert reason.startswith("cannot be trained: samples[0]: reward 1e+308 is outside explorer.reward_min")
+    assert reason.startswith("cannot be trained: samples[0]: reward 1e+308 is outside run.reward_min")
 
 
 @pytest.mark.parametrize("spoil,says", [
