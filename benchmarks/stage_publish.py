@@ -1,4 +1,4 @@
-"""Time weight publishing on the pull path through the trainer's own code (`TrainerWeights.publish`,
+"""Time weight publishing on the pull path through the trainer's own code (`WeightSync.publish`,
 rft/trainer/weights.py), at PP=2.
 
 Usage (CPU, gloo; 2 processes):
@@ -70,7 +70,7 @@ def main() -> None:
             dist_io.barrier()
             total.append(time.perf_counter() - started)
         if dist_io.rank() == 0:
-            stored = sum(f.stat().st_size for f in trainer.io.weights.store.path(args.versions - 1).glob("*"))
+            stored = sum(f.stat().st_size for f in trainer.weights.store().path(args.versions - 1).glob("*"))
             print(json.dumps({"pp": args.pp, "lora_rank": args.lora_rank, "write_behind": args.write_behind,
                               "versions": args.versions,
                               "stored_mb": round(stored / 1e6, 1),

@@ -1,30 +1,22 @@
 """Cores that follow the work: on a machine without GPUs, the parts of a run that compute take the cores of those
 that wait.
 
-`rft run` splits this machine's cores evenly over its compute processes (OMP_NUM_THREADS each, rft/cli/launcher.py
-`cpu_threads_per_part`), which is right while every part computes. But the parts take turns: an explorer that has
-generated what admission allows waits for the next version while the trainer runs its step on one thread, and a
-trainer starved of informative groups waits while the explorer generates on one (the flagship, 2026-11-26: the
-explorer generated during 107 s of the 250 s of an 8-step run; a trainer step of 32 rows is 24 s on one thread and
-14 s on two, alone). So the launcher writes a *board*, one byte per part (the trainer, each explorer), 1 while it
-computes and 0 while it waits, and every process of those parts gets the board's description in `RFT_CORES` (JSON,
-`CoreShare.ENV`). A part marks itself busy or waiting (`CoreShare.working`, `CoreShare.set_busy`: an explorer while
-its engine generates or reloads, the trainer's rank 0 while it is starved of experiences), and before each unit of
-work (a trainer micro-batch, an explorer batch or engine step) a process asks how many threads it may use now
-(`CoreShare.threads`): its own share plus an equal part of the waiting parts' threads, and `CoreShare.fit_torch`
-applies it to torch's OpenMP pool in the calling thread (the one that computes: OpenMP's thread count is per
-thread; vLLM's CPU engine computes in the explorer's thread when it runs in-process, the CPU default).
-
-A part that starts computing again while another computes on its threads waits for that unit to end: the borrower's
-byte says how many threads it borrowed (0 waiting, 1 + borrowed while computing), and a part that resumes waits, in
-its first `fit_torch`, until no other part holds more threads than the board now gives it, at most YIELD_S. Without
-that wait the two overlapped for the rest of the borrower's unit with one thread more than there are cores, and
-OpenMP's threads, each waiting for the slowest at every barrier, made the unit slower than on its own thread: on the
-flagship in async mode, steps in which the trainer borrowed and the explorer came back trained 115-143 tokens/s
-against 166-170 on one thread (2026-11-27, docs/benchmarks.md). A unit is one trainer micro-batch or one engine step.
-A part that never marks itself stays busy (the board starts all ones), so nothing is borrowed by mistake; a part
-that dies waiting leaves its byte 0, and its cores are free indeed; one that dies borrowing costs the others at most
-YIELD_S each time they resume. Standard library only (the launcher imports it).
+`rft run` splits this machine's cores evenly over its compute processes (OMP_NUM_THREADS each, rft/cli/planning.py
+`cpu_threads_per_part`), which is right while every part computes; but the parts take turns (an explorer waits for
+the next version while the trainer steps, a starved trainer waits while the explorer generates). So the launcher
+writes a *board*, one byte per part (the trainer, each explorer), and every process of those parts gets its
+description in `RFT_CORES` (JSON, `CoreShare.ENV`). Contract:
+- a part marks itself computing or waiting (`CoreShare.set_busy`, `working`), from one of its processes;
+- before each unit of work (a trainer micro-batch, an explorer batch or engine step) a process asks for its threads
+  (`CoreShare.threads`: its own share plus an equal part of the waiting parts' threads), and `fit_torch` applies
+  them to torch's OpenMP pool in the calling thread (OpenMP's thread count is per thread);
+- a part that resumes while another computes on its threads waits, in its first `fit_torch`, until no part holds
+  more threads than the board now gives it (the borrower's byte: 0 waiting, 1 + borrowed while computing), at most
+  YIELD_S: overlapping them would oversubscribe the cores and slow both;
+- a part that never marks itself stays busy (the board starts all ones); one that dies waiting leaves its cores free,
+  one that dies borrowing costs the others at most YIELD_S each time they resume.
+Applied once, where each role is composed, and only where a board exists (never with GPUs): the trainer's side is
+rft/trainer/pacing.py. Standard library only (the launcher imports it).
 """
 from __future__ import annotations
 
@@ -136,7 +128,7 @@ class CoreShare:
 
     def mean_threads(self) -> float | None:
         """The mean of the thread counts `fit_torch` applied since the last call (None when it was not called): the
-        trainer logs it per step as `cpu_threads`."""
+        trainer logs it per step as `cpu_threads` (rft/trainer/pacing.py)."""
         (total, count), self._fitted = self._fitted, (0, 0)
         return total / count if count else None
 
@@ -174,8 +166,8 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs t
 
 def native_bf16_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
     """The NATIVE_BF16_FLAGS this CPU reports (Linux's `cpuinfo`; [] where it cannot be read). On such a CPU a
-    bfloat16 matrix product runs about twice as fast as a float32 one (2-core AMD EPYC with avx512_bf16: 208 against
-    95 GFLOP/s on one core, docs/benchmarks.md "bfloat16 on the CPU"); without them vLLM's bfloat16 is far slower."""
+    bfloat16 matrix product is faster than a float32 one (docs/benchmarks.md "bfloat16 on the CPU"); without them
+    vLLM's bfloat16 is far slower."""
     try:
         text = cpuinfo.read_text()
     except OSError:

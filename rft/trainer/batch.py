@@ -1,37 +1,14 @@
 """Experience groups -> micro-batches, per the batch contract (docs/architecture.md, "The batch contract").
 
-Every data-parallel rank builds the same global list of rows from the same groups and takes its own slice, so
-the normalisers (`global_tokens`, `global_sequences`) are known everywhere without communication, and losses are
-sums over rows divided by them, so any partition of the rows into micro-batches gives the same loss and gradients.
-By default all micro-batches of a step have the same shape [micro_batch_size, T] (padding rows carry loss_mask 0)
-because the pipeline schedule sends fixed-shape activations between stages. With a token budget
-(`trainer.max_tokens_per_micro_batch`, pipeline_parallel 1) rows are grouped by length and each micro-batch is
-padded only to its own longest row (`plan_micro_batches`). Every micro-batch carries `row_lens` [b] (input
-positions of each row, 0 for padding rows), which sequence packing (megatron_bridge.packing) reads, and `prompt_lens`
-[b] (each row's prompt tokens, at most its row_len; 0 for padding rows), which shared prompts
-(megatron_bridge.shared_prompts) read.
-
-Preference pairs (algorithms that declare `Needs(pairwise=True)`): one ExperienceGroup is one pair, exactly 2 samples
-with different rewards; the higher reward is the chosen response (`preference_pair_problem` says why a group is
-not a pair). Rows then carry the pair's number in the step, and a pair is the unit that is dealt to data-parallel
-ranks and packed into micro-batches, so both rows of a pair are always in the same micro-batch; micro-batches get
-`pair_chosen` / `pair_index` (padding rows: pair_index -1).
-
-Routing replay (`run.routing_replay`, `rows_from_groups(routing=True)`): a micro-batch with any row whose sample
-recorded its MoE routing carries `routed_experts` [b, T, layers, top_k] int32 (the expert ids of each input
-position, -1 where not recorded: other rows, padding, prompt positions before the record's first one) and
-`routed_layers` [layers] (the MoE layers' decoder indices); megatron_bridge.routing_replay replays them.
-
-Demonstration rows (`Row.demo`, marked by the trainer for algorithms with `needs.demonstrations`): every micro-batch
-carries `demo_mask` [b] (1.0 on demonstration rows) and the step's `global_demo_tokens` / `global_demo_sequences`
-(0 without demonstrations), so the loss can normalise demonstrations and policy rows separately.
-
-Staleness per token (`plan_micro_batches(trained_version=v)`, v = step - 1, the version the step starts from): each
-row keeps its response tokens' versions (`Row.versions`: the sample's `token_versions`, else its group's
-`policy_version`), and every micro-batch carries `staleness_bucket` [b, T] int64 (rft.algorithms.mismatch's bucket of
-v - version at each loss token of a policy row; -1 elsewhere: prompt, padding, demonstrations, negative staleness) and
-the step's `staleness_tokens` [STALENESS_BUCKETS] float64 (loss tokens per bucket over the whole step), which the
-training-inference mismatch is split by.
+Every data-parallel rank builds the same global list of rows from the same groups and takes its own slice, so the
+normalisers (`global_tokens`, `global_sequences`) are known everywhere without communication; losses are sums over
+rows divided by them, so any partition of the rows into micro-batches gives the same loss and gradients. By default
+every micro-batch of a step is [micro_batch_size, T] (padding rows carry loss_mask 0: the pipeline schedule sends
+fixed-shape activations between stages); with a token budget (`trainer.max_tokens_per_micro_batch`, pipeline_parallel
+1) rows are grouped by length and each micro-batch is padded only to its own longest row (`plan_micro_batches`).
+Preference pairs (`Needs(pairwise=True)`): a group is one pair (exactly 2 samples, different rewards; the higher
+reward is chosen: `preference_pair_problem`), and a pair is the unit dealt to ranks and micro-batches, so both rows
+of a pair are always in the same micro-batch. Every key a micro-batch carries is listed at `_pack`.
 """
 from __future__ import annotations
 
@@ -116,7 +93,7 @@ def rows_from_groups(groups: list[ExperienceGroup], advantages: list[np.ndarray]
     naming the group when it is not one) and its rows are marked chosen / rejected. With `routing` (routing replay),
     rows keep their samples' recorded `routed_experts` (ValueError naming the group when two records of the step
     disagree on the MoE layers)."""
-    rows = []
+    rows: list[Row] = []
     for index, (group, group_adv) in enumerate(zip(groups, advantages, strict=True)):
         group_rows = [_row(sample, float(adv), max_len, routing, group.policy_version)
                       for sample, adv in zip(group.samples, group_adv, strict=True)]
@@ -155,7 +132,7 @@ def replayed_fraction(rows: list[Row]) -> float:
         total += float(row.loss_mask.sum())
         if row.routed is not None:
             start = row.prompt_len - 1  # input position of the first response token's forward pass
-            recorded = (row.routed[start:start + len(row.loss_mask)] >= 0).all(axis=(1, 2))
+            recorded = np.asarray((row.routed[start:start + len(row.loss_mask)] >= 0).all(axis=(1, 2)))
             replayed += float((row.loss_mask[:len(recorded)] * recorded).sum())
     return replayed / total if total else 0.0
 
@@ -219,8 +196,10 @@ class MicroBatchPlan:
 
     def staleness_tokens(self) -> np.ndarray:
         """[STALENESS_BUCKETS] float64: the loss tokens of policy rows in each staleness bucket, over the whole
-        step (every rank's rows)."""
+        step (every rank's rows); zeros without a `trained_version`."""
         counts = np.zeros(STALENESS_BUCKETS, dtype=np.float64)
+        if self.trained_version is None:
+            return counts
         for rank in self.ranks:
             for rows, _, _ in rank:
                 for row in rows:
@@ -292,8 +271,8 @@ def _budget_plan(units: list[list[Row]], dp_size: int, budget: int):
         rank = min((d for d in range(dp_size) if len(plan[d]) < per_rank), key=lambda d: slots[d])
         plan[rank].append(micro)
         slots[rank] += micro[1] * micro[2]
-    for rank in plan:
-        rank += [([], 1, 1)] * (per_rank - len(rank))
+    for micros in plan:
+        micros += [([], 1, 1)] * (per_rank - len(micros))
     return plan
 
 
@@ -327,6 +306,22 @@ def _row_buckets(row: Row, trained_version: int) -> np.ndarray:
 
 def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_tokens: float,
           global_sequences: float, *, pairwise: bool, trained_version: int | None = None) -> dict[str, torch.Tensor]:
+    """One micro-batch of `rows` as tensors [batch_size, seq_len] (padding rows past the rows): the tokens, targets,
+    positions, `loss_mask`, `old_logprobs`, `advantages`, the step's normalisers, and
+    - `row_lens` [b] (input positions of each row, 0 for padding rows), read by sequence packing
+      (megatron_bridge.packing), and `prompt_lens` [b] (each row's prompt tokens), read by shared prompts;
+    - `demo_mask` [b] (1.0 on demonstration rows, `Row.demo`); the trainer adds the step's `global_demo_tokens` /
+      `global_demo_sequences` (0 without demonstrations), so a loss normalises demonstrations and policy rows apart;
+    - with `pairwise`: `pair_index` (the pair's number in the step, -1 on padding rows) and `pair_chosen`;
+    - routing replay (`rows_from_groups(routing=True)`), when any row recorded its MoE routing: `routed_experts`
+      [b, T, layers, top_k] int32 (-1 where not recorded: other rows, padding, prompt positions before the record's
+      first one) and `routed_layers` [layers] (the MoE layers' decoder indices), replayed by
+      megatron_bridge.routing_replay;
+    - staleness per token (`trained_version` v = step - 1, the version the step starts from): `staleness_bucket`
+      [b, T] int64 (rft.algorithms.mismatch's bucket of v - the version of each loss token of a policy row, from
+      `Row.versions`: the sample's `token_versions`, else its group's `policy_version`; -1 elsewhere); the trainer
+      adds the step's `staleness_tokens` [STALENESS_BUCKETS] float64 (`MicroBatchPlan.staleness_tokens`), by which
+      the training-inference mismatch is split."""
     input_ids = np.full((batch_size, seq_len), pad_id, dtype=np.int64)
     target_ids = np.full((batch_size, seq_len), pad_id, dtype=np.int64)
     loss_mask = np.zeros((batch_size, seq_len), dtype=np.float32)
@@ -352,14 +347,14 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
         pair_index[i], pair_chosen[i], demo_mask[i] = row.pair_index, row.chosen, row.demo
     pairs = {"pair_index": torch.from_numpy(pair_index), "pair_chosen": torch.from_numpy(pair_chosen)}
     routing = {}
-    routed = [row for row in rows if row.routed is not None]
-    if routed:
-        ids = np.full((batch_size, seq_len, *routed[0].routed.shape[1:]), -1, dtype=np.int32)
+    first = next((row for row in rows if row.routed is not None), None)
+    if first is not None and first.routed is not None:
+        ids = np.full((batch_size, seq_len, *first.routed.shape[1:]), -1, dtype=np.int32)
         for i, row in enumerate(rows):
             if row.routed is not None:
                 ids[i, :len(row.routed)] = row.routed
         routing = {"routed_experts": torch.from_numpy(ids),
-                   "routed_layers": torch.tensor(routed[0].routed_layers, dtype=torch.int64)}
+                   "routed_layers": torch.tensor(first.routed_layers, dtype=torch.int64)}
     return {
         "input_ids": torch.from_numpy(input_ids), "target_ids": torch.from_numpy(target_ids),
         "position_ids": torch.arange(seq_len, dtype=torch.int64).expand(batch_size, seq_len).contiguous(),

@@ -39,7 +39,8 @@ def broadcast_bytes(items: list[bytes] | None) -> list[bytes]:
     if world_size() == 1:
         return list(items or [])
     group = _control_group()
-    sizes = torch.tensor([len(x) for x in items] if rank() == 0 else [], dtype=torch.int64)
+    mine = list(items or []) if rank() == 0 else []
+    sizes = torch.tensor([len(x) for x in mine], dtype=torch.int64)
     count = torch.tensor([len(sizes)], dtype=torch.int64)
     dist.broadcast(count, src=0, group=group)
     if rank() != 0:
@@ -47,7 +48,8 @@ def broadcast_bytes(items: list[bytes] | None) -> list[bytes]:
     dist.broadcast(sizes, src=0, group=group)
     total = int(sizes.sum().item())
     if rank() == 0:
-        payload = torch.from_numpy(np.frombuffer(b"".join(items), dtype=np.uint8).copy()) if total else torch.empty(0, dtype=torch.uint8)
+        payload = (torch.from_numpy(np.frombuffer(b"".join(mine), dtype=np.uint8).copy()) if total
+                   else torch.empty(0, dtype=torch.uint8))
     else:
         payload = torch.empty(total, dtype=torch.uint8)
     if total:

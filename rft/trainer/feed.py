@@ -15,9 +15,9 @@ Contract:
 - With a single-partition experiences topic (the default, `kafka.experience_partitions: 1`) the order of groups
   is the log order, so a restarted trainer assembles exactly the batches an uninterrupted one would have. With
   several partitions, the guarantee is the same set of groups, each once, in arrival order.
-- Experience operators (rft/experience/operators.py, `trainer.operators`) run on each group the feed would take: a group they
-  drop is skipped with reason `dropped/<reason>`; a group they change (reward shaping) is taken changed, and its
-  message re-encoded so that every rank trains on the same. Their state is part of `FeedState`.
+- Experience operators (`trainer.operators`, rft/experience/operators.py) run on each group the feed would take:
+  one they drop is skipped as `dropped/<reason>`; one they change is taken changed (its message re-encoded, so every
+  rank trains on the same). Their state is part of `FeedState`.
 Not thread-safe; one feed per trainer (global rank 0 reads, then broadcasts).
 """
 from __future__ import annotations
@@ -119,12 +119,15 @@ class ExperienceFeed:
     def __init__(self, source: RecordSource, *, topic: str, run_id: str | None, dead_letter: DeadLetter,
                  state: FeedState | None = None, window: ReplayWindow | None = None,
                  reconnect: Callable[[], RecordSource] | None = None, operators: OperatorChain | None = None,
-                 check: Callable[[ExperienceGroup], str | None] | None = None):
+                 check: Callable[[ExperienceGroup], str | None] | None = None,
+                 busy: Callable[[bool], None] | None = None):
         """`run_id=None` accepts records of any run (replaying another run's topic). `reconnect` makes a new
         source when the current one fails (TransportError); the feed re-seeks it to its own state. `check(group)`:
         None when a decoded group can be trained on, else the reason; such a group is dead-lettered with
-        `cannot be trained: <reason>` and skipped as `untrainable` (consumed like any record)."""
-        self.reconnect, self.check = reconnect, check
+        `cannot be trained: <reason>` and skipped as `untrainable` (consumed like any record). `busy(flag)`: told
+        False while `next_batch` waits for records and True once it has its batch (or the replay ended): the
+        trainer's mark on a core board (rft/cores.py `CoreShare.set_busy`)."""
+        self.reconnect, self.check, self.busy = reconnect, check, busy
         self.operators = operators
         self.source, self.topic, self.run_id, self.dead_letter = source, topic, run_id, dead_letter
         self.window = window
@@ -150,12 +153,14 @@ class ExperienceFeed:
         while len(batch.groups) < n_groups:
             if not self._buffer:
                 if self._window_done():
+                    self._mark_busy(True)
                     raise EndOfReplay(batch)
                 self._buffer.extend(self._poll())
                 if not self._buffer:
                     if time.monotonic() - last_record > timeout_s:
                         raise FeedTimeout(f"no experience arrived on {self.topic!r} for {timeout_s:.0f} s "
                                           f"({len(batch.groups)}/{n_groups} groups of this batch)")
+                    self._mark_busy(False)
                     if on_wait:
                         on_wait(len(batch.groups))
                     continue
@@ -164,7 +169,12 @@ class ExperienceFeed:
             reason = self._consume(message, batch, admit)
             if reason:
                 batch.skipped[reason] += 1
+        self._mark_busy(True)
         return batch
+
+    def _mark_busy(self, busy: bool) -> None:
+        if self.busy is not None:
+            self.busy(busy)
 
     def _poll(self) -> list[Message]:
         try:
@@ -173,16 +183,16 @@ class ExperienceFeed:
             if self.reconnect is None:
                 raise
             log.warning("experience feed: %s; reconnecting at %s", e, self.state.offsets)
-            self._reopen()
+            self._reopen(self.reconnect)
             return []
         if self.window is not None:  # records at or past a partition's stop are never consumed
             messages = [m for m in messages if m.offset < self.window.stop.get(m.position, 0)]
         return messages
 
-    def _reopen(self) -> None:
+    def _reopen(self, reconnect: Callable[[], RecordSource]) -> None:
         """A fresh source positioned at what has been consumed (records polled but not consumed are
         dropped from the buffer and read again)."""
-        old, self.source = self.source, self.reconnect()
+        old, self.source = self.source, reconnect()
         self._buffer.clear()
         self.source.assign([self.topic])
         self.source.seek(self.state.offsets)
@@ -242,9 +252,9 @@ def open_feed(transport: Transport, *, topic: str, dead_letter_topic: str,
               run_id: str | None, state: FeedState | None = None, window: ReplayWindow | None = None,
               client_id: str = "rft-trainer", operators: OperatorChain | None = None,
               check: Callable[[ExperienceGroup], str | None] | None = None,
-              ) -> tuple[ExperienceFeed, RecordSink, RecordSource]:
-    """Build a feed with its own source and dead-letter sink from `transport`; the caller closes both. `check`: as
-    ExperienceFeed's."""
+              busy: Callable[[bool], None] | None = None) -> tuple[ExperienceFeed, RecordSink, RecordSource]:
+    """Build a feed with its own source and dead-letter sink from `transport`; the caller closes both. `check`,
+    `busy`: as ExperienceFeed's."""
 
     def new_source() -> RecordSource:
         return transport.source(client_id=client_id)
@@ -252,7 +262,8 @@ def open_feed(transport: Transport, *, topic: str, dead_letter_topic: str,
     source = new_source()
     sink = transport.sink(client_id=f"{client_id}-dlq")
     feed = ExperienceFeed(source, topic=topic, run_id=run_id, dead_letter=DeadLetter(sink, dead_letter_topic),
-                          state=state, window=window, reconnect=new_source, operators=operators, check=check)
+                          state=state, window=window, reconnect=new_source, operators=operators, check=check,
+                          busy=busy)
     return feed, sink, source
 
 

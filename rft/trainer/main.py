@@ -1,32 +1,19 @@
-"""`rft trainer CONFIG`: the Megatron trainer, one process per rank (torchrun or srun).
+"""`rft trainer CONFIG`: the Megatron trainer, one process per rank (torchrun or srun). This module is the trainer
+process's composition (the one reader of the root config: `build_trainer`, `open_trainer_io`) and its loop.
 
-The loop, per step s (policy version s-1 -> s):
-  1. global rank 0 takes `run.groups_per_step` whole groups from the experiences topic (skipping dead letters,
-     duplicates and samples too stale for the mode), and broadcasts their raw bytes to every rank;
-  2. every rank computes advantages and its data-parallel share of micro-batches; the policy runs forward/backward
-     through the pipeline schedule and one optimizer step;
-  3. the new weights (version s) are published for the explorers (weight store + control-topic announcement);
-  4. every `trainer.checkpoint_every` steps: model/optimizer checkpoint + the Kafka offsets consumed (exactly-once
-     resume), then metrics.
-With `replay_buffer.groups_per_step` > 0, rank 0 also re-reads a few earlier groups in 1., chosen by priority (see
-rft/trainer/replay_buffer.py); the buffer's state is checkpointed with the offsets.
+`Trainer.run`, per step s (policy version s-1 -> s):
+  1. global rank 0 takes `run.groups_per_step` whole groups from the experiences topic (rft/trainer/feed.py: dead
+     letters, duplicates and groups too stale for the mode are skipped), plus replayed ones (`replay_buffer`) and
+     demonstrations when the algorithm needs them, and broadcasts their raw bytes to every rank;
+  2. every rank computes advantages and its data-parallel share of micro-batches (rft/trainer/batch.py); the policy
+     (and a critic, when needed) runs one optimizer step;
+  3. version s goes out to the explorers (rft/trainer/weights.py `WeightSync`: its docstring is the order);
+  4. every `trainer.checkpoint_every` steps: model, optimizer, the offsets consumed and the replay buffer
+     (exactly-once resume), then metrics.
 The trainer knows no algorithm by name: it provides what the algorithm declares in `algorithm.needs`
-(rft.algorithms.Needs), and only that:
-- `reference` / `teacher`: the policy loads the frozen model and every micro-batch carries its `ref_logprobs` /
-  `teacher_logprobs` on the recorded tokens;
-- `demonstrations`: in 1., up to `groups_per_step` demonstration groups from a second feed on its topic, bounded by
-  the topic's end when the trainer starts (then steps go on without); they become rows marked `demo`
-  (rft/trainer/batch.py), and that feed's offsets are checkpointed too;
-- `step`: every micro-batch carries the `step`;
-- `pairwise`: groups that are not preference pairs are skipped (and counted), and pairs stay whole in micro-batches;
-- `critic`: a value model (megatron_bridge.critic, same TP/PP layout): in 2. the critic scores the recorded tokens,
-  the algorithm turns its values into targets (`add_targets`), the policy steps, then the critic takes its own
-  optimizer step on `value_loss_fn`; its checkpoint (`<step dir>/critic`) is written before the step's commit and
-  loaded on resume with the policy's.
-The algorithm's `step_metrics(step)` are logged with each step.
-Step 3 is the trainer's part in rft/trainer/weights.py (`TrainerWeights`: how each version goes out, on every rank).
-Resume: the newest complete checkpoint is loaded and the feed seeks to its offsets; `consumed.jsonl` (the record
-of which group trained in which step) is cut back to that step so that it always describes the effective run.
+(rft.algorithms.Needs: reference or teacher log-probs, demonstrations, the step, preference pairs, a critic), and
+only that. Resume: the newest complete checkpoint is loaded and the feed seeks to its offsets; `consumed.jsonl` (which
+group trained in which step) is cut back to that step, so that it always describes the effective run.
 """
 from __future__ import annotations
 
@@ -41,11 +28,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from rft.algorithms import Needs, build_algorithm
+from rft.algorithms import Critic, Demonstrations, Needs, build_algorithm
 from rft.algorithms.aggregation import with_kl_metric
 from rft.algorithms.config import AlgorithmConfig
 from rft.algorithms.mismatch import with_mismatch_metrics
@@ -58,7 +46,7 @@ from rft.modes import mode, staleness
 from rft.observability.metrics import MetricsLogger
 from rft.observability.prometheus import MetricsEndpoint, metrics_endpoint
 from rft.run.config import Config, RunConfig
-from rft.schema import RewardRange, decode_group
+from rft.schema import ExperienceGroup, RewardRange, decode_group
 from rft.trainer import distributed as dist_io
 from rft.trainer.batch import (
     TrainableLimits,
@@ -70,9 +58,10 @@ from rft.trainer.batch import (
 from rft.trainer.checkpoint import CheckpointDir, TrainerState, capture_rng, restore_rng
 from rft.trainer.config import TrainerConfig
 from rft.trainer.feed import EndOfReplay, ExperienceFeed, FeedState, ReplayWindow, open_feed, resolve_window
-from rft.trainer.replay_buffer import ExperienceReplay, open_replay
+from rft.trainer.pacing import CorePacedPolicy
+from rft.trainer.replay_buffer import ExperienceReplay, Replayed, open_replay
 from rft.trainer.staleness import StalenessTracker
-from rft.trainer.weights import TrainerWeights
+from rft.trainer.weights import WeightSync
 from rft.transport import RecordSink, Transport, TransportError, connect, lag
 from rft.transport.control import KEEP_METRIC, Kind, TrainerFinished, TrainerStarted, TrainerStep, TrainerWaiting
 from rft.weights.config import SyncConfig
@@ -106,18 +95,21 @@ def main(argv: list[str]) -> int:
 
 
 def build_trainer(cfg: Config, *, resume: bool = True) -> Trainer:
-    """Compose a Trainer from the root config: its sections, and rank 0's Kafka side (`open_trainer_io`)."""
+    """Compose a Trainer from the root config: its sections, the behaviour policy's temperature, the run's core board
+    (CPU runs of `rft run` only: rft/trainer/pacing.py) and rank 0's Kafka side (`open_trainer_io`)."""
+    cores = CoreShare.from_environment()  # None: no core board (GPUs, OMP_NUM_THREADS chosen, no `rft run`)
     return Trainer(cfg.trainer, run=cfg.run, model=cfg.model, algorithm=cfg.algorithm, sync=cfg.sync,
                    run_dir=cfg.run_dir, temperature=cfg.explorer.temperature or 1.0,  # 0 = greedy: untempered
-                   progress=cfg.monitor.progress, resume=resume,
+                   progress=cfg.monitor.progress, resume=resume, cores=cores,
                    open_io=lambda feed_state, replay_state: open_trainer_io(cfg, feed_state=feed_state,
-                                                                           replay_state=replay_state))
+                                                                           replay_state=replay_state, cores=cores))
 
 
 @dataclass
 class TrainerIO:
     """Rank 0's side of the run: the experience feed (and its dead-letter sink), the replay buffer, the control
-    sink, the weight publisher, the metrics. Built by `open_trainer_io`; closed by the trainer."""
+    sink, the metrics, and the weight publisher (it announces on `control`; the trainer's `WeightSync` delivers
+    through it, flushes and closes it). Built by `open_trainer_io`; closed by the trainer, after its WeightSync."""
     feed: ExperienceFeed
     dead_letter_sink: RecordSink
     control: RecordSink
@@ -125,27 +117,22 @@ class TrainerIO:
     experiences_topic: str
     metrics: MetricsLogger
     prometheus: MetricsEndpoint | None
+    announce: Callable[[Kind], None]  # sends one control message and waits until the broker has it
+    publisher: WeightPublisher
     replay: ExperienceReplay | None = None
-    weights: WeightPublisher | None = None
     # opens the demonstrations feed at a checkpointed state (None when the algorithm needs none)
     demonstrations_opener: Callable[[FeedState], tuple[ExperienceFeed, RecordSink]] | None = None
     demonstrations: ExperienceFeed | None = None
     demonstrations_sink: RecordSink | None = None
 
     def open_demonstrations(self, state: FeedState) -> None:
+        assert self.demonstrations_opener is not None, "the algorithm needs no demonstrations"
         self.demonstrations, self.demonstrations_sink = self.demonstrations_opener(state)
-
-    def announce(self, message: Kind) -> None:
-        """Send one control message and wait until the broker has it."""
-        self.control.send_record(self.control_topic, message.to_message())
-        self.control.flush()
 
     def close(self) -> None:
         if self.prometheus is not None:
             self.prometheus.close()
         self.metrics.close()
-        if self.weights is not None:
-            self.weights.close()
         self.control.close()
         self.dead_letter_sink.close()
         self.feed.source.close()
@@ -153,13 +140,15 @@ class TrainerIO:
             self.replay.reader.close()
         if self.demonstrations is not None:
             self.demonstrations.source.close()
+        if self.demonstrations_sink is not None:
             self.demonstrations_sink.close()
 
 
-def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict,
-                    transport: Transport | None = None) -> TrainerIO:
+def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict, transport: Transport | None = None,
+                    cores: CoreShare | None = None) -> TrainerIO:
     """Open rank 0's side of the run from the root config, resuming the feed at `feed_state` and the replay buffer
-    from `replay_state`; `transport` defaults to the run's Kafka (`connect(cfg.kafka)`)."""
+    from `replay_state`; `transport` defaults to the run's Kafka (`connect(cfg.kafka)`); `cores`: the run's core
+    board, on which the feed marks the trainer waiting while it is starved (rft/cores.py)."""
     transport = transport or connect(cfg.kafka)
     offline = cfg.run.mode == "offline"
     topic = (cfg.replay.topic or cfg.topic("experiences")) if offline else cfg.topic("experiences")
@@ -168,24 +157,30 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict,
         run_id=None if offline else cfg.run.name, state=feed_state, client_id=f"{cfg.run.name}-trainer",
         window=_replay_window(cfg, transport, topic) if offline else None, operators=build_operator_chain(
             cfg.trainer.operators, OperatorContext(cfg.model.tokenizer or cfg.model.path)),
-        check=trainable_limits(cfg).problem)
+        check=trainable_limits(cfg).problem, busy=cores.set_busy if cores is not None else None)
     replay = None
     if cfg.replay_buffer.groups_per_step:
         replay = open_replay(cfg.replay_buffer, run_seed=cfg.run.seed, state=replay_state,
                              topic_source=lambda: transport.source(client_id=f"{cfg.run.name}-trainer-replay"))
-    io = TrainerIO(feed=feed, dead_letter_sink=dlq_sink, replay=replay,
-                   control=transport.sink(client_id=f"{cfg.run.name}-trainer"),
-                   control_topic=cfg.topic("control"), experiences_topic=topic,
-                   metrics=MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name),
-                   prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="trainer", instance="0"))
+    control = transport.sink(client_id=f"{cfg.run.name}-trainer")
+    control_topic = cfg.topic("control")
+
+    def announce(message: Kind) -> None:
+        control.send_record(control_topic, message.to_message())
+        control.flush()
+
+    publisher = WeightPublisher(cfg.sync, store=open_store(cfg.sync, cfg.run_dir), announce=announce,
+                                hf_dir=cfg.model.path,
+                                push_members=cfg.explorer.replicas * cfg.explorer.tensor_parallel_size,
+                                transport=push_transport(cfg.sync, cfg.explorer, lora=cfg.model.lora.rank > 0))
+    io = TrainerIO(feed=feed, dead_letter_sink=dlq_sink, replay=replay, control=control, control_topic=control_topic,
+                   experiences_topic=topic, metrics=MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name),
+                   prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="trainer", instance="0"),
+                   announce=announce, publisher=publisher)
     demonstrations = build_algorithm(cfg.algorithm).needs.demonstrations
     if demonstrations is not None:
         io.demonstrations_opener = lambda state: _open_demonstrations(cfg, demonstrations.topic_of(cfg), transport,
                                                                       state)
-    io.weights = WeightPublisher(cfg.sync, store=open_store(cfg.sync, cfg.run_dir), announce=io.announce,
-                                 hf_dir=cfg.model.path,
-                                 push_members=cfg.explorer.replicas * cfg.explorer.tensor_parallel_size,
-                                 transport=push_transport(cfg.sync, cfg.explorer, lora=cfg.model.lora.rank > 0))
     return io
 
 
@@ -230,105 +225,117 @@ def _replay_window(cfg: Config, transport: Transport, topic: str) -> ReplayWindo
     return window
 
 
+def build_policy(t: TrainerConfig, *, run: RunConfig, model: ModelConfig, needs: Needs, temperature: float):
+    """The policy (megatron_bridge's MegatronPolicy) at the trainer's layout, with the frozen models `needs` asks for;
+    `temperature`: the behaviour policy's (its log-probs are tempered alike)."""
+    from megatron_bridge.packing import packing_supported  # heavy: torch
+    from megatron_bridge.policy import MegatronPolicy  # heavy: megatron.core, torch.distributed
+
+    if t.pack_sequences and not packing_supported():
+        raise ConfigError("trainer.pack_sequences: needs Transformer Engine on a GPU (megatron's packed 'thd' "
+                          "attention), and transformer_engine is not importable or no GPU is present here; "
+                          "set it to false")
+    return MegatronPolicy(
+        model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, ep=t.expert_parallel, lr=t.lr,
+        weight_decay=t.weight_decay, moe_aux_loss_coeff=t.moe_aux_loss_coeff, moe_z_loss_coeff=t.moe_z_loss_coeff,
+        grad_clip=t.grad_clip, betas=(t.adam_beta1, t.adam_beta2), seed=run.seed, dtype=model.dtype,
+        reference=needs.reference, temperature=temperature, pack_sequences=t.pack_sequences,
+        teacher=needs.teacher, routing_replay=run.routing_replay, lora=model.lora, share_prompts=t.share_prompts)
+
+
+def build_critic(need: Critic, t: TrainerConfig, *, model: ModelConfig, seed: int):
+    """The value model of `needs.critic`: megatron_bridge.critic at the policy's layout, from the need's path or
+    else the policy's `model.path`, with its own learning rate and the trainer's other optimizer settings."""
+    from megatron_bridge.critic import MegatronCritic  # heavy: megatron.core, torch.distributed
+
+    return MegatronCritic(need.path or model.path, lr=need.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                          betas=(t.adam_beta1, t.adam_beta2), dtype=model.dtype, head_seed=seed)
+
+
 class Trainer:
     """The loop of the module docstring, on every rank. It takes the config sections it uses; `open_io(feed_state,
     replay_state)` opens rank 0's Kafka side (a TrainerIO) once the checkpoint to resume from is loaded;
     `temperature` is the explorers' sampling temperature (the behaviour policy's). `policy` is the model
-    (megatron_bridge's MegatronPolicy, built from `model` and `trainer` when not given: the unit tests of the loop
-    pass a stand-in with the same methods)."""
+    (`build_policy` when not given: the unit tests of the loop pass a stand-in with the same methods); `cores`: the
+    run's core board (None without one), which paces the policy (rft/trainer/pacing.py)."""
 
     def __init__(self, trainer: TrainerConfig, *, run: RunConfig, model: ModelConfig, algorithm: AlgorithmConfig,
                  sync: SyncConfig, run_dir: Path, temperature: float, progress: bool,
-                 open_io: Callable[[FeedState, dict], TrainerIO], resume: bool = True, policy=None):
-        from megatron_bridge.packing import packing_supported  # heavy: torch
-        from megatron_bridge.policy import MegatronPolicy  # heavy: megatron.core, torch.distributed
-
-        self.config, self.run_config, self.model, self.sync = trainer, run, model, sync
+                 open_io: Callable[[FeedState, dict], TrainerIO], resume: bool = True, policy: Any = None,
+                 cores: CoreShare | None = None):
+        self.config, self.run_config, self.model = trainer, run, model
         self.run_dir, self.progress = Path(run_dir), progress
-        t = trainer
-        check_parallel_layout(t, dist_io.world_size())
-        if t.pack_sequences and policy is None and not packing_supported():
-            raise ConfigError("trainer.pack_sequences: needs Transformer Engine on a GPU (megatron's packed 'thd' "
-                              "attention), and transformer_engine is not importable or no GPU is present here; "
-                              "set it to false")
+        check_parallel_layout(trainer, dist_io.world_size())
         self.algorithm = build_algorithm(algorithm)
         self.needs: Needs = self.algorithm.needs
         # `kl` and the training-inference mismatch (rft.algorithms.mismatch) are logged whatever the algorithm
         self.loss_fn = with_mismatch_metrics(with_kl_metric(self.algorithm.loss_fn), ratio=trainer.mismatch_ratio)
-        self._demos: list = []  # this step's demonstration groups (needs.demonstrations)
-        self.policy = policy or MegatronPolicy(
-            model.path, tp=t.tensor_parallel, pp=t.pipeline_parallel, ep=t.expert_parallel, lr=t.lr,
-            weight_decay=t.weight_decay, moe_aux_loss_coeff=t.moe_aux_loss_coeff, moe_z_loss_coeff=t.moe_z_loss_coeff,
-            grad_clip=t.grad_clip, betas=(t.adam_beta1, t.adam_beta2), seed=run.seed, dtype=model.dtype,
-            reference=self.needs.reference, temperature=temperature, pack_sequences=t.pack_sequences,
-            teacher=self.needs.teacher, routing_replay=run.routing_replay, lora=model.lora,
-            share_prompts=t.share_prompts)
-        self.critic = self._build_critic(model, run.seed) if self.needs.critic is not None else None
-        self.cores = CoreShare.from_environment()  # None: no core board (GPUs, OMP_NUM_THREADS chosen, no `rft run`)
-        if self.cores is not None:  # take the threads of the explorers that wait, micro-batch by micro-batch
-            self.policy.pace = self.cores.fit_torch
+        policy = policy or build_policy(trainer, run=run, model=model, needs=self.needs, temperature=temperature)
+        self.policy = CorePacedPolicy(policy, cores) if cores is not None else policy
+        critic = self.needs.critic
+        self.critic = build_critic(critic, trainer, model=model, seed=run.seed) if critic is not None else None
         self.staleness = StalenessTracker(mode=run.mode, max_staleness=run.max_staleness)
         self.is_reader = dist_io.rank() == 0
         if self.is_reader:
             print(f"[trainer] {self.policy.describe()}", flush=True)
         self.checkpoints = CheckpointDir(self.run_dir)
-        self.step, feed_state, self.counters, replay_state = 0, FeedState(), {"samples": 0.0}, {}
-        demonstrations_state: dict = {}
-        latest = self.checkpoints.latest() if resume else None
-        if latest is not None:
-            state = self.checkpoints.read_state(latest)
-            self.policy.load_checkpoint(latest / "model")
-            if self.critic is not None:
-                self.critic.load_checkpoint(latest / "critic")
-            restore_rng(state.rng)
-            self.step, feed_state, self.counters = state.step, state.feed, state.counters
-            replay_state, demonstrations_state = state.replay_buffer, state.demonstrations
+        state = self._resume() if resume else None
+        self.step, self.counters = (state.step, state.counters) if state else (0, {"samples": 0.0})
         self._last_checkpoint = self.step
-        self.replay, self._replayed, self._reuse = None, [], []  # rank 0: the replay buffer, this step's replays
-        self._kept = collections.deque(maxlen=KEEP_WINDOW)  # rank 0: (fresh groups kept, dropped) of recent steps
+        self._demos: list[ExperienceGroup] = []  # this step's demonstration groups (needs.demonstrations)
+        self._replayed: list[Replayed] = []  # rank 0: this step's replayed groups
+        self._reuse: list[int] = []  # rank 0: per group of this step, how often it was trained before
+        # rank 0: (fresh groups kept, dropped) of recent steps (_keep_fraction)
+        self._kept: collections.deque[tuple[int, int]] = collections.deque(maxlen=KEEP_WINDOW)
         self.io: TrainerIO | None = None
+        self.replay: ExperienceReplay | None = None  # rank 0's replay buffer (replay_buffer.groups_per_step > 0)
         if self.is_reader:
-            self._open_io(open_io(feed_state, replay_state), FeedState.from_json(demonstrations_state))
-        self.weights = TrainerWeights(self.policy, sync, self.run_dir, io=self.io, lora=bool(model.lora.rank))
+            self._open_io(open_io(state.feed if state else FeedState(), state.replay_buffer if state else {}),
+                          FeedState.from_json(state.demonstrations if state else {}))
+        self.weights = WeightSync(self.policy, sync, self.run_dir, publisher=self.io.publisher if self.io else None,
+                                  offsets=(lambda: dict(self.feed.state.offsets)) if self.io else None,
+                                  lora=bool(model.lora.rank), publishes=mode(run.mode).publishes_weights)
 
-    def _build_critic(self, model: ModelConfig, seed: int):
-        """The value model of `needs.critic`: megatron_bridge.critic at the policy's layout, from the need's path or
-        else the policy's `model.path`, with its own learning rate and the trainer's other optimizer settings."""
-        from megatron_bridge.critic import MegatronCritic  # heavy: megatron.core, torch.distributed
-
-        t, need = self.config, self.needs.critic
-        return MegatronCritic(need.path or model.path, lr=need.lr,
-                              weight_decay=t.weight_decay, grad_clip=t.grad_clip, betas=(t.adam_beta1, t.adam_beta2),
-                              dtype=model.dtype, head_seed=seed)
+    def _resume(self) -> TrainerState | None:
+        """Load the newest complete checkpoint (policy, critic, RNG); its trainer state, None without one."""
+        latest = self.checkpoints.latest()
+        if latest is None:
+            return None
+        state = self.checkpoints.read_state(latest)
+        self.policy.load_checkpoint(latest / "model")
+        if self.critic is not None:
+            self.critic.load_checkpoint(latest / "critic")
+        restore_rng(state.rng)
+        return state
 
     # -- rank 0's Kafka side
     def _open_io(self, io: TrainerIO, demonstrations_state: FeedState) -> None:
         self.io, self.feed, self.replay = io, io.feed, io.replay
-        if self.model.lora.rank and io.weights is not None:
-            io.weights.adapter_config = self.policy.adapter_config()
         if self.needs.demonstrations is not None:
             io.open_demonstrations(demonstrations_state)
         self.consumed_path = self.run_dir / "consumed.jsonl"
         self._last_wait_note = 0.0
         _truncate_consumed(self.consumed_path, self.step)
-        self.io.announce(TrainerStarted(step=self.step, version=self.step, offsets=dict(self.feed.state.offsets),
-                                        prometheus_port=io.prometheus.port if io.prometheus else None))
+        io.announce(TrainerStarted(step=self.step, version=self.step, offsets=dict(self.feed.state.offsets),
+                                   prometheus_port=io.prometheus.port if io.prometheus else None))
+
+    @property
+    def reader(self) -> TrainerIO:
+        """Rank 0's side of the run (only rank 0 reads, announces and logs)."""
+        assert self.io is not None, "rank 0 only"
+        return self.io
 
     def _waiting(self, groups_so_far: int) -> None:
-        """While starved, tell the explorers what has been consumed (admission control reads it), and let them have
-        this part's threads (rft/cores.py)."""
-        if self.cores is not None:
-            self.cores.set_busy(False)
+        """While starved, tell the explorers what has been consumed (admission control reads it)."""
         now = time.monotonic()
         if now - self._last_wait_note >= WAIT_ANNOUNCE_S:
             self._last_wait_note = now
-            self.io.announce(TrainerWaiting(version=self.step, offsets=dict(self.feed.state.offsets),
-                                            groups_in_batch=groups_so_far))
+            self.reader.announce(TrainerWaiting(version=self.step, offsets=dict(self.feed.state.offsets),
+                                                groups_in_batch=groups_so_far))
 
     # -- the loop
     def run(self) -> None:
-        serves_explorers = mode(self.run_config.mode).publishes_weights
-        if self.step == 0 and serves_explorers:
+        if self.step == 0:
             self.weights.publish(0)  # explorers start from version 0 = the initial weights
         while self.step < self.run_config.max_steps:
             step = self.step + 1
@@ -339,11 +346,7 @@ class Trainer:
             metrics = self._train(step, groups)
             self.step = step
             count_skipped_step(self.counters, metrics)
-            if serves_explorers:
-                if not self.policy.weights_finite():  # collective; a NaN / inf version is never published
-                    raise NonFiniteWeights(f"step {step}: the policy's weights hold NaN or infinity; version {step} "
-                                           f"is not published (the last good one is version {step - 1})")
-                self.weights.publish(step)
+            self.weights.publish(step)  # version `step`, out before the next step (WeightSync)
             if step % self.config.checkpoint_every == 0:
                 self._checkpoint(step)
             if self.is_reader:
@@ -355,9 +358,9 @@ class Trainer:
         self._export_final()
         self.weights.flush()
         if self.is_reader:
-            self.io.announce(TrainerFinished(step=self.step))
+            self.reader.announce(TrainerFinished(step=self.step))
 
-    def _next_groups(self, step: int):
+    def _next_groups(self, step: int) -> tuple[list[ExperienceGroup], dict[str, int], bool]:
         """This step's groups on every rank, the skip counts (rank 0), and whether a replay is exhausted."""
         skipped: dict[str, int] = {}
         raw, exhausted = None, False
@@ -370,8 +373,6 @@ class Trainer:
             except EndOfReplay as end:
                 batch, exhausted = end.batch, True
             self._data_wait_s = time.time() - waiting_since
-            if self.cores is not None:
-                self.cores.set_busy(True)
             if self.replay:
                 self.replay.remember(step, batch.messages, batch.groups)
             self._replayed = replayed
@@ -380,28 +381,30 @@ class Trainer:
             skipped = dict(batch.skipped)
         groups = [decode_group(value) for value in dist_io.broadcast_bytes(raw)]
         if self.needs.demonstrations is not None:
-            self._demos = self._next_demonstrations()
+            self._demos = self._next_demonstrations(self.needs.demonstrations)
         return groups, skipped, dist_io.broadcast_flag(exhausted)
 
-    def _next_demonstrations(self) -> list:
-        """Collective: this step's demonstration groups on every rank (none once the topic is used up)."""
+    def _next_demonstrations(self, need: Demonstrations) -> list[ExperienceGroup]:
+        """Collective: this step's demonstration groups on every rank, from a feed bounded by its topic's end when the
+        trainer started (none once it is used up); its offsets are checkpointed with the experiences'."""
         raw = None
         if self.is_reader:
+            assert self.reader.demonstrations is not None, "opened by _open_io"
             try:
-                batch = self.io.demonstrations.next_batch(self.needs.demonstrations.groups_per_step,
-                                                          timeout_s=self.config.poll_timeout_s)
+                batch = self.reader.demonstrations.next_batch(need.groups_per_step,
+                                                              timeout_s=self.config.poll_timeout_s)
             except EndOfReplay as end:
                 batch = end.batch
             raw = [m.value for m in batch.messages]
         return [decode_group(value) for value in dist_io.broadcast_bytes(raw)]
 
-    def _admit(self, group, step: int) -> str | None:
+    def _admit(self, group: ExperienceGroup, step: int) -> str | None:
         """The feed's admission: None to train on `group`, else the reason it is skipped (and counted)."""
         if self.needs.pairwise and (problem := preference_pair_problem(group)):
             return problem
         return self.staleness.check(group, step)
 
-    def _train(self, step: int, groups) -> dict:
+    def _train(self, step: int, groups: list[ExperienceGroup]) -> dict:
         """The step's optimizer step; its metrics plus `padding_fraction` (padded token slots / all slots over the
         step's micro-batches, all data-parallel ranks) and `train_tokens_per_s` (real input tokens of the step /
         seconds from batching to the optimizer step's end, reference log-probs included)."""
@@ -422,20 +425,21 @@ class Trainer:
                                   max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, trained_version=step - 1)
         micro_batches = plan.for_rank(self.policy.layout.dp_rank)
         if self.needs.reference:
-            for mb, ref in zip(micro_batches, self.policy.reference_logprobs(micro_batches)):
+            for mb, ref in zip(micro_batches, self.policy.reference_logprobs(micro_batches), strict=True):
                 mb["ref_logprobs"] = ref
         if self.needs.teacher is not None:
-            for mb, teacher in zip(micro_batches, self.policy.teacher_logprobs(micro_batches)):
+            for mb, teacher in zip(micro_batches, self.policy.teacher_logprobs(micro_batches), strict=True):
                 mb["teacher_logprobs"] = teacher
         if self.needs.step:
             for mb in micro_batches:
                 mb["step"] = torch.tensor(float(step))
-        if self.critic is not None:
-            micro_batches = self.needs.critic.add_targets(micro_batches, self.critic.values(micro_batches),
-                                                          self.critic.sum_over_data_parallel)
+        need = self.needs.critic
+        if self.critic is not None and need is not None:
+            micro_batches = need.add_targets(micro_batches, self.critic.values(micro_batches),
+                                             self.critic.sum_over_data_parallel)
         metrics = self.policy.train_step(micro_batches, self.loss_fn)
-        if self.critic is not None:
-            critic = self.critic.train_step(micro_batches, self.needs.critic.value_loss_fn)
+        if self.critic is not None and need is not None:
+            critic = self.critic.train_step(micro_batches, need.value_loss_fn)
             metrics.update({k if k.startswith("value_") or k == "return_mean" else f"critic_{k}": v
                             for k, v in critic.items()})
         seconds = max(time.perf_counter() - started, 1e-9)
@@ -458,11 +462,13 @@ class Trainer:
                 os.rename(partial, final)
 
     def _checkpoint(self, step: int) -> None:
+        """Commit the checkpoint of `step` (every rank), once version `step` is out (WeightSync.flush). The critic's
+        is in the same step directory: committed, and resumed, together with the policy's."""
         self._last_checkpoint = step
         path = self.checkpoints.step_dir(step)
         path.mkdir(parents=True, exist_ok=True)
         self.policy.save_checkpoint(path / "model")
-        if self.critic is not None:  # in the same step directory: committed (and resumed) together with the policy
+        if self.critic is not None:
             self.critic.save_checkpoint(path / "critic")
         dist_io.barrier()
         self.weights.flush()  # a checkpoint at step s commits only once version s is out (resume never waits on it)
@@ -470,22 +476,23 @@ class Trainer:
             self.checkpoints.write_state(path, TrainerState(
                 step=step, feed=self.feed.snapshot(), counters=self.counters, rng=capture_rng(),
                 replay_buffer=self.replay.buffer.to_json() if self.replay else {},
-                demonstrations=(self.io.demonstrations.snapshot().to_json()
-                                if self.needs.demonstrations is not None else {})))
+                demonstrations=(self.reader.demonstrations.snapshot().to_json()
+                                if self.reader.demonstrations is not None else {})))
             self.checkpoints.commit(step)
         dist_io.barrier()
 
-    def _log(self, step: int, groups, skipped: dict[str, int], metrics: dict, started: float) -> None:
+    def _log(self, step: int, groups: list[ExperienceGroup], skipped: dict[str, int], metrics: dict,
+             started: float) -> None:
         skipped, drops = split_drops(skipped, self.feed.operators)  # the operators' drops: dropped/<reason>
         with open(self.consumed_path, "a") as f:
-            for g, reuse in zip(groups, self._reuse):
+            for g, reuse in zip(groups, self._reuse, strict=True):
                 f.write(json.dumps({"step": step, "group_id": g.group_id, "policy_version": g.policy_version,
                                     "staleness": staleness(step, g.policy_version), "reuse": reuse}) + "\n")
         samples = sum(len(g.samples) for g in groups)
         tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for g in groups for s in g.samples)
         elapsed = max(time.time() - started, 1e-9)
         self.counters["samples"] += samples
-        fresh = [g for g, reuse in zip(groups, self._reuse) if reuse == 0] or groups
+        fresh = [g for g, reuse in zip(groups, self._reuse, strict=True) if reuse == 0] or groups
         rewards = np.concatenate([g.rewards for g in fresh])  # of the policy's own recent rollouts
         record = {
             "step": step, "policy_version": step, "samples": samples,
@@ -499,22 +506,23 @@ class Trainer:
             **(self.replay.step_metrics(step, self._replayed) if self.replay else {}),
             **({"demonstrations": len(self._demos)} if self.needs.demonstrations is not None else {}),
             **self.algorithm.step_metrics(step),
-            **({"cpu_threads": self.cores.mean_threads()} if self.cores is not None else {}),
             KEEP_METRIC: self._keep_fraction(sum(r == 0 for r in self._reuse), sum(drops.values())),
         }
         record["consumer_lag"] = self._consumer_lag()
-        self.io.metrics.log(record, step=step)
-        self.io.announce(TrainerStep(step=step, metrics=TrainerStep.step_metrics(record)))  # for `rft status`
-        if self.io.prometheus is not None:
+        self.reader.metrics.log(record, step=step)
+        self.reader.announce(TrainerStep(step=step, metrics=TrainerStep.step_metrics(record)))  # for `rft status`
+        if self.reader.prometheus is not None:
             self.counters["dropped_stale"] = self.counters.get("dropped_stale", 0) + record.get("dropped_stale", 0)
-            self.io.prometheus.update({
+            self.reader.prometheus.update({
                 "rft_trainer_step": step, "rft_trainer_weights_version": step,
                 "rft_trainer_samples_total": self.counters["samples"],
                 "rft_trainer_dropped_stale_samples_total": self.counters["dropped_stale"],
-                "rft_trainer_tokens_per_second": record["tokens_per_s"], "rft_trainer_reward_mean": record["reward_mean"],
-                "rft_trainer_staleness_max": record["staleness_max"], "rft_trainer_staleness_mean": record["staleness_mean"],
+                "rft_trainer_tokens_per_second": record["tokens_per_s"],
+                "rft_trainer_reward_mean": record["reward_mean"],
+                "rft_trainer_staleness_max": record["staleness_max"],
+                "rft_trainer_staleness_mean": record["staleness_mean"],
                 "rft_trainer_data_wait_seconds": record["data_wait_s"], "rft_trainer_step_seconds": elapsed,
-                "rft_trainer_consumer_lag_records": record["consumer_lag"] if record["consumer_lag"] is not None else -1,
+                "rft_trainer_consumer_lag_records": -1 if record["consumer_lag"] is None else record["consumer_lag"],
             })
         if self.progress:
             print(f"[trainer] step {step}/{self.run_config.max_steps} reward {record['reward_mean']:.3f} "
@@ -532,19 +540,16 @@ class Trainer:
     def _consumer_lag(self) -> int | None:
         """Experience records on the topic not consumed yet (None when the broker does not answer)."""
         try:
-            return lag(self.feed.source.end_offsets(self.io.experiences_topic), self.feed.state.offsets)
+            return lag(self.feed.source.end_offsets(self.reader.experiences_topic), self.feed.state.offsets)
         except TransportError:
             return None
 
     def close(self) -> None:
-        self.weights.close()
+        self.weights.close()  # before rank 0's control sink closes: the publisher announces on it
         if self.io is not None:
             self.io.close()
         self.policy.close()
 
-
-class NonFiniteWeights(RuntimeError):
-    """The policy's weights hold NaN or infinity after a step: the trainer stops rather than publish them."""
 
 
 def count_skipped_step(counters: dict, metrics: dict) -> None:

@@ -1,31 +1,20 @@
 """Prioritised replay from the experiences topic: besides its fresh groups, each step re-trains on a few earlier
-groups, chosen by priority and re-read from the topic by offset.
-
-`ReplayBuffer` holds metadata only, one `Candidate` per group that may be replayed: where the record is
-("topic:partition", offset), its group id, its priority score, the step that trained it fresh and how often it was
-replayed. Never the records: `ExperienceReplay` re-reads a chosen group with `RecordSource.fetch` (seek + fetch).
+groups, chosen by priority and re-read from the topic by offset. `ReplayBuffer` holds metadata only, one `Candidate`
+per group that may be replayed (where its record is, its group id, score, first step and reuse count), never the
+records: `ExperienceReplay` re-reads a chosen group with `RecordSource.fetch`.
 
 Per step s, with R = `replay_buffer.groups_per_step`, M = `max_reuse`, d = `decay` (rank 0, before the feed):
   1. choose min(R, size) candidates, without replacement, with probability proportional to
          priority = score x d^(s - first_step)
-     by weighted sampling seeded with (seed, s) (Efraimidis-Spirakis keys: log(u) / priority, the largest win).
-     The choice is a pure function of (candidates, s, seed): nothing else (no RNG state) needs saving;
+     by weighted sampling seeded with (seed, s): a pure function of (candidates, s, seed), no RNG state to save;
   2. re-read them from the topic; each one's reuse count goes up by one; a candidate that reached M leaves;
-  3. the step's fresh groups (the ExperienceFeed's, as without replay) become candidates with reuse 0 and their
-     score (`replay_buffer.priority`: `reward_variance` by default; a group scored 0, e.g. equal rewards = zero
-     group-normalised advantage, is never chosen and is not kept); beyond `capacity` the oldest candidates are forgotten.
-The fresh groups of a step are therefore never replayed in that same step, and a group trains at most 1 + M times.
-The buffer's state after step s goes into the checkpoint of step s with the feed's offsets, so a trainer restarted
-from it trains on the same (group, reuse) pairs in every later step as one that never stopped (same topic; with
-one experiences partition, as for the feed). `consumed.jsonl` records `reuse` (0 = fresh) for every group.
-
-Staleness: a replayed group is old by construction. It is never dropped for staleness (whatever `run.mode`
-bounds), and it is counted apart (`replay_staleness_mean`, `replay_staleness_max`), so that `staleness_*` keep
-describing the fresh groups the mode's bound governs. The importance correction is the algorithm's
-(`algorithm.off_policy_correction`), applied to fresh and replayed rows alike; the config refuses replay with an
-algorithm that is not correct on old experiences. A group no longer on the topic (retention, or a recreated topic)
-leaves the buffer and is counted (`replay_missing`); the step goes on without it.
-Not thread-safe; rank 0 only.
+  3. the step's fresh groups become candidates with reuse 0 and their score (`replay_buffer.priority`; a group
+     scored 0 is never chosen and not kept); beyond `capacity` the oldest candidates are forgotten.
+So a group trains at most 1 + M times, never replayed in its own step. The buffer's state after step s is
+checkpointed with the feed's offsets: a restarted trainer trains on the same (group, reuse) pairs as one that never
+stopped. A replayed group is never dropped for staleness and is counted apart (`replay_staleness_*`); the importance
+correction is the algorithm's (`algorithm.off_policy_correction`). A group gone from the topic leaves the buffer and
+is counted (`replay_missing`). Not thread-safe; rank 0 only.
 """
 from __future__ import annotations
 
@@ -73,7 +62,9 @@ class ReplayBuffer:
         return scores * self.decay ** ages
 
     def choose(self, n: int, step: int) -> list[Candidate]:
-        """Up to `n` distinct candidates for `step`, in draw order; pure (the buffer is not changed)."""
+        """Up to `n` distinct candidates for `step`, in draw order; pure (the buffer is not changed). Efraimidis-
+        Spirakis keys: log(u) / priority, the largest win; the consumed.jsonl record of each group says its `reuse`
+        (0 = fresh)."""
         weights = self.priorities(step)
         eligible = np.flatnonzero(weights > 0)
         if n <= 0 or not len(eligible):
@@ -124,8 +115,8 @@ class ExperienceReplay:
         found, gone = [], []
         for candidate in chosen:
             message = self.reader.fetch(candidate.position, candidate.offset)
-            group = _decode_if(message, candidate.group_id)
-            if group is None:
+            group = _decode_if(message, candidate.group_id) if message is not None else None
+            if message is None or group is None:
                 log.warning("replay: %s@%d (group %s) is no longer on the topic", candidate.position,
                             candidate.offset, candidate.group_id)
                 gone.append(candidate)
@@ -139,7 +130,7 @@ class ExperienceReplay:
     def remember(self, step: int, messages: list[Message], groups: list[ExperienceGroup]) -> None:
         """The step's fresh groups become candidates (step 3)."""
         self.buffer.add([Candidate(m.position, m.offset, g.group_id, self._score(g), step)
-                         for m, g in zip(messages, groups)])
+                         for m, g in zip(messages, groups, strict=True)])
 
     def _score(self, group: ExperienceGroup) -> float:
         score = float(self.score(group))
@@ -159,10 +150,8 @@ class ExperienceReplay:
                 "replay_staleness_max": max((s for s, _ in samples), default=0)}
 
 
-def _decode_if(message: Message | None, group_id: str) -> ExperienceGroup | None:
+def _decode_if(message: Message, group_id: str) -> ExperienceGroup | None:
     """The group in `message` if it is the one expected there (a recreated topic holds others)."""
-    if message is None:
-        return None
     try:
         group = decode_group(message.value, message.headers)
     except RecordError:
@@ -186,7 +175,8 @@ class RecordReader:
     """Seek + fetch through its own RecordSource (the feed's keeps its position); one retry on a new source."""
 
     def __init__(self, new_source: Callable[[], RecordSource]):
-        self.new_source, self.source = new_source, None
+        self.new_source = new_source
+        self.source: RecordSource | None = None
 
     def fetch(self, position: str, offset: int) -> Message | None:
         for attempt in (1, 2):
@@ -199,6 +189,7 @@ class RecordReader:
                 self.close()
                 if attempt == 2:
                     raise
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     def close(self) -> None:
         if self.source is not None:

@@ -4,7 +4,8 @@ Modules: `store` (versioned directories on a shared filesystem: the pull path's 
 in an S3 bucket, `sync.weight_store: s3://BUCKET/PREFIX`), `cache` (a host's cache of a bucket's versions),
 `delta` (sparse deltas between versions, `sync.delta`), `stores` (`open_store`: the configured store behind the
 one `VersionStore` interface), `push` (the push path's process group and wire protocol), `vllm_transfer` (push over
-vLLM's NCCL weight transfer), `publisher` (trainer side: `WeightPublisher` delivers each version), `subscriber`
+vLLM's NCCL weight transfer), `publisher` (trainer side: `WeightPublisher` delivers each version, in the order
+`rft.trainer.weights.WeightSync` owns), `subscriber`
 (explorer side: `WeightUpdates`, `PushMembership`, `load_newest_weights`). Announcements travel on the control
 topic (rft.transport.control).
 

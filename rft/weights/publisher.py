@@ -46,9 +46,9 @@ class WeightPublisher:
     background thread writes that version to the store and announces it while the trainer goes on with its next
     step. At most one version is in flight: the next `deliver` (and `flush`) first waits for it, and raises its
     error if the write or the announcement failed. Versions are still stored and announced in order, each one
-    complete before its announcement (the package's ordering contract). The trainer calls `flush` before it commits
-    a checkpoint, so a resumed trainer never waits for a version that a crash kept from being published. Host
-    memory: up to two versions (one being written, one being copied).
+    complete before its announcement (the package's ordering contract); when the trainer awaits them is
+    rft.trainer.weights.WeightSync's contract. Host memory: up to two versions (one being written, one being
+    copied).
 
     Per-stage publishing (pull path, `staging` given to `deliver`): the buckets are the first pipeline stage's; the
     other stages' publishing ranks write theirs into the same staging directory (`StagePublisher`), and the version

@@ -23,13 +23,14 @@ import torch
 from rft.algorithms import build_algorithm
 from rft.algorithms.config import AlgorithmConfig
 from rft.schema import HEADER_ERROR, RewardRange, decode_group
-from rft.trainer.main import NonFiniteWeights
+from rft.trainer.main import Trainer, open_trainer_io
+from rft.trainer.weights import NonFiniteWeights
 from rft.transport.control import Weights
 from rft.transport.memory import MemoryTransport
 from rft.weights.store import WeightStore
 from rft.weights.subscriber import WeightUpdates, load_newest_weights
 from tests.records import make_group, read_topic
-from tests.unit.test_trainer_loop import StandInPolicy, build, fill, make_config
+from tests.unit.test_trainer_loop import StandInPolicy, fill, make_config
 
 
 def run_trainer(cfg, items, policy_class=StandInPolicy):
@@ -39,8 +40,10 @@ def run_trainer(cfg, items, policy_class=StandInPolicy):
     transport = MemoryTransport(partitions=1)
     fill(transport, cfg, items)
     trained: list = []
-    trainer = build(cfg, transport, trained)
-    trainer.policy = policy_class(trained)
+    trainer = Trainer(cfg.trainer, run=cfg.run, model=cfg.model, algorithm=cfg.algorithm, sync=cfg.sync,
+                      run_dir=cfg.run_dir, temperature=1.0, progress=False, policy=policy_class(trained),
+                      open_io=lambda feed_state, replay_state: open_trainer_io(
+                          cfg, feed_state=feed_state, replay_state=replay_state, transport=transport))
     try:
         trainer.run()
     finally:
@@ -71,7 +74,7 @@ def test_the_trainer_dead_letters_a_poisoned_group_and_trains_on(tmp_path):
     assert len(trained) == 3  # every step trained, on good groups only
     assert by_step[1]["skipped"] == {"untrainable": 1}
     [reason] = reasons(transport, cfg)
-    assert reason.startswith("cannot be trained: samples[0]: reward 1e+308 is outside explorer.reward_min")
+    assert reason.startswith("cannot be trained: samples[0]: reward 1e+308 is outside run.reward_min")
 
 
 @pytest.mark.parametrize("spoil,says", [

@@ -87,3 +87,60 @@ def test_a_part_that_comes_back_waits_for_the_unit_computed_on_its_threads(tmp_p
     explorer.set_busy(True)
     started = time.monotonic()
     assert explorer.fit_torch(keep) == 1 and time.monotonic() - started >= 0.2  # after YIELD_S
+
+
+def test_the_trainer_waits_on_the_board_while_starved_and_logs_the_threads_it_used(tmp_path):
+    """The trainer as composed on a board (rft/trainer/pacing.py): its feed marks it waiting while it is starved and
+    busy once its batch is in; its policy fits torch's threads before each micro-batch, and each step logs their
+    mean as `cpu_threads`. The real loop over the in-memory transport with the loop tests' stand-in policy, which
+    calls the `pace` hook before each micro-batch as megatron_bridge's does."""
+    import threading
+
+    from rft.trainer.main import Trainer, open_trainer_io
+    from rft.transport.memory import MemoryTransport
+    from tests.records import make_group
+    from tests.unit.test_trainer_loop import StandInPolicy, fill, make_config
+
+    class PacedStandIn(StandInPolicy):
+        pace = None
+
+        def train_step(self, micro_batches, loss_fn):
+            for _ in micro_batches:
+                self.pace()
+            return super().train_step(micro_batches, loss_fn)
+
+    cfg = make_config(tmp_path, poll_timeout_s=60.0).with_values({"run.max_steps": 2})
+    (tmp_path / "logs").mkdir()
+    board = core_board(Config(), ROLES_BY_MODE["off_policy"], 1, tmp_path / "logs")
+    share = CoreShare.from_environment({CoreShare.ENV: board["trainer"]})
+    explorer = CoreShare.from_environment({CoreShare.ENV: board["explorer-0"]})
+    transport = MemoryTransport(partitions=1)
+    groups = [make_group("run", i, n_samples=2, policy_version=0) for i in range(4)]
+    fill(transport, cfg, groups[:2])  # step 1's; step 2 starves until the explorer comes back
+    explorer.set_busy(False)  # step 1: the trainer takes the waiting explorer's thread
+    trainer = Trainer(cfg.trainer, run=cfg.run, model=cfg.model, algorithm=cfg.algorithm, sync=cfg.sync,
+                      run_dir=cfg.run_dir, temperature=1.0, progress=False, policy=PacedStandIn([]), cores=share,
+                      open_io=lambda feed_state, replay_state: open_trainer_io(
+                          cfg, feed_state=feed_state, replay_state=replay_state, transport=transport, cores=share))
+    starved = threading.Event()
+
+    def explorer_comes_back() -> None:
+        wait_until(lambda: (tmp_path / "logs" / "cores").read_bytes()[0] == 0, timeout=60,
+                   what="the starved trainer to mark itself waiting")
+        starved.set()
+        explorer.set_busy(True)
+        fill(transport, cfg, groups[2:])
+
+    threads_before = torch.get_num_threads()
+    helper = threading.Thread(target=explorer_comes_back, daemon=True)
+    helper.start()
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+        torch.set_num_threads(threads_before)
+    helper.join(timeout=60)
+    assert starved.is_set()
+    assert (tmp_path / "logs" / "cores").read_bytes()[0] == 1  # busy again, borrowing nothing
+    metrics = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["cpu_threads"] for m in metrics if "loss" in m] == [2.0, 1.0]
