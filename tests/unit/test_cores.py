@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from rft.cli.launcher import ROLES_BY_MODE
 from rft.cli.planning import core_board
@@ -14,6 +15,7 @@ from rft.cores import CoreShare, NoShare, core_share
 from rft.explorer.config import ExplorerConfig
 from rft.run.config import Config
 from rft.trainer.config import TrainerConfig
+from tests.waiting import wait_until
 
 
 def test_the_waiting_parts_threads_are_split_among_the_processes_that_compute(tmp_path):
