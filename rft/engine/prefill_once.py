@@ -1,16 +1,15 @@
 """A group of samples from one prefill of its prompt (`explorer.prefill_once`; `VLLMEngine` runs it).
 
 vLLM's prefix cache reuses whole KV blocks and never a prompt's last token (its logits are needed), so the n samples
-of a prompt whose length is a multiple of the block size (71% of the flagship's prompts are 32 tokens, its CPU block)
-would each compute the prompt's last block. Instead a `ForkedGroup` runs:
+of a prompt whose length is a multiple of the block size would each compute the prompt's last block (how often that
+is, and what this saves: docs/benchmarks.md, "A group's prompt computed once"). Instead a `ForkedGroup` runs:
 
 1. one **probe** request (the prompt, one token, vLLM's top-`PROBE_TOKENS` processed log-probs: temperature and top-p
    applied) computes the prompt once;
 2. each sample's first token is drawn here, exactly from that distribution: with the probability mass of the tokens
    the probe returned, one of them (its log-prob as returned); otherwise (the rest of the mass, the tail) a **tail**
    request draws it from the other tokens only (vLLM's logit bias -100 on the probe's tokens: their mass falls by
-   e^-100; the prompt computed again, in under 1% of the flagship's samples), and its log-prob is vLLM's within the
-   tail plus the log of the tail's mass;
+   e^-100; the prompt computed again), and its log-prob is vLLM's within the tail plus the log of the tail's mass;
 3. each sample goes on as a **rest** request, the prompt + its first token, which finds the prompt's blocks in the
    cache and computes one token before decoding; a first token that ends a completion makes a one-token sample.
 
@@ -32,9 +31,8 @@ import numpy as np
 
 from rft.engine.base import Completion, Generation, SamplingSettings
 
-# log-probs the probe asks for. SmolLM2-135M's first answer token at temperature 1 leaves 19-25% of its mass outside
-# its 20 most probable tokens, 0.6-0.9% outside 1,000 and 0.06-0.09% outside 4,000; vLLM computes this many for every
-# sequence of an engine step that holds a probe, so more costs every step and fewer costs tail requests
+# log-probs the probe asks for: vLLM computes this many for every sequence of an engine step that holds a probe, so
+# more costs every step and fewer costs tail requests (the mass outside them: docs/benchmarks.md)
 PROBE_TOKENS = 1000
 TOP_P_TAIL = 1e-4  # top-p < 1: a tail mass above this means the nucleus is wider than the probe's tokens
 NO_TAIL = 1e-6  # a tail mass below this is float32 rounding of the probe's log-probs (a whole vocabulary returned)

@@ -48,9 +48,7 @@ from rft.transport.control import (
 CLAIM_TIMEOUT_S = 10.0  # longest wait for a claim to come back from the broker; then it counts as refused
 KEEP_FLOOR = 0.1  # counting drops, the explorers start at most 1 / KEEP_FLOOR groups per slot
 # counting drops, the keep fraction admission uses is the trainer's plus this: a noisy estimate over 4 steps of 4 groups
-# otherwise over-admits (tests/unit/test_staleness.py's simulation, half the groups dropped: with 0, the trainer
-# waited a third as long as without counting, and 15-20% of what it trained was dropped again as stale; with 0.1, half
-# as long and ~5%)
+# otherwise over-admits (tests/unit/test_staleness.py's simulation; docs/benchmarks.md has what each margin costs)
 KEEP_MARGIN = 0.1
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ Static membership (`explorer.static_membership`, KIP-345): the explorer joins wi
 `instance_id(explorer_id)`, so a restarted explorer with the same `--explorer-id` takes its old place without a
 rebalance of the whole fleet, on a broker that honours it (Apache Kafka >= 2.3). A static member sends no
 LeaveGroup when it closes: its partitions wait for it until `kafka.session_timeout_ms` has passed. The bundled
-Tansu broker ignores instance ids (docs/operations.md, "Consumer-group membership": measured), so there every
+Tansu broker ignores instance ids (docs/operations.md, "Consumer-group membership"), so there every
 join, leave and restart rebalances the group as for dynamic members.
 
 The watchdog (`UnassignedWatchdog`, `explorer.unassigned_rejoin_s`): a consumer group on Tansu can wedge with every
@@ -137,7 +137,7 @@ def fresh_group_for_restart(transport: Transport, topics: RunTopics, *, by: str)
     Why: when a whole fleet stops at once (a run that ends or dies stops its explorers together), the last members'
     LeaveGroups cross an election, and on the bundled Tansu broker that leaves the group wedged (the module
     docstring): the restarted explorers would hold nothing until the watchdog moved them, 2 x
-    `explorer.unassigned_rejoin_s` later (measured: 65-70 s of each restart of `rft chaos`'s trainer-kill scenario).
+    `explorer.unassigned_rejoin_s` later (docs/benchmarks.md, "Chaos").
     A fresh group has no history to be wedged by. Explorers still live from elsewhere follow the announcement too;
     tasks their old group delivered but had not committed are explored again (at least once, as in any move)."""
     announced = announced_group(transport, topics.control, client_id=f"{by}-groups")

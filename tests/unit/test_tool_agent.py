@@ -21,7 +21,7 @@ from rft.text.chat import TOOLS_FALLBACK, ChatPrompt, encode_messages, renders_t
 from rft.workflows import WorkflowError, build_workflow
 from tests.tool_agent_support import SMOLLM2_TEMPLATE, make_chat_model, tool_call
 
-TOOLS = tuple(ToolBox(["calculator", "python"], ToolLimits()).schemas)
+TOOLS = tuple(ToolBox(["calculator", "python"], ToolLimits(sandbox="none")).schemas)  # built, not run: no bwrap probe
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,9 @@ def test_tool_turn_text_is_the_template_rendering_after_end_of_turn(qwen, smol):
 def test_episode_with_tool_calls(qwen):
     cfg = run_config_from_dict({
         "model": {"path": str(qwen), "chat_template": True, "max_prompt_len": 1100, "max_response_len": 300},
+        # only the calculator runs here: the python tool is built without its sandbox, whose check starts a process
         "explorer": {"engine": "transformers", "workflow": "tests.tool_agent_support:ForcedFirstTurn",
+                     "python_sandbox": "none",
                      "reward": "exact_match", "n_samples": 2, "max_tokens": 12, "max_turns": 2,
                      "temperature": 0.8}})
     engine = TransformersEngine(qwen, seed=0, chat_template=True, weights_version=4)
@@ -102,7 +104,7 @@ def test_episode_with_tool_calls(qwen):
 
 
 def test_tool_agent_needs_the_chat_template(qwen):
-    cfg = run_config_from_dict({"model": {"path": str(qwen)}, "explorer": {"engine": "transformers",
-                                                                            "workflow": "tool_agent"}})
+    cfg = run_config_from_dict({"model": {"path": str(qwen)}, "explorer": {
+        "engine": "transformers", "workflow": "tool_agent", "python_sandbox": "none"}})
     with pytest.raises(WorkflowError, match="model.chat_template: the tool_agent workflow"):
         build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer))
