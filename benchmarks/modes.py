@@ -61,7 +61,7 @@ from rft.transport import connect
 from rft.transport.config import KafkaConfig
 from rft.transport.control import ExplorerWeights, Weights, control_messages, parse
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 REAL_CONFIG = REPO / "configs" / "smollm2-arithmetic.yaml"
 MODES = [(label, mode, k) for label, (mode, k) in BENCH_MODES.items()]  # (label, run.mode, run.max_staleness)
 TINY_DEFAULTS = {"groups": 16, "samples": 8, "max_tokens": 16, "tasks_per_batch": 8, "lr": 3e-3}
