@@ -61,7 +61,7 @@ from rft.transport import connect
 from rft.transport.config import KafkaConfig
 from rft.transport.control import ExplorerWeights, Weights, control_messages, parse
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 REAL_CONFIG = REPO / "configs" / "smollm2-arithmetic.yaml"
 MODES = [(label, mode, k) for label, (mode, k) in BENCH_MODES.items()]  # (label, run.mode, run.max_staleness)
 TINY_DEFAULTS = {"groups": 16, "samples": 8, "max_tokens": 16, "tasks_per_batch": 8, "lr": 3e-3}
@@ -80,13 +80,13 @@ def workload(args: argparse.Namespace, model: str, out: Path, name: str, mode: s
     groups, samples, max_tokens = args.groups, args.samples, args.max_tokens
     # async without flow control: the benchmark measures how far the stages overlap, unbounded (rft.modes)
     body["run"] = {"name": name, "mode": mode, "max_staleness": k, "async_max_staleness": None, "max_steps": args.steps,
-                   "seed": args.seed, "output_dir": str(out)}
+                   "seed": args.seed, "output_dir": str(out), "groups_per_step": groups}
     body["model"].update(path=model, max_response_len=max_tokens)
     body["kafka"] = {"bootstrap_servers": bootstrap, "partitions": 4}
     body["explorer"].update(replicas=args.explorers, n_samples=samples, max_tokens=max_tokens,
                             tasks_per_batch=args.tasks_per_batch, exit_when_idle_s=5 if mode == "explore" else 0)
-    body["trainer"].update(groups_per_step=groups, micro_batch_size=args.micro_batch_size or groups * samples,
-                           lr=args.lr, checkpoint_every=10_000)
+    body["trainer"].update(micro_batch_size=args.micro_batch_size or groups * samples, lr=args.lr,
+                           checkpoint_every=10_000)
     # explore-alone generates exactly the groups train-alone trains on; the modes may run ahead of the trainer
     body["data"]["generated_tasks"] = args.steps * groups if mode == "explore" else 4000
     body["monitor"] = {"progress": False}
@@ -371,7 +371,7 @@ def main(argv: list[str]) -> int:
 
 def _real_defaults() -> dict:
     body = yaml.safe_load(REAL_CONFIG.read_text())
-    return {"groups": body["trainer"]["groups_per_step"], "samples": body["explorer"]["n_samples"],
+    return {"groups": body["run"]["groups_per_step"], "samples": body["explorer"]["n_samples"],
             "max_tokens": body["explorer"]["max_tokens"], "tasks_per_batch": body["explorer"]["tasks_per_batch"],
             "lr": body["trainer"]["lr"], "micro_batch_size": body["trainer"]["micro_batch_size"]}
 

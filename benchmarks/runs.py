@@ -26,13 +26,12 @@ def write_config(tmp_path: Path, model: Path, name: str, **sections) -> Path:
     """A short tiny-model run on the generated copy_char task (`sections` update the defaults, per section);
     written to `tmp_path/<name>.yaml`, its run directory is `tmp_path/runs/<name>`."""
     config = {
-        "run": {"name": name, "max_steps": 6, "output_dir": str(tmp_path / "runs")},
+        "run": {"name": name, "max_steps": 6, "output_dir": str(tmp_path / "runs"), "groups_per_step": GROUPS_PER_STEP},
         "model": {"path": str(model), "max_prompt_len": 8, "max_response_len": 1},
         "kafka": {"bootstrap_servers": "embedded", "partitions": 2},
         "explorer": {"replicas": 2, "n_samples": 4, "max_tokens": 1, "tasks_per_batch": 4, "reward": "char_accuracy",
                      "heartbeat_s": 1.0},
-        "trainer": {"groups_per_step": GROUPS_PER_STEP, "micro_batch_size": 16, "lr": 3e-3, "checkpoint_every": 2,
-                    "poll_timeout_s": 120},
+        "trainer": {"micro_batch_size": 16, "lr": 3e-3, "checkpoint_every": 2, "poll_timeout_s": 120},
         "data": {"format": "generated", "path": "copy_char", "generated_tasks": 400, "epochs": 20},
         "monitor": {"progress": True},
     }

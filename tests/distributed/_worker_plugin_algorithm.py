@@ -23,12 +23,12 @@ def config(out: Path, model: str):
     from rft.run.loading import run_config_from_dict
 
     return run_config_from_dict({
-        "run": {"name": "run", "mode": "train", "max_steps": 2, "output_dir": str(out)},
+        "run": {"name": "run", "mode": "train", "max_steps": 2, "output_dir": str(out), "groups_per_step": 2},
         "model": {"path": model},
         "kafka": {"bootstrap_servers": "memory"},
         "algorithm": {"name": PLUGIN, "scale": 2.0, "teacher_path": model, "demonstrations_per_step": 1},
-        "trainer": {"groups_per_step": 2, "micro_batch_size": 2, "checkpoint_every": 2, "poll_timeout_s": 5.0,
-                    "data_parallel": 2, "lr": 1e-2},
+        "trainer": {"micro_batch_size": 2, "checkpoint_every": 2, "poll_timeout_s": 5.0, "data_parallel": 2,
+                    "lr": 1e-2},
         "monitor": {"progress": False},
     }, "plugin.yaml")
 

@@ -29,12 +29,11 @@ def config(out: Path, model: str, max_steps: int):
     from rft.run.config import config_from_dict
 
     return config_from_dict({
-        "run": {"name": "run", "mode": "train", "max_steps": max_steps, "output_dir": str(out)},
+        "run": {"name": "run", "mode": "train", "max_steps": max_steps, "output_dir": str(out), "groups_per_step": 2},
         "model": {"path": model},
         "kafka": {"bootstrap_servers": "memory"},
         "algorithm": {"name": "ppo", "critic_lr": 1e-3, "gamma": 0.99, "lam": 0.9, "value_clip": 0.1},
-        "trainer": {"groups_per_step": 2, "micro_batch_size": 2, "checkpoint_every": 1, "poll_timeout_s": 5.0,
-                    "data_parallel": 2,
+        "trainer": {"micro_batch_size": 2, "checkpoint_every": 1, "poll_timeout_s": 5.0, "data_parallel": 2,
                     "lr": 1e-4},
         "monitor": {"progress": False},
     })

@@ -49,11 +49,11 @@ def trainer(config: Path, *overrides: str) -> subprocess.CompletedProcess:
 def run(broker, tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("untrainable")
     name = f"untrainable-{uuid.uuid4().hex[:8]}"
-    body = {"run": {"name": name, "mode": "train", "max_steps": 2, "output_dir": str(tmp)},
+    body = {"run": {"name": name, "mode": "train", "max_steps": 2, "output_dir": str(tmp), "groups_per_step": 2},
             "model": {"path": str(tiny_model), "max_prompt_len": 16, "max_response_len": 16},
             "kafka": {"bootstrap_servers": broker.bootstrap_servers, "partitions": 1},
-            "trainer": {"groups_per_step": 2, "micro_batch_size": 4, "checkpoint_every": 1, "poll_timeout_s": 60,
-                        "data_parallel": 2, "lr": 1e-3},
+            "trainer": {"micro_batch_size": 4, "checkpoint_every": 1, "poll_timeout_s": 60, "data_parallel": 2,
+                        "lr": 1e-3},
             "sync": {"write_behind": False}, "monitor": {"progress": False}}
     config = tmp / "run.yaml"
     config.write_text(yaml.safe_dump(body))

@@ -27,11 +27,11 @@ def toy_config(tmp_path: Path, model: Path) -> Path:
     """next_digit (greedy copies of the prompt's digit are wrong, so the initial model is not already right)."""
     config = tmp_path / "learn.yaml"
     config.write_text(yaml.safe_dump({
-        "run": {"name": "bench-learn", "max_steps": 10, "output_dir": str(tmp_path / "unused")},
+        "run": {"name": "bench-learn", "max_steps": 10, "output_dir": str(tmp_path / "unused"), "groups_per_step": 8},
         "model": {"path": str(model), "max_prompt_len": 8, "max_response_len": 1},
         "kafka": {"bootstrap_servers": "embedded", "partitions": 2},
         "explorer": {"replicas": 1, "n_samples": 8, "max_tokens": 1, "tasks_per_batch": 8, "reward": "char_accuracy"},
-        "trainer": {"groups_per_step": 8, "micro_batch_size": 64, "lr": 3e-3, "checkpoint_every": 1000},
+        "trainer": {"micro_batch_size": 64, "lr": 3e-3, "checkpoint_every": 1000},
         "data": {"format": "generated", "path": "next_digit", "generated_tasks": 4000},
         "eval": {"sets": [{"name": "next", "format": "generated", "path": "next_digit", "generated_tasks": 40,
                            "seed": 7}], "n_samples": 1, "k": 1, "temperature": 0.0},

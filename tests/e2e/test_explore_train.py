@@ -24,12 +24,13 @@ TASKS, STEPS, GROUPS_PER_STEP = 24, 3, 4
 def rft_run(tmp_path: Path, model: Path, bootstrap: str, mode: str) -> Path:
     config = tmp_path / f"{mode}.yaml"
     config.write_text(yaml.safe_dump({
-        "run": {"name": "explore-train", "mode": mode, "max_steps": STEPS, "output_dir": str(tmp_path / "runs")},
+        "run": {"name": "explore-train", "mode": mode, "max_steps": STEPS, "output_dir": str(tmp_path / "runs"),
+                "groups_per_step": GROUPS_PER_STEP},
         "model": {"path": str(model), "max_prompt_len": 8, "max_response_len": 1},
         "kafka": {"bootstrap_servers": bootstrap, "partitions": 2},
         "explorer": {"replicas": 1, "n_samples": 4, "max_tokens": 1, "tasks_per_batch": 8, "reward": "char_accuracy",
                      "exit_when_idle_s": 5},
-        "trainer": {"groups_per_step": GROUPS_PER_STEP, "micro_batch_size": 16, "lr": 3e-3, "checkpoint_every": 100},
+        "trainer": {"micro_batch_size": 16, "lr": 3e-3, "checkpoint_every": 100},
         "data": {"format": "generated", "path": "copy_char", "generated_tasks": TASKS},
         "monitor": {"progress": False},
     }))

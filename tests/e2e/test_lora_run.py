@@ -30,13 +30,14 @@ def test_a_lora_run_publishes_adapters_that_the_explorer_loads(tmp_path, tiny_mo
 
     config = tmp_path / "lora.yaml"
     config.write_text(yaml.safe_dump({
-        "run": {"name": "lora-run", "mode": "sync", "max_steps": STEPS, "output_dir": str(tmp_path / "runs")},
+        "run": {"name": "lora-run", "mode": "sync", "max_steps": STEPS, "output_dir": str(tmp_path / "runs"),
+                "groups_per_step": 4},
         "model": {"path": str(tiny_model), "max_prompt_len": 8, "max_response_len": 1,
                   "lora": {"rank": 4, "alpha": 8.0}},
         "kafka": {"bootstrap_servers": "embedded", "partitions": 2},
         "explorer": {"replicas": 1, "n_samples": 4, "max_tokens": 1, "tasks_per_batch": 4, "reward": "char_accuracy",
                      "cpu_kvcache_gb": 0.25},
-        "trainer": {"groups_per_step": 4, "micro_batch_size": 16, "lr": 3e-2, "checkpoint_every": 100},
+        "trainer": {"micro_batch_size": 16, "lr": 3e-2, "checkpoint_every": 100},
         "data": {"format": "generated", "path": "copy_char", "generated_tasks": 200},
         "sync": {"keep_versions": STEPS + 2, "method": "pull", "timeout_s": 60},
         "monitor": {"progress": False},

@@ -29,13 +29,13 @@ def run_mode(tmp_path: Path, model: Path, mode: str, *, replicas: int, sync_meth
     name = f"mode-{mode}"
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump({
-        "run": {"name": name, "mode": mode, "max_staleness": 1, "max_steps": STEPS,
+        "run": {"name": name, "mode": mode, "max_staleness": 1, "max_steps": STEPS, "groups_per_step": 4,
                 "output_dir": str(tmp_path / "runs")},
         "model": {"path": str(model), "max_prompt_len": 8, "max_response_len": 1, **({"lora": lora} if lora else {})},
         "kafka": {"bootstrap_servers": "embedded", "partitions": 2},
         "explorer": {"replicas": replicas, "n_samples": 4, "max_tokens": 1, "tasks_per_batch": 4,
                      "reward": "char_accuracy", "admission": "staleness"},
-        "trainer": {"groups_per_step": 4, "micro_batch_size": 16, "lr": lr, "checkpoint_every": 100},
+        "trainer": {"micro_batch_size": 16, "lr": lr, "checkpoint_every": 100},
         "data": {"format": "generated", "path": "copy_char", "generated_tasks": 200, **(data or {})},
         "sync": {"method": sync_method, "timeout_s": 60},
         "monitor": {"progress": False},

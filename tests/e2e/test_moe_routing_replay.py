@@ -24,11 +24,11 @@ def test_moe_run_with_expert_parallelism_replays_the_explorers_routing(tmp_path,
     moe = make_tiny_model(tmp_path / "tiny-moe", arch="qwen3_moe", experts=4, experts_per_token=2)
     config = write_config(
         tmp_path, moe, "moe-replay",
-        run={"mode": "off_policy", "max_staleness": 1, "max_steps": STEPS},
+        run={"mode": "off_policy", "max_staleness": 1, "max_steps": STEPS, "groups_per_step": 2,
+             "routing_replay": True},
         kafka={"bootstrap_servers": bootstrap, "topic_prefix": topic_prefix},  # a broker that outlives the run
         explorer={"replicas": 1, "engine": "transformers", "max_tokens": 4, "tasks_per_batch": 2},
-        trainer={"groups_per_step": 2, "micro_batch_size": 4, "data_parallel": 2, "expert_parallel": 2,
-                 "routing_replay": True, "checkpoint_every": 100},
+        trainer={"micro_batch_size": 4, "data_parallel": 2, "expert_parallel": 2, "checkpoint_every": 100},
         eval={"sets": [{"name": "copy", "format": "generated", "path": "copy_char", "generated_tasks": 4, "seed": 7}],
               "n_samples": 2, "k": 1, "every_steps": STEPS},
         monitor={"progress": False})

@@ -38,12 +38,12 @@ def smollm2() -> Path:
 
 def short_config(tmp_path: Path, model: Path, *, bootstrap: str, prefix: str) -> Path:
     body = yaml.safe_load((REPO / "configs" / "smollm2-arithmetic.yaml").read_text())
-    body["run"].update(name="real-e2e", max_steps=STEPS, output_dir=str(tmp_path / "runs"))
+    body["run"].update(name="real-e2e", max_steps=STEPS, output_dir=str(tmp_path / "runs"), groups_per_step=2)
     body["kafka"].update(bootstrap_servers=bootstrap, topic_prefix=prefix)  # a broker that outlives the run
     body["model"]["path"] = str(model)
     body["explorer"].update(n_samples=4, max_tokens=8, tasks_per_batch=2)
     body["model"]["max_response_len"] = 8
-    body["trainer"].update(groups_per_step=2, micro_batch_size=8, operators=[])  # every group trains: 2 steps
+    body["trainer"].update(micro_batch_size=8, operators=[])  # every group trains: 2 steps
     body["data"]["generated_tasks"] = 40
     body["eval"]["sets"][0]["generated_tasks"] = 8
     body["eval"].update(max_tokens=8, every_steps=STEPS)

@@ -22,10 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 def replay(tmp_path: Path, name: str, *, model: Path, bootstrap: str, topic: str, start: str, end: str) -> Path:
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump({
-        "run": {"name": name, "max_steps": 50, "output_dir": str(tmp_path / "runs")},
+        "run": {"name": name, "max_steps": 50, "output_dir": str(tmp_path / "runs"), "groups_per_step": 2},
         "model": {"path": str(model)},
         "kafka": {"bootstrap_servers": bootstrap},
-        "trainer": {"groups_per_step": 2, "micro_batch_size": 8, "lr": 1e-3, "checkpoint_every": 100},
+        "trainer": {"micro_batch_size": 8, "lr": 1e-3, "checkpoint_every": 100},
         "algorithm": {"name": "sft"},
     }))
     result = subprocess.run([sys.executable, "-m", "rft.cli", "replay", str(config), "--topic", topic,

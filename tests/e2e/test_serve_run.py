@@ -61,10 +61,11 @@ def joined(cfg) -> tuple[list[str], list[str]]:
 def test_traffic_trains_the_served_model_and_a_killed_joiner_loses_and_repeats_nothing(tiny_model, tmp_path, bootstrap,
                                                                                      topic_prefix):
     port = free_port()
-    config = write_config(tmp_path, tiny_model, "serve-e2e", run={"mode": "serve", "max_steps": 2},
+    config = write_config(tmp_path, tiny_model, "serve-e2e",
+                          run={"mode": "serve", "max_steps": 2, "groups_per_step": GROUPS_PER_STEP},
                           kafka={"partitions": 1, "bootstrap_servers": bootstrap, "topic_prefix": topic_prefix},
                           explorer={"engine": "transformers"},
-                          trainer={"groups_per_step": GROUPS_PER_STEP, "checkpoint_every": 100},
+                          trainer={"checkpoint_every": 100},
                           serve={"port": port, "group_size": 2, "group_wait_s": 600})
     raw = yaml.safe_load(config.read_text())
     raw["model"].update(max_prompt_len=16, max_response_len=2)

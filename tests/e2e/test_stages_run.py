@@ -42,11 +42,12 @@ def write_config(tmp_path: Path, *, run_name: str, model: Path, bootstrap: str) 
                                for c in DIGITS))  # char_accuracy gives partial credit for any digit
     config = tmp_path / "two-stage.yaml"
     config.write_text(yaml.safe_dump({
-        "run": {"name": run_name, "mode": "sync", "max_steps": 2, "output_dir": str(tmp_path / "runs")},
+        "run": {"name": run_name, "mode": "sync", "max_steps": 2, "output_dir": str(tmp_path / "runs"),
+                "groups_per_step": 4},
         "model": {"path": str(model), "max_prompt_len": 8, "max_response_len": 2},
         "kafka": {"bootstrap_servers": bootstrap, "partitions": 2},
         "explorer": {"replicas": 1, "n_samples": 4, "max_tokens": 1, "tasks_per_batch": 4, "reward": "char_accuracy"},
-        "trainer": {"groups_per_step": 4, "micro_batch_size": 16, "lr": 3e-3, "checkpoint_every": 100},
+        "trainer": {"micro_batch_size": 16, "lr": 3e-3, "checkpoint_every": 100},
         "data": {"format": "jsonl", "path": str(dataset)},
         "sync": {"keep_versions": 8},
         "monitor": {"progress": False},

@@ -49,12 +49,13 @@ def test_dpo_trains_on_whole_pairs_against_a_frozen_reference(tmp_path, tiny_mod
 
     config = tmp_path / "dpo.yaml"
     config.write_text(yaml.safe_dump({
-        "run": {"name": run_name, "mode": "async", "max_steps": STEPS, "output_dir": str(tmp_path)},
+        "run": {"name": run_name, "mode": "async", "max_steps": STEPS, "output_dir": str(tmp_path),
+                "groups_per_step": PAIRS_PER_STEP},
         "model": {"path": str(tiny_model)},
         "kafka": {"bootstrap_servers": bootstrap, "partitions": 1},
         "algorithm": {"name": "dpo", "dpo_beta": 0.5},
-        "trainer": {"data_parallel": 2, "groups_per_step": PAIRS_PER_STEP, "micro_batch_size": 2, "lr": 1e-2,
-                    "checkpoint_every": STEPS, "poll_timeout_s": 60},
+        "trainer": {"data_parallel": 2, "micro_batch_size": 2, "lr": 1e-2, "checkpoint_every": STEPS,
+                    "poll_timeout_s": 60},
     }))
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

@@ -47,10 +47,10 @@ def test_trainer_drops_and_shapes_groups(tmp_path, tiny_model, bootstrap, topic_
     run_dir = tmp_path / "runs"
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({
-        "run": {"name": run_name, "mode": "async", "max_steps": 3, "output_dir": str(run_dir)},
+        "run": {"name": run_name, "mode": "async", "max_steps": 3, "output_dir": str(run_dir), "groups_per_step": 2},
         "model": {"path": str(tiny_model)},
         "kafka": {"bootstrap_servers": bootstrap, "partitions": 1}, "algorithm": ALGORITHMS[algorithm],
-        "trainer": {"groups_per_step": 2, "micro_batch_size": 4, "checkpoint_every": 100, "poll_timeout_s": 60,
+        "trainer": {"micro_batch_size": 4, "checkpoint_every": 100, "poll_timeout_s": 60,
                     "operators": ["zero_variance", {"name": "length_penalty", "start": START, "end": END,
                                                     "penalty": PENALTY}]},
         "monitor": {"progress": False},

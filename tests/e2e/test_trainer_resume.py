@@ -37,11 +37,11 @@ def write_config(path: Path, *, run_name: str, output_dir: Path, model: Path, bo
                  sections: dict | None = None) -> Path:
     """The trainer's config; `sections` adds sections (or replaces whole ones)."""
     path.write_text(yaml.safe_dump({
-        "run": {"name": run_name, "mode": "async", "max_steps": STEPS, "output_dir": str(output_dir)},
+        "run": {"name": run_name, "mode": "async", "max_steps": STEPS, "output_dir": str(output_dir),
+                "groups_per_step": GROUPS_PER_STEP},
         "model": {"path": str(model)},
         "kafka": {"bootstrap_servers": bootstrap, "partitions": 1},
-        "trainer": {"groups_per_step": GROUPS_PER_STEP, "micro_batch_size": 4, "lr": 1e-3, "checkpoint_every": 2,
-                    "poll_timeout_s": 60},
+        "trainer": {"micro_batch_size": 4, "lr": 1e-3, "checkpoint_every": 2, "poll_timeout_s": 60},
         "monitor": {"progress": True},
         **(sections or {}),
     }))

@@ -26,10 +26,9 @@ pytestmark = pytest.mark.integration
 
 def test_capacity_follows_versions_and_backlog(bootstrap, topic_prefix, tiny_model):
     cfg = config_from_dict({
-        "run": {"name": topic_prefix, "mode": "off_policy", "max_staleness": 1},
+        "run": {"name": topic_prefix, "mode": "off_policy", "max_staleness": 1, "groups_per_step": 4},
         "model": {"path": str(tiny_model)},
         "kafka": {"bootstrap_servers": bootstrap, "partitions": 2},
-        "trainer": {"groups_per_step": 4},
         "explorer": {"heartbeat_s": 5.0},
     })
     connect(cfg.kafka, bootstrap).admin().create_topics([cfg.topic("control")])
@@ -89,8 +88,8 @@ def test_a_refused_explorer_wakes_on_the_trainers_announcement(bootstrap, topic_
     """`wait` returns within a fraction of a second of a control message (no polling interval on sync mode's
     critical path), and the next `admit` reads the new version at once."""
     cfg = config_from_dict({
-        "run": {"name": topic_prefix, "mode": "sync"}, "model": {"path": str(tiny_model)},
-        "kafka": {"bootstrap_servers": bootstrap, "partitions": 1}, "trainer": {"groups_per_step": 2},
+        "run": {"name": topic_prefix, "mode": "sync", "groups_per_step": 2}, "model": {"path": str(tiny_model)},
+        "kafka": {"bootstrap_servers": bootstrap, "partitions": 1},
     })
     admin = connect(cfg.kafka, bootstrap).admin()
     admin.create_topics([cfg.topic("control"), cfg.topic("experiences")], partitions=1)
@@ -198,9 +197,8 @@ def test_async_explorers_wait_at_the_flow_control_bound(bootstrap, topic_prefix,
 
     def config(lead):
         return config_from_dict({
-            "run": {"name": topic_prefix, "mode": "async", "async_max_staleness": lead},
+            "run": {"name": topic_prefix, "mode": "async", "async_max_staleness": lead, "groups_per_step": 2},
             "model": {"path": str(tiny_model)}, "kafka": {"bootstrap_servers": bootstrap, "partitions": 1},
-            "trainer": {"groups_per_step": 2},
         })
     cfg = config(1)
     connect(cfg.kafka, bootstrap).admin().create_topics([cfg.topic("control"), cfg.topic("experiences")],

@@ -57,7 +57,7 @@ def run_config(tmp: Path, name: str, *, bootstrap: str, model: Path, mode: str) 
     raw = yaml.safe_load(path.read_text())
     raw["run"]["mode"] = mode
     raw["model"]["lora"] = {"rank": 4}
-    raw["trainer"] = {"groups_per_step": 2}
+    raw["run"]["groups_per_step"] = 2
     raw["data"]["generated_tasks"] = 8
     path.write_text(yaml.safe_dump(raw))
     return path

@@ -1,6 +1,6 @@
 """Issue 29, item 3, at the explorers: a workflow whose rewards are not the reward function's (an environment's
 return, a plugin workflow) can produce any number; an explorer produces no group holding a reward outside
-explorer.reward_min .. reward_max, it dead-letters the task with the reason and goes on. A real broker, the tiny
+run.reward_min .. reward_max, it dead-letters the task with the reason and goes on. A real broker, the tiny
 model on the transformers engine, the explorer in this process."""
 from __future__ import annotations
 
@@ -71,5 +71,5 @@ def test_an_explorer_dead_letters_a_group_with_a_reward_out_of_range(broker, tin
     assert all(s.reward <= 1 for g in experiences.groups for s in g.samples)
     reason = dict(dead.raw[0].headers)[HEADER_ERROR].decode()
     assert reason.startswith("task cannot be explored: samples[0]: reward 1e+308 is outside "
-                             "explorer.reward_min..explorer.reward_max"), reason
+                             "run.reward_min..run.reward_max"), reason
     assert explorer.stats.dead_letters == 1

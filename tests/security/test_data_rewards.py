@@ -2,7 +2,7 @@
 
 The attack of the issue: two feedback calls with `reward: 1e308` make GRPO's advantages NaN (the group mean
 overflows), and nothing between there and the optimizer stopped it. Each entry point now accepts only finite
-rewards in explorer.reward_min .. reward_max: the trainer's feed dead-letters a group outside it (here), `rft serve`
+rewards in run.reward_min .. reward_max: the trainer's feed dead-letters a group outside it (here), `rft serve`
 answers 400 (test_data_serve_feedback.py), explorers dead-letter the task. Behind that: a step with non-finite
 advantages is skipped and counted, non-finite weights are never published, and a stored version holding NaN is
 refused by every engine that follows the store (explorers and `rft serve`: WeightUpdates).

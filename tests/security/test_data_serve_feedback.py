@@ -1,6 +1,6 @@
 """Issue 29, item 3, the attack as the issue ran it: feedback with `reward: 1e308` on `rft serve` (real HTTP, a real
 broker, the tiny model on the transformers engine). Two such calls on one prompt's completions made the joiner's
-group mean overflow and GRPO's advantages NaN; now each is refused (400 naming explorer.reward_max) and nothing
+group mean overflow and GRPO's advantages NaN; now each is refused (400 naming run.reward_max) and nothing
 reaches the feedback topic, while a reward in range is still taken."""
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ pytestmark = [pytest.mark.integration]
 def test_feedback_rewards_outside_the_range_are_refused(broker, tiny_model, tmp_path):
     cfg = config_from_dict({
         "run": {"name": f"serve-poison-{int(time.time() * 1000) % 10**8}", "mode": "serve",
-                "output_dir": str(tmp_path / "runs")},
+                "output_dir": str(tmp_path / "runs"), "reward_min": -10, "reward_max": 10},
         "model": {"path": str(tiny_model), "max_prompt_len": 32, "max_response_len": 8},
         "kafka": {"bootstrap_servers": broker.bootstrap_servers, "partitions": 1},
-        "explorer": {"engine": "transformers", "reward_min": -10, "reward_max": 10},
+        "explorer": {"engine": "transformers"},
         "serve": {"group_size": 2, "group_wait_s": 1.0},
         "sync": {"weight_store": str(tmp_path / "store")},
     })
@@ -38,7 +38,7 @@ def test_feedback_rewards_outside_the_range_are_refused(broker, tiny_model, tmp_
             refused = post({"id": answer["id"], "reward": 1e308, "index": index})
             assert refused.status_code == 400, refused.text
             error = refused.json()["error"]
-            assert "explorer.reward_max" in error["message"] and error["param"] == "feedback.reward", error
+            assert "run.reward_max" in error["message"] and error["param"] == "feedback.reward", error
         assert post({"id": answer["id"], "reward": 10.5, "index": 0}).status_code == 400  # just past the end
         assert post({"id": answer["id"], "reward": -10.0, "index": 0}).json()["accepted"] == 1  # its end: taken
         assert post({"id": answer["id"], "reward": 1.0, "index": 1}).json()["accepted"] == 1

@@ -31,13 +31,13 @@ COMMON_OPTIONS = ["--export=ALL", f"--time={JOB_MINUTES}", "--cpus-per-task=1"] 
 
 def write_config(path: Path, *, run: str, model: Path, output_dir: Path) -> Path:
     path.write_text(yaml.safe_dump({
-        "run": {"name": run, "mode": "async", "max_steps": STEPS, "output_dir": str(output_dir)},
+        "run": {"name": run, "mode": "async", "max_steps": STEPS, "output_dir": str(output_dir),
+                "groups_per_step": GROUPS_PER_STEP},
         "model": {"path": str(model), "max_prompt_len": 8, "max_response_len": 1},
         "kafka": {"bootstrap_servers": "embedded", "partitions": EXPLORERS},
         "explorer": {"n_samples": 4, "max_tokens": 1, "tasks_per_batch": 2, "reward": "char_accuracy",
                      "heartbeat_s": 1.0, "cpu_kvcache_gb": 0.1, "gpu_memory_utilization": 0.1},
-        "trainer": {"groups_per_step": GROUPS_PER_STEP, "micro_batch_size": 8, "lr": 3e-3, "checkpoint_every": 100,
-                    "data_parallel": TRAINER_NODES},
+        "trainer": {"micro_batch_size": 8, "lr": 3e-3, "checkpoint_every": 100, "data_parallel": TRAINER_NODES},
         "data": {"format": "generated", "path": "copy_char", "generated_tasks": 64},
         "monitor": {"progress": False},
     }))

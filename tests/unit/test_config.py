@@ -85,7 +85,7 @@ def test_saved_resolved_config_round_trips(tmp_path, model_dir):
     ({"explorer": {"continuous": True, "inflight_updates": True}, "model": {"lora": {"rank": 8}}}, [],
      r"explorer.inflight_updates: reloads whole models in flight"),
     ({"explorer": {"continuous": True, "inflight_updates": True, "inflight_kv": "keep"},
-      "trainer": {"routing_replay": True}}, [], r"explorer.inflight_kv: keep turns vLLM's prefix cache off"),
+      "run": {"routing_replay": True}}, [], r"explorer.inflight_kv: keep turns vLLM's prefix cache off"),
     ({"explorer": {"inflight_kv": "later"}}, [], r"explorer.inflight_kv: must be one of recompute, keep"),
     ({}, ["trainer.mismatch_ratio=1"], r"trainer.mismatch_ratio: must be > 1"),
     ({}, ["explorer.max_inflight=0"], r"explorer.max_inflight: must be >= 1, got 0"),

@@ -45,12 +45,13 @@ def chord_config(tmp_path: Path, *, max_steps: int, algorithm: dict | None = Non
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps({"vocab_size": 128}))
     return config_from_dict({
-        "run": {"name": "run", "mode": "train", "max_steps": max_steps, "output_dir": str(tmp_path)},
+        "run": {"name": "run", "mode": "train", "max_steps": max_steps, "output_dir": str(tmp_path),
+                "groups_per_step": 2},
         "model": {"path": str(model)},
         "kafka": {"bootstrap_servers": "memory"},
         "algorithm": algorithm or {"name": "chord", "chord_groups_per_step": 2, "chord_mu_start": 0.9,
                                    "chord_mu_end": 0.1, "chord_mu_steps": 2, "chord_mu_schedule": "linear"},
-        "trainer": {"groups_per_step": 2, "micro_batch_size": 3, "checkpoint_every": 1, "poll_timeout_s": 2.0},
+        "trainer": {"micro_batch_size": 3, "checkpoint_every": 1, "poll_timeout_s": 2.0},
         "monitor": {"progress": False},
     })
 

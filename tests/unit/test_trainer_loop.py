@@ -84,16 +84,16 @@ class StandInPolicy:
         pass
 
 
-def make_config(tmp_path: Path, **trainer):
+def make_config(tmp_path: Path, *, groups_per_step: int = 2, **trainer):
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps({"vocab_size": 128}))
     return config_from_dict({
-        "run": {"name": "run", "mode": "off_policy", "max_staleness": 1, "max_steps": 3, "output_dir": str(tmp_path)},
+        "run": {"name": "run", "mode": "off_policy", "max_staleness": 1, "max_steps": 3, "output_dir": str(tmp_path),
+                "groups_per_step": groups_per_step},
         "model": {"path": str(model)},
         "kafka": {"bootstrap_servers": "memory"},
-        "trainer": {"groups_per_step": 2, "micro_batch_size": 4, "checkpoint_every": 1, "poll_timeout_s": 2.0,
-                    **trainer},
+        "trainer": {"micro_batch_size": 4, "checkpoint_every": 1, "poll_timeout_s": 2.0, **trainer},
         "monitor": {"progress": False},
     })
 
