@@ -35,7 +35,6 @@ from rft.registry import Registry
 if TYPE_CHECKING:
     import torch
 
-    from rft.run.config import Config
 else:  # imported by the first loss computed, not by a config check (rft/lazy.py)
     torch = lazy("torch")
 
@@ -68,9 +67,9 @@ class Demonstrations:
     groups_per_step: int
     topic: str = ""  # empty: the run's `<run>.demonstrations`
 
-    def topic_of(self, cfg: Config) -> str:
-        """The topic the demonstrations are read from in the run `cfg`."""
-        return self.topic or cfg.topic("demonstrations")
+    def topic_of(self, run_topic: str) -> str:
+        """The topic the demonstrations are read from: `topic`, else `run_topic` (the run's `<run>.demonstrations`)."""
+        return self.topic or run_topic
 
 
 @dataclass(frozen=True)

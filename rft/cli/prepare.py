@@ -77,7 +77,8 @@ def prepare_topics(cfg: Config, roles: tuple[str, ...], *, online: bool) -> bool
     if cfg.replay.from_data and not publish_run_demonstrations(cfg, cfg.replay.topic or cfg.topic("experiences")):
         return False
     demonstrations = build_algorithm(cfg.algorithm).needs.demonstrations if "trainer" in roles else None
-    if demonstrations is not None and not publish_run_demonstrations(cfg, demonstrations.topic_of(cfg)):
+    demonstrations_topic = demonstrations.topic_of(cfg.topic("demonstrations")) if demonstrations else ""
+    if demonstrations is not None and not publish_run_demonstrations(cfg, demonstrations_topic):
         return False  # the demonstrations the algorithm mixes into its steps
     return True
 

@@ -179,8 +179,8 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict, t
                    announce=announce, publisher=publisher)
     demonstrations = build_algorithm(cfg.algorithm).needs.demonstrations
     if demonstrations is not None:
-        io.demonstrations_opener = lambda state: _open_demonstrations(cfg, demonstrations.topic_of(cfg), transport,
-                                                                      state)
+        demonstrations_topic = demonstrations.topic_of(cfg.topic("demonstrations"))
+        io.demonstrations_opener = lambda state: _open_demonstrations(cfg, demonstrations_topic, transport, state)
     return io
 
 
