@@ -115,7 +115,7 @@ test-deps: venv system-deps $(SMOLLM2)/config.json $(MOTO) lint typecheck byteco
 # where PYTHONDONTWRITEBYTECODE is set, as on these machines, every process of the suite would otherwise compile each
 # module of rft it imports again (0.3 s of CPU for the explorer's and the trainer's imports, hundreds of processes)
 bytecode: venv
-	$(BIN)/python -m compileall -q rft megatron_bridge tests tools
+	$(BIN)/python -m compileall -q rft megatron_bridge benchmarks tests tools
 
 test-fast: venv
 	$(BIN)/python -m pytest tests/unit
