@@ -1,12 +1,15 @@
 """An admission hook for tests (`explorer.admission: tests.integration.slow_admission:SlowAdmission`): admits one
 task per batch, after a pause, so that an explorer is still busy when a test kills it. It also exercises the
-Admission interface: partial admission (the rest is given back to the topic) and the finish/fail notifications."""
+Admission interface: partial admission (the rest is given back to the topic) and the finish/fail notifications; the
+rest of the interface (set_version, wait, close) it takes from `AdmitAll`, as a plug-in may."""
 from __future__ import annotations
 
 import time
 
+from rft.explorer.admission import AdmitAll
 
-class SlowAdmission:
+
+class SlowAdmission(AdmitAll):
     PAUSE_S = 1.0
 
     def __init__(self, cfg, explorer_id: str):
@@ -22,13 +25,3 @@ class SlowAdmission:
 
     def fail(self, n: int) -> None:
         self.failed += n
-
-    def set_version(self, version: int) -> None:
-        pass
-
-    def wait(self, timeout_s: float) -> bool:
-        time.sleep(timeout_s)
-        return False
-
-    def close(self) -> None:
-        pass
