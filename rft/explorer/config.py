@@ -76,7 +76,9 @@ class MembershipOptions(Section):
 @dataclass(frozen=True)
 class ExplorerConfig(MembershipOptions, AdmissionOptions, LoopOptions, PythonToolOptions, ToolOptions, JudgeOptions,
                      RewardOptions, WorkflowOptions, SamplingOptions, EngineOptions):
-    """The `explorer` section: its owners' keys (see the module docstring) and the fleet's size."""
+    """One flat `explorer:` mapping whose keys the components that use them declare: the engine and sampling, the
+    workflow, the reward and its judge, the tools, and the explorer's own loops, admission and membership;
+    `replicas` is the fleet's size."""
     KEY = "explorer"
     replicas: int = option(1, range=at_least(0),
         help="explorers `rft run` starts in modes with explorers; also the fixed fleet a push serves (sync.method "
