@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Literal
 from rft.algorithms.aggregation import aggregate, behaviour_kl, check_micro_batch
 from rft.algorithms.grpo import GRPO, GRPOOptions
 from rft.algorithms.registry import Demonstrations, Metrics, MicroBatch, Needs, register
-from rft.config import ConfigError
+from rft.config import COUNT, Range, at_least, option
 from rft.lazy import lazy
 
 if TYPE_CHECKING:
@@ -47,26 +47,20 @@ def sft_weight(step: float, *, start: float, end: float, steps: int, schedule: s
     raise ValueError(f"algorithm.chord_mu_schedule: must be linear or cosine, got {schedule!r}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChordOptions(GRPOOptions):
     """GRPO's keys (the RL part) and the schedule and feed of the demonstrations."""
-    chord_mu_start: float = 0.9  # the SFT weight mu at step 1
-    chord_mu_end: float = 0.05  # mu from step chord_mu_steps + 1 on
-    chord_mu_steps: int = 100  # steps over which mu goes from chord_mu_start to chord_mu_end
-    chord_mu_schedule: Literal["linear", "cosine"] = "cosine"  # the shape of mu's decay
-    chord_topic: str = ""  # the topic of demonstration groups; empty: <run>.demonstrations (rft run fills it from data)
-    chord_groups_per_step: int = 2  # demonstration groups mixed into each step (besides run.groups_per_step)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("chord_mu_start", "chord_mu_end"):
-            value = getattr(self, key)
-            if not 0 <= value <= 1:
-                raise ConfigError(f"algorithm.{key}: must be in [0, 1] (the SFT share of the loss), got {value}")
-        if self.chord_mu_steps < 0:
-            raise ConfigError(f"algorithm.chord_mu_steps: must be >= 0, got {self.chord_mu_steps}")
-        if self.chord_groups_per_step < 1:
-            raise ConfigError(f"algorithm.chord_groups_per_step: must be >= 1, got {self.chord_groups_per_step}")
+    chord_mu_start: float = option(0.9, range=Range(0, 1, note="the SFT share of the loss"),
+        help="the SFT weight mu at step 1")
+    chord_mu_end: float = option(0.05, range=Range(0, 1, note="the SFT share of the loss"),
+        help="mu from step chord_mu_steps + 1 on")
+    chord_mu_steps: int = option(100, range=at_least(0),
+        help="steps over which mu goes from chord_mu_start to chord_mu_end")
+    chord_mu_schedule: Literal["linear", "cosine"] = option("cosine", help="the shape of mu's decay")
+    chord_topic: str = option("",
+        help="the topic of demonstration groups; empty: <run>.demonstrations (rft run fills it from data)")
+    chord_groups_per_step: int = option(2, range=COUNT,
+        help="demonstration groups mixed into each step (besides run.groups_per_step)")
 
 
 @register("chord", options=ChordOptions)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from rft.algorithms.aggregation import token_metric
-from rft.config import ConfigError
+from rft.config import PROBABILITY, Range, Section, SectionError, at_least, option
 from rft.lazy import lazy
 
 if TYPE_CHECKING:
@@ -36,39 +36,34 @@ else:  # imported by the first loss computed, not by a config check (rft/lazy.py
 IMPORTANCE_SAMPLING = ("tis", "mis")
 
 
-@dataclass
-class CorrectionOptions:
+@dataclass(frozen=True)
+class CorrectionOptions(Section):
     """The keys of the off-policy correction (module docstring); every policy-gradient algorithm's options extend
     this dataclass."""
-    # decoupled PPO: the trust region centred on the policy the step starts from, each token weighted by its behaviour
-    # weight (importance_sampling); correct on old experiences
-    off_policy_correction: bool = False
-    # off_policy_correction's token weight of rho = pi_prox / pi_behav: tis min(rho, importance_cap); mis rho inside
-    # [importance_floor, importance_cap], else 0 (IcePop's token mask)
-    importance_sampling: Literal["tis", "mis"] = "tis"
-    # off_policy_correction: tis truncates the behaviour weight here; mis masks tokens above it
-    importance_cap: float = 2.0
-    importance_floor: float = 0.5  # off_policy_correction with mis: tokens whose rho is below it leave the loss
-    # off_policy_correction: a sample whose geometric-mean rho is outside [1/sequence_mask, sequence_mask] leaves the
-    # loss (IcePop-style sequence masking); null: none
-    sequence_mask: float | None = None
+    KEY = "algorithm"
+    off_policy_correction: bool = option(False,
+        help="decoupled PPO: the trust region centred on the policy the step starts from, each token weighted by its "
+        "behaviour weight (importance_sampling); correct on old experiences")
+    importance_sampling: Literal["tis", "mis"] = option("tis",
+        help="off_policy_correction's token weight of rho = pi_prox / pi_behav: tis min(rho, importance_cap); mis rho "
+        "inside [importance_floor, importance_cap], else 0 (IcePop's token mask)")
+    importance_cap: float = option(2.0, range=at_least(1),
+        help="off_policy_correction: tis truncates the behaviour weight here; mis masks tokens above it")
+    importance_floor: float = option(0.5, range=PROBABILITY,
+        help="off_policy_correction with mis: tokens whose rho is below it leave the loss")
+    sequence_mask: float | None = option(None, range=Range(low=1, low_open=True, note="null: off"),
+        help="off_policy_correction: a sample whose geometric-mean rho is outside [1/sequence_mask, sequence_mask] "
+        "leaves the loss (IcePop-style sequence masking); null: none")
 
-    def check_correction(self) -> None:
-        """Ranges and combinations; ConfigError naming `algorithm.<key>`."""
-        if not (math.isfinite(self.importance_cap) and self.importance_cap >= 1):
-            raise ConfigError(f"algorithm.importance_cap: must be a finite number >= 1, got {self.importance_cap}")
-        if not 0 <= self.importance_floor <= 1:
-            raise ConfigError(f"algorithm.importance_floor: must be in [0, 1], got {self.importance_floor}")
-        if self.sequence_mask is not None and not (math.isfinite(self.sequence_mask) and self.sequence_mask > 1):
-            raise ConfigError(f"algorithm.sequence_mask: must be a finite number > 1 (the band [1/H, H] of the "
-                              f"geometric-mean ratio; null: off), got {self.sequence_mask}")
+    def validate(self) -> None:
+        """The combinations (the ranges are the fields')."""
         if not self.off_policy_correction:
             if self.importance_sampling != "tis":
-                raise ConfigError(f"algorithm.importance_sampling: {self.importance_sampling} weights the decoupled "
-                                  "objective; set algorithm.off_policy_correction: true")
+                raise SectionError("importance_sampling", f"{self.importance_sampling} weights the decoupled "
+                                   "objective; set algorithm.off_policy_correction: true")
             if self.sequence_mask is not None:
-                raise ConfigError("algorithm.sequence_mask: masks by the behaviour ratio of the decoupled objective; "
-                                  "set algorithm.off_policy_correction: true")
+                raise SectionError("sequence_mask", "masks by the behaviour ratio of the decoupled objective; set "
+                                   "algorithm.off_policy_correction: true")
 
 
 def sequence_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from rft.algorithms.aggregation import check_micro_batch
 from rft.algorithms.registry import Algorithm, Metrics, MicroBatch, Needs, register, zero_advantages
+from rft.config import FINITE, Section, option
 from rft.lazy import lazy
 
 if TYPE_CHECKING:
@@ -24,10 +25,11 @@ else:  # imported by the first loss, not by a config check (rft/lazy.py)
     torch, F = lazy("torch"), lazy("torch.nn.functional")
 
 
-@dataclass
-class DPOOptions:
-    # the inverse temperature of the preference margin (the strength of the pull away from the reference)
-    dpo_beta: float = 0.1
+@dataclass(frozen=True)
+class DPOOptions(Section):
+    KEY = "algorithm"
+    dpo_beta: float = option(0.1, range=FINITE,
+        help="the inverse temperature of the preference margin (the strength of the pull away from the reference)")
 
 
 @register("dpo", options=DPOOptions)

@@ -29,7 +29,7 @@ import numpy as np
 from rft.algorithms.aggregation import aggregate, check_micro_batch, k3, token_metric
 from rft.algorithms.correction import CorrectionOptions, behaviour_weight
 from rft.algorithms.registry import Algorithm, Metrics, MicroBatch, Needs, register
-from rft.config import ConfigError
+from rft.config import POSITIVE, Range, at_least, option
 from rft.lazy import lazy
 
 if TYPE_CHECKING:
@@ -40,33 +40,23 @@ else:  # imported by the first loss computed, not by a config check (rft/lazy.py
 ADVANTAGE_EPS = 1e-6
 
 
-@dataclass
+@dataclass(frozen=True)
 class GRPOOptions(CorrectionOptions):
     """The keys of grpo, rloo, reinforce_pp, gspo and cispo (and of the algorithms built on them: ppo, chord,
-    on_policy_distill, whose options add their own); the off-policy correction's are CorrectionOptions'."""
-    # the ratio's clip range on both sides (unless clip_eps_low / clip_eps_high); not used by gspo and cispo
-    clip_eps: float = 0.2
-    # clip below at 1 - clip_eps_low; null: the algorithm's default (docs/algorithms.md)
-    clip_eps_low: float | None = None
-    # clip above at 1 + clip_eps_high (DAPO's clip-higher: 0.28); null: the algorithm's default
-    clip_eps_high: float | None = None
-    kl_coef: float = 0.0  # weight of the k3 KL term to the frozen reference model (> 0 loads the reference); 0: none
-    # token_mean: over all loss tokens of the step (DAPO); seq_mean: per sequence first (gspo: always)
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
-    # divide group-centred rewards by the group std (false: Dr. GRPO); not used by rloo, reinforce_pp and ppo
-    std_normalize: bool = True
-
-    def __post_init__(self) -> None:
-        """Ranges (combinations an algorithm refuses are its own ConfigError, when it is built)."""
-        self.check_correction()
-        if not self.clip_eps > 0:
-            raise ConfigError(f"algorithm.clip_eps: must be > 0, got {self.clip_eps}")
-        if self.clip_eps_low is not None and not 0 < self.clip_eps_low <= 1:
-            raise ConfigError(f"algorithm.clip_eps_low: must be in (0, 1] (1: no lower bound), got {self.clip_eps_low}")
-        if self.clip_eps_high is not None and not self.clip_eps_high > 0:
-            raise ConfigError(f"algorithm.clip_eps_high: must be > 0, got {self.clip_eps_high}")
-        if not self.kl_coef >= 0:
-            raise ConfigError(f"algorithm.kl_coef: must be >= 0, got {self.kl_coef}")
+    on_policy_distill, whose options add their own); the off-policy correction's are CorrectionOptions'. Their
+    ranges are the fields'; combinations an algorithm refuses are its own ConfigError, when it is built."""
+    clip_eps: float = option(0.2, range=POSITIVE,
+        help="the ratio's clip range on both sides (unless clip_eps_low / clip_eps_high); not used by gspo and cispo")
+    clip_eps_low: float | None = option(None, range=Range(0, 1, low_open=True, note="1: no lower bound"),
+        help="clip below at 1 - clip_eps_low; null: the algorithm's default (docs/algorithms.md)")
+    clip_eps_high: float | None = option(None, range=POSITIVE,
+        help="clip above at 1 + clip_eps_high (DAPO's clip-higher: 0.28); null: the algorithm's default")
+    kl_coef: float = option(0.0, range=at_least(0, "0: none"),
+        help="weight of the k3 KL term to the frozen reference model (> 0 loads the reference); 0: none")
+    loss_agg: Literal["token_mean", "seq_mean"] = option("token_mean",
+        help="token_mean: over all loss tokens of the step (DAPO); seq_mean: per sequence first (gspo: always)")
+    std_normalize: bool = option(True,
+        help="divide group-centred rewards by the group std (false: Dr. GRPO); not used by rloo, reinforce_pp and ppo")
 
 
 @register("grpo", options=GRPOOptions)

@@ -17,14 +17,13 @@ Metrics: GRPO's, plus `teacher_kl`, the token mean of k_t.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rft.algorithms.aggregation import token_metric
 from rft.algorithms.grpo import GRPO, GRPOOptions
 from rft.algorithms.registry import Metrics, MicroBatch, Needs, register
-from rft.config import ConfigError
+from rft.config import ConfigError, at_least, option
 from rft.lazy import lazy
 
 if TYPE_CHECKING:
@@ -33,19 +32,14 @@ else:  # imported by the first loss computed, not by a config check (rft/lazy.py
     torch = lazy("torch")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DistillOptions(GRPOOptions):
     """GRPO's keys (the clipped surrogate) and the teacher's."""
-    teacher_path: str = ""  # required: the teacher's HF model directory (same vocabulary as model.path)
-    distill_coef: float = 1.0  # weight of the per-token advantage -(logp - teacher)
-    distill_reward_coef: float = 0.0  # weight of the reward (GRPO group) advantage; 0: none
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("distill_coef", "distill_reward_coef"):
-            value = getattr(self, key)
-            if not (math.isfinite(value) and value >= 0):
-                raise ConfigError(f"algorithm.{key}: must be a finite number >= 0, got {value}")
+    teacher_path: str = option("",
+        help="required: the teacher's HF model directory (same vocabulary as model.path)")
+    distill_coef: float = option(1.0, range=at_least(0), help="weight of the per-token advantage -(logp - teacher)")
+    distill_reward_coef: float = option(0.0, range=at_least(0, "0: none"),
+        help="weight of the reward (GRPO group) advantage; 0: none")
 
 
 @register("on_policy_distill", options=DistillOptions)

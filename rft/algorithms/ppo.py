@@ -28,7 +28,7 @@ import numpy as np
 from rft.algorithms.aggregation import aggregate, check_micro_batch, token_metric
 from rft.algorithms.grpo import GRPO, GRPOOptions, finite_rewards
 from rft.algorithms.registry import Critic, Metrics, MicroBatch, Needs, register
-from rft.config import ConfigError
+from rft.config import POSITIVE, PROBABILITY, Range, option
 from rft.lazy import lazy
 
 if TYPE_CHECKING:
@@ -74,25 +74,19 @@ def token_moments(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]
     return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class PPOOptions(GRPOOptions):
     """GRPO's keys (the policy loss) and the critic's."""
-    gamma: float = 1.0  # GAE discount per response token
-    lam: float = 0.95  # GAE lambda (1: Monte-Carlo returns minus values; 0: one-step TD)
-    value_clip: float | None = 0.2  # the value loss clips V to V_old +- value_clip; null: unclipped
-    whiten_advantages: bool = True  # normalise GAE advantages to mean 0, std 1 over the step's loss tokens
-    critic_lr: float = 1.0e-5  # the critic's own Adam learning rate
-    critic_path: str = ""  # HF directory the critic's trunk starts from; empty: model.path (the policy's)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("gamma", "lam"):
-            if not 0 <= getattr(self, key) <= 1:
-                raise ConfigError(f"algorithm.{key}: must be in [0, 1], got {getattr(self, key)}")
-        if self.value_clip is not None and not self.value_clip > 0:
-            raise ConfigError(f"algorithm.value_clip: must be > 0 (null: no clipping), got {self.value_clip}")
-        if not self.critic_lr > 0:
-            raise ConfigError(f"algorithm.critic_lr: must be > 0, got {self.critic_lr}")
+    gamma: float = option(1.0, range=PROBABILITY, help="GAE discount per response token")
+    lam: float = option(0.95, range=PROBABILITY,
+        help="GAE lambda (1: Monte-Carlo returns minus values; 0: one-step TD)")
+    value_clip: float | None = option(0.2, range=Range(low=0, low_open=True, note="null: no clipping"),
+        help="the value loss clips V to V_old +- value_clip; null: unclipped")
+    whiten_advantages: bool = option(True,
+        help="normalise GAE advantages to mean 0, std 1 over the step's loss tokens")
+    critic_lr: float = option(1.0e-5, range=POSITIVE, help="the critic's own Adam learning rate")
+    critic_path: str = option("",
+        help="HF directory the critic's trunk starts from; empty: model.path (the policy's)")
 
 
 @register("ppo", options=PPOOptions)

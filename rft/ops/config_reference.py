@@ -4,30 +4,17 @@ reference cannot drift.
 `python -m rft.ops.config_reference` rewrites docs/config.md; `--check` exits 1 if the file is not current (a test
 runs the check in CI). Either fails, naming every dotted key, when a key has no description.
 
-A section key's description is its field's `help` (`rft.config.option`, beside the component that owns it). The
-`algorithm` section lists every key of the registered algorithms' options (rft/algorithms/), whose descriptions are
-the comments written with their fields, in one of two forms:
-
-    # One or more comment lines directly above the field
-    # (no blank line between), joined into one line.
-    name: int = 1
-    other: int = 2  # or a comment at the end of the field's own line(s)
-
-A field with both is an error (a note meant for several fields stands apart, above a blank line). Comments are read
-with Python's tokenizer and the fields' lines with its parser, so a `#` inside a default or a default spanning
-several lines is no trouble. A section's class docstring becomes the paragraph above its table; an algorithm key is
-listed once, with the algorithms that take it.
+Every key's description is its field's `help` (`rft.config.option`, declared beside the component that owns it),
+sections and the algorithms' options alike. A section's class docstring becomes the paragraph above its table, with
+the modules that declare its keys; the `algorithm` section lists every key of the registered algorithms' options
+(rft/algorithms/) once, with the algorithms that take it.
 """
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import inspect
-import io
 import sys
-import textwrap
-import tokenize
 import types
 import typing
 from pathlib import Path
@@ -57,45 +44,6 @@ class ConfigReferenceError(ValueError):
     def __init__(self, message: str, keys: list[str]):
         super().__init__(message)
         self.keys = keys
-
-
-def field_descriptions(cls: type, prefix: str = "") -> dict[str, str]:
-    """{field name: description} of the fields of dataclass `cls` that have one, read from its source (the forms are
-    in the module docstring; lines of a block joined by one space). Raises ConfigReferenceError naming the key
-    (`prefix.field`, else `ClassName.field`) when a field has both a comment block above it and one on its line."""
-    source = textwrap.dedent(inspect.getsource(cls))
-    lines = source.splitlines()
-    comments: dict[int, str] = {}  # line number (1-based) -> comment text
-    alone: set[int] = set()  # lines holding nothing but a comment
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            row, col = token.start
-            comments[row] = token.string.lstrip("#").strip()
-            if not lines[row - 1][:col].strip():
-                alone.add(row)
-    class_node = next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef))
-    out: dict[str, str] = {}
-    previous_end = class_node.lineno
-    for node in class_node.body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            name = node.target.id
-            end = node.end_lineno or node.lineno
-            on_line = [comments[r] for r in range(node.lineno, end + 1) if r in comments]
-            above: list[str] = []
-            row = node.lineno - 1
-            while row > previous_end and row in alone:
-                above.insert(0, comments[row])
-                row -= 1
-            if above and on_line:
-                key = f"{prefix or cls.__name__}.{name}"
-                raise ConfigReferenceError(
-                    f"{key}: described twice, above the field ({' '.join(above)!r}) and on its line "
-                    f"({' '.join(on_line)!r}); keep one (a note for several fields goes above a blank line)", [key])
-            text = " ".join(part for part in above or on_line if part)
-            if text:
-                out[name] = text
-        previous_end = node.end_lineno or node.lineno
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,10 +101,8 @@ def _algorithm_rows(prefix: str) -> list[Row]:
             fields.setdefault(f.name, (options, f))
     out = []
     for key, (options, f) in fields.items():
-        descriptions = {k: v for klass in reversed(options.__mro__) if dataclasses.is_dataclass(klass)
-                        for k, v in field_descriptions(klass, f"{prefix}.{klass.__name__}").items()}
         tp = typing.get_type_hints(options)[key]
-        text = descriptions.get(key, "")
+        text = f.metadata.get(HELP, "")
         out.append(Row(f"{prefix}.{key}", _type_name(tp), _default(f),
                        f"{', '.join(sorted(takers[key]))}: {text}" if text else ""))
     return out
@@ -168,8 +114,7 @@ def check_descriptions(root: type = Config) -> None:
     if missing:
         raise ConfigReferenceError(
             f"{len(missing)} config keys have no description: {', '.join(missing)}. Describe each with "
-            "`option(..., help=...)` where its section is declared, or, for an algorithm's options (rft/algorithms/), "
-            "a comment on its field's line or comment lines directly above the field", missing)
+            "`option(..., help=...)` where its section (or its algorithm's options class) is declared", missing)
 
 
 def render(root: type = Config) -> str:

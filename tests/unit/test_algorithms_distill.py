@@ -120,7 +120,7 @@ def test_distill_gradient_is_the_reverse_kl_gradient():
 def test_distill_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="algorithm.teacher_path: on_policy_distill needs"):
         build_algorithm(AlgorithmConfig.of(name="on_policy_distill"))
-    with pytest.raises(ConfigError, match="algorithm.distill_coef: must be a finite number >= 0"):
+    with pytest.raises(ConfigError, match="algorithm.distill_coef: must be >= 0, got -1"):
         build_algorithm(AlgorithmConfig.of(name="on_policy_distill", teacher_path=TEACHER, distill_coef=-1.0))
     with pytest.raises(ConfigError, match="algorithm.distill_coef: with distill_reward_coef also 0"):
         build_algorithm(AlgorithmConfig.of(name="on_policy_distill", teacher_path=TEACHER, distill_coef=0.0))
