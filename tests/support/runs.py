@@ -1,18 +1,18 @@
 """Waiting on and checking whole `rft run`s in the e2e tests (tests/e2e/test_run_faults.py, test_durable_run.py,
 ...); starting them and reading their files is benchmarks/runs.py's, shared with `rft chaos`.
 
-Failures (a run that ends early, a step that does not come, a run that does not finish) raise `RunFailed` (an
-AssertionError, so a test shows its message as a failed assertion) with the tail of the run's log.
+Failures (a run that ends early, a step that does not come, a run that does not finish) raise an AssertionError
+(`RunFailed`, or tests.waiting's `WaitTimeout`) with the tail of the run's log.
 """
 from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 from benchmarks.runs import GROUPS_PER_STEP, consumed, last_step, latest_checkpoint_state, log_tail, read_topic
 from rft.processes import signal_group
+from tests.waiting import wait_until
 
 
 class RunFailed(AssertionError):
@@ -20,13 +20,10 @@ class RunFailed(AssertionError):
 
 
 def wait_for_step(process: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while last_step(run_dir) < step:
-        if process.poll() is not None:
-            raise RunFailed(f"run ended early ({process.returncode}):\n{log_tail(log)}")
-        if time.monotonic() > deadline:
-            raise RunFailed(f"no step {step} after {timeout_s} s:\n{log_tail(log)}")
-        time.sleep(0.5)
+    """Until the run's metrics reach `step`; WaitTimeout (an AssertionError) with the log's tail when the run ends
+    first or `timeout_s` passes."""
+    wait_until(lambda: last_step(run_dir) >= step, timeout=timeout_s, what=f"step {step}", interval=0.5,
+               alive=[process], context=lambda: log_tail(log))
 
 
 def finish(process: subprocess.Popen, log: Path, timeout_s: float = 400) -> int:
