@@ -29,7 +29,7 @@ from rft.explorer.config import ExplorerConfig
 from rft.models.config import ModelConfig, chat_template_problem
 from rft.observability.config import MonitorConfig
 from rft.serve.config import ServeConfig
-from rft.trainer.config import ReplayBufferConfig, ReplayConfig, TrainerConfig
+from rft.trainer.config import ReplayBufferConfig, ReplayConfig, TrainerConfig, pool_problem
 from rft.transport.config import KafkaConfig
 from rft.weights.config import SyncConfig
 
@@ -237,6 +237,12 @@ def check_semantics(cfg: Config, source: str) -> None:
     require(not lora.rank or not trainer.pack_sequences, "model.lora.rank",
             "LoRA adapters use megatron's local layer spec, which cannot pack sequences: set trainer.pack_sequences "
             "false")
+    waits = run_mode.explorers and explorer.admission == "staleness"
+    if refused := pool_problem(policy=trainer.staleness_policy, pool=trainer.staleness_pool,
+                               window=trainer.staleness_window, groups_per_step=cfg.run.groups_per_step,
+                               admission_bound=modes.admission_bound(cfg.run.mode, cfg.run.max_staleness,
+                                                                     cfg.run.async_max_staleness) if waits else None):
+        require(False, f"trainer.{refused[0]}", f"cannot make progress: {refused[1]}")
     problem = chat_template_problem(cfg.model)
     require(problem is None, "model.chat_template", problem or "")
     require(not cfg.replay.from_data or cfg.run.mode == "offline", "replay.from_data",

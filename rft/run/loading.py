@@ -1,18 +1,17 @@
 """A config loaded for a run: `rft.config`'s checks, then every name that a registry resolves, once.
 
-`rft.config` is a leaf (types, ranges, cross-field constraints); this module sits above the registries and
-checks, when a config is loaded, every name that a component would otherwise resolve mid-run: algorithm.name,
-explorer.reward / reward_weights / judge_model, explorer.workflow and environment, explorer.admission,
-data.selector, trainer.operators, replay_buffer.priority (with the algorithm's support for replay),
-eval.sets[i].reward and toy-task names, reasoning-gym dataset names and options (data, data.mix[i], eval.sets[i]:
-building each dataset once, which imports reasoning_gym only when a set uses it), the optional extras the config
-asks for (rft/extras.py: explorer.environment, toy-task paths, monitor.dashboard_port), and every stage of a
-multi-stage config; and the model (`check_model`): when its config.json is on disk, that the trainer's bridge
-supports its architecture and that trainer.tensor_parallel / pipeline_parallel divide its heads and layers
-(megatron_bridge.layout.layout_problem); with `need_model` (`rft run`, `rft replay`, `rft validate`: before anything
-starts), also that model.path is a directory holding a config.json. Errors are `ConfigError`s
-naming the source file and the dotted key. Every command that loads a config for a run goes through
-`load_run_config` (`rft.cli.commandline.config_from_args`).
+`rft.config` is a leaf (types, ranges, cross-field constraints); this module sits above the registries and checks, when
+a config is loaded, every name that a component would otherwise resolve mid-run: algorithm.name, explorer.reward /
+reward_weights / judge_model, explorer.workflow and environment, explorer.admission, data.selector, trainer.operators,
+trainer.staleness_policy, replay_buffer.priority (with the algorithm's support for replay), eval.sets[i].reward and
+toy-task names, reasoning-gym dataset names and options (data, data.mix[i], eval.sets[i]: building each dataset once,
+which imports reasoning_gym only when a set uses it), the optional extras the config asks for (rft/extras.py:
+explorer.environment, toy-task paths, monitor.dashboard_port), and every stage of a multi-stage config; and the model
+(`check_model`): when its config.json is on disk, that the trainer's bridge supports its architecture and that
+trainer.tensor_parallel / pipeline_parallel divide its heads and layers (megatron_bridge.layout.layout_problem); with
+`need_model` (`rft run`, `rft replay`, `rft validate`: before anything starts), also that model.path is a directory
+holding a config.json. Errors are `ConfigError`s naming the source file and the dotted key. Every command that loads a
+config for a run goes through `load_run_config` (`rft.cli.commandline.config_from_args`).
 """
 from __future__ import annotations
 
@@ -33,6 +32,7 @@ from rft.data.toy_tasks import TOY_TASKS, generate_rows
 from rft.evaluation.config import EvalConfig
 from rft.experience.operators import OperatorError, check_operator_specs
 from rft.experience.priorities import resolve_priority
+from rft.experience.staleness_policies import build_staleness_policy
 from rft.explorer.config import ADMISSIONS
 from rft.extras import MissingExtra, check_installed
 from rft.modes import mode
@@ -138,6 +138,7 @@ def check_names(cfg: Config, source: str) -> None:
         check_operator_specs(cfg.trainer.operators)
         build_selector(cfg.data)
         resolve_priority(cfg.replay_buffer.priority)
+        build_staleness_policy(cfg.trainer.staleness_policy, window=cfg.trainer.staleness_window)
         _check_algorithm(cfg, source)
         _check_eval_sets(cfg.eval)
         _check_generated_sets(cfg)

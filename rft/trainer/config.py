@@ -63,6 +63,17 @@ class TrainerConfig(Section):
         help="the training-inference mismatch logged every step counts in logprob_mismatch_frac the tokens whose "
         "trainer / rollout probability ratio is outside [1/mismatch_ratio, mismatch_ratio] "
         "(rft/algorithms/mismatch.py)")
+    staleness_policy: str = option("in_order",
+        help="which admitted groups a step takes: in_order (as they arrive), oldest_version_first (oldest policy "
+        "version in the pool first), windowed (policy_version within [v - staleness_window, v], older evicted), or "
+        "package.module:Class (rft/experience/staleness_policies.py); the mode's staleness bound holds for all")
+    staleness_pool: int = option(0, range=OPTIONAL,
+        help="groups read ahead that the policy chooses a step's groups from (held ones are checkpointed by "
+        "offset); 0: run.groups_per_step. At most (admission bound + 1) x run.groups_per_step with explorers "
+        "that wait at admission")
+    staleness_window: int = option(1, range=at_least(0),
+        help="windowed: k, the versions behind the trainer's a group may be; at least ceil(pool / "
+        "run.groups_per_step) - 1")
     borrow_cores: bool = option(True,
         help="CPU runs of `rft run` (no GPUs, OMP_NUM_THREADS unset): the trainer and the explorers on this "
         "machine take the threads of those that wait (rft/cores.py; the trainer's logged per step as "
@@ -110,3 +121,40 @@ class ReplayConfig(Section):
     from_data: bool = option(False,
         help="first fill an empty topic with `data`'s (prompt, answer) rows as one-sample groups ("
         "demonstrations, rft/data/demonstrations.py)")
+
+
+def pool_problem(*, policy: str, pool: int, window: int, groups_per_step: int,
+                 admission_bound: int | None) -> tuple[str, str] | None:
+    """(the trainer key, why) when a feed with this staleness policy cannot make progress, else None. `pool`:
+    trainer.staleness_pool (0: groups_per_step); `admission_bound`: the staleness the explorers' admission holds
+    them to (None: they do not wait, or the run has no explorers).
+
+    - the pool must hold a step's groups (pool >= groups_per_step): the step picks them from it;
+    - explorers that wait at admission bound a produce at most (a + 1) x groups_per_step groups the trainer has not
+      trained (rft/explorer/admission.py's formula), so a larger pool never fills: the trainer waits for groups the
+      explorers wait to be allowed to start (a deadlock);
+    - windowed: a group read into a full pool waits ceil(pool / groups_per_step) - 1 steps for its turn, ageing one
+      version a step; a window k below that evicts groups before their turn;
+    - in_order does not choose: its pool is one step's.
+    """
+    effective = pool or groups_per_step
+    ahead = None if admission_bound is None else (admission_bound + 1) * groups_per_step
+    wait = -(-effective // groups_per_step) - 1
+    if policy == "in_order" and effective != groups_per_step:
+        return "staleness_pool", (
+            f"in_order takes groups as they arrive: staleness_pool must be 0 (run.groups_per_step), got {pool}; a "
+            f"larger pool needs a policy that chooses (oldest_version_first, windowed, a plugin)")
+    if effective < groups_per_step:
+        return "staleness_pool", (
+            f"the pool ({pool}) must hold a step's run.groups_per_step ({groups_per_step}) groups: a step picks them "
+            f"from it")
+    if ahead is not None and effective > ahead:
+        return "staleness_pool", (
+            f"the explorers' admission lets at most (bound {admission_bound} + 1) x run.groups_per_step "
+            f"{groups_per_step} = {ahead} groups run ahead of the trainer, so a pool of {effective} never fills (the "
+            f"trainer would wait for groups the explorers wait to start); lower it, or raise the mode's bound")
+    if policy == "windowed" and window < wait:
+        return "staleness_window", (
+            f"windowed with a pool of {effective} groups (run.groups_per_step {groups_per_step}): a group waits up to "
+            f"{wait} steps for its turn, so staleness_window must be >= {wait}, got {window}")
+    return None

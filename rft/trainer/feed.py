@@ -18,6 +18,13 @@ Contract:
 - Experience operators (`trainer.operators`, rft/experience/operators.py) run on each group the feed would take:
   one they drop is skipped as `dropped/<reason>`; one they change is taken changed (its message re-encoded, so every
   rank trains on the same). Their state is part of `FeedState`.
+- A staleness policy (`trainer.staleness_policy`, rft/experience/staleness_policies.py) chooses: admitted groups
+  enter a pool (`pool` groups, at least a step's), and each of a step's groups is the one the policy picks from
+  it; a group the policy will not keep is skipped as `evicted`. Groups still in the pool after a step are *held*:
+  consumed from the log (the offsets are past them), not taken, and checked again (the mode's bound, the policy) at
+  each step. `FeedState.held` has their positions: a restarted feed re-reads them by offset, so the pool, and with
+  one partition every later choice, is the uninterrupted feed's. The default, in_order with a pool of one step,
+  takes groups as they arrive and never holds one.
 Not thread-safe; one feed per trainer (global rank 0 reads, then broadcasts).
 """
 from __future__ import annotations
@@ -31,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from rft.experience.staleness_policies import InOrder, StalenessPolicy
 from rft.schema import ExperienceGroup, RecordError, decode_group, encode
 from rft.transport import (
     DeadLetter,
@@ -92,16 +100,20 @@ class FeedState:
     offsets: dict[str, int] = field(default_factory=dict)
     taken_groups: list[str] = field(default_factory=list)
     operators: dict = field(default_factory=dict)  # the experience operators' state (OperatorChain.state)
+    # groups consumed and held in the staleness policy's pool: {"position", "offset", "group_id"}, in the order read
+    held: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"offsets": dict(self.offsets), "taken_groups": list(self.taken_groups),
-                "operators": json.loads(json.dumps(self.operators))}
+                "operators": json.loads(json.dumps(self.operators)), "held": [dict(h) for h in self.held]}
 
     @classmethod
     def from_json(cls, data: dict) -> FeedState:
         return cls(offsets={str(k): int(v) for k, v in data.get("offsets", {}).items()},
                    taken_groups=[str(g) for g in data.get("taken_groups", [])],
-                   operators=dict(data.get("operators", {})))
+                   operators=dict(data.get("operators", {})),
+                   held=[{"position": str(h["position"]), "offset": int(h["offset"]), "group_id": str(h["group_id"])}
+                         for h in data.get("held", [])])
 
 
 @dataclass
@@ -115,18 +127,27 @@ class Batch:
 Admit = Callable[[ExperienceGroup], str | None]
 
 
+@dataclass
+class _Held:
+    """A group in the pool and the record it came from."""
+    message: Message
+    group: ExperienceGroup
+
+
 class ExperienceFeed:
     def __init__(self, source: RecordSource, *, topic: str, run_id: str | None, dead_letter: DeadLetter,
                  state: FeedState | None = None, window: ReplayWindow | None = None,
                  reconnect: Callable[[], RecordSource] | None = None, operators: OperatorChain | None = None,
                  check: Callable[[ExperienceGroup], str | None] | None = None,
-                 busy: Callable[[bool], None] | None = None):
+                 busy: Callable[[bool], None] | None = None, policy: StalenessPolicy | None = None,
+                 pool: int = 0):
         """`run_id=None` accepts records of any run (replaying another run's topic). `reconnect` makes a new
         source when the current one fails (TransportError); the feed re-seeks it to its own state. `check(group)`:
         None when a decoded group can be trained on, else the reason; such a group is dead-lettered with
         `cannot be trained: <reason>` and skipped as `untrainable` (consumed like any record). `busy(flag)`: told
         False while `next_batch` waits for records and True once it has its batch (or the replay ended): the
-        trainer's mark on a core board (rft/cores.py `CoreShare.set_busy`)."""
+        trainer's mark on a core board (rft/cores.py `CoreShare.set_busy`). `policy` (default in_order) picks each
+        group from a pool of max(`pool`, the batch's groups) (the module docstring)."""
         self.reconnect, self.check, self.busy = reconnect, check, busy
         self.operators = operators
         self.source, self.topic, self.run_id, self.dead_letter = source, topic, run_id, dead_letter
@@ -138,39 +159,55 @@ class ExperienceFeed:
             self.state.offsets = dict(window.begin)
         self._taken = set(self.state.taken_groups)
         self._buffer: collections.deque[Message] = collections.deque()
+        self.policy: StalenessPolicy = policy or InOrder()
+        self.pool_size = pool
+        self._pool: list[_Held] = [h for h in map(self._reread, self.state.held) if h is not None]
+        self.lost_held = len(self.state.held) - len(self._pool)  # held records no longer on the topic
         partitions = source.assign([topic])
         starts = source.beginning_offsets(topic)
         for key in partitions:
             self.state.offsets.setdefault(key, starts[key])
         source.seek(self.state.offsets)
 
-    def next_batch(self, n_groups: int, *, admit: Admit = lambda g: None, timeout_s: float = 600.0,
-                   on_wait: Callable[[int], None] | None = None) -> Batch:
-        """Consume records until `n_groups` groups are taken. Raises FeedTimeout if no record arrives for
-        `timeout_s` (what was consumed so far stays consumed and is in `state`)."""
+    def next_batch(self, n_groups: int, *, admit: Admit = lambda g: None, version: int = 0,
+                   timeout_s: float = 600.0, on_wait: Callable[[int], None] | None = None) -> Batch:
+        """Consume records until `n_groups` groups are taken, each picked by the policy from a pool of
+        max(pool, n_groups) for the trainer's `version` (held groups first checked again with `admit` and the policy).
+        Raises FeedTimeout if no record arrives for `timeout_s` (what was consumed so far stays consumed and is in
+        `state`). `on_wait(n)` while starved: n = groups taken into this batch plus those held."""
         batch = Batch(groups=[], messages=[], skipped=collections.Counter())
+        pool_size = max(self.pool_size, n_groups)
+        self._recheck(admit, version, batch)
         last_record = time.monotonic()
         while len(batch.groups) < n_groups:
-            if not self._buffer:
-                if self._window_done():
-                    self._mark_busy(True)
-                    raise EndOfReplay(batch)
-                self._buffer.extend(self._poll())
+            if len(self._pool) < pool_size - len(batch.groups) and (self._buffer or not self._window_done()):
                 if not self._buffer:
-                    if time.monotonic() - last_record > timeout_s:
-                        raise FeedTimeout(f"no experience arrived on {self.topic!r} for {timeout_s:.0f} s "
-                                          f"({len(batch.groups)}/{n_groups} groups of this batch)")
-                    self._mark_busy(False)
-                    if on_wait:
-                        on_wait(len(batch.groups))
-                    continue
-            last_record = time.monotonic()
-            message = self._buffer.popleft()
-            reason = self._consume(message, batch, admit)
+                    self._buffer.extend(self._poll())
+                    if not self._buffer:
+                        if time.monotonic() - last_record > timeout_s:
+                            raise FeedTimeout(f"no experience arrived on {self.topic!r} for {timeout_s:.0f} s "
+                                              f"({len(batch.groups)}/{n_groups} groups of this batch taken, "
+                                              f"{len(self._pool)} read into the pool)")
+                        self._mark_busy(False)
+                        if on_wait:
+                            on_wait(len(batch.groups) + len(self._pool))
+                        continue
+                last_record = time.monotonic()
+                reason = self._consume(self._buffer.popleft(), admit, version)
+            elif not self._pool:  # a replay window exhausted
+                self._mark_busy(True)
+                raise EndOfReplay(batch)
+            else:
+                reason = self._take(self._pick(version), batch)
             if reason:
                 batch.skipped[reason] += 1
         self._mark_busy(True)
         return batch
+
+    @property
+    def held(self) -> int:
+        """Groups consumed and held in the pool, not taken yet."""
+        return len(self._pool)
 
     def _mark_busy(self, busy: bool) -> None:
         if self.busy is not None:
@@ -205,7 +242,8 @@ class ExperienceFeed:
         return self.window is not None and all(
             self.state.offsets.get(k, 0) >= stop for k, stop in self.window.stop.items())
 
-    def _consume(self, message: Message, batch: Batch, admit: Admit) -> str | None:
+    def _consume(self, message: Message, admit: Admit, version: int) -> str | None:
+        """Read one record into the pool, or the reason it is skipped."""
         if message.offset < self.state.offsets.get(message.position, 0):
             return "already_consumed"  # a client that rewound (it should not): never consume twice
         self.state.offsets[message.position] = message.offset + 1
@@ -219,14 +257,42 @@ class ExperienceFeed:
         if self.run_id is not None and group.run_id != self.run_id:
             self.dead_letter.divert(message, f"foreign record: run {group.run_id!r}, this run is {self.run_id!r}")
             return "foreign"
-        if group.group_id in self._taken:
+        if group.group_id in self._taken or any(h.group.group_id == group.group_id for h in self._pool):
             return "duplicate"
         if self.check is not None and (problem := self.check(group)):
             self.dead_letter.divert(message, f"cannot be trained: {problem}")
             return "untrainable"
-        reason = admit(group)
+        reason = self._refusal(group, admit, version)
         if reason:
             return reason
+        self._pool.append(_Held(message, group))
+        return None
+
+    def _refusal(self, group: ExperienceGroup, admit: Admit, version: int) -> str | None:
+        """Why `group` may not be taken at `version` (the trainer's `admit`, then the policy), or None."""
+        return admit(group) or (None if self.policy.keep(group, version=version) else "evicted")
+
+    def _recheck(self, admit: Admit, version: int, batch: Batch) -> None:
+        """Held groups, checked again for this step: those refused now leave the pool, counted."""
+        kept = []
+        for held in self._pool:
+            reason = self._refusal(held.group, admit, version)
+            if reason:
+                batch.skipped[reason] += 1
+            else:
+                kept.append(held)
+        self._pool = kept
+
+    def _pick(self, version: int) -> _Held:
+        index = self.policy.pick([h.group for h in self._pool], version=version)
+        if not isinstance(index, int) or not 0 <= index < len(self._pool):
+            raise ValueError(f"trainer.staleness_policy {type(self.policy).__name__}.pick returned {index!r}, not an "
+                             f"index of the pool of {len(self._pool)}")
+        return self._pool.pop(index)
+
+    def _take(self, held: _Held, batch: Batch) -> str | None:
+        """Take a picked group into `batch` (through the operators), or the reason it is skipped."""
+        group, message = held.group, held.message
         if self.operators is not None:
             shaped, reason = self.operators.apply(group)
             if reason:
@@ -242,9 +308,26 @@ class ExperienceFeed:
         batch.messages.append(message)
         return None
 
+    def _reread(self, held: dict) -> _Held | None:
+        """A held group of a saved state, re-read from the topic by offset (None, logged, when it is gone)."""
+        message = self.source.fetch(held["position"], held["offset"])
+        group = None
+        if message is not None:
+            try:
+                group = decode_group(message.value, message.headers)
+            except RecordError:
+                group = None
+        if message is None or group is None or group.group_id != held["group_id"]:
+            log.warning("experience feed: held group %s at %s@%d is no longer on the topic", held["group_id"],
+                        held["position"], held["offset"])
+            return None
+        return _Held(message, group)
+
     def snapshot(self) -> FeedState:
         if self.operators is not None:
             self.state.operators = self.operators.state()
+        self.state.held = [{"position": h.message.position, "offset": h.message.offset, "group_id": h.group.group_id}
+                           for h in self._pool]
         return FeedState.from_json(self.state.to_json())
 
 
@@ -252,9 +335,10 @@ def open_feed(transport: Transport, *, topic: str, dead_letter_topic: str,
               run_id: str | None, state: FeedState | None = None, window: ReplayWindow | None = None,
               client_id: str = "rft-trainer", operators: OperatorChain | None = None,
               check: Callable[[ExperienceGroup], str | None] | None = None,
-              busy: Callable[[bool], None] | None = None) -> tuple[ExperienceFeed, RecordSink, RecordSource]:
+              busy: Callable[[bool], None] | None = None, policy: StalenessPolicy | None = None,
+              pool: int = 0) -> tuple[ExperienceFeed, RecordSink, RecordSource]:
     """Build a feed with its own source and dead-letter sink from `transport`; the caller closes both. `check`,
-    `busy`: as ExperienceFeed's."""
+    `busy`, `policy`, `pool`: as ExperienceFeed's."""
 
     def new_source() -> RecordSource:
         return transport.source(client_id=client_id)
@@ -263,7 +347,7 @@ def open_feed(transport: Transport, *, topic: str, dead_letter_topic: str,
     sink = transport.sink(client_id=f"{client_id}-dlq")
     feed = ExperienceFeed(source, topic=topic, run_id=run_id, dead_letter=DeadLetter(sink, dead_letter_topic),
                           state=state, window=window, reconnect=new_source, operators=operators, check=check,
-                          busy=busy)
+                          busy=busy, policy=policy, pool=pool)
     return feed, sink, source
 
 

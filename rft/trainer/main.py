@@ -41,6 +41,7 @@ from rft.cli.commandline import add_config_arguments, config_from_args, die_with
 from rft.config import ConfigError
 from rft.cores import CoreShare
 from rft.experience.operators import OperatorContext, build_operator_chain, split_drops
+from rft.experience.staleness_policies import build_staleness_policy
 from rft.models.config import ModelConfig
 from rft.modes import mode, staleness
 from rft.observability.metrics import MetricsLogger
@@ -157,7 +158,9 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict, t
         run_id=None if offline else cfg.run.name, state=feed_state, client_id=f"{cfg.run.name}-trainer",
         window=_replay_window(cfg, transport, topic) if offline else None, operators=build_operator_chain(
             cfg.trainer.operators, OperatorContext(cfg.model.tokenizer or cfg.model.path)),
-        check=trainable_limits(cfg).problem, busy=cores.set_busy if cores is not None else None)
+        check=trainable_limits(cfg).problem, busy=cores.set_busy if cores is not None else None,
+        policy=build_staleness_policy(cfg.trainer.staleness_policy, window=cfg.trainer.staleness_window),
+        pool=cfg.trainer.staleness_pool)
     replay = None
     if cfg.replay_buffer.groups_per_step:
         replay = open_replay(cfg.replay_buffer, run_seed=cfg.run.seed, state=replay_state,
@@ -369,9 +372,12 @@ class Trainer:
             waiting_since = time.time()
             try:
                 batch = self.feed.next_batch(self.run_config.groups_per_step, admit=lambda g: self._admit(g, step),
-                                             timeout_s=self.config.poll_timeout_s, on_wait=self._waiting)
+                                             version=step - 1, timeout_s=self.config.poll_timeout_s,
+                                             on_wait=self._waiting)
             except EndOfReplay as end:
                 batch, exhausted = end.batch, True
+            for g in batch.groups:
+                self.staleness.used(step=step, policy_version=g.policy_version, n_samples=len(g.samples))
             self._data_wait_s = time.time() - waiting_since
             if self.replay:
                 self.replay.remember(step, batch.messages, batch.groups)
@@ -503,6 +509,7 @@ class Trainer:
             **self.weights.metrics(),
             "skipped": skipped, **drops, **{k: _scalar(v) for k, v in metrics.items()},
             **self.staleness.step_metrics(step),
+            "staleness_pool_held": self.feed.held,  # groups read and held for a later step (trainer.staleness_policy)
             **(self.replay.step_metrics(step, self._replayed) if self.replay else {}),
             **({"demonstrations": len(self._demos)} if self.needs.demonstrations is not None else {}),
             **self.algorithm.step_metrics(step),

@@ -37,7 +37,15 @@ class StalenessTracker:
         self._steps: dict[int, _StepCounts] = collections.defaultdict(_StepCounts)
 
     def observe(self, *, step: int, policy_version: int, n_samples: int) -> bool:
-        """Record a group of `n_samples` offered to `step`; True if it may be used."""
+        """Record a group of `n_samples` offered to `step`; True if it may be used (and is then counted as used)."""
+        if not self.allows(step=step, policy_version=policy_version, n_samples=n_samples):
+            return False
+        self.used(step=step, policy_version=policy_version, n_samples=n_samples)
+        return True
+
+    def allows(self, *, step: int, policy_version: int, n_samples: int) -> bool:
+        """Whether a group of `n_samples` may be used in `step`; a refusal is counted (dropped_stale or
+        dropped_future), a group allowed is not counted until `used`."""
         staleness, counts = modes.staleness(step, policy_version), self._steps[step]
         if self.bound is not None and staleness > self.bound:
             counts.dropped_stale += n_samples
@@ -45,13 +53,17 @@ class StalenessTracker:
         if self.bound is not None and staleness < 0:
             counts.dropped_future += n_samples
             return False
-        counts.histogram[staleness] += n_samples
         return True
 
+    def used(self, *, step: int, policy_version: int, n_samples: int) -> None:
+        """Count a group of `n_samples` trained in `step` in the staleness histogram."""
+        self._steps[step].histogram[modes.staleness(step, policy_version)] += n_samples
+
     def check(self, group, step: int) -> str | None:
-        """`observe` for an ExperienceGroup, in the shape of ExperienceFeed's `admit` callback: None to use the
-        group, else the skip reason ("stale" or "future_version")."""
-        if self.observe(step=step, policy_version=group.policy_version, n_samples=len(group.samples)):
+        """`allows` for an ExperienceGroup, in the shape of ExperienceFeed's `admit` callback: None if the group may
+        be used, else the skip reason ("stale" or "future_version"). The feed may ask again of a group it holds
+        (a staleness policy's pool); the trainer counts what it trains with `used`."""
+        if self.allows(step=step, policy_version=group.policy_version, n_samples=len(group.samples)):
             return None
         return "stale" if modes.staleness(step, group.policy_version) > 0 else "future_version"
 

@@ -120,6 +120,9 @@ def test_tracker_decides_and_reports_per_step():
     # step 3 -> staleness (3 - 1) - v: versions 2, 1, 1, 0, 3 -> 0, 1, 1, 2, -1
     reasons = [tracker.check(group(v), 3) for v in (2, 1, 1, 0, 3)]
     assert reasons == [None, None, None, "stale", "future_version"]
+    assert tracker.check(group(2), 3) is None  # asked again (a held group): a check counts no use
+    for v in (2, 1, 1):  # what the step trains is counted once, by `used`
+        tracker.used(step=3, policy_version=v, n_samples=3)
     assert tracker.step_metrics(3) == {"staleness_mean": (0 * 3 + 1 * 6) / 9, "staleness_max": 1,
                                        "staleness_hist": {0: 3, 1: 6}, "dropped_stale": 3, "dropped_future": 3}
     assert tracker.step_metrics(3)["staleness_hist"] == {}  # popped
