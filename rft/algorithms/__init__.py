@@ -2,8 +2,9 @@
 
 Registered: grpo, rloo, reinforce_pp (policy gradient; share GRPO's loss and differ in advantages), gspo, cispo
 (GRPO's advantages with a sequence-level ratio / a clipped detached importance weight), dpo, sft,
-on_policy_distill (a teacher's per-token reverse KL as the advantage), chord (SFT on demonstrations mixed into
-GRPO steps with a scheduled weight), ppo (a critic's GAE advantages, clipped value loss).
+on_policy_distill (a teacher's per-token reverse KL as the advantage), jsd_distill (a beta-mixture JSD term
+instead), chord (SFT on demonstrations mixed into GRPO steps with a scheduled weight), ppo (a critic's GAE
+advantages, clipped value loss).
 DAPO's pieces are options of these: algorithm.clip_eps_high, loss_agg token_mean, and the trainer's experience
 operators length_penalty and zero_variance (docs/algorithms.md).
 Each algorithm owns its keys (an options dataclass registered with it) and declares what the trainer provides
@@ -14,6 +15,7 @@ from rft.algorithms.cispo import CISPO
 from rft.algorithms.dpo import DPO, DPOOptions
 from rft.algorithms.grpo import GRPO, GRPOOptions
 from rft.algorithms.gspo import GSPO
+from rft.algorithms.jsd_distill import JSDDistill, JSDOptions
 from rft.algorithms.on_policy_distill import DistillOptions, OnPolicyDistill
 from rft.algorithms.ppo import PPO, PPOOptions
 from rft.algorithms.registry import (
@@ -36,5 +38,6 @@ from rft.algorithms.sft import SFT, SFTOptions
 
 __all__ = ["ALGORITHMS", "REPLAY_HINT", "Algorithm", "Critic", "Demonstrations", "Needs", "NoOptions",
            "build_algorithm", "build_options", "option_keys", "register", "resolve_algorithm",
-           "GRPO", "RLOO", "ReinforcePlusPlus", "GSPO", "CISPO", "DPO", "SFT", "OnPolicyDistill", "CHORD", "PPO",
-           "GRPOOptions", "DPOOptions", "SFTOptions", "DistillOptions", "ChordOptions", "PPOOptions"]
+           "GRPO", "RLOO", "ReinforcePlusPlus", "GSPO", "CISPO", "DPO", "SFT", "OnPolicyDistill", "JSDDistill", "CHORD",
+           "PPO",
+           "GRPOOptions", "DPOOptions", "SFTOptions", "DistillOptions", "JSDOptions", "ChordOptions", "PPOOptions"]
