@@ -307,7 +307,9 @@ def merge_refusals(version: int, response: bytes | memoryview, refused: list[tup
             r.tagged_fields()
         topics.append((key, partitions, bytes(r.data[start:r.pos])))
     rest = bytes(r.data[r.pos:])
-    extra = dict(refused)
+    extra: dict[bytes, list[bytes]] = {}
+    for key, parts in refused:
+        extra.setdefault(key, []).extend(parts)
     for key, partitions, _ in topics:
         partitions.extend(extra.pop(key, []))
     topics.extend((key, parts, _uvarint(0) if flexible else b"") for key, parts in extra.items())
