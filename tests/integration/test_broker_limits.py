@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from kafka.protocol.consumer import FetchRequest
 from kafka.protocol.producer import ProduceRequest, ProduceResponse
 from kafka.record.memory_records import MemoryRecordsBuilder
 
@@ -128,7 +129,7 @@ def produce_frame(correlation_id: int, partitions: dict[str, dict[int, bytes]], 
     return bytes(request.encode(header=True, framed=True))
 
 
-def read_response(sock: socket.socket):
+def read_frame(sock: socket.socket) -> bytes:
     def exactly(n: int) -> bytes:
         data = b""
         while len(data) < n:
@@ -138,7 +139,22 @@ def read_response(sock: socket.socket):
             data += chunk
         return data
 
-    return ProduceResponse[PRODUCE_VERSION].decode(exactly(struct.unpack(">i", exactly(4))[0]), header=True)
+    return exactly(struct.unpack(">i", exactly(4))[0])
+
+
+def read_response(sock: socket.socket):
+    return ProduceResponse[PRODUCE_VERSION].decode(read_frame(sock), header=True)
+
+
+def slow_fetch_frame(correlation_id: int, topic: str, partition: int, wait_ms: int) -> bytes:
+    """A Fetch of an empty partition that asks for more bytes than there are: the broker answers after `wait_ms`."""
+    Topic = FetchRequest.FetchTopic
+    request = FetchRequest[4](replica_id=-1, max_wait_ms=wait_ms, min_bytes=1 << 20, max_bytes=1 << 20,
+                              isolation_level=0, topics=[Topic(topic=topic, partitions=[
+                                  Topic.FetchPartition(partition=partition, fetch_offset=0,
+                                                       partition_max_bytes=1 << 20)])])
+    request.with_header(correlation_id=correlation_id, client_id="rft-limits-test")
+    return bytes(request.encode(header=True, framed=True))
 
 
 def partition_answers(response) -> dict[tuple[str, int], tuple[int, int]]:
@@ -154,13 +170,16 @@ def raw_connection(bootstrap: str) -> socket.socket:
 
 
 def test_pipelined_requests_are_answered_in_order_with_a_refusal_among_them(bootstrap, topic):
-    """Twenty small produce requests, one over the limit, twenty more, all written before any answer is read:
-    the proxy's own answer (ready at once) waits behind the broker's twenty, and every answer carries its own
-    correlation id, in request order."""
+    """A Fetch the broker holds for a second, twenty small produce requests, one over the limit, twenty more, all
+    written before any answer is read: the proxy's own answer (ready at once) waits behind the broker's, and every
+    answer carries its own correlation id, in request order."""
     sizes = [10] * 20 + [LIMIT] + [10] * 20
     with raw_connection(bootstrap) as sock:
-        sock.sendall(b"".join(produce_frame(100 + i, {topic: {0: os.urandom(n)}}) for i, n in enumerate(sizes)))
+        sock.sendall(slow_fetch_frame(99, topic, 1, wait_ms=1000) + b"".join(
+            produce_frame(100 + i, {topic: {0: os.urandom(n)}}) for i, n in enumerate(sizes)))
+        fetched = read_frame(sock)
         responses = [read_response(sock) for _ in sizes]
+    assert struct.unpack_from(">i", fetched)[0] == 99
     assert [r.header.correlation_id for r in responses] == [100 + i for i in range(len(sizes))]
     answers = [partition_answers(r)[(topic, 0)] for r in responses]
     assert answers[20] == (10, -1)
