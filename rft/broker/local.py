@@ -86,7 +86,8 @@ class LocalBroker:
     or another broker runs on it, a process exits before it is ready.
 
     `max_message_bytes=N`: a record batch over N bytes is refused with MESSAGE_TOO_LARGE (module docstring, "Size
-    limit"); None (the default): no limit, as Tansu has none."""
+    limit"; `proxy` is the proxy while it runs); None (the default): no limit, as Tansu has none. `stop()` and
+    `kill()` stop the proxy too; `start()` starts it again on the same port."""
 
     def __init__(self, port: int | None = None, log_path: str | os.PathLike | None = None,
                  data_dir: str | os.PathLike | None = None, max_message_bytes: int | None = None):
@@ -96,8 +97,8 @@ class LocalBroker:
         self.port = port or (None if self.data_dir else free_port())
         self.host = "127.0.0.1"
         self.max_message_bytes = max_message_bytes
-        self._proxy: SizeLimitProxy | None = None
-        self._inner_port: int | None = None  # where the broker itself listens behind the proxy
+        self.proxy: SizeLimitProxy | None = None  # while started with a size limit on Tansu
+        self._inner_port: int | None = None  # where Tansu itself listens behind the proxy
         self.log_path = Path(log_path) if log_path else None
         self._process: subprocess.Popen | None = None
         self._store: subprocess.Popen | None = None  # rft.broker.objects, durable mode only
@@ -116,17 +117,9 @@ class LocalBroker:
         if kafka_home and not s3:
             return self._kraft_command(Path(kafka_home))
         url = f"tcp://{self.host}:{self.port}"
-        listen = f"tcp://{self.host}:{self._listen_port}"
+        listen = f"tcp://{self.host}:{self._inner_port or self.port}"
         return [str(tansu_binary()), "broker", "--storage-engine", "s3://tansu/" if s3 else "memory://tansu/",
                 "--listener-url", listen, "--advertised-listener-url", url]
-
-    @property
-    def _listen_port(self) -> int | None:
-        """The port the broker process binds: the proxy's upstream with a size limit on Tansu, else `port`."""
-        return self._inner_port if self._inner_port is not None else self.port
-
-    def _use_proxy(self) -> bool:
-        return self.max_message_bytes is not None and not os.environ.get("KAFKA_HOME")
 
     def _kraft_command(self, home: Path) -> list[str]:
         self._workdir = tempfile.TemporaryDirectory(prefix="rft-kraft-")
@@ -154,7 +147,7 @@ class LocalBroker:
         port = self.port
         assert port is not None  # in memory: chosen in __init__
         self._check_port_free(port)
-        self._inner_port = free_port() if self._use_proxy() else None
+        self._inner_port = _port_behind_proxy(self.max_message_bytes)
         self._process = self._spawn(self.command())
         try:
             self._wait_ready(timeout_s)
@@ -166,12 +159,13 @@ class LocalBroker:
     def _wait_ready(self, timeout_s: float) -> None:
         """Wait for the broker process to accept connections, then (with a size limit on Tansu) start the proxy on
         `port` in front of it."""
-        assert self._listen_port is not None and self.port is not None  # chosen before the process started
-        wait_for_port(self.host, self._listen_port, timeout_s, self._process)
+        listen_port = self._inner_port or self.port
+        assert listen_port is not None and self.port is not None  # chosen before the process started
+        wait_for_port(self.host, listen_port, timeout_s, self._process)
         if self._inner_port is None:
             return
         try:
-            self._proxy = SizeLimitProxy(f"{self.host}:{self._inner_port}", self.max_message_bytes, host=self.host,
+            self.proxy = SizeLimitProxy(f"{self.host}:{self._inner_port}", self.max_message_bytes, host=self.host,
                                          port=self.port).start()
         except OSError as e:
             raise BrokerError(str(e)) from None
@@ -222,7 +216,7 @@ class LocalBroker:
                 port = self.port = (recorded if isinstance(recorded, int) and _port_free(self.host, recorded)
                                     else free_port())
             self._check_port_free(port)
-            self._inner_port = free_port() if self._use_proxy() else None
+            self._inner_port = _port_behind_proxy(self.max_message_bytes)
             ready = data_dir / "s3.port"
             ready.unlink(missing_ok=True)
             (data_dir / "objects" / "tansu").mkdir(parents=True, exist_ok=True)
@@ -281,21 +275,11 @@ class LocalBroker:
     def alive(self) -> bool:
         processes = [p for p in (self._process, self._store) if p is not None]
         return (bool(processes) and self._process is not None and all(p.poll() is None for p in processes)
-                and (self._proxy is None or self._proxy.alive()))
-
-    @property
-    def refused_requests(self) -> int:
-        """How many produce requests the size limit refused a partition of (0 without a limit)."""
-        return self._proxy.refused if self._proxy is not None else 0
-
-    def _stop_proxy(self) -> None:
-        proxy, self._proxy = self._proxy, None
-        if proxy is not None:
-            proxy.stop()
+                and (self.proxy is None or self.proxy.alive()))
 
     def stop(self) -> None:
-        """Terminate (then kill, after 10 s) the broker, then the S3 server; release the data directory."""
-        self._stop_proxy()
+        """Terminate (then kill, after 10 s) the broker, then the S3 server; stop the size-limit proxy; release the
+        data directory."""
         process, self._process = self._process, None
         store, self._store = self._store, None
         if process is not None and process.poll() is None:
@@ -309,7 +293,6 @@ class LocalBroker:
     def kill(self) -> None:
         """SIGKILL the broker and its S3 server at once (a crash: nothing is flushed, no data is removed), reap
         them and release the data directory; `start()` comes back on the same data."""
-        self._stop_proxy()
         process, self._process = self._process, None
         store, self._store = self._store, None
         for p in (process, store):
@@ -321,6 +304,10 @@ class LocalBroker:
         self._release()
 
     def _release(self) -> None:
+        """Stop the size-limit proxy, unlock the data directory, remove Kafka's temporary directory."""
+        proxy, self.proxy = self.proxy, None
+        if proxy is not None:
+            proxy.stop()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -333,6 +320,12 @@ class LocalBroker:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _port_behind_proxy(max_message_bytes: int | None) -> int | None:
+    """A free port for Tansu to listen on behind the size-limit proxy; None (it listens on the broker's port) without
+    a limit, or on Apache Kafka (which enforces its own)."""
+    return free_port() if max_message_bytes is not None and not os.environ.get("KAFKA_HOME") else None
 
 
 def _die_with_parent() -> None:

@@ -3,8 +3,9 @@ suite's shared `broker` fixture runs with tests/conftest.py's BROKER_MAX_MESSAGE
 sink and confluent-kafka (an independent client) get MESSAGE_TOO_LARGE for a batch over it and succeed under it;
 consumer groups, commits and fetches work through the proxy; pipelined requests are answered in request order with
 a refusal among them; a request holding a small and an oversize partition writes the small one; an acks=0 request
-over the limit closes its connection; `rft broker --max-message-bytes` serves the limit. The parsing against
-kafka-python's encoders: tests/unit/test_broker_limits.py."""
+over the limit closes its connection; `rft broker --max-message-bytes` serves the limit, and a durable broker keeps
+it across a crash. The parsing against
+kafka-python's encoders: tests/unit/test_limits_protocol.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,6 +21,7 @@ from kafka.protocol.consumer import FetchRequest
 from kafka.protocol.producer import ProduceRequest, ProduceResponse
 from kafka.record.memory_records import MemoryRecordsBuilder
 
+from rft.broker.local import LocalBroker
 from rft.processes import free_port
 from rft.transport import TransportError, connect
 from rft.transport.config import KafkaConfig
@@ -57,12 +59,12 @@ def test_kafka_python_gets_message_too_large_over_the_limit_and_succeeds_under_i
     try:
         under = sink.send(topic, os.urandom(LIMIT - BATCH_OVERHEAD), partition=0, check_size=False).get(timeout=60)
         assert under.offset == 0
-        refused_before = broker.refused_requests
+        refused_before = broker.proxy.refused
         # The value alone is within the limit; its batch (header and record framing) is not, as Kafka counts.
         with pytest.raises(TransportError, match="MessageSizeTooLarge.*exceeds the maximum configured value of "
                                                  f"{LIMIT}"):
             sink.send(topic, os.urandom(LIMIT), partition=0, check_size=False).get(timeout=60)
-        assert broker.refused_requests > refused_before
+        assert broker.proxy.refused > refused_before
         # No send after the refusal: kafka-python 3.0.12 makes an idempotent producer (rft's sink) fatal on any
         # error it cannot retry, MESSAGE_TOO_LARGE included, and fails every later send; the sink's own check
         # (kafka.max_record_bytes within the broker's limit) is what keeps rft from meeting it.
@@ -77,7 +79,7 @@ def test_confluent_kafka_gets_the_same_error_code(bootstrap, broker, topic):
     producer = confluent_kafka.Producer({"bootstrap.servers": bootstrap, "message.max.bytes": 4 * LIMIT,
                                          "linger.ms": 0, "acks": "all"})
     outcome: dict[str, object] = {}
-    refused_before = broker.refused_requests
+    refused_before = broker.proxy.refused
     producer.produce(topic, os.urandom(LIMIT), partition=1, on_delivery=lambda e, m: outcome.update(big=e))
     producer.flush(60)
     producer.produce(topic, os.urandom(LIMIT - BATCH_OVERHEAD), partition=1,
@@ -86,7 +88,7 @@ def test_confluent_kafka_gets_the_same_error_code(bootstrap, broker, topic):
     big = outcome["big"]
     assert isinstance(big, confluent_kafka.KafkaError) and big.code() == confluent_kafka.KafkaError.MSG_SIZE_TOO_LARGE
     assert big.code() == 10 and outcome["small"] is None and outcome["offset"] == 0
-    assert broker.refused_requests > refused_before
+    assert broker.proxy.refused > refused_before
 
 
 def test_consumer_groups_commits_and_fetches_work_through_the_proxy(cfg, bootstrap, topic):
@@ -230,3 +232,27 @@ def test_rft_broker_serves_the_limit_from_the_command_line(tmp_path):
     refused = subprocess.run([sys.executable, "-m", "rft.cli", "broker", "--max-message-bytes", "0"], cwd=REPO,
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--max-message-bytes must be a positive number of bytes" in refused.stderr
+
+
+def test_a_durable_broker_keeps_its_limit_across_a_crash(tmp_path):
+    """kill() takes the proxy down with the broker (its port is free again) and start() brings both back on the same
+    address, the limit enforced and the acknowledged record there."""
+    broker = LocalBroker(data_dir=tmp_path / "data", max_message_bytes=5000).start()
+    try:
+        address = broker.bootstrap_servers
+        with raw_connection(address) as sock:
+            sock.sendall(produce_frame(1, {"durable-limits": {0: b"kept"}}))
+            assert partition_answers(read_response(sock)) == {("durable-limits", 0): (0, 0)}
+        broker.kill()
+        assert broker.proxy is None and not broker.alive()
+        with pytest.raises(OSError):
+            raw_connection(address).close()
+        broker.start()
+        assert broker.bootstrap_servers == address and broker.alive()
+        with raw_connection(address) as sock:
+            sock.sendall(produce_frame(2, {"durable-limits": {0: os.urandom(6000)}}) +
+                         produce_frame(3, {"durable-limits": {0: b"next"}}))
+            assert partition_answers(read_response(sock)) == {("durable-limits", 0): (10, -1)}
+            assert partition_answers(read_response(sock)) == {("durable-limits", 0): (0, 1)}
+    finally:
+        broker.stop()

@@ -1,7 +1,7 @@
 """Listeners bind where they are told (127.0.0.1 by default), never on every interface: the push group's TCPStore
-(torch binds a master store to every interface whatever host it is given), the Prometheus endpoint and the local
-object server, the broker's size-limit proxy, each checked against the sockets this process holds in LISTEN state (/proc). A whole run's
-listeners: tests/e2e/test_run_faults.py."""
+(torch binds a master store to every interface whatever host it is given), the Prometheus endpoint, the local
+object server and the broker's size-limit proxy, each checked against the sockets this process holds in LISTEN
+state (/proc). A whole run's listeners: tests/e2e/test_run_faults.py."""
 from __future__ import annotations
 
 import datetime
