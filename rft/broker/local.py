@@ -15,6 +15,12 @@ the same DIR sees them all. What DIR holds:
                  SIGKILLs the two processes if a killed owner left them running)
   lock           flock-ed by the `LocalBroker` that runs on DIR: a second one fails with BrokerError
 One broker per DIR, one node, no replication; see docs/operations.md ("The durable local broker").
+
+Size limit, `LocalBroker(max_message_bytes=N)` (`rft broker --max-message-bytes N`): Tansu enforces no
+`message.max.bytes`; with N the broker listens on another loopback port and advertises `host:port`, where a
+`rft.broker.limits.SizeLimitProxy` in this process (a thread) relays to it and refuses a produced record batch over N
+bytes with MESSAGE_TOO_LARGE, as Apache Kafka does. The proxy stops with the broker (`stop()`, `kill()`) and with
+this process. With KAFKA_HOME, Kafka's own `message.max.bytes` is set to N instead.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import threading
 import time
 from pathlib import Path
 
+from rft.broker.limits import SizeLimitProxy
 from rft.processes import command_line, die_with_parent, free_port, signal_group, stop_group, wait_gone
 
 
@@ -76,13 +83,22 @@ class LocalBroker:
     back on the same data and, when it is free, the same port (an explicit `port`, or the one this object or the
     last broker on DIR used). `kill()` is a hard crash of both processes (SIGKILL, nothing flushed or cleaned up),
     for fault tests. BrokerError, one line, when it cannot start: the port is taken, DIR is not a writable directory
-    or another broker runs on it, a process exits before it is ready."""
+    or another broker runs on it, a process exits before it is ready.
+
+    `max_message_bytes=N`: a record batch over N bytes is refused with MESSAGE_TOO_LARGE (module docstring, "Size
+    limit"; `proxy` is the proxy while it runs); None (the default): no limit, as Tansu has none. `stop()` and
+    `kill()` stop the proxy too; `start()` starts it again on the same port."""
 
     def __init__(self, port: int | None = None, log_path: str | os.PathLike | None = None,
-                 data_dir: str | os.PathLike | None = None):
+                 data_dir: str | os.PathLike | None = None, max_message_bytes: int | None = None):
+        if max_message_bytes is not None and max_message_bytes < 1:
+            raise BrokerError(f"max_message_bytes must be a positive number of bytes, got {max_message_bytes}")
         self.data_dir = Path(data_dir).resolve() if data_dir is not None else None
         self.port = port or (None if self.data_dir else free_port())
         self.host = "127.0.0.1"
+        self.max_message_bytes = max_message_bytes
+        self.proxy: SizeLimitProxy | None = None  # while started with a size limit on Tansu
+        self._inner_port: int | None = None  # where Tansu itself listens behind the proxy
         self.log_path = Path(log_path) if log_path else None
         self._process: subprocess.Popen | None = None
         self._store: subprocess.Popen | None = None  # rft.broker.objects, durable mode only
@@ -101,8 +117,9 @@ class LocalBroker:
         if kafka_home and not s3:
             return self._kraft_command(Path(kafka_home))
         url = f"tcp://{self.host}:{self.port}"
+        listen = f"tcp://{self.host}:{self._inner_port or self.port}"
         return [str(tansu_binary()), "broker", "--storage-engine", "s3://tansu/" if s3 else "memory://tansu/",
-                "--listener-url", url, "--advertised-listener-url", url]
+                "--listener-url", listen, "--advertised-listener-url", url]
 
     def _kraft_command(self, home: Path) -> list[str]:
         self._workdir = tempfile.TemporaryDirectory(prefix="rft-kraft-")
@@ -112,6 +129,7 @@ class LocalBroker:
             "process.roles=broker,controller", "node.id=1",
             f"controller.quorum.voters=1@127.0.0.1:{controller}",
             f"listeners=PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{controller}",
+            *([f"message.max.bytes={self.max_message_bytes}"] if self.max_message_bytes is not None else []),
             f"advertised.listeners=PLAINTEXT://127.0.0.1:{self.port}",
             "controller.listener.names=CONTROLLER", "inter.broker.listener.name=PLAINTEXT",
             f"log.dirs={self._workdir.name}/logs", "offsets.topic.replication.factor=1",
@@ -129,13 +147,28 @@ class LocalBroker:
         port = self.port
         assert port is not None  # in memory: chosen in __init__
         self._check_port_free(port)
+        self._inner_port = _port_behind_proxy(self.max_message_bytes)
         self._process = self._spawn(self.command())
         try:
-            wait_for_port(self.host, port, timeout_s, self._process)
+            self._wait_ready(timeout_s)
         except BrokerError:
             self.stop()
             raise
         return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        """Wait for the broker process to accept connections, then (with a size limit on Tansu) start the proxy on
+        `port` in front of it."""
+        listen_port = self._inner_port or self.port
+        assert listen_port is not None and self.port is not None  # chosen before the process started
+        wait_for_port(self.host, listen_port, timeout_s, self._process)
+        if self._inner_port is None:
+            return
+        try:
+            self.proxy = SizeLimitProxy(f"{self.host}:{self._inner_port}", self.max_message_bytes, host=self.host,
+                                         port=self.port).start()
+        except OSError as e:
+            raise BrokerError(str(e)) from None
 
     def _spawn(self, command: list[str], aws: dict[str, str] | None = None) -> subprocess.Popen:
         """A broker process in its own session. Started from the main thread it is SIGKILLed by Linux when this
@@ -183,6 +216,7 @@ class LocalBroker:
                 port = self.port = (recorded if isinstance(recorded, int) and _port_free(self.host, recorded)
                                     else free_port())
             self._check_port_free(port)
+            self._inner_port = _port_behind_proxy(self.max_message_bytes)
             ready = data_dir / "s3.port"
             ready.unlink(missing_ok=True)
             (data_dir / "objects" / "tansu").mkdir(parents=True, exist_ok=True)
@@ -193,7 +227,7 @@ class LocalBroker:
                 "AWS_ACCESS_KEY_ID": "rft", "AWS_SECRET_ACCESS_KEY": "rft", "AWS_DEFAULT_REGION": "us-east-1",
                 "AWS_REGION": "us-east-1", "AWS_ENDPOINT": f"http://127.0.0.1:{s3_port}", "AWS_ALLOW_HTTP": "true"})
             self._write_state(s3_port)
-            wait_for_port(self.host, port, timeout_s, self._process)
+            self._wait_ready(timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -240,10 +274,12 @@ class LocalBroker:
 
     def alive(self) -> bool:
         processes = [p for p in (self._process, self._store) if p is not None]
-        return bool(processes) and self._process is not None and all(p.poll() is None for p in processes)
+        return (bool(processes) and self._process is not None and all(p.poll() is None for p in processes)
+                and (self.proxy is None or self.proxy.alive()))
 
     def stop(self) -> None:
-        """Terminate (then kill, after 10 s) the broker, then the S3 server; release the data directory."""
+        """Terminate (then kill, after 10 s) the broker, then the S3 server; stop the size-limit proxy; release the
+        data directory."""
         process, self._process = self._process, None
         store, self._store = self._store, None
         if process is not None and process.poll() is None:
@@ -268,6 +304,10 @@ class LocalBroker:
         self._release()
 
     def _release(self) -> None:
+        """Stop the size-limit proxy, unlock the data directory, remove Kafka's temporary directory."""
+        proxy, self.proxy = self.proxy, None
+        if proxy is not None:
+            proxy.stop()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -280,6 +320,12 @@ class LocalBroker:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _port_behind_proxy(max_message_bytes: int | None) -> int | None:
+    """A free port for Tansu to listen on behind the size-limit proxy; None (it listens on the broker's port) without
+    a limit, or on Apache Kafka (which enforces its own)."""
+    return free_port() if max_message_bytes is not None and not os.environ.get("KAFKA_HOME") else None
 
 
 def _die_with_parent() -> None:
@@ -324,10 +370,12 @@ def _kill_stale(pid, *needles: str) -> None:
     wait_gone(pid, timeout_s=10)
 
 
-def serve_forever(port: int | None, data_dir: str | os.PathLike | None = None) -> int:
-    """`rft broker`: run a broker in the foreground until Ctrl-C / SIGTERM (durable on `data_dir` when given)."""
-    broker = LocalBroker(port=port, data_dir=data_dir)
+def serve_forever(port: int | None, data_dir: str | os.PathLike | None = None,
+                  max_message_bytes: int | None = None) -> int:
+    """`rft broker`: run a broker in the foreground until Ctrl-C / SIGTERM (durable on `data_dir` when given,
+    refusing record batches over `max_message_bytes` when given)."""
     try:
+        broker = LocalBroker(port=port, data_dir=data_dir, max_message_bytes=max_message_bytes)
         broker.start()
     except BrokerError as e:
         print(f"rft broker: {e}", file=sys.stderr)
@@ -336,6 +384,8 @@ def serve_forever(port: int | None, data_dir: str | os.PathLike | None = None) -
         storage = f"Tansu, durable storage in {broker.data_dir}"
     else:
         storage = "Apache Kafka, KAFKA_HOME" if os.environ.get("KAFKA_HOME") else "Tansu, in-memory storage"
+    if max_message_bytes is not None:
+        storage += f"; record batches over {max_message_bytes} bytes refused"
     print(f"rft broker listening on {broker.bootstrap_servers} ({storage}); Ctrl-C stops it", flush=True)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
@@ -397,5 +447,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--data", default=None, metavar="DIR",
                         help="keep topics, records and committed offsets in DIR: they survive a stop, a crash or "
                              "kill -9 of the broker, and a restart on DIR serves them again (docs/operations.md)")
+    parser.add_argument("--max-message-bytes", type=int, default=None, metavar="N",
+                        help="refuse a produced record batch over N bytes with MESSAGE_TOO_LARGE, as Apache Kafka's "
+                             "message.max.bytes does (Kafka's default: 1048588); default: no limit")
     args = parser.parse_args(argv)
-    return serve_forever(args.port, args.data)
+    if args.max_message_bytes is not None and args.max_message_bytes < 1:
+        parser.error(f"--max-message-bytes must be a positive number of bytes, got {args.max_message_bytes}")
+    return serve_forever(args.port, args.data, args.max_message_bytes)

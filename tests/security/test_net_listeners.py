@@ -1,7 +1,7 @@
 """Listeners bind where they are told (127.0.0.1 by default), never on every interface: the push group's TCPStore
-(torch binds a master store to every interface whatever host it is given), the Prometheus endpoint and the local
-object server, each checked against the sockets this process holds in LISTEN state (/proc). A whole run's
-listeners: tests/e2e/test_run_faults.py."""
+(torch binds a master store to every interface whatever host it is given), the Prometheus endpoint, the local
+object server and the broker's size-limit proxy, each checked against the sockets this process holds in LISTEN
+state (/proc). A whole run's listeners: tests/e2e/test_run_faults.py."""
 from __future__ import annotations
 
 import datetime
@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from rft.broker.limits import SizeLimitProxy
 from rft.broker.objects import serve
 from rft.observability.config import MonitorConfig
 from rft.observability.prometheus import metrics_endpoint
@@ -50,3 +51,12 @@ def test_the_object_server_listens_on_loopback(tmp_path):
         assert [item.address for item in bound] == ["127.0.0.1"]
     finally:
         server.server_close()
+
+
+def test_the_size_limit_proxy_listens_on_loopback():
+    proxy = SizeLimitProxy(f"127.0.0.1:{free_port()}", 1000).start()  # it connects upstream only for a client
+    try:
+        assert [item.address for item in mine(proxy.port)] == ["127.0.0.1"]
+    finally:
+        proxy.stop()
+    assert not proxy.alive() and mine(proxy.port) == []
