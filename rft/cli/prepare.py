@@ -20,6 +20,7 @@ from rft.data.demonstrations import prompt_tools, publish_demonstrations
 from rft.data.tasks import DatasetError, build_picker, publish_tasks, published_groups
 from rft.explorer.membership import fresh_group_for_restart
 from rft.run.config import Config
+from rft.run.records import claim_store
 from rft.transport import connect
 from rft.transport.run_topics import RunTopics, create_run_topics
 
@@ -121,7 +122,7 @@ def publish_run_demonstrations(cfg: Config, topic: str) -> bool:
     when the dataset is not usable."""
     try:
         count = publish_demonstrations(cfg.data, cfg.model, cfg.kafka, topic=topic, run_id=cfg.run.name,
-                                       tools=prompt_tools(cfg.explorer))
+                                       tools=prompt_tools(cfg.explorer), claims=claim_store(cfg))
     except DatasetError as e:
         print(f"[rft] demonstrations: {e}", file=sys.stderr)
         return False

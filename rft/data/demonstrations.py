@@ -30,7 +30,7 @@ from rft.explorer.config import ExplorerConfig
 from rft.models.config import ModelConfig
 from rft.schema import ExperienceGroup, Sample, TaskRecord
 from rft.text.chat import ChatError, ChatPrompt, encode_chat, end_of_turn_id, observation_text, tool_turn_text
-from rft.transport import connect
+from rft.transport import ClaimStore, connect
 from rft.transport.config import KafkaConfig
 
 ROLES = ("assistant", "tool", "user")  # the messages of a conversation answer
@@ -139,14 +139,15 @@ def _conversation(turns: list, tokenizer, chat: ChatPrompt | None, *, end: int |
 
 
 def publish_demonstrations(data: DataConfig, model: ModelConfig, kafka: KafkaConfig, *, topic: str, run_id: str,
-                           bootstrap: str | None = None, tools: tuple[dict[str, Any], ...] = ()) -> int:
+                           bootstrap: str | None = None, tools: tuple[dict[str, Any], ...] = (),
+                           claims: ClaimStore | None = None) -> int:
     """Publish the demonstrations to `topic` (the replay's: `replay.topic`, else the run's experiences topic;
     created if missing) unless it holds records already; returns how many were published (0 when it held
     records), once the broker acknowledged every one. `run_id` is the run's name; `tools` as in
-    `demonstration_groups`."""
+    `demonstration_groups`; `claims`: the run's claim store (large groups are claim-checked, rft.run.records)."""
     from transformers import AutoTokenizer  # heavy: transformers
 
-    transport = connect(kafka, bootstrap)
+    transport = connect(kafka, bootstrap, claims=claims)
     admin = transport.admin()
     try:
         admin.create_topics([topic], partitions=kafka.experience_partitions)

@@ -29,8 +29,9 @@ from rft.observability.prometheus import metrics_endpoint
 from rft.registry import import_object
 from rft.rewards import RewardContext, build_reward
 from rft.run.config import Config
+from rft.run.records import run_transport
 from rft.schema import RewardRange
-from rft.transport import Transport, connect, probe_bootstrap
+from rft.transport import Transport, probe_bootstrap
 from rft.transport.run_topics import RunTopics
 from rft.weights.store import store_root
 from rft.weights.stores import open_store
@@ -163,7 +164,7 @@ def compose_explorer(cfg: Config, *, explorer_id: str, engine: Engine, cores: Co
     workflow = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer, RewardContext.for_run(cfg)))
     if cores is not None:
         engine, workflow = paced(engine, workflow, cores)
-    transport = connect(cfg.kafka)
+    transport = run_transport(cfg)
     return build_explorer(cfg, explorer_id=explorer_id, engine=engine, workflow=workflow,
                           admission=build_admission(cfg, explorer_id, transport=transport), transport=transport)
 
@@ -171,22 +172,23 @@ def compose_explorer(cfg: Config, *, explorer_id: str, engine: Engine, cores: Co
 def build_explorer(cfg: Config, *, explorer_id: str, engine: Engine, workflow: Workflow,
                    admission: Admission | None = None, transport: Transport | None = None) -> Explorer:
     """Compose an Explorer from the root config: its sections, the run's topics and weight store, the metrics
-    endpoint `monitor.prometheus_port` asks for; `transport` defaults to `connect(cfg.kafka)`."""
+    endpoint `monitor.prometheus_port` asks for; `transport` defaults to `run_transport(cfg)` (the run's Kafka, with
+    its claim store)."""
     return Explorer(cfg.explorer, kafka=cfg.kafka, sync=cfg.sync, topics=RunTopics.of(cfg),
                     rewards=RewardRange.of(cfg.run), store=open_store(cfg.sync, cfg.run_dir), explorer_id=explorer_id,
-                    engine=engine, workflow=workflow, admission=admission, transport=transport,
+                    engine=engine, workflow=workflow, admission=admission, transport=transport or run_transport(cfg),
                     prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="explorer", instance=explorer_id))
 
 
 def build_admission(cfg: Config, explorer_id: str, *, transport: Transport | None = None) -> Admission:
     """`explorer.admission`: `staleness` (the run mode's bound, fleet-wide: rft/explorer/admission.py; read through
-    `transport`, default `connect(cfg.kafka)`), `all`, or `package.module:factory` called as
+    `transport`, default `run_transport(cfg)`), `all`, or `package.module:factory` called as
     factory(cfg, explorer_id), whose result must have every method of `Admission` (ConfigError otherwise)."""
     if cfg.explorer.admission == "all":
         return AdmitAll()
     if cfg.explorer.admission == "staleness":
         return fleet_admission(cfg.run.mode, max_staleness=cfg.run.max_staleness,
-                               groups_per_step=cfg.run.groups_per_step, transport=transport or connect(cfg.kafka),
+                               groups_per_step=cfg.run.groups_per_step, transport=transport or run_transport(cfg),
                                control_topic=cfg.topic("control"), experiences_topic=cfg.topic("experiences"),
                                explorer_id=explorer_id, heartbeat_s=cfg.explorer.heartbeat_s,
                                counts_drops=cfg.explorer.admission_counts_drops,

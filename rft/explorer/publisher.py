@@ -26,8 +26,9 @@ from rft.data.tasks import DatasetError, build_picker, ensure_tasks_topic, publi
 from rft.explorer.config import ExplorerConfig
 from rft.explorer.membership import GroupFollower
 from rft.run.config import Config
+from rft.run.records import run_transport
 from rft.schema import RecordError, TaskRecord, decode_group, decode_task
-from rft.transport import Transport, connect
+from rft.transport import Transport, connect, resolve_claims
 from rft.transport.config import KafkaConfig
 from rft.transport.run_topics import RunTopics, create_run_topics
 
@@ -102,7 +103,8 @@ class OnlinePublisher:
                 self.rewards.seek({m.position: m.offset})  # read again by the next sync or poll
                 continue
             try:
-                added += self.stats.add(decode_group(m.value, m.headers))
+                inline = resolve_claims(m, self.transport.claims)
+                added += self.stats.add(decode_group(inline.value, inline.headers))
             except RecordError:
                 continue  # the trainer dead-letters it; it carries no reward the publisher could use
         return added
@@ -148,7 +150,7 @@ def serve(cfg: Config) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    publisher = OnlinePublisher(cfg.data, cfg.explorer, RunTopics.of(cfg), cfg.kafka)
+    publisher = OnlinePublisher(cfg.data, cfg.explorer, RunTopics.of(cfg), cfg.kafka, transport=run_transport(cfg))
     try:
         publisher.restore()
         print(f"[publisher] {publisher.picker.picks} tasks already on {publisher.topic}, rewards of "

@@ -33,6 +33,7 @@ import numpy as np
 
 from rft.cli.commandline import install_stop_signals
 from rft.observability.prometheus import metrics_endpoint
+from rft.run.records import run_transport
 from rft.schema import (
     ExperienceGroup,
     Feedback,
@@ -44,7 +45,7 @@ from rft.schema import (
     decode_group,
 )
 from rft.serve.part import part_config
-from rft.transport import DeadLetter, connect
+from rft.transport import DeadLetter, connect, resolve_claims
 from rft.transport.run_topics import RunTopics
 
 if TYPE_CHECKING:
@@ -300,7 +301,7 @@ class Joiner:
         self.source = transport.source(group=self.group, topics=[topics.served, topics.feedback],
                                        client_id=client_id, from_beginning=True)
         self.sink = transport.sink(client_id=client_id)
-        self.dead_letter = DeadLetter(self.sink, topics.dead_letter)
+        self.dead_letter = DeadLetter(self.sink, topics.dead_letter, claims=transport.claims)
         done = self._already_emitted()
         self.joining = Joining(settings, topics.run, done=done)
         log.info("joiner %s: %d completions were emitted before this start", client_id, len(done))
@@ -324,7 +325,8 @@ class Joiner:
             done: set[str] = set()
             for m in reader.read_range(self.topics.experiences, from_time_ms=since, idle_timeout_s=5.0):
                 try:
-                    done.update(emitted_completions(decode_group(m.value, m.headers)))
+                    inline = resolve_claims(m, self.transport.claims)
+                    done.update(emitted_completions(decode_group(inline.value, inline.headers)))
                 except RecordError:
                     continue
             return done
@@ -374,7 +376,7 @@ def main(argv: list[str]) -> int:
                          "(serve mode).", argv)
     stop = threading.Event()
     install_stop_signals(stop)
-    joiner = Joiner(cfg.serve, topics=RunTopics.of(cfg), kafka=cfg.kafka)
+    joiner = Joiner(cfg.serve, topics=RunTopics.of(cfg), kafka=cfg.kafka, transport=run_transport(cfg))
     prometheus = metrics_endpoint(cfg.monitor, run=cfg.run.name, role="joiner", instance="joiner")
     try:
         joiner.run(stop, prometheus=prometheus)

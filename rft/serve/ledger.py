@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from rft.schema import Feedback, RecordError, ServedCompletion, decode
+from rft.transport import ClaimStore, resolve_claims
 
 
 class FeedbackRefused(ValueError):
@@ -86,15 +87,17 @@ class FeedbackLedger:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def load(self, source, served_topic: str, feedback_topic: str) -> int:
-        """Read back the served and feedback records of the last 2 x expire_s (a source without a group); returns
-        the number of records applied. Records that do not decode are skipped (the joiner dead-letters them)."""
+    def load(self, source, served_topic: str, feedback_topic: str, *, claims: ClaimStore | None = None) -> int:
+        """Read back the served and feedback records of the last 2 x expire_s (a source without a group; claims
+        resolved from `claims`); returns the number of records applied. Records that do not decode are skipped (the
+        joiner dead-letters them)."""
         since = int((self.clock() - 2 * self.expire_s) * 1000)
         applied = 0
         for topic in (served_topic, feedback_topic):  # served first: feedback needs its entry
             for m in source.read_range(topic, from_time_ms=since, idle_timeout_s=5.0):
                 try:
-                    record = decode(m.value, m.headers)
+                    inline = resolve_claims(m, claims)
+                    record = decode(inline.value, inline.headers)
                 except RecordError:
                     continue
                 if isinstance(record, ServedCompletion):

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from rft.engine import build_engine
 from rft.engine.base import TokenizerMixin
 from rft.observability.access import AccessConfigError, serve_access
+from rft.run.records import run_transport
 from rft.schema import RewardRange
 from rft.serve.app import create_app
 from rft.serve.engine_thread import EngineWorker
@@ -30,7 +31,6 @@ from rft.serve.ledger import FeedbackLedger
 from rft.serve.part import part_config
 from rft.serve.requests import renderer
 from rft.serve.service import Limits, ServeService
-from rft.transport import connect
 from rft.transport.run_topics import RunTopics
 from rft.weights.store import WeightStore
 from rft.weights.stores import open_store
@@ -47,7 +47,7 @@ log = logging.getLogger("rft.serve")
 def build_service(cfg: Config, *, transport: Transport | None = None, engine_factory=None) -> ServeService:
     """The service `cfg` describes, its engine started (`engine_factory` defaults to the explorers' `build_engine`)
     with the newest weights of the run's store, its ledger read back from the topics."""
-    transport = transport or connect(cfg.kafka)
+    transport = transport or run_transport(cfg)
     topics = RunTopics.of(cfg)
     admin = transport.admin()
     try:
@@ -65,7 +65,7 @@ def build_service(cfg: Config, *, transport: Transport | None = None, engine_fac
     ledger = FeedbackLedger(cfg.serve.feedback_expire_s)
     reader = transport.source(client_id="serve-ledger")
     try:
-        loaded = ledger.load(reader, topics.served, topics.feedback)
+        loaded = ledger.load(reader, topics.served, topics.feedback, claims=transport.claims)
     finally:
         reader.close()
     log.info("ledger: %d served / feedback records read back", loaded)

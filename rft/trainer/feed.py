@@ -3,8 +3,9 @@
 Contract:
 - The feed reads the experiences topic without a consumer group, from offsets it is given (the trainer's
   checkpoint) or from the beginning. Per partition it takes records strictly in log order.
-- Each record is either *taken* into a batch, or *skipped* with a counted reason: `dead_letter` (does not decode;
-  the record goes to the dead-letter topic), `duplicate` (its group id was already taken: explorers deliver
+- Each record is either *taken* into a batch, or *skipped* with a counted reason: `dead_letter` (does not decode,
+  or a claim-checked part of it cannot be fetched or verified, rft/transport/claims.py; the record goes to the
+  dead-letter topic with the reason), `duplicate` (its group id was already taken: explorers deliver
   at-least-once), `stale` (the staleness tracker refuses it), `foreign` (another run's record), `untrainable`
   (decodes but cannot be trained on: empty, ids outside the vocabulary, over the length limits, a reward out of
   range; the trainer's `check`, rft.trainer.batch.TrainableLimits; the record goes to the dead-letter topic with
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING
 from rft.experience.staleness_policies import InOrder, StalenessPolicy
 from rft.schema import ExperienceGroup, RecordError, decode_group, encode
 from rft.transport import (
+    ClaimStore,
     DeadLetter,
     Message,
     RecordSink,
@@ -49,6 +51,7 @@ from rft.transport import (
     TransportError,
     parse_positions,
     parse_time_ms,
+    resolve_claims,
 )
 
 if TYPE_CHECKING:
@@ -129,8 +132,10 @@ Admit = Callable[[ExperienceGroup], str | None]
 
 @dataclass
 class _Held:
-    """A group in the pool and the record it came from."""
+    """A group in the pool, the record it came from (as read: what a dead letter keeps) and that record with its
+    claim-checked parts inline (what the batch carries to other ranks)."""
     message: Message
+    inline: Message
     group: ExperienceGroup
 
 
@@ -140,15 +145,17 @@ class ExperienceFeed:
                  reconnect: Callable[[], RecordSource] | None = None, operators: OperatorChain | None = None,
                  check: Callable[[ExperienceGroup], str | None] | None = None,
                  busy: Callable[[bool], None] | None = None, policy: StalenessPolicy | None = None,
-                 pool: int = 0):
+                 pool: int = 0, claims: ClaimStore | None = None):
         """`run_id=None` accepts records of any run (replaying another run's topic). `reconnect` makes a new
         source when the current one fails (TransportError); the feed re-seeks it to its own state. `check(group)`:
         None when a decoded group can be trained on, else the reason; such a group is dead-lettered with
         `cannot be trained: <reason>` and skipped as `untrainable` (consumed like any record). `busy(flag)`: told
         False while `next_batch` waits for records and True once it has its batch (or the replay ended): the
         trainer's mark on a core board (rft/cores.py `CoreShare.set_busy`). `policy` (default in_order) picks each
-        group from a pool of max(`pool`, the batch's groups) (the module docstring)."""
-        self.reconnect, self.check, self.busy = reconnect, check, busy
+        group from a pool of max(`pool`, the batch's groups) (the module docstring). `claims`: the store
+        claim-checked parts are resolved from; a taken record's message holds them inline (other ranks need no
+        store)."""
+        self.reconnect, self.check, self.busy, self.claims = reconnect, check, busy, claims
         self.operators = operators
         self.source, self.topic, self.run_id, self.dead_letter = source, topic, run_id, dead_letter
         self.window = window
@@ -250,7 +257,8 @@ class ExperienceFeed:
         if self.window is not None and not self.window.contains_time(message.timestamp_ms):
             return "out_of_window"
         try:
-            group = decode_group(message.value, message.headers)
+            inline = resolve_claims(message, self.claims)
+            group = decode_group(inline.value, inline.headers)
         except RecordError as e:
             self.dead_letter.divert(message, str(e))
             return "dead_letter"
@@ -265,7 +273,7 @@ class ExperienceFeed:
         reason = self._refusal(group, admit, version)
         if reason:
             return reason
-        self._pool.append(_Held(message, group))
+        self._pool.append(_Held(message, inline, group))
         return None
 
     def _refusal(self, group: ExperienceGroup, admit: Admit, version: int) -> str | None:
@@ -292,7 +300,7 @@ class ExperienceFeed:
 
     def _take(self, held: _Held, batch: Batch) -> str | None:
         """Take a picked group into `batch` (through the operators), or the reason it is skipped."""
-        group, message = held.group, held.message
+        group, message, inline = held.group, held.message, held.inline
         if self.operators is not None:
             shaped, reason = self.operators.apply(group)
             if reason:
@@ -301,27 +309,28 @@ class ExperienceFeed:
                 if self.check is not None and (problem := self.check(shaped)):  # e.g. a reward shaped out of range
                     self.dead_letter.divert(message, f"cannot be trained after trainer.operators: {problem}")
                     return "untrainable"
-                group, message = shaped, dataclasses.replace(message, value=encode(shaped)[0])
+                group, inline = shaped, dataclasses.replace(inline, value=encode(shaped)[0])
         self._taken.add(group.group_id)
         self.state.taken_groups.append(group.group_id)
         batch.groups.append(group)
-        batch.messages.append(message)
+        batch.messages.append(inline)  # claims resolved: what other ranks decode (a dead letter keeps them)
         return None
 
     def _reread(self, held: dict) -> _Held | None:
         """A held group of a saved state, re-read from the topic by offset (None, logged, when it is gone)."""
         message = self.source.fetch(held["position"], held["offset"])
-        group = None
+        group = inline = None
         if message is not None:
             try:
-                group = decode_group(message.value, message.headers)
+                inline = resolve_claims(message, self.claims)
+                group = decode_group(inline.value, inline.headers)
             except RecordError:
                 group = None
-        if message is None or group is None or group.group_id != held["group_id"]:
-            log.warning("experience feed: held group %s at %s@%d is no longer on the topic", held["group_id"],
-                        held["position"], held["offset"])
+        if message is None or inline is None or group is None or group.group_id != held["group_id"]:
+            log.warning("experience feed: held group %s at %s@%d is no longer on the topic (or its claims are gone)",
+                        held["group_id"], held["position"], held["offset"])
             return None
-        return _Held(message, group)
+        return _Held(message, inline, group)
 
     def snapshot(self) -> FeedState:
         if self.operators is not None:
@@ -337,8 +346,8 @@ def open_feed(transport: Transport, *, topic: str, dead_letter_topic: str,
               check: Callable[[ExperienceGroup], str | None] | None = None,
               busy: Callable[[bool], None] | None = None, policy: StalenessPolicy | None = None,
               pool: int = 0) -> tuple[ExperienceFeed, RecordSink, RecordSource]:
-    """Build a feed with its own source and dead-letter sink from `transport`; the caller closes both. `check`,
-    `busy`, `policy`, `pool`: as ExperienceFeed's."""
+    """Build a feed with its own source and dead-letter sink from `transport` (resolving claims from its claim store);
+    the caller closes both. `check`, `busy`, `policy`, `pool`: as ExperienceFeed's."""
 
     def new_source() -> RecordSource:
         return transport.source(client_id=client_id)
@@ -347,7 +356,7 @@ def open_feed(transport: Transport, *, topic: str, dead_letter_topic: str,
     sink = transport.sink(client_id=f"{client_id}-dlq")
     feed = ExperienceFeed(source, topic=topic, run_id=run_id, dead_letter=DeadLetter(sink, dead_letter_topic),
                           state=state, window=window, reconnect=new_source, operators=operators, check=check,
-                          busy=busy, policy=policy, pool=pool)
+                          busy=busy, policy=policy, pool=pool, claims=transport.claims)
     return feed, sink, source
 
 

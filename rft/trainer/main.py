@@ -47,6 +47,7 @@ from rft.modes import mode, staleness
 from rft.observability.metrics import MetricsLogger
 from rft.observability.prometheus import MetricsEndpoint, metrics_endpoint
 from rft.run.config import Config, RunConfig
+from rft.run.records import run_transport
 from rft.schema import ExperienceGroup, RewardRange, decode_group
 from rft.trainer import distributed as dist_io
 from rft.trainer.batch import (
@@ -63,7 +64,7 @@ from rft.trainer.pacing import CorePacedPolicy
 from rft.trainer.replay_buffer import ExperienceReplay, Replayed, open_replay
 from rft.trainer.staleness import StalenessTracker
 from rft.trainer.weights import WeightSync
-from rft.transport import RecordSink, Transport, TransportError, connect, lag
+from rft.transport import RecordSink, Transport, TransportError, lag
 from rft.transport.control import KEEP_METRIC, Kind, TrainerFinished, TrainerStarted, TrainerStep, TrainerWaiting
 from rft.weights.config import SyncConfig
 from rft.weights.publisher import WeightPublisher
@@ -148,9 +149,9 @@ class TrainerIO:
 def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict, transport: Transport | None = None,
                     cores: CoreShare | None = None) -> TrainerIO:
     """Open rank 0's side of the run from the root config, resuming the feed at `feed_state` and the replay buffer
-    from `replay_state`; `transport` defaults to the run's Kafka (`connect(cfg.kafka)`); `cores`: the run's core
-    board, on which the feed marks the trainer waiting while it is starved (rft/cores.py)."""
-    transport = transport or connect(cfg.kafka)
+    from `replay_state`; `transport` defaults to the run's Kafka with its claim store (`run_transport(cfg)`);
+    `cores`: the run's core board, on which the feed marks the trainer waiting while it is starved (rft/cores.py)."""
+    transport = transport or run_transport(cfg)
     offline = cfg.run.mode == "offline"
     topic = (cfg.replay.topic or cfg.topic("experiences")) if offline else cfg.topic("experiences")
     feed, dlq_sink, _ = open_feed(
@@ -163,7 +164,7 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict, t
         pool=cfg.trainer.staleness_pool)
     replay = None
     if cfg.replay_buffer.groups_per_step:
-        replay = open_replay(cfg.replay_buffer, run_seed=cfg.run.seed, state=replay_state,
+        replay = open_replay(cfg.replay_buffer, run_seed=cfg.run.seed, state=replay_state, claims=transport.claims,
                              topic_source=lambda: transport.source(client_id=f"{cfg.run.name}-trainer-replay"))
     control = transport.sink(client_id=f"{cfg.run.name}-trainer")
     control_topic = cfg.topic("control")

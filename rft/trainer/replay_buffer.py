@@ -14,7 +14,8 @@ So a group trains at most 1 + M times, never replayed in its own step. The buffe
 checkpointed with the feed's offsets: a restarted trainer trains on the same (group, reuse) pairs as one that never
 stopped. A replayed group is never dropped for staleness and is counted apart (`replay_staleness_*`); the importance
 correction is the algorithm's (`algorithm.off_policy_correction`). A group gone from the topic leaves the buffer and
-is counted (`replay_missing`). Not thread-safe; rank 0 only.
+is counted (`replay_missing`), as is one whose claim-checked parts cannot be fetched and verified (collected; a
+re-read group holds them inline, rft/transport/claims.py). Not thread-safe; rank 0 only.
 """
 from __future__ import annotations
 
@@ -28,11 +29,11 @@ import numpy as np
 from rft.experience.priorities import Score, resolve_priority
 from rft.modes import staleness
 from rft.schema import ExperienceGroup, RecordError, decode_group
-from rft.transport import TransportError
+from rft.transport import TransportError, resolve_claims
 
 if TYPE_CHECKING:
     from rft.trainer.config import ReplayBufferConfig
-    from rft.transport import Message, RecordSource
+    from rft.transport import ClaimStore, Message, RecordSource
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,8 @@ class ExperienceReplay:
         found, gone = [], []
         for candidate in chosen:
             message = self.reader.fetch(candidate.position, candidate.offset)
-            group = _decode_if(message, candidate.group_id) if message is not None else None
+            message, group = _decode_if(message, candidate.group_id, self.reader.claims) if message is not None \
+                else (None, None)
             if message is None or group is None:
                 log.warning("replay: %s@%d (group %s) is no longer on the topic", candidate.position,
                             candidate.offset, candidate.group_id)
@@ -150,32 +152,37 @@ class ExperienceReplay:
                 "replay_staleness_max": max((s for s, _ in samples), default=0)}
 
 
-def _decode_if(message: Message, group_id: str) -> ExperienceGroup | None:
-    """The group in `message` if it is the one expected there (a recreated topic holds others)."""
+def _decode_if(message: Message, group_id: str, claims: ClaimStore | None
+               ) -> tuple[Message, ExperienceGroup] | tuple[None, None]:
+    """`message` with its claims resolved and its group, if that is the one expected there (a recreated topic holds
+    others); (None, None) otherwise."""
     try:
-        group = decode_group(message.value, message.headers)
-    except RecordError:
-        return None
-    return group if group.group_id == group_id else None
+        inline = resolve_claims(message, claims)
+        group = decode_group(inline.value, inline.headers)
+    except RecordError as e:
+        log.warning("replay: %s@%d does not decode: %s", message.position, message.offset, e)
+        return None, None
+    return (inline, group) if group.group_id == group_id else (None, None)
 
 
 def open_replay(section: ReplayBufferConfig, *, run_seed: int, topic_source: Callable[[], RecordSource],
-                state: dict | None) -> ExperienceReplay:
+                state: dict | None, claims: ClaimStore | None = None) -> ExperienceReplay:
     """The trainer's ExperienceReplay from the `replay_buffer` section (its seed defaults to `run_seed`), reading
-    through sources made by `topic_source` (a fresh one after a TransportError) and restored from a checkpoint's
-    `state`; the caller closes its `reader`."""
+    through sources made by `topic_source` (a fresh one after a TransportError), resolving claims from `claims`, and
+    restored from a checkpoint's `state`; the caller closes its `reader`."""
     buffer = ReplayBuffer(max_reuse=section.max_reuse, decay=section.decay, capacity=section.capacity,
                           seed=run_seed if section.seed is None else section.seed)
     buffer.load_json(state or {})
     return ExperienceReplay(buffer, groups_per_step=section.groups_per_step,
-                            score=resolve_priority(section.priority), reader=RecordReader(topic_source))
+                            score=resolve_priority(section.priority), reader=RecordReader(topic_source, claims))
 
 
 class RecordReader:
-    """Seek + fetch through its own RecordSource (the feed's keeps its position); one retry on a new source."""
+    """Seek + fetch through its own RecordSource (the feed's keeps its position); one retry on a new source. `claims`:
+    the store the groups' claim-checked parts are resolved from."""
 
-    def __init__(self, new_source: Callable[[], RecordSource]):
-        self.new_source = new_source
+    def __init__(self, new_source: Callable[[], RecordSource], claims: ClaimStore | None = None):
+        self.new_source, self.claims = new_source, claims
         self.source: RecordSource | None = None
 
     def fetch(self, position: str, offset: int) -> Message | None:

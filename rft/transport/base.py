@@ -2,6 +2,7 @@
 every caller shares. Imports no Kafka."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 from collections.abc import Callable, Iterable, Iterator
@@ -10,6 +11,7 @@ from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from rft.schema import HEADER_ERROR, RecordError, encode
+from rft.transport.claims import HEADER_CLAIMS, ClaimStore, ClaimStoreError, check_in, check_out, claims_in
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +184,10 @@ class RecordSink(Protocol):
     whose `record_size` is over `limit` (kafka.max_record_bytes) is refused before it is sent with
     RecordTooLarge naming its size and the limit, unless `check_size=False` (records that already exist: dead
     letters, imports; never lose them). Records sent with the same key go to the same partition, in send order.
-    Thread-safe."""
+    A sink with a claim store (`claims`) claim-checks what `send_record` sends (rft/transport/claims.py): its parts
+    over the store's threshold, else its whole body when still over `limit`. Thread-safe."""
     limit: int
+    claims: ClaimStore | None
 
 
     def send(self, topic: str, value: bytes, *, key: bytes | str | None = None,
@@ -292,7 +296,10 @@ class Admin(Protocol):
 
 
 class Transport(Protocol):
-    """Builds the clients of one process; one per process, passed down (a test passes a MemoryTransport)."""
+    """Builds the clients of one process; one per process, passed down (a test passes a MemoryTransport). `claims`:
+    the run's claim store (None: records are sent whole and a record with claims cannot be read); its sinks
+    claim-check what they send, its readers resolve with `resolve_claims(message, transport.claims)`."""
+    claims: ClaimStore | None
 
     def sink(self, *, client_id: str = "rft", linger_ms: int = 5) -> RecordSink: ...
 
@@ -310,11 +317,22 @@ class Transport(Protocol):
 
 
 class SinkBase:
-    """`send_record` and the size check, over an implementation's `send` and `limit`."""
+    """`send_record` (with the claim-check when the sink has a claim store) and the size check, over an
+    implementation's `send` and `limit`."""
     limit: int
+    claims: ClaimStore | None = None
 
     def send_record(self: RecordSink, topic: str, record: Any, *, key: str | None = None) -> SendFuture:
         value, headers = encode(record)
+        if self.claims is not None and self.claims.threshold > 0:
+            count_header = len(HEADER_CLAIMS) + 10  # room for the header the claims add
+            room = self.limit - record_size(None, key.encode() if key else None, headers) - count_header
+            try:
+                checked = check_out(value, self.claims, threshold=self.claims.threshold, limit=room)
+            except ClaimStoreError as e:
+                raise TransportError(f"record for topic {topic!r} not sent: {e}") from e
+            if checked is not value:
+                value, headers = checked, [*headers, (HEADER_CLAIMS, str(len(claims_in(checked))).encode())]
         return self.send(topic, value, key=key, headers=headers)
 
     def _checked_key(self, topic: str, value: bytes | None, key: bytes | str | None,
@@ -362,25 +380,45 @@ class SourceBase:
         return begin, stop
 
 
+def resolve_claims(message: Message, store: ClaimStore | None) -> Message:
+    """`message` with its claim-checked parts fetched, verified and put back inline (`check_in`), the `rft-claims`
+    header dropped: what `rft.schema`'s decoders read and what other ranks can be sent. The same message when it
+    carries none. RecordError naming the claim and the reason (dead-letter the message as it was read), also when
+    its `rft-claims` header does not count its claims."""
+    header = next((v or b"" for k, v in message.headers if k == HEADER_CLAIMS), None)
+    value = check_in(message.value, store)
+    if value is message.value and header is None:
+        return message
+    if header is not None:
+        found = len(claims_in(message.value))
+        if header != str(found).encode():
+            raise RecordError(f"header {HEADER_CLAIMS} says {header.decode(errors='replace')[:20]!r} claims, the "
+                              f"record holds {found}")
+    return dataclasses.replace(message, value=value, headers=[h for h in message.headers if h[0] != HEADER_CLAIMS])
+
+
 # --------------------------------------------------------------------------------------------------
 # Dead letters
 
 
 class DeadLetter:
-    """Decode-or-divert over any RecordSink: `decode(messages)` returns the decoded records and sends every
-    record that fails to decode, byte-for-byte, to the dead-letter topic with the reason in the `rft-error`
-    header and its origin (`topic:partition@offset`) in `rft-origin`; consumption goes on. Counts by reason."""
+    """Decode-or-divert over any RecordSink: `decode(messages)` returns the decoded records (their claims resolved
+    from `claims`, `resolve_claims`) and sends every record that fails to resolve or decode, byte-for-byte, to the
+    dead-letter topic with the reason in the `rft-error` header and its origin (`topic:partition@offset`) in
+    `rft-origin`; consumption goes on. Counts by reason."""
 
-    def __init__(self, sink: RecordSink, topic: str):
-        self.sink, self.topic = sink, topic
+    def __init__(self, sink: RecordSink, topic: str, *, claims: ClaimStore | None = None):
+        self.sink, self.topic, self.claims = sink, topic, claims
         self.count = 0
         self.reasons: dict[str, int] = {}
 
     def decode(self, messages: Iterable[Message], decoder: Callable[[bytes, list], Any]) -> list[tuple[Message, Any]]:
+        """(message as read, record) for each message that decodes."""
         out = []
         for m in messages:
             try:
-                out.append((m, decoder(m.value, m.headers)))
+                inline = resolve_claims(m, self.claims)
+                out.append((m, decoder(inline.value, inline.headers)))
             except RecordError as e:
                 self.divert(m, str(e))
         return out

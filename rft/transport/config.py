@@ -1,10 +1,12 @@
-"""The `kafka` section: the broker, the topics rft creates, record size limits and the clients' timeouts."""
+"""The `kafka` section: the broker, the topics rft creates, record size limits and the clients' timeouts; the `records`
+section: where large parts of records go (the claim-check, rft/transport/claims.py) and when they are collected."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rft.config import COUNT, POSITIVE, Section, option
+from rft.config import COUNT, POSITIVE, Range, Section, SectionError, at_least, option
+from rft.weights.config import S3_SCHEME, split_s3_url
 
 
 @dataclass(frozen=True)
@@ -24,9 +26,11 @@ class KafkaConfig(Section):
     replication_factor: int = option(1, range=COUNT,
         help="replicas of each topic rft creates (3 on a production cluster, docs/operations.md); topics that "
         "exist keep theirs")
-    max_record_bytes: int = option(8 * 1024 * 1024, range=COUNT,
-        help="largest record a part sends (bytes): a bigger one (e.g. a group) is refused with its size and "
-        "dead-lettered; the consumers' fetch sizes follow it; the broker must accept as much")
+    max_record_bytes: int = option(1_000_000, range=COUNT,
+        help="largest record a part sends (bytes; 1000000: what a default Kafka broker accepts, message.max.bytes): "
+        "a bigger one has its large parts, else its whole body, claim-checked (records.claim_threshold_bytes), or "
+        "with the claim-check off is refused with its size and dead-lettered; the consumers' fetch sizes follow it; "
+        "the broker must accept as much")
     compression: Literal["gzip", "snappy", "lz4", "zstd"] | None = option(None,
         help="codec the producers compress records with; null: none (zstd, lz4: 2-4x less experience traffic, "
         "docs/operations.md)")
@@ -40,3 +44,44 @@ class KafkaConfig(Section):
         help="longest a consumer-group member may go between two polls before the group presumes it dead (an "
         "explorer uses at least explorer.max_batch_s)")
     security: dict[str, Any] = option(factory=dict, help="passed to kafka clients verbatim")
+
+
+@dataclass(frozen=True)
+class RecordsConfig(Section):
+    """The claim-check (rft/transport/claims.py, docs/schema.md "Claim-checked parts"): large binary parts of records
+    go to an object store, the record carries their SHA-256 and size."""
+    KEY = "records"
+    claim_threshold_bytes: int = option(131072, range=at_least(0, "0: never claim-check"),
+        help="a binary part of a record (token ids, log-probs, a routing map's ids) larger than this many bytes is "
+        "stored in the claim store and replaced in the record by a claim (its SHA-256 and size); a record still "
+        "over kafka.max_record_bytes then has its whole body claim-checked; 0: never (a record over the limit is "
+        "refused as too large)")
+    store: str = option("",
+        help="the claim store: a directory every part sees, or s3://BUCKET/PREFIX; empty: beside the weights "
+        "(<sync.weight_store>/records: <run dir>/weights/records by default, or s3://BUCKET/PREFIX/records when the "
+        "weights are on S3)")
+    s3_endpoint: str = option("",
+        help="s3:// claim store: the S3 endpoint URL (empty: sync.s3_endpoint when records.store is empty, else "
+        "AWS_ENDPOINT_URL, else AWS's); http:// allowed")
+    s3_region: str = option("",
+        help="s3:// claim store: the bucket's region (empty: sync.s3_region when records.store is empty, else "
+        "AWS_REGION, else us-east-1)")
+    collect: Literal["retention", "committed"] = option("retention",
+        help="when stored parts are deleted: retention (records.retention_hours after they were written) or "
+        "committed (once the trainer and every consumer group of records.readers committed past every record "
+        "that names them)")
+    retention_hours: float = option(168.0, range=Range(0, 1e6, low_open=True),
+        help="collect retention: hours a stored part is kept after it was written (keep it at least the "
+        "experiences topic's retention, so that an offline replay of the topic finds its parts)")
+    readers: list[str] = option(factory=list,
+        help="collect committed: consumer groups that, besides the trainer, must commit past a record before its "
+        "parts are deleted (e.g. an offline reader of the experiences topic)")
+
+    def validate(self) -> None:
+        if self.store.startswith(S3_SCHEME):
+            try:
+                split_s3_url(self.store)
+            except ValueError as e:
+                raise SectionError("store", str(e)) from None
+        if any(not isinstance(r, str) or not r for r in self.readers):
+            raise SectionError("readers", f"must be non-empty consumer-group names, got {self.readers!r}")

@@ -32,6 +32,7 @@ from rft.transport.base import (
     parse_offset_key,
     probe_bootstrap,
 )
+from rft.transport.claims import ClaimStore
 from rft.transport.config import KafkaConfig
 
 _OVERHEAD_BYTES = 64 * 1024  # room for the batch and header framing around one maximal record
@@ -154,8 +155,9 @@ class KafkaSendFuture:
 class KafkaSink(SinkBase):
     """rft.transport.RecordSink on a kafka-python producer (acks=all, idempotent; thread-safe as it is)."""
 
-    def __init__(self, cfg: KafkaConfig, bootstrap: str, *, client_id: str = "rft", linger_ms: int = 5):
-        self.limit = cfg.max_record_bytes
+    def __init__(self, cfg: KafkaConfig, bootstrap: str, *, client_id: str = "rft", linger_ms: int = 5,
+                 claims: ClaimStore | None = None):
+        self.limit, self.claims = cfg.max_record_bytes, claims
         self._producer = _connect(
             KafkaProducer, "producer", bootstrap, **_client_settings(cfg, bootstrap), client_id=client_id,
             acks="all", enable_idempotence=True, linger_ms=linger_ms, compression_type=cfg.compression,
@@ -566,13 +568,15 @@ class KafkaAdmin:
 
 
 class KafkaTransport:
-    """rft.transport.Transport for one Kafka cluster: `kafka_cfg` (sizes, timeouts, security) at `bootstrap`."""
+    """rft.transport.Transport for one Kafka cluster: `kafka_cfg` (sizes, timeouts, security) at `bootstrap`; `claims`
+    the claim store its sinks claim-check with and its readers resolve from."""
 
-    def __init__(self, kafka_cfg: KafkaConfig, bootstrap: str):
-        self.kafka_cfg, self.bootstrap = kafka_cfg, bootstrap
+    def __init__(self, kafka_cfg: KafkaConfig, bootstrap: str, *, claims: ClaimStore | None = None):
+        self.kafka_cfg, self.bootstrap, self.claims = kafka_cfg, bootstrap, claims
 
     def sink(self, *, client_id: str = "rft", linger_ms: int = 5) -> KafkaSink:
-        return KafkaSink(self.kafka_cfg, self.bootstrap, client_id=client_id, linger_ms=linger_ms)
+        return KafkaSink(self.kafka_cfg, self.bootstrap, client_id=client_id, linger_ms=linger_ms,
+                         claims=self.claims)
 
     def source(self, *, group: str | None = None, topics: Iterable[str] = (), client_id: str = "rft",
                from_beginning: bool = True, group_instance_id: str | None = None,

@@ -30,6 +30,7 @@ from rft.transport.base import (
     offset_key,
     parse_offset_key,
 )
+from rft.transport.claims import ClaimStore
 
 MAX_POLL_RECORDS = 500  # kafka-python's default max_poll_records
 
@@ -116,8 +117,8 @@ class MemoryFuture:
 class MemorySink(SinkBase):
     """rft.transport.RecordSink in memory: records are appended at once."""
 
-    def __init__(self, broker: _Broker, *, limit: int):
-        self._broker, self.limit = broker, limit
+    def __init__(self, broker: _Broker, *, limit: int, claims: ClaimStore | None = None):
+        self._broker, self.limit, self.claims = broker, limit, claims
 
     def send(self, topic: str, value: bytes, *, key: bytes | str | None = None,
              headers: list[tuple[str, bytes]] | None = None, partition: int | None = None,
@@ -331,14 +332,15 @@ class MemoryAdmin:
 
 class MemoryTransport:
     """rft.transport.Transport in memory: every client it builds shares one broker. `partitions` is the default
-    partition count of a new topic (kafka.partitions), `max_record_bytes` the sinks' limit."""
+    partition count of a new topic (kafka.partitions), `max_record_bytes` the sinks' limit, `claims` the claim store
+    (rft.transport.Transport)."""
 
-    def __init__(self, *, partitions: int = 2, max_record_bytes: int = 8 << 20):
+    def __init__(self, *, partitions: int = 2, max_record_bytes: int = 1_000_000, claims: ClaimStore | None = None):
         self.broker = _Broker(partitions)
-        self.max_record_bytes = max_record_bytes
+        self.max_record_bytes, self.claims = max_record_bytes, claims
 
     def sink(self, *, client_id: str = "rft", linger_ms: int = 5) -> MemorySink:
-        return MemorySink(self.broker, limit=self.max_record_bytes)
+        return MemorySink(self.broker, limit=self.max_record_bytes, claims=self.claims)
 
     def source(self, *, group: str | None = None, topics: Iterable[str] = (), client_id: str = "rft",
                from_beginning: bool = True, group_instance_id: str | None = None,

@@ -52,6 +52,7 @@ def test_explorer_batches(broker, tiny_model, tmp_path, topic_prefix):
         "run": {"name": topic_prefix, "mode": "explore"},
         "model": {"path": str(tiny_model), "max_prompt_len": 256, "max_response_len": 4},
         "kafka": {"bootstrap_servers": broker.bootstrap_servers, "partitions": 1, "max_record_bytes": 1500},
+        "records": {"claim_threshold_bytes": 0},  # the claim-check off: a group over the limit is refused
         "explorer": {"engine": "transformers", "n_samples": 2, "max_tokens": 1, "tasks_per_batch": 4,
                      "reward": "char_accuracy", "heartbeat_s": 0.5},
         "data": {"path": "copy_char", "format": "generated", "generated_tasks": 5},

@@ -100,7 +100,7 @@ class FlakyTransport:
     """A MemoryTransport whose first source fails on its second poll (a wedged client)."""
 
     def __init__(self, inner: MemoryTransport):
-        self.inner, self.sources = inner, 0
+        self.inner, self.sources, self.claims = inner, 0, inner.claims
 
     def sink(self, **kwargs):
         return self.inner.sink(**kwargs)

@@ -322,3 +322,24 @@ def test_rft_decodes_what_the_doc_writer_writes(doc_examples):
     assert [s.response_tokens.tolist() for s in group.samples] == [[7, 8], [9]]
     assert group.samples[0].logprobs.tolist() == [-0.5, -1.5] and group.samples[1].loss_mask.tolist() == [0]
     assert [s.reward for s in group.samples] == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("limit", [1_000_000, 500], ids=["parts", "whole body"])
+def test_doc_reader_resolves_claims_from_a_directory_store(doc_examples, tmp_path, limit):
+    """The reader of docs/schema.md on records that rft's sink claim-checked (rft.transport.claims): parts over the
+    threshold, and a whole body over the limit."""
+    from rft.transport import ClaimStore, claims_in
+    from rft.transport.claims import HEADER_CLAIMS, check_out
+
+    group = _group()
+    group.samples[0].response_tokens = np.arange(3000)
+    group.samples[0].logprobs, group.samples[0].loss_mask = np.full(3000, -0.5), np.ones(3000)
+    value, headers = encode(group)
+    store = ClaimStore(tmp_path)
+    sent = check_out(value, store, threshold=1000, limit=limit)
+    headers = [*headers, (HEADER_CLAIMS, str(len(claims_in(sent))).encode())]
+    read = doc_examples["read_experience_group"](sent, headers, str(tmp_path))
+    assert read["samples"][0]["response_tokens"] == list(range(3000)) and read["group_id"] == group.group_id
+    (tmp_path / claims_in(sent)[0].key).write_bytes(b"something else")
+    with pytest.raises(ValueError, match="does not match its size or SHA-256"):
+        doc_examples["read_experience_group"](sent, headers, str(tmp_path))
