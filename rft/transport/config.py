@@ -27,10 +27,10 @@ class KafkaConfig(Section):
         help="replicas of each topic rft creates (3 on a production cluster, docs/operations.md); topics that "
         "exist keep theirs")
     max_record_bytes: int = option(1_000_000, range=COUNT,
-        help="largest record a part sends (bytes; 1000000: what a default Kafka broker accepts, message.max.bytes): "
+        help="largest record a part sends (bytes; 1000000 fits a default Kafka broker, message.max.bytes 1048588): "
         "a bigger one has its large parts, else its whole body, claim-checked (records.claim_threshold_bytes), or "
         "with the claim-check off is refused with its size and dead-lettered; the consumers' fetch sizes follow it; "
-        "the broker must accept as much")
+        "the broker must accept as much plus ~100 bytes of batch framing")
     compression: Literal["gzip", "snappy", "lz4", "zstd"] | None = option(None,
         help="codec the producers compress records with; null: none (zstd, lz4: 2-4x less experience traffic, "
         "docs/operations.md)")

@@ -72,6 +72,22 @@ def test_kafka_python_gets_message_too_large_over_the_limit_and_succeeds_under_i
         sink.close()
 
 
+def test_the_defaults_fit_a_default_broker(bootstrap, topic):
+    """kafka.max_record_bytes (default) against Kafka's default message.max.bytes: the largest record rft's sink
+    accepts, and a burst of records that kafka-python batches together, are all written (a refusal would make the
+    producer fatal for good: the test above)."""
+    default = KafkaConfig(partitions=1)
+    sink = connect(default, bootstrap).sink(linger_ms=50)
+    try:
+        largest = default.max_record_bytes - len(b"k")
+        futures = [sink.send(topic, os.urandom(largest), key=b"k", partition=0)]
+        futures += [sink.send(topic, os.urandom(300_000), partition=0) for _ in range(7)]  # lingered into batches
+        sink.flush()
+        assert [f.get(timeout=60).offset for f in futures] == list(range(8))
+    finally:
+        sink.close()
+
+
 def test_confluent_kafka_gets_the_same_error_code(bootstrap, broker, topic):
     import confluent_kafka
 
