@@ -119,8 +119,7 @@ class GRPO(Algorithm):
                           advantage: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         """-w_t * min(rho_t A, clip(rho_t) A) per token [b, T] and its `clip_frac`; `advantage` is [b, 1] (one per
         sample) or [b, T] (one per token)."""
-        mask = micro_batch["loss_mask"] > 0
-        ratio = torch.exp(torch.where(mask, logp - prox, 0.0))
+        ratio = token_ratio(logp, prox, micro_batch)
         clipped = ratio.clamp(1 - self.clip_low, 1 + self.clip_high)
         per_token = -weight * torch.minimum(ratio * advantage, clipped * advantage)
         return per_token, {"clip_frac": token_metric((clipped * advantage < ratio * advantage).float(), micro_batch)}
@@ -134,6 +133,12 @@ class GRPO(Algorithm):
         prox = micro_batch["prox_logprobs"] if "prox_logprobs" in micro_batch else logp.detach()
         weight, metrics = behaviour_weight(prox - behav, micro_batch, self.cfg, level=self.correction_level)
         return prox, weight, metrics
+
+
+def token_ratio(logp: torch.Tensor, prox: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
+    """r_t = exp(logp_t - prox_t) [b, T], 1 outside `loss_mask` (the log-ratio is zeroed there first, so padding
+    cannot overflow); differentiable through `logp` (detach it for a constant weight)."""
+    return torch.exp(torch.where(micro_batch["loss_mask"] > 0, logp - prox, 0.0))
 
 
 def finite_rewards(rewards: np.ndarray, index: int) -> np.ndarray:

@@ -1,7 +1,8 @@
 """Algorithm registry: `algorithm.name` -> an algorithm class, its typed options, and what it needs from the trainer.
 
-A name is a registered key (`grpo`, `rloo`, `reinforce_pp`, `gspo`, `cispo`, `dpo`, `sft`, `on_policy_distill`,
-`chord`, `ppo`) or an import path `package.module:Class`. An algorithm is written in one file:
+A name is a registered key (`grpo`, `rloo`, `reinforce_pp`, `reinforce`, `gspo`, `cispo`, `sapo`, `topr`, `sppo`,
+`opmd`, `asymre`, `rec`, `raft`, `dpo`, `sft`, `on_policy_distill`, `chord`, `ppo`) or an import path
+`package.module:Class`. An algorithm is written in one file:
 
     @dataclass
     class MyOptions:                      # the keys of `algorithm:` besides `name`, with their defaults

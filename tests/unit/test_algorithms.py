@@ -499,13 +499,14 @@ def test_splitting_into_micro_batches_and_shards_changes_nothing(name, options):
 
 def test_registry_names_and_capabilities():
     assert set(ALGORITHMS) == {"grpo", "rloo", "reinforce_pp", "gspo", "cispo", "dpo", "sft", "on_policy_distill",
-                               "jsd_distill", "chord", "ppo"}
+                               "jsd_distill", "chord", "ppo", "reinforce", "sapo", "topr", "sppo", "opmd", "asymre",
+                               "rec", "raft"}
     table = {name: build_algorithm(AlgorithmConfig.of(name, **({"teacher_path": "/teacher"}
                                                              if name in ("on_policy_distill", "jsd_distill") else {})))
              for name in ALGORITHMS}
     assert all(isinstance(a, Algorithm) and isinstance(a.needs, Needs) for a in table.values())
     assert {n for n, a in table.items() if a.needs.reference} == {"dpo"}
-    assert {n for n, a in table.items() if a.supports_replay} == {"dpo", "sft"}
+    assert {n for n, a in table.items() if a.supports_replay} == {"dpo", "sft", "raft"}
     assert {n: a.needs.teacher for n, a in table.items() if a.needs.teacher} == {"on_policy_distill": "/teacher",
                                                                                   "jsd_distill": "/teacher"}
     assert {n: a.needs.demonstrations for n, a in table.items() if a.needs.demonstrations} == {
