@@ -10,8 +10,11 @@ as an escape hatch. Names are resolved when a config is loaded for a run (`rft.r
   -> Reward`, registered with `register_reward_factory("name", cls)`. An import path may name such a class.
 - `explorer.reward: weighted` combines the rewards named in `explorer.reward_weights` into the
   weighted mean sum_i w_i r_i / sum_i w_i (weights >= 0, not all 0), so the result stays in [0, 1].
+- A factory may define `check_config(explorer)`: `check_reward_config` calls it for every reward a config names,
+  so its keys (a judge model, a template, a verifier) fail when the config loads, naming the key.
 
-Importing this package registers the built-in rewards (text, math_answer, countdown, judge, reasoning_gym).
+Importing this package registers the built-in rewards (text, math_answer, countdown, reasoning_gym, and the judge
+rewards judge, rubric, ruler; rlcr).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rft.rewards import countdown, judge, math_answer, reasoning_gym, text  # noqa: F401  (registers the built-ins)
+from rft.rewards import countdown, judge, math_answer, reasoning_gym, rlcr, rubric, ruler, text  # noqa: F401  (registers the built-ins)
 from rft.rewards.context import RewardContext
 from rft.rewards.registry import (
     REWARDS,
@@ -103,7 +106,6 @@ def check_reward_config(explorer: ExplorerConfig) -> None:
     """Resolve `explorer.reward` and `explorer.reward_weights` without building anything.
     Raises RewardError whose message starts with the offending dotted key."""
     weights = explorer.reward_weights
-    _check_judge(explorer)
     if explorer.reward == WEIGHTED:
         if not weights:
             raise RewardError("explorer.reward_weights: reward 'weighted' needs at least one reward: weight entry")
@@ -112,20 +114,22 @@ def check_reward_config(explorer: ExplorerConfig) -> None:
                 raise RewardError(f"explorer.reward_weights.{name}: weight must be >= 0, got {w}")
             if name == WEIGHTED:
                 raise RewardError("explorer.reward_weights.weighted: a weighted reward cannot contain itself")
-            resolve(name, key=f"explorer.reward_weights.{name}")
+            _check_own_keys(resolve(name, key=f"explorer.reward_weights.{name}"), explorer)
         if sum(weights.values()) <= 0:
             raise RewardError("explorer.reward_weights: weights must not all be 0")
         return
     if weights:
         raise RewardError(f"explorer.reward_weights: set explorer.reward to 'weighted' to combine rewards "
                           f"(it is {explorer.reward!r})")
-    resolve(explorer.reward, key="explorer.reward")
+    _check_own_keys(resolve(explorer.reward, key="explorer.reward"), explorer)
 
 
-def _check_judge(explorer: ExplorerConfig) -> None:
-    names = explorer.reward_weights if explorer.reward == WEIGHTED else [explorer.reward]
-    if "judge" in names and not explorer.judge_model:
-        raise RewardError("explorer.judge_model: the judge reward needs a judge model directory")
+def _check_own_keys(resolved: tuple[str, Any], explorer: ExplorerConfig) -> None:
+    """A factory's `check_config(explorer)`, if it has one."""
+    kind, obj = resolved
+    check = getattr(obj, "check_config", None) if kind == "factory" else None
+    if callable(check):
+        check(explorer)
 
 
 def build_reward(explorer: ExplorerConfig, context: RewardContext | None = None) -> Reward:
