@@ -17,6 +17,7 @@ BENCHMARKS = {
     "reload": "benchmarks.reload:main",
     "weights": "benchmarks.weights:main",
     "delivery": "benchmarks.delivery:main",
+    "experience": "benchmarks.experience_path:main",
     "inflight": "benchmarks.inflight:main",
 }
 

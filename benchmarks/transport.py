@@ -20,6 +20,11 @@ DIR`), removed afterwards; compare with a run without it (the in-memory broker).
 N batches; Tansu keeps each as one object) into a one-partition topic, then the seconds to learn its end
 (`end_offsets`) and to read its last 10 records from a fresh source, as a consumer at the tail of a long run's topic
 does (Tansu lists every batch object of the partition on each fetch).
+
+`--sizes`: instead, experience groups of 1k, 16k and 32k-token responses, with and without MoE routing maps, sent
+inline against claim-checked through a local broker that refuses batches over 1,000,000 bytes, produced and consumed
+as the explorer and the trainer do (benchmarks/transport_sizes.py says what and how); `--quick`: 1k and 16k only, a
+few groups each (seconds).
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import transport_sizes
 from rft.broker.local import LocalBroker
 from rft.schema import ExperienceGroup, Sample, encode
 from rft.transport import connect
@@ -298,6 +304,26 @@ def print_table(results: list[Result], ratio: dict[str, dict[str, float]]) -> No
                                   for name, met in targets(results, ratio).items()))
 
 
+def size_study(*, quick: bool, as_json: bool) -> int:
+    """`--sizes`: the table (or one JSON object) of benchmarks/transport_sizes.py's cells."""
+    cfg = KafkaConfig()
+    if quick:
+        results = transport_sizes.run_study(transport_sizes.QUICK_TOKENS, volume_mb=5, least=1, most=20, cfg=cfg)
+    else:
+        results = transport_sizes.run_study(cfg=cfg)
+    if as_json:
+        print(json.dumps({"unit": "MB = 1e6 bytes of groups (their inline encoding); store MB: its objects",
+                          "broker_limit": transport_sizes.BROKER_LIMIT, "compression": cfg.compression,
+                          "claim_threshold_bytes": transport_sizes.THRESHOLD, "cells": [asdict(r) for r in results]}))
+        return 0
+    print(f"local broker refusing batches over {transport_sizes.BROKER_LIMIT} bytes; kafka.compression="
+          f"{cfg.compression}; claim-check threshold {transport_sizes.THRESHOLD} bytes, a directory store")
+    print(transport_sizes.HEADER)
+    for r in results:
+        print(transport_sizes.format_row(r))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rft bench transport", description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=3000,
@@ -310,7 +336,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default=None, metavar="DIR", help="--durable: keep the broker data in DIR (kept)")
     parser.add_argument("--tail-batches", type=int, default=0, metavar="N",
                         help="measure reading the tail of a one-partition topic of N one-record batches instead")
+    parser.add_argument("--sizes", action="store_true", help="the size study instead: groups of 1k-32k tokens, with "
+                        "and without routing maps, inline against claim-checked, on a broker with a 1 MB limit")
+    parser.add_argument("--quick", action="store_true", help="--sizes: 1k and 16k tokens, a few groups (seconds)")
     args = parser.parse_args(argv)
+    if args.quick and not args.sizes:
+        parser.error("--quick goes with --sizes")
+    if args.sizes:
+        return size_study(quick=args.quick, as_json=args.json)
     if args.tail_batches < 0 or 0 < args.tail_batches < 10:
         parser.error(f"--tail-batches must be 0 (off) or at least 10, got {args.tail_batches}")
     if args.records < LARGE_RECORD_SHARE:

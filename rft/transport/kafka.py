@@ -161,7 +161,8 @@ class KafkaSink(SinkBase):
         self._producer = _connect(
             KafkaProducer, "producer", bootstrap, **_client_settings(cfg, bootstrap), client_id=client_id,
             acks="all", enable_idempotence=True, linger_ms=linger_ms, compression_type=cfg.compression,
-            max_request_size=self.limit + _OVERHEAD_BYTES, batch_size=1 << 20)
+            max_request_size=self.limit + _OVERHEAD_BYTES,
+            batch_size=min(1 << 20, self.limit))  # several records' batch stays within what the broker accepts
 
     def send(self, topic: str, value: bytes, *, key: bytes | str | None = None,
              headers: list[tuple[str, bytes]] | None = None, partition: int | None = None,

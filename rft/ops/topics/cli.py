@@ -2,8 +2,9 @@
 
 Connection: `--bootstrap HOST:PORT`, or `-c CONFIG [--set key=value]` whose `kafka.bootstrap_servers`
 and `kafka.security` are used (`--bootstrap` wins when both are given; the config also names the
-tokenizer for `--decode`). `embedded` is refused (rft.cli.commandline.embedded_broker_error): an embedded broker
-lives only inside the run that started it, so there is nothing for this tool to connect to.
+tokenizer for `--decode`, and the claim store of claim-checked records: `records.store`, rft/run/records.py;
+`--claims STORE` names one without a config). `embedded` is refused (rft.cli.commandline.embedded_broker_error): an
+embedded broker lives only inside the run that started it, so there is nothing for this tool to connect to.
 
 Export file formats: rft/ops/topics//formats.py.
 """
@@ -30,10 +31,12 @@ from rft.ops.topics.formats import (
     read_export,
 )
 from rft.ops.topics.render import format_message
+from rft.run.records import claim_store
 from rft.text.tokens import Detokenizer, TokenizerError
 from rft.transport import (
     Admin,
     BrokerUnreachable,
+    ClaimStore,
     Message,
     PositionSpecError,
     RecordSource,
@@ -53,6 +56,7 @@ class Connection:
     bootstrap: str
     tokenizer_path: str  # "" when neither --tokenizer nor a config names one
     transport: Transport  # builds every client of the command
+    claims: ClaimStore | None = None  # where tail and export --decoded fetch claim-checked parts (None: listed only)
 
 
 def connection_from_args(args: argparse.Namespace) -> Connection:
@@ -62,18 +66,21 @@ def connection_from_args(args: argparse.Namespace) -> Connection:
         bootstrap = args.bootstrap or cfg.kafka.bootstrap_servers
         where = "--bootstrap" if args.bootstrap else f"kafka.bootstrap_servers in {args.config}"
         run_dir = cfg.run_dir
+        claims = claim_store(cfg)
     else:
         if args.overrides:
             raise TopicsError("--set needs a config file (-c CONFIG)")
         if not args.bootstrap:
             raise TopicsError("say which broker: --bootstrap HOST:PORT, or -c CONFIG to use its kafka section")
         kafka, tokenizer, bootstrap, where = KafkaConfig(), "", args.bootstrap, "--bootstrap"
-        run_dir = None
+        run_dir, claims = None, None
+    if getattr(args, "claims", None):
+        claims = ClaimStore(args.claims)
     if bootstrap == EMBEDDED:
         raise TopicsError(embedded_broker_error("rft topics", where=where, fix="--bootstrap HOST:PORT",
                                                 run_dir=run_dir))
     return Connection(kafka=kafka, bootstrap=bootstrap, tokenizer_path=getattr(args, "tokenizer", None) or tokenizer,
-                      transport=connect(kafka, bootstrap))
+                      transport=connect(kafka, bootstrap), claims=claims)
 
 
 def require_topic(admin: Admin, topic: str, bootstrap: str) -> None:
@@ -146,9 +153,9 @@ def cmd_tail(args: argparse.Namespace, conn: Connection) -> int:
     with closing(conn.transport.source(client_id="rft-topics")) as source:
         messages, ends = last_records(source, args.topic, args.n)
         for m in messages:
-            print(format_message(m, detok), flush=True)
+            print(format_message(m, detok, conn.claims), flush=True)
         if args.follow:
-            follow(source, args.topic, ends, lambda m: print(format_message(m, detok), flush=True))
+            follow(source, args.topic, ends, lambda m: print(format_message(m, detok, conn.claims), flush=True))
     return 0
 
 
@@ -190,7 +197,7 @@ def cmd_export(args: argparse.Namespace, conn: Connection) -> int:
         partial = out.with_name(out.name + ".partial")  # renamed when complete: a failed export leaves no OUT
         writer: JsonlExport | ParquetExport
         if args.decoded:
-            writer = DecodedJsonlExport(partial, header, Detokenizer(conn.tokenizer_path))
+            writer = DecodedJsonlExport(partial, header, Detokenizer(conn.tokenizer_path), conn.claims)
         else:
             writer = JsonlExport(partial, header) if kind == "jsonl" else ParquetExport(partial, header)
         written, total = 0, sum(max(0, stop[k] - begin[k]) for k in begin)
@@ -284,6 +291,10 @@ def cmd_import(args: argparse.Namespace, conn: Connection) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
+CLAIMS_HELP = ("claim store (directory or s3://BUCKET/PREFIX) to fetch claim-checked parts from (default: the "
+               "config's records.store; without either the claims are listed, not fetched)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--bootstrap", metavar="HOST:PORT", help="broker address (overrides the config's)")
@@ -308,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new records until Ctrl-C")
     p.add_argument("--decode", action="store_true", help="show prompt/response text, rewards")
     p.add_argument("--tokenizer", metavar="DIR", help="HF tokenizer directory (default: the config's model)")
+    p.add_argument("--claims", metavar="STORE", help=CLAIMS_HELP)
     p.set_defaults(handler=cmd_tail)
 
     p = sub.add_parser("export", parents=[common], help="dump a topic (or a range) to .jsonl or .parquet")
@@ -320,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to-time", metavar="ISO|MS", help="only records stamped before this time")
     p.add_argument("--decoded", action="store_true", help="human-readable decoded records (not importable)")
     p.add_argument("--tokenizer", metavar="DIR", help="with --decoded: HF tokenizer directory for text")
+    p.add_argument("--claims", metavar="STORE", help="with --decoded: " + CLAIMS_HELP)
     p.set_defaults(handler=cmd_export)
 
     p = sub.add_parser("import", parents=[common], help="write an exported file back into a topic")

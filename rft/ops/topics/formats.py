@@ -26,7 +26,7 @@ from typing import Any
 from rft.ops.topics import TopicsError
 from rft.ops.topics.render import decoded_view, json_default
 from rft.text.tokens import Detokenizer
-from rft.transport import Message
+from rft.transport import ClaimStore, Message
 
 EXPORT_FORMAT = "rft-topic-export"
 EXPORT_VERSION = 1
@@ -59,12 +59,12 @@ class JsonlExport:
 class DecodedJsonlExport(JsonlExport):
     """Human-readable JSON lines of decoded records (not importable)."""
 
-    def __init__(self, path: Path, header: dict[str, Any], detok: Detokenizer):
+    def __init__(self, path: Path, header: dict[str, Any], detok: Detokenizer, claims: ClaimStore | None = None):
         super().__init__(path, header)
-        self.detok = detok
+        self.detok, self.claims = detok, claims
 
     def row(self, m: Message) -> dict[str, Any]:
-        return decoded_view(m, self.detok)
+        return decoded_view(m, self.detok, self.claims)
 
 
 def parquet_schema():
