@@ -2,12 +2,11 @@
 
 Wire form (docs/schema.md, "Claim-checked parts"): a `bin` value of a record's msgpack body larger than the threshold
 (`records.claim_threshold_bytes`) is replaced by a claim map `{"rft-claim": {"sha256": <64 lowercase hex>, "size":
-<payload bytes>, "codec": "zstd" | "none"}}`; while the record is over the size limit (`kafka.max_record_bytes`),
-its largest remaining parts are claimed too; one still over (many small parts) is stored whole, its parts claimed as
-above, and its body on the topic is a stub: `schema`, `type`, `run_id`, `group_id` (those the record has) and
-`rft-claim`. The object of a payload is at key `<sha256[:2]>/<sha256>` of the store, the payload compressed
-with zstd when that is shorter (codec `zstd`), else the payload itself (`none`). Records that carry claims have the
-header `rft-claims: <count>`.
+<payload bytes>, "codec": "zstd" | "none"}}`; a record still over the size limit (`kafka.max_record_bytes`) is stored
+whole, its parts claimed as above, and its body on the topic is a stub: `schema`, `type`, `run_id`, `group_id` (those
+the record has) and `rft-claim`. The object of a payload is at key `<sha256[:2]>/<sha256>` of the store, the payload
+compressed with zstd when that is shorter (codec `zstd`), else the payload itself (`none`). Records that carry
+claims have the header `rft-claims: <count>`.
 
 Contract:
 - `check_out(value, store, threshold=, limit=)` stores the parts and returns the value to send; a record with
@@ -45,7 +44,6 @@ HEADER_CLAIMS = "rft-claims"  # on records that carry claims: how many
 CODECS = ("none", "zstd")
 MAX_CLAIM_BYTES = 4 << 30  # the largest payload a claim may name (4 GiB)
 STUB_KEYS = ("schema", "type", "run_id", "group_id")  # what a whole-body stub keeps of the record
-CLAIM_MAP_BYTES = 128  # at most what a claim map takes in a packed body (about 110 bytes)
 ZSTD_LEVEL = 3
 MAX_DEPTH = 32  # nesting a record body may have (rft's records have 5 levels)
 _MARK = CLAIM_KEY.encode()  # in the bytes of any body that holds a claim, however its encoder framed the key
@@ -310,44 +308,23 @@ def claims_in(value: bytes) -> list[Claim]:
 
 def check_out(value: bytes, store: ClaimStore, *, threshold: int, limit: int) -> bytes:
     """The record `value` (a msgpack map) to send: every `bin` value longer than `threshold` (> 0) stored in `store`
-    and replaced by its claim; while that is over `limit` bytes, the largest parts left are claimed too (largest
-    first, none under threshold / 8: no swarm of small objects); if it is still over (many small parts), the claimed
-    body is stored whole and a stub sent. Each payload is
+    and replaced by its claim; if that is still over `limit` bytes, the body with its parts claimed is stored whole
+    and a stub sent (one more object, rather than many small ones; no payload is stored twice). Each payload is
     stored once. A record with nothing to claim is returned as is. ClaimStoreError when the store fails."""
     if (threshold <= 0 or len(value) <= threshold) and len(value) <= limit:
         return value  # no part can be over the threshold
     body = msgpack.unpackb(value, raw=False, strict_map_key=False)
     stored: dict[bytes, dict[str, Any]] = {}  # equal parts (a group's shared prompt) are stored once
 
-    def claim_over(floor: int) -> Callable[[Any], Any]:
-        def claim(node: Any) -> Any:
-            if not isinstance(node, bytes) or len(node) <= floor:
-                return node
-            if node not in stored:
-                stored[node] = store.put(node).to_wire()
-            return stored[node]
-        return claim
-
-    claimed = _walk(body, claim_over(threshold)) if threshold > 0 else body
-    out = value if claimed is body else _pack(claimed)
-    if len(out) > limit:  # the largest parts left, until the record fits: one pass at the size that makes it fit
-        sizes: list[int] = []
-
-        def measure(node: Any) -> Any:
-            if isinstance(node, bytes):
-                sizes.append(len(node))
+    def claim(node: Any) -> Any:
+        if not isinstance(node, bytes) or len(node) <= threshold:
             return node
+        if node not in stored:
+            stored[node] = store.put(node).to_wire()
+        return stored[node]
 
-        _walk(claimed, measure)
-        excess, floor = len(out) - limit, None
-        for size in sorted(set(sizes), reverse=True):
-            excess -= sizes.count(size) * (size - CLAIM_MAP_BYTES)
-            if excess <= 0:
-                floor = size - 1
-                break
-        if threshold > 0 and floor is not None and floor >= max(CLAIM_MAP_BYTES, threshold // 8):
-            claimed = _walk(claimed, claim_over(floor))
-            out = _pack(claimed)
+    claimed = _walk(body, claim) if threshold > 0 else body
+    out = value if claimed is body else _pack(claimed)
     if len(out) > limit:
         stub = {k: body[k] for k in STUB_KEYS if isinstance(body, dict) and k in body}
         stub.update(store.put(out).to_wire())

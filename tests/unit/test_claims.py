@@ -102,20 +102,6 @@ def test_a_record_still_over_the_limit_is_claimed_whole(store):
     assert check_in(sent, store) == value  # the very bytes produced
 
 
-def test_parts_under_the_threshold_are_claimed_largest_first_until_the_record_fits(store):
-    """A long trace: no part over the threshold, the record over the limit. The largest parts are claimed, no stub is
-    sent, each payload is stored once."""
-    group = big_group(response_len=3000, n_samples=8)  # token ids and log-probs 12,000 bytes each, the mask 3,000
-    value, _ = encode(group)
-    assert len(value) > 200_000
-    sent = check_out(value, store, threshold=16_000, limit=100_000)
-    claims = claims_in(sent)
-    assert CLAIM_KEY not in msgpack.unpackb(sent) and len(sent) <= 100_000
-    assert {c.size for c in claims} == {12_000}  # the masks (3,000 bytes, under threshold / 8) stay inline
-    assert sum(1 for _ in store.list()) == len({c.sha256 for c in claims})
-    assert check_in(sent, store) == value
-
-
 def test_a_whole_body_keeps_its_claimed_parts_stored_once(store):
     """Large parts and many small ones: the parts are claimed, then the claimed body stored whole; no payload is
     stored twice (the whole-body object holds the parts' claims, resolved in turn)."""
