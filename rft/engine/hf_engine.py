@@ -78,6 +78,7 @@ class TransformersEngine(TokenizerMixin):
         with torch.no_grad(), (routing.recording() if routing else nullcontext()):
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=not greedy,
                                       num_return_sequences=rows, max_new_tokens=sampling.max_tokens,
+                                      min_new_tokens=min(sampling.min_tokens, sampling.max_tokens),
                                       output_scores=True, return_dict_in_generate=True,
                                       pad_token_id=self.tokenizer.pad_token_id, **sample_args)
         new_tokens = out.sequences[:, len(prompt):]
