@@ -97,6 +97,10 @@ def test_the_moe_recipe_replays_vllms_routing_of_16k_token_traces_on_two_nodes(t
     assert cfg.explorer.max_tokens == cfg.model.max_response_len == 16384
     assert cfg.model.max_prompt_len + cfg.model.max_response_len <= shape["max_position_embeddings"]
     assert cfg.kafka.compression == "zstd" and cfg.sync.weight_store.startswith("s3://")
+    # every routing map and every token array of a long sample is claim-checked; a record stays under a default broker's
+    # message.max.bytes
+    assert cfg.records.claim_threshold_bytes < 4 * cfg.model.max_response_len and cfg.records.store.startswith("s3://")
+    assert cfg.kafka.max_record_bytes <= 1_000_000 and not cfg.run.routing_prefill
     roles = ROLES_BY_MODE[cfg.run.mode]
     trainer_node = gpu_plan(cfg, ("trainer",), [str(i) for i in range(8)])
     assert trainer_node == {"trainer": "0,1,2,3,4,5,6,7"}
