@@ -7,7 +7,7 @@ STAMP := $(VENV)/.rft-installed
 CONSTRAINTS := requirements/constraints.txt
 EXTRAS := envs,web,ray,browser
 
-.PHONY: venv quickstart flagship tiny-run lint typecheck bytecode test test-deps test-fast system-deps clean-venv assets smollm2 gpu-check-wheels moto
+.PHONY: venv quickstart flagship tiny-run tiny-moe-run lint typecheck bytecode test test-deps test-fast system-deps clean-venv assets smollm2 gpu-check-wheels moto
 
 venv: $(STAMP)
 
@@ -90,6 +90,13 @@ flagship: venv $(SMOLLM2)/config.json
 # The tiny model's 2-minute run (configs/quickstart.yaml: a 0.3 M-parameter model, a toy task; docs/operations.md)
 tiny-run: venv assets/tiny-qwen2/config.json
 	$(BIN)/rft run configs/quickstart.yaml
+
+# The tiny Qwen3-MoE with expert parallelism 2 and routing replay (configs/tiny-qwen3-moe.yaml)
+assets/tiny-qwen3-moe/config.json: | $(STAMP)
+	$(BIN)/rft tiny-model assets/tiny-qwen3-moe --arch qwen3_moe --experts 8 --experts-per-token 2
+
+tiny-moe-run: venv assets/tiny-qwen3-moe/config.json
+	$(BIN)/rft run configs/tiny-qwen3-moe.yaml
 
 # pyflakes, import order, pycodestyle, bugbear and pyupgrade, at 0 findings (ruff.toml)
 lint: venv

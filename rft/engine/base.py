@@ -31,12 +31,14 @@ class SamplingSettings:
     top_p: float = 1.0
     max_tokens: int = 32
     stop: tuple[str, ...] = ()
+    min_tokens: int = 0  # no stop token ends a completion before min(min_tokens, max_tokens) tokens
 
     @classmethod
     def from_config(cls, explorer: ExplorerConfig, model: ModelConfig) -> SamplingSettings:
         e = explorer
         return cls(n=e.n_samples, temperature=e.temperature, top_p=e.top_p,
-                   max_tokens=min(e.max_tokens, model.max_response_len))
+                   max_tokens=min(e.max_tokens, model.max_response_len),
+                   min_tokens=min(e.min_tokens, e.max_tokens, model.max_response_len))
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rft.config import COUNT, POSITIVE, Range, Section, SectionError, at_least, option
+from rft.config import COUNT, OPTIONAL, POSITIVE, Range, Section, SectionError, at_least, option
 
 
 @dataclass(frozen=True)
@@ -52,3 +52,11 @@ class SamplingOptions(Section):
         "probability; 1: off")
     max_tokens: int = option(32, range=COUNT,
         help="new tokens per sample (multi_turn, tool_agent: per model turn), at most model.max_response_len")
+    min_tokens: int = option(0, range=OPTIONAL,
+        help="single_turn samples: no stop token (EOS, stop_token_ids) ends a sample before this many new tokens; "
+        "at most max_tokens (= max_tokens: every sample is that long, e.g. to size long-trace runs); 0: off")
+
+    def validate(self) -> None:
+        if self.min_tokens > self.max_tokens:
+            raise SectionError("min_tokens", f"must be at most explorer.max_tokens ({self.max_tokens}), got "
+                              f"{self.min_tokens}")

@@ -197,7 +197,8 @@ class VLLMEngine(TokenizerMixin):
         settings = dict(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                         max_tokens=sampling.max_tokens, logprobs=0, stop_token_ids=self.stop_token_ids or None,
                         stop=list(sampling.stop) or None, output_kind=RequestOutputKind.FINAL_ONLY)
-        return SamplingParams(**{**settings, **overrides})
+        max_tokens = int(overrides.get("max_tokens", sampling.max_tokens))  # a probe or tail asks for fewer
+        return SamplingParams(**{**settings, **overrides, "min_tokens": min(sampling.min_tokens, max_tokens)})
 
     def _generation(self, output) -> Generation:
         prompt = list(output.prompt_token_ids)

@@ -154,11 +154,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--experts", type=int, default=4, help="routed experts (qwen3_moe, qwen2_moe)")
+    parser.add_argument("--experts-per-token", type=int, default=2, help="experts each token is routed to")
+    parser.add_argument("--max-position-embeddings", type=int, default=512,
+                        help="longest prompt + response the model takes (rope positions)")
     parser.add_argument("--untied", action="store_true", help="separate output layer")
     parser.add_argument("--seed", type=int, default=0)
     a = parser.parse_args(argv)
     path = make_tiny_model(a.out_dir, arch=a.arch, hidden_size=a.hidden_size, layers=a.layers, heads=a.heads,
                            kv_heads=a.kv_heads, tie_word_embeddings=not a.untied, seed=a.seed,
-                           experts=a.experts)
+                           experts=a.experts, experts_per_token=a.experts_per_token,
+                           max_position_embeddings=a.max_position_embeddings)
     print(path)
     return 0
