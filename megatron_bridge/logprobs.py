@@ -5,8 +5,9 @@ padding columns (ids >= the HF vocab size) are not part of the model: they are s
 the softmax (or left out) so results equal those of the unpadded HF model exactly. `token_logprobs`
 is differentiable (megatron's vocab-parallel cross entropy: one max and two sums all-reduced over the
 TP group, never the full [b, T, V] tensor on one rank). `entropy_sum` is a metric (no gradient),
-computed the same vocab-parallel way, in chunks of positions to bound its memory; `token_statistics` gives the same
-entropy per position, and the collision term sum_v p_v^2 (log p_v + H) that Clip_V reads (rft/algorithms/entropy_clip.py).
+computed the same vocab-parallel way, in chunks of positions to bound its memory; `token_statistics` gives the
+same entropy per position, and the collision term sum_v p_v^2 (log p_v + H) that Clip_V reads
+(rft/algorithms/entropy_clip.py).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """torchrun worker for tests/distributed/test_algorithm_catalog.py: the trainer's loop (rft/trainer/main.py) with each
-algorithm of ALGORITHMS in turn (jsd_distill with the model as its own teacher), in one process pair (data parallel 2, gloo, the real MegatronPolicy on the tiny
-model), 2 steps of 2 groups each from the in-memory transport.
+algorithm of ALGORITHMS in turn (jsd_distill with the model as its own teacher), in one process pair (data parallel
+2, gloo, the real MegatronPolicy on the tiny model), 2 steps of 2 groups each from the in-memory transport.
 
 Usage: torchrun --nproc-per-node 2 _worker_algorithm_catalog.py SPEC.json, with SPEC {"out_dir", "qwen"}. Each
 algorithm's run directory is `<out>/<name>`, with its metrics.jsonl.

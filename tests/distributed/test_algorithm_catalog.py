@@ -1,8 +1,9 @@
 """Each algorithm of the REINFORCE-family catalog (reinforce, sapo, topr, sppo, opmd, asymre, rec, raft), the
 whole-batch ones (m2po, clip_b, clip_v: the pass at the step's start, then their global masks) and jsd_distill (the
-tiny model its own teacher) trains two steps through the real trainer (torchrun, 2 processes, data parallel 2, gloo, the tiny model;
-_worker_algorithm_catalog.py, one process pair for all of them): its keys load with a run's config, its loss and
-metrics come back from both ranks, and the weights move. The formulas themselves: tests/unit/test_algorithms_catalog.py.
+tiny model its own teacher) trains two steps through the real trainer (torchrun, 2 processes, data parallel 2, gloo,
+the tiny model; _worker_algorithm_catalog.py, one process pair for all of them): its keys load with a run's config,
+its loss and metrics come back from both ranks, and the weights move. The formulas themselves:
+tests/unit/test_algorithms_catalog.py and tests/unit/test_algorithms_whole_batch.py.
 """
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ def identity(t: torch.Tensor) -> torch.Tensor:
 
 def as_micro_batch(batch: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, torch.Tensor]:
     """Rows `rows` of `batch` as a micro-batch (the step-wide normalisers kept), `start_logprobs` = logp."""
-    out = {k: torch.as_tensor(v[rows]) for k, v in batch.items() if k != "logp" and isinstance(v, np.ndarray) and v.ndim >= 1}
+    out = {k: torch.as_tensor(v[rows]) for k, v in batch.items()
+           if k != "logp" and isinstance(v, np.ndarray) and v.ndim >= 1}
     out["start_logprobs"] = torch.as_tensor(batch["logp"][rows])
     for key in ("global_tokens", "global_sequences"):
         out[key] = torch.tensor(float(batch[key]))
