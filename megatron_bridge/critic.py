@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import megatron_bridge.device as device
 import megatron_bridge.parallel as parallel
 import megatron_bridge.schedule as schedule
 from megatron_bridge.model import build_model
@@ -87,16 +86,6 @@ class MegatronCritic(TrainedModel):
             results = schedule.run(self.models, micro_batches, lambda out, mb: out[..., 0].float(), forward_only=True)
         return [_from_last_stage(results[i] if results else None, tuple(mb["input_ids"].shape))
                 for i, mb in enumerate(micro_batches)]
-
-    def sum_over_data_parallel(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` (CPU) summed over this rank's data-parallel group, on every rank (CPU result)."""
-        from megatron.core import parallel_state as ps
-
-        if self.layout.dp == 1:
-            return tensor
-        buffer = tensor.to(device.compute_device()).contiguous()
-        torch.distributed.all_reduce(buffer, group=ps.get_data_parallel_group())
-        return buffer.cpu()
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], loss_fn: ValueLossFn) -> dict[str, float]:
         """One optimizer step of `loss_fn(values [b, T] float32, micro_batch) -> (loss contribution, metrics)` over

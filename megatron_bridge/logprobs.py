@@ -5,7 +5,9 @@ padding columns (ids >= the HF vocab size) are not part of the model: they are s
 the softmax (or left out) so results equal those of the unpadded HF model exactly. `token_logprobs`
 is differentiable (megatron's vocab-parallel cross entropy: one max and two sums all-reduced over the
 TP group, never the full [b, T, V] tensor on one rank). `entropy_sum` is a metric (no gradient),
-computed the same vocab-parallel way, in chunks of positions to bound its memory.
+computed the same vocab-parallel way, in chunks of positions to bound its memory; `token_statistics` gives the
+same entropy per position, and the collision term sum_v p_v^2 (log p_v + H) that Clip_V reads
+(rft/algorithms/entropy_clip.py).
 """
 from __future__ import annotations
 
@@ -75,8 +77,40 @@ def entropy_sum(logits_shard: torch.Tensor, loss_mask: torch.Tensor, vocab_size:
     return total
 
 
+def token_statistics(logits_shard: torch.Tensor, loss_mask: torch.Tensor, vocab_size: int, *,
+                     collision: bool = False) -> torch.Tensor:
+    """Per position with loss_mask > 0, of softmax(logits) p (the padding columns left out): [2, b, T] float32, no
+    gradient, the same on every TP rank; 0 at the other positions.
+    [0]: the entropy H = -sum_v p_v log p_v;
+    [1] (with `collision`, else 0): C = sum_v p_v^2 (log p_v + H), the covariance under p of p_v and log p_v (Clip_V's
+    `nec`).
+    Vocabulary-parallel as `entropy_sum` (one max and one sum all-reduced over the TP group), in chunks of
+    `ENTROPY_CHUNK_TOKENS` positions. Call it before `token_logprobs`, which overwrites `logits_shard`."""
+    width = logits_shard.shape[-1]
+    real_width = max(0, min(width, vocab_size - _vocab_start(width)))
+    with torch.no_grad():
+        flat = logits_shard.reshape(-1, width)
+        out = torch.zeros((2, flat.shape[0]), dtype=torch.float32, device=flat.device)
+        positions = torch.nonzero(loss_mask.reshape(-1) > 0).flatten().to(flat.device)
+        for start in range(0, len(positions), ENTROPY_CHUNK_TOKENS):
+            chunk = positions[start:start + ENTROPY_CHUNK_TOKENS]
+            logits = flat.index_select(0, chunk)[:, :real_width].float()
+            entropy, coll = _vocab_parallel_statistics(logits, collision=collision)
+            out[0, chunk] = entropy
+            if coll is not None:
+                out[1, chunk] = coll
+    return out.reshape(2, *logits_shard.shape[:-1])
+
+
 def _vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy per row [n] of [n, V/tp] logit shards (this rank's real columns only)."""
+    return _vocab_parallel_statistics(logits, collision=False)[0]
+
+
+def _vocab_parallel_statistics(logits: torch.Tensor, *, collision: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(entropy [n], collision term [n] or None) per row of [n, V/tp] logit shards (this rank's real columns only).
+    With s = logits - max and e = exp(s): Z = sum e, W = sum e s, and (collision) Q = sum e^2, R = sum e^2 s, summed
+    over the TP group in one all-reduce; H = log Z - W / Z and sum_v p_v^2 (log p_v + H) = (R - Q W / Z) / Z^2."""
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()
@@ -89,8 +123,16 @@ def _vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
     shifted = logits - row_max[:, None]
     exp = shifted.exp()
-    sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1)])
+    terms = [exp.sum(-1), (exp * shifted).sum(-1)]
+    if collision:
+        square = exp * exp
+        terms += [square.sum(-1), (square * shifted).sum(-1)]
+    sums = torch.stack(terms)
     if sharded:
         dist.all_reduce(sums, group=group)
-    partition, weighted = sums
-    return partition.log() - weighted / partition
+    partition, weighted = sums[0], sums[1]
+    entropy = partition.log() - weighted / partition
+    if not collision:
+        return entropy, None
+    squares, weighted_squares = sums[2], sums[3]
+    return entropy, (weighted_squares - squares * weighted / partition) / partition.square()

@@ -41,7 +41,7 @@ import megatron_bridge.schedule as schedule
 import megatron_bridge.shared_prompts as shared_prompts
 from megatron_bridge.info import BridgeInfo
 from megatron_bridge.layout import vocabulary_problem
-from megatron_bridge.logprobs import entropy_sum, token_logprobs
+from megatron_bridge.logprobs import entropy_sum, token_logprobs, token_statistics
 from megatron_bridge.model import build_model, config_of, unwrap
 from rft.tensors import all_finite
 
@@ -155,6 +155,16 @@ class TrainedModel:
         trainable = sum(p.numel() for m in self.models for p in m.parameters() if p.requires_grad)
         return (f", LoRA rank {self.lora.rank} on {', '.join(self.lora.target_modules)} ({trainable:,} trainable "
                 f"parameters on this rank)")
+
+    def sum_over_data_parallel(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (CPU) summed over this rank's data-parallel group, on every rank (CPU result)."""
+        from megatron.core import parallel_state as ps
+
+        if self.layout.dp == 1:
+            return tensor
+        buffer = tensor.to(device.compute_device()).contiguous()
+        torch.distributed.all_reduce(buffer, group=ps.get_data_parallel_group())
+        return buffer.cpu()
 
     def _sum_over_replicas(self, per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """Reduce metric dicts over micro-batches (last stage), then data-parallel ranks; same dict everywhere.
@@ -341,6 +351,33 @@ class MegatronPolicy(TrainedModel):
         for model in self.models:
             model.eval()
         return self._logprobs(self.models, micro_batches)
+
+    def step_start(self, micro_batches: list[dict[str, torch.Tensor]], *, entropy: bool = False,
+                   collision: bool = False) -> list[dict[str, torch.Tensor]]:
+        """Per-token quantities [b, T] (float32, CPU) at the current weights, without gradients, for each micro-batch,
+        on every rank of this replica: `start_logprobs` always; `start_entropy` (the entropy of the tempered
+        distribution) with `entropy`; `start_collision` (sum_v p_v^2 (log p_v + H)) with `collision`. Entropy and the
+        collision term are computed at `loss_mask` positions only (0 elsewhere): megatron_bridge.logprobs's
+        `token_statistics`, vocabulary-parallel over the TP group. The pass before the step of `Needs.step_start`."""
+        _check_micro_batches(micro_batches, extra=("loss_mask",))
+        stats = entropy or collision
+
+        def on_logits(logits, mb):
+            logits = self._tempered(logits)
+            rows = [token_statistics(logits, mb["loss_mask"], self.vocab_size, collision=collision)] if stats else []
+            return torch.cat([token_logprobs(logits, mb["target_ids"], self.vocab_size)[None], *rows])
+
+        for model in self.models:
+            model.eval()
+        with torch.no_grad():
+            results = schedule.run(self.models, micro_batches, on_logits, forward_only=True,
+                                   packed=self.pack_sequences, before_forward=self._before_forward(self.models))
+        out = []
+        for i, mb in enumerate(micro_batches):
+            values = _from_last_stage(results[i] if results else None, (3 if stats else 1, *mb["target_ids"].shape))
+            out.append({"start_logprobs": values[0], **({"start_entropy": values[1]} if entropy else {}),
+                        **({"start_collision": values[2]} if collision else {})})
+        return out
 
     def reference_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """As `forward_logprobs`, from the frozen reference model (the weights at `hf_dir`); needs a

@@ -3,6 +3,7 @@
 Registered: grpo, rloo, reinforce_pp, reinforce (policy gradient; share GRPO's loss and differ in advantages), gspo,
 cispo (GRPO's advantages with a sequence-level ratio / a clipped detached importance weight), sapo (a soft gate),
 topr, sppo, opmd, asymre, rec (REINFORCE-family losses of Trinity-RFT's catalog), raft (SFT on the best rollouts),
+m2po (a second-moment mask over the whole step), clip_b, clip_v (GRPO with negative tokens clipped by entropy),
 dpo, sft, on_policy_distill (a teacher's per-token reverse KL as the advantage), jsd_distill (a beta-mixture JSD term
 instead), chord (SFT on demonstrations mixed into GRPO steps with a scheduled weight), ppo (a critic's GAE advantages,
 clipped value loss).
@@ -15,9 +16,11 @@ from rft.algorithms.asymre import AsymRE, AsymREOptions
 from rft.algorithms.chord import CHORD, ChordOptions  # importing the modules registers them
 from rft.algorithms.cispo import CISPO
 from rft.algorithms.dpo import DPO, DPOOptions
+from rft.algorithms.entropy_clip import ClipB, ClipBOptions, ClipV, ClipVOptions
 from rft.algorithms.grpo import GRPO, GRPOOptions
 from rft.algorithms.gspo import GSPO
 from rft.algorithms.jsd_distill import JSDDistill, JSDOptions
+from rft.algorithms.m2po import M2PO, M2POOptions
 from rft.algorithms.on_policy_distill import DistillOptions, OnPolicyDistill
 from rft.algorithms.opmd import OPMD, OPMDOptions
 from rft.algorithms.ppo import PPO, PPOOptions
@@ -31,6 +34,7 @@ from rft.algorithms.registry import (
     Demonstrations,
     Needs,
     NoOptions,
+    StepStart,
     build_algorithm,
     build_options,
     option_keys,
@@ -45,9 +49,10 @@ from rft.algorithms.sft import SFT, SFTOptions
 from rft.algorithms.sppo import SPPO, SPPOOptions
 from rft.algorithms.topr import TOPR, TOPROptions
 
-__all__ = ["ALGORITHMS", "REPLAY_HINT", "Algorithm", "Critic", "Demonstrations", "Needs", "NoOptions",
+__all__ = ["ALGORITHMS", "REPLAY_HINT", "Algorithm", "Critic", "Demonstrations", "Needs", "NoOptions", "StepStart",
            "build_algorithm", "build_options", "option_keys", "register", "resolve_algorithm",
            "GRPO", "RLOO", "ReinforcePlusPlus", "GSPO", "CISPO", "DPO", "SFT", "OnPolicyDistill", "JSDDistill", "CHORD",
-           "PPO", "REINFORCE", "SAPO", "TOPR", "SPPO", "OPMD", "AsymRE", "REC", "RAFT",
+           "PPO", "REINFORCE", "SAPO", "TOPR", "SPPO", "OPMD", "AsymRE", "REC", "RAFT", "M2PO", "ClipB", "ClipV",
            "GRPOOptions", "DPOOptions", "SFTOptions", "DistillOptions", "JSDOptions", "ChordOptions", "PPOOptions",
-           "SAPOOptions", "TOPROptions", "SPPOOptions", "OPMDOptions", "AsymREOptions", "RECOptions", "RAFTOptions"]
+           "SAPOOptions", "TOPROptions", "SPPOOptions", "OPMDOptions", "AsymREOptions", "RECOptions", "RAFTOptions",
+           "M2POOptions", "ClipBOptions", "ClipVOptions"]

@@ -1,7 +1,8 @@
 """Algorithm registry: `algorithm.name` -> an algorithm class, its typed options, and what it needs from the trainer.
 
 A name is a registered key (`grpo`, `rloo`, `reinforce_pp`, `reinforce`, `gspo`, `cispo`, `sapo`, `topr`, `sppo`,
-`opmd`, `asymre`, `rec`, `raft`, `dpo`, `sft`, `on_policy_distill`, `chord`, `ppo`) or an import path
+`opmd`, `asymre`, `rec`, `raft`, `m2po`, `clip_b`, `clip_v`, `dpo`, `sft`, `on_policy_distill`, `jsd_distill`,
+`chord`, `ppo`) or an import path
 `package.module:Class`. An algorithm is written in one file:
 
     @dataclass
@@ -73,6 +74,25 @@ class Demonstrations:
         return self.topic or run_topic
 
 
+SumOverReplicas = Callable[["torch.Tensor"], "torch.Tensor"]  # a float64 CPU tensor summed over the DP ranks
+
+
+@dataclass(frozen=True)
+class StepStart:
+    """A pass over all of a step's micro-batches before its loss, for algorithms that decide per token from the whole
+    optimizer batch (M2PO's second-moment mask, Clip_B / Clip_V's entropy clipping). The trainer runs the policy
+    forward without gradients at the weights the step starts from and adds to every micro-batch [b, T] float32:
+    `start_logprobs` (log-probs of the recorded tokens), with `entropy` `start_entropy` (the entropy of the tempered
+    distribution at each loss position), with `collision` `start_collision` (sum_v p_v^2 (log p_v + H) there; both 0
+    outside `loss_mask`); then it trains on `prepare(micro_batches, sum_over_replicas)`, called on every rank with
+    that rank's micro-batches, where `sum_over_replicas` sums a float64 CPU tensor over the data-parallel ranks (a
+    collective: every rank calls it the same number of times). One step is one optimizer update, so the start's
+    log-probs equal the loss's `token_logprobs` in value."""
+    prepare: Callable[[list[MicroBatch], SumOverReplicas], list[MicroBatch]]
+    entropy: bool = False
+    collision: bool = False
+
+
 @dataclass(frozen=True)
 class Needs:
     """What an algorithm needs the trainer to provide; the default needs nothing. Each is a micro-batch key (the
@@ -85,7 +105,9 @@ class Needs:
       `global_demo_tokens` and `global_demo_sequences`, and the step logs `demonstrations` (their count);
     - `pairwise`: rows are preference pairs, one group per pair: groups that are not pairs are skipped (and counted),
       micro-batches keep both rows of a pair together and carry `pair_chosen` / `pair_index`;
-    - `step`: micro-batches carry `step`, the optimizer step being taken (from 1)."""
+    - `step`: micro-batches carry `step`, the optimizer step being taken (from 1);
+    - `step_start`: a pass over the step's micro-batches at its starting weights, then the algorithm's `prepare`
+      (`StepStart`)."""
     reference: bool = False
     teacher: str | None = None
     teacher_key: str = "algorithm.teacher_path"
@@ -93,6 +115,7 @@ class Needs:
     demonstrations: Demonstrations | None = None
     pairwise: bool = False
     step: bool = False
+    step_start: StepStart | None = None
 
 
 @dataclass

@@ -11,7 +11,8 @@ process's composition (the one reader of the root config: `build_trainer`, `open
   4. every `trainer.checkpoint_every` steps: model, optimizer, the offsets consumed and the replay buffer
      (exactly-once resume), then metrics.
 The trainer knows no algorithm by name: it provides what the algorithm declares in `algorithm.needs`
-(rft.algorithms.Needs: reference or teacher log-probs, demonstrations, the step, preference pairs, a critic), and
+(rft.algorithms.Needs: reference or teacher log-probs, demonstrations, the step, preference pairs, a critic, a pass
+over the step's micro-batches before its loss), and
 only that. Resume: the newest complete checkpoint is loaded and the feed seeks to its offsets; `consumed.jsonl` (which
 group trained in which step) is cut back to that step, so that it always describes the effective run.
 """
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rft.algorithms import Critic, Demonstrations, Needs, build_algorithm
+from rft.algorithms import Critic, Demonstrations, Needs, StepStart, build_algorithm
 from rft.algorithms.aggregation import with_kl_metric
 from rft.algorithms.config import AlgorithmConfig
 from rft.algorithms.mismatch import with_mismatch_metrics
@@ -440,6 +441,8 @@ class Trainer:
         if self.needs.step:
             for mb in micro_batches:
                 mb["step"] = torch.tensor(float(step))
+        if self.needs.step_start is not None:
+            micro_batches = self._step_start(self.needs.step_start, micro_batches)
         need = self.needs.critic
         if self.critic is not None and need is not None:
             micro_batches = need.add_targets(micro_batches, self.critic.values(micro_batches),
@@ -453,6 +456,14 @@ class Trainer:
         replayed = {"routing_replayed": replayed_fraction(rows)} if self.run_config.routing_replay else {}
         return {**metrics, "padding_fraction": plan.padding_fraction, "train_s": seconds,
                 "train_tokens_per_s": plan.real_tokens / seconds, **replayed}
+
+    def _step_start(self, need: StepStart, micro_batches: list[dict]) -> list[dict]:
+        """`needs.step_start`: the policy's per-token quantities at the step's starting weights on every micro-batch,
+        then the algorithm's `prepare` over this rank's micro-batches (collective over the data-parallel ranks)."""
+        start = self.policy.step_start(micro_batches, entropy=need.entropy, collision=need.collision)
+        for mb, values in zip(micro_batches, start, strict=True):
+            mb.update(values)
+        return need.prepare(micro_batches, self.policy.sum_over_data_parallel)
 
     def _export_final(self) -> None:
         """The final weights as a Hugging Face directory (`<run dir>/final`), for evaluation and serving. Rank 0

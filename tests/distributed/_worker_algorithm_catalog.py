@@ -1,6 +1,6 @@
 """torchrun worker for tests/distributed/test_algorithm_catalog.py: the trainer's loop (rft/trainer/main.py) with each
-algorithm of ALGORITHMS in turn, in one process pair (data parallel 2, gloo, the real MegatronPolicy on the tiny
-model), 2 steps of 2 groups each from the in-memory transport.
+algorithm of ALGORITHMS in turn (jsd_distill with the model as its own teacher), in one process pair (data parallel
+2, gloo, the real MegatronPolicy on the tiny model), 2 steps of 2 groups each from the in-memory transport.
 
 Usage: torchrun --nproc-per-node 2 _worker_algorithm_catalog.py SPEC.json, with SPEC {"out_dir", "qwen"}. Each
 algorithm's run directory is `<out>/<name>`, with its metrics.jsonl.
@@ -14,12 +14,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+TEACHER = "<model>"  # an option's value replaced by the model's path: the tiny model is its own teacher
 # name -> its keys (the defaults otherwise); rec with a clip mode, a weight and a regulariser
 ALGORITHMS = {"reinforce": {}, "sapo": {}, "topr": {}, "sppo": {"sppo_eps": 500.0}, "opmd": {}, "asymre": {},
               "rec": {"rec_clip_mode": "one_side", "rec_weight": "token_is", "rec_regularizer": "k2",
                       "rec_regularizer_coef": 0.1},
-              "raft": {}}
-# sppo_eps 500: the recorded behaviour log-probs are random, so the ratios are far below 1 (the band [1 / 501, 501])
+              "raft": {}, "m2po": {}, "clip_b": {"entropy_clip_mu": 0.5},
+              "clip_v": {"entropy_clip_mu": 0.5, "entropy_clip_max_frac": 0.05},
+              "jsd_distill": {"teacher_path": TEACHER, "distill_reward_coef": 1.0}}
+# sppo_eps 500: the recorded behaviour log-probs are random, so the ratios are far below 1 (the band [1 / 501, 501]);
+# m2po then drops most of its trust region; clip_b / clip_v with a narrow mu, so that they drop some tokens;
+# jsd_distill is its own teacher, so its first step learns from the rewards alone (distill_reward_coef 1)
 GROUPS, REWARDS = 4, [1.0, 0.0, -0.5]
 
 
@@ -30,7 +35,7 @@ def config(out: Path, model: str, name: str, options: dict):
         "run": {"name": name, "mode": "train", "max_steps": 2, "output_dir": str(out), "groups_per_step": 2},
         "model": {"path": model},
         "kafka": {"bootstrap_servers": "memory"},
-        "algorithm": {"name": name, **options},
+        "algorithm": {"name": name, **{k: model if v == TEACHER else v for k, v in options.items()}},
         "trainer": {"micro_batch_size": 2, "checkpoint_every": 2, "poll_timeout_s": 5.0, "data_parallel": 2,
                     "lr": 1e-2},
         "monitor": {"progress": False},
