@@ -432,6 +432,11 @@ def test_an_algorithm_systems_overrides_are_checked_against_its_algorithm_before
                  "--system-set", "rft:raft:algorithm.sapo_tau_pos=2"]) == 2
     err = capsys.readouterr().err
     assert "rft:raft:" in err and "sapo_tau_pos" in err
+    out = tmp_path / "out"
+    (out / "kept").mkdir(parents=True)  # refused after the systems' checks: nothing runs
+    assert main(["--config", str(config), "--systems", "rft:grpo,rft:raft", "--out", str(out),
+                 "--system-set", "rft:raft:algorithm.raft_threshold=0.5"]) == 2  # raft's key, not grpo's: checked
+    assert "not empty" in capsys.readouterr().err  # as raft's, with grpo's clip_eps dropped
 
 
 def test_an_algorithm_race_compares_each_algorithm_with_grpo_at_each_mark_within_noise(capsys):
