@@ -183,7 +183,8 @@ def dropped_note(system: str, dropped: dict) -> str:
     if not dropped:
         return f"{system}: algorithm.name={algorithm}, the config's other algorithm keys kept"
     keys = ", ".join(f"algorithm.{k}={v!r}" for k, v in dropped.items())
-    return f"{system}: algorithm.name={algorithm}; dropped {keys} ({algorithm} does not take them)"
+    pronoun = "it" if len(dropped) == 1 else "them"
+    return f"{system}: algorithm.name={algorithm}; dropped {keys} ({algorithm} does not take {pronoun})"
 
 
 def rft_overrides(system: str, out: Path, extra: list[str] = ()) -> list[str]:
@@ -641,7 +642,7 @@ def print_report(result: dict) -> None:
     race = result.get("algorithm_race")
     if race:  # a race of algorithms: each against the baseline; TRL's targets only when TRL ran
         print(f"algorithms against {race['baseline']} (noise: 1.96 standard errors of the difference on "
-              f"{race['eval_tasks']} tasks): {race.get('missing', '')}")
+              f"{race['eval_tasks']} tasks){': ' + race['missing'] if 'missing' in race else ''}")
         for name in race["systems"]:
             print(f"  {race_line(name, race)}")
     if race and not any(s["system"] == "trl" for s in result["systems"]):
