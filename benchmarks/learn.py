@@ -15,6 +15,14 @@ Method.
   weight store under `--out`. Its clock starts when `rft run` is launched: start-up (broker, engines, trainer) is
   part of the user's wall-clock and counts. When the budget has elapsed the run is stopped (SIGTERM to its process
   group; `rft run` stops every part).
+- A race of algorithms: `rft:<algorithm>` (e.g. `--systems rft:grpo,rft:sapo,rft:topr`) is the config's own mode
+  over pull with `algorithm.name` = <algorithm> (a registered name or an import path), in a copy of the config
+  (`<out>/<stem>-algorithm-<algorithm>.yaml`, its run under `<out>/algorithm-<algorithm>`): each key of the config's
+  `algorithm:` section that the algorithm takes keeps the config's value, each it does not take (another
+  algorithm's) is dropped, and the report says which (`algorithm.dropped`); the rest are the algorithm's defaults.
+  Everything else, the budget included, is the same config. `algorithm_race` compares every other `rft:<algorithm>`
+  with `rft:grpo` at each mark and at the end: the difference of accuracies, "better" or "worse" when it exceeds
+  1.96 standard errors of the difference, else "within noise". TRL's targets are printed only when TRL ran.
 - TRL: `GRPOTrainer` on the same config (benchmarks/trl_reference.py says what is mapped to what, and what is not), HF
   generate, in a child process whose clock starts when it is launched.
 - Accuracy against wall-clock without evaluating during training: at each of `--marks` times budget x i / marks,
@@ -70,11 +78,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
 from benchmarks.trl_reference import TRLReferenceError, check_trl_config, run_trl, step_note, trl_missing, within_budget
+from rft.algorithms import option_keys
 from rft.config import ConfigError, load_yaml
 from rft.config.loader import apply_override
 from rft.processes import signal_group
@@ -90,6 +100,8 @@ SYSTEM_SETTINGS = {"rft-async-inflight": ["explorer.continuous=true", "explorer.
                                           "algorithm.off_policy_correction=true"]}
 LORA_SYSTEMS = ("rft-lora",)  # run `--lora-config` (model.lora) instead of `--config`
 SYSTEMS = (*RFT_SYSTEMS, "trl")
+ALGORITHM_PREFIX = "rft:"  # `rft:<algorithm>`: the config's own mode with that algorithm (`algorithm_section`)
+RACE_BASELINE = "rft:grpo"  # what every other `rft:<algorithm>` system is compared with (`algorithm_race`)
 UNLIMITED_STEPS = 1_000_000
 GENERATED_FORMATS = ("generated", "reasoning_gym")  # task sets whose size is `generated_tasks`
 POLL_S = 0.5
@@ -109,29 +121,98 @@ def note(message: str) -> None:
 # rft systems
 
 
+def algorithm_of(system: str) -> str | None:
+    """The algorithm of the system `rft:<algorithm>`; None for any other system."""
+    return system[len(ALGORITHM_PREFIX):] if system.startswith(ALGORITHM_PREFIX) else None
+
+
+def is_rft_system(system: str) -> bool:
+    """An `rft run` of the config: a named rft system (RFT_SYSTEMS) or `rft:<algorithm>`."""
+    return system in RFT_SYSTEMS or algorithm_of(system) is not None
+
+
+def system_dir(system: str) -> str:
+    """The directory under `--out` of a system's run and snapshots: its name, `algorithm-<algorithm>` for
+    `rft:<algorithm>` (characters other than letters, digits, '.', '_', '-' as '_': an import path's ':')."""
+    algorithm = algorithm_of(system)
+    return system if algorithm is None else "algorithm-" + re.sub(r"[^A-Za-z0-9._-]", "_", algorithm)
+
+
+def check_algorithm_system(system: str) -> str | None:
+    """Why `rft:<algorithm>` names no algorithm (None: it names one, or the system is not an algorithm system)."""
+    algorithm = algorithm_of(system)
+    if algorithm is None:
+        return None
+    try:
+        option_keys(algorithm)
+    except (ValueError, ImportError, AttributeError) as e:
+        return f"{system}: {e}"
+    return None
+
+
+def algorithm_section(section: dict, algorithm: str) -> tuple[dict, dict]:
+    """The config's `algorithm:` section (raw, as written) for the system `rft:<algorithm>`, and the keys dropped:
+    `name` is `algorithm`; each other key of `section` that `algorithm` takes (its options' fields) is kept with the
+    config's value (the same config otherwise); a key it does not take (another algorithm's, e.g. GRPO's
+    `clip_eps` for raft) is dropped and returned with its value; keys the section does not write take the
+    algorithm's defaults. ValueError naming algorithm.name for an unknown algorithm."""
+    owned = option_keys(algorithm)
+    kept = {k: v for k, v in section.items() if k != "name" and k in owned}
+    dropped = {k: v for k, v in section.items() if k != "name" and k not in owned}
+    return {"name": algorithm, **kept}, dropped
+
+
+def algorithm_config(config: str, system: str, out: Path, overrides: Sequence[str] = ()) -> tuple[str, dict]:
+    """A copy of `config` in `out` (`<stem>-<system_dir>.yaml`) with `overrides` (`a.b=value`) applied, then its
+    `algorithm:` section made the system `rft:<algorithm>`'s (`algorithm_section`); (its path, the keys dropped)."""
+    raw = load_yaml(Path(config).read_text()) or {}
+    for item in overrides:
+        apply_override(raw, item)
+    section = raw.get("algorithm") or {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"{config}: algorithm: expected a section, got {section!r}")
+    raw["algorithm"], dropped = algorithm_section(section, algorithm_of(system) or "")
+    path = out / f"{Path(config).stem}-{system_dir(system)}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return str(path), dropped
+
+
+def dropped_note(system: str, dropped: dict) -> str:
+    """The line that says which of the config's algorithm keys the system `rft:<algorithm>` dropped."""
+    algorithm = algorithm_of(system)
+    if not dropped:
+        return f"{system}: algorithm.name={algorithm}, the config's other algorithm keys kept"
+    keys = ", ".join(f"algorithm.{k}={v!r}" for k, v in dropped.items())
+    pronoun = "it" if len(dropped) == 1 else "them"
+    return f"{system}: algorithm.name={algorithm}; dropped {keys} ({algorithm} does not take {pronoun})"
+
+
 def rft_overrides(system: str, out: Path, extra: list[str] = ()) -> list[str]:
     """The `--set` overrides that make the config system `system` (see the module docstring), then `extra` (the
-    command line's `--system-set` for it)."""
-    mode, method = RFT_SYSTEMS[system]
+    command line's `--system-set` for it). `rft:<algorithm>` is the config's own mode over pull; its algorithm is
+    in its config (`algorithm_config`)."""
+    mode, method = RFT_SYSTEMS.get(system, (None, "pull"))
     return [*([f"run.mode={mode}"] if mode else []), f"sync.method={method}", f"run.max_steps={UNLIMITED_STEPS}",
-            "eval.every_steps=0", f"run.output_dir={out / system}", "sync.weight_store=",
+            "eval.every_steps=0", f"run.output_dir={out / system_dir(system)}", "sync.weight_store=",
             "kafka.bootstrap_servers=embedded", "monitor.progress=false", *SYSTEM_SETTINGS.get(system, []), *extra]
 
 
 def run_rft(system: str, config: str, *, out: Path, budget_s: float, marks: int, env: dict,
-            extra: list[str] = ()) -> dict:
-    """One rft system for `budget_s` seconds from launch; its steps, marks and weight-sync costs."""
+            extra: list[str] = (), dropped: dict | None = None) -> dict:
+    """One rft system for `budget_s` seconds from launch; its steps, marks and weight-sync costs (`dropped`: the
+    algorithm keys `algorithm_config` dropped for `rft:<algorithm>`, reported)."""
     overrides = rft_overrides(system, out, extra)
     cfg = load_run_config(config, overrides)
-    (out / system).mkdir(parents=True, exist_ok=True)
-    log_path = out / system / "rft-run.log"
+    run_out = out / system_dir(system)
+    run_out.mkdir(parents=True, exist_ok=True)
+    log_path = run_out / "rft-run.log"
     note(f"{system}: rft run {config} {' '.join('--set ' + o for o in overrides[:2])} (log {log_path})")
     command = [sys.executable, "-m", "rft.cli", "run", config, *(a for o in overrides for a in ("--set", o))]
     started = time.time()
     with open(log_path, "ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        taken = take_marks(system, process, cfg, out=out / system, started=started, budget_s=budget_s, count=marks)
+        taken = take_marks(system, process, cfg, out=run_out, started=started, budget_s=budget_s, count=marks)
     finally:
         code = stop_run(process)
     steps = trained_steps(cfg.run_dir)
@@ -141,6 +222,9 @@ def run_rft(system: str, config: str, *, out: Path, budget_s: float, marks: int,
               "weights": weight_sync_costs(cfg.run_dir, steps, taken), "mismatch": mismatch_summary(within),
               "signal": rft_signal(within, started, budget_s),
               "settings": [*SYSTEM_SETTINGS.get(system, []), *extra], "run_dir": str(cfg.run_dir)}
+    if algorithm_of(system) is not None:
+        result["algorithm"] = {"name": cfg.algorithm.name, "options": cfg.algorithm.options,
+                               "dropped": dropped or {}}
     if code not in (0, 130, -signal.SIGTERM):
         result["error"] = f"rft run exited with code {code}; see {log_path}"
     return result
@@ -373,10 +457,12 @@ def summarise(systems: list[dict], scores: dict[str, float], *, budget_s: float,
     trl_final = by_name.get("trl", {}).get("final_accuracy")
     for s in systems:
         s["reach_trl_s"] = reach_time(s, initial, trl_final) if s["final_accuracy"] is not None else None
+    race = algorithm_race(by_name, eval_tasks)
     return {"budget_s": budget_s, "initial_accuracy": initial, "trl_final_accuracy": trl_final, "systems": systems,
             "target_system": target,
             "targets": {**verdicts(by_name.get(target), by_name.get("trl"), name=target),
-                        **race_verdicts(by_name, target, eval_tasks)}}
+                        **race_verdicts(by_name, target, eval_tasks)},
+            **({"algorithm_race": race} if race else {})}
 
 
 def reach_time(system: dict, initial: float | None, target: float | None) -> float | None:
@@ -443,6 +529,52 @@ def race_verdicts(by_name: dict[str, dict], target: str, eval_tasks: int | None)
     return out
 
 
+def compare(accuracy: float | None, baseline: float | None, eval_tasks: int | None) -> dict:
+    """One accuracy against the baseline's on `eval_tasks` held-out tasks: the difference, the noise (1.96 standard
+    errors of the difference) and the verdict: "better" (above by more than the noise), "worse" (below by more),
+    "within noise", or None when either is not measured."""
+    if accuracy is None or baseline is None:
+        return {"accuracy": accuracy, "baseline": baseline, "difference": None, "noise": None, "verdict": None}
+    difference = accuracy - baseline
+    noise = 1.96 * math.hypot(standard_error(accuracy, eval_tasks or 0), standard_error(baseline, eval_tasks or 0))
+    verdict = "better" if difference > noise else "worse" if difference < -noise else "within noise"
+    return {"accuracy": accuracy, "baseline": baseline, "difference": round(difference, 4), "noise": round(noise, 4),
+            "verdict": verdict}
+
+
+def algorithm_race(by_name: dict[str, dict], eval_tasks: int | None) -> dict | None:
+    """The race of algorithms: each `rft:<algorithm>` system other than RACE_BASELINE against RACE_BASELINE, at each
+    mark (the same mark times: the same budget and marks) and at the end (the final accuracy), by `compare`. None
+    when there is no algorithm system besides the baseline; `systems` empty (with `missing`) without the baseline."""
+    contenders = [name for name in by_name if algorithm_of(name) is not None and name != RACE_BASELINE]
+    if not contenders:
+        return None
+    baseline = by_name.get(RACE_BASELINE)
+    if not baseline or not baseline.get("marks"):
+        return {"baseline": RACE_BASELINE, "eval_tasks": eval_tasks, "systems": {},
+                "missing": f"not measured: the race compares with {RACE_BASELINE}, which did not run"}
+    out = {}
+    for name in contenders:
+        marks = by_name[name].get("marks", [])
+        out[name] = {"marks": [{"time_s": m["time_s"], **compare(m.get("accuracy"), b.get("accuracy"), eval_tasks)}
+                               for m, b in zip(marks, baseline["marks"], strict=False)],
+                     "final": compare(by_name[name].get("final_accuracy"), baseline.get("final_accuracy"),
+                                      eval_tasks)}
+    return {"baseline": RACE_BASELINE, "eval_tasks": eval_tasks, "systems": out}
+
+
+def race_line(name: str, race: dict) -> str:
+    """One contender of `algorithm_race`: its accuracy against the baseline's at each mark and at the end."""
+    def cell(c: dict) -> str:
+        if c["verdict"] is None:
+            return "not measured"
+        return (f"{c['accuracy']:.3f} vs {c['baseline']:.3f} ({c['difference']:+.3f}, noise {c['noise']:.3f}: "
+                f"{c['verdict']})")
+    row = race["systems"][name]
+    marks = "; ".join(f"@{m['time_s']:.0f} s {cell(m)}" for m in row["marks"])
+    return f"{name} against {race['baseline']}: {marks}; final: {cell(row['final'])}"
+
+
 def _fmt(value, spec: str = ".2f", unit: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{unit}"
 
@@ -473,20 +605,21 @@ def print_report(result: dict) -> None:
     print(f"budget {result['budget_s']:.0f} s per system, clock from launch; held-out accuracy (greedy) of the "
           f"initial model: {_fmt(result['initial_accuracy'], '.3f')}")
     head = "".join(f"{f'acc@{t:.0f}s':>16}" for t in marks)
-    print(f"  {'system':<15}{'steps':>6}{'1st step':>9}{head}{'final':>7}{'reach TRL':>10}"
+    width = max([15, *(len(s["system"]) + 1 for s in result["systems"])])
+    print(f"  {'system':<{width}}{'steps':>6}{'1st step':>9}{head}{'final':>7}{'reach TRL':>10}"
           f"{'publish':>9}{'write':>7}{'reload':>8}{'MB':>7}")
     for s in result["systems"]:
         if "skipped" in s or ("error" in s and not s["marks"]):
-            print(f"  {s['system']:<15}{s.get('skipped') or 'failed: ' + s['error'][-300:]}")
+            print(f"  {s['system']:<{width}}{s.get('skipped') or 'failed: ' + s['error'][-300:]}")
             continue
         accs = "".join(f"{_mark_cell(m):>16}" for m in s["marks"])
         w = s.get("weights", {})
-        print(f"  {s['system']:<15}{s['steps']:>6}{_fmt(s['first_step_s'], '.0f', ' s'):>9}{accs}"
+        print(f"  {s['system']:<{width}}{s['steps']:>6}{_fmt(s['first_step_s'], '.0f', ' s'):>9}{accs}"
               f"{_fmt(s['final_accuracy'], '.3f'):>7}{_fmt(s['reach_trl_s'], '.0f', ' s'):>10}"
               f"{_fmt(w.get('publish_s'), '.2f', ' s'):>9}{_fmt(w.get('write_s'), '.2f', ' s'):>7}"
               f"{_fmt(w.get('reload_s'), '.2f', ' s'):>8}{_fmt(w.get('version_mb'), '.1f'):>7}")
         if "error" in s:
-            print(f"  {'':<15}error: {s['error'][-300:]}")
+            print(f"  {'':<{width}}error: {s['error'][-300:]}")
     target = result.get("target_system", "rft-async")
     names = {"half_time": f"{target} reaches TRL's final accuracy in <= half TRL's time",
              "equal_budget": f"{target}'s final accuracy >= TRL's at the same budget",
@@ -503,6 +636,17 @@ def print_report(result: dict) -> None:
     for system in result["systems"]:
         if system.get("signal"):
             print(f"  {system['system']}: {signal_line(system['signal'])}")
+    for system in result["systems"]:
+        if system.get("algorithm"):
+            print(f"  {dropped_note(system['system'], system['algorithm']['dropped'])}")
+    race = result.get("algorithm_race")
+    if race:  # a race of algorithms: each against the baseline; TRL's targets only when TRL ran
+        print(f"algorithms against {race['baseline']} (noise: 1.96 standard errors of the difference on "
+              f"{race['eval_tasks']} tasks){': ' + race['missing'] if 'missing' in race else ''}")
+        for name in race["systems"]:
+            print(f"  {race_line(name, race)}")
+    if race and not any(s["system"] == "trl" for s in result["systems"]):
+        return
     for key, verdict in result["targets"].items():
         met = {True: "met", False: "NOT met", None: "not measured"}[verdict["met"]]
         print(f"target: {names[key]}: {met} ({verdict['text']})")
@@ -524,8 +668,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="snapshots per budget, evenly spaced (default: %(default)s)")
     parser.add_argument("--lora-config", default="configs/smollm2-arithmetic-lora.yaml",
                         help="the config of the rft-lora system: --config's run with model.lora (default: %(default)s)")
-    parser.add_argument("--systems", default="rft-async,rft-sync,trl",
-                        help=f"comma list of: {', '.join(SYSTEMS)} (default: %(default)s)")
+    parser.add_argument("--systems", nargs="+", default=["rft-async,rft-sync,trl"],
+                        help=f"systems, comma- or space-separated: {', '.join(SYSTEMS)}, or rft:<algorithm> (the "
+                        "config's own mode with that algorithm, e.g. rft:grpo rft:sapo: a race of algorithms, each "
+                        f"compared with {RACE_BASELINE}) (default: rft-async,rft-sync,trl)")
     parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for every process (0: leave as is)")
     parser.add_argument("--out", default=None, help="keep runs, snapshots and logs here (default: a temporary "
                                                     "directory, removed at the end)")
@@ -537,24 +683,33 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="a config override for every system, TRL and the evaluation included (repeatable), "
                              "e.g. model.dtype=bfloat16")
     parser.add_argument("--system-set", action="append", default=[], metavar="SYSTEM:KEY=VALUE",
-                        help="a config override for one rft system (repeatable), e.g. "
-                             "rft-async-inflight:algorithm.importance_sampling=mis")
+                        help="a config override for one rft system (repeatable), e.g. rft-async-inflight:"
+                             "algorithm.importance_sampling=mis or rft:sapo:algorithm.sapo_tau_neg=1.2")
     parser.add_argument("--target", default="rft-async", help="the system the targets are judged for "
                         "(default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    args.systems = [s.strip() for item in args.systems for s in item.split(",") if s.strip()]
     args.extra = {}
     for item in args.system_set:
-        system, sep, override = item.partition(":")
-        if not sep or "=" not in override or system not in RFT_SYSTEMS:
+        key, eq, value = item.partition("=")
+        system, sep, override = key.rpartition(":")  # the system's own name may hold ':' (rft:sapo)
+        if not sep or not eq or not override or not is_rft_system(system):
             parser.error(f"--system-set {item!r}: expected SYSTEM:KEY=VALUE with SYSTEM one of "
-                         f"{', '.join(RFT_SYSTEMS)}")
-        args.extra.setdefault(system, []).append(override)
-    unknown = [s for s in args.systems if s not in SYSTEMS]
+                         f"{', '.join(RFT_SYSTEMS)} or rft:<algorithm>")
+        args.extra.setdefault(system, []).append(f"{override}={value}")
+    unknown = [s for s in args.systems if s not in SYSTEMS and algorithm_of(s) is None]
     if unknown or not args.systems:
-        parser.error(f"--systems: unknown {unknown} (choose from {', '.join(SYSTEMS)})" if unknown else
-                     "--systems: name at least one")
+        parser.error(f"--systems: unknown {unknown} (choose from {', '.join(SYSTEMS)}, or rft:<algorithm>)"
+                     if unknown else "--systems: name at least one")
+    twice = sorted({s for s in args.systems if args.systems.count(s) > 1})
+    if twice:
+        parser.error(f"--systems: {', '.join(twice)} named twice")
+    for problem in filter(None, map(check_algorithm_system, args.systems)):
+        parser.error(f"--systems: {problem}")
+    idle = sorted(set(args.extra) - set(args.systems))
+    if idle:
+        parser.error(f"--system-set: {', '.join(idle)} is not in --systems {','.join(args.systems)}")
     if args.budget_s <= 0 or args.marks < 1:
         parser.error("--budget-s must be > 0 and --marks >= 1")
     if args.eval_tasks is not None and args.eval_tasks < 1:
@@ -610,7 +765,7 @@ def disk_needed(cfg: Config, systems: list[str], marks: int) -> dict[str, int]:
     for system in systems:
         if system == "trl":
             need[system] = marks * parameters * torch.float32.itemsize
-        elif system not in LORA_SYSTEMS and RFT_SYSTEMS[system][1] == "pull":
+        elif system not in LORA_SYSTEMS and RFT_SYSTEMS.get(system, (None, "pull"))[1] == "pull":
             need[system] = (marks + cfg.sync.keep_versions) * parameters * getattr(torch, cfg.model.dtype).itemsize
     return need
 
@@ -644,11 +799,16 @@ def check_config(args: argparse.Namespace) -> str | None:
         return f"{args.config}: {e}" if not str(e).startswith(args.config) else str(e)
     if cfg.stages:
         return f"{args.config}: stages: a multi-stage config cannot be benchmarked; give one stage's config"
-    for system in (s for s in args.systems if s in RFT_SYSTEMS and s not in LORA_SYSTEMS):
+    for system in (s for s in args.systems if is_rft_system(s) and s not in LORA_SYSTEMS):
+        overrides = rft_overrides(system, Path(tempfile.gettempdir()), getattr(args, "extra", {}).get(system, []))
         try:  # each system's own settings and --system-set overrides, before anything runs
-            load_run_config(args.config, [*common, *rft_overrides(system, Path(tempfile.gettempdir()),
-                                                                  getattr(args, "extra", {}).get(system, []))])
-        except ConfigError as e:
+            if algorithm_of(system) is None:
+                load_run_config(args.config, [*common, *overrides])
+                continue
+            with tempfile.TemporaryDirectory(prefix="rft-bench-learn-check-") as scratch:
+                config, _ = algorithm_config(args.config, system, Path(scratch), common)
+                load_run_config(config, overrides)
+        except (ConfigError, ValueError) as e:
             return f"{system}: {e}"
     if not (Path(cfg.model.path) / "config.json").is_file():
         return (f"{args.config}: model.path: {cfg.model.path} is not a Hugging Face model directory (`make smollm2` "
@@ -684,10 +844,13 @@ def run_all(args: argparse.Namespace, out: Path) -> dict:
     for system in args.systems:
         if system == "trl":
             systems.append(run_trl_system(config, out=out, budget_s=args.budget_s, marks=args.marks, env=env))
-        else:
-            systems.append(run_rft(system, lora_config if system in LORA_SYSTEMS else config, out=out,
-                                   budget_s=args.budget_s, marks=args.marks, env=env,
-                                   extra=args.extra.get(system, [])))
+            continue
+        own, dropped = lora_config if system in LORA_SYSTEMS else config, None
+        if algorithm_of(system) is not None:
+            own, dropped = algorithm_config(config, system, out)
+            note(dropped_note(system, dropped))
+        systems.append(run_rft(system, own, out=out, budget_s=args.budget_s, marks=args.marks, env=env,
+                               extra=args.extra.get(system, []), dropped=dropped))
     scores = evaluate(config, systems, out=out, env=env)
     eval_tasks = sum(s.generated_tasks for s in load_run_config(config).eval.sets)
     result = summarise(systems, scores, budget_s=args.budget_s, target=args.target, eval_tasks=eval_tasks)
@@ -735,12 +898,16 @@ def plot_race(result: dict, png: Path) -> Path:
         times = [0.0] + [m["time_s"] for m in marks]
         accuracy = [result["initial_accuracy"]] + [m["accuracy"] for m in marks]
         half = [1.96 * math.sqrt(p * (1 - p) / n) for p in accuracy]
-        line, = ax.plot(times, accuracy, marker="o", label=f"{system['system']} ({system['steps']} steps)")
+        settings = " ".join(o.removeprefix("algorithm.") for o in system.get("settings", [])
+                            if algorithm_of(system["system"]) is not None)  # a race of algorithms: their settings
+        label = f"{system['system']}{' ' + settings if settings else ''} ({system['steps']} steps)"
+        line, = ax.plot(times, accuracy, marker="o", label=label)
         ax.fill_between(times, [p - h for p, h in zip(accuracy, half, strict=True)],
                         [p + h for p, h in zip(accuracy, half, strict=True)],
                         color=line.get_color(), alpha=0.12)
     ax.set(xlabel="wall-clock from launch (s)", ylabel=f"held-out accuracy ({n} tasks)",
-           title=f"{Path(result['config']).name}, seed {result['seed']}")
+           title=f"{Path(result['config']).name}, seed {result['seed']}"
+                 + (f", algorithms against {RACE_BASELINE}" if result.get("algorithm_race") else ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()

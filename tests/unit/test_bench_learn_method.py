@@ -17,6 +17,8 @@ import yaml
 from benchmarks import learn
 from benchmarks.learn import (
     DISK_SLACK_BYTES,
+    algorithm_config,
+    algorithm_section,
     check_disk,
     derived_config,
     disk_needed,
@@ -24,7 +26,10 @@ from benchmarks.learn import (
     main,
     mismatch_summary,
     parameter_count,
+    parse_args,
+    print_report,
     reach_time,
+    rft_overrides,
     rft_signal,
     signal_line,
     snapshot,
@@ -45,7 +50,7 @@ from benchmarks.trl_reference import (
 )
 from rft.config import ConfigError
 from rft.models.tiny import build_tokenizer
-from rft.run.loading import run_config_from_dict
+from rft.run.loading import load_run_config, run_config_from_dict
 from rft.schema import TaskRecord
 from rft.weights.store import WeightStore
 
@@ -380,3 +385,77 @@ def test_a_model_whose_weights_cannot_be_read_is_refused_with_its_path(tmp_path,
                                       "eval": {"sets": [{"name": "c", "format": "generated", "path": "copy_char"}]}}))
     assert main(["--config", str(config), "--systems", "rft", "--out", str(tmp_path / "race")]) == 2
     assert f"model.path: {hf_dir}: its safetensors files cannot be read" in capsys.readouterr().err
+
+
+def test_an_algorithm_system_keeps_the_keys_its_algorithm_takes_and_reports_those_it_drops(tmp_path):
+    """`rft:<algorithm>`: the config with algorithm.name switched; the config's algorithm keys the algorithm takes
+    keep their values, another algorithm's are dropped and returned; the rest are the algorithm's defaults."""
+    grpo = {"name": "grpo", "loss_agg": "seq_mean", "clip_eps": 0.3, "kl_coef": 0.01}
+    assert algorithm_section(grpo, "sapo") == ({**grpo, "name": "sapo"}, {})  # sapo takes GRPO's keys
+    assert algorithm_section(grpo, "raft") == ({"name": "raft", "loss_agg": "seq_mean"},
+                                               {"clip_eps": 0.3, "kl_coef": 0.01})
+    assert algorithm_section({"name": "sapo", "sapo_tau_neg": 1.2}, "grpo") == ({"name": "grpo"},
+                                                                                  {"sapo_tau_neg": 1.2})
+    with pytest.raises(ValueError, match="algorithm.name"):
+        algorithm_section(grpo, "no_such_loss")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": "m"}, "algorithm": grpo, "trainer": {"lr": 3e-5}}))
+    path, dropped = algorithm_config(str(config), "rft:raft", tmp_path, ["algorithm.clip_eps=0.25"])
+    assert path == str(tmp_path / "run-algorithm-raft.yaml") and dropped == {"clip_eps": 0.25, "kl_coef": 0.01}
+    cfg = load_run_config(path)
+    assert cfg.algorithm.name == "raft" and cfg.algorithm.options["loss_agg"] == "seq_mean"
+    assert cfg.algorithm.options["raft_best_only"] is True and cfg.trainer.lr == 3e-5  # raft's default; the rest kept
+
+
+def test_algorithm_systems_are_named_on_the_command_line_and_run_in_the_configs_own_mode(tmp_path):
+    args = parse_args(["--systems", "rft:grpo", "rft:sapo,rft:rec", "--system-set",
+                       "rft:rec:algorithm.rec_clip_mode=one_side", "--system-set", "rft:sapo:run.name=a:b"])
+    assert args.systems == ["rft:grpo", "rft:sapo", "rft:rec"]
+    assert args.extra == {"rft:rec": ["algorithm.rec_clip_mode=one_side"], "rft:sapo": ["run.name=a:b"]}
+    assert parse_args(["--systems", "rft,trl"]).systems == ["rft", "trl"]
+    overrides = rft_overrides("rft:sapo", tmp_path)
+    assert f"run.output_dir={tmp_path / 'algorithm-sapo'}" in overrides and "sync.method=pull" in overrides
+    assert not any(o.startswith("run.mode=") for o in overrides)  # the config's own mode
+    for bad in (["--systems", "rft:no_such_loss"], ["--systems", "rft:sapo,rft:sapo"],
+                ["--systems", "rft:sapo", "--system-set", "rft:opmd=1"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_an_algorithm_systems_overrides_are_checked_against_its_algorithm_before_anything_runs(tmp_path, hf_dir,
+                                                                                                 capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": str(hf_dir)}, "algorithm": {"name": "grpo", "clip_eps": 0.3},
+                                      "data": {"format": "generated", "path": "copy_char"},
+                                      "eval": {"sets": [{"name": "c", "format": "generated", "path": "copy_char"}]}}))
+    assert main(["--config", str(config), "--systems", "rft:grpo,rft:raft",
+                 "--system-set", "rft:raft:algorithm.sapo_tau_pos=2"]) == 2
+    err = capsys.readouterr().err
+    assert "rft:raft:" in err and "sapo_tau_pos" in err
+    out = tmp_path / "out"
+    (out / "kept").mkdir(parents=True)  # refused after the systems' checks: nothing runs
+    assert main(["--config", str(config), "--systems", "rft:grpo,rft:raft", "--out", str(out),
+                 "--system-set", "rft:raft:algorithm.raft_threshold=0.5"]) == 2  # raft's key, not grpo's: checked
+    assert "not empty" in capsys.readouterr().err  # as raft's, with grpo's clip_eps dropped
+
+
+def test_an_algorithm_race_compares_each_algorithm_with_grpo_at_each_mark_within_noise(capsys):
+    grpo, grpo_scores = system("rft:grpo", [0.30, 0.35, 0.40])
+    sapo, sapo_scores = system("rft:sapo", [0.32, 0.45, 0.50])
+    opmd, opmd_scores = system("rft:opmd", [0.20, 0.30, 0.30])
+    report = summarise([grpo, sapo, opmd], {"initial": 0.14, **grpo_scores, **sapo_scores, **opmd_scores},
+                       budget_s=720, eval_tasks=300)
+    race = report["algorithm_race"]
+    assert race["baseline"] == "rft:grpo" and list(race["systems"]) == ["rft:sapo", "rft:opmd"]
+    noise = 1.96 * math.hypot(math.sqrt(0.5 * 0.5 / 300), math.sqrt(0.4 * 0.6 / 300))
+    final = race["systems"]["rft:sapo"]["final"]
+    assert final["noise"] == pytest.approx(noise, abs=1e-4) and final["difference"] == pytest.approx(0.10)
+    assert [m["verdict"] for m in race["systems"]["rft:sapo"]["marks"]] == ["within noise", "better", "better"]
+    assert [m["verdict"] for m in race["systems"]["rft:opmd"]["marks"]] == ["worse", "within noise", "worse"]
+    report = summarise([grpo, sapo], {"initial": 0.14, **grpo_scores, **sapo_scores}, budget_s=720, eval_tasks=30)
+    assert report["algorithm_race"]["systems"]["rft:sapo"]["final"]["verdict"] == "within noise"  # 30 tasks
+    print_report(report)
+    out = capsys.readouterr().out
+    assert "rft:sapo against rft:grpo: @240 s 0.320 vs 0.300 (+0.020" in out and "target:" not in out  # no TRL
+    assert "missing" in summarise([sapo], {"initial": 0.14, **sapo_scores}, budget_s=720)["algorithm_race"]
+    assert "algorithm_race" not in summarise([grpo], {"initial": 0.14, **grpo_scores}, budget_s=720)
