@@ -11,7 +11,7 @@ log-probs, a uint8 mask; routing maps of Qwen3-30B-A3B from the last prompt posi
 by msgpack's framing as rft.schema encodes them. Claim-checked as rft/transport/claims.py `check_out` does with
 `threshold` (records.claim_threshold_bytes) and `limit` (kafka.max_record_bytes): each part over the threshold
 becomes a claim of CLAIM_BYTES (the group's shared prompt is stored once); a record still over the limit is stored
-whole (another put of the whole inline body; parts already put stay in the store unreferenced) and a stub of
+whole with its parts claimed (one more put, of the claimed body; a reader gets it, then its parts) and a stub of
 STUB_BYTES goes on the topic. Store bytes are payload bytes before zstd (an upper bound: routing maps compress ~15%,
 `rft bench transport --sizes`).
 
@@ -57,7 +57,7 @@ class Record:
     claimed_bytes: int  # on the topic with the claim-check
     puts: int  # objects put per group
     put_bytes: int
-    claims: int  # claims on the topic's record (each a get per reader)
+    claims: int  # objects a reader gets per record (a stub's body, then its parts)
     get_bytes: int  # what a reader fetches
 
 
@@ -80,7 +80,8 @@ def record(tokens: int, routing: bool, threshold: int, limit: int) -> Record:
     on_topic = inline - sum(SAMPLES * sample[i] for i in claimed) + refs * CLAIM_BYTES
     if on_topic <= limit:
         return Record(inline, on_topic, puts, sum(distinct), refs, sum(SAMPLES * sample[i] for i in claimed))
-    return Record(inline, STUB_BYTES, puts + 1, sum(distinct) + inline, 1, inline)
+    fetched = sum(SAMPLES * sample[i] for i in claimed)  # the body stored whole holds the parts' claims
+    return Record(inline, STUB_BYTES, puts + 1, sum(distinct) + on_topic, 1 + refs, on_topic + fetched)
 
 
 @dataclass(frozen=True)
