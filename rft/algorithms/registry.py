@@ -1,7 +1,7 @@
 """Algorithm registry: `algorithm.name` -> an algorithm class, its typed options, and what it needs from the trainer.
 
 A name is a registered key (`grpo`, `rloo`, `reinforce_pp`, `reinforce`, `gspo`, `cispo`, `sapo`, `topr`, `sppo`,
-`opmd`, `asymre`, `rec`, `raft`, `dpo`, `sft`, `on_policy_distill`, `chord`, `ppo`) or an import path
+`opmd`, `asymre`, `rec`, `raft`, `remax`, `dpo`, `sft`, `on_policy_distill`, `chord`, `ppo`) or an import path
 `package.module:Class`. An algorithm is written in one file:
 
     @dataclass
@@ -35,6 +35,8 @@ from rft.registry import Registry
 
 if TYPE_CHECKING:
     import torch
+
+    from rft.schema import ExperienceGroup
 
 else:  # imported by the first loss computed, not by a config check (rft/lazy.py)
     torch = lazy("torch")
@@ -85,7 +87,10 @@ class Needs:
       `global_demo_tokens` and `global_demo_sequences`, and the step logs `demonstrations` (their count);
     - `pairwise`: rows are preference pairs, one group per pair: groups that are not pairs are skipped (and counted),
       micro-batches keep both rows of a pair together and carry `pair_chosen` / `pair_index`;
-    - `step`: micro-batches carry `step`, the optimizer step being taken (from 1)."""
+    - `step`: micro-batches carry `step`, the optimizer step being taken (from 1);
+    - `greedy_baseline`: every group carries `greedy_reward`, the reward of one greedy response to its task that the
+      explorer generated beside the samples (explorer.greedy_baseline, turned on by this need); a group without one
+      is dead-lettered by the trainer's check; advantages come from `baseline_advantages`."""
     reference: bool = False
     teacher: str | None = None
     teacher_key: str = "algorithm.teacher_path"
@@ -93,6 +98,7 @@ class Needs:
     demonstrations: Demonstrations | None = None
     pairwise: bool = False
     step: bool = False
+    greedy_baseline: bool = False
 
 
 @dataclass
@@ -108,6 +114,8 @@ class Algorithm:
       over the whole batch).
     - `loss_fn(token_logprobs, micro_batch) -> (loss, metrics)`: per the batch contract, `loss` is this
       micro-batch's contribution to the step loss and every metric is a contribution to a step-wide sum.
+    - `baseline_advantages(rewards_per_group, baselines)`: instead of `advantages` when `needs.greedy_baseline`:
+      `baselines` holds each group's `greedy_reward` (finite, in the run's reward range).
     - `needs`: what the trainer provides (`Needs`; default: nothing).
     - `supports_replay`: the loss is correct on recorded experiences of any age (offline replay, replayed groups).
     - `step_metrics(step)`: values the trainer logs with step `step` besides the loss's metrics (default: none).
@@ -120,6 +128,10 @@ class Algorithm:
     supports_replay: bool = False
 
     def advantages(self, rewards_per_group: Sequence[np.ndarray]) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def baseline_advantages(self, rewards_per_group: Sequence[np.ndarray],
+                            baselines: Sequence[float]) -> list[np.ndarray]:
         raise NotImplementedError
 
     def loss_fn(self, token_logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
@@ -179,7 +191,23 @@ def build_algorithm(cfg: AlgorithmConfig, *, source: str = "<config>") -> Algori
     if not isinstance(algorithm.needs, Needs):
         raise ValueError(f"algorithm.name: {cfg.name!r}: `needs` is a {type(algorithm.needs).__name__}, not an "
                          "rft.algorithms.Needs")
+    if algorithm.needs.greedy_baseline and not hasattr(algorithm, "baseline_advantages"):
+        raise ValueError(f"algorithm.name: {cfg.name!r} needs a greedy baseline but has no baseline_advantages "
+                         "(see rft.algorithms.Algorithm)")
     return algorithm
+
+
+def group_advantages(algorithm: Algorithm, groups: Sequence[ExperienceGroup]) -> list[np.ndarray]:
+    """The advantages of `groups` (ExperienceGroups) by `algorithm`: `advantages` of their rewards, or, when it needs
+    a greedy baseline, `baseline_advantages` with each group's `greedy_reward` (ValueError naming a group without)."""
+    rewards = [g.rewards for g in groups]
+    if not algorithm.needs.greedy_baseline:
+        return algorithm.advantages(rewards)
+    missing = [g.group_id for g in groups if g.greedy_reward is None]
+    if missing:
+        raise ValueError(f"advantages: group {missing[0]} has no greedy_reward, which algorithm "
+                         f"{algorithm.name!r} subtracts")
+    return algorithm.baseline_advantages(rewards, [float(g.greedy_reward) for g in groups])
 
 
 def zero_advantages(rewards_per_group: Sequence[np.ndarray]) -> list[np.ndarray]:
