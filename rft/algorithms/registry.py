@@ -203,11 +203,13 @@ def group_advantages(algorithm: Algorithm, groups: Sequence[ExperienceGroup]) ->
     rewards = [g.rewards for g in groups]
     if not algorithm.needs.greedy_baseline:
         return algorithm.advantages(rewards)
-    missing = [g.group_id for g in groups if g.greedy_reward is None]
-    if missing:
-        raise ValueError(f"advantages: group {missing[0]} has no greedy_reward, which algorithm "
-                         f"{algorithm.name!r} subtracts")
-    return algorithm.baseline_advantages(rewards, [float(g.greedy_reward) for g in groups])
+    baselines = []
+    for g in groups:
+        if g.greedy_reward is None:
+            raise ValueError(f"advantages: group {g.group_id} has no greedy_reward, which algorithm "
+                             f"{algorithm.name!r} subtracts")
+        baselines.append(float(g.greedy_reward))
+    return algorithm.baseline_advantages(rewards, baselines)
 
 
 def zero_advantages(rewards_per_group: Sequence[np.ndarray]) -> list[np.ndarray]:
