@@ -50,7 +50,7 @@ NAME_ERRORS = (RegistryError, RewardError, WorkflowError, SelectionError, Operat
 def load_run_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | tuple[str, ...] = (), *,
                     need_model: bool = False) -> Config:
     """`rft.run.config.load_config`, then `check_run_config`: the config as a run uses it
-    (`with_algorithm_options`). `need_model`: the model must be on disk here (`check_model`)."""
+    (`with_algorithm_options`, `with_algorithm_needs`). `need_model`: the model must be on disk here (`check_model`)."""
     source = str(path) if path else "<defaults>"
     cfg = load_config(path, overrides)
     check_run_config(cfg, source, need_model=need_model)
@@ -58,7 +58,8 @@ def load_run_config(path: str | os.PathLike[str] | None = None, overrides: list[
 
 
 def run_config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
-    """`rft.run.config.config_from_dict`, then `check_run_config` and `with_algorithm_options`."""
+    """`rft.run.config.config_from_dict`, then `check_run_config`, `with_algorithm_options` and
+    `with_algorithm_needs`."""
     cfg = config_from_dict(raw, source)
     check_run_config(cfg, source)
     return with_algorithm_needs(with_algorithm_options(cfg, source), source)

@@ -30,8 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ENVIRONMENTS", "WORKFLOWS", "GroupResult", "Workflow", "WorkflowError", "available_workflows",
            "build_sample", "build_workflow", "check_workflow_config", "encode_prompt", "greedy_baseline_problem",
-           "register_environment",
-           "register_workflow", "resolve_workflow", "streams"]
+           "register_environment", "register_workflow", "resolve_workflow", "streams"]
 
 
 def available_workflows() -> list[str]:

@@ -1,7 +1,8 @@
-"""Each algorithm of the REINFORCE-family catalog (reinforce, sapo, topr, sppo, opmd, asymre, rec, raft) trains two
-steps through the real trainer (torchrun, 2 processes, data parallel 2, gloo, the tiny model;
-_worker_algorithm_catalog.py, one process pair for all of them): its keys load with a run's config, its loss and
-metrics come back from both ranks, and the weights move. The formulas themselves: tests/unit/test_algorithms_catalog.py.
+"""Each algorithm of the REINFORCE-family catalog (reinforce, sapo, topr, sppo, opmd, asymre, rec, raft, and remax,
+whose groups carry the greedy response's reward) trains two steps through the real trainer (torchrun, 2 processes,
+data parallel 2, gloo, the tiny model; _worker_algorithm_catalog.py, one process pair for all of them): its keys load
+with a run's config, its loss and metrics come back from both ranks, and the weights move. The formulas themselves:
+tests/unit/test_algorithms_catalog.py, tests/unit/test_algorithms_remax.py.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.distributed
 
 # a metric each algorithm's own loss reports (None: only the common ones)
 OWN_METRIC = {"reinforce": "clip_frac", "sapo": "sapo_gate_mean", "topr": "topr_alpha_mean", "sppo": "clip_frac",
-              "opmd": None, "asymre": None, "rec": "clip_frac", "raft": "raft_kept_frac"}
+              "opmd": None, "asymre": None, "rec": "clip_frac", "raft": "raft_kept_frac", "remax": "clip_frac"}
 
 
 @pytest.fixture(scope="module")
@@ -41,5 +42,7 @@ def test_each_algorithm_trains_two_steps(metrics, name):
         assert m["step_skipped"] == 0.0 and math.isfinite(m["loss"]) and m["grad_norm"] > 0
         if OWN_METRIC[name]:
             assert math.isfinite(m[OWN_METRIC[name]])
+    if name == "remax":  # every group carries its greedy reward: none is dead-lettered
+        assert all(not m.get("skipped") for m in steps)
     if name == "raft":  # of each group [1, 0, -0.5] the best sample: a third of the samples, weighted 3
         assert all(m["raft_kept_frac"] == pytest.approx(1 / 3) for m in steps)
