@@ -65,11 +65,14 @@ class RewardRange:
         return None
 
     def group_problem(self, group: ExperienceGroup) -> str | None:
-        """`problem` of the first sample of `group` whose reward is not accepted, naming the sample."""
+        """`problem` of the first sample of `group` whose reward is not accepted, naming the sample; then of the
+        group's `greedy_reward`, when it has one."""
         for position, sample in enumerate(group.samples):
             problem = self.problem(sample.reward)
             if problem:
                 return f"samples[{position}]: {problem}"
+        if group.greedy_reward is not None and (problem := self.problem(group.greedy_reward)):
+            return f"greedy_reward: {problem}"
         return None
 
 
@@ -222,7 +225,9 @@ def versions_from_spans(spans: Any, n_tokens: int) -> np.ndarray:
 
 @dataclass
 class ExperienceGroup:
-    """All samples of one task from one explorer attempt: one Kafka message, so a group arrives whole."""
+    """All samples of one task from one explorer attempt: one Kafka message, so a group arrives whole.
+    `greedy_reward`: the reward of one greedy (temperature 0) response to the task, generated beside the samples and
+    not one of them (the baseline of algorithm remax); None when the explorer generated none."""
     run_id: str
     task_id: str
     group_id: str
@@ -233,6 +238,7 @@ class ExperienceGroup:
     answer: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
+    greedy_reward: float | None = None
 
     def sample_id(self, sample: Sample) -> str:
         return f"{self.group_id}/s{sample.sample_index}"
@@ -329,6 +335,8 @@ def encode(record: TaskRecord | ExperienceGroup | ControlMessage | ServedComplet
             "metadata": record.metadata, "created_at": record.created_at,
             "samples": [_encode_sample(s) for s in record.samples],
         }, TYPE_EXPERIENCE
+        if record.greedy_reward is not None:
+            body["greedy_reward"] = float(record.greedy_reward)
     elif isinstance(record, ControlMessage):
         body, kind = {"kind": record.kind, "sender": record.sender, "body": record.body,
                       "created_at": record.created_at}, TYPE_CONTROL
@@ -497,12 +505,22 @@ def _decode_group(body: dict[str, Any]) -> ExperienceGroup:
         group_id=_get(body, "group_id", str), attempt=_get(body, "attempt", int),
         explorer_id=_get(body, "explorer_id", str), policy_version=_get(body, "policy_version", int),
         answer=body.get("answer"), metadata=_get(body, "metadata", dict),
-        created_at=_get(body, "created_at", float),
+        created_at=_get(body, "created_at", float), greedy_reward=_greedy_reward(body),
         samples=[_decode_sample(s, i) for i, s in enumerate(samples_raw)])
     problem = oldest_version_problem(group)
     if problem:
         raise RecordError(problem)
     return group
+
+
+def _greedy_reward(body: dict[str, Any]) -> float | None:
+    """The optional `greedy_reward` (absent or nil: None); RecordError when it is not a finite number."""
+    if body.get("greedy_reward") is None:
+        return None
+    reward = _get(body, "greedy_reward", float)
+    if not math.isfinite(reward):
+        raise RecordError("greedy_reward is NaN or infinite")
+    return reward
 
 
 def oldest_version_problem(group: ExperienceGroup) -> str | None:

@@ -4,6 +4,7 @@ Registered: grpo, rloo, reinforce_pp, reinforce (policy gradient; share GRPO's l
 cispo (GRPO's advantages with a sequence-level ratio / a clipped detached importance weight), sapo (a soft gate),
 topr, sppo, opmd, asymre, rec (REINFORCE-family losses of Trinity-RFT's catalog), raft (SFT on the best rollouts),
 m2po (a second-moment mask over the whole step), clip_b, clip_v (GRPO with negative tokens clipped by entropy),
+remax (the reward minus the task's greedy response's reward, which the explorer generates),
 dpo, sft, on_policy_distill (a teacher's per-token reverse KL as the advantage), jsd_distill (a beta-mixture JSD term
 instead), chord (SFT on demonstrations mixed into GRPO steps with a scheduled weight), ppo (a critic's GAE advantages,
 clipped value loss).
@@ -37,12 +38,14 @@ from rft.algorithms.registry import (
     StepStart,
     build_algorithm,
     build_options,
+    group_advantages,
     option_keys,
     register,
     resolve_algorithm,
 )
 from rft.algorithms.reinforce import REINFORCE
 from rft.algorithms.reinforce_pp import ReinforcePlusPlus
+from rft.algorithms.remax import ReMax
 from rft.algorithms.rloo import RLOO
 from rft.algorithms.sapo import SAPO, SAPOOptions
 from rft.algorithms.sft import SFT, SFTOptions
@@ -50,9 +53,9 @@ from rft.algorithms.sppo import SPPO, SPPOOptions
 from rft.algorithms.topr import TOPR, TOPROptions
 
 __all__ = ["ALGORITHMS", "REPLAY_HINT", "Algorithm", "Critic", "Demonstrations", "Needs", "NoOptions", "StepStart",
-           "build_algorithm", "build_options", "option_keys", "register", "resolve_algorithm",
+           "build_algorithm", "build_options", "group_advantages", "option_keys", "register", "resolve_algorithm",
            "GRPO", "RLOO", "ReinforcePlusPlus", "GSPO", "CISPO", "DPO", "SFT", "OnPolicyDistill", "JSDDistill", "CHORD",
-           "PPO", "REINFORCE", "SAPO", "TOPR", "SPPO", "OPMD", "AsymRE", "REC", "RAFT", "M2PO", "ClipB", "ClipV",
+           "PPO", "REINFORCE", "SAPO", "TOPR", "SPPO", "OPMD", "AsymRE", "REC", "RAFT", "M2PO", "ClipB", "ClipV", "ReMax",
            "GRPOOptions", "DPOOptions", "SFTOptions", "DistillOptions", "JSDOptions", "ChordOptions", "PPOOptions",
            "SAPOOptions", "TOPROptions", "SPPOOptions", "OPMDOptions", "AsymREOptions", "RECOptions", "RAFTOptions",
            "M2POOptions", "ClipBOptions", "ClipVOptions"]

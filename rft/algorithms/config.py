@@ -16,8 +16,8 @@ class AlgorithmConfig(Section):
     one, and a key the chosen algorithm does not take is an error."""
     KEY = "algorithm"
     name: str = option("grpo",
-        help="grpo, rloo, reinforce_pp, reinforce, gspo, cispo, sapo, topr, sppo, opmd, asymre, rec, raft, dpo, sft, "
-        "on_policy_distill, chord, ppo, or package.module:Class")
+        help="grpo, rloo, reinforce_pp, reinforce, gspo, cispo, sapo, topr, sppo, opmd, asymre, rec, raft, remax, dpo, "
+        "sft, on_policy_distill, chord, ppo, or package.module:Class")
     # the section's other keys, as written (not a key of its own); rft.algorithms builds them into the algorithm's
     # typed options, and a run's loaded config holds them with their defaults (rft.run.loading)
     options: dict[str, Any] = field(default_factory=dict, metadata={REST: True})

@@ -1,7 +1,7 @@
 """Algorithm registry: `algorithm.name` -> an algorithm class, its typed options, and what it needs from the trainer.
 
 A name is a registered key (`grpo`, `rloo`, `reinforce_pp`, `reinforce`, `gspo`, `cispo`, `sapo`, `topr`, `sppo`,
-`opmd`, `asymre`, `rec`, `raft`, `m2po`, `clip_b`, `clip_v`, `dpo`, `sft`, `on_policy_distill`, `jsd_distill`,
+`opmd`, `asymre`, `rec`, `raft`, `remax`, `m2po`, `clip_b`, `clip_v`, `dpo`, `sft`, `on_policy_distill`, `jsd_distill`,
 `chord`, `ppo`) or an import path
 `package.module:Class`. An algorithm is written in one file:
 
@@ -36,6 +36,8 @@ from rft.registry import Registry
 
 if TYPE_CHECKING:
     import torch
+
+    from rft.schema import ExperienceGroup
 
 else:  # imported by the first loss computed, not by a config check (rft/lazy.py)
     torch = lazy("torch")
@@ -107,7 +109,10 @@ class Needs:
       micro-batches keep both rows of a pair together and carry `pair_chosen` / `pair_index`;
     - `step`: micro-batches carry `step`, the optimizer step being taken (from 1);
     - `step_start`: a pass over the step's micro-batches at its starting weights, then the algorithm's `prepare`
-      (`StepStart`)."""
+      (`StepStart`);
+    - `greedy_baseline`: every group carries `greedy_reward`, the reward of one greedy response to its task that the
+      explorer generated beside the samples (explorer.greedy_baseline, turned on by this need); a group without one
+      is dead-lettered by the trainer's check; advantages come from `baseline_advantages`."""
     reference: bool = False
     teacher: str | None = None
     teacher_key: str = "algorithm.teacher_path"
@@ -116,6 +121,7 @@ class Needs:
     pairwise: bool = False
     step: bool = False
     step_start: StepStart | None = None
+    greedy_baseline: bool = False
 
 
 @dataclass
@@ -131,6 +137,8 @@ class Algorithm:
       over the whole batch).
     - `loss_fn(token_logprobs, micro_batch) -> (loss, metrics)`: per the batch contract, `loss` is this
       micro-batch's contribution to the step loss and every metric is a contribution to a step-wide sum.
+    - `baseline_advantages(rewards_per_group, baselines)`: instead of `advantages` when `needs.greedy_baseline`:
+      `baselines` holds each group's `greedy_reward` (finite, in the run's reward range).
     - `needs`: what the trainer provides (`Needs`; default: nothing).
     - `supports_replay`: the loss is correct on recorded experiences of any age (offline replay, replayed groups).
     - `step_metrics(step)`: values the trainer logs with step `step` besides the loss's metrics (default: none).
@@ -143,6 +151,10 @@ class Algorithm:
     supports_replay: bool = False
 
     def advantages(self, rewards_per_group: Sequence[np.ndarray]) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def baseline_advantages(self, rewards_per_group: Sequence[np.ndarray],
+                            baselines: Sequence[float]) -> list[np.ndarray]:
         raise NotImplementedError
 
     def loss_fn(self, token_logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
@@ -202,7 +214,25 @@ def build_algorithm(cfg: AlgorithmConfig, *, source: str = "<config>") -> Algori
     if not isinstance(algorithm.needs, Needs):
         raise ValueError(f"algorithm.name: {cfg.name!r}: `needs` is a {type(algorithm.needs).__name__}, not an "
                          "rft.algorithms.Needs")
+    if algorithm.needs.greedy_baseline and not hasattr(algorithm, "baseline_advantages"):
+        raise ValueError(f"algorithm.name: {cfg.name!r} needs a greedy baseline but has no baseline_advantages "
+                         "(see rft.algorithms.Algorithm)")
     return algorithm
+
+
+def group_advantages(algorithm: Algorithm, groups: Sequence[ExperienceGroup]) -> list[np.ndarray]:
+    """The advantages of `groups` (ExperienceGroups) by `algorithm`: `advantages` of their rewards, or, when it needs
+    a greedy baseline, `baseline_advantages` with each group's `greedy_reward` (ValueError naming a group without)."""
+    rewards = [g.rewards for g in groups]
+    if not algorithm.needs.greedy_baseline:
+        return algorithm.advantages(rewards)
+    baselines = []
+    for g in groups:
+        if g.greedy_reward is None:
+            raise ValueError(f"advantages: group {g.group_id} has no greedy_reward, which algorithm "
+                             f"{algorithm.name!r} subtracts")
+        baselines.append(float(g.greedy_reward))
+    return algorithm.baseline_advantages(rewards, baselines)
 
 
 def zero_advantages(rewards_per_group: Sequence[np.ndarray]) -> list[np.ndarray]:

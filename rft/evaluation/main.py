@@ -72,7 +72,7 @@ def sampling_explorer(explorer: ExplorerConfig, evaluation: EvalConfig, eval_set
     return dataclasses.replace(
         explorer, n_samples=e.n_samples, temperature=e.temperature, top_p=e.top_p,
         max_tokens=e.max_tokens or explorer.max_tokens, reward=eval_set.reward or explorer.reward,
-        reward_weights={} if eval_set.reward else explorer.reward_weights)
+        reward_weights={} if eval_set.reward else explorer.reward_weights, greedy_baseline=False)
 
 
 def load_eval_sets(evaluation: EvalConfig, explorer: ExplorerConfig, model: ModelConfig, *, run_id: str,

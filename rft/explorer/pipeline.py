@@ -6,7 +6,8 @@ tasks partition may be committed.
             poll; decode (malformed or foreign records go to the dead-letter topic with the reason); every admitted
             task's offset is opened in `Offsets`, a dead-lettered one is done at once.
   delivery  produce one ExperienceGroup per explored task to the experiences topic (key = group id; a task that
-            cannot be explored, or whose group is over the record limit, goes to the dead-letter topic), flush, wait
+            cannot be explored, whose group holds a reward (its greedy_reward too) outside the run's range, or whose
+            group is over the record limit, goes to the dead-letter topic), flush, wait
             for every acknowledgement, and only then mark those tasks done in `Offsets` and commit what it allows.
 
 Delivery is at-least-once: a failed acknowledgement raises before anything is committed, and a crash between the
@@ -246,7 +247,8 @@ class Delivery:
         return ExperienceGroup(run_id=task.run_id, task_id=task.task_id, group_id=task.group_id,
                                attempt=self._next_attempt(task.group_id), explorer_id=self.explorer_id,
                                policy_version=result.policy_version, samples=result.samples, answer=task.answer,
-                               metadata={"epoch": task.epoch, "prompt": task.prompt, "workflow": self.workflow})
+                               metadata={"epoch": task.epoch, "prompt": task.prompt, "workflow": self.workflow},
+                               greedy_reward=result.greedy_reward)
 
     def _next_attempt(self, group_id: str, remembered: int = 100_000) -> int:
         """How many times this explorer produced `group_id` before (so `(explorer_id, attempt)` names one

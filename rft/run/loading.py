@@ -41,7 +41,7 @@ from rft.rewards import WEIGHTED, RewardError, check_reward_config, resolve
 from rft.rewards.reasoning_gym import GYM_REWARDS
 from rft.run.config import Config, config_from_dict, load_config
 from rft.run.stages import resolve_stages
-from rft.workflows import WorkflowError, check_workflow_config
+from rft.workflows import WorkflowError, check_workflow_config, greedy_baseline_problem
 
 NAME_ERRORS = (RegistryError, RewardError, WorkflowError, SelectionError, OperatorError, ConfigError,
                MissingExtra)
@@ -50,18 +50,19 @@ NAME_ERRORS = (RegistryError, RewardError, WorkflowError, SelectionError, Operat
 def load_run_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | tuple[str, ...] = (), *,
                     need_model: bool = False) -> Config:
     """`rft.run.config.load_config`, then `check_run_config`: the config as a run uses it
-    (`with_algorithm_options`). `need_model`: the model must be on disk here (`check_model`)."""
+    (`with_algorithm_options`, `with_algorithm_needs`). `need_model`: the model must be on disk here (`check_model`)."""
     source = str(path) if path else "<defaults>"
     cfg = load_config(path, overrides)
     check_run_config(cfg, source, need_model=need_model)
-    return with_algorithm_options(cfg, source)
+    return with_algorithm_needs(with_algorithm_options(cfg, source), source)
 
 
 def run_config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
-    """`rft.run.config.config_from_dict`, then `check_run_config` and `with_algorithm_options`."""
+    """`rft.run.config.config_from_dict`, then `check_run_config`, `with_algorithm_options` and
+    `with_algorithm_needs`."""
     cfg = config_from_dict(raw, source)
     check_run_config(cfg, source)
-    return with_algorithm_options(cfg, source)
+    return with_algorithm_needs(with_algorithm_options(cfg, source), source)
 
 
 def with_algorithm_options(cfg: Config, source: str) -> Config:
@@ -69,6 +70,14 @@ def with_algorithm_options(cfg: Config, source: str) -> Config:
     a run saves (`<run dir>/config.yaml`) says every value its algorithm uses."""
     options = dataclasses.asdict(build_options(cfg.algorithm, source=source))
     return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, options=options))
+
+
+def with_algorithm_needs(cfg: Config, source: str) -> Config:
+    """`cfg` with the explorer keys its algorithm's needs turn on: `explorer.greedy_baseline` when it needs each
+    task's greedy reward (`Needs.greedy_baseline`), so every process of the run reads it from the config."""
+    if build_algorithm(cfg.algorithm, source=source).needs.greedy_baseline and not cfg.explorer.greedy_baseline:
+        return dataclasses.replace(cfg, explorer=dataclasses.replace(cfg.explorer, greedy_baseline=True))
+    return cfg
 
 
 def check_run_config(cfg: Config, source: str, *, need_model: bool = False) -> None:
@@ -161,6 +170,18 @@ def _check_algorithm(cfg: Config, source: str) -> None:
     if cfg.replay_buffer.groups_per_step and not algorithm.supports_replay:
         raise ConfigError(f"replay_buffer.groups_per_step: replayed groups are old, and algorithm "
                           f"{cfg.algorithm.name!r} is not correct on old experiences as configured ({REPLAY_HINT})")
+    if algorithm.needs.greedy_baseline:
+        _check_greedy_baseline(cfg)
+
+
+def _check_greedy_baseline(cfg: Config) -> None:
+    """An algorithm that subtracts each task's greedy reward has explorers that record it (none in offline mode:
+    the recorded groups must carry it), and no served traffic (which has no greedy response)."""
+    why = f"algorithm {cfg.algorithm.name!r} subtracts the reward of each task's greedy response"
+    if cfg.run.mode == "serve":
+        raise ConfigError(f"run.mode: serve trains on served traffic, which has no greedy response, and {why}")
+    if cfg.run.mode != "offline" and (problem := greedy_baseline_problem(cfg.explorer)):
+        raise ConfigError(f"{problem}; {why}")
 
 
 def _check_eval_sets(e: EvalConfig) -> None:

@@ -42,11 +42,13 @@ class TrainableLimits:
     """What a group must satisfy to be trained on (`problem`); the feed dead-letters one that does not, so a record
     that decodes but cannot be batched never crashes the trainer (nor, re-read from a checkpoint's offsets, again).
     `vocab_size`: the model's (config.json `vocab_size`); lengths in tokens (model.max_prompt_len / max_response_len,
-    which every producer honours); `rewards`: run.reward_min .. reward_max."""
+    which every producer honours); `rewards`: run.reward_min .. reward_max (the group's `greedy_reward` too);
+    `greedy_baseline`: the algorithm needs each group's `greedy_reward` (`Needs.greedy_baseline`)."""
     vocab_size: int
     max_prompt_len: int
     max_response_len: int
     rewards: RewardRange
+    greedy_baseline: bool = False
 
     def problem(self, group: ExperienceGroup) -> str | None:
         """None when every sample of `group` can be trained on, else the first reason it cannot (names the sample)."""
@@ -54,6 +56,9 @@ class TrainableLimits:
             problem = self._sample_problem(s)
             if problem:
                 return f"samples[{position}]: {problem}"
+        if self.greedy_baseline and group.greedy_reward is None:
+            return ("no greedy_reward: the algorithm subtracts the reward of each task's greedy response, and this "
+                    "group was explored without one (explorer.greedy_baseline)")
         return self.rewards.group_problem(group)
 
     def _sample_problem(self, s) -> str | None:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rft.algorithms import Critic, Demonstrations, Needs, StepStart, build_algorithm
+from rft.algorithms import Critic, Demonstrations, Needs, StepStart, build_algorithm, group_advantages
 from rft.algorithms.aggregation import with_kl_metric
 from rft.algorithms.config import AlgorithmConfig
 from rft.algorithms.mismatch import with_mismatch_metrics
@@ -153,6 +153,7 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict, t
     from `replay_state`; `transport` defaults to the run's Kafka with its claim store (`run_transport(cfg)`);
     `cores`: the run's core board, on which the feed marks the trainer waiting while it is starved (rft/cores.py)."""
     transport = transport or run_transport(cfg)
+    needs = build_algorithm(cfg.algorithm).needs
     offline = cfg.run.mode == "offline"
     topic = (cfg.replay.topic or cfg.topic("experiences")) if offline else cfg.topic("experiences")
     feed, dlq_sink, _ = open_feed(
@@ -160,7 +161,8 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict, t
         run_id=None if offline else cfg.run.name, state=feed_state, client_id=f"{cfg.run.name}-trainer",
         window=_replay_window(cfg, transport, topic) if offline else None, operators=build_operator_chain(
             cfg.trainer.operators, OperatorContext(cfg.model.tokenizer or cfg.model.path)),
-        check=trainable_limits(cfg).problem, busy=cores.set_busy if cores is not None else None,
+        check=trainable_limits(cfg, greedy_baseline=needs.greedy_baseline).problem,
+        busy=cores.set_busy if cores is not None else None,
         policy=build_staleness_policy(cfg.trainer.staleness_policy, window=cfg.trainer.staleness_window),
         pool=cfg.trainer.staleness_pool)
     replay = None
@@ -182,23 +184,24 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict, t
                    experiences_topic=topic, metrics=MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name),
                    prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="trainer", instance="0"),
                    announce=announce, publisher=publisher)
-    demonstrations = build_algorithm(cfg.algorithm).needs.demonstrations
+    demonstrations = needs.demonstrations
     if demonstrations is not None:
         demonstrations_topic = demonstrations.topic_of(cfg.topic("demonstrations"))
         io.demonstrations_opener = lambda state: _open_demonstrations(cfg, demonstrations_topic, transport, state)
     return io
 
 
-def trainable_limits(cfg: Config) -> TrainableLimits:
+def trainable_limits(cfg: Config, *, greedy_baseline: bool = False) -> TrainableLimits:
     """The limits a group must meet to be trained on in this run: the model's vocabulary (its config.json), the
-    length limits, the reward range."""
+    length limits, the reward range; with `greedy_baseline` (the algorithm's need), a `greedy_reward`."""
     hf_config = Path(cfg.model.path) / "config.json"
     try:
         vocab_size = int(json.loads(hf_config.read_text())["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"model.path: {hf_config} has no readable vocab_size: {e}") from None
     return TrainableLimits(vocab_size=vocab_size, max_prompt_len=cfg.model.max_prompt_len,
-                           max_response_len=cfg.model.max_response_len, rewards=RewardRange.of(cfg.run))
+                           max_response_len=cfg.model.max_response_len, rewards=RewardRange.of(cfg.run),
+                           greedy_baseline=greedy_baseline)
 
 
 def _open_demonstrations(cfg: Config, topic: str, transport: Transport,
@@ -418,7 +421,7 @@ class Trainer:
         seconds from batching to the optimizer step's end, reference log-probs included)."""
         t = self.config
         started = time.perf_counter()
-        advantages = self.algorithm.advantages([g.rewards for g in groups])
+        advantages = group_advantages(self.algorithm, groups)
         if not all(np.all(np.isfinite(a)) for a in advantages):  # the same on every rank: no optimizer step
             return {"step_skipped": 1.0, "nonfinite_advantages": 1.0}
         max_len = self.model.max_prompt_len + self.model.max_response_len

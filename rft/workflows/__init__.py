@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from rft.rewards import Reward
 
 __all__ = ["ENVIRONMENTS", "WORKFLOWS", "GroupResult", "Workflow", "WorkflowError", "available_workflows",
-           "build_sample", "build_workflow", "check_workflow_config", "encode_prompt", "register_environment",
-           "register_workflow", "resolve_workflow", "streams"]
+           "build_sample", "build_workflow", "check_workflow_config", "encode_prompt", "greedy_baseline_problem",
+           "register_environment", "register_workflow", "resolve_workflow", "streams"]
 
 
 def available_workflows() -> list[str]:
@@ -57,6 +57,21 @@ def check_workflow_config(explorer: ExplorerConfig) -> None:
             check_installed(extra, feature=f"explorer.environment: {explorer.environment}")
     if explorer.workflow == "tool_agent":
         tool_agent.build_toolbox(explorer)
+    if explorer.greedy_baseline and (problem := greedy_baseline_problem(explorer)):
+        raise WorkflowError(problem)
+
+
+def greedy_baseline_problem(explorer: ExplorerConfig) -> str | None:
+    """None when the explorer can record each task's greedy reward (`explorer.greedy_baseline`: a workflow with
+    `records_greedy_reward`, the batch loop), else why not, starting with the key to change."""
+    if not getattr(resolve_workflow(explorer.workflow), "records_greedy_reward", False):
+        able = [w for w in available_workflows() if getattr(WORKFLOWS[w], "records_greedy_reward", False)]
+        return (f"explorer.workflow: workflow {explorer.workflow} does not record each task's greedy reward "
+                f"(explorer.greedy_baseline); workflows that do: {', '.join(able)}")
+    if explorer.continuous:
+        return ("explorer.continuous: the continuous loop generates no greedy response per task "
+                "(explorer.greedy_baseline); set it to false (the batch loop does)")
+    return None
 
 
 def streams(workflow: Any) -> bool:

@@ -14,3 +14,7 @@ class WorkflowOptions(Section):
     environment: str = option("retry",
         help="multi_turn: registered environment (retry, frozenlake, textarena) or package.module:Class")
     max_turns: int = option(2, help="multi_turn, tool_agent: model turns per episode", range=COUNT)
+    greedy_baseline: bool = option(False,
+        help="single_turn, batch loop: also generate one greedy (temperature 0) response per task, score it with the "
+        "reward and record its reward as the group's greedy_reward (not trained on); on whenever the algorithm "
+        "needs it (remax)")

@@ -12,6 +12,9 @@ Contract of a `GroupResult`:
   version of each of its tokens (`token_versions`: with in-flight weight updates they differ within one sample).
 - A task that cannot be explored (prompt too long, a record the reward cannot score, ...) has `error` set and
   no samples; the explorer sends it to the dead-letter topic and goes on.
+- `greedy_reward`: with `explorer.greedy_baseline`, the reward of one greedy (temperature 0) response to the task,
+  scored by the same reward and not among `samples` (the group's `greedy_reward`); None otherwise. A workflow that
+  can record it says so with a class attribute `records_greedy_reward = True` (checked when a config loads).
 
 A registered class (or one named by an import path `package.module:Class`) is built as
 `cls(explorer: ExplorerConfig, model: ModelConfig, reward: Reward)`. This module imports no workflow.
@@ -44,6 +47,7 @@ class GroupResult:
     samples: list[Sample] = field(default_factory=list)
     policy_version: int = 0
     error: str | None = None
+    greedy_reward: float | None = None
 
 
 class Workflow(Protocol):

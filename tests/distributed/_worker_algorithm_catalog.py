@@ -19,13 +19,14 @@ TEACHER = "<model>"  # an option's value replaced by the model's path: the tiny 
 ALGORITHMS = {"reinforce": {}, "sapo": {}, "topr": {}, "sppo": {"sppo_eps": 500.0}, "opmd": {}, "asymre": {},
               "rec": {"rec_clip_mode": "one_side", "rec_weight": "token_is", "rec_regularizer": "k2",
                       "rec_regularizer_coef": 0.1},
-              "raft": {}, "m2po": {}, "clip_b": {"entropy_clip_mu": 0.5},
+              "raft": {}, "remax": {}, "m2po": {}, "clip_b": {"entropy_clip_mu": 0.5},
               "clip_v": {"entropy_clip_mu": 0.5, "entropy_clip_max_frac": 0.05},
               "jsd_distill": {"teacher_path": TEACHER, "distill_reward_coef": 1.0}}
 # sppo_eps 500: the recorded behaviour log-probs are random, so the ratios are far below 1 (the band [1 / 501, 501]);
 # m2po then drops most of its trust region; clip_b / clip_v with a narrow mu, so that they drop some tokens;
 # jsd_distill is its own teacher, so its first step learns from the rewards alone (distill_reward_coef 1)
 GROUPS, REWARDS = 4, [1.0, 0.0, -0.5]
+GREEDY_REWARD = {"remax": 0.25}  # the groups of an algorithm that subtracts the greedy response's reward carry one
 
 
 def config(out: Path, model: str, name: str, options: dict):
@@ -55,8 +56,10 @@ def train(out: Path, model: str, name: str, options: dict, *, last: bool) -> Non
     transport = MemoryTransport(partitions=1)
     if os.environ["RANK"] == "0":  # only rank 0 reads the experiences
         create_run_topics(RunTopics.of(cfg), cfg.kafka, transport)
-        send_groups(transport.sink(), cfg.topic("experiences"),
-                    [make_group(name, i, rewards=REWARDS) for i in range(GROUPS)])
+        groups = [make_group(name, i, rewards=REWARDS) for i in range(GROUPS)]
+        for g in groups:
+            g.greedy_reward = GREEDY_REWARD.get(name)
+        send_groups(transport.sink(), cfg.topic("experiences"), groups)
     trainer = Trainer(cfg.trainer, run=cfg.run, model=cfg.model, algorithm=cfg.algorithm, sync=cfg.sync,
                       run_dir=cfg.run_dir, temperature=1.0, progress=False,
                       open_io=lambda feed_state, replay_state: open_trainer_io(

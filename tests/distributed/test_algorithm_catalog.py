@@ -1,9 +1,10 @@
-"""Each algorithm of the REINFORCE-family catalog (reinforce, sapo, topr, sppo, opmd, asymre, rec, raft), the
+"""Each algorithm of the REINFORCE-family catalog (reinforce, sapo, topr, sppo, opmd, asymre, rec, raft, and remax,
+whose groups carry the greedy response's reward), the
 whole-batch ones (m2po, clip_b, clip_v: the pass at the step's start, then their global masks) and jsd_distill (the
 tiny model its own teacher) trains two steps through the real trainer (torchrun, 2 processes, data parallel 2, gloo,
 the tiny model; _worker_algorithm_catalog.py, one process pair for all of them): its keys load with a run's config,
 its loss and metrics come back from both ranks, and the weights move. The formulas themselves:
-tests/unit/test_algorithms_catalog.py and tests/unit/test_algorithms_whole_batch.py.
+tests/unit/test_algorithms_catalog.py, tests/unit/test_algorithms_whole_batch.py, tests/unit/test_algorithms_remax.py.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.distributed
 
 # a metric each algorithm's own loss reports (None: only the common ones)
 OWN_METRIC = {"reinforce": "clip_frac", "sapo": "sapo_gate_mean", "topr": "topr_alpha_mean", "sppo": "clip_frac",
-              "opmd": None, "asymre": None, "rec": "clip_frac", "raft": "raft_kept_frac", "m2po": "m2po_ratio_mean",
+              "opmd": None, "asymre": None, "rec": "clip_frac", "raft": "raft_kept_frac", "remax": "clip_frac", "m2po": "m2po_ratio_mean",
               "clip_b": "entropy_clip_frac", "clip_v": "entropy_clip_frac", "jsd_distill": "teacher_jsd"}
 
 
@@ -51,5 +52,7 @@ def test_each_algorithm_trains_two_steps(metrics, name):
         assert name == "clip_b" or all(m["entropy_clip_frac"] <= 0.05 for m in steps)
     if name == "jsd_distill":  # its own teacher: the student's and the teacher's log-probs agree at the first step
         assert steps[0]["teacher_kl"] == pytest.approx(0.0, abs=1e-5)
+    if name == "remax":  # every group carries its greedy reward: none is dead-lettered
+        assert all(not m.get("skipped") for m in steps)
     if name == "raft":  # of each group [1, 0, -0.5] the best sample: a third of the samples, weighted 3
         assert all(m["raft_kept_frac"] == pytest.approx(1 / 3) for m in steps)

@@ -52,7 +52,7 @@ def test_the_light_commands_import_and_build_every_algorithm_without_torch(witho
         from rft.algorithms import ALGORITHMS, build_algorithm
         from rft.algorithms.config import AlgorithmConfig
         built = [type(build_algorithm(AlgorithmConfig(name=name))).__name__ for name in ALGORITHMS
-                 if name != "on_policy_distill"]  # needs a teacher's model directory
+                 if name not in ("on_policy_distill", "jsd_distill")]  # need a teacher's model directory
         assert "torch" not in sys.modules, "torch was imported"
         print(len(built))
         """)

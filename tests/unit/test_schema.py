@@ -62,7 +62,8 @@ def groups(draw) -> ExperienceGroup:
     return ExperienceGroup(run_id=draw(st.text()), task_id=draw(st.text()), group_id=draw(st.text()),
                            attempt=draw(st.integers(0, 2 ** 31)), explorer_id=draw(st.text()),
                            policy_version=draw(st.integers(0, 2 ** 40)), samples=[draw(samples(i)) for i in range(n)],
-                           answer=draw(json_like), metadata=draw(metadata), created_at=draw(times))
+                           answer=draw(json_like), metadata=draw(metadata), created_at=draw(times),
+                           greedy_reward=draw(st.none() | finite))
 
 
 tasks = st.builds(TaskRecord, run_id=st.text(), task_id=st.text(), epoch=st.integers(0, 10 ** 6), prompt=st.text(),
@@ -242,6 +243,21 @@ def test_non_finite_rewards_and_logprobs(bad):
     group = _group()
     group.samples[0].logprobs[2] = bad
     assert "samples[0]: logprobs contain NaN or infinity" in reason(encode(group)[0])
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_greedy_reward_is_optional_finite_and_old_records_read(bad):
+    body = _body()
+    assert "greedy_reward" not in body  # none: not written (a record as before the field existed)
+    assert decode(_pack(body)).greedy_reward is None
+    body["greedy_reward"] = None
+    assert decode(_pack(body)).greedy_reward is None
+    body["greedy_reward"] = 1  # an integer reads as a float
+    assert decode(_pack(body)).greedy_reward == 1.0
+    body["greedy_reward"] = bad
+    assert reason(_pack(body)) == "greedy_reward is NaN or infinite"
+    body["greedy_reward"] = "0.5"
+    assert reason(_pack(body)) == "field 'greedy_reward': expected float, got str"
 
 
 def test_non_numeric_reward_component():
