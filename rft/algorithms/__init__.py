@@ -55,7 +55,8 @@ from rft.algorithms.topr import TOPR, TOPROptions
 __all__ = ["ALGORITHMS", "REPLAY_HINT", "Algorithm", "Critic", "Demonstrations", "Needs", "NoOptions", "StepStart",
            "build_algorithm", "build_options", "group_advantages", "option_keys", "register", "resolve_algorithm",
            "GRPO", "RLOO", "ReinforcePlusPlus", "GSPO", "CISPO", "DPO", "SFT", "OnPolicyDistill", "JSDDistill", "CHORD",
-           "PPO", "REINFORCE", "SAPO", "TOPR", "SPPO", "OPMD", "AsymRE", "REC", "RAFT", "M2PO", "ClipB", "ClipV", "ReMax",
+           "PPO", "REINFORCE", "SAPO", "TOPR", "SPPO", "OPMD", "AsymRE", "REC", "RAFT", "M2PO", "ClipB", "ClipV",
+           "ReMax",
            "GRPOOptions", "DPOOptions", "SFTOptions", "DistillOptions", "JSDOptions", "ChordOptions", "PPOOptions",
            "SAPOOptions", "TOPROptions", "SPPOOptions", "OPMDOptions", "AsymREOptions", "RECOptions", "RAFTOptions",
            "M2POOptions", "ClipBOptions", "ClipVOptions"]

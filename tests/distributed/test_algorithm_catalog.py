@@ -25,7 +25,8 @@ pytestmark = pytest.mark.distributed
 
 # a metric each algorithm's own loss reports (None: only the common ones)
 OWN_METRIC = {"reinforce": "clip_frac", "sapo": "sapo_gate_mean", "topr": "topr_alpha_mean", "sppo": "clip_frac",
-              "opmd": None, "asymre": None, "rec": "clip_frac", "raft": "raft_kept_frac", "remax": "clip_frac", "m2po": "m2po_ratio_mean",
+              "opmd": None, "asymre": None, "rec": "clip_frac", "raft": "raft_kept_frac", "remax": "clip_frac",
+              "m2po": "m2po_ratio_mean",
               "clip_b": "entropy_clip_frac", "clip_v": "entropy_clip_frac", "jsd_distill": "teacher_jsd"}
 
 
