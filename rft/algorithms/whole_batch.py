@@ -20,7 +20,6 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from rft.algorithms.mismatch import STALENESS_BUCKETS
 from rft.lazy import lazy
 
 if TYPE_CHECKING:
@@ -84,6 +83,8 @@ def replace_loss_masks(micro_batches: list[dict], masks: list[torch.Tensor],
     that normalise losses and metrics recounted over all ranks: `global_tokens`, and `staleness_tokens` where the
     micro-batches carry it (rft/trainer/batch.py). Tokens outside the new masks leave the loss and its token means,
     as a token dropped from Trinity-RFT's response_mask."""
+    from rft.algorithms.mismatch import STALENESS_BUCKETS  # heavy: torch (a config check imports this module)
+
     counts = torch.zeros(1 + STALENESS_BUCKETS, dtype=torch.float64)
     for mb, mask in zip(micro_batches, masks, strict=True):
         kept = mask & (mb["loss_mask"] > 0)
