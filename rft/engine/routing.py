@@ -66,13 +66,28 @@ class RoutingRecorder:
             per_layer.append(torch.cat([c.reshape(batch, -1, self.top_k) for c in calls], dim=1))
         return torch.stack(per_layer, dim=2).numpy()
 
-    def routed_experts(self, recorded: np.ndarray, row: int, n_inputs: int) -> RoutedExperts:
-        """Sequence `row`'s first `n_inputs` input positions (prompt + response - 1) of `positions()`."""
+    def routed_experts(self, recorded: np.ndarray, row: int, n_inputs: int, first_position: int = 0
+                       ) -> RoutedExperts:
+        """Sequence `row`'s input positions `first_position`..`n_inputs` - 1 (of prompt + response - 1) of
+        `positions()`: `first_position` 0 keeps the prompt's prefill, P - 1 only the passes that produced tokens."""
         if recorded.shape[1] < n_inputs:
             raise EngineError(f"routing recorder: {recorded.shape[1]} positions recorded, the completion needs "
                               f"{n_inputs}")
-        ids = recorded[row, :n_inputs].astype(RoutedExperts.dtype_for(self.num_experts))
-        return RoutedExperts(ids=ids, num_experts=self.num_experts, layers=list(self.layers), first_position=0)
+        first = first_recorded(first_position, n_inputs)
+        ids = recorded[row, first:n_inputs].astype(RoutedExperts.dtype_for(self.num_experts))
+        return RoutedExperts(ids=ids, num_experts=self.num_experts, layers=list(self.layers), first_position=first)
+
+
+def first_recorded(first_position: int, n_inputs: int) -> int:
+    """The first input position a record keeps: `first_position` (0: the prefill too; P - 1: the last prompt
+    position), never past `n_inputs` (an empty response keeps nothing)."""
+    return max(0, min(first_position, n_inputs))
+
+
+def routing_start(prompt_len: int, prefill: bool) -> int:
+    """The first input position an engine records (`run.routing_prefill`): 0 with the prefill, else P - 1, the
+    forward pass that produced the first response token."""
+    return 0 if prefill else max(prompt_len - 1, 0)
 
 
 class MoELayout:
@@ -100,9 +115,10 @@ class MoELayout:
         layers = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
         return cls(layers, experts, int(config["num_experts_per_tok"]), n)
 
-    def routed(self, raw, n_inputs: int) -> RoutedExperts:
+    def routed(self, raw, n_inputs: int, first_position: int = 0) -> RoutedExperts:
         """`raw`: [positions, layers, top_k] ids as an engine returned them, its layer axis over either every decoder
-        layer or only the MoE ones; the first `n_inputs` positions become the record (EngineError otherwise)."""
+        layer or only the MoE ones; positions `first_position`..`n_inputs` - 1 become the record (EngineError
+        otherwise)."""
         if raw is None:
             raise EngineError("routing replay: the engine returned no routed experts for a completion")
         ids = np.asarray(raw)
@@ -113,5 +129,6 @@ class MoELayout:
                               f"top_k {self.top_k}]")
         if ids.shape[1] != len(self.layers):
             ids = ids[:, self.layers]
-        return RoutedExperts(ids=ids[:n_inputs].astype(RoutedExperts.dtype_for(self.num_experts)),
-                             num_experts=self.num_experts, layers=list(self.layers), first_position=0)
+        first = first_recorded(first_position, n_inputs)
+        return RoutedExperts(ids=ids[first:n_inputs].astype(RoutedExperts.dtype_for(self.num_experts)),
+                             num_experts=self.num_experts, layers=list(self.layers), first_position=first)
