@@ -30,7 +30,7 @@ from rft.models.config import ModelConfig, chat_template_problem
 from rft.observability.config import MonitorConfig
 from rft.serve.config import ServeConfig
 from rft.trainer.config import ReplayBufferConfig, ReplayConfig, TrainerConfig
-from rft.transport.config import KafkaConfig
+from rft.transport.config import KafkaConfig, RecordsConfig
 from rft.weights.config import SyncConfig
 
 RunMode = Literal["sync", "off_policy", "async", "offline", "explore", "train", "serve"]  # rft/modes.py's table
@@ -112,6 +112,7 @@ class Config:
     run: RunConfig = section(RunConfig)
     model: ModelConfig = section(ModelConfig)
     kafka: KafkaConfig = section(KafkaConfig)
+    records: RecordsConfig = section(RecordsConfig)
     explorer: ExplorerConfig = section(ExplorerConfig)
     trainer: TrainerConfig = section(TrainerConfig)
     algorithm: AlgorithmConfig = section(AlgorithmConfig)

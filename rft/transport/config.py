@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rft.config import COUNT, POSITIVE, Section, option
+from rft.config import COUNT, POSITIVE, Section, at_least, option
 
 
 @dataclass(frozen=True)
@@ -40,3 +40,15 @@ class KafkaConfig(Section):
         help="longest a consumer-group member may go between two polls before the group presumes it dead (an "
         "explorer uses at least explorer.max_batch_s)")
     security: dict[str, Any] = option(factory=dict, help="passed to kafka clients verbatim")
+
+
+@dataclass(frozen=True)
+class RecordsConfig(Section):
+    """The `records` section: how large parts of a record leave it for the claim store (claim-check)."""
+    KEY = "records"
+    claim_threshold_bytes: int = option(131072, range=at_least(0, "0: never claim-check"),
+        help="a binary part of a record (token ids, log-probs, a routing map's ids) larger than this is stored in "
+        "the claim store and replaced in the record by a claim; 0: never")
+    store: str = option("",
+        help="the claim store: \"\" beside the weights (<sync.weight_store>/records), else a directory or "
+        "s3://BUCKET/PREFIX")

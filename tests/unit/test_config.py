@@ -32,8 +32,8 @@ def test_defaults_fill_every_section(tmp_path, model_dir):
     assert isinstance(cfg, Config)
     assert cfg.run.mode == "off_policy" and cfg.kafka.bootstrap_servers == "embedded"
     assert cfg.topic("experiences") == "rft-run.experiences"
-    assert cfg.to_dict().keys() == {"run", "model", "kafka", "explorer", "trainer", "algorithm", "data", "sync",
-                                    "replay", "monitor", "replay_buffer", "eval", "serve", "stages"}
+    assert cfg.to_dict().keys() == {"run", "model", "kafka", "records", "explorer", "trainer", "algorithm", "data",
+                                    "sync", "replay", "monitor", "replay_buffer", "eval", "serve", "stages"}
 
 
 def test_overrides_take_yaml_types(tmp_path, model_dir):
