@@ -10,7 +10,8 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from rft.engine.base import Completion, EngineError, Generation, SamplingSettings, TokenizerMixin
-from rft.engine.routing import RoutingRecorder, routing_start
+from rft.engine.routing import RoutingRecorder
+from rft.schema import RoutedExperts
 from rft.weights.store import (
     PUSHED_ADAPTER_CONFIG,
     is_adapter_version,
@@ -92,7 +93,7 @@ class TransformersEngine(TokenizerMixin):
         completions = [self._completion(new_tokens[0 if greedy else i].tolist(), logprobs[0 if greedy else i],
                                         sampling.stop) for i in range(sampling.n)]
         if routing is not None and routed is not None:
-            first = routing_start(len(prompt), self.routing_prefill)
+            first = RoutedExperts.start(len(prompt), self.routing_prefill)
             for i, c in enumerate(completions):
                 c.routed_experts = routing.routed_experts(routed, 0 if greedy else i,
                                                           len(prompt) + len(c.token_ids) - 1, first)

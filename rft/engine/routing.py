@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from rft.engine.base import EngineError
+from rft.models.moe import read_moe_shape
 from rft.schema import RoutedExperts
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -84,12 +85,6 @@ def first_recorded(first_position: int, n_inputs: int) -> int:
     return max(0, min(first_position, n_inputs))
 
 
-def routing_start(prompt_len: int, prefill: bool) -> int:
-    """The first input position an engine records (`run.routing_prefill`): 0 with the prefill, else P - 1, the
-    forward pass that produced the first response token."""
-    return 0 if prefill else max(prompt_len - 1, 0)
-
-
 class MoELayout:
     """Which decoder layers of a Hugging Face MoE config route (`layers`), over how many experts, top-k; and the
     conversion of an engine's raw routed-experts array into a `RoutedExperts` record (vLLM's output)."""
@@ -100,20 +95,13 @@ class MoELayout:
 
     @classmethod
     def of(cls, model_dir) -> MoELayout:
-        """From `config.json` (Qwen2/3-MoE keys: `num_experts`, `num_experts_per_tok`, `decoder_sparse_step`,
-        `mlp_only_layers`); EngineError for a config without experts."""
-        import json
-        from pathlib import Path
-
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
-        if not experts:
+        """From `config.json` (rft.models.moe: Qwen2/3-MoE keys `num_experts`, `num_experts_per_tok`,
+        `decoder_sparse_step`, `mlp_only_layers`); EngineError for a config without experts."""
+        shape = read_moe_shape(model_dir)
+        if shape is None:
             raise EngineError(f"routing replay needs a mixture-of-experts model; {model_dir}/config.json names no "
                               "experts (num_experts)")
-        n, step = int(config["num_hidden_layers"]), int(config.get("decoder_sparse_step", 1) or 1)
-        dense = set(config.get("mlp_only_layers") or [])
-        layers = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
-        return cls(layers, experts, int(config["num_experts_per_tok"]), n)
+        return cls(list(shape.layers), shape.num_experts, shape.top_k, shape.num_hidden_layers)
 
     def routed(self, raw, n_inputs: int, first_position: int = 0) -> RoutedExperts:
         """`raw`: [positions, layers, top_k] ids as an engine returned them, its layer axis over either every decoder

@@ -14,7 +14,8 @@ import numpy as np
 
 from rft.engine.base import Completion, EngineError, Generation, SamplingSettings, TokenizerMixin
 from rft.engine.prefill_once import PROBE_TOKENS, ForkedGroup, Request, prefills_once
-from rft.engine.routing import MoELayout, routing_start
+from rft.engine.routing import MoELayout
+from rft.schema import RoutedExperts
 from rft.weights.store import is_adapter_version
 
 if TYPE_CHECKING:
@@ -134,8 +135,9 @@ class VLLMEngine(TokenizerMixin):
                  cpu_kv_block_size: int = 32, elastic_threads: bool = False, prefill_once: bool = True,
                  routing_prefill: bool = False):
         """`record_routing`: completions carry `routed_experts` from vLLM's routed-experts output (GPU only: see
-        `ROUTED_EXPERTS_ON_CPU`), from the last prompt position on (from the first with `routing_prefill`). Written to vLLM 0.32's documented output ([prompt + output - 1 positions,
-        layers, top_k]) and not yet run on a GPU here: `_routed` refuses any other shape by name. `lora_rank` > 0:
+        `ROUTED_EXPERTS_ON_CPU`), from the last prompt position on (from the first with `routing_prefill`). Written
+        to vLLM 0.32's documented output ([prompt + output - 1 positions, layers, top_k]) and not yet run on a GPU
+        here: `_routed` refuses any other shape by name. `lora_rank` > 0:
         versions may be LoRA adapters (rft.weights.store), loaded beside the base model without reloading it
         (`load_weights`), `max_loras` of them at once (`rft serve`: one per served adapter). `prefix_cache` false:
         no prefix caching (`load_weights_in_flight` without recomputing). `cpu_kv_block_size`: see `_llm_settings`.
@@ -209,7 +211,7 @@ class VLLMEngine(TokenizerMixin):
         if self.moe is not None:
             for raw, c in zip(output.outputs, completions, strict=True):
                 c.routed_experts = self.moe.routed(raw.routed_experts, len(prompt) + len(c.token_ids) - 1,
-                                                   routing_start(len(prompt), self.routing_prefill))
+                                                   RoutedExperts.start(len(prompt), self.routing_prefill))
         return Generation(prompt, completions)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, *,
