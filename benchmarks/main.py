@@ -18,6 +18,7 @@ BENCHMARKS = {
     "weights": "benchmarks.weights:main",
     "delivery": "benchmarks.delivery:main",
     "inflight": "benchmarks.inflight:main",
+    "compression": "benchmarks.compression:main",
 }
 
 
