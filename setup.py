@@ -6,6 +6,9 @@ CORE = [
     "megatron-core==0.16.1",
     "kafka-python==3.0.12",
     "crc32c",  # without it kafka-python checksums in pure Python at ~8 MB/s
+    # kafka-python's codecs for kafka.compression zstd (the default) and lz4: without them a producer cannot start
+    "zstandard==0.25.0",
+    "lz4==4.4.5",
     "msgpack",
     "numpy",
     "pyyaml",

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "delivery": "benchmarks.delivery:main",
     "experience": "benchmarks.experience_path:main",
     "inflight": "benchmarks.inflight:main",
+    "compression": "benchmarks.compression:main",
 }
 
 

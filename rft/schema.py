@@ -131,6 +131,12 @@ class RoutedExperts:
                 return dtype
         raise ValueError(f"routed experts: {num_experts} experts do not fit uint16 ids")
 
+    @staticmethod
+    def start(prompt_len: int, prefill: bool) -> int:
+        """The `first_position` rft's engines record from (`run.routing_prefill`): 0 with the prefill, else
+        P - 1, the forward pass that produced the first response token."""
+        return 0 if prefill else max(prompt_len - 1, 0)
+
 
 def routed_experts_problem(routed: RoutedExperts, prompt_len: int, response_len: int) -> str | None:
     """None when `routed` fits a sample of `prompt_len` + `response_len` tokens (shapes, id range, layers), else

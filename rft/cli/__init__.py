@@ -42,7 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("rft.ops.status:main", "a live run: trainer, explorer fleet, weight versions, lag, throughput"),
     "dashboard": ("rft.dashboard.server:main", "the live run page in a browser: curves, fleet, staleness, throughput"),
     "bench": ("benchmarks.main:main", "benchmarks (from a checkout): transport|generate|modes|learn|membership|"
-              "simulate|serve|micro-batches|reload|weights|delivery|experience|inflight"),
+              "simulate|serve|micro-batches|reload|weights|delivery|experience|inflight|compression"),
     "chaos": ("benchmarks.chaos:main", "fault scenarios against real runs (from a checkout), and a ledger: "
               "acknowledged, trained, lost, twice"),
     "gpu-check": ("rft.ops.gpu_check:main", "prove a GPU machine runs rft's GPU paths (--cpu: the CPU paths): a table"),

@@ -1,10 +1,12 @@
 """`rft validate`: load a config as `rft run` would (every check, registry names and the model on disk included)
-and report; exit 2 naming the bad key."""
+and report, with the largest experience record it can produce and where its parts go (rft.run.record_size);
+exit 2 naming the bad key."""
 from __future__ import annotations
 
 import argparse
 
 from rft.cli.commandline import add_config_arguments, config_from_args
+from rft.run.record_size import describe, estimate_record
 
 
 def main(argv: list[str]) -> int:
@@ -17,4 +19,8 @@ def main(argv: list[str]) -> int:
         print(cfg.to_yaml(), end="")
     else:
         print(f"{args.config}: valid (run {cfg.run.name!r}, mode {cfg.run.mode})")
+        lines, warnings = describe(cfg, estimate_record(cfg))
+        print("\n".join(lines))
+        for warning in warnings:
+            print(f"warning: {warning}")
     return 0

@@ -41,11 +41,12 @@ ENGINES: dict[str, type[VLLMEngine] | type[TransformersEngine]] = {"vllm": VLLME
 
 def build_engine(explorer: ExplorerConfig, model: ModelConfig, *, seed: int,
                  model_path: str | None = None, weight_transfer: bool = False, record_routing: bool = False,
-                 max_loras: int = 1, elastic_threads: bool = False) -> Engine:
+                 max_loras: int = 1, elastic_threads: bool = False, routing_prefill: bool = False) -> Engine:
     """The engine `explorer.engine` names, on `model_path` (default `model.path`); `seed` is `run.seed`.
     `weight_transfer`: it receives pushed weights by vLLM's weight transfer (rft.weights.vllm_transfer.push_transport
     chose "vllm"); only a vllm engine can. `record_routing`: completions carry their MoE routing (routing replay,
-    `run.routing_replay`). A `model_path` that is a LoRA adapter version (rft.weights.store) starts the engine on
+    `run.routing_replay`), from the last prompt position, or the first with `routing_prefill` (`run.routing_prefill`).
+    A `model_path` that is a LoRA adapter version (rft.weights.store) starts the engine on
     `model.path` and loads the adapter (stamped with the version its directory names, else 0). `max_loras`: LoRA
     adapters a vLLM engine holds at once (`rft serve` with serve.adapters). `elastic_threads`: this process's torch
     threads change while the engine runs (an explorer on a run's core board, rft/cores.py; see VLLMEngine). On the
@@ -54,22 +55,26 @@ def build_engine(explorer: ExplorerConfig, model: ModelConfig, *, seed: int,
     explorers never load a version they hold already)."""
     if model_path is None and model.lora.rank and model.lora.init_from:
         engine = _build(explorer, model, seed=seed, model_path=None, weight_transfer=weight_transfer,
-                        record_routing=record_routing, max_loras=max_loras, elastic_threads=elastic_threads)
+                        record_routing=record_routing, max_loras=max_loras, elastic_threads=elastic_threads,
+                  routing_prefill=routing_prefill)
         engine.load_weights(model.lora.init_from, 0)
         return engine
     if model_path is not None and is_adapter_version(model_path):
         engine = build_engine(explorer, model, seed=seed, weight_transfer=weight_transfer,
-                              record_routing=record_routing, max_loras=max_loras, elastic_threads=elastic_threads)
+                              record_routing=record_routing, max_loras=max_loras, elastic_threads=elastic_threads,
+                              routing_prefill=routing_prefill)
         engine.load_weights(model_path, version_of(model_path) or 0)
         return engine
     return _build(explorer, model, seed=seed, model_path=model_path, weight_transfer=weight_transfer,
-                  record_routing=record_routing, max_loras=max_loras, elastic_threads=elastic_threads)
+                  record_routing=record_routing, max_loras=max_loras, elastic_threads=elastic_threads,
+                  routing_prefill=routing_prefill)
 
 
 def _build(explorer: ExplorerConfig, model: ModelConfig, *, seed: int, model_path: str | None,
-           weight_transfer: bool, record_routing: bool, max_loras: int, elastic_threads: bool) -> Engine:
+           weight_transfer: bool, record_routing: bool, max_loras: int, elastic_threads: bool,
+           routing_prefill: bool) -> Engine:
     """`build_engine` without loading anything after the start."""
-    extra = {"record_routing": True} if record_routing else {}
+    extra = {"record_routing": True, "routing_prefill": routing_prefill} if record_routing else {}
     if elastic_threads and explorer.engine == "vllm":  # transformers' engine computes with torch: it follows anyway
         extra["elastic_threads"] = True
     if max_loras > 1:

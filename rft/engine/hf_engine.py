@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from rft.engine.base import Completion, EngineError, Generation, SamplingSettings, TokenizerMixin
 from rft.engine.routing import RoutingRecorder
+from rft.schema import RoutedExperts
 from rft.weights.store import (
     PUSHED_ADAPTER_CONFIG,
     is_adapter_version,
@@ -36,9 +37,10 @@ class TransformersEngine(TokenizerMixin):
 
     def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", seed: int = 0,
                  weights_version: int = 0, device: str = "cpu", chat_template: bool = False,
-                 record_routing: bool = False):
+                 record_routing: bool = False, routing_prefill: bool = False):
         """`record_routing`: every completion carries `routed_experts`, the experts each MoE layer routed its
-        prompt and response tokens to (rft.engine.routing; EngineError for a model without top-k routers)."""
+        tokens to (rft.engine.routing; EngineError for a model without top-k routers): from the last prompt position
+        (the passes that produced response tokens), or from the first with `routing_prefill`."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -53,18 +55,21 @@ class TransformersEngine(TokenizerMixin):
         self.generator_seed = seed
         self.weights_version = weights_version
         self.routing = RoutingRecorder(self.model) if record_routing else None
+        self.routing_prefill = routing_prefill
         self._base_weights: dict = {}  # HF module name -> its weight before the first adapter merged into it
         self._push: PushReceiver | None = None  # the push group it is in (join_push_group)
         torch.manual_seed(seed)
 
     @classmethod
     def from_config(cls, explorer: ExplorerConfig, model: ModelConfig, *, seed: int,
-                    model_path: str | None = None, record_routing: bool = False) -> TransformersEngine:
+                    model_path: str | None = None, record_routing: bool = False,
+                    routing_prefill: bool = False) -> TransformersEngine:
         """The engine the model section describes, on `model_path` (default `model.path`)."""
         import torch
 
         return cls(model_path or model.path, dtype=model.dtype, seed=seed, chat_template=model.chat_template,
-                   device="cuda" if torch.cuda.is_available() else "cpu", record_routing=record_routing)
+                   device="cuda" if torch.cuda.is_available() else "cpu", record_routing=record_routing,
+                   routing_prefill=routing_prefill)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
         return [self._generate_one(list(p), sampling) for p in prompts]
@@ -95,9 +100,10 @@ class TransformersEngine(TokenizerMixin):
         completions = [self._completion(new_tokens[0 if greedy else i].tolist(), logprobs[0 if greedy else i],
                                         sampling.stop) for i in range(sampling.n)]
         if routing is not None and routed is not None:
+            first = RoutedExperts.start(len(prompt), self.routing_prefill)
             for i, c in enumerate(completions):
                 c.routed_experts = routing.routed_experts(routed, 0 if greedy else i,
-                                                               len(prompt) + len(c.token_ids) - 1)
+                                                          len(prompt) + len(c.token_ids) - 1, first)
         return Generation(prompt, completions)
 
     def _completion(self, tokens: list[int], logprobs, stop: Sequence[str] = ()) -> Completion:

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from rft.engine.base import EngineError
+from rft.models.moe import read_moe_shape
 from rft.schema import RoutedExperts
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -66,13 +67,22 @@ class RoutingRecorder:
             per_layer.append(torch.cat([c.reshape(batch, -1, self.top_k) for c in calls], dim=1))
         return torch.stack(per_layer, dim=2).numpy()
 
-    def routed_experts(self, recorded: np.ndarray, row: int, n_inputs: int) -> RoutedExperts:
-        """Sequence `row`'s first `n_inputs` input positions (prompt + response - 1) of `positions()`."""
+    def routed_experts(self, recorded: np.ndarray, row: int, n_inputs: int, first_position: int = 0
+                       ) -> RoutedExperts:
+        """Sequence `row`'s input positions `first_position`..`n_inputs` - 1 (of prompt + response - 1) of
+        `positions()`: `first_position` 0 keeps the prompt's prefill, P - 1 only the passes that produced tokens."""
         if recorded.shape[1] < n_inputs:
             raise EngineError(f"routing recorder: {recorded.shape[1]} positions recorded, the completion needs "
                               f"{n_inputs}")
-        ids = recorded[row, :n_inputs].astype(RoutedExperts.dtype_for(self.num_experts))
-        return RoutedExperts(ids=ids, num_experts=self.num_experts, layers=list(self.layers), first_position=0)
+        first = first_recorded(first_position, n_inputs)
+        ids = recorded[row, first:n_inputs].astype(RoutedExperts.dtype_for(self.num_experts))
+        return RoutedExperts(ids=ids, num_experts=self.num_experts, layers=list(self.layers), first_position=first)
+
+
+def first_recorded(first_position: int, n_inputs: int) -> int:
+    """The first input position a record keeps: `first_position` (0: the prefill too; P - 1: the last prompt
+    position), never past `n_inputs` (an empty response keeps nothing)."""
+    return max(0, min(first_position, n_inputs))
 
 
 class MoELayout:
@@ -85,24 +95,18 @@ class MoELayout:
 
     @classmethod
     def of(cls, model_dir) -> MoELayout:
-        """From `config.json` (Qwen2/3-MoE keys: `num_experts`, `num_experts_per_tok`, `decoder_sparse_step`,
-        `mlp_only_layers`); EngineError for a config without experts."""
-        import json
-        from pathlib import Path
-
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
-        if not experts:
+        """From `config.json` (rft.models.moe: Qwen2/3-MoE keys `num_experts`, `num_experts_per_tok`,
+        `decoder_sparse_step`, `mlp_only_layers`); EngineError for a config without experts."""
+        shape = read_moe_shape(model_dir)
+        if shape is None:
             raise EngineError(f"routing replay needs a mixture-of-experts model; {model_dir}/config.json names no "
                               "experts (num_experts)")
-        n, step = int(config["num_hidden_layers"]), int(config.get("decoder_sparse_step", 1) or 1)
-        dense = set(config.get("mlp_only_layers") or [])
-        layers = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
-        return cls(layers, experts, int(config["num_experts_per_tok"]), n)
+        return cls(list(shape.layers), shape.num_experts, shape.top_k, shape.num_hidden_layers)
 
-    def routed(self, raw, n_inputs: int) -> RoutedExperts:
+    def routed(self, raw, n_inputs: int, first_position: int = 0) -> RoutedExperts:
         """`raw`: [positions, layers, top_k] ids as an engine returned them, its layer axis over either every decoder
-        layer or only the MoE ones; the first `n_inputs` positions become the record (EngineError otherwise)."""
+        layer or only the MoE ones; positions `first_position`..`n_inputs` - 1 become the record (EngineError
+        otherwise)."""
         if raw is None:
             raise EngineError("routing replay: the engine returned no routed experts for a completion")
         ids = np.asarray(raw)
@@ -113,5 +117,6 @@ class MoELayout:
                               f"top_k {self.top_k}]")
         if ids.shape[1] != len(self.layers):
             ids = ids[:, self.layers]
-        return RoutedExperts(ids=ids[:n_inputs].astype(RoutedExperts.dtype_for(self.num_experts)),
-                             num_experts=self.num_experts, layers=list(self.layers), first_position=0)
+        first = first_recorded(first_position, n_inputs)
+        return RoutedExperts(ids=ids[first:n_inputs].astype(RoutedExperts.dtype_for(self.num_experts)),
+                             num_experts=self.num_experts, layers=list(self.layers), first_position=first)

@@ -15,6 +15,7 @@ import numpy as np
 from rft.engine.base import Completion, EngineError, Generation, SamplingSettings, TokenizerMixin
 from rft.engine.prefill_once import PROBE_TOKENS, ForkedGroup, Request, prefills_once
 from rft.engine.routing import MoELayout
+from rft.schema import RoutedExperts
 from rft.weights.store import is_adapter_version
 
 if TYPE_CHECKING:
@@ -131,10 +132,12 @@ class VLLMEngine(TokenizerMixin):
                  cpu_kvcache_gb: float = 1.0, seed: int = 0, weights_version: int = 0,
                  in_process: bool | None = None, chat_template: bool = False, weight_transfer: bool = False,
                  record_routing: bool = False, lora_rank: int = 0, max_loras: int = 1, prefix_cache: bool = True,
-                 cpu_kv_block_size: int = 32, elastic_threads: bool = False, prefill_once: bool = True):
+                 cpu_kv_block_size: int = 32, elastic_threads: bool = False, prefill_once: bool = True,
+                 routing_prefill: bool = False):
         """`record_routing`: completions carry `routed_experts` from vLLM's routed-experts output (GPU only: see
-        `ROUTED_EXPERTS_ON_CPU`). Written to vLLM 0.32's documented output ([prompt + output - 1 positions,
-        layers, top_k]) and not yet run on a GPU here: `_routed` refuses any other shape by name. `lora_rank` > 0:
+        `ROUTED_EXPERTS_ON_CPU`), from the last prompt position on (from the first with `routing_prefill`). Written
+        to vLLM 0.32's documented output ([prompt + output - 1 positions, layers, top_k]) and not yet run on a GPU
+        here: `_routed` refuses any other shape by name. `lora_rank` > 0:
         versions may be LoRA adapters (rft.weights.store), loaded beside the base model without reloading it
         (`load_weights`), `max_loras` of them at once (`rft serve`: one per served adapter). `prefix_cache` false:
         no prefix caching (`load_weights_in_flight` without recomputing). `cpu_kv_block_size`: see `_llm_settings`.
@@ -150,6 +153,7 @@ class VLLMEngine(TokenizerMixin):
             record_routing=record_routing, lora_rank=lora_rank, max_loras=max_loras, prefix_cache=prefix_cache,
             cpu_kv_block_size=cpu_kv_block_size)
         self.moe = MoELayout.of(model_path) if record_routing else None
+        self.routing_prefill = routing_prefill
         self.lora: LoRARequest | None = None  # the adapter version in use; None: the base weights
         self.adapters: dict[str, LoRARequest] = {}  # name -> LoRARequest of every adapter loaded (`rft serve`)
         self._adapter_versions: dict[str, int] = {}  # name -> the version of the adapter loaded
@@ -173,7 +177,8 @@ class VLLMEngine(TokenizerMixin):
     @classmethod
     def from_config(cls, explorer: ExplorerConfig, model: ModelConfig, *, seed: int,
                     model_path: str | None = None, weight_transfer: bool = False,
-                    record_routing: bool = False, max_loras: int = 1, elastic_threads: bool = False) -> VLLMEngine:
+                    record_routing: bool = False, max_loras: int = 1, elastic_threads: bool = False,
+                    routing_prefill: bool = False) -> VLLMEngine:
         """The engine the explorer and model sections describe, on `model_path` (default `model.path`);
         `elastic_threads` as in the constructor."""
         return cls(model_path or model.path, tensor_parallel_size=explorer.tensor_parallel_size,
@@ -184,7 +189,8 @@ class VLLMEngine(TokenizerMixin):
                    chat_template=model.chat_template, weight_transfer=weight_transfer, record_routing=record_routing,
                    lora_rank=model.lora.rank, max_loras=max_loras,
                    prefix_cache=not (explorer.inflight_updates and explorer.inflight_kv == "keep"),
-                   elastic_threads=elastic_threads, prefill_once=explorer.prefill_once)
+                   elastic_threads=elastic_threads, prefill_once=explorer.prefill_once,
+                   routing_prefill=routing_prefill)
 
     def _set_version(self, version: int) -> None:
         self.weights_version = version
@@ -205,7 +211,8 @@ class VLLMEngine(TokenizerMixin):
         completions = [self._completion(c) for c in output.outputs]
         if self.moe is not None:
             for raw, c in zip(output.outputs, completions, strict=True):
-                c.routed_experts = self.moe.routed(raw.routed_experts, len(prompt) + len(c.token_ids) - 1)
+                c.routed_experts = self.moe.routed(raw.routed_experts, len(prompt) + len(c.token_ids) - 1,
+                                                   RoutedExperts.start(len(prompt), self.routing_prefill))
         return Generation(prompt, completions)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, *,

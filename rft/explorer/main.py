@@ -104,6 +104,7 @@ def run_one(cfg: Config, *, explorer_id: str, exit_when_idle_s: float | None = N
                           weight_transfer=push_transport(cfg.sync, cfg.explorer,
                                                          lora=cfg.model.lora.rank > 0) == "vllm",
                           record_routing=cfg.run.routing_replay,  # what the trainer replays
+                          routing_prefill=cfg.run.routing_prefill,
                           elastic_threads=cores is not None)
     explorer = None
     reason = "error"
@@ -124,7 +125,7 @@ def run_shared(cfgs: list[Config], *, explorer_id: str, exit_when_idle_s: list[f
     stop = _start_process(explorer_id, thread=True)
     section, model = engine_sections([shared_run("", cfg) for cfg in cfgs])
     engine = build_engine(section, model, seed=cfgs[0].run.seed, max_loras=len(cfgs),
-                          record_routing=cfgs[0].run.routing_replay)
+                          record_routing=cfgs[0].run.routing_replay, routing_prefill=cfgs[0].run.routing_prefill)
     if not isinstance(engine, VLLMEngine):  # build_engine's engine for several adapters
         raise EngineError(f"several runs in one engine need a VLLMEngine, got {type(engine).__name__}")
     try:

