@@ -178,7 +178,7 @@ def describe(cfg: Config, estimate: RecordEstimate) -> tuple[list[str], list[str
                      f"({claim_store_text(cfg)}): {', '.join(claimed)}: record ~{size_text(record)}")
     if record > limit:
         lines.append(f"{'still ' if claimed else ''}over kafka.max_record_bytes ({limit:,}) at "
-                     f"{size_text(record)}: the whole body goes to the claim store: record ~"
+                     f"{size_text(record)}: the body, its parts claimed, goes to the claim store whole: record ~"
                      f"{size_text(whole_body_claim_bytes(cfg))}")
     elif not claimed:
         lines.append(f"inline, under kafka.max_record_bytes ({limit:,}); no part over "
