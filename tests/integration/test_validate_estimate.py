@@ -46,8 +46,8 @@ def test_validate_prints_the_largest_record_and_warns_before_every_group_is_dead
     assert out[2].startswith("parts over records.claim_threshold_bytes (131,072) go to the claim store "
                              "(records.store: beside the weights, <run dir>/weights/records): routed_experts: record "
                              "~2.4 MB"), done.stdout
-    assert out[3].startswith("still over kafka.max_record_bytes (1,000,000) at 2.4 MB: the whole body goes to the "
-                             "claim store"), done.stdout
+    assert out[3].startswith("still over kafka.max_record_bytes (1,000,000) at 2.4 MB: the body, its parts claimed, "
+                             "goes to the claim store"), done.stdout
     never = validate(config, "records.claim_threshold_bytes=0")
     assert never.returncode == 0, never.stderr
     assert never.stdout.splitlines()[-1] == (
