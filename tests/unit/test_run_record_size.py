@@ -105,7 +105,8 @@ def test_a_qwen3_30b_a3b_long_trace_by_hand():
                         "103.0 MB inline (routing 100.7 MB: 48 MoE layers x top-8 x 1 byte a position, from the last "
                         "prompt position)")
     assert "go to the claim store (records.store: beside the weights" in lines[1] and "routed_experts" in lines[1]
-    assert lines[2].startswith("still over kafka.max_record_bytes (1,000,000) at 2.4 MB: the body, its parts claimed, goes to")
+    assert lines[2].startswith("still over kafka.max_record_bytes (1,000,000) at 2.4 MB: the body, its parts "
+                               "claimed, goes to")
     assert lines[2].endswith(f"record ~{whole_body_claim_bytes(cfg)} B")
 
 
@@ -126,7 +127,8 @@ def test_what_validate_says_about_the_limit():
                         "records.claim_threshold_bytes is 0: every group will be dead-lettered as too large: set "
                         "records.claim_threshold_bytes"]
     lines, warnings = describe(big.with_values({"kafka.max_record_bytes": 1000000}), e)
-    assert not warnings and lines[1].startswith("over kafka.max_record_bytes (1,000,000) at 2.4 MB: the body, its parts claimed")
+    assert not warnings and lines[1].startswith(
+        "over kafka.max_record_bytes (1,000,000) at 2.4 MB: the body, its parts claimed")
     lines, warnings = describe(big.with_values({"records.claim_threshold_bytes": 8192}), e)
     assert "go to the claim store" in lines[1] and lines[1].endswith("): response_tokens, logprobs: record ~287.7 KB")
     lines, warnings = describe(config(), estimate_record(config()))
