@@ -4,7 +4,8 @@ This package states the delivery contract and holds the plain values that cross 
 - `rft.transport.kafka`: the Kafka implementations (the only module of rft that imports kafka-python).
 - `rft.transport.memory`: in-memory implementations of the same protocols, for unit tests of the trainer and
   explorer loops without a broker.
-- `rft.transport.claims`: the claim-check: large parts of records in an object store, claims on the topic.
+- `rft.transport.claims`: the claim-check: large parts of records in an object store, claims on the topic;
+  `rft.transport.collect`: deleting those parts by retention or once every reader is past them.
 A process builds its clients from one `Transport` (`connect(kafka_cfg)` for Kafka, `MemoryTransport()` in
 tests) and passes it, or the clients, down.
 
