@@ -25,7 +25,7 @@ from pathlib import Path
 from rft.run.config import Config
 from rft.run.records import claim_store
 from rft.transport import Transport, parse_offset_key
-from rft.transport.collect import CollectReport, collect_committed, collect_retention
+from rft.transport.collect import RECENT_S, CollectReport, collect_committed, collect_retention
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +87,10 @@ def _save_start(path: Path, topic: str, offsets: dict[str, int]) -> None:
     os.replace(tmp, path)
 
 
-def collect_run(cfg: Config, transport: Transport | None, *, dry_run: bool = False) -> CollectReport:
+def collect_run(cfg: Config, transport: Transport | None, *, dry_run: bool = False,
+                recent_s: float = RECENT_S) -> CollectReport:
     """One collection of the run's claim store as `records.collect` says (the module docstring); `transport` (the
-    run's broker) is needed by `committed` only."""
+    run's broker) is needed by `committed` only; `recent_s`: rule 3 of rft/transport/collect.py."""
     store = claim_store(cfg)
     if cfg.records.collect == "retention":
         return collect_retention(store, retention_s=cfg.records.retention_hours * 3600, dry_run=dry_run)
@@ -112,7 +113,7 @@ def collect_run(cfg: Config, transport: Transport | None, *, dry_run: bool = Fal
             admin.close()
         protect = [t for t in (cfg.topic("demonstrations"), cfg.topic("served")) if t in existing]
         report = collect_committed(store, source, topic, passed=passed, start=start, protect=protect,
-                                   dry_run=dry_run)
+                                   recent_s=recent_s, dry_run=dry_run)
     finally:
         source.close()
     if not dry_run and report.collected_to != start:
