@@ -171,7 +171,8 @@ def test_a_slow_store_is_retried_within_the_bound_then_dead_lettered(s3):
         with pytest.raises(RecordError, match=f"claim {claim.sha256}: .* failed: .*after 3 attempts"):
             store.get(claim)
         assert proxy.connections == 3 and time.monotonic() - started < store.worst_case_s + 1
-    with SlowProxy(upstream, lambda n: -1.0) as proxy:  # refuses: the put is retried, then the record is not sent
+    # refuses every connection: the put is retried, then reported (the record is not sent)
+    with SlowProxy(upstream, lambda n: 0.0, refuse=lambda n: True) as proxy:
         store = s3_store(f"http://{proxy.address}", fetch_retries=1, fetch_timeout_s=0.5)
         with pytest.raises(ClaimStoreError, match="after 2 attempts"):
             store.put(b"another payload " * 10_000)
