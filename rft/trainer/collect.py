@@ -121,6 +121,18 @@ def collect_run(cfg: Config, transport: Transport | None, *, dry_run: bool = Fal
     return report
 
 
+def collection_warnings(cfg: Config) -> list[str]:
+    """What `rft validate` says about `records.collect` in `cfg`: committed collection and a later offline replay of
+    the topic do not go together."""
+    if cfg.records.collect != "committed" or cfg.records.claim_threshold_bytes == 0:
+        return []
+    readers = f" and {', '.join(cfg.records.readers)}" if cfg.records.readers else ""
+    return [f"records.collect committed deletes a claim-checked part once the trainer{readers} committed past "
+            f"every record naming it: an offline replay of {cfg.topic('experiences')} afterwards (rft replay, "
+            "run.mode offline) dead-letters those groups; keep records.collect retention (records.retention_hours "
+            "at least the topic's retention) to replay it, or name the replay's consumer group in records.readers"]
+
+
 class Collector:
     """The trainer's collections, off its critical path: `after_checkpoint()` starts one in a background thread
     unless one is running (or, for retention, one ran less than RETENTION_SWEEP_S ago); a failure is logged, never
