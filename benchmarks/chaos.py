@@ -61,9 +61,9 @@ Scenarios (`SCENARIOS`: data, name -> Scenario; adding one is adding an entry). 
                     tasks and experiences topics, and a well-formed group of another run into the experiences topic.
   broker-restart    kill -9 of the durable local broker (LocalBroker(data_dir=...): Tansu and its object store) at
                     seeded steps, down for 1-4 s, then started again on the same data directory and port; twice.
-  claim-lost        records.claim_threshold_bytes 16, so every group's prompt arrays are claim-checked (the run's claim
-                    store, a directory); at seeded steps the objects of one of the last records on the experiences
-                    topic (produced, not yet trained) are deleted from it: that group is dead-lettered "missing"
+  claim-lost        records.claim_threshold_bytes 2, so every array of every group is claim-checked (the run's claim
+                    store, a directory); at seeded steps the next new object the store receives (polled every 2 ms:
+                    a part of a record being sent, not yet read) is deleted: that group is dead-lettered "missing"
                     (a legitimate dead letter, which must be on the dead-letter topic), unless a later record
                     re-put the same payload before the trainer read it.
   claim-slow        the same claim-checked records in an S3 claim store (rft's object server) behind a TCP proxy
@@ -727,27 +727,24 @@ def inject_poison(ctx: Context) -> None:
         sink.close()
 
 
-CLAIMED = {"claim_threshold_bytes": 16}  # the tiny run's prompt arrays (8 tokens: 32 bytes) are claim-checked
+CLAIMED = {"claim_threshold_bytes": 2}  # every array of the tiny run's groups (a few tokens: 4+ bytes) is claim-checked
 
 
 def inject_claim_lost(ctx: Context) -> None:
     ctx.start_run()
-    name = ctx.scenario.run
     store = ctx.run_dir / "weights" / "records"
     for _ in range(2 if ctx.quick else 4):
         if not ctx.wait_for_step(ctx.step() + ctx.rng.randint(2, 4)) or ctx.step() >= ctx.steps - 3:
             break
-        tail = read_topic(ctx.bootstrap, f"{name}.experiences")[-2:]
-        if not tail:
-            continue
-        victim = ctx.rng.choice(tail)
-        deleted = 0
-        for claim in claims_in(victim.value):
-            path = store / claim.key
-            if path.exists():
-                path.unlink()
-                deleted += 1
-        ctx.fault("claim_deleted", offset=victim.offset, objects=deleted)
+        known = set(store.rglob("*"))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the next new object: a record being sent now, not yet read
+            fresh = [f for f in store.rglob("*") if f.is_file() and f not in known]
+            if fresh:
+                fresh[0].unlink(missing_ok=True)
+                ctx.fault("claim_deleted", object=fresh[0].name[:16])
+                break
+            time.sleep(0.002)
 
 
 SLOW_S, SLOW_FRACTION, FETCH_TIMEOUT_S = 3.0, 0.3, 1.0

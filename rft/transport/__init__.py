@@ -20,6 +20,7 @@ from rft.transport.base import (
     HEADER_ORIGIN,
     Admin,
     BrokerUnreachable,
+    ClaimStoreUnavailable,
     DeadLetter,
     Message,
     PartitionInfo,
@@ -48,8 +49,9 @@ from rft.transport.claims import Claim, ClaimStore, ClaimStoreError, check_in, c
 if TYPE_CHECKING:
     from rft.transport.config import KafkaConfig
 
-__all__ = ["HEADER_ORIGIN", "Admin", "BrokerUnreachable", "Claim", "ClaimStore", "ClaimStoreError", "DeadLetter",
-           "Message", "PartitionInfo", "Position", "PositionSpecError", "RecordMetadata", "RecordSink",
+__all__ = ["HEADER_ORIGIN", "Admin", "BrokerUnreachable", "Claim", "ClaimStore", "ClaimStoreError",
+           "ClaimStoreUnavailable", "DeadLetter", "Message", "PartitionInfo", "Position", "PositionSpecError",
+           "RecordMetadata", "RecordSink",
            "RecordSource", "RecordTooLarge", "SendFuture", "SinkBase", "SourceBase", "Transport", "TransportError",
            "check_in", "check_out", "claims_in", "connect", "lag", "offset_key", "parse_offset_key",
            "parse_positions", "parse_time_ms", "probe_bootstrap", "record_size", "resolve_claims"]
