@@ -67,7 +67,7 @@ Scenarios (`SCENARIOS`: data, name -> Scenario; adding one is adding an entry). 
                     (a legitimate dead letter, which must be on the dead-letter topic), unless a later record
                     re-put the same payload before the trainer read it.
   claim-slow        the same claim-checked records in an S3 claim store (rft's object server) behind a TCP proxy
-                    (rft/broker/slow.py) that holds a seeded 30% of its answers for 3 s, past
+                    (rft/broker/slow.py) that holds a seeded 10% of its answers for 2 s, past
                     records.fetch_timeout_s (1 s), and the others for 50 ms: reads and writes are retried
                     (records.fetch_retries 3); a group whose every attempt was slow is dead-lettered with the reason.
 
@@ -747,7 +747,7 @@ def inject_claim_lost(ctx: Context) -> None:
             time.sleep(0.002)
 
 
-SLOW_S, SLOW_FRACTION, FETCH_TIMEOUT_S = 3.0, 0.3, 1.0
+SLOW_S, SLOW_FRACTION, FETCH_TIMEOUT_S = 2.0, 0.1, 1.0
 
 
 def inject_claim_slow(ctx: Context) -> None:
