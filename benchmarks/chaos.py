@@ -61,6 +61,20 @@ Scenarios (`SCENARIOS`: data, name -> Scenario; adding one is adding an entry). 
                     tasks and experiences topics, and a well-formed group of another run into the experiences topic.
   broker-restart    kill -9 of the durable local broker (LocalBroker(data_dir=...): Tansu and its object store) at
                     seeded steps, down for 1-4 s, then started again on the same data directory and port; twice.
+  claim-lost        records.claim_threshold_bytes 2, so every array of every group is claim-checked (the run's claim
+                    store, a directory); at seeded steps the next new object the store receives (polled every 2 ms:
+                    a part of a record being sent, not yet read) is deleted: that group is dead-lettered "missing"
+                    (a legitimate dead letter, which must be on the dead-letter topic), unless a later record
+                    re-put the same payload before the trainer read it.
+  claim-slow        the same claim-checked records in an S3 claim store (rft's object server) behind a TCP proxy
+                    (rft/broker/slow.py) that holds a seeded 10% of its answers for 2 s, past
+                    records.fetch_timeout_s (1 s), and the others for 50 ms: reads and writes are retried
+                    (records.fetch_retries 3); a group whose every attempt was slow is dead-lettered with the reason.
+
+Claim-checked records (rft/transport/claims.py) are read by the ledger without their claims resolved (`offered`): a
+part claim leaves the group's scalars in place, a whole-body stub keeps run_id and group_id. Such a record the trainer
+skipped for no other reason is a legitimate dead letter (its parts could not be fetched) only if it is on the
+dead-letter topic.
 """
 from __future__ import annotations
 
@@ -82,6 +96,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import yaml
 
@@ -97,6 +112,8 @@ from benchmarks.runs import (
     write_config,
 )
 from rft.broker.local import LocalBroker
+from rft.broker.objects import ObjectServer
+from rft.broker.slow import SlowProxy
 from rft.modes import staleness_bound
 from rft.processes import free_port, kill_matching, matching, signal_group, stop_group
 from rft.schema import (
@@ -111,7 +128,7 @@ from rft.schema import (
     decode_group,
     encode,
 )
-from rft.transport import TransportError, connect
+from rft.transport import TransportError, claims_in, connect
 from rft.transport.base import HEADER_ORIGIN
 from rft.transport.config import KafkaConfig
 
@@ -129,7 +146,8 @@ class Offered:
     offset: int
     group_id: str | None
     run_id: str | None = None
-    policy_version: int = 0
+    policy_version: int | None = 0  # None: not known without resolving its claims (a whole-body stub)
+    claimed: bool = False  # carries claims: the trainer may have dead-lettered it (a part it could not fetch)
 
 
 @dataclass
@@ -181,13 +199,17 @@ def build_ledger(records: list[Offered], trained: list[dict], final_offset: int,
         if r.group_id is None:
             skipped["dead_letter"] += 1
             ledger.dead_letter_offsets.append(r.offset)
+        elif r.claimed and r.group_id not in taken and r.group_id not in trained_ids and r.run_id == run_id \
+                and not _outside(bound, step, r.policy_version):
+            skipped["claim_dead_letter"] += 1  # its parts could not be fetched: legitimate only on the DLQ
+            ledger.dead_letter_offsets.append(r.offset)
         elif r.run_id != run_id:
             skipped["foreign"] += 1
         elif r.group_id in taken:
             skipped["duplicate"] += 1
-        elif bound is not None and (step - 1) - r.policy_version > bound:
+        elif r.policy_version is not None and bound is not None and (step - 1) - r.policy_version > bound:
             skipped["stale"] += 1
-        elif bound is not None and (step - 1) - r.policy_version < 0:
+        elif r.policy_version is not None and bound is not None and (step - 1) - r.policy_version < 0:
             skipped["future_version"] += 1
         elif r.group_id in trained_ids:
             skipped["taken_later"] += 1  # admissible here, taken at a later occurrence: not lost
@@ -196,6 +218,11 @@ def build_ledger(records: list[Offered], trained: list[dict], final_offset: int,
     ledger.unmatched = [t["group_id"] for t in trained[j:]]
     ledger.skipped = dict(skipped)
     return ledger
+
+
+def _outside(bound: int | None, step: int, version: int | None) -> bool:
+    """Whether a group of `version` is outside the mode's bound at `step` (unknown version: not known to be)."""
+    return bound is not None and version is not None and not 0 <= (step - 1) - version <= bound
 
 
 def longest_stall(step_times: list[float], restarts: list[float]) -> float:
@@ -353,6 +380,7 @@ class Context:
         self.run_dir = out / "runs" / scenario.run
         self.process: subprocess.Popen | None = None
         self.explorers: dict[str, subprocess.Popen] = {}
+        self.cleanup: list[Callable[[], None]] = []  # what a scenario started beside the run (closed last)
 
     def _on_response(self, client: str, api_key: int, size: int) -> bool:
         hook = self.drop
@@ -427,6 +455,8 @@ class Context:
         if self.proxy is not None:
             self.proxy.stop()
         self.broker.stop()
+        for close in reversed(self.cleanup):
+            close()
 
     def finish(self) -> int:
         """Wait for the current `rft run`; while it ends in failure after a trainer the scenario killed, or ends
@@ -697,6 +727,53 @@ def inject_poison(ctx: Context) -> None:
         sink.close()
 
 
+CLAIMED = {"claim_threshold_bytes": 2}  # every array of the tiny run's groups (a few tokens: 4+ bytes) is claim-checked
+
+
+def inject_claim_lost(ctx: Context) -> None:
+    ctx.start_run()
+    store = ctx.run_dir / "weights" / "records"
+    for _ in range(2 if ctx.quick else 4):
+        if not ctx.wait_for_step(ctx.step() + ctx.rng.randint(2, 4)) or ctx.step() >= ctx.steps - 3:
+            break
+        known = set(store.rglob("*"))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the next new object: a record being sent now, not yet read
+            fresh = [f for f in store.rglob("*") if f.is_file() and f not in known]
+            if fresh:
+                fresh[0].unlink(missing_ok=True)
+                ctx.fault("claim_deleted", object=fresh[0].name[:16])
+                break
+            time.sleep(0.002)
+
+
+SLOW_S, SLOW_FRACTION, FETCH_TIMEOUT_S = 2.0, 0.1, 1.0
+
+
+def inject_claim_slow(ctx: Context) -> None:
+    """An S3 claim store behind a proxy that holds a seeded share of its connections' answers (module docstring)."""
+    server = ObjectServer(ctx.out / "s3")
+    ctx.cleanup.append(server.stop)
+    server.bucket("claims")
+    rng = random.Random(ctx.rng.random())
+
+    def delay(n: int) -> float:
+        if rng.random() < SLOW_FRACTION:
+            ctx.fault("claim_store_slow", answer=n, seconds=SLOW_S)
+            return SLOW_S
+        return 0.05
+
+    proxy = SlowProxy(("127.0.0.1", int(server.endpoint.rpartition(":")[2])), delay)
+    ctx.cleanup.append(proxy.close)
+    for key, value in {"AWS_ACCESS_KEY_ID": "rft-chaos", "AWS_SECRET_ACCESS_KEY": "rft-chaos",
+                       "AWS_REGION": "us-east-1"}.items():
+        os.environ.setdefault(key, value)  # the run's processes inherit them (the server checks none)
+    config = yaml.safe_load(ctx.config.read_text())
+    config.setdefault("records", {}).update(store="s3://claims/records", s3_endpoint=f"http://{proxy.address}")
+    ctx.config.write_text(yaml.safe_dump(config))
+    ctx.start_run()
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("trainer-kill", inject_trainer_kill, steps=40),
     Scenario("explorer-kill", inject_explorer_kill, proxy=True, config={"explorer": {"replicas": 1}}),
@@ -706,6 +783,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     # curriculum publishes tasks online (data.tasks_ahead), so the explorers reach the poison tasks
     Scenario("poison", inject_poison, config={"data": {"selector": "curriculum"}}),
     Scenario("broker-restart", inject_broker_restart, durable=True),
+    Scenario("claim-lost", inject_claim_lost, config={"records": CLAIMED}),
+    Scenario("claim-slow", inject_claim_slow, config={"records": {
+        **CLAIMED, "fetch_retries": 3, "fetch_timeout_s": FETCH_TIMEOUT_S}}),
 )}
 
 
@@ -752,12 +832,24 @@ def offered(bootstrap: str, topic: str) -> list[Offered]:
     for m in read_topic(bootstrap, topic):
         if m.partition != 0:
             raise RuntimeError(f"{topic} has more than one partition: the ledger needs one (log order = take order)")
-        try:
-            g = decode_group(m.value, m.headers)
-            records.append(Offered(m.offset, g.group_id, g.run_id, g.policy_version))
-        except RecordError:
-            records.append(Offered(m.offset, None))
+        records.append(offer(m.offset, m.value, m.headers))
     return records
+
+
+def offer(offset: int, value: bytes, headers: list) -> Offered:
+    """One record as the ledger sees it; a claim-checked one read without resolving its claims (module docstring)."""
+    try:
+        if claims_in(value):
+            body = msgpack.unpackb(value, raw=False, strict_map_key=False)
+            version = body.get("policy_version")
+            if not (isinstance(body.get("group_id"), str) and isinstance(body.get("run_id"), str)):
+                raise RecordError("a claimed record without run_id and group_id")
+            return Offered(offset, body["group_id"], body["run_id"], version if isinstance(version, int) else None,
+                           claimed=True)
+        g = decode_group(value, headers)
+        return Offered(offset, g.group_id, g.run_id, g.policy_version)
+    except (RecordError, ValueError, AttributeError):
+        return Offered(offset, None)
 
 
 def dead_letter_origins(bootstrap: str, topic: str) -> set[str]:

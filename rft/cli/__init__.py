@@ -40,6 +40,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "broker": ("rft.broker.local:main", "run a local Kafka-protocol broker for development"),
     "topics": ("rft.ops.topics.cli:main", "list | describe | tail | export | import topics"),
     "status": ("rft.ops.status:main", "a live run: trainer, explorer fleet, weight versions, lag, throughput"),
+    "records": ("rft.ops.records:main", "collect CONFIG [--dry-run]: delete the claim-checked parts records.collect "
+                "allows (retention, or every reader committed past them)"),
     "dashboard": ("rft.dashboard.server:main", "the live run page in a browser: curves, fleet, staleness, throughput"),
     "bench": ("benchmarks.main:main", "benchmarks (from a checkout): transport|generate|modes|learn|membership|"
               "simulate|serve|micro-batches|reload|weights|delivery|experience|inflight|compression"),

@@ -4,9 +4,11 @@ exit 2 naming the bad key."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from rft.cli.commandline import add_config_arguments, config_from_args
 from rft.run.record_size import describe, estimate_record
+from rft.trainer.collect import collection_warnings
 
 
 def main(argv: list[str]) -> int:
@@ -15,6 +17,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--print", action="store_true", help="print the resolved config as YAML")
     args = parser.parse_args(argv)
     cfg = config_from_args(args, need_model=True)
+    for warning in collection_warnings(cfg):
+        print(f"rft validate: warning: {warning}", file=sys.stderr)
     if args.print:
         print(cfg.to_yaml(), end="")
     else:

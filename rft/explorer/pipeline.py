@@ -6,8 +6,9 @@ tasks partition may be committed.
             poll; decode (malformed or foreign records go to the dead-letter topic with the reason); every admitted
             task's offset is opened in `Offsets`, a dead-lettered one is done at once.
   delivery  produce one ExperienceGroup per explored task to the experiences topic (key = group id; a task that
-            cannot be explored, whose group holds a reward (its greedy_reward too) outside the run's range, or whose
-            group is over the record limit, goes to the dead-letter topic), flush, wait
+            cannot be explored, whose group holds a reward (its greedy_reward too) outside the run's range, whose
+            group is over the record limit, or whose claim-checked parts the claim store would not take past its
+            retries, goes to the dead-letter topic), flush, wait
             for every acknowledgement, and only then mark those tasks done in `Offsets` and commit what it allows.
 
 Delivery is at-least-once: a failed acknowledgement raises before anything is committed, and a crash between the
@@ -24,7 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 from rft.schema import ExperienceGroup, decode_task
-from rft.transport import RecordTooLarge, parse_offset_key
+from rft.transport import ClaimStoreUnavailable, RecordTooLarge, parse_offset_key
 
 if TYPE_CHECKING:
     from rft.explorer.admission import Admission
@@ -240,6 +241,9 @@ class Delivery:
             return self.sink.send_record(self.topics.experiences, group, key=group.group_id)
         except RecordTooLarge as e:
             self.dead_letter.divert(outcome.source, f"experience group too large: {e}")
+            return None
+        except ClaimStoreUnavailable as e:  # past the store's retries; the group was not sent: counted, not fatal
+            self.dead_letter.divert(outcome.source, f"experience group not sent: {e}")
             return None
 
     def _group(self, result: GroupResult) -> ExperienceGroup:

@@ -27,7 +27,8 @@ def claim_store(cfg: Config) -> ClaimStore:
     beside = not cfg.records.store
     return ClaimStore(claim_store_location(cfg), threshold=cfg.records.claim_threshold_bytes,
                       endpoint=cfg.records.s3_endpoint or (cfg.sync.s3_endpoint if beside else ""),
-                      region=cfg.records.s3_region or (cfg.sync.s3_region if beside else ""))
+                      region=cfg.records.s3_region or (cfg.sync.s3_region if beside else ""),
+                      fetch_retries=cfg.records.fetch_retries, fetch_timeout_s=cfg.records.fetch_timeout_s)
 
 
 def run_transport(cfg: Config, bootstrap: str | None = None) -> Transport:

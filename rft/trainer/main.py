@@ -9,7 +9,8 @@ process's composition (the one reader of the root config: `build_trainer`, `open
      (and a critic, when needed) runs one optimizer step;
   3. version s goes out to the explorers (rft/trainer/weights.py `WeightSync`: its docstring is the order);
   4. every `trainer.checkpoint_every` steps: model, optimizer, the offsets consumed and the replay buffer
-     (exactly-once resume), then metrics.
+     (exactly-once resume), then metrics; once committed, rank 0 collects claim-checked parts no reader needs any
+     more, in the background (`records.collect`, rft/trainer/collect.py).
 The trainer knows no algorithm by name: it provides what the algorithm declares in `algorithm.needs`
 (rft.algorithms.Needs: reference or teacher log-probs, demonstrations, the step, preference pairs, a critic, a pass
 over the step's micro-batches before its loss), and
@@ -59,6 +60,7 @@ from rft.trainer.batch import (
     rows_from_groups,
 )
 from rft.trainer.checkpoint import CheckpointDir, TrainerState, capture_rng, restore_rng
+from rft.trainer.collect import Collector
 from rft.trainer.config import TrainerConfig
 from rft.trainer.feed import EndOfReplay, ExperienceFeed, FeedState, ReplayWindow, open_feed, resolve_window
 from rft.trainer.pacing import CorePacedPolicy
@@ -127,12 +129,15 @@ class TrainerIO:
     demonstrations_opener: Callable[[FeedState], tuple[ExperienceFeed, RecordSink]] | None = None
     demonstrations: ExperienceFeed | None = None
     demonstrations_sink: RecordSink | None = None
+    collector: Collector | None = None  # records.collect after each checkpoint commit (rft/trainer/collect.py)
 
     def open_demonstrations(self, state: FeedState) -> None:
         assert self.demonstrations_opener is not None, "the algorithm needs no demonstrations"
         self.demonstrations, self.demonstrations_sink = self.demonstrations_opener(state)
 
     def close(self) -> None:
+        if self.collector is not None:
+            self.collector.close()
         if self.prometheus is not None:
             self.prometheus.close()
         self.metrics.close()
@@ -183,7 +188,7 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict, t
     io = TrainerIO(feed=feed, dead_letter_sink=dlq_sink, replay=replay, control=control, control_topic=control_topic,
                    experiences_topic=topic, metrics=MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name),
                    prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="trainer", instance="0"),
-                   announce=announce, publisher=publisher)
+                   announce=announce, publisher=publisher, collector=Collector(cfg, transport))
     demonstrations = needs.demonstrations
     if demonstrations is not None:
         demonstrations_topic = demonstrations.topic_of(cfg.topic("demonstrations"))
@@ -500,6 +505,8 @@ class Trainer:
                 demonstrations=(self.reader.demonstrations.snapshot().to_json()
                                 if self.reader.demonstrations is not None else {})))
             self.checkpoints.commit(step)
+            if self.reader.collector is not None:
+                self.reader.collector.after_checkpoint()  # in the background: the parts no reader needs any more
         dist_io.barrier()
 
     def _log(self, step: int, groups: list[ExperienceGroup], skipped: dict[str, int], metrics: dict,

@@ -4,7 +4,8 @@ This package states the delivery contract and holds the plain values that cross 
 - `rft.transport.kafka`: the Kafka implementations (the only module of rft that imports kafka-python).
 - `rft.transport.memory`: in-memory implementations of the same protocols, for unit tests of the trainer and
   explorer loops without a broker.
-- `rft.transport.claims`: the claim-check: large parts of records in an object store, claims on the topic.
+- `rft.transport.claims`: the claim-check: large parts of records in an object store, claims on the topic;
+  `rft.transport.collect`: deleting those parts by retention or once every reader is past them.
 A process builds its clients from one `Transport` (`connect(kafka_cfg)` for Kafka, `MemoryTransport()` in
 tests) and passes it, or the clients, down.
 
@@ -19,6 +20,7 @@ from rft.transport.base import (
     HEADER_ORIGIN,
     Admin,
     BrokerUnreachable,
+    ClaimStoreUnavailable,
     DeadLetter,
     Message,
     PartitionInfo,
@@ -47,8 +49,9 @@ from rft.transport.claims import Claim, ClaimStore, ClaimStoreError, check_in, c
 if TYPE_CHECKING:
     from rft.transport.config import KafkaConfig
 
-__all__ = ["HEADER_ORIGIN", "Admin", "BrokerUnreachable", "Claim", "ClaimStore", "ClaimStoreError", "DeadLetter",
-           "Message", "PartitionInfo", "Position", "PositionSpecError", "RecordMetadata", "RecordSink",
+__all__ = ["HEADER_ORIGIN", "Admin", "BrokerUnreachable", "Claim", "ClaimStore", "ClaimStoreError",
+           "ClaimStoreUnavailable", "DeadLetter", "Message", "PartitionInfo", "Position", "PositionSpecError",
+           "RecordMetadata", "RecordSink",
            "RecordSource", "RecordTooLarge", "SendFuture", "SinkBase", "SourceBase", "Transport", "TransportError",
            "check_in", "check_out", "claims_in", "connect", "lag", "offset_key", "parse_offset_key",
            "parse_positions", "parse_time_ms", "probe_bootstrap", "record_size", "resolve_claims"]

@@ -52,6 +52,11 @@ class RecordTooLarge(TransportError):
     """A record over the sink's limit; refused before it was sent, with its size and the limit."""
 
 
+class ClaimStoreUnavailable(TransportError):
+    """`send_record` could not store a claim-checked part (the claim store failed past its retries): the record was
+    not sent, so no claim without its object is ever on a topic."""
+
+
 class PositionSpecError(ValueError):
     """A malformed offset or time given by a user (`P:O`, ISO 8601)."""
 
@@ -330,7 +335,7 @@ class SinkBase:
             try:
                 checked = check_out(value, self.claims, threshold=self.claims.threshold, limit=room)
             except ClaimStoreError as e:
-                raise TransportError(f"record for topic {topic!r} not sent: {e}") from e
+                raise ClaimStoreUnavailable(f"record for topic {topic!r} not sent: {e}") from e
             if checked is not value:
                 value, headers = checked, [*headers, (HEADER_CLAIMS, str(len(claims_in(checked))).encode())]
         return self.send(topic, value, key=key, headers=headers)

@@ -19,15 +19,24 @@ Contract:
 - The key "rft-claim" is reserved: any map holding it is a claim (or a whole-body stub at the top).
 The store is obstore's LocalStore for a directory (created on first use) or S3Store for `s3://BUCKET/PREFIX`;
 obstore and zstandard are imported on first use, so a process that meets no claim needs neither. Thread-safe.
+
+Store errors: a missing object, a mismatch, a refused credential are permanent (the `RecordError` above at once); any
+other error of the store (a timeout, a refused or dropped connection, a 5xx, an I/O error) is transient: the read
+or write is tried again after 0.5, 1, 2... s (at most 5 s apart), `fetch_retries` times, each attempt of an S3 store
+bounded by `fetch_timeout_s` (obstore's own retries are off), and only then reported, naming the attempts: a read
+costs at most (1 + fetch_retries) x fetch_timeout_s plus the pauses, never a stall (`ClaimStore.worst_case_s`).
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +48,8 @@ from rft.weights.config import S3_SCHEME, split_s3_url
 if TYPE_CHECKING:
     from obstore.store import LocalStore, S3Config, S3Store
 
+log = logging.getLogger(__name__)
+
 CLAIM_KEY = "rft-claim"
 HEADER_CLAIMS = "rft-claims"  # on records that carry claims: how many
 CODECS = ("none", "zstd")
@@ -48,6 +59,7 @@ ZSTD_LEVEL = 3
 MAX_DEPTH = 32  # nesting a record body may have (rft's records have 5 levels)
 _MARK = CLAIM_KEY.encode()  # in the bytes of any body that holds a claim, however its encoder framed the key
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+BACKOFF_S, BACKOFF_MAX_S = 0.5, 5.0  # pause before the first retry of a transient store error, doubling up to the max
 
 
 class ClaimStoreError(RuntimeError):
@@ -92,10 +104,11 @@ class Claim:
 class ClaimStore:
     """Payloads by content (module docstring) in a directory or at `s3://BUCKET/PREFIX`. `threshold`: the parts a
     sink claim-checks are those larger than this (records.claim_threshold_bytes; 0: a sink claim-checks nothing, but
-    this store still reads claims). `endpoint` / `region`: an S3 store's (empty: AWS_ENDPOINT_URL, AWS_REGION)."""
+    this store still reads claims). `endpoint` / `region`: an S3 store's (empty: AWS_ENDPOINT_URL, AWS_REGION).
+    `fetch_retries` / `fetch_timeout_s`: how a transient store error is retried (the module docstring)."""
 
     def __init__(self, location: str | os.PathLike, *, threshold: int = 131072, endpoint: str = "",
-                 region: str = ""):
+                 region: str = "", fetch_retries: int = 3, fetch_timeout_s: float = 10.0):
         self.location = str(location)
         if not self.location:
             raise ValueError("a claim store needs a directory or an s3://BUCKET/PREFIX URL")
@@ -103,7 +116,12 @@ class ClaimStore:
             split_s3_url(self.location)  # ValueError naming what is wrong, now rather than on first use
         if threshold < 0:
             raise ValueError(f"threshold must be >= 0, got {threshold}")
+        if fetch_retries < 0 or not fetch_timeout_s > 0:
+            raise ValueError(f"fetch_retries must be >= 0 and fetch_timeout_s > 0, got {fetch_retries}, "
+                             f"{fetch_timeout_s}")
         self.threshold, self.endpoint, self.region = threshold, endpoint, region
+        self.fetch_retries, self.fetch_timeout_s = fetch_retries, fetch_timeout_s
+        self.retried = 0  # transient errors retried so far (a metric; a count, not a state)
         self._objects: LocalStore | S3Store | None = None
         self._lock = threading.Lock()
 
@@ -130,8 +148,36 @@ class ClaimStore:
             config["endpoint"] = endpoint
         if self.region:
             config["region"] = self.region
+        timeout = f"{max(1, round(self.fetch_timeout_s * 1000))}ms"
         return S3Store(bucket, prefix=prefix or None, config=config,
-                       client_options={"allow_http": endpoint.startswith("http://")})
+                       client_options={"allow_http": endpoint.startswith("http://"), "timeout": timeout,
+                                       "connect_timeout": timeout},
+                       retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=self.fetch_timeout_s)})
+
+    @property
+    def worst_case_s(self) -> float:
+        """The longest one read or write of an S3 store takes before it is reported (module docstring)."""
+        pauses = sum(min(BACKOFF_S * 2 ** i, BACKOFF_MAX_S) for i in range(self.fetch_retries))
+        return (1 + self.fetch_retries) * self.fetch_timeout_s + pauses
+
+    def _retrying(self, what: str, call: Callable[[], Any]) -> Any:
+        """`call()`, tried again on a transient error (module docstring); a permanent one, or the last transient
+        one, is raised as it came, its message prefixed with the attempts when there were several."""
+        for attempt in range(self.fetch_retries + 1):
+            try:
+                return call()
+            except Exception as e:
+                if _permanent(e) or attempt == self.fetch_retries:
+                    if attempt:
+                        raise TransientStoreError(f"{type(e).__name__} after {attempt + 1} attempts: "
+                                                  f"{_first_line(e)}") from e
+                    raise
+                self.retried += 1
+                pause = min(BACKOFF_S * 2 ** attempt, BACKOFF_MAX_S)
+                log.warning("claim store %s: %s failed (%s: %s); attempt %d of %d in %.1f s", self.location, what,
+                            type(e).__name__, _first_line(e), attempt + 2, self.fetch_retries + 1, pause)
+                time.sleep(pause)
+        raise AssertionError("unreachable")
 
     def put(self, payload: bytes) -> Claim:
         """Store `payload` (zstd-compressed when shorter) under its SHA-256; its claim. ClaimStoreError when the
@@ -147,10 +193,10 @@ class ClaimStore:
         claim, stored = (Claim(sha, len(payload), "zstd"), packed) if len(packed) < len(payload) else \
             (Claim(sha, len(payload), "none"), payload)
         try:
-            obstore.put(self.objects, claim.key, stored)
+            self._retrying(f"put {claim.key}", lambda: obstore.put(self.objects, claim.key, stored))
         except Exception as e:  # obstore raises its own and builtin errors; the sender reports it
             raise ClaimStoreError(f"the claim store {self.location} refused {claim.key}: {type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''}") from e
+                                  f"{_first_line(e)}") from e
         return claim
 
     def get(self, claim: Claim) -> bytes:
@@ -159,21 +205,25 @@ class ClaimStore:
         import obstore
 
         name = f"claim {claim.sha256}"
-        try:
+
+        def read() -> tuple[int, bytes]:
             result = obstore.get(self.objects, claim.key)
-            stored_size = int(result.meta["size"])
-            if stored_size > claim.size or (claim.codec == "none" and stored_size != claim.size):
-                raise RecordError(f"{name}: the object is {stored_size} bytes, which a {claim.size}-byte payload with"
+            size = int(result.meta["size"])
+            if size > claim.size or (claim.codec == "none" and size != claim.size):
+                raise RecordError(f"{name}: the object is {size} bytes, which a {claim.size}-byte payload with"
                                   f" codec {claim.codec} cannot be (size mismatch)")
-            stored = bytes(result.bytes())
+            return size, bytes(result.bytes())
+
+        try:
+            stored_size, stored = self._retrying(f"get {claim.key}", read)
         except RecordError:
             raise
         except (FileNotFoundError, _not_found()):
             raise RecordError(f"{name}: the object {claim.key} is missing from the claim store {self.location}") \
                 from None
-        except Exception as e:  # an unreachable store after obstore's own retries: the group cannot be read now
+        except Exception as e:  # the store failed for good, or past its retries (TransientStoreError)
             raise RecordError(f"{name}: reading {claim.key} from the claim store {self.location} failed: "
-                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+                              f"{type(e).__name__}: {_first_line(e)}") from None
         if len(stored) != stored_size:
             raise RecordError(f"{name}: the object's length changed while it was read ({stored_size} -> "
                               f"{len(stored)} bytes)")
@@ -193,9 +243,22 @@ class ClaimStore:
         if _SHA256.fullmatch(sha256) is None:
             raise ValueError(f"not a SHA-256: {sha256!r}")
         try:
-            obstore.delete(self.objects, f"{sha256[:2]}/{sha256}")
+            self._retrying(f"delete {sha256}", lambda: obstore.delete(self.objects, f"{sha256[:2]}/{sha256}"))
         except (FileNotFoundError, _not_found()):
             pass
+
+    def last_modified(self, sha256: str) -> datetime | None:
+        """When the object of `sha256` was last written (a re-put of the same payload refreshes it); None when it is
+        absent."""
+        import obstore
+
+        if _SHA256.fullmatch(sha256) is None:
+            raise ValueError(f"not a SHA-256: {sha256!r}")
+        try:
+            meta = self._retrying(f"head {sha256}", lambda: obstore.head(self.objects, f"{sha256[:2]}/{sha256}"))
+        except (FileNotFoundError, _not_found()):
+            return None
+        return meta["last_modified"]
 
     def list(self) -> Iterator[dict[str, Any]]:
         """Every object in the store whose key is a claim's: {"sha256", "size" (stored bytes), "last_modified"}."""
@@ -208,10 +271,34 @@ class ClaimStore:
                     yield {"sha256": sha, "size": int(meta["size"]), "last_modified": meta["last_modified"]}
 
 
+class TransientStoreError(RuntimeError):
+    """A store operation that failed with a transient error on every attempt (the message names them)."""
+
+
 def _not_found() -> type[Exception]:
     from obstore.exceptions import NotFoundError
 
     return NotFoundError
+
+
+def _permanent(error: Exception) -> bool:
+    """Whether a store error is one a retry cannot cure: a missing object, a mismatch, refused credentials, a bad
+    path or configuration."""
+    from obstore.exceptions import (
+        InvalidPathError,
+        NotFoundError,
+        PermissionDeniedError,
+        UnauthenticatedError,
+        UnknownConfigurationKeyError,
+    )
+
+    return isinstance(error, (RecordError, FileNotFoundError, NotFoundError, PermissionDeniedError,
+                              UnauthenticatedError, InvalidPathError, UnknownConfigurationKeyError, ValueError))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    return text.splitlines()[0] if text else ""
 
 
 def _decompress(stored: bytes, size: int, name: str) -> bytes:

@@ -69,15 +69,26 @@ class RecordsConfig(Section):
         help="s3:// claim store: the bucket's region (empty: sync.s3_region when records.store is empty, else "
         "AWS_REGION, else us-east-1)")
     collect: Literal["retention", "committed"] = option("retention",
-        help="when stored parts are deleted: retention (records.retention_hours after they were written) or "
-        "committed (once the trainer and every consumer group of records.readers committed past every record "
-        "that names them)")
+        help="when stored parts are deleted (docs/operations.md, \"Collecting claim-checked parts\"): retention "
+        "(records.retention_hours after they were last written; the trainer sweeps, and `rft records collect`) or "
+        "committed (once the trainer's checkpoint and every consumer group of records.readers are past every "
+        "record of the experiences topic that names them; the trainer collects after its checkpoints; an offline "
+        "replay of the topic later finds those parts gone)")
     retention_hours: float = option(168.0, range=Range(0, 1e6, low_open=True),
-        help="collect retention: hours a stored part is kept after it was written (keep it at least the "
-        "experiences topic's retention, so that an offline replay of the topic finds its parts)")
+        help="collect retention: hours a stored part is kept after it was last written (a re-put of the same "
+        "part starts them again; keep it at least the experiences topic's retention, so that an offline replay of "
+        "the topic finds its parts)")
     readers: list[str] = option(factory=list,
-        help="collect committed: consumer groups that, besides the trainer, must commit past a record before its "
-        "parts are deleted (e.g. an offline reader of the experiences topic)")
+        help="collect committed: consumer groups that, besides the trainer, must commit past a record of the "
+        "experiences topic before its parts are deleted (e.g. an offline reader of the topic); a group that "
+        "committed nothing holds collection back")
+    fetch_retries: int = option(3, range=at_least(0, "0: report the first error"),
+        help="a claim-store read or write that fails transiently (a timeout, a refused or dropped connection, a "
+        "5xx) is tried this many more times, 0.5, 1, 2... s apart (at most 5 s), before the group is "
+        "dead-lettered (read) or not sent (write); a missing object or a checksum mismatch is never retried")
+    fetch_timeout_s: float = option(10.0, range=Range(0, 3600, low_open=True),
+        help="s3:// claim store: the longest one attempt to read or write a part may take (connect included); "
+        "a group's read costs at most (1 + fetch_retries) x this plus the pauses")
 
     def validate(self) -> None:
         if self.store.startswith(S3_SCHEME):

@@ -86,3 +86,33 @@ def test_a_whole_run_fault_combines_with_a_driving_scenario():
         combined("poison+trainer-kill")
     with pytest.raises(ValueError, match="unknown scenario 'nope'"):
         combined("poison+nope")
+
+
+def test_a_claimed_record_the_trainer_skipped_is_a_dead_letter_it_must_have_diverted():
+    claimed = Offered(1, f"{RUN}/b/e0", RUN, 0, claimed=True)  # its parts could not be fetched
+    stub = Offered(3, f"{RUN}/d/e0", RUN, None, claimed=True)  # a whole-body stub: no version without resolving
+    records = [group(0, "a"), claimed, group(2, "c"), stub, Offered(4, f"{RUN}/e/e0", RUN, 0, claimed=True)]
+    ledger = build_ledger(records, [took(1, "a"), took(1, "c"), took(2, "e")], 5, run_id=RUN, bound=2)
+    assert ledger.ok and ledger.lost == [] and ledger.skipped == {"claim_dead_letter": 2}
+    assert ledger.dead_letter_offsets == [1, 3]  # run_scenario fails unless both are on the dead-letter topic
+    stale = Offered(1, f"{RUN}/b/e0", RUN, 0, claimed=True)  # skipped as stale at step 5: not a dead letter
+    ledger = build_ledger([group(0, "a", 4), stale, group(2, "c", 4)], [took(5, "a", 4), took(5, "c", 4)], 3,
+                          run_id=RUN, bound=2)
+    assert ledger.skipped == {"stale": 1} and ledger.dead_letter_offsets == []
+
+
+def test_the_ledger_reads_claim_checked_records_without_their_store(tmp_path):
+    from benchmarks.chaos import offer
+    from rft.schema import encode
+    from rft.transport import ClaimStore
+    from rft.transport.claims import check_out
+    from tests.records import make_group
+
+    g = make_group(RUN, 0, n_samples=2, response_len=100)
+    value, headers = encode(g)
+    store = ClaimStore(tmp_path)
+    parts, whole = (check_out(value, store, threshold=t, limit=lim) for t, lim in ((64, 1 << 20), (64, 200)))
+    assert offer(7, parts, headers) == Offered(7, g.group_id, RUN, g.policy_version, claimed=True)
+    assert offer(8, whole, headers) == Offered(8, g.group_id, RUN, None, claimed=True)
+    assert offer(9, value, headers) == Offered(9, g.group_id, RUN, g.policy_version)
+    assert offer(10, b"\x81\xa9rft-claim\x01", []) == Offered(10, None)
