@@ -709,7 +709,8 @@ def poison_records(run: str, rng: random.Random) -> list[tuple[str, str, bytes, 
 def inject_poison(ctx: Context) -> None:
     ctx.start_run()
     name = ctx.scenario.run
-    sink = connect(KafkaConfig(), ctx.bootstrap).sink(client_id="chaos-poison", linger_ms=0)
+    # a foreign producer: it sends records over rft's kafka.max_record_bytes, as far as the broker takes them
+    sink = connect(KafkaConfig(max_record_bytes=4 << 20), ctx.bootstrap).sink(client_id="chaos-poison", linger_ms=0)
     try:
         for _ in range(1 if ctx.quick else 3):
             if not ctx.wait_for_step(ctx.step() + ctx.rng.randint(2, 5)) or ctx.step() >= ctx.steps - 3:

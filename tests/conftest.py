@@ -30,7 +30,8 @@ HEAVY_DIRS = ("tests/e2e/", "tests/distributed/", "tests/slurm/")
 # them at the end of the session, a file at a time (the Slurm directory as one unit: one cluster), so neither worker
 # idles while the other finishes.
 LATE = ("tests/distributed/", "tests/slurm/", "tests/e2e/test_gpu_check.py", "tests/e2e/test_trainer_operators.py",
-        "tests/e2e/test_trainer_resume.py", "tests/e2e/test_replay_buffer_resume.py", "tests/e2e/test_replay.py")
+        "tests/e2e/test_trainer_resume.py", "tests/e2e/test_replay_buffer_resume.py", "tests/e2e/test_replay.py",
+        "tests/e2e/test_long_routing_records.py")  # record sizes and a trained step: 233 s, no timing in its checks
 
 
 def pytest_collection_modifyitems(items):

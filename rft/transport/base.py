@@ -16,6 +16,7 @@ from rft.transport.claims import HEADER_CLAIMS, ClaimStore, ClaimStoreError, che
 log = logging.getLogger(__name__)
 
 HEADER_ORIGIN = "rft-origin"
+HEADER_OMITTED = "rft-omitted-bytes"  # on a dead letter whose value was too large to copy: the value's size
 
 
 class TransportError(RuntimeError):
@@ -429,10 +430,18 @@ class DeadLetter:
         return out
 
     def divert(self, m: Message, reason: str) -> None:
+        """Copy `m` to the dead-letter topic with the reason and its origin. A record larger than the sink may send
+        (a foreign producer's, up to what the broker took) goes without its value, its size in `rft-omitted-bytes`:
+        the value stays on its origin until the topic's retention, and the consumer goes on (never a crash loop)."""
         log.warning("dead-letter %s@%d: %s", m.position, m.offset, reason)
-        headers = [h for h in m.headers if h[0] not in (HEADER_ERROR, HEADER_ORIGIN)]
+        headers = [h for h in m.headers if h[0] not in (HEADER_ERROR, HEADER_ORIGIN, HEADER_OMITTED)]
         headers += [(HEADER_ERROR, reason.encode()[:4096]), (HEADER_ORIGIN, f"{m.position}@{m.offset}".encode())]
-        self.sink.send(self.topic, m.value or b"", key=m.key, headers=headers, check_size=False)
+        value = m.value or b""
+        limit = getattr(self.sink, "limit", None)
+        if limit is not None and record_size(value, m.key, headers) > limit:
+            headers.append((HEADER_OMITTED, str(len(value)).encode()))
+            value = b""
+        self.sink.send(self.topic, value, key=m.key, headers=headers, check_size=False)
         self.count += 1
         kind = reason.split(":")[0][:80]
         self.reasons[kind] = self.reasons.get(kind, 0) + 1

@@ -36,6 +36,9 @@ from rft.transport.claims import ClaimStore
 from rft.transport.config import KafkaConfig
 
 _OVERHEAD_BYTES = 64 * 1024  # room for the batch and header framing around one maximal record
+# a consumer fetches records far larger than its own producers send (a foreign producer's, up to a managed broker's
+# 8-20 MB), so that it reads and dead-letters them rather than stalling on them
+_FETCH_FLOOR_BYTES = 32 << 20
 
 
 _STUCK_CALL_S = 20.0
@@ -267,7 +270,7 @@ class KafkaSource(SourceBase):
                         enable_auto_commit=False, auto_offset_reset=_reset_policy(group, from_beginning),
                         session_timeout_ms=cfg.session_timeout_ms, max_poll_interval_ms=cfg.max_poll_interval_ms,
                         heartbeat_interval_ms=max(500, cfg.session_timeout_ms // 4),
-                        max_partition_fetch_bytes=max(1 << 20, cfg.max_record_bytes + _OVERHEAD_BYTES),
+                        max_partition_fetch_bytes=max(_FETCH_FLOOR_BYTES, cfg.max_record_bytes + _OVERHEAD_BYTES),
                         fetch_max_bytes=max(50 << 20, cfg.max_record_bytes + _OVERHEAD_BYTES),
                         receive_buffer_bytes=4 << 20)
         if group_instance_id:

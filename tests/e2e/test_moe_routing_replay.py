@@ -57,6 +57,8 @@ def test_moe_run_with_expert_parallelism_replays_the_explorers_routing(tmp_path,
     for sample in (s for g in groups for s in g.samples):
         routed = sample.routed_experts
         assert routed is not None and routed.layers == [0, 1] and routed.num_experts == 4
-        assert routed.ids.shape == (len(sample.prompt_tokens) + len(sample.response_tokens) - 1, 2, 2)
+        # recorded from the last prompt position (run.routing_prefill false): one row a response token
+        assert routed.first_position == len(sample.prompt_tokens) - 1
+        assert routed.ids.shape == (len(sample.response_tokens), 2, 2)
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "ep 2" in trainer_log, trainer_log[-2000:]

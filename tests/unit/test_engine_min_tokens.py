@@ -48,7 +48,8 @@ def test_a_long_generation_decodes_into_a_static_cache_with_the_full_forwards_lo
     completions = engine.generate([prompt], SamplingSettings(n=2, max_tokens=200, min_tokens=200))[0].completions
     assert calls == ["static"]
     for c in completions:
-        assert len(c.token_ids) == 200 and c.routed_experts.ids.shape == (len(prompt) + 199, 2, 2)
+        assert len(c.token_ids) == 200 and c.routed_experts.ids.shape == (200, 2, 2)  # from the last prompt position
+        assert c.routed_experts.first_position == len(prompt) - 1
         with torch.no_grad():
             logits = engine.model(torch.tensor([prompt + c.token_ids[:-1]])).logits[0, len(prompt) - 1:]
         logits[:, engine.tokenizer.eos_token_id] = -float("inf")  # min_tokens: the sampler never saw EOS

@@ -9,6 +9,7 @@ import pytest
 from rft.schema import HEADER_ERROR
 from rft.trainer.feed import EndOfReplay, FeedState, FeedTimeout, ReplayWindow, open_feed
 from rft.transport import HEADER_ORIGIN, TransportError
+from rft.transport.base import HEADER_OMITTED
 from rft.transport.memory import MemoryTransport
 from tests.records import make_group, send_groups
 
@@ -85,6 +86,23 @@ def test_dead_letters_are_diverted_with_the_reason():
     reasons = [dict(m.headers)[HEADER_ERROR].decode() for m in dead]
     assert len(dead) == 2 and "not msgpack" in reasons[0] and reasons[1].startswith("foreign record: run 'other-run'")
     assert dead[0].value == GARBAGE and dict(dead[0].headers)[HEADER_ORIGIN] == f"{TOPIC}:0@4".encode()
+
+
+def test_a_record_over_the_limit_is_dead_lettered_without_its_value():
+    """A foreign producer's record larger than rft's sinks may send (up to what the broker took): the dead letter
+    names it and its size, its value stays on its origin, and the feed goes on (kafka-python would refuse to send
+    the copy, and the trainer would meet the record again at every restart)."""
+    transport = MemoryTransport(partitions=1, max_record_bytes=50_000)
+    transport.admin().create_topics([TOPIC, DLQ])
+    transport.sink().send(TOPIC, b"\x00" * 80_000, headers=[("rft-schema", b"1"), ("rft-type", b"experience_group")],
+                          check_size=False)
+    send_groups(transport.sink(), TOPIC, [make_group("run", 0)])
+    taken, skipped, _ = consume(transport, steps=1, per_step=1)
+    assert taken == [["run/task-0/e0"]] and skipped == {"dead_letter": 1}
+    [dead] = list(transport.source().read_range(DLQ))
+    headers = dict(dead.headers)
+    assert dead.value == b"" and headers[HEADER_OMITTED] == b"80000"
+    assert headers[HEADER_ORIGIN] == f"{TOPIC}:0@0".encode()
 
 
 def test_the_feed_times_out_and_keeps_what_it_consumed():
