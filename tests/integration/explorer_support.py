@@ -2,6 +2,7 @@
 subprocesses, and readers that collect what explorers wrote to the experiences and control topics."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from rft.data.tasks import load_rows, rows_to_tasks
 from rft.run.config import Config, load_config
 from rft.schema import ControlMessage, ExperienceGroup, decode
 from rft.transport import connect
@@ -18,6 +20,21 @@ from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
+
+
+def publish_numbered_tasks(cfg: Config) -> list:
+    """Create the run's topics and publish the tasks of `cfg.data`, their ids task-0, task-1, ... in order; returns
+    the tasks."""
+    connect(cfg.kafka).admin().create_topics([cfg.topic(k) for k in ("tasks", "experiences", "control",
+                                                                     "dead_letter")])
+    tasks = [dataclasses.replace(t, task_id=f"task-{i}") for i, t in
+             enumerate(rows_to_tasks(load_rows(cfg.data), cfg.data, run_id=cfg.run.name))]
+    sink = connect(cfg.kafka).sink()
+    for t in tasks:
+        sink.send_record(cfg.topic("tasks"), t, key=t.task_id)
+    sink.flush()
+    sink.close()
+    return tasks
 
 def write_config(path: Path, *, run: str, bootstrap: str, model: Path, store: Path, partitions: int = 2,
                  tasks: int = 16, **explorer) -> Path:

@@ -4,18 +4,14 @@ carry `greedy_reward`: the reward of the task's greedy completion, checked again
 the tiny model (transformers engine, in this process); the greedy completion is not one of the group's samples."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from rft.data.tasks import load_rows, rows_to_tasks
 from rft.engine import TransformersEngine
 from rft.explorer.main import compose_explorer
 from rft.rewards import resolve
 from rft.run.loading import run_config_from_dict
 from rft.schema import TaskRecord
-from rft.transport import connect
-from tests.integration.explorer_support import Experiences
+from tests.integration.explorer_support import Experiences, publish_numbered_tasks
 from tests.unit.test_algorithms_remax import greedy_decode
 from tests.waiting import wait_until
 
@@ -34,15 +30,7 @@ def test_an_explorer_of_a_remax_run_records_each_tasks_greedy_reward(broker, tin
         "sync": {"weight_store": str(tmp_path / "store")},
     })
     assert cfg.explorer.greedy_baseline
-    connect(cfg.kafka).admin().create_topics([cfg.topic(k) for k in ("tasks", "experiences", "control",
-                                                                     "dead_letter")])
-    tasks = [dataclasses.replace(t, task_id=f"task-{i}") for i, t in
-             enumerate(rows_to_tasks(load_rows(cfg.data), cfg.data, run_id=cfg.run.name))]
-    sink = connect(cfg.kafka).sink()
-    for t in tasks:
-        sink.send_record(cfg.topic("tasks"), t, key=t.task_id)
-    sink.flush()
-    sink.close()
+    tasks = publish_numbered_tasks(cfg)
     engine = TransformersEngine(tiny_model)
     explorer = compose_explorer(cfg, explorer_id="remax", engine=engine)
     experiences = Experiences(cfg, cfg.topic("experiences"))

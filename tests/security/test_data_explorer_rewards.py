@@ -4,19 +4,15 @@ run.reward_min .. reward_max, it dead-letters the task with the reason and goes 
 model on the transformers engine, the explorer in this process."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from rft.data.tasks import load_rows, rows_to_tasks
 from rft.engine import TransformersEngine
 from rft.explorer.main import build_explorer
 from rft.rewards import build_reward
 from rft.run.config import config_from_dict
 from rft.schema import HEADER_ERROR
-from rft.transport import connect
 from rft.workflows.single_turn import SingleTurn
-from tests.integration.explorer_support import Experiences
+from tests.integration.explorer_support import Experiences, publish_numbered_tasks
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration]
@@ -43,15 +39,7 @@ def test_an_explorer_dead_letters_a_group_with_a_reward_out_of_range(broker, tin
         "data": {"path": "copy_char", "format": "generated", "generated_tasks": 4},
         "sync": {"weight_store": str(tmp_path / "store")},
     })
-    connect(cfg.kafka).admin().create_topics([cfg.topic(k) for k in ("tasks", "experiences", "control",
-                                                                     "dead_letter")])
-    tasks = [dataclasses.replace(t, task_id=f"task-{i}") for i, t in
-             enumerate(rows_to_tasks(load_rows(cfg.data), cfg.data, run_id=cfg.run.name))]
-    sink = connect(cfg.kafka).sink()
-    for t in tasks:
-        sink.send_record(cfg.topic("tasks"), t, key=t.task_id)
-    sink.flush()
-    sink.close()
+    tasks = publish_numbered_tasks(cfg)
     explorer = build_explorer(cfg, explorer_id="poisoned", engine=TransformersEngine(tiny_model),
                               workflow=GameReturns(cfg.explorer, cfg.model, build_reward(cfg.explorer)))
     experiences, dead = Experiences(cfg, cfg.topic("experiences")), Experiences(cfg, cfg.topic("dead_letter"))
