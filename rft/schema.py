@@ -32,6 +32,11 @@ TYPE_CONTROL = "control"
 TYPE_SERVED = "served"
 TYPE_FEEDBACK = "feedback"
 
+# Why a sample has no reward (`Sample.failure`): its rollout failed for a reason outside the policy, so it is
+# excluded from its group's baseline and not trained (docs/schema.md, "Failed rollouts").
+FAILURE_CLASSES = ("environment", "timeout", "sandbox", "verifier", "agent", "unscored")
+MAX_STATE_KEY_CHARS = 256  # a turn's `state` key
+
 # Wire dtypes of the array fields (little-endian, fixed whatever the host).
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -68,7 +73,7 @@ class RewardRange:
         """`problem` of the first sample of `group` whose reward is not accepted, naming the sample; then of the
         group's `greedy_reward`, when it has one."""
         for position, sample in enumerate(group.samples):
-            problem = self.problem(sample.reward)
+            problem = None if sample.failure else self.problem(sample.reward)
             if problem:
                 return f"samples[{position}]: {problem}"
         if group.greedy_reward is not None and (problem := self.problem(group.greedy_reward)):
@@ -162,12 +167,44 @@ def routed_experts_problem(routed: RoutedExperts, prompt_len: int, response_len:
     return None
 
 
+@dataclass(frozen=True)
+class Turn:
+    """One step of a multi-turn episode within its sample: response tokens [start, end) (the model's turn and the
+    environment's reply after it), `state` the key of the environment state the model acted from (equal keys in a
+    group = the same state: GiGPO's anchor states), `reward` the environment's reward for the step."""
+    start: int
+    end: int
+    state: str
+    reward: float = 0.0
+
+
+def turns_problem(turns: list[Turn], response_len: int) -> str | None:
+    """None when `turns` fit a response of `response_len` tokens (spans ascending, not overlapping, within the
+    response; state keys at most MAX_STATE_KEY_CHARS; rewards finite), else what is wrong."""
+    if len(turns) > max(response_len, 1):
+        return f"{len(turns)} turns for {response_len} response tokens"
+    previous_end = 0
+    for i, turn in enumerate(turns):
+        if not previous_end <= turn.start < turn.end <= response_len:
+            return (f"turns[{i}]: tokens [{turn.start}, {turn.end}) must be non-empty, after the previous turn's end "
+                    f"{previous_end} and within the {response_len} response tokens")
+        if len(turn.state) > MAX_STATE_KEY_CHARS:
+            return f"turns[{i}]: state key of {len(turn.state)} characters (at most {MAX_STATE_KEY_CHARS})"
+        if not math.isfinite(turn.reward):
+            return f"turns[{i}]: reward {turn.reward!r} is not finite"
+        previous_end = turn.end
+    return None
+
+
 @dataclass
 class Sample:
     """One response to a task's prompt. Arrays: prompt/response tokens int32, logprobs float32, mask uint8.
     `routed_experts`: an MoE engine's routing of the sample's tokens (`RoutedExperts`), None when not recorded.
     `token_versions`: the weights version that generated each response token (int64, one per token), None when not
-    recorded: then every token is the group's `policy_version` (`versions_of`). On the wire: `version_spans`."""
+    recorded: then every token is the group's `policy_version` (`versions_of`). On the wire: `version_spans`.
+    `failure`: "" for a scored rollout, else one of FAILURE_CLASSES: the rollout failed outside the policy (or its
+    reward is None: `unscored`); `reward` is then meaningless (nil on the wire), and the sample is left out of its
+    group's baseline and not trained. `turns`: the steps of a multi-turn episode (`Turn`), None when not recorded."""
     sample_index: int
     prompt_tokens: np.ndarray
     response_tokens: np.ndarray
@@ -179,6 +216,13 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     routed_experts: RoutedExperts | None = None
     token_versions: np.ndarray | None = None
+    failure: str = ""
+    turns: list[Turn] | None = None
+
+    @property
+    def scored(self) -> bool:
+        """True when the sample has a reward (its rollout did not fail): only scored samples enter a baseline."""
+        return not self.failure
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sample):
@@ -190,6 +234,7 @@ class Sample:
                 and self.reward_components == other.reward_components
                 and self.finish_reason == other.finish_reason and self.metadata == other.metadata
                 and self.routed_experts == other.routed_experts and versions
+                and self.failure == other.failure and self.turns == other.turns
                 and all(np.array_equal(getattr(self, k), getattr(other, k), equal_nan=True)
                         for k in ("prompt_tokens", "response_tokens", "logprobs", "loss_mask")))
 
@@ -251,7 +296,13 @@ class ExperienceGroup:
 
     @property
     def rewards(self) -> np.ndarray:
+        """Every sample's reward, failed samples' (meaningless) included: see `scored_samples`."""
         return np.array([s.reward for s in self.samples], dtype=np.float64)
+
+    @property
+    def scored_samples(self) -> list[Sample]:
+        """The samples whose rollout did not fail (`Sample.scored`), in order: the ones a baseline is taken over."""
+        return [s for s in self.samples if s.scored]
 
 
 @dataclass
@@ -375,9 +426,18 @@ def _encode_sample(s: Sample) -> dict[str, Any]:
         "response_tokens": _array_bytes(s.response_tokens, TOKEN_DTYPE),
         "logprobs": _array_bytes(s.logprobs, LOGPROB_DTYPE),
         "loss_mask": _array_bytes(s.loss_mask, MASK_DTYPE),
-        "reward": float(s.reward), "reward_components": {k: float(v) for k, v in s.reward_components.items()},
+        "reward": None if s.failure else float(s.reward),
+        "reward_components": {k: float(v) for k, v in s.reward_components.items()},
         "finish_reason": s.finish_reason, "metadata": s.metadata,
     }
+    if s.failure:
+        if s.failure not in FAILURE_CLASSES:
+            raise ValueError(f"failure {s.failure!r} is not one of {FAILURE_CLASSES}")
+        body["failure"] = s.failure
+    if s.turns is not None:
+        if problem := turns_problem(s.turns, len(s.response_tokens)):
+            raise ValueError(f"turns: {problem}")
+        body["turns"] = [[t.start, t.end, t.state, float(t.reward)] for t in s.turns]
     if s.routed_experts is not None:
         body["routed_experts"] = _encode_routed(s.routed_experts, len(s.prompt_tokens), len(s.response_tokens))
     if s.token_versions is not None:
@@ -556,21 +616,39 @@ def _decode_sample(raw: Any, position: int) -> Sample:
                 raise RecordError(f"{k} has {len(arrays[k])} entries for {n} response tokens")
         if not np.all(np.isfinite(arrays["logprobs"])):
             raise RecordError("logprobs contain NaN or infinity")
-        reward = _get(raw, "reward", float)
+        failure = _get(raw, "failure", str, optional=True) or ""
+        if failure and failure not in FAILURE_CLASSES:
+            raise RecordError(f"failure {failure[:64]!r} is not one of {FAILURE_CLASSES}")
+        if failure and raw.get("reward") is not None:
+            raise RecordError(f"a failed sample ({failure}) has a reward: it must be nil")
+        reward = 0.0 if failure else _get(raw, "reward", float)
         components = {str(k): float(v) for k, v in _get(raw, "reward_components", dict).items()}
         if not math.isfinite(reward) or not all(math.isfinite(v) for v in components.values()):
             raise RecordError("reward is NaN or infinite")
+        turns = None if raw.get("turns") is None else _decode_turns(raw["turns"], n)
         routed = None
         if raw.get("routed_experts") is not None:
             routed = _decode_routed(_get(raw, "routed_experts", dict), len(arrays["prompt_tokens"]), n)
         versions = None if raw.get("version_spans") is None else versions_from_spans(raw["version_spans"], n)
         return Sample(sample_index=_get(raw, "sample_index", int), reward=reward, reward_components=components,
                       finish_reason=_get(raw, "finish_reason", str), metadata=_get(raw, "metadata", dict),
-                      routed_experts=routed, token_versions=versions, **arrays)
+                      routed_experts=routed, token_versions=versions, failure=failure, turns=turns, **arrays)
     except RecordError as e:
         raise RecordError(f"{where}: {e}") from None
     except (TypeError, ValueError) as e:
         raise RecordError(f"{where}: {e}") from None
+
+
+def _decode_turns(raw: Any, response_len: int) -> list[Turn]:
+    """`turns` as `[start, end, state, reward]` arrays; RecordError naming what does not fit."""
+    if not isinstance(raw, list) or not all(
+            isinstance(t, list) and len(t) == 4 and all(isinstance(x, int) and not isinstance(x, bool) for x in t[:2])
+            and isinstance(t[2], str) and isinstance(t[3], (int, float)) and not isinstance(t[3], bool) for t in raw):
+        raise RecordError("turns: must be an array of [start, end, state, reward] (int, int, str, float)")
+    turns = [Turn(start=t[0], end=t[1], state=t[2], reward=float(t[3])) for t in raw]
+    if problem := turns_problem(turns, response_len):
+        raise RecordError(f"turns: {problem}")
+    return turns
 
 
 def _decode_routed(raw: dict[str, Any], prompt_len: int, response_len: int) -> RoutedExperts:

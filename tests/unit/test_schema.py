@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from rft.schema import (
+    FAILURE_CLASSES,
     HEADER_SCHEMA,
     HEADER_TYPE,
     ControlMessage,
@@ -23,6 +24,7 @@ from rft.schema import (
     RecordError,
     Sample,
     TaskRecord,
+    Turn,
     decode,
     decode_group,
     decode_task,
@@ -46,14 +48,26 @@ def arrays(dtype, elements=None):
 
 
 @st.composite
+def turn_lists(draw, n: int) -> list[Turn] | None:
+    """None, or the steps of a multi-turn episode: ascending, non-overlapping spans within `n` response tokens."""
+    if not n or draw(st.booleans()):
+        return None
+    cuts = sorted(set(draw(st.lists(st.integers(0, n), min_size=2, max_size=8))))
+    spans = [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if draw(st.booleans()) or a == cuts[0]]
+    return [Turn(start=a, end=b, state=draw(st.text(max_size=12)), reward=draw(finite)) for a, b in spans]
+
+
+@st.composite
 def samples(draw, index: int) -> Sample:
     response = draw(arrays("<i4"))
     n = len(response)
+    failure = draw(st.sampled_from(("",) * 4 + FAILURE_CLASSES))
     return Sample(sample_index=index, prompt_tokens=draw(arrays("<i4")), response_tokens=response,
                   logprobs=draw(hnp.arrays(np.float32, n, elements=finite32)),
-                  loss_mask=draw(hnp.arrays(np.uint8, n)), reward=draw(finite),
+                  loss_mask=draw(hnp.arrays(np.uint8, n)), reward=0.0 if failure else draw(finite),
                   reward_components=draw(st.dictionaries(st.text(max_size=8), finite, max_size=3)),
-                  finish_reason=draw(st.sampled_from(["stop", "length", "", "abort"])), metadata=draw(metadata))
+                  finish_reason=draw(st.sampled_from(["stop", "length", "", "abort"])), metadata=draw(metadata),
+                  failure=failure, turns=draw(turn_lists(n)))
 
 
 @st.composite
@@ -297,6 +311,46 @@ def test_corrupted_fields_raise_only_record_error(data):
         assert all(np.isfinite(s.reward) for s in record.samples)
 
 
+def test_a_failed_sample_has_no_reward_on_the_wire_and_is_left_out_of_the_baseline():
+    group = _group()
+    group.samples[1].failure = "environment"
+    body = msgpack.unpackb(encode(group)[0], raw=False)
+    assert body["samples"][1]["reward"] is None and body["samples"][1]["failure"] == "environment"
+    assert "failure" not in body["samples"][0]  # a scored sample's record is as before the field existed
+    back = decode_group(_pack(body))
+    assert [s.scored for s in back.samples] == [True, False] and back.scored_samples == [back.samples[0]]
+    body["samples"][1]["failure"] = "flaky"
+    assert reason(_pack(body)).startswith("samples[1]: failure 'flaky' is not one of")
+    body["samples"][1]["failure"] = "timeout"
+    body["samples"][1]["reward"] = 0.0  # a failure scored as 0 is what this field exists to prevent
+    assert reason(_pack(body)) == "samples[1]: a failed sample (timeout) has a reward: it must be nil"
+    del body["samples"][1]["failure"]
+    body["samples"][1]["reward"] = None
+    assert reason(_pack(body)) == "samples[1]: field 'reward': expected float, got NoneType"
+    group.samples[1].failure = "flaky"
+    with pytest.raises(ValueError, match="failure 'flaky' is not one of"):
+        encode(group)
+
+
+@pytest.mark.parametrize("turns, expected", [
+    ("x", "must be an array of [start, end, state, reward]"),
+    ([[0, 2, "s0"]], "must be an array of [start, end, state, reward]"),
+    ([[0, 2, 7, 0.0]], "must be an array of [start, end, state, reward]"),
+    ([[2, 2, "s", 0.0]], "turns[0]: tokens [2, 2) must be non-empty"),
+    ([[0, 3, "s", 0.0], [2, 4, "t", 0.0]], "turns[1]: tokens [2, 4) must be non-empty, after the previous turn's "
+                                           "end 3"),
+    ([[0, 5, "s", 0.0]], "within the 4 response tokens"),
+    ([[0, 2, "s" * 257, 0.0]], "state key of 257 characters"),
+    ([[0, 2, "s", math.nan]], "turns[0]: reward nan is not finite"),
+])
+def test_turns_that_do_not_fit_their_sample_are_rejected(turns, expected):
+    body = _body()
+    body["samples"][1]["turns"] = [[0, 2, "s0", 0.5], [2, 4, "s1", 1.0]]
+    assert decode(_pack(body)).samples[1].turns == [Turn(0, 2, "s0", 0.5), Turn(2, 4, "s1", 1.0)]
+    body["samples"][1]["turns"] = turns
+    assert expected in reason(_pack(body)) and reason(_pack(body)).startswith("samples[1]: turns: ")
+
+
 # --------------------------------------------------------------------------------------------------
 # docs/schema.md: its plain-Python reader and writer agree with rft.schema
 
@@ -325,6 +379,9 @@ def test_doc_reader_decodes_what_rft_writes(doc_examples):
         assert ours["loss_mask"] == theirs.loss_mask.tolist() and ours["reward"] == theirs.reward
     with pytest.raises(ValueError, match="not an rft schema-1"):
         doc_examples["read_experience_group"](value, [("rft-schema", b"2")])
+    group.samples[0].failure = "verifier"
+    read = doc_examples["read_experience_group"](*encode(group))
+    assert read["samples"][0]["failure"] == "verifier" and read["samples"][0]["reward"] is None
 
 
 def test_rft_decodes_what_the_doc_writer_writes(doc_examples):
