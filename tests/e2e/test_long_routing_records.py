@@ -2,15 +2,16 @@
 (which refuses messages over 1,000,000 bytes, as a default Kafka broker does): every group trains, and every record on
 the experiences topic, read raw by an independent client (confluent-kafka's consumer), is under 1 MB.
 
-The smallest honest setup: one group of 3 samples, each held to
-exactly 16,384 response tokens (explorer.min_tokens), a model of 2 MoE layers x 16 experts, top-8, one attention head
+The smallest honest setup: one group of 2 samples, each held to
+exactly 16,384 response tokens (explorer.min_tokens), a model of 2 MoE layers x 32 experts, top-16, one attention head
 of 64 (the trainer's local attention materialises [heads, s, s] in float32: ~1 GiB a layer at 16k), trained in one
-step by one rank with micro-batches of one row (routing replay needs unpacked rows). Inline, the group would be ~1.2 MB
-(per token: 4 B id + 4 B log-prob + 1 B loss mask + 2 layers x 8 experts x 1 B of routing = 25 B; x 3 samples x 16.4k
-tokens) and rft would refuse it (kafka.max_record_bytes 1,000,000): it passes only when the claim-check moves each
-sample's routing map (262 KB > records.claim_threshold_bytes) into the run's object store. Measured on the 2-core
-machine: generating the group takes 110 CPU-s and 0.6 GB (the transformers engine, routing recorded, static KV cache);
-training a 16k-token row ~23 s, 6.4 GB peak (the trainer's local attention holds [1, s, s] float32 scores a layer)."""
+step by one rank with micro-batches of one row (routing replay needs unpacked rows). Inline, the group would be ~1.3 MB
+(per token: 4 B id + 4 B log-prob + 1 B loss mask + 2 layers x 16 experts x 1 B of routing = 41 B; x 2 samples x
+16.4k tokens) and rft would refuse it (kafka.max_record_bytes 1,000,000): it passes only when the claim-check moves
+each sample's routing map (524 KB > records.claim_threshold_bytes) into the run's object store. Measured on the 2-core
+machine (3 samples of top-8 before): generating the group takes 110 CPU-s and 0.6 GB (the transformers engine, routing
+recorded, static KV cache); training a 16k-token row ~23 s, 6.4 GB peak (the trainer's local attention holds [1, s, s]
+float32 scores a layer)."""
 from __future__ import annotations
 
 import json
@@ -20,11 +21,12 @@ import yaml
 
 from benchmarks.runs import log_tail, rft_run, steps_done, write_config
 from rft.models.tiny import make_tiny_model
+from rft.transport.claims import HEADER_CLAIMS
 from tests.support.runs import finish
 
 pytestmark = pytest.mark.e2e
 TOKENS = 16384
-SAMPLES = 3
+SAMPLES = 2
 KAFKA_LIMIT = 1_000_000  # message.max.bytes of a default Kafka broker, and the suite broker's limit
 
 
@@ -58,7 +60,7 @@ def raw_records(bootstrap: str, topic: str) -> list:
 
 def test_16k_token_routing_replay_groups_all_train_with_records_under_1_mb(tmp_path, bootstrap, topic_prefix):
     moe = make_tiny_model(tmp_path / "tiny-moe-16k", arch="qwen3_moe", hidden_size=64, heads=1, kv_heads=1,
-                          head_dim=64, layers=2, intermediate_size=64, experts=16, experts_per_token=8,
+                          head_dim=64, layers=2, intermediate_size=64, experts=32, experts_per_token=16,
                           moe_intermediate_size=32, max_position_embeddings=TOKENS + 64)
     config = write_config(
         tmp_path, moe, "long-routing",
@@ -86,6 +88,8 @@ def test_16k_token_routing_replay_groups_all_train_with_records_under_1_mb(tmp_p
                                                                     for k, v in (m.headers() or []))
              for m in experiences}
     assert sizes and all(size < KAFKA_LIMIT for size in sizes.values()), sizes
+    claimed = {m.key().decode(): int(dict(m.headers() or []).get(HEADER_CLAIMS, b"0")) for m in experiences}
+    assert all(n >= SAMPLES for n in claimed.values()), claimed  # each sample's routing map, at least, claim-checked
     trained = [line for line in (run_dir / "consumed.jsonl").read_text().splitlines() if line]
     assert sorted(json.loads(line)["group_id"] for line in trained) == sorted(sizes)  # every group, once
     assert raw_records(bootstrap, f"{topic_prefix}.dead_letter") == []  # none refused "too large"
