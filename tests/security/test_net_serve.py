@@ -164,6 +164,49 @@ def test_a_full_queue_is_429_with_retry_after_and_a_deadline_504(stalled):
     assert worker.queue.get_nowait().future.cancelled()
 
 
+@pytest.fixture
+def slow_tokenizer(broker, tiny_model, tmp_path):
+    """(URL, service, tokenizing, release) of a server (max_queue 1, deadline 3 s) whose tokenizer thread holds each
+    prompt until `release` is set; `tokenizing` is set when it has one. The engine thread never runs."""
+    cfg = serve_config(tmp_path, tiny_model, broker)
+    render, tokenizer = renderer(cfg.model), AutoTokenizer.from_pretrained(str(tiny_model))
+    tokenizing, release = threading.Event(), threading.Event()
+
+    def tokenize(messages):
+        tokenizing.set()
+        release.wait(30)
+        return render(tokenizer, messages)
+
+    transport = connect(cfg.kafka)
+    service = ServeService(worker=EngineWorker(lambda: None, max_batch=1), sink=transport.sink(),
+                           ledger=FeedbackLedger(60), topics=RunTopics.of(cfg), model_name=cfg.run.name, max_tokens=8,
+                           tokenize=tokenize, rewards=RewardRange.of(cfg.run),
+                           limits=Limits(max_queue=1, request_timeout_s=3))
+    thread = ServerThread(service).start()
+    yield thread.url, service, tokenizing, release
+    release.set()
+    thread.stop()
+    service.close()
+
+
+def test_requests_waiting_for_the_tokenizer_count_toward_the_queue(slow_tokenizer):
+    """A request held by the tokenizer thread is in flight: with max_queue 1 the next one is 429 at once instead of
+    piling up behind the tokenizer (where it would wait, unbounded, for its deadline)."""
+    url, service, tokenizing, release = slow_tokenizer
+    first: dict = {}
+    waiter = threading.Thread(target=lambda: first.update(reply=post(url, {"messages": MESSAGES}, key=None)))
+    waiter.start()
+    wait_until(tokenizing.is_set, timeout=20, what="the first request in the tokenizer")
+    second = post(url, {"messages": MESSAGES}, key=None)
+    assert second.status_code == 429, second.text
+    assert "tokenizer" in second.json()["error"]["message"] and int(second.headers["Retry-After"]) >= 1
+    assert service.waiting() == 1
+    release.set()
+    waiter.join(timeout=30)
+    assert first["reply"].status_code == 504  # tokenized, then queued for an engine thread that never runs
+    assert service.waiting() == service.worker.waiting() == 1  # no longer counted as tokenizing
+
+
 def test_prompts_are_tokenized_off_the_engine_thread(stalled):
     """The engine thread never runs here, yet a prompt over model.max_prompt_len is refused at once."""
     url, _ = stalled
