@@ -16,7 +16,6 @@ named in the config, the keys themselves never are, so they are never written to
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import os
 import socket
 from dataclasses import dataclass
@@ -25,6 +24,8 @@ from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request, params
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from rft.processes import is_loopback
 
 if TYPE_CHECKING:
     from rft.observability.config import MonitorConfig
@@ -47,16 +48,6 @@ class AccessDenied(Exception):
 
 class AccessConfigError(ValueError):
     """The keys cannot be read, or an endpoint beyond loopback has none: the message says what to set."""
-
-
-def is_loopback(host: str) -> bool:
-    """True for `localhost` and loopback addresses (127.0.0.0/8, ::1); False for wildcards and everything else."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def load_keys(*, env: str, file: str, what: str) -> frozenset[str]:
