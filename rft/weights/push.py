@@ -1,13 +1,16 @@
 """The push path of weight synchronisation: one torch.distributed process group (gloo on CPU, NCCL on GPU)
 between the trainer's publishing rank and the workers of a fixed fleet of explorer engines.
 
-The group is built from a TCPStore the publishing rank hosts, beside torchrun's world (never touching it); on gloo its
-members' sockets listen on the group's host, or on the local end of the route to it (`_gloo_device`); NCCL's follow
-NCCL_SOCKET_IFNAME (docs/security.md). Rank 0 is the trainer; each engine worker takes the next rank from a counter in
-the store (world_size = 1 + explorers x engine TP size). Every message is a broadcast from rank 0 of plain tensors (no
-pickle): the version (int64[1]); per bucket, streamed one at a time: the manifest's length (int64[1], 0: no more
-buckets), the manifest (uint8, JSON list of [HF name, dtype, shape] in payload order) and the payload (the tensors'
-bytes, concatenated); then an ack all_reduce(sum) where each receiver adds 1 if it loaded the whole version.
+The group is built from a TCPStore the publishing rank hosts, beside torchrun's world (never touching it). Rank 0
+is the trainer; each engine worker takes the next rank from a counter in the store (world_size = 1 + explorers x
+engine TP size). Every message is a broadcast from rank 0 of plain tensors (no pickle): the version (int64[1]);
+per bucket, streamed one at a time: the manifest's length (int64[1], 0: no more buckets), the manifest (uint8,
+JSON list of [HF name, dtype, shape] in payload order) and the payload (the tensors' bytes, concatenated); then an
+ack all_reduce(sum) where each receiver adds 1 if it loaded the whole version.
+
+Where it listens: the store on the group's host (`bound_store`); on gloo each member's socket on the group's host
+(rank 0) or on the local end of the route to it (`_gloo_device`); NCCL's sockets follow NCCL_SOCKET_IFNAME for the
+whole process (docs/security.md).
 
 `send` returns only after the ack: every member then holds the version and the buffers may be reused. Any failure
 or a short ack raises PushError on the sender; the group is then unusable and the caller falls back to pull.
