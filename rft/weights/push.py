@@ -116,7 +116,7 @@ def _process_group(store, rank: int, spec: PushGroupSpec):
         # create the communicator now, while every member is connecting, not in the first push
         group.eager_connect_single_device(_device(spec.backend))
         return group
-    options = torch.distributed.ProcessGroupGloo._Options()
+    options = torch.distributed.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch has no stub for it
     options._timeout, options._devices = timeout, [_gloo_device(spec, rank)]
     return torch.distributed.ProcessGroupGloo(store, rank, spec.world_size, options)
 
