@@ -70,7 +70,8 @@ def create_app(index: RunIndex, access: Access | None = None) -> FastAPI:
             return FileResponse(STATIC / "index.html", media_type="text/html")
         # a browser's first visit: keep a valid key in the cookie, and take any key out of the address
         rest = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "key"])
-        response = RedirectResponse(LOGIN_PATH + (f"?{rest}" if rest else ""), status_code=303,
+        # relative, so that it also holds behind a proxy that serves the page under a path of its own
+        response = RedirectResponse(f"?{rest}" if rest else "./", status_code=303,
                                     headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
         if access.cookie is not None and access.key_ok(key):
             response.set_cookie(access.cookie, key, httponly=True, samesite="strict",
