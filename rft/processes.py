@@ -2,7 +2,8 @@
 benchmarks and the tests use the same helpers without importing rft.cli.commandline's dependencies.
 
 - `die_with_parent`: a child process that dies with its parent (Linux).
-- `free_port`: a TCP port nothing listens on now; `listening_socket`: a socket listening on one address only.
+- `free_port`: a TCP port nothing listens on now; `listening_socket`: a socket listening on one address only;
+  `is_loopback`: whether a host name or address is this machine's loopback.
 - `signal_group`, `stop_group`: a signal to a child's process group (it was started with `start_new_session=True`);
   a stop that escalates to SIGKILL.
 - `command_line`, `matching`, `kill_matching`, `alive`, `wait_gone`: /proc, what runs with which command line.
@@ -10,6 +11,7 @@ benchmarks and the tests use the same helpers without importing rft.cli.commandl
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import os
 import signal
 import socket
@@ -136,3 +138,14 @@ def wait_gone(pid: int, timeout_s: float = 10) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
+
+
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and loopback addresses (127.0.0.0/8, ::1, bracketed or not); False for wildcards and
+    everything else (a name is not resolved)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

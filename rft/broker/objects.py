@@ -417,7 +417,8 @@ class Handler(BaseHTTPRequestHandler):
         if not max_keys.isdigit():
             raise S3Error(400, "InvalidArgument", f"max-keys {max_keys!r} is not a number >= 0")
         max_keys = min(int(max_keys), MAX_KEYS)
-        entries = self.store.list(bucket, prefix, delimiter, after, limit=max_keys + 1)
+        # max-keys=0 is an empty page with nothing to continue from (as S3 answers it), not a scan
+        entries = self.store.list(bucket, prefix, delimiter, after, limit=max_keys + 1) if max_keys else []
         truncated = len(entries) > max_keys
         entries = entries[:max_keys]
         parts = [f'<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult xmlns="{XMLNS}">',

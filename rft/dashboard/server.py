@@ -12,7 +12,8 @@ The server keeps running when the run ends, when its broker goes away and when i
 Access (rft/observability/access.py, docs/security.md): it listens on monitor.dashboard_host (127.0.0.1 by default;
 `--host`); every route checks the Host header (400) and, with keys set (monitor.dashboard_key_env / _key_file,
 required beyond loopback), a key (401): `Authorization: Bearer KEY`, or in a browser `/?key=KEY` once, which the
-page keeps in an HttpOnly, SameSite=Strict cookie for its own requests.
+page keeps in an HttpOnly, SameSite=Strict cookie for its own requests, redirecting (303) to itself without the
+key so that it stays in no address bar, history or Referer.
 """
 from __future__ import annotations
 
@@ -21,14 +22,16 @@ import asyncio
 import json
 import sys
 from pathlib import Path
+from urllib.parse import urlencode
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 
 from rft.cli.commandline import add_config_arguments, config_from_args
 from rft.dashboard.model import RunIndex, RunWatch
 from rft.observability.access import (
     DASHBOARD_COOKIE,
+    LOGIN_PATH,
     Access,
     AccessConfigError,
     AccessDenied,
@@ -60,13 +63,18 @@ def create_app(index: RunIndex, access: Access | None = None) -> FastAPI:
             raise HTTPException(404, f"no run {name!r} in {index.output_dir} (runs there: {known or 'none'})")
         return watch
 
-    @app.get("/")
-    def page(request: Request) -> FileResponse:
-        response = FileResponse(STATIC / "index.html", media_type="text/html")
+    @app.get(LOGIN_PATH)
+    def page(request: Request) -> Response:
         key = request.query_params.get("key")
-        cookie = access.cookie
-        if key is not None and cookie is not None and access.key_ok(key):  # a browser's first visit: keep the key
-            response.set_cookie(cookie, key, httponly=True, samesite="strict",
+        if key is None:
+            return FileResponse(STATIC / "index.html", media_type="text/html")
+        # a browser's first visit: keep a valid key in the cookie, and take any key out of the address
+        rest = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "key"])
+        # relative, so that it also holds behind a proxy that serves the page under a path of its own
+        response = RedirectResponse(f"?{rest}" if rest else "./", status_code=303,
+                                    headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
+        if access.cookie is not None and access.key_ok(key):
+            response.set_cookie(access.cookie, key, httponly=True, samesite="strict",
                                 secure=request.url.scheme == "https")
         return response
 

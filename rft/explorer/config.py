@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rft.agent_tools.config import PythonToolOptions, ToolOptions
-from rft.config import COUNT, OPTIONAL, POSITIVE, Section, SectionError, at_least, option
+from rft.config import COUNT, OPTIONAL, POSITIVE, Range, Section, SectionError, option
 from rft.engine.config import EngineOptions, SamplingOptions
 from rft.rewards.config import JudgeOptions, RewardOptions, RlcrOptions, RubricOptions, RulerOptions
 from rft.workflows.config import WorkflowOptions
@@ -81,7 +81,7 @@ class ExplorerConfig(MembershipOptions, AdmissionOptions, LoopOptions, PythonToo
     workflow, the reward and its judge, the tools, and the explorer's own loops, admission and membership;
     `replicas` is the fleet's size."""
     KEY = "explorer"
-    replicas: int = option(1, range=at_least(0),
+    replicas: int = option(1, range=Range(0, 1024, note="each is a process `rft run` starts"),
         help="explorers `rft run` starts in modes with explorers; also the fixed fleet a push serves (sync.method "
         "push) and, with tasks_per_batch, data.tasks_ahead's default")
 

@@ -6,10 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from rft.config import COUNT, POSITIVE, Range, Section, SectionError, at_least, option, section
+from rft.config import POSITIVE, Range, Section, SectionError, at_least, option, section
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron_bridge.lora.TARGETS
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # where transformers saves a template
+
+TOKENS = Range(1, 10_000_000, note="tokens; 10 million is beyond any model's context")
 
 
 @dataclass(frozen=True)
@@ -45,10 +47,10 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = option("float32",
         help="parameter dtype of the trainer (bfloat16, float16: megatron's mixed precision) and of the engines; "
         "on a CPU, bfloat16 is fast only with avx512_bf16 or amx_bf16 (`rft run` says when it has them)")
-    max_prompt_len: int = option(256, range=COUNT,
+    max_prompt_len: int = option(256, range=TOKENS,
         help="tokens: a task whose prompt is longer is not explored (dead-lettered) and `rft serve` refuses such a"
         " request (400)")
-    max_response_len: int = option(64, range=COUNT,
+    max_response_len: int = option(64, range=TOKENS,
         help="tokens of one response (multi_turn, tool_agent: model and environment tokens together); caps "
         "explorer.max_tokens; the trainer cuts rows at max_prompt_len + max_response_len")
     chat_template: bool = option(False,

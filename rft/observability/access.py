@@ -5,7 +5,8 @@ Contract of `Access.check` (the FastAPI dependency `Access.dependency` calls it)
   1. Host: the request's Host header (without its port, case-insensitive) is in the allow-list, else 400
      (DNS rebinding: a page on an attacker's name that resolves to 127.0.0.1 is refused by name).
   2. Key: with keys configured, a bearer key (`Authorization: Bearer KEY`; where `cookie` is set, also that cookie
-     or a `?key=` query parameter, for a browser) equal to one of them (compared in constant time), else 401 with
+     or, on the page `/` only, a `?key=` query parameter, for a browser: the page sets the cookie and redirects to
+     itself without the key) equal to one of them (compared in constant time), else 401 with
      `WWW-Authenticate: Bearer`. Without keys everyone passes: `require_keys` lets that happen on loopback only.
   3. Content type: a request with a body (POST, PUT, PATCH) is `application/json`, else 415, so a cross-site
      "simple" POST (text/plain, a form) from a web page is refused before anything reads it.
@@ -15,7 +16,6 @@ named in the config, the keys themselves never are, so they are never written to
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import os
 import socket
 from dataclasses import dataclass
@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request, params
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from rft.processes import is_loopback
 
 if TYPE_CHECKING:
     from rft.observability.config import MonitorConfig
@@ -46,16 +48,6 @@ class AccessDenied(Exception):
 
 class AccessConfigError(ValueError):
     """The keys cannot be read, or an endpoint beyond loopback has none: the message says what to set."""
-
-
-def is_loopback(host: str) -> bool:
-    """True for `localhost` and loopback addresses (127.0.0.0/8, ::1); False for wildcards and everything else."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def load_keys(*, env: str, file: str, what: str) -> frozenset[str]:
@@ -119,7 +111,8 @@ def host_name(header: str) -> str:
 @dataclass(frozen=True)
 class Access:
     """The checks of one endpoint (module docstring). `cookie`: the name of a cookie that may carry the key (and
-    then `?key=` too), for a browser page that cannot set headers on its requests; None: the header only."""
+    then `?key=` on LOGIN_PATH too), for a browser page that cannot set headers on its requests; None: the header
+    only."""
     keys: frozenset[str]
     hosts: frozenset[str] | None
     cookie: str | None = None
@@ -136,7 +129,9 @@ class Access:
         if self.keys:
             offered = [credentials.credentials if credentials else None]
             if self.cookie:
-                offered += [request.cookies.get(self.cookie), request.query_params.get("key")]
+                offered.append(request.cookies.get(self.cookie))
+                if request.url.path == LOGIN_PATH:  # a key in any other URL would be kept in logs and histories
+                    offered.append(request.query_params.get("key"))
             if not any(self.key_ok(k) for k in offered):
                 raise AccessDenied(401, "a valid key is required: send `Authorization: Bearer <key>`",
                                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -165,6 +160,7 @@ def serve_access(serve: ServeConfig, host: str) -> Access:
 
 
 DASHBOARD_COOKIE = "rft_dashboard_key"
+LOGIN_PATH = "/"  # the one URL a browser may give the key in (`?key=`): it answers with the cookie and a redirect
 
 
 def dashboard_access(monitor: MonitorConfig, host: str) -> Access:

@@ -31,7 +31,7 @@ from rft.observability.config import MonitorConfig
 from rft.serve.config import ServeConfig
 from rft.trainer.config import ReplayBufferConfig, ReplayConfig, TrainerConfig, pool_problem
 from rft.transport.config import KafkaConfig, RecordsConfig
-from rft.weights.config import SyncConfig
+from rft.weights.config import SyncConfig, s3_endpoint_problem
 
 RunMode = Literal["sync", "off_policy", "async", "offline", "explore", "train", "serve"]  # rft/modes.py's table
 MODES: tuple[str, ...] = typing.get_args(RunMode)
@@ -256,5 +256,7 @@ def check_semantics(cfg: Config, source: str) -> None:
     require(not cfg.serve.adapters or (lora.rank > 0 and explorer.engine == "vllm"), "serve.adapters",
             f"serves LoRA adapters in one vLLM engine: needs explorer.engine vllm (got {explorer.engine}) and "
             f"model.lora.rank > 0, at least the adapters' rank (got {lora.rank})")
+    endpoint_problem = s3_endpoint_problem(cfg.records.s3_endpoint, allow_http=sync.s3_allow_http)
+    require(endpoint_problem is None, "records.s3_endpoint", endpoint_problem or "")
     served = cfg.serve.model_name or cfg.run.name
     require(served not in cfg.serve.adapters, "serve.adapters", f"{served!r} is the run's own model name")

@@ -36,7 +36,7 @@ class ServeConfig(Section):
     max_request_tokens: int = option(16384, range=COUNT,
         help="largest n x max_tokens of one completion request (400 past it)")
     max_queue: int = option(64, range=COUNT,
-        help="requests waiting for the engine; past it a request gets 429 with Retry-After")
+        help="requests waiting for the tokenizer or the engine; past it a request gets 429 with Retry-After")
     request_timeout_s: float = option(300.0, range=POSITIVE,
         help="a completion request not generated within this many seconds gets 504")
     adapters: dict[str, str] = option(factory=dict,

@@ -11,7 +11,7 @@ Contracts:
 - A job whose future is cancelled before the thread takes it is skipped (its deadline passed); one cancelled later
   is generated and its result dropped. An engine failure is a 500 for every request of that call.
 - Streaming: each choice's text split into per-token deltas that add up to it (the engine returns whole
-  completions, so the first token's latency is the whole completion's).
+  completions, so the first token's latency is the whole completion's), decoded incrementally: O(tokens) work.
 """
 from __future__ import annotations
 
@@ -200,15 +200,61 @@ def with_adapters(engine: Engine) -> AdapterEngine:
     return engine
 
 
-def text_deltas(engine: Engine, completion: Completion) -> list[str]:
-    """Per-token text deltas that add up to the completion's text."""
+class Decodes(Protocol):
+    """What `text_deltas` needs of an engine: token ids -> text (TokenizerMixin.decode)."""
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+CLEAN_WINDOW = 4  # tokens a decode window grows to before it restarts nearer its end (when it ends a character)
+MAX_WINDOW = 8  # ... before it restarts CONTEXT tokens back even mid-character (or the rest goes as one piece)
+CONTEXT = 4  # a UTF-8 character's bytes span at most 4 tokens
+INCOMPLETE = "\ufffd"  # what a tokenizer decodes the bytes of a cut character to
+
+
+def text_deltas(engine: Decodes, completion: Completion) -> list[str]:
+    """Per-token text deltas that add up to the completion's text, decoded incrementally: each token decodes a
+    window of at most MAX_WINDOW tokens whose first ones were sent before (the context that keeps a tokenizer's
+    leading-space rule), so a T-token answer costs O(T) decoded tokens on the engine thread, not O(T^2). A character
+    whose bytes are still coming (a trailing U+FFFD) waits for them. Where a piece would not continue the text (a
+    stop string cut it, a tokenizer that decodes differently in windows), the rest of the text is one piece."""
+    text, ids = completion.text, completion.token_ids
     pieces: list[str] = []
-    sent = ""
-    for k in range(1, len(completion.token_ids) + 1):
-        text = engine.decode(completion.token_ids[:k])[:len(completion.text)]
-        if len(text) > len(sent) and completion.text.startswith(text):
-            pieces.append(text[len(sent):])
-            sent = text
-    if sent != completion.text:
-        pieces.append(completion.text[len(sent):])
+    sent = 0  # characters of `text` in `pieces`
+    # the window is ids[start:k]; its text after `lead` garbage characters (the tail of a character cut at `start`)
+    # begins with `done` characters already sent
+    start = lead = done = 0
+    for k in range(1, len(ids) + 1):
+        if sent == len(text):
+            break
+        window = engine.decode(ids[start:k])[lead:]
+        complete = window.rstrip(INCOMPLETE)
+        if len(complete) > done:
+            piece = complete[done:done + len(text) - sent]
+            if not text.startswith(piece, sent):
+                break
+            pieces.append(piece)
+            sent, done = sent + len(piece), len(complete)
+        pending = len(complete) < len(window)  # a character whose bytes are still coming
+        if k - start >= (MAX_WINDOW if pending else CLEAN_WINDOW):
+            restarted = _restart(engine, ids, k, text[:sent], pending)
+            if restarted is not None:
+                start, lead, done = restarted
+            elif k - start >= MAX_WINDOW:
+                break
+    if sent < len(text):
+        pieces.append(text[sent:])
     return pieces
+
+
+def _restart(engine: Decodes, ids: Sequence[int], k: int, sent: str, pending: bool) -> tuple[int, int, int] | None:
+    """A shorter window ending at token k, as (start, lead, done) for text_deltas: its text after the leading garbage
+    must be the end of what was `sent`; with a character `pending`, it starts CONTEXT tokens back, so that character's
+    first bytes are in it. None: no such window."""
+    for p in [k - CONTEXT] if pending else range(k - 1, k - CONTEXT - 1, -1):
+        context = engine.decode(ids[max(0, p):k])
+        lead = len(context) - len(context.lstrip(INCOMPLETE))
+        body = context[lead:].rstrip(INCOMPLETE)
+        if (body or not context) and sent.endswith(body):
+            return max(0, p), lead, len(body)
+    return None

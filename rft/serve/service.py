@@ -3,8 +3,9 @@ the Kafka sink its records go through, the feedback ledger (rft/serve/ledger.py)
 HTTP app (rft/serve/app.py) calls `complete` and `feedback`; `close` stops the threads.
 
 Contracts:
-- Limits (serve.*): n x max_tokens over max_request_tokens 400, max_queue requests already waiting 429 with
-  Retry-After, not generated within request_timeout_s 504 (nothing recorded).
+- Limits (serve.*): n x max_tokens over max_request_tokens 400, max_queue requests already waiting (for the
+  tokenizer thread or for the engine) 429 with Retry-After, not generated within request_timeout_s 504 (nothing
+  recorded).
 - Every completion is recorded before it is answered: one `ServedCompletion` on `<prefix>.served` (key = request id,
   the response's `id`), acknowledged by the broker; a request whose record is not acknowledged gets a 503 and no
   answer. Accepted feedback is likewise one acknowledged `Feedback` on `<prefix>.feedback` before the 200, or
@@ -86,6 +87,7 @@ class ServeService:
         self.model_name, self.max_tokens, self.ack_timeout_s = model_name, max_tokens, ack_timeout_s
         self.tokenize, self.limits = tokenize, limits
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="serve-tokenize")
+        self._tokenizing = 0  # requests admitted and not yet submitted to the engine thread (event loop only)
         self.metrics = Metrics()
         self.started = int(time.time())
 
@@ -95,27 +97,38 @@ class ServeService:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         self.sink.close()
 
+    def waiting(self) -> int:
+        """Requests admitted and not yet taken by the engine thread: those waiting for (or in) the tokenizer thread
+        and those queued for the engine."""
+        return self._tokenizing + self.worker.waiting()
+
     async def _generate(self, request: ChatRequest, received: float) -> Served:
         """The request tokenized (tokenizer thread), queued and generated, within serve.request_timeout_s of
-        `received` (time.time()): 504 past it, 429 with Retry-After when max_queue requests already wait."""
+        `received` (time.time()): 504 past it, 429 with Retry-After when max_queue requests already wait
+        (`waiting`)."""
         s, limits = request.sampling, self.limits
         if s.n * s.max_tokens > limits.max_request_tokens:
             raise ApiError(400, f"n x max_tokens = {s.n} x {s.max_tokens} = {s.n * s.max_tokens} is over this "
                            f"server's limit of {limits.max_request_tokens} tokens per request "
                            "(serve.max_request_tokens)", param="n")
-        waiting = self.worker.waiting()
+        waiting = self.waiting()
         if waiting >= limits.max_queue:
             calls = -(-waiting // max(1, self.worker.max_batch))
             retry = max(1, round(calls * self.worker.last_call_s))
-            raise ApiError(429, f"{waiting} requests are waiting for the engine (serve.max_queue = "
+            raise ApiError(429, f"{waiting} requests are waiting for the tokenizer or the engine (serve.max_queue = "
                            f"{limits.max_queue}); retry after {retry} s", code="rate_limit_exceeded",
                            kind="rate_limit_error", headers={"Retry-After": str(retry)})
         loop = asyncio.get_running_loop()
         deadline = received + limits.request_timeout_s
         try:
-            prompt = await asyncio.wait_for(loop.run_in_executor(self._tokenizer_thread, self.tokenize,
-                                                                 request.messages), max(0.0, deadline - time.time()))
-            generated = self.worker.submit(prompt, s, request.stream, request.adapter)
+            self._tokenizing += 1
+            try:
+                prompt = await asyncio.wait_for(loop.run_in_executor(self._tokenizer_thread, self.tokenize,
+                                                                     request.messages),
+                                                max(0.0, deadline - time.time()))
+                generated = self.worker.submit(prompt, s, request.stream, request.adapter)
+            finally:
+                self._tokenizing -= 1
             return await asyncio.wait_for(asyncio.wrap_future(generated), max(0.0, deadline - time.time()))
         except asyncio.TimeoutError:
             raise ApiError(504, f"the request was not generated within serve.request_timeout_s = "

@@ -64,7 +64,7 @@ class RecordsConfig(Section):
         "weights are on S3)")
     s3_endpoint: str = option("",
         help="s3:// claim store: the S3 endpoint URL (empty: sync.s3_endpoint when records.store is empty, else "
-        "AWS_ENDPOINT_URL, else AWS's); http:// allowed")
+        "AWS_ENDPOINT_URL, else AWS's); http:// only to a loopback host unless sync.s3_allow_http")
     s3_region: str = option("",
         help="s3:// claim store: the bucket's region (empty: sync.s3_region when records.store is empty, else "
         "AWS_REGION, else us-east-1)")

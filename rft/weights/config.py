@@ -5,9 +5,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Literal
+from urllib.parse import urlsplit
 
 from rft.config import COUNT, POSITIVE, Range, Section, SectionError, at_least, option
 from rft.config.fields import PORT_OR_ANY
+from rft.processes import is_loopback
 
 S3_SCHEME = "s3://"
 
@@ -26,6 +28,25 @@ def split_s3_url(url: str) -> tuple[str, str]:
     return bucket, prefix
 
 
+def s3_endpoint_problem(endpoint: str, *, allow_http: bool) -> str | None:
+    """What is wrong with an S3 endpoint URL (sync.s3_endpoint, records.s3_endpoint), None when nothing: it is
+    http(s)://HOST[:PORT], and plain http only to a loopback host unless `allow_http` (sync.s3_allow_http): beyond
+    loopback the weights, the claim-checked parts and the signed requests would cross the network in clear text,
+    open to reading and to changing on the way."""
+    if not endpoint:
+        return None
+    if re.fullmatch(r"https?://[^\s/]+/?", endpoint) is None:
+        return f"an http(s)://HOST[:PORT] URL, got {endpoint!r}"
+    try:
+        host = urlsplit(endpoint).hostname or ""
+    except ValueError as e:
+        return f"an http(s)://HOST[:PORT] URL, got {endpoint!r} ({e})"
+    if endpoint.startswith("http://") and not allow_http and not is_loopback(host):
+        return (f"plain http:// to {host!r}, beyond loopback, would send the weights and the signed requests "
+                "unencrypted: use https://, or set sync.s3_allow_http: true for a network you trust")
+    return None
+
+
 @dataclass(frozen=True)
 class SyncConfig(Section):
     KEY = "sync"
@@ -37,7 +58,11 @@ class SyncConfig(Section):
         "(fleets that reach only the broker and the bucket; credentials from the standard AWS environment "
         "variables; docs/operations.md)")
     s3_endpoint: str = option("",
-        help="s3:// store: the S3 endpoint URL (empty: AWS_ENDPOINT_URL, else AWS's); http:// allowed")
+        help="s3:// store: the S3 endpoint URL (empty: AWS_ENDPOINT_URL, else AWS's); http:// only to a loopback "
+        "host unless sync.s3_allow_http")
+    s3_allow_http: bool = option(False,
+        help="accept a plain http:// S3 endpoint beyond loopback (sync.s3_endpoint, records.s3_endpoint): weights, "
+        "claim-checked parts and signed requests then cross the network unencrypted; a network you trust only")
     s3_region: str = option("", help="s3:// store: the bucket's region (empty: AWS_REGION, else us-east-1)")
     cache_dir: str = option("",
         help="s3:// store: this host's cache of versions, shared by the explorers on it (one download per host); a"
@@ -87,8 +112,8 @@ class SyncConfig(Section):
                 split_s3_url(store)
             except ValueError as e:
                 raise SectionError("weight_store", f"{e}") from None
-        if self.s3_endpoint and re.fullmatch(r"https?://[^\s/]+/?", self.s3_endpoint) is None:
-            raise SectionError("s3_endpoint", f"an http(s)://HOST[:PORT] URL, got {self.s3_endpoint!r}")
+        if problem := s3_endpoint_problem(self.s3_endpoint, allow_http=self.s3_allow_http):
+            raise SectionError("s3_endpoint", problem)
         for key in ("s3_endpoint", "s3_region", "cache_dir"):
             if getattr(self, key) and not bucket:
                 raise SectionError(key, "only an s3:// sync.weight_store uses it")

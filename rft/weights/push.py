@@ -8,6 +8,10 @@ per bucket, streamed one at a time: the manifest's length (int64[1], 0: no more 
 JSON list of [HF name, dtype, shape] in payload order) and the payload (the tensors' bytes, concatenated); then an
 ack all_reduce(sum) where each receiver adds 1 if it loaded the whole version.
 
+Where it listens: the store on the group's host (`bound_store`); on gloo each member's socket on the group's host
+(rank 0) or on the local end of the route to it (`_gloo_device`); NCCL's sockets follow NCCL_SOCKET_IFNAME for the
+whole process (docs/security.md).
+
 `send` returns only after the ack: every member then holds the version and the buffers may be reused. Any failure
 or a short ack raises PushError on the sender; the group is then unusable and the caller falls back to pull.
 
@@ -25,6 +29,7 @@ import datetime
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -111,7 +116,26 @@ def _process_group(store, rank: int, spec: PushGroupSpec):
         # create the communicator now, while every member is connecting, not in the first push
         group.eager_connect_single_device(_device(spec.backend))
         return group
-    return torch.distributed.ProcessGroupGloo(store, rank, spec.world_size, timeout)
+    options = torch.distributed.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch has no stub for it
+    options._timeout, options._devices = timeout, [_gloo_device(spec, rank)]
+    return torch.distributed.ProcessGroupGloo(store, rank, spec.world_size, options)
+
+
+def _gloo_device(spec: PushGroupSpec, rank: int):
+    """The gloo device of a member: the address its data-plane socket listens on. Rank 0 takes the group's host
+    (sync.push_host, where its store listens); a receiver the local address its route to that host leaves from
+    (loopback for a loopback host). Gloo's default device would take this host name's address instead, whatever
+    sync.push_host says."""
+    host = spec.host
+    if rank:
+        try:
+            family, _, _, _, address = socket.getaddrinfo(spec.host, spec.port, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect(address)  # UDP: picks the route and its source address, sends nothing
+                host = probe.getsockname()[0]
+        except OSError as e:
+            raise PushError(f"no route to the push group's host {spec.host!r}: {e.strerror or e}") from None
+    return torch.distributed.ProcessGroupGloo.create_device(hostname=host)
 
 
 def _release(group, in_flight, abort: bool) -> None:

@@ -48,6 +48,15 @@ BAD = [  # (class of bad value, YAML, the key named, what the message says)
      ">= 1"),
     ("empty reward range", "run:\n  reward_min: 1\n  reward_max: 1\n", "run.reward_min", "<"),
     ("algorithm option", "algorithm:\n  name: grpo\n  clip_eps: .nan\n", "algorithm.clip_eps", "finite"),
+    ("absurd fleet", "explorer:\n  replicas: 1000000\n", "explorer.replicas", "in [0, 1024]"),
+    ("absurd prompt length", "  max_prompt_len: 1000000000000\n", "model.max_prompt_len", "in [1, 1e+07]"),
+    ("absurd response length", "  max_response_len: 100000000\n", "model.max_response_len", "in [1, 1e+07]"),
+    ("plain-http weight store beyond loopback",
+     "sync:\n  weight_store: s3://weights/r\n  s3_endpoint: http://minio.example:9000\n", "sync.s3_endpoint",
+     "sync.s3_allow_http"),
+    ("plain-http claim store beyond loopback",
+     "records:\n  store: s3://claims/r\n  s3_endpoint: http://10.0.0.7:9000\n", "records.s3_endpoint",
+     "sync.s3_allow_http"),
 ]
 
 
@@ -62,6 +71,17 @@ def test_validate_refuses_each_class_of_bad_number(tmp_path, model_dir, capsys, 
     stderr = capsys.readouterr().err
     assert exited.value.code == 2, (what, stderr)
     assert f"{key}: " in stderr and says in stderr, stderr
+
+
+@pytest.mark.parametrize("endpoint,allow", [("http://127.0.0.1:9000", False), ("http://localhost:9000/", False),
+                                            ("http://[::1]:9000", False), ("https://minio.example:9000", False),
+                                            ("http://minio.example:9000", True)])
+def test_plain_http_s3_endpoints_are_taken_on_loopback_or_when_allowed(model_dir, endpoint, allow):
+    """What the plain-http refusals above leave open: loopback, https anywhere, and the explicit opt-in."""
+    cfg = load_config(None, [f"model.path={model_dir}", "sync.weight_store=s3://weights/r",
+                             f"sync.s3_endpoint={endpoint}", f"sync.s3_allow_http={str(allow).lower()}",
+                             "records.store=s3://claims/r", f"records.s3_endpoint={endpoint}"])
+    assert cfg.sync.s3_endpoint == cfg.records.s3_endpoint == endpoint
 
 
 def test_malformed_yaml_is_one_line_naming_file_and_line(tmp_path, model_dir):

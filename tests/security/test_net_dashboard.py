@@ -1,5 +1,6 @@
 """Attacks on `rft dashboard` over real HTTP (uvicorn in this process): with a key set, no route answers without it
-(401), a browser that opened `/?key=KEY` once gets an HttpOnly, SameSite=Strict cookie its page's requests carry;
+(401), a browser that opened `/?key=KEY` once gets an HttpOnly, SameSite=Strict cookie its page's requests carry
+and a redirect to the page without the key;
 a Host that is not the server's (DNS rebinding) is refused on every route."""
 from __future__ import annotations
 
@@ -34,14 +35,24 @@ def test_no_route_answers_without_the_key(dashboard, path):
     assert httpx.get(dashboard + path, timeout=10, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
-def test_a_browser_gives_the_key_once_and_keeps_it_in_a_strict_cookie(dashboard):
+def test_a_browser_gives_the_key_once_and_keeps_it_in_a_strict_cookie_not_the_url(dashboard):
+    """`/?key=KEY` answers with the cookie and a redirect to the same page without the key (its other parameters
+    kept), so the key leaves the address bar, the history and the Referer of the page's requests; the key is
+    taken from the URL on that page only."""
     with httpx.Client(base_url=dashboard, timeout=10) as browser:
-        page = browser.get(f"/?key={KEY}")
-        assert page.status_code == 200
-        cookie = page.headers["set-cookie"].lower()
+        login = browser.get(f"/?run=a&key={KEY}&run=b")
+        assert login.status_code == 303, login.status_code
+        target = login.url.join(login.headers["location"])
+        assert target.path == "/" and target.query == b"run=a&run=b" and KEY not in str(target)
+        assert login.headers["cache-control"] == "no-store"
+        cookie = login.headers["set-cookie"].lower()
         assert "httponly" in cookie and "samesite=strict" in cookie
-        assert browser.get("/api/runs").status_code == 200  # the page's own requests: the cookie, no header
+        page = browser.get(target)  # the page's own requests: the cookie, no header
+        assert page.status_code == 200 and KEY not in str(page.url)
+        assert browser.get("/api/runs").status_code == 200
+        assert browser.get("/?key=wrong").headers["location"] == "./"  # any key is taken out of the URL
     assert httpx.get(dashboard + "/?key=wrong", timeout=10).status_code == 401
+    assert httpx.get(dashboard + f"/api/runs?key={KEY}", timeout=10).status_code == 401
 
 
 def test_a_rebound_host_name_is_refused(dashboard):

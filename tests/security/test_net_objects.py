@@ -93,3 +93,14 @@ def test_listing_still_works_for_ordinary_prefixes(s3):
     s3.request("PUT", "/b/a/y", b"2")
     status, _, body = s3.request("GET", "/b?list-type=2&prefix=a/")
     assert status == 200 and keys(body, "Contents") == ["a/x", "a/y"]
+
+
+def test_max_keys_zero_is_an_empty_listing_not_a_500(s3):
+    """S3 answers `max-keys=0` with an empty page (MaxKeys 0, nothing to continue from), not an error."""
+    s3.request("PUT", "/b/a/x", b"1")
+    for path in ("/b?list-type=2&max-keys=0", "/b?list-type=2&max-keys=0&delimiter=/"):
+        status, _, body = s3.request("GET", path)
+        assert status == 200, body
+        assert keys(body, "Contents") == [] and keys(body, "CommonPrefixes") == []
+        assert b"<MaxKeys>0</MaxKeys>" in body and b"<IsTruncated>false</IsTruncated>" in body
+        assert b"NextContinuationToken" not in body

@@ -1,8 +1,9 @@
 """Attacks on `rft serve` over real HTTP (uvicorn in this process, a real broker, the tiny model): without its key a
 request is refused (401) and with it the official `openai` client works; a Host that is not the server's (DNS
 rebinding) is refused; a cross-site "simple" POST (text/plain) is refused (415) and records nothing; the limits hold
-(body size 413, n x max_tokens 400, a full queue 429 with Retry-After, a deadline 504); prompts are tokenized off the
-engine's thread; and `rft serve` beyond loopback without a key refuses to start."""
+(body size 413, n x max_tokens 400, a full queue 429 with Retry-After, a deadline 504), the requests waiting for the
+tokenizer counted in the queue; prompts are tokenized off the engine's thread; a long streamed answer costs the
+engine thread O(tokens) decoding, not O(tokens^2); and `rft serve` beyond loopback without a key refuses to start."""
 from __future__ import annotations
 
 import json
@@ -19,13 +20,14 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
+from rft.engine import Completion
 from rft.observability.access import Access, AccessConfigError, allowed_hosts, serve_access
 from rft.processes import free_port
 from rft.run.config import config_from_dict
 from rft.schema import RewardRange
 from rft.serve.app import ServerThread
 from rft.serve.config import ServeConfig
-from rft.serve.engine_thread import EngineWorker
+from rft.serve.engine_thread import EngineWorker, text_deltas
 from rft.serve.ledger import FeedbackLedger
 from rft.serve.requests import renderer
 from rft.serve.server import build_service
@@ -162,6 +164,49 @@ def test_a_full_queue_is_429_with_retry_after_and_a_deadline_504(stalled):
     assert worker.queue.get_nowait().future.cancelled()
 
 
+@pytest.fixture
+def slow_tokenizer(broker, tiny_model, tmp_path):
+    """(URL, service, tokenizing, release) of a server (max_queue 1, deadline 3 s) whose tokenizer thread holds each
+    prompt until `release` is set; `tokenizing` is set when it has one. The engine thread never runs."""
+    cfg = serve_config(tmp_path, tiny_model, broker)
+    render, tokenizer = renderer(cfg.model), AutoTokenizer.from_pretrained(str(tiny_model))
+    tokenizing, release = threading.Event(), threading.Event()
+
+    def tokenize(messages):
+        tokenizing.set()
+        release.wait(30)
+        return render(tokenizer, messages)
+
+    transport = connect(cfg.kafka)
+    service = ServeService(worker=EngineWorker(lambda: None, max_batch=1), sink=transport.sink(),
+                           ledger=FeedbackLedger(60), topics=RunTopics.of(cfg), model_name=cfg.run.name, max_tokens=8,
+                           tokenize=tokenize, rewards=RewardRange.of(cfg.run),
+                           limits=Limits(max_queue=1, request_timeout_s=3))
+    thread = ServerThread(service).start()
+    yield thread.url, service, tokenizing, release
+    release.set()
+    thread.stop()
+    service.close()
+
+
+def test_requests_waiting_for_the_tokenizer_count_toward_the_queue(slow_tokenizer):
+    """A request held by the tokenizer thread is in flight: with max_queue 1 the next one is 429 at once instead of
+    piling up behind the tokenizer (where it would wait, unbounded, for its deadline)."""
+    url, service, tokenizing, release = slow_tokenizer
+    first: dict = {}
+    waiter = threading.Thread(target=lambda: first.update(reply=post(url, {"messages": MESSAGES}, key=None)))
+    waiter.start()
+    wait_until(tokenizing.is_set, timeout=20, what="the first request in the tokenizer")
+    second = post(url, {"messages": MESSAGES}, key=None)
+    assert second.status_code == 429, second.text
+    assert "tokenizer" in second.json()["error"]["message"] and int(second.headers["Retry-After"]) >= 1
+    assert service.waiting() == 1
+    release.set()
+    waiter.join(timeout=30)
+    assert first["reply"].status_code == 504  # tokenized, then queued for an engine thread that never runs
+    assert service.waiting() == service.worker.waiting() == 1  # no longer counted as tokenizing
+
+
 def test_prompts_are_tokenized_off_the_engine_thread(stalled):
     """The engine thread never runs here, yet a prompt over model.max_prompt_len is refused at once."""
     url, _ = stalled
@@ -191,3 +236,54 @@ def test_a_short_key_is_refused(monkeypatch):
     monkeypatch.setenv("RFT_SERVE_API_KEY", "secret")
     with pytest.raises(AccessConfigError, match="at least 16"):
         serve_access(ServeConfig(), "127.0.0.1")
+
+
+class CountingDecoder:
+    """A real tokenizer's decode (as the engines' TokenizerMixin.decode), counting the tokens it is given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls, self.decoded = tokenizer, 0, 0
+
+    def decode(self, token_ids) -> str:
+        self.calls += 1
+        self.decoded += len(token_ids)
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+CORPUS = ["hello world 你好世界 🙂🎉 ok"] * 20
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    """Two tokenizers trained here: byte-level BPE (as GPT-2's, Qwen's), which splits multi-byte characters across
+    tokens (a prefix can end in a cut character), and SentencePiece BPE (as Llama's), whose decode drops the
+    leading space of a window's first token."""
+    from tokenizers import ByteLevelBPETokenizer, SentencePieceBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    byte_level, sentence_piece = ByteLevelBPETokenizer(), SentencePieceBPETokenizer()
+    byte_level.train_from_iterator(CORPUS, vocab_size=300, min_frequency=1, show_progress=False)
+    sentence_piece.train_from_iterator(CORPUS, vocab_size=60, min_frequency=1, show_progress=False)
+    return {name: PreTrainedTokenizerFast(tokenizer_object=t._tokenizer)
+            for name, t in (("byte-level", byte_level), ("sentencepiece", sentence_piece))}
+
+
+@pytest.mark.parametrize("kind,text", [("byte-level", "héllo 你好 🙂 wörld, ok " * 150), ("byte-level", "🙂" * 700),
+                                       ("byte-level", "plain ascii words " * 120),
+                                       ("sentencepiece", "hello 你好 🙂 world ok " * 150)])
+def test_a_long_streamed_answer_is_decoded_in_linear_work(tokenizers, kind, text):
+    """The engine returns a whole completion; its streamed deltas are cut on the engine thread. Re-decoding every
+    prefix costs T^2 / 2 decoded tokens (about 4 million for T = 2,850); the incremental detokenizer's work per
+    token is bounded. The deltas still add up to the text, one per token where a token completes characters."""
+    tokenizer = tokenizers[kind]
+    ids = tokenizer(text)["input_ids"]
+    decoded = tokenizer.decode(ids, skip_special_tokens=True)
+    assert len(ids) > 600 and decoded == text
+    counter = CountingDecoder(tokenizer)
+    pieces = text_deltas(counter, Completion(ids, [0.0] * len(ids), decoded, "length", 0))
+    assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
+    assert len(pieces) > len(ids) * 3 / 4, "the deltas must stay per token, not one lump"
+    assert counter.decoded <= 8 * len(ids), f"{counter.decoded} tokens decoded for a {len(ids)}-token answer"
+    # a stop string cut the text short of what the tokens decode to: the deltas add up to the cut text
+    cut = text[: len(text) // 2]
+    assert "".join(text_deltas(CountingDecoder(tokenizer), Completion(ids, [0.0] * len(ids), cut, "stop", 0))) == cut
