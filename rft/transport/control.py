@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
-from rft.schema import ControlMessage, RecordError, decode
+from rft.schema import MAX_CLOCK_SKEW_S, ControlMessage, RecordError, decode
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ MAX_EPOCH = 10_000  # the highest tasks_group epoch (one move per explorer.unass
 MAX_INT = 2**53  # any other integer field, in absolute value
 MAX_TEXT = 4096  # characters of a string field (ids, paths, hosts, reasons)
 MAX_ITEMS = 4096  # entries of a map or list field (offsets, metrics, partitions)
-MAX_FUTURE_S = 300.0  # how far ahead of this host's clock a message may be stamped (clock skew)
+MAX_FUTURE_S = MAX_CLOCK_SKEW_S  # how far ahead of this host's clock a message may be stamped
 _VERSION_BOUNDS = (0, MAX_VERSION)
 # integer fields bounded by name (a map's values take its name's bounds: offsets)
 FIELD_BOUNDS: dict[str, tuple[int, int]] = {

@@ -11,16 +11,31 @@ then starts a second consumer where the first one's checkpoint left it, and show
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 from rft.models.moe import MoEShape
-from rft.schema import HEADER_ERROR, RewardRange, RoutedExperts
+from rft.schema import (
+    HEADER_ERROR,
+    MAX_COMPONENTS,
+    MAX_ID_CHARS,
+    Feedback,
+    RewardRange,
+    RoutedExperts,
+    ServedChoice,
+    ServedCompletion,
+)
+from rft.serve.config import ServeConfig
+from rft.serve.joiner import Joiner
 from rft.trainer.batch import TrainableLimits
 from rft.trainer.feed import FeedState, open_feed
 from rft.transport import connect
 from rft.transport.config import KafkaConfig
+from rft.transport.run_topics import RunTopics
 from tests.records import make_group, send_groups
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration]
 
@@ -78,3 +93,75 @@ def test_routed_experts_of_another_model_are_dead_lettered_and_a_resumed_feed_go
     assert len(reasons) == 3 and all(r.startswith("cannot be trained: samples[0]: routed_experts") for r in reasons)
     assert "over 16 experts, the model has 8" in reasons[0] and "top-1, the model routes top-2" in reasons[1]
     assert "MoE layers [0, 1, 2, 3], the model's are [1, 3]" in reasons[2]
+
+
+def served_record(rid: str, *, prompt_len: int = 3, n: int = 2) -> ServedCompletion:
+    choices = [ServedChoice(i, np.array([5 + i, 6], np.int32), np.array([-0.5, -0.25], np.float32), "stop")
+               for i in range(n)]
+    return ServedCompletion(run_id=RUN, request_id=rid, prompt_key=rid, choices=choices, policy_version=0,
+                            prompt_tokens=np.arange(prompt_len, dtype=np.int32) % 100 + 1)
+
+
+def step_until(joiner: Joiner, n_groups: int) -> list:
+    groups: list = []
+    wait_until(lambda: groups.extend(joiner.step()) or len(groups) >= n_groups, timeout=20, interval=0,
+               what=f"{n_groups} joined groups")
+    return groups
+
+
+RUN = "serve-crash"
+
+
+def test_the_joiner_refuses_poisoned_feedback_and_oversized_groups_and_a_restarted_joiner_goes_on(
+        bootstrap, topic_prefix):
+    topics = RunTopics(run=RUN, tasks=f"{topic_prefix}.tasks", experiences=f"{topic_prefix}.experiences",
+                       control=f"{topic_prefix}.control", dead_letter=f"{topic_prefix}.dead_letter",
+                       explorers_group=f"{topic_prefix}.explorers", served=f"{topic_prefix}.served",
+                       feedback=f"{topic_prefix}.feedback")
+    producer = connect(KafkaConfig(partitions=1), bootstrap).sink(linger_ms=0)
+    kafka = KafkaConfig(partitions=1, max_record_bytes=20_000)  # the joiner's limit: a 2 x 4000-token group is over
+    settings = ServeConfig(group_size=2, group_wait_s=1.0, feedback_expire_s=600.0)
+    joiner = Joiner(settings, topics=topics, kafka=kafka, transport=connect(kafka, bootstrap), client_id="joiner-1")
+    now = time.time()
+    poisoned = [Feedback(run_id=RUN, request_id="ok", reward=1.0, index=0, created_at=float("nan")),
+                Feedback(run_id=RUN, request_id="ok", reward=1.0, index=0, created_at=now + 10**9),
+                Feedback(run_id=RUN, request_id="ok", reward=1.0, index=0,
+                         components={f"c{i}": 1.0 for i in range(MAX_COMPONENTS + 1)}),
+                Feedback(run_id=RUN, request_id="x" * (MAX_ID_CHARS + 1), reward=1.0, index=0)]
+    records = [(topics.served, served_record("big", prompt_len=4000)), (topics.served, served_record("ok")),
+               *[(topics.feedback, Feedback(run_id=RUN, request_id="big", reward=float(i), index=i)) for i in (0, 1)],
+               *[(topics.feedback, f) for f in poisoned],
+               *[(topics.feedback, Feedback(run_id=RUN, request_id="ok", reward=float(i), index=i)) for i in (0, 1)]]
+    for topic, record in records:
+        producer.send_record(topic, record, key=record.request_id[:64])
+    producer.flush()
+    try:
+        [group] = step_until(joiner, 1)
+        assert group.group_id == f"{RUN}/serve/ok" and [s.reward for s in group.samples] == [0.0, 1.0]
+        assert joiner.joining.counts["groups_too_large"] == 1  # refused and counted: the joiner did not die
+        ends = {**joiner.source.end_offsets(topics.served), **joiner.source.end_offsets(topics.feedback)}
+        wait_until(lambda: joiner.step() is not None and joiner.source.committed(topics.feedback)
+                   == joiner.source.end_offsets(topics.feedback), timeout=10, interval=0,
+                   what="the joiner's commits past every record (nothing held: no NaN time holds them)")
+        assert {**joiner.source.committed(topics.served), **joiner.source.committed(topics.feedback)} == ends
+    finally:
+        joiner.close()
+    reasons = dead_reasons(connect(kafka, bootstrap), topics.dead_letter)
+    assert len(reasons) == 4, reasons
+    assert sum("'created_at'" in r and "is not a time" in r for r in reasons) == 2
+    assert any(f"components: {MAX_COMPONENTS + 1} components" in r for r in reasons)
+    assert any(f"field 'request_id': {MAX_ID_CHARS + 1} characters" in r for r in reasons)
+
+    # a restarted joiner (same consumer group) reads nothing of it again and joins what comes next
+    restarted = Joiner(settings, topics=topics, kafka=kafka, transport=connect(kafka, bootstrap), client_id="joiner-2")
+    try:
+        producer.send_record(topics.served, served_record("next"))
+        for i in (0, 1):
+            producer.send_record(topics.feedback, Feedback(run_id=RUN, request_id="next", reward=float(i), index=i))
+        producer.flush()
+        [group] = step_until(restarted, 1)
+        assert group.group_id == f"{RUN}/serve/next"
+        assert restarted.joining.counts["served"] == 1 and restarted.joining.counts["groups_too_large"] == 0
+    finally:
+        restarted.close()
+        producer.close()
