@@ -29,6 +29,7 @@ from rft.schema import (
 )
 from rft.serve.config import ServeConfig
 from rft.serve.joiner import Joiner
+from rft.trainer import feed as feed_module
 from rft.trainer.batch import TrainableLimits
 from rft.trainer.feed import FeedState, open_feed
 from rft.transport import connect
@@ -165,3 +166,40 @@ def test_the_joiner_refuses_poisoned_feedback_and_oversized_groups_and_a_restart
     finally:
         restarted.close()
         producer.close()
+
+
+def test_the_feed_keeps_a_bounded_number_of_short_group_ids_and_a_resumed_feed_goes_on(bootstrap, topic_prefix,
+                                                                                        monkeypatch):
+    monkeypatch.setattr(feed_module, "MAX_TAKEN_IDS", 3)
+    cfg = KafkaConfig(partitions=1)
+    transport = connect(cfg, bootstrap)
+    topic, dlq = f"{topic_prefix}.experiences", f"{topic_prefix}.dead_letter"
+    transport.admin().create_topics([topic, dlq])
+    good = [make_group("run", i) for i in range(7)]
+    long_id = make_group("run", 99)
+    long_id.group_id = "run/" + "x" * MAX_ID_CHARS  # kept forever before: any length, any number
+    sink = transport.sink()
+    send_groups(sink, topic, [good[0], long_id, *good[1:5]])
+    sink.flush()
+
+    def consume(state: FeedState | None, n: int):
+        feed, dlq_sink, source = open_feed(transport, topic=topic, dead_letter_topic=dlq, run_id="run", state=state)
+        try:
+            batch = feed.next_batch(n, timeout_s=10)
+            return [g.group_id for g in batch.groups], dict(batch.skipped), feed.snapshot()
+        finally:
+            dlq_sink.flush()
+            dlq_sink.close()
+            source.close()
+
+    taken, skipped, state = consume(None, 5)
+    assert taken == [g.group_id for g in good[:5]] and skipped == {"dead_letter": 1}
+    assert state.taken_groups == [g.group_id for g in good[2:5]]  # the last 3 only
+    send_groups(sink, topic, [good[4], good[5], good[3], good[6]])  # two redeliveries the resume still knows
+    sink.flush()
+    sink.close()
+    taken, skipped, state = consume(FeedState.from_json(state.to_json()), 2)
+    assert taken == [good[5].group_id, good[6].group_id] and skipped == {"duplicate": 2}
+    assert state.taken_groups == [g.group_id for g in good[4:7]]
+    [reason] = dead_reasons(transport, dlq)
+    assert f"field 'group_id': {MAX_ID_CHARS + 4} characters, over {MAX_ID_CHARS}" in reason
