@@ -186,6 +186,7 @@ def test_the_feed_keeps_a_bounded_number_of_short_group_ids_and_a_resumed_feed_g
         feed, dlq_sink, source = open_feed(transport, topic=topic, dead_letter_topic=dlq, run_id="run", state=state)
         try:
             batch = feed.next_batch(n, timeout_s=10)
+            assert len(feed.state.taken_groups) == 3  # also in memory, between checkpoints
             return [g.group_id for g in batch.groups], dict(batch.skipped), feed.snapshot()
         finally:
             dlq_sink.flush()
