@@ -5,12 +5,15 @@ ignored and counted (`ControlView.malformed`), never fatal, and the reader keeps
 - a trainer message stamped far in the future (it would hold the trainer's state for good) is refused;
 - a `tasks_group` move that skips epochs is refused (also when a starting explorer replays the topic), and a move
   to the next epoch whose group nobody seeded (its members would read the tasks topic from the earliest offset) is
-  not followed until its group holds the fleet's positions.
+  not followed until its group holds the fleet's positions;
+- `rft serve`'s engine thread keeps serving through a forged announcement, and `/health` answers 503 with the reason
+  once the thread died (it said ok before), as every request does.
 """
 from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 import torch
 
@@ -18,7 +21,11 @@ from rft.explorer import membership as membership_module
 from rft.explorer.config import ExplorerConfig
 from rft.explorer.membership import Membership, announced_group, group_name, move_group, seed_group
 from rft.explorer.stats import ExplorerStats
-from rft.schema import ControlMessage
+from rft.schema import ControlMessage, RewardRange
+from rft.serve.app import ServerThread
+from rft.serve.engine_thread import EngineWorker
+from rft.serve.ledger import FeedbackLedger
+from rft.serve.service import ServeService
 from rft.transport import connect
 from rft.transport.config import KafkaConfig
 from rft.transport.control import TasksGroup, TrainerWaiting, Weights
@@ -111,3 +118,65 @@ def test_a_forged_tasks_group_move_does_not_move_the_fleet(bootstrap, topic_pref
             member.tasks.close()
         control.close()
         sink.close()
+
+
+class EngineLost(BaseException):
+    """What ends a thread past every handler (the engine thread's contract: /health must say so)."""
+
+
+class StandInEngine:
+    """The part of rft.engine.Engine the serve engine thread uses before generating: a weights version it loads."""
+
+    def __init__(self):
+        self.version, self.lost = 0, False
+
+    @property
+    def weights_version(self) -> int:
+        return self.version
+
+    def load_weights(self, path, version: int) -> None:
+        self.version = version
+
+    def close(self) -> None:
+        pass
+
+
+def test_serve_survives_a_forged_announcement_and_health_reports_a_dead_engine_thread(bootstrap, topic_prefix,
+                                                                                     tmp_path):
+    cfg = KafkaConfig(partitions=1)
+    transport = connect(cfg, bootstrap)
+    topics = run_topics(topic_prefix)
+    create_run_topics(topics, cfg, transport)
+    store = WeightStore(tmp_path / "store")
+    store.publish(1, [{"a.weight": torch.ones(2, 2)}], hf_dir=None)
+    sink = transport.sink(linger_ms=0)
+    sink.send_record(topics.control, Weights(version=10**8, path=store.location(10**8)).to_message())
+    sink.flush()
+    updates = WeightUpdates(store, control_reader(transport, topics.control))
+    engine = StandInEngine()
+
+    def newest(above: int):
+        if engine.lost:
+            raise EngineLost("the device is gone")
+        return updates.newest(above=above)
+
+    worker = EngineWorker(lambda: engine, newest=newest)
+    service = ServeService(worker=worker, sink=sink, ledger=FeedbackLedger(60), topics=topics, model_name="m",
+                           max_tokens=4, tokenize=lambda messages: [1, 2], rewards=RewardRange())
+    worker.start()
+    thread = ServerThread(service).start()
+    try:
+        wait_until(lambda: updates.view.malformed == 1 and engine.version == 1, timeout=10,
+                   what="the forged announcement read and refused, version 1 loaded")
+        assert httpx.get(thread.url + "/health", timeout=10).json()["status"] == "ok"
+        engine.lost = True  # the engine thread ends on its next look for weights
+        wait_until(lambda: worker.died, timeout=10, what="the engine thread's end")
+        health = httpx.get(thread.url + "/health", timeout=10)
+        assert health.status_code == 503 and "EngineLost: the device is gone" in health.json()["error"], health.text
+        chat = httpx.post(thread.url + "/v1/chat/completions", timeout=10,
+                          json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 503 and "engine thread died" in chat.json()["error"]["message"], chat.text
+    finally:
+        thread.stop()
+        service.close()
+        updates.close()
