@@ -2,8 +2,8 @@
 
 kafka-python decompresses a fetched batch whole (`DefaultRecordBatch._maybe_uncompress`): a batch of a few KB that a
 topic writer filled with gzip'd zeros (a "gzip bomb") inflates to gigabytes in every consumer of the topic, and again
-after each restart. `install()` (called when rft.transport.kafka is imported) replaces that method so that gzip, zstd
-and lz4 batches inflate into at most MAX_INFLATED_BYTES: a batch that would inflate further raises
+after each restart. `install_inflation_bound()` (called when rft.transport.kafka is imported) replaces that method
+so that gzip, zstd and lz4 batches inflate into at most MAX_INFLATED_BYTES: a batch that would inflate further raises
 `InflatedBatchTooLarge` naming its partition and offsets, instead of inflating, and `KafkaSource.poll` passes over the
 batch (every record of it), counts it and logs it. Snappy batches (no snappy codec is installed here) and the legacy
 v0/v1 message formats keep kafka-python's own decoding. If kafka-python's internals differ from what this expects
@@ -63,7 +63,7 @@ def inflate(codec: str, data: bytes | memoryview, limit: int) -> bytes | None:
     return None
 
 
-def install() -> bool:
+def install_inflation_bound() -> bool:
     """Bound kafka-python's batch decompression (module docstring); False (logged) when its internals differ."""
     try:
         from kafka.consumer.fetcher import Fetcher

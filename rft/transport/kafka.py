@@ -19,7 +19,6 @@ from kafka.admin import NewTopic
 from kafka.errors import KafkaError, KafkaTimeoutError, OffsetOutOfRangeError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
-from rft.transport import inflation
 from rft.transport.base import (
     BrokerUnreachable,
     Message,
@@ -35,6 +34,7 @@ from rft.transport.base import (
 )
 from rft.transport.claims import ClaimStore
 from rft.transport.config import KafkaConfig
+from rft.transport.inflation import InflatedBatchTooLarge, install_inflation_bound
 
 _OVERHEAD_BYTES = 64 * 1024  # room for the batch and header framing around one maximal record
 # a consumer fetches records far larger than its own producers send (a foreign producer's, up to a managed broker's
@@ -107,7 +107,7 @@ def _nudge_stuck_waits() -> None:
 
 
 _nudge_stuck_waits()
-inflation.install()  # a compressed batch inflates into at most inflation.MAX_INFLATED_BYTES (KafkaSource.poll)
+install_inflation_bound()  # a compressed batch inflates into at most inflation.MAX_INFLATED_BYTES (KafkaSource.poll)
 
 
 def _tp(key: str) -> TopicPartition:
@@ -281,7 +281,7 @@ class KafkaSource(SourceBase):
         self._probe: KafkaConsumer | None = None
         self.group = group
         self._gapless = _GaplessReads()  # without a group (class docstring, "Holes")
-        self.batches_refused = 0  # compressed batches passed over for inflating past the bound (_pass_over)
+        self.batches_refused = 0  # compressed batches passed over for inflating past the bound (poll)
         self._joined = threading.Event()
         if topics:
             if group is None:
@@ -309,26 +309,20 @@ class KafkaSource(SourceBase):
             return []
         except (KafkaTimeoutError, StuckClientError) as e:
             raise TransportError(f"poll: {e}") from None
-        except inflation.InflatedBatchTooLarge as e:  # a compression bomb: passed over and counted
-            self._pass_over(e)
+        except InflatedBatchTooLarge as e:  # a compression bomb: every record of it passed over, counted, logged
+            self.batches_refused += 1
+            log.error("%s: %s; passed over without reading it (refused so far: %d)",
+                      _key(e.partition) if e.partition else "?", e, self.batches_refused)
+            if e.partition is not None:
+                self._consumer.seek(e.partition, e.next_offset)
+                if self.group is None:
+                    self._gapless.sought(e.partition, e.next_offset)
             return []
         out = [Message(r.topic, r.partition, r.offset, r.key, r.value, list(r.headers or []), r.timestamp)
                for tp, records in batches.items()
                for r in (records if self.group is not None else self._gapless.records(tp, records, self._consumer))]
         out.sort(key=lambda m: (m.topic, m.partition, m.offset))
         return out
-
-    def _pass_over(self, batch: inflation.InflatedBatchTooLarge) -> None:
-        """Go on after a batch that would inflate past the bound: every record of it is passed over (counted in
-        `batches_refused`, logged), never inflated, also by a source restarted from a position before it."""
-        self.batches_refused += 1
-        tp = batch.partition
-        log.error("%s: %s; passed over without reading it (refused so far: %d)", _key(tp) if tp else "?", batch,
-                  self.batches_refused)
-        if tp is not None:
-            self._consumer.seek(tp, batch.next_offset)
-            if self.group is None:
-                self._gapless.sought(tp, batch.next_offset)
 
     def _unstick_validation(self) -> None:
         """kafka-python 3.0.12 can stop fetching a partition whose position awaits leader-epoch validation
