@@ -47,6 +47,28 @@ class RecordError(ValueError):
     """A record that cannot be decoded or is not valid; the message is the dead-letter reason."""
 
 
+# Bounds on what a record may hold beyond its types (nothing read from a topic is trusted beyond the schema):
+MAX_ID_CHARS = 1024  # run, task, group, explorer, request ids and prompt keys
+MAX_CLOCK_SKEW_S = 300.0  # serve records' times: at most this far ahead of the reader's clock
+MAX_COMPONENTS = 64  # feedback components per record
+MAX_COMPONENT_NAME = 128  # characters of a component's name
+
+
+def components_problem(components: Any) -> str | None:
+    """None when `components` is a map of at most MAX_COMPONENTS names (strings of 1..MAX_COMPONENT_NAME characters)
+    to finite numbers, else what is wrong (feedback's `components`: `rft serve` and the joiner check the same)."""
+    if not isinstance(components, dict):
+        return "an object of finite numbers"
+    if len(components) > MAX_COMPONENTS:
+        return f"{len(components)} components, over {MAX_COMPONENTS}"
+    for name, value in components.items():
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_COMPONENT_NAME:
+            return f"component names are strings of 1..{MAX_COMPONENT_NAME} characters, got {str(name)[:40]!r}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"component {name!r} must be a finite number"
+    return None
+
+
 @dataclass(frozen=True)
 class RewardRange:
     """The rewards a run accepts wherever one enters it (`run.reward_min` .. `run.reward_max`, inclusive):
@@ -555,8 +577,26 @@ def _get(body: dict[str, Any], key: str, tp: type, optional: bool = False) -> An
     return value
 
 
+def _id(body: dict[str, Any], key: str) -> str:
+    """A string id field of at most MAX_ID_CHARS characters (consumers keep ids: a longer one is refused)."""
+    value = _get(body, key, str)
+    if len(value) > MAX_ID_CHARS:
+        raise RecordError(f"field {key!r}: {len(value)} characters, over {MAX_ID_CHARS}")
+    return value
+
+
+def _time(body: dict[str, Any], key: str) -> float:
+    """A time field (epoch seconds) that a consumer waits on: finite, >= 0 and at most MAX_CLOCK_SKEW_S ahead of this
+    host's clock (a NaN or far-future time would never expire, holding the joiner's offsets for good)."""
+    value = _get(body, key, float)
+    if not (math.isfinite(value) and 0 <= value <= time.time() + MAX_CLOCK_SKEW_S):
+        raise RecordError(f"field {key!r}: {value!r} is not a time (finite, >= 0, at most {MAX_CLOCK_SKEW_S:.0f} s "
+                          "ahead of this host's clock)")
+    return value
+
+
 def _decode_task(body: dict[str, Any]) -> TaskRecord:
-    return TaskRecord(run_id=_get(body, "run_id", str), task_id=_get(body, "task_id", str),
+    return TaskRecord(run_id=_id(body, "run_id"), task_id=_id(body, "task_id"),
                       epoch=_get(body, "epoch", int), prompt=_get(body, "prompt", str),
                       answer=body.get("answer"), metadata=_get(body, "metadata", dict),
                       created_at=_get(body, "created_at", float))
@@ -567,9 +607,9 @@ def _decode_group(body: dict[str, Any]) -> ExperienceGroup:
     if not samples_raw:
         raise RecordError("experience group has no samples")
     group = ExperienceGroup(
-        run_id=_get(body, "run_id", str), task_id=_get(body, "task_id", str),
-        group_id=_get(body, "group_id", str), attempt=_get(body, "attempt", int),
-        explorer_id=_get(body, "explorer_id", str), policy_version=_get(body, "policy_version", int),
+        run_id=_id(body, "run_id"), task_id=_id(body, "task_id"),
+        group_id=_id(body, "group_id"), attempt=_get(body, "attempt", int),
+        explorer_id=_id(body, "explorer_id"), policy_version=_get(body, "policy_version", int),
         answer=body.get("answer"), metadata=_get(body, "metadata", dict),
         created_at=_get(body, "created_at", float), greedy_reward=_greedy_reward(body),
         samples=[_decode_sample(s, i) for i, s in enumerate(samples_raw)])
@@ -699,24 +739,23 @@ def _decode_served(body: dict[str, Any]) -> ServedCompletion:
             raise RecordError(f"choices[{position}]: {e}") from None
     if sorted(c.index for c in choices) != list(range(len(choices))):
         raise RecordError(f"choices: indices {[c.index for c in choices]} are not 0..{len(choices) - 1}")
-    return ServedCompletion(run_id=_get(body, "run_id", str), request_id=_get(body, "request_id", str),
-                            prompt_key=_get(body, "prompt_key", str),
+    return ServedCompletion(run_id=_id(body, "run_id"), request_id=_id(body, "request_id"),
+                            prompt_key=_id(body, "prompt_key"),
                             prompt_tokens=_array(body, "prompt_tokens", TOKEN_DTYPE), choices=choices,
                             policy_version=_get(body, "policy_version", int), model=_get(body, "model", str),
-                            metadata=_get(body, "metadata", dict), created_at=_get(body, "created_at", float),
-                            finished_at=_get(body, "finished_at", float))
+                            metadata=_get(body, "metadata", dict), created_at=_time(body, "created_at"),
+                            finished_at=_time(body, "finished_at"))
 
 
 def _decode_feedback(body: dict[str, Any]) -> Feedback:
     reward = _get(body, "reward", float)
-    try:
-        components = {str(k): float(v) for k, v in _get(body, "components", dict).items()}
-    except (TypeError, ValueError) as e:
-        raise RecordError(f"components: {e}") from None
-    if not math.isfinite(reward) or not all(math.isfinite(v) for v in components.values()):
+    if problem := components_problem(_get(body, "components", dict)):
+        raise RecordError(f"components: {problem}")
+    components = {str(k): float(v) for k, v in body["components"].items()}
+    if not math.isfinite(reward):
         raise RecordError("reward is NaN or infinite")
     index = _get(body, "index", int)
     if index < 0:
         raise RecordError(f"index must be >= 0, got {index}")
-    return Feedback(run_id=_get(body, "run_id", str), request_id=_get(body, "request_id", str), reward=reward,
-                    index=index, components=components, created_at=_get(body, "created_at", float))
+    return Feedback(run_id=_id(body, "run_id"), request_id=_id(body, "request_id"), reward=reward,
+                    index=index, components=components, created_at=_time(body, "created_at"))

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ILLEGAL = re.compile(r"[^A-Za-z0-9._-]")
+RECHECK_MOVE_S = 10.0  # how often a move refused for rewinding the fleet is looked at again
 
 
 def instance_id(explorer_id: str) -> str:
@@ -275,6 +276,7 @@ class Membership:
         self.tasks: RecordSource | None = None
         self.epoch = 0  # the group is group_name(topics.explorers_group, epoch)
         self.watchdog = UnassignedWatchdog(config.unassigned_rejoin_s)
+        self._move_checked: dict[int, float] = {}  # epoch -> when a move to it was last refused (_may_follow)
 
     @property
     def group(self) -> str:
@@ -293,6 +295,7 @@ class Membership:
         announced = announced_group(self.transport, self.topics.control, client_id=f"{self.explorer_id}-groups")
         if announced is not None:
             self.epoch = announced.epoch
+            self.control.view.tasks_group = announced  # the epoch in force: the next move is its successor
         self._subscribe(static=self.config.static_membership)
 
     def watch(self) -> bool:
@@ -303,7 +306,7 @@ class Membership:
         before = self.tasks
         now = time.monotonic()
         moved = self.control.view.tasks_group
-        if moved is not None and moved.epoch > self.epoch:
+        if moved is not None and moved.epoch > self.epoch and self._may_follow(moved, now):
             log.warning("explorer %s follows %s to consumer group %s", self.explorer_id, moved.explorer_id, moved.group)
             self._switch(moved.epoch)
         self.watchdog.observe(bool(self.stats.partitions), now)
@@ -314,6 +317,35 @@ class Membership:
         if self.watchdog.due(now):
             self._act(now)
         return self.tasks is not before
+
+    def _may_follow(self, moved: TasksGroup, now: float) -> bool:
+        """Whether the group of `moved` holds the tasks topic's committed offsets of the group in force, not behind on
+        any partition: a move seeds its group first (`move_group`), so one that would rewind the fleet (a forged
+        announcement of a group nobody seeded: its members would read from the earliest offset) is refused, counted
+        in the view's `malformed` and looked at again every RECHECK_MOVE_S (its mover may seed it yet)."""
+        if now < self._move_checked.get(moved.epoch, -RECHECK_MOVE_S) + RECHECK_MOVE_S:
+            return False
+        target = group_name(self.topics.explorers_group, moved.epoch)
+        try:
+            mine = self.consumer.committed(self.topics.tasks)
+            reader = self.transport.source(group=target, client_id=f"{self.explorer_id}-check")
+            try:
+                theirs = reader.committed(self.topics.tasks)
+            finally:
+                reader.close()
+        except TransportError as e:
+            log.warning("explorer %s: cannot read the committed offsets of %s (%s); following later", self.explorer_id,
+                        target, e)
+            self._move_checked[moved.epoch] = now
+            return False
+        behind = {k: (theirs.get(k), v) for k, v in mine.items() if v is not None and (theirs.get(k) or 0) < v}
+        if not behind:
+            return True
+        if moved.epoch not in self._move_checked:
+            self.control.view.refuse(moved.explorer_id, f"tasks_group: epoch {moved.epoch}'s group {target} would "
+                                     f"rewind the tasks topic (its committed offsets vs {self.group}'s: {behind})")
+        self._move_checked[moved.epoch] = now
+        return False
 
     def _act(self, now: float) -> None:
         horizon_s = 3 * self.config.heartbeat_s

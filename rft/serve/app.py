@@ -8,7 +8,8 @@ Routes:
   POST /v1/feedback          {"id", "reward", "components"?, "index"?} or {"feedback": [...]} (rft/serve/feedback.py);
                              200 {"object": "feedback", "accepted": k}.
   GET  /v1/models            the models served: `serve.model_name` (else run.name), then each `serve.adapters` name
-  GET  /health               {"status": "ok", "policy_version", "model"}
+  GET  /health               {"status": "ok", "policy_version", "model"}; 503 {"status": "error", "error"} once
+                              the engine thread died
   GET  /metrics              Prometheus: requests, latency, completions recorded, feedback, weights version
 Every error is an OpenAI-style body (rft/serve/requests.py, `ApiError`) with a 4xx status (5xx when the engine or
 the broker failed). Before any route (rft/observability/access.py): a Host not allowed 400, no valid bearer key 401
@@ -98,6 +99,9 @@ def create_app(service: ServeService, access: Access | None = None) -> FastAPI:
 
     @app.get("/health")
     def health() -> JSONResponse:
+        if service.worker.died is not None:  # the engine thread ended: nothing can be generated
+            return JSONResponse({"status": "error", "error": f"the engine thread died: {service.worker.died}",
+                                 "model": service.model_name}, status_code=503)
         return JSONResponse({"status": "ok", "model": service.model_name, "policy_version": service.worker.version})
 
     @app.get("/metrics")

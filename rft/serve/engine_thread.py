@@ -10,6 +10,9 @@ Contracts:
   (rft.engine.VLLMEngine.load_adapter); a request naming one that has no version yet is 503.
 - A job whose future is cancelled before the thread takes it is skipped (its deadline passed); one cancelled later
   is generated and its result dropped. An engine failure is a 500 for every request of that call.
+- Weights that cannot be loaded (refused, failing to load, any error of the store) leave the engine on the version it
+  has, logged, tried again later: never the end of the thread. If the thread ends anyway (an error outside a call),
+  `died` says why: `/health` answers 503 with it, and every request queued or submitted since is a 503.
 - Streaming: each choice's text split into per-token deltas that add up to it (the engine returns whole
   completions, so the first token's latency is the whole completion's), decoded incrementally: O(tokens) work.
 """
@@ -73,6 +76,7 @@ class EngineWorker:
         self.last_call_s = 0.0  # how long the last engine call took (seconds)
         self._ready = threading.Event()
         self._error: BaseException | None = None
+        self.died: str | None = None  # why the thread ended, when it ended other than by `stop`
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def waiting(self) -> int:
@@ -94,8 +98,14 @@ class EngineWorker:
         """Queue one request (`prompt`: token ids; `adapter`: the served adapter's name, None: the run's own
         weights); the future holds its `Served`, or an ApiError."""
         future: concurrent.futures.Future = concurrent.futures.Future()
+        if self.died is not None:
+            future.set_exception(self._dead_error())
+            return future
         self.queue.put(_Job(prompt, sampling, stream, future, adapter))
         return future
+
+    def _dead_error(self) -> ApiError:
+        return ApiError(503, f"the engine thread died: {self.died}", kind="server_error")
 
     def stop(self) -> None:
         """End the thread (after the jobs queued before this call); a no-op for a worker never started."""
@@ -113,28 +123,46 @@ class EngineWorker:
             return
         self._ready.set()
         try:
-            while True:
-                try:
-                    first = self.queue.get(timeout=REFRESH_S)
-                except queue.Empty:
-                    self._refresh(engine)
-                    continue
-                if first is None:
-                    return
-                jobs = [first]
-                while len(jobs) < self.max_batch:
-                    try:
-                        job = self.queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if job is None:
-                        self.queue.put(None)
-                        break
-                    jobs.append(job)
-                self._refresh(engine)
-                self._generate(engine, jobs)
+            self._serve(engine)
+        except BaseException as e:  # noqa: BLE001  (recorded for /health; the thread ends here)
+            self.died = f"{type(e).__name__}: {e}"[:500]
+            log.exception("the engine thread died")
+            self._fail_queued()
         finally:
             engine.close()
+
+    def _fail_queued(self) -> None:
+        """Every job still queued gets the 503 of a dead engine thread."""
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None and job.future.set_running_or_notify_cancel():
+                job.future.set_exception(self._dead_error())
+
+    def _serve(self, engine: Engine) -> None:
+        """The thread's loop: batches of jobs, weights refreshed between calls, until `stop`."""
+        while True:
+            try:
+                first = self.queue.get(timeout=REFRESH_S)
+            except queue.Empty:
+                self._refresh(engine)
+                continue
+            if first is None:
+                return
+            jobs = [first]
+            while len(jobs) < self.max_batch:
+                try:
+                    job = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    self.queue.put(None)
+                    break
+                jobs.append(job)
+            self._refresh(engine)
+            self._generate(engine, jobs)
 
     def _refresh(self, engine: Engine) -> None:
         for name, adapter_newest in self.adapters.items():
@@ -152,8 +180,8 @@ class EngineWorker:
         try:
             if load_newest_weights(engine, lambda: newest(engine.weights_version)) is not None:
                 self.reloads += 1
-        except RuntimeError as e:  # keeps serving the weights it has; tried again next time
-            log.warning("%s", e)
+        except Exception as e:  # noqa: BLE001  (keeps serving the weights it has; tried again next time)
+            log.warning("weights not reloaded: %s: %s", type(e).__name__, e)
 
     def _generate(self, engine: Engine, jobs: list[_Job]) -> None:
         runnable: dict[tuple[SamplingSettings, str | None], list[tuple[_Job, list[int]]]] = {}

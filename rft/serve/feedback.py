@@ -1,15 +1,16 @@
 """The feedback `rft serve` accepts (`POST /v1/feedback`): `{"id", "reward", "components"?: {name: float},
 "index"?: choice (0)}`, or `{"feedback": [...]}` of several, checked into `Feedback` records (`parse_feedback`)
 before anything is recorded. A malformed item, a reward that is not finite or outside run.reward_min ..
-reward_max, or components that are not finite numbers are a 400 naming the item; whether the completion may take
-feedback (unknown, expired, already rewarded) is the ledger's to say (rft/serve/ledger.py)."""
+reward_max, an id over MAX_ID_CHARS, or components that are not at most MAX_COMPONENTS finite numbers with names of at
+most MAX_COMPONENT_NAME characters (rft.schema.components_problem) are a 400 naming the item; whether the completion
+may take feedback (unknown, expired, already rewarded) is the ledger's to say (rft/serve/ledger.py)."""
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
-from rft.schema import Feedback, RewardRange
+from rft.schema import MAX_ID_CHARS, Feedback, RewardRange, components_problem
 from rft.serve.requests import ApiError
 
 
@@ -28,8 +29,9 @@ def _feedback_record(item: Any, position: int | None, *, run_id: str, rewards: R
     if not isinstance(item, dict):
         raise ApiError(400, f"{where}: expected an object with id and reward", param=where)
     rid, reward, index = item.get("id"), item.get("reward"), item.get("index", 0)
-    if not isinstance(rid, str) or not rid:
-        raise ApiError(400, f"{where}.id: required, the completion's id", param=f"{where}.id")
+    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_ID_CHARS:
+        raise ApiError(400, f"{where}.id: required, the completion's id (at most {MAX_ID_CHARS} characters)",
+                       param=f"{where}.id")
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not np.isfinite(reward):
         raise ApiError(400, f"{where}.reward: required, a finite number", param=f"{where}.reward")
     if problem := rewards.problem(reward):
@@ -37,9 +39,7 @@ def _feedback_record(item: Any, position: int | None, *, run_id: str, rewards: R
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise ApiError(400, f"{where}.index: a choice index >= 0", param=f"{where}.index")
     components = item.get("components", {})
-    if not isinstance(components, dict) or not all(
-            isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float)) and np.isfinite(v)
-            for k, v in components.items()):
-        raise ApiError(400, f"{where}.components: an object of finite numbers", param=f"{where}.components")
+    if problem := components_problem(components):
+        raise ApiError(400, f"{where}.components: {problem}", param=f"{where}.components")
     return Feedback(run_id=run_id, request_id=rid, reward=float(reward), index=index,
                     components={k: float(v) for k, v in components.items()})

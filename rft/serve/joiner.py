@@ -11,6 +11,9 @@ request id. Output: `ExperienceGroup`s on `<prefix>.experiences`. Rules (`Joinin
   components `feedback` / `baseline`;
 - a completion without feedback after `serve.feedback_expire_s` expires (counted, never trained on); feedback for
   an expired, rewarded or unknown choice is counted and dropped; feedback read before its served record waits.
+- a group over `kafka.max_record_bytes` even after the claim-check of its large parts is refused, counted
+  (`groups_too_large`) and its completions done: committed past, never retried. Records that do not decode (a NaN or
+  far-future time, components or ids over the schema's bounds: rft.schema) are dead-lettered.
 
 Exactly-once (`Joiner`): one joiner per run, consumer group `<prefix>.joiner`. A cycle polls, joins, produces the
 ready groups, waits for the acks, then commits per partition the offset of the oldest record still held (else the
@@ -45,7 +48,7 @@ from rft.schema import (
     decode_group,
 )
 from rft.serve.part import part_config
-from rft.transport import DeadLetter, connect, resolve_claims
+from rft.transport import DeadLetter, RecordTooLarge, connect, resolve_claims
 from rft.transport.run_topics import RunTopics
 
 if TYPE_CHECKING:
@@ -347,7 +350,14 @@ class Joiner:
             else:
                 self.dead_letter.divert(m, f"a {type(record).__name__} does not belong on {m.topic}")
         groups = self.joining.tick(self.clock())
-        futures = [self.sink.send_record(self.topics.experiences, g, key=g.group_id) for g in groups]
+        futures = []
+        for g in list(groups):
+            try:
+                futures.append(self.sink.send_record(self.topics.experiences, g, key=g.group_id))
+            except RecordTooLarge as e:  # the same at every restart: refused and counted, its records committed past
+                groups.remove(g)
+                self.joining.counts["groups_too_large"] += 1
+                log.warning("group %s of %d completions refused: %s", g.group_id, len(g.samples), e)
         self.sink.flush()
         for future in futures:
             future.get(timeout=self.kafka.request_timeout_ms / 1000)  # raises: nothing is committed

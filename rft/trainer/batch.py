@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from rft.algorithms.mismatch import STALENESS_BUCKETS, staleness_buckets
-from rft.schema import ExperienceGroup, RewardRange
+from rft.models.moe import MoEShape
+from rft.schema import ExperienceGroup, RewardRange, RoutedExperts
 
 
 @dataclass
@@ -43,12 +44,14 @@ class TrainableLimits:
     that decodes but cannot be batched never crashes the trainer (nor, re-read from a checkpoint's offsets, again).
     `vocab_size`: the model's (config.json `vocab_size`); lengths in tokens (model.max_prompt_len / max_response_len,
     which every producer honours); `rewards`: run.reward_min .. reward_max (the group's `greedy_reward` too);
-    `greedy_baseline`: the algorithm needs each group's `greedy_reward` (`Needs.greedy_baseline`)."""
+    `greedy_baseline`: the algorithm needs each group's `greedy_reward` (`Needs.greedy_baseline`); `moe`: with routing
+    replay, the model's MoE layout, which every sample's `routed_experts` must match (`routing_problem`)."""
     vocab_size: int
     max_prompt_len: int
     max_response_len: int
     rewards: RewardRange
     greedy_baseline: bool = False
+    moe: MoEShape | None = None
 
     def problem(self, group: ExperienceGroup) -> str | None:
         """None when every sample of `group` can be trained on, else the first reason it cannot (names the sample)."""
@@ -78,7 +81,23 @@ class TrainableLimits:
             if ids.min() < 0 or ids.max() >= self.vocab_size:
                 bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
                 return f"{name} token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+        if self.moe is not None and s.routed_experts is not None:
+            return routing_problem(s.routed_experts, self.moe)
         return None
+
+
+def routing_problem(routed: RoutedExperts, moe: MoEShape) -> str | None:
+    """None when `routed` (checked against itself by the schema) fits the model's MoE layout `moe`: its experts, its
+    top-k and exactly its MoE layers, else what differs. A record that does not would fail the replay inside the
+    step (megatron_bridge.routing_replay: a layer without a column, a top-k of another width, an expert id past the
+    router's) on every rank, and again after every resume."""
+    if routed.num_experts != moe.num_experts:
+        return f"routed_experts over {routed.num_experts} experts, the model has {moe.num_experts}"
+    if routed.ids.shape[2] != moe.top_k:
+        return f"routed_experts of top-{routed.ids.shape[2]}, the model routes top-{moe.top_k}"
+    if tuple(routed.layers) != moe.layers:
+        return f"routed_experts of MoE layers {list(routed.layers)[:16]}, the model's are {list(moe.layers)[:16]}"
+    return None
 
 
 def preference_pair_problem(group: ExperienceGroup) -> str | None:

@@ -10,7 +10,9 @@ Contract:
   (decodes but cannot be trained on: empty, ids outside the vocabulary, over the length limits, a reward out of
   range; the trainer's `check`, rft.trainer.batch.TrainableLimits; the record goes to the dead-letter topic with
   the reason, so a resumed trainer never meets it again).
-- `FeedState` (offsets + the ids of groups taken) describes exactly what has been consumed. The trainer stores the
+- `FeedState` (offsets + the ids of the last MAX_TAKEN_IDS groups taken) describes exactly what has been consumed
+  (a group id's length is bounded by the schema, rft.schema.MAX_ID_CHARS; a duplicate delivered more than
+  MAX_TAKEN_IDS groups after its first is taken again). The trainer stores the
   state of step s in the checkpoint of step s; a trainer restarted from it sees every later record once and no
   earlier one. Records polled but not yet consumed are not part of the state.
 - With a single-partition experiences topic (the default, `kafka.experience_partitions: 1`) the order of groups
@@ -60,6 +62,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+MAX_TAKEN_IDS = 65_536  # group ids a feed remembers (FeedState.taken_groups): duplicates are at-least-once redeliveries
+
+
 class FeedTimeout(TimeoutError):
     pass
 
@@ -99,7 +104,8 @@ class ReplayWindow:
 
 @dataclass
 class FeedState:
-    """What has been consumed: next offset per partition ("topic:partition") and the group ids taken."""
+    """What has been consumed: next offset per partition ("topic:partition") and the ids of the last MAX_TAKEN_IDS
+    groups taken, oldest first (what a resumed feed needs to skip a duplicate delivery)."""
     offsets: dict[str, int] = field(default_factory=dict)
     taken_groups: list[str] = field(default_factory=list)
     operators: dict = field(default_factory=dict)  # the experience operators' state (OperatorChain.state)
@@ -113,7 +119,7 @@ class FeedState:
     @classmethod
     def from_json(cls, data: dict) -> FeedState:
         return cls(offsets={str(k): int(v) for k, v in data.get("offsets", {}).items()},
-                   taken_groups=[str(g) for g in data.get("taken_groups", [])],
+                   taken_groups=[str(g) for g in data.get("taken_groups", [])][-MAX_TAKEN_IDS:],
                    operators=dict(data.get("operators", {})),
                    held=[{"position": str(h["position"]), "offset": int(h["offset"]), "group_id": str(h["group_id"])}
                          for h in data.get("held", [])])
@@ -311,7 +317,10 @@ class ExperienceFeed:
                     return "untrainable"
                 group, inline = shaped, dataclasses.replace(inline, value=encode(shaped)[0])
         self._taken.add(group.group_id)
-        self.state.taken_groups.append(group.group_id)
+        taken = self.state.taken_groups
+        taken.append(group.group_id)
+        if len(taken) > MAX_TAKEN_IDS:  # the oldest leaves (ids are unique in it: a duplicate is never taken)
+            self._taken.discard(taken.pop(0))
         batch.groups.append(group)
         batch.messages.append(inline)  # claims resolved: what other ranks decode (a dead letter keeps them)
         return None

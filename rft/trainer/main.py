@@ -45,6 +45,7 @@ from rft.cores import CoreShare
 from rft.experience.operators import OperatorContext, build_operator_chain, split_drops
 from rft.experience.staleness_policies import build_staleness_policy
 from rft.models.config import ModelConfig
+from rft.models.moe import moe_shape
 from rft.modes import mode, staleness
 from rft.observability.metrics import MetricsLogger
 from rft.observability.prometheus import MetricsEndpoint, metrics_endpoint
@@ -198,15 +199,18 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict, t
 
 def trainable_limits(cfg: Config, *, greedy_baseline: bool = False) -> TrainableLimits:
     """The limits a group must meet to be trained on in this run: the model's vocabulary (its config.json), the
-    length limits, the reward range; with `greedy_baseline` (the algorithm's need), a `greedy_reward`."""
+    length limits, the reward range; with `greedy_baseline` (the algorithm's need), a `greedy_reward`; with routing
+    replay (`run.routing_replay`), routed experts of the model's MoE layout (its config.json)."""
     hf_config = Path(cfg.model.path) / "config.json"
     try:
-        vocab_size = int(json.loads(hf_config.read_text())["vocab_size"])
+        config = json.loads(hf_config.read_text())
+        vocab_size = int(config["vocab_size"])
+        moe = moe_shape(config) if cfg.run.routing_replay else None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"model.path: {hf_config} has no readable vocab_size: {e}") from None
+        raise ConfigError(f"model.path: {hf_config} has no readable vocab_size or MoE layout: {e}") from None
     return TrainableLimits(vocab_size=vocab_size, max_prompt_len=cfg.model.max_prompt_len,
                            max_response_len=cfg.model.max_response_len, rewards=RewardRange.of(cfg.run),
-                           greedy_baseline=greedy_baseline)
+                           greedy_baseline=greedy_baseline, moe=moe)
 
 
 def _open_demonstrations(cfg: Config, topic: str, transport: Transport,

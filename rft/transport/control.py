@@ -17,12 +17,21 @@ explorers moved to consumer group `group`, epoch `epoch`, seeded with `offsets`:
 
 `ControlView.apply()` folds messages; the trainer's state follows its newest message (partitions interleave; an older
 one read later is ignored), so the view never goes back in time. A malformed message is counted, never raised.
+
+Bounds (the control topic is not trusted, docs/security.md): every integer field within `FIELD_BOUNDS` by name
+(versions and steps 0..MAX_VERSION: a store names a version by 8 digits, rft.weights.store.version_dirname; epochs
+1..MAX_EPOCH; ports 0..65535; offsets >= 0), any other integer within +-MAX_INT, floats finite, strings up to
+MAX_TEXT characters, maps and lists up to MAX_ITEMS entries: anything else is a ControlError. The view also refuses
+(counts in `malformed`, ignores) a message stamped more than MAX_FUTURE_S ahead of this host's clock (it would hold
+the trainer's state for good) and a `tasks_group` move that is not the next epoch of the one in force (moves go one
+epoch at a time, rft/explorer/membership.py: a forged far epoch would move the fleet for good).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
+import math
 import time
 import types
 import typing
@@ -30,7 +39,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
-from rft.schema import ControlMessage, RecordError, decode
+from rft.schema import MAX_CLOCK_SKEW_S, ControlMessage, RecordError, decode
 
 log = logging.getLogger(__name__)
 
@@ -41,29 +50,55 @@ class ControlError(ValueError):
     """A control message of a known kind whose body does not fit the kind."""
 
 
+MAX_VERSION = 10**8 - 1  # the highest weights version (and trainer step): store directories hold 8 digits
+MAX_EPOCH = 10_000  # the highest tasks_group epoch (one move per explorer.unassigned_rejoin_s at most)
+MAX_INT = 2**53  # any other integer field, in absolute value
+MAX_TEXT = 4096  # characters of a string field (ids, paths, hosts, reasons)
+MAX_ITEMS = 4096  # entries of a map or list field (offsets, metrics, partitions)
+MAX_FUTURE_S = MAX_CLOCK_SKEW_S  # how far ahead of this host's clock a message may be stamped
+_VERSION_BOUNDS = (0, MAX_VERSION)
+# integer fields bounded by name (a map's values take its name's bounds: offsets)
+FIELD_BOUNDS: dict[str, tuple[int, int]] = {
+    "version": _VERSION_BOUNDS, "weights_version": _VERSION_BOUNDS, "step": _VERSION_BOUNDS,
+    "epoch": (1, MAX_EPOCH), "port": (0, 65535), "prometheus_port": (0, 65535), "offsets": (0, MAX_INT),
+    "world_size": (1, 1 << 20), "groups_in_batch": (0, MAX_INT), "partitions": (0, 1 << 20)}
+
+
 # --------------------------------------------------------------------------------------------------
 # Field validation
 
 
-def _check(kind: str, name: str, value: Any, hint: Any) -> Any:
-    """`value` as type `hint` (int, float, str, bool, Optional[X], dict[str, int], list[int]), else ControlError."""
+def _check(kind: str, name: str, value: Any, hint: Any, bounds: tuple[int, int] | None = None) -> Any:
+    """`value` as type `hint` (int, float, str, bool, Optional[X], dict[str, int], list[int]) within the module's
+    bounds (`bounds`: an integer's, default FIELD_BOUNDS of the field's name), else ControlError."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    bounds = bounds or FIELD_BOUNDS.get(name, (-MAX_INT, MAX_INT))
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         (inner,) = [a for a in args if a is not type(None)]
-        return _check(kind, name, value, inner)
+        return _check(kind, name, value, inner, bounds)
+    if origin in (dict, list) and isinstance(value, (dict, list, tuple)) and len(value) > MAX_ITEMS:
+        raise ControlError(f"{kind}: field {name!r} has {len(value)} entries, over {MAX_ITEMS}")
     if origin is dict:
         if not isinstance(value, dict):
             raise ControlError(f"{kind}: field {name!r} must be a map, got {value!r:.80}")
-        return {str(k): _check(kind, f"{name}[{k!r}]", v, args[1]) for k, v in value.items()}
+        if any(len(str(k)) > MAX_TEXT for k in value):
+            raise ControlError(f"{kind}: field {name!r} has a key over {MAX_TEXT} characters")
+        return {str(k): _check(kind, f"{name}[{k!r}]", v, args[1], bounds) for k, v in value.items()}
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise ControlError(f"{kind}: field {name!r} must be a list, got {value!r:.80}")
-        return [_check(kind, f"{name}[{i}]", v, args[0]) for i, v in enumerate(value)]
+        return [_check(kind, f"{name}[{i}]", v, args[0], bounds) for i, v in enumerate(value)]
     if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ControlError(f"{kind}: field {name!r} must be a finite number, got {value!r}")
         return float(value)
     if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
+        if hint is int and not bounds[0] <= value <= bounds[1]:
+            raise ControlError(f"{kind}: field {name!r} is {value}, outside {bounds[0]}..{bounds[1]}")
+        if hint is str and len(value) > MAX_TEXT:
+            raise ControlError(f"{kind}: field {name!r} has {len(value)} characters, over {MAX_TEXT}")
         return value
     raise ControlError(f"{kind}: field {name!r} must be {hint.__name__}, got {value!r:.80}")
 
@@ -99,6 +134,8 @@ class Kind:
         for f in dataclasses.fields(cls):
             if f.name in body:
                 values[f.name] = _check(cls.KIND, f.name, body[f.name], hints[f.name])
+            elif f.name == "explorer_id" and sender and len(sender) > MAX_TEXT:
+                raise ControlError(f"{cls.KIND}: sender has {len(sender)} characters, over {MAX_TEXT}")
             elif f.name == "explorer_id" and sender:
                 values[f.name] = sender  # explorers' messages: the sender is the explorer id
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -411,18 +448,46 @@ class ControlView:
     def apply(self, message: ControlMessage, *, received_at: float | None = None) -> None:
         try:
             kind = parse(message)
+            if kind is not None:
+                self._check_time(message)
         except ControlError as e:
-            self.malformed += 1
-            log.warning("skipping a malformed control message from %s: %s", message.sender, e)
+            self.refuse(message.sender, e)
             return
         if kind is None or isinstance(kind, (AdmissionClaim, AdmissionRelease)):
             return  # the admission ledger's (rft/explorer/admission.py); liveness is the heartbeats'
+        if isinstance(kind, TasksGroup) and (problem := self._move_problem(kind)):
+            if problem != "known":
+                self.refuse(message.sender, ControlError(f"tasks_group: {problem}"))
+            return
         self._apply_weights(kind)
         if isinstance(kind, _FromExplorer):
             self._apply_explorer(kind, message.created_at)
             self.heard[kind.explorer_id] = time.time() if received_at is None else received_at
         elif message.sender == TRAINER and message.created_at >= self.trainer.last_seen:
             self._apply_trainer(kind, message.created_at)
+
+    def refuse(self, sender: str, error: object) -> None:
+        """Count (`malformed`) and log a message from `sender` that is ignored."""
+        self.malformed += 1
+        log.warning("skipping a malformed control message from %.80s: %s (skipped so far: %d)", sender, error,
+                    self.malformed)
+
+    @staticmethod
+    def _check_time(message: ControlMessage) -> None:
+        if not math.isfinite(message.created_at) or message.created_at > time.time() + MAX_FUTURE_S:
+            raise ControlError(f"{message.kind}: created_at {message.created_at!r} is not finite or is more than "
+                               f"{MAX_FUTURE_S:.0f} s ahead of this host's clock")
+
+    def _move_problem(self, move: TasksGroup) -> str | None:
+        """None when `move` is the next epoch of the move in force; "known" for one already in force or passed (two
+        explorers moving at once announce the same epoch); else why it is refused."""
+        current = 0 if self.tasks_group is None else self.tasks_group.epoch
+        if move.epoch <= current:
+            return "known"
+        if move.epoch != current + 1:
+            return (f"epoch {move.epoch} skips ahead of the move in force (epoch {current}): the explorers move one "
+                    "epoch at a time")
+        return None
 
     def _apply_weights(self, kind: Kind) -> None:
         if isinstance(kind, Weights):
@@ -435,7 +500,7 @@ class ControlView:
             self.pushed.setdefault(kind.group_id, []).append(kind.version)
         elif isinstance(kind, PushAbandoned):
             self.abandoned.add(kind.group_id)
-        elif isinstance(kind, TasksGroup) and (self.tasks_group is None or kind.epoch > self.tasks_group.epoch):
+        elif isinstance(kind, TasksGroup):  # the next epoch (apply)
             self.tasks_group = kind
 
     def _apply_trainer(self, kind: Kind, when: float) -> None:

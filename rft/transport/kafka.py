@@ -34,6 +34,7 @@ from rft.transport.base import (
 )
 from rft.transport.claims import ClaimStore
 from rft.transport.config import KafkaConfig
+from rft.transport.inflation import InflatedBatchTooLarge, install_inflation_bound
 
 _OVERHEAD_BYTES = 64 * 1024  # room for the batch and header framing around one maximal record
 # a consumer fetches records far larger than its own producers send (a foreign producer's, up to a managed broker's
@@ -106,6 +107,7 @@ def _nudge_stuck_waits() -> None:
 
 
 _nudge_stuck_waits()
+install_inflation_bound()  # a compressed batch inflates into at most inflation.MAX_INFLATED_BYTES (KafkaSource.poll)
 
 
 def _tp(key: str) -> TopicPartition:
@@ -279,6 +281,7 @@ class KafkaSource(SourceBase):
         self._probe: KafkaConsumer | None = None
         self.group = group
         self._gapless = _GaplessReads()  # without a group (class docstring, "Holes")
+        self.batches_refused = 0  # compressed batches passed over for inflating past the bound (poll)
         self._joined = threading.Event()
         if topics:
             if group is None:
@@ -306,6 +309,15 @@ class KafkaSource(SourceBase):
             return []
         except (KafkaTimeoutError, StuckClientError) as e:
             raise TransportError(f"poll: {e}") from None
+        except InflatedBatchTooLarge as e:  # a compression bomb: every record of it passed over, counted, logged
+            self.batches_refused += 1
+            log.error("%s: %s; passed over without reading it (refused so far: %d)",
+                      _key(e.partition) if e.partition else "?", e, self.batches_refused)
+            if e.partition is not None:
+                self._consumer.seek(e.partition, e.next_offset)
+                if self.group is None:
+                    self._gapless.sought(e.partition, e.next_offset)
+            return []
         out = [Message(r.topic, r.partition, r.offset, r.key, r.value, list(r.headers or []), r.timestamp)
                for tp, records in batches.items()
                for r in (records if self.group is not None else self._gapless.records(tp, records, self._consumer))]

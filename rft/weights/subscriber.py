@@ -85,8 +85,8 @@ class WeightUpdates:
             resolved = self.store.local(version, location, checksums=self.verify)
         except FileNotFoundError:
             return None  # not there (yet, or any more: garbage-collected): not a refusal, looked at again
-        except WeightStoreError as e:
-            self.refuse(f"weights version {version} at {location}", e)
+        except (WeightStoreError, TypeError, ValueError) as e:  # a version or path no store holds: never fatal
+            self.refuse(f"weights version {version} at {location!s:.200}", e)
             resolved = None
         self._checked[key] = resolved
         return resolved
