@@ -27,8 +27,8 @@ class PythonToolOptions(Section):
         help="tool_agent: how the python tool is isolated. bwrap (bubblewrap, `make system-deps`): no network, no "
         "other processes in view, a read-only root of /usr and the interpreter only (no home, run directory or "
         "host socket), a private /tmp and /dev/shm of python_workdir_mb each its only writable places, the whole "
-        "process tree killed after the call; an explorer refuses to start when it cannot work here. none: no isolation (trusted code "
-        "only; the same limits). Equal in every run of one explorer (docs/security.md)")
+        "process tree killed after the call; an explorer refuses to start when it cannot work here. none: no "
+        "isolation (trusted code only; the same limits). Equal in every run of one explorer (docs/security.md)")
     tool_memory_mb: int = option(512, range=at_least(64),
         help="tool_agent: address-space limit of each process of the python tool")
     tool_max_processes: int = option(16, range=COUNT,

@@ -112,9 +112,14 @@ def _tasks_of(uid: int) -> int:
 
 @functools.cache
 def check_sandbox(sandbox: str) -> None:
-    """ToolError (naming explorer.python_sandbox and what to do) unless `sandbox` works on this machine: bwrap,
-    prlimit and setpriv are installed and the interpreter starts in the sandbox (tried once per process)."""
+    """ToolError (naming explorer.python_sandbox and what to do) unless `sandbox` works on this machine: prlimit is
+    installed, and for bwrap bwrap and setpriv too and the interpreter starts in the sandbox (tried once per
+    process)."""
     if sandbox == "none":
+        try:
+            require_tools(["prlimit"])
+        except SandboxError as e:
+            raise ToolError(f"explorer.python_sandbox: none: {e}: the python tool sets its limits with it") from None
         return
     try:
         require_tools()

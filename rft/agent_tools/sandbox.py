@@ -18,9 +18,10 @@ its own, read-only, holding only:
   (`WORKDIR`). These two are the only writable places.
 No home directory, no run directory, no /run, /var or host /tmp, so no Unix socket of the host. When the caller is
 root the command runs as a user of its own (setpriv: no capabilities, no new privileges, no groups): a uid drawn at
-random per call from `SANDBOX_UIDS`, a range far above the host's users, so that RLIMIT_NPROC counts this call's tasks only
-and concurrent calls cannot starve one another (two calls drawing one uid would share their process budget, nothing
-else: neither sees the other's processes or files); otherwise bwrap maps the user in a new user namespace.
+random per call from `SANDBOX_UIDS`, a range far above the host's users, so that RLIMIT_NPROC counts this call's
+tasks only and concurrent calls cannot starve one another (two calls drawing one uid would share their process
+budget, nothing else: neither sees the other's processes or files); otherwise bwrap maps the user in a new user
+namespace.
 
 `require_tools()` and `check_bwrap(probe)` say why this cannot work here, if it cannot.
 """
@@ -78,12 +79,12 @@ def bwrap_command(command: Sequence[str], *, workdir_bytes: int, ro_paths: Seque
             args += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             args += ["--ro-bind", top, top]
+    args += ["--perms", "0755", "--dir", "/etc"]  # bwrap would make a directory with the caller's umask (077)
     for path in LOADER_FILES:
         args += ["--ro-bind-try", path, path]
     made: set[str] = {"/", "/etc"}
-    args += ["--perms", "0755", "--dir", "/etc"]
     for path in _outermost(ro_paths):
-        for above in reversed(PurePosixPath(path).parents):  # bwrap would make them with the caller's umask
+        for above in reversed(PurePosixPath(path).parents):
             if str(above) not in made:
                 made.add(str(above))
                 args += ["--perms", "0755", "--dir", str(above)]
@@ -118,9 +119,9 @@ def _tool(name: str) -> str:
     return path
 
 
-def require_tools() -> None:
-    """SandboxError naming the first program `bwrap_command` and `limited` need that is not installed here."""
-    for name in PACKAGES:
+def require_tools(names: Sequence[str] = tuple(PACKAGES)) -> None:
+    """SandboxError naming the first of `names` (programs `bwrap_command` and `limited` run) not installed here."""
+    for name in names:
         _tool(name)
 
 

@@ -141,12 +141,20 @@ def test_the_process_limit_holds():
 
 def test_an_explorer_refuses_to_start_when_the_sandbox_cannot_work(monkeypatch, tmp_path):
     python_tool.check_sandbox.cache_clear()
-    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on the PATH
+    for name in ("prlimit", "setpriv", "env"):  # all the sandbox runs but bwrap
+        (tmp_path / name).symlink_to(shutil.which(name))
+    monkeypatch.setenv("PATH", str(tmp_path))
     try:
         with pytest.raises(ToolError, match=r"explorer.python_sandbox: bwrap is not installed here: install "
                                             r"bubblewrap .*or set explorer.python_sandbox: none"):
             ToolBox(["python"], ToolLimits(sandbox="bwrap"))
         ToolBox(["python"], ToolLimits(sandbox="none"))  # the explicit opt-out
+        python_tool.check_sandbox.cache_clear()
+        (tmp_path / "bwrap").write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+        (tmp_path / "bwrap").chmod(0o755)  # a container that forbids namespaces
+        with pytest.raises(ToolError, match=r"explorer.python_sandbox: bwrap cannot create its sandbox here \(bwrap: "
+                                            r"No permissions to create new namespace\): install bubblewrap"):
+            ToolBox(["python"], ToolLimits(sandbox="bwrap"))
     finally:
         python_tool.check_sandbox.cache_clear()
 
