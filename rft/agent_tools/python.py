@@ -12,7 +12,7 @@ the explorer reads it back through its own descriptor, never by a path (the code
 FIFO, a directory or a hard link), at most 1 MiB (the file-size limit stops the code there), and the model sees at
 most `output_chars` characters of it.
 
-The sandbox (`ToolLimits.sandbox`, explorer.python_sandbox): `bwrap` runs the code in `bwrap_command`'s sandbox
+The sandbox (`ToolLimits.sandbox`, explorer.python_sandbox): `bwrap` runs the code in `sandboxed`'s sandbox
 (rft/agent_tools/sandbox.py: no network, its own /proc, a root of /usr, the loader's configuration and, read-only,
 this interpreter's prefixes: the venv's and its base installation's; a private /tmp of `workdir_mb` as its cwd;
 everything it started dies with the call). When the explorer runs as root the code runs as a user of its own
@@ -46,10 +46,10 @@ from rft.agent_tools.sandbox import (
     MAX_FILE_BYTES,
     ProcessLimits,
     SandboxError,
-    bwrap_command,
     check_bwrap,
     limited,
     require_tools,
+    sandboxed,
 )
 from rft.processes import signal_group
 
@@ -77,11 +77,11 @@ def _interpreter_paths() -> list[str]:
 
 def python_command(limits: ToolLimits, *arguments: str) -> list[str]:
     """The argv running the interpreter with `arguments` under `limits` (its sandbox, process limits)."""
-    command = limited([_interpreter(), "-I", *arguments],
-                      ProcessLimits(_cpu_seconds(limits), limits.memory_mb << 20, _process_limit(limits)))
+    command = [_interpreter(), "-I", *arguments]
+    process_limits = ProcessLimits(_cpu_seconds(limits), limits.memory_mb << 20, _process_limit(limits))
     if limits.sandbox == "none":
-        return command
-    return bwrap_command(command, workdir_bytes=limits.workdir_mb << 20, ro_paths=_interpreter_paths())
+        return limited(command, process_limits)
+    return sandboxed(command, process_limits, workdir_bytes=limits.workdir_mb << 20, ro_paths=_interpreter_paths())
 
 
 def _process_limit(limits: ToolLimits) -> int | None:

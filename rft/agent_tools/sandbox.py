@@ -4,15 +4,15 @@ rft/agent_tools/python.py; reusable for any program that must see only what it n
 `limited(command, limits)`: `prlimit` sets the `ProcessLimits` on itself and execs the command (no `preexec_fn`:
 forking a threaded explorer must not run Python in the child).
 
-`bwrap_command(command, workdir_bytes=..., ro_paths=...)` (bubblewrap, Debian's `bubblewrap`): new network, PID,
-IPC, UTS and cgroup namespaces (no network but its own loopback, abstract Unix sockets included; its own /proc with
-no other process in view), bwrap the namespace's init (everything the command started dies with it), and a root of
-its own, read-only, holding only:
+`bwrap_command(command, workdir_bytes=..., ro_paths=...)` (bubblewrap, Debian's `bubblewrap`; `sandboxed`: both):
+new network, PID, IPC, UTS and cgroup namespaces (no network but its own loopback, abstract Unix sockets included;
+its own /proc with no other process in view), bwrap the namespace's init (everything the command started dies with
+it), and a root of its own, read-only, holding only:
 - /usr (the system's programs and libraries) and the top-level links or directories /bin, /sbin, /lib, /lib32,
   /lib64, /libx32 that lead into it;
 - /etc/ld.so.cache, /etc/ld.so.conf, /etc/ld.so.conf.d (the dynamic loader's configuration), nothing else of /etc;
-- each of `ro_paths` (e.g. a Python prefix), bound read-only at its own path, the directories above it empty
-  (mode 0755);
+- each of `ro_paths` (e.g. a Python prefix; a Unix socket can be connected to through a read-only bind), bound
+  read-only at its own path, the directories above it empty (mode 0755);
 - /proc (its own), /dev (bwrap's, read-only: null, zero, full, random, urandom, tty, pts; /dev/shm a private
   tmpfs of `workdir_bytes`), and /tmp: a private tmpfs of `workdir_bytes`, mode 1777, the command's cwd
   (`WORKDIR`). These two are the only writable places.
@@ -82,22 +82,29 @@ def bwrap_command(command: Sequence[str], *, workdir_bytes: int, ro_paths: Seque
     args += ["--perms", "0755", "--dir", "/etc"]  # bwrap would make a directory with the caller's umask (077)
     for path in LOADER_FILES:
         args += ["--ro-bind-try", path, path]
-    made: set[str] = {"/", "/etc"}
-    for path in _outermost(ro_paths):
+    tmpfs = ["--perms", "1777", "--size", str(workdir_bytes), "--tmpfs"]
+    args += ["--proc", "/proc", "--dev", "/dev", *tmpfs, "/dev/shm", *tmpfs, WORKDIR]
+    made: set[str] = {"/", "/etc", "/dev", "/dev/shm", WORKDIR}
+    for path in _outermost(ro_paths):  # after the tmpfs mounts, which would hide one under /tmp
         for above in reversed(PurePosixPath(path).parents):
             if str(above) not in made:
                 made.add(str(above))
                 args += ["--perms", "0755", "--dir", str(above)]
         args += ["--ro-bind", path, path]
-    tmpfs = ["--perms", "1777", "--size", str(workdir_bytes), "--tmpfs"]
-    args += ["--proc", "/proc", "--dev", "/dev", *tmpfs, "/dev/shm", "--remount-ro", "/dev", *tmpfs, WORKDIR,
-             "--chdir", WORKDIR, "--remount-ro", "/"]
+    args += ["--remount-ro", "/dev", "--chdir", WORKDIR, "--remount-ro", "/"]
     command = [_tool("env"), "-u", "PWD", *command]  # bwrap sets PWD: the environment stays the one given
     if os.geteuid() == 0:
         uid = SANDBOX_UIDS[secrets.randbelow(len(SANDBOX_UIDS))]
         return [*args, _tool("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                 "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", *command]
     return [*args, "--unshare-user", *command]
+
+
+def sandboxed(command: Sequence[str], limits: ProcessLimits, *, workdir_bytes: int,
+              ro_paths: Sequence[str] = ()) -> list[str]:
+    """`command` under `limits` inside the sandbox (`bwrap_command`): the limits are set inside, as the command's
+    user, so that its process count is that user's."""
+    return bwrap_command(limited(command, limits), workdir_bytes=workdir_bytes, ro_paths=ro_paths)
 
 
 def _outermost(paths: Sequence[str]) -> list[str]:
