@@ -38,13 +38,15 @@ class ToolError(ValueError):
 class ToolLimits:
     """Limits every tool call runs under: `timeout_s` wall seconds (the python tool also gets that much CPU time),
     `memory_mb` address space of a sandboxed process, `output_chars` characters of a result the model sees;
-    the python tool's `sandbox` ("bwrap" or "none", explorer.python_sandbox) and `max_processes` (processes and
-    threads it may run at once, explorer.tool_max_processes)."""
+    the python tool's `sandbox` ("bwrap" or "none", explorer.python_sandbox), `max_processes` (processes and
+    threads it may run at once, explorer.tool_max_processes) and `workdir_mb` (the size of its sandbox's /tmp,
+    explorer.python_workdir_mb)."""
     timeout_s: float = 5.0
     memory_mb: int = 512
     output_chars: int = 1000
     sandbox: str = "bwrap"
     max_processes: int = 16
+    workdir_mb: int = 64
 
 
 class Tool(Protocol):

@@ -18,7 +18,9 @@ run stops them all, and is raised once every run has left.
 `check_runs` refuses what one engine cannot serve, naming the file and the key: a run that trains no LoRA, another
 engine than vllm, another base model or engine setting than the first run's (`ENGINE_KEYS`), pushed weights
 (`sync.method: push`: a push group drives the whole engine), the continuous loop (it steps the engine itself), a
-mode without explorers, and two configs of one run (same name, topics or weight store).
+mode without explorers, and two configs of one run (same name, topics or weight store). The python tool's sandbox
+settings (`SANDBOX_KEYS`) must be equal too: one run's `explorer.python_sandbox: none` would run its code in the
+process that holds every run's keys and credentials.
 """
 from __future__ import annotations
 
@@ -48,6 +50,9 @@ ENGINE_KEYS = ("model.path", "model.dtype", "model.chat_template", "model.max_pr
                "explorer.tensor_parallel_size", "explorer.gpu_memory_utilization", "explorer.cpu_kvcache_gb",
                "explorer.cpu_kv_block_size", "explorer.prefill_once",
                "explorer.vllm_in_process", "run.routing_replay", "run.routing_prefill")
+
+# the python tool's isolation (rft/agent_tools/config.py): equal in every run, or the weakest would expose the others
+SANDBOX_KEYS = ("explorer.python_sandbox", "explorer.python_workdir_mb")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +86,12 @@ def check_runs(runs: Sequence[SharedRun]) -> None:
                 raise ConfigError(f"{r.source}: {key}: {_value(r, key)!r}, while {first.source} has "
                                   f"{_value(first, key)!r}: runs sharing an explorer share its engine, which needs the "
                                   "same base model and engine settings")
+        for key in SANDBOX_KEYS:
+            if _value(r, key) != _value(first, key):
+                raise ConfigError(f"{r.source}: {key}: {_value(r, key)!r}, while {first.source} has "
+                                  f"{_value(first, key)!r}: runs sharing an explorer share its process, and the "
+                                  "python tool's code of one run could reach the others' unless every run "
+                                  "isolates it alike")
         for key, value in (("run.name", r.run.name), ("kafka.topic_prefix", r.kafka.topic_prefix or r.run.name),
                            ("sync.weight_store", os.path.realpath(r.store))):
             if (key, value) in seen:

@@ -37,7 +37,7 @@ def build_toolbox(explorer: ExplorerConfig) -> ToolBox:
     """The tools `explorer.tools` names, under the explorer's limits; WorkflowError naming the key."""
     limits = ToolLimits(timeout_s=explorer.tool_timeout_s, memory_mb=explorer.tool_memory_mb,
                         output_chars=explorer.tool_output_chars, sandbox=explorer.python_sandbox,
-                        max_processes=explorer.tool_max_processes)
+                        max_processes=explorer.tool_max_processes, workdir_mb=explorer.python_workdir_mb)
     try:
         return ToolBox(explorer.tools, limits)
     except ToolError as e:

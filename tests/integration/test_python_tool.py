@@ -3,6 +3,7 @@ its time, memory and output limits (the tool box's parsing and errors: tests/uni
 tests/security/test_data_python_sandbox.py)."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -40,3 +41,14 @@ def test_python_sandbox(box, patient_box):
     assert long.startswith("x" * 200) and long.endswith("[truncated, 5001 characters]")
     flood = run("while True: print('y' * 100)")  # past the 1 MiB file limit, well before the time limit
     assert flood.startswith("error: output over 1048576 bytes") and len(flood) < 300
+
+
+
+def test_python_sandbox_under_the_explorers_umask(patient_box):
+    """`rft run` sets umask 077: the directories the sandbox makes on the way to the interpreter stay open to the
+    code's user."""
+    old = os.umask(0o077)
+    try:
+        assert patient_box.run(ToolCall("python", {"code": "import json; print(json.dumps([6 * 7]))"})) == "[42]\n"
+    finally:
+        os.umask(old)

@@ -51,6 +51,9 @@ def runs(tmp_path):
     ({"model": {"dtype": "bfloat16"}}, "model.dtype", "same base model and engine settings"),
     ({"model": {"max_response_len": 512}}, "model.max_response_len", "same base model and engine settings"),
     ({"explorer": {"cpu_kvcache_gb": 2.0}}, "explorer.cpu_kvcache_gb", "same base model and engine settings"),
+    ({"explorer": {"python_sandbox": "none"}}, "explorer.python_sandbox",
+     "'none', while .*A.yaml has 'bwrap': .*the python tool's code of one run could reach the others'"),
+    ({"explorer": {"python_workdir_mb": 8}}, "explorer.python_workdir_mb", "8, while .*A.yaml has 64"),
     ({"run": {"name": "run-a"}}, "run.name", "'run-a' is also .*A.yaml's"),
     ({"kafka": {"topic_prefix": "run-a"}}, "kafka.topic_prefix", "'run-a' is also .*A.yaml's"),
 ])

@@ -4,6 +4,7 @@ starts interpreters: tests/integration/test_python_tool.py)."""
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from rft.agent_tools import ToolBox, ToolCall, ToolLimits, parse_tool_calls
 from rft.agent_tools.calculator import evaluate
 from rft.agent_tools.registry import ToolError
+from rft.agent_tools.sandbox import LOADER_FILES, TOP_LEVEL, ProcessLimits, sandboxed
 from rft.config import ConfigError
 from rft.run.loading import run_config_from_dict
 
@@ -111,7 +113,26 @@ def test_bad_calls_are_messages_not_crashes(box):
     ({"tool_timeout_s": 0}, "explorer.tool_timeout_s: must be > 0"),
     ({"tool_memory_mb": 10}, "explorer.tool_memory_mb: must be >= 64"),
     ({"tool_output_chars": 0}, "explorer.tool_output_chars: must be >= 1"),
+    ({"python_workdir_mb": 0}, r"explorer.python_workdir_mb: must be in \[1, 4096\]"),
 ])
 def test_tool_config_errors_name_the_key(explorer, message):
     with pytest.raises(ConfigError, match=message):
         run_config_from_dict({"model": {"path": "not/on/disk"}, "explorer": {"workflow": "tool_agent", **explorer}})
+
+
+def test_the_sandbox_binds_the_system_and_the_given_paths_only():
+    """The python tool's bwrap argv (rft/agent_tools/sandbox.py), built but never run: nothing bound writable, no
+    host path beyond /usr, the loader's files and `ro_paths` (the outermost of them; one under /usr is there
+    already), both tmpfs capped, the limits set inside, as the command's user."""
+    limits = ProcessLimits(cpu_s=2, memory_bytes=64 << 20, processes=8)
+    argv = sandboxed(["python", "-I"], limits, workdir_bytes=3 << 20,
+                     ro_paths=["/opt/py/lib", "/opt/py", "/usr/lib/python3", "/srv/venv"])
+    binds = {argv[i + 1] for i, a in enumerate(argv) if a in ("--ro-bind", "--ro-bind-try")}
+    system = {"/usr", *LOADER_FILES, *(t for t in TOP_LEVEL if os.path.isdir(t) and not os.path.islink(t))}
+    assert binds == system | {"/opt/py", "/srv/venv"}, binds
+    assert not {"--bind", "--bind-try", "--dev-bind", "--share-net"} & set(argv)
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--size"] == [str(3 << 20)] * 2
+    assert [argv[i + 3] for i, a in enumerate(argv) if a == "--size"] == ["/dev/shm", "/tmp"]
+    prlimit = argv.index("--as=67108864")
+    assert argv.index("--unshare-user" if os.geteuid() else "--no-new-privs") < prlimit < argv.index("python")
+    assert "--nproc=8" in argv and argv[-2:] == ["python", "-I"]
