@@ -1,7 +1,9 @@
 """Processes and ports: a leaf module (standard library only), so that light modules such as rft/broker/local.py, the
 benchmarks and the tests use the same helpers without importing rft.cli.commandline's dependencies.
 
-- `die_with_parent`: a child process that dies with its parent (Linux).
+- `die_with_parent`: a child process that dies with its parent (Linux); `dying_with_parent`: a command line that does
+  so from its start (util-linux's setpriv), and `signals_blocked`: children started with signals blocked, both instead
+  of a `preexec_fn`, which is unsafe in a process with threads (the child may deadlock on a lock another thread held).
 - `free_port`: a TCP port nothing listens on now; `listening_socket`: a socket listening on one address only;
   `is_loopback`: whether a host name or address is this machine's loopback.
 - `signal_group`, `stop_group`: a signal to a child's process group (it was started with `start_new_session=True`);
@@ -10,14 +12,17 @@ benchmarks and the tests use the same helpers without importing rft.cli.commandl
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ipaddress
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 
@@ -27,6 +32,27 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
+def dying_with_parent(command: list[str], sig: signal.Signals = signal.SIGTERM) -> list[str]:
+    """`command` started through util-linux's `setpriv --pdeathsig`, so that Linux sends `sig` to it when the thread
+    that starts it dies (before it runs a line, with no `preexec_fn`); `command` itself where setpriv is missing (not
+    Linux, or util-linux lacks it: the child then outlives a parent killed outright)."""
+    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    return [setpriv, f"--pdeathsig={sig.name.removeprefix('SIG')}", "--", *command] if setpriv else list(command)
+
+
+@contextlib.contextmanager
+def signals_blocked(signals: Collection[int]) -> Iterator[None]:
+    """Within the block, `signals` are blocked in this thread, so a child it starts begins with them blocked (fork
+    and exec keep the thread's mask) until it installs its handlers and unblocks them; the mask is restored after,
+    and a signal that came meanwhile is delivered then."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(signals)) if signals else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from rft.broker.limits import SizeLimitProxy
-from rft.processes import command_line, die_with_parent, free_port, signal_group, stop_group, wait_gone
+from rft.processes import command_line, dying_with_parent, free_port, signal_group, stop_group, wait_gone
 
 
 class BrokerError(RuntimeError):
@@ -181,8 +181,8 @@ class LocalBroker:
         if aws is not None:
             env = {k: v for k, v in env.items() if not k.startswith("AWS_")} | aws
         try:
-            return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
-                                    preexec_fn=_die_with_parent if main_thread else None)
+            return subprocess.Popen(dying_with_parent(command, signal.SIGKILL) if main_thread else command, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True, env=env)
         finally:
             if not isinstance(out, int):  # our log file, not subprocess.DEVNULL
                 out.close()
@@ -326,10 +326,6 @@ def _port_behind_proxy(max_message_bytes: int | None) -> int | None:
     """A free port for Tansu to listen on behind the size-limit proxy; None (it listens on the broker's port) without
     a limit, or on Apache Kafka (which enforces its own)."""
     return free_port() if max_message_bytes is not None and not os.environ.get("KAFKA_HOME") else None
-
-
-def _die_with_parent() -> None:
-    die_with_parent(signal.SIGKILL)
 
 
 def _port_free(host: str, port: int) -> bool:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rft.cores import CoreShare
-from rft.processes import signal_group
+from rft.processes import signal_group, signals_blocked
 
 EVALUATOR = "evaluator"
 DASHBOARD = "dashboard"  # `rft dashboard` on monitor.dashboard_port: the live run page, stopped with the run
@@ -80,11 +80,11 @@ class PartRunner:
             env[CoreShare.ENV] = self.cores[name]
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus
-        block = (lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked_signals)) if blocked_signals else None
         STARTING_PART.set()  # a stop from here to the record is raised after it (STARTING_PART)
         try:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                       preexec_fn=block)
+            with signals_blocked(blocked_signals):
+                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                           start_new_session=True)
             self.parts[name] = Part(name, process, log_path)
         finally:
             STARTING_PART.clear()

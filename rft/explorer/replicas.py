@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-from rft.cli.commandline import die_with_parent
+from rft.processes import dying_with_parent
 
 
 def run_replicas(args: argparse.Namespace, replicas: int) -> int:
@@ -22,9 +22,9 @@ def run_replicas(args: argparse.Namespace, replicas: int) -> int:
     extra = [a for o in args.overrides for a in ("--set", o)]
     if args.exit_when_idle is not None:
         extra += ["--exit-when-idle", str(args.exit_when_idle)]
-    children = [subprocess.Popen([sys.executable, "-m", "rft.cli", "explorer", args.config, *args.more_configs,
-                                  "--explorer-id", f"{prefix}-{i}", *extra],
-                                 start_new_session=True, preexec_fn=die_with_parent) for i in range(replicas)]
+    children = [subprocess.Popen(dying_with_parent([sys.executable, "-m", "rft.cli", "explorer", args.config,
+                                                    *args.more_configs, "--explorer-id", f"{prefix}-{i}", *extra]),
+                                 start_new_session=True) for i in range(replicas)]
 
     def forward(signum, frame):
         for child in children:

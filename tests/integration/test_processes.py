@@ -8,7 +8,18 @@ import subprocess
 import sys
 import uuid
 
-from rft.processes import alive, command_line, free_port, kill_matching, matching, signal_group, stop_group, wait_gone
+from rft.processes import (
+    alive,
+    command_line,
+    free_port,
+    kill_matching,
+    matching,
+    signal_group,
+    signals_blocked,
+    stop_group,
+    wait_gone,
+)
+from tests.waiting import wait_until
 
 # a child that ignores SIGTERM and starts a grandchild in its session, which prints its pid once it runs
 STUBBORN = """
@@ -57,3 +68,49 @@ def test_kill_matching_names_what_it_killed():
     finally:
         signal_group(process, signal.SIGKILL)
         process.wait()
+
+
+# a parent with a second thread running (where a preexec_fn may deadlock the child) that starts a sleeper through
+# dying_with_parent from that thread and prints its pid, then waits to be killed
+PARENT = """
+import subprocess, sys, threading, time
+from rft.processes import dying_with_parent
+def start():
+    child = subprocess.Popen(dying_with_parent([sys.executable, "-c", "import time; time.sleep(600)", sys.argv[1]]))
+    print(child.pid, flush=True)
+    time.sleep(600)
+threading.Thread(target=start, daemon=True).start()
+time.sleep(600)
+"""
+
+
+def test_a_child_started_dying_with_parent_dies_when_its_parent_is_killed_outright():
+    tag = f"rft-test-{uuid.uuid4().hex}"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, tag], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        child = int(parent.stdout.readline())
+        # setpriv asks for the signal, then execs the command (same pid): a parent killed before that is not seen
+        wait_until(lambda: (command_line(child) or "").split()[-1:] == [tag], timeout=30,
+                   what="setpriv to exec the command")
+        parent.kill()
+        parent.wait()
+        assert wait_gone(child, timeout_s=30), f"the child {child} outlived its parent"
+    finally:
+        kill_matching(tag)
+        parent.kill()
+
+
+def test_a_child_started_with_signals_blocked_begins_with_them_blocked_and_the_parent_gets_its_mask_back():
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    with signals_blocked({signal.SIGUSR1, signal.SIGTERM}):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        status = dict(line.split(":\t", 1) for line in open(f"/proc/{child.pid}/status").read().splitlines()
+                      if ":\t" in line)
+        blocked = int(status["SigBlk"], 16)
+        assert blocked & (1 << (signal.SIGUSR1 - 1)) and blocked & (1 << (signal.SIGTERM - 1))
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
+    finally:
+        child.kill()
+        child.wait()
