@@ -817,9 +817,9 @@ def claim_lineage(store: LineageStore, run: str, *, checkpoint: str | None, resu
            "the checkpoint predates lineages")
     if not new:
         raise LineageError(
-            f"sync.weight_store {store.root} holds {held}, and {why}: its versions are not this run's. Resume from "
-            f"that store's checkpoint, use another sync.weight_store, or set sync.new_lineage: true to discard its "
-            f"versions and start a new lineage")
+            f"sync.weight_store {store.root} holds {held}, and {why}: this trainer cannot continue its versions. "
+            f"Resume from that store's checkpoint, use another sync.weight_store, or set sync.new_lineage: true to "
+            f"discard its versions and start a new lineage")
     lineage = Lineage.new(run)
     log.warning("weight store %s: %s, and %s; sync.new_lineage: starting %s (its versions are discarded)", store.root,
                 held, why, lineage.describe())
