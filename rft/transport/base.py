@@ -460,7 +460,7 @@ class DeadLetter:
             value = b""
         origin = f"{m.position}@{m.offset}"
         future = self.sink.send(self.topic, value, key=m.key, headers=headers, check_size=False)
-        future.add_errback(lambda error: len(self._failed) < 64 and self._failed.append((origin, error)))
+        future.add_errback(lambda error: self._failed.extend([(origin, error)][:64 - len(self._failed)]))
         self._sent += 1
         self.count += 1
         kind = reason.split(":")[0][:80]

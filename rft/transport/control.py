@@ -130,6 +130,7 @@ class Weights(Kind):
     version: int
     path: str = ""
     offsets: dict[str, int] = field(default_factory=dict)
+    lineage: str = ""  # the weight store's lineage id (rft.weights.store); "" from a trainer before lineages
 
 
 @dataclass(frozen=True)

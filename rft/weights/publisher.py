@@ -105,7 +105,8 @@ class WeightPublisher:
         started = time.monotonic()
         path = self.store.publish(version, buckets, hf_dir=self.hf_dir, staging=staging, wait_s=self.stage_wait_s,
                                   adapter_config=self.adapter_config)
-        self.announce(Weights(version=version, path=str(path), offsets=offsets))
+        lineage = self.store.pin.lineage  # the one the version was stamped with (claimed, or ensured by publish)
+        self.announce(Weights(version=version, path=str(path), offsets=offsets, lineage=lineage.id if lineage else ""))
         self.last_write_s = time.monotonic() - started
 
     def _push(self, version: int, buckets: Iterable[dict], offsets: dict[str, int]) -> bool:

@@ -92,6 +92,8 @@ def test_a_reused_store_prefix_loads_no_version_of_the_old_lineage(tmp_path):
 
     updates = WeightUpdates(WeightStore(root), NoAnnouncements())
     assert updates._trusted(2, root / "v00000002") is None and updates.refused == 1
+    assert updates._trusted(0, root / "v00000000", "f" * 32) is None and updates.refused == 2  # announced for another
+    assert updates._trusted(0, root / "v00000000", new.pin.lineage.id) == root / "v00000000"
     with pytest.raises(LineageError, match="a version of lineage"):
         WeightStore(root).local(2)
     assert tensor(WeightStore(root).local(0)) == 100.0

@@ -49,9 +49,9 @@ EXAMPLES = [
 ]
 
 # the body keys each kind had before the protocol was typed (docs/schema.md: schema 1), plus optional fields added
-# since (an older reader ignores them): explorer_heartbeat's weights_refused
+# since (an older reader ignores them): explorer_heartbeat's weights_refused, weights' lineage
 WIRE_KEYS = {
-    "weights": {"version", "path", "offsets"},
+    "weights": {"version", "path", "offsets", "lineage"},
     "weights_push": {"group_id", "version", "offsets"},
     "push_group": {"group_id", "host", "port", "world_size", "backend", "timeout_s"},
     "push_abandoned": {"group_id", "version", "reason"},
