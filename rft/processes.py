@@ -150,10 +150,11 @@ def _fsync(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def sync_tree(path: str | os.PathLike) -> None:
-    """fsync `path`: a file, or a directory with every file and directory under it (symlinks are not followed)."""
+def sync_tree(path: str | os.PathLike, *, recursive: bool = True) -> None:
+    """fsync `path`: a file, or a directory with (`recursive`) every file and directory under it (symlinks are not
+    followed)."""
     path = Path(path)
-    if path.is_dir() and not path.is_symlink():
+    if recursive and path.is_dir() and not path.is_symlink():
         for parent, dirs, files in os.walk(path):
             for name in files:
                 if not os.path.islink(os.path.join(parent, name)):

@@ -235,7 +235,7 @@ class WeightStore:
             tmp.write_text(lineage.to_json())
             sync_tree(tmp)
             os.link(tmp, self.root / LINEAGE)
-            sync_tree(self.root)
+            sync_tree(self.root, recursive=False)
             return True
         except FileExistsError:
             return False
