@@ -5,7 +5,8 @@ A real trainer loop (the stand-in policy of tests/unit/test_trainer_loop.py) in 
 broker, takes a malformed record and a step's groups, commits its checkpoint past them, and is SIGKILLed at once (the
 commit is wrapped: the real one, then the kill). Its dead-letter producer lingers 60 s, as a slow broker would make it:
 without the flush the dead letter is still in the producer's buffer at the kill, and the record, consumed by the
-checkpoint, is gone for good. With it, the dead letter is on the topic before `latest` moves.
+checkpoint, is gone for good. With it, the dead letter is on the topic before `latest` moves. And a dead letter
+whose send failed stops the checkpoint (the trainer's loop over the in-memory transport): the record is read again.
 """
 from __future__ import annotations
 
@@ -15,11 +16,16 @@ import subprocess
 import sys
 import uuid
 
+import pytest
+
 from rft.run.config import config_from_dict
-from rft.transport import connect
+from rft.trainer.main import Trainer, open_trainer_io
+from rft.transport import TransportError, connect
 from rft.transport.base import HEADER_ORIGIN
+from rft.transport.memory import MemoryTransport
 from rft.transport.run_topics import RunTopics, create_run_topics
 from tests.records import make_group, read_topic, send_groups
+from tests.unit.test_trainer_loop import StandInPolicy, fill, make_config
 
 CHILD = """
 import json, os, signal, sys
@@ -76,3 +82,42 @@ def test_a_trainer_killed_after_its_checkpoint_commits_loses_no_dead_letter(tmp_
     dead = read_topic(transport, cfg.topic("dead_letter"), timeout_s=5.0)
     origins = [dict(m.headers).get(HEADER_ORIGIN) for m in dead]
     assert origins == [f"{cfg.topic('experiences')}:0@0".encode()], origins
+
+
+class FailingSends:
+    """A sink whose sends fail after they return (a broker that refuses the record: the producer's IO thread calls
+    the future's errback), as the Kafka sink's do; everything else is the wrapped in-memory sink's."""
+
+    def __init__(self, sink):
+        self.sink = sink
+
+    def send(self, *args, **kwargs):
+        class Failed:
+            def get(self, timeout=None):
+                raise TransportError("refused by the broker")
+
+            def add_errback(self, callback) -> None:
+                callback(TransportError("refused by the broker"))
+        return Failed()
+
+    def __getattr__(self, name):
+        return getattr(self.sink, name)
+
+
+def test_a_dead_letter_that_failed_stops_the_checkpoint_that_would_consume_its_record(tmp_path):
+    cfg = make_config(tmp_path)
+    transport = MemoryTransport(partitions=1)
+    fill(transport, cfg, [b"\x93garbage", make_group("run", 0), make_group("run", 1)])
+    sink = transport.sink
+    transport.sink = lambda client_id="rft", linger_ms=5: (  # type: ignore[method-assign]
+        FailingSends(sink(client_id=client_id)) if client_id.endswith("-dlq") else sink(client_id=client_id))
+    trainer = Trainer(cfg.trainer, run=cfg.run, model=cfg.model, algorithm=cfg.algorithm, sync=cfg.sync,
+                      run_dir=cfg.run_dir, temperature=1.0, progress=False, policy=StandInPolicy([]),
+                      open_io=lambda feed_state, replay_state: open_trainer_io(
+                          cfg, feed_state=feed_state, replay_state=replay_state, transport=transport))
+    try:
+        with pytest.raises(TransportError, match=r"dead letter of run.experiences:0@0 did not reach"):
+            trainer.run()
+    finally:
+        trainer.close()
+    assert not (cfg.run_dir / "checkpoints" / "latest").exists()  # the record stays unconsumed: read again
