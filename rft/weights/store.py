@@ -797,12 +797,14 @@ def claim_lineage(store: LineageStore, run: str, *, checkpoint: str | None, resu
     """The lineage the trainer of `run` publishes in (pinned on `store`): the store's, continued, when the checkpoint
     it resumed from (`resumed`) carries it (`checkpoint`: its id; "" or None for a checkpoint from before lineages),
     or when no checkpoint was there, `resume` was asked and the store is `run`'s (a restart before the first
-    checkpoint); a new one, created, on an unused store. Otherwise the store is used by another run or an earlier
+    checkpoint); a new one, created, on an unused store or a store without LINEAGE resumed from a checkpoint without
+    one (both from before lineages). Otherwise the store is used by another run or an earlier
     start: with `new` (sync.new_lineage) a new lineage replaces it (its versions are discarded), else LineageError
     saying what holds the store and how to go on."""
     current = store.read_lineage()
-    if current is None and store.latest() is None and not store.versions():
-        lineage = Lineage.new(run)
+    unused = store.latest() is None and not store.versions()
+    if current is None and (unused or (resumed and not checkpoint)):  # new; or a store and checkpoint from before
+        lineage = Lineage.new(run)  # lineages, adopted (readers refuse its older versions, which carry none)
         if not store.create_lineage(lineage):
             raise LineageError(f"{store.root}: another writer started a lineage just now (one trainer per store)")
         store.pin.lineage = lineage
