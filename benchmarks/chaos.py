@@ -70,10 +70,11 @@ Scenarios (`SCENARIOS`: data, name -> Scenario; adding one is adding an entry). 
                     (a legitimate dead letter, which must be on the dead-letter topic), unless a later record
                     re-put the same payload before the trainer read it.
   forged-control    at seeded steps, forged messages on the control topic: a `weights` announcement of version 10^8,
-                    one of the next version at a directory outside the weight store (a copy of the newest version),
+                    one 1000 versions ahead at a directory outside the weight store (a copy of the newest version),
                     and a `tasks_group` move to a far epoch that nobody seeded. Passes when the run finishes, no group
-                    of a version the trainer never made is on the topic, an explorer counted a refusal
-                    (`weights_refused` in its heartbeats), and no explorer committed in the forged group.
+                    of a version the trainer never made is on the topic, no explorer logged loading a forged version
+                    (its refusals, `weights_refused` in its heartbeats, are in the row), and no explorer committed
+                    in the forged group.
   poisoned-cache    an S3 weight store (rft's object server) and a host cache in the scenario's directory; at seeded
                     steps the next 3 versions are planted in the cache as another lineage's (copies of the newest
                     cached version, their manifests naming another lineage and run). Passes when every planted version
@@ -787,6 +788,7 @@ def s3_credentials() -> None:
 
 
 FORGED_EPOCH = 1_000_000  # the forged tasks_group's epoch: a consumer group nobody seeded (re-explore from the start)
+FORGED_AHEAD = 1000  # the forged announcement outside the store is this many versions ahead of LATEST
 FORGER = "chaos-forger"
 
 
@@ -800,20 +802,29 @@ def inject_forged_control(ctx: Context) -> None:
             if not ctx.wait_for_step(ctx.step() + ctx.rng.randint(2, 4)) or ctx.step() >= ctx.steps - 3:
                 break
             version = int((store / LATEST).read_text())
-            fake = ctx.out / f"forged-{i}" / version_dirname(version + 2)
+            ahead = version + FORGED_AHEAD  # newer than anything the trainer announces meanwhile: tried first
+            fake = ctx.out / f"forged-{i}" / version_dirname(ahead)
             try:  # a real version's files, at a directory outside the store
                 shutil.copytree(store / version_dirname(version), fake)
             except OSError:
                 fake.mkdir(parents=True, exist_ok=True)  # collected meanwhile: an empty directory is forged too
             forged = [("weights_huge_version", Weights(version=10**8, path=str(store / "v100000000"))),
-                      ("weights_outside_store", Weights(version=version + 2, path=str(fake))),
+                      ("weights_outside_store", Weights(version=ahead, path=str(fake))),
                       ("tasks_group_far_epoch", TasksGroup(explorer_id=FORGER, group=f"{name}.explorers.{FORGED_EPOCH}",
                                                            epoch=FORGED_EPOCH, offsets={}))]
             for what, kind in forged:
                 meta = sink.send_record(f"{name}.control", kind.to_message()).get(timeout=60)
-                ctx.fault("forged", what=what, offset=meta.offset)
+                ctx.fault("forged", what=what, offset=meta.offset, version=getattr(kind, "version", None))
     finally:
         sink.close()
+
+
+LOADED = re.compile(r"loaded weights version (\d+)")
+
+
+def loaded_versions(logs: list[Path]) -> set[int]:
+    """The versions the explorers logged as loaded (rft.weights.subscriber, rft.explorer)."""
+    return {int(m.group(1)) for log in logs for m in LOADED.finditer(log.read_text(errors="replace"))}
 
 
 def heartbeat_refusals(bootstrap: str, name: str) -> int:
@@ -831,14 +842,15 @@ def heartbeat_refusals(bootstrap: str, name: str) -> int:
     return refused
 
 
-def forgery_problems(faults: list[dict], *, refused: int,
+def forgery_problems(faults: list[dict], *, loaded: set[int],
                      forged_group_committed: dict[str, int | None]) -> list[str]:
-    """What the forged-control scenario's run shows of its forgeries being obeyed (empty: each was ignored)."""
-    kinds = {f["what"] for f in faults if f["kind"] == "forged"}
-    problems = []
-    if "weights_outside_store" in kinds and refused < 1:
-        problems.append("no explorer refused the announcement of a version outside the weight store")
-    if "tasks_group_far_epoch" in kinds and any(v is not None for v in forged_group_committed.values()):
+    """What the forged-control scenario's run shows of its forgeries being obeyed (empty: each was ignored): a forged
+    version an explorer loaded (`loaded`: from its log), the forged tasks group committed in."""
+    forged = [f for f in faults if f["kind"] == "forged"]
+    problems = [f"an explorer loaded the forged weights version {f['version']} ({f['what']})" for f in forged
+                if f.get("version") is not None and f["version"] in loaded]
+    if any(f["what"] == "tasks_group_far_epoch" for f in forged) and \
+            any(v is not None for v in forged_group_committed.values()):
         problems.append(f"explorers followed the forged tasks_group (committed in it: {forged_group_committed})")
     return problems
 
@@ -1042,12 +1054,13 @@ def run_scenario(scenario: Scenario, out: Path, model: Path, seed: int, quick: b
         staleness_held = max(ledger.staleness_max, metrics_staleness) <= bound and ledger.staleness_min >= 0
         faults = [f for f in ctx.faults if f["kind"] not in ("run_restart_needed", "cache_plant_skipped")]
         problems = []
+        logs = sorted((ctx.run_dir / "logs").glob("*.log")) + sorted(out.glob("*.log"))  # the parts' and explorers'
         if any(f["kind"] == "forged" for f in faults):
             committed_forged = committed_offsets(bootstrap, f"{name}.explorers.{FORGED_EPOCH}", f"{name}.tasks")
-            problems += forgery_problems(faults, refused=heartbeat_refusals(bootstrap, name),
-                                        forged_group_committed=committed_forged)
+            problems += forgery_problems(faults, loaded=loaded_versions(logs),
+                                         forged_group_committed=committed_forged)
+            row["weights_refused"] = heartbeat_refusals(bootstrap, name)  # the explorers' count (informational)
         if any(f["kind"] == "cache_planted" for f in faults):
-            logs = sorted((ctx.run_dir / "logs").glob("*.log")) + sorted(out.glob("*.log"))
             problems += poisoned_cache_problems(faults, cache_removals(logs))
         finished = code == 0 and state["step"] == ctx.steps
         row.update({

@@ -11,6 +11,7 @@ from benchmarks.chaos import (
     cache_removals,
     combined,
     forgery_problems,
+    loaded_versions,
     longest_stall,
     poisoned_cache_problems,
 )
@@ -146,14 +147,19 @@ def test_a_group_of_a_version_the_trainer_never_published_is_never_a_legitimate_
     assert legit.ok and legit.skipped == {"future_version": 1}  # a version a killed trainer made before its resume
 
 
-def test_forged_control_passes_only_when_every_forgery_was_ignored():
-    faults = [{"kind": "forged", "what": "weights_outside_store"}, {"kind": "forged", "what": "tasks_group_far_epoch"},
-              {"kind": "forged", "what": "weights_huge_version"}]
-    assert forgery_problems(faults, refused=1, forged_group_committed={"r.tasks:0": None, "r.tasks:1": None}) == []
-    assert "refused" in forgery_problems(faults, refused=0, forged_group_committed={})[0]
-    followed = forgery_problems(faults, refused=2, forged_group_committed={"r.tasks:0": 12, "r.tasks:1": None})
+def test_forged_control_passes_only_when_every_forgery_was_ignored(tmp_path):
+    faults = [{"kind": "forged", "what": "weights_outside_store", "version": 1004},
+              {"kind": "forged", "what": "tasks_group_far_epoch", "version": None},
+              {"kind": "forged", "what": "weights_huge_version", "version": 10**8}]
+    log = tmp_path / "explorer-0.log"
+    log.write_text("INFO loaded weights version 3 in 0.10 s\nINFO loaded weights version 4 in 0.09 s\n")
+    assert forgery_problems(faults, loaded=loaded_versions([log]),
+                            forged_group_committed={"r.tasks:0": None, "r.tasks:1": None}) == []
+    loaded = forgery_problems(faults, loaded={3, 4, 1004}, forged_group_committed={})
+    assert loaded == ["an explorer loaded the forged weights version 1004 (weights_outside_store)"]
+    followed = forgery_problems(faults, loaded={3}, forged_group_committed={"r.tasks:0": 12, "r.tasks:1": None})
     assert len(followed) == 1 and "followed the forged tasks_group" in followed[0]
-    assert forgery_problems([], refused=0, forged_group_committed={"r.tasks:0": 3}) == []  # nothing forged
+    assert forgery_problems([], loaded={1004}, forged_group_committed={"r.tasks:0": 3}) == []  # nothing forged
 
 
 def test_poisoned_cache_passes_only_when_every_planted_version_was_removed(tmp_path):
