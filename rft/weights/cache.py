@@ -185,9 +185,10 @@ class HostCache:
 
     def _cached_manifest(self, version: int) -> dict | None:
         try:
-            return json.loads((self.path(version) / MANIFEST).read_text())
+            body = json.loads((self.path(version) / MANIFEST).read_text())
         except (OSError, ValueError):
             return None
+        return body if isinstance(body, dict) else None
 
 
 class _Plan:

@@ -96,8 +96,8 @@ class Lineage:
             body = json.loads(data)
             lineage = cls(id=body["id"], run=body["run"], created=float(body["created"]))
             if not (isinstance(lineage.id, str) and re.fullmatch(r"[0-9a-f]{32}", lineage.id)
-                    and isinstance(lineage.run, str) and len(lineage.run) <= 256):
-                raise ValueError("id must be 32 hex digits and run a name")
+                    and isinstance(lineage.run, str) and len(lineage.run) <= 256 and 0 <= lineage.created < 1e11):
+                raise ValueError("id must be 32 hex digits, run a name and created a time")
         except (ValueError, KeyError, TypeError) as e:
             raise WeightStoreError(f"{where} is corrupt: {e}") from None
         return lineage
