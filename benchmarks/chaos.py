@@ -808,11 +808,14 @@ def inject_forged_control(ctx: Context) -> None:
                 shutil.copytree(store / version_dirname(version), fake)
             except OSError:
                 fake.mkdir(parents=True, exist_ok=True)  # collected meanwhile: an empty directory is forged too
-            forged = [("weights_huge_version", Weights(version=10**8, path=str(store / "v100000000"))),
-                      ("weights_outside_store", Weights(version=ahead, path=str(fake))),
+            # the huge version last, a step later: announced, it would hide the one outside the store (lower)
+            forged = [("weights_outside_store", Weights(version=ahead, path=str(fake))),
                       ("tasks_group_far_epoch", TasksGroup(explorer_id=FORGER, group=f"{name}.explorers.{FORGED_EPOCH}",
-                                                           epoch=FORGED_EPOCH, offsets={}))]
+                                                           epoch=FORGED_EPOCH, offsets={})),
+                      ("weights_huge_version", Weights(version=10**8, path=str(store / "v100000000")))]
             for what, kind in forged:
+                if what == "weights_huge_version":
+                    ctx.wait_for_step(ctx.step() + 1)
                 meta = sink.send_record(f"{name}.control", kind.to_message()).get(timeout=60)
                 ctx.fault("forged", what=what, offset=meta.offset, version=getattr(kind, "version", None))
     finally:
