@@ -56,7 +56,6 @@ from rft.weights.store import (
     WeightStoreError,
     adapter_tensors,
     bytes_entry,
-    check_lineage,
     check_publish,
     check_stage,
     check_stage_count,
@@ -174,11 +173,6 @@ class BucketStore:
             pass
         for version in self.version_prefixes():
             self.writer.delete_version(version, manifest_first=True)
-
-    def check_manifest(self, version: int, manifest: dict, expected: str | None) -> None:
-        """LineageError unless the store's `manifest` of `version` carries the lineage `expected` (the cache's check
-        before it builds a version)."""
-        check_lineage(manifest, expected, self.location(version))
 
     @property
     def cache(self) -> HostCache:

@@ -45,6 +45,7 @@ from rft.weights.store import (
     MANIFEST,
     WeightStoreError,
     bytes_entry,
+    check_lineage,
     file_entry,
     first_non_finite,
     iter_safetensors,
@@ -62,7 +63,6 @@ class Source(Protocol):
     root: str
 
     def manifest(self, version: int) -> dict: ...  # FileNotFoundError when the version is not published
-    def check_manifest(self, version: int, manifest: dict, expected: str | None) -> None: ...  # LineageError
     def read(self, version: int, name: str) -> bytes: ...  # one object, whole; FileNotFoundError when absent
     def download(self, version: int, name: str, out: Path) -> str: ...  # into `out`; returns its SHA-256
 
@@ -152,7 +152,7 @@ class HostCache:
 
     def _build(self, version: int, path: Path, *, checksums: bool, lineage: str | None = None) -> None:
         manifest = self.source.manifest(version)
-        self.source.check_manifest(version, manifest, lineage)
+        check_lineage(manifest, lineage, f"{self.source.root} version {version}")
         tmp = self.directory / f".tmp-{version_dirname(version)}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
