@@ -151,6 +151,7 @@ class PushGroup(Kind):
     world_size: int
     backend: str  # gloo | nccl (rft.weights.push) | vllm-nccl (rft.weights.vllm_transfer)
     timeout_s: float
+    lineage: str = ""  # the weight store's lineage id the pushed versions belong to ("": a trainer before lineages)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ path, in the order the package docstring (rft/weights/__init__.py) states; with 
 stage's publishing rank writes its own share of a pull-path version through a `StagePublisher`."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -138,11 +139,13 @@ class WeightPublisher:
         sender = self._sender()
         spec, members = sender.spec, sender.spec.world_size - 1
         deadline = time.monotonic() + spec.timeout_s
+        lineage = self.store.pin.lineage  # claimed by the trainer before its first version
+        announced = dataclasses.replace(spec, lineage=lineage.id if lineage else "")
         while (joined := sender.members_joined()) < members:
             if time.monotonic() > deadline:
                 raise PushError(f"only {joined} of {members} explorer engine workers joined the push group within "
                                 f"sync.timeout_s={spec.timeout_s:g}")
-            self.announce(spec)
+            self.announce(announced)
             time.sleep(self.ANNOUNCE_EVERY_S)
         try:
             sender.connect()

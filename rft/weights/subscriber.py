@@ -117,7 +117,7 @@ class PushAllowList:
         return cls(hosts, sync.push_port)
 
     def problem(self, spec: PushGroup) -> str | None:
-        """Why `spec` may not be joined (None: it may)."""
+        """Why `spec`'s address may not be joined (None: it may)."""
         if self.port and spec.port != self.port:
             return f"port {spec.port} is not sync.push_port {self.port}"
         if not 0 < spec.port < 65536:
@@ -155,7 +155,7 @@ class PushMembership:
     group, take part in every version pushed in it, leave it when the trainer abandons it. Any failure here
     makes the explorer give the group up and fall back to pulling from the weight store. `allowed`: which
     announced addresses may be joined (None: any; the explorer passes `PushAllowList.for_sync`); a group at any
-    other address is refused (`updates.refuse`) and never joined."""
+    other address, or for another lineage than the weight store's, is refused (`updates.refuse`) and never joined."""
 
     def __init__(self, engine: Engine, updates: WeightUpdates, *, allowed: PushAllowList | None = None):
         self.engine, self.updates, self.allowed = engine, updates, allowed
@@ -176,6 +176,7 @@ class PushMembership:
         announced = view.push_group
         if announced and announced.group_id not in (self.group_id, *view.abandoned, *self.given_up):
             problem = self.allowed.problem(announced) if self.allowed is not None else None
+            problem = problem or self._lineage_problem(announced)
             if problem is None:
                 self._join(announced)
             else:
@@ -199,6 +200,18 @@ class PushMembership:
                 break
             received.append(version)
         return received
+
+    def _lineage_problem(self, spec: PushGroup) -> str | None:
+        """Why a push group announced for another lineage than the weight store's may not be joined (None: it may;
+        an announcement that names none, or a store without one, is not checked)."""
+        store = self.updates.store
+        try:
+            expected = store.pin.expect(store.read_lineage(), str(store.root))
+        except WeightStoreError as e:
+            return str(e)
+        if spec.lineage and expected and spec.lineage != expected:
+            return f"announced for lineage {spec.lineage[:12]}, the weight store's is {expected[:12]}"
+        return None
 
     def loaded(self) -> None:
         """A whole version was loaded by pull: the engine is usable again."""
