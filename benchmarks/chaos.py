@@ -23,6 +23,9 @@ The ledger (by group id; the experiences topic has one partition, so the trainer
                 is offered to the step of the next record the trainer took; it is skipped legitimately iff it does
                 not decode (a dead letter), is another run's, repeats a group id already taken, or is outside the
                 mode's staleness bound at that step (stale, or from a future version after a resume)
+  foreign versions  groups (trained or skipped) of a policy version this run's trainer never published (above the
+                newest step in metrics.jsonl + 1): made with another lineage's weights (a stale cache, a reused store,
+                a forged announcement); never a legitimate skip, and the scenario fails
   duplicated    group ids in consumed.jsonl more than once
   dup records   records on the topic repeating a group id (producer retries, re-explored tasks after a kill)
   dead letters  undecodable covered records, each of which must be on the dead-letter topic (by `rft-origin`);
@@ -66,6 +69,16 @@ Scenarios (`SCENARIOS`: data, name -> Scenario; adding one is adding an entry). 
                     a part of a record being sent, not yet read) is deleted: that group is dead-lettered "missing"
                     (a legitimate dead letter, which must be on the dead-letter topic), unless a later record
                     re-put the same payload before the trainer read it.
+  forged-control    at seeded steps, forged messages on the control topic: a `weights` announcement of version 10^8,
+                    one 1000 versions ahead at a directory outside the weight store (a copy of the newest version),
+                    and a `tasks_group` move to a far epoch that nobody seeded. Passes when the run finishes, no group
+                    of a version the trainer never made is on the topic, no explorer logged loading a forged version
+                    (its refusals, `weights_refused` in its heartbeats, are in the row), and no explorer committed
+                    in the forged group.
+  poisoned-cache    an S3 weight store (rft's object server) and a host cache in the scenario's directory; at seeded
+                    steps the next 3 versions are planted in the cache as another lineage's (copies of the newest
+                    cached version, their manifests naming another lineage and run). Passes when every planted version
+                    was removed by the cache (its log line) rather than served, and the ledger balances.
   claim-slow        the same claim-checked records in an S3 claim store (rft's object server) behind a TCP proxy
                     (rft/broker/slow.py) that holds a seeded 10% of its answers for 2 s, past
                     records.fetch_timeout_s (1 s), and the others for 50 ms: reads and writes are retried
@@ -84,6 +97,8 @@ import collections
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -91,6 +106,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -131,6 +147,8 @@ from rft.schema import (
 from rft.transport import TransportError, claims_in, connect
 from rft.transport.base import HEADER_ORIGIN
 from rft.transport.config import KafkaConfig
+from rft.transport.control import TasksGroup, Weights
+from rft.weights.store import LATEST, MANIFEST, version_dirname, version_of
 
 PRODUCE, FETCH = 0, 1
 MODE, MAX_STALENESS = "off_policy", 2
@@ -160,6 +178,7 @@ class Ledger:
     duplicated: list[str] = field(default_factory=list)
     unmatched: list[str] = field(default_factory=list)  # trained, but not found in log order on the topic
     dup_records: int = 0
+    foreign_versions: list[str] = field(default_factory=list)  # groups of a version the trainer never published
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> records skipped legitimately (covered)
     dead_letter_offsets: list[int] = field(default_factory=list)  # covered records that do not decode
     staleness_max: int = 0
@@ -167,14 +186,21 @@ class Ledger:
 
     @property
     def ok(self) -> bool:
-        return not self.lost and not self.duplicated and not self.unmatched
+        return not self.lost and not self.duplicated and not self.unmatched and not self.foreign_versions
 
 
 def build_ledger(records: list[Offered], trained: list[dict], final_offset: int, *, run_id: str,
-                 bound: int | None) -> Ledger:
+                 bound: int | None, newest_version: int | None = None) -> Ledger:
     """The ledger of the module docstring from the experiences topic's records in log order (one partition),
-    consumed.jsonl's records in order, and the final checkpoint's next offset on that partition."""
+    consumed.jsonl's records in order, and the final checkpoint's next offset on that partition. `newest_version`:
+    the newest version this run's trainer can have published (None: not checked); a group of a newer one is a
+    foreign version, never a legitimate skip."""
     ledger = Ledger()
+
+    def foreign(version: int | None) -> bool:
+        return newest_version is not None and version is not None and version > newest_version
+
+    ledger.foreign_versions = sorted({t["group_id"] for t in trained if foreign(t.get("policy_version"))})
     ids = [r.group_id for r in records if r.group_id is not None and r.run_id == run_id]
     ledger.acknowledged = len(set(ids))
     ledger.dup_records = len(ids) - len(set(ids))
@@ -205,6 +231,9 @@ def build_ledger(records: list[Offered], trained: list[dict], final_offset: int,
             ledger.dead_letter_offsets.append(r.offset)
         elif r.run_id != run_id:
             skipped["foreign"] += 1
+        elif foreign(r.policy_version):
+            if r.group_id not in ledger.foreign_versions:
+                ledger.foreign_versions.append(r.group_id)
         elif r.group_id in taken:
             skipped["duplicate"] += 1
         elif r.policy_version is not None and bound is not None and (step - 1) - r.policy_version > bound:
@@ -751,6 +780,144 @@ def inject_claim_lost(ctx: Context) -> None:
 SLOW_S, SLOW_FRACTION, FETCH_TIMEOUT_S = 2.0, 0.1, 1.0
 
 
+def s3_credentials() -> None:
+    """Credentials for rft's object server (it checks none), inherited by the run's processes."""
+    for key, value in {"AWS_ACCESS_KEY_ID": "rft-chaos", "AWS_SECRET_ACCESS_KEY": "rft-chaos",
+                       "AWS_REGION": "us-east-1"}.items():
+        os.environ.setdefault(key, value)
+
+
+FORGED_EPOCH = 1_000_000  # the forged tasks_group's epoch: a consumer group nobody seeded (re-explore from the start)
+FORGED_AHEAD = 1000  # the forged announcement outside the store is this many versions ahead of LATEST
+FORGER = "chaos-forger"
+
+
+def inject_forged_control(ctx: Context) -> None:
+    """Forged control messages at seeded steps (module docstring, forged-control)."""
+    ctx.start_run()
+    name, store = ctx.scenario.run, ctx.run_dir / "weights"
+    sink = connect(KafkaConfig(), ctx.bootstrap).sink(client_id=FORGER, linger_ms=0)
+    try:
+        for i in range(1 if ctx.quick else 2):
+            if not ctx.wait_for_step(ctx.step() + ctx.rng.randint(2, 4)) or ctx.step() >= ctx.steps - 3:
+                break
+            version = int((store / LATEST).read_text())
+            ahead = version + FORGED_AHEAD  # newer than anything the trainer announces meanwhile: tried first
+            fake = ctx.out / f"forged-{i}" / version_dirname(ahead)
+            try:  # a real version's files, at a directory outside the store
+                shutil.copytree(store / version_dirname(version), fake)
+            except OSError:
+                fake.mkdir(parents=True, exist_ok=True)  # collected meanwhile: an empty directory is forged too
+            # the huge version last, a step later: announced, it would hide the one outside the store (lower)
+            forged = [("weights_outside_store", Weights(version=ahead, path=str(fake))),
+                      ("tasks_group_far_epoch", TasksGroup(explorer_id=FORGER, group=f"{name}.explorers.{FORGED_EPOCH}",
+                                                           epoch=FORGED_EPOCH, offsets={})),
+                      ("weights_huge_version", Weights(version=10**8, path=str(store / "v100000000")))]
+            for what, kind in forged:
+                if what == "weights_huge_version":
+                    ctx.wait_for_step(ctx.step() + 1)
+                meta = sink.send_record(f"{name}.control", kind.to_message()).get(timeout=60)
+                ctx.fault("forged", what=what, offset=meta.offset, version=getattr(kind, "version", None))
+    finally:
+        sink.close()
+
+
+LOADED = re.compile(r"loaded weights version (\d+)")
+
+
+def loaded_versions(logs: list[Path]) -> set[int]:
+    """The versions the explorers logged as loaded (rft.weights.subscriber, rft.explorer)."""
+    return {int(m.group(1)) for log in logs for m in LOADED.finditer(log.read_text(errors="replace"))}
+
+
+def heartbeat_refusals(bootstrap: str, name: str) -> int:
+    """The largest `weights_refused` any explorer reported in its heartbeats on the run's control topic."""
+    refused = 0
+    for m in read_topic(bootstrap, f"{name}.control"):
+        try:
+            record = decode(m.value, m.headers)
+        except RecordError:
+            continue
+        if isinstance(record, ControlMessage) and record.kind == "explorer_heartbeat":
+            value = record.body.get("weights_refused")
+            if isinstance(value, int):
+                refused = max(refused, value)
+    return refused
+
+
+def forgery_problems(faults: list[dict], *, loaded: set[int],
+                     forged_group_committed: dict[str, int | None]) -> list[str]:
+    """What the forged-control scenario's run shows of its forgeries being obeyed (empty: each was ignored): a forged
+    version an explorer loaded (`loaded`: from its log), the forged tasks group committed in."""
+    forged = [f for f in faults if f["kind"] == "forged"]
+    problems = [f"an explorer loaded the forged weights version {f['version']} ({f['what']})" for f in forged
+                if f.get("version") is not None and f["version"] in loaded]
+    if any(f["what"] == "tasks_group_far_epoch" for f in forged) and \
+            any(v is not None for v in forged_group_committed.values()):
+        problems.append(f"explorers followed the forged tasks_group (committed in it: {forged_group_committed})")
+    return problems
+
+
+def inject_poisoned_cache(ctx: Context) -> None:
+    """An S3 weight store and a host cache in the scenario's directory; at seeded steps, another lineage's versions are
+    planted in the cache (module docstring, poisoned-cache)."""
+    server = ObjectServer(ctx.out / "s3")
+    ctx.cleanup.append(server.stop)
+    server.bucket("weights")
+    s3_credentials()
+    config = yaml.safe_load(ctx.config.read_text())
+    config.setdefault("sync", {}).update(weight_store=f"s3://weights/{ctx.scenario.run}", s3_endpoint=server.endpoint,
+                                         cache_dir=str(ctx.out / "cache"))
+    ctx.config.write_text(yaml.safe_dump(config))
+    ctx.start_run()
+    for _ in range(1 if ctx.quick else 2):
+        if not ctx.wait_for_step(ctx.step() + ctx.rng.randint(2, 4)) or ctx.step() >= ctx.steps - 3:
+            break
+        plant_foreign_versions(ctx, ctx.out / "cache", count=3)
+
+
+def plant_foreign_versions(ctx: Context, cache: Path, count: int) -> None:
+    """Put the `count` versions after the newest cached one into the host cache as another lineage's: copies of the
+    newest, their manifests naming that version, another lineage and run (what a stale cache of another run holds)."""
+    cached = [d for d in cache.glob("*/v*") if version_of(d) is not None]
+    if not cached:
+        ctx.fault("cache_plant_skipped", why="no version cached yet")
+        return
+    newest = max(cached, key=lambda d: version_of(d) or 0)
+    lineage, base = uuid.uuid4().hex, version_of(newest) or 0
+    for version in range(base + 1, base + 1 + count):
+        staged = ctx.out / f"plant-{version_dirname(version)}-{lineage[:8]}"
+        try:
+            shutil.copytree(newest, staged)
+            manifest = json.loads((staged / MANIFEST).read_text())
+            manifest.pop("delta", None)
+            manifest.update(version=version, lineage=lineage, run="chaos-foreign-run")
+            (staged / MANIFEST).write_text(json.dumps(manifest))
+            os.rename(staged, newest.parent / version_dirname(version))
+        except OSError as e:  # the newest was collected, or this version built, meanwhile
+            shutil.rmtree(staged, ignore_errors=True)
+            ctx.fault("cache_plant_skipped", version=version, why=str(e)[:200])
+            continue
+        ctx.fault("cache_planted", version=version)
+
+
+CACHE_REMOVED = re.compile(r"weights cache: version (\d+) in .*? is of lineage")
+
+
+def cache_removals(logs: list[Path]) -> set[int]:
+    """The versions the host caches logged as removed for being of another lineage (rft.weights.cache)."""
+    removed: set[int] = set()
+    for log in logs:
+        removed.update(int(m.group(1)) for m in CACHE_REMOVED.finditer(log.read_text(errors="replace")))
+    return removed
+
+
+def poisoned_cache_problems(faults: list[dict], removed: set[int]) -> list[str]:
+    """The planted versions no cache removed (it may have served them): empty when every one was refused."""
+    planted = [f["version"] for f in faults if f["kind"] == "cache_planted"]
+    return [f"planted version {v} was not removed from the host cache" for v in planted if v not in removed]
+
+
 def inject_claim_slow(ctx: Context) -> None:
     """An S3 claim store behind a proxy that holds a seeded share of its connections' answers (module docstring)."""
     server = ObjectServer(ctx.out / "s3")
@@ -766,9 +933,7 @@ def inject_claim_slow(ctx: Context) -> None:
 
     proxy = SlowProxy(("127.0.0.1", int(server.endpoint.rpartition(":")[2])), delay)
     ctx.cleanup.append(proxy.close)
-    for key, value in {"AWS_ACCESS_KEY_ID": "rft-chaos", "AWS_SECRET_ACCESS_KEY": "rft-chaos",
-                       "AWS_REGION": "us-east-1"}.items():
-        os.environ.setdefault(key, value)  # the run's processes inherit them (the server checks none)
+    s3_credentials()
     config = yaml.safe_load(ctx.config.read_text())
     config.setdefault("records", {}).update(store="s3://claims/records", s3_endpoint=f"http://{proxy.address}")
     ctx.config.write_text(yaml.safe_dump(config))
@@ -787,6 +952,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("claim-lost", inject_claim_lost, config={"records": CLAIMED}),
     Scenario("claim-slow", inject_claim_slow, config={"records": {
         **CLAIMED, "fetch_retries": 3, "fetch_timeout_s": FETCH_TIMEOUT_S}}),
+    Scenario("forged-control", inject_forged_control),
+    Scenario("poisoned-cache", inject_poisoned_cache),
 )}
 
 
@@ -872,8 +1039,10 @@ def run_scenario(scenario: Scenario, out: Path, model: Path, seed: int, quick: b
         final = state["feed"]["offsets"].get(f"{name}.experiences:0", 0)
         records = offered(bootstrap, f"{name}.experiences")
         trained = consumed(ctx.run_dir)
+        metrics = steps_done(ctx.run_dir)
+        newest = max((m["step"] for m in metrics), default=0) + 1  # a version is published before its metrics line
         ledger = build_ledger(records, trained, final, run_id=name,
-                              bound=staleness_bound(MODE, MAX_STALENESS))
+                              bound=staleness_bound(MODE, MAX_STALENESS), newest_version=newest)
         origins = dead_letter_origins(bootstrap, f"{name}.dead_letter")
         missing_dlq = [o for o in ledger.dead_letter_offsets if f"{name}.experiences:0@{o}" not in origins]
         poison_tasks = [f for f in ctx.faults if f["kind"] == "poison" and f["topic"] == "tasks"]
@@ -881,25 +1050,34 @@ def run_scenario(scenario: Scenario, out: Path, model: Path, seed: int, quick: b
         reached = [f for f in poison_tasks if f["offset"] < committed.get(f"{name}.tasks:{f['partition']}", 0)]
         tasks_missing_dlq = [f["what"] for f in reached
                              if f"{name}.tasks:{f['partition']}@{f['offset']}" not in origins]
-        metrics = steps_done(ctx.run_dir)
         stall = longest_stall([m["time"] for m in metrics], ctx.restarts)
         poll_timeout = float(yaml.safe_load(ctx.config.read_text())["trainer"]["poll_timeout_s"])  # the run's own
         metrics_staleness = max((m.get("staleness_max", 0) for m in metrics), default=0)
         bound = MAX_STALENESS
         staleness_held = max(ledger.staleness_max, metrics_staleness) <= bound and ledger.staleness_min >= 0
-        faults = [f for f in ctx.faults if f["kind"] != "run_restart_needed"]
+        faults = [f for f in ctx.faults if f["kind"] not in ("run_restart_needed", "cache_plant_skipped")]
+        problems = []
+        logs = sorted((ctx.run_dir / "logs").glob("*.log")) + sorted(out.glob("*.log"))  # the parts' and explorers'
+        if any(f["kind"] == "forged" for f in faults):
+            committed_forged = committed_offsets(bootstrap, f"{name}.explorers.{FORGED_EPOCH}", f"{name}.tasks")
+            problems += forgery_problems(faults, loaded=loaded_versions(logs),
+                                         forged_group_committed=committed_forged)
+            row["weights_refused"] = heartbeat_refusals(bootstrap, name)  # the explorers' count (informational)
+        if any(f["kind"] == "cache_planted" for f in faults):
+            problems += poisoned_cache_problems(faults, cache_removals(logs))
         finished = code == 0 and state["step"] == ctx.steps
         row.update({
             "faults": len(faults), "acknowledged": ledger.acknowledged, "trained": ledger.trained,
             "pending": ledger.pending, "lost": len(ledger.lost), "duplicated": len(ledger.duplicated),
             "unmatched": len(ledger.unmatched), "dup_records": ledger.dup_records, "skipped": ledger.skipped,
+            "foreign_versions": len(ledger.foreign_versions), "problems": problems,
             "dead_letters": len(ledger.dead_letter_offsets), "dead_letters_missing": len(missing_dlq),
             "poison_tasks_reached": len(reached), "poison_tasks_missing": tasks_missing_dlq,
             "longest_stall_s": stall, "stall_bound_s": poll_timeout, "staleness_max": ledger.staleness_max,
             "staleness_bound": bound, "staleness_held": staleness_held, "finished": finished, "exit": code,
             "restarts": len(ctx.restarts), "final_step": state["step"], "wall_s": round(time.time() - started, 1),
         })
-        row["passed"] = (finished and ledger.ok and not missing_dlq and not tasks_missing_dlq
+        row["passed"] = (finished and ledger.ok and not missing_dlq and not tasks_missing_dlq and not problems
                          and stall <= poll_timeout and staleness_held and len(faults) > 0)
         (out / "ledger.json").write_text(json.dumps({
             **row, "faults_injected": ctx.faults, "lost_ids": ledger.lost, "duplicated_ids": ledger.duplicated,
@@ -912,6 +1090,15 @@ def run_scenario(scenario: Scenario, out: Path, model: Path, seed: int, quick: b
     finally:
         ctx.close()
     return row
+
+
+def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[str, int | None]:
+    """Consumer group `group`'s committed offsets on `topic` (None: nothing committed on that partition)."""
+    source = connect(KafkaConfig(), bootstrap).source(group=group, topics=[])
+    try:
+        return dict(source.committed(topic))
+    finally:
+        source.close()
 
 
 def tasks_committed(bootstrap: str, name: str) -> dict[str, int]:

@@ -9,6 +9,8 @@ benchmarks and the tests use the same helpers without importing rft.cli.commandl
 - `signal_group`, `stop_group`: a signal to a child's process group (it was started with `start_new_session=True`);
   a stop that escalates to SIGKILL.
 - `command_line`, `matching`, `kill_matching`, `alive`, `wait_gone`: /proc, what runs with which command line.
+- `durable_replace` (and `write_durably`, `sync_tree`): the one way a file or directory that a resume reads is put
+  in place, so that it survives a power loss (fsync of its contents, the rename, fsync of the directory).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
@@ -175,3 +178,51 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def _fsync(path: str | os.PathLike) -> None:
+    """fsync one file or directory by its path."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(path: str | os.PathLike, *, recursive: bool = True) -> None:
+    """fsync `path`: a file, or a directory with (`recursive`) every file and directory under it (symlinks are not
+    followed)."""
+    path = Path(path)
+    if recursive and path.is_dir() and not path.is_symlink():
+        for parent, dirs, files in os.walk(path):
+            for name in files:
+                if not os.path.islink(os.path.join(parent, name)):
+                    _fsync(os.path.join(parent, name))
+            for name in dirs:
+                if os.path.islink(os.path.join(parent, name)):
+                    continue
+                _fsync(os.path.join(parent, name))
+    _fsync(path)
+
+
+def durable_replace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Put `src` (a complete file or directory) in place as `dst` so that after a power loss `dst` is either the old
+    one or all of `src`: fsync of `src` (a directory: everything under it, `sync_tree`), `os.replace`, then fsync of
+    `dst`'s directory (the rename itself). A directory `dst` must not exist or be empty (rename(2))."""
+    sync_tree(src)
+    os.replace(src, dst)
+    _fsync(Path(dst).parent)
+
+
+def write_durably(path: str | os.PathLike, data: str | bytes) -> None:
+    """`data` at `path`, visible whole or not at all, and durable once this returns (written aside, then
+    `durable_replace`)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        durable_replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

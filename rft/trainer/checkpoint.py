@@ -5,7 +5,9 @@ as JSON.
 Layout: `<run dir>/checkpoints/step_000012/{model/, trainer_state.json}` and `<run dir>/checkpoints/latest`, a
 text file holding the directory name of the newest *complete* checkpoint. `latest` is replaced atomically after
 everything else is written, so a crash mid-save leaves the previous checkpoint in force: the records consumed
-since then are consumed again, exactly once, by the restarted trainer.
+since then are consumed again, exactly once, by the restarted trainer. Both files are put in place durably
+(`rft.processes.write_durably`: fsync of the file, the rename, the directory), after the step's model files were
+synced (`sync_tree`, by the trainer), so a power loss never leaves `latest` naming a checkpoint that is not there.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rft.processes import write_durably
 from rft.trainer.feed import FeedState
 
 
@@ -30,6 +33,7 @@ class TrainerState:
     rng: dict
     replay_buffer: dict = field(default_factory=dict)  # ReplayBuffer.to_json(); empty without replay
     demonstrations: dict = field(default_factory=dict)  # the demonstrations feed's FeedState.to_json(); {} without one
+    lineage: str = ""  # the weight store's lineage id the versions up to `step` were published in ("": none, or older)
 
 
 def capture_rng() -> dict:
@@ -74,21 +78,17 @@ class CheckpointDir:
         return TrainerState(step=int(data["step"]), feed=FeedState.from_json(data["feed"]),
                             counters=data.get("counters", {}), rng=data["rng"],
                             replay_buffer=data.get("replay_buffer", {}),
-                            demonstrations=data.get("demonstrations", {}))
+                            demonstrations=data.get("demonstrations", {}), lineage=str(data.get("lineage", "")))
 
     def write_state(self, path: Path, state: TrainerState) -> None:
         body = {"step": state.step, "policy_version": state.step, "feed": state.feed.to_json(),
                 "counters": state.counters, "rng": state.rng, "replay_buffer": state.replay_buffer,
-                "demonstrations": state.demonstrations}
-        tmp = path / "trainer_state.json.tmp"
-        tmp.write_text(json.dumps(body))
-        os.replace(tmp, path / "trainer_state.json")
+                "demonstrations": state.demonstrations, "lineage": state.lineage}
+        write_durably(path / "trainer_state.json", json.dumps(body))
 
     def commit(self, step: int) -> None:
         """Make step's checkpoint the latest (atomic), then drop old ones."""
-        pointer_tmp = self.root / "latest.tmp"
-        pointer_tmp.write_text(self.step_dir(step).name + "\n")
-        os.replace(pointer_tmp, self.root / "latest")
+        write_durably(self.root / "latest", self.step_dir(step).name + "\n")
         complete = sorted(p for p in self.root.glob("step_*") if (p / "trainer_state.json").is_file())
         for old in complete[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)

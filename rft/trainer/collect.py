@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from rft.processes import write_durably
 from rft.run.config import Config
 from rft.run.records import claim_store
 from rft.transport import Transport, parse_offset_key
@@ -82,9 +83,7 @@ def _load_start(path: Path, topic: str) -> dict[str, int]:
 
 
 def _save_start(path: Path, topic: str, offsets: dict[str, int]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"topic": topic, "offsets": offsets}))
-    os.replace(tmp, path)
+    write_durably(path, json.dumps({"topic": topic, "offsets": offsets}))
 
 
 def collect_run(cfg: Config, transport: Transport | None, *, dry_run: bool = False,

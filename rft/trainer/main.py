@@ -15,7 +15,10 @@ The trainer knows no algorithm by name: it provides what the algorithm declares 
 (rft.algorithms.Needs: reference or teacher log-probs, demonstrations, the step, preference pairs, a critic, a pass
 over the step's micro-batches before its loss), and
 only that. Resume: the newest complete checkpoint is loaded and the feed seeks to its offsets; `consumed.jsonl` (which
-group trained in which step) is cut back to that step, so that it always describes the effective run.
+group trained in which step) is cut back to that step, so that it always describes the effective run. Rank 0 claims
+the weight store's lineage first (rft.weights.store.claim_lineage: the checkpoint's, continued; a used store without
+one is refused unless `sync.new_lineage`) and checkpoints its id. Before a checkpoint commits, every file it holds is
+synced and the dead letters sent since the last one are flushed and checked (`TrainerIO.flush_dead_letters`).
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ from rft.models.moe import moe_shape
 from rft.modes import mode, staleness
 from rft.observability.metrics import MetricsLogger
 from rft.observability.prometheus import MetricsEndpoint, metrics_endpoint
+from rft.processes import durable_replace, sync_tree, write_durably
 from rft.run.config import Config, RunConfig
 from rft.run.records import run_transport
 from rft.schema import ExperienceGroup, RewardRange, decode_group
@@ -72,6 +76,7 @@ from rft.transport import RecordSink, Transport, TransportError, lag
 from rft.transport.control import KEEP_METRIC, Kind, TrainerFinished, TrainerStarted, TrainerStep, TrainerWaiting
 from rft.weights.config import SyncConfig
 from rft.weights.publisher import WeightPublisher
+from rft.weights.store import LineageError, WeightStoreError, claim_lineage
 from rft.weights.stores import open_store
 from rft.weights.vllm_transfer import push_transport
 
@@ -92,6 +97,9 @@ def main(argv: list[str]) -> int:
         trainer = build_trainer(cfg, resume=not args.no_resume)
     except ConfigError as e:
         print(f"rft trainer: invalid config: {e}", file=sys.stderr)
+        return 2
+    except LineageError as e:
+        print(f"rft trainer: {e}", file=sys.stderr)
         return 2
     try:
         trainer.run()
@@ -135,6 +143,13 @@ class TrainerIO:
     def open_demonstrations(self, state: FeedState) -> None:
         assert self.demonstrations_opener is not None, "the algorithm needs no demonstrations"
         self.demonstrations, self.demonstrations_sink = self.demonstrations_opener(state)
+
+    def flush_dead_letters(self) -> None:
+        """Every dead letter the feeds sent is on the topic (TransportError otherwise): called before a checkpoint
+        commits the offsets past their records, so that a failed copy is never lost with its record consumed."""
+        self.feed.dead_letter.flush()
+        if self.demonstrations is not None:
+            self.demonstrations.dead_letter.flush()
 
     def close(self) -> None:
         if self.collector is not None:
@@ -238,7 +253,7 @@ def _replay_window(cfg: Config, transport: Transport, topic: str) -> ReplayWindo
         window = resolve_window(source, topic, start=cfg.replay.start, end=cfg.replay.end)
     finally:
         source.close()
-    path.write_text(json.dumps({"topic": topic, **window.to_json()}))
+    write_durably(path, json.dumps({"topic": topic, **window.to_json()}))
     return window
 
 
@@ -306,9 +321,17 @@ class Trainer:
         self._kept: collections.deque[tuple[int, int]] = collections.deque(maxlen=KEEP_WINDOW)
         self.io: TrainerIO | None = None
         self.replay: ExperienceReplay | None = None  # rank 0's replay buffer (replay_buffer.groups_per_step > 0)
+        self.lineage = state.lineage if state else ""  # the weight store's lineage id (rank 0, checkpointed)
         if self.is_reader:
-            self._open_io(open_io(state.feed if state else FeedState(), state.replay_buffer if state else {}),
-                          FeedState.from_json(state.demonstrations if state else {}))
+            io = open_io(state.feed if state else FeedState(), state.replay_buffer if state else {})
+            if mode(run.mode).publishes_weights:
+                try:
+                    self.lineage = claim_lineage(io.publisher.store, run.name, checkpoint=self.lineage,
+                                                 resumed=state is not None, resume=resume, new=sync.new_lineage).id
+                except WeightStoreError:
+                    io.close()
+                    raise
+            self._open_io(io, FeedState.from_json(state.demonstrations if state else {}))
         self.weights = WeightSync(self.policy, sync, self.run_dir, publisher=self.io.publisher if self.io else None,
                                   offsets=(lambda: dict(self.feed.state.offsets)) if self.io else None,
                                   lora=bool(model.lora.rank), publishes=mode(run.mode).publishes_weights)
@@ -489,7 +512,7 @@ class Trainer:
             if self.is_reader:
                 shutil.rmtree(partial, ignore_errors=True)
             if self.policy.save_hf(partial) is not None:
-                os.rename(partial, final)
+                durable_replace(partial, final)
 
     def _checkpoint(self, step: int) -> None:
         """Commit the checkpoint of `step` (every rank), once version `step` is out (WeightSync.flush). The critic's
@@ -500,14 +523,16 @@ class Trainer:
         self.policy.save_checkpoint(path / "model")
         if self.critic is not None:
             self.critic.save_checkpoint(path / "critic")
+        sync_tree(path)  # this rank's files (and the others': cheap when clean) durable before `latest` names them
         dist_io.barrier()
         self.weights.flush()  # a checkpoint at step s commits only once version s is out (resume never waits on it)
         if self.is_reader:
+            self.reader.flush_dead_letters()  # the records this checkpoint consumes: their dead letters are out
             self.checkpoints.write_state(path, TrainerState(
                 step=step, feed=self.feed.snapshot(), counters=self.counters, rng=capture_rng(),
                 replay_buffer=self.replay.buffer.to_json() if self.replay else {},
                 demonstrations=(self.reader.demonstrations.snapshot().to_json()
-                                if self.reader.demonstrations is not None else {})))
+                                if self.reader.demonstrations is not None else {}), lineage=self.lineage))
             self.checkpoints.commit(step)
             if self.reader.collector is not None:
                 self.reader.collector.after_checkpoint()  # in the background: the parts no reader needs any more
@@ -617,6 +642,4 @@ def _truncate_consumed(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    write_durably(path, "".join(line + "\n" for line in kept))

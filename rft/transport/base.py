@@ -411,12 +411,29 @@ class DeadLetter:
     """Decode-or-divert over any RecordSink: `decode(messages)` returns the decoded records (their claims resolved
     from `claims`, `resolve_claims`) and sends every record that fails to resolve or decode, byte-for-byte, to the
     dead-letter topic with the reason in the `rft-error` header and its origin (`topic:partition@offset`) in
-    `rft-origin`; consumption goes on. Counts by reason."""
+    `rft-origin`; consumption goes on. Counts by reason. A consumer that commits its position past a diverted record
+    first calls `flush()`: every dead letter sent since is on the topic, or TransportError (and nothing is committed:
+    the record is read, and diverted, again)."""
 
     def __init__(self, sink: RecordSink, topic: str, *, claims: ClaimStore | None = None):
         self.sink, self.topic, self.claims = sink, topic, claims
         self.count = 0
         self.reasons: dict[str, int] = {}
+        self._sent = 0  # dead letters sent since the last flush
+        self._failed: list[tuple[str, BaseException]] = []  # (origin, error) of sends that failed (the IO thread's)
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        """Wait until every dead letter sent since the last flush is on the topic; TransportError naming the first
+        that is not (the caller must not commit its position past that record)."""
+        sent, self._sent = self._sent, 0
+        if sent:
+            try:
+                self.sink.flush(timeout_s)
+            except Exception as e:  # the client's own timeout or closed-producer errors
+                raise TransportError(f"{sent} dead letter(s) to {self.topic} not confirmed: {e}") from e
+        if self._failed:
+            (origin, error), self._failed = self._failed[0], []
+            raise TransportError(f"the dead letter of {origin} did not reach {self.topic}: {error}")
 
     def decode(self, messages: Iterable[Message], decoder: Callable[[bytes, list], Any]) -> list[tuple[Message, Any]]:
         """(message as read, record) for each message that decodes."""
@@ -441,7 +458,10 @@ class DeadLetter:
         if limit is not None and record_size(value, m.key, headers) > limit:
             headers.append((HEADER_OMITTED, str(len(value)).encode()))
             value = b""
-        self.sink.send(self.topic, value, key=m.key, headers=headers, check_size=False)
+        origin = f"{m.position}@{m.offset}"
+        future = self.sink.send(self.topic, value, key=m.key, headers=headers, check_size=False)
+        future.add_errback(lambda error: self._failed.extend([(origin, error)][:64 - len(self._failed)]))
+        self._sent += 1
         self.count += 1
         kind = reason.split(":")[0][:80]
         self.reasons[kind] = self.reasons.get(kind, 0) + 1

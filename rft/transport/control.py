@@ -167,6 +167,7 @@ class Weights(Kind):
     version: int
     path: str = ""
     offsets: dict[str, int] = field(default_factory=dict)
+    lineage: str = ""  # the weight store's lineage id (rft.weights.store); "" from a trainer before lineages
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,7 @@ class PushGroup(Kind):
     world_size: int
     backend: str  # gloo | nccl (rft.weights.push) | vllm-nccl (rft.weights.vllm_transfer)
     timeout_s: float
+    lineage: str = ""  # the weight store's lineage id the pushed versions belong to ("": a trainer before lineages)
 
 
 @dataclass(frozen=True)

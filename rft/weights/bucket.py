@@ -10,6 +10,9 @@ version exists for readers once its manifest does), and `LATEST`. The directory 
   over an older version; a lost race reads again and retries).
 - Garbage collection keeps the newest `keep` versions and LATEST's, deleting a manifest before its files; versions
   older than the one just published that never got a manifest are deleted too.
+- Lineage (rft.weights.store's module docstring): `LINEAGE` is created with `If-None-Match: *`; every manifest
+  carries the lineage and the version's checksum; the host cache serves a cached version only when its lineage is the
+  store's (a stale cache's version of another run is removed and fetched again).
 - Per-stage publishing: each pipeline stage's publishing rank writes its shards then `.stage-KK.json` (or
   `.failed`) under the version's prefix; the publishing rank waits for them as the directory store's does.
 - Deltas: a shard of version v = last + 1 (v % `sync.full_every` != 0) also gets a delta when it is under half the
@@ -44,7 +47,10 @@ from rft.weights.store import (
     CHECKSUM,
     INDEX,
     LATEST,
+    LINEAGE,
     MANIFEST,
+    Lineage,
+    LineagePin,
     StageMerge,
     Staging,
     WeightStoreError,
@@ -53,9 +59,11 @@ from rft.weights.store import (
     check_publish,
     check_stage,
     check_stage_count,
+    ensure_lineage,
     failure_reason,
     gather_stages,
     index_json,
+    manifest_body,
     model_files,
     shard_tensors,
     stage_failed,
@@ -106,6 +114,7 @@ class BucketStore:
         self._cache: HostCache | None = None
         self._cache_key = hashlib.sha256(f"{endpoint}|{self.root}".encode()).hexdigest()[:16]
         self.writer = BucketWriter(self, full_every=full_every, max_delta_fraction=max_delta_fraction)
+        self.pin = LineagePin()
 
     # -- reading
     def location(self, version: int) -> str:
@@ -135,7 +144,35 @@ class BucketStore:
         if location is not None and str(location) != self.location(version):
             raise WeightStoreError(f"{location} is not version {version}'s location in the weight store {self.root} "
                                    f"({self.location(version)})")
-        return self.cache.materialize(version, checksums=checksums)
+        return self.cache.materialize(version, checksums=checksums,
+                                      lineage=self.pin.expect(self.read_lineage(), self.root))
+
+    # -- lineage (rft.weights.store's module docstring)
+    def read_lineage(self) -> Lineage | None:
+        """The prefix's LINEAGE, None when it has none; WeightStoreError when it is corrupt."""
+        try:
+            data = bytes(obstore.get(self.objects, LINEAGE).bytes())
+        except _MISSING:
+            return None
+        return Lineage.from_json(data, f"{self.root}/{LINEAGE}")
+
+    def create_lineage(self, lineage: Lineage) -> bool:
+        """Create LINEAGE unless there is one (`If-None-Match: *`); False when there was one."""
+        try:
+            obstore.put(self.objects, LINEAGE, lineage.to_json().encode(), mode="create", use_multipart=False)
+            return True
+        except AlreadyExistsError:
+            return False
+
+    def replace_lineage(self, lineage: Lineage) -> None:
+        """LINEAGE replaced (readers refuse the old versions from now on), then LATEST and every version deleted."""
+        obstore.put(self.objects, LINEAGE, lineage.to_json().encode(), use_multipart=False)
+        try:
+            obstore.delete(self.objects, LATEST)
+        except _MISSING:
+            pass
+        for version in self.version_prefixes():
+            self.writer.delete_version(version, manifest_first=True)
 
     @property
     def cache(self) -> HostCache:
@@ -262,7 +299,7 @@ class BucketWriter:
             return self.store.location(version)
         try:
             files, delta = self._write_version(version, buckets, hf_dir, staging, wait_s, adapter_config)
-            manifest = {"version": version, "algorithm": CHECKSUM, "files": dict(sorted(files.items()))}
+            manifest = manifest_body(version, files, ensure_lineage(self.store))
             if delta:
                 manifest["delta"] = {"base": version - 1, "files": dict(sorted(delta.items()))}
             try:
@@ -271,7 +308,7 @@ class BucketWriter:
                 log.warning("weight store: version %d was published meanwhile by another writer", version)
         except BaseException:
             if not self.store.has(version):
-                self._delete_version(version, manifest_first=False)
+                self.delete_version(version, manifest_first=False)
             raise
         self.advance_latest(version)
         self._collect_garbage(version)
@@ -396,9 +433,9 @@ class BucketWriter:
         doomed = [v for v in visible[:-self.store.keep] if latest is None or v != latest[0]]
         doomed += [v for v in prefixes if v < published and v not in visible]
         for v in doomed:
-            self._delete_version(v, manifest_first=True)
+            self.delete_version(v, manifest_first=True)
 
-    def _delete_version(self, version: int, *, manifest_first: bool) -> None:
+    def delete_version(self, version: int, *, manifest_first: bool) -> None:
         prefix = version_dirname(version) + "/"
         if manifest_first:
             obstore.delete(self.objects, prefix + MANIFEST)

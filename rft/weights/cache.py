@@ -13,6 +13,10 @@ Contract:
   (`stats["delta_fallbacks"]`), logged, and the file downloaded instead.
 - `materialize` returns a complete version without locking when it is there (a short one is removed and rebuilt);
   otherwise it takes the lock, looks again and builds it: the explorers of a host fetch each version once.
+- Lineage (rft.weights.store): `materialize(version, lineage=)` serves a cached version only when its manifest
+  names `lineage`, the store's: a version another run left in the cache (the same store URL reused) is removed, counted
+  (`stats["foreign_removed"]`, logged) and built again from the store; a store manifest of another lineage is refused
+  (LineageError). Every cached version of another lineage is removed when the lock is taken.
 - Garbage collection (under the lock, after each build) keeps the newest `keep` versions (>= 2: the newest is the
   next delta's base), renaming a doomed version out of the namespace first; a reader that loses the race gets
   FileNotFoundError and takes the newest version again (rft.weights.subscriber.load_newest_weights).
@@ -34,12 +38,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
+from rft.processes import durable_replace
 from rft.weights import delta as deltas
 from rft.weights.store import (
     CHECKSUM,
     MANIFEST,
     WeightStoreError,
     bytes_entry,
+    check_lineage,
     file_entry,
     first_non_finite,
     iter_safetensors,
@@ -68,7 +74,7 @@ class HostCache:
     def __init__(self, directory: str | os.PathLike, source: Source, *, keep: int = 2):
         self.directory, self.source, self.keep = Path(directory), source, max(keep, 2)
         self.stats = dict.fromkeys(("versions_built", "files_downloaded", "files_linked", "deltas_applied",
-                                    "delta_fallbacks", "bytes_downloaded", "delta_bytes"), 0)
+                                    "delta_fallbacks", "bytes_downloaded", "delta_bytes", "foreign_removed"), 0)
         self._stats_lock = threading.Lock()
 
     def count(self, key: str, n: int = 1) -> None:
@@ -84,20 +90,22 @@ class HostCache:
             return []
         return sorted(v for p in self.directory.iterdir() if (v := version_of(p)) is not None)
 
-    def materialize(self, version: int, *, checksums: bool = True) -> Path:
-        """The cached, complete directory of `version`, built first if needed (module docstring).
-        FileNotFoundError when the store does not have it (not yet, or any more)."""
+    def materialize(self, version: int, *, checksums: bool = True, lineage: str | None = None) -> Path:
+        """The cached, complete directory of `version` of `lineage` (the store's; None: a store without one), built
+        first if needed (module docstring). FileNotFoundError when the store does not have it (not yet, or any more);
+        LineageError when the store's version is of another lineage."""
         path = self.path(version)
-        if self._whole(version):
+        if self._whole(version, lineage):
             return path
         with self._locked():
-            if self._whole(version):  # another process built it while this one waited
+            self._remove_foreign(lineage)
+            if self._whole(version, lineage):  # another process built it while this one waited
                 return path
             if path.exists():  # short files (a crash after the rename): out of the namespace first, then rebuilt
                 os.rename(path, self.directory / f".trash-{version_dirname(version)}-{uuid.uuid4().hex[:8]}")
             self._remove_leftovers()
             started, before = time.monotonic(), dict(self.stats)
-            self._build(version, path, checksums=checksums)
+            self._build(version, path, checksums=checksums, lineage=lineage)
             self.count("versions_built")
             self._collect_garbage()
         done = {k: self.stats[k] - before[k] for k in self.stats}
@@ -106,11 +114,12 @@ class HostCache:
                  done["deltas_applied"], done["delta_fallbacks"], done["files_linked"])
         return path
 
-    def _whole(self, version: int) -> bool:
-        """Whether the cached `version` is there with every file of its manifest at its size (a stat each)."""
+    def _whole(self, version: int, lineage: str | None) -> bool:
+        """Whether the cached `version` is there, of `lineage`, with every file of its manifest at its size (a stat
+        each)."""
         path = self.path(version)
         manifest = self._cached_manifest(version)
-        if manifest is None:
+        if manifest is None or manifest.get("lineage") != lineage:
             return False
         try:
             return all((path / name).stat().st_size == entry.get("size") for name, entry in manifest["files"].items())
@@ -127,8 +136,23 @@ class HostCache:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
-    def _build(self, version: int, path: Path, *, checksums: bool) -> None:
+    def _remove_foreign(self, lineage: str | None) -> None:
+        """Remove (counted, logged) every cached version whose manifest names another lineage than `lineage`."""
+        for version in self.versions():
+            found = (self._cached_manifest(version) or {}).get("lineage")
+            if found == lineage:
+                continue
+            log.warning("weights cache: version %d in %s is of lineage %s, not the store's %s (another run's, a stale "
+                        "cache): removed, fetched again from the store when needed", version, self.directory,
+                        str(found)[:12], str(lineage)[:12])
+            trash = self.directory / f".trash-{version_dirname(version)}-{uuid.uuid4().hex[:8]}"
+            os.rename(self.path(version), trash)
+            shutil.rmtree(trash, ignore_errors=True)
+            self.count("foreign_removed")
+
+    def _build(self, version: int, path: Path, *, checksums: bool, lineage: str | None = None) -> None:
         manifest = self.source.manifest(version)
+        check_lineage(manifest, lineage, f"{self.source.root} version {version}")
         tmp = self.directory / f".tmp-{version_dirname(version)}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
@@ -142,7 +166,7 @@ class HostCache:
                 if bad is not None:
                     raise WeightStoreError(f"{self.source.root} version {version}: tensor {bad} holds NaN or infinity "
                                            "(a poisoned version is never loaded)")
-            os.rename(tmp, path)
+            durable_replace(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -161,9 +185,10 @@ class HostCache:
 
     def _cached_manifest(self, version: int) -> dict | None:
         try:
-            return json.loads((self.path(version) / MANIFEST).read_text())
+            body = json.loads((self.path(version) / MANIFEST).read_text())
         except (OSError, ValueError):
             return None
+        return body if isinstance(body, dict) else None
 
 
 class _Plan:

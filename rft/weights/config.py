@@ -96,6 +96,10 @@ class SyncConfig(Section):
         help="pull: an explorer checks each version's SHA-256 checksums against the store's manifest before "
         "loading it (sizes are always checked; a bucket store's host cache always checks checksums, and with "
         "verify also scans for NaN / infinity)")
+    new_lineage: bool = option(False,
+        help="a trainer that starts without a checkpoint of the weight store's lineage (--no-resume, another run's "
+        "store, a reused prefix): false refuses, naming what holds the store; true discards the store's versions "
+        "and starts a new lineage (docs/security.md, weights that know their run)")
     push_transport: Literal["auto", "rft", "vllm"] = option("auto",
         help="push: vllm = vLLM's NCCL weight transfer, rft = rft's broadcast; auto: vllm with CUDA and "
         "explorer.engine vllm, else rft")

@@ -3,6 +3,7 @@ path, in the order the package docstring (rft/weights/__init__.py) states; with 
 stage's publishing rank writes its own share of a pull-path version through a `StagePublisher`."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -105,7 +106,8 @@ class WeightPublisher:
         started = time.monotonic()
         path = self.store.publish(version, buckets, hf_dir=self.hf_dir, staging=staging, wait_s=self.stage_wait_s,
                                   adapter_config=self.adapter_config)
-        self.announce(Weights(version=version, path=str(path), offsets=offsets))
+        lineage = self.store.pin.lineage  # the one the version was stamped with (claimed, or ensured by publish)
+        self.announce(Weights(version=version, path=str(path), offsets=offsets, lineage=lineage.id if lineage else ""))
         self.last_write_s = time.monotonic() - started
 
     def _push(self, version: int, buckets: Iterable[dict], offsets: dict[str, int]) -> bool:
@@ -137,11 +139,13 @@ class WeightPublisher:
         sender = self._sender()
         spec, members = sender.spec, sender.spec.world_size - 1
         deadline = time.monotonic() + spec.timeout_s
+        lineage = self.store.pin.lineage  # claimed by the trainer before its first version
+        announced = dataclasses.replace(spec, lineage=lineage.id if lineage else "")
         while (joined := sender.members_joined()) < members:
             if time.monotonic() > deadline:
                 raise PushError(f"only {joined} of {members} explorer engine workers joined the push group within "
                                 f"sync.timeout_s={spec.timeout_s:g}")
-            self.announce(spec)
+            self.announce(announced)
             time.sleep(self.ANNOUNCE_EVERY_S)
         try:
             sender.connect()

@@ -7,6 +7,8 @@ newest published version number). A LoRA run's version is a PEFT adapter directo
 Invariants (readers on other hosts rely on them):
 - A `vNNNNNNNN/` directory is complete whenever it is visible: written under a temporary name, then renamed.
 - `LATEST` only moves forward and always names a complete version (temporary file, `os.replace`, after the rename).
+- Durable: a version directory and LATEST are put in place with `rft.processes.durable_replace` (contents fsynced,
+  renamed, the root fsynced), so a power loss never leaves LATEST naming a version whose files are not there.
 - Garbage collection keeps the newest `keep` versions (and LATEST's); a removed version is first renamed out of
   the namespace; a reader that loses the race gets FileNotFoundError and reads `latest()` again.
 - Publishing a version that exists is a no-op returning its path (a resumed trainer re-publishes).
@@ -15,6 +17,13 @@ Invariants (readers on other hosts rely on them):
   writes the first stage's shards, waits for every stage's manifest (an error names a stage without progress for
   `wait_s`), writes the index and renames. Every publishing rank must see `root` at the same path.
 - `verify_version` checks a directory against its manifest before a distrusting reader loads it.
+- Lineage (docs/security.md, "Weights that know their run"): `LINEAGE` (JSON: a random id, the run's name, when)
+  is written once, conditionally, when a writer first uses the root (`claim_lineage`: the trainer; `ensure_lineage`:
+  any other writer, before its first manifest). Every manifest carries the lineage id, the run and `checksum` (the
+  SHA-256 of its file entries, `version_checksum`). A reader trusts the lineage it first reads (`LineagePin`) and
+  refuses (LineageError) a version whose manifest names another lineage, and every version once LINEAGE names
+  another. A trainer without a checkpoint of this lineage refuses a used root unless `sync.new_lineage`, which
+  replaces LINEAGE and discards the old versions (`claim_lineage`).
 One writer per root; any number of readers. `WeightStore` reads and hands `stage`, `write_stage` and `publish` to
 its `DirectoryWriter`; the functions below are the format shared with the bucket store and the host cache.
 """
@@ -31,8 +40,9 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from rft.processes import durable_replace, sync_tree, write_durably
 from rft.tensors import all_finite
 
 if TYPE_CHECKING:
@@ -43,6 +53,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LATEST = "LATEST"
+LINEAGE = "LINEAGE"  # the store's incarnation (Lineage), written when a writer first uses the root
 INDEX = "model.safetensors.index.json"
 MANIFEST = "rft-manifest.json"
 ADAPTER_FILE = "adapter_model.safetensors"  # a LoRA version's tensors (PEFT's layout)
@@ -58,6 +69,61 @@ _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json
 
 class WeightStoreError(RuntimeError):
     pass
+
+
+class LineageError(WeightStoreError):
+    """A version, a store or a checkpoint of another lineage (another run, or an earlier start of the store)."""
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """A weight store's incarnation: `id` (32 hex digits, random), the `run` that started it, `created` (Unix time)."""
+    id: str
+    run: str
+    created: float
+
+    @classmethod
+    def new(cls, run: str) -> Lineage:
+        return cls(id=uuid.uuid4().hex, run=run, created=round(time.time(), 3))
+
+    def to_json(self) -> str:
+        return json.dumps({"id": self.id, "run": self.run, "created": self.created}) + "\n"
+
+    @classmethod
+    def from_json(cls, data: bytes | str, where: str) -> Lineage:
+        """The lineage `data` holds; WeightStoreError naming `where` when it is not one."""
+        try:
+            body = json.loads(data)
+            lineage = cls(id=body["id"], run=body["run"], created=float(body["created"]))
+            if not (isinstance(lineage.id, str) and re.fullmatch(r"[0-9a-f]{32}", lineage.id)
+                    and isinstance(lineage.run, str) and len(lineage.run) <= 256 and 0 <= lineage.created < 1e11):
+                raise ValueError("id must be 32 hex digits, run a name and created a time")
+        except (ValueError, KeyError, TypeError) as e:
+            raise WeightStoreError(f"{where} is corrupt: {e}") from None
+        return lineage
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.created))
+        return f"lineage {self.id[:12]} (run {self.run!r}, started {when})"
+
+
+class LineagePin:
+    """The lineage one store object trusts: the one its writer claimed, else the first one it read. `expect(current)`
+    is the lineage id a manifest must carry now (None: a store from before lineages, whose manifests carry none)."""
+
+    def __init__(self) -> None:
+        self.lineage: Lineage | None = None
+
+    def expect(self, current: Lineage | None, where: str) -> str | None:
+        if self.lineage is None:
+            self.lineage = current
+            return None if current is None else current.id
+        if current is None or current.id != self.lineage.id:
+            now = "gone" if current is None else f"now {current.describe()}"
+            raise LineageError(f"{where}: the store's {LINEAGE} is {now}, not {self.lineage.describe()} that this "
+                               f"process started with: another run took the store (sync.new_lineage); none of its "
+                               f"versions is loaded here")
+        return current.id
 
 
 @dataclass(frozen=True)
@@ -120,6 +186,7 @@ class WeightStore:
         self.keep = keep
         self.root.mkdir(parents=True, exist_ok=True)
         self.writer = DirectoryWriter(self)
+        self.pin = LineagePin()
 
     @classmethod
     def for_sync(cls, sync: SyncConfig, run_dir: str | os.PathLike) -> WeightStore:
@@ -148,8 +215,42 @@ class WeightStore:
         if ".." not in path.parts and not path.exists():
             path = self.path(version)
         resolved = self.version_dir(path, version)
+        expected = self.pin.expect(self.read_lineage(), str(self.root))
         verify_version(resolved, version, checksums=checksums)
+        check_lineage(read_manifest(resolved), expected, str(resolved))
         return resolved
+
+    # -- lineage (module docstring)
+    def read_lineage(self) -> Lineage | None:
+        """The root's LINEAGE, None when it has none; WeightStoreError when it is corrupt."""
+        try:
+            return Lineage.from_json((self.root / LINEAGE).read_text(), str(self.root / LINEAGE))
+        except FileNotFoundError:
+            return None
+
+    def create_lineage(self, lineage: Lineage) -> bool:
+        """Write LINEAGE unless there is one (atomically: linked into place); False when there was one."""
+        tmp = self.root / f".{LINEAGE}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            tmp.write_text(lineage.to_json())
+            sync_tree(tmp)
+            os.link(tmp, self.root / LINEAGE)
+            sync_tree(self.root, recursive=False)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def replace_lineage(self, lineage: Lineage) -> None:
+        """Start `lineage` here: LINEAGE replaced (readers refuse the old versions from now on), then LATEST and
+        every version removed."""
+        write_durably(self.root / LINEAGE, lineage.to_json())
+        (self.root / LATEST).unlink(missing_ok=True)
+        for version in self.versions():
+            trash = self.root / f".trash-{version_dirname(version)}-{uuid.uuid4().hex[:8]}"
+            os.rename(self.path(version), trash)
+            shutil.rmtree(trash, ignore_errors=True)
 
     def version_dir(self, path: str | os.PathLike, version: int) -> Path:
         """`path` (a version directory named by someone else: a control-topic announcement) if it is this store's
@@ -288,8 +389,8 @@ class DirectoryWriter:
                 (tmp / INDEX).write_text(index_json(weight_map, total_bytes))
                 if hf_dir is not None:
                     self._copy_model_files(Path(hf_dir), tmp)
-            self._write_manifest(tmp, version, files)
-            os.rename(tmp, final)
+            self._write_manifest(tmp, version, files, ensure_lineage(self.store))
+            durable_replace(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -326,16 +427,15 @@ class DirectoryWriter:
         (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=1) + "\n")
 
     @staticmethod
-    def _write_manifest(directory: Path, version: int, known: dict[str, dict]) -> None:
+    def _write_manifest(directory: Path, version: int, known: dict[str, dict], lineage: Lineage) -> None:
         """`MANIFEST` over every file in `directory`: the entries in `known` (shards that their pipeline stage
-        hashed as it wrote them), the others hashed now."""
+        hashed as it wrote them), the others hashed now; stamped with `lineage` (`manifest_body`)."""
         files = {}
         for item in sorted(directory.iterdir()):
             if item.name == MANIFEST or not item.is_file():
                 continue
             files[item.name] = known.get(item.name) or file_entry(item)
-        (directory / MANIFEST).write_text(json.dumps({"version": version, "algorithm": CHECKSUM, "files": files},
-                                                     indent=1) + "\n")
+        (directory / MANIFEST).write_text(json.dumps(manifest_body(version, files, lineage), indent=1) + "\n")
 
     @staticmethod
     def _gather_stages(staging: Staging, wait_s: float) -> tuple[dict[str, str], int, dict[str, dict]]:
@@ -365,9 +465,7 @@ class DirectoryWriter:
         current = self.store.latest()
         if current is not None and current[0] >= version:
             return
-        tmp = self.store.root / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
-        tmp.write_text(f"{version}\n")
-        os.replace(tmp, self.store.root / LATEST)
+        write_durably(self.store.root / LATEST, f"{version}\n")
 
     def _collect_garbage(self) -> None:
         latest = self.store.latest()
@@ -431,7 +529,7 @@ def save_pushed_adapter(first: tuple[str, torch.Tensor], rest: Iterable[tuple[st
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{ADAPTER_FILE}.tmp-{uuid.uuid4().hex[:8]}"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / ADAPTER_FILE)
+    durable_replace(tmp, out / ADAPTER_FILE)
     _write_atomically(out / ADAPTER_CONFIG, bytes(config.tolist()).decode())
     return len(tensors)
 
@@ -642,7 +740,103 @@ def adapter_tensors(buckets: Iterable[dict[str, torch.Tensor]]) -> dict[str, tor
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """`text` at `path`, visible whole or not at all (written aside, then renamed)."""
-    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """`text` at `path`, visible whole or not at all, durably (rft.processes.write_durably)."""
+    write_durably(path, text)
+
+
+def version_checksum(files: dict) -> str:
+    """A version's checksum: the SHA-256 of its manifest's file entries (name -> size and SHA-256), canonical JSON."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def manifest_body(version: int, files: dict, lineage: Lineage) -> dict:
+    """A version's manifest (either store): its files' entries, the lineage and the version's checksum."""
+    return {"version": version, "algorithm": CHECKSUM, "files": dict(sorted(files.items())), "lineage": lineage.id,
+            "run": lineage.run, "checksum": version_checksum(files)}
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """The manifest of the version directory `path` (a dict; WeightStoreError when unreadable)."""
+    try:
+        body = json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise WeightStoreError(f"{Path(path) / MANIFEST} is unreadable: {e}") from None
+    if not isinstance(body, dict):
+        raise WeightStoreError(f"{Path(path) / MANIFEST} is not a JSON object")
+    return body
+
+
+def check_lineage(manifest: dict, expected: str | None, where: str) -> None:
+    """LineageError unless `manifest` carries the lineage id `expected` (None: a store without LINEAGE, whose
+    manifests carry none) and, when it has one, a `checksum` that matches its file entries."""
+    found = manifest.get("lineage")
+    if found != expected:
+        raise LineageError(f"{where}: a version of lineage {str(found)[:12] if found else '(none)'} (run "
+                           f"{manifest.get('run')!r}), the store's is {expected[:12] if expected else '(none)'}: "
+                           f"another run's version (a reused store or a stale cache) is never loaded")
+    checksum = manifest.get("checksum")
+    if checksum is not None and checksum != version_checksum(manifest.get("files") or {}):
+        raise WeightStoreError(f"{where}: the manifest's checksum does not match its files (rewritten)")
+
+
+class LineageStore(Protocol):
+    """What `claim_lineage` needs of a store (WeightStore, BucketStore)."""
+    pin: LineagePin
+
+    @property
+    def root(self) -> Path | str: ...
+    def read_lineage(self) -> Lineage | None: ...
+    def create_lineage(self, lineage: Lineage) -> bool: ...
+    def replace_lineage(self, lineage: Lineage) -> None: ...
+    def latest(self) -> tuple[int, Path | str] | None: ...
+    def versions(self) -> list[int]: ...
+
+
+def claim_lineage(store: LineageStore, run: str, *, checkpoint: str | None, resumed: bool, resume: bool,
+                  new: bool) -> Lineage:
+    """The lineage the trainer of `run` publishes in (pinned on `store`): the store's, continued, when the checkpoint
+    it resumed from (`resumed`) carries it (`checkpoint`: its id; "" or None for a checkpoint from before lineages),
+    or when no checkpoint was there, `resume` was asked and the store is `run`'s (a restart before the first
+    checkpoint); a new one, created, on an unused store or a store without LINEAGE resumed from a checkpoint without
+    one (both from before lineages). Otherwise the store is used by another run or an earlier
+    start: with `new` (sync.new_lineage) a new lineage replaces it (its versions are discarded), else LineageError
+    saying what holds the store and how to go on."""
+    current = store.read_lineage()
+    unused = store.latest() is None and not store.versions()
+    if current is None and (unused or (resumed and not checkpoint)):  # new; or a store and checkpoint from before
+        lineage = Lineage.new(run)  # lineages, adopted (readers refuse its older versions, which carry none)
+        if not store.create_lineage(lineage):
+            raise LineageError(f"{store.root}: another writer started a lineage just now (one trainer per store)")
+        store.pin.lineage = lineage
+        return lineage
+    if current is not None and (checkpoint == current.id or (resumed and not checkpoint and current.run == run)
+                                or (not resumed and resume and current.run == run)):
+        store.pin.lineage = current
+        return current
+    held = current.describe() if current is not None else "versions of an unknown lineage (no LINEAGE)"
+    why = (f"the checkpoint is of lineage {checkpoint[:12]}" if resumed and checkpoint else
+           "this trainer starts without a checkpoint (--no-resume, or none)" if not resumed else
+           "the checkpoint predates lineages")
+    if not new:
+        raise LineageError(
+            f"sync.weight_store {store.root} holds {held}, and {why}: this trainer cannot continue its versions. "
+            f"Resume from that store's checkpoint, use another sync.weight_store, or set sync.new_lineage: true to "
+            f"discard its versions and start a new lineage")
+    lineage = Lineage.new(run)
+    log.warning("weight store %s: %s, and %s; sync.new_lineage: starting %s (its versions are discarded)", store.root,
+                held, why, lineage.describe())
+    store.replace_lineage(lineage)
+    store.pin.lineage = lineage
+    return lineage
+
+
+def ensure_lineage(store: LineageStore) -> Lineage:
+    """The lineage a writer that claimed none stamps its versions with: the store's (pinned), else a new one."""
+    if store.pin.lineage is None:
+        current = store.read_lineage()
+        if current is None:
+            current = Lineage.new("")
+            if not store.create_lineage(current):
+                current = store.read_lineage() or current
+        store.pin.lineage = current
+    return store.pin.lineage

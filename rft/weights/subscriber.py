@@ -7,10 +7,11 @@ it is the announced version's location in this explorer's own weight store (`loc
 symlinks are resolved, where a path that does not exist here names the same version in this store: the trainer's mount
 point may differ; a bucket store's URL of that version), and only after the version matches its manifest (a directory
 store: `verify_version`, sizes always, SHA-256 checksums with `sync.verify`; a bucket store: every file's size and
-SHA-256 as this host's cache fetches it, rft.weights.cache). A push-group announcement is joined only if its address is
-allowed (`PushAllowList`: `sync.push_allow`, else `sync.push_host`, else this host). A refused announcement or version
-is logged (one line), counted (`WeightUpdates.refused`, in the explorer's heartbeat and metrics) and never tried again;
-the engine keeps its current weights."""
+SHA-256 as this host's cache fetches it, rft.weights.cache), and only a version of the store's lineage (its manifest's,
+and the announcement's when it names one: rft.weights.store, "Lineage"). A push-group announcement is joined only if
+its address is allowed (`PushAllowList`: `sync.push_allow`, else `sync.push_host`, else this host). A refused
+announcement or version is logged (one line), counted (`WeightUpdates.refused`, in the explorer's heartbeat and
+metrics) and never tried again; the engine keeps its current weights."""
 from __future__ import annotations
 
 import ipaddress
@@ -52,7 +53,7 @@ class WeightUpdates:
         self.store, self.control_source, self.verify = store, control_source, verify
         self.view = ControlView()
         self.refused = 0
-        self._checked: dict[tuple[int, str], Path | None] = {}  # (version, path) -> resolved path, None: refused
+        self._checked: dict[tuple[int, str], Path | None] = {}  # (version, path#lineage) -> resolved, None: refused
 
     def read_announcements(self) -> None:
         self.view.apply_records(self.control_source.poll(timeout_s=0))
@@ -62,11 +63,12 @@ class WeightUpdates:
         docstring), or None. A candidate that fails them is refused (`refuse`) and the next older one is taken."""
         self.read_announcements()
         announced = self.view.announced
-        known = [v for v in (self.store.latest(), announced and (announced.version, announced.path)) if v]
-        for version, path in sorted(known, key=lambda v: v[0], reverse=True):
+        known = [v for v in (self.store.latest(), announced and (announced.version, announced.path, announced.lineage))
+                 if v]
+        for version, path, *lineage in sorted(known, key=lambda v: v[0], reverse=True):
             if version <= above:
                 break
-            trusted = self._trusted(version, path)
+            trusted = self._trusted(version, path, *lineage)
             if trusted is not None:
                 return version, trusted
         return None
@@ -76,13 +78,17 @@ class WeightUpdates:
         self.refused += 1
         log.warning("refused %s: %s (refused so far: %d)", what, reason, self.refused)
 
-    def _trusted(self, version: int, location: Path | str) -> Path | None:
-        """The local directory of `version` announced at `location` if the store trusts it (VersionStore.local)."""
-        key = (version, str(location))
+    def _trusted(self, version: int, location: Path | str, lineage: str = "") -> Path | None:
+        """The local directory of `version` announced at `location` (for `lineage`, when the announcement names one)
+        if the store trusts it (VersionStore.local) and it is of that lineage."""
+        key = (version, f"{location}#{lineage}")
         if key in self._checked:
             return self._checked[key]
         try:
             resolved = self.store.local(version, location, checksums=self.verify)
+            pinned = self.store.pin.lineage
+            if lineage and pinned is not None and lineage != pinned.id:
+                raise WeightStoreError(f"announced for lineage {lineage[:12]}, the store's is {pinned.describe()}")
         except FileNotFoundError:
             return None  # not there (yet, or any more: garbage-collected): not a refusal, looked at again
         except (WeightStoreError, TypeError, ValueError) as e:  # a version or path no store holds: never fatal
@@ -111,7 +117,7 @@ class PushAllowList:
         return cls(hosts, sync.push_port)
 
     def problem(self, spec: PushGroup) -> str | None:
-        """Why `spec` may not be joined (None: it may)."""
+        """Why `spec`'s address may not be joined (None: it may)."""
         if self.port and spec.port != self.port:
             return f"port {spec.port} is not sync.push_port {self.port}"
         if not 0 < spec.port < 65536:
@@ -149,7 +155,7 @@ class PushMembership:
     group, take part in every version pushed in it, leave it when the trainer abandons it. Any failure here
     makes the explorer give the group up and fall back to pulling from the weight store. `allowed`: which
     announced addresses may be joined (None: any; the explorer passes `PushAllowList.for_sync`); a group at any
-    other address is refused (`updates.refuse`) and never joined."""
+    other address, or for another lineage than the weight store's, is refused (`updates.refuse`) and never joined."""
 
     def __init__(self, engine: Engine, updates: WeightUpdates, *, allowed: PushAllowList | None = None):
         self.engine, self.updates, self.allowed = engine, updates, allowed
@@ -170,6 +176,7 @@ class PushMembership:
         announced = view.push_group
         if announced and announced.group_id not in (self.group_id, *view.abandoned, *self.given_up):
             problem = self.allowed.problem(announced) if self.allowed is not None else None
+            problem = problem or self._lineage_problem(announced)
             if problem is None:
                 self._join(announced)
             else:
@@ -193,6 +200,18 @@ class PushMembership:
                 break
             received.append(version)
         return received
+
+    def _lineage_problem(self, spec: PushGroup) -> str | None:
+        """Why a push group announced for another lineage than the weight store's may not be joined (None: it may;
+        an announcement that names none, or a store without one, is not checked)."""
+        store = self.updates.store
+        try:
+            expected = store.pin.expect(store.read_lineage(), str(store.root))
+        except WeightStoreError as e:
+            return str(e)
+        if spec.lineage and expected and spec.lineage != expected:
+            return f"announced for lineage {spec.lineage[:12]}, the weight store's is {expected[:12]}"
+        return None
 
     def loaded(self) -> None:
         """A whole version was loaded by pull: the engine is usable again."""

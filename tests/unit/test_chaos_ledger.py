@@ -1,9 +1,20 @@
 """The arithmetic of `rft chaos`'s ledger (benchmarks/chaos.py `build_ledger`, `longest_stall`) on crafted records: the
-experiences topic as `Offered` records in log order, the trainer's consumed.jsonl as dicts, the final offset; and
-how scenarios combine into one run (`combined`)."""
+experiences topic as `Offered` records in log order, the trainer's consumed.jsonl as dicts, the final offset; how
+scenarios combine into one run (`combined`); and the checks of forged-control and poisoned-cache on crafted faults
+and logs (`forgery_problems`, `cache_removals`, `poisoned_cache_problems`)."""
 import pytest
 
-from benchmarks.chaos import SCENARIOS, Offered, build_ledger, combined, longest_stall
+from benchmarks.chaos import (
+    SCENARIOS,
+    Offered,
+    build_ledger,
+    cache_removals,
+    combined,
+    forgery_problems,
+    loaded_versions,
+    longest_stall,
+    poisoned_cache_problems,
+)
 
 RUN = "r"
 
@@ -116,3 +127,51 @@ def test_the_ledger_reads_claim_checked_records_without_their_store(tmp_path):
     assert offer(8, whole, headers) == Offered(8, g.group_id, RUN, None, claimed=True)
     assert offer(9, value, headers) == Offered(9, g.group_id, RUN, g.policy_version)
     assert offer(10, b"\x81\xa9rft-claim\x01", []) == Offered(10, None)
+
+
+def test_a_group_of_a_version_the_trainer_never_published_is_never_a_legitimate_skip():
+    # the trainer reached step 6 (newest version it can have published: 7); "far" was made with version 40, another
+    # lineage's weights (a stale cache, a reused store): skipped as a future version it is not legitimate, and
+    # trained it is not either
+    records = [group(0, "a", 4), group(1, "far", 40), group(2, "b", 4), group(3, "near", 9)]
+    trained = [took(6, "a", 4), took(6, "b", 4)]
+    assert build_ledger(records, trained, 4, run_id=RUN, bound=2).ok  # without the check: "future_version" skips
+    ledger = build_ledger(records, trained, 4, run_id=RUN, bound=2, newest_version=7)
+    assert ledger.foreign_versions == [f"{RUN}/far/e0", f"{RUN}/near/e0"] and not ledger.ok
+    assert ledger.skipped == {} and ledger.lost == []
+    trained_foreign = build_ledger([group(0, "far", 40)], [took(6, "far", 40)], 1, run_id=RUN, bound=None,
+                                   newest_version=7)
+    assert trained_foreign.foreign_versions == [f"{RUN}/far/e0"] and not trained_foreign.ok
+    legit = build_ledger([group(0, "a", 4), group(1, "lost-trajectory", 7), group(2, "b", 4)], trained, 3,
+                         run_id=RUN, bound=2, newest_version=7)
+    assert legit.ok and legit.skipped == {"future_version": 1}  # a version a killed trainer made before its resume
+
+
+def test_forged_control_passes_only_when_every_forgery_was_ignored(tmp_path):
+    faults = [{"kind": "forged", "what": "weights_outside_store", "version": 1004},
+              {"kind": "forged", "what": "tasks_group_far_epoch", "version": None},
+              {"kind": "forged", "what": "weights_huge_version", "version": 10**8}]
+    log = tmp_path / "explorer-0.log"
+    log.write_text("INFO loaded weights version 3 in 0.10 s\nINFO loaded weights version 4 in 0.09 s\n")
+    assert forgery_problems(faults, loaded=loaded_versions([log]),
+                            forged_group_committed={"r.tasks:0": None, "r.tasks:1": None}) == []
+    loaded = forgery_problems(faults, loaded={3, 4, 1004}, forged_group_committed={})
+    assert loaded == ["an explorer loaded the forged weights version 1004 (weights_outside_store)"]
+    followed = forgery_problems(faults, loaded={3}, forged_group_committed={"r.tasks:0": 12, "r.tasks:1": None})
+    assert len(followed) == 1 and "followed the forged tasks_group" in followed[0]
+    assert forgery_problems([], loaded={1004}, forged_group_committed={"r.tasks:0": 3}) == []  # nothing forged
+
+
+def test_poisoned_cache_passes_only_when_every_planted_version_was_removed(tmp_path):
+    log = tmp_path / "explorer-0.log"
+    log.write_text("INFO loaded weights version 6\n"
+                   "WARNING weights cache: version 7 in /c/abc is of lineage 5f0e, not the store's 9a1b (another "
+                   "run's, a stale cache): removed, fetched again from the store when needed\n"
+                   "WARNING weights cache: version 8 in /c/abc is of lineage 5f0e, not the store's 9a1b\n")
+    removed = cache_removals([log])
+    assert removed == {7, 8}
+    planted = [{"kind": "cache_planted", "version": v} for v in (7, 8)]
+    assert poisoned_cache_problems(planted, removed) == []
+    served = poisoned_cache_problems([*planted, {"kind": "cache_planted", "version": 9}], removed)
+    assert served == ["planted version 9 was not removed from the host cache"]
+    assert set(SCENARIOS) >= {"forged-control", "poisoned-cache"}

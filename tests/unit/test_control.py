@@ -49,11 +49,11 @@ EXAMPLES = [
 ]
 
 # the body keys each kind had before the protocol was typed (docs/schema.md: schema 1), plus optional fields added
-# since (an older reader ignores them): explorer_heartbeat's weights_refused
+# since (an older reader ignores them): explorer_heartbeat's weights_refused, weights' and push_group's lineage
 WIRE_KEYS = {
-    "weights": {"version", "path", "offsets"},
+    "weights": {"version", "path", "offsets", "lineage"},
     "weights_push": {"group_id", "version", "offsets"},
-    "push_group": {"group_id", "host", "port", "world_size", "backend", "timeout_s"},
+    "push_group": {"group_id", "host", "port", "world_size", "backend", "timeout_s", "lineage"},
     "push_abandoned": {"group_id", "version", "reason"},
     "trainer_started": {"step", "version", "offsets", "prometheus_port"},
     "trainer_waiting": {"version", "offsets", "groups_in_batch"},

@@ -38,7 +38,8 @@ def test_pull_stores_the_whole_version_and_moves_latest_before_it_announces(tmp_
         assert publisher.deliver(version, buckets(version), offsets={"x:0": 4})
         publisher.flush()
         (message, latest, complete), = seen
-        assert message == Weights(version=version, path=str(store.path(version)), offsets={"x:0": 4})
+        assert message == Weights(version=version, path=str(store.path(version)), offsets={"x:0": 4},
+                                  lineage=store.read_lineage().id)  # the store's, as its manifest names it
         assert latest == (version, store.path(version)) and complete
         assert publisher.last_write_s is not None and publisher.last_write_s >= 0
 

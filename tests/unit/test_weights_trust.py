@@ -194,7 +194,9 @@ def test_a_forged_push_group_address_is_refused_counted_and_not_joined(run):
     announce(PushGroup(group_id="wrong-port", host="127.0.0.1", port=1234, **group))
     assert membership.sync() == [] and membership.group_id is None and updates.refused == 2
     assert membership.sync() == [] and updates.refused == 2  # each refused once
-    announce(PushGroup(group_id="good", host="localhost", port=29555, **group))
+    announce(PushGroup(group_id="other-run", host="localhost", port=29555, lineage="f" * 32, **group))
+    assert membership.sync() == [] and membership.group_id is None and updates.refused == 3  # another lineage's
+    announce(PushGroup(group_id="good", host="localhost", port=29555, lineage=store.read_lineage().id, **group))
     assert membership.sync() == [] and membership.group_id == "good" and engine.joined == ["good"]
     assert engine.weights_version == 1
 
