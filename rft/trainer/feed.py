@@ -279,7 +279,7 @@ class ExperienceFeed:
             return "foreign"
         if group.group_id in self._taken or any(h.group.group_id == group.group_id for h in self._pool):
             return "duplicate"
-        batch.failed.update(s.failure for s in group.samples if s.failure)
+        batch.failed.update(collections.Counter(s.failure for s in group.samples if s.failure))
         scored = self._scored(group, inline)
         if scored is None:
             return "too_few_scored"

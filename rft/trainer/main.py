@@ -429,11 +429,12 @@ class Trainer:
         t = self.config
         started = time.perf_counter()
         advantages = group_advantages(self.algorithm, groups)
-        if not all(np.all(np.isfinite(a)) for a in advantages):  # the same on every rank: no optimizer step
-            return {"step_skipped": 1.0, "nonfinite_advantages": 1.0}
+        per_token = self.algorithm.token_advantages(groups) if self.needs.token_advantages else None
+        if not all(np.all(np.isfinite(a)) for a in [*advantages, *(t for g in per_token or [] for t in g)]):
+            return {"step_skipped": 1.0, "nonfinite_advantages": 1.0}  # the same on every rank: no optimizer step
         max_len = self.model.max_prompt_len + self.model.max_response_len
         rows = rows_from_groups(groups, advantages, pairs=self.needs.pairwise, max_len=max_len,
-                                routing=self.run_config.routing_replay)
+                                routing=self.run_config.routing_replay, token_advantages=per_token)
         if self.needs.demonstrations is not None:
             demos = rows_from_groups(self._demos, [np.zeros(len(g.samples)) for g in self._demos], max_len=max_len)
             for row in demos:
@@ -561,11 +562,11 @@ class Trainer:
                   f"loss {record.get('loss', float('nan')):.4f} staleness max {record.get('staleness_max', 0)} "
                   f"{elapsed:.1f}s", flush=True)
 
-    def _failure_metrics(self, dropped: int) -> dict[str, int]:
+    def _failure_metrics(self, dropped: int) -> dict[str, float]:
         """Failed rollouts (the feed's `Batch.failed`) as `failed_<class>` (this step's records) and
         `failed_<class>_total` (the run's, checkpointed with the counters), every class of FAILURE_CLASSES; the
         groups dropped for too few scored samples as `failed_groups_dropped` and `failed_groups_dropped_total`."""
-        out = {}
+        out: dict[str, float] = {}
         for name, n in [*((c, self._failed.get(c, 0)) for c in FAILURE_CLASSES), ("groups_dropped", dropped)]:
             total = self.counters.get(f"failed_{name}", 0) + n
             self.counters[f"failed_{name}"] = total

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from rft.ops.status import RunStatus, explorer_rows, failures_line, mismatch_line, render, signal_line
-from rft.transport.control import TrainerStep
 from rft.schema import ControlMessage
+from rft.transport.control import TrainerStep
 
 
 def msg(kind: str, sender: str, at: float, **body) -> ControlMessage:
