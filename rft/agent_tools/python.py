@@ -35,7 +35,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from rft.agent_tools.registry import ToolError, ToolLimits, function_schema, register_tool, require_arguments
+from rft.agent_tools.registry import (
+    SandboxError,
+    ToolError,
+    ToolLimits,
+    function_schema,
+    register_tool,
+    require_arguments,
+)
 from rft.processes import signal_group
 
 MAX_FILE_BYTES = 1 << 20
@@ -156,11 +163,16 @@ def run_python(code: str, limits: ToolLimits) -> str:
             os.chown(workdir, SANDBOX_UID, SANDBOX_UID)  # the code runs as nobody: its one writable directory
         out_path = os.path.join(workdir, "output")
         with open(out_path, "wb") as out:
-            process = subprocess.Popen(
-                sandboxed([sys.executable, "-I", "-"], workdir, limits.sandbox), stdin=subprocess.PIPE, stdout=out,
-                stderr=subprocess.STDOUT, cwd=workdir, env=TOOL_ENVIRONMENT,
-                start_new_session=True,
-                preexec_fn=lambda: _limit(_cpu_seconds(limits), limits.memory_mb << 20, processes))
+            try:
+                process = subprocess.Popen(
+                    sandboxed([sys.executable, "-I", "-"], workdir, limits.sandbox), stdin=subprocess.PIPE,
+                    stdout=out, stderr=subprocess.STDOUT, cwd=workdir, env=TOOL_ENVIRONMENT,
+                    start_new_session=True,
+                    preexec_fn=lambda: _limit(_cpu_seconds(limits), limits.memory_mb << 20, processes))
+            except OSError as e:  # the sandbox (bwrap) or the interpreter could not be started
+                # (what the program prints is never read as the sandbox's failure: a program could fake it to
+                # leave its own episode out of training)
+                raise SandboxError(f"python: the sandbox could not start ({e})") from None
             try:
                 process.communicate(code.encode("utf-8", "replace"), timeout=limits.timeout_s)
                 timed_out = False

@@ -43,9 +43,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class GiGPOOptions(GRPOOptions):
     step_weight: float = option(1.0, range=at_least(0, "0: GRPO"),
-        help="gigpo: omega, the weight of the step advantage (among turns from the same state) added to the episode's")
-    gamma: float = option(0.95, range=Range(0, 1),
-        help="gigpo: the discount of a turn's return-to-go over the following turns' rewards")
+        help="omega, the weight of the step advantage (among turns from the same state) added to the episode's")
+    step_gamma: float = option(0.95, range=Range(0, 1),
+        help="the discount of a turn's return-to-go over the following turns' rewards")
 
 
 @register("gigpo", options=GiGPOOptions)
@@ -79,7 +79,7 @@ class GiGPO(GRPO):
     def _returns_to_go(self, sample: Sample) -> list[float]:
         returns, running = [], 0.0
         for turn in reversed(sample.turns or []):
-            running = turn.reward + self.options.gamma * running
+            running = turn.reward + self.options.step_gamma * running
             returns.append(running)
         return returns[::-1]
 
