@@ -57,6 +57,15 @@ class BrokenEnvironment(CountingEnvironment):
         return super().step(model_text)
 
 
+class SlowEnvironment(CountingEnvironment):
+    """CountingEnvironment whose client gives up on its server: its second step raises TimeoutError."""
+
+    def step(self, model_text: str) -> Any:
+        if self.steps == 1:
+            raise TimeoutError("environment server did not answer within 30 s")
+        return super().step(model_text)
+
+
 class UnreachableEnvironment(CountingEnvironment):
     """An environment whose server cannot be reached: building it raises ConnectionError."""
 

@@ -20,7 +20,7 @@ reward on the last turn).
 
 Failures (docs/schema.md, "Failed rollouts"): an environment that raises anything but a `TaskError` (a server down,
 a crash) when it is built or stepped fails that episode as `environment` (built: every episode of the task, with an
-empty response); a reward that fails marks the sample with its class (rft/rewards/registry.py). A `TaskError` is the
+empty response), a `TimeoutError` from a step (an environment client's own time limit) as `timeout`; a reward that fails marks the sample with its class (rft/rewards/registry.py). A `TaskError` is the
 task's fault: the group's error, dead-lettered.
 
 Environments are registered by name (`@register_environment`) or given as `package.module:Class`; one is built per
@@ -236,7 +236,7 @@ class MultiTurn:
             return
         except Exception as e:  # the environment failed, not the task: this episode is a failed rollout
             log.warning("environment step failed: %s: %s", type(e).__name__, e)
-            episode.done, episode.failure = True, "environment"
+            episode.done, episode.failure = True, "timeout" if isinstance(e, TimeoutError) else "environment"
             return
         episode.env_return += step.reward or 0.0
         if episode.spans:

@@ -224,13 +224,16 @@ def check_turns(s, environment, model_turns: list[str], name: str) -> None:
         assert [t.state for t in s.turns] == states and states[0] == "cell 0"
 
 
-@pytest.mark.parametrize("environment", ["tests.episodes:BrokenEnvironment", "tests.episodes:UnreachableEnvironment"])
-def test_an_environment_that_fails_marks_its_episodes_and_the_group_is_delivered(tiny_model, engine, environment):
+@pytest.mark.parametrize("environment,failure", [("tests.episodes:BrokenEnvironment", "environment"),
+                                                 ("tests.episodes:SlowEnvironment", "timeout"),
+                                                 ("tests.episodes:UnreachableEnvironment", "environment")])
+def test_an_environment_that_fails_marks_its_episodes_and_the_group_is_delivered(tiny_model, engine, environment,
+                                                                                 failure):
     from rft.schema import ExperienceGroup, decode_group, encode
     cfg = env_cfg(tiny_model, environment, max_turns=3, max_tokens=3)
     tasks = [TaskRecord("r", "t", 0, ":5", "")]
     result = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer)).explore(tasks, engine)[0]
-    assert result.error is None and [s.failure for s in result.samples] == ["environment"] * 3
+    assert result.error is None and [s.failure for s in result.samples] == [failure] * 3
     if environment.endswith("UnreachableEnvironment"):
         assert all(len(s.response_tokens) == 0 and s.turns == [] for s in result.samples)
     else:  # the first model turn was stepped, the second one's step failed
