@@ -20,8 +20,9 @@ reward on the last turn).
 
 Failures (docs/schema.md, "Failed rollouts"): an environment that raises anything but a `TaskError` (a server down,
 a crash) when it is built or stepped fails that episode as `environment` (built: every episode of the task, with an
-empty response), a `TimeoutError` from a step (an environment client's own time limit) as `timeout`; a reward that fails marks the sample with its class (rft/rewards/registry.py). A `TaskError` is the
-task's fault: the group's error, dead-lettered.
+empty response), a `TimeoutError` from a step (an environment client's own time limit) as `timeout`; a reward
+that fails marks the sample with its class (rft/rewards/registry.py). A `TaskError` is the task's fault: the
+group's error, dead-lettered.
 
 Environments are registered by name (`@register_environment`) or given as `package.module:Class`; one is built per
 episode as `cls(task, reward)` (a `TaskError` there makes the group an error, not a crash) and answers

@@ -53,7 +53,8 @@ def reference(group: ExperienceGroup) -> list[np.ndarray]:
 
 
 def gigpo(**options):
-    return build_algorithm(AlgorithmConfig(name="gigpo", options={"step_gamma": GAMMA, "step_weight": OMEGA, **options}))
+    options = {"step_gamma": GAMMA, "step_weight": OMEGA, **options}
+    return build_algorithm(AlgorithmConfig(name="gigpo", options=options))
 
 
 def test_gigpo_matches_the_papers_definition_on_a_handcrafted_group():

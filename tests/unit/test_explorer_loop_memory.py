@@ -51,7 +51,8 @@ class StandInEngine:
 
 class StandInWorkflow:
     """Workflow protocol, in memory: one sample per task, stamped with the engine's version; a task whose prompt is
-    "cannot" is an error; one whose prompt is "verifier hangs" has its sample failed (a timeout). `on_batch` runs after each batch (the test publishes a new version there)."""
+    "cannot" is an error; one whose prompt is "verifier hangs" has its sample failed (a timeout). `on_batch` runs
+    after each batch (the test publishes a new version there)."""
 
     def __init__(self, on_batch=None):
         self.batches: list[list[str]] = []
