@@ -45,3 +45,29 @@ class CountingEnvironment:
 
         self.steps += 1
         return EnvStep(f"\nstep {self.steps}\n", done=self.steps == 3, reward=len(model_text) % 3 / 10)
+
+
+class BrokenEnvironment(CountingEnvironment):
+    """CountingEnvironment whose server goes away: its second step raises ConnectionError (an infrastructure
+    failure, not the task's). Named in configs as `tests.episodes:BrokenEnvironment`."""
+
+    def step(self, model_text: str) -> Any:
+        if self.steps == 1:
+            raise ConnectionError("environment server closed the connection")
+        return super().step(model_text)
+
+
+class SlowEnvironment(CountingEnvironment):
+    """CountingEnvironment whose client gives up on its server: its second step raises TimeoutError."""
+
+    def step(self, model_text: str) -> Any:
+        if self.steps == 1:
+            raise TimeoutError("environment server did not answer within 30 s")
+        return super().step(model_text)
+
+
+class UnreachableEnvironment(CountingEnvironment):
+    """An environment whose server cannot be reached: building it raises ConnectionError."""
+
+    def __init__(self, task: Any, reward: Any = None):
+        raise ConnectionError("environment server refused the connection")

@@ -18,6 +18,8 @@ from typing import Any
 import trl
 from transformers import AutoTokenizer
 
+from rft.agent_tools import SandboxError
+from rft.agent_tools.registry import function_schema
 from rft.models.tiny import build_tokenizer, make_tiny_model
 from rft.text.chat import end_of_turn_id
 from rft.workflows.tool_agent import ToolAgent
@@ -61,3 +63,16 @@ class ForcedFirstTurn(ToolAgent):
             e.versions.append(engine.weights_version)
         if sampled:
             super()._model_turn(sampled, engine)
+
+
+class RefusingSandbox:
+    """A tool whose sandbox cannot be set up (every call raises SandboxError). Named in configs as
+    `tests.tool_agent_support:RefusingSandbox`."""
+
+    schema = function_schema("refused", "A tool whose sandbox refuses every call.", code="a program")
+
+    def __init__(self, limits: Any):
+        self.limits = limits
+
+    def __call__(self, arguments: dict[str, Any]) -> str:
+        raise SandboxError("refused: bwrap: Creating new namespace failed: Operation not permitted")

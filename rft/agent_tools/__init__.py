@@ -6,6 +6,7 @@ from __future__ import annotations
 from rft.agent_tools import calculator, python  # noqa: F401  (registers the built-ins)
 from rft.agent_tools.registry import (
     TOOLS,
+    SandboxError,
     ToolBox,
     ToolCall,
     ToolError,
@@ -15,5 +16,5 @@ from rft.agent_tools.registry import (
     register_tool,
 )
 
-__all__ = ["TOOLS", "ToolBox", "ToolCall", "ToolError", "ToolLimits", "has_tool_call", "parse_tool_calls",
-           "register_tool"]
+__all__ = ["TOOLS", "SandboxError", "ToolBox", "ToolCall", "ToolError", "ToolLimits", "has_tool_call",
+           "parse_tool_calls", "register_tool"]

@@ -41,11 +41,18 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from rft.agent_tools.registry import ToolError, ToolLimits, function_schema, register_tool, require_arguments
+from rft.agent_tools.registry import (
+    SandboxError,
+    ToolError,
+    ToolLimits,
+    function_schema,
+    register_tool,
+    require_arguments,
+)
 from rft.agent_tools.sandbox import (
     MAX_FILE_BYTES,
     ProcessLimits,
-    SandboxError,
+    SandboxUnavailable,
     check_bwrap,
     limited,
     require_tools,
@@ -118,13 +125,13 @@ def check_sandbox(sandbox: str) -> None:
     if sandbox == "none":
         try:
             require_tools(["prlimit"])
-        except SandboxError as e:
+        except SandboxUnavailable as e:
             raise ToolError(f"explorer.python_sandbox: none: {e}: the python tool sets its limits with it") from None
         return
     try:
         require_tools()
         check_bwrap(python_command(ToolLimits(timeout_s=30.0, sandbox=sandbox), "-c", ""))
-    except SandboxError as e:
+    except SandboxUnavailable as e:
         raise ToolError(f"explorer.python_sandbox: {e}: {FIX}") from None
 
 
@@ -145,8 +152,13 @@ def run_python(code: str, limits: ToolLimits) -> str:
     output_fd = os.memfd_create("rft-python-output", os.MFD_CLOEXEC)  # no path: nothing can take its place
     try:
         with _workdir(limits) as cwd:
-            process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=output_fd, stderr=subprocess.STDOUT,
-                                       cwd=cwd, env=TOOL_ENVIRONMENT, start_new_session=True)
+            try:
+                process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=output_fd, stderr=subprocess.STDOUT,
+                                           cwd=cwd, env=TOOL_ENVIRONMENT, start_new_session=True)
+            except OSError as e:  # the sandbox (bwrap, prlimit) or the interpreter could not be started
+                # (what the program prints is never read as the sandbox's failure: a program could fake it to
+                # leave its own episode out of training)
+                raise SandboxError(f"python: the sandbox could not start ({e})") from None
             try:
                 process.communicate(code.encode("utf-8", "replace"), timeout=limits.timeout_s)
                 timed_out = False

@@ -34,6 +34,11 @@ class ToolError(ValueError):
     name in `explorer.tools` (the message names the key)."""
 
 
+class SandboxError(ToolError):
+    """The sandbox refused to run a call (it could not be set up: not the model's fault): `ToolBox.run` raises it
+    instead of answering, and the tool_agent episode is a failed rollout of class `sandbox`."""
+
+
 @dataclass(frozen=True)
 class ToolLimits:
     """Limits every tool call runs under: `timeout_s` wall seconds (the python tool also gets that much CPU time),
@@ -117,7 +122,8 @@ class ToolBox:
         return [t.schema for t in self.tools.values()]
 
     def run(self, call: ToolCall) -> str:
-        """The result text of one call: the tool's answer (truncated to `limits.output_chars`), or `error: ...`."""
+        """The result text of one call: the tool's answer (truncated to `limits.output_chars`), or `error: ...`;
+        SandboxError when the sandbox refused to run it."""
         if call.error:
             return f"error: {call.error}"
         tool = self.tools.get(call.name)
@@ -125,6 +131,8 @@ class ToolBox:
             return f"error: unknown tool {call.name!r} (tools: {', '.join(self.tools)})"
         try:
             result = tool(call.arguments or {})
+        except SandboxError:
+            raise
         except ToolError as e:
             return f"error: {e}"
         except Exception as e:  # a tool's own bug must not end the episode, let alone the explorer

@@ -44,7 +44,7 @@ TOP_LEVEL = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 LOADER_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d")
 
 
-class SandboxError(RuntimeError):
+class SandboxUnavailable(RuntimeError):
     """The sandbox cannot work on this machine (the message says what to do)."""
 
 
@@ -118,26 +118,27 @@ PACKAGES = {"bwrap": "bubblewrap", "prlimit": "util-linux", "setpriv": "util-lin
 
 
 def _tool(name: str) -> str:
-    """The absolute path of a program on this PATH (the sandboxed environment has none), or SandboxError."""
+    """The absolute path of a program on this PATH (the sandboxed environment has none), or SandboxUnavailable."""
     path = shutil.which(name)
     if path is None:
-        raise SandboxError(f"{name} is not installed here" + ("" if name == "bwrap" else
+        raise SandboxUnavailable(f"{name} is not installed here" + ("" if name == "bwrap" else
                                                                f" (Debian's {PACKAGES[name]})"))
     return path
 
 
 def require_tools(names: Sequence[str] = tuple(PACKAGES)) -> None:
-    """SandboxError naming the first of `names` (programs `bwrap_command` and `limited` run) not installed here."""
+    """SandboxUnavailable naming the first of `names` (the programs `bwrap_command` and `limited` run) not
+    installed here."""
     for name in names:
         _tool(name)
 
 
 def check_bwrap(probe: Sequence[str]) -> None:
-    """SandboxError unless `probe`, a sandboxed argv (`bwrap_command`), exits 0 here."""
+    """SandboxUnavailable unless `probe`, a sandboxed argv (`bwrap_command`), exits 0 here."""
     try:
         result = subprocess.run(list(probe), capture_output=True, text=True, timeout=30, env={}, cwd="/")
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise SandboxError(f"bwrap does not run here ({e})") from None
+        raise SandboxUnavailable(f"bwrap does not run here ({e})") from None
     if result.returncode != 0:
-        raise SandboxError(f"bwrap cannot create its sandbox here "
+        raise SandboxUnavailable(f"bwrap cannot create its sandbox here "
                            f"({result.stderr.strip()[:300] or f'exit status {result.returncode}'})")

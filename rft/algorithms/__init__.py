@@ -7,7 +7,7 @@ m2po (a second-moment mask over the whole step), clip_b, clip_v (GRPO with negat
 remax (the reward minus the task's greedy response's reward, which the explorer generates),
 dpo, sft, on_policy_distill (a teacher's per-token reverse KL as the advantage), jsd_distill (a beta-mixture JSD term
 instead), chord (SFT on demonstrations mixed into GRPO steps with a scheduled weight), ppo (a critic's GAE advantages,
-clipped value loss).
+clipped value loss), gigpo (GRPO plus step-level credit among a group's turns from the same state: multi-turn).
 DAPO's pieces are options of these: algorithm.clip_eps_high, loss_agg token_mean, and the trainer's experience
 operators length_penalty and zero_variance (docs/algorithms.md).
 Each algorithm owns its keys (an options dataclass registered with it) and declares what the trainer provides
@@ -18,6 +18,7 @@ from rft.algorithms.chord import CHORD, ChordOptions  # importing the modules re
 from rft.algorithms.cispo import CISPO
 from rft.algorithms.dpo import DPO, DPOOptions
 from rft.algorithms.entropy_clip import ClipB, ClipBOptions, ClipV, ClipVOptions
+from rft.algorithms.gigpo import GiGPO, GiGPOOptions
 from rft.algorithms.grpo import GRPO, GRPOOptions
 from rft.algorithms.gspo import GSPO
 from rft.algorithms.jsd_distill import JSDDistill, JSDOptions
@@ -56,7 +57,7 @@ __all__ = ["ALGORITHMS", "REPLAY_HINT", "Algorithm", "Critic", "Demonstrations",
            "build_algorithm", "build_options", "group_advantages", "option_keys", "register", "resolve_algorithm",
            "GRPO", "RLOO", "ReinforcePlusPlus", "GSPO", "CISPO", "DPO", "SFT", "OnPolicyDistill", "JSDDistill", "CHORD",
            "PPO", "REINFORCE", "SAPO", "TOPR", "SPPO", "OPMD", "AsymRE", "REC", "RAFT", "M2PO", "ClipB", "ClipV",
-           "ReMax",
+           "ReMax", "GiGPO", "GiGPOOptions",
            "GRPOOptions", "DPOOptions", "SFTOptions", "DistillOptions", "JSDOptions", "ChordOptions", "PPOOptions",
            "SAPOOptions", "TOPROptions", "SPPOOptions", "OPMDOptions", "AsymREOptions", "RECOptions", "RAFTOptions",
            "M2POOptions", "ClipBOptions", "ClipVOptions"]

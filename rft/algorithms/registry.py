@@ -2,7 +2,7 @@
 
 A name is a registered key (`grpo`, `rloo`, `reinforce_pp`, `reinforce`, `gspo`, `cispo`, `sapo`, `topr`, `sppo`,
 `opmd`, `asymre`, `rec`, `raft`, `remax`, `m2po`, `clip_b`, `clip_v`, `dpo`, `sft`, `on_policy_distill`, `jsd_distill`,
-`chord`, `ppo`) or an import path
+`chord`, `ppo`, `gigpo`) or an import path
 `package.module:Class`. An algorithm is written in one file:
 
     @dataclass
@@ -112,7 +112,10 @@ class Needs:
       (`StepStart`);
     - `greedy_baseline`: every group carries `greedy_reward`, the reward of one greedy response to its task that the
       explorer generated beside the samples (explorer.greedy_baseline, turned on by this need); a group without one
-      is dead-lettered by the trainer's check; advantages come from `baseline_advantages`."""
+      is dead-lettered by the trainer's check; advantages come from `baseline_advantages`;
+    - `token_advantages`: micro-batches carry `token_advantages` [b, T] float32, one advantage per response token
+      from the algorithm's `token_advantages(groups)` (0 outside the response; rows without one, e.g.
+      demonstrations, get their `advantages` on every response token)."""
     reference: bool = False
     teacher: str | None = None
     teacher_key: str = "algorithm.teacher_path"
@@ -122,6 +125,7 @@ class Needs:
     step: bool = False
     step_start: StepStart | None = None
     greedy_baseline: bool = False
+    token_advantages: bool = False
 
 
 @dataclass
@@ -139,6 +143,8 @@ class Algorithm:
       micro-batch's contribution to the step loss and every metric is a contribution to a step-wide sum.
     - `baseline_advantages(rewards_per_group, baselines)`: instead of `advantages` when `needs.greedy_baseline`:
       `baselines` holds each group's `greedy_reward` (finite, in the run's reward range).
+    - `token_advantages(groups)`: when `needs.token_advantages`: per group (ExperienceGroups of the step), per
+      sample, a float32 array of one advantage per response token (multi-turn credit: gigpo.py).
     - `needs`: what the trainer provides (`Needs`; default: nothing).
     - `supports_replay`: the loss is correct on recorded experiences of any age (offline replay, replayed groups).
     - `step_metrics(step)`: values the trainer logs with step `step` besides the loss's metrics (default: none).
@@ -158,6 +164,9 @@ class Algorithm:
         raise NotImplementedError
 
     def loss_fn(self, token_logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
+        raise NotImplementedError
+
+    def token_advantages(self, groups: Sequence[ExperienceGroup]) -> list[list[np.ndarray]]:
         raise NotImplementedError
 
     def step_metrics(self, step: int) -> dict[str, float]:
@@ -214,6 +223,9 @@ def build_algorithm(cfg: AlgorithmConfig, *, source: str = "<config>") -> Algori
     if not isinstance(algorithm.needs, Needs):
         raise ValueError(f"algorithm.name: {cfg.name!r}: `needs` is a {type(algorithm.needs).__name__}, not an "
                          "rft.algorithms.Needs")
+    if algorithm.needs.token_advantages and not hasattr(algorithm, "token_advantages"):
+        raise ValueError(f"algorithm.name: {cfg.name!r} needs per-token advantages but has no token_advantages "
+                         "(see rft.algorithms.Algorithm)")
     if algorithm.needs.greedy_baseline and not hasattr(algorithm, "baseline_advantages"):
         raise ValueError(f"algorithm.name: {cfg.name!r} needs a greedy baseline but has no baseline_advantages "
                          "(see rft.algorithms.Algorithm)")

@@ -40,7 +40,7 @@ from rft.evaluation.metrics import SetScores, score_tasks
 from rft.explorer.config import ExplorerConfig
 from rft.models.config import ModelConfig
 from rft.observability.metrics import MetricsLogger
-from rft.rewards import RewardContext, build_reward
+from rft.rewards import RewardContext, RewardWorkers, build_reward
 from rft.run.config import Config
 from rft.weights.store import WeightStoreError
 from rft.weights.stores import VersionStore, open_store, store_exists
@@ -76,9 +76,10 @@ def sampling_explorer(explorer: ExplorerConfig, evaluation: EvalConfig, eval_set
 
 
 def load_eval_sets(evaluation: EvalConfig, explorer: ExplorerConfig, model: ModelConfig, *, run_id: str,
-                   seed: int) -> list[EvalSet]:
+                   seed: int, workers: RewardWorkers | None = None) -> list[EvalSet]:
     """Every `eval.sets` entry's tasks and its workflow; a DatasetError names the set's key (`eval.sets[i].path`).
-    `run_id` is the run's name, `seed` its `run.seed` (for a reward's own engine)."""
+    `run_id` is the run's name, `seed` its `run.seed` (for a reward's own engine); `workers`: the reward worker
+    processes per-response rewards run in, under their time limit (None: in this process)."""
     task_sets = []
     for i, eval_set in enumerate(evaluation.sets):
         source = TaskSet(key=f"eval.sets[{i}]", id_prefix="", path=eval_set.path, format=eval_set.format, weight=1.0,
@@ -87,7 +88,7 @@ def load_eval_sets(evaluation: EvalConfig, explorer: ExplorerConfig, model: Mode
                          seed=eval_set.seed, options=eval_set.options)
         tasks = rows_to_tasks(load_rows(source), source, run_id=run_id)
         sampled = sampling_explorer(explorer, evaluation, eval_set)
-        reward = build_reward(sampled, RewardContext.of(sampled, model, seed=seed))
+        reward = build_reward(sampled, RewardContext.of(sampled, model, seed=seed, workers=workers))
         task_sets.append(EvalSet(eval_set.name, tasks, build_workflow(sampled, model, reward)))
     return task_sets
 
@@ -286,7 +287,8 @@ def main(argv: list[str]) -> int:
         checkpoints = [resolve_checkpoint(spec, cfg.model, run_dir=cfg.run_dir, store=store,
                                           checksums=cfg.sync.verify)
                        for spec in args.checkpoint or []]
-        task_sets = load_eval_sets(cfg.eval, cfg.explorer, cfg.model, run_id=cfg.run.name, seed=cfg.run.seed)
+        task_sets = load_eval_sets(cfg.eval, cfg.explorer, cfg.model, run_id=cfg.run.name, seed=cfg.run.seed,
+                                   workers=RewardWorkers.from_config(cfg.explorer))
     except (CheckpointError, DatasetError, ConfigError) as e:
         print(f"rft eval: {e}", file=sys.stderr)
         return 2

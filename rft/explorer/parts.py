@@ -143,6 +143,7 @@ class ExplorerMetrics:
                   "rft_explorer_weights_refused_total": self.stats.weights_refused,
                   "rft_explorer_control_refused_total": self.membership.control.view.malformed,
                   "rft_explorer_weights_version": self.engine.weights_version,
+                  "rft_explorer_failed_samples_total": sum(self.stats.failed.values()),
                   "rft_explorer_tokens_per_second": sum(len(s.response_tokens) for s in samples) / max(seconds, 1e-9)}
         tasks = self.membership.tasks
         try:

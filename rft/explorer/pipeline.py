@@ -10,6 +10,10 @@ tasks partition may be committed.
             group is over the record limit, or whose claim-checked parts the claim store would not take past its
             retries, goes to the dead-letter topic), flush, wait
             for every acknowledgement, and only then mark those tasks done in `Offsets` and commit what it allows.
+            Samples whose rollout failed outside the policy (`Sample.failure`) are counted per class
+            (`stats.failed`) and sent in their group, a group whose every sample failed too: the trainer leaves
+            them out of the baseline and drops a group left with too few scored samples, counting both
+            (rft/trainer/feed.py), so one count of what reached training lives in one place.
 
 Delivery is at-least-once: a failed acknowledgement raises before anything is committed, and a crash between the
 acks and the commit re-delivers the tasks to some explorer, which produces groups with the same group id
@@ -234,6 +238,9 @@ class Delivery:
             return None
         group = self._group(outcome.result)
         group.metadata.update(outcome.metadata)
+        for sample in group.samples:
+            if sample.failure:
+                self.stats.failed[sample.failure] = self.stats.failed.get(sample.failure, 0) + 1
         if problem := self.rewards.group_problem(group):
             self.dead_letter.divert(outcome.source, f"task cannot be explored: {problem}")
             return None

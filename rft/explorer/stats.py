@@ -17,3 +17,4 @@ class ExplorerStats:
     partitions: list[int] = dataclasses.field(default_factory=list)
     unassigned_s: float = 0.0  # how long it has held no tasks partition (0 while it holds some)
     rejoins: int = 0  # rejoins by the membership watchdog
+    failed: dict[str, int] = dataclasses.field(default_factory=dict)  # failed samples per failure class (Delivery)

@@ -32,7 +32,7 @@ from rft.cli.commandline import add_config_arguments, config_from_args
 from rft.explorer.membership import group_name
 from rft.modes import mode
 from rft.run.config import Config
-from rft.schema import ControlMessage
+from rft.schema import FAILURE_CLASSES, ControlMessage
 from rft.transport import Admin, RecordSource, TransportError, connect, lag
 from rft.transport.control import ControlView, ExplorerView, TrainerView, control_messages
 from rft.transport.run_topics import consumer_group
@@ -295,6 +295,9 @@ def render(report: dict) -> str:
         signal = signal_line(t["step"], t["metrics"])
         if signal:
             lines.append(signal)
+    failures = failures_line(t.get("metrics") or {}, x)
+    if failures:
+        lines.append(failures)
     refused = sum(e.get("weights_refused", 0) for e in x)
     if refused:
         lines.append(f"REFUSED: {refused} weights announcements did not pass the explorers' trust checks (a path "
@@ -330,6 +333,27 @@ def mismatch_line(step: int, metrics: dict[str, float], ratio: float) -> str:
         ordered = sorted(stale.items(), key=lambda kv: int(kv[0].removesuffix("plus")))
         line += "; by staleness: " + ", ".join(f"{name.replace('plus', '+')}: {v:.4f}" for name, v in ordered)
     return line
+
+
+def failures_line(metrics: dict[str, float], explorers: list[dict]) -> str | None:
+    """Rollouts that failed outside the policy (Sample.failure), per failure class: marked by the explorers (their
+    heartbeats' `failed`, summed) and met by the trainer (its newest step's `failed_<class>_total`), with the groups
+    the trainer dropped for too few scored samples: `failed rollouts: explorers timeout 3, verifier 1; trainer
+    timeout 3, verifier 1, 1 group dropped (too few scored)`. None when there were none."""
+    marked: dict[str, int] = {}
+    for e in explorers:
+        for name, n in (e.get("failed") or {}).items():
+            marked[name] = marked.get(name, 0) + int(n)
+    met = {c: int(metrics.get(f"failed_{c}_total", 0)) for c in FAILURE_CLASSES}
+    dropped = int(metrics.get("failed_groups_dropped_total", 0))
+    parts = []
+    if any(marked.values()):
+        parts.append("explorers " + ", ".join(f"{c} {n}" for c, n in sorted(marked.items()) if n))
+    if any(met.values()) or dropped:
+        trainer = [f"{c} {n}" for c, n in met.items() if n] + ([f"{dropped} groups dropped (too few scored)"]
+                                                                if dropped else [])
+        parts.append("trainer " + ", ".join(trainer))
+    return "failed rollouts: " + "; ".join(parts) if parts else None
 
 
 def signal_line(step: int, metrics: dict[str, float]) -> str | None:

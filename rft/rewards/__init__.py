@@ -8,6 +8,9 @@ as an escape hatch. Names are resolved when a config is loaded for a run (`rft.r
   registered with `@register_reward("name")`. An import path may name such a function.
 - Stateful rewards (a judge model) are classes with `from_config(explorer: ExplorerConfig, context: RewardContext)
   -> Reward`, registered with `register_reward_factory("name", cls)`. An import path may name such a class.
+- Per-response functions run in reward worker processes under `explorer.reward_timeout_s` when the reward is built
+  with workers (`RewardContext.workers`: every run's explorer and evaluator; rft/rewards/limits.py): a hung verifier
+  is a `timeout` failure, not a stall; one that raises is a `verifier` failure, one that returns None `unscored`.
 - `explorer.reward: weighted` combines the rewards named in `explorer.reward_weights` into the
   weighted mean sum_i w_i r_i / sum_i w_i (weights >= 0, not all 0), so the result stays in [0, 1].
 - A factory may define `check_config(explorer)`: `check_reward_config` calls it for every reward a config names,
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from rft.rewards import countdown, judge, math_answer, reasoning_gym, rlcr, rubric, ruler, text  # noqa: F401  (registers the built-ins)
 from rft.rewards.context import RewardContext
+from rft.rewards.limits import RewardWorkers, score_in_process
 from rft.rewards.registry import (
     REWARDS,
     Reward,
@@ -41,8 +45,8 @@ if TYPE_CHECKING:
     from rft.schema import TaskRecord
 
 __all__ = ["REWARDS", "WEIGHTED", "FunctionReward", "Reward", "RewardContext", "RewardError", "RewardFn",
-           "RewardResult", "WeightedReward", "available_rewards", "build_reward", "check_reward_config", "checked",
-           "register_reward", "register_reward_factory", "resolve"]
+           "RewardResult", "RewardWorkers", "WeightedReward", "available_rewards", "build_reward",
+           "check_reward_config", "checked", "register_reward", "register_reward_factory", "resolve"]
 
 WEIGHTED = "weighted"
 
@@ -52,13 +56,17 @@ def available_rewards() -> list[str]:
 
 
 class FunctionReward:
-    """Adapts a per-response function to `Reward`, checking every score it returns."""
+    """Adapts a per-response function to `Reward`, checking every score it returns; with `workers`, each call runs in
+    a worker process under their time limit (rft/rewards/limits.py), else in this process (failures marked alike,
+    without a limit)."""
 
-    def __init__(self, name: str, fn: RewardFn):
-        self.name, self.fn = name, fn
+    def __init__(self, name: str, fn: RewardFn, workers: RewardWorkers | None = None):
+        self.name, self.fn, self.workers = name, fn, workers
 
     def score(self, responses: Sequence[str], task: TaskRecord) -> list[RewardResult]:
-        return [checked(self.name, self.fn(response, task)) for response in responses]
+        if self.workers is not None:
+            return self.workers.score(self.name, responses, task)
+        return [score_in_process(self.name, self.fn, response, task) for response in responses]
 
 
 class WeightedReward:
@@ -80,6 +88,10 @@ class WeightedReward:
         for i in range(len(responses)):
             components: dict[str, float] = {}
             total = 0.0
+            failed = next((results[i].failure for results in per_part.values() if results[i].failure), "")
+            if failed:  # a part could not score the response: neither can the whole
+                out.append(RewardResult(0.0, {}, failure=failed))
+                continue
             for name, results in per_part.items():
                 total += self.weights[name] * results[i].score
                 components[name] = results[i].score
@@ -141,4 +153,6 @@ def build_reward(explorer: ExplorerConfig, context: RewardContext | None = None)
 
 def _build_one(spec: str, explorer: ExplorerConfig, context: RewardContext | None) -> Reward:
     kind, obj = resolve(spec)
-    return obj.from_config(explorer, context) if kind == "factory" else FunctionReward(spec, obj)
+    if kind == "factory":
+        return obj.from_config(explorer, context)
+    return FunctionReward(spec, obj, context.workers if context is not None else None)

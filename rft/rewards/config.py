@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rft.config import COUNT, Section, option
+from rft.config import COUNT, POSITIVE, Section, option
 
 
 @dataclass(frozen=True)
@@ -14,6 +14,11 @@ class RewardOptions(Section):
     reward: str = option("exact_match",
         help="registered name, `weighted` (uses reward_weights) or package.module:function")
     reward_weights: dict[str, float] = option(factory=dict, help="reward name -> weight, for reward: weighted")
+    reward_timeout_s: float = option(10.0, range=POSITIVE,
+        help="seconds one response's per-response reward (a verifier) may take, in a reward worker process; past it "
+        "the worker is killed and the sample is a failed rollout (timeout), not a stall (rft/rewards/limits.py)")
+    reward_workers: int = option(1, range=COUNT,
+        help="reward worker processes per explorer: a group's responses are scored this many at a time")
 
 
 @dataclass(frozen=True)

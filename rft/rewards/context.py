@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rft.engine import build_engine
+from rft.rewards.limits import RewardWorkers
 
 if TYPE_CHECKING:
     from rft.engine import Engine
@@ -19,16 +20,21 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class RewardContext:
     """What a stateful reward may need beyond the explorer section: the policy model's section (lengths) and a
-    way to start an engine of the explorer's kind on another model directory (`engine(path)`)."""
+    way to start an engine of the explorer's kind on another model directory (`engine(path)`); `workers`: the
+    reward worker processes per-response rewards run in under their time limit (rft/rewards/limits.py; None: in
+    this process, without a limit)."""
     model: ModelConfig
     engine: Callable[[str], Engine]
+    workers: RewardWorkers | None = None
 
     @classmethod
-    def of(cls, explorer: ExplorerConfig, model: ModelConfig, *, seed: int) -> RewardContext:
+    def of(cls, explorer: ExplorerConfig, model: ModelConfig, *, seed: int,
+           workers: RewardWorkers | None = None) -> RewardContext:
         """Engines of `explorer.engine`'s kind over `model`'s settings, seeded with `seed` (`run.seed`)."""
-        return cls(model, lambda path: build_engine(explorer, model, seed=seed, model_path=path))
+        return cls(model, lambda path: build_engine(explorer, model, seed=seed, model_path=path), workers)
 
     @classmethod
     def for_run(cls, cfg: Config) -> RewardContext:
-        """Composition helper for entry points: `of` over the run's sections (holds no reference to `cfg`)."""
-        return cls.of(cfg.explorer, cfg.model, seed=cfg.run.seed)
+        """Composition helper for entry points: `of` over the run's sections (holds no reference to `cfg`), with
+        reward workers of explorer.reward_timeout_s / reward_workers (started on first use)."""
+        return cls.of(cfg.explorer, cfg.model, seed=cfg.run.seed, workers=RewardWorkers.from_config(cfg.explorer))

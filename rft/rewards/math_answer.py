@@ -1,28 +1,21 @@
 """Math answer checking with `math-verify`: the response's final answer against the ground truth.
 
 `math-verify` extracts the answer (preferring `\\boxed{...}`, else the last expression) and compares
-symbolically (1/2 == 0.5 == \\frac{1}{2}). Its timeouts use `signal.alarm`, which only works in the main
-thread, so elsewhere they are switched off.
+symbolically (1/2 == 0.5 == \\frac{1}{2}). Its own timeouts (`signal.alarm`, main thread only) are off: a run scores
+it in a reward worker under `explorer.reward_timeout_s`, which kills a hung parse or comparison (a `timeout`
+failure, rft/rewards/limits.py).
 """
 from __future__ import annotations
-
-import threading
 
 from rft.rewards.registry import RewardResult, register_reward
 from rft.rewards.text import answer_tag_content
 from rft.schema import TaskRecord
 
-TIMEOUT_S = 5
-
-
-def _timeout() -> int | None:
-    return TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-
 
 def _parse(text: str) -> list:
     import math_verify
     try:
-        return math_verify.parse(text, parsing_timeout=_timeout())
+        return math_verify.parse(text, parsing_timeout=None)
     except Exception:  # math-verify raises assorted sympy/latex2sympy errors on junk input
         return []
 
@@ -47,7 +40,7 @@ def math_answer(response: str, task: TaskRecord) -> RewardResult:
     if not gold or not predicted:
         return RewardResult(0.0, {"parsed": float(bool(predicted)), "correct": 0.0})
     try:
-        correct = bool(math_verify.verify(gold, predicted, timeout_seconds=_timeout()))
+        correct = bool(math_verify.verify(gold, predicted, timeout_seconds=None))
     except Exception:
         correct = False
     return RewardResult(float(correct), {"parsed": 1.0, "correct": float(correct)})

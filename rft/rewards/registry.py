@@ -4,6 +4,9 @@ Contract of every reward: `score(responses, task) -> list[RewardResult]`, one re
 result's `score` is a float in [0, 1] (1 = fully right); `components` are named sub-scores (also floats) that the
 explorer records beside it for diagnostics. A reward never raises on what a model wrote: malformed output scores 0.
 A reward that returns a score outside [0, 1] (or NaN) is a bug in the reward and raises `RewardError` naming it.
+A reward that returns None could not score the response (`unscored`); one that raises (anything but a `TaskError`)
+crashed (`verifier`), and one past `explorer.reward_timeout_s` timed out (`timeout`): the sample is a failed rollout
+(`RewardResult.failure`, docs/schema.md "Failed rollouts"), left out of its group's baseline, never a 0.
 
 `REWARDS` maps a name to either a per-response function `fn(response, task) -> RewardResult | float`
 (`@register_reward(name)`) or a factory, a class with `from_config(explorer, context) -> Reward`
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rft.registry import Registry
+from rft.schema import FAILURE_CLASSES
 
 if TYPE_CHECKING:
     from rft.schema import TaskRecord
@@ -34,9 +38,11 @@ class TaskError(ValueError):
 
 @dataclass(frozen=True)
 class RewardResult:
-    """One response's reward: `score` in [0, 1] plus named sub-scores."""
+    """One response's reward: `score` in [0, 1] plus named sub-scores; `failure` (rft.schema.FAILURE_CLASSES) when
+    the response could not be scored (`score` then means nothing): the sample is a failed rollout."""
     score: float
     components: dict[str, float] = field(default_factory=dict)
+    failure: str = ""
 
 
 class Reward(Protocol):
@@ -45,7 +51,7 @@ class Reward(Protocol):
     def score(self, responses: Sequence[str], task: TaskRecord) -> list[RewardResult]: ...
 
 
-RewardFn = Callable[[str, "TaskRecord"], "RewardResult | float"]
+RewardFn = Callable[[str, "TaskRecord"], "RewardResult | float | None"]
 
 REWARDS: Registry[Any] = Registry("reward", noun="reward", error=RewardError)
 
@@ -65,8 +71,14 @@ def is_factory(obj: Any) -> bool:
     return hasattr(obj, "from_config")
 
 
-def checked(name: str, result: RewardResult | float) -> RewardResult:
-    """Normalise a reward's return value and enforce the [0, 1] contract."""
+def checked(name: str, result: RewardResult | float | None) -> RewardResult:
+    """Normalise a reward's return value and enforce the [0, 1] contract (None: `unscored`)."""
+    if result is None:
+        return RewardResult(0.0, failure="unscored")
+    if isinstance(result, RewardResult) and result.failure:
+        if result.failure not in FAILURE_CLASSES:
+            raise RewardError(f"reward {name!r} returned failure {result.failure!r}, not one of {FAILURE_CLASSES}")
+        return RewardResult(0.0, {k: float(v) for k, v in result.components.items()}, failure=result.failure)
     if not isinstance(result, RewardResult):
         if isinstance(result, bool) or not isinstance(result, (int, float)):
             raise RewardError(f"reward {name!r} returned {type(result).__name__}; expected a float or RewardResult")

@@ -22,15 +22,8 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from rft.rewards.registry import (
-    REWARDS,
-    RewardError,
-    RewardFn,
-    RewardResult,
-    checked,
-    is_factory,
-    register_reward_factory,
-)
+from rft.rewards.limits import RewardWorkers, score_in_process
+from rft.rewards.registry import REWARDS, RewardError, RewardFn, RewardResult, is_factory, register_reward_factory
 
 if TYPE_CHECKING:
     from rft.explorer.config import ExplorerConfig
@@ -71,6 +64,7 @@ class RlcrReward:
 
     def __init__(self, verifier: str):
         self.name, self.verifier = verifier, verifier_of(verifier)
+        self.workers: RewardWorkers | None = None
 
     @staticmethod
     def check_config(explorer: ExplorerConfig) -> None:
@@ -78,10 +72,15 @@ class RlcrReward:
 
     @classmethod
     def from_config(cls, explorer: ExplorerConfig, context: RewardContext | None) -> RlcrReward:
-        return cls(explorer.rlcr_verifier)
+        reward = cls(explorer.rlcr_verifier)
+        reward.workers = context.workers if context is not None else None
+        return reward
 
-    def score_one(self, response: str, task: TaskRecord) -> RewardResult:
-        verdict = checked(self.name, self.verifier(response, task))
+    def score_one(self, response: str, task: TaskRecord, verdict: RewardResult | None = None) -> RewardResult:
+        """One response's reward from the verifier's `verdict` (None: the verifier is called here, in-process)."""
+        verdict = verdict or score_in_process(self.name, self.verifier, response, task)
+        if verdict.failure:  # the verifier could not say whether it is correct
+            return verdict
         c, q = verdict.score, parse_confidence(response)
         r = rlcr_value(c, q)
         components = {f"{self.name}.{k}": v for k, v in verdict.components.items()}
@@ -90,7 +89,11 @@ class RlcrReward:
         return RewardResult(min(max((1.0 + r) / 2.0, 0.0), 1.0), components)
 
     def score(self, responses: Sequence[str], task: TaskRecord) -> list[RewardResult]:
-        return [self.score_one(r, task) for r in responses]
+        """The verifier runs in the reward workers (under their time limit) when the reward was built with them."""
+        if self.workers is None:
+            return [self.score_one(r, task) for r in responses]
+        verdicts = self.workers.score(self.name, responses, task)
+        return [self.score_one(r, task, v) for r, v in zip(responses, verdicts, strict=True)]
 
 
 register_reward_factory("rlcr", RlcrReward)

@@ -36,6 +36,7 @@ class Row:
     routed: np.ndarray | None = None
     routed_layers: tuple[int, ...] = ()
     versions: np.ndarray | None = None  # the weights version of each response token (int64); None: unknown
+    token_advantages: np.ndarray | None = None  # one per response token (float32; Needs.token_advantages); None: none
 
 
 @dataclass(frozen=True)
@@ -111,16 +112,23 @@ def preference_pair_problem(group: ExperienceGroup) -> str | None:
 
 
 def rows_from_groups(groups: list[ExperienceGroup], advantages: list[np.ndarray], *, max_len: int | None = None,
-                     pairs: bool = False, routing: bool = False) -> list[Row]:
-    """One row per sample; `advantages[i][j]` belongs to sample j of group i. Sequences longer than `max_len`
-    are cut at the end (the cut tokens leave the loss). With `pairs`, group i is preference pair i (ValueError
-    naming the group when it is not one) and its rows are marked chosen / rejected. With `routing` (routing replay),
-    rows keep their samples' recorded `routed_experts` (ValueError naming the group when two records of the step
-    disagree on the MoE layers)."""
+                     pairs: bool = False, routing: bool = False,
+                     token_advantages: list[list[np.ndarray]] | None = None) -> list[Row]:
+    """One row per sample; `advantages[i][j]` belongs to sample j of group i, and so does `token_advantages[i][j]`
+    (one per response token; ValueError naming the group when its length is not the response's). Sequences longer
+    than `max_len` are cut at the end (the cut tokens leave the loss). With `pairs`, group i is preference pair i
+    (ValueError naming the group when it is not one) and its rows are marked chosen / rejected. With `routing`
+    (routing replay), rows keep their samples' recorded `routed_experts` (ValueError naming the group when two
+    records of the step disagree on the MoE layers)."""
     rows: list[Row] = []
-    for index, (group, group_adv) in enumerate(zip(groups, advantages, strict=True)):
-        group_rows = [_row(sample, float(adv), max_len, routing, group.policy_version)
-                      for sample, adv in zip(group.samples, group_adv, strict=True)]
+    per_token: list[list[np.ndarray | None]] = ([list(t) for t in token_advantages] if token_advantages is not None
+                                                else [[None] * len(g.samples) for g in groups])
+    for index, (group, group_adv, group_tokens) in enumerate(zip(groups, advantages, per_token, strict=True)):
+        group_rows = [_row(sample, float(adv), max_len, routing, group.policy_version, tokens)
+                      for sample, adv, tokens in zip(group.samples, group_adv, group_tokens, strict=True)]
+        if any(t is not None and len(t) != len(s.response_tokens) for s, t in zip(group.samples, group_tokens,
+                                                                                    strict=True)):
+            raise ValueError(f"group {group.group_id}: token advantages not one per response token")
         if routing:
             _check_layers(rows + group_rows, group)
         if pairs:
@@ -129,11 +137,13 @@ def rows_from_groups(groups: list[ExperienceGroup], advantages: list[np.ndarray]
     return rows
 
 
-def _row(sample, advantage: float, max_len: int | None, routing: bool = False, policy_version: int = 0) -> Row:
+def _row(sample, advantage: float, max_len: int | None, routing: bool = False, policy_version: int = 0,
+         token_advantages: np.ndarray | None = None) -> Row:
     tokens = np.concatenate([sample.prompt_tokens, sample.response_tokens]).astype(np.int64)
     mask = sample.loss_mask.astype(np.float32)
     logprobs = sample.logprobs.astype(np.float32)
     versions = sample.versions_of(policy_version)
+    per_token = None if token_advantages is None else np.asarray(token_advantages, dtype=np.float32)
     routed, layers = None, ()
     if routing and sample.routed_experts is not None:
         record = sample.routed_experts
@@ -144,8 +154,9 @@ def _row(sample, advantage: float, max_len: int | None, routing: bool = False, p
         keep = max(0, max_len - len(sample.prompt_tokens))
         tokens, mask, logprobs, versions = tokens[:max_len], mask[:keep], logprobs[:keep], versions[:keep]
         routed = routed[:max_len - 1] if routed is not None else None
+        per_token = per_token[:keep] if per_token is not None else None
     return Row(tokens, len(sample.prompt_tokens), mask, logprobs, advantage, routed=routed, routed_layers=layers,
-               versions=versions)
+               versions=versions, token_advantages=per_token)
 
 
 def replayed_fraction(rows: list[Row]) -> float:
@@ -192,6 +203,7 @@ class MicroBatchPlan:
     global_demo_tokens: float = 0.0  # of global_tokens: on demonstration rows
     global_demo_sequences: float = 0.0
     trained_version: int | None = None  # the version the step starts from: micro-batches carry staleness buckets
+    token_advantages: bool = False  # micro-batches carry `token_advantages` (some row has them: `_pack`)
 
     @property
     def real_tokens(self) -> int:
@@ -215,7 +227,8 @@ class MicroBatchPlan:
         if self.trained_version is not None:
             demo_totals["staleness_tokens"] = torch.from_numpy(self.staleness_tokens())
         return [{**_pack(rows, batch_size, seq_len, pad_id, self.global_tokens, self.global_sequences,
-                         pairwise=self.pairwise, trained_version=self.trained_version), **demo_totals}
+                         pairwise=self.pairwise, trained_version=self.trained_version,
+                         token_advantages=self.token_advantages), **demo_totals}
                 for rows, batch_size, seq_len in self.ranks[dp_rank]]
 
     def staleness_tokens(self) -> np.ndarray:
@@ -253,7 +266,8 @@ def plan_micro_batches(rows: list[Row], *, dp_size: int, micro_batch_size: int,
         ranks = _fixed_plan(units, dp_size, micro_batch_size, pairwise)
     return MicroBatchPlan(ranks, global_tokens, float(len(rows)), pairwise,
                           global_demo_tokens=float(sum(r.loss_mask.sum() for r in rows if r.demo)),
-                          global_demo_sequences=float(sum(r.demo for r in rows)), trained_version=trained_version)
+                          global_demo_sequences=float(sum(r.demo for r in rows)), trained_version=trained_version,
+                          token_advantages=any(r.token_advantages is not None for r in rows))
 
 
 def micro_batches_for_rank(rows: list[Row], *, dp_rank: int, dp_size: int, micro_batch_size: int,
@@ -329,7 +343,8 @@ def _row_buckets(row: Row, trained_version: int) -> np.ndarray:
 
 
 def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_tokens: float,
-          global_sequences: float, *, pairwise: bool, trained_version: int | None = None) -> dict[str, torch.Tensor]:
+          global_sequences: float, *, pairwise: bool, trained_version: int | None = None,
+          token_advantages: bool = False) -> dict[str, torch.Tensor]:
     """One micro-batch of `rows` as tensors [batch_size, seq_len] (padding rows past the rows): the tokens, targets,
     positions, `loss_mask`, `old_logprobs`, `advantages`, the step's normalisers, and
     - `row_lens` [b] (input positions of each row, 0 for padding rows), read by sequence packing
@@ -345,7 +360,10 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
       [b, T] int64 (rft.algorithms.mismatch's bucket of v - the version of each loss token of a policy row, from
       `Row.versions`: the sample's `token_versions`, else its group's `policy_version`; -1 elsewhere); the trainer
       adds the step's `staleness_tokens` [STALENESS_BUCKETS] float64 (`MicroBatchPlan.staleness_tokens`), by which
-      the training-inference mismatch is split."""
+      the training-inference mismatch is split;
+    - with `token_advantages` (some row of the step has `Row.token_advantages`): `token_advantages` [b, T] float32,
+      each response token's advantage at its target index (a row without them: its `advantage` on every response
+      token; 0 elsewhere)."""
     input_ids = np.full((batch_size, seq_len), pad_id, dtype=np.int64)
     target_ids = np.full((batch_size, seq_len), pad_id, dtype=np.int64)
     loss_mask = np.zeros((batch_size, seq_len), dtype=np.float32)
@@ -357,6 +375,7 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
     prompt_lens = np.zeros(batch_size, dtype=np.int64)
     demo_mask = np.zeros(batch_size, dtype=np.float32)
     buckets = np.full((batch_size, seq_len), -1, dtype=np.int64)
+    per_token = np.zeros((batch_size, seq_len), dtype=np.float32)
     for i, row in enumerate(rows):
         n = len(row.tokens) - 1
         row_lens[i], prompt_lens[i] = n, min(row.prompt_len, n)
@@ -368,6 +387,7 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
         if trained_version is not None:
             buckets[i, start:start + r] = _row_buckets(row, trained_version)
         advantages[i] = row.advantage
+        per_token[i, start:start + r] = row.token_advantages if row.token_advantages is not None else row.advantage
         pair_index[i], pair_chosen[i], demo_mask[i] = row.pair_index, row.chosen, row.demo
     pairs = {"pair_index": torch.from_numpy(pair_index), "pair_chosen": torch.from_numpy(pair_chosen)}
     routing = {}
@@ -389,4 +409,5 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
         "global_tokens": torch.tensor(global_tokens), "global_sequences": torch.tensor(global_sequences),
         **(pairs if pairwise else {}), **routing,
         **({"staleness_bucket": torch.from_numpy(buckets)} if trained_version is not None else {}),
+        **({"token_advantages": torch.from_numpy(per_token)} if token_advantages else {}),
     }

@@ -57,6 +57,10 @@ class TrainerConfig(Section):
     poll_timeout_s: float = option(600.0, range=POSITIVE,
         help="seconds the trainer waits without a new experience record before it fails (FeedTimeout), e.g. when "
         "every explorer is gone")
+    min_scored_samples: int = option(2, range=COUNT,
+        help="a group that lost rollouts to failures (a sample's `failure`: docs/schema.md, \"Failed rollouts\") "
+        "trains on its scored samples when at least min(this, its size) are left, else it is dropped and counted "
+        "(skipped too_few_scored); 2: a group baseline (a mean and a std) needs two")
     operators: list[Any] = option(factory=list,
         help="experience operators, in order: names or {name: ..., args} (docs/data.md)")
     mismatch_ratio: float = option(2.0, range=Range(low=1, low_open=True),

@@ -9,7 +9,13 @@ Contract:
   at-least-once), `stale` (the staleness tracker refuses it), `foreign` (another run's record), `untrainable`
   (decodes but cannot be trained on: empty, ids outside the vocabulary, over the length limits, a reward out of
   range; the trainer's `check`, rft.trainer.batch.TrainableLimits; the record goes to the dead-letter topic with
-  the reason, so a resumed trainer never meets it again).
+  the reason, so a resumed trainer never meets it again), `too_few_scored` (fewer than min(`min_scored`, its size)
+  of its samples were scored: see below).
+- Failed rollouts (a sample's `failure`, docs/schema.md "Failed rollouts") leave a group where the feed reads it,
+  before the trainer's check, the operators, the policy and any algorithm see it: the group goes on with its scored
+  samples only (its message re-encoded, so every rank, replay and baseline see the same), so every algorithm's
+  baseline is over scored samples by construction and failed samples are never trained. The samples removed are
+  counted per failure class in `Batch.failed` (records consumed while assembling the batch, taken or not).
 - `FeedState` (offsets + the ids of the last MAX_TAKEN_IDS groups taken) describes exactly what has been consumed
   (a group id's length is bounded by the schema, rft.schema.MAX_ID_CHARS; a duplicate delivered more than
   MAX_TAKEN_IDS groups after its first is taken again). The trainer stores the
@@ -130,6 +136,8 @@ class Batch:
     groups: list[ExperienceGroup]
     messages: list[Message]  # the records taken, in order (raw bytes, for broadcasting to other ranks)
     skipped: dict[str, int]  # reason -> count, for records consumed while assembling this batch
+    # failure class -> failed samples removed from the groups read while assembling this batch (module docstring)
+    failed: dict[str, int] = field(default_factory=collections.Counter)
 
 
 # A decision on one decoded group: None to take it, or a skip reason.
@@ -151,7 +159,7 @@ class ExperienceFeed:
                  reconnect: Callable[[], RecordSource] | None = None, operators: OperatorChain | None = None,
                  check: Callable[[ExperienceGroup], str | None] | None = None,
                  busy: Callable[[bool], None] | None = None, policy: StalenessPolicy | None = None,
-                 pool: int = 0, claims: ClaimStore | None = None):
+                 pool: int = 0, claims: ClaimStore | None = None, min_scored: int = 2):
         """`run_id=None` accepts records of any run (replaying another run's topic). `reconnect` makes a new
         source when the current one fails (TransportError); the feed re-seeks it to its own state. `check(group)`:
         None when a decoded group can be trained on, else the reason; such a group is dead-lettered with
@@ -160,7 +168,11 @@ class ExperienceFeed:
         trainer's mark on a core board (rft/cores.py `CoreShare.set_busy`). `policy` (default in_order) picks each
         group from a pool of max(`pool`, the batch's groups) (the module docstring). `claims`: the store
         claim-checked parts are resolved from; a taken record's message holds them inline (other ranks need no
-        store)."""
+        store). `min_scored`: a group with failed samples needs min(`min_scored`, its size) scored ones (module
+        docstring; trainer.min_scored_samples)."""
+        if min_scored < 1:
+            raise ValueError(f"min_scored must be >= 1, got {min_scored}")
+        self.min_scored = min_scored
         self.reconnect, self.check, self.busy, self.claims = reconnect, check, busy, claims
         self.operators = operators
         self.source, self.topic, self.run_id, self.dead_letter = source, topic, run_id, dead_letter
@@ -188,7 +200,7 @@ class ExperienceFeed:
         max(pool, n_groups) for the trainer's `version` (held groups first checked again with `admit` and the policy).
         Raises FeedTimeout if no record arrives for `timeout_s` (what was consumed so far stays consumed and is in
         `state`). `on_wait(n)` while starved: n = groups taken into this batch plus those held."""
-        batch = Batch(groups=[], messages=[], skipped=collections.Counter())
+        batch = Batch(groups=[], messages=[], skipped=collections.Counter(), failed=collections.Counter())
         pool_size = max(self.pool_size, n_groups)
         self._recheck(admit, version, batch)
         last_record = time.monotonic()
@@ -206,7 +218,7 @@ class ExperienceFeed:
                             on_wait(len(batch.groups) + len(self._pool))
                         continue
                 last_record = time.monotonic()
-                reason = self._consume(self._buffer.popleft(), admit, version)
+                reason = self._consume(self._buffer.popleft(), admit, version, batch)
             elif not self._pool:  # a replay window exhausted
                 self._mark_busy(True)
                 raise EndOfReplay(batch)
@@ -255,8 +267,8 @@ class ExperienceFeed:
         return self.window is not None and all(
             self.state.offsets.get(k, 0) >= stop for k, stop in self.window.stop.items())
 
-    def _consume(self, message: Message, admit: Admit, version: int) -> str | None:
-        """Read one record into the pool, or the reason it is skipped."""
+    def _consume(self, message: Message, admit: Admit, version: int, batch: Batch) -> str | None:
+        """Read one record into the pool, or the reason it is skipped (failed samples counted in `batch.failed`)."""
         if message.offset < self.state.offsets.get(message.position, 0):
             return "already_consumed"  # a client that rewound (it should not): never consume twice
         self.state.offsets[message.position] = message.offset + 1
@@ -273,6 +285,11 @@ class ExperienceFeed:
             return "foreign"
         if group.group_id in self._taken or any(h.group.group_id == group.group_id for h in self._pool):
             return "duplicate"
+        batch.failed.update(collections.Counter(s.failure for s in group.samples if s.failure))
+        scored = self._scored(group, inline)
+        if scored is None:
+            return "too_few_scored"
+        group, inline = scored
         if self.check is not None and (problem := self.check(group)):
             self.dead_letter.divert(message, f"cannot be trained: {problem}")
             return "untrainable"
@@ -281,6 +298,17 @@ class ExperienceFeed:
             return reason
         self._pool.append(_Held(message, inline, group))
         return None
+
+    def _scored(self, group: ExperienceGroup, inline: Message) -> tuple[ExperienceGroup, Message] | None:
+        """`group` and its record without their failed samples (unchanged when none failed), or None when fewer than
+        min(min_scored, its size) are left (the module docstring)."""
+        scored = group.scored_samples
+        if len(scored) == len(group.samples):
+            return group, inline
+        if len(scored) < min(self.min_scored, len(group.samples)):
+            return None
+        group = dataclasses.replace(group, samples=scored)
+        return group, dataclasses.replace(inline, value=encode(group)[0])
 
     def _refusal(self, group: ExperienceGroup, admit: Admit, version: int) -> str | None:
         """Why `group` may not be taken at `version` (the trainer's `admit`, then the policy), or None."""
@@ -335,11 +363,12 @@ class ExperienceFeed:
                 group = decode_group(inline.value, inline.headers)
             except RecordError:
                 group = None
-        if message is None or inline is None or group is None or group.group_id != held["group_id"]:
+        scored = None if message is None or inline is None or group is None else self._scored(group, inline)
+        if message is None or scored is None or scored[0].group_id != held["group_id"]:
             log.warning("experience feed: held group %s at %s@%d is no longer on the topic (or its claims are gone)",
                         held["group_id"], held["position"], held["offset"])
             return None
-        return _Held(message, inline, group)
+        return _Held(message, scored[1], scored[0])  # as it was held: its failed samples removed
 
     def snapshot(self) -> FeedState:
         if self.operators is not None:
@@ -354,9 +383,9 @@ def open_feed(transport: Transport, *, topic: str, dead_letter_topic: str,
               client_id: str = "rft-trainer", operators: OperatorChain | None = None,
               check: Callable[[ExperienceGroup], str | None] | None = None,
               busy: Callable[[bool], None] | None = None, policy: StalenessPolicy | None = None,
-              pool: int = 0) -> tuple[ExperienceFeed, RecordSink, RecordSource]:
+              pool: int = 0, min_scored: int = 2) -> tuple[ExperienceFeed, RecordSink, RecordSource]:
     """Build a feed with its own source and dead-letter sink from `transport` (resolving claims from its claim store);
-    the caller closes both. `check`, `busy`, `policy`, `pool`: as ExperienceFeed's."""
+    the caller closes both. `check`, `busy`, `policy`, `pool`, `min_scored`: as ExperienceFeed's."""
 
     def new_source() -> RecordSource:
         return transport.source(client_id=client_id)
@@ -365,7 +394,7 @@ def open_feed(transport: Transport, *, topic: str, dead_letter_topic: str,
     sink = transport.sink(client_id=f"{client_id}-dlq")
     feed = ExperienceFeed(source, topic=topic, run_id=run_id, dead_letter=DeadLetter(sink, dead_letter_topic),
                           state=state, window=window, reconnect=new_source, operators=operators, check=check,
-                          busy=busy, policy=policy, pool=pool, claims=transport.claims)
+                          busy=busy, policy=policy, pool=pool, claims=transport.claims, min_scored=min_scored)
     return feed, sink, source
 
 

@@ -55,7 +55,7 @@ from rft.observability.prometheus import MetricsEndpoint, metrics_endpoint
 from rft.processes import durable_replace, sync_tree, write_durably
 from rft.run.config import Config, RunConfig
 from rft.run.records import run_transport
-from rft.schema import ExperienceGroup, RewardRange, decode_group
+from rft.schema import FAILURE_CLASSES, ExperienceGroup, RewardRange, decode_group
 from rft.trainer import distributed as dist_io
 from rft.trainer.batch import (
     TrainableLimits,
@@ -185,7 +185,7 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict, t
         check=trainable_limits(cfg, greedy_baseline=needs.greedy_baseline).problem,
         busy=cores.set_busy if cores is not None else None,
         policy=build_staleness_policy(cfg.trainer.staleness_policy, window=cfg.trainer.staleness_window),
-        pool=cfg.trainer.staleness_pool)
+        pool=cfg.trainer.staleness_pool, min_scored=cfg.trainer.min_scored_samples)
     replay = None
     if cfg.replay_buffer.groups_per_step:
         replay = open_replay(cfg.replay_buffer, run_seed=cfg.run.seed, state=replay_state, claims=transport.claims,
@@ -316,6 +316,7 @@ class Trainer:
         self._last_checkpoint = self.step
         self._demos: list[ExperienceGroup] = []  # this step's demonstration groups (needs.demonstrations)
         self._replayed: list[Replayed] = []  # rank 0: this step's replayed groups
+        self._failed: dict[str, int] = {}  # rank 0: this step's failed samples per failure class (Batch.failed)
         self._reuse: list[int] = []  # rank 0: per group of this step, how often it was trained before
         # rank 0: (fresh groups kept, dropped) of recent steps (_keep_fraction)
         self._kept: collections.deque[tuple[int, int]] = collections.deque(maxlen=KEEP_WINDOW)
@@ -422,6 +423,7 @@ class Trainer:
             self._reuse = [0] * len(batch.messages) + [r.reuse for r in replayed]
             raw = [m.value for m in batch.messages] + [r.message.value for r in replayed]
             skipped = dict(batch.skipped)
+            self._failed = dict(batch.failed)
         groups = [decode_group(value) for value in dist_io.broadcast_bytes(raw)]
         if self.needs.demonstrations is not None:
             self._demos = self._next_demonstrations(self.needs.demonstrations)
@@ -454,11 +456,12 @@ class Trainer:
         t = self.config
         started = time.perf_counter()
         advantages = group_advantages(self.algorithm, groups)
-        if not all(np.all(np.isfinite(a)) for a in advantages):  # the same on every rank: no optimizer step
-            return {"step_skipped": 1.0, "nonfinite_advantages": 1.0}
+        per_token = self.algorithm.token_advantages(groups) if self.needs.token_advantages else None
+        if not all(np.all(np.isfinite(a)) for a in [*advantages, *(t for g in per_token or [] for t in g)]):
+            return {"step_skipped": 1.0, "nonfinite_advantages": 1.0}  # the same on every rank: no optimizer step
         max_len = self.model.max_prompt_len + self.model.max_response_len
         rows = rows_from_groups(groups, advantages, pairs=self.needs.pairwise, max_len=max_len,
-                                routing=self.run_config.routing_replay)
+                                routing=self.run_config.routing_replay, token_advantages=per_token)
         if self.needs.demonstrations is not None:
             demos = rows_from_groups(self._demos, [np.zeros(len(g.samples)) for g in self._demos], max_len=max_len)
             for row in demos:
@@ -558,7 +561,8 @@ class Trainer:
             "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
             "data_wait_s": self._data_wait_s,  # of step_time_s: waiting for experiences (trainer idle)
             **self.weights.metrics(),
-            "skipped": skipped, **drops, **{k: _scalar(v) for k, v in metrics.items()},
+            "skipped": skipped, **drops, **self._failure_metrics(skipped.get("too_few_scored", 0)),
+            **{k: _scalar(v) for k, v in metrics.items()},
             **self.staleness.step_metrics(step),
             "staleness_pool_held": self.feed.held,  # groups read and held for a later step (trainer.staleness_policy)
             **(self.replay.step_metrics(step, self._replayed) if self.replay else {}),
@@ -586,6 +590,17 @@ class Trainer:
             print(f"[trainer] step {step}/{self.run_config.max_steps} reward {record['reward_mean']:.3f} "
                   f"loss {record.get('loss', float('nan')):.4f} staleness max {record.get('staleness_max', 0)} "
                   f"{elapsed:.1f}s", flush=True)
+
+    def _failure_metrics(self, dropped: int) -> dict[str, float]:
+        """Failed rollouts (the feed's `Batch.failed`) as `failed_<class>` (this step's records) and
+        `failed_<class>_total` (the run's, checkpointed with the counters), every class of FAILURE_CLASSES; the
+        groups dropped for too few scored samples as `failed_groups_dropped` and `failed_groups_dropped_total`."""
+        out: dict[str, float] = {}
+        for name, n in [*((c, self._failed.get(c, 0)) for c in FAILURE_CLASSES), ("groups_dropped", dropped)]:
+            total = self.counters.get(f"failed_{name}", 0) + n
+            self.counters[f"failed_{name}"] = total
+            out[f"failed_{name}"], out[f"failed_{name}_total"] = n, total
+        return out
 
     def _keep_fraction(self, kept: int, dropped: int) -> float:
         """The share of fresh groups kept over the last KEEP_WINDOW steps (this one's `kept`, and the groups its

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
-from rft.schema import MAX_CLOCK_SKEW_S, ControlMessage, RecordError, decode
+from rft.schema import FAILURE_CLASSES, MAX_CLOCK_SKEW_S, ControlMessage, RecordError, decode
 
 log = logging.getLogger(__name__)
 
@@ -217,8 +217,10 @@ class TrainerWaiting(Kind):
 
 
 KEEP_METRIC = "keep_fraction"  # the share of its recent fresh groups the trainer kept (explorer admission reads it)
+# failed rollouts the trainer met, run totals (rft/trainer/feed.py: per failure class, and groups left too few scored)
+FAILURE_TOTALS = (*(f"failed_{c}_total" for c in FAILURE_CLASSES), "failed_groups_dropped_total")
 TRAINER_STEP_METRICS = ("loss", "reward_mean", "kl", "staleness_mean", "staleness_max", "dropped_stale", KEEP_METRIC,
-                        "data_wait_s", "step_time_s", "entropy")
+                        "data_wait_s", "step_time_s", "entropy", *FAILURE_TOTALS)
 TRAINER_STEP_PREFIXES = ("logprob_mismatch_",)  # and every metric named so (rft/algorithms/mismatch.py)
 
 
@@ -257,7 +259,8 @@ class ExplorerJoin(_FromExplorer):
 class ExplorerHeartbeat(_FromExplorer):
     """Counters since joining; `explore_s` of `joined_s` was spent generating and scoring; `partitions`: the
     tasks partitions held at the last poll; `unassigned_s`: how long it has held none (0 while it holds some);
-    `rejoins`: how often its membership watchdog rejoined the group (rft/explorer/membership.py)."""
+    `rejoins`: how often its membership watchdog rejoined the group (rft/explorer/membership.py); `failed`: its
+    samples marked failed, per failure class (rft.schema.FAILURE_CLASSES)."""
     KIND: ClassVar[str] = "explorer_heartbeat"
     explorer_id: str
     weights_version: int | None = None
@@ -271,6 +274,7 @@ class ExplorerHeartbeat(_FromExplorer):
     partitions: list[int] = field(default_factory=list)
     unassigned_s: float = 0.0
     rejoins: int = 0
+    failed: dict[str, int] = field(default_factory=dict)  # failed samples per failure class (Sample.failure)
 
 
 @dataclass(frozen=True)
@@ -396,6 +400,7 @@ class ExplorerView:
     partitions: list[int] = field(default_factory=list)  # tasks partitions held, as its newest heartbeat says
     unassigned_s: float = 0.0  # how long it had held no partition, as its newest heartbeat says
     rejoins: int = 0  # rejoins by its membership watchdog
+    failed: dict[str, int] = field(default_factory=dict)  # failed samples per failure class, as its heartbeat says
     last_seen: float = 0.0  # created_at of its newest message
     history: list[tuple[float, int]] = field(default_factory=list, repr=False)  # (time, groups) of heartbeats
 
@@ -538,6 +543,7 @@ class ControlView:
         if isinstance(kind, ExplorerHeartbeat):
             e.history.append((when, e.groups))
             e.partitions, e.unassigned_s, e.rejoins = list(kind.partitions), kind.unassigned_s, kind.rejoins
+            e.failed = dict(kind.failed)
             if kind.joined_s:
                 e.busy = kind.explore_s / kind.joined_s
 

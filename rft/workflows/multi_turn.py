@@ -11,6 +11,19 @@ the *sum of its `EnvStep.reward`s* (None counts 0); components then add `return`
 `turns` component and metadata `turns`, and `environment`: the environment's `episode_info` when it has one
 (frozenlake, textarena: the episode's spec, seed included).
 
+Turns (multi-turn credit, rft/algorithms/gigpo.py): every sample records its `turns` (rft.schema.Turn), one per
+model turn: its tokens from the model's first to the last before the next model turn (the environment's reply
+included), `state` the environment's `state_key()` before the model acted when it has one (FrozenLake: the
+player's cell), else a digest of the token ids the model last observed (the prompt, then each observation), and
+`reward` the environment's reward for the step (an environment that does not own the reward: 0, and the episode's
+reward on the last turn).
+
+Failures (docs/schema.md, "Failed rollouts"): an environment that raises anything but a `TaskError` (a server down,
+a crash) when it is built or stepped fails that episode as `environment` (built: every episode of the task, with an
+empty response), a `TimeoutError` from a step (an environment client's own time limit) as `timeout`; a reward
+that fails marks the sample with its class (rft/rewards/registry.py). A `TaskError` is the task's fault: the
+group's error, dead-lettered.
+
 Environments are registered by name (`@register_environment`) or given as `package.module:Class`; one is built per
 episode as `cls(task, reward)` (a `TaskError` there makes the group an error, not a crash) and answers
 `step(model_text)`; one that needs an optional extra says which (`extra = "envs"`). Built-in: `retry` (below),
@@ -20,6 +33,8 @@ the next user turn and the assistant header (`rft.text.chat.observation_text`).
 """
 from __future__ import annotations
 
+import hashlib
+import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rft.engine import SamplingSettings
 from rft.registry import Registry
 from rft.rewards.registry import RewardResult, TaskError
-from rft.schema import TaskRecord
+from rft.schema import MAX_STATE_KEY_CHARS, TaskRecord, Turn
 from rft.text.chat import ChatPrompt
 from rft.workflows.registry import (
     GroupResult,
@@ -38,6 +53,8 @@ from rft.workflows.registry import (
     register_workflow,
     score_group,
 )
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from rft.engine import Completion, Engine
@@ -85,6 +102,13 @@ class RetryEnvironment:
         return EnvStep(observation=f"\nscore {score:.2f}, try again:\n", done=score >= 1.0)
 
 
+class _NoEnvironment:
+    """The environment of an episode whose environment failed to start (it is never stepped)."""
+
+    def step(self, model_text: str) -> EnvStep:
+        raise RuntimeError("no environment")
+
+
 @dataclass
 class _Episode:
     """One sample's conversation so far."""
@@ -103,8 +127,22 @@ class _Episode:
     env_return: float = 0.0  # sum of the environment's step rewards (environments that own the reward)
     env_steps: int = 0
     error: str | None = None  # a TaskError the environment raised
+    failure: str = ""  # the environment failed outside the task (rft.schema.FAILURE_CLASSES): the sample is failed
+    spans: list[list] = field(default_factory=list)  # [start, end, state, reward] per model turn (`turns`)
+    observed: list[int] = field(default_factory=list)  # the token ids the model last observed (prompt, observation)
+
+    def state_key(self) -> str:
+        """The key of the state the model acts from now: the environment's `state_key()`, else a digest of what the
+        model last observed (the prompt, then the latest observation)."""
+        key = getattr(self.environment, "state_key", None)
+        if callable(key):
+            return str(key())[:MAX_STATE_KEY_CHARS]
+        ids = self.observed or self.prompt
+        return "observed:" + hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:32]
 
     def add_model_turn(self, c: Completion) -> None:
+        if c.token_ids:
+            self.spans.append([len(self.tokens), len(self.tokens) + len(c.token_ids), self.state_key(), 0.0])
         self.tokens += c.token_ids
         self.logprobs += c.logprobs
         self.mask += [1] * len(c.token_ids)
@@ -113,9 +151,20 @@ class _Episode:
         self.turns += 1
 
     def add_environment_turn(self, token_ids: list[int]) -> None:
+        self.observed = list(token_ids)
+        if self.spans:
+            self.spans[-1][1] += len(token_ids)
         self.tokens += token_ids
         self.logprobs += [0.0] * len(token_ids)
         self.mask += [0] * len(token_ids)
+
+
+def _turns(episode: _Episode, reward: float) -> list[Turn]:
+    """The episode's `turns`; an environment that does not own the reward gets the episode's `reward` on the last."""
+    turns = [Turn(start, end, state, step_reward) for start, end, state, step_reward in episode.spans]
+    if turns and not owns_reward(episode.environment):
+        turns[-1] = Turn(turns[-1].start, turns[-1].end, turns[-1].state, reward)
+    return turns
 
 
 def _metadata(episode: _Episode) -> dict[str, Any]:
@@ -148,6 +197,12 @@ class MultiTurn:
             except TaskError as e:
                 results[i].error = f"task cannot be explored: {e}"
                 continue
+            except Exception as e:  # the environment's infrastructure (a server down): every episode failed
+                log.warning("environment %s for task %s failed to start: %s: %s", self.environment_cls.__name__,
+                            task.task_id, type(e).__name__, e)
+                episodes += [_Episode(i, k, prompt, _NoEnvironment(), done=True, failure="environment")
+                             for k in range(self.sampling.n)]
+                continue
             episodes += [_Episode(i, k, prompt, env) for k, env in enumerate(environments)]
         for turn in range(self.max_turns):
             active = [e for e in episodes if not e.done]
@@ -156,7 +211,7 @@ class MultiTurn:
             self._model_turn(active, engine)
             for episode in active:
                 self._environment_turn(episode, engine, last_turn=turn == self.max_turns - 1)
-        self._score(episodes, tasks, results)
+        self._score(episodes, tasks, results, engine.weights_version)
         return results
 
     def _model_turn(self, episodes: list[_Episode], engine: Engine) -> None:
@@ -180,7 +235,13 @@ class MultiTurn:
         except TaskError as e:  # the task cannot be scored: _score reports it as the group's error
             episode.done, episode.error = True, str(e)
             return
+        except Exception as e:  # the environment failed, not the task: this episode is a failed rollout
+            log.warning("environment step failed: %s: %s", type(e).__name__, e)
+            episode.done, episode.failure = True, "timeout" if isinstance(e, TimeoutError) else "environment"
+            return
         episode.env_return += step.reward or 0.0
+        if episode.spans:
+            episode.spans[-1][3] = float(step.reward or 0.0)
         episode.env_steps += 1
         if out_of_budget:  # the last action was applied (its reward counts); nothing follows it
             episode.done = True
@@ -192,7 +253,8 @@ class MultiTurn:
             return
         episode.add_environment_turn(observation)
 
-    def _score(self, episodes: list[_Episode], tasks: Sequence[TaskRecord], results: list[GroupResult]) -> None:
+    def _score(self, episodes: list[_Episode], tasks: Sequence[TaskRecord], results: list[GroupResult],
+               engine_version: int) -> None:
         by_task: dict[int, list[_Episode]] = defaultdict(list)
         for e in episodes:
             by_task[e.task_index].append(e)
@@ -206,13 +268,22 @@ class MultiTurn:
                 rewards = [RewardResult(e.env_return, {"return": e.env_return, "steps": float(e.env_steps)})
                            for e in group]
             else:
-                rewards = score_group(self.reward, [e.last_text for e in group], tasks[i])
+                played = [e for e in group if not e.failure]
+                scored = score_group(self.reward, [e.last_text for e in played], tasks[i]) if played else []
+                if isinstance(scored, str):
+                    results[i].error = scored
+                    continue
+                by_episode = dict(zip(map(id, played), scored, strict=True))
+                rewards = [by_episode.get(id(e), RewardResult(0.0)) for e in group]
             if isinstance(rewards, str):
                 results[i].error = rewards
                 continue
+            rewards = [RewardResult(0.0, failure=e.failure) if e.failure else r
+                       for e, r in zip(group, rewards, strict=True)]
             results[i].samples = [
                 build_sample(e.sample_index, prompt=e.prompt, tokens=e.tokens, logprobs=e.logprobs, loss_mask=e.mask,
-                             reward=r, finish_reason=e.finish_reason, metadata=_metadata(e),
-                             extra_components={"turns": float(e.turns)})
+                             reward=r, finish_reason=e.finish_reason or "error", metadata=_metadata(e),
+                             extra_components={"turns": float(e.turns)}, turns=_turns(e, r.score))
                 for e, r in zip(group, rewards, strict=True)]
-            results[i].policy_version = min(v for e in group for v in e.versions)
+            versions = [v for e in group for v in e.versions]
+            results[i].policy_version = min(versions) if versions else engine_version

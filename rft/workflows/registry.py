@@ -11,7 +11,10 @@ Contract of a `GroupResult`:
 - `policy_version` is the oldest weights version that generated any token of the group; a sample may record the
   version of each of its tokens (`token_versions`: with in-flight weight updates they differ within one sample).
 - A task that cannot be explored (prompt too long, a record the reward cannot score, ...) has `error` set and
-  no samples; the explorer sends it to the dead-letter topic and goes on.
+  no samples; the explorer sends it to the dead-letter topic and goes on. A rollout that failed outside the task
+  and the policy (an environment down or crashed, a reward that timed out, crashed or returned None, a sandbox that
+  refused) is a sample with its `failure` class (rft.schema.FAILURE_CLASSES; `build_sample` from a failed
+  `RewardResult`): the group is still delivered, and the trainer leaves the sample out (rft/trainer/feed.py).
 - `greedy_reward`: with `explorer.greedy_baseline`, the reward of one greedy (temperature 0) response to the task,
   scored by the same reward and not among `samples` (the group's `greedy_reward`); None otherwise. A workflow that
   can record it says so with a class attribute `records_greedy_reward = True` (checked when a config loads).
@@ -21,6 +24,7 @@ A registered class (or one named by an import path `package.module:Class`) is bu
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -28,13 +32,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from rft.registry import Registry
-from rft.rewards.registry import TaskError
-from rft.schema import RoutedExperts, Sample, TaskRecord
+from rft.rewards.registry import RewardError, RewardResult, TaskError
+from rft.schema import RoutedExperts, Sample, TaskRecord, Turn
 from rft.text.chat import ChatError, ChatPrompt
 
 if TYPE_CHECKING:
     from rft.engine import Engine
-    from rft.rewards.registry import Reward, RewardResult
+    from rft.rewards.registry import Reward
+
+
+log = logging.getLogger(__name__)
 
 
 class WorkflowError(ValueError):
@@ -75,23 +82,33 @@ def encode_prompt(engine: Engine, task: TaskRecord, max_prompt_len: int,
 
 def score_group(reward: Reward, texts: Sequence[str], task: TaskRecord) -> list[RewardResult] | str:
     """The reward's results for one task's replies, or the reason the task cannot be scored (a `TaskError`: the
-    group's `error`, so the task goes to the dead-letter topic)."""
+    group's `error`, so the task goes to the dead-letter topic). A reward that crashes on the group (a judge's
+    engine down: anything but a TaskError or RewardError) fails every reply as `verifier`, not the explorer."""
     try:
         return reward.score(texts, task)
     except TaskError as e:
         return f"task cannot be scored: {e}"
+    except RewardError:
+        raise
+    except Exception as e:
+        log.warning("reward %s failed on task %s: %s: %s", type(reward).__name__, task.task_id, type(e).__name__, e)
+        return [RewardResult(0.0, {}, failure="verifier") for _ in texts]
 
 
 def build_sample(index: int, *, prompt: Sequence[int], tokens: Sequence[int], logprobs: Sequence[float],
                  loss_mask: Sequence[int], reward: RewardResult, finish_reason: str,
                  metadata: dict[str, Any] | None = None, extra_components: dict[str, float] | None = None,
-                 routed_experts: RoutedExperts | None = None, token_versions: Sequence[int] | None = None) -> Sample:
+                 routed_experts: RoutedExperts | None = None, token_versions: Sequence[int] | None = None,
+                 turns: list[Turn] | None = None) -> Sample:
     """One sample with the wire dtypes (int32 tokens, float32 log-probs, uint8 mask); `routed_experts`: the engine's
     MoE routing of its tokens (rft.engine's `Completion.routed_experts`), when recorded; `token_versions`: the
-    weights version of each token (`Completion.token_versions`), when the engine reported them."""
+    weights version of each token (`Completion.token_versions`), when the engine reported them; `turns`: a
+    multi-turn episode's steps (rft/algorithms/gigpo.py says how to fill them). A `reward` with a `failure` makes a
+    failed sample (reward 0 in Python, nil on the wire)."""
     return Sample(sample_index=index, prompt_tokens=np.asarray(prompt, dtype=np.int32),
                   response_tokens=np.asarray(tokens, dtype=np.int32), logprobs=np.asarray(logprobs, dtype=np.float32),
-                  loss_mask=np.asarray(loss_mask, dtype=np.uint8), reward=reward.score,
+                  loss_mask=np.asarray(loss_mask, dtype=np.uint8), reward=0.0 if reward.failure else reward.score,
                   reward_components={**reward.components, **(extra_components or {})},
                   finish_reason=finish_reason, metadata=metadata or {}, routed_experts=routed_experts,
-                  token_versions=None if token_versions is None else np.asarray(token_versions, dtype=np.int64))
+                  token_versions=None if token_versions is None else np.asarray(token_versions, dtype=np.int64),
+                  failure=reward.failure, turns=turns)

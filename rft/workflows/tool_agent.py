@@ -14,13 +14,15 @@ Episode (multi_turn's machinery, `rft.workflows.multi_turn.MultiTurn`, with tool
    `length`: it has no end-of-turn token to continue after) and the turn `explorer.max_turns`; the response
    budget `model.max_response_len` counts model and tool tokens together, and a tool turn that would leave no
    room for a model token ends the episode instead.
-The reward is the run's configured reward of the last model turn's text (components add `turns`).
+The reward is the run's configured reward of the last model turn's text (components add `turns`). A call the
+python tool's sandbox refuses to run (`SandboxError`: bwrap could not set up) fails the episode as `sandbox`.
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
-from rft.agent_tools import ToolBox, ToolError, ToolLimits
+from rft.agent_tools import SandboxError, ToolBox, ToolError, ToolLimits
 from rft.schema import TaskRecord
 from rft.text.chat import ChatPrompt, tool_turn_text
 from rft.workflows.multi_turn import MultiTurn, _Episode
@@ -42,6 +44,9 @@ def build_toolbox(explorer: ExplorerConfig) -> ToolBox:
         return ToolBox(explorer.tools, limits)
     except ToolError as e:
         raise WorkflowError(str(e)) from None
+
+
+log = logging.getLogger(__name__)
 
 
 class _Conversation:
@@ -67,7 +72,12 @@ class ToolAgent(MultiTurn):
         if last_turn or episode.finish_reason != "stop" or len(episode.tokens) >= self.max_response_len:
             episode.done = True
             return
-        calls = self.toolbox.run_calls(episode.last_text)
+        try:
+            calls = self.toolbox.run_calls(episode.last_text)
+        except SandboxError as e:  # the sandbox refused to run a call: the episode failed, not the model
+            log.warning("tool_agent: %s", e)
+            episode.done, episode.failure = True, "sandbox"
+            return
         if not calls:  # the final answer
             episode.done = True
             return

@@ -21,12 +21,23 @@ ALGORITHMS = {"reinforce": {}, "sapo": {}, "topr": {}, "sppo": {"sppo_eps": 500.
                       "rec_regularizer_coef": 0.1},
               "raft": {}, "remax": {}, "m2po": {}, "clip_b": {"entropy_clip_mu": 0.5},
               "clip_v": {"entropy_clip_mu": 0.5, "entropy_clip_max_frac": 0.05},
-              "jsd_distill": {"teacher_path": TEACHER, "distill_reward_coef": 1.0}}
+              "jsd_distill": {"teacher_path": TEACHER, "distill_reward_coef": 1.0}, "gigpo": {}}
 # sppo_eps 500: the recorded behaviour log-probs are random, so the ratios are far below 1 (the band [1 / 501, 501]);
 # m2po then drops most of its trust region; clip_b / clip_v with a narrow mu, so that they drop some tokens;
 # jsd_distill is its own teacher, so its first step learns from the rewards alone (distill_reward_coef 1)
 GROUPS, REWARDS = 4, [1.0, 0.0, -0.5]
 GREEDY_REWARD = {"remax": 0.25}  # the groups of an algorithm that subtracts the greedy response's reward carry one
+
+
+def with_turns_and_a_failure(groups) -> None:
+    """gigpo's groups: two turns per sample (3 response tokens each; the first from one shared state, the second
+    from one of two), and the first group's last sample failed (a timeout: the feed leaves it out, counted)."""
+    from rft.schema import Turn
+
+    for g in groups:
+        for j, sample in enumerate(g.samples):
+            sample.turns = [Turn(0, 3, "start", 0.0), Turn(3, 6, f"cell{j % 2}", sample.reward)]
+    groups[0].samples[-1].failure = "timeout"
 
 
 def config(out: Path, model: str, name: str, options: dict):
@@ -59,6 +70,8 @@ def train(out: Path, model: str, name: str, options: dict, *, last: bool) -> Non
         groups = [make_group(name, i, rewards=REWARDS) for i in range(GROUPS)]
         for g in groups:
             g.greedy_reward = GREEDY_REWARD.get(name)
+        if name == "gigpo":
+            with_turns_and_a_failure(groups)
         send_groups(transport.sink(), cfg.topic("experiences"), groups)
     trainer = Trainer(cfg.trainer, run=cfg.run, model=cfg.model, algorithm=cfg.algorithm, sync=cfg.sync,
                       run_dir=cfg.run_dir, temperature=1.0, progress=False,

@@ -1,5 +1,6 @@
 """Each algorithm of the REINFORCE-family catalog (reinforce, sapo, topr, sppo, opmd, asymre, rec, raft, and remax,
-whose groups carry the greedy response's reward), the
+whose groups carry the greedy response's reward), gigpo (per-token advantages from its samples' turns; one sample
+failed, left out by the feed and counted), the
 whole-batch ones (m2po, clip_b, clip_v: the pass at the step's start, then their global masks) and jsd_distill (the
 tiny model its own teacher) trains two steps through the real trainer (torchrun, 2 processes, data parallel 2, gloo,
 the tiny model; _worker_algorithm_catalog.py, one process pair for all of them): its keys load with a run's config,
@@ -27,7 +28,8 @@ pytestmark = pytest.mark.distributed
 OWN_METRIC = {"reinforce": "clip_frac", "sapo": "sapo_gate_mean", "topr": "topr_alpha_mean", "sppo": "clip_frac",
               "opmd": None, "asymre": None, "rec": "clip_frac", "raft": "raft_kept_frac", "remax": "clip_frac",
               "m2po": "m2po_ratio_mean",
-              "clip_b": "entropy_clip_frac", "clip_v": "entropy_clip_frac", "jsd_distill": "teacher_jsd"}
+              "clip_b": "entropy_clip_frac", "clip_v": "entropy_clip_frac", "jsd_distill": "teacher_jsd",
+              "gigpo": "clip_frac"}
 
 
 @pytest.fixture(scope="module")
@@ -55,5 +57,7 @@ def test_each_algorithm_trains_two_steps(metrics, name):
         assert steps[0]["teacher_kl"] == pytest.approx(0.0, abs=1e-5)
     if name == "remax":  # every group carries its greedy reward: none is dead-lettered
         assert all(not m.get("skipped") for m in steps)
+    if name == "gigpo":  # the first group's failed sample left the step: 2 + 3 samples trained, the failure counted
+        assert steps[0]["samples"] == 5 and steps[0]["failed_timeout"] == 1 and steps[1]["failed_timeout_total"] == 1
     if name == "raft":  # of each group [1, 0, -0.5] the best sample: a third of the samples, weighted 3
         assert all(m["raft_kept_frac"] == pytest.approx(1 / 3) for m in steps)

@@ -500,7 +500,7 @@ def test_splitting_into_micro_batches_and_shards_changes_nothing(name, options):
 def test_registry_names_and_capabilities():
     assert set(ALGORITHMS) == {"grpo", "rloo", "reinforce_pp", "gspo", "cispo", "dpo", "sft", "on_policy_distill",
                                "jsd_distill", "chord", "ppo", "reinforce", "sapo", "topr", "sppo", "opmd", "asymre",
-                               "rec", "raft", "m2po", "clip_b", "clip_v", "remax"}
+                               "rec", "raft", "m2po", "clip_b", "clip_v", "remax", "gigpo"}
     table = {name: build_algorithm(AlgorithmConfig.of(name, **({"teacher_path": "/teacher"}
                                                              if name in ("on_policy_distill", "jsd_distill") else {})))
              for name in ALGORITHMS}
@@ -517,6 +517,7 @@ def test_registry_names_and_capabilities():
     assert {n: (a.needs.step_start.entropy, a.needs.step_start.collision) for n, a in table.items()
             if a.needs.step_start} == {"m2po": (False, False), "clip_b": (True, False), "clip_v": (True, True)}
     assert {n for n, a in table.items() if a.needs.greedy_baseline} == {"remax"}
+    assert {n for n, a in table.items() if a.needs.token_advantages} == {"gigpo"}
     assert {n: a.step_metrics(1) for n, a in table.items() if a.step_metrics(1)} == {"chord": {"sft_mu": 0.9}}
 
 

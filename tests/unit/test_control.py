@@ -69,7 +69,7 @@ WIRE_KEYS = {
     "admission_release": {"explorer_id", "groups", "reset", "by"},
 }
 # optional keys added since, each with a default: a message without them (an older sender) still parses
-ADDED_KEYS = {"explorer_heartbeat": {"unassigned_s", "rejoins"}}
+ADDED_KEYS = {"explorer_heartbeat": {"unassigned_s", "rejoins", "failed"}}  # failed: issue 57
 
 
 @pytest.mark.parametrize("kind", EXAMPLES, ids=lambda k: k.KIND)
@@ -78,7 +78,8 @@ def test_every_kind_round_trips_through_the_unchanged_wire_format(kind):
     added = ADDED_KEYS.get(kind.KIND, set())
     assert set(message.body) == WIRE_KEYS[kind.KIND] | added
     older = {k: v for k, v in message.body.items() if k not in added}
-    defaults = {f.name: f.default for f in dataclasses.fields(kind) if f.name in added}
+    defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                for f in dataclasses.fields(kind) if f.name in added}
     assert type(kind).from_body(older) == dataclasses.replace(kind, **defaults)
     assert message.sender == (kind.explorer_id if hasattr(kind, "explorer_id") else "trainer")
     decoded = decode(*encode(message))

@@ -201,6 +201,46 @@ def test_multi_turn_reward_is_the_replayed_return(tiny_model, engine, environmen
                                                           for o in observations[:len(model_turns) - 1]]
             assert s.reward == expected == s.reward_components["return"]
             assert s.reward_components["turns"] == len(model_turns) <= 4
+            check_turns(s, env_cls(task), model_turns, environment)
+        if environment == "textarena":  # no state_key: the digest of what the model saw, the prompt first
+            assert len({s.turns[0].state for s in result.samples}) == 1
+
+
+def check_turns(s, environment, model_turns: list[str], name: str) -> None:
+    """A sample's `turns` (gigpo's input) against its loss mask and a replay of its episode: one per model turn,
+    from its first token to the next turn's, the state the model acted from, the step's reward."""
+    starts = [i for i in range(len(s.loss_mask)) if s.loss_mask[i] == 1 and (i == 0 or s.loss_mask[i - 1] == 0)]
+    assert [t.start for t in s.turns] == starts
+    assert [t.end for t in s.turns] == starts[1:] + [len(s.response_tokens)]
+    states, rewards = [], []
+    for text in model_turns:
+        states.append(environment.state_key() if name == "frozenlake" else None)
+        step = environment.step(text)
+        rewards.append(step.reward or 0.0)
+        if step.done:
+            break
+    assert [t.reward for t in s.turns] == pytest.approx(rewards)
+    if name == "frozenlake":
+        assert [t.state for t in s.turns] == states and states[0] == "cell 0"
+
+
+@pytest.mark.parametrize("environment,failure", [("tests.episodes:BrokenEnvironment", "environment"),
+                                                 ("tests.episodes:SlowEnvironment", "timeout"),
+                                                 ("tests.episodes:UnreachableEnvironment", "environment")])
+def test_an_environment_that_fails_marks_its_episodes_and_the_group_is_delivered(tiny_model, engine, environment,
+                                                                                 failure):
+    from rft.schema import ExperienceGroup, decode_group, encode
+    cfg = env_cfg(tiny_model, environment, max_turns=3, max_tokens=3)
+    tasks = [TaskRecord("r", "t", 0, ":5", "")]
+    result = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer)).explore(tasks, engine)[0]
+    assert result.error is None and [s.failure for s in result.samples] == [failure] * 3
+    if environment.endswith("UnreachableEnvironment"):
+        assert all(len(s.response_tokens) == 0 and s.turns == [] for s in result.samples)
+    else:  # the first model turn was stepped, the second one's step failed
+        assert all(len(s.turns) == 2 for s in result.samples)
+    group = ExperienceGroup(run_id="r", task_id="t", group_id="g", attempt=0, explorer_id="e",
+                            policy_version=result.policy_version, samples=result.samples)
+    assert decode_group(encode(group)[0]).scored_samples == []  # every reward nil on the wire: the trainer drops it
 
 
 @pytest.mark.parametrize("max_turns", [2, 5])

@@ -51,7 +51,8 @@ class StandInEngine:
 
 class StandInWorkflow:
     """Workflow protocol, in memory: one sample per task, stamped with the engine's version; a task whose prompt is
-    "cannot" is an error. `on_batch` runs after each batch (the test publishes a new version there)."""
+    "cannot" is an error; one whose prompt is "verifier hangs" has its sample failed (a timeout). `on_batch` runs
+    after each batch (the test publishes a new version there)."""
 
     def __init__(self, on_batch=None):
         self.batches: list[list[str]] = []
@@ -66,7 +67,8 @@ class StandInWorkflow:
                 continue
             sample = Sample(sample_index=0, prompt_tokens=np.array([1, 2], dtype=np.int32),
                             response_tokens=np.array([3], dtype=np.int32), logprobs=np.array([-0.5], np.float32),
-                            loss_mask=np.array([1], dtype=np.uint8), reward=1.0)
+                            loss_mask=np.array([1], dtype=np.uint8), reward=1.0,
+                            failure="timeout" if t.prompt == "verifier hangs" else "")
             results.append(GroupResult(task=t, samples=[sample], policy_version=engine.weights_version))
         self.on_batch()
         return results
@@ -94,7 +96,8 @@ def test_explorer_loop_contracts(tmp_path):
     store = WeightStore(tmp_path / "store")
     publish(store, 2)  # the run is at version 2 when this explorer starts
 
-    good = [TaskRecord(run_id="run", task_id=f"t{i}", epoch=0, prompt=f"p{i}") for i in range(9)]
+    good = [TaskRecord(run_id="run", task_id=f"t{i}", epoch=0, prompt="verifier hangs" if i == 8 else f"p{i}")
+            for i in range(9)]
     sink = transport.sink()
     for t in good[:4] + [TaskRecord(run_id="other", task_id="x", epoch=0, prompt="p"),
                          TaskRecord(run_id="run", task_id="c", epoch=0, prompt="cannot")] + good[4:]:
@@ -125,6 +128,9 @@ def test_explorer_loop_contracts(tmp_path):
     groups = [decode_group(m.value) for m in read_topic(transport, TOPICS.experiences)]
     assert sorted(g.task_id for g in groups) == sorted(t.task_id for t in good)  # each task once
     assert all(g.attempt == 0 and g.explorer_id == "e1" for g in groups)
+    # a failed rollout is delivered in its group (reward nil on the wire) and counted per class, not dead-lettered
+    assert [s.failure for g in groups if g.task_id == "t8" for s in g.samples] == ["timeout"]
+    assert explorer.stats.failed == {"timeout": 1}
     # batch 1 and 2 ran with version 2; version 3 appeared during batch 2 and was loaded before batch 3
     versions = [g.policy_version for g in groups]
     assert engine.loaded == [2, 3] and versions == sorted(versions) and set(versions) == {2, 3}

@@ -186,3 +186,53 @@ def test_dynamic_sampling_refills_each_step_from_the_stream_exactly_once_across_
         resumed += taken
         assert skipped == {"dropped/zero_variance": drops}
     assert resumed == whole and state.offsets == {f"{TOPIC}:0": len(layout) - 1}
+
+
+def failed(group, positions: dict[int, str], *, empty: bool = False):
+    """`group` with the samples at `positions` failed (their class), optionally with an empty response."""
+    import numpy as np
+    for j, failure in positions.items():
+        sample = group.samples[j]
+        sample.failure, sample.reward = failure, 0.0
+        if empty:
+            sample.response_tokens = np.zeros(0, dtype=np.int32)
+            sample.logprobs, sample.loss_mask = np.zeros(0, dtype=np.float32), np.zeros(0, dtype=np.uint8)
+    return group
+
+
+def test_failed_samples_leave_their_group_before_anything_sees_it_and_are_counted_per_class():
+    from rft.schema import decode_group
+    transport = broker()
+    partial = failed(make_group("run", 0, rewards=[1.0, 0.0, 0.0, 1.0]), {1: "timeout", 2: "verifier"}, empty=True)
+    lost = failed(make_group("run", 1, rewards=[1.0, 0.0, 0.0, 1.0]), {0: "timeout", 1: "timeout", 2: "sandbox"})
+    intact = make_group("run", 2)
+    single = failed(make_group("run", 3, rewards=[1.0]), {0: "environment"})  # a group of one, all failed
+    fill(transport, [partial, lost, intact, single, make_group("run", 4)])
+    checked = []
+
+    def check(group):  # the trainer's check: an empty response would dead-letter the group
+        checked.append(group.group_id)
+        return "empty response" if any(len(s.response_tokens) == 0 for s in group.samples) else None
+
+    feed, sink, source = open_feed(transport, topic=TOPIC, dead_letter_topic=DLQ, run_id="run", check=check)
+    try:
+        batch = feed.next_batch(3, timeout_s=0.5)
+    finally:
+        sink.close()
+        source.close()
+    assert [g.group_id for g in batch.groups] == [partial.group_id, intact.group_id, make_group("run", 4).group_id]
+    kept = batch.groups[0]
+    assert [s.sample_index for s in kept.samples] == [0, 3] and all(s.scored for s in kept.samples)
+    assert [s.sample_index for s in decode_group(batch.messages[0].value).samples] == [0, 3]  # what other ranks get
+    assert len(batch.groups[1].samples) == 4  # untouched
+    assert batch.skipped == {"too_few_scored": 2}  # 1 scored of 4 < 2; 0 of 1 < 1
+    assert batch.failed == {"timeout": 3, "verifier": 1, "sandbox": 1, "environment": 1}
+    assert lost.group_id not in checked and single.group_id not in checked
+
+
+def test_min_scored_samples_sets_how_many_scored_samples_a_group_needs():
+    transport = broker()
+    fill(transport, [failed(make_group("run", 0, rewards=[1.0, 0.0, 0.0, 1.0]), {0: "timeout", 1: "agent"}),
+                     make_group("run", 1)])
+    taken, skipped, _ = consume(transport, steps=1, per_step=1, min_scored=3)
+    assert taken == [[make_group("run", 1).group_id]] and skipped == {"too_few_scored": 1}

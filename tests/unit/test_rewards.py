@@ -175,3 +175,44 @@ def test_judge_scores_are_its_yes_probability(tiny_model):
         assert 0.0 <= result.score <= 1.0
     with pytest.raises(RewardError, match="'Yes' is 3 tokens"):
         JudgeReward(engine, template="{response}", yes="Yes", no="0")
+
+
+def flaky_cfg(**explorer):
+    return run_config_from_dict({"model": {"path": "unused"},
+                                 "explorer": {"reward": "tests.reward_plugins:flaky", **explorer}}).explorer
+
+
+def test_a_reward_that_raises_is_a_verifier_failure_and_none_is_unscored_in_process():
+    from rft.rewards.registry import TaskError
+    reward = build_reward(flaky_cfg())  # no workers: in this process, failures marked alike
+    assert [r.failure for r in reward.score(["a", "b"], task("1", **{"raise": True}))] == ["verifier"] * 2
+    assert reward.score(["a"], task("1", none=True)) == [RewardResult(0.0, {}, failure="unscored")]
+    assert reward.score(["a"], task("1")) == [RewardResult(0.5)]
+    with pytest.raises(TaskError, match="bad_task"):
+        reward.score(["a"], task("1", bad_task=True))
+    with pytest.raises(RewardError, match="returned failure 'tired'"):
+        checked("x", RewardResult(0.0, failure="tired"))
+
+
+def test_a_weighted_reward_fails_where_a_part_fails():
+    cfg = flaky_cfg(reward="weighted", reward_weights={"tests.reward_plugins:flaky": 1.0, "exact_match": 1.0})
+    reward = build_reward(cfg)
+    assert reward.score(["1"], task("1", **{"raise": True}))[0].failure == "verifier"
+    whole = reward.score(["1"], task("1"))[0]
+    assert whole.score == 0.75 and not whole.failure
+
+
+def test_a_reward_that_crashes_on_a_group_fails_every_reply_and_a_bug_stays_loud():
+    from rft.workflows.registry import score_group
+
+    class JudgeDown:
+        def score(self, responses, task):
+            raise ConnectionError("judge engine is gone")
+
+    class Buggy:
+        def score(self, responses, task):
+            raise RewardError("reward 'buggy' returned score 2.0")
+
+    assert [r.failure for r in score_group(JudgeDown(), ["a", "b"], task("1"))] == ["verifier", "verifier"]
+    with pytest.raises(RewardError):
+        score_group(Buggy(), ["a"], task("1"))

@@ -1,8 +1,9 @@
 """`rft status`'s view of a run, from a known sequence of control messages (the e2e fault tests read a live run)."""
 from __future__ import annotations
 
-from rft.ops.status import RunStatus, mismatch_line, render, signal_line
+from rft.ops.status import RunStatus, explorer_rows, failures_line, mismatch_line, render, signal_line
 from rft.schema import ControlMessage
+from rft.transport.control import TrainerStep
 
 
 def msg(kind: str, sender: str, at: float, **body) -> ControlMessage:
@@ -87,3 +88,20 @@ def test_the_newest_steps_learning_signal_says_when_the_filter_starves_the_train
     assert "STARVED" not in signal_line(41, {**metrics, "keep_fraction": 0.08})  # kept few, but did not wait
     assert signal_line(3, {"reward_mean": 0.1}) is None  # a step that reported none of them: no line
     assert signal_line(3, {"entropy": 0.5}) == "learning signal (step 3): entropy 0.50"  # no filter in the run
+
+
+def test_failed_rollouts_are_counted_per_class_from_the_heartbeats_and_the_trainers_step():
+    status = RunStatus(heartbeat_s=1.0)
+    record = {"loss": 0.1, "failed_timeout": 1, "failed_timeout_total": 3, "failed_verifier_total": 1,
+              "failed_groups_dropped_total": 1, "skipped": {"too_few_scored": 1}}
+    for m in [
+        msg("explorer_join", "a", 100, explorer_id="a", weights_version=0),
+        msg("explorer_heartbeat", "a", 101, explorer_id="a", groups=3, failed={"timeout": 2, "verifier": 1}),
+        msg("explorer_heartbeat", "b", 101, explorer_id="b", groups=3, failed={"timeout": 1}),
+        msg("trainer_step", "trainer", 102, step=4, metrics=TrainerStep.step_metrics(record)),
+    ]:
+        status.apply(m)
+    line = failures_line(status.trainer.metrics, explorer_rows(status, now=102.0))
+    assert line == ("failed rollouts: explorers timeout 3, verifier 1; trainer timeout 3, verifier 1, 1 groups "
+                    "dropped (too few scored)")
+    assert failures_line({"loss": 0.1}, []) is None

@@ -108,3 +108,15 @@ def test_tool_agent_needs_the_chat_template(qwen):
         "engine": "transformers", "workflow": "tool_agent", "python_sandbox": "none"}})
     with pytest.raises(WorkflowError, match="model.chat_template: the tool_agent workflow"):
         build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer))
+
+
+def test_a_sandbox_that_refuses_fails_the_episode_as_sandbox(qwen):
+    cfg = run_config_from_dict({
+        "model": {"path": str(qwen), "chat_template": True, "max_prompt_len": 1100, "max_response_len": 300},
+        "explorer": {"engine": "transformers", "workflow": "tests.tool_agent_support:ForcedFirstTurn",
+                     "tools": ["calculator", "tests.tool_agent_support:RefusingSandbox"], "reward": "exact_match",
+                     "n_samples": 2, "max_tokens": 4, "max_turns": 2}})
+    engine = TransformersEngine(qwen, seed=0, chat_template=True, weights_version=1)
+    task = TaskRecord("r", "t", 0, "Run it", "1", {"forced_turn": tool_call("refused", code="print(1)")})
+    [result] = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer)).explore([task], engine)
+    assert result.error is None and [s.failure for s in result.samples] == ["sandbox", "sandbox"]

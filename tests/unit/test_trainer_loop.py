@@ -182,3 +182,36 @@ def test_a_resumed_trainer_trains_every_group_exactly_once(tmp_path):
     assert [r["group_id"] for r in rows] == [g.group_id for g in groups]
     assert [r["step"] for r in rows] == [1, 1, 2, 2, 3, 3]
     assert np.all(np.diff([r["step"] for r in rows]) >= 0)
+
+
+def test_failed_samples_are_not_trained_and_are_counted_per_class_in_the_metrics(tmp_path):
+    """gigpo (per-token advantages from the samples' turns) on groups with failed rollouts: a failed sample is
+    neither trained nor in its baseline, a group left with one scored sample is dropped, every count in metrics."""
+    from rft.schema import Turn
+    cfg = dataclasses.replace(make_config(tmp_path), algorithm=config_from_dict({
+        "model": {"path": str(tmp_path / "model")}, "algorithm": {"name": "gigpo"}}).algorithm)
+    groups = [make_group("run", i, rewards=[1.0, 0.0, 0.5, 0.0], response_len=6, policy_version=int(i >= 5))
+              for i in range(7)]  # step 3's groups from version 1: within the staleness bound
+    for g in groups:
+        for s in g.samples:
+            s.turns = [Turn(0, 3, "start", 0.0), Turn(3, 6, f"s{s.sample_index % 2}", s.reward)]
+    groups[0].samples[1].failure = "timeout"  # step 1: 3 + 4 samples
+    groups[2].samples[0].failure = groups[2].samples[1].failure = groups[2].samples[2].failure = "verifier"
+    groups[3].samples[3].failure = "unscored"  # step 2: groups 2 (dropped: 1 scored), 3 (3 samples), 4
+    fill(transport := MemoryTransport(partitions=1), cfg, groups)
+    trained: list = []
+    trainer = build(cfg, transport, trained)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    assert [sum(tokens) for tokens in trained] == [6 * 7, 6 * 7, 6 * 8]  # loss tokens: scored samples only
+    metrics = {m["step"]: m for m in (json.loads(line) for line in
+                                      (cfg.run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in m}
+    assert metrics[1]["samples"] == 7 and metrics[1]["failed_timeout"] == 1 and metrics[1]["failed_verifier"] == 0
+    assert metrics[2]["skipped"] == {"too_few_scored": 1} and metrics[2]["failed_groups_dropped"] == 1
+    assert (metrics[2]["failed_verifier"], metrics[2]["failed_unscored"]) == (3, 1)
+    assert {k: metrics[3][k] for k in ("failed_timeout_total", "failed_verifier_total", "failed_unscored_total",
+                                       "failed_groups_dropped_total")} == {
+        "failed_timeout_total": 1, "failed_verifier_total": 3, "failed_unscored_total": 1,
+        "failed_groups_dropped_total": 1}
