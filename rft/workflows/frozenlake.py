@@ -155,6 +155,10 @@ class FrozenLakeEnvironment:
     def board(self) -> str:
         return render(self.rows, int(self.position))
 
+    def state_key(self) -> str:
+        """The state the model acts from: the board (the lake and where the player stands)."""
+        return self.board()
+
     def step(self, model_text: str) -> EnvStep:
         action = parse_action(model_text)
         self.actions.append(action)

@@ -7,20 +7,35 @@ and their behaviour log-probs, environment tokens with loss_mask 0 and log-prob 
 
 Rewards: by default the configured reward (`explorer.reward`) of the *last* model turn. An environment whose class
 sets `owns_reward = True` reports rewards itself: every model turn is stepped through it and the episode's reward is
-the *sum of its `EnvStep.reward`s* (None counts 0); components then add `return` and `steps`. Every sample has the
-`turns` component and metadata `turns`, and `environment`: the environment's `episode_info` when it has one
-(frozenlake, textarena: the episode's spec, seed included).
+the *sum of its `EnvStep.reward`s* (None counts 0 on a step within the episode); components then add `return` and
+`steps`. Such an episode is `unscored` (a failed sample, below) when the step that ends it (done) has reward None or
+no step had one. Every sample has the `turns` component and metadata `turns`, and `environment`: the environment's
+`episode_info` when it has one (frozenlake, textarena: the episode's spec, seed included).
+
+Turns: each sample records its steps (`Sample.turns`): a step's tokens are the model's turn and the observation
+after it, its `state` the key of the state the model acted from (the environment's `state_key()` when it has one,
+else a hash of the text the model read last: the prompt or the previous observation), its reward the step's.
+
+Failures: an environment that fails outside the policy's doing raises `RolloutFailure(failure, message)` when it is
+built or stepped (`failure` one of rft.schema.FAILURE_CLASSES: a server down, a timeout); the episode ends there
+and its sample is kept with that `failure` and no reward (not trained, left out of the group's baseline; metadata
+`failure_detail` says what happened). A `TaskError` instead fails the whole group (the task cannot be explored).
 
 Environments are registered by name (`@register_environment`) or given as `package.module:Class`; one is built per
 episode as `cls(task, reward)` (a `TaskError` there makes the group an error, not a crash) and answers
-`step(model_text)`; one that needs an optional extra says which (`extra = "envs"`). Built-in: `retry` (below),
+`step(model_text)`; one that needs an optional extra says which (`extra = "envs"`). Optional: `prompt` (a string:
+the episode's prompt instead of the task's, e.g. a remote environment's reset observation), `state_key()`, and
+`close()`, called when the batch is done. Built-in: `retry` (below),
 `frozenlake`, `textarena`. Observations are raw text appended after the model's turn; with `model.chat_template:
 true` the prompt is rendered by the template, a model turn ends at its end-of-turn token, and each observation becomes
 the next user turn and the assistant header (`rft.text.chat.observation_text`).
 """
 from __future__ import annotations
 
-from collections import defaultdict
+import dataclasses
+import hashlib
+import logging
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -28,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rft.engine import SamplingSettings
 from rft.registry import Registry
 from rft.rewards.registry import RewardResult, TaskError
-from rft.schema import TaskRecord
+from rft.schema import FAILURE_CLASSES, Sample, TaskRecord, Turn
 from rft.text.chat import ChatPrompt
 from rft.workflows.registry import (
     GroupResult,
@@ -46,6 +61,21 @@ if TYPE_CHECKING:
     from rft.rewards import Reward
 
 
+log = logging.getLogger(__name__)
+FAILURE_DETAIL_CHARS = 300  # of a failed sample's metadata `failure_detail`
+
+
+class RolloutFailure(Exception):
+    """An episode failed outside the policy's doing: `failure` is one of rft.schema.FAILURE_CLASSES (the module
+    docstring, "Failures")."""
+
+    def __init__(self, failure: str, message: str):
+        if failure not in FAILURE_CLASSES:
+            raise ValueError(f"failure {failure!r} is not one of {FAILURE_CLASSES}")
+        super().__init__(message)
+        self.failure = failure
+
+
 @dataclass(frozen=True)
 class EnvStep:
     observation: str  # appended to the conversation (masked out of the loss); ignored when done
@@ -60,6 +90,13 @@ class Environment(Protocol):
 def owns_reward(environment: Any) -> bool:
     """Whether an environment (class or instance) reports the episode's rewards itself (`owns_reward = True`)."""
     return bool(getattr(environment, "owns_reward", False))
+
+
+def state_key(environment: Any, text: str) -> str:
+    """The key of the state the model acts from next: the environment's `state_key()` when it has one, else the
+    SHA-256 of `text`, what the model read last (the prompt, or the observation)."""
+    own = getattr(environment, "state_key", None)
+    return str(own()) if callable(own) else hashlib.sha256(text.encode()).hexdigest()
 
 
 def needs_extra(environment: Any) -> str | None:
@@ -87,16 +124,22 @@ class RetryEnvironment:
 
 @dataclass
 class _Episode:
-    """One sample's conversation so far."""
+    """One sample's conversation so far; `environment` None when building it failed (`failure`)."""
     task_index: int
     sample_index: int
     prompt: list[int]
-    environment: Environment
+    environment: Environment | None
+    state: str = ""  # the key of the state the model acts from next
+    steps: list[Turn] = field(default_factory=list)  # the sample's turns so far
+    failure: str = ""  # a RolloutFailure's class: the sample is kept without a reward
+    failure_detail: str = ""
+    scored_steps: int = 0  # steps whose reward was not None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     last_text: str = ""
+    last_tokens: list[int] = field(default_factory=list)  # the last model turn's
     finish_reason: str = ""
     turns: int = 0
     done: bool = False
@@ -104,7 +147,11 @@ class _Episode:
     env_steps: int = 0
     error: str | None = None  # a TaskError the environment raised
 
+    def fail(self, e: RolloutFailure) -> None:
+        self.done, self.failure, self.failure_detail = True, e.failure, str(e)[:FAILURE_DETAIL_CHARS]
+
     def add_model_turn(self, c: Completion) -> None:
+        self.last_tokens = c.token_ids
         self.tokens += c.token_ids
         self.logprobs += c.logprobs
         self.mask += [1] * len(c.token_ids)
@@ -119,9 +166,17 @@ class _Episode:
 
 
 def _metadata(episode: _Episode) -> dict[str, Any]:
-    """A sample's metadata: `turns`, and the environment's `episode_info` (e.g. its seed) when it has one."""
+    """A sample's metadata: `turns`, the environment's `episode_info` (e.g. its seed) when it has one, and a failed
+    episode's `failure_detail`."""
     info = getattr(episode.environment, "episode_info", None)
-    return {"turns": episode.turns, **({"environment": dict(info)} if info else {})}
+    return {"turns": episode.turns, **({"environment": dict(info)} if info else {}),
+            **({"failure_detail": episode.failure_detail} if episode.failure else {})}
+
+
+def _close(environment: Any) -> None:
+    close = getattr(environment, "close", None)
+    if callable(close):
+        close()
 
 
 @register_workflow("multi_turn")
@@ -132,32 +187,66 @@ class MultiTurn:
         self.chat = ChatPrompt.of(model)
         self.max_response_len = model.max_response_len
         self.max_turns = explorer.max_turns
-        self.environment_cls = ENVIRONMENTS.resolve(explorer.environment, key="explorer.environment")
+        self.environment_cls: Any = ENVIRONMENTS.resolve(explorer.environment, key="explorer.environment")
+        self.environment_owns_reward = owns_reward(self.environment_cls)
         self.reward = reward
 
     def explore(self, tasks: Sequence[TaskRecord], engine: Engine) -> list[GroupResult]:
         results = [GroupResult(task) for task in tasks]
-        episodes = []
-        for i, task in enumerate(tasks):
-            prompt = encode_prompt(engine, task, self.max_prompt_len, self.chat)
-            if isinstance(prompt, str):
-                results[i].error = prompt
-                continue
-            try:
-                environments = [self.environment_cls(task, self.reward) for _ in range(self.sampling.n)]
-            except TaskError as e:
-                results[i].error = f"task cannot be explored: {e}"
-                continue
-            episodes += [_Episode(i, k, prompt, env) for k, env in enumerate(environments)]
-        for turn in range(self.max_turns):
-            active = [e for e in episodes if not e.done]
-            if not active:
-                break
-            self._model_turn(active, engine)
-            for episode in active:
-                self._environment_turn(episode, engine, last_turn=turn == self.max_turns - 1)
-        self._score(episodes, tasks, results)
+        episodes: list[_Episode] = []
+        try:
+            for i, task in enumerate(tasks):
+                group = self._start(i, task, engine)
+                if isinstance(group, str):
+                    results[i].error = group
+                else:
+                    episodes += group
+            for turn in range(self.max_turns):
+                active = [e for e in episodes if not e.done]
+                if not active:
+                    break
+                self._model_turn(active, engine)
+                for episode in active:
+                    self._environment_turn(episode, engine, last_turn=turn == self.max_turns - 1)
+        finally:
+            for episode in episodes:
+                _close(episode.environment)
+        self._score(episodes, tasks, results, engine)
         return results
+
+    def _start(self, i: int, task: TaskRecord, engine: Engine) -> list[_Episode] | str:
+        """The task's `n` episodes, their environments built (a RolloutFailure fails that episode only), or why the
+        task cannot be explored (the group's error)."""
+        environments: list[Environment | RolloutFailure] = []
+        try:
+            for _ in range(self.sampling.n):
+                try:
+                    environments.append(self.environment_cls(task, self.reward))
+                except RolloutFailure as e:
+                    environments.append(e)
+        except TaskError as e:
+            for env in environments:
+                _close(env)
+            return f"task cannot be explored: {e}"
+        prompts: dict[str, list[int] | str] = {}  # by prompt text: the environments' own prompts, else the task's
+        episodes = []
+        for k, env in enumerate(environments):
+            text = task.prompt if isinstance(env, RolloutFailure) else getattr(env, "prompt", None) or task.prompt
+            if text not in prompts:
+                prompts[text] = encode_prompt(engine, dataclasses.replace(task, prompt=text), self.max_prompt_len,
+                                              self.chat)
+            prompt = prompts[text]
+            if isinstance(prompt, str):
+                for other in environments:
+                    _close(other)
+                return prompt
+            if isinstance(env, RolloutFailure):
+                episode = _Episode(i, k, prompt, None)
+                episode.fail(env)
+            else:
+                episode = _Episode(i, k, prompt, env, state=state_key(env, text))
+            episodes.append(episode)
+        return episodes
 
     def _model_turn(self, episodes: list[_Episode], engine: Engine) -> None:
         by_budget: dict[int, list[_Episode]] = defaultdict(list)
@@ -171,48 +260,84 @@ class MultiTurn:
                 episode.add_model_turn(generation.completions[0])
 
     def _environment_turn(self, episode: _Episode, engine: Engine, *, last_turn: bool) -> None:
+        """Step the environment with the model's last turn and record the step (`Sample.turns`): from the model
+        turn's first token to the end of the observation appended after it."""
+        start, state = len(episode.tokens) - len(episode.last_tokens), episode.state
+        reward = self._step(episode, engine, last_turn=last_turn)
+        if len(episode.tokens) > start:
+            episode.steps.append(Turn(start=start, end=len(episode.tokens), state=state, reward=reward or 0.0))
+
+    def _step(self, episode: _Episode, engine: Engine, *, last_turn: bool) -> float | None:
+        """The environment's turn after the model's; the step's reward (None: none)."""
         out_of_budget = last_turn or len(episode.tokens) >= self.max_response_len
-        if out_of_budget and not owns_reward(episode.environment):
+        environment = episode.environment
+        assert environment is not None  # an episode without one failed when it was built (done)
+        if out_of_budget and not owns_reward(environment):
             episode.done = True
-            return
+            return None
         try:
-            step = episode.environment.step(episode.last_text)
+            step = environment.step(episode.last_text)
         except TaskError as e:  # the task cannot be scored: _score reports it as the group's error
             episode.done, episode.error = True, str(e)
-            return
+            return None
+        except RolloutFailure as e:
+            episode.fail(e)
+            return None
         episode.env_return += step.reward or 0.0
         episode.env_steps += 1
+        episode.scored_steps += step.reward is not None
+        if step.done and step.reward is None and owns_reward(environment):
+            episode.fail(RolloutFailure("unscored", f"the environment ended the episode at step {episode.env_steps} "
+                                        "without a reward"))
+            return None
         if out_of_budget:  # the last action was applied (its reward counts); nothing follows it
             episode.done = True
-            return
+            return step.reward
         observation = engine.encode_observation(step.observation, self.chat) if not step.done else []
         # an observation must leave room for at least one model token
         if step.done or len(episode.tokens) + len(observation) >= self.max_response_len:
             episode.done = True
-            return
+            return step.reward
         episode.add_environment_turn(observation)
+        episode.state = state_key(environment, step.observation)
+        return step.reward
 
-    def _score(self, episodes: list[_Episode], tasks: Sequence[TaskRecord], results: list[GroupResult]) -> None:
+    def _score(self, episodes: list[_Episode], tasks: Sequence[TaskRecord], results: list[GroupResult],
+               engine: Engine) -> None:
         by_task: dict[int, list[_Episode]] = defaultdict(list)
         for e in episodes:
             by_task[e.task_index].append(e)
+            if self.environment_owns_reward and not e.failure and not e.error and not e.scored_steps:
+                e.fail(RolloutFailure("unscored", f"the environment gave no reward in {e.env_steps} steps"))
+        failures = Counter(e.failure for e in episodes if e.failure)
+        if failures:
+            log.warning("%d of %d episodes failed (%s); first: %s", sum(failures.values()), len(episodes),
+                        ", ".join(f"{k} {v}" for k, v in sorted(failures.items())),
+                        next(e.failure_detail for e in episodes if e.failure))
         for i, group in by_task.items():
             errors = [e.error for e in group if e.error]
             if errors:
                 results[i].error = f"task cannot be scored: {errors[0]}"
                 continue
-            rewards: list[RewardResult] | str
-            if owns_reward(self.environment_cls):
+            scored = [e for e in group if not e.failure]
+            rewards: list[RewardResult] | str = []
+            if self.environment_owns_reward:
                 rewards = [RewardResult(e.env_return, {"return": e.env_return, "steps": float(e.env_steps)})
-                           for e in group]
-            else:
-                rewards = score_group(self.reward, [e.last_text for e in group], tasks[i])
+                           for e in scored]
+            elif scored:
+                rewards = score_group(self.reward, [e.last_text for e in scored], tasks[i])
             if isinstance(rewards, str):
                 results[i].error = rewards
                 continue
-            results[i].samples = [
-                build_sample(e.sample_index, prompt=e.prompt, tokens=e.tokens, logprobs=e.logprobs, loss_mask=e.mask,
-                             reward=r, finish_reason=e.finish_reason, metadata=_metadata(e),
-                             extra_components={"turns": float(e.turns)})
-                for e, r in zip(group, rewards, strict=True)]
-            results[i].policy_version = min(v for e in group for v in e.versions)
+            by_episode = dict(zip((id(e) for e in scored), rewards, strict=True))
+            results[i].samples = [self._sample(e, by_episode.get(id(e))) for e in group]
+            results[i].policy_version = min((v for e in group for v in e.versions), default=engine.weights_version)
+
+    @staticmethod
+    def _sample(e: _Episode, reward: RewardResult | None) -> Sample:
+        """The episode's sample; `reward` None for a failed episode (kept with its `failure`, no reward)."""
+        sample = build_sample(e.sample_index, prompt=e.prompt, tokens=e.tokens, logprobs=e.logprobs, loss_mask=e.mask,
+                              reward=reward or RewardResult(0.0, {}), finish_reason=e.finish_reason,
+                              metadata=_metadata(e), extra_components={"turns": float(e.turns)})
+        sample.failure, sample.turns = e.failure, list(e.steps) or None
+        return sample
