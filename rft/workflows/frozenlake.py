@@ -156,8 +156,8 @@ class FrozenLakeEnvironment:
         return render(self.rows, int(self.position))
 
     def state_key(self) -> str:
-        """The state the model acts from (GiGPO's anchor: a group's episodes share the map): the player's cell."""
-        return f"cell {int(self.position)}"
+        """The state the model acts from: the board (the lake and where the player stands)."""
+        return self.board()
 
     def step(self, model_text: str) -> EnvStep:
         action = parse_action(model_text)

@@ -7,35 +7,35 @@ and their behaviour log-probs, environment tokens with loss_mask 0 and log-prob 
 
 Rewards: by default the configured reward (`explorer.reward`) of the *last* model turn. An environment whose class
 sets `owns_reward = True` reports rewards itself: every model turn is stepped through it and the episode's reward is
-the *sum of its `EnvStep.reward`s* (None counts 0); components then add `return` and `steps`. Every sample has the
-`turns` component and metadata `turns`, and `environment`: the environment's `episode_info` when it has one
-(frozenlake, textarena: the episode's spec, seed included).
+the *sum of its `EnvStep.reward`s* (None counts 0 on a step within the episode); components then add `return` and
+`steps`. Such an episode is `unscored` (a failed sample, below) when the step that ends it (done) has reward None or
+no step had one. Every sample has the `turns` component and metadata `turns`, and `environment`: the environment's
+`episode_info` when it has one (frozenlake, textarena: the episode's spec, seed included).
 
-Turns (multi-turn credit, rft/algorithms/gigpo.py): every sample records its `turns` (rft.schema.Turn), one per
-model turn: its tokens from the model's first to the last before the next model turn (the environment's reply
-included), `state` the environment's `state_key()` before the model acted when it has one (FrozenLake: the
-player's cell), else a digest of the token ids the model last observed (the prompt, then each observation), and
-`reward` the environment's reward for the step (an environment that does not own the reward: 0, and the episode's
-reward on the last turn).
+Turns: each sample records its steps (`Sample.turns`): a step's tokens are the model's turn and the observation
+after it, its `state` the key of the state the model acted from (the environment's `state_key()` when it has one,
+else a hash of the text the model read last: the prompt or the previous observation), its reward the step's.
 
-Failures (docs/schema.md, "Failed rollouts"): an environment that raises anything but a `TaskError` (a server down,
-a crash) when it is built or stepped fails that episode as `environment` (built: every episode of the task, with an
-empty response), a `TimeoutError` from a step (an environment client's own time limit) as `timeout`; a reward
-that fails marks the sample with its class (rft/rewards/registry.py). A `TaskError` is the task's fault: the
-group's error, dead-lettered.
+Failures: an environment that fails outside the policy's doing raises `RolloutFailure(failure, message)` when it is
+built or stepped (`failure` one of rft.schema.FAILURE_CLASSES: a server down, a timeout); the episode ends there
+and its sample is kept with that `failure` and no reward (not trained, left out of the group's baseline; metadata
+`failure_detail` says what happened). A `TaskError` instead fails the whole group (the task cannot be explored).
 
 Environments are registered by name (`@register_environment`) or given as `package.module:Class`; one is built per
 episode as `cls(task, reward)` (a `TaskError` there makes the group an error, not a crash) and answers
-`step(model_text)`; one that needs an optional extra says which (`extra = "envs"`). Built-in: `retry` (below),
+`step(model_text)`; one that needs an optional extra says which (`extra = "envs"`). Optional: `prompt` (a string:
+the episode's prompt instead of the task's, e.g. a remote environment's reset observation), `state_key()`, and
+`close()`, called when the batch is done. Built-in: `retry` (below),
 `frozenlake`, `textarena`. Observations are raw text appended after the model's turn; with `model.chat_template:
 true` the prompt is rendered by the template, a model turn ends at its end-of-turn token, and each observation becomes
 the next user turn and the assistant header (`rft.text.chat.observation_text`).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rft.engine import SamplingSettings
 from rft.registry import Registry
 from rft.rewards.registry import RewardResult, TaskError
-from rft.schema import MAX_STATE_KEY_CHARS, TaskRecord, Turn
+from rft.schema import FAILURE_CLASSES, MAX_STATE_KEY_CHARS, Sample, TaskRecord, Turn
 from rft.text.chat import ChatPrompt
 from rft.workflows.registry import (
     GroupResult,
@@ -54,13 +54,26 @@ from rft.workflows.registry import (
     score_group,
 )
 
-log = logging.getLogger(__name__)
-
 if TYPE_CHECKING:
     from rft.engine import Completion, Engine
     from rft.explorer.config import ExplorerConfig
     from rft.models.config import ModelConfig
     from rft.rewards import Reward
+
+
+log = logging.getLogger(__name__)
+FAILURE_DETAIL_CHARS = 300  # of a failed sample's metadata `failure_detail`
+
+
+class RolloutFailure(Exception):
+    """An episode failed outside the policy's doing: `failure` is one of rft.schema.FAILURE_CLASSES (the module
+    docstring, "Failures")."""
+
+    def __init__(self, failure: str, message: str):
+        if failure not in FAILURE_CLASSES:
+            raise ValueError(f"failure {failure!r} is not one of {FAILURE_CLASSES}")
+        super().__init__(message)
+        self.failure = failure
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,13 @@ class Environment(Protocol):
 def owns_reward(environment: Any) -> bool:
     """Whether an environment (class or instance) reports the episode's rewards itself (`owns_reward = True`)."""
     return bool(getattr(environment, "owns_reward", False))
+
+
+def state_key(environment: Any, text: str) -> str:
+    """The key of the state the model acts from next: the environment's `state_key()` when it has one, else the
+    SHA-256 of `text`, what the model read last (the prompt, or the observation)."""
+    own = getattr(environment, "state_key", None)
+    return str(own())[:MAX_STATE_KEY_CHARS] if callable(own) else hashlib.sha256(text.encode()).hexdigest()
 
 
 def needs_extra(environment: Any) -> str | None:
@@ -102,47 +122,36 @@ class RetryEnvironment:
         return EnvStep(observation=f"\nscore {score:.2f}, try again:\n", done=score >= 1.0)
 
 
-class _NoEnvironment:
-    """The environment of an episode whose environment failed to start (it is never stepped)."""
-
-    def step(self, model_text: str) -> EnvStep:
-        raise RuntimeError("no environment")
-
-
 @dataclass
 class _Episode:
-    """One sample's conversation so far."""
+    """One sample's conversation so far; `environment` None when building it failed (`failure`)."""
     task_index: int
     sample_index: int
     prompt: list[int]
-    environment: Environment
+    environment: Environment | None
+    state: str = ""  # the key of the state the model acts from next
+    steps: list[Turn] = field(default_factory=list)  # the sample's turns so far
+    failure: str = ""  # a RolloutFailure's class: the sample is kept without a reward
+    failure_detail: str = ""
+    scored_steps: int = 0  # steps whose reward was not None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     last_text: str = ""
+    last_tokens: list[int] = field(default_factory=list)  # the last model turn's
     finish_reason: str = ""
     turns: int = 0
     done: bool = False
     env_return: float = 0.0  # sum of the environment's step rewards (environments that own the reward)
     env_steps: int = 0
     error: str | None = None  # a TaskError the environment raised
-    failure: str = ""  # the environment failed outside the task (rft.schema.FAILURE_CLASSES): the sample is failed
-    spans: list[list] = field(default_factory=list)  # [start, end, state, reward] per model turn (`turns`)
-    observed: list[int] = field(default_factory=list)  # the token ids the model last observed (prompt, observation)
 
-    def state_key(self) -> str:
-        """The key of the state the model acts from now: the environment's `state_key()`, else a digest of what the
-        model last observed (the prompt, then the latest observation)."""
-        key = getattr(self.environment, "state_key", None)
-        if callable(key):
-            return str(key())[:MAX_STATE_KEY_CHARS]
-        ids = self.observed or self.prompt
-        return "observed:" + hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:32]
+    def fail(self, e: RolloutFailure) -> None:
+        self.done, self.failure, self.failure_detail = True, e.failure, str(e)[:FAILURE_DETAIL_CHARS]
 
     def add_model_turn(self, c: Completion) -> None:
-        if c.token_ids:
-            self.spans.append([len(self.tokens), len(self.tokens) + len(c.token_ids), self.state_key(), 0.0])
+        self.last_tokens = c.token_ids
         self.tokens += c.token_ids
         self.logprobs += c.logprobs
         self.mask += [1] * len(c.token_ids)
@@ -151,26 +160,23 @@ class _Episode:
         self.turns += 1
 
     def add_environment_turn(self, token_ids: list[int]) -> None:
-        self.observed = list(token_ids)
-        if self.spans:
-            self.spans[-1][1] += len(token_ids)
         self.tokens += token_ids
         self.logprobs += [0.0] * len(token_ids)
         self.mask += [0] * len(token_ids)
 
 
-def _turns(episode: _Episode, reward: float) -> list[Turn]:
-    """The episode's `turns`; an environment that does not own the reward gets the episode's `reward` on the last."""
-    turns = [Turn(start, end, state, step_reward) for start, end, state, step_reward in episode.spans]
-    if turns and not owns_reward(episode.environment):
-        turns[-1] = Turn(turns[-1].start, turns[-1].end, turns[-1].state, reward)
-    return turns
-
-
 def _metadata(episode: _Episode) -> dict[str, Any]:
-    """A sample's metadata: `turns`, and the environment's `episode_info` (e.g. its seed) when it has one."""
+    """A sample's metadata: `turns`, the environment's `episode_info` (e.g. its seed) when it has one, and a failed
+    episode's `failure_detail`."""
     info = getattr(episode.environment, "episode_info", None)
-    return {"turns": episode.turns, **({"environment": dict(info)} if info else {})}
+    return {"turns": episode.turns, **({"environment": dict(info)} if info else {}),
+            **({"failure_detail": episode.failure_detail} if episode.failure else {})}
+
+
+def _close(environment: Any) -> None:
+    close = getattr(environment, "close", None)
+    if callable(close):
+        close()
 
 
 @register_workflow("multi_turn")
@@ -181,38 +187,72 @@ class MultiTurn:
         self.chat = ChatPrompt.of(model)
         self.max_response_len = model.max_response_len
         self.max_turns = explorer.max_turns
-        self.environment_cls = ENVIRONMENTS.resolve(explorer.environment, key="explorer.environment")
+        self.environment_cls: Any = ENVIRONMENTS.resolve(explorer.environment, key="explorer.environment")
+        self.environment_owns_reward = owns_reward(self.environment_cls)
         self.reward = reward
 
     def explore(self, tasks: Sequence[TaskRecord], engine: Engine) -> list[GroupResult]:
         results = [GroupResult(task) for task in tasks]
-        episodes = []
-        for i, task in enumerate(tasks):
-            prompt = encode_prompt(engine, task, self.max_prompt_len, self.chat)
-            if isinstance(prompt, str):
-                results[i].error = prompt
-                continue
-            try:
-                environments = [self.environment_cls(task, self.reward) for _ in range(self.sampling.n)]
-            except TaskError as e:
-                results[i].error = f"task cannot be explored: {e}"
-                continue
-            except Exception as e:  # the environment's infrastructure (a server down): every episode failed
-                log.warning("environment %s for task %s failed to start: %s: %s", self.environment_cls.__name__,
-                            task.task_id, type(e).__name__, e)
-                episodes += [_Episode(i, k, prompt, _NoEnvironment(), done=True, failure="environment")
-                             for k in range(self.sampling.n)]
-                continue
-            episodes += [_Episode(i, k, prompt, env) for k, env in enumerate(environments)]
-        for turn in range(self.max_turns):
-            active = [e for e in episodes if not e.done]
-            if not active:
-                break
-            self._model_turn(active, engine)
-            for episode in active:
-                self._environment_turn(episode, engine, last_turn=turn == self.max_turns - 1)
-        self._score(episodes, tasks, results, engine.weights_version)
+        episodes: list[_Episode] = []
+        try:
+            for i, task in enumerate(tasks):
+                group = self._start(i, task, engine)
+                if isinstance(group, str):
+                    results[i].error = group
+                else:
+                    episodes += group
+            for turn in range(self.max_turns):
+                active = [e for e in episodes if not e.done]
+                if not active:
+                    break
+                self._model_turn(active, engine)
+                for episode in active:
+                    self._environment_turn(episode, engine, last_turn=turn == self.max_turns - 1)
+        finally:
+            for episode in episodes:
+                _close(episode.environment)
+        self._score(episodes, tasks, results, engine)
         return results
+
+    def _start(self, i: int, task: TaskRecord, engine: Engine) -> list[_Episode] | str:
+        """The task's `n` episodes, their environments built (a RolloutFailure fails that episode only), or why the
+        task cannot be explored (the group's error)."""
+        environments: list[Environment | RolloutFailure] = []
+        try:
+            for _ in range(self.sampling.n):
+                try:
+                    environments.append(self.environment_cls(task, self.reward))
+                except RolloutFailure as e:
+                    environments.append(e)
+                except TaskError:
+                    raise
+                except Exception as e:  # the environment's infrastructure (a server down), not the task
+                    log.warning("environment %s for task %s failed to start: %s: %s", self.environment_cls.__name__,
+                                task.task_id, type(e).__name__, e)
+                    environments.append(RolloutFailure("environment", f"{type(e).__name__}: {e}"))
+        except TaskError as e:
+            for env in environments:
+                _close(env)
+            return f"task cannot be explored: {e}"
+        prompts: dict[str, list[int] | str] = {}  # by prompt text: the environments' own prompts, else the task's
+        episodes = []
+        for k, env in enumerate(environments):
+            text = task.prompt if isinstance(env, RolloutFailure) else getattr(env, "prompt", None) or task.prompt
+            if text not in prompts:
+                prompts[text] = encode_prompt(engine, dataclasses.replace(task, prompt=text), self.max_prompt_len,
+                                              self.chat)
+            prompt = prompts[text]
+            if isinstance(prompt, str):
+                for other in environments:
+                    _close(other)
+                return prompt
+            if isinstance(env, RolloutFailure):
+                episode = _Episode(i, k, prompt, None)
+                episode.fail(env)
+            else:
+                episode = _Episode(i, k, prompt, env, state=state_key(env, text))
+            episodes.append(episode)
+        return episodes
 
     def _model_turn(self, episodes: list[_Episode], engine: Engine) -> None:
         by_budget: dict[int, list[_Episode]] = defaultdict(list)
@@ -226,64 +266,93 @@ class MultiTurn:
                 episode.add_model_turn(generation.completions[0])
 
     def _environment_turn(self, episode: _Episode, engine: Engine, *, last_turn: bool) -> None:
+        """Step the environment with the model's last turn and record the step (`Sample.turns`): from the model
+        turn's first token to the end of the observation appended after it."""
+        start, state = len(episode.tokens) - len(episode.last_tokens), episode.state
+        reward = self._step(episode, engine, last_turn=last_turn)
+        if len(episode.tokens) > start:
+            episode.steps.append(Turn(start=start, end=len(episode.tokens), state=state, reward=reward or 0.0))
+
+    def _step(self, episode: _Episode, engine: Engine, *, last_turn: bool) -> float | None:
+        """The environment's turn after the model's; the step's reward (None: none)."""
         out_of_budget = last_turn or len(episode.tokens) >= self.max_response_len
-        if out_of_budget and not owns_reward(episode.environment):
+        environment = episode.environment
+        assert environment is not None  # an episode without one failed when it was built (done)
+        if out_of_budget and not owns_reward(environment):
             episode.done = True
-            return
+            return None
         try:
-            step = episode.environment.step(episode.last_text)
+            step = environment.step(episode.last_text)
         except TaskError as e:  # the task cannot be scored: _score reports it as the group's error
             episode.done, episode.error = True, str(e)
-            return
-        except Exception as e:  # the environment failed, not the task: this episode is a failed rollout
+            return None
+        except RolloutFailure as e:
+            episode.fail(e)
+            return None
+        except Exception as e:  # the environment failed, not the task (a TimeoutError: its client's own limit)
             log.warning("environment step failed: %s: %s", type(e).__name__, e)
-            episode.done, episode.failure = True, "timeout" if isinstance(e, TimeoutError) else "environment"
-            return
+            episode.fail(RolloutFailure("timeout" if isinstance(e, TimeoutError) else "environment",
+                                        f"{type(e).__name__}: {e}"))
+            return None
         episode.env_return += step.reward or 0.0
-        if episode.spans:
-            episode.spans[-1][3] = float(step.reward or 0.0)
         episode.env_steps += 1
+        episode.scored_steps += step.reward is not None
+        if step.done and step.reward is None and owns_reward(environment):
+            episode.fail(RolloutFailure("unscored", f"the environment ended the episode at step {episode.env_steps} "
+                                        "without a reward"))
+            return None
         if out_of_budget:  # the last action was applied (its reward counts); nothing follows it
             episode.done = True
-            return
+            return step.reward
         observation = engine.encode_observation(step.observation, self.chat) if not step.done else []
         # an observation must leave room for at least one model token
         if step.done or len(episode.tokens) + len(observation) >= self.max_response_len:
             episode.done = True
-            return
+            return step.reward
         episode.add_environment_turn(observation)
+        episode.state = state_key(environment, step.observation)
+        return step.reward
 
     def _score(self, episodes: list[_Episode], tasks: Sequence[TaskRecord], results: list[GroupResult],
-               engine_version: int) -> None:
+               engine: Engine) -> None:
         by_task: dict[int, list[_Episode]] = defaultdict(list)
         for e in episodes:
             by_task[e.task_index].append(e)
+            if self.environment_owns_reward and not e.failure and not e.error and not e.scored_steps:
+                e.fail(RolloutFailure("unscored", f"the environment gave no reward in {e.env_steps} steps"))
+        failures = Counter(e.failure for e in episodes if e.failure)
+        if failures:
+            log.warning("%d of %d episodes failed (%s); first: %s", sum(failures.values()), len(episodes),
+                        ", ".join(f"{k} {v}" for k, v in sorted(failures.items())),
+                        next(e.failure_detail for e in episodes if e.failure))
         for i, group in by_task.items():
             errors = [e.error for e in group if e.error]
             if errors:
                 results[i].error = f"task cannot be scored: {errors[0]}"
                 continue
-            rewards: list[RewardResult] | str
-            if owns_reward(self.environment_cls):
+            scored = [e for e in group if not e.failure]
+            rewards: list[RewardResult] | str = []
+            if self.environment_owns_reward:
                 rewards = [RewardResult(e.env_return, {"return": e.env_return, "steps": float(e.env_steps)})
-                           for e in group]
-            else:
-                played = [e for e in group if not e.failure]
-                scored = score_group(self.reward, [e.last_text for e in played], tasks[i]) if played else []
-                if isinstance(scored, str):
-                    results[i].error = scored
-                    continue
-                by_episode = dict(zip(map(id, played), scored, strict=True))
-                rewards = [by_episode.get(id(e), RewardResult(0.0)) for e in group]
+                           for e in scored]
+            elif scored:
+                rewards = score_group(self.reward, [e.last_text for e in scored], tasks[i])
             if isinstance(rewards, str):
                 results[i].error = rewards
                 continue
-            rewards = [RewardResult(0.0, failure=e.failure) if e.failure else r
-                       for e, r in zip(group, rewards, strict=True)]
-            results[i].samples = [
-                build_sample(e.sample_index, prompt=e.prompt, tokens=e.tokens, logprobs=e.logprobs, loss_mask=e.mask,
-                             reward=r, finish_reason=e.finish_reason or "error", metadata=_metadata(e),
-                             extra_components={"turns": float(e.turns)}, turns=_turns(e, r.score))
-                for e, r in zip(group, rewards, strict=True)]
-            versions = [v for e in group for v in e.versions]
-            results[i].policy_version = min(versions) if versions else engine_version
+            by_episode = dict(zip((id(e) for e in scored), rewards, strict=True))
+            results[i].samples = [self._sample(e, by_episode.get(id(e))) for e in group]
+            results[i].policy_version = min((v for e in group for v in e.versions), default=engine.weights_version)
+
+    @staticmethod
+    def _sample(e: _Episode, reward: RewardResult | None) -> Sample:
+        """The episode's sample; `reward` None for a failed episode (kept with its `failure`, no reward), or one
+        whose reward failed (its `failure`: verifier, unscored, timeout). An environment that does not own the reward
+        gives its last turn the episode's reward (GiGPO's step return)."""
+        reward = reward or RewardResult(0.0, {}, failure=e.failure)
+        turns = list(e.steps)
+        if turns and not reward.failure and e.environment is not None and not owns_reward(e.environment):
+            turns[-1] = dataclasses.replace(turns[-1], reward=reward.score)
+        return build_sample(e.sample_index, prompt=e.prompt, tokens=e.tokens, logprobs=e.logprobs, loss_mask=e.mask,
+                            reward=reward, finish_reason=e.finish_reason, metadata=_metadata(e),
+                            extra_components={"turns": float(e.turns)}, turns=turns or None)
