@@ -25,7 +25,8 @@ MAX_TOOL_CALLS = 64
 class EndpointSettings:
     """What the endpoint serves: the model name, the prompt and response limits of a sample (model.max_prompt_len,
     max_response_len), the default system prompt, the default sampling (explorer.temperature, top_p), how many calls
-    one episode may make, how long a call may wait, the largest request body, how many calls one engine call takes."""
+    one episode may make, a call's default completion limit (explorer.max_tokens), how long a call may wait, the largest
+    request body, how many calls one engine call takes."""
     model_name: str = "rft-policy"
     max_prompt_len: int = 1024
     max_response_len: int = 1024
@@ -33,6 +34,7 @@ class EndpointSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     max_calls: int = 64
+    max_tokens: int = 0  # a call's completion limit when it sets none (0: the rest of its response budget)
     request_timeout_s: float = 300.0
     max_body_bytes: int = 8 << 20
     max_batch: int = 64
@@ -42,7 +44,7 @@ class EndpointSettings:
         return cls(model_name=model.path.rstrip("/").rsplit("/", 1)[-1] or "rft-policy",
                    max_prompt_len=model.max_prompt_len, max_response_len=model.max_response_len,
                    system_prompt=model.system_prompt, temperature=explorer.temperature, top_p=explorer.top_p,
-                   **overrides)
+                   max_tokens=min(explorer.max_tokens, model.max_response_len), **overrides)
 
 
 @dataclass

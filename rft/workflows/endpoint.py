@@ -11,15 +11,15 @@ engine and recorded with the engine's token ids (rft/workflows/recording.py turn
 
 Routes (bearer key = an open episode's key, else 401; a Host that is not loopback 400; a body that is not JSON 415):
   POST /v1/chat/completions  messages (system, developer, user, assistant with `tool_calls`, tool), tools (OpenAI
-      function schemas), temperature, top_p (default: the explorer's), max_tokens / max_completion_tokens (default and
-      limit: the episode's remaining response budget), stop, n = 1, stream = false, logprobs (true: each token's
-      log-prob in `choices[0].logprobs.content`; `top_logprobs` lists are empty). `model` is not checked: every call
-      is the policy. Other fields are ignored.
+      function schemas), temperature, top_p (default: the explorer's), max_tokens / max_completion_tokens (default:
+      `EndpointSettings.max_tokens`, explorer.max_tokens; at most the rest of the response budget), stop, n = 1,
+      stream = false, logprobs (true: each token's log-prob in `choices[0].logprobs.content`; `top_logprobs` lists
+      are empty). `model` is not checked: every call is the policy. Other fields are ignored.
       The answer is OpenAI's `chat.completion` plus what vLLM adds for token-level clients: `prompt_token_ids`
       (top level) and `choices[0].token_ids`, and `policy_version`. Tool calls: the Hermes `<tool_call>` blocks of
       the completion (rft.agent_tools.registry's format, the one the chat templates ask for) as
       `message.tool_calls` (`finish_reason: "tool_calls"`), the text before the first block as `content`.
-  GET  /v1/models            the model name (`serve.model_name`-like: `EndpointSettings.model_name`)
+  GET  /v1/models            the one model, `EndpointSettings.model_name` (the last part of model.path)
 Prompt tokens (the chat template rendered by rft, once per message): a request that repeats an earlier call's
 messages and its reply, then adds messages (tool results, a user turn), is that call's prompt + completion tokens (the
 template's end-of-turn token appended when the completion did not end with it) + the template's text for the added
@@ -200,7 +200,7 @@ class RecordingEndpoint:
                            "prompt (model.max_response_len: its sample must fit)", param="messages",
                            code="context_length_exceeded")
         f = request.sampling
-        max_tokens = min(f.max_tokens or s.max_response_len, s.max_response_len - used)
+        max_tokens = min(f.max_tokens or s.max_tokens or s.max_response_len, s.max_response_len - used)
         return prompt, SamplingSettings(n=1, temperature=f.temperature, top_p=f.top_p, max_tokens=max_tokens,
                                         stop=f.stop)
 
