@@ -1,4 +1,4 @@
-"""An agent program for tests/integration/test_agent_program.py, run by the agent_program workflow: it reads its task
+"""An agent program for tests/integration/test_agent_program_sandbox.py, run by the agent_program workflow: it reads its task
 from stdin and does what the task's `metadata.mode` says.
 
   two_turn  two calls through the official `openai` client (the first with a tool, the second with the first reply

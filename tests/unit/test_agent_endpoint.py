@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 from rft.engine import Completion, Generation, SamplingSettings
 from rft.engine.base import TokenizerMixin
 from rft.models.tiny import build_tokenizer
-from rft.text.chat import encode_messages
+from rft.text.chat import encode_messages, tool_turn_text
 from rft.text.openai_api import ApiError
 from rft.workflows.agent_requests import EndpointSettings, parse_agent_request
 from rft.workflows.endpoint import RecordingEndpoint
@@ -185,3 +185,17 @@ def test_limits_refuse_what_its_sample_could_not_hold():
         with pytest.raises(ApiError) as bad:
             parse_agent_request(body, SETTINGS)
         assert bad.value.status == 400 and bad.value.param == param, body
+
+
+NO_TOOL_ROLE = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}"
+                "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_without_the_tool_role_gets_each_run_of_tool_results_as_one_user_turn():
+    tokenizer = chat_tokenizer()
+    tokenizer.chat_template = NO_TOOL_ROLE
+    added = [{"role": "tool", "content": "a"}, {"role": "tool", "content": "b"}, {"role": "user", "content": "c"}]
+    assert tool_turn_text(tokenizer, [{"role": "user", "content": "q"}], added) == (
+        "\n<|im_start|>user\n<tool_response>\na\n</tool_response>\n<tool_response>\nb\n</tool_response><|im_end|>\n"
+        "<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\n")

@@ -1,6 +1,6 @@
 """The agent_program workflow's reading of a program's result (rft/workflows/agent_program.py): the last JSON result
 line on stdout, a reward or an answer scored by the run's reward or a registered per-response reward it names, and
-the failure class of everything else. Programs themselves run in tests/integration/test_agent_program.py."""
+the failure class of everything else. Programs themselves run in tests/integration/test_agent_program_sandbox.py."""
 from __future__ import annotations
 
 import math
