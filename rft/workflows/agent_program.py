@@ -75,13 +75,22 @@ PROCESSES_PER_PROGRAM = 64  # processes and threads one program may run (the san
 OUTPUT_TAIL = 64 << 10  # bytes of a program's stdout read for its result line
 
 
+@dataclass(frozen=True)
+class SandboxedCommand:
+    """How to start a program in the sandbox: its command line, environment, working directory (of the process that
+    starts it), and the function that sets its resource limits between fork and exec."""
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    limit: Callable[[], None]
+
+
 def sandboxed_program(command: list[str], *, workdir: str, program_dir: str, socket_dir: str,
-                      limits: ToolLimits) -> tuple[list[str], dict[str, str], Callable[[], None]]:
-    """The python tool's sandbox rules (rft/agent_tools/python.py) for an agent program: the command line that runs
-    `command` in the sandbox `limits.sandbox` with `workdir` writable (chowned to the sandbox's user), `program_dir`
-    and `socket_dir` (the endpoint's Unix socket) read-only, a private /tmp; its environment (nothing inherited); and
-    the function that sets its resource limits between fork and exec. The one place this workflow couples to the
-    sandbox."""
+                      limits: ToolLimits) -> SandboxedCommand:
+    """The python tool's sandbox rules (rft/agent_tools/python.py) for an agent program: `command` run in the sandbox
+    `limits.sandbox` in `program_dir` (read-only), with `workdir` writable (chowned to the sandbox's user), `socket_dir`
+    (the endpoint's Unix socket) read-only, a private /tmp, an environment of its own (nothing inherited) and the
+    resource limits. The one place this workflow couples to the sandbox."""
     env = {**tool.TOOL_ENVIRONMENT, "PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
            "HOME": workdir, "TMPDIR": workdir}
     processes = tool._process_limit(limits)
@@ -91,14 +100,15 @@ def sandboxed_program(command: list[str], *, workdir: str, program_dir: str, soc
         tool._limit(cpu_s, limits.memory_mb << 20, processes)
 
     if limits.sandbox == "none":
-        return command, env, limit
+        return SandboxedCommand(command, env, program_dir, limit)
     if os.geteuid() == 0:
         os.chown(workdir, tool.SANDBOX_UID, tool.SANDBOX_UID)
     argv = tool.sandboxed(command, workdir, limits.sandbox)
     argv[argv.index("--chdir") + 1] = program_dir  # the program runs where it lives
     at = argv.index("--bind")  # before the working directory's bind: a private /tmp, then what the program reads
-    return (argv[:at] + ["--perms", "1777", "--tmpfs", "/tmp", "--ro-bind", program_dir, program_dir,
-                         "--ro-bind", socket_dir, socket_dir] + argv[at:], env, limit)
+    argv = argv[:at] + ["--perms", "1777", "--tmpfs", "/tmp", "--ro-bind", program_dir, program_dir,
+                        "--ro-bind", socket_dir, socket_dir] + argv[at:]
+    return SandboxedCommand(argv, env, workdir, limit)
 
 
 @dataclass
@@ -231,19 +241,19 @@ class AgentProgram:
         episode = endpoint.open_episode()
         socket_path = endpoint.uds or ""
         command = [sys.executable, "-I", WRAPPER, socket_path, os.path.join(workdir, ".started"), "--", *self.command]
-        argv, env, limit = sandboxed_program(command, workdir=workdir, program_dir=self.program_dir,
-                                             socket_dir=os.path.dirname(socket_path), limits=self.limits)
-        env = {**env, "OPENAI_API_KEY": episode.key, "RFT_TASK_FILE": task_file}
+        sandboxed = sandboxed_program(command, workdir=workdir, program_dir=self.program_dir,
+                                      socket_dir=os.path.dirname(socket_path), limits=self.limits)
+        env = {**sandboxed.env, "OPENAI_API_KEY": episode.key, "RFT_TASK_FILE": task_file}
         try:
             with open(task_file, "rb") as stdin, open(os.path.join(root, "stdout"), "wb") as out, \
                     open(os.path.join(root, "stderr"), "wb") as err:
-                process = subprocess.Popen(argv, stdin=stdin, stdout=out, stderr=err, cwd=self.program_dir, env=env,
-                                           start_new_session=True, preexec_fn=limit)
+                process = subprocess.Popen(sandboxed.argv, stdin=stdin, stdout=out, stderr=err, cwd=sandboxed.cwd,
+                                           env=env, start_new_session=True, preexec_fn=sandboxed.limit)
         except OSError as e:
             endpoint.close_episode(episode)
             shutil.rmtree(root, ignore_errors=True)
             shutil.rmtree(workdir, ignore_errors=True)
-            return _Outcome([], failure="sandbox", error=f"cannot start {argv[0]}: {e}")
+            return _Outcome([], failure="sandbox", error=f"cannot start {sandboxed.argv[0]}: {e}")
         return _Program(i, k, episode, process, root, workdir, time.monotonic() + self.timeout_s)
 
     def _finish(self, program: _Program, task: TaskRecord) -> _Outcome:

@@ -1,5 +1,5 @@
-"""An agent program for tests/integration/test_agent_program_sandbox.py, run by the agent_program workflow: it reads its task
-from stdin and does what the task's `metadata.mode` says.
+"""An agent program for tests/integration/test_agent_program_sandbox.py, run by the agent_program workflow: it reads
+its task from stdin and does what the task's `metadata.mode` says.
 
   two_turn  two calls through the official `openai` client (the first with a tool, the second with the first reply
             and a tool result added), then the answer `{"answer": "5"}`

@@ -6,7 +6,8 @@ transformers engine on the tiny chat model. Two explore calls (n = 2: one progra
   call's tokens), loss_mask 0 on the tool result between them, reward from the program's answer;
 - escape: the program reaches neither a host listener nor another host, nor a secret variable of the explorer;
 - crash: an `agent` failure; unscored: `{"reward": null}`;
-- hang (with agent_timeout_s 2 s, the second call): a `timeout` failure, killed."""
+- hang (with agent_timeout_s 2 s, the second call): a `timeout` failure, killed;
+- a program whose directory bwrap cannot bind: a `sandbox` failure, one sample of the prompt and no response."""
 from __future__ import annotations
 
 import os
@@ -58,12 +59,22 @@ def test_agent_programs_in_the_sandbox_become_samples_and_honest_failures(tmp_pa
     raw["explorer"]["agent_timeout_s"] = 2.0
     cfg = run_config_from_dict(raw)
     hasty = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer))
+    gone = tmp_path / "gone"  # the program's directory, removed after the config was checked: bwrap cannot bind it
+    gone.mkdir()
+    raw["explorer"]["agent_dir"] = str(gone)
+    cfg = run_config_from_dict(raw)
+    unbound = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer))
+    gone.rmdir()
     try:
         groups = {g.task.task_id: g for g in workflow.explore(tasks[:-1], engine) + hasty.explore(tasks[-1:], engine)}
+        refused = unbound.explore([TaskRecord("r", "refused", 0, "What is 2+3?", "5", {"mode": "crash"})], engine)
     finally:
-        workflow.close()
-        hasty.close()
+        for w in (workflow, hasty, unbound):
+            w.close()
         listener.close()
+    assert [s.failure for s in refused[0].samples] == ["sandbox", "sandbox"]
+    assert all(s.metadata["calls"] == 0 and len(s.response_tokens) == 0 for s in refused[0].samples)
+    assert "the sandbox did not start it" in refused[0].samples[0].metadata["error"]
     assert all(g.error is None for g in groups.values())
 
     two_turn = groups["two_turn"].samples
