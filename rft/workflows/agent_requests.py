@@ -60,12 +60,14 @@ class Episode:
 class AgentRequest:
     """A checked chat-completions request: `messages` as the chat template takes them (assistant `tool_calls` with
     arguments as objects; tool messages `{"role": "tool", "name"?, "content"}`), `tools` (function schemas),
-    `tools_key` (their canonical JSON), the sampling fields, and whether log-probs are asked for."""
+    `tools_key` (their canonical JSON), the sampling fields, whether log-probs are asked for, and how their tokens are
+    written."""
     messages: list[dict[str, Any]]
     tools: tuple[dict[str, Any], ...]
     tools_key: str
     sampling: SamplingFields
     logprobs: bool
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: each log-prob's token is "token_id:N"
 
 
 def _arguments(raw: Any, where: str) -> dict[str, Any]:
@@ -135,10 +137,13 @@ def parse_agent_request(body: Any, settings: EndpointSettings) -> AgentRequest:
                              top_p=settings.top_p)
     if fields.stream:
         raise ApiError(400, "stream: not supported by the recording endpoint; send stream: false", param="stream")
-    logprobs = body.get("logprobs", False)
-    if not isinstance(logprobs, bool):
+    logprobs = body.get("logprobs") or False
+    if logprobs not in (True, False) or not isinstance(logprobs, (bool, int)):  # 1 / 0 as some clients send them
         raise ApiError(400, "logprobs: expected true or false", param="logprobs")
-    return AgentRequest(messages, tools, json.dumps(tools, sort_keys=True), fields, logprobs)
+    as_ids = body.get("return_tokens_as_token_ids") or False
+    if not isinstance(as_ids, bool):
+        raise ApiError(400, "return_tokens_as_token_ids: expected true or false", param="return_tokens_as_token_ids")
+    return AgentRequest(messages, tools, json.dumps(tools, sort_keys=True), fields, bool(logprobs), as_ids)
 
 
 class EndpointCalls(Protocol):

@@ -13,8 +13,9 @@ Routes (bearer key = an open episode's key, else 401; a Host that is not loopbac
   POST /v1/chat/completions  messages (system, developer, user, assistant with `tool_calls`, tool), tools (OpenAI
       function schemas), temperature, top_p (default: the explorer's), max_tokens / max_completion_tokens (default:
       `EndpointSettings.max_tokens`, explorer.max_tokens; at most the rest of the response budget), stop, n = 1,
-      stream = false, logprobs (true: each token's log-prob in `choices[0].logprobs.content`; `top_logprobs` lists
-      are empty). `model` is not checked: every call is the policy. Other fields are ignored.
+      stream = false, logprobs (true or 1: each token's log-prob in `choices[0].logprobs.content`, its `token` the
+      decoded text or, with vLLM's `return_tokens_as_token_ids`, `token_id:N`; `top_logprobs` lists are empty).
+      `model` is not checked: every call is the policy. Other fields are ignored.
       The answer is OpenAI's `chat.completion` plus what vLLM adds for token-level clients: `prompt_token_ids`
       (top level) and `choices[0].token_ids`, and `policy_version`. Tool calls: the Hermes `<tool_call>` blocks of
       the completion (rft.agent_tools.registry's format, the one the chat templates ask for) as
@@ -248,7 +249,8 @@ class RecordingEndpoint:
         finish = "length" if c.finish_reason == "length" else "tool_calls" if calls else "stop"
         logprobs: dict[str, Any] | None = None
         if request.logprobs:
-            logprobs = {"content": [{"token": engine.decode([t]), "logprob": float(lp), "bytes": None,
+            logprobs = {"content": [{"token": f"token_id:{t}" if request.tokens_as_ids else engine.decode([t]),
+                                     "logprob": float(lp), "bytes": None,
                                      "top_logprobs": []} for t, lp in zip(c.token_ids, c.logprobs, strict=True)]}
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.settings.model_name, "system_fingerprint": f"rft-v{c.weights_version}",

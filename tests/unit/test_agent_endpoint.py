@@ -73,7 +73,8 @@ def test_a_conversation_with_a_tool_call_is_one_sample_of_the_engines_tokens():
     endpoint = RecordingEndpoint(SETTINGS)
     episode = endpoint.open_episode()
     messages = [{"role": "user", "content": "What is 2+3?"}]
-    first = call(endpoint, engine, episode, {"messages": messages, "tools": TOOLS, "logprobs": True})
+    first = call(endpoint, engine, episode, {"messages": messages, "tools": TOOLS, "logprobs": 1,
+                                             "return_tokens_as_token_ids": True})  # as vLLM clients ask
     tokenizer = engine.tokenizer
     assert first["prompt_token_ids"] == encode_messages(tokenizer, messages, tuple(TOOLS))  # the template, once
     choice = first["choices"][0]
@@ -84,6 +85,7 @@ def test_a_conversation_with_a_tool_call_is_one_sample_of_the_engines_tokens():
     assert choice["token_ids"] == engine.encode(choice["message"]["content"] + " " + tool_call(
         "calculator", expression="2+3"), add_special_tokens=False) + [im_end]
     assert [t["logprob"] for t in choice["logprobs"]["content"]] == [-0.25] * len(choice["token_ids"])
+    assert [t["token"] for t in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
     assert engine.settings[0].temperature == 0.7 and engine.settings[0].max_tokens == 400  # the explorer's default
 
     # the client sends back the reply as the openai client serialises it, and the tool's result
@@ -178,6 +180,7 @@ def test_limits_refuse_what_its_sample_could_not_hold():
     for body, param in [({"messages": []}, "messages"), ({"messages": [{"role": "x"}]}, "messages[0]"),
                         ({"messages": [{"role": "user", "content": "a"}], "n": 2}, "n"),
                         ({"messages": [{"role": "user", "content": "a"}], "stream": True}, "stream"),
+                        ({"messages": [{"role": "user", "content": "a"}], "logprobs": "yes"}, "logprobs"),
                         ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, "tools[0]"),
                         ({"messages": [{"role": "assistant", "content": "", "tool_calls": [
                             {"function": {"name": "f", "arguments": "{not json"}}]}]},
