@@ -7,7 +7,8 @@ transformers engine on the tiny chat model. Two explore calls (n = 2: one progra
 - escape: the program reaches neither a host listener nor another host, nor a secret variable of the explorer;
 - crash: an `agent` failure; unscored: `{"reward": null}`;
 - hang (with agent_timeout_s 2 s, the second call): a `timeout` failure, killed;
-- a program whose directory bwrap cannot bind: a `sandbox` failure, one sample of the prompt and no response."""
+- a program whose directory bwrap cannot bind: a `sandbox` failure, one sample of the prompt and no response;
+and every group's record encodes and decodes to the same samples."""
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ import pytest
 from rft.engine import TransformersEngine
 from rft.rewards import build_reward
 from rft.run.loading import run_config_from_dict
-from rft.schema import TaskRecord
+from rft.schema import ExperienceGroup, TaskRecord, decode_group, encode
 from rft.text.chat import encode_messages
 from rft.workflows import build_workflow
 from tests.agents.scripted_agent import TOOLS
@@ -75,6 +76,10 @@ def test_agent_programs_in_the_sandbox_become_samples_and_honest_failures(tmp_pa
     assert [s.failure for s in refused[0].samples] == ["sandbox", "sandbox"]
     assert all(s.metadata["calls"] == 0 and len(s.response_tokens) == 0 for s in refused[0].samples)
     assert "the sandbox did not start it" in refused[0].samples[0].metadata["error"]
+    for g in [*groups.values(), *refused]:  # every group crosses the wire as it is: failures nil, turns checked
+        group = ExperienceGroup(g.task.run_id, g.task.task_id, g.task.group_id, 0, "explorer-0", g.policy_version,
+                                g.samples, answer=g.task.answer)
+        assert decode_group(*encode(group)).samples == g.samples
     assert all(g.error is None for g in groups.values())
 
     two_turn = groups["two_turn"].samples
