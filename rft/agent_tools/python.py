@@ -69,13 +69,13 @@ FIX = ("install bubblewrap (`make system-deps`, or apt-get install bubblewrap) a
        "explorer.python_sandbox: none to run the python tool's code without isolation (trusted code only)")
 
 
-def _interpreter() -> str:
+def interpreter() -> str:
     """This interpreter by its directory's real path (a venv's `bin/python` keeps its name: the venv is found
     beside it), so that it is the same path inside the sandbox, which binds only real paths."""
     return os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
 
 
-def _interpreter_paths() -> list[str]:
+def interpreter_paths() -> list[str]:
     """The directories the interpreter needs, read-only in the sandbox: its prefixes (a venv's and its base
     installation's) and the directory of the real executable."""
     return [os.path.realpath(p) for p in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
@@ -84,14 +84,14 @@ def _interpreter_paths() -> list[str]:
 
 def python_command(limits: ToolLimits, *arguments: str) -> list[str]:
     """The argv running the interpreter with `arguments` under `limits` (its sandbox, process limits)."""
-    command = [_interpreter(), "-I", *arguments]
-    process_limits = ProcessLimits(_cpu_seconds(limits), limits.memory_mb << 20, _process_limit(limits))
+    command = [interpreter(), "-I", *arguments]
+    process_limits = ProcessLimits(_cpu_seconds(limits), limits.memory_mb << 20, process_limit(limits))
     if limits.sandbox == "none":
         return limited(command, process_limits)
-    return sandboxed(command, process_limits, workdir_bytes=limits.workdir_mb << 20, ro_paths=_interpreter_paths())
+    return sandboxed(command, process_limits, workdir_bytes=limits.workdir_mb << 20, ro_paths=interpreter_paths())
 
 
-def _process_limit(limits: ToolLimits) -> int | None:
+def process_limit(limits: ToolLimits) -> int | None:
     """RLIMIT_NPROC for the sandboxed code (counted per user, threads included): `max_processes` for the call's own
     user when the explorer is root; else the user's tasks now plus `max_processes`. None without a sandbox."""
     if limits.sandbox == "none":

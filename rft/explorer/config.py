@@ -10,7 +10,7 @@ from rft.agent_tools.config import PythonToolOptions, ToolOptions
 from rft.config import COUNT, OPTIONAL, POSITIVE, Range, Section, SectionError, option
 from rft.engine.config import EngineOptions, SamplingOptions
 from rft.rewards.config import JudgeOptions, RewardOptions, RlcrOptions, RubricOptions, RulerOptions
-from rft.workflows.config import WorkflowOptions
+from rft.workflows.config import AgentProgramOptions, WorkflowOptions
 
 ADMISSIONS = ("staleness", "all")  # the built-in explorer.admission policies; anything else is an import path
 
@@ -75,8 +75,8 @@ class MembershipOptions(Section):
 
 @dataclass(frozen=True)
 class ExplorerConfig(MembershipOptions, AdmissionOptions, LoopOptions, PythonToolOptions, ToolOptions, RlcrOptions,
-                     RulerOptions, RubricOptions, JudgeOptions, RewardOptions, WorkflowOptions, SamplingOptions,
-                     EngineOptions):
+                     RulerOptions, RubricOptions, JudgeOptions, RewardOptions, AgentProgramOptions, WorkflowOptions,
+                     SamplingOptions, EngineOptions):
     """One flat `explorer:` mapping whose keys the components that use them declare: the engine and sampling, the
     workflow, the reward and its judge, the tools, and the explorer's own loops, admission and membership;
     `replicas` is the fleet's size."""

@@ -75,6 +75,14 @@ def response_tokens(cfg: Config) -> int:
     return cfg.model.max_response_len
 
 
+def samples_per_group(cfg: Config) -> int:
+    """The most samples a group holds: explorer.n_samples, but for agent_program one per branch of each episode, at
+    most one per model call (explorer.agent_max_calls)."""
+    if cfg.explorer.workflow == "agent_program":
+        return cfg.explorer.n_samples * cfg.explorer.agent_max_calls
+    return cfg.explorer.n_samples
+
+
 def version_spans(cfg: Config) -> int:
     """Spans of per-token versions a sample may carry: one without in-flight updates (none written); with them, one
     per version a sample can see while it generates (the run's staleness bound + 1)."""
@@ -87,7 +95,7 @@ def version_spans(cfg: Config) -> int:
 def estimate_record(cfg: Config, moe: MoEShape | None = None) -> RecordEstimate:
     """The largest experience record of `cfg`. `moe`: the model's MoE layers (default: read from model.path's
     config.json when run.routing_replay; a model without experts records no routing)."""
-    n, prompt, response = cfg.explorer.n_samples, cfg.model.max_prompt_len, response_tokens(cfg)
+    n, prompt, response = samples_per_group(cfg), cfg.model.max_prompt_len, response_tokens(cfg)
     parts = {"prompt_tokens": _bin_bytes(prompt * TOKEN_DTYPE.itemsize),
              "response_tokens": _bin_bytes(response * TOKEN_DTYPE.itemsize),
              "logprobs": _bin_bytes(response * LOGPROB_DTYPE.itemsize),

@@ -236,7 +236,7 @@ def test_no_file_of_the_host_beyond_the_interpreter(host_dir):
     seen = json.loads(run(code, "bwrap"))
     assert all(seen[p] == "FileNotFoundError" for p in paths[:6]), seen
     assert seen["/etc"] == ["ld.so.cache", "ld.so.conf", "ld.so.conf.d"], seen  # the dynamic loader's files only
-    interpreter = {Path(p).relative_to(home).parts[0] for p in python_tool._interpreter_paths()
+    interpreter = {Path(p).relative_to(home).parts[0] for p in python_tool.interpreter_paths()
                    if Path(p).is_relative_to(home)}
     assert seen[home] in ("FileNotFoundError", sorted(interpreter)), seen  # at most the way to the interpreter
 

@@ -61,6 +61,11 @@ def test_the_response_is_max_tokens_single_turn_and_max_response_len_otherwise()
     assert estimate_record(config(explorer={"max_tokens": 5, "workflow": "multi_turn"})).response_tokens == 20
 
 
+def test_an_agent_program_group_holds_a_sample_per_branch_at_most_one_per_call():
+    assert estimate_record(config(explorer={"workflow": "agent_program", "agent_max_calls": 3})).samples == 3 * config(
+        explorer={}).explorer.n_samples
+
+
 @pytest.fixture
 def qwen3_moe(tmp_path):
     """A Qwen3-MoE config.json: 6 decoder layers, every 2nd sparse (1, 3, 5), layer 1 dense by mlp_only_layers;
