@@ -12,7 +12,10 @@ taskset id from the interpreter's path (PYTHONPATH).
 import argparse
 import asyncio
 import json
+import os
 import sys
+import threading
+import time
 
 
 def main() -> None:
@@ -38,12 +41,21 @@ def main() -> None:
         return
     from verifiers.v1.serve.server import EnvServer
 
+    parent = os.getppid()
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     server = EnvServer(config, address=args.address, max_concurrent=args.max_concurrent or None)
     print(f"address {server.address}", flush=True)
     try:
         asyncio.run(server.run())
     except KeyboardInterrupt:
         pass
+
+
+def _exit_with_parent(parent: int) -> None:
+    """The server lives no longer than the process that started it (rft's explorer)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
 
 
 if __name__ == "__main__":
