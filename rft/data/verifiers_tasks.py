@@ -51,7 +51,9 @@ class VerifiersHost:
         if not os.access(self.python, os.X_OK):
             raise VerifiersError(f"python: the verifiers venv's interpreter {self.python} is missing: run `make "
                                  f"hub-envs` (requirements/verifiers.txt)", key="python")
-        return [self.python, str(HOST_SCRIPT), mode, "--env", json.dumps(self.env), *args]
+        # -P: the script's directory (rft/data, whose selectors.py would shadow the standard library's) stays off
+        # the module path
+        return [self.python, "-P", str(HOST_SCRIPT), mode, "--env", json.dumps(self.env), *args]
 
     def environ(self) -> dict[str, str]:
         """The process environment: this one's, less rft's own python path, plus `pythonpath`."""
