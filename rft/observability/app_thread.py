@@ -12,13 +12,18 @@ class AppThread:
     """An ASGI `app` under uvicorn in a thread of this process (tests, benchmarks): `url` once `start()` returns;
     `stop()` ends it (within 2 s for open streams)."""
 
-    def __init__(self, app, *, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app, *, host: str = "127.0.0.1", port: int = 0, uds: str | None = None):
+        """`uds`: listen on this Unix socket path instead of `host`:`port` (`url` is then `http://localhost`)."""
         import uvicorn
 
-        port = port or free_port(host)
-        self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
+        if uds is not None:
+            self.url = "http://localhost"
+            config = uvicorn.Config(app, uds=uds, log_level="warning", timeout_graceful_shutdown=2)
+        else:
+            port = port or free_port(host)
+            self.url = f"http://{host}:{port}"
+            config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
 
     def start(self, timeout_s: float = 30.0) -> AppThread:

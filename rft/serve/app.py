@@ -29,6 +29,7 @@ from rft.observability.access import Access, AccessDenied, allowed_hosts
 from rft.observability.app_thread import AppThread
 from rft.serve.requests import ApiError
 from rft.serve.service import ServeService
+from rft.text.openai_api import json_body
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -48,29 +49,14 @@ def create_app(service: ServeService, access: Access | None = None) -> FastAPI:
     async def denied(request: Request, e: AccessDenied) -> JSONResponse:
         return error_response(ApiError(e.status, str(e), code=e.code, headers=e.headers))
 
-    async def json_body(request: Request) -> Any:
-        """The body parsed as JSON; 413 past serve.max_body_bytes (read no further than that), 400 if not JSON."""
-        limit = service.limits.max_body_bytes
-        too_long = ApiError(413, f"the request body is over serve.max_body_bytes = {limit} bytes",
-                            code="request_too_large")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise too_long
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_long
-        try:
-            return json.loads(body)
-        except ValueError as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    async def body(request: Request) -> Any:
+        return await json_body(request, service.limits.max_body_bytes, "serve.max_body_bytes")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         started = time.monotonic()
         try:
-            result = await service.complete(await json_body(request))
+            result = await service.complete(await body(request))
         except ApiError as e:
             service.metrics.requests.labels(str(e.status)).inc()
             return error_response(e)
@@ -86,7 +72,7 @@ def create_app(service: ServeService, access: Access | None = None) -> FastAPI:
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> JSONResponse:
         try:
-            return JSONResponse(await service.feedback(await json_body(request)))
+            return JSONResponse(await service.feedback(await body(request)))
         except ApiError as e:
             return error_response(e)
 

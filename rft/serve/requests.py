@@ -1,6 +1,6 @@
 """What `rft serve` accepts: a chat completion request checked field by field (`parse_chat_request`), its messages
-rendered to prompt ids (`renderer`), and `ApiError`, the OpenAI-style refusal every serve module raises
-(`{"error": {"message", "type", "param", "code"}}` with its HTTP status).
+rendered to prompt ids (`renderer`), and `ApiError` (rft/text/openai_api.py, with the fields both of rft's
+OpenAI-compatible endpoints check), the OpenAI-style refusal every serve module raises.
 
 Contracts:
 - A request is refused with 400 naming the bad field (messages, n, temperature, top_p, max_tokens or
@@ -15,7 +15,6 @@ Standard library, numpy and the engine's sampling settings only: no web framewor
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,26 +23,12 @@ import numpy as np
 
 from rft.engine import SamplingSettings
 from rft.text.chat import ChatError, encode_messages
+from rft.text.openai_api import ApiError, sampling_fields, text_content
 
 if TYPE_CHECKING:
     from rft.models.config import ModelConfig
 
 MAX_N = 16
-MAX_STOP = 4
-
-
-class ApiError(Exception):
-    """A request refused with an OpenAI-style error body."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.param, self.code, self.kind = status, param, code, kind
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, dict[str, str | None]]:
-        """The OpenAI error body: `{"error": {"message", "type", "param", "code"}}`."""
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
 @dataclass(frozen=True)
@@ -52,39 +37,6 @@ class ChatRequest:
     sampling: SamplingSettings
     stream: bool
     adapter: str | None = None  # the `serve.adapters` model the request names; None: the run's own policy
-
-
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if content is None:
-        return ""
-    if isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise ApiError(400, f"{where}: content must be a string or a list of text parts", param=where)
-
-
-def _number(body: dict, key: str, default: float, low: float, high: float, *, low_open: bool = False) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ApiError(400, f"{key}: expected a number, got {json.dumps(value)[:40]}", param=key)
-    if value < low or (low_open and value == low) or value > high:
-        raise ApiError(400, f"{key}: {value} is out of range ({'(' if low_open else '['}{low}, {high}])", param=key)
-    return float(value)
-
-
-def _integer(body: dict, key: str, default: int, low: int, high: int) -> int:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, f"{key}: expected an integer, got {json.dumps(value)[:40]}", param=key)
-    if not low <= value <= high:
-        raise ApiError(400, f"{key}: {value} is out of range [{low}, {high}]", param=key)
-    return value
 
 
 def parse_chat_request(body: Any, *, model_name: str, max_tokens: int, adapters: tuple[str, ...] = ()) -> ChatRequest:
@@ -109,26 +61,11 @@ def parse_chat_request(body: Any, *, model_name: str, max_tokens: int, adapters:
         if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
             raise ApiError(400, f"{where}.role: unknown role {m['role']!r}", param=f"{where}.role")
         rendered.append({"role": "system" if m["role"] == "developer" else m["role"],
-                         "content": _text(m.get("content"), f"{where}.content")})
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ApiError(400, f"{key}: must be a positive integer, got {json.dumps(limit)[:40]}", param=key)
-    if limit is not None and limit > max_tokens:
-        raise ApiError(400, f"{key}: {limit} is over this model's limit of {max_tokens} tokens "
-                       "(model.max_response_len)", param=key)
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-    if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
-        raise ApiError(400, f"stop: a string or a list of at most {MAX_STOP} non-empty strings", param="stop")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "stream: expected true or false", param="stream")
-    sampling = SamplingSettings(n=_integer(body, "n", 1, 1, MAX_N),
-                                temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                                top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-                                max_tokens=limit or max_tokens, stop=tuple(stops))
-    return ChatRequest(rendered, sampling, stream, adapter=model if model in adapters else None)
+                         "content": text_content(m.get("content"), f"{where}.content")})
+    f = sampling_fields(body, max_tokens=max_tokens, max_n=MAX_N)
+    sampling = SamplingSettings(n=f.n, temperature=f.temperature, top_p=f.top_p, max_tokens=f.max_tokens or max_tokens,
+                                stop=f.stop)
+    return ChatRequest(rendered, sampling, f.stream, adapter=model if model in adapters else None)
 
 
 def prompt_key(prompt_tokens: list[int]) -> str:

@@ -98,22 +98,20 @@ def _with_tools(tokenizer: Any, messages: list[dict[str, Any]],
     return [{"role": "system", "content": text}] + messages, {}
 
 
-def tool_turn_text(tokenizer: Any, messages: list[dict[str, Any]], results: list[dict[str, str]],
+def tool_turn_text(tokenizer: Any, messages: list[dict[str, Any]], results: list[dict[str, Any]],
                    tools: tuple[dict[str, Any], ...] = ()) -> str:
     """The text the template writes after an assistant turn of the conversation `messages` (as `encode_messages`
-    rendered it) for the tool messages `results` (`{"role": "tool", "name", "content"}`), from just after the
-    assistant's end-of-turn token through the next assistant header. ChatError when the template writes anything
-    but its end-of-turn token right after an assistant message."""
+    rendered it) for the messages `results` (tool messages `{"role": "tool", "name", "content"}`, or any others: a
+    user turn), from just after the assistant's end-of-turn token through the next assistant header. ChatError when
+    the template writes anything but its end-of-turn token right after an assistant message."""
     messages, template_tools = _with_tools(tokenizer, messages, tools)
     assistant = [{"role": "assistant", "content": _PROBE}]
     try:
         text = tokenizer.apply_chat_template(messages + assistant + results, add_generation_prompt=True,
                                              tokenize=False, **template_tools)
     except Exception:  # jinja2's TemplateError: a template without the tool role (module docstring)
-        as_user = [{"role": "user", "content": "\n".join(f"<tool_response>\n{r['content']}\n</tool_response>"
-                                                         for r in results)}]
-        text = tokenizer.apply_chat_template(messages + assistant + as_user, add_generation_prompt=True,
-                                             tokenize=False, **template_tools)
+        text = tokenizer.apply_chat_template(messages + assistant + _tools_as_user(results),
+                                             add_generation_prompt=True, tokenize=False, **template_tools)
     end = end_of_turn_id(tokenizer)
     end_text = tokenizer.convert_ids_to_tokens(end) if end is not None else ""
     after = text.split(_PROBE, 1)[1] if _PROBE in text else ""
@@ -121,6 +119,22 @@ def tool_turn_text(tokenizer: Any, messages: list[dict[str, Any]], results: list
         raise ChatError("model.chat_template: the chat template does not end an assistant message with its "
                         f"end-of-turn token (after the message it writes {after[:40]!r})")
     return after[len(end_text):]
+
+
+def _tools_as_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with each run of tool messages as one user message of `<tool_response>` blocks (a template without
+    the tool role)."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if m["role"] != "tool":
+            out.append(m)
+            continue
+        block = f"<tool_response>\n{m['content']}\n</tool_response>"
+        if i and messages[i - 1]["role"] == "tool":
+            out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n{block}"}
+        else:
+            out.append({"role": "user", "content": block})
+    return out
 
 
 def observation_text(tokenizer: Any, observation: str) -> str:
