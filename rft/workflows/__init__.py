@@ -4,14 +4,14 @@
 Workflows are registered by name (`@register_workflow`) and built with `(explorer, model, reward)`; an import
 path `package.module:Class` is the escape hatch. Names are resolved when a config is loaded for a run
 (`rft.run.loading` calls `check_workflow_config`). Importing this package registers the built-in workflows
-(single_turn, multi_turn, tool_agent) and multi_turn's environments (retry, frozenlake, textarena).
+(single_turn, multi_turn, tool_agent, verifiers) and multi_turn's environments (retry, frozenlake, textarena).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from rft.extras import check_installed
-from rft.workflows import frozenlake, multi_turn, single_turn, textarena_game, tool_agent  # noqa: F401  (registers the built-ins)
+from rft.workflows import frozenlake, multi_turn, single_turn, textarena_game, tool_agent, verifiers  # noqa: F401  (registers the built-ins)
 from rft.workflows.multi_turn import ENVIRONMENTS, register_environment
 from rft.workflows.registry import (
     WORKFLOWS,

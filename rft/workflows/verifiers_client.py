@@ -83,7 +83,7 @@ def finish_episode(traces: dict[str, dict[str, Any]], reply: dict[str, Any]) -> 
         raise ValueError("the reply has no episode head")
     ordered = []
     for summary in reply.get("traces") or []:
-        trace = traces.get(summary.get("id")) if isinstance(summary, dict) else None
+        trace = traces.get(str(summary.get("id"))) if isinstance(summary, dict) else None
         if trace is None:
             raise ValueError(f"the episode is missing trace {summary!r}")
         if len(trace["nodes"]) != summary.get("nodes") or len(trace["calls"]) != summary.get("calls"):
@@ -194,4 +194,4 @@ class EnvServerClient:
                                                          f"{down}")
                 quiet_since = time.monotonic()
         self._runs = {}
-        return [runs[rid].outcome for rid in order]  # type: ignore[misc]  (every outcome is set above)
+        return [outcome for rid in order if (outcome := runs[rid].outcome) is not None]  # all set above
