@@ -44,7 +44,8 @@ def resolve_workflow(spec: str) -> Any:
 
 def check_workflow_config(explorer: ExplorerConfig) -> None:
     """Resolve `explorer.workflow` (and, for multi_turn, `explorer.environment`, whose optional extra must be installed
-    (MissingExtra); for tool_agent, `explorer.tools`); errors start with the key."""
+    (MissingExtra); for tool_agent, `explorer.tools`; for verifiers, that it names an environment); errors start with
+    the key."""
     cls = resolve_workflow(explorer.workflow)
     if explorer.continuous and not streams(cls):
         raise WorkflowError(f"explorer.continuous: workflow {explorer.workflow} has no streaming interface (prepare, "
@@ -57,6 +58,9 @@ def check_workflow_config(explorer: ExplorerConfig) -> None:
             check_installed(extra, feature=f"explorer.environment: {explorer.environment}")
     if explorer.workflow == "tool_agent":
         tool_agent.build_toolbox(explorer)
+    if explorer.workflow == "verifiers" and (problem := verifiers.config_problem(explorer.verifiers,
+                                                                                     installed=False)):
+        raise WorkflowError(problem)
     if explorer.greedy_baseline and (problem := greedy_baseline_problem(explorer)):
         raise WorkflowError(problem)
 

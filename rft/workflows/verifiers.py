@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import os
 import subprocess
 import threading
 import weakref
@@ -99,9 +100,8 @@ class EnvServer:
 class Verifiers:
     def __init__(self, explorer: ExplorerConfig, model: ModelConfig, reward: Reward):
         self.options = explorer.verifiers
-        if not self.options.env and not self.options.address:
-            raise WorkflowError("explorer.verifiers.env: the verifiers workflow needs the environment to serve "
-                                "(taskset.id at least) or the address of a running env server")
+        if problem := config_problem(self.options):
+            raise WorkflowError(problem)
         self.n = explorer.n_samples
         self.settings = EndpointSettings.of(explorer, model)
         self.sampling = {"temperature": explorer.temperature, "top_p": explorer.top_p,
@@ -116,6 +116,9 @@ class Verifiers:
             self.endpoint.stop()
 
     def explore(self, tasks: Sequence[TaskRecord], engine: Engine) -> list[GroupResult]:
+        if self.server is not None and not self.server.alive():  # the server it started died: start another
+            self.server.close()
+            self.server = None
         try:
             if self.server is None:
                 self.server = EnvServer(self.options)
@@ -168,6 +171,18 @@ class Verifiers:
     def _failed_group(self, task: TaskRecord, failure: str, reason: str) -> GroupResult:
         return GroupResult(task, samples=[episode_sample(k, EpisodeFailure(failure, reason), [])
                                           for k in range(self.n)])
+
+
+def config_problem(options: VerifiersOptions, *, installed: bool = True) -> str | None:
+    """Why `explorer.verifiers` cannot start or reach an env server (starting with the key), or None; `installed`:
+    also check that the venv is there (not when a config loads: it may load where the explorer does not run)."""
+    if not options.env and not options.address:
+        return ("explorer.verifiers.env: the verifiers workflow needs the environment to serve (taskset.id at least) "
+                "or the address of a running env server")
+    if installed and not options.address and not os.access(options.python, os.X_OK):
+        return (f"explorer.verifiers.python: the verifiers venv's interpreter {options.python} is missing: run `make "
+                f"hub-envs` (requirements/verifiers.txt)")
+    return None
 
 
 def episode_sample(index: int, outcome: dict[str, Any] | EpisodeFailure, calls: list[RecordedCall]) -> Sample:

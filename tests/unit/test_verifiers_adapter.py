@@ -7,9 +7,12 @@ import math
 
 import pytest
 
+from rft.config import build_section
+from rft.explorer.config import ExplorerConfig
 from rft.schema import FAILURE_CLASSES
+from rft.workflows import WorkflowError, check_workflow_config
 from rft.workflows.recording import RecordedCall
-from rft.workflows.verifiers import episode_failure, episode_sample, named_rewards, trace_mismatch
+from rft.workflows.verifiers import config_problem, episode_failure, episode_sample, named_rewards, trace_mismatch
 from rft.workflows.verifiers_client import EpisodeFailure, apply_delta, finish_episode
 
 
@@ -112,3 +115,12 @@ def test_a_run_without_an_episode_keeps_its_failure_and_its_recorded_tokens():
     assert (sample.failure, sample.sample_index, sample.response_tokens.tolist()) == ("timeout", 1, [7, 8])
     empty = episode_sample(0, EpisodeFailure("environment", "the server is down"), [])
     assert empty.failure == "environment" and len(empty.response_tokens) == 0
+
+
+def test_a_config_without_an_environment_or_a_venv_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(WorkflowError, match="explorer.verifiers.env: the verifiers workflow needs the environment"):
+        check_workflow_config(build_section(ExplorerConfig, {"workflow": "verifiers"}, source="t", prefix="explorer"))
+    options = build_section(ExplorerConfig, {"workflow": "verifiers", "verifiers": {
+        "env": {"taskset": {"id": "x"}}, "python": str(tmp_path / "missing")}}, source="t", prefix="explorer")
+    check_workflow_config(options)  # a config loads where the explorer may not run
+    assert config_problem(options.verifiers).startswith("explorer.verifiers.python: the verifiers venv's interpreter")
