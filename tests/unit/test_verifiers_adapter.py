@@ -1,6 +1,6 @@
 """The verifiers adapter without a process: the streamed trace deltas assembled into an episode as verifiers'
 EpisodeAssembly does (rft/workflows/verifiers_client.py), and an episode's record turned into a failure class, a
-weighted reward and a check against the endpoint's recorded calls (rft/workflows/verifiers.py)."""
+weighted reward and a check against the endpoint's recorded calls (rft/workflows/verifiers.py); its samples on the wire."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import pytest
 
 from rft.config import build_section
 from rft.explorer.config import ExplorerConfig
-from rft.schema import FAILURE_CLASSES
+from rft.schema import FAILURE_CLASSES, ExperienceGroup, decode_group, encode
 from rft.workflows import WorkflowError, check_workflow_config
 from rft.workflows.recording import RecordedCall
 from rft.workflows.verifiers import config_problem, episode_failure, episode_sample, named_rewards, trace_mismatch
@@ -124,3 +124,17 @@ def test_a_config_without_an_environment_or_a_venv_is_refused_naming_the_key(tmp
         "env": {"taskset": {"id": "x"}}, "python": str(tmp_path / "missing")}}, source="t", prefix="explorer")
     check_workflow_config(options)  # a config loads where the explorer may not run
     assert config_problem(options.verifiers).startswith("explorer.verifiers.python: the verifiers venv's interpreter")
+
+
+def test_its_samples_cross_the_wire_failed_ones_included():
+    calls = [call([1, 2, 3], [7, 8], "3"), call([1, 2, 3, 7, 8, 4, 5], [9], "3")]
+    samples = [episode_sample(0, streamed_episode(), calls),
+               episode_sample(1, EpisodeFailure("timeout", "no episode within 5 s"), calls[:1]),
+               episode_sample(2, EpisodeFailure("environment", "the server is down"), [])]
+    for s in samples:
+        s.metadata.pop("weights_versions")
+    group = ExperienceGroup(run_id="r", task_id="t", group_id="t:0", attempt=0, explorer_id="e0", policy_version=3,
+                            samples=samples)
+    value, headers = encode(group)
+    assert decode_group(value, headers).samples == samples
+    assert [s.failure for s in group.scored_samples] == [""]
