@@ -1,6 +1,7 @@
 """The verifiers adapter without a process: the streamed trace deltas assembled into an episode as verifiers'
 EpisodeAssembly does (rft/workflows/verifiers_client.py), and an episode's record turned into a failure class, a
-weighted reward and a check against the endpoint's recorded calls (rft/workflows/verifiers.py); its samples on the wire."""
+weighted reward and a check against the endpoint's recorded calls (rft/workflows/verifiers.py); its samples on the
+wire."""
 from __future__ import annotations
 
 import math
