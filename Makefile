@@ -7,7 +7,7 @@ STAMP := $(VENV)/.rft-installed
 CONSTRAINTS := requirements/constraints.txt
 EXTRAS := envs,web,ray,browser
 
-.PHONY: venv quickstart flagship tiny-run tiny-moe-run lint typecheck bytecode test test-deps test-fast system-deps clean-venv assets smollm2 gpu-check-wheels moto openenv
+.PHONY: venv quickstart flagship tiny-run tiny-moe-run lint typecheck bytecode test test-deps test-fast system-deps clean-venv assets smollm2 gpu-check-wheels moto openenv verifiers hub-envs
 
 venv: $(STAMP)
 
@@ -60,6 +60,19 @@ $(OPENENV): requirements/openenv.txt $(UV)
 	touch $@
 
 openenv: $(OPENENV)
+
+# verifiers 0.4.0, the verifiers hub's environment servers (rft/workflows/verifiers.py, docs/data.md), in a venv of its
+# own: it pins openai<3 and mcp==2.0.0, which .venv's constraints exclude (requirements/verifiers.txt; ~20 s with uv)
+VERIFIERS := .cache/verifiers/bin/python
+$(VERIFIERS): requirements/verifiers.txt $(UV)
+	@test -x $(VERIFIERS) || $(PYTHON) -m venv .cache/verifiers
+	$(UV) pip install -q --python $(VERIFIERS) --compile-bytecode -r requirements/verifiers.txt
+	touch $@
+
+verifiers: $(VERIFIERS)
+
+# Both hubs' environment servers, each in its own venv
+hub-envs: $(VERIFIERS) $(OPENENV)
 
 assets/tiny-qwen2/config.json: | $(STAMP)
 	$(BIN)/rft tiny-model assets/tiny-qwen2
@@ -124,10 +137,10 @@ test:
 	$(MAKE) --no-print-directory -j3 test-deps
 	$(BIN)/python -m pytest -n 3 --dist loadgroup
 
-# What the tests need, three at a time: the venv, moto's and OpenEnv's venvs and the Debian tools do not depend on one
-# another, the model, the linter, the type checker and the bytecode wait for the venv (a minute less on a fresh clone
-# than one after another)
-test-deps: venv system-deps $(SMOLLM2)/config.json $(MOTO) $(OPENENV) lint typecheck bytecode
+# What the tests need, three at a time: the venv, moto's, OpenEnv's and verifiers' venvs and the Debian tools do
+# not depend on one another, the model, the linter, the type checker and the bytecode wait for the venv (a minute
+# less on a fresh clone than one after another)
+test-deps: venv system-deps $(SMOLLM2)/config.json $(MOTO) $(OPENENV) $(VERIFIERS) lint typecheck bytecode
 
 # This checkout's own modules compiled once (pip compiles the packages it installs, not an editable source tree):
 # where PYTHONDONTWRITEBYTECODE is set, as on these machines, every process of the suite would otherwise compile each

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from rft.config import COUNT, FINITE, OPTIONAL, POSITIVE, SEED, Section, SectionError, at_least, option, section
 
-DataFormat = Literal["jsonl", "parquet", "hf_disk", "generated", "reasoning_gym", "gsm8k"]
+DataFormat = Literal["jsonl", "parquet", "hf_disk", "generated", "reasoning_gym", "gsm8k", "verifiers"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,8 @@ class DataConfig(Section):
         "toy task (format generated) or a reasoning-gym dataset; empty with data.mix")
     format: DataFormat = option("jsonl",
         help="how data.path is read: jsonl, parquet, hf_disk (save_to_disk), generated (rft/data/toy_tasks.py), "
-        "reasoning_gym, gsm8k (question, answer ending `#### N`)")
+        "reasoning_gym, gsm8k (question, answer ending `#### N`), verifiers (a verifiers taskset: "
+        "rft/data/verifiers_tasks.py)")
     prompt_key: str = option("prompt",
         help="the row field holding the prompt ({prompt} in prompt_template); not for reasoning_gym and gsm8k rows")
     answer_key: str = option("answer",
@@ -64,9 +65,10 @@ class DataConfig(Section):
         help="seeds every selector (shuffle: null keeps the dataset order)")
     selector: str = option("shuffle", help="sequential, shuffle, curriculum, or package.module:factory (docs/data.md)")
     generated_tasks: int = option(1000, range=COUNT,
-        help="format generated / reasoning_gym: how many tasks data.path generates")
+        help="format generated / reasoning_gym / verifiers: how many tasks data.path generates (verifiers: reads at "
+        "most)")
     options: dict[str, Any] = option(factory=dict,
-        help="reasoning_gym / generated: the dataset's options (docs/data.md)")
+        help="reasoning_gym / generated / verifiers: the dataset's options (docs/data.md)")
     mix: list[TaskSetConfig] = option(factory=list, help="several task sets mixed by weight, instead of data.path")
     tasks_ahead: int = option(0, range=OPTIONAL,
         help="online selectors: tasks published ahead of the explorers; 0: 2 x replicas x tasks_per_batch")

@@ -3,6 +3,7 @@
 Sources (`format`): `jsonl`, `parquet`, `hf_disk` (`save_to_disk`; a DatasetDict as `path:split`), `generated` (a toy
 or environment task named by `path`: rft.data.toy_tasks), `reasoning_gym` (rft/data/gym_tasks.py), `gsm8k` (JSONL
 with `question` and an `answer` ending `#### N`: the answer is N, the solution kept as `solution` metadata).
+`verifiers` (a verifiers taskset, read by verifiers in its own venv: rft/data/verifiers_tasks.py).
 `generated` and `reasoning_gym` draw from the set's seed (`data.mix[i].seed`, else `data.shuffle_seed`;
 `eval.sets[i].seed`); their rows and gsm8k's have fixed `prompt` / `answer` fields (`prompt_template` still applies).
 A run has one task set (`data.path`) or several mixed by weight (`data.mix`, rft/data/selectors.py).
@@ -32,6 +33,7 @@ from rft.data.config import DataConfig
 from rft.data.gym_tasks import METADATA_KEY, GymError, gym_rows
 from rft.data.selectors import SetProgress, TaskPicker, build_selector
 from rft.data.toy_tasks import TOY_TASKS, generate_rows
+from rft.data.verifiers_tasks import VerifiersError, host_from_options, verifiers_rows
 from rft.schema import TaskRecord, decode_task
 from rft.transport import connect
 from rft.transport.config import KafkaConfig
@@ -94,6 +96,11 @@ def load_rows(data: DataConfig | TaskSet) -> list[dict[str, Any]]:
         try:
             return gym_rows(data.path, data.options, seed=data.seed, size=data.generated_tasks)
         except GymError as e:
+            raise DatasetError(f"{data.key}.{e.key}: {e}") from None
+    if data.format == "verifiers":
+        try:
+            return verifiers_rows(host_from_options(data.path, data.options), limit=data.generated_tasks)
+        except VerifiersError as e:
             raise DatasetError(f"{data.key}.{e.key}: {e}") from None
     path = Path(data.path.split(":")[0] if data.format == "hf_disk" else data.path)
     if not data.path or not path.exists():
@@ -161,7 +168,8 @@ def _hf_disk_rows(spec: str, key: str) -> list[dict[str, Any]]:
     return dataset.to_list()
 
 
-FIXED_KEY_FORMATS = ("reasoning_gym", "gsm8k")  # their rows have `prompt` and `answer` whatever the keys say
+# their rows have `prompt` and `answer` whatever the keys say
+FIXED_KEY_FORMATS = ("reasoning_gym", "gsm8k", "verifiers")
 
 
 def task_id_for(index: int, prompt: str, answer: Any, prefix: str = "", identity: Any = None) -> str:
@@ -193,7 +201,8 @@ def rows_to_tasks(rows: list[dict[str, Any]], data: DataConfig | TaskSet, *, run
         answer = row[answer_key] if answer_key else None
         metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
         task_id = task_id_for(index, prompt, answer, data.id_prefix,
-                              identity=metadata.get(METADATA_KEY) if data.format == "reasoning_gym" else None)
+                              identity=metadata.get(METADATA_KEY) if data.format == "reasoning_gym"
+                              else metadata.get("verifiers") if data.format == "verifiers" else None)
         tasks.append(TaskRecord(run_id=run_id, task_id=task_id, epoch=0, prompt=prompt, answer=answer,
                                 metadata=metadata))
     return tasks

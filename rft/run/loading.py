@@ -29,6 +29,7 @@ from rft.data.gym_tasks import GymError, build_dataset
 from rft.data.selectors import SelectionError, build_selector
 from rft.data.tasks import TaskSet, task_sets
 from rft.data.toy_tasks import TOY_TASKS, generate_rows
+from rft.data.verifiers_tasks import VerifiersError, host_from_options
 from rft.evaluation.config import EvalConfig
 from rft.experience.operators import OperatorError, check_operator_specs
 from rft.experience.priorities import resolve_priority
@@ -215,6 +216,12 @@ def _check_generated_sets(cfg: Config) -> None:
                 raise ConfigError(f"{task_set.key}.options: {e}") from None
             except MissingExtra as e:  # frozenlake and textarena tasks are made by the games of the 'envs' extra
                 raise ConfigError(f"{task_set.key}.path: {e}") from None
+        if task_set.format == "verifiers":
+            try:  # the options' shape; the taskset itself is read by verifiers when the tasks are published
+                host_from_options(task_set.path, task_set.options)
+            except VerifiersError as e:
+                raise ConfigError(f"{task_set.key}.{e.key}: {e}") from None
+            continue
         if task_set.format != "reasoning_gym":
             if task_set.options and task_set.format != "generated":
                 raise ConfigError(f"{task_set.key}.options: dataset options are for formats reasoning_gym and "

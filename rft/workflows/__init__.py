@@ -4,8 +4,8 @@
 Workflows are registered by name (`@register_workflow`) and built with `(explorer, model, reward)`; an import
 path `package.module:Class` is the escape hatch. Names are resolved when a config is loaded for a run
 (`rft.run.loading` calls `check_workflow_config`). Importing this package registers the built-in workflows
-(single_turn, multi_turn, tool_agent, openenv, agent_program) and multi_turn's environments (retry, frozenlake,
-textarena).
+(single_turn, multi_turn, tool_agent, openenv, agent_program, verifiers) and multi_turn's environments (retry,
+frozenlake, textarena).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from rft.workflows import (  # noqa: F401  (registers the built-ins)
     single_turn,
     textarena_game,
     tool_agent,
+    verifiers,
 )
 from rft.workflows.multi_turn import ENVIRONMENTS, register_environment
 from rft.workflows.registry import (
@@ -53,8 +54,8 @@ def resolve_workflow(spec: str) -> Any:
 
 def check_workflow_config(explorer: ExplorerConfig) -> None:
     """Resolve `explorer.workflow` (and, for multi_turn, `explorer.environment`, whose optional extra must be installed
-    (MissingExtra); for tool_agent, `explorer.tools`; for agent_program, its command and directory); errors start
-    with the key."""
+    (MissingExtra); for tool_agent, `explorer.tools`; for agent_program, its command and directory; for verifiers,
+    that it names an environment); errors start with the key."""
     cls = resolve_workflow(explorer.workflow)
     if explorer.continuous and not streams(cls):
         raise WorkflowError(f"explorer.continuous: workflow {explorer.workflow} has no streaming interface (prepare, "
@@ -71,6 +72,9 @@ def check_workflow_config(explorer: ExplorerConfig) -> None:
         openenv_adapter.check_options(explorer.openenv)
     if explorer.workflow == "agent_program":
         agent_program.check_config(explorer)
+    if explorer.workflow == "verifiers" and (problem := verifiers.config_problem(explorer.verifiers,
+                                                                                     installed=False)):
+        raise WorkflowError(problem)
     if explorer.greedy_baseline and (problem := greedy_baseline_problem(explorer)):
         raise WorkflowError(problem)
 

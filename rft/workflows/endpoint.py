@@ -9,7 +9,8 @@ engine and recorded with the engine's token ids (rft/workflows/recording.py turn
     calls = endpoint.close_episode(episode)    # list[RecordedCall]; samples: episode_branches / branch_sample
     endpoint.stop()
 
-Routes (bearer key = an open episode's key, else 401; a Host that is not loopback 400; a body that is not JSON 415):
+Routes (the key: the bearer, or header X-RFT-Episode for a client that sends its own bearer (verifiers'); an open
+episode's key, else 401; a Host that is not loopback 400; a body that is not JSON 415):
   POST /v1/chat/completions  messages (system, developer, user, assistant with `tool_calls`, tool), tools (OpenAI
       function schemas), temperature, top_p (default: the explorer's), max_tokens / max_completion_tokens (default:
       `EndpointSettings.max_tokens`, explorer.max_tokens; at most the rest of the response budget), stop, n = 1,

@@ -29,7 +29,9 @@ def create_app(endpoint: EndpointCalls) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, credentials: BearerCredentials) -> JSONResponse:
         try:
-            episode = endpoint.episode(credentials.credentials if credentials else None)
+            # an episode's key: its bearer, or X-RFT-Episode from a client that sends its own bearer (verifiers')
+            episode = endpoint.episode(request.headers.get("x-rft-episode")
+                                       or (credentials.credentials if credentials else None))
             body = await json_body(request, endpoint.settings.max_body_bytes, "the endpoint's max_body_bytes")
             call = parse_agent_request(body, endpoint.settings)
             future = endpoint.submit(episode, call)
