@@ -41,8 +41,10 @@ ENV = {"taskset": {"id": "rft_vf_arith", "size": 2}, "agent": {"runtime": {"type
 
 
 def explorer(**verifiers) -> ExplorerConfig:
-    options = {"env": ENV, "python": str(PYTHON), "pythonpath": [str(ENV_DIR)], "health_every_s": 0.5,
-               "health_timeout_s": 0.5, "episode_timeout_s": 60, **verifiers}
+    # a health check every second, answered within 5 s: a server busy on a loaded machine (the suite's 3 workers on 2
+    # cores) is not taken for dead (0.5 s was, once), and a killed one is found at the next look (its process gone)
+    options = {"env": ENV, "python": str(PYTHON), "pythonpath": [str(ENV_DIR)], "health_every_s": 1.0,
+               "health_timeout_s": 5.0, "episode_timeout_s": 60, **verifiers}
     return build_section(ExplorerConfig, {"workflow": "verifiers", "n_samples": 2, "max_tokens": 6,
                                           "temperature": 1.0, "verifiers": options}, source="test", prefix="explorer")
 
