@@ -5,9 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rft.config import COUNT, FINITE, OPTIONAL, POSITIVE, SEED, Section, SectionError, at_least, option, section
+from rft.config import (
+    COUNT,
+    FINITE,
+    OPTIONAL,
+    POSITIVE,
+    SEED,
+    Range,
+    Section,
+    SectionError,
+    at_least,
+    option,
+    section,
+)
+from rft.schema import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES
 
-DataFormat = Literal["jsonl", "parquet", "hf_disk", "generated", "reasoning_gym", "gsm8k"]
+DataFormat = Literal["jsonl", "parquet", "hf_disk", "generated", "reasoning_gym", "gsm8k", "easy_vqa",
+                     "reasoning_gym_image"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,12 @@ class DataConfig(Section):
     tasks_ahead: int = option(0, range=OPTIONAL,
         help="online selectors: tasks published ahead of the explorers; 0: 2 x replicas x tasks_per_batch")
     curriculum: CurriculumConfig = section(CurriculumConfig)
+    max_images: int = option(8, range=Range(0, MAX_IMAGES, note="0: text tasks only"),
+        help="images one task may show; a task with more is refused where it enters (docs/data.md, Image tasks)")
+    max_image_bytes: int = option(4 << 20, range=Range(1, MAX_IMAGE_BYTES),
+        help="encoded bytes of one image of a task; a larger one is refused with its task, never cut")
+    max_image_pixels: int = option(2048 * 2048, range=Range(1, MAX_IMAGE_PIXELS),
+        help="width x height one image of a task may declare (read from its header before it is decoded)")
 
     def validate(self) -> None:
         """Datasets are read only when publishing; `selector` is a registry name (rft.run.loading)."""
