@@ -5,19 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rft.config import (
-    COUNT,
-    FINITE,
-    OPTIONAL,
-    POSITIVE,
-    SEED,
-    Range,
-    Section,
-    SectionError,
-    at_least,
-    option,
-    section,
-)
+from rft.config import COUNT, FINITE, OPTIONAL, POSITIVE, SEED, Range, Section, SectionError, at_least, option, section
 from rft.schema import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES
 
 DataFormat = Literal["jsonl", "parquet", "hf_disk", "generated", "reasoning_gym", "gsm8k", "easy_vqa",
@@ -64,7 +52,8 @@ class DataConfig(Section):
         "toy task (format generated) or a reasoning-gym dataset; empty with data.mix")
     format: DataFormat = option("jsonl",
         help="how data.path is read: jsonl, parquet, hf_disk (save_to_disk), generated (rft/data/toy_tasks.py), "
-        "reasoning_gym, gsm8k (question, answer ending `#### N`)")
+        "reasoning_gym, gsm8k (question, answer ending `#### N`), and image tasks: easy_vqa (WHEEL:train|test), "
+        "reasoning_gym_image (grids drawn as images; docs/data.md)")
     prompt_key: str = option("prompt",
         help="the row field holding the prompt ({prompt} in prompt_template); not for reasoning_gym and gsm8k rows")
     answer_key: str = option("answer",
@@ -78,7 +67,8 @@ class DataConfig(Section):
         help="seeds every selector (shuffle: null keeps the dataset order)")
     selector: str = option("shuffle", help="sequential, shuffle, curriculum, or package.module:factory (docs/data.md)")
     generated_tasks: int = option(1000, range=COUNT,
-        help="format generated / reasoning_gym: how many tasks data.path generates")
+        help="format generated / reasoning_gym / reasoning_gym_image: how many tasks data.path generates; easy_vqa: "
+        "at most this many of the split's questions")
     options: dict[str, Any] = option(factory=dict,
         help="reasoning_gym / generated: the dataset's options (docs/data.md)")
     mix: list[TaskSetConfig] = option(factory=list, help="several task sets mixed by weight, instead of data.path")
