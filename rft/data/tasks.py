@@ -48,6 +48,9 @@ class DatasetError(ValueError):
     pass
 
 
+DEFAULT_IMAGE_LIMITS = ImageLimits.of(DataConfig())  # data.max_images, ... left at their defaults
+
+
 @dataclass(frozen=True)
 class TaskSet:
     """One task set with every key resolved: `data` itself, or an entry of `data.mix` (null keys from `data`)."""
@@ -63,7 +66,7 @@ class TaskSet:
     generated_tasks: int
     seed: int  # generated / reasoning_gym: the generator's seed
     options: dict[str, Any]  # reasoning_gym: the dataset's own options; generated: the toy task's options
-    images: ImageLimits = ImageLimits.of(DataConfig())  # the images a task may carry (data.max_images, ...)
+    images: ImageLimits = DEFAULT_IMAGE_LIMITS  # the images a task may carry (data.max_images, ...)
 
 
 def task_sets(data: DataConfig) -> list[TaskSet]:

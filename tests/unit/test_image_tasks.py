@@ -133,6 +133,10 @@ def test_a_task_over_the_runs_image_limits_is_refused_whole():
         rows_to_tasks(load_rows(cfg.data), cfg.data, run_id="vis")
     with pytest.raises(DatasetError, match=r"x .* pixels, outside 1 .. data.max_image_pixels = 400"):
         build_picker(cfg_for(grids("maze", max_image_pixels=400)).data, run_id="vis")
+    cfg = cfg_for({"path": "copy_char", "format": "generated", "max_images": 0},
+                  eval={"sets": [{"name": "held_out", **grids("maze")}]})
+    with pytest.raises(DatasetError, match=r"maze row 0: the task is refused: 1 images, over data.max_images = 0"):
+        load_eval_sets(cfg.eval, cfg.explorer, cfg.model, run_id="vis", seed=0, images=ImageLimits.of(cfg.data))
 
 
 def test_wheel_and_config_errors_name_the_key(tmp_path):
