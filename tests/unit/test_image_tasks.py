@@ -142,8 +142,7 @@ def test_a_task_over_the_runs_image_limits_is_refused_whole():
 def test_wheel_and_config_errors_name_the_key(tmp_path):
     fake = tmp_path / "easy_vqa-1.0-py3-none-any.whl"
     fake.write_bytes(b"PK\x05\x06" + b"\0" * 18)
-    for path, message in ((f"{WHEEL}:validation", r"data.path: .* name the split as <wheel>:train\|test"),
-                          (f"{tmp_path}/none.whl:train", r"data.path: .*none.whl: no easy-vqa wheel here; `make`"),
+    for path, message in ((f"{tmp_path}/none.whl:train", r"data.path: .*none.whl: no easy-vqa wheel here; `make`"),
                           (f"{fake}:test", r"data.path: .* is not that of the easy-vqa 1.0 wheel")):
         cfg = cfg_for({**vqa(), "path": path})
         with pytest.raises(DatasetError, match=message):
@@ -156,5 +155,9 @@ def test_wheel_and_config_errors_name_the_key(tmp_path):
         cfg_for(vqa(options={"x": 1}))
     with pytest.raises(ConfigError, match=r"data.format: reward 'reasoning_gym' scores reasoning_gym tasks"):
         cfg_for(vqa(), explorer={"reward": "reasoning_gym"})
+    with pytest.raises(ConfigError, match=r"eval.sets\[0\].path: .* name the split as <wheel>:train\|test"):
+        cfg_for(vqa(), eval={"sets": [{"name": "x", **vqa("validation")}]})
+    with pytest.raises(ConfigError, match=r"data.path: 'train.whl': name the split as <wheel>:train\|test"):
+        cfg_for({**vqa(), "path": "train.whl"})
     with pytest.raises(ConfigError, match=r"data.max_images: .*in \[0, 64\]"):
         cfg_for(vqa(max_images=65))

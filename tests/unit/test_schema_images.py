@@ -9,6 +9,8 @@ import io
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image as PILImage
 
 from rft.data.config import DataConfig
@@ -139,3 +141,24 @@ def test_a_runs_limits_are_named_by_their_keys():
     value, headers = encode(group)
     with pytest.raises(RecordError, match=r"samples\[1\]: images: 3 images, over data.max_images = 2"):
         decode_group(value, headers, images=limits)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_corrupted_images_raise_only_record_error(data):
+    """An image map's field replaced by any msgpack value, or its bytes cut or flipped anywhere: RecordError only."""
+    group = make_group("run", 3, n_samples=2)
+    group.samples[1].images = [PNG, make_image(9, 4, fmt=data.draw(st.sampled_from(["JPEG", "WEBP"])))]
+    body = msgpack.unpackb(encode(group)[0], raw=False)
+    image = body["samples"][1]["images"][data.draw(st.integers(0, 1))]
+    field = data.draw(st.sampled_from(["data", "media_type", "sha256"]))
+    if field == "data" and data.draw(st.booleans()):
+        raw = image["data"]
+        at = data.draw(st.integers(0, len(raw) - 1))
+        flipped = raw[:at] + bytes([raw[at] ^ 0xFF]) + raw[at + 1:]
+        image["data"] = raw[:at] if data.draw(st.booleans()) else flipped
+    else:
+        values = st.none() | st.integers(-(2 ** 63), 2 ** 64 - 1) | st.text(max_size=70) | st.binary(max_size=40)
+        image[field] = data.draw(values)
+    with pytest.raises(RecordError, match=r"samples\[1\]: images\[\d\]: "):
+        decode(_pack(body))
