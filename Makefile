@@ -7,7 +7,7 @@ STAMP := $(VENV)/.rft-installed
 CONSTRAINTS := requirements/constraints.txt
 EXTRAS := envs,web,ray,browser
 
-.PHONY: venv quickstart flagship tiny-run tiny-moe-run lint typecheck bytecode test test-deps test-fast system-deps clean-venv assets smollm2 gpu-check-wheels moto openenv verifiers hub-envs
+.PHONY: venv quickstart flagship tiny-run tiny-moe-run lint typecheck bytecode test test-deps test-fast system-deps clean-venv assets smollm2 easy-vqa gpu-check-wheels moto openenv verifiers hub-envs
 
 venv: $(STAMP)
 
@@ -99,7 +99,17 @@ $(SMOLLM2)/config.json: | $(SMOLLM2_GGUF) $(STAMP)
 
 smollm2: $(SMOLLM2)/config.json
 
-assets: assets/tiny-qwen2/config.json $(SMOLLM2)/config.json
+# The easy-vqa 1.0 wheel (PyPI, MIT, 3.2 MB): the images and questions of `data.format: easy_vqa`
+# (rft/data/easy_vqa.py reads them from the zip), downloaded once and never installed: it installs a top-level
+# package named `test`
+EASY_VQA_WHEEL := .cache/wheels/easy_vqa-1.0-py3-none-any.whl
+
+$(EASY_VQA_WHEEL): | $(STAMP)
+	$(BIN)/python -m pip download -q --no-deps --dest $(dir $@) easy-vqa==1.0
+
+easy-vqa: $(EASY_VQA_WHEEL)
+
+assets: assets/tiny-qwen2/config.json $(SMOLLM2)/config.json $(EASY_VQA_WHEEL)
 
 # The main job: the real model (SmolLM2-135M-Instruct) learns reasoning-gym arithmetic, the first 20 steps of the
 # flagship run (about 10 minutes on 2 cores; README: what it prints)
@@ -140,7 +150,7 @@ test:
 # What the tests need, three at a time: the venv, moto's, OpenEnv's and verifiers' venvs and the Debian tools do
 # not depend on one another, the model, the linter, the type checker and the bytecode wait for the venv (a minute
 # less on a fresh clone than one after another)
-test-deps: venv system-deps $(SMOLLM2)/config.json $(MOTO) $(OPENENV) $(VERIFIERS) lint typecheck bytecode
+test-deps: venv system-deps $(SMOLLM2)/config.json $(EASY_VQA_WHEEL) $(MOTO) $(OPENENV) $(VERIFIERS) lint typecheck bytecode
 
 # This checkout's own modules compiled once (pip compiles the packages it installs, not an editable source tree):
 # where PYTHONDONTWRITEBYTECODE is set, as on these machines, every process of the suite would otherwise compile each

@@ -16,6 +16,7 @@ CORE = [
     "transformers",
     "tokenizers",
     "tqdm",
+    "pillow",  # image task sets: drawn and read (rft/data/gym_images.py, rft/data/easy_vqa.py)
     "matplotlib",
     "math-verify",
     "pyarrow",

@@ -12,8 +12,10 @@ Invariant: `decode_*(encode(x)) == x` for every valid record, and every decode o
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +71,152 @@ def components_problem(components: Any) -> str | None:
     return None
 
 
+# Images a task's prompt shows (`TaskRecord.images`, `Sample.images`; docs/schema.md, "Images"). The limits here are
+# the schema's ceiling, which every reader enforces; a run's own (`data.max_images`, ...) may only be lower.
+IMAGE_MAGIC = {"image/png": (b"\x89PNG\r\n\x1a\n",), "image/jpeg": (b"\xff\xd8\xff",), "image/webp": (b"RIFF", b"WEBP")}
+MAX_IMAGES = 64  # per task or sample
+MAX_IMAGE_BYTES = 16 << 20  # encoded bytes of one image
+MAX_IMAGE_PIXELS = 4096 * 4096  # width x height one image may decode to (a decompression bomb declares more)
+
+
+@dataclass(frozen=True)
+class Image:
+    """One encoded image: `data` the file's bytes (PNG, JPEG or WebP), `media_type` its type (a key of IMAGE_MAGIC),
+    `sha256` the hex SHA-256 of `data`. Build one with `Image.of(data)`; `image_problem` says whether one is valid."""
+    data: bytes
+    media_type: str
+    sha256: str
+
+    @classmethod
+    def of(cls, data: bytes, media_type: str | None = None) -> Image:
+        """The image of `data`, its media type read from its magic bytes when not given (ValueError: not one of
+        IMAGE_MAGIC's types)."""
+        data = bytes(data)
+        media_type = media_type or sniff_media_type(data)
+        if media_type is None:
+            raise ValueError(f"image: the bytes {data[:12]!r} are not PNG, JPEG or WebP")
+        return cls(data=data, media_type=media_type, sha256=hashlib.sha256(data).hexdigest())
+
+    def __repr__(self) -> str:
+        return f"Image({self.media_type}, {len(self.data)} bytes, sha256={self.sha256[:12]})"
+
+
+def sniff_media_type(data: bytes) -> str | None:
+    """The media type whose magic bytes `data` starts with (WebP: `RIFF....WEBP`), or None."""
+    for media_type, magic in IMAGE_MAGIC.items():
+        if data.startswith(magic[0]) and (len(magic) == 1 or data[8:12] == magic[1]):
+            return media_type
+    return None
+
+
+def image_dimensions(data: bytes, media_type: str) -> tuple[int, int] | None:
+    """(width, height) as the image's header declares it, read without decoding a pixel (PNG's IHDR, JPEG's first
+    SOF segment, WebP's VP8 / VP8L / VP8X chunk), or None when the header cannot be read."""
+    try:
+        if media_type == "image/png":
+            if data[12:16] != b"IHDR":
+                return None
+            width, height = struct.unpack(">II", data[16:24])
+            return width, height
+        if media_type == "image/jpeg":
+            return _jpeg_dimensions(data)
+        if media_type == "image/webp":
+            chunk = data[12:16]
+            if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":
+                width, height = struct.unpack("<HH", data[26:30])
+                return width & 0x3FFF, height & 0x3FFF
+            if chunk == b"VP8L" and data[20:21] == b"\x2f":
+                bits = int.from_bytes(data[21:25], "little")
+                return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+            if chunk == b"VP8X":
+                return int.from_bytes(data[24:27], "little") + 1, int.from_bytes(data[27:30], "little") + 1
+    except struct.error:
+        return None
+    return None
+
+
+def _jpeg_dimensions(data: bytes) -> tuple[int, int] | None:
+    position = 2  # after SOI
+    while position + 4 <= len(data):
+        if data[position] != 0xFF:
+            return None
+        marker = data[position + 1]
+        if marker == 0xFF:  # fill byte
+            position += 1
+            continue
+        if marker in (0x01, *range(0xD0, 0xD8)):  # standalone markers carry no length
+            position += 2
+            continue
+        length = int.from_bytes(data[position + 2:position + 4], "big")
+        if marker in (0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF):
+            if position + 9 > len(data):
+                return None
+            height, width = struct.unpack(">HH", data[position + 5:position + 9])
+            return width, height
+        if length < 2 or marker in (0xD9, 0xDA):  # end of image, or the scan before any frame header
+            return None
+        position += 2 + length
+    return None
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """How many images a task or sample may carry and how large each may be. The defaults are the schema's ceiling
+    (what every reader enforces); a run's are its `data.max_images`, `data.max_image_bytes` and
+    `data.max_image_pixels` (`of`), which `origin` ("data") names in the reasons."""
+    max_images: int = MAX_IMAGES
+    max_image_bytes: int = MAX_IMAGE_BYTES
+    max_image_pixels: int = MAX_IMAGE_PIXELS
+    origin: str = ""
+
+    @classmethod
+    def of(cls, data: Any) -> ImageLimits:
+        """The limits a `DataConfig` configures."""
+        return cls(int(data.max_images), int(data.max_image_bytes), int(data.max_image_pixels), origin="data")
+
+    def _name(self, key: str) -> str:
+        return f"{self.origin}.{key}" if self.origin else f"rft.schema.{key.upper()}"
+
+    def count_problem(self, count: int) -> str | None:
+        """None when `count` images are allowed, else why not."""
+        if count > self.max_images:
+            return f"{count} images, over {self._name('max_images')} = {self.max_images}"
+        return None
+
+    def problem(self, images: list[Image]) -> str | None:
+        """None when `images` are all valid (`image_problem`) and within these limits, else what is wrong, naming
+        the image (`images[i]`) and the limit."""
+        if problem := self.count_problem(len(images)):
+            return problem
+        for i, image in enumerate(images):
+            if problem := image_problem(image, self):
+                return f"images[{i}]: {problem}"
+        return None
+
+
+def image_problem(image: Image, limits: ImageLimits | None = None) -> str | None:
+    """None when `image` is valid within `limits` (default: the schema's ceiling): a known media type that its magic
+    bytes agree with, `sha256` the SHA-256 of `data`, at most `max_image_bytes` bytes, and a header declaring at most
+    `max_image_pixels` pixels (checked before anything decodes it); else what is wrong."""
+    limits = limits or ImageLimits()
+    if image.media_type not in IMAGE_MAGIC:
+        return f"media type {image.media_type[:64]!r} is not one of {sorted(IMAGE_MAGIC)}"
+    if len(image.data) > limits.max_image_bytes:
+        return (f"{len(image.data)} bytes, over {limits._name('max_image_bytes')} = {limits.max_image_bytes} "
+                "(an image is refused whole, never cut)")
+    if sniff_media_type(image.data) != image.media_type:
+        return f"the bytes {image.data[:12]!r} are not {image.media_type} (its magic bytes do not agree)"
+    if hashlib.sha256(image.data).hexdigest() != image.sha256:
+        return f"sha256 {image.sha256[:64]!r} is not the SHA-256 of its {len(image.data)} bytes"
+    size = image_dimensions(image.data, image.media_type)
+    if size is None:
+        return f"the {image.media_type} header declares no readable width and height"
+    if size[0] < 1 or size[1] < 1 or size[0] * size[1] > limits.max_image_pixels:
+        return (f"{size[0]} x {size[1]} pixels, outside 1 .. {limits._name('max_image_pixels')} = "
+                f"{limits.max_image_pixels} (a decompression bomb is refused before it decodes)")
+    return None
+
+
 @dataclass(frozen=True)
 class RewardRange:
     """The rewards a run accepts wherever one enters it (`run.reward_min` .. `run.reward_max`, inclusive):
@@ -105,7 +253,8 @@ class RewardRange:
 
 @dataclass
 class TaskRecord:
-    """One task (prompt) to explore. `task_id` is stable across epochs; `(task_id, epoch)` names a group."""
+    """One task (prompt) to explore. `task_id` is stable across epochs; `(task_id, epoch)` names a group.
+    `images`: the images the prompt shows, in order (none for a text task)."""
     run_id: str
     task_id: str
     epoch: int
@@ -113,6 +262,7 @@ class TaskRecord:
     answer: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
+    images: list[Image] = field(default_factory=list)
 
     @property
     def group_id(self) -> str:
@@ -226,7 +376,8 @@ class Sample:
     recorded: then every token is the group's `policy_version` (`versions_of`). On the wire: `version_spans`.
     `failure`: "" for a scored rollout, else one of FAILURE_CLASSES: the rollout failed outside the policy (or its
     reward is None: `unscored`); `reward` is then meaningless (nil on the wire), and the sample is left out of its
-    group's baseline and not trained. `turns`: the steps of a multi-turn episode (`Turn`), None when not recorded."""
+    group's baseline and not trained. `turns`: the steps of a multi-turn episode (`Turn`), None when not recorded.
+    `images`: the images of the sample's prompt as the engine saw them, in order (none for a text prompt)."""
     sample_index: int
     prompt_tokens: np.ndarray
     response_tokens: np.ndarray
@@ -240,6 +391,7 @@ class Sample:
     token_versions: np.ndarray | None = None
     failure: str = ""
     turns: list[Turn] | None = None
+    images: list[Image] = field(default_factory=list)
 
     @property
     def scored(self) -> bool:
@@ -256,7 +408,7 @@ class Sample:
                 and self.reward_components == other.reward_components
                 and self.finish_reason == other.finish_reason and self.metadata == other.metadata
                 and self.routed_experts == other.routed_experts and versions
-                and self.failure == other.failure and self.turns == other.turns
+                and self.failure == other.failure and self.turns == other.turns and self.images == other.images
                 and all(np.array_equal(getattr(self, k), getattr(other, k), equal_nan=True)
                         for k in ("prompt_tokens", "response_tokens", "logprobs", "loss_mask")))
 
@@ -404,6 +556,8 @@ def encode(record: TaskRecord | ExperienceGroup | ControlMessage | ServedComplet
             "prompt": record.prompt, "answer": record.answer, "metadata": record.metadata,
             "created_at": record.created_at,
         }, TYPE_TASK
+        if record.images:
+            body["images"] = _encode_images(record.images)
     elif isinstance(record, ExperienceGroup):
         if problem := oldest_version_problem(record):
             raise ValueError(problem)
@@ -467,7 +621,16 @@ def _encode_sample(s: Sample) -> dict[str, Any]:
             raise ValueError(f"token_versions: {len(s.token_versions)} versions for {len(s.response_tokens)} response "
                              "tokens")
         body["version_spans"] = version_spans(s.token_versions)
+    if s.images:
+        body["images"] = _encode_images(s.images)
     return body
+
+
+def _encode_images(images: list[Image]) -> list[dict[str, Any]]:
+    """The `images` array; ValueError naming the image that is not valid (`ImageLimits.problem`, the ceiling)."""
+    if problem := ImageLimits().problem(images):
+        raise ValueError(problem)
+    return [{"data": image.data, "media_type": image.media_type, "sha256": image.sha256} for image in images]
 
 
 def _encode_routed(routed: RoutedExperts, prompt_len: int, response_len: int) -> dict[str, Any]:
@@ -500,18 +663,20 @@ def record_type(value: bytes, headers: list[tuple[str, bytes]] | None) -> str:
     return hdr.get(HEADER_TYPE, b"").decode(errors="replace")
 
 
-def decode(value: bytes, headers: list[tuple[str, bytes]] | None = None
+def decode(value: bytes, headers: list[tuple[str, bytes]] | None = None, *, images: ImageLimits | None = None
            ) -> TaskRecord | ExperienceGroup | ControlMessage | ServedCompletion | Feedback:
-    """Decode any rft record. Headers are checked when given; the body is always checked."""
+    """Decode any rft record. Headers are checked when given; the body is always checked; a task's or sample's
+    images within `images` (default: the schema's ceiling, `ImageLimits()`)."""
+    limits = images or ImageLimits()
     expected = record_type(value, headers) if headers is not None else None
     body = _unpack(value)
     kind = body.get("type")
     if expected is not None and kind != expected:
         raise RecordError(f"header type {expected!r} does not match body type {kind!r}")
     if kind == TYPE_TASK:
-        return _decode_task(body)
+        return _decode_task(body, limits)
     if kind == TYPE_EXPERIENCE:
-        return _decode_group(body)
+        return _decode_group(body, limits)
     if kind == TYPE_CONTROL:
         return ControlMessage(kind=_get(body, "kind", str), sender=_get(body, "sender", str),
                               body=_get(body, "body", dict), created_at=_get(body, "created_at", float))
@@ -522,15 +687,17 @@ def decode(value: bytes, headers: list[tuple[str, bytes]] | None = None
     raise RecordError(f"unknown record type {kind!r}")
 
 
-def decode_group(value: bytes, headers: list[tuple[str, bytes]] | None = None) -> ExperienceGroup:
-    record = decode(value, headers)
+def decode_group(value: bytes, headers: list[tuple[str, bytes]] | None = None, *,
+                 images: ImageLimits | None = None) -> ExperienceGroup:
+    record = decode(value, headers, images=images)
     if not isinstance(record, ExperienceGroup):
         raise RecordError(f"expected an experience group, got a {type(record).__name__}")
     return record
 
 
-def decode_task(value: bytes, headers: list[tuple[str, bytes]] | None = None) -> TaskRecord:
-    record = decode(value, headers)
+def decode_task(value: bytes, headers: list[tuple[str, bytes]] | None = None, *,
+                images: ImageLimits | None = None) -> TaskRecord:
+    record = decode(value, headers, images=images)
     if not isinstance(record, TaskRecord):
         raise RecordError(f"expected a task, got a {type(record).__name__}")
     return record
@@ -595,14 +762,14 @@ def _time(body: dict[str, Any], key: str) -> float:
     return value
 
 
-def _decode_task(body: dict[str, Any]) -> TaskRecord:
+def _decode_task(body: dict[str, Any], limits: ImageLimits) -> TaskRecord:
     return TaskRecord(run_id=_id(body, "run_id"), task_id=_id(body, "task_id"),
                       epoch=_get(body, "epoch", int), prompt=_get(body, "prompt", str),
                       answer=body.get("answer"), metadata=_get(body, "metadata", dict),
-                      created_at=_get(body, "created_at", float))
+                      created_at=_get(body, "created_at", float), images=_decode_images(body, limits))
 
 
-def _decode_group(body: dict[str, Any]) -> ExperienceGroup:
+def _decode_group(body: dict[str, Any], limits: ImageLimits) -> ExperienceGroup:
     samples_raw = _get(body, "samples", list)
     if not samples_raw:
         raise RecordError("experience group has no samples")
@@ -612,7 +779,7 @@ def _decode_group(body: dict[str, Any]) -> ExperienceGroup:
         explorer_id=_id(body, "explorer_id"), policy_version=_get(body, "policy_version", int),
         answer=body.get("answer"), metadata=_get(body, "metadata", dict),
         created_at=_get(body, "created_at", float), greedy_reward=_greedy_reward(body),
-        samples=[_decode_sample(s, i) for i, s in enumerate(samples_raw)])
+        samples=[_decode_sample(s, i, limits) for i, s in enumerate(samples_raw)])
     problem = oldest_version_problem(group)
     if problem:
         raise RecordError(problem)
@@ -643,7 +810,7 @@ def oldest_version_problem(group: ExperienceGroup) -> str | None:
     return None
 
 
-def _decode_sample(raw: Any, position: int) -> Sample:
+def _decode_sample(raw: Any, position: int, limits: ImageLimits) -> Sample:
     if not isinstance(raw, dict):
         raise RecordError(f"samples[{position}]: expected a map")
     where = f"samples[{position}]"
@@ -672,11 +839,36 @@ def _decode_sample(raw: Any, position: int) -> Sample:
         versions = None if raw.get("version_spans") is None else versions_from_spans(raw["version_spans"], n)
         return Sample(sample_index=_get(raw, "sample_index", int), reward=reward, reward_components=components,
                       finish_reason=_get(raw, "finish_reason", str), metadata=_get(raw, "metadata", dict),
-                      routed_experts=routed, token_versions=versions, failure=failure, turns=turns, **arrays)
+                      routed_experts=routed, token_versions=versions, failure=failure, turns=turns,
+                      images=_decode_images(raw, limits), **arrays)
     except RecordError as e:
         raise RecordError(f"{where}: {e}") from None
     except (TypeError, ValueError) as e:
         raise RecordError(f"{where}: {e}") from None
+
+
+def _decode_images(body: dict[str, Any], limits: ImageLimits) -> list[Image]:
+    """The optional `images` array (absent or nil: none) of `{data, media_type, sha256}` maps, each valid within
+    `limits` (`ImageLimits.problem`); RecordError naming the image and what is wrong."""
+    raw = body.get("images")
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise RecordError(f"images: expected an array, got {type(raw).__name__}")
+    if problem := limits.count_problem(len(raw)):  # before touching any image's bytes
+        raise RecordError(f"images: {problem}")
+    images = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise RecordError(f"images[{i}]: expected a map")
+        try:
+            images.append(Image(data=_get(item, "data", bytes), media_type=_get(item, "media_type", str),
+                                sha256=_get(item, "sha256", str)))
+        except RecordError as e:
+            raise RecordError(f"images[{i}]: {e}") from None
+    if problem := limits.problem(images):
+        raise RecordError(problem)
+    return images
 
 
 def _decode_turns(raw: Any, response_len: int) -> list[Turn]:

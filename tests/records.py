@@ -1,9 +1,12 @@
 """Building real (randomly filled) records for tests: valid by construction, seeded."""
 from __future__ import annotations
 
+import io
+import zlib
+
 import numpy as np
 
-from rft.schema import ExperienceGroup, Sample, encode, group_id_for
+from rft.schema import ExperienceGroup, Image, Sample, encode, group_id_for
 
 
 def send_groups(sink, topic: str, items) -> None:
@@ -47,3 +50,28 @@ def make_group(run_id: str, task: int, *, epoch: int = 0, n_samples: int = 4, po
                               reward_components={"score": float(rng.random())}))
     return ExperienceGroup(run_id=run_id, task_id=task_id, group_id=group_id_for(run_id, task_id, epoch),
                            attempt=attempt, explorer_id=explorer_id, policy_version=policy_version, samples=samples)
+
+
+def make_image(width: int = 8, height: int = 8, *, fmt: str = "PNG", seed: int = 0, noise: bool = False) -> Image:
+    """A real image drawn with PIL: `fmt` PNG, JPEG or WEBP; `noise`: random pixels (a PNG of about 3 bytes a
+    pixel, which compression cannot shrink), else one seeded colour."""
+    from PIL import Image as PILImage
+
+    rng = np.random.default_rng(seed)
+    if noise:
+        picture = PILImage.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
+    else:
+        picture = PILImage.new("RGB", (width, height), tuple(int(c) for c in rng.integers(0, 256, 3)))
+    out = io.BytesIO()
+    picture.save(out, fmt)
+    return Image.of(out.getvalue())
+
+
+def png_bomb(width: int = 8192, height: int = 8192) -> bytes:
+    """A valid 1-bit greyscale PNG of `width` x `height` black pixels: a few kB that decode to width x height."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return len(body).to_bytes(4, "big") + kind + body + zlib.crc32(kind + body).to_bytes(4, "big")
+
+    idat = zlib.compress(b"\x00" * ((1 + (width + 7) // 8) * height), 1)  # each row: filter byte 0, then its bits
+    header = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([1, 0, 0, 0, 0])
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rft.config import COUNT, FINITE, OPTIONAL, POSITIVE, SEED, Section, SectionError, at_least, option, section
+from rft.config import COUNT, FINITE, OPTIONAL, POSITIVE, SEED, Range, Section, SectionError, at_least, option, section
+from rft.schema import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES
 
-DataFormat = Literal["jsonl", "parquet", "hf_disk", "generated", "reasoning_gym", "gsm8k", "verifiers"]
+DataFormat = Literal["jsonl", "parquet", "hf_disk", "generated", "reasoning_gym", "gsm8k", "verifiers", "easy_vqa",
+                     "reasoning_gym_image"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,8 @@ class DataConfig(Section):
     format: DataFormat = option("jsonl",
         help="how data.path is read: jsonl, parquet, hf_disk (save_to_disk), generated (rft/data/toy_tasks.py), "
         "reasoning_gym, gsm8k (question, answer ending `#### N`), verifiers (a verifiers taskset: "
-        "rft/data/verifiers_tasks.py)")
+        "rft/data/verifiers_tasks.py), and image tasks: easy_vqa (WHEEL:train|test), reasoning_gym_image (grids "
+        "drawn as images; docs/data.md)")
     prompt_key: str = option("prompt",
         help="the row field holding the prompt ({prompt} in prompt_template); not for reasoning_gym and gsm8k rows")
     answer_key: str = option("answer",
@@ -65,14 +68,20 @@ class DataConfig(Section):
         help="seeds every selector (shuffle: null keeps the dataset order)")
     selector: str = option("shuffle", help="sequential, shuffle, curriculum, or package.module:factory (docs/data.md)")
     generated_tasks: int = option(1000, range=COUNT,
-        help="format generated / reasoning_gym / verifiers: how many tasks data.path generates (verifiers: reads at "
-        "most)")
+        help="format generated / reasoning_gym / reasoning_gym_image / verifiers: how many tasks data.path generates "
+        "(verifiers: reads at most); easy_vqa: at most this many of the split's questions")
     options: dict[str, Any] = option(factory=dict,
         help="reasoning_gym / generated / verifiers: the dataset's options (docs/data.md)")
     mix: list[TaskSetConfig] = option(factory=list, help="several task sets mixed by weight, instead of data.path")
     tasks_ahead: int = option(0, range=OPTIONAL,
         help="online selectors: tasks published ahead of the explorers; 0: 2 x replicas x tasks_per_batch")
     curriculum: CurriculumConfig = section(CurriculumConfig)
+    max_images: int = option(8, range=Range(0, MAX_IMAGES, note="0: text tasks only"),
+        help="images one task may show; a task with more is refused where it enters (docs/data.md, Image tasks)")
+    max_image_bytes: int = option(4 << 20, range=Range(1, MAX_IMAGE_BYTES),
+        help="encoded bytes of one image of a task; a larger one is refused with its task, never cut")
+    max_image_pixels: int = option(2048 * 2048, range=Range(1, MAX_IMAGE_PIXELS),
+        help="width x height one image of a task may declare (read from its header before it is decoded)")
 
     def validate(self) -> None:
         """Datasets are read only when publishing; `selector` is a registry name (rft.run.loading)."""

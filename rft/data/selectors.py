@@ -210,7 +210,7 @@ class TaskPicker:
                                  f"{progress.index}, which has no visits left (or does not exist)")
         base = progress.tasks[i]
         task = TaskRecord(run_id=base.run_id, task_id=base.task_id, epoch=progress.visits[i], prompt=base.prompt,
-                          answer=base.answer, metadata=base.metadata)
+                          answer=base.answer, metadata=base.metadata, images=base.images)
         self.record(task.task_id)
         return task
 

@@ -2,8 +2,10 @@
 
 Sources (`format`): `jsonl`, `parquet`, `hf_disk` (`save_to_disk`; a DatasetDict as `path:split`), `generated` (a toy
 or environment task named by `path`: rft.data.toy_tasks), `reasoning_gym` (rft/data/gym_tasks.py), `gsm8k` (JSONL
-with `question` and an `answer` ending `#### N`: the answer is N, the solution kept as `solution` metadata).
-`verifiers` (a verifiers taskset, read by verifiers in its own venv: rft/data/verifiers_tasks.py).
+with `question` and an `answer` ending `#### N`: the answer is N, the solution kept as `solution` metadata),
+`verifiers` (a verifiers taskset, read by verifiers in its own venv: rft/data/verifiers_tasks.py), and the
+image sources `easy_vqa` (rft/data/easy_vqa.py) and `reasoning_gym_image` (rft/data/gym_images.py), whose rows carry
+their images (`images`, a list of `rft.schema.Image`) into `TaskRecord.images`.
 `generated` and `reasoning_gym` draw from the set's seed (`data.mix[i].seed`, else `data.shuffle_seed`;
 `eval.sets[i].seed`); their rows and gsm8k's have fixed `prompt` / `answer` fields (`prompt_template` still applies).
 A run has one task set (`data.path`) or several mixed by weight (`data.mix`, rft/data/selectors.py).
@@ -13,8 +15,10 @@ Each row becomes one TaskRecord:
   re-publishes of the same file, distinct for duplicate rows;
 - `epoch`: how many times the task was published before, so `(task_id, epoch)` names one group;
 - `prompt`: `prompt_template` formatted with the row's fields (`{prompt}` is the `prompt_key` field);
-- `answer`: the `answer_key` field (`""`: none); `metadata`: the row's other fields.
-A row that lacks a key or does not format is an error naming row and key, before anything is sent.
+- `answer`: the `answer_key` field (`""`: none); `metadata`: the row's other fields; `images`: an image source's.
+A row that lacks a key or does not format, or whose images are over the set's limits (`data.max_images`,
+`data.max_image_bytes`, `data.max_image_pixels`), is an error naming row and key, before anything is sent: a task is
+refused whole, never cut.
 Publishing: a selector that reads no rewards (`sequential`, `shuffle`) has its whole sequence published at once
 (`publish_tasks` returns after the broker acknowledged every record); one that does (`curriculum`) runs online in
 the task publisher (rft/explorer/publisher.py), `data.tasks_ahead` tasks ahead of the explorers.
@@ -29,12 +33,14 @@ from typing import Any
 
 from tqdm import tqdm
 
+from rft.data import easy_vqa
 from rft.data.config import DataConfig
+from rft.data.gym_images import gym_image_rows
 from rft.data.gym_tasks import METADATA_KEY, GymError, gym_rows
 from rft.data.selectors import SetProgress, TaskPicker, build_selector
 from rft.data.toy_tasks import TOY_TASKS, generate_rows
 from rft.data.verifiers_tasks import VerifiersError, host_from_options, verifiers_rows
-from rft.schema import TaskRecord, decode_task
+from rft.schema import ImageLimits, TaskRecord, decode_task
 from rft.transport import connect
 from rft.transport.config import KafkaConfig
 from rft.transport.run_topics import RunTopics
@@ -42,6 +48,9 @@ from rft.transport.run_topics import RunTopics
 
 class DatasetError(ValueError):
     pass
+
+
+DEFAULT_IMAGE_LIMITS = ImageLimits.of(DataConfig())  # data.max_images, ... left at their defaults
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,7 @@ class TaskSet:
     generated_tasks: int
     seed: int  # generated / reasoning_gym: the generator's seed
     options: dict[str, Any]  # reasoning_gym: the dataset's own options; generated: the toy task's options
+    images: ImageLimits = DEFAULT_IMAGE_LIMITS  # the images a task may carry (data.max_images, ...)
 
 
 def task_sets(data: DataConfig) -> list[TaskSet]:
@@ -66,7 +76,8 @@ def task_sets(data: DataConfig) -> list[TaskSet]:
     if not data.mix:
         return [TaskSet(key="data", id_prefix="", path=data.path, format=data.format, weight=1.0, epochs=data.epochs,
                         prompt_key=data.prompt_key, answer_key=data.answer_key, prompt_template=data.prompt_template,
-                        generated_tasks=data.generated_tasks, seed=data.shuffle_seed or 0, options=data.options)]
+                        generated_tasks=data.generated_tasks, seed=data.shuffle_seed or 0, options=data.options,
+                        images=ImageLimits.of(data))]
 
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value
@@ -76,7 +87,8 @@ def task_sets(data: DataConfig) -> list[TaskSet]:
                     answer_key=pick(m.answer_key, data.answer_key),
                     prompt_template=pick(m.prompt_template, data.prompt_template),
                     generated_tasks=pick(m.generated_tasks, data.generated_tasks),
-                    seed=pick(m.seed, data.shuffle_seed or 0), options=pick(m.options, data.options))
+                    seed=pick(m.seed, data.shuffle_seed or 0), options=pick(m.options, data.options),
+                    images=ImageLimits.of(data))
             for i, m in enumerate(data.mix)]
 
 
@@ -92,9 +104,10 @@ def load_rows(data: DataConfig | TaskSet) -> list[dict[str, Any]]:
             return generate_rows(data.path, data.generated_tasks, seed=data.seed, options=data.options)
         except ValueError as e:
             raise DatasetError(f"{data.key}.{'options' if data.path in TOY_TASKS else 'path'}: {e}") from None
-    if data.format == "reasoning_gym":
+    if data.format in ("reasoning_gym", "reasoning_gym_image"):
+        rows_of = gym_rows if data.format == "reasoning_gym" else gym_image_rows
         try:
-            return gym_rows(data.path, data.options, seed=data.seed, size=data.generated_tasks)
+            return rows_of(data.path, data.options, seed=data.seed, size=data.generated_tasks)
         except GymError as e:
             raise DatasetError(f"{data.key}.{e.key}: {e}") from None
     if data.format == "verifiers":
@@ -102,6 +115,11 @@ def load_rows(data: DataConfig | TaskSet) -> list[dict[str, Any]]:
             return verifiers_rows(host_from_options(data.path, data.options), limit=data.generated_tasks)
         except VerifiersError as e:
             raise DatasetError(f"{data.key}.{e.key}: {e}") from None
+    if data.format == "easy_vqa":
+        try:
+            return easy_vqa.easy_vqa_rows(data.path, seed=data.seed, size=data.generated_tasks)
+        except easy_vqa.EasyVqaError as e:
+            raise DatasetError(f"{data.key}.path: {e}") from None
     path = Path(data.path.split(":")[0] if data.format == "hf_disk" else data.path)
     if not data.path or not path.exists():
         raise DatasetError(f"{data.key}.path: dataset {data.path!r} does not exist")
@@ -169,7 +187,11 @@ def _hf_disk_rows(spec: str, key: str) -> list[dict[str, Any]]:
 
 
 # their rows have `prompt` and `answer` whatever the keys say
-FIXED_KEY_FORMATS = ("reasoning_gym", "gsm8k", "verifiers")
+FIXED_KEY_FORMATS = ("reasoning_gym", "gsm8k", "verifiers", "easy_vqa", "reasoning_gym_image")
+IMAGE_FORMATS = ("easy_vqa", "reasoning_gym_image")  # their rows carry `images`
+# the metadata field that names a generated row's entry (hashed into its task id)
+IDENTITY_KEYS = {"reasoning_gym": METADATA_KEY, "reasoning_gym_image": METADATA_KEY, "easy_vqa": easy_vqa.METADATA_KEY,
+                 "verifiers": "verifiers"}
 
 
 def task_id_for(index: int, prompt: str, answer: Any, prefix: str = "", identity: Any = None) -> str:
@@ -199,12 +221,15 @@ def rows_to_tasks(rows: list[dict[str, Any]], data: DataConfig | TaskSet, *, run
             raise DatasetError(f"{where}: {data.key}.prompt_template {data.prompt_template!r} does not format: "
                                f"{type(e).__name__}: {e}") from None
         answer = row[answer_key] if answer_key else None
-        metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
-        task_id = task_id_for(index, prompt, answer, data.id_prefix,
-                              identity=metadata.get(METADATA_KEY) if data.format == "reasoning_gym"
-                              else metadata.get("verifiers") if data.format == "verifiers" else None)
+        images = row["images"] if data.format in IMAGE_FORMATS else []
+        if problem := data.images.problem(images):
+            raise DatasetError(f"{where}: the task is refused: {problem}")
+        metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)
+                    and not (k == "images" and data.format in IMAGE_FORMATS)}
+        identity = metadata.get(IDENTITY_KEYS[data.format]) if data.format in IDENTITY_KEYS else None
+        task_id = task_id_for(index, prompt, answer, data.id_prefix, identity=identity)
         tasks.append(TaskRecord(run_id=run_id, task_id=task_id, epoch=0, prompt=prompt, answer=answer,
-                                metadata=metadata))
+                                metadata=metadata, images=images))
     return tasks
 
 

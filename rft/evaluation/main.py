@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from rft.cli.commandline import add_config_arguments, config_from_args, install_stop_signals
 from rft.config import ConfigError
-from rft.data.tasks import DatasetError, TaskSet, load_rows, rows_to_tasks
+from rft.data.tasks import DEFAULT_IMAGE_LIMITS, DatasetError, TaskSet, load_rows, rows_to_tasks
 from rft.engine import build_engine
 from rft.evaluation.checkpoints import Checkpoint, CheckpointError, resolve_checkpoint
 from rft.evaluation.config import EvalConfig, EvalSetConfig
@@ -42,6 +42,7 @@ from rft.models.config import ModelConfig
 from rft.observability.metrics import MetricsLogger
 from rft.rewards import RewardContext, RewardWorkers, build_reward
 from rft.run.config import Config
+from rft.schema import ImageLimits
 from rft.weights.store import WeightStoreError
 from rft.weights.stores import VersionStore, open_store, store_exists
 from rft.weights.subscriber import load_newest_weights
@@ -76,16 +77,18 @@ def sampling_explorer(explorer: ExplorerConfig, evaluation: EvalConfig, eval_set
 
 
 def load_eval_sets(evaluation: EvalConfig, explorer: ExplorerConfig, model: ModelConfig, *, run_id: str,
-                   seed: int, workers: RewardWorkers | None = None) -> list[EvalSet]:
+                   seed: int, workers: RewardWorkers | None = None,
+                   images: ImageLimits = DEFAULT_IMAGE_LIMITS) -> list[EvalSet]:
     """Every `eval.sets` entry's tasks and its workflow; a DatasetError names the set's key (`eval.sets[i].path`).
     `run_id` is the run's name, `seed` its `run.seed` (for a reward's own engine); `workers`: the reward worker
-    processes per-response rewards run in, under their time limit (None: in this process)."""
+    processes per-response rewards run in, under their time limit (None: in this process); `images` the run's
+    image limits (`ImageLimits.of(cfg.data)`)."""
     task_sets = []
     for i, eval_set in enumerate(evaluation.sets):
         source = TaskSet(key=f"eval.sets[{i}]", id_prefix="", path=eval_set.path, format=eval_set.format, weight=1.0,
                          epochs=1, prompt_key=eval_set.prompt_key, answer_key=eval_set.answer_key,
                          prompt_template=eval_set.prompt_template, generated_tasks=eval_set.generated_tasks,
-                         seed=eval_set.seed, options=eval_set.options)
+                         seed=eval_set.seed, options=eval_set.options, images=images)
         tasks = rows_to_tasks(load_rows(source), source, run_id=run_id)
         sampled = sampling_explorer(explorer, evaluation, eval_set)
         reward = build_reward(sampled, RewardContext.of(sampled, model, seed=seed, workers=workers))
@@ -288,7 +291,8 @@ def main(argv: list[str]) -> int:
                                           checksums=cfg.sync.verify)
                        for spec in args.checkpoint or []]
         task_sets = load_eval_sets(cfg.eval, cfg.explorer, cfg.model, run_id=cfg.run.name, seed=cfg.run.seed,
-                                   workers=RewardWorkers.from_config(cfg.explorer))
+                                   workers=RewardWorkers.from_config(cfg.explorer),
+                                   images=ImageLimits.of(cfg.data))
     except (CheckpointError, DatasetError, ConfigError) as e:
         print(f"rft eval: {e}", file=sys.stderr)
         return 2

@@ -39,7 +39,7 @@ from rft.explorer.membership import Membership
 from rft.explorer.parts import Announcer, EngineWeights, ExplorerMetrics, ExplorerParts, WarmUp
 from rft.explorer.pipeline import Delivery, TaskIntake
 from rft.explorer.stats import ExplorerStats
-from rft.schema import RewardRange
+from rft.schema import ImageLimits, RewardRange
 from rft.transport import DeadLetter, Transport, connect
 from rft.transport.config import KafkaConfig
 from rft.transport.control import ExplorerHeartbeat, ExplorerJoin, ExplorerLeave
@@ -62,7 +62,8 @@ class Explorer:
 
     It takes the config sections it uses; `topics` names the run it serves (its run id, topics and the explorers'
     consumer group), `store` is the run's weight store, `prometheus` its metrics endpoint (None: off), `transport`
-    builds its clients (default: the run's Kafka, `connect(kafka)`; `kafka` also gives the timeouts). `engine` is
+    builds its clients (default: the run's Kafka, `connect(kafka)`; `kafka` also gives the timeouts), `images` the
+    run's image limits that a task must hold (default: the schema's ceiling). `engine` is
     used as given (rft/explorer/main.py paces it on a CPU run's core board). `build_explorer` (rft/explorer/main.py)
     composes one from the root config.
 
@@ -73,7 +74,8 @@ class Explorer:
     def __init__(self, explorer: ExplorerConfig, *, kafka: KafkaConfig, sync: SyncConfig, topics: RunTopics,
                  store: VersionStore, explorer_id: str, engine: Engine, workflow: Workflow,
                  admission: Admission | None = None, prometheus: MetricsEndpoint | None = None,
-                 transport: Transport | None = None, rewards: RewardRange | None = None):
+                 transport: Transport | None = None, rewards: RewardRange | None = None,
+                 images: ImageLimits | None = None):
         self.config, self.topics, self.explorer_id, self.prometheus = explorer, topics, explorer_id, prometheus
         self.admission = admission = admission or AdmitAll()
         transport = transport or connect(kafka)
@@ -97,7 +99,7 @@ class Explorer:
         self.parts = ExplorerParts(
             config=explorer, engine=engine, workflow=workflow, stats=stats, membership=membership,
             intake=TaskIntake(membership=membership, admission=admission, dead_letter=dead_letter, run_id=topics.run,
-                              stats=stats),
+                              stats=stats, images=images),
             delivery=Delivery(sink=sink, dead_letter=dead_letter, topics=topics, explorer_id=explorer_id,
                               workflow=explorer.workflow, ack_timeout_s=kafka.request_timeout_ms / 1000,
                               admission=admission, membership=membership, stats=stats,

@@ -30,7 +30,7 @@ from rft.registry import import_object
 from rft.rewards import RewardContext, build_reward
 from rft.run.config import Config
 from rft.run.records import run_transport
-from rft.schema import RewardRange
+from rft.schema import ImageLimits, RewardRange
 from rft.transport import Transport, probe_bootstrap
 from rft.transport.run_topics import RunTopics
 from rft.weights.store import store_root
@@ -176,7 +176,8 @@ def build_explorer(cfg: Config, *, explorer_id: str, engine: Engine, workflow: W
     endpoint `monitor.prometheus_port` asks for; `transport` defaults to `run_transport(cfg)` (the run's Kafka, with
     its claim store)."""
     return Explorer(cfg.explorer, kafka=cfg.kafka, sync=cfg.sync, topics=RunTopics.of(cfg),
-                    rewards=RewardRange.of(cfg.run), store=open_store(cfg.sync, cfg.run_dir), explorer_id=explorer_id,
+                    rewards=RewardRange.of(cfg.run), images=ImageLimits.of(cfg.data),
+                    store=open_store(cfg.sync, cfg.run_dir), explorer_id=explorer_id,
                     engine=engine, workflow=workflow, admission=admission, transport=transport or run_transport(cfg),
                     prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="explorer", instance=explorer_id))
 

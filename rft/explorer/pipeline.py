@@ -3,7 +3,8 @@
 tasks partition may be committed.
 
   intake    poll the tasks consumer group; keep what admission lets start and give the rest back (seek) for a later
-            poll; decode (malformed or foreign records go to the dead-letter topic with the reason); every admitted
+            poll; decode (malformed or foreign records, and tasks whose images are over the run's limits, go to the
+            dead-letter topic with the reason); every admitted
             task's offset is opened in `Offsets`, a dead-lettered one is done at once.
   delivery  produce one ExperienceGroup per explored task to the experiences topic (key = group id; a task that
             cannot be explored, whose group holds a reward (its greedy_reward too) outside the run's range, whose
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from rft.explorer.admission import Admission
     from rft.explorer.membership import Membership
     from rft.explorer.stats import ExplorerStats
-    from rft.schema import RewardRange, TaskRecord
+    from rft.schema import ImageLimits, RewardRange, TaskRecord
     from rft.transport import DeadLetter, Message, RecordSink, SendFuture
     from rft.transport.run_topics import RunTopics
     from rft.workflows import GroupResult
@@ -141,9 +142,9 @@ class TaskIntake:
     poll) and `stats.admission_waits`. Reads through the consumer `membership.tasks` holds at each call."""
 
     def __init__(self, *, membership: Membership, admission: Admission, dead_letter: DeadLetter, run_id: str,
-                 stats: ExplorerStats):
+                 stats: ExplorerStats, images: ImageLimits | None = None):
         self.membership, self.admission, self.dead_letter = membership, admission, dead_letter
-        self.run_id, self.stats = run_id, stats
+        self.run_id, self.stats, self.images = run_id, stats, images
 
     def take(self, offsets: Offsets, *, timeout_s: float, max_records: int, wait: bool) -> Taken:
         """Poll up to `max_records` tasks (waiting up to `timeout_s` for the first), keep those admission lets start,
@@ -184,7 +185,7 @@ class TaskIntake:
 
     def _decode(self, messages: list[Message]) -> tuple[list[Message], list[TaskRecord]]:
         sources, tasks = [], []
-        for m, task in self.dead_letter.decode(messages, decode_task):
+        for m, task in self.dead_letter.decode(messages, lambda v, h: decode_task(v, h, images=self.images)):
             if task.run_id != self.run_id:
                 self.dead_letter.divert(m, f"foreign task: run {task.run_id!r}, this explorer serves {self.run_id!r}")
                 continue

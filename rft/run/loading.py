@@ -25,6 +25,8 @@ from megatron_bridge.layout import layout_problem, vocabulary_problem
 from megatron_bridge.models import registered_architectures
 from rft.algorithms import REPLAY_HINT, build_algorithm, build_options
 from rft.config import ConfigError
+from rft.data.easy_vqa import EasyVqaError, parse_path
+from rft.data.gym_images import grid_task
 from rft.data.gym_tasks import GymError, build_dataset
 from rft.data.selectors import SelectionError, build_selector
 from rft.data.tasks import TaskSet, task_sets
@@ -222,17 +224,24 @@ def _check_generated_sets(cfg: Config) -> None:
             except VerifiersError as e:
                 raise ConfigError(f"{task_set.key}.{e.key}: {e}") from None
             continue
-        if task_set.format != "reasoning_gym":
+        if task_set.format not in ("reasoning_gym", "reasoning_gym_image"):
             if task_set.options and task_set.format != "generated":
-                raise ConfigError(f"{task_set.key}.options: dataset options are for formats reasoning_gym and "
-                                  f"generated, "
+                raise ConfigError(f"{task_set.key}.options: dataset options are for formats reasoning_gym, "
+                                  f"reasoning_gym_image and generated, "
                                   f"and this set's format is {task_set.format}")
+            if task_set.format == "easy_vqa":
+                try:
+                    parse_path(task_set.path)
+                except EasyVqaError as e:
+                    raise ConfigError(f"{task_set.key}.path: {e}") from None
             gym = sorted(rewards & set(GYM_REWARDS))
-            if gym and task_set.format in ("generated", "gsm8k"):
+            if gym and task_set.format in ("generated", "gsm8k", "easy_vqa"):
                 raise ConfigError(f"{task_set.key}.format: reward {gym[0]!r} scores reasoning_gym tasks, and this "
                                   f"set's format is {task_set.format}")
             continue
         try:
+            if task_set.format == "reasoning_gym_image":
+                grid_task(task_set.path)
             build_dataset(task_set.path, task_set.options, seed=task_set.seed, size=task_set.generated_tasks)
         except GymError as e:
             raise ConfigError(f"{task_set.key}.{e.key}: {e}") from None

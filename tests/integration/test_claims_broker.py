@@ -2,19 +2,20 @@
 store (a directory), every record on the topic stays under the limit, and the trainer's feed takes them resolved
 (inline, decodable with no store); a group whose object was deleted is dead-lettered with the reason, the feed goes
 on, and a feed restarted from its state does not read it again; a replay window (`rft replay`'s path) reads them
-back."""
+back. A group whose samples show one 300 KB image sends it claim-checked, stored once, and reads back equal."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
-from rft.schema import decode_group
+from rft.schema import TaskRecord, decode_group, decode_task
 from rft.trainer.feed import EndOfReplay, FeedState, open_feed, resolve_window
 from rft.transport import ClaimStore, claims_in, connect, record_size
+from rft.transport.base import resolve_claims
 from rft.transport.claims import HEADER_CLAIMS
 from rft.transport.config import KafkaConfig
-from tests.records import make_group
+from tests.records import make_group, make_image
 
 pytestmark = pytest.mark.integration
 
@@ -93,3 +94,37 @@ def test_claimed_groups_through_the_feed_the_dead_letters_and_a_replay(bootstrap
         dlq_sink.close()
         replay_source.close()
     assert end.value.batch.groups == [*kept, late] and dict(end.value.batch.skipped) == {"dead_letter": 1}
+
+
+def test_a_groups_images_travel_claim_checked_and_stored_once(bootstrap, topic_prefix, tmp_path):
+    """Eight samples that show the same 300 KB PNG (and its task): the image is one object in the store, every record
+    on the topic is small, and the group and the task read back equal through a real broker."""
+    cfg = KafkaConfig(partitions=1, max_record_bytes=LIMIT)
+    store = ClaimStore(tmp_path / "records", threshold=131072)
+    transport = connect(cfg, bootstrap, claims=store)
+    topic = f"{topic_prefix}.experiences"
+    admin = transport.admin()
+    admin.create_topics([topic])
+    admin.close()
+    image, small = make_image(320, 320, noise=True), make_image(16, 16, fmt="JPEG")
+    assert 290_000 < len(image.data) < 320_000
+    group = make_group("run", 0, n_samples=8)
+    for s in group.samples:
+        s.images = [image, small]
+    task = TaskRecord("run", "t0", 0, "what is in the picture?", answer="noise", images=[image])
+    sink = transport.sink()
+    sink.send_record(topic, group, key=group.group_id)
+    sink.send_record(topic, task, key=task.task_id)
+    sink.flush()
+    sink.close()
+
+    source = transport.source()
+    sent = list(source.read_range(topic))
+    source.close()
+    assert [record_size(m.value, m.key, m.headers) < 20_000 for m in sent] == [True, True]
+    assert {c.sha256 for m in sent for c in claims_in(m.value)} == {image.sha256}  # the small image stays inline
+    assert [len(claims_in(m.value)) for m in sent] == [8, 1]
+    assert len([p for p in (tmp_path / "records").rglob("*") if p.is_file()]) == 1  # stored once
+    first, second = (resolve_claims(m, store) for m in sent)
+    assert decode_group(first.value, first.headers) == group
+    assert decode_task(second.value, second.headers) == task

@@ -9,7 +9,8 @@ holds, the engine records the versions it was asked to load. The weight store is
 Contracts checked: the newest version in the store is loaded before the explorer joins the tasks consumer group
 (a late joiner generates nothing with old weights), and a newer version is loaded between batches, never inside
 one; tasks admission holds back are given back and explored later, so every task gives exactly one group; a
-malformed task, a foreign run's task and a task the workflow cannot explore are dead-lettered with their reasons;
+malformed task, a foreign run's task, a task over the run's image limits and a task the workflow cannot explore are
+dead-lettered with their reasons;
 the batch's task offsets are committed after its groups are acknowledged; join comes before any group, leave last.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from rft.explorer.admission import AdmitAll
 from rft.explorer.config import ExplorerConfig
 from rft.explorer.explorer import Explorer
-from rft.schema import HEADER_ERROR, Sample, TaskRecord, decode_group
+from rft.schema import HEADER_ERROR, ImageLimits, Sample, TaskRecord, decode_group
 from rft.transport.config import KafkaConfig
 from rft.transport.control import ExplorerJoin, ExplorerLeave, ExplorerWeights, control_messages, parse
 from rft.transport.memory import MemoryTransport
@@ -30,7 +31,7 @@ from rft.transport.run_topics import RunTopics, create_run_topics
 from rft.weights.config import SyncConfig
 from rft.weights.store import WeightStore
 from rft.workflows import GroupResult
-from tests.records import read_topic
+from tests.records import make_image, read_topic
 
 TOPICS = RunTopics(run="run", tasks="run.tasks", experiences="run.experiences", control="run.control",
                    dead_letter="run.dead_letter", explorers_group="run.explorers")
@@ -99,8 +100,9 @@ def test_explorer_loop_contracts(tmp_path):
     good = [TaskRecord(run_id="run", task_id=f"t{i}", epoch=0, prompt="verifier hangs" if i == 8 else f"p{i}")
             for i in range(9)]
     sink = transport.sink()
+    pictured = TaskRecord(run_id="run", task_id="i", epoch=0, prompt="p", images=[make_image(), make_image(seed=1)])
     for t in good[:4] + [TaskRecord(run_id="other", task_id="x", epoch=0, prompt="p"),
-                         TaskRecord(run_id="run", task_id="c", epoch=0, prompt="cannot")] + good[4:]:
+                         TaskRecord(run_id="run", task_id="c", epoch=0, prompt="cannot"), pictured] + good[4:]:
         sink.send_record(TOPICS.tasks, t, key=t.task_id)
     sink.send(TOPICS.tasks, b"\x93not a task", headers=[("rft-schema", b"1"), ("rft-type", b"task")])
 
@@ -108,7 +110,7 @@ def test_explorer_loop_contracts(tmp_path):
     workflow = StandInWorkflow(on_batch=lambda: publish(store, 3) if len(workflow.batches) == 2 else None)
     explorer = Explorer(ExplorerConfig(tasks_per_batch=4, heartbeat_s=60), kafka=kafka, sync=SyncConfig(),
                         topics=TOPICS, store=store, explorer_id="e1", engine=engine, workflow=workflow,
-                        admission=admission, transport=transport)
+                        admission=admission, transport=transport, images=ImageLimits(max_images=1, origin="data"))
     stop = threading.Event()
     try:
         explorer.refresh_weights()
@@ -118,9 +120,9 @@ def test_explorer_loop_contracts(tmp_path):
         for _ in range(60):
             explorer.refresh_weights()
             handled += explorer.run_batch()
-            if handled == 12:
+            if handled == 13:
                 break
-        assert handled == 12
+        assert handled == 13
     finally:
         stop.set()
         explorer.close("stopped")
@@ -138,8 +140,9 @@ def test_explorer_loop_contracts(tmp_path):
 
     dead = read_topic(transport, TOPICS.dead_letter)
     reasons = sorted(dict(m.headers)[HEADER_ERROR].decode().split(":")[0] for m in dead)
-    assert len(dead) == 3 and any("foreign task" in r for r in reasons) \
+    assert len(dead) == 4 and any("foreign task" in r for r in reasons) \
         and any("cannot be explored" in r for r in reasons), reasons
+    assert any(dict(m.headers)[HEADER_ERROR] == b"images: 2 images, over data.max_images = 1" for m in dead)
 
     source = transport.source(group=TOPICS.explorers_group, topics=[TOPICS.tasks])
     committed = source.committed(TOPICS.tasks)

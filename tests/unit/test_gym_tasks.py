@@ -75,7 +75,7 @@ def test_the_curriculum_selector_keys_gym_tasks_by_id():
     (gym_data(options={"seed": 3}), r"data.options: .*must not set seed or size"),
     ({"mix": [gym_data(), gym_data(path="chain_sun")]}, r"data.mix\[1\].path: unknown .*'chain_sum'"),
     ({"path": "d.jsonl", "options": {"min_terms": 2}},
-     r"data.options: dataset options are for formats reasoning_gym and generated"),
+     r"data.options: dataset options are for formats reasoning_gym, reasoning_gym_image and generated"),
     ({"path": "d.jsonl", "format": "gsm8k"}, None),
 ])
 def test_task_set_config_errors_name_the_key(data, message):

@@ -21,6 +21,7 @@ from rft.schema import (
     HEADER_TYPE,
     ControlMessage,
     ExperienceGroup,
+    Image,
     RecordError,
     Sample,
     TaskRecord,
@@ -30,6 +31,7 @@ from rft.schema import (
     decode_task,
     encode,
 )
+from tests.records import make_image
 
 # Values msgpack carries unchanged (lists, not tuples; finite floats so that == holds).
 scalars = (st.none() | st.booleans() | st.integers(-(2 ** 63), 2 ** 64 - 1) | st.text()
@@ -41,6 +43,11 @@ metadata = st.dictionaries(st.text(max_size=12), json_like, max_size=4)
 finite = st.floats(allow_nan=False, allow_infinity=False)
 finite32 = st.floats(allow_nan=False, allow_infinity=False, width=32)
 times = st.floats(min_value=0, max_value=4e9, allow_nan=False)
+
+
+# A few real images of each media type (drawn once): what tasks and samples carry.
+IMAGES = [make_image(w, h, fmt=fmt, seed=w) for fmt in ("PNG", "JPEG", "WEBP") for w, h in ((3, 5), (16, 9))]
+image_lists = st.lists(st.sampled_from(IMAGES), max_size=3)
 
 
 def arrays(dtype, elements=None):
@@ -67,7 +74,7 @@ def samples(draw, index: int) -> Sample:
                   loss_mask=draw(hnp.arrays(np.uint8, n)), reward=0.0 if failure else draw(finite),
                   reward_components=draw(st.dictionaries(st.text(max_size=8), finite, max_size=3)),
                   finish_reason=draw(st.sampled_from(["stop", "length", "", "abort"])), metadata=draw(metadata),
-                  failure=failure, turns=draw(turn_lists(n)))
+                  failure=failure, turns=draw(turn_lists(n)), images=draw(image_lists))
 
 
 @st.composite
@@ -81,7 +88,7 @@ def groups(draw) -> ExperienceGroup:
 
 
 tasks = st.builds(TaskRecord, run_id=st.text(), task_id=st.text(), epoch=st.integers(0, 10 ** 6), prompt=st.text(),
-                  answer=json_like, metadata=metadata, created_at=times)
+                  answer=json_like, metadata=metadata, created_at=times, images=image_lists)
 controls = st.builds(ControlMessage, kind=st.text(min_size=1), sender=st.text(),
                      body=st.dictionaries(st.text(max_size=8), json_like, max_size=5), created_at=times)
 
@@ -369,6 +376,7 @@ def test_doc_reader_decodes_what_rft_writes(doc_examples):
     group = _group()
     group.samples[1].logprobs = np.array([-0.1, -2.5, -30.0, 0.0], dtype=np.float32)
     group.samples[1].loss_mask = np.array([1, 0, 0, 1], dtype=np.uint8)
+    group.samples[1].images = [IMAGES[0], IMAGES[3], IMAGES[4]]  # PNG, JPEG, WebP
     value, headers = encode(group)
     read = doc_examples["read_experience_group"](value, headers)
     assert (read["group_id"], read["policy_version"], read["explorer_id"]) == ("run/t/e0", 3, "x")
@@ -377,6 +385,14 @@ def test_doc_reader_decodes_what_rft_writes(doc_examples):
         assert ours["response_tokens"] == theirs.response_tokens.tolist()
         assert ours["logprobs"] == theirs.logprobs.astype(np.float32).tolist()
         assert ours["loss_mask"] == theirs.loss_mask.tolist() and ours["reward"] == theirs.reward
+        assert [Image(**i) for i in ours["images"]] == theirs.images
+    body = _body(group)
+    body["samples"][1]["images"][2]["sha256"] = IMAGES[0].sha256
+    with pytest.raises(ValueError, match="images\\[2\\]: the bytes do not match their sha256"):
+        doc_examples["read_experience_group"](_pack(body), headers)
+    body["samples"][1]["images"][2] = {**body["samples"][1]["images"][1], "media_type": "image/png"}
+    with pytest.raises(ValueError, match="images\\[2\\]: the bytes .* are not 'image/png'"):
+        doc_examples["read_experience_group"](_pack(body), headers)
     with pytest.raises(ValueError, match="not an rft schema-1"):
         doc_examples["read_experience_group"](value, [("rft-schema", b"2")])
     group.samples[0].failure = "verifier"
@@ -387,7 +403,8 @@ def test_doc_reader_decodes_what_rft_writes(doc_examples):
 def test_rft_decodes_what_the_doc_writer_writes(doc_examples):
     samples = [{"prompt_tokens": [1, 2, 3], "response_tokens": [7, 8], "logprobs": [-0.5, -1.5], "loss_mask": [1, 1],
                 "reward": 1.0, "finish_reason": "stop"},
-               {"prompt_tokens": [1, 2, 3], "response_tokens": [9], "logprobs": [-0.25], "loss_mask": [0], "reward": 0}]
+               {"prompt_tokens": [1, 2, 3], "response_tokens": [9], "logprobs": [-0.25], "loss_mask": [0], "reward": 0,
+                "images": [(IMAGES[1].data, "image/png"), (IMAGES[5].data, "image/webp")]}]
     value, headers = doc_examples["write_experience_group"](run_id="run", task_id="t9", epoch=2, explorer_id="rust-1",
                                                            policy_version=4, samples=samples, created_at=1.5e9)
     group = decode_group(value, headers)
@@ -395,6 +412,7 @@ def test_rft_decodes_what_the_doc_writer_writes(doc_examples):
     assert [s.response_tokens.tolist() for s in group.samples] == [[7, 8], [9]]
     assert group.samples[0].logprobs.tolist() == [-0.5, -1.5] and group.samples[1].loss_mask.tolist() == [0]
     assert [s.reward for s in group.samples] == [1.0, 0.0]
+    assert group.samples[0].images == [] and group.samples[1].images == [IMAGES[1], IMAGES[5]]
 
 
 @pytest.mark.parametrize("limit", [1_000_000, 500], ids=["parts", "whole body"])
