@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rft.schema import ControlMessage
 from rft.transport import Transport, TransportError, lag
 from rft.transport.control import ControlView, TasksGroup, control_messages
 
@@ -63,16 +64,25 @@ def group_name(base: str, epoch: int) -> str:
 
 
 def announced_group(transport: Transport, control_topic: str, *, client_id: str) -> TasksGroup | None:
-    """The highest-epoch `tasks_group` announcement on the control topic (read from its beginning), None if none."""
+    """The highest-epoch `tasks_group` announcement on the control topic (read from its beginning), None if none.
+    Moves are applied in epoch order (those sent before moves had one key may sit in several partitions, read in no
+    global order), so the view's one-epoch-at-a-time rule still refuses a forged far epoch."""
     source = transport.source(client_id=client_id)
     try:
         view = ControlView()
-        for message in control_messages(source.read_range(control_topic, idle_timeout_s=10.0)):
-            if message.kind == TasksGroup.KIND:
-                view.apply(message)
+        moves = [m for m in control_messages(source.read_range(control_topic, idle_timeout_s=10.0))
+                 if m.kind == TasksGroup.KIND]
+        for message in sorted(moves, key=_epoch_of):
+            view.apply(message)
         return view.tasks_group
     finally:
         source.close()
+
+
+def _epoch_of(message: ControlMessage) -> int:
+    """A `tasks_group` message's epoch for ordering (a malformed one sorts first; the view refuses it)."""
+    epoch = message.body.get("epoch")
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else -1
 
 
 class GroupFollower:
@@ -125,7 +135,9 @@ def move_group(transport: Transport, topics: RunTopics, *, epoch: int, offsets: 
     target = group_name(topics.explorers_group, epoch)
     seed_group(transport, target, topics.tasks, offsets, client_id=f"{by}-seed")
     moved = TasksGroup(explorer_id=by, group=target, epoch=epoch, offsets=offsets)
-    sink.send_record(topics.control, moved.to_message())
+    # one key: every move in one partition of the control topic, read in the order sent (the view accepts a move
+    # only to the epoch after the one in force)
+    sink.send_record(topics.control, moved.to_message(), key=TasksGroup.KIND)
     sink.flush()
     return target
 

@@ -70,6 +70,8 @@ def check_workflow_config(explorer: ExplorerConfig) -> None:
         tool_agent.build_toolbox(explorer)
     if explorer.workflow == "openenv":
         openenv_adapter.check_options(explorer.openenv)
+    if explorer.workflow in ("agent_program", "verifiers"):  # their model calls go to the recording endpoint
+        check_installed("web", feature=f"explorer.workflow: {explorer.workflow} (its recording endpoint)")
     if explorer.workflow == "agent_program":
         agent_program.check_config(explorer)
     if explorer.workflow == "verifiers" and (problem := verifiers.config_problem(explorer.verifiers,

@@ -26,7 +26,7 @@ from rft.data.tasks import publish_tasks
 from rft.schema import TYPE_TASK, ControlMessage, headers_for
 from rft.transport import HEADER_ORIGIN, connect
 from rft.transport.run_topics import RunTopics
-from rft.weights.store import WeightStore, iter_safetensors
+from rft.weights.store import LINEAGE, WeightStore, iter_safetensors
 from tests.integration.explorer_support import (
     Control,
     Experiences,
@@ -81,7 +81,10 @@ def test_fleet_kill_late_join_reload_and_dead_letters(broker, tiny_model, tmp_pa
                          what="C to join", alive=list(explorers.values()), log_dir=logs)
 
         # 4. version 2 announced on the control topic only: its directory is in the configured store (an explorer
-        # refuses a path outside it, rft.weights.subscriber), but the store's LATEST still names version 1
+        # refuses a path outside it, rft.weights.subscriber), but the store's LATEST still names version 1; written
+        # elsewhere as the store's lineage (the store's LINEAGE copied there): a version of another would be refused
+        (tmp_path / "elsewhere").mkdir()
+        shutil.copy(tmp_path / "store" / LINEAGE, tmp_path / "elsewhere" / LINEAGE)
         v2 = WeightStore(tmp_path / "elsewhere").publish(2, [perturbed(tiny_model, 2)], tiny_model)
         v2 = Path(shutil.move(str(v2), str(tmp_path / "store" / v2.name)))
         sink = connect(cfg.kafka, broker.bootstrap_servers).sink()

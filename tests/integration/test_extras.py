@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 BLOCKED = sorted(module for modules in EXTRAS.values() for module in modules)
 # The modules that ARE optional features: each must fail to import without its extra (so this list cannot go stale)
 OPTIONAL_MODULES = {"rft.serve.server": "fastapi", "rft.serve.app": "fastapi", "rft.observability.access": "fastapi",
-                    "rft.dashboard.server": "fastapi", "benchmarks.serve": "fastapi", "launch.ray.fleet": "ray"}
+                    "rft.dashboard.server": "fastapi", "benchmarks.serve": "fastapi", "launch.ray.fleet": "ray",
+                    "rft.workflows.endpoint_http": "fastapi"}
 QUICKSTART = ["configs/smollm2-arithmetic.yaml", "--set", "run.name=smollm2-quickstart", "--set", "run.max_steps=20"]
 CORE_COMMANDS = ["validate", "run", "trainer", "explorer", "topics", "status", "publish", "replay", "eval", "broker"]
 
