@@ -27,15 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rft.engine.base import (
-    Completion,
-    Engine,
-    EngineError,
-    Generation,
-    ImagePrompt,
-    SamplingSettings,
-    VisionEngine,
-)
+from rft.engine.base import Completion, Engine, EngineError, Generation, ImagePrompt, SamplingSettings, VisionEngine
 from rft.engine.hf_engine import TransformersEngine
 from rft.engine.vllm_engine import WORKER_EXTENSION, VLLMEngine
 from rft.weights.store import is_adapter_version, version_of

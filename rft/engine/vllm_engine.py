@@ -274,7 +274,11 @@ class VLLMEngine(TokenizerMixin):
         if prompt.text.count(mark) != len(images):
             raise EngineError(f"the prompt has {prompt.text.count(mark)} image placeholders ({mark}) for "
                               f"{len(images)} images")
-        inputs = {"prompt": prompt.text, "multi_modal_data": {"image": images}} if images else {"prompt": prompt.text}
+        from vllm.inputs import TextPrompt
+
+        inputs = TextPrompt(prompt=prompt.text)
+        if images:
+            inputs["multi_modal_data"] = {"image": images}
         try:
             self.llm.llm_engine.add_request(request_id, inputs, self._params(sampling), lora_request=self.lora)
         except ValueError as e:  # vLLM's checks: too long, too many images

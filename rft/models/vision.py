@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ class VisionError(ValueError):
     """A prompt or image the processor contract refuses; the message names what is wrong."""
 
 
-def is_vision_model(path: str | Path) -> bool:
+def is_vision_model(path: str | os.PathLike) -> bool:
     """Whether the HF model directory at `path` is a vision-language model (its config has a `vision_config`)."""
     config = Path(path) / "config.json"
     try:
@@ -41,7 +42,7 @@ def is_vision_model(path: str | Path) -> bool:
         return False
 
 
-def load_processor(path: str | Path) -> Any:
+def load_processor(path: str | os.PathLike) -> Any:
     """The model's processor (transformers' `AutoProcessor`: for Idefics3 the PIL image processor, no torchvision)."""
     from transformers import AutoProcessor
 
@@ -155,7 +156,7 @@ def prompt_mismatch(engine_ids: Sequence[int], expected: Sequence[int], *,
     if image_ids:
         counts = (f" (image tokens: engine {sum(t in image_ids for t in engine)}, processor "
                   f"{sum(t in image_ids for t in mine)})")
-    first = next((i for i, (a, b) in enumerate(zip(engine, mine)) if a != b), min(len(engine), len(mine)))
+    first = next((i for i, (a, b) in enumerate(zip(engine, mine, strict=False)) if a != b), min(len(engine), len(mine)))
     at = (f"first difference at position {first}: engine {engine[first] if first < len(engine) else 'end'}, "
           f"processor {mine[first] if first < len(mine) else 'end'}")
     return f"the engine's prompt is {len(engine)} tokens, the processor's {len(mine)}{counts}; {at}"
