@@ -353,10 +353,15 @@ class VLLMEngine(TokenizerMixin):
         in flight are preempted, so their KV cache (prompt and tokens so far) is recomputed with the new weights
         before their next token; otherwise they keep the KV the old weights computed (PipelineRL), and the prefix
         cache must be off (`_llm_settings(prefix_cache=False)`), or new requests could reuse old-weight blocks.
-        LoRA adapters cannot change in flight (a request keeps the adapter it was submitted with): EngineError."""
+        LoRA adapters cannot change in flight (a request keeps the adapter it was submitted with): EngineError. A
+        vision-language model reloads in flight only with `recompute`: its encoder cache is reset, and a request kept
+        mid-prefill would miss its image's embeddings (EngineError otherwise)."""
         if is_adapter_version(path) or self.lora is not None:
             raise EngineError(f"{path}: in-flight weight updates reload whole models; a LoRA adapter version is "
                               "loaded between requests (explorer.inflight_updates: false)")
+        if self.processor is not None and not recompute:
+            raise EngineError("a vision-language model's in-flight weight updates recompute the requests in flight "
+                              "(explorer.inflight_kv: recompute): kept KV could miss its images' embeddings")
         started = time.monotonic()
         self.llm.sleep(level=0, mode="keep")  # pause scheduling; unfinished requests stay as they are
         try:

@@ -69,3 +69,6 @@ def test_vllm_greedy_equals_transformers_across_a_reload(probe, reference):
         assert probe[key] == [g.completions[0].token_ids for g in reference[key]], key
     assert probe["before_version"] == [0, 0, 0] and probe["after_version"] == [3, 3, 3]
     assert "1 image placeholders (<image>) for 0 images" in probe["unpaired"]
+    assert "inflight_kv: recompute" in probe["kept_in_flight"]
+    versions = probe["in_flight_versions"]  # generated across an in-flight reload, its images' embeddings recomputed
+    assert versions is not None and versions[0] == 3 and versions[-1] == 4

@@ -1,6 +1,6 @@
 """Run in a subprocess by test_vision_engine.py (vLLM's LLM must be built under __main__): one VLLMEngine on a tiny
 Idefics3, greedy generation from image prompts, a reload of other weights in place, the same images again; prints
-one JSON object with what the test checks.
+one JSON object with what the test checks; then an in-flight reload (recompute) under an image request.
 
 argv: MODEL_DIR OTHER_WEIGHTS_DIR
 """
@@ -40,6 +40,19 @@ def main(model_dir: str, other_dir: str) -> dict:
     engine.load_weights(other_dir, 3)
     out["reload_s"] = time.monotonic() - started
     run("after")  # the same images: the encoder cache was reset, or this kills the engine
+    try:
+        engine.load_weights_in_flight(model_dir, 4, recompute=False)
+        out["kept_in_flight"] = "accepted"
+    except EngineError as e:
+        out["kept_in_flight"] = str(e)
+    # in flight with recompute: an image request started on version 3 finishes on version 4, the same images again
+    engine.submit_images("flight", prompts[0], greedy)
+    engine.step()
+    engine.load_weights_in_flight(model_dir, 4, recompute=True)
+    finished = []
+    while not finished:
+        finished = engine.step()
+    out["in_flight_versions"] = finished[0][1].completions[0].token_versions
     engine.close()
     return out
 

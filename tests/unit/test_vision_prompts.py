@@ -12,6 +12,7 @@ from rft.models.vision import (
     ProcessedPrompt,
     VisionError,
     decode_image,
+    engine_prompt_problem,
     image_token_ids,
     process_prompt,
     prompt_length_problem,
@@ -65,6 +66,11 @@ def test_mismatch_names_the_difference(processor):
     assert "image tokens: engine" in reason and f"position {ids.index(image_id) + 4}" in reason
     # a prefix of the processor's ids differs at its end
     assert "engine end" in (prompt_mismatch(ids[:-1], ids) or "")
+    # the trainer's check of one sample: its prompt and images re-processed against the engine's ids
+    image = encoded_image(20, 20, seed=2)
+    assert engine_prompt_problem(processor, "<image>x", [image], ids) is None
+    assert "image tokens: engine" in (engine_prompt_problem(processor, "<image>x", [image], doubled) or "")
+    assert "refuses the sample's prompt" in (engine_prompt_problem(processor, "<image>x", [], ids) or "")
 
 
 def test_a_prompt_over_the_limit_is_refused_whole():
@@ -100,7 +106,7 @@ def test_a_huge_declared_size_is_refused_from_the_header():
     from its header, and one past Pillow's limit too."""
     from PIL import Image
 
-    for side, message in ((5000, "5000x5000 pixels, over the limit"), (20000, "over the limit of")):
+    for side, message in ((5000, "5000x5000 pixels, over the limit"), (13500, "over the limit of")):
         buffer = io.BytesIO()
         Image.new("1", (side, side)).save(buffer, format="PNG")  # 1-bit, one colour: the file is small
         with pytest.raises(VisionError, match=message):
