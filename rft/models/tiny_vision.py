@@ -61,9 +61,13 @@ def make_tiny_idefics3(out_dir: str | Path, *, hidden_size: int = 128, layers: i
 def tiny_idefics3_processor(*, tile: int = 32, patch: int = 8, longest_edge: int = 64) -> Any:
     """The tiny model's processor alone (in memory): the character tokenizer with Idefics3's image tokens, the PIL
     image processor (images resized to `longest_edge`, split into `tile`-pixel tiles), 4 image tokens a tile."""
+    from tokenizers import Regex, pre_tokenizers
     from transformers import Idefics3ImageProcessorPil, Idefics3Processor, PreTrainedTokenizerFast
 
     tokenizer = build_tokenizer()
+    # every character its own piece, newlines too (the processor writes "\n\n" between an image's rows and its
+    # global view, which "." alone would leave as one unknown piece)
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
     tokenizer.add_special_tokens(IMAGE_TOKENS)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
                                    bos_token="<bos>", unk_token="<pad>")
