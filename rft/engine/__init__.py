@@ -13,7 +13,11 @@ Invariants:
   its tokens and (vLLM) each token's (`token_versions`). Reloads happen between `generate` calls; with continuous
   submission (`submit` / `step`) only while nothing is unfinished, except `VLLMEngine.load_weights_in_flight`.
 - After a reload the prefix cache is reset: no KV computed with old weights is reused (in flight: recomputed, or
-  kept with the prefix cache off; rft/explorer/continuous.py).
+  kept with the prefix cache off; rft/explorer/continuous.py); so is vLLM's encoder cache (image embeddings of the
+  old vision tower; without the reset an image sent again kills the engine: "Encoder cache miss").
+- Vision-language models (rft.models.vision): `generate_images` takes `ImagePrompt`s (text with placeholders, the
+  images); the engine expands them with the model's processor and `Generation.prompt_token_ids` records the ids it
+  ran on, for the trainer to compare with its own expansion (rft.models.vision.prompt_mismatch).
 - With `record_routing` (MoE routing replay), `Completion.routed_experts` holds the experts every MoE layer routed
   each input position to (rft.schema.RoutedExperts; vLLM gives them with its V2 model runner only, see `VLLMEngine`).
 - A completion ends at the first of `stop_token_ids` (kept, finish reason "stop") or after `max_tokens`; with
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rft.engine.base import Completion, Engine, EngineError, Generation, SamplingSettings
+from rft.engine.base import Completion, Engine, EngineError, Generation, ImagePrompt, SamplingSettings, VisionEngine
 from rft.engine.hf_engine import TransformersEngine
 from rft.engine.vllm_engine import WORKER_EXTENSION, VLLMEngine
 from rft.weights.store import is_adapter_version, version_of
@@ -32,8 +36,8 @@ if TYPE_CHECKING:
     from rft.explorer.config import ExplorerConfig
     from rft.models.config import ModelConfig
 
-__all__ = ["Completion", "Engine", "EngineError", "Generation", "SamplingSettings", "TransformersEngine", "VLLMEngine",
-           "WORKER_EXTENSION", "ENGINES", "build_engine"]
+__all__ = ["Completion", "Engine", "EngineError", "Generation", "ImagePrompt", "SamplingSettings", "TransformersEngine",
+           "VLLMEngine", "VisionEngine", "WORKER_EXTENSION", "ENGINES", "build_engine"]
 
 ENGINES: dict[str, type[VLLMEngine] | type[TransformersEngine]] = {"vllm": VLLMEngine,
                                                                     "transformers": TransformersEngine}

@@ -62,8 +62,18 @@ class Completion:
 
 @dataclass
 class Generation:
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # as the engine expanded them: an image prompt's image placeholders expanded
     completions: list[Completion]
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt with images for a vision-language model: `text` holds the processor's placeholder
+    (rft.models.vision.placeholder) once per image, in order, already formatted (rft.models.vision.render_chat for
+    chat messages); `images` are PIL images or `(bytes, media_type)` pairs. The engine expands the placeholders
+    with the model's processor and records the ids it ran on (`Generation.prompt_token_ids`)."""
+    text: str
+    images: tuple[Any, ...] = ()
 
 
 class Engine(Protocol):
@@ -115,6 +125,19 @@ class Engine(Protocol):
     def leave_push_group(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+class VisionEngine(Engine, Protocol):
+    """An engine on a vision-language model (both engines, when `model.path` is one: rft.models.vision)."""
+
+    @property
+    def processor(self) -> Any:
+        """The model's Hugging Face processor (rft.models.vision)."""
+        ...
+
+    def generate_images(self, prompts: Sequence[ImagePrompt], sampling: SamplingSettings) -> list[Generation]:
+        """`generate` for prompts with images; each Generation's prompt ids as the engine expanded them."""
+        ...
 
 
 class StreamingEngine(Engine, Protocol):

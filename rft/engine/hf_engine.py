@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
-from rft.engine.base import Completion, EngineError, Generation, SamplingSettings, TokenizerMixin
+from rft.engine.base import Completion, EngineError, Generation, ImagePrompt, SamplingSettings, TokenizerMixin
 from rft.engine.routing import RoutingRecorder
+from rft.models.vision import VisionError, is_vision_model, load_processor, process_prompt
 from rft.schema import RoutedExperts
 from rft.weights.store import (
     PUSHED_ADAPTER_CONFIG,
@@ -42,11 +43,15 @@ class TransformersEngine(TokenizerMixin):
         tokens to (rft.engine.routing; EngineError for a model without top-k routers): from the last prompt position
         (the passes that produced response tokens), or from the first with `routing_prefill`."""
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         self.torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype))
+        # a vision-language model (rft.models.vision): its processor, whose tokenizer is the model's
+        self.processor: Any = load_processor(model_path) if is_vision_model(model_path) else None
+        self.tokenizer = (self.processor.tokenizer if self.processor is not None
+                          else AutoTokenizer.from_pretrained(str(model_path)))
+        auto = AutoModelForImageTextToText if self.processor is not None else AutoModelForCausalLM
+        model = auto.from_pretrained(str(model_path), dtype=getattr(torch, dtype))
         self.model = model.to(device)  # type: ignore[arg-type]  # transformers types `to` as a PreTrainedModel method
         self.model.eval()
         self._stop_at_end_of_turn(chat_template)
@@ -74,7 +79,26 @@ class TransformersEngine(TokenizerMixin):
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
         return [self._generate_one(list(p), sampling) for p in prompts]
 
-    def _generate_one(self, prompt: list[int], sampling: SamplingSettings) -> Generation:
+    def generate_images(self, prompts: Sequence[ImagePrompt], sampling: SamplingSettings) -> list[Generation]:
+        """Each prompt's placeholders expanded by the processor (rft.models.vision.process_prompt), generated with
+        its pixel tensors; EngineError for a text-only model or a prompt the processor refuses."""
+        if self.processor is None:
+            raise EngineError("generate_images needs a vision-language model; this one has no vision_config")
+        generations = []
+        for p in prompts:
+            try:
+                processed = process_prompt(self.processor, p.text, p.images)
+            except VisionError as e:
+                raise EngineError(str(e)) from None
+            pixels = {k: v.to(self.device) for k, v in processed.pixels.items()}
+            if "pixel_values" in pixels:
+                pixels["pixel_values"] = pixels["pixel_values"].to(self.model.dtype)
+            generations.append(self._generate_one(processed.token_ids, sampling, pixels))
+        return generations
+
+    def _generate_one(self, prompt: list[int], sampling: SamplingSettings,
+                      pixels: dict[str, Any] | None = None) -> Generation:
+        """`pixels`: an image prompt's tensors (rft.models.vision.ProcessedPrompt.pixels), passed to `generate`."""
         torch = self.torch
         ids = torch.tensor([prompt], device=self.device)
         greedy = sampling.temperature == 0
@@ -91,7 +115,7 @@ class TransformersEngine(TokenizerMixin):
                                       num_return_sequences=rows, max_new_tokens=sampling.max_tokens,
                                       min_new_tokens=min(sampling.min_tokens, sampling.max_tokens),
                                       output_scores=True, return_dict_in_generate=True,
-                                      pad_token_id=self.tokenizer.pad_token_id, **sample_args)
+                                      pad_token_id=self.tokenizer.pad_token_id, **(pixels or {}), **sample_args)
         new_tokens = out.sequences[:, len(prompt):]
         # scores are the processed logits the sampler drew from (after temperature / top-p)
         logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from rft.cores import CoreShare
-from rft.engine.base import Engine, Generation, SamplingSettings, StreamingEngine
+from rft.engine.base import Engine, Generation, ImagePrompt, SamplingSettings, StreamingEngine, VisionEngine
 
 if TYPE_CHECKING:
     from rft.schema import TaskRecord
@@ -83,6 +83,15 @@ class PacedEngine:
     def next_token_probs(self, prompts: Sequence[Sequence[int]], candidates: Sequence[int]) -> list[list[float]]:
         with self.pace.unit(fit=True):
             return self.engine.next_token_probs(prompts, candidates)
+
+    @property
+    def processor(self) -> Any:
+        """The engine's processor on a vision-language model (rft.engine.VisionEngine), else None."""
+        return getattr(self.engine, "processor", None)
+
+    def generate_images(self, prompts: Sequence[ImagePrompt], sampling: SamplingSettings) -> list[Generation]:
+        with self.pace.unit(fit=True):
+            return cast(VisionEngine, self.engine).generate_images(prompts, sampling)
 
     def load_weights(self, path: str | os.PathLike, version: int) -> None:
         with self.pace.unit(fit=False):

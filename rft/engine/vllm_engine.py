@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rft.engine.base import Completion, EngineError, Generation, SamplingSettings, TokenizerMixin
+from rft.engine.base import Completion, EngineError, Generation, ImagePrompt, SamplingSettings, TokenizerMixin
 from rft.engine.prefill_once import PROBE_TOKENS, ForkedGroup, Request, prefills_once
 from rft.engine.routing import MoELayout
+from rft.models.vision import VisionError, as_pil, is_vision_model, load_processor, placeholder
 from rft.schema import RoutedExperts
 from rft.weights.store import is_adapter_version
 
@@ -167,6 +168,8 @@ class VLLMEngine(TokenizerMixin):
         self.llm = LLM(**settings)
         log.info("vLLM engine for %s started in %.1f s", model_path, time.monotonic() - started)
         self.tokenizer = self.llm.get_tokenizer()
+        # a vision-language model (rft.models.vision): its processor, for the placeholder and the trainer's contract
+        self.processor = load_processor(model_path) if is_vision_model(model_path) else None
         self._stop_at_end_of_turn(chat_template)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self.weights_version = -1
@@ -225,20 +228,61 @@ class VLLMEngine(TokenizerMixin):
             if adapter not in self.adapters:
                 raise EngineError(f"no adapter named {adapter!r} is loaded (loaded: {sorted(self.adapters)})")
             lora, version = self.adapters[adapter], self._adapter_versions[adapter]
-        if self.unfinished():
-            raise EngineError("generate() runs alone: this engine has submitted requests unfinished")
-        self._calls += 1
-        ids = [f"generate-{self._calls}-{i}" for i in range(len(prompts))]
-        for request_id, prompt in zip(ids, prompts, strict=True):
-            self.submit(request_id, prompt, sampling, lora=lora)
-        finished: dict[str, Generation] = {}
-        while len(finished) < len(ids):
-            finished.update(self.step())
-        generations = [finished[request_id] for request_id in ids]
+        generations = self._run_alone(prompts, lambda request_id, prompt: self.submit(request_id, prompt, sampling,
+                                                                                       lora=lora))
         if version is not None:
             for completion in (c for g in generations for c in g.completions):
                 completion.stamp(version)  # the adapter's, not the engine's labels
         return generations
+
+    def generate_images(self, prompts: Sequence[ImagePrompt], sampling: SamplingSettings) -> list[Generation]:
+        """`generate` for prompts with images (a vision-language model): vLLM's processor expands the placeholders
+        (`multi_modal_data`), and each Generation's prompt ids are the ones it expanded. EngineError for a text-only
+        model, a prompt whose placeholders and images do not pair up, or one vLLM refuses."""
+        return self._run_alone(prompts, lambda request_id, prompt: self.submit_images(request_id, prompt, sampling))
+
+    def _run_alone(self, prompts: Sequence, submit) -> list[Generation]:
+        """Submit each prompt (`submit(request_id, prompt)`) and step until all are done; nothing else may be
+        unfinished. The generations in prompt order."""
+        if self.unfinished():
+            raise EngineError("generate() runs alone: this engine has submitted requests unfinished")
+        self._calls += 1
+        ids = [f"generate-{self._calls}-{i}" for i in range(len(prompts))]
+        try:
+            for request_id, prompt in zip(ids, prompts, strict=True):
+                submit(request_id, prompt)
+        except Exception:
+            for request_id in ids:  # the ones already queued: nothing is left unfinished
+                self.llm.llm_engine.abort_request([request_id])
+            raise
+        finished: dict[str, Generation] = {}
+        while len(finished) < len(ids):
+            finished.update(self.step())
+        return [finished[request_id] for request_id in ids]
+
+    def submit_images(self, request_id: str, prompt: ImagePrompt, sampling: SamplingSettings) -> None:
+        """`submit` for a prompt with images: the text and the images (decoded to PIL) go to vLLM, whose processor
+        expands the placeholders. Never prefilled once (a fork would need its images too). EngineError for a
+        text-only model or placeholders that do not pair with the images."""
+        if self.processor is None:
+            raise EngineError("generate_images needs a vision-language model; this one has no vision_config")
+        try:
+            mark = placeholder(self.processor)
+            images = [as_pil(image) for image in prompt.images]
+        except VisionError as e:
+            raise EngineError(str(e)) from None
+        if prompt.text.count(mark) != len(images):
+            raise EngineError(f"the prompt has {prompt.text.count(mark)} image placeholders ({mark}) for "
+                              f"{len(images)} images")
+        from vllm.inputs import TextPrompt
+
+        inputs = TextPrompt(prompt=prompt.text)
+        if images:
+            inputs["multi_modal_data"] = {"image": images}
+        try:
+            self.llm.llm_engine.add_request(request_id, inputs, self._params(sampling), lora_request=self.lora)
+        except ValueError as e:  # vLLM's checks: too long, too many images
+            raise EngineError(f"vLLM refused the image prompt: {e}") from None
 
     # -- continuous submission (rft/explorer/continuous.py): requests enter and leave the running engine one by one
     def submit(self, request_id: str, prompt: Sequence[int], sampling: SamplingSettings, *,
@@ -309,16 +353,22 @@ class VLLMEngine(TokenizerMixin):
         in flight are preempted, so their KV cache (prompt and tokens so far) is recomputed with the new weights
         before their next token; otherwise they keep the KV the old weights computed (PipelineRL), and the prefix
         cache must be off (`_llm_settings(prefix_cache=False)`), or new requests could reuse old-weight blocks.
-        LoRA adapters cannot change in flight (a request keeps the adapter it was submitted with): EngineError."""
+        LoRA adapters cannot change in flight (a request keeps the adapter it was submitted with): EngineError. A
+        vision-language model reloads in flight only with `recompute`: its encoder cache is reset, and a request kept
+        mid-prefill would miss its image's embeddings (EngineError otherwise)."""
         if is_adapter_version(path) or self.lora is not None:
             raise EngineError(f"{path}: in-flight weight updates reload whole models; a LoRA adapter version is "
                               "loaded between requests (explorer.inflight_updates: false)")
+        if self.processor is not None and not recompute:
+            raise EngineError("a vision-language model's in-flight weight updates recompute the requests in flight "
+                              "(explorer.inflight_kv: recompute): kept KV could miss its images' embeddings")
         started = time.monotonic()
         self.llm.sleep(level=0, mode="keep")  # pause scheduling; unfinished requests stay as they are
         try:
             loaded = self.llm.collective_rpc("rft_reload_weights", args=(str(path),))
             if recompute:
                 self.llm.reset_prefix_cache(reset_running_requests=True)  # preempts: KV recomputed, cache emptied
+            self._reset_encoder_cache()
             self._set_version(version)
         finally:
             self.llm.wake_up(tags=["scheduling"])
@@ -338,9 +388,16 @@ class VLLMEngine(TokenizerMixin):
         self.lora = None  # a whole model: the base itself is this version
         loaded = self.llm.collective_rpc("rft_reload_weights", args=(str(path),))
         self.llm.reset_prefix_cache()
+        self._reset_encoder_cache()
         self._set_version(version)
         log.info("reloaded %s tensors of version %d from %s in %.2f s", loaded[0], version, path,
                  time.monotonic() - started)
+
+    def _reset_encoder_cache(self) -> None:
+        """Forget the image embeddings the old weights computed (a vision-language model): without it, an image
+        sent again after a reload kills the engine ("Encoder cache miss"), and would reuse old embeddings."""
+        if self.processor is not None:
+            self.llm.llm_engine.reset_encoder_cache()
 
     def load_adapter(self, name: str, path: str | os.PathLike, version: int) -> LoRARequest:
         """Load the PEFT adapter at `path` into the engine now as adapter `name` (replacing the one of that name,
@@ -385,6 +442,7 @@ class VLLMEngine(TokenizerMixin):
         else:
             versions = self.llm.collective_rpc("rft_receive_pushed_weights")
         self.llm.reset_prefix_cache()
+        self._reset_encoder_cache()
         self._set_version(versions[0])
         log.info("received pushed weights version %d in %.2f s", versions[0], time.monotonic() - started)
         return versions[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rft.config import COUNT, POSITIVE, Section, option
+from rft.config import COUNT, POSITIVE, Range, Section, option
 from rft.config.fields import PORT_OR_ANY
 
 
@@ -37,6 +37,14 @@ class ServeConfig(Section):
         help="largest n x max_tokens of one completion request (400 past it)")
     max_queue: int = option(64, range=COUNT,
         help="requests waiting for the tokenizer or the engine; past it a request gets 429 with Retry-After")
+    max_images: int = option(4, range=Range(0, 256, note="0: no image parts"),
+        help="a vision-language model: image content parts one request may carry (400 past it); a text model "
+        "takes none")
+    max_image_bytes: int = option(1048576, range=COUNT,
+        help="largest image of a request, decoded from its base64 data URI (400 past it); the body's base64 counts "
+        "against serve.max_body_bytes too")
+    max_image_pixels: int = option(4194304, range=Range(1, 100_000_000),
+        help="largest width x height of one image, read from its header before its pixels are decoded (400 past it)")
     request_timeout_s: float = option(300.0, range=POSITIVE,
         help="a completion request not generated within this many seconds gets 504")
     adapters: dict[str, str] = option(factory=dict,

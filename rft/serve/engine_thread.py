@@ -1,5 +1,7 @@
 """The one thread that owns `rft serve`'s engine (`EngineWorker`): the explorers' engine (`explorer.engine` and its
-settings; rft/engine/), fed token ids, never text (requests are tokenized before they are submitted, off this thread).
+settings; rft/engine/), fed token ids, never text (requests are tokenized before they are submitted, off this thread),
+or, for a vision-language model's requests with images, `ImagePrompt`s the engine expands with its processor (their
+`Served.prompt_tokens` are the engine's expansion).
 
 Contracts:
 - Each engine call generates up to `serve.max_batch` waiting requests (one call per distinct sampling settings and
@@ -28,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from rft.engine import SamplingSettings
+from rft.engine import ImagePrompt, SamplingSettings
 from rft.serve.requests import ApiError
 from rft.weights.subscriber import load_newest_weights
 
@@ -42,7 +44,7 @@ REFRESH_S = 0.5  # how often an idle engine thread looks for newer weights
 
 @dataclass
 class _Job:
-    prompt: list[int]
+    prompt: list[int] | ImagePrompt
     sampling: SamplingSettings
     stream: bool
     future: concurrent.futures.Future
@@ -93,10 +95,10 @@ class EngineWorker:
         if self._error is not None:
             raise self._error
 
-    def submit(self, prompt: list[int], sampling: SamplingSettings, stream: bool,
+    def submit(self, prompt: list[int] | ImagePrompt, sampling: SamplingSettings, stream: bool,
                adapter: str | None = None) -> concurrent.futures.Future:
-        """Queue one request (`prompt`: token ids; `adapter`: the served adapter's name, None: the run's own
-        weights); the future holds its `Served`, or an ApiError."""
+        """Queue one request (`prompt`: token ids, or an image prompt for a vision-language model; `adapter`: the
+        served adapter's name, None: the run's own weights); the future holds its `Served`, or an ApiError."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         if self.died is not None:
             future.set_exception(self._dead_error())
@@ -184,7 +186,7 @@ class EngineWorker:
             log.warning("weights not reloaded: %s: %s", type(e).__name__, e)
 
     def _generate(self, engine: Engine, jobs: list[_Job]) -> None:
-        runnable: dict[tuple[SamplingSettings, str | None], list[tuple[_Job, list[int]]]] = {}
+        runnable: dict[tuple[SamplingSettings, str | None, bool], list[_Job]] = {}
         for job in jobs:
             if not job.future.set_running_or_notify_cancel():  # cancelled while it waited (its deadline passed)
                 continue
@@ -193,21 +195,26 @@ class EngineWorker:
                     503, f"the model {job.adapter!r} has no adapter version yet (its weight store has none, or none "
                     "passed the checks); retry later", kind="server_error"))
                 continue
-            runnable.setdefault((job.sampling, job.adapter), []).append((job, job.prompt))
+            key = (job.sampling, job.adapter, isinstance(job.prompt, ImagePrompt))
+            runnable.setdefault(key, []).append(job)
         started = time.monotonic()
-        for (sampling, adapter), batch in runnable.items():
-            prompts = [ids for _, ids in batch]
+        for (sampling, adapter, images), batch in runnable.items():
             try:
-                generations = (engine.generate(prompts, sampling) if adapter is None
-                               else with_adapters(engine).generate(prompts, sampling, adapter=adapter))
+                if images:
+                    generations = with_images(engine).generate_images([j.prompt for j in batch
+                                                                       if isinstance(j.prompt, ImagePrompt)], sampling)
+                else:
+                    prompts = [j.prompt for j in batch if not isinstance(j.prompt, ImagePrompt)]
+                    generations = (engine.generate(prompts, sampling) if adapter is None
+                                   else with_adapters(engine).generate(prompts, sampling, adapter=adapter))
             except Exception as e:  # the engine failed: every request of the call gets a 500
                 log.exception("generation failed")
-                for job, _ in batch:
+                for job in batch:
                     job.future.set_exception(ApiError(500, f"generation failed: {e}", kind="server_error"))
                 continue
-            for (job, ids), generation in zip(batch, generations, strict=True):
+            for job, generation in zip(batch, generations, strict=True):
                 deltas = [text_deltas(engine, c) for c in generation.completions] if job.stream else []
-                job.future.set_result(Served(ids, generation, deltas))
+                job.future.set_result(Served(list(generation.prompt_token_ids), generation, deltas))
         self.last_call_s = time.monotonic() - started
 
 
@@ -225,6 +232,20 @@ def with_adapters(engine: Engine) -> AdapterEngine:
     """`engine` as an engine that serves adapters; TypeError for one that cannot (serve.adapters needs vLLM)."""
     if not isinstance(engine, AdapterEngine):
         raise TypeError(f"{type(engine).__name__} serves no adapters (serve.adapters needs explorer.engine vllm)")
+    return engine
+
+
+@runtime_checkable
+class ImageEngine(Protocol):
+    """An engine that generates from image prompts (rft.engine.VisionEngine: both engines on a VLM)."""
+
+    def generate_images(self, prompts: Sequence[ImagePrompt], sampling: SamplingSettings) -> list[Generation]: ...
+
+
+def with_images(engine: Engine) -> ImageEngine:
+    """`engine` as an engine that takes image prompts; TypeError for one that cannot."""
+    if not isinstance(engine, ImageEngine):
+        raise TypeError(f"{type(engine).__name__} generates from no image prompts")
     return engine
 
 

@@ -29,7 +29,7 @@ from rft.serve.app import create_app
 from rft.serve.engine_thread import EngineWorker
 from rft.serve.ledger import FeedbackLedger
 from rft.serve.part import part_config
-from rft.serve.requests import renderer
+from rft.serve.requests import ImageLimits, image_renderer, renderer
 from rft.serve.service import Limits, ServeService
 from rft.transport.run_topics import RunTopics
 from rft.weights.store import WeightStore
@@ -71,11 +71,15 @@ def build_service(cfg: Config, *, transport: Transport | None = None, engine_fac
     log.info("ledger: %d served / feedback records read back", loaded)
     worker.start()
     render, tokenizer = renderer(cfg.model), _own_copy(_tokenizer_of(worker.engine))
+    processor = getattr(worker.engine, "processor", None)  # a vision-language model's (rft.engine.VisionEngine)
     return ServeService(worker=worker, sink=transport.sink(client_id="serve"), ledger=ledger, topics=topics,
                         model_name=cfg.serve.model_name or cfg.run.name, max_tokens=cfg.model.max_response_len,
                         tokenize=lambda messages: render(tokenizer, messages), limits=Limits.of(cfg.serve),
                         rewards=RewardRange.of(cfg.run),
-                        ack_timeout_s=cfg.kafka.request_timeout_ms / 1000)
+                        ack_timeout_s=cfg.kafka.request_timeout_ms / 1000,
+                        images=ImageLimits.of(cfg.serve, vision=processor is not None),
+                        render_images=(image_renderer(cfg.model, _own_copy(processor), cfg.serve.max_image_pixels)
+                                       if processor is not None else None))
 
 
 def _tokenizer_of(engine: Engine | None) -> Any:

@@ -14,6 +14,9 @@ Contracts:
   choice; also `system_fingerprint: rft-v<version>`).
 - An adapter's traffic (`serve.adapters`) is answered, not recorded: it trains no run here (each run's own
   `rft serve` records its traffic), and feedback on it is refused as unknown (404).
+- A request with images (a vision-language model; rft/serve/requests.py) is answered, not recorded, until the served
+  record carries its images (without them the prompt's image tokens could not be trained on); feedback on it is
+  refused as unknown (404).
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from rft.schema import RewardRange, ServedChoice, ServedCompletion
 from rft.serve.engine_thread import EngineWorker, Served
 from rft.serve.feedback import parse_feedback
 from rft.serve.ledger import FeedbackLedger, FeedbackRefused
-from rft.serve.requests import ApiError, ChatRequest, parse_chat_request, prompt_key
+from rft.serve.requests import ApiError, ChatRequest, ImageLimits, parse_chat_request, prompt_key
 from rft.transport.run_topics import RunTopics
 
 if TYPE_CHECKING:
@@ -81,11 +84,15 @@ class ServeService:
 
     def __init__(self, *, worker: EngineWorker, sink: RecordSink, ledger: FeedbackLedger, topics: RunTopics,
                  model_name: str, max_tokens: int, tokenize: Callable[[list], list[int]], rewards: RewardRange,
-                 limits: Limits = Limits(), ack_timeout_s: float = 30.0):
+                 limits: Limits = Limits(), ack_timeout_s: float = 30.0,
+                 images: ImageLimits | None = None, render_images: Callable[[list, tuple], Any] | None = None):
+        """`images`: the image parts a request may carry (none: a text model); `render_images(messages, images)`
+        renders such a request to an ImagePrompt on the tokenizer thread (rft.serve.requests.image_renderer)."""
         self.worker, self.sink, self.ledger, self.topics = worker, sink, ledger, topics
         self.rewards = rewards  # the feedback rewards accepted (run.reward_min / reward_max); 400 otherwise
         self.model_name, self.max_tokens, self.ack_timeout_s = model_name, max_tokens, ack_timeout_s
         self.tokenize, self.limits = tokenize, limits
+        self.images, self.render_images = images or ImageLimits(), render_images
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="serve-tokenize")
         self._tokenizing = 0  # requests admitted and not yet submitted to the engine thread (event loop only)
         self.metrics = Metrics()
@@ -123,9 +130,12 @@ class ServeService:
         try:
             self._tokenizing += 1
             try:
-                prompt = await asyncio.wait_for(loop.run_in_executor(self._tokenizer_thread, self.tokenize,
-                                                                     request.messages),
-                                                max(0.0, deadline - time.time()))
+                if request.images and self.render_images is not None:
+                    rendering = loop.run_in_executor(self._tokenizer_thread, self.render_images, request.messages,
+                                                     request.images)
+                else:
+                    rendering = loop.run_in_executor(self._tokenizer_thread, self.tokenize, request.messages)
+                prompt = await asyncio.wait_for(rendering, max(0.0, deadline - time.time()))
                 generated = self.worker.submit(prompt, s, request.stream, request.adapter)
             finally:
                 self._tokenizing -= 1
@@ -148,13 +158,13 @@ class ServeService:
     async def complete(self, body: Any) -> dict | tuple[dict, list[list[str]]]:
         received = time.time()
         request = parse_chat_request(body, model_name=self.model_name, max_tokens=self.max_tokens,
-                                     adapters=tuple(self.worker.adapters))
+                                     adapters=tuple(self.worker.adapters), images=self.images)
         served = await self._generate(request, received)
         completions = served.generation.completions
         version = min(c.weights_version for c in completions)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        if request.adapter is not None:  # another run's adapter: answered, not recorded (module docstring)
-            answer = self._answer(request_id, received, request.adapter, version, served)
+        if request.adapter is not None or request.images:  # answered, not recorded (module docstring)
+            answer = self._answer(request_id, received, request.adapter or self.model_name, version, served)
             return (answer, served.deltas) if request.stream else answer
         s = request.sampling
         record = ServedCompletion(

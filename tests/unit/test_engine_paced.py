@@ -34,6 +34,10 @@ class StandInEngine:
         self.seen.append(("generate", self.board.explorer_busy()))
         return []
 
+    def generate_images(self, prompts, sampling):
+        self.seen.append(("generate images", self.board.explorer_busy()))
+        return []
+
     def load_weights(self, path, version):
         self.seen.append(("load", self.board.explorer_busy()))
         self.weights_version = version
@@ -77,14 +81,16 @@ def test_the_explorer_is_busy_while_its_engine_computes(tmp_path):
     assert inner.seen == [("generate", True), ("generate", True)] and workflow.workflow.between == [True]
     assert not board.explorer_busy() and len(board.fitted) == 1
 
+    engine.generate_images([], None)  # image prompts (a vision-language model) compute as generates do
+    assert inner.seen[-1] == ("generate images", True) and not board.explorer_busy() and len(board.fitted) == 2
     engine.load_weights("v1", 1)  # a reload computes, on the threads the explorer holds
-    assert inner.seen[-1] == ("load", True) and not board.explorer_busy() and len(board.fitted) == 1
+    assert inner.seen[-1] == ("load", True) and not board.explorer_busy() and len(board.fitted) == 2
 
     engine.submit("a", [1], None)
     engine.submit("b", [1], None)
     engine.step()  # "b" is still unfinished: the explorer computes on
-    assert inner.seen[-1] == ("step", True) and board.explorer_busy() and len(board.fitted) == 2
+    assert inner.seen[-1] == ("step", True) and board.explorer_busy() and len(board.fitted) == 3
     engine.load_weights_in_flight("v2", 2, recompute=True)
     assert inner.seen[-1] == ("load in flight", True) and board.explorer_busy()
     engine.step()  # nothing unfinished after it: waiting
-    assert not board.explorer_busy() and len(board.fitted) == 3
+    assert not board.explorer_busy() and len(board.fitted) == 4
