@@ -79,7 +79,7 @@ class Idefics3Bridge(DecoderBridge):
         return problems
 
     def build_model(self, *, config, spec, pre_process: bool, post_process: bool, tp: int):
-        from megatron_bridge.vision import Idefics3GPTModel
+        from megatron_bridge.vision import Idefics3GPTModel  # heavy: megatron.core, transformers
 
         return Idefics3GPTModel(self.vlm, image_token_id=self.image_token_id, config=config,
                                 transformer_layer_spec=spec, pre_process=pre_process, post_process=post_process,
