@@ -49,7 +49,7 @@ def make_tiny_idefics3(out_dir: str | Path, *, image_size: int = 32, patch_size:
         scale_factor=scale_factor, image_token_id=vocab["<image>"], pad_token_id=0,
         tie_word_embeddings=tie_word_embeddings, architectures=["Idefics3ForConditionalGeneration"])
     torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config).to(torch.float32)
+    model = Idefics3ForConditionalGeneration(config)  # float32: torch's default dtype
     model.save_pretrained(out, safe_serialization=True)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
                                    bos_token="<bos>", unk_token="<pad>")
