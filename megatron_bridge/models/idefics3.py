@@ -60,6 +60,16 @@ class Idefics3Bridge(DecoderBridge):
     def image_token_id(self) -> int:
         return int(self.vlm.image_token_id)
 
+    @property
+    def image_size(self) -> int:
+        return int(self.vlm.vision_config.image_size)
+
+    @property
+    def image_seq_len(self) -> int:
+        """Placeholder tokens (features) per image: the patch grid over the pixel shuffle's factor squared."""
+        vision = self.vlm.vision_config
+        return (vision.image_size // vision.patch_size) ** 2 // int(self.vlm.scale_factor) ** 2
+
     def unsupported_options(self) -> list[str]:
         text, vision, problems = self.hf, self.vlm.vision_config, []
         if getattr(text, "model_type", None) != "llama":

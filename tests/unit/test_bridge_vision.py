@@ -81,3 +81,18 @@ def test_config_checks_read_the_text_models_sizes(tmp_path):
     (other / "config.json").write_text(json.dumps({"vocab_size": 99}))
     assert vocabulary_problem(str(vlm), str(vlm)) is None
     assert "vocab_size 99 and the student" in vocabulary_problem(str(vlm), str(other))
+
+
+def test_the_check_commands_batch_holds_one_image_per_row_with_its_placeholders():
+    import argparse
+
+    from megatron_bridge.check import random_batch
+
+    bridge = bridge_for(idefics3())
+    args = argparse.Namespace(seed=0, batch=3, seq_len=12)
+    batch = random_batch(args, 103, bridge)
+    assert bridge.image_seq_len == 4 and batch["pixel_values"].shape == (3, 1, 3, 32, 32)
+    assert ((batch["input_ids"] == 100).sum(1) == 4).all() and (batch["input_ids"][:, 1:5] == 100).all()
+    with pytest.raises(ValueError, match="--seq-len 4 cannot hold an image's 4 placeholders"):
+        random_batch(argparse.Namespace(seed=0, batch=1, seq_len=4), 103, bridge)
+    assert "pixel_values" not in random_batch(args, 103, None)
