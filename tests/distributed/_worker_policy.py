@@ -125,9 +125,10 @@ def vlm_micro_batches(hf_dir: str) -> list[dict[str, torch.Tensor]]:
 
 
 def run_vlm_case(spec: dict, *, name: str, tp: int, pp: int, load: str | None = None) -> None:
-    """A tiny Idefics3 policy: with `load`, load that checkpoint and export; else one step without clipping (so the
-    gradients stay as computed), each rank's vision tower and connector gradients to
-    `<name>.grads.rank<r>.safetensors` (HF names; first stage only), the export and a checkpoint."""
+    """A tiny Idefics3 policy (asked to share prompts, which it cannot): with `load`, load that checkpoint and
+    export; else one step without clipping (so the gradients stay as computed), its metrics with `describe()`, each
+    rank's vision tower and connector gradients to `<name>.grads.rank<r>.safetensors` (HF names; first stage only),
+    the export and a checkpoint."""
     from safetensors.torch import save_file
 
     from megatron_bridge import parallel
@@ -135,7 +136,8 @@ def run_vlm_case(spec: dict, *, name: str, tp: int, pp: int, load: str | None = 
     from megatron_bridge.policy import MegatronPolicy
 
     out = Path(spec["out_dir"])
-    policy = MegatronPolicy(spec["idefics3"], tp=tp, pp=pp, seed=0, **{**HYPERPARAMETERS, "grad_clip": 0.0})
+    policy = MegatronPolicy(spec["idefics3"], tp=tp, pp=pp, seed=0, share_prompts=True,
+                            **{**HYPERPARAMETERS, "grad_clip": 0.0})
     if load:
         policy.load_checkpoint(out / load)
         policy.save_hf(out / f"{name}.loaded.hf")
@@ -147,7 +149,7 @@ def run_vlm_case(spec: dict, *, name: str, tp: int, pp: int, load: str | None = 
         if grads:
             save_file(grads, out / f"{name}.grads.rank{policy.layout.rank}.safetensors")
         if policy.layout.rank == 0:
-            (out / f"{name}.metrics.json").write_text(json.dumps(metrics))
+            (out / f"{name}.metrics.json").write_text(json.dumps({**metrics, "describe": policy.describe()}))
         policy.save_hf(out / f"{name}.step1.hf")
         policy.save_checkpoint(out / f"{name}.ckpt")
     parallel.destroy(keep_process_group=True)

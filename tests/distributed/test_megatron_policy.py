@@ -206,7 +206,9 @@ def test_vision_tower_gradients_are_the_same_on_every_tp_rank_and_those_of_trans
         loss, _ = cases.token_mean_nll(logprobs, mb)
         loss.backward()
         total += loss.item()
-    assert json.loads((results / "vlm_tp2.metrics.json").read_text())["loss"] == pytest.approx(total, rel=1e-6)
+    metrics = json.loads((results / "vlm_tp2.metrics.json").read_text())
+    assert metrics["loss"] == pytest.approx(total, rel=1e-6)
+    assert metrics["describe"].endswith("prompts not shared (a vision-language model)")
     tower = ("model.vision_model.", "model.connector.")
     expected = {n: p.grad for n, p in hf.named_parameters() if n.startswith(tower)}
     assert sorted(ranks[0]) == sorted(ranks[1]) == sorted(expected)
