@@ -6,6 +6,8 @@ directory. For every case, in one process group:
 - `<name>.logits.safetensors` (written by the rank holding the full logits): `input_ids` of a seeded
   random batch (with "images": true, a vision-language batch with `pixel_values` and `pixel_attention_mask`,
   `image_batch`) and megatron's logits for it, gathered over TP, padding columns dropped;
+- `<name>.mismatch.txt` (images, one pipeline stage; rank 0): the error of the same batch with one image placeholder
+  replaced by a text token;
 - `<name>.hf/`: the model exported with `save_hf` (bucketed, gathered over TP and PP);
 - `<name>.export.json` (rank 0): a second, bucketed export, with the bucket contents' sizes and the
   peak resident memory of the process during it above the level at its start (VmHWM after
@@ -96,6 +98,14 @@ def run_case(case: dict, out: Path, bucket_bytes: int) -> None:
     if where.is_last_stage and where.tp_rank == 0 and where.dp_rank == 0:
         save_file({**{k: v for k, v in batch.items() if k != "position_ids"}, "logits": logits[0].contiguous()},
                   out / f"{case['name']}.logits.safetensors")
+    if case.get("images") and case["pp"] == 1:  # one placeholder short: refused on every rank (one stage: no hang)
+        short = dict(batch, input_ids=batch["input_ids"].clone())
+        short["input_ids"][0, 5] = 3
+        try:
+            schedule.run(models, [short], lambda shard, mb: gather_logits(shard, vocab), forward_only=True)
+        except ValueError as e:
+            if where.rank == 0:
+                (out / f"{case['name']}.mismatch.txt").write_text(str(e))
     save_hf(models, out / f"{case['name']}.hf")
     export = measured_export(models, bucket_bytes)
     if where.is_publisher:

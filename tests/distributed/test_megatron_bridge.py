@@ -101,6 +101,14 @@ def test_logits_match_transformers(results, models, case, model):
     assert (saved["logits"] - expected).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("case", ["idefics3_tp2", "idefics3_tp1"])
+def test_image_placeholders_that_do_not_match_the_images_are_refused(results, case):
+    """image_batch's 3 real images give 12 features; with one placeholder replaced there are 11 (transformers'
+    masked_scatter would silently drop the last feature)."""
+    message = (results / f"{case}.mismatch.txt").read_text()
+    assert "11 image placeholder tokens (id 100) and its images give 12 features (3 images x 4)" in message
+
+
 @pytest.mark.parametrize("case,model", [(c[0], c[1]) for c in CASES])
 def test_round_trip_reproduces_every_tensor_exactly(results, models, case, model):
     original = load_file(models[model] / "model.safetensors")
