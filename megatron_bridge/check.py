@@ -2,7 +2,8 @@
 the bridge on a model.
 
 Loads HF_DIR into a TP x PP (x EP for a mixture of experts; the layers split unevenly with --pp-layers)
-megatron GPTModel, runs one seeded random token batch through megatron's
+megatron GPTModel, runs one seeded random token batch (a vision-language model: one random image per row, its
+placeholders expanded) through megatron's
 pipeline schedule and through `transformers`, and prints the largest absolute logit difference, which must be at
 most `tolerance x scale`, where scale = max(1, largest |logit| of transformers): float32 rounding grows with the
 logits' magnitude (a pretrained 30-layer model's logits reach ~35, a tiny random model's stay below 1); then
@@ -82,16 +83,29 @@ class LogitReport:
     scale: float = 1.0  # max(1, largest |logit| of the reference): the tolerance is relative to it
 
 
-def random_batch(args: argparse.Namespace, vocab_size: int) -> dict[str, torch.Tensor]:
+def random_batch(args: argparse.Namespace, vocab_size: int, bridge=None) -> dict[str, torch.Tensor]:
+    """Seeded random tokens; for a vision-language `bridge` (one with `image_seq_len`), one random image per row
+    (`pixel_values` [batch, 1, 3, S, S]) and its placeholders, expanded, from position 1 on (ValueError when
+    --seq-len cannot hold them)."""
     generator = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, vocab_size, (args.batch, args.seq_len), generator=generator)
-    return {"input_ids": ids, "position_ids": torch.arange(args.seq_len).expand(args.batch, -1).contiguous()}
+    batch = {"input_ids": ids, "position_ids": torch.arange(args.seq_len).expand(args.batch, -1).contiguous()}
+    placeholders = getattr(bridge, "image_seq_len", 0)
+    if placeholders:
+        if args.seq_len < placeholders + 1:
+            raise ValueError(f"--seq-len {args.seq_len} cannot hold an image's {placeholders} placeholders")
+        token = bridge.image_token_id
+        ids[ids == token] = (token + 1) % vocab_size  # no stray placeholders in the text
+        ids[:, 1:1 + placeholders] = token
+        side = bridge.image_size
+        batch["pixel_values"] = torch.randn(args.batch, 1, 3, side, side, generator=generator)
+    return batch
 
 
 def compare_logits(models, args: argparse.Namespace) -> LogitReport:
     """Max |megatron - transformers| logit difference, known on every rank."""
     info = unwrap(models[0]).bridge_info
-    batch = random_batch(args, info.dims.vocab_size)
+    batch = random_batch(args, info.dims.vocab_size, info.bridge)
     outputs = schedule.run(models, [batch], lambda logits, mb: gather_logits(logits, info.dims.vocab_size),
                            forward_only=True)
     where = parallel.layout()
@@ -113,16 +127,18 @@ def _all_max(value: torch.Tensor) -> None:
 
 
 def transformers_logits(args: argparse.Namespace, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
     dtype = getattr(torch, args.dtype)
     target = device.compute_device()  # the GPU on a GPU machine: both sides then use CUDA kernels
-    model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=dtype).to(target)  # type: ignore[arg-type]  # transformers' wrapped `to`
+    auto = AutoModelForImageTextToText if "pixel_values" in batch else AutoModelForCausalLM
+    model = auto.from_pretrained(args.hf_dir, dtype=dtype).to(target)  # type: ignore[arg-type]  # transformers' wrapped `to`
+    images = {"pixel_values": batch["pixel_values"].to(target, dtype)} if "pixel_values" in batch else {}
     with torch.no_grad():
-        return model(input_ids=batch["input_ids"].to(target),
-                     position_ids=batch["position_ids"].to(target)).logits.float().cpu()
+        return model(input_ids=batch["input_ids"].to(target), position_ids=batch["position_ids"].to(target),
+                     **images).logits.float().cpu()
 
 
 def round_trip(models, args: argparse.Namespace) -> list[str]:

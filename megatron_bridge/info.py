@@ -51,7 +51,7 @@ class BridgeInfo:
             while layer >= self.first_layer(stage + 1):
                 stage += 1
             return stage
-        return 0 if megatron_name == EMBEDDING else self.pp - 1
+        return 0 if megatron_name == EMBEDDING or self.bridge.on_first_stage(megatron_name) else self.pp - 1
 
     def owner_ep_rank(self, megatron_name: str) -> int | None:
         """Expert-parallel rank holding a global (expert-resolved) routed expert's weight; None for every

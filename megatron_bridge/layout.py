@@ -38,6 +38,7 @@ def layout_problem(hf_dir: str, *, tp: int, pp: int, ep: int = 1, pp_layers: tup
             hf = json.load(f)
     except (OSError, ValueError) as e:
         return f"{path}: cannot read the model's config ({e})"
+    hf = hf.get("text_config") or hf  # a vision-language model's language model is what TP and PP split
     heads = hf.get("num_attention_heads")
     kv_heads = hf.get("num_key_value_heads") or heads
     layers = hf.get("num_hidden_layers")
@@ -68,7 +69,8 @@ def vocabulary_problem(student_dir: str, teacher_dir: str, *, role: str = "teach
         path = os.path.join(hf_dir, "config.json")
         try:
             with open(path) as f:
-                sizes.append(json.load(f).get("vocab_size"))
+                config = json.load(f)
+            sizes.append((config.get("text_config") or config).get("vocab_size"))
         except (OSError, ValueError) as e:
             return f"{path}: cannot read the model's config ({e})"
     if sizes[0] is None or sizes[0] != sizes[1]:

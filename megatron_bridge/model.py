@@ -121,8 +121,6 @@ def build_model(hf_dir: str | Path, *, dtype: str | torch.dtype = "float32", loa
     `z_loss_coeff`: a mixture of experts' load-balancing and router z-loss coefficients (0: off). `lora` with a
     rank > 0: LoRA adapters on its target linears (megatron_bridge.lora; always megatron's local spec, dense
     models only), initialised from `seed` or loaded from `lora.init_from`, and every other parameter frozen."""
-    from megatron.core.models.gpt import GPTModel
-
     hf_dir = Path(hf_dir)
     bridge = bridge_for(load_hf_config(hf_dir))
     where = parallel.layout()
@@ -131,6 +129,9 @@ def build_model(hf_dir: str | Path, *, dtype: str | torch.dtype = "float32", loa
     config = bridge.transformer_config(tp=where.tp, pp=where.pp, ep=where.ep, pp_layers=pp_layers, dtype=dtype,
                                        on_cpu=device.is_installed(), aux_loss_coeff=aux_loss_coeff,
                                        z_loss_coeff=z_loss_coeff)
+    if lora is not None and bridge.first_stage_prefixes:
+        raise ValueError(f"model.lora: LoRA on a vision-language model ({bridge.hf_class}) is not supported; set "
+                         "model.lora.rank 0")
     if config.num_moe_experts:
         if lora is not None:
             raise ValueError(f"model.lora: LoRA on a mixture of experts ({bridge.hf_class}) is not supported: "
@@ -138,8 +139,8 @@ def build_model(hf_dir: str | Path, *, dtype: str | torch.dtype = "float32", loa
         _define_missing_te_gemm()
     spec = (adapters.layer_spec(lora, qk_layernorm=config.qk_layernorm) if lora is not None
             else _layer_spec(te, config, where.pp_rank))
-    model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=where.is_first_stage,
-                     post_process=where.is_last_stage, **bridge.gpt_model_kwargs(where.tp))
+    model = bridge.build_model(config=config, spec=spec, pre_process=where.is_first_stage,
+                               post_process=where.is_last_stage, tp=where.tp)
     if not device.is_installed():
         model.cuda(torch.cuda.current_device())
     # megatron's local-spec norms ignore params_dtype; megatron-LM casts the whole model the same way

@@ -30,6 +30,9 @@ import megatron_bridge.shared_prompts as shared_prompts
 from megatron_bridge.model import config_of
 
 REQUIRED_KEYS = ("input_ids", "position_ids")
+# a vision-language model's image tensors, passed to the first stage's forward when a micro-batch has them
+# (megatron_bridge.vision)
+IMAGE_KEYS = ("pixel_values", "pixel_attention_mask")
 
 
 def check_micro_batch(mb: dict[str, torch.Tensor], index: int) -> None:
@@ -99,6 +102,9 @@ def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tenso
         mb = to_compute_device(next(data_iterator))
         if before_forward is not None:
             before_forward(model, mb)
+        if (packed or costs is not None) and any(k in mb for k in IMAGE_KEYS):
+            raise ValueError("packed sequences and shared prompts do not take images (a vision-language model's "
+                             "micro-batch has pixel_values)")
         if packed:
             return packing.packed_forward(model, mb), partial(loss_func, mb, 0)
         start["at"] = first = first_loss_position(mb) if cut else 0
@@ -108,7 +114,8 @@ def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tenso
                 start["at"] = 0  # the shared forward picks the output layer's positions itself
                 return shared_prompts.forward(model, mb, plan, first), partial(loss_func, mb, first)
         ids, positions = _right_pad(mb["input_ids"], multiple), _right_pad(mb["position_ids"], multiple, positions=True)
-        logits = model(input_ids=ids, position_ids=positions, attention_mask=None)
+        images = {k: mb[k] for k in IMAGE_KEYS if mb.get(k) is not None}
+        logits = model(input_ids=ids, position_ids=positions, attention_mask=None, **images)
         return logits, partial(loss_func, mb, first)
 
     longest = max(mb["input_ids"].shape[1] for mb in micro_batches)

@@ -147,6 +147,8 @@ def applies(model: torch.nn.Module) -> str | None:
     if not isinstance(getattr(core, "rotary_pos_emb", None), RotaryEmbedding) or \
             getattr(core, "position_embedding_type", None) != "rope":
         return "a position embedding other than rotary"
+    if core.bridge_info.bridge.first_stage_prefixes:
+        return "a vision-language model"
     if not (getattr(core, "pre_process", False) and getattr(core, "post_process", False)):
         return "a model split into stages"
     return None

@@ -89,6 +89,9 @@ class DecoderBridge:
     """
 
     hf_class: ClassVar[str] = ""
+    # megatron parameter name prefixes of modules beside the decoder that live on the first pipeline stage (a
+    # vision tower and its connector); they are replicated over TP: every mapping of theirs is `Replicated`
+    first_stage_prefixes: ClassVar[tuple[str, ...]] = ()
     qkv_bias: ClassVar[bool] = False
     qk_layernorm: ClassVar[bool] = False  # RMSNorm over each head's query and key (Qwen3)
     mapping_table: ClassVar[tuple[ParamMapping, ...]] = ()
@@ -220,6 +223,19 @@ class DecoderBridge:
                     rotary_base=rope["rope_theta"], rope_scaling=llama3,
                     rope_scaling_factor=float(rope.get("factor", 8.0)) if llama3 else 8.0,
                     share_embeddings_and_output_weights=self.tied_embeddings, parallel_output=True)
+
+    def build_model(self, *, config, spec, pre_process: bool, post_process: bool, tp: int):
+        """This pipeline stage's megatron module: a GPTModel here; a vision-language bridge returns a GPTModel
+        subclass with its vision tower on the first stage (megatron_bridge.vision)."""
+        from megatron.core.models.gpt import GPTModel
+
+        return GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process,
+                        post_process=post_process, **self.gpt_model_kwargs(tp))
+
+    def on_first_stage(self, megatron_name: str) -> bool:
+        """Whether a global megatron parameter beside the decoder lives on the first pipeline stage (the
+        embedding is `megatron_bridge.info`'s business)."""
+        return megatron_name.startswith(self.first_stage_prefixes) if self.first_stage_prefixes else False
 
     def mappings(self) -> list[ParamMapping]:
         """The mapping table for this config (no output layer entry when embeddings are tied)."""

@@ -29,8 +29,10 @@ class LlamaBridge(DecoderBridge):
     mapping_table = LLAMA_TABLE
 
     def unsupported_options(self) -> list[str]:
-        problems = super().unsupported_options()
-        for option in ("attention_bias", "mlp_bias"):
-            if getattr(self.hf, option, False):
-                problems.append(f"{option}=True (biases on every projection are not mapped)")
-        return problems
+        return super().unsupported_options() + self.llama_refusals(self.hf)
+
+    @staticmethod
+    def llama_refusals(hf) -> list[str]:
+        """What a Llama config may set that the table does not map."""
+        return [f"{option}=True (biases on every projection are not mapped)"
+                for option in ("attention_bias", "mlp_bias") if getattr(hf, option, False)]

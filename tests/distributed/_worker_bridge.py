@@ -4,7 +4,10 @@ Usage: torchrun --nproc-per-node N _worker_bridge.py SPEC.json. The spec lists c
 {"name", "hf_dir", "tp", "pp"} (optionally "ep", and "pp_layers" for an uneven pipeline split) and an output
 directory. For every case, in one process group:
 - `<name>.logits.safetensors` (written by the rank holding the full logits): `input_ids` of a seeded
-  random batch and megatron's logits for it, gathered over TP, padding columns dropped;
+  random batch (with "images": true, a vision-language batch with `pixel_values` and `pixel_attention_mask`,
+  `image_batch`) and megatron's logits for it, gathered over TP, padding columns dropped;
+- `<name>.mismatch.txt` (images, one pipeline stage; rank 0): the error of the same batch with one image placeholder
+  replaced by a text token;
 - `<name>.hf/`: the model exported with `save_hf` (bucketed, gathered over TP and PP);
 - `<name>.export.json` (rank 0): a second, bucketed export, with the bucket contents' sizes and the
   peak resident memory of the process during it above the level at its start (VmHWM after
@@ -33,6 +36,31 @@ def random_batch(vocab_size: int, *, batch: int = 2, seq_len: int = 24, seed: in
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (batch, seq_len), generator=generator)
     return {"input_ids": ids, "position_ids": torch.arange(seq_len).expand(batch, -1).contiguous()}
+
+
+def image_batch(hf_dir: str, *, seq_len: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A seeded two-row batch for a tiny Idefics3 (rft.models.tiny_vlm): row 0 one image, row 1 two (row 0's second
+    image slot all-zero padding, which transformers drops; row 1's second image 3/4 wide, the rest masked by
+    `pixel_attention_mask`), each `<fake><global-img><image> x n<fake>` as the processor expands it, then random text
+    tokens (no special ones)."""
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    vision, image_token = config["vision_config"], config["image_token_id"]
+    side, n = vision["image_size"], (vision["image_size"] // vision["patch_size"]) ** 2 // config["scale_factor"] ** 2
+    fake, global_img = image_token - 1, image_token + 1  # the tiny model's tokenizer: <fake>, <image>, <global-img>
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, fake, (2, seq_len), generator=generator)
+    block = torch.tensor([fake, global_img] + [image_token] * n + [fake])
+    for row, starts in ((0, [3]), (1, [1, 2 + len(block)])):
+        for start in starts:
+            ids[row, start:start + len(block)] = block
+    pixels = torch.randn(2, 2, 3, side, side, generator=generator)
+    pixels[0, 1] = 0.0
+    mask = torch.ones(2, 2, side, side, dtype=torch.int64)
+    mask[0, 1] = 0
+    mask[1, 1, :, 3 * side // 4:] = 0
+    pixels[1, 1, :, :, 3 * side // 4:] = 0.0
+    return {"input_ids": ids, "position_ids": torch.arange(seq_len).expand(2, -1).contiguous(), "pixel_values": pixels,
+            "pixel_attention_mask": mask}
 
 
 def _memory_kib(field: str) -> int:
@@ -65,11 +93,19 @@ def run_case(case: dict, out: Path, bucket_bytes: int) -> None:
     pp_layers = case.get("pp_layers")
     models = build_model(case["hf_dir"], pp_layers=tuple(pp_layers) if pp_layers else None)
     vocab = models[0].bridge_info.dims.vocab_size
-    batch = random_batch(vocab)
+    batch = image_batch(case["hf_dir"]) if case.get("images") else random_batch(vocab)
     logits = schedule.run(models, [batch], lambda shard, mb: gather_logits(shard, vocab), forward_only=True)
     if where.is_last_stage and where.tp_rank == 0 and where.dp_rank == 0:
-        save_file({"input_ids": batch["input_ids"], "logits": logits[0].contiguous()},
+        save_file({**{k: v for k, v in batch.items() if k != "position_ids"}, "logits": logits[0].contiguous()},
                   out / f"{case['name']}.logits.safetensors")
+    if case.get("images") and case["pp"] == 1:  # one placeholder short: refused on every rank (one stage: no hang)
+        short = dict(batch, input_ids=batch["input_ids"].clone())
+        short["input_ids"][0, 5] = 3
+        try:
+            schedule.run(models, [short], lambda shard, mb: gather_logits(shard, vocab), forward_only=True)
+        except ValueError as e:
+            if where.rank == 0:
+                (out / f"{case['name']}.mismatch.txt").write_text(str(e))
     save_hf(models, out / f"{case['name']}.hf")
     export = measured_export(models, bucket_bytes)
     if where.is_publisher:

@@ -1,7 +1,7 @@
 """torchrun worker for tests/distributed/test_megatron_policy.py: MegatronPolicy training steps and
 checkpoints at several layouts, in one 2-process group.
 
-Usage: torchrun --nproc-per-node 2 _worker_policy.py SPEC.json, with SPEC {"out_dir", "qwen", "llama"}
+Usage: torchrun --nproc-per-node 2 _worker_policy.py SPEC.json, with SPEC {"out_dir", "qwen", "llama", "idefics3"}
 (HF model directories). Cases, in order (world size 2, so tp=pp=1 means dp=2):
 - qwen_tp2: forward_logprobs of batch 1 -> `qwen_tp2.logprobs.safetensors`; step on batch 1 -> export
   `qwen_tp2.step1.hf`, checkpoint `qwen_tp2.ckpt`; step on batch 2 -> export `qwen_tp2.step2.hf`.
@@ -12,6 +12,9 @@ Usage: torchrun --nproc-per-node 2 _worker_policy.py SPEC.json, with SPEC {"out_
   `qwen_dp2_resumed.loaded.hf`; step on batch 2 -> `qwen_dp2_resumed.step2.hf`.
 - llama_pp2: step on batch 1 -> `llama_pp2.step1.hf`, checkpoint `llama_pp2.ckpt`.
 - llama_tp2: load `llama_pp2.ckpt` (saved at PP=2) -> `llama_tp2.loaded.hf`.
+- vlm_tp2 (a tiny Idefics3, no gradient clipping): step on `vlm_micro_batches` -> each TP rank's vision tower and
+  connector gradients `vlm_tp2.grads.rank<r>.safetensors`, `vlm_tp2.step1.hf`, checkpoint `vlm_tp2.ckpt`.
+- vlm_pp2: load `vlm_tp2.ckpt` (saved at TP=2) -> `vlm_pp2.loaded.hf`.
 Step metrics go to `<case>.metrics.json` (rank 0), with `head_positions`: the number of positions the LM head
 computed logits for, per micro-batch, in each step (rank 0; empty where rank 0 is not the last pipeline stage). The
 entropy metric is computed in chunks of `ENTROPY_CHUNK_TOKENS` positions (7 here, so that micro-batches span several
@@ -99,6 +102,59 @@ def run_case(spec: dict, *, name: str, model: str, tp: int, pp: int, steps: list
     parallel.destroy(keep_process_group=True)
 
 
+VLM_SEQ_LEN, VLM_RESPONSE_FROM = 24, 16  # the image blocks of `image_batch` end before position 16
+
+
+def vlm_micro_batches(hf_dir: str) -> list[dict[str, torch.Tensor]]:
+    """Two batch-contract micro-batches of a tiny Idefics3 (`_worker_bridge.image_batch`, seeds 0 and 1): the loss
+    on the text after the images."""
+    from _worker_bridge import image_batch
+
+    batches = []
+    for seed in (0, 1):
+        batch = image_batch(hf_dir, seq_len=VLM_SEQ_LEN + 1, seed=seed)
+        ids = batch.pop("input_ids")
+        loss_mask = (torch.arange(VLM_SEQ_LEN) >= VLM_RESPONSE_FROM).float().expand(ids.shape[0], -1).contiguous()
+        batches.append({**batch, "input_ids": ids[:, :-1].contiguous(), "target_ids": ids[:, 1:].contiguous(),
+                        "position_ids": torch.arange(VLM_SEQ_LEN).expand(ids.shape[0], -1).contiguous(),
+                        "loss_mask": loss_mask})
+    total = sum(b["loss_mask"].sum() for b in batches)
+    for b in batches:
+        b["global_tokens"], b["global_sequences"] = total.clone(), torch.tensor(4.0)
+    return batches
+
+
+def run_vlm_case(spec: dict, *, name: str, tp: int, pp: int, load: str | None = None) -> None:
+    """A tiny Idefics3 policy (asked to share prompts, which it cannot): with `load`, load that checkpoint and
+    export; else one step without clipping (so the gradients stay as computed), its metrics with `describe()`, each
+    rank's vision tower and connector gradients to `<name>.grads.rank<r>.safetensors` (HF names; first stage only),
+    the export and a checkpoint."""
+    from safetensors.torch import save_file
+
+    from megatron_bridge import parallel
+    from megatron_bridge.model import unwrap
+    from megatron_bridge.policy import MegatronPolicy
+
+    out = Path(spec["out_dir"])
+    policy = MegatronPolicy(spec["idefics3"], tp=tp, pp=pp, seed=0, share_prompts=True,
+                            **{**HYPERPARAMETERS, "grad_clip": 0.0})
+    if load:
+        policy.load_checkpoint(out / load)
+        policy.save_hf(out / f"{name}.loaded.hf")
+    else:
+        metrics = policy.train_step(vlm_micro_batches(spec["idefics3"]), token_mean_nll)
+        prefixes = policy.info.bridge.first_stage_prefixes
+        grads = {f"model.{n}": p.main_grad.detach().clone() for n, p in unwrap(policy.models[0]).named_parameters()
+                 if n.startswith(prefixes)}
+        if grads:
+            save_file(grads, out / f"{name}.grads.rank{policy.layout.rank}.safetensors")
+        if policy.layout.rank == 0:
+            (out / f"{name}.metrics.json").write_text(json.dumps({**metrics, "describe": policy.describe()}))
+        policy.save_hf(out / f"{name}.step1.hf")
+        policy.save_checkpoint(out / f"{name}.ckpt")
+    parallel.destroy(keep_process_group=True)
+
+
 def save_logprobs(values: list[torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
@@ -117,6 +173,8 @@ def main() -> None:
     run_case(spec, name="qwen_dp2_resumed", model="qwen", tp=1, pp=1, steps=[2], load="qwen_tp2.ckpt")
     run_case(spec, name="llama_pp2", model="llama", tp=1, pp=2, steps=[1], save_after=1)
     run_case(spec, name="llama_tp2", model="llama", tp=2, pp=1, steps=[], load="llama_pp2.ckpt")
+    run_vlm_case(spec, name="vlm_tp2", tp=2, pp=1)
+    run_vlm_case(spec, name="vlm_pp2", tp=1, pp=2, load="vlm_tp2.ckpt")
     torch.distributed.destroy_process_group()
 
 

@@ -1,7 +1,8 @@
 """MegatronPolicy under torchrun with gloo: one optimizer step at TP=2, PP=2 and DP=2 equals the unsharded
 step (transformers + torch AdamW, computed here), including the entropy metric, with the LM head run only from each
 micro-batch's first loss position (its input lengths recorded); dist checkpoints reload across layouts; the reference
-model stays the initial model after an optimizer step.
+model stays the initial model after an optimizer step; a vision-language model's (Idefics3) vision tower gets the same
+gradients on every TP rank, those of transformers, and its checkpoint saved at TP=2 loads at PP=2.
 
 One 2-process launch (_worker_policy.py) runs every case and writes exported weights and metrics.
 """
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 
 from megatron_bridge import schedule
 from rft.models.tiny import make_tiny_model
+from rft.models.tiny_vlm import make_tiny_idefics3
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _worker_policy as cases  # noqa: E402  (the worker's data and loss function)
@@ -31,7 +33,8 @@ pytestmark = pytest.mark.distributed
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("policy-models")
     return {"qwen": make_tiny_model(root / "qwen", arch="qwen2", vocab_size=101, seed=4),
-            "llama": make_tiny_model(root / "llama", arch="llama", tie_word_embeddings=False, seed=5)}
+            "llama": make_tiny_model(root / "llama", arch="llama", tie_word_embeddings=False, seed=5),
+            "idefics3": make_tiny_idefics3(root / "idefics3", seed=6)}
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +188,42 @@ def test_resumed_optimizer_state_gives_the_same_second_step(results, reference):
     assert metrics(results, "qwen_tp2")["step2"]["loss"] == pytest.approx(expected_metrics["loss"], rel=RELATIVE)
     assert_weights_close(exported(results, "qwen_dp2_resumed.step2.hf"), expected_weights, steps=2)
     assert_weights_close(exported(results, "qwen_tp2.step2.hf"), expected_weights, steps=2)
+
+
+def test_vision_tower_gradients_are_the_same_on_every_tp_rank_and_those_of_transformers(results, models):
+    """vlm_tp2 (no clipping): the replicated vision tower and connector's gradients after the step's backward are
+    bit-identical on both TP ranks (computed identically: megatron_bridge.vision), and equal transformers' for the
+    same loss up to float32 rounding, relative to the largest gradient (a key bias's true gradient is 0: softmax
+    ignores it, so its ~1e-11 noise is compared on that scale too)."""
+    from transformers import AutoModelForImageTextToText
+
+    ranks = [load_file(results / f"vlm_tp2.grads.rank{r}.safetensors") for r in (0, 1)]
+    hf = AutoModelForImageTextToText.from_pretrained(models["idefics3"], dtype=torch.float32)
+    total = 0.0
+    for mb in cases.vlm_micro_batches(str(models["idefics3"])):
+        logits = hf(**{k: mb[k] for k in ("input_ids", "pixel_values", "pixel_attention_mask")}).logits
+        logprobs = torch.log_softmax(logits, -1).gather(-1, mb["target_ids"][..., None])[..., 0]
+        loss, _ = cases.token_mean_nll(logprobs, mb)
+        loss.backward()
+        total += loss.item()
+    metrics = json.loads((results / "vlm_tp2.metrics.json").read_text())
+    assert metrics["loss"] == pytest.approx(total, rel=1e-6)
+    assert metrics["describe"].endswith("prompts not shared (a vision-language model)")
+    tower = ("model.vision_model.", "model.connector.")
+    expected = {n: p.grad for n, p in hf.named_parameters() if n.startswith(tower)}
+    assert sorted(ranks[0]) == sorted(ranks[1]) == sorted(expected)
+    scale = max(g.abs().max().item() for g in expected.values())
+    assert scale > 1e-3, "the images must reach the loss"
+    for name, grad in expected.items():
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+        assert (ranks[0][name] - grad).abs().max().item() <= 1e-5 * scale, name
+
+
+def test_vision_language_checkpoint_saved_at_tp2_loads_at_pp2_with_identical_weights(results, models):
+    saved = exported(results, "vlm_tp2.step1.hf")
+    loaded = exported(results, "vlm_pp2.loaded.hf")
+    initial = load_file(models["idefics3"] / "model.safetensors")
+    assert sorted(saved) == sorted(loaded) == sorted(initial)
+    assert all(not torch.equal(saved[k], initial[k]) for k in initial if k.startswith("model.vision_model.encoder"))
+    for name in saved:
+        assert torch.equal(saved[name], loaded[name]), name
