@@ -25,8 +25,8 @@ URI = "data:image/png;base64," + base64.b64encode(PNG).decode()
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
-    from rft.models.tiny_vision import make_tiny_idefics3
-    return make_tiny_idefics3(tmp_path_factory.mktemp("vlm") / "idefics3")
+    from rft.models.tiny_vlm import make_tiny_idefics3
+    return make_tiny_idefics3(tmp_path_factory.mktemp("vlm") / "idefics3", longest_edge=64)
 
 
 @pytest.fixture(scope="module")

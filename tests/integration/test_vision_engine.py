@@ -23,10 +23,11 @@ GREEDY = SamplingSettings(n=1, temperature=0.0, max_tokens=8)
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """The tiny Idefics3 (seed 0) and other weights of its shape (seed 1), the version the engines reload."""
-    from rft.models.tiny_vision import make_tiny_idefics3
+    from rft.models.tiny_vlm import make_tiny_idefics3
 
     root = tmp_path_factory.mktemp("vlm")
-    return make_tiny_idefics3(root / "v0", seed=0), make_tiny_idefics3(root / "v1", seed=1)
+    return (make_tiny_idefics3(root / "v0", longest_edge=64, seed=0),
+            make_tiny_idefics3(root / "v1", longest_edge=64, seed=1))
 
 
 @pytest.fixture(scope="module")

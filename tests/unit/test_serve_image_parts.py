@@ -8,7 +8,7 @@ import base64
 import pytest
 
 from rft.models.config import ModelConfig
-from rft.models.tiny_vision import tiny_idefics3_processor
+from rft.models.tiny_vlm import tiny_idefics3_processor
 from rft.serve.requests import ApiError, ImageLimits, image_renderer, parse_chat_request
 from tests.vision_prompts import encoded_image
 
@@ -74,7 +74,7 @@ def test_image_count_role_and_model_limits():
 @pytest.fixture(scope="module")
 def render():
     model = ModelConfig(path="unused", max_prompt_len=80, chat_template=True)
-    return image_renderer(model, tiny_idefics3_processor(), LIMITS.max_image_pixels)
+    return image_renderer(model, tiny_idefics3_processor(longest_edge=64), LIMITS.max_image_pixels)
 
 
 def test_a_request_renders_to_one_image_prompt(render):

@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from rft.models.tiny_vision import tiny_idefics3_processor
+from rft.models.tiny_vlm import tiny_idefics3_processor
 from rft.models.vision import (
     ProcessedPrompt,
     VisionError,
@@ -24,7 +24,7 @@ from tests.vision_prompts import encoded_image
 
 @pytest.fixture(scope="module")
 def processor():
-    return tiny_idefics3_processor()
+    return tiny_idefics3_processor(longest_edge=64)
 
 
 def test_placeholders_expand_as_the_processor_does(processor):
