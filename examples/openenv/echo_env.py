@@ -1,11 +1,11 @@
 """An echo environment for rft's OpenEnv protocol tests (tests/integration/test_openenv.py), served by
 examples/openenv/server.py in .venv-openenv. It imports openenv, not rft.
 
-Reset data (all optional) shapes the episode: `steps` (default 2) steps, the last one done with reward
-`final_reward` (default 1.0; null: an unscored episode), the others with `step_reward` (default 0.0; null: none);
-`fail_at` (1-based step, 0: never) raises there (OpenEnv answers an error frame); `hang_at` sleeps `hang_s` seconds
-(default 30) there, past a client's step timeout. Observation `text`: the reset's greeting, then each step's
-`\\n` + the first 40 characters of the action's `message` + `\\n`.
+Reset data (all optional) shapes the episode: `steps` (default 2; under 1: the reset fails) steps, the last one done
+with reward `final_reward` (default 1.0; null: an unscored episode), the others with `step_reward` (default 0.0;
+null: none); `fail_at` (1-based step, 0: never) raises there (OpenEnv answers an error frame); `hang_at` sleeps
+`hang_s` seconds (default 30) there, past a client's step timeout. Observation `text`: the reset's greeting, then
+each step's `\\n` + the first 40 characters of the action's `message` + `\\n`.
 """
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ class EchoEnvironment(Environment):
     def reset(self, seed: int | None = None, episode_id: str | None = None, steps: int = 2,
               final_reward: float | None = 1.0, step_reward: float | None = 0.0, fail_at: int = 0, hang_at: int = 0,
               hang_s: float = 30.0, **_: Any) -> EchoObservation:
+        if steps < 1:
+            raise ValueError(f"echo: steps must be at least 1, got {steps}")
         self.plan = {"steps": steps, "final_reward": final_reward, "step_reward": step_reward, "fail_at": fail_at,
                      "hang_at": hang_at, "hang_s": hang_s}
         self._state = State(episode_id=episode_id, step_count=0)

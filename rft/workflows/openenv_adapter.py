@@ -88,7 +88,7 @@ class OpenEnvServer:
                                     f"{self.process.returncode} before answering {url}/health")
             try:
                 if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                    log.info("OpenEnv server %s up on %s (pid %d)", command[0], url, self.process.pid)
+                    log.info("OpenEnv server up on %s (pid %d): %s", url, self.process.pid, " ".join(command)[:300])
                     return url
             except httpx.HTTPError:
                 pass
@@ -153,8 +153,12 @@ class OpenEnvEnvironment:
                               close_timeout=1)
         except (OSError, WebSocketException) as e:  # refused, unreachable, a handshake timeout or rejection
             raise RolloutFailure("environment", f"cannot open {server.ws_url}: {e}") from None
-        data = self._exchange({"type": "reset", "data": reset})
-        self.prompt = observation_text(data, options.observation_field)
+        try:
+            data = self._exchange({"type": "reset", "data": reset})
+            self.prompt = observation_text(data, options.observation_field)
+        except RolloutFailure:
+            self.close()  # nobody else holds this episode to close it
+            raise
         self.state = state_key(data["observation"], options.state_field)
 
     def _exchange(self, frame: dict[str, Any]) -> dict[str, Any]:

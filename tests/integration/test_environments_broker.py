@@ -3,7 +3,8 @@ model: FrozenLake and TextArena GuessTheNumber tasks are published by the task p
 each, started together) play them, and every group read back from the experiences topic is checked token by token:
 model turns have loss_mask 1 and a behaviour log-prob, observations have loss_mask 0, log-prob 0 and exactly the
 tokens of the observation a fresh environment (same task, so same seed) gives when the recorded model turns are
-replayed in it, and the reward is that replay's return. Every sample of a group is an episode of one seed."""
+replayed in it, and the reward is that replay's return; each sample's steps (`turns`) span its model turns and the
+observations after them. Every sample of a group is an episode of one seed."""
 from __future__ import annotations
 
 import numpy as np
@@ -86,5 +87,10 @@ def test_environment_episodes_through_broker_and_vllm(broker, tiny_model, tmp_pa
                     tokenizer(o, add_special_tokens=False)["input_ids"] for o in observations[:len(model_turns) - 1]]
                 assert s.reward == pytest.approx(expected) and s.reward_components["return"] == s.reward
                 assert s.reward_components["turns"] == len(model_turns)
+                # the steps (Sample.turns) read back: one per model turn, each from its first token to the end of
+                # the observation after it
+                starts = [i for i in range(len(s.loss_mask)) if s.loss_mask[i] and (i == 0 or not s.loss_mask[i - 1])]
+                ends = starts[1:] + [len(s.loss_mask)]
+                assert [(t.start, t.end) for t in s.turns] == list(zip(starts, ends, strict=True))
                 turn_counts.append(len(model_turns))
     assert max(turn_counts) > 1  # some episodes really were multi-turn

@@ -157,13 +157,16 @@ def test_failures_are_classed_kept_and_never_scored_zero(servers, tiny_model, en
     flow, _ = workflow(tiny_model, {"url": servers["echo"], "step_timeout_s": 0.5}, n_samples=2)
     plans = {"error": {"steps": 3, "fail_at": 2}, "hang": {"steps": 3, "hang_at": 2, "hang_s": 2},
              "unscored": {"steps": 2, "final_reward": None}, "silent": {"steps": 9, "step_reward": None},
-             "scored": {"steps": 2, "step_reward": None, "final_reward": 0.5}}
+             "scored": {"steps": 2, "step_reward": None, "final_reward": 0.5}, "badreset": {"steps": 0}}
     tasks = [TaskRecord("r", name, 0, "unused", "", {"openenv": plan}) for name, plan in plans.items()]
     began = time.monotonic()
     results = {r.task.task_id: r for r in flow.explore(tasks, engine)}
     assert time.monotonic() - began < 30
     expected = {"error": "environment", "hang": "timeout", "unscored": "unscored", "silent": "unscored",
                 "scored": ""}
+    badreset = results["badreset"].samples  # the reset answered an error frame: no prompt, no turn
+    assert [s.failure for s in badreset] == ["environment"] * 2 and all(s.turns is None for s in badreset)
+    assert "steps must be at least 1" in badreset[0].metadata["failure_detail"]
     for name, failure in expected.items():
         result = results[name]
         assert result.error is None and [s.failure for s in result.samples] == [failure] * 2, name
