@@ -74,6 +74,10 @@ class ArithmeticEnvironment(Environment):
 
     def __init__(self, prompt_template: str = "{prompt}") -> None:
         super().__init__()
+        try:  # a template that cannot format fails the server's start (server.py builds one first), not episodes
+            prompt_template.format(prompt="", answer="", reasoning_gym={})
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"prompt_template {prompt_template!r} does not format: {type(e).__name__}: {e}") from None
         self.prompt_template = prompt_template
         self._state = State(step_count=0)
         self.dataset: Any = None

@@ -41,6 +41,10 @@ def main() -> None:
     from openenv.core.env_server.http_server import create_app
 
     factory = functools.partial(environment, **options) if options else environment  # a class: its own flags
+    try:  # options it does not take, or values it refuses, fail the start rather than every episode
+        factory().close()
+    except (TypeError, ValueError) as e:
+        parser.error(f"{args.env}: cannot build the environment with --option {args.option}: {e}")
     app = create_app(factory, action, observation, env_name=args.env, max_concurrent_envs=args.max_sessions)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
