@@ -699,7 +699,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--systems", nargs="+", default=["rft-async,rft-sync,trl"],
                         help=f"systems, comma- or space-separated: {', '.join(SYSTEMS)}, or rft:<algorithm> (the "
                         "config's own mode with that algorithm, e.g. rft:grpo rft:sapo: a race of algorithms, each "
-                        f"compared with {RACE_BASELINE}) (default: rft-async,rft-sync,trl)")
+                        f"compared with {RACE_BASELINE}), or a variant <rft system>@<label> (that system again, e.g. "
+                        "with --system-config) (default: rft-async,rft-sync,trl)")
     parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for every process (0: leave as is)")
     parser.add_argument("--out", default=None, help="keep runs, snapshots and logs here (default: a temporary "
                                                     "directory, removed at the end)")
