@@ -23,6 +23,14 @@ Method.
   Everything else, the budget included, is the same config. `algorithm_race` compares every other `rft:<algorithm>`
   with `rft:grpo` at each mark and at the end: the difference of accuracies, "better" or "worse" when it exceeds
   1.96 standard errors of the difference, else "within noise". TRL's targets are printed only when TRL ran.
+- Variants and their own configs: `<system>@<label>` (e.g. `rft:grpo@openenv`) is the rft system `<system>` (its
+  mode, sync method, settings and algorithm) run again under its own name and directory; `--system-config
+  SYSTEM=PATH` makes an rft system run PATH instead of `--config` (the same `--seed`, `--eval-tasks` and `--set`
+  applied; the same model.path, and one stage). A variant of `rft:<algorithm>` races against `rft:grpo` like any
+  other algorithm system: `--systems rft:grpo,rft:grpo@openenv --system-config
+  rft:grpo@openenv=configs/smollm2-arithmetic-openenv.yaml` is the same task, algorithm and budget with the rollouts
+  played on an OpenEnv server against rft's own path (docs/benchmarks.md, "Issue 57's race"). Every snapshot is
+  still evaluated on `--config`'s held-out tasks by its rewards (below): the same questions and the same scorer.
 - TRL: `GRPOTrainer` on the same config (benchmarks/trl_reference.py says what is mapped to what, and what is not), HF
   generate, in a child process whose clock starts when it is launched.
 - Accuracy against wall-clock without evaluating during training: at each of `--marks` times budget x i / marks,
@@ -102,6 +110,8 @@ LORA_SYSTEMS = ("rft-lora",)  # run `--lora-config` (model.lora) instead of `--c
 SYSTEMS = (*RFT_SYSTEMS, "trl")
 ALGORITHM_PREFIX = "rft:"  # `rft:<algorithm>`: the config's own mode with that algorithm (`algorithm_section`)
 RACE_BASELINE = "rft:grpo"  # what every other `rft:<algorithm>` system is compared with (`algorithm_race`)
+VARIANT = "@"  # `<system>@<label>`: the rft system `<system>` under its own name (`base_system`)
+LABEL = re.compile(r"[A-Za-z0-9._-]+")
 UNLIMITED_STEPS = 1_000_000
 GENERATED_FORMATS = ("generated", "reasoning_gym")  # task sets whose size is `generated_tasks`
 POLL_S = 0.5
@@ -121,21 +131,36 @@ def note(message: str) -> None:
 # rft systems
 
 
+def base_system(system: str) -> str:
+    """The system a variant `<system>@<label>` is (the system itself when it is not a variant)."""
+    return system.partition(VARIANT)[0]
+
+
 def algorithm_of(system: str) -> str | None:
-    """The algorithm of the system `rft:<algorithm>`; None for any other system."""
-    return system[len(ALGORITHM_PREFIX):] if system.startswith(ALGORITHM_PREFIX) else None
+    """The algorithm of the system `rft:<algorithm>` (or a variant of it); None for any other system."""
+    base = base_system(system)
+    return base[len(ALGORITHM_PREFIX):] if base.startswith(ALGORITHM_PREFIX) else None
 
 
 def is_rft_system(system: str) -> bool:
-    """An `rft run` of the config: a named rft system (RFT_SYSTEMS) or `rft:<algorithm>`."""
-    return system in RFT_SYSTEMS or algorithm_of(system) is not None
+    """An `rft run`: a named rft system (RFT_SYSTEMS), `rft:<algorithm>`, or a variant `<either>@<label>`."""
+    base, sep, label = system.partition(VARIANT)
+    return (base in RFT_SYSTEMS or algorithm_of(base) is not None) and (not sep or bool(LABEL.fullmatch(label)))
+
+
+def is_lora(system: str) -> bool:
+    """A LoRA system (or a variant of one): it runs `--lora-config` unless `--system-config` gives its own."""
+    return base_system(system) in LORA_SYSTEMS
 
 
 def system_dir(system: str) -> str:
     """The directory under `--out` of a system's run and snapshots: its name, `algorithm-<algorithm>` for
-    `rft:<algorithm>` (characters other than letters, digits, '.', '_', '-' as '_': an import path's ':')."""
-    algorithm = algorithm_of(system)
-    return system if algorithm is None else "algorithm-" + re.sub(r"[^A-Za-z0-9._-]", "_", algorithm)
+    `rft:<algorithm>` (characters other than letters, digits, '.', '_', '-' as '_': an import path's ':'), then a
+    variant's `@<label>`."""
+    base, sep, label = system.partition(VARIANT)
+    algorithm = algorithm_of(base)
+    own = base if algorithm is None else "algorithm-" + re.sub(r"[^A-Za-z0-9._-]", "_", algorithm)
+    return own + sep + label
 
 
 def check_algorithm_system(system: str) -> str | None:
@@ -191,10 +216,11 @@ def rft_overrides(system: str, out: Path, extra: list[str] = ()) -> list[str]:
     """The `--set` overrides that make the config system `system` (see the module docstring), then `extra` (the
     command line's `--system-set` for it). `rft:<algorithm>` is the config's own mode over pull; its algorithm is
     in its config (`algorithm_config`)."""
-    mode, method = RFT_SYSTEMS.get(system, (None, "pull"))
+    mode, method = RFT_SYSTEMS.get(base_system(system), (None, "pull"))
     return [*([f"run.mode={mode}"] if mode else []), f"sync.method={method}", f"run.max_steps={UNLIMITED_STEPS}",
             "eval.every_steps=0", f"run.output_dir={out / system_dir(system)}", "sync.weight_store=",
-            "kafka.bootstrap_servers=embedded", "monitor.progress=false", *SYSTEM_SETTINGS.get(system, []), *extra]
+            "kafka.bootstrap_servers=embedded", "monitor.progress=false",
+            *SYSTEM_SETTINGS.get(base_system(system), []), *extra]
 
 
 def run_rft(system: str, config: str, *, out: Path, budget_s: float, marks: int, env: dict,
@@ -221,7 +247,7 @@ def run_rft(system: str, config: str, *, out: Path, budget_s: float, marks: int,
               "step_times_s": [round(s["time"] - started, 1) for s in within], "marks": taken,
               "weights": weight_sync_costs(cfg.run_dir, steps, taken), "mismatch": mismatch_summary(within),
               "signal": rft_signal(within, started, budget_s),
-              "settings": [*SYSTEM_SETTINGS.get(system, []), *extra], "run_dir": str(cfg.run_dir)}
+              "settings": [*SYSTEM_SETTINGS.get(base_system(system), []), *extra], "run_dir": str(cfg.run_dir)}
     if algorithm_of(system) is not None:
         result["algorithm"] = {"name": cfg.algorithm.name, "options": cfg.algorithm.options,
                                "dropped": dropped or {}}
@@ -637,6 +663,8 @@ def print_report(result: dict) -> None:
         if system.get("signal"):
             print(f"  {system['system']}: {signal_line(system['signal'])}")
     for system in result["systems"]:
+        if system.get("config"):
+            print(f"  {system['system']}: ran {system['config']} (evaluated on {result['config']}'s held-out tasks)")
         if system.get("algorithm"):
             print(f"  {dropped_note(system['system'], system['algorithm']['dropped'])}")
     race = result.get("algorithm_race")
@@ -671,7 +699,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--systems", nargs="+", default=["rft-async,rft-sync,trl"],
                         help=f"systems, comma- or space-separated: {', '.join(SYSTEMS)}, or rft:<algorithm> (the "
                         "config's own mode with that algorithm, e.g. rft:grpo rft:sapo: a race of algorithms, each "
-                        f"compared with {RACE_BASELINE}) (default: rft-async,rft-sync,trl)")
+                        f"compared with {RACE_BASELINE}), or a variant <rft system>@<label> (that system again, e.g. "
+                        "with --system-config) (default: rft-async,rft-sync,trl)")
     parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for every process (0: leave as is)")
     parser.add_argument("--out", default=None, help="keep runs, snapshots and logs here (default: a temporary "
                                                     "directory, removed at the end)")
@@ -685,6 +714,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--system-set", action="append", default=[], metavar="SYSTEM:KEY=VALUE",
                         help="a config override for one rft system (repeatable), e.g. rft-async-inflight:"
                              "algorithm.importance_sampling=mis or rft:sapo:algorithm.sapo_tau_neg=1.2")
+    parser.add_argument("--system-config", action="append", default=[], metavar="SYSTEM=PATH",
+                        help="the config one rft system runs instead of --config (repeatable), e.g. "
+                             "rft:grpo@openenv=configs/smollm2-arithmetic-openenv.yaml (a variant: SYSTEM@LABEL)")
     parser.add_argument("--target", default="rft-async", help="the system the targets are judged for "
                         "(default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -696,20 +728,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         system, sep, override = key.rpartition(":")  # the system's own name may hold ':' (rft:sapo)
         if not sep or not eq or not override or not is_rft_system(system):
             parser.error(f"--system-set {item!r}: expected SYSTEM:KEY=VALUE with SYSTEM one of "
-                         f"{', '.join(RFT_SYSTEMS)} or rft:<algorithm>")
+                         f"{', '.join(RFT_SYSTEMS)}, rft:<algorithm> or a variant <system>@<label>")
         args.extra.setdefault(system, []).append(f"{override}={value}")
-    unknown = [s for s in args.systems if s not in SYSTEMS and algorithm_of(s) is None]
+    args.configs = {}
+    for item in args.system_config:
+        system, eq, path = item.partition("=")
+        if not eq or not path or not is_rft_system(system) or system in args.configs:
+            parser.error(f"--system-config {item!r}: expected SYSTEM=PATH, once per SYSTEM, with SYSTEM one of "
+                         f"{', '.join(RFT_SYSTEMS)}, rft:<algorithm> or a variant <system>@<label>")
+        args.configs[system] = path
+    unknown = [s for s in args.systems if s not in SYSTEMS and not is_rft_system(s)]
     if unknown or not args.systems:
-        parser.error(f"--systems: unknown {unknown} (choose from {', '.join(SYSTEMS)}, or rft:<algorithm>)"
-                     if unknown else "--systems: name at least one")
+        parser.error(f"--systems: unknown {unknown} (choose from {', '.join(SYSTEMS)}, rft:<algorithm>, or a variant "
+                     "<rft system>@<label>)" if unknown else "--systems: name at least one")
     twice = sorted({s for s in args.systems if args.systems.count(s) > 1})
     if twice:
         parser.error(f"--systems: {', '.join(twice)} named twice")
     for problem in filter(None, map(check_algorithm_system, args.systems)):
         parser.error(f"--systems: {problem}")
-    idle = sorted(set(args.extra) - set(args.systems))
-    if idle:
-        parser.error(f"--system-set: {', '.join(idle)} is not in --systems {','.join(args.systems)}")
+    for option, given in (("--system-set", args.extra), ("--system-config", args.configs)):
+        idle = sorted(set(given) - set(args.systems))
+        if idle:
+            parser.error(f"{option}: {', '.join(idle)} is not in --systems {','.join(args.systems)}")
     if args.budget_s <= 0 or args.marks < 1:
         parser.error("--budget-s must be > 0 and --marks >= 1")
     if args.eval_tasks is not None and args.eval_tasks < 1:
@@ -718,10 +758,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def derived_config(path: str, out: Path, *, seed: int | None, eval_tasks: int | None,
-                   overrides: list[str] = ()) -> str:
-    """`path` as it is when none is given; else a copy in `out` with `overrides` (`--set`: `a.b=value`) applied,
-    `run.seed` = `seed` and every eval set generating `eval_tasks` tasks (ConfigError naming the set when one reads
-    a file: its size is the file's)."""
+                   overrides: list[str] = (), suffix: str = "bench") -> str:
+    """`path` as it is when none is given; else a copy in `out` (`<stem>-<suffix>.yaml`) with `overrides` (`--set`:
+    `a.b=value`) applied, `run.seed` = `seed` and every eval set generating `eval_tasks` tasks (ConfigError naming
+    the set when one reads a file: its size is the file's)."""
     if seed is None and eval_tasks is None and not overrides:
         return path
     raw = load_yaml(Path(path).read_text()) or {}
@@ -736,7 +776,7 @@ def derived_config(path: str, out: Path, *, seed: int | None, eval_tasks: int | 
             raise ConfigError(f"{path}: eval.sets[{i}]: --eval-tasks resizes generated task sets, not "
                               f"format {task_set.get('format')!r}")
         task_set["generated_tasks"] = eval_tasks
-    derived = out / f"{Path(path).stem}-bench.yaml"
+    derived = out / f"{Path(path).stem}-{suffix}.yaml"
     derived.write_text(yaml.safe_dump(raw, sort_keys=False))
     return str(derived)
 
@@ -765,7 +805,7 @@ def disk_needed(cfg: Config, systems: list[str], marks: int) -> dict[str, int]:
     for system in systems:
         if system == "trl":
             need[system] = marks * parameters * torch.float32.itemsize
-        elif system not in LORA_SYSTEMS and RFT_SYSTEMS.get(system, (None, "pull"))[1] == "pull":
+        elif not is_lora(system) and RFT_SYSTEMS.get(base_system(system), (None, "pull"))[1] == "pull":
             need[system] = (marks + cfg.sync.keep_versions) * parameters * getattr(torch, cfg.model.dtype).itemsize
     return need
 
@@ -799,21 +839,26 @@ def check_config(args: argparse.Namespace) -> str | None:
         return f"{args.config}: {e}" if not str(e).startswith(args.config) else str(e)
     if cfg.stages:
         return f"{args.config}: stages: a multi-stage config cannot be benchmarked; give one stage's config"
-    for system in (s for s in args.systems if is_rft_system(s) and s not in LORA_SYSTEMS):
+    own_configs = getattr(args, "configs", {})  # --system-config
+    for system in (s for s in args.systems if is_rft_system(s) and (not is_lora(s) or s in own_configs)):
         overrides = rft_overrides(system, Path(tempfile.gettempdir()), getattr(args, "extra", {}).get(system, []))
-        try:  # each system's own settings and --system-set overrides, before anything runs
+        path = own_configs.get(system, args.config)
+        try:  # each system's own config, settings and --system-set overrides, before anything runs
+            problem = check_system_config(path, cfg, common) if system in own_configs else None
+            if problem:
+                return f"--system-config {system}={path}: {problem}"
             if algorithm_of(system) is None:
-                load_run_config(args.config, [*common, *overrides])
+                load_run_config(path, [*common, *overrides])
                 continue
             with tempfile.TemporaryDirectory(prefix="rft-bench-learn-check-") as scratch:
-                config, _ = algorithm_config(args.config, system, Path(scratch), common)
+                config, _ = algorithm_config(path, system, Path(scratch), common)
                 load_run_config(config, overrides)
         except (ConfigError, ValueError) as e:
             return f"{system}: {e}"
     if not (Path(cfg.model.path) / "config.json").is_file():
         return (f"{args.config}: model.path: {cfg.model.path} is not a Hugging Face model directory (`make smollm2` "
                 "builds the flagship's)")
-    if any(s in LORA_SYSTEMS for s in args.systems):
+    if any(is_lora(s) and s not in own_configs for s in args.systems):
         try:
             if not load_run_config(args.lora_config, common).model.lora.rank:
                 return f"--lora-config {args.lora_config}: model.lora.rank is 0 (rft-lora needs a LoRA config)"
@@ -834,23 +879,39 @@ def check_config(args: argparse.Namespace) -> str | None:
     return check_disk(need, where, free_bytes(where))
 
 
+def check_system_config(path: str, cfg: Config, common: list[str]) -> str | None:
+    """Why a `--system-config` cannot race against `cfg` (--config's): its snapshots are evaluated as `cfg`'s, from
+    the same initial model, so it must train the same model.path, in one stage (None: it can)."""
+    own = load_run_config(path, common)
+    if own.stages:
+        return "stages: a multi-stage config cannot be benchmarked; give one stage's config"
+    if Path(own.model.path).resolve() != Path(cfg.model.path).resolve():
+        return f"model.path {own.model.path} is not --config's {cfg.model.path} (the initial model is shared)"
+    return None
+
+
 def run_all(args: argparse.Namespace, out: Path) -> dict:
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
     config = derived_config(args.config, out, seed=args.seed, eval_tasks=args.eval_tasks, overrides=args.set)
-    lora = any(s in LORA_SYSTEMS for s in args.systems)
+    lora = any(is_lora(s) and s not in args.configs for s in args.systems)
     lora_config = (derived_config(args.lora_config, out, seed=args.seed, eval_tasks=args.eval_tasks,
                                   overrides=args.set) if lora else None)
+    own_configs = {system: derived_config(path, out, seed=args.seed, eval_tasks=args.eval_tasks, overrides=args.set,
+                                          suffix=f"bench-{system_dir(system)}")
+                   for system, path in args.configs.items()}
     systems = []
     for system in args.systems:
         if system == "trl":
             systems.append(run_trl_system(config, out=out, budget_s=args.budget_s, marks=args.marks, env=env))
             continue
-        own, dropped = lora_config if system in LORA_SYSTEMS else config, None
+        own, dropped = own_configs.get(system) or (lora_config if is_lora(system) else config), None
         if algorithm_of(system) is not None:
-            own, dropped = algorithm_config(config, system, out)
+            own, dropped = algorithm_config(own, system, out)
             note(dropped_note(system, dropped))
         systems.append(run_rft(system, own, out=out, budget_s=args.budget_s, marks=args.marks, env=env,
                                extra=args.extra.get(system, []), dropped=dropped))
+        if system in args.configs:
+            systems[-1]["config"] = args.configs[system]
     scores = evaluate(config, systems, out=out, env=env)
     eval_tasks = sum(s.generated_tasks for s in load_run_config(config).eval.sets)
     result = summarise(systems, scores, budget_s=args.budget_s, target=args.target, eval_tasks=eval_tasks)

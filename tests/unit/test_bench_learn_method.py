@@ -459,3 +459,81 @@ def test_an_algorithm_race_compares_each_algorithm_with_grpo_at_each_mark_within
     assert "rft:sapo against rft:grpo: @240 s 0.320 vs 0.300 (+0.020" in out and "target:" not in out  # no TRL
     assert "missing" in summarise([sapo], {"initial": 0.14, **sapo_scores}, budget_s=720)["algorithm_race"]
     assert "algorithm_race" not in summarise([grpo], {"initial": 0.14, **grpo_scores}, budget_s=720)
+
+
+def test_a_variant_with_its_own_config_is_named_on_the_command_line(tmp_path):
+    args = parse_args(["--systems", "rft:grpo,rft:grpo@openenv", "rft-async@b", "--system-config",
+                       "rft:grpo@openenv=configs/smollm2-arithmetic-openenv.yaml", "--system-set",
+                       "rft:grpo@openenv:trainer.lr=1e-5", "--system-set", "rft-async@b:run.name=a:b"])
+    assert args.systems == ["rft:grpo", "rft:grpo@openenv", "rft-async@b"]
+    assert args.configs == {"rft:grpo@openenv": "configs/smollm2-arithmetic-openenv.yaml"}
+    assert args.extra == {"rft:grpo@openenv": ["trainer.lr=1e-5"], "rft-async@b": ["run.name=a:b"]}
+    assert learn.algorithm_of("rft:grpo@openenv") == "grpo" and learn.algorithm_of("rft-async@b") is None
+    overrides = rft_overrides("rft-async@b", tmp_path)  # the system it is a variant of: async, its own directory
+    assert "run.mode=async" in overrides and f"run.output_dir={tmp_path / 'rft-async@b'}" in overrides
+    assert f"run.output_dir={tmp_path / 'algorithm-grpo@openenv'}" in rft_overrides("rft:grpo@openenv", tmp_path)
+    assert parse_args(["--systems", "rft", "--system-config", "rft=other.yaml"]).configs == {"rft": "other.yaml"}
+    for bad in (["--systems", "rft,trl", "--system-config", "trl=x.yaml"],  # TRL runs --config
+                ["--systems", "rft@a", "--system-config", "rft@a"],
+                ["--systems", "rft@a", "--system-config", "rft@a=x.yaml", "--system-config", "rft@a=y.yaml"],
+                ["--systems", "rft", "--system-config", "rft@a=x.yaml"],  # not in --systems
+                ["--systems", "rft@"], ["--systems", "trl@a"], ["--systems", "rft@a/b"], ["--systems", "rft:nope@a"],
+                ["--systems", "rft@a,rft@a"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_a_system_config_is_checked_against_the_configs_model_before_anything_runs(tmp_path, hf_dir, capsys):
+    raw = {"model": {"path": str(hf_dir)}, "data": {"format": "generated", "path": "copy_char"},
+           "eval": {"sets": [{"name": "c", "format": "generated", "path": "copy_char"}]}}
+    config, own = tmp_path / "run.yaml", tmp_path / "own.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    other = tmp_path / "other-model"
+    other.mkdir()
+    for own_raw, problem in (({**raw, "model": {"path": str(other)}}, "is not --config's"),
+                             ({**raw, "stages": [{"name": "a"}, {"name": "b"}]}, "stages: a multi-stage"),
+                             ({**raw, "trainer": {"lr": -1}}, "trainer.lr")):
+        own.write_text(yaml.safe_dump(own_raw))
+        assert main(["--config", str(config), "--systems", "rft:grpo,rft:grpo@own",
+                     "--system-config", f"rft:grpo@own={own}"]) == 2
+        assert problem in capsys.readouterr().err
+    own.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    (out / "kept").mkdir(parents=True)  # refused after the systems' checks: nothing runs
+    assert main(["--config", str(config), "--systems", "rft:grpo,rft:grpo@own", "--out", str(out),
+                 "--system-config", f"rft:grpo@own={own}"]) == 2
+    assert "not empty" in capsys.readouterr().err
+
+
+def test_a_variant_runs_its_own_config_and_races_the_baseline_on_the_configs_held_out_tasks(tmp_path, monkeypatch,
+                                                                                          capsys):
+    raw = {"model": {"path": "m"}, "algorithm": {"name": "grpo", "clip_eps": 0.3},
+           "data": {"format": "generated", "path": "copy_char"},
+           "eval": {"sets": [{"name": "c", "format": "generated", "path": "copy_char"}]}}
+    config, own = tmp_path / "run.yaml", tmp_path / "own.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    own.write_text(yaml.safe_dump({**raw, "explorer": {"max_turns": 3}}))
+    ran, evaluated = {}, []
+
+    def fake_run(system, path, **_):
+        ran[system] = load_run_config(path)
+        return system_result(system)
+
+    def system_result(name):
+        return system(name, [0.3 if name == "rft:grpo" else 0.5])[0]
+
+    monkeypatch.setattr(learn, "run_rft", fake_run)
+    monkeypatch.setattr(learn, "evaluate", lambda path, systems, **_: evaluated.append(path) or {
+        "initial": 0.2, **{m["path"]: 0.3 if s["system"] == "rft:grpo" else 0.5 for s in systems for m in s["marks"]}})
+    args = parse_args(["--config", str(config), "--systems", "rft:grpo,rft:grpo@own", "--seed", "7",
+                       "--eval-tasks", "40", "--system-config", f"rft:grpo@own={own}"])
+    (tmp_path / "out").mkdir()
+    result = learn.run_all(args, tmp_path / "out")
+    assert ran["rft:grpo@own"].explorer.max_turns == 3 and ran["rft:grpo"].explorer.max_turns != 3
+    assert {c.run.seed for c in ran.values()} == {7} and {c.algorithm.name for c in ran.values()} == {"grpo"}
+    assert ran["rft:grpo@own"].eval.sets[0].generated_tasks == 40
+    assert evaluated == [str(tmp_path / "out" / "run-bench.yaml")]  # every snapshot: --config's held-out tasks
+    race = result["algorithm_race"]["systems"]
+    assert list(race) == ["rft:grpo@own"] and race["rft:grpo@own"]["final"]["difference"] == pytest.approx(0.2)
+    print_report(result)
+    assert f"rft:grpo@own: ran {own} (evaluated on {config}'s held-out tasks)" in capsys.readouterr().out
