@@ -7,8 +7,8 @@ import os
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -228,7 +228,7 @@ class VLLMEngine(TokenizerMixin):
             if adapter not in self.adapters:
                 raise EngineError(f"no adapter named {adapter!r} is loaded (loaded: {sorted(self.adapters)})")
             lora, version = self.adapters[adapter], self._adapter_versions[adapter]
-        generations = self._run_alone(prompts, lambda request_id, prompt: self.submit(request_id, prompt, sampling,
+        generations = _run_alone(self, prompts, lambda request_id, prompt: self.submit(request_id, prompt, sampling,
                                                                                        lora=lora))
         if version is not None:
             for completion in (c for g in generations for c in g.completions):
@@ -239,26 +239,7 @@ class VLLMEngine(TokenizerMixin):
         """`generate` for prompts with images (a vision-language model): vLLM's processor expands the placeholders
         (`multi_modal_data`), and each Generation's prompt ids are the ones it expanded. EngineError for a text-only
         model, a prompt whose placeholders and images do not pair up, or one vLLM refuses."""
-        return self._run_alone(prompts, lambda request_id, prompt: self.submit_images(request_id, prompt, sampling))
-
-    def _run_alone(self, prompts: Sequence, submit) -> list[Generation]:
-        """Submit each prompt (`submit(request_id, prompt)`) and step until all are done; nothing else may be
-        unfinished. The generations in prompt order."""
-        if self.unfinished():
-            raise EngineError("generate() runs alone: this engine has submitted requests unfinished")
-        self._calls += 1
-        ids = [f"generate-{self._calls}-{i}" for i in range(len(prompts))]
-        try:
-            for request_id, prompt in zip(ids, prompts, strict=True):
-                submit(request_id, prompt)
-        except Exception:
-            for request_id in ids:  # the ones already queued: nothing is left unfinished
-                self.llm.llm_engine.abort_request([request_id])
-            raise
-        finished: dict[str, Generation] = {}
-        while len(finished) < len(ids):
-            finished.update(self.step())
-        return [finished[request_id] for request_id in ids]
+        return _run_alone(self, prompts, lambda request_id, prompt: self.submit_images(request_id, prompt, sampling))
 
     def submit_images(self, request_id: str, prompt: ImagePrompt, sampling: SamplingSettings) -> None:
         """`submit` for a prompt with images: the text and the images (decoded to PIL) go to vLLM, whose processor
@@ -368,7 +349,7 @@ class VLLMEngine(TokenizerMixin):
             loaded = self.llm.collective_rpc("rft_reload_weights", args=(str(path),))
             if recompute:
                 self.llm.reset_prefix_cache(reset_running_requests=True)  # preempts: KV recomputed, cache emptied
-            self._reset_encoder_cache()
+            _reset_encoder_cache(self)
             self._set_version(version)
         finally:
             self.llm.wake_up(tags=["scheduling"])
@@ -388,16 +369,10 @@ class VLLMEngine(TokenizerMixin):
         self.lora = None  # a whole model: the base itself is this version
         loaded = self.llm.collective_rpc("rft_reload_weights", args=(str(path),))
         self.llm.reset_prefix_cache()
-        self._reset_encoder_cache()
+        _reset_encoder_cache(self)
         self._set_version(version)
         log.info("reloaded %s tensors of version %d from %s in %.2f s", loaded[0], version, path,
                  time.monotonic() - started)
-
-    def _reset_encoder_cache(self) -> None:
-        """Forget the image embeddings the old weights computed (a vision-language model): without it, an image
-        sent again after a reload kills the engine ("Encoder cache miss"), and would reuse old embeddings."""
-        if self.processor is not None:
-            self.llm.llm_engine.reset_encoder_cache()
 
     def load_adapter(self, name: str, path: str | os.PathLike, version: int) -> LoRARequest:
         """Load the PEFT adapter at `path` into the engine now as adapter `name` (replacing the one of that name,
@@ -442,7 +417,7 @@ class VLLMEngine(TokenizerMixin):
         else:
             versions = self.llm.collective_rpc("rft_receive_pushed_weights")
         self.llm.reset_prefix_cache()
-        self._reset_encoder_cache()
+        _reset_encoder_cache(self)
         self._set_version(versions[0])
         log.info("received pushed weights version %d in %.2f s", versions[0], time.monotonic() - started)
         return versions[0]
@@ -463,6 +438,33 @@ class VLLMEngine(TokenizerMixin):
             if shutdown is not None:
                 shutdown()
             del llm
+
+
+def _run_alone(engine: VLLMEngine, prompts: Sequence, submit: Callable[[str, Any], None]) -> list[Generation]:
+    """Submit each prompt to `engine` (`submit(request_id, prompt)`) and step until all are done; nothing else may
+    be unfinished. The generations in prompt order (`generate`, `generate_images`)."""
+    if engine.unfinished():
+        raise EngineError("generate() runs alone: this engine has submitted requests unfinished")
+    engine._calls += 1
+    ids = [f"generate-{engine._calls}-{i}" for i in range(len(prompts))]
+    try:
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            submit(request_id, prompt)
+    except Exception:
+        for request_id in ids:  # the ones already queued: nothing is left unfinished
+            engine.llm.llm_engine.abort_request([request_id])
+        raise
+    finished: dict[str, Generation] = {}
+    while len(finished) < len(ids):
+        finished.update(engine.step())
+    return [finished[request_id] for request_id in ids]
+
+
+def _reset_encoder_cache(engine: VLLMEngine) -> None:
+    """Forget the image embeddings the old weights computed (a vision-language model): without it, an image sent
+    again after a reload kills the engine ("Encoder cache miss"), and would reuse old embeddings."""
+    if engine.processor is not None:
+        engine.llm.llm_engine.reset_encoder_cache()
 
 
 class ForkedGroups:
