@@ -75,6 +75,7 @@ def components_problem(components: Any) -> str | None:
 # the schema's ceiling, which every reader enforces; a run's own (`data.max_images`, ...) may only be lower.
 IMAGE_MAGIC = {"image/png": (b"\x89PNG\r\n\x1a\n",), "image/jpeg": (b"\xff\xd8\xff",), "image/webp": (b"RIFF", b"WEBP")}
 MAX_IMAGES = 64  # per task or sample
+MAX_PROMPT_TEXT_CHARS = 1 << 20  # a sample's `prompt_text`
 MAX_IMAGE_BYTES = 16 << 20  # encoded bytes of one image
 MAX_IMAGE_PIXELS = 4096 * 4096  # width x height one image may decode to (a decompression bomb declares more)
 
@@ -377,7 +378,10 @@ class Sample:
     `failure`: "" for a scored rollout, else one of FAILURE_CLASSES: the rollout failed outside the policy (or its
     reward is None: `unscored`); `reward` is then meaningless (nil on the wire), and the sample is left out of its
     group's baseline and not trained. `turns`: the steps of a multi-turn episode (`Turn`), None when not recorded.
-    `images`: the images of the sample's prompt as the engine saw them, in order (none for a text prompt)."""
+    `images`: the images of the sample's prompt as the engine saw them, in order (none for a text prompt).
+    `prompt_text`: with images, the prompt exactly as the engine's processor took it (chat template rendered, one
+    image placeholder per image, unexpanded), so a trainer can re-run the processor and check that it expands to
+    `prompt_tokens`; "" without images (a text sample's prompt is its tokens)."""
     sample_index: int
     prompt_tokens: np.ndarray
     response_tokens: np.ndarray
@@ -392,6 +396,7 @@ class Sample:
     failure: str = ""
     turns: list[Turn] | None = None
     images: list[Image] = field(default_factory=list)
+    prompt_text: str = ""
 
     @property
     def scored(self) -> bool:
@@ -409,6 +414,7 @@ class Sample:
                 and self.finish_reason == other.finish_reason and self.metadata == other.metadata
                 and self.routed_experts == other.routed_experts and versions
                 and self.failure == other.failure and self.turns == other.turns and self.images == other.images
+                and self.prompt_text == other.prompt_text
                 and all(np.array_equal(getattr(self, k), getattr(other, k), equal_nan=True)
                         for k in ("prompt_tokens", "response_tokens", "logprobs", "loss_mask")))
 
@@ -621,9 +627,24 @@ def _encode_sample(s: Sample) -> dict[str, Any]:
             raise ValueError(f"token_versions: {len(s.token_versions)} versions for {len(s.response_tokens)} response "
                              "tokens")
         body["version_spans"] = version_spans(s.token_versions)
+    if problem := prompt_text_problem(s.prompt_text, s.images):
+        raise ValueError(problem)
     if s.images:
         body["images"] = _encode_images(s.images)
+        body["prompt_text"] = s.prompt_text
     return body
+
+
+def prompt_text_problem(prompt_text: str, images: list[Image]) -> str | None:
+    """None when a sample's `prompt_text` fits its images (non-empty, at most MAX_PROMPT_TEXT_CHARS, with images;
+    empty without), else what is wrong."""
+    if images and not prompt_text:
+        return "a sample with images needs its prompt_text (the prompt its engine's processor expanded)"
+    if not images and prompt_text:
+        return "prompt_text is only carried by a sample with images"
+    if len(prompt_text) > MAX_PROMPT_TEXT_CHARS:
+        return f"prompt_text is {len(prompt_text)} characters, over {MAX_PROMPT_TEXT_CHARS}"
+    return None
 
 
 def _encode_images(images: list[Image]) -> list[dict[str, Any]]:
@@ -837,10 +858,14 @@ def _decode_sample(raw: Any, position: int, limits: ImageLimits) -> Sample:
         if raw.get("routed_experts") is not None:
             routed = _decode_routed(_get(raw, "routed_experts", dict), len(arrays["prompt_tokens"]), n)
         versions = None if raw.get("version_spans") is None else versions_from_spans(raw["version_spans"], n)
+        images = _decode_images(raw, limits)
+        prompt_text = "" if raw.get("prompt_text") is None else _get(raw, "prompt_text", str)
+        if problem := prompt_text_problem(prompt_text, images):
+            raise RecordError(problem)
         return Sample(sample_index=_get(raw, "sample_index", int), reward=reward, reward_components=components,
                       finish_reason=_get(raw, "finish_reason", str), metadata=_get(raw, "metadata", dict),
                       routed_experts=routed, token_versions=versions, failure=failure, turns=turns,
-                      images=_decode_images(raw, limits), **arrays)
+                      images=images, prompt_text=prompt_text, **arrays)
     except RecordError as e:
         raise RecordError(f"{where}: {e}") from None
     except (TypeError, ValueError) as e:

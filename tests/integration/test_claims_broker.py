@@ -110,7 +110,7 @@ def test_a_groups_images_travel_claim_checked_and_stored_once(bootstrap, topic_p
     assert 290_000 < len(image.data) < 320_000
     group = make_group("run", 0, n_samples=8)
     for s in group.samples:
-        s.images = [image, small]
+        s.images, s.prompt_text = [image, small], "<image><image>which is larger?"
     task = TaskRecord("run", "t0", 0, "what is in the picture?", answer="noise", images=[image])
     sink = transport.sink()
     sink.send_record(topic, group, key=group.group_id)

@@ -69,12 +69,14 @@ def samples(draw, index: int) -> Sample:
     response = draw(arrays("<i4"))
     n = len(response)
     failure = draw(st.sampled_from(("",) * 4 + FAILURE_CLASSES))
+    images = draw(image_lists)
     return Sample(sample_index=index, prompt_tokens=draw(arrays("<i4")), response_tokens=response,
                   logprobs=draw(hnp.arrays(np.float32, n, elements=finite32)),
                   loss_mask=draw(hnp.arrays(np.uint8, n)), reward=0.0 if failure else draw(finite),
                   reward_components=draw(st.dictionaries(st.text(max_size=8), finite, max_size=3)),
                   finish_reason=draw(st.sampled_from(["stop", "length", "", "abort"])), metadata=draw(metadata),
-                  failure=failure, turns=draw(turn_lists(n)), images=draw(image_lists))
+                  failure=failure, turns=draw(turn_lists(n)), images=images,
+                  prompt_text=draw(st.text(min_size=1, max_size=40)) if images else "")
 
 
 @st.composite
@@ -377,6 +379,7 @@ def test_doc_reader_decodes_what_rft_writes(doc_examples):
     group.samples[1].logprobs = np.array([-0.1, -2.5, -30.0, 0.0], dtype=np.float32)
     group.samples[1].loss_mask = np.array([1, 0, 0, 1], dtype=np.uint8)
     group.samples[1].images = [IMAGES[0], IMAGES[3], IMAGES[4]]  # PNG, JPEG, WebP
+    group.samples[1].prompt_text = "<image><image><image>which is red?"
     value, headers = encode(group)
     read = doc_examples["read_experience_group"](value, headers)
     assert (read["group_id"], read["policy_version"], read["explorer_id"]) == ("run/t/e0", 3, "x")
@@ -386,6 +389,7 @@ def test_doc_reader_decodes_what_rft_writes(doc_examples):
         assert ours["logprobs"] == theirs.logprobs.astype(np.float32).tolist()
         assert ours["loss_mask"] == theirs.loss_mask.tolist() and ours["reward"] == theirs.reward
         assert [Image(**i) for i in ours["images"]] == theirs.images
+        assert ours.get("prompt_text", "") == theirs.prompt_text
     body = _body(group)
     body["samples"][1]["images"][2]["sha256"] = IMAGES[0].sha256
     with pytest.raises(ValueError, match="images\\[2\\]: the bytes do not match their sha256"):
@@ -404,7 +408,8 @@ def test_rft_decodes_what_the_doc_writer_writes(doc_examples):
     samples = [{"prompt_tokens": [1, 2, 3], "response_tokens": [7, 8], "logprobs": [-0.5, -1.5], "loss_mask": [1, 1],
                 "reward": 1.0, "finish_reason": "stop"},
                {"prompt_tokens": [1, 2, 3], "response_tokens": [9], "logprobs": [-0.25], "loss_mask": [0], "reward": 0,
-                "images": [(IMAGES[1].data, "image/png"), (IMAGES[5].data, "image/webp")]}]
+                "images": [(IMAGES[1].data, "image/png"), (IMAGES[5].data, "image/webp")],
+                "prompt_text": "<image><image>same?"}]
     value, headers = doc_examples["write_experience_group"](run_id="run", task_id="t9", epoch=2, explorer_id="rust-1",
                                                            policy_version=4, samples=samples, created_at=1.5e9)
     group = decode_group(value, headers)
@@ -413,6 +418,7 @@ def test_rft_decodes_what_the_doc_writer_writes(doc_examples):
     assert group.samples[0].logprobs.tolist() == [-0.5, -1.5] and group.samples[1].loss_mask.tolist() == [0]
     assert [s.reward for s in group.samples] == [1.0, 0.0]
     assert group.samples[0].images == [] and group.samples[1].images == [IMAGES[1], IMAGES[5]]
+    assert group.samples[1].prompt_text == "<image><image>same?"
 
 
 @pytest.mark.parametrize("limit", [1_000_000, 500], ids=["parts", "whole body"])

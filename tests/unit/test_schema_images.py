@@ -17,6 +17,7 @@ from rft.data.config import DataConfig
 from rft.schema import (
     MAX_IMAGE_BYTES,
     MAX_IMAGES,
+    MAX_PROMPT_TEXT_CHARS,
     Image,
     ImageLimits,
     RecordError,
@@ -69,7 +70,7 @@ def test_each_media_type_round_trips_and_its_header_size_agrees_with_pil(fmt, me
     assert image_dimensions(image.data, media_type) == PILImage.open(io.BytesIO(image.data)).size == (37, 21)
     group = make_group("run", 1, n_samples=3)
     for s in group.samples:
-        s.images = [image, PNG]
+        s.images, s.prompt_text = [image, PNG], "<image><image>which shape?"
     assert decode_group(*encode(group)) == group
     task = TaskRecord("run", "t", 0, "which shape?", images=[image])
     assert decode_task(*encode(task)) == task
@@ -137,7 +138,7 @@ def test_a_runs_limits_are_named_by_their_keys():
     assert f"{len(noisy.data)} bytes, over data.max_image_bytes = {len(PNG.data)}" in _reason(
         _task_body([_wire(noisy)]), images=limits)
     group = make_group("run", 2)
-    group.samples[1].images = [PNG] * 3
+    group.samples[1].images, group.samples[1].prompt_text = [PNG] * 3, "<image>" * 3
     value, headers = encode(group)
     with pytest.raises(RecordError, match=r"samples\[1\]: images: 3 images, over data.max_images = 2"):
         decode_group(value, headers, images=limits)
@@ -149,6 +150,7 @@ def test_corrupted_images_raise_only_record_error(data):
     """An image map's field replaced by any msgpack value, or its bytes cut or flipped anywhere: RecordError only."""
     group = make_group("run", 3, n_samples=2)
     group.samples[1].images = [PNG, make_image(9, 4, fmt=data.draw(st.sampled_from(["JPEG", "WEBP"])))]
+    group.samples[1].prompt_text = "<image><image>?"
     body = msgpack.unpackb(encode(group)[0], raw=False)
     image = body["samples"][1]["images"][data.draw(st.integers(0, 1))]
     field = data.draw(st.sampled_from(["data", "media_type", "sha256"]))
@@ -161,4 +163,26 @@ def test_corrupted_images_raise_only_record_error(data):
         values = st.none() | st.integers(-(2 ** 63), 2 ** 64 - 1) | st.text(max_size=70) | st.binary(max_size=40)
         image[field] = data.draw(values)
     with pytest.raises(RecordError, match=r"samples\[1\]: images\[\d\]: "):
+        decode(_pack(body))
+
+
+def test_a_sample_with_images_carries_its_prompt_text_and_only_then():
+    """The trainer re-runs the processor on `prompt_text` and the images: a sample with images must carry it (the
+    unexpanded prompt), a text sample must not, and it is capped; checked when written and when read."""
+    group = make_group("run", 2)
+    group.samples[0].images = [PNG]
+    with pytest.raises(ValueError, match="a sample with images needs its prompt_text"):
+        encode(group)
+    group.samples[0].prompt_text = "User:<image>what shape?<end_of_utterance>\nAssistant:"
+    assert decode_group(*encode(group)).samples[0].prompt_text == group.samples[0].prompt_text
+    body = msgpack.unpackb(encode(group)[0], raw=False)
+    del body["samples"][0]["prompt_text"]
+    with pytest.raises(RecordError, match=r"samples\[0\]: a sample with images needs its prompt_text"):
+        decode(_pack(body))
+    body["samples"][1]["prompt_text"] = "no images here"
+    body["samples"][0]["prompt_text"] = "x" * (MAX_PROMPT_TEXT_CHARS + 1)
+    with pytest.raises(RecordError, match=r"samples\[0\]: prompt_text is 1048577 characters, over 1048576"):
+        decode(_pack(body))
+    body["samples"][0]["prompt_text"] = "<image>"
+    with pytest.raises(RecordError, match=r"samples\[1\]: prompt_text is only carried by a sample with images"):
         decode(_pack(body))
