@@ -100,7 +100,7 @@ class TrainableLimits:
         if s.images and self.images is None:
             return (f"{len(s.images)} images, and the model (model.path) is not a vision-language model (its "
                     "config.json has no vision_config)")
-        if s.images and self.images is not None and (problem := self.images.problem(s)):
+        if self.images is not None and (problem := self.images.problem(s)):
             return f"images: {problem}"
         return None
 

@@ -2,8 +2,9 @@
 encoded images and its `prompt_text` (the prompt as its engine's processor took it); the trainer re-runs the model's
 processor on them (rft.models.vision: the one place a processor runs on a prompt) and
 - `ImagePrompts.problem(sample)`: None when the sample's images are within the run's image limits and the processor
-  expands its prompt to exactly the prompt ids the engine recorded (`engine_prompt_problem`'s check), else the
-  reason; the feed dead-letters the group with it (rft.trainer.batch.TrainableLimits);
+  expands its prompt to exactly the prompt ids the engine recorded (`engine_prompt_problem`'s check), and no image
+  placeholder stands where no image is (a response, a text prompt), else the reason; the feed dead-letters the
+  group with it (rft.trainer.batch.TrainableLimits);
 - `ImagePrompts.pixels(sample)`: the processor's image tensors for the sample's row, which the model family collates
   into each micro-batch (megatron_bridge's `collate_images`).
 The processor runs once per distinct (prompt_text, images) a process sees: a group's samples share their prompt, and
@@ -17,12 +18,15 @@ import collections
 import os
 from typing import Any
 
+import numpy as np
+
 from rft.models.vision import (
     ProcessedPrompt,
     VisionError,
     image_token_ids,
     is_vision_model,
     load_processor,
+    placeholder,
     process_prompt,
     prompt_mismatch,
 )
@@ -39,13 +43,26 @@ class ImagePrompts:
     def __init__(self, processor: Any, *, limits: ImageLimits | None = None, cache_bytes: int = CACHE_BYTES):
         self.processor, self.limits = processor, limits or ImageLimits()
         self.image_ids = image_token_ids(processor)
+        self.placeholder = placeholder(processor)
+        self.placeholder_id = int(processor.tokenizer.convert_tokens_to_ids(self.placeholder))
         self.cache_bytes = cache_bytes
         self.runs = 0
         self._cache: collections.OrderedDict[tuple, ProcessedPrompt | str] = collections.OrderedDict()
         self._held = 0  # bytes of pixel tensors in the cache
 
     def problem(self, sample: Sample) -> str | None:
-        """None when `sample` (with images) can be trained on as its engine saw it, else why not."""
+        """None when `sample` can be trained on as its engine saw it, else why not: besides the processor's check of
+        a sample with images, no image placeholder (`<image>`) may stand where no image is: in a response (an engine
+        may sample one) or in a text sample's prompt, since the model puts an image feature at every placeholder."""
+        token = self.placeholder_id
+        if token in sample.response_tokens:
+            position = int(np.flatnonzero(sample.response_tokens == token)[0])
+            return (f"response token {position} is the image placeholder {self.placeholder!r} (id {token}), which "
+                    "the model would read as an image")
+        if not sample.images:
+            if token in sample.prompt_tokens:
+                return f"a prompt without images holds the image placeholder {self.placeholder!r} (id {token})"
+            return None
         if problem := self.limits.problem(sample.images):
             return problem
         processed = self._processed(sample)

@@ -139,6 +139,18 @@ def test_the_check_reruns_the_processor_once_per_prompt_and_refuses_a_mismatch(p
     one = ImagePrompts(processor, limits=ImageLimits(max_images=1, origin="data"))
     assert limits(one, vocab).problem(image_group(processor, 2, TWO, images_of((32, 32), (20, 20)))) == \
         "samples[0]: images: 2 images, over data.max_images = 1"
+    # an image placeholder where no image is: sampled into a response, or in a text prompt
+    image_id = processor.image_token_id
+    sampled = dataclasses.replace(good, samples=[dataclasses.replace(
+        good.samples[0], response_tokens=np.array([5, image_id, 6, 7]))])
+    assert limits(images, vocab).problem(sampled) == (
+        f"samples[0]: images: response token 1 is the image placeholder '<image>' (id {image_id}), which the model "
+        "would read as an image")
+    text = make_group("run", 3, n_samples=1)
+    assert limits(images, vocab).problem(text) is None
+    text.samples[0].prompt_tokens[2] = image_id
+    assert limits(images, vocab).problem(text) == (
+        f"samples[0]: images: a prompt without images holds the image placeholder '<image>' (id {image_id})")
     # images on a text model
     assert limits(None, vocab).problem(good) == (
         "samples[0]: 1 images, and the model (model.path) is not a vision-language model (its config.json has no "
