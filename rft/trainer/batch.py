@@ -12,6 +12,7 @@ of a pair are always in the same micro-batch. Every key a micro-batch carries is
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,8 +45,9 @@ class Row:
     routed_layers: tuple[int, ...] = ()
     versions: np.ndarray | None = None  # the weights version of each response token (int64); None: unknown
     token_advantages: np.ndarray | None = None  # one per response token (float32; Needs.token_advantages); None: none
-    # a vision-language prompt's image tensors as its processor gave them (rft.trainer.images); None: a text row
-    pixels: dict[str, Any] | None = None
+    # a vision-language prompt's image tensors as its processor gives them (rft.trainer.images), computed when the
+    # row's micro-batch is packed (only the data-parallel rank that trains the row runs the processor); None: text
+    pixels: Callable[[], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,8 @@ def rows_from_groups(groups: list[ExperienceGroup], advantages: list[np.ndarray]
     (ValueError naming the group when it is not one) and its rows are marked chosen / rejected. With `routing`
     (routing replay), rows keep their samples' recorded `routed_experts` (ValueError naming the group when two
     records of the step disagree on the MoE layers). A sample with images gets its row's `pixels` from `images` (the
-    model's processor; ValueError naming the group without one, or when `max_len` would cut its prompt)."""
+    model's processor, run when the row is packed; ValueError naming the group without one, or when `max_len` would
+    cut its prompt)."""
     rows: list[Row] = []
     per_token: list[list[np.ndarray | None]] = ([list(t) for t in token_advantages] if token_advantages is not None
                                                 else [[None] * len(g.samples) for g in groups])
@@ -182,7 +185,8 @@ def _row(sample, advantage: float, max_len: int | None, routing: bool = False, p
 
 
 def _add_pixels(rows: list[Row], group: ExperienceGroup, images: ImagePrompts | None, max_len: int | None) -> None:
-    """Each image sample's row gets its processor's pixels (rft.trainer.images; computed once per prompt)."""
+    """Each image sample's row gets its processor's pixels (rft.trainer.images; computed once per prompt, when
+    packed)."""
     if images is None:
         raise ValueError(f"group {group.group_id}: samples with images, and the model has no image processor (not a "
                          "vision-language model)")
@@ -191,7 +195,7 @@ def _add_pixels(rows: list[Row], group: ExperienceGroup, images: ImagePrompts | 
             if max_len is not None and len(sample.prompt_tokens) > max_len:
                 raise ValueError(f"group {group.group_id}: a prompt of {len(sample.prompt_tokens)} tokens with images "
                                  f"would be cut at {max_len}, inside its image tokens")
-            row.pixels = images.pixels(sample)
+            row.pixels = functools.partial(images.pixels, sample)
 
 
 def replayed_fraction(rows: list[Row]) -> float:
@@ -439,10 +443,11 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
         routing = {"routed_experts": torch.from_numpy(ids),
                    "routed_layers": torch.tensor(first.routed_layers, dtype=torch.int64)}
     images = {}
-    if any(row.pixels for row in rows):
+    if any(row.pixels is not None for row in rows):
         if collate_images is None:
             raise ValueError("rows with images: a micro-batch needs the model's collate_images")
-        images = collate_images([row.pixels or {} for row in rows] + [{}] * (batch_size - len(rows)))
+        images = collate_images([row.pixels() if row.pixels is not None else {} for row in rows]
+                                + [{}] * (batch_size - len(rows)))
     return {
         "input_ids": torch.from_numpy(input_ids), "target_ids": torch.from_numpy(target_ids),
         "position_ids": torch.arange(seq_len, dtype=torch.int64).expand(batch_size, seq_len).contiguous(),

@@ -6,7 +6,7 @@ processor on them (rft.models.vision: the one place a processor runs on a prompt
   placeholder stands where no image is (a response, a text prompt), else the reason; the feed dead-letters the
   group with it (rft.trainer.batch.TrainableLimits);
 - `ImagePrompts.pixels(sample)`: the processor's image tensors for the sample's row, which the model family collates
-  into each micro-batch (megatron_bridge's `collate_images`).
+  into each micro-batch (megatron_bridge's `collate_images`) when the rank that trains the row packs it.
 The processor runs once per distinct (prompt_text, images) a process sees: a group's samples share their prompt, and
 on rank 0 the rows use what the feed's check computed. Results are kept least recently used first out, up to
 `cache_bytes` of pixel tensors. Every rank builds its rows itself from the same record bytes (rft.trainer.main), so

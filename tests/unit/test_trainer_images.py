@@ -167,12 +167,18 @@ def test_rows_carry_pixels_and_micro_batches_the_collated_images(processor, brid
               image_group(processor, 2, SPLIT, images_of((64, 48), seed=7), n_samples=2)]
     rows = rows_from_groups(groups, [np.zeros(len(g.samples)) for g in groups], images=images)
     assert [r.pixels is None for r in rows] == [False, False, True, False, False]
-    assert images.runs == 2  # once per prompt
+    assert images.runs == 0  # run when a micro-batch is packed: by the data-parallel rank that trains the row
+    over_three = plan_micro_batches(rows, dp_size=3, micro_batch_size=3)  # rows dealt round-robin
+    assert "pixel_values" not in over_three.for_rank(2, collate_images=bridge.collate_images)[0]  # the text row
+    assert images.runs == 0
+    over_three.for_rank(1, collate_images=bridge.collate_images)  # rows 1 and 4: one of each prompt
+    assert images.runs == 2
     plan = plan_micro_batches(rows, dp_size=1, micro_batch_size=3)
     first, second = plan.for_rank(0, collate_images=bridge.collate_images)
+    assert images.runs == 2  # once per prompt
     assert tuple(first["pixel_values"].shape) == (3, 10, 3, 32, 32)  # rows 0, 1 (2 x 5 tiles) and the text row
     assert tuple(second["pixel_values"].shape) == (3, 5, 3, 32, 32)  # rows 3, 4 (5 tiles) and a padding row
-    expected = [rows[0].pixels, rows[1].pixels, None, rows[3].pixels, rows[4].pixels, None]
+    expected = [r.pixels() if r.pixels is not None else None for r in rows] + [None]
     for i, pixels in enumerate(expected):
         got = (first if i < 3 else second)["pixel_values"][i % 3]
         if pixels is None:
