@@ -3,7 +3,8 @@ re-runs the processor on each sample with images and refuses a prompt the engine
 prompt, not per sample), or images on a text model; rows carry their pixels and micro-batches the family's collated
 tensors (Idefics3: [b, images, 3, H, W], all-zero padding images, masks False); and the trainer's loop (stand-in
 policy, in-memory transport) dead-letters a mismatching group with its reason and trains the matching one on its
-pixels. (Log-probs through the bridge against transformers: tests/distributed/test_megatron_policy.py.)"""
+pixels; trainer.pack_sequences is refused by name for a vision-language model. (Log-probs through the bridge
+against transformers: tests/distributed/test_megatron_policy.py.)"""
 from __future__ import annotations
 
 import dataclasses
@@ -237,3 +238,15 @@ def test_the_trainer_dead_letters_a_mismatching_group_and_trains_the_matching_on
         "cannot be trained: samples[0]: images: the engine's prompt is ")
     metrics = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["skipped"] for m in metrics if m.get("step") == 1] == [{"untrainable": 1}]
+
+
+def test_a_vision_language_model_refuses_packed_sequences_by_name(tmp_path, processor):
+    from rft.algorithms import Needs
+    from rft.config import ConfigError
+    from rft.trainer.main import build_policy
+
+    cfg = make_config(tmp_path).with_values({"trainer.pack_sequences": True})
+    idefics3_config(processor).save_pretrained(cfg.model.path)
+    with pytest.raises(ConfigError, match="trainer.pack_sequences: .* is a vision-language model, and packed "
+                                          "sequences do not take images; set it to false"):
+        build_policy(cfg.trainer, run=cfg.run, model=cfg.model, needs=Needs(), temperature=1.0)
