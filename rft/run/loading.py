@@ -38,6 +38,7 @@ from rft.experience.priorities import resolve_priority
 from rft.experience.staleness_policies import build_staleness_policy
 from rft.explorer.config import ADMISSIONS
 from rft.extras import MissingExtra, check_installed
+from rft.models.vision import is_vision_model
 from rft.modes import mode
 from rft.registry import RegistryError, import_object
 from rft.rewards import WEIGHTED, RewardError, check_reward_config, resolve
@@ -202,11 +203,15 @@ def _check_eval_sets(e: EvalConfig) -> None:
 
 
 def _check_image_sets(cfg: Config) -> None:
-    """Task sets of images (`IMAGE_FORMATS`) only with a workflow that takes images (rft.workflows.registry)."""
+    """Task sets of images (`IMAGE_FORMATS`) only with a workflow that takes images (rft.workflows.registry), and not
+    for a model on disk here that is text-only (its explorers would dead-letter every such task)."""
     keys = [f"{s.key}.format" for s in task_sets(cfg.data) if s.path and s.format in IMAGE_FORMATS]
     keys += [f"eval.sets[{i}].format" for i, e in enumerate(cfg.eval.sets) if e.format in IMAGE_FORMATS]
     if problem := image_sets_problem(cfg.explorer, keys):
         raise ConfigError(problem)
+    if keys and (Path(cfg.model.path) / "config.json").is_file() and not is_vision_model(cfg.model.path):
+        raise ConfigError(f"model.path: {cfg.model.path} is a text-only model (its config.json has no vision_config), "
+                          f"and {keys[0]} gives tasks with images; use a vision-language model")
 
 
 def _check_generated_sets(cfg: Config) -> None:

@@ -119,7 +119,7 @@ def image_prompt(engine: Engine, task: TaskRecord, max_prompt_len: int,
     processor refuses (a prompt that writes the placeholder itself), or a prompt over `max_prompt_len` with its image
     tokens as the processor expands them (refused whole, never cut: rft.models.vision.prompt_length_problem).
     WorkflowError when the processor's chat template cannot render the messages (as `encode_prompt`)."""
-    processor = engine.processor
+    processor = getattr(engine, "processor", None)  # an engine from before `Engine.processor` has none
     if processor is None:
         return (f"the task has {len(task.images)} image(s) and the engine's model takes none (model.path has no "
                 "vision_config: a text-only model); image tasks need a vision-language model")
