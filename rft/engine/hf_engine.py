@@ -81,7 +81,8 @@ class TransformersEngine(TokenizerMixin):
 
     def generate_images(self, prompts: Sequence[ImagePrompt], sampling: SamplingSettings) -> list[Generation]:
         """Each prompt's placeholders expanded by the processor (rft.models.vision.process_prompt), generated with
-        its pixel tensors; EngineError for a text-only model or a prompt the processor refuses."""
+        its pixel tensors (each Generation's `prompt_text` the prompt's text); EngineError for a text-only model or a
+        prompt the processor refuses."""
         if self.processor is None:
             raise EngineError("generate_images needs a vision-language model; this one has no vision_config")
         generations = []
@@ -93,7 +94,9 @@ class TransformersEngine(TokenizerMixin):
             pixels = {k: v.to(self.device) for k, v in processed.pixels.items()}
             if "pixel_values" in pixels:
                 pixels["pixel_values"] = pixels["pixel_values"].to(self.model.dtype)
-            generations.append(self._generate_one(processed.token_ids, sampling, pixels))
+            generation = self._generate_one(processed.token_ids, sampling, pixels)
+            generation.prompt_text = p.text
+            generations.append(generation)
         return generations
 
     def _generate_one(self, prompt: list[int], sampling: SamplingSettings,

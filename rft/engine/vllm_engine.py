@@ -216,7 +216,8 @@ class VLLMEngine(TokenizerMixin):
             for raw, c in zip(output.outputs, completions, strict=True):
                 c.routed_experts = self.moe.routed(raw.routed_experts, len(prompt) + len(c.token_ids) - 1,
                                                    RoutedExperts.start(len(prompt), self.routing_prefill))
-        return Generation(prompt, completions)
+        # an image prompt's text (submit_images), as vLLM took it; a prompt of token ids has none
+        return Generation(prompt, completions, prompt_text=output.prompt or "")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, *,
                  adapter: str | None = None) -> list[Generation]:
