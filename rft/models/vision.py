@@ -55,7 +55,7 @@ def load_processor(path: str | os.PathLike) -> Any:
     """The model's processor, none of it needing torchvision: for Qwen2.5-VL rft.models.qwen_vl's (transformers'
     processor without its torchvision-only video part), else transformers' `AutoProcessor` (for Idefics3 its PIL
     image processor)."""
-    from rft.models import qwen_vl  # imports transformers
+    from rft.models import qwen_vl  # heavy: transformers
 
     if model_type(path) in qwen_vl.MODEL_TYPES:
         return qwen_vl.load(str(path))
