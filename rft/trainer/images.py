@@ -23,10 +23,10 @@ import numpy as np
 from rft.models.vision import (
     ProcessedPrompt,
     VisionError,
+    image_token,
     image_token_ids,
     is_vision_model,
     load_processor,
-    placeholder,
     process_prompt,
     prompt_mismatch,
 )
@@ -43,7 +43,7 @@ class ImagePrompts:
     def __init__(self, processor: Any, *, limits: ImageLimits | None = None, cache_bytes: int = CACHE_BYTES):
         self.processor, self.limits = processor, limits or ImageLimits()
         self.image_ids = image_token_ids(processor)
-        self.placeholder = placeholder(processor)
+        self.placeholder = image_token(processor)  # the token the model puts an image feature at
         self.placeholder_id = int(processor.tokenizer.convert_tokens_to_ids(self.placeholder))
         self.cache_bytes = cache_bytes
         self.runs = 0
