@@ -149,8 +149,21 @@ class Qwen25VLGPTModel(GPTModel):
         self.vlm_config = vlm_config
         if self.pre_process:
             self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(vlm_config.vision_config)
+            # a plain attribute, which dtype casts leave alone (`_apply`)
+            self.tower_inv_freq = self.visual.rotary_pos_emb.inv_freq.detach().clone().float()
             if self.config.sequence_parallel:
                 raise ValueError("a vision-language model under sequence parallelism is not supported")
+
+    def _apply(self, fn, *args, **kwargs):
+        """Moves and casts as nn.Module does, but keeps the tower's rotary frequencies in float32, as transformers
+        loads them at any dtype (a bf16 copy would rotate the tower's queries and keys differently from the
+        engine's)."""
+        out = super()._apply(fn, *args, **kwargs)
+        if self.pre_process:
+            rope = self.visual.rotary_pos_emb
+            for name in ("inv_freq", "original_inv_freq"):
+                setattr(rope, name, self.tower_inv_freq.to(getattr(rope, name).device, copy=True))
+        return out
 
     def merged_embeddings(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
                           image_grid_thw: torch.Tensor) -> torch.Tensor:

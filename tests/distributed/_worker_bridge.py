@@ -9,6 +9,8 @@ directory. For every case, in one process group:
   dropped;
 - `<name>.mismatch.txt` (images, one pipeline stage; rank 0): the error of the same batch with one image placeholder
   replaced by a text token;
+- `<name>.bf16_tower_rope.safetensors` (Qwen2.5-VL at TP1 x PP1; rank 0): the vision tower's rotary frequencies of
+  the same model built in bfloat16;
 - `<name>.hf/`: the model exported with `save_hf` (bucketed, gathered over TP and PP);
 - `<name>.export.json` (rank 0): a second, bucketed export, with the bucket contents' sizes and the
   peak resident memory of the process during it above the level at its start (VmHWM after
@@ -138,6 +140,11 @@ def run_case(case: dict, out: Path, bucket_bytes: int) -> None:
         except ValueError as e:
             if where.rank == 0:
                 (out / f"{case['name']}.mismatch.txt").write_text(str(e))
+    if case.get("images") == "qwen2_5_vl" and case["tp"] == case["pp"] == 1:
+        rope = build_model(case["hf_dir"], dtype="bfloat16")[0].visual.rotary_pos_emb  # the tower's after the cast
+        if where.rank == 0:
+            save_file({"inv_freq": rope.inv_freq, "original_inv_freq": rope.original_inv_freq},
+                      out / f"{case['name']}.bf16_tower_rope.safetensors")
     save_hf(models, out / f"{case['name']}.hf")
     export = measured_export(models, bucket_bytes)
     if where.is_publisher:

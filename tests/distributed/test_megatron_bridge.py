@@ -123,6 +123,18 @@ def test_qwen_image_placeholders_that_do_not_match_the_grids_are_refused(results
             "[[1, 4, 4], [1, 8, 6], [1, 4, 4]], merged 2x2)") in message
 
 
+def test_a_bfloat16_qwen_vision_tower_keeps_transformers_float32_rotary_frequencies(results, models):
+    """transformers keeps the tower's rotary frequencies in float32 at any dtype; a bfloat16 copy would rotate a
+    real tower's queries and keys (head_dim 80, positions past 100) by up to ~0.2 in cos."""
+    from transformers import AutoModelForImageTextToText
+
+    saved = load_file(results / "qwen2_5_vl_tp1.bf16_tower_rope.safetensors")
+    hf = AutoModelForImageTextToText.from_pretrained(models["qwen2_5_vl"], dtype=torch.bfloat16).model.visual
+    for name, tensor in saved.items():
+        expected = getattr(hf.rotary_pos_emb, name)
+        assert tensor.dtype == expected.dtype == torch.float32 and torch.equal(tensor, expected), name
+
+
 @pytest.mark.parametrize("case,model", [(c[0], c[1]) for c in CASES])
 def test_round_trip_reproduces_every_tensor_exactly(results, models, case, model):
     original = load_file(models[model] / "model.safetensors")
