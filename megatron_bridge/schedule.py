@@ -32,7 +32,7 @@ from megatron_bridge.model import config_of
 REQUIRED_KEYS = ("input_ids", "position_ids")
 # a vision-language model's image tensors, passed to the first stage's forward when a micro-batch has them
 # (megatron_bridge.vision)
-IMAGE_KEYS = ("pixel_values", "pixel_attention_mask")
+IMAGE_KEYS = ("pixel_values", "pixel_attention_mask", "image_grid_thw")
 
 
 def check_micro_batch(mb: dict[str, torch.Tensor], index: int) -> None:

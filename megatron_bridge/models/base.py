@@ -95,6 +95,7 @@ class DecoderBridge:
     qkv_bias: ClassVar[bool] = False
     qk_layernorm: ClassVar[bool] = False  # RMSNorm over each head's query and key (Qwen3)
     mapping_table: ClassVar[tuple[ParamMapping, ...]] = ()
+    image_keys: ClassVar[tuple[str, ...]] = ()  # a vision-language model's image forward kwargs
 
     def __init__(self, hf_config):
         self.hf = hf_config
@@ -231,6 +232,11 @@ class DecoderBridge:
 
         return GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process,
                         post_process=post_process, **self.gpt_model_kwargs(tp))
+
+    def collate_images(self, per_row: list[dict[str, Any]]) -> dict[str, Any]:
+        """One micro-batch's image forward kwargs (`image_keys`) from its rows' processor tensors
+        (`ProcessedPrompt.pixels`, {} for a text row); a vision-language family implements it."""
+        raise ValueError(f"{self.hf_class} takes no images")
 
     def on_first_stage(self, megatron_name: str) -> bool:
         """Whether a global megatron parameter beside the decoder lives on the first pipeline stage (the
