@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from rft.models.tiny import make_tiny_model
 from rft.models.tiny_vlm import make_tiny_idefics3, make_tiny_qwen2_5_vl
+from rft.models.vision import is_vision_model, load_processor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import HERE, REPO, assert_succeeded, torchrun  # noqa: E402
@@ -155,6 +156,9 @@ def test_exported_directory_loads_in_transformers_with_the_same_weights(results,
     assert sorted(loaded) == sorted(reference)
     for name, tensor in reference.items():
         assert torch.equal(loaded[name], tensor), name
+    if is_vision_model(models[model]):  # the processor travels with the export (a next stage starts from it)
+        theirs, ours = load_processor(models[model]), load_processor(results / f"{case}.hf")
+        assert type(ours) is type(theirs) and ours.image_processor.to_dict() == theirs.image_processor.to_dict()
 
 
 @pytest.mark.parametrize("case", ["big_tp2", "big_pp2"])
