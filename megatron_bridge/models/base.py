@@ -240,7 +240,7 @@ class DecoderBridge:
         (`rft.models.vision.ProcessedPrompt.pixels` of row i; {} for a text row or a padding row), in row order:
         how several prompts' images batch is the family's business. ValueError here: a text model takes no
         images."""
-        raise ValueError(f"{self.hf_class} is a text model: its micro-batches take no images")
+        raise ValueError(f"{self.hf_class} takes no images (a text model: no image_keys)")
 
     def on_first_stage(self, megatron_name: str) -> bool:
         """Whether a global megatron parameter beside the decoder lives on the first pipeline stage (the

@@ -110,7 +110,7 @@ def test_idefics3_collate_refuses_what_it_cannot_batch(processor, bridge):
         vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         architectures=["LlamaForCausalLM"]))
     assert text.image_keys == ()
-    with pytest.raises(ValueError, match="LlamaForCausalLM is a text model: its micro-batches take no images"):
+    with pytest.raises(ValueError, match="LlamaForCausalLM takes no images"):
         text.collate_images([pixels])
 
 
