@@ -18,7 +18,7 @@ Usage: torchrun --nproc-per-node 2 _worker_policy.py SPEC.json, with SPEC {"out_
   `vlm_tp2.ckpt`; then a step on `trainer_micro_batches` (its metrics as `trainer_step`).
 - vlm_pp2: forward_logprobs of `trainer_micro_batches` -> `vlm_pp2.trainer_logprobs.safetensors`; load `vlm_tp2.ckpt`
   (saved at TP=2) -> `vlm_pp2.loaded.hf`.
-- qvlm_tp2, qvlm_pp2: the step and the checkpoint with a tiny Qwen2.5-VL (SPEC's "qwen2_5_vl").
+- qvlm_tp2, qvlm_pp2: the same with a tiny Qwen2.5-VL (SPEC's "qwen2_5_vl").
 Step metrics go to `<case>.metrics.json` (rank 0), with `head_positions`: the number of positions the LM head
 computed logits for, per micro-batch, in each step (rank 0; empty where rank 0 is not the last pipeline stage). The
 entropy metric is computed in chunks of `ENTROPY_CHUNK_TOKENS` positions (7 here, so that micro-batches span several
@@ -136,21 +136,24 @@ def vlm_micro_batches(hf_dir: str, model: str = "idefics3") -> list[dict[str, to
     return batches
 
 
-TRAINER_PROMPTS = [("User:<image>and<image>?<end_of_utterance>\nAssistant:", ((40, 64), (32, 32)), 2),
-                   ("", (), 1),  # a text group: its row gets only padding images
-                   ("<image>3+4=", ((20, 20),), 2)]
+# (prompt text, `{image}` standing for the processor's placeholder; image sizes; samples)
+TRAINER_PROMPTS = [("User:{image}and{image}?\nAssistant:", ((40, 64), (32, 32)), 1),
+                   ("", (), 1),  # a text group: its row gets no image (Idefics3: padding images)
+                   ("{image}3+4=", ((20, 20),), 2),
+                   ("{image}{image}which?", ((24, 40), (64, 64)), 1)]
 
 
 def trainer_groups(processor) -> list:
     """Groups of TRAINER_PROMPTS as an explorer records them: prompt ids the processor's expansion (random text ids
     for the text group), `images`, `prompt_text`, random responses."""
-    from rft.models.vision import process_prompt
+    from rft.models.vision import placeholder, process_prompt
     from rft.schema import ExperienceGroup, Image, Sample, group_id_for
     from tests.vision_prompts import encoded_image
 
     rng = np.random.default_rng(0)
     groups = []
-    for task, (text, sizes, n) in enumerate(TRAINER_PROMPTS):
+    for task, (template, sizes, n) in enumerate(TRAINER_PROMPTS):
+        text = template.format(image=placeholder(processor))
         pictures = [Image.of(*encoded_image(w, h, seed=10 * task + j)) for j, (w, h) in enumerate(sizes)]
         prompt = (process_prompt(processor, text, [(i.data, i.media_type) for i in pictures]).token_ids
                   if pictures else rng.integers(3, 90, 9).tolist())
@@ -164,8 +167,8 @@ def trainer_groups(processor) -> list:
 
 def trainer_micro_batches(hf_dir: str, collate_images) -> list[dict[str, torch.Tensor]]:
     """`trainer_groups` through the trainer's path: rows with their pixels (rft.trainer.images, the model's own
-    processor), micro-batches of 3 rows with `collate_images`: the first 2 rows of 2 images and the text row, the
-    second 2 rows of 1 image and a padding row (rows in group order)."""
+    processor), micro-batches of 3 rows with `collate_images`, rows in group order: [2 images, text, 1 image] and
+    [1 image (the same), 2 other images, padding]. Idefics3 or Qwen2.5-VL."""
     from rft.trainer.batch import plan_micro_batches, rows_from_groups
     from rft.trainer.images import image_prompts
 
@@ -190,9 +193,8 @@ def run_vlm_case(spec: dict, *, name: str, tp: int, pp: int, load: str | None = 
     out = Path(spec["out_dir"])
     policy = MegatronPolicy(spec[model], tp=tp, pp=pp, seed=0, share_prompts=True,
                             **{**HYPERPARAMETERS, "grad_clip": 0.0})
-    trainer_batches = trainer_micro_batches(spec[model], policy.collate_images) if model == "idefics3" else []
-    if trainer_batches:
-        save_logprobs(policy.forward_logprobs(trainer_batches), out / f"{name}.trainer_logprobs.safetensors")
+    trainer_batches = trainer_micro_batches(spec[model], policy.collate_images)
+    save_logprobs(policy.forward_logprobs(trainer_batches), out / f"{name}.trainer_logprobs.safetensors")
     if load:
         policy.load_checkpoint(out / load)
         policy.save_hf(out / f"{name}.loaded.hf")
@@ -205,7 +207,7 @@ def run_vlm_case(spec: dict, *, name: str, tp: int, pp: int, load: str | None = 
             save_file(grads, out / f"{name}.grads.rank{policy.layout.rank}.safetensors")
         policy.save_hf(out / f"{name}.step1.hf")
         policy.save_checkpoint(out / f"{name}.ckpt")
-        trainer_step = policy.train_step(trainer_batches, token_mean_nll) if trainer_batches else {}
+        trainer_step = policy.train_step(trainer_batches, token_mean_nll)
         if policy.layout.rank == 0:
             (out / f"{name}.metrics.json").write_text(json.dumps({**metrics, "describe": policy.describe(),
                                                                   "trainer_step": trainer_step}))
