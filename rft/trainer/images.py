@@ -3,8 +3,8 @@ encoded images and its `prompt_text` (the prompt as its engine's processor took 
 processor on them (rft.models.vision: the one place a processor runs on a prompt) and
 - `ImagePrompts.problem(sample)`: None when the sample's images are within the run's image limits and the processor
   expands its prompt to exactly the prompt ids the engine recorded (`engine_prompt_problem`'s check), and no image
-  placeholder stands where no image is (a response, a text prompt), else the reason; the feed dead-letters the
-  group with it (rft.trainer.batch.TrainableLimits);
+  placeholder stands where no image is (a response, a text prompt) nor any video placeholder, else the reason; the
+  feed dead-letters the group with it (rft.trainer.batch.TrainableLimits);
 - `ImagePrompts.pixels(sample)`: the processor's image tensors for the sample's row, which the model family collates
   into each micro-batch (megatron_bridge's `collate_images`) when the rank that trains the row packs it.
 The processor runs once per distinct (prompt_text, images) a process sees: a group's samples share their prompt, and
@@ -43,8 +43,12 @@ class ImagePrompts:
     def __init__(self, processor: Any, *, limits: ImageLimits | None = None, cache_bytes: int = CACHE_BYTES):
         self.processor, self.limits = processor, limits or ImageLimits()
         self.image_ids = image_token_ids(processor)
-        self.placeholder = image_token(processor)  # the token the model puts an image feature at
-        self.placeholder_id = int(processor.tokenizer.convert_tokens_to_ids(self.placeholder))
+        # the tokens the model reads as an image's (or a video's, which it refuses) placeholders: id -> token
+        self.image_id = int(processor.tokenizer.convert_tokens_to_ids(image_token(processor)))
+        self.placeholders = {self.image_id: image_token(processor)}
+        video = getattr(processor, "video_token", None)
+        if isinstance(video, str):
+            self.placeholders[int(processor.tokenizer.convert_tokens_to_ids(video))] = video
         self.cache_bytes = cache_bytes
         self.runs = 0
         self._cache: collections.OrderedDict[tuple, ProcessedPrompt | str] = collections.OrderedDict()
@@ -52,16 +56,18 @@ class ImagePrompts:
 
     def problem(self, sample: Sample) -> str | None:
         """None when `sample` can be trained on as its engine saw it, else why not: besides the processor's check of
-        a sample with images, no image placeholder (`<image>`) may stand where no image is: in a response (an engine
-        may sample one) or in a text sample's prompt, since the model puts an image feature at every placeholder."""
-        token = self.placeholder_id
-        if token in sample.response_tokens:
-            position = int(np.flatnonzero(sample.response_tokens == token)[0])
-            return (f"response token {position} is the image placeholder {self.placeholder!r} (id {token}), which "
-                    "the model would read as an image")
+        a sample with images, no image placeholder (`<image>`, `<|image_pad|>`) may stand where no image is, in a
+        response (an engine may sample one) or a text sample's prompt, since the model puts an image feature at
+        every placeholder; nor a video placeholder (`<|video_pad|>`) anywhere: videos are not taken."""
+        for token, text in self.placeholders.items():
+            if token in sample.response_tokens:
+                position = int(np.flatnonzero(sample.response_tokens == token)[0])
+                return (f"response token {position} is the placeholder {text!r} (id {token}), which the model would "
+                        "read as an image's")
+            if token in sample.prompt_tokens and (token != self.image_id or not sample.images):
+                return (f"the prompt holds the placeholder {text!r} (id {token}) with "
+                        f"{'no image' if token == self.image_id else 'no video: videos are not taken'}")
         if not sample.images:
-            if token in sample.prompt_tokens:
-                return f"a prompt without images holds the image placeholder {self.placeholder!r} (id {token})"
             return None
         if problem := self.limits.problem(sample.images):
             return problem

@@ -145,13 +145,28 @@ def test_the_check_reruns_the_processor_once_per_prompt_and_refuses_a_mismatch(p
     sampled = dataclasses.replace(good, samples=[dataclasses.replace(
         good.samples[0], response_tokens=np.array([5, image_id, 6, 7]))])
     assert limits(images, vocab).problem(sampled) == (
-        f"samples[0]: images: response token 1 is the image placeholder '<image>' (id {image_id}), which the model "
-        "would read as an image")
+        f"samples[0]: images: response token 1 is the placeholder '<image>' (id {image_id}), which the model would "
+        "read as an image's")
     text = make_group("run", 3, n_samples=1)
     assert limits(images, vocab).problem(text) is None
     text.samples[0].prompt_tokens[2] = image_id
     assert limits(images, vocab).problem(text) == (
-        f"samples[0]: images: a prompt without images holds the image placeholder '<image>' (id {image_id})")
+        f"samples[0]: images: the prompt holds the placeholder '<image>' (id {image_id}) with no image")
+    # a video placeholder anywhere (Qwen2.5-VL's processor has one; the model takes no video)
+    from rft.models.qwen_vl import QwenVLImageProcessor
+    from rft.models.tiny_vlm import tiny_qwen2_5_vl_parts
+
+    fast, image_processor = tiny_qwen2_5_vl_parts()
+    qwen = ImagePrompts(QwenVLImageProcessor(image_processor=image_processor, tokenizer=fast))
+    video_id = fast.convert_tokens_to_ids("<|video_pad|>")
+    video = make_group("run", 4, n_samples=1, responses=[[5, 6, video_id]])
+    assert limits(qwen, len(fast)).problem(video) == (
+        f"samples[0]: images: response token 2 is the placeholder '<|video_pad|>' (id {video_id}), which the model "
+        "would read as an image's")
+    video.samples[0].response_tokens[2], video.samples[0].prompt_tokens[0] = 7, video_id
+    assert limits(qwen, len(fast)).problem(video) == (
+        f"samples[0]: images: the prompt holds the placeholder '<|video_pad|>' (id {video_id}) with no video: "
+        "videos are not taken")
     # images on a text model
     assert limits(None, vocab).problem(good) == (
         "samples[0]: 1 images, and the model (model.path) is not a vision-language model (its config.json has no "
