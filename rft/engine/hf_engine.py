@@ -94,6 +94,9 @@ class TransformersEngine(TokenizerMixin):
             pixels = {k: v.to(self.device) for k, v in processed.pixels.items()}
             if "pixel_values" in pixels:
                 pixels["pixel_values"] = pixels["pixel_values"].to(self.model.dtype)
+            if "image_grid_thw" in pixels:  # Qwen-VL: transformers builds MRoPE positions only from token types
+                ids = self.torch.tensor([processed.token_ids], device=self.device)
+                pixels["mm_token_type_ids"] = (ids == self.processor.image_token_id).to(self.torch.int32)
             generation = self._generate_one(processed.token_ids, sampling, pixels)
             generation.prompt_text = p.text
             generations.append(generation)

@@ -36,9 +36,10 @@ def engine(models):
     engine.close()
 
 
-def plain_generate(model_dir, prompt: ImagePrompt) -> list[int]:
-    """transformers alone: the model from its directory, the processor's tensors, greedy `generate`; the new tokens
-    up to the first end of turn."""
+def plain_generate(model_dir, prompt: ImagePrompt, logprobs: list[float] | None = None) -> list[int]:
+    """transformers alone: the model from its directory, the processor's tensors (its `mm_token_type_ids` included:
+    transformers builds the MRoPE positions from them), greedy `generate`; the new tokens up to the first end of
+    turn, and their log-probs appended to `logprobs`."""
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -46,10 +47,14 @@ def plain_generate(model_dir, prompt: ImagePrompt) -> list[int]:
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(model_dir)).eval()
     inputs = processor(text=[prompt.text], images=[[as_pil(i) for i in prompt.images]], return_tensors="pt")
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
-    new = out[0, inputs["input_ids"].shape[1]:].tolist()
+        out = model.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    new = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
     end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    return new[:new.index(end) + 1] if end in new else new
+    new = new[:new.index(end) + 1] if end in new else new
+    if logprobs is not None:
+        logprobs.extend(float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, new, strict=False))
+    return new
 
 
 def test_greedy_equals_plain_transformers(models, engine):
@@ -57,7 +62,10 @@ def test_greedy_equals_plain_transformers(models, engine):
     generations = engine.generate_images(PROMPTS, GREEDY)
     for prompt, generation in zip(PROMPTS, generations, strict=True):
         assert generation.prompt_token_ids == process_prompt(engine.processor, prompt.text, prompt.images).token_ids
-        assert generation.completions[0].token_ids == plain_generate(models[0], prompt)
+        expected: list[float] = []
+        assert generation.completions[0].token_ids == plain_generate(models[0], prompt, expected)
+        # the same positions (MRoPE) as transformers, so the same log-probs, not only the same argmax
+        assert generation.completions[0].logprobs == pytest.approx(expected, abs=1e-5)
         assert generation.completions[0].weights_version == 0
     # the image reaches the model: the same text with another image is answered otherwise
     other = ImagePrompt(PROMPTS[0].text, (encoded_image(40, 24, seed=101),))
