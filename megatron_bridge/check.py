@@ -125,7 +125,7 @@ def compare_logits(models, args: argparse.Namespace) -> LogitReport:
     where = parallel.layout()
     diff, scale = torch.zeros((), dtype=torch.float64), torch.ones((), dtype=torch.float64)
     if where.is_last_stage and where.tp_rank == 0 and where.dp_rank == 0:
-        reference = transformers_logits(args, batch)
+        reference = transformers_logits(args, batch, image_keys=info.bridge.image_keys)
         diff = (outputs[0].float().cpu() - reference).abs().max().double()
         scale = torch.clamp(reference.abs().max().double(), min=1.0)
     _all_max(diff)
@@ -140,7 +140,8 @@ def _all_max(value: torch.Tensor) -> None:
     value.copy_(moved.cpu())
 
 
-def transformers_logits(args: argparse.Namespace, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def transformers_logits(args: argparse.Namespace, batch: dict[str, torch.Tensor], *,
+                        image_keys: tuple[str, ...] = ()) -> torch.Tensor:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as transformers_logging
 
@@ -150,7 +151,7 @@ def transformers_logits(args: argparse.Namespace, batch: dict[str, torch.Tensor]
     auto = AutoModelForImageTextToText if "pixel_values" in batch else AutoModelForCausalLM
     model = auto.from_pretrained(args.hf_dir, dtype=dtype).to(target)  # type: ignore[arg-type]  # transformers' wrapped `to`
     images = {k: v.to(target, dtype) if v.is_floating_point() else v.to(target) for k, v in batch.items()
-              if k in schedule.IMAGE_KEYS}
+              if k in image_keys}
     # Qwen2.5-VL computes its MRoPE positions itself, from the placeholders' token types
     positions = "mm_token_type_ids" if "mm_token_type_ids" in batch else "position_ids"
     with torch.no_grad():

@@ -12,9 +12,12 @@ Usage: torchrun --nproc-per-node 2 _worker_policy.py SPEC.json, with SPEC {"out_
   `qwen_dp2_resumed.loaded.hf`; step on batch 2 -> `qwen_dp2_resumed.step2.hf`.
 - llama_pp2: step on batch 1 -> `llama_pp2.step1.hf`, checkpoint `llama_pp2.ckpt`.
 - llama_tp2: load `llama_pp2.ckpt` (saved at PP=2) -> `llama_tp2.loaded.hf`.
-- vlm_tp2 (a tiny Idefics3, no gradient clipping): step on `vlm_micro_batches` -> each TP rank's vision tower and
-  connector gradients `vlm_tp2.grads.rank<r>.safetensors`, `vlm_tp2.step1.hf`, checkpoint `vlm_tp2.ckpt`.
-- vlm_pp2: load `vlm_tp2.ckpt` (saved at TP=2) -> `vlm_pp2.loaded.hf`.
+- vlm_tp2 (a tiny Idefics3, no gradient clipping): forward_logprobs of `trainer_micro_batches` (samples with images
+  through the trainer's path) -> `vlm_tp2.trainer_logprobs.safetensors`; step on `vlm_micro_batches` -> each TP rank's
+  vision tower and connector gradients `vlm_tp2.grads.rank<r>.safetensors`, `vlm_tp2.step1.hf`, checkpoint
+  `vlm_tp2.ckpt`; then a step on `trainer_micro_batches` (its metrics as `trainer_step`).
+- vlm_pp2: forward_logprobs of `trainer_micro_batches` -> `vlm_pp2.trainer_logprobs.safetensors`; load `vlm_tp2.ckpt`
+  (saved at TP=2) -> `vlm_pp2.loaded.hf`.
 - qvlm_tp2, qvlm_pp2: the same with a tiny Qwen2.5-VL (SPEC's "qwen2_5_vl").
 Step metrics go to `<case>.metrics.json` (rank 0), with `head_positions`: the number of positions the LM head
 computed logits for, per micro-batch, in each step (rank 0; empty where rank 0 is not the last pipeline stage). The
@@ -28,6 +31,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 HYPERPARAMETERS = dict(lr=1e-3, weight_decay=0.1, grad_clip=1.0, betas=(0.9, 0.95))
@@ -132,6 +136,49 @@ def vlm_micro_batches(hf_dir: str, model: str = "idefics3") -> list[dict[str, to
     return batches
 
 
+# (prompt text, `{image}` standing for the processor's placeholder; image sizes; samples)
+TRAINER_PROMPTS = [("User:{image}and{image}?\nAssistant:", ((40, 64), (32, 32)), 1),
+                   ("", (), 1),  # a text group: its row gets no image (Idefics3: padding images)
+                   ("{image}3+4=", ((20, 20),), 2),
+                   ("{image}{image}which?", ((24, 40), (64, 64)), 1)]
+
+
+def trainer_groups(processor) -> list:
+    """Groups of TRAINER_PROMPTS as an explorer records them: prompt ids the processor's expansion (random text ids
+    for the text group), `images`, `prompt_text`, random responses."""
+    from rft.models.vision import placeholder, process_prompt
+    from rft.schema import ExperienceGroup, Image, Sample, group_id_for
+    from tests.vision_prompts import encoded_image
+
+    rng = np.random.default_rng(0)
+    groups = []
+    for task, (template, sizes, n) in enumerate(TRAINER_PROMPTS):
+        text = template.format(image=placeholder(processor))
+        pictures = [Image.of(*encoded_image(w, h, seed=10 * task + j)) for j, (w, h) in enumerate(sizes)]
+        prompt = (process_prompt(processor, text, [(i.data, i.media_type) for i in pictures]).token_ids
+                  if pictures else rng.integers(3, 90, 9).tolist())
+        samples = [Sample(sample_index=j, prompt_tokens=np.asarray(prompt), response_tokens=rng.integers(3, 90, 5),
+                          logprobs=np.zeros(5, np.float32), loss_mask=np.ones(5, np.uint8), reward=float(j),
+                          images=pictures, prompt_text=text) for j in range(n)]
+        groups.append(ExperienceGroup(run_id="run", task_id=f"t{task}", group_id=group_id_for("run", f"t{task}", 0),
+                                      attempt=0, explorer_id="e", policy_version=0, samples=samples))
+    return groups
+
+
+def trainer_micro_batches(hf_dir: str, collate_images) -> list[dict[str, torch.Tensor]]:
+    """`trainer_groups` through the trainer's path: rows with their pixels (rft.trainer.images, the model's own
+    processor), micro-batches of 3 rows with `collate_images`, rows in group order: [2 images, text, 1 image] and
+    [1 image (the same), 2 other images, padding]. Idefics3 or Qwen2.5-VL."""
+    from rft.trainer.batch import plan_micro_batches, rows_from_groups
+    from rft.trainer.images import image_prompts
+
+    images = image_prompts(hf_dir)
+    assert images is not None
+    groups = trainer_groups(images.processor)
+    rows = rows_from_groups(groups, [np.linspace(-1.0, 1.0, len(g.samples)) for g in groups], images=images)
+    return plan_micro_batches(rows, dp_size=1, micro_batch_size=3).for_rank(0, collate_images=collate_images)
+
+
 def run_vlm_case(spec: dict, *, name: str, tp: int, pp: int, load: str | None = None, model: str = "idefics3") -> None:
     """A tiny vision-language policy (`model`, asked to share prompts, which it cannot): with `load`, load that
     checkpoint and export; else one step without clipping (so the gradients stay as computed), its metrics with
@@ -146,6 +193,8 @@ def run_vlm_case(spec: dict, *, name: str, tp: int, pp: int, load: str | None = 
     out = Path(spec["out_dir"])
     policy = MegatronPolicy(spec[model], tp=tp, pp=pp, seed=0, share_prompts=True,
                             **{**HYPERPARAMETERS, "grad_clip": 0.0})
+    trainer_batches = trainer_micro_batches(spec[model], policy.collate_images)
+    save_logprobs(policy.forward_logprobs(trainer_batches), out / f"{name}.trainer_logprobs.safetensors")
     if load:
         policy.load_checkpoint(out / load)
         policy.save_hf(out / f"{name}.loaded.hf")
@@ -156,10 +205,12 @@ def run_vlm_case(spec: dict, *, name: str, tp: int, pp: int, load: str | None = 
                  if n.startswith(prefixes)}
         if grads:
             save_file(grads, out / f"{name}.grads.rank{policy.layout.rank}.safetensors")
-        if policy.layout.rank == 0:
-            (out / f"{name}.metrics.json").write_text(json.dumps({**metrics, "describe": policy.describe()}))
         policy.save_hf(out / f"{name}.step1.hf")
         policy.save_checkpoint(out / f"{name}.ckpt")
+        trainer_step = policy.train_step(trainer_batches, token_mean_nll)
+        if policy.layout.rank == 0:
+            (out / f"{name}.metrics.json").write_text(json.dumps({**metrics, "describe": policy.describe(),
+                                                                  "trainer_step": trainer_step}))
     parallel.destroy(keep_process_group=True)
 
 

@@ -2,13 +2,16 @@
 step (transformers + torch AdamW, computed here), including the entropy metric, with the LM head run only from each
 micro-batch's first loss position (its input lengths recorded); dist checkpoints reload across layouts; the reference
 model stays the initial model after an optimizer step; a vision-language model's (Idefics3, Qwen2.5-VL) vision tower
-gets the same gradients on every TP rank, those of transformers, and its checkpoint saved at TP=2 loads at PP=2.
+gets the same gradients on every TP rank, those of transformers, and its checkpoint saved at TP=2 loads at PP=2; samples
+with images through the trainer's path (processor re-run, rows with pixels, collated micro-batches) get
+transformers' log-probs at TP=2 and PP=2, and train.
 
 One 2-process launch (_worker_policy.py) runs every case and writes exported weights and metrics.
 """
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -226,6 +229,46 @@ def test_vision_tower_gradients_are_the_same_on_every_tp_rank_and_those_of_trans
     for name, grad in expected.items():
         assert torch.equal(ranks[0][name], ranks[1][name]), name
         assert (ranks[0][name] - grad).abs().max().item() <= 1e-5 * scale, name
+
+
+@pytest.mark.parametrize("case,model", [("vlm_tp2", "idefics3"), ("vlm_pp2", "idefics3"),
+                                        ("qvlm_tp2", "qwen2_5_vl"), ("qvlm_pp2", "qwen2_5_vl")])
+def test_trainer_path_log_probs_of_samples_with_images_are_transformers(results, models, case, model):
+    """Samples with images through the trainer's path (the processor re-run per prompt, rows with pixels, the family's
+    collate: Idefics3's padding images, Qwen2.5-VL's concatenated patches; a text row among image rows) into the
+    bridge at TP=2 and at PP=2 give, on every real row, transformers' float32 log-probs of that sample alone (its
+    tokens, the processor's pixels of its own images); and a step on them ran (TP=2)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from megatron_bridge.models import bridge_for
+    from rft.models.vision import image_token, load_processor, process_prompt
+
+    hf_dir = models[model]
+    batches = cases.trainer_micro_batches(str(hf_dir), bridge_for(AutoConfig.from_pretrained(hf_dir)).collate_images)
+    if model == "idefics3":  # [rows, most images of a row]
+        assert [tuple(mb["pixel_values"].shape[:2]) for mb in batches] == [(3, 2), (3, 2)]
+    else:  # every image of the micro-batch
+        assert [len(mb["image_grid_thw"]) for mb in batches] == [3, 3]
+    processor = load_processor(hf_dir)
+    token = processor.tokenizer.convert_tokens_to_ids(image_token(processor))
+    samples = [s for g in cases.trainer_groups(processor) for s in g.samples]
+    hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    saved = load_file(results / f"{case}.trainer_logprobs.safetensors")
+    assert sorted(saved) == [f"mb{i}" for i in range(len(batches))]
+    with torch.no_grad():
+        for k, sample in enumerate(samples):  # micro-batches of 3 rows, in order
+            tokens = torch.tensor([*sample.prompt_tokens.tolist(), *sample.response_tokens.tolist()])[None]
+            pixels = (process_prompt(processor, sample.prompt_text, [(i.data, i.media_type) for i in sample.images])
+                      .pixels if sample.images else {})
+            if model == "qwen2_5_vl":  # transformers computes its MRoPE positions from the placeholders
+                pixels["mm_token_type_ids"] = (tokens[:, :-1] == token).int()
+            logits = hf(input_ids=tokens[:, :-1], **pixels).logits
+            expected = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, 1:, None])[0, :, 0]
+            got = saved[f"mb{k // 3}"][k % 3, :len(expected)]
+            assert (got - expected).abs().max().item() < 1e-5, f"sample {k}"
+    if case.endswith("tp2"):
+        step = json.loads((results / f"{case}.metrics.json").read_text())["trainer_step"]
+        assert step["step_skipped"] == 0.0 and step["grad_norm"] > 0 and math.isfinite(step["loss"])
 
 
 @pytest.mark.parametrize("case,model,layers", [(c[0], c[1], c[3]) for c in VLM_CASES])
