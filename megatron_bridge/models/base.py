@@ -96,7 +96,8 @@ class DecoderBridge:
     qk_layernorm: ClassVar[bool] = False  # RMSNorm over each head's query and key (Qwen3)
     mapping_table: ClassVar[tuple[ParamMapping, ...]] = ()
     # a vision-language model's image tensors: the micro-batch keys its first stage's forward takes as keyword
-    # arguments (megatron_bridge.schedule passes those a micro-batch has); () for a text model
+    # arguments (megatron_bridge.schedule passes those a micro-batch has, and then `prompt_lens` too: placeholders
+    # are read only inside each row's prompt, megatron_bridge.vision); () for a text model
     image_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, hf_config):
