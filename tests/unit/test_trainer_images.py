@@ -21,10 +21,9 @@ from rft.models.vision import process_prompt
 from rft.schema import HEADER_ERROR, ExperienceGroup, Image, ImageLimits, RewardRange, Sample, group_id_for
 from rft.trainer.batch import TrainableLimits, plan_micro_batches, rows_from_groups
 from rft.trainer.images import ImagePrompts
-from rft.trainer.main import Trainer, open_trainer_io
 from rft.transport.memory import MemoryTransport
 from tests.records import make_group, read_topic
-from tests.unit.test_trainer_loop import StandInPolicy, fill, make_config
+from tests.unit.test_trainer_loop import StandInPolicy, build, fill, make_config
 from tests.vision_prompts import encoded_image
 
 SPLIT = "User:<image>what colour?<end_of_utterance>\nAssistant:"  # 64x48: 2x2 tiles and a global view: 5 images
@@ -245,10 +244,7 @@ def test_the_trainer_dead_letters_a_mismatching_group_and_trains_the_matching_on
     transport = MemoryTransport(partitions=1)
     fill(transport, cfg, [bad, good])
     policy = ImagePolicy([], bridge)
-    trainer = Trainer(cfg.trainer, run=cfg.run, model=cfg.model, algorithm=cfg.algorithm, sync=cfg.sync,
-                      run_dir=cfg.run_dir, temperature=1.0, progress=False, policy=policy,
-                      open_io=lambda feed_state, replay_state: open_trainer_io(
-                          cfg, feed_state=feed_state, replay_state=replay_state, transport=transport))
+    trainer = build(cfg, transport, [], policy)
     try:
         trainer.run()
         assert trainer.images is not None and trainer.images.runs == 2  # one per group: the rows reused the check's
