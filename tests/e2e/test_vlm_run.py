@@ -6,7 +6,8 @@ session's, so its topics can be read back after it. Checked from what the run le
 image samples (each sample's prompt ids are exactly the processor's expansion of its `prompt_text` and images), no
 trained group was staler than the bound, the train/inference mismatch was logged each step and is at rounding level
 where the weights had not changed (staleness 0), the explorer reloaded published versions, the evaluator scored the
-held-out image set, and every dead-lettered group (if any) carries its reason."""
+held-out image set, and every dead letter carries its reason (here the tasks whose prompt, image tokens counted, is
+over model.max_prompt_len: refused whole)."""
 from __future__ import annotations
 
 import math
@@ -21,6 +22,9 @@ from tests.support.runs import finish
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 STEPS, GROUPS, BOUND, EVAL_TASKS = 3, 2, 1, 8
+# model.max_prompt_len: easy-VQA's image prompts here are 25 to 48 tokens (7 of them the image's), so about half the
+# tasks are refused whole at the explorer's intake (dead-lettered with the reason, never cut inside an image)
+PROMPT_LIMIT = 33
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,8 @@ def tiny_vlm(tmp_path_factory) -> Path:
 
 
 def test_a_tiny_vlm_trains_on_image_tasks_through_the_whole_loop(tmp_path, tiny_vlm, bootstrap, topic_prefix):
-    from rft.models.vision import load_processor, process_prompt
+    from rft.data.easy_vqa import easy_vqa_rows
+    from rft.models.vision import load_processor, placeholder, process_prompt
 
     held_out = {"name": "vqa", "format": "easy_vqa", "path": "test", "generated_tasks": EVAL_TASKS, "seed": 7,
                 "reward": "exact_match"}
@@ -46,7 +51,7 @@ def test_a_tiny_vlm_trains_on_image_tasks_through_the_whole_loop(tmp_path, tiny_
         data={"format": "easy_vqa", "path": "train", "generated_tasks": 64, "epochs": 1},
         eval={"sets": [held_out], "n_samples": 2, "k": 1, "every_steps": STEPS, "max_tokens": 4},
         monitor={"progress": False})
-    body = config.read_text().replace("max_prompt_len: 8", "max_prompt_len: 128")
+    body = config.read_text().replace("max_prompt_len: 8", f"max_prompt_len: {PROMPT_LIMIT}")
     config.write_text(body.replace("max_response_len: 1", "max_response_len: 4"))
     run_dir = tmp_path / "runs" / "vlm"
     log = tmp_path / "run.log"
@@ -83,12 +88,21 @@ def test_a_tiny_vlm_trains_on_image_tasks_through_the_whole_loop(tmp_path, tiny_
             expanded = process_prompt(processor, sample.prompt_text,
                                       [(i.data, i.media_type) for i in sample.images])
             assert list(sample.prompt_tokens) == expanded.token_ids and expanded.image_tokens > 0
+            assert len(sample.prompt_tokens) <= PROMPT_LIMIT
 
+    def prompt_len(row: dict) -> int:
+        image = row["images"][0]
+        return len(process_prompt(processor, placeholder(processor) + row["prompt"],
+                                  [(image.data, image.media_type)]).token_ids)
+
+    too_long = sum(prompt_len(row) > PROMPT_LIMIT for row in easy_vqa_rows("test", seed=7, size=EVAL_TASKS))
+    assert 0 < too_long < EVAL_TASKS
     evals = [r for r in records if "eval/checkpoint" in r]
     assert [r["step"] for r in evals] == [0, STEPS], evals
-    for r in evals:
-        assert r["eval/vqa/tasks"] == EVAL_TASKS and r["eval/vqa/errors"] == 0
+    for r in evals:  # the held-out image set, its prompts over the limit counted as errors (wrong), not cut
+        assert r["eval/vqa/tasks"] == EVAL_TASKS and r["eval/vqa/errors"] == too_long
         assert 0.0 <= r["eval/vqa/accuracy"] <= 1.0
 
-    for letter in read_topic(bootstrap, f"{topic_prefix}.dead_letter"):
-        assert dict(letter.headers).get(HEADER_ERROR), letter.headers
+    reasons = [dict(letter.headers).get(HEADER_ERROR, b"").decode()
+               for letter in read_topic(bootstrap, f"{topic_prefix}.dead_letter")]
+    assert all(reasons) and any(f"over model.max_prompt_len {PROMPT_LIMIT}" in r for r in reasons), reasons
