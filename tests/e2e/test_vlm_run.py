@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from benchmarks.runs import consumed, log_tail, read_topic, rft_run, steps_done, write_config
 from rft.schema import HEADER_ERROR, decode_group
@@ -51,8 +52,9 @@ def test_a_tiny_vlm_trains_on_image_tasks_through_the_whole_loop(tmp_path, tiny_
         data={"format": "easy_vqa", "path": "train", "generated_tasks": 64, "epochs": 1},
         eval={"sets": [held_out], "n_samples": 2, "k": 1, "every_steps": STEPS, "max_tokens": 4},
         monitor={"progress": False})
-    body = config.read_text().replace("max_prompt_len: 8", f"max_prompt_len: {PROMPT_LIMIT}")
-    config.write_text(body.replace("max_response_len: 1", "max_response_len: 4"))
+    body = yaml.safe_load(config.read_text())
+    body["model"].update(max_prompt_len=PROMPT_LIMIT, max_response_len=4)  # (write_config's `model` is the path)
+    config.write_text(yaml.safe_dump(body))
     run_dir = tmp_path / "runs" / "vlm"
     log = tmp_path / "run.log"
     assert finish(rft_run(config, log), log, timeout_s=300) == 0, log_tail(log)
