@@ -73,6 +73,9 @@ def build_vlm(language: str | Path, out: str | Path, tower: Tower = Tower(), *, 
     if not getattr(tokenizer, "chat_template", None):
         raise BuildError(f"{source}: the tokenizer has no chat template (use an instruct model's)")
     old_vocab = text_config["vocab_size"]
+    if len(tokenizer) != old_vocab:
+        raise BuildError(f"{source}: the tokenizer has {len(tokenizer)} tokens and the model's vocabulary "
+                         f"{old_vocab} rows; the image tokens go right after both, so they must be equal")
     tokenizer.add_tokens(IMAGE_TOKENS, special_tokens=True)
     template = with_image_parts(tokenizer.chat_template)
     tokenizer.chat_template = template
