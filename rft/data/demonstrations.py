@@ -33,8 +33,14 @@ from rft.data.config import DataConfig
 from rft.data.tasks import DatasetError, build_picker, load_task_sets
 from rft.explorer.config import ExplorerConfig
 from rft.models.config import ModelConfig
-from rft.models.vision import (VisionError, is_vision_model, load_processor, process_prompt, prompt_length_problem,
-                               render_chat)
+from rft.models.vision import (
+    VisionError,
+    is_vision_model,
+    load_processor,
+    process_prompt,
+    prompt_length_problem,
+    render_chat,
+)
 from rft.schema import ExperienceGroup, Sample, TaskRecord
 from rft.text.chat import ChatError, ChatPrompt, encode_chat, end_of_turn_id, observation_text, tool_turn_text
 from rft.transport import ClaimStore, connect

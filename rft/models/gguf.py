@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rft.models import smolvlm
+
 # general.architecture values this command converts and is tested on (transformers' GGUF loader reads more, but
 # only these are checked here against transformers' own logits).
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -246,8 +248,6 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: list[str]) -> int:
     """`rft model COMMAND`: import-gguf FILE OUT_DIR [--force] (this module), build-vlm --language DIR --out DIR
     (rft.models.smolvlm); exit 0 with the directory written, 2 on a bad input."""
-    from rft.models import smolvlm
-
     parser = argparse.ArgumentParser(prog="rft model", description="Model files: import a GGUF as an HF directory; "
                                      "build a VLM from a language model.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

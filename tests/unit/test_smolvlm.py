@@ -26,7 +26,8 @@ CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role']
           "{{ '<|im_start|>system\nDefault.<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
           "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
           "{{ '<|im_start|>assistant\n' }}{% endif %}")
-needs_wheel = pytest.mark.skipif(not zipfile.is_zipfile(WHEEL), reason=f"`make` downloads the easy-vqa wheel to {WHEEL}")
+needs_wheel = pytest.mark.skipif(not zipfile.is_zipfile(WHEEL),
+                                 reason=f"`make` downloads the easy-vqa wheel to {WHEEL}")
 
 
 @pytest.fixture(scope="module")
