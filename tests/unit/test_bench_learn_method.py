@@ -40,8 +40,11 @@ from benchmarks.trl_reference import (
     Clock,
     Marks,
     TRLReferenceError,
+    check_same_image_tokens,
     check_same_tokens,
+    completion_text,
     grpo_config,
+    image_rows,
     log_record,
     step_note,
     trl_model,
@@ -49,6 +52,7 @@ from benchmarks.trl_reference import (
     within_budget,
 )
 from rft.config import ConfigError
+from rft.data.tasks import build_picker
 from rft.models.tiny import build_tokenizer
 from rft.run.loading import load_run_config, run_config_from_dict
 from rft.schema import TaskRecord
@@ -221,6 +225,30 @@ def test_trl_gets_the_chat_prompt_text_whose_tokens_are_rfts(hf_dir):
     with pytest.raises(TRLReferenceError, match="differently from rft's explorers"):
         check_same_tokens(cfg, chat_tokenizer(adds_bos=True), tasks, texts)
 
+
+
+def test_trl_gets_a_vlms_image_tasks_as_chats_with_images_whose_tokens_are_rfts(tmp_path):
+    """A VLM config (easy_vqa on the tiny Idefics3): TRL's rows are the chat with the task's images, its processor's
+    ids of them are rft's (`image_messages` rendered and processed), and its policy is the image-text model."""
+    from rft.data.easy_vqa import WHEEL
+    from rft.models.tiny_vlm import make_tiny_idefics3
+    from rft.models.vision import load_processor
+
+    vlm = make_tiny_idefics3(tmp_path / "vlm", image_size=64)
+    cfg = run_config_from_dict({"model": {"path": str(vlm), "chat_template": True, "system_prompt": "S."},
+                                "data": {"format": "easy_vqa", "path": f"{WHEEL}:train", "generated_tasks": 2}})
+    tasks = list(build_picker(cfg.data, run_id="r").drain())
+    processor = load_processor(vlm)
+    rows = image_rows(cfg, processor, tasks)
+    assert rows[0]["prompt"] == [{"role": "system", "content": "S."}, {"role": "user", "content": tasks[0].prompt}]
+    assert [len(r["images"]) for r in rows] == [1, 1] and rows[1]["task_index"] == 1
+    check_same_image_tokens(cfg, processor, tasks, rows)
+    other = run_config_from_dict({"model": {"path": str(vlm), "chat_template": True, "system_prompt": "T."},
+                                  "data": cfg.to_dict()["data"]})
+    with pytest.raises(TRLReferenceError, match="other token ids than rft's"):
+        check_same_image_tokens(other, processor, tasks, rows)
+    assert type(trl_model(cfg)).__name__ == "Idefics3ForConditionalGeneration"
+    assert completion_text([{"role": "assistant", "content": "red"}]) == completion_text("red") == "red"
 
 
 def test_trl_trains_float32_parameters_under_bfloat16_autocast(tmp_path, tiny_model):
