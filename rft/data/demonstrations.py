@@ -14,8 +14,9 @@ each task becomes one ExperienceGroup (`<run>/<task id>/e<epoch>`) with one Samp
   turns with loss mask 1, tool runs (`tool_turn_text`) and user turns (`observation_text`) with loss mask 0;
 - behaviour log-probs 0 (no behaviour policy: for `sft`, not policy-gradient algorithms), reward 1, version 0;
 - a task with images (an image source's, e.g. easy_vqa) on a vision-language model (`processor`): the sample carries
-  the task's images and `prompt_text`, the chat rendered by the processor's template (`image_messages`: the system
-  prompt, then a user turn of one image part per image and the prompt's text), and `prompt_tokens` are
+  the task's images and `prompt_text`, the prompt as explorers give it to the engine (with `model.chat_template`, the
+  chat rendered by the processor's template, `image_messages`: the system prompt, then a user turn of one image part
+  per image and the prompt's text; else one placeholder per image, then the prompt), and `prompt_tokens` are
   `process_prompt(processor, prompt_text, images).token_ids` (placeholders expanded), the contract the trainer
   checks (rft.models.vision.engine_prompt_problem); on a text model such a task is an error.
 A row with no answer, or over `model.max_prompt_len` / `model.max_response_len` tokens, is an error naming the row;
@@ -37,6 +38,7 @@ from rft.models.vision import (
     VisionError,
     is_vision_model,
     load_processor,
+    placeholder,
     process_prompt,
     prompt_length_problem,
     render_chat,
@@ -125,7 +127,10 @@ def _image_prompt(task: TaskRecord, processor: Any, model: ModelConfig, *, where
     if processor is None:
         raise DatasetError(f"{where}: the task has {len(task.images)} image(s) but model.path {model.path!r} is not "
                            "a vision-language model")
-    text = render_chat(processor, image_messages(model, task.prompt, len(task.images)))
+    if model.chat_template:
+        text = render_chat(processor, image_messages(model, task.prompt, len(task.images)))
+    else:  # as explorers prompt without a chat template: one placeholder per image, then the prompt
+        text = placeholder(processor) * len(task.images) + task.prompt
     try:
         processed = process_prompt(processor, text, [(image.data, image.media_type) for image in task.images])
     except VisionError as e:

@@ -4,6 +4,7 @@ exactly, its processor expands a 64x64 image into the tower's tokens, and an ima
 images, the prompt text and the processor's prompt ids (the trainer's check passes on it)."""
 from __future__ import annotations
 
+import dataclasses
 import zipfile
 
 import pytest
@@ -116,6 +117,11 @@ def test_image_demonstrations_carry_images_prompt_text_and_the_processors_ids(tm
         assert sample.response_tokens.tolist() == processor.tokenizer(task.answer, add_special_tokens=False)[
             "input_ids"] + [end]
         assert decode_group(*encode(group)) == group  # a valid record: images and prompt_text survive the wire
+    plain = ModelConfig(path=str(vlm), max_prompt_len=256)  # no chat template: the placeholder, then the prompt
+    one = dataclasses.replace(data, generated_tasks=1)
+    [group] = list(demonstration_groups(one, plain, processor.tokenizer, run_id="r", processor=processor))
+    [task] = list(build_picker(one, run_id="r").drain())
+    assert group.samples[0].prompt_text == "<image>" + task.prompt
     # a text model cannot take an image task; a prompt over max_prompt_len is refused whole
     with pytest.raises(DatasetError, match="not a vision-language model"):
         list(demonstration_groups(data, model, processor.tokenizer, run_id="r"))
