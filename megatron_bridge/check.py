@@ -3,7 +3,7 @@ the bridge on a model.
 
 Loads HF_DIR into a TP x PP (x EP for a mixture of experts; the layers split unevenly with --pp-layers)
 megatron GPTModel, runs one seeded random token batch (a vision-language model: one random image per row, its
-placeholders expanded) through megatron's
+placeholders expanded; Qwen2.5-VL's MRoPE positions computed by each side) through megatron's
 pipeline schedule and through `transformers`, and prints the largest absolute logit difference, which must be at
 most `tolerance x scale`, where scale = max(1, largest |logit| of transformers): float32 rounding grows with the
 logits' magnitude (a pretrained 30-layer model's logits reach ~35, a tiny random model's stay below 1); then
@@ -84,19 +84,33 @@ class LogitReport:
 
 
 def random_batch(args: argparse.Namespace, vocab_size: int, bridge=None) -> dict[str, torch.Tensor]:
-    """Seeded random tokens; for a vision-language `bridge` (one with `image_seq_len`), one random image per row
-    (`pixel_values` [batch, 1, 3, S, S]) and its placeholders, expanded, from position 1 on (ValueError when
-    --seq-len cannot hold them)."""
+    """Seeded random tokens; for a vision-language `bridge`, one random image per row and its placeholders,
+    expanded, from position 1 on (ValueError when --seq-len cannot hold them): Idefics3 (a bridge with
+    `image_seq_len`) `pixel_values` [batch, 1, 3, S, S]; Qwen2.5-VL (`image_grid_thw` among its `image_keys`) a
+    2 x 2 grid of merged patches per image, `pixel_values` [patches, C*T*P*P], `image_grid_thw` and the
+    `mm_token_type_ids` transformers computes MRoPE positions from."""
     generator = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, vocab_size, (args.batch, args.seq_len), generator=generator)
     batch = {"input_ids": ids, "position_ids": torch.arange(args.seq_len).expand(args.batch, -1).contiguous()}
-    placeholders = getattr(bridge, "image_seq_len", 0)
+    grids = "image_grid_thw" in getattr(bridge, "image_keys", ())
+    placeholders = 4 if grids else getattr(bridge, "image_seq_len", 0)
     if placeholders:
         if args.seq_len < placeholders + 1:
             raise ValueError(f"--seq-len {args.seq_len} cannot hold an image's {placeholders} placeholders")
         token = bridge.image_token_id
-        ids[ids == token] = (token + 1) % vocab_size  # no stray placeholders in the text
+        stray = {token, getattr(bridge.vlm, "video_token_id", None)}  # no stray placeholders in the text
+        text = next(t % vocab_size for t in range(token + 1, token + 4) if t % vocab_size not in stray)
+        for t in stray - {None}:
+            ids[ids == t] = text
         ids[:, 1:1 + placeholders] = token
+    if grids:
+        vision = bridge.vlm.vision_config
+        side = 2 * int(vision.spatial_merge_size)
+        width = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+        batch["image_grid_thw"] = torch.tensor([[1, side, side]] * args.batch)
+        batch["pixel_values"] = torch.randn(args.batch * side * side, width, generator=generator)
+        batch["mm_token_type_ids"] = (ids == bridge.image_token_id).int()
+    elif placeholders:
         side = bridge.image_size
         batch["pixel_values"] = torch.randn(args.batch, 1, 3, side, side, generator=generator)
     return batch
@@ -111,7 +125,7 @@ def compare_logits(models, args: argparse.Namespace) -> LogitReport:
     where = parallel.layout()
     diff, scale = torch.zeros((), dtype=torch.float64), torch.ones((), dtype=torch.float64)
     if where.is_last_stage and where.tp_rank == 0 and where.dp_rank == 0:
-        reference = transformers_logits(args, batch)
+        reference = transformers_logits(args, batch, image_keys=info.bridge.image_keys)
         diff = (outputs[0].float().cpu() - reference).abs().max().double()
         scale = torch.clamp(reference.abs().max().double(), min=1.0)
     _all_max(diff)
@@ -126,7 +140,8 @@ def _all_max(value: torch.Tensor) -> None:
     value.copy_(moved.cpu())
 
 
-def transformers_logits(args: argparse.Namespace, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def transformers_logits(args: argparse.Namespace, batch: dict[str, torch.Tensor], *,
+                        image_keys: tuple[str, ...] = ()) -> torch.Tensor:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as transformers_logging
 
@@ -135,9 +150,12 @@ def transformers_logits(args: argparse.Namespace, batch: dict[str, torch.Tensor]
     target = device.compute_device()  # the GPU on a GPU machine: both sides then use CUDA kernels
     auto = AutoModelForImageTextToText if "pixel_values" in batch else AutoModelForCausalLM
     model = auto.from_pretrained(args.hf_dir, dtype=dtype).to(target)  # type: ignore[arg-type]  # transformers' wrapped `to`
-    images = {"pixel_values": batch["pixel_values"].to(target, dtype)} if "pixel_values" in batch else {}
+    images = {k: v.to(target, dtype) if v.is_floating_point() else v.to(target) for k, v in batch.items()
+              if k in image_keys}
+    # Qwen2.5-VL computes its MRoPE positions itself, from the placeholders' token types
+    positions = "mm_token_type_ids" if "mm_token_type_ids" in batch else "position_ids"
     with torch.no_grad():
-        return model(input_ids=batch["input_ids"].to(target), position_ids=batch["position_ids"].to(target),
+        return model(input_ids=batch["input_ids"].to(target), **{positions: batch[positions].to(target)},
                      **images).logits.float().cpu()
 
 

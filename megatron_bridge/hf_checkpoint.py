@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "preprocessor_config.json", "processor_config.json",  # a vision-language model's processor
                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
                 "added_tokens.json", "chat_template.jinja")
 

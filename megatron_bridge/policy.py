@@ -135,6 +135,11 @@ class TrainedModel:
                               if getattr(p, "main_grad", None) is not None])
         return _on_every_rank(finite)
 
+    def collate_images(self, per_row: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """A micro-batch's image tensors from its rows' processor outputs: the model family's `collate_images`
+        (megatron_bridge.models.base; ValueError for a text model)."""
+        return self.info.bridge.collate_images(per_row)
+
     def weights_finite(self) -> bool:
         """Collective: True (on every rank) when no rank's trained parameters hold a NaN or an infinity. The trainer
         asks before publishing a version: non-finite weights are never published. Frozen parameters (a LoRA base)
@@ -299,6 +304,9 @@ class MegatronPolicy(TrainedModel):
                             lora=self.lora, seed=seed)
         self._train(model, lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
                     betas=betas, eps=eps, dtype=dtype, initial_loss_scale=initial_loss_scale)
+        if pack_sequences and self.info.bridge.image_keys:
+            raise ValueError(f"pack_sequences: {hf_dir} is a vision-language model, and packed sequences do not "
+                             "take images; turn it off")
         self.routing_replay = routing_replay
         if routing_replay:
             if pack_sequences:

@@ -8,7 +8,9 @@ position_ids must be 0..T-1 (right-padded rows: megatron's rotary embedding igno
 refuses anything else. Micro-batches may differ in shape [b_i, T_i] with one pipeline stage; with `packed` each runs
 as one packed sequence (megatron_bridge.packing) and `on_logits` still sees the padded [b, T, V/tp] layout.
 With sequence parallelism (turned on for MoE at TP > 1) each micro-batch is right-padded to a multiple of TP and the
-logits cut back to T before `on_logits`.
+logits cut back to T before `on_logits`. A vision-language model's forward gets the micro-batch's image tensors (the
+keys of its bridge's `image_keys` the micro-batch has, collated by the bridge's `collate_images`); a text model's
+ignores them; packing and shared prompts refuse them.
 
 With `head_from_loss`, the output layer runs only from each micro-batch's first position with `loss_mask` > 0 to its
 end (earlier positions still feed later ones through attention, so the logits produced are the full forward's):
@@ -27,12 +29,9 @@ import torch
 import megatron_bridge.device as device
 import megatron_bridge.packing as packing
 import megatron_bridge.shared_prompts as shared_prompts
-from megatron_bridge.model import config_of
+from megatron_bridge.model import config_of, unwrap
 
 REQUIRED_KEYS = ("input_ids", "position_ids")
-# a vision-language model's image tensors, passed to the first stage's forward when a micro-batch has them
-# (megatron_bridge.vision)
-IMAGE_KEYS = ("pixel_values", "pixel_attention_mask")
 
 
 def check_micro_batch(mb: dict[str, torch.Tensor], index: int) -> None:
@@ -102,9 +101,10 @@ def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tenso
         mb = to_compute_device(next(data_iterator))
         if before_forward is not None:
             before_forward(model, mb)
-        if (packed or costs is not None) and any(k in mb for k in IMAGE_KEYS):
-            raise ValueError("packed sequences and shared prompts do not take images (a vision-language model's "
-                             "micro-batch has pixel_values)")
+        images = {k: mb[k] for k in unwrap(model).bridge_info.bridge.image_keys if mb.get(k) is not None}
+        if (packed or costs is not None) and images:
+            raise ValueError(f"packed sequences and shared prompts do not take images (this vision-language model's "
+                             f"micro-batch has {sorted(images)})")
         if packed:
             return packing.packed_forward(model, mb), partial(loss_func, mb, 0)
         start["at"] = first = first_loss_position(mb) if cut else 0
@@ -114,7 +114,6 @@ def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tenso
                 start["at"] = 0  # the shared forward picks the output layer's positions itself
                 return shared_prompts.forward(model, mb, plan, first), partial(loss_func, mb, first)
         ids, positions = _right_pad(mb["input_ids"], multiple), _right_pad(mb["position_ids"], multiple, positions=True)
-        images = {k: mb[k] for k in IMAGE_KEYS if mb.get(k) is not None}
         logits = model(input_ids=ids, position_ids=positions, attention_mask=None, **images)
         return logits, partial(loss_func, mb, first)
 

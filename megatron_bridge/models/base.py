@@ -95,6 +95,9 @@ class DecoderBridge:
     qkv_bias: ClassVar[bool] = False
     qk_layernorm: ClassVar[bool] = False  # RMSNorm over each head's query and key (Qwen3)
     mapping_table: ClassVar[tuple[ParamMapping, ...]] = ()
+    # a vision-language model's image tensors: the micro-batch keys its first stage's forward takes as keyword
+    # arguments (megatron_bridge.schedule passes those a micro-batch has); () for a text model
+    image_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, hf_config):
         self.hf = hf_config
@@ -231,6 +234,13 @@ class DecoderBridge:
 
         return GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process,
                         post_process=post_process, **self.gpt_model_kwargs(tp))
+
+    def collate_images(self, per_row: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """One micro-batch's image tensors (keys among `image_keys`) from each row's processor output
+        (`rft.models.vision.ProcessedPrompt.pixels` of row i; {} for a text row or a padding row), in row order:
+        how several prompts' images batch is the family's business. ValueError here: a text model takes no
+        images."""
+        raise ValueError(f"{self.hf_class} takes no images (a text model: no image_keys)")
 
     def on_first_stage(self, megatron_name: str) -> bool:
         """Whether a global megatron parameter beside the decoder lives on the first pipeline stage (the

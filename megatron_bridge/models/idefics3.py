@@ -7,10 +7,14 @@ connector's tensors map one to one (`Replicated`), their megatron names those of
 from __future__ import annotations
 
 from dataclasses import fields, replace
+from typing import TYPE_CHECKING
 
 from megatron_bridge.mapping import ParamMapping, Replicated
 from megatron_bridge.models.base import DecoderBridge, register
 from megatron_bridge.models.llama import LLAMA_TABLE, LlamaBridge
+
+if TYPE_CHECKING:
+    import torch
 
 VISION, CONNECTOR = "vision_model.", "connector."
 
@@ -47,6 +51,7 @@ class Idefics3Bridge(DecoderBridge):
 
     first_stage_prefixes = (VISION, CONNECTOR)
     mapping_table = TEXT_TABLE
+    image_keys = ("pixel_values", "pixel_attention_mask")
 
     def __init__(self, hf_config):
         self.vlm = hf_config
@@ -69,6 +74,57 @@ class Idefics3Bridge(DecoderBridge):
         """Placeholder tokens (features) per image: the patch grid over the pixel shuffle's factor squared."""
         vision = self.vlm.vision_config
         return (vision.image_size // vision.patch_size) ** 2 // int(self.vlm.scale_factor) ** 2
+
+    def collate_images(self, per_row: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """`pixel_values` [b, max images, 3, H, W] and `pixel_attention_mask` [b, max images, H, W] (when the
+        rows' processor gave one) from each row's processor output (`pixel_values` [1, n, 3, H, W], the mask
+        [1, n, H, W]; {} for a text or padding row): a row's images first, then all-zero padding images with an
+        all-False mask, which the model drops as transformers does (megatron_bridge.vision); a text row gets only
+        padding images. {} when no row has images. ValueError naming the row when its tensors are not of that shape,
+        its images are not the size of the others', or it carries a key Idefics3 does not take."""
+        images: list[torch.Tensor | None] = []
+        masks: list[torch.Tensor | None] = []
+        for i, pixels in enumerate(per_row):
+            if unknown := sorted(set(pixels) - set(self.image_keys)):
+                raise ValueError(f"row {i}: image tensors {unknown} are not Idefics3's (it takes {self.image_keys})")
+            values, mask = pixels.get("pixel_values"), pixels.get("pixel_attention_mask")
+            if values is None:
+                if mask is not None:
+                    raise ValueError(f"row {i}: a pixel_attention_mask without pixel_values")
+                images.append(None)
+                masks.append(None)
+                continue
+            values = values[0] if values.dim() == 5 and values.shape[0] == 1 else values
+            if values.dim() != 4 or values.shape[1] != 3:
+                raise ValueError(f"row {i}: pixel_values of shape {tuple(pixels['pixel_values'].shape)}, not one "
+                                 "prompt's [1, images, 3, H, W]")
+            if mask is not None:
+                mask = mask[0] if mask.dim() == 4 and mask.shape[0] == 1 else mask
+                if tuple(mask.shape) != (values.shape[0], *values.shape[2:]):
+                    raise ValueError(f"row {i}: pixel_attention_mask of shape {tuple(mask.shape)} for pixel_values "
+                                     f"{tuple(values.shape)}")
+            images.append(values)
+            masks.append(mask)
+        real = [v for v in images if v is not None]
+        if not real:
+            return {}
+        size = tuple(real[0].shape[1:])
+        for i, values in enumerate(images):
+            if values is not None and tuple(values.shape[1:]) != size:
+                raise ValueError(f"row {i}: images of {tuple(values.shape[1:])}, another row's are {size} (the "
+                                 "processor gives every image or tile the vision tower's size)")
+        most = max(v.shape[0] for v in real)
+        out = {"pixel_values": real[0].new_zeros(len(images), most, *size)}
+        for i, values in enumerate(images):
+            if values is not None:
+                out["pixel_values"][i, :values.shape[0]] = values
+        given = [m for m in masks if m is not None]
+        if given:
+            out["pixel_attention_mask"] = given[0].new_zeros(len(images), most, *size[1:])
+            for i, (values, mask) in enumerate(zip(images, masks, strict=True)):
+                if values is not None:  # a row without a mask: its images whole
+                    out["pixel_attention_mask"][i, :values.shape[0]] = mask if mask is not None else 1
+        return out
 
     def unsupported_options(self) -> list[str]:
         text, vision, problems = self.hf, self.vlm.vision_config, []

@@ -17,9 +17,12 @@ Invariants:
   old vision tower; without the reset an image sent again kills the engine: "Encoder cache miss").
 - Vision-language models (rft.models.vision): `generate_images` takes `ImagePrompt`s (text with placeholders, the
   images); the engine expands them with the model's processor and `Generation.prompt_token_ids` records the ids it
-  ran on, for the trainer to compare with its own expansion (rft.models.vision.prompt_mismatch).
+  ran on (`prompt_text` the text), for the trainer to compare with its own expansion
+  (rft.models.vision.prompt_mismatch). `Engine.processor` is the processor, None on a text-only model.
 - With `record_routing` (MoE routing replay), `Completion.routed_experts` holds the experts every MoE layer routed
   each input position to (rft.schema.RoutedExperts; vLLM gives them with its V2 model runner only, see `VLLMEngine`).
+- A vision-language model whose vLLM implementation needs torchvision (Qwen2.5-VL) is refused by `VLLMEngine` at start
+  where torchvision does not import (`vllm_engine.torchvision_problem`); the transformers engine runs it without.
 - A completion ends at the first of `stop_token_ids` (kept, finish reason "stop") or after `max_tokens`; with
   `model.chat_template: true` those are the EOS and the template's end-of-turn token (rft/text/chat.py).
 """

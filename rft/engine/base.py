@@ -64,6 +64,7 @@ class Completion:
 class Generation:
     prompt_token_ids: list[int]  # as the engine expanded them: an image prompt's image placeholders expanded
     completions: list[Completion]
+    prompt_text: str = ""  # an image prompt's text as the engine's processor took it (`ImagePrompt.text`); "" else
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,12 @@ class Engine(Protocol):
     @property
     def tokenizer(self) -> Any:
         """Its Hugging Face tokenizer (the tool agent renders tool turns with its chat template)."""
+        ...
+
+    @property
+    def processor(self) -> Any:
+        """A vision-language model's Hugging Face processor (rft.models.vision; the engine is a `VisionEngine`), None
+        on a text-only model."""
         ...
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
@@ -128,15 +135,12 @@ class Engine(Protocol):
 
 
 class VisionEngine(Engine, Protocol):
-    """An engine on a vision-language model (both engines, when `model.path` is one: rft.models.vision)."""
-
-    @property
-    def processor(self) -> Any:
-        """The model's Hugging Face processor (rft.models.vision)."""
-        ...
+    """An engine on a vision-language model (both engines, when `model.path` is one: rft.models.vision; `processor`
+    is not None)."""
 
     def generate_images(self, prompts: Sequence[ImagePrompt], sampling: SamplingSettings) -> list[Generation]:
-        """`generate` for prompts with images; each Generation's prompt ids as the engine expanded them."""
+        """`generate` for prompts with images; each Generation's prompt ids as the engine expanded them, and its
+        `prompt_text` the prompt's text."""
         ...
 
 
@@ -146,6 +150,10 @@ class StreamingEngine(Engine, Protocol):
 
     def submit(self, request_id: str, prompt: Sequence[int], sampling: SamplingSettings) -> None:
         """Queue one prompt's `sampling.n` completions as request `request_id`; `step` returns them together."""
+        ...
+
+    def submit_images(self, request_id: str, prompt: ImagePrompt, sampling: SamplingSettings) -> None:
+        """`submit` for a prompt with images (a vision-language model)."""
         ...
 
     def step(self) -> list[tuple[str, Generation]]:
@@ -163,6 +171,7 @@ class StreamingEngine(Engine, Protocol):
 
 class TokenizerMixin:
     tokenizer: Any = None  # a Hugging Face tokenizer (transformers' or vLLM's), set by the engine
+    processor: Any = None  # a vision-language model's processor (rft.models.vision), set by the engine
     stop_token_ids: list[int] = []  # besides the engine's default (the EOS); see the module docstring
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:

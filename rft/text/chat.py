@@ -2,9 +2,11 @@
 token ids that end the model's turn.
 
 A prompt becomes `[system: model.system_prompt (when set), user: the prompt]`, rendered with
-`add_generation_prompt=True`, so the reply starts right after the assistant header. The end of the model's turn is
-the tokenizer's EOS and the special token the template writes after an assistant message (`<|im_end|>` for ChatML,
-`<|eot_id|>` for Llama 3); both engines stop at either, and SFT demonstrations end the answer with it.
+`add_generation_prompt=True`, so the reply starts right after the assistant header (a prompt with images: the user
+turn's content is the image parts, then the text, rendered by the model's processor: `ChatPrompt.image_messages`).
+The end of the model's turn is the tokenizer's EOS and the special token the template writes after an assistant
+message (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3); both engines stop at either, and SFT demonstrations end
+the answer with it.
 Tools (`tool_agent`): a `ChatPrompt` with `tools` (OpenAI function schemas) renders them with
 `apply_chat_template(messages, tools=...)`; a template that ignores `tools` gets the Hermes tool instructions
 (`TOOLS_FALLBACK`) appended to the system message. `tool_turn_text` is the text the template writes after an
@@ -45,6 +47,14 @@ class ChatPrompt:
     def messages(self, prompt: str) -> list[dict[str, str]]:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return system + [{"role": "user", "content": prompt}]
+
+    def image_messages(self, prompt: str, images: int) -> list[dict[str, Any]]:
+        """`messages` for a vision-language processor's template (rft.models.vision.render_chat): the user turn's
+        content is `images` image parts, then the prompt as a text part; the system prompt is a text part."""
+        system = ([{"role": "system", "content": [{"type": "text", "text": self.system_prompt}]}]
+                  if self.system_prompt else [])
+        parts = [{"type": "image"} for _ in range(images)] + [{"type": "text", "text": prompt}]
+        return system + [{"role": "user", "content": parts}]
 
 
 def _ids(rendered: Any) -> list[int]:

@@ -12,7 +12,10 @@ of a pair are always in the same micro-batch. Every key a micro-batch carries is
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,6 +23,11 @@ import torch
 from rft.algorithms.mismatch import STALENESS_BUCKETS, staleness_buckets
 from rft.models.moe import MoEShape
 from rft.schema import ExperienceGroup, RewardRange, RoutedExperts
+from rft.trainer.images import ImagePrompts
+
+# a micro-batch's image tensors from each row's processor output ({} for a text or padding row): the model family's
+# `collate_images` (megatron_bridge.models.base.DecoderBridge; MegatronPolicy.collate_images)
+CollateImages = Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]]
 
 
 @dataclass
@@ -37,6 +45,9 @@ class Row:
     routed_layers: tuple[int, ...] = ()
     versions: np.ndarray | None = None  # the weights version of each response token (int64); None: unknown
     token_advantages: np.ndarray | None = None  # one per response token (float32; Needs.token_advantages); None: none
+    # a vision-language prompt's image tensors as its processor gives them (rft.trainer.images), computed when the
+    # row's micro-batch is packed (only the data-parallel rank that trains the row runs the processor); None: text
+    pixels: Callable[[], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -46,13 +57,16 @@ class TrainableLimits:
     `vocab_size`: the model's (config.json `vocab_size`); lengths in tokens (model.max_prompt_len / max_response_len,
     which every producer honours); `rewards`: run.reward_min .. reward_max (the group's `greedy_reward` too);
     `greedy_baseline`: the algorithm needs each group's `greedy_reward` (`Needs.greedy_baseline`); `moe`: with routing
-    replay, the model's MoE layout, which every sample's `routed_experts` must match (`routing_problem`)."""
+    replay, the model's MoE layout, which every sample's `routed_experts` must match (`routing_problem`); `images`: a
+    vision-language model's processor (rft.trainer.images), which must expand every sample's prompt and images to
+    exactly its engine's prompt ids; None (a text model): a sample with images is refused."""
     vocab_size: int
     max_prompt_len: int
     max_response_len: int
     rewards: RewardRange
     greedy_baseline: bool = False
     moe: MoEShape | None = None
+    images: ImagePrompts | None = None
 
     def problem(self, group: ExperienceGroup) -> str | None:
         """None when every sample of `group` can be trained on, else the first reason it cannot (names the sample)."""
@@ -82,8 +96,14 @@ class TrainableLimits:
             if ids.min() < 0 or ids.max() >= self.vocab_size:
                 bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
                 return f"{name} token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-        if self.moe is not None and s.routed_experts is not None:
-            return routing_problem(s.routed_experts, self.moe)
+        if self.moe is not None and s.routed_experts is not None and (problem := routing_problem(s.routed_experts,
+                                                                                                 self.moe)):
+            return problem
+        if s.images and self.images is None:
+            return (f"{len(s.images)} images, and the model (model.path) is not a vision-language model (its "
+                    "config.json has no vision_config)")
+        if self.images is not None and (problem := self.images.problem(s)):
+            return f"images: {problem}"
         return None
 
 
@@ -113,13 +133,16 @@ def preference_pair_problem(group: ExperienceGroup) -> str | None:
 
 def rows_from_groups(groups: list[ExperienceGroup], advantages: list[np.ndarray], *, max_len: int | None = None,
                      pairs: bool = False, routing: bool = False,
-                     token_advantages: list[list[np.ndarray]] | None = None) -> list[Row]:
+                     token_advantages: list[list[np.ndarray]] | None = None,
+                     images: ImagePrompts | None = None) -> list[Row]:
     """One row per sample; `advantages[i][j]` belongs to sample j of group i, and so does `token_advantages[i][j]`
     (one per response token; ValueError naming the group when its length is not the response's). Sequences longer
     than `max_len` are cut at the end (the cut tokens leave the loss). With `pairs`, group i is preference pair i
     (ValueError naming the group when it is not one) and its rows are marked chosen / rejected. With `routing`
     (routing replay), rows keep their samples' recorded `routed_experts` (ValueError naming the group when two
-    records of the step disagree on the MoE layers)."""
+    records of the step disagree on the MoE layers). A sample with images gets its row's `pixels` from `images` (the
+    model's processor, run when the row is packed; ValueError naming the group without one, or when `max_len` would
+    cut its prompt)."""
     rows: list[Row] = []
     per_token: list[list[np.ndarray | None]] = ([list(t) for t in token_advantages] if token_advantages is not None
                                                 else [[None] * len(g.samples) for g in groups])
@@ -129,6 +152,8 @@ def rows_from_groups(groups: list[ExperienceGroup], advantages: list[np.ndarray]
         if any(t is not None and len(t) != len(s.response_tokens) for s, t in zip(group.samples, group_tokens,
                                                                                     strict=True)):
             raise ValueError(f"group {group.group_id}: token advantages not one per response token")
+        if any(s.images for s in group.samples):
+            _add_pixels(group_rows, group, images, max_len)
         if routing:
             _check_layers(rows + group_rows, group)
         if pairs:
@@ -157,6 +182,20 @@ def _row(sample, advantage: float, max_len: int | None, routing: bool = False, p
         per_token = per_token[:keep] if per_token is not None else None
     return Row(tokens, len(sample.prompt_tokens), mask, logprobs, advantage, routed=routed, routed_layers=layers,
                versions=versions, token_advantages=per_token)
+
+
+def _add_pixels(rows: list[Row], group: ExperienceGroup, images: ImagePrompts | None, max_len: int | None) -> None:
+    """Each image sample's row gets its processor's pixels (rft.trainer.images; computed once per prompt, when
+    packed)."""
+    if images is None:
+        raise ValueError(f"group {group.group_id}: samples with images, and the model has no image processor (not a "
+                         "vision-language model)")
+    for row, sample in zip(rows, group.samples, strict=True):
+        if sample.images:
+            if max_len is not None and len(sample.prompt_tokens) > max_len:
+                raise ValueError(f"group {group.group_id}: a prompt of {len(sample.prompt_tokens)} tokens with images "
+                                 f"would be cut at {max_len}, inside its image tokens")
+            row.pixels = functools.partial(images.pixels, sample)
 
 
 def replayed_fraction(rows: list[Row]) -> float:
@@ -220,15 +259,17 @@ class MicroBatchPlan:
         """Padded slots / all slots over the step's micro-batches (padding rows included)."""
         return 1.0 - self.real_tokens / max(self.token_slots, 1)
 
-    def for_rank(self, dp_rank: int, *, pad_id: int = 0) -> list[dict[str, torch.Tensor]]:
-        """Rank `dp_rank`'s micro-batches as tensors (the batch contract)."""
+    def for_rank(self, dp_rank: int, *, pad_id: int = 0,
+                 collate_images: CollateImages | None = None) -> list[dict[str, torch.Tensor]]:
+        """Rank `dp_rank`'s micro-batches as tensors (the batch contract); a micro-batch with image rows gets the
+        image tensors `collate_images` (the model family's) makes of them (ValueError without it)."""
         demo_totals = {"global_demo_tokens": torch.tensor(self.global_demo_tokens),
                        "global_demo_sequences": torch.tensor(self.global_demo_sequences)}
         if self.trained_version is not None:
             demo_totals["staleness_tokens"] = torch.from_numpy(self.staleness_tokens())
         return [{**_pack(rows, batch_size, seq_len, pad_id, self.global_tokens, self.global_sequences,
                          pairwise=self.pairwise, trained_version=self.trained_version,
-                         token_advantages=self.token_advantages), **demo_totals}
+                         token_advantages=self.token_advantages, collate_images=collate_images), **demo_totals}
                 for rows, batch_size, seq_len in self.ranks[dp_rank]]
 
     def staleness_tokens(self) -> np.ndarray:
@@ -344,7 +385,7 @@ def _row_buckets(row: Row, trained_version: int) -> np.ndarray:
 
 def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_tokens: float,
           global_sequences: float, *, pairwise: bool, trained_version: int | None = None,
-          token_advantages: bool = False) -> dict[str, torch.Tensor]:
+          token_advantages: bool = False, collate_images: CollateImages | None = None) -> dict[str, torch.Tensor]:
     """One micro-batch of `rows` as tensors [batch_size, seq_len] (padding rows past the rows): the tokens, targets,
     positions, `loss_mask`, `old_logprobs`, `advantages`, the step's normalisers, and
     - `row_lens` [b] (input positions of each row, 0 for padding rows), read by sequence packing
@@ -363,7 +404,9 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
       the training-inference mismatch is split;
     - with `token_advantages` (some row of the step has `Row.token_advantages`): `token_advantages` [b, T] float32,
       each response token's advantage at its target index (a row without them: its `advantage` on every response
-      token; 0 elsewhere)."""
+      token; 0 elsewhere);
+    - when some row has images (`Row.pixels`): the model family's image tensors, `collate_images` of every row's
+      pixels in row order ({} for text rows and padding rows), e.g. Idefics3's `pixel_values` [b, images, 3, H, W]."""
     input_ids = np.full((batch_size, seq_len), pad_id, dtype=np.int64)
     target_ids = np.full((batch_size, seq_len), pad_id, dtype=np.int64)
     loss_mask = np.zeros((batch_size, seq_len), dtype=np.float32)
@@ -399,6 +442,12 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
                 ids[i, :len(row.routed)] = row.routed
         routing = {"routed_experts": torch.from_numpy(ids),
                    "routed_layers": torch.tensor(first.routed_layers, dtype=torch.int64)}
+    images = {}
+    if any(row.pixels is not None for row in rows):
+        if collate_images is None:
+            raise ValueError("rows with images: a micro-batch needs the model's collate_images")
+        images = collate_images([row.pixels() if row.pixels is not None else {} for row in rows]
+                                + [{}] * (batch_size - len(rows)))
     return {
         "input_ids": torch.from_numpy(input_ids), "target_ids": torch.from_numpy(target_ids),
         "position_ids": torch.arange(seq_len, dtype=torch.int64).expand(batch_size, seq_len).contiguous(),
@@ -409,5 +458,5 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
         "global_tokens": torch.tensor(global_tokens), "global_sequences": torch.tensor(global_sequences),
         **(pairs if pairwise else {}), **routing,
         **({"staleness_bucket": torch.from_numpy(buckets)} if trained_version is not None else {}),
-        **({"token_advantages": torch.from_numpy(per_token)} if token_advantages else {}),
+        **({"token_advantages": torch.from_numpy(per_token)} if token_advantages else {}), **images,
     }

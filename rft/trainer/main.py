@@ -5,8 +5,9 @@ process's composition (the one reader of the root config: `build_trainer`, `open
   1. global rank 0 takes `run.groups_per_step` whole groups from the experiences topic (rft/trainer/feed.py: dead
      letters, duplicates and groups too stale for the mode are skipped), plus replayed ones (`replay_buffer`) and
      demonstrations when the algorithm needs them, and broadcasts their raw bytes to every rank;
-  2. every rank computes advantages and its data-parallel share of micro-batches (rft/trainer/batch.py); the policy
-     (and a critic, when needed) runs one optimizer step;
+  2. every rank computes advantages and its data-parallel share of micro-batches (rft/trainer/batch.py; a
+     vision-language model's rows get their pixels from the processor each rank re-runs: rft/trainer/images.py); the
+     policy (and a critic, when needed) runs one optimizer step;
   3. version s goes out to the explorers (rft/trainer/weights.py `WeightSync`: its docstring is the order);
   4. every `trainer.checkpoint_every` steps: model, optimizer, the offsets consumed and the replay buffer
      (exactly-once resume), then metrics; once committed, rank 0 collects claim-checked parts no reader needs any
@@ -49,13 +50,14 @@ from rft.experience.operators import OperatorContext, build_operator_chain, spli
 from rft.experience.staleness_policies import build_staleness_policy
 from rft.models.config import ModelConfig
 from rft.models.moe import moe_shape
+from rft.models.vision import is_vision_model
 from rft.modes import mode, staleness
 from rft.observability.metrics import MetricsLogger
 from rft.observability.prometheus import MetricsEndpoint, metrics_endpoint
 from rft.processes import durable_replace, sync_tree, write_durably
 from rft.run.config import Config, RunConfig
 from rft.run.records import run_transport
-from rft.schema import FAILURE_CLASSES, ExperienceGroup, RewardRange, decode_group
+from rft.schema import FAILURE_CLASSES, ExperienceGroup, ImageLimits, RewardRange, decode_group
 from rft.trainer import distributed as dist_io
 from rft.trainer.batch import (
     TrainableLimits,
@@ -68,6 +70,7 @@ from rft.trainer.checkpoint import CheckpointDir, TrainerState, capture_rng, res
 from rft.trainer.collect import Collector
 from rft.trainer.config import TrainerConfig
 from rft.trainer.feed import EndOfReplay, ExperienceFeed, FeedState, ReplayWindow, open_feed, resolve_window
+from rft.trainer.images import ImagePrompts, image_prompts
 from rft.trainer.pacing import CorePacedPolicy
 from rft.trainer.replay_buffer import ExperienceReplay, Replayed, open_replay
 from rft.trainer.staleness import StalenessTracker
@@ -139,6 +142,8 @@ class TrainerIO:
     demonstrations: ExperienceFeed | None = None
     demonstrations_sink: RecordSink | None = None
     collector: Collector | None = None  # records.collect after each checkpoint commit (rft/trainer/collect.py)
+    # a vision-language model's processor, shared by the feeds' checks and rank 0's rows (rft/trainer/images.py)
+    images: ImagePrompts | None = None
 
     def open_demonstrations(self, state: FeedState) -> None:
         assert self.demonstrations_opener is not None, "the algorithm needs no demonstrations"
@@ -175,6 +180,7 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict, t
     `cores`: the run's core board, on which the feed marks the trainer waiting while it is starved (rft/cores.py)."""
     transport = transport or run_transport(cfg)
     needs = build_algorithm(cfg.algorithm).needs
+    images = image_prompts(cfg.model.path, ImageLimits.of(cfg.data))  # None: a text model
     offline = cfg.run.mode == "offline"
     topic = (cfg.replay.topic or cfg.topic("experiences")) if offline else cfg.topic("experiences")
     feed, dlq_sink, _ = open_feed(
@@ -182,7 +188,7 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict, t
         run_id=None if offline else cfg.run.name, state=feed_state, client_id=f"{cfg.run.name}-trainer",
         window=_replay_window(cfg, transport, topic) if offline else None, operators=build_operator_chain(
             cfg.trainer.operators, OperatorContext(cfg.model.tokenizer or cfg.model.path)),
-        check=trainable_limits(cfg, greedy_baseline=needs.greedy_baseline).problem,
+        check=trainable_limits(cfg, greedy_baseline=needs.greedy_baseline, images=images).problem,
         busy=cores.set_busy if cores is not None else None,
         policy=build_staleness_policy(cfg.trainer.staleness_policy, window=cfg.trainer.staleness_window),
         pool=cfg.trainer.staleness_pool, min_scored=cfg.trainer.min_scored_samples)
@@ -204,32 +210,37 @@ def open_trainer_io(cfg: Config, *, feed_state: FeedState, replay_state: dict, t
     io = TrainerIO(feed=feed, dead_letter_sink=dlq_sink, replay=replay, control=control, control_topic=control_topic,
                    experiences_topic=topic, metrics=MetricsLogger(cfg.run_dir, cfg.monitor, run_name=cfg.run.name),
                    prometheus=metrics_endpoint(cfg.monitor, run=cfg.run.name, role="trainer", instance="0"),
-                   announce=announce, publisher=publisher, collector=Collector(cfg, transport))
+                   announce=announce, publisher=publisher, collector=Collector(cfg, transport), images=images)
     demonstrations = needs.demonstrations
     if demonstrations is not None:
         demonstrations_topic = demonstrations.topic_of(cfg.topic("demonstrations"))
-        io.demonstrations_opener = lambda state: _open_demonstrations(cfg, demonstrations_topic, transport, state)
+        io.demonstrations_opener = lambda state: _open_demonstrations(cfg, demonstrations_topic, transport, state,
+                                                                      images)
     return io
 
 
-def trainable_limits(cfg: Config, *, greedy_baseline: bool = False) -> TrainableLimits:
-    """The limits a group must meet to be trained on in this run: the model's vocabulary (its config.json), the
-    length limits, the reward range; with `greedy_baseline` (the algorithm's need), a `greedy_reward`; with routing
-    replay (`run.routing_replay`), routed experts of the model's MoE layout (its config.json)."""
+def trainable_limits(cfg: Config, *, greedy_baseline: bool = False,
+                     images: ImagePrompts | None = None) -> TrainableLimits:
+    """The limits a group must meet to be trained on in this run: the model's vocabulary (its config.json's, a
+    vision-language model's `text_config`'s), the length limits, the reward range; with `greedy_baseline` (the
+    algorithm's need), a `greedy_reward`; with routing replay (`run.routing_replay`), routed experts of the model's
+    MoE layout (its config.json); samples with images: `images`, the vision-language model's processor
+    (rft/trainer/images.py; None: images are refused)."""
     hf_config = Path(cfg.model.path) / "config.json"
     try:
         config = json.loads(hf_config.read_text())
+        config = config.get("text_config") or config  # a vision-language model's language model
         vocab_size = int(config["vocab_size"])
         moe = moe_shape(config) if cfg.run.routing_replay else None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"model.path: {hf_config} has no readable vocab_size or MoE layout: {e}") from None
     return TrainableLimits(vocab_size=vocab_size, max_prompt_len=cfg.model.max_prompt_len,
                            max_response_len=cfg.model.max_response_len, rewards=RewardRange.of(cfg.run),
-                           greedy_baseline=greedy_baseline, moe=moe)
+                           greedy_baseline=greedy_baseline, moe=moe, images=images)
 
 
-def _open_demonstrations(cfg: Config, topic: str, transport: Transport,
-                         state: FeedState) -> tuple[ExperienceFeed, RecordSink]:
+def _open_demonstrations(cfg: Config, topic: str, transport: Transport, state: FeedState,
+                         images: ImagePrompts | None = None) -> tuple[ExperienceFeed, RecordSink]:
     """The feed of demonstration groups (any run's) on `topic`, up to the topic's end now, resuming at `state`; and
     its dead-letter sink."""
     source = transport.source()
@@ -239,7 +250,7 @@ def _open_demonstrations(cfg: Config, topic: str, transport: Transport,
         source.close()
     feed, sink, _ = open_feed(transport, topic=topic, dead_letter_topic=cfg.topic("dead_letter"), run_id=None,
                               state=state, window=window, client_id=f"{cfg.run.name}-trainer-demonstrations",
-                              check=trainable_limits(cfg).problem)
+                              check=trainable_limits(cfg, images=images).problem)
     return feed, sink
 
 
@@ -263,6 +274,9 @@ def build_policy(t: TrainerConfig, *, run: RunConfig, model: ModelConfig, needs:
     from megatron_bridge.packing import packing_supported  # heavy: torch
     from megatron_bridge.policy import MegatronPolicy  # heavy: megatron.core, torch.distributed
 
+    if t.pack_sequences and is_vision_model(model.path):
+        raise ConfigError(f"trainer.pack_sequences: {model.path} is a vision-language model, and packed sequences do "
+                          "not take images; set it to false")
     if t.pack_sequences and not packing_supported():
         raise ConfigError("trainer.pack_sequences: needs Transformer Engine on a GPU (megatron's packed 'thd' "
                           "attention), and transformer_engine is not importable or no GPU is present here; "
@@ -333,6 +347,8 @@ class Trainer:
                     io.close()
                     raise
             self._open_io(io, FeedState.from_json(state.demonstrations if state else {}))
+        # a vision-language model's processor (rank 0: the feeds', whose checks already ran it on this step's prompts)
+        self.images = self.io.images if self.io is not None else image_prompts(model.path)
         self.weights = WeightSync(self.policy, sync, self.run_dir, publisher=self.io.publisher if self.io else None,
                                   offsets=(lambda: dict(self.feed.state.offsets)) if self.io else None,
                                   lora=bool(model.lora.rank), publishes=mode(run.mode).publishes_weights)
@@ -461,15 +477,17 @@ class Trainer:
             return {"step_skipped": 1.0, "nonfinite_advantages": 1.0}  # the same on every rank: no optimizer step
         max_len = self.model.max_prompt_len + self.model.max_response_len
         rows = rows_from_groups(groups, advantages, pairs=self.needs.pairwise, max_len=max_len,
-                                routing=self.run_config.routing_replay, token_advantages=per_token)
+                                routing=self.run_config.routing_replay, token_advantages=per_token, images=self.images)
         if self.needs.demonstrations is not None:
-            demos = rows_from_groups(self._demos, [np.zeros(len(g.samples)) for g in self._demos], max_len=max_len)
+            demos = rows_from_groups(self._demos, [np.zeros(len(g.samples)) for g in self._demos], max_len=max_len,
+                                     images=self.images)
             for row in demos:
                 row.demo = True
             rows += demos
         plan = plan_micro_batches(rows, dp_size=self.policy.layout.dp, micro_batch_size=t.micro_batch_size,
                                   max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, trained_version=step - 1)
-        micro_batches = plan.for_rank(self.policy.layout.dp_rank)
+        micro_batches = plan.for_rank(self.policy.layout.dp_rank,
+                                      collate_images=self.policy.collate_images if self.images else None)
         if self.needs.reference:
             for mb, ref in zip(micro_batches, self.policy.reference_logprobs(micro_batches), strict=True):
                 mb["ref_logprobs"] = ref

@@ -9,6 +9,7 @@ frozenlake, textarena).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rft.extras import check_installed
@@ -30,7 +31,9 @@ from rft.workflows.registry import (
     WorkflowError,
     build_sample,
     encode_prompt,
+    refuses_images,
     register_workflow,
+    takes_images,
 )
 
 if TYPE_CHECKING:
@@ -40,7 +43,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ENVIRONMENTS", "WORKFLOWS", "GroupResult", "Workflow", "WorkflowError", "available_workflows",
            "build_sample", "build_workflow", "check_workflow_config", "encode_prompt", "greedy_baseline_problem",
-           "register_environment", "register_workflow", "resolve_workflow", "streams"]
+           "image_sets_problem", "register_environment", "register_workflow", "resolve_workflow", "streams",
+           "takes_images"]
 
 
 def available_workflows() -> list[str]:
@@ -94,9 +98,19 @@ def greedy_baseline_problem(explorer: ExplorerConfig) -> str | None:
     return None
 
 
+def image_sets_problem(explorer: ExplorerConfig, image_keys: Sequence[str]) -> str | None:
+    """None when no task set gives image tasks (`image_keys`: the config keys of those that do, e.g.
+    `eval.sets[0].format`) or `explorer.workflow` takes images (`takes_images`); else why not, starting with the key."""
+    if not image_keys or takes_images(resolve_workflow(explorer.workflow)):
+        return None
+    return (f"explorer.workflow: {refuses_images(f'workflow {explorer.workflow}')}, and {image_keys[0]} gives tasks "
+            "with images")
+
+
 def streams(workflow: Any) -> bool:
     """Whether a workflow (class or instance) has the streaming interface the continuous explorer drives: one engine
-    request per task, `prepare(task, engine) -> prompt ids | reason` and `finish(task, generation) -> GroupResult`,
+    request per task, `prepare(task, engine) -> prompt ids | ImagePrompt | reason` and `finish(task, generation) ->
+    GroupResult`,
     with its `sampling` (rft/explorer/continuous.py)."""
     return callable(getattr(workflow, "prepare", None)) and callable(getattr(workflow, "finish", None))
 

@@ -4,10 +4,13 @@ Usage: torchrun --nproc-per-node N _worker_bridge.py SPEC.json. The spec lists c
 {"name", "hf_dir", "tp", "pp"} (optionally "ep", and "pp_layers" for an uneven pipeline split) and an output
 directory. For every case, in one process group:
 - `<name>.logits.safetensors` (written by the rank holding the full logits): `input_ids` of a seeded
-  random batch (with "images": true, a vision-language batch with `pixel_values` and `pixel_attention_mask`,
-  `image_batch`) and megatron's logits for it, gathered over TP, padding columns dropped;
+  random batch (with "images": "idefics3", a vision-language batch with `pixel_values` and `pixel_attention_mask`,
+  `image_batch`; "qwen2_5_vl": `qwen_image_batch`) and megatron's logits for it, gathered over TP, padding columns
+  dropped;
 - `<name>.mismatch.txt` (images, one pipeline stage; rank 0): the error of the same batch with one image placeholder
   replaced by a text token;
+- `<name>.bf16_tower_rope.safetensors` (Qwen2.5-VL at TP1 x PP1; rank 0): the vision tower's rotary frequencies of
+  the same model built in bfloat16;
 - `<name>.hf/`: the model exported with `save_hf` (bucketed, gathered over TP and PP);
 - `<name>.export.json` (rank 0): a second, bucketed export, with the bucket contents' sizes and the
   peak resident memory of the process during it above the level at its start (VmHWM after
@@ -63,6 +66,36 @@ def image_batch(hf_dir: str, *, seq_len: int = 24, seed: int = 0) -> dict[str, t
             "pixel_attention_mask": mask}
 
 
+QWEN_GRIDS = ([(1, 4, 4)], [(1, 8, 6), (1, 4, 4)])  # per row: each image's (t, h, w) patch grid
+
+
+def qwen_image_batch(hf_dir: str, *, seq_len: int = 28, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A seeded two-row batch for a tiny Qwen2.5-VL (rft.models.tiny_vlm): row 0 one image (4 placeholders) and 4
+    padding tokens at its end, row 1 two (12 and 4), each `<|vision_start|><|image_pad|> x n<|vision_end|>` as the
+    processor expands it, random text tokens (no special ones) elsewhere; `pixel_values` [patches, C*T*P*P] and
+    `image_grid_thw` as collated, and `mm_token_type_ids` (what transformers' model needs to compute MRoPE)."""
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    vision, image_token = config["vision_config"], config["image_token_id"]
+    start, end, merge = config["vision_start_token_id"], config["vision_end_token_id"], vision["spatial_merge_size"]
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, start - 2, (2, seq_len), generator=generator)  # below <|im_start|>, <|im_end|>
+    for row, grids in enumerate(QWEN_GRIDS):
+        at = 2 - row
+        for t, h, w in grids:
+            block = torch.tensor([start] + [image_token] * (t * h * w // merge ** 2) + [end])
+            ids[row, at:at + len(block)] = block
+            at += len(block) + 1
+    ids[0, -4:] = 0  # right padding
+    grid = torch.tensor([g for grids in QWEN_GRIDS for g in grids])
+    width = vision["in_channels"] * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    pixels = torch.randn(int(grid.prod(-1).sum()), width, generator=generator)
+    return {"input_ids": ids, "position_ids": torch.arange(seq_len).expand(2, -1).contiguous(), "pixel_values": pixels,
+            "image_grid_thw": grid, "mm_token_type_ids": (ids == image_token).int()}
+
+
+IMAGE_BATCHES = {"idefics3": image_batch, "qwen2_5_vl": qwen_image_batch}  # a case's "images": its batch
+
+
 def _memory_kib(field: str) -> int:
     status = Path("/proc/self/status").read_text()
     return int(re.search(rf"{field}:\s+(\d+) kB", status).group(1))
@@ -93,7 +126,8 @@ def run_case(case: dict, out: Path, bucket_bytes: int) -> None:
     pp_layers = case.get("pp_layers")
     models = build_model(case["hf_dir"], pp_layers=tuple(pp_layers) if pp_layers else None)
     vocab = models[0].bridge_info.dims.vocab_size
-    batch = image_batch(case["hf_dir"]) if case.get("images") else random_batch(vocab)
+    images = IMAGE_BATCHES.get(case.get("images", ""))
+    batch = images(case["hf_dir"]) if images else random_batch(vocab)
     logits = schedule.run(models, [batch], lambda shard, mb: gather_logits(shard, vocab), forward_only=True)
     if where.is_last_stage and where.tp_rank == 0 and where.dp_rank == 0:
         save_file({**{k: v for k, v in batch.items() if k != "position_ids"}, "logits": logits[0].contiguous()},
@@ -106,6 +140,11 @@ def run_case(case: dict, out: Path, bucket_bytes: int) -> None:
         except ValueError as e:
             if where.rank == 0:
                 (out / f"{case['name']}.mismatch.txt").write_text(str(e))
+    if case.get("images") == "qwen2_5_vl" and case["tp"] == case["pp"] == 1:
+        rope = build_model(case["hf_dir"], dtype="bfloat16")[0].visual.rotary_pos_emb  # the tower's after the cast
+        if where.rank == 0:
+            save_file({"inv_freq": rope.inv_freq, "original_inv_freq": rope.original_inv_freq},
+                      out / f"{case['name']}.bf16_tower_rope.safetensors")
     save_hf(models, out / f"{case['name']}.hf")
     export = measured_export(models, bucket_bytes)
     if where.is_publisher:

@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from rft.models.tiny import make_tiny_model
-from rft.models.tiny_vlm import make_tiny_idefics3
+from rft.models.tiny_vlm import make_tiny_idefics3, make_tiny_qwen2_5_vl
+from rft.models.vision import is_vision_model, load_processor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import HERE, REPO, assert_succeeded, torchrun  # noqa: E402
@@ -45,11 +46,14 @@ CASES = [  # (case name, model name, tp, pp); world size 2 throughout, so tp=pp=
     ("idefics3_tp2", "idefics3", 2, 1),
     ("idefics3_pp2", "idefics3", 1, 2),
     ("idefics3_tp1", "idefics3", 1, 1),
+    ("qwen2_5_vl_tp2", "qwen2_5_vl", 2, 1),
+    ("qwen2_5_vl_pp2", "qwen2_5_vl", 1, 2),
+    ("qwen2_5_vl_tp1", "qwen2_5_vl", 1, 1),
 ]
 # more of a case's layout: expert parallel size, layers per pipeline stage (uneven split)
 LAYOUT = {"qwen3_pp2_uneven": {"pp_layers": [1, 3]}, "qwen3moe_ep2": {"ep": 2},
           "qwen3moe_pp2_uneven": {"pp_layers": [3, 1]}, "qwen2moe_ep2": {"ep": 2},
-          **{name: {"images": True} for name, model, _, _ in CASES if model == "idefics3"}}
+          **{name: {"images": model} for name, model, _, _ in CASES if model in ("idefics3", "qwen2_5_vl")}}
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +61,9 @@ def models(tmp_path_factory) -> dict[str, Path]:
     """Qwen2: 4 layers, GQA, tied embeddings, vocab 101 (padded to 102 at TP=2). Llama: untied, vocab 99. Llama 3: rope
     scaling (rope_type llama3). Qwen3: head_dim 48 (not hidden / heads = 32). Qwen3-MoE: 8 experts, top 2, renormalised,
     layer 1 dense. Qwen2-MoE: 4 experts, top 2 not renormalised, gated shared expert. Idefics3: a SigLIP tower of 2
-    layers on 32 px images (patch 8, pixel shuffle 2: 4 features per image) and a 4-layer untied Llama. "big": a 19 MB
-    Qwen2 for the export memory bound."""
+    layers on 32 px images (patch 8, pixel shuffle 2: 4 features per image) and a 4-layer untied Llama. Qwen2.5-VL: a
+    vision tower of 2 blocks (one windowed, one full), patch 8, merge 2, and a 4-layer untied Qwen2 with MRoPE
+    sections 4, 6, 6. "big": a 19 MB Qwen2 for the export memory bound."""
     root = tmp_path_factory.mktemp("bridge-models")
     return {"big": make_tiny_model(root / "big", arch="qwen2", hidden_size=256, heads=8, kv_heads=2, layers=8,
                                    intermediate_size=512, vocab_size=101, seed=3),
@@ -69,7 +74,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
             "qwen3moe": make_tiny_model(root / "qwen3moe", arch="qwen3_moe", layers=4, experts=8, mlp_only_layers=(1,),
                                         tie_word_embeddings=False, seed=5),
             "qwen2moe": make_tiny_model(root / "qwen2moe", arch="qwen2_moe", layers=2, norm_topk_prob=False, seed=6),
-            "idefics3": make_tiny_idefics3(root / "idefics3", layers=4, seed=9)}
+            "idefics3": make_tiny_idefics3(root / "idefics3", layers=4, seed=9),
+            "qwen2_5_vl": make_tiny_qwen2_5_vl(root / "qwen2_5_vl", layers=4, seed=10)}
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +115,27 @@ def test_image_placeholders_that_do_not_match_the_images_are_refused(results, ca
     assert "11 image placeholder tokens (id 100) and its images give 12 features (3 images x 4)" in message
 
 
+@pytest.mark.parametrize("case", ["qwen2_5_vl_tp2", "qwen2_5_vl_tp1"])
+def test_qwen_image_placeholders_that_do_not_match_the_grids_are_refused(results, case):
+    """qwen_image_batch's 3 images (grids 1x4x4, 1x8x6, 1x4x4, merged 2x2) give 20 features; with one placeholder
+    replaced there are 19, refused before the vision tower runs."""
+    message = (results / f"{case}.mismatch.txt").read_text()
+    assert ("19 image placeholder tokens (id 103) and its images give 20 features (3 images of grids "
+            "[[1, 4, 4], [1, 8, 6], [1, 4, 4]], merged 2x2)") in message
+
+
+def test_a_bfloat16_qwen_vision_tower_keeps_transformers_float32_rotary_frequencies(results, models):
+    """transformers keeps the tower's rotary frequencies in float32 at any dtype; a bfloat16 copy would rotate a
+    real tower's queries and keys (head_dim 80, positions past 100) by up to ~0.2 in cos."""
+    from transformers import AutoModelForImageTextToText
+
+    saved = load_file(results / "qwen2_5_vl_tp1.bf16_tower_rope.safetensors")
+    hf = AutoModelForImageTextToText.from_pretrained(models["qwen2_5_vl"], dtype=torch.bfloat16).model.visual
+    for name, tensor in saved.items():
+        expected = getattr(hf.rotary_pos_emb, name)
+        assert tensor.dtype == expected.dtype == torch.float32 and torch.equal(tensor, expected), name
+
+
 @pytest.mark.parametrize("case,model", [(c[0], c[1]) for c in CASES])
 def test_round_trip_reproduces_every_tensor_exactly(results, models, case, model):
     original = load_file(models[model] / "model.safetensors")
@@ -129,6 +156,9 @@ def test_exported_directory_loads_in_transformers_with_the_same_weights(results,
     assert sorted(loaded) == sorted(reference)
     for name, tensor in reference.items():
         assert torch.equal(loaded[name], tensor), name
+    if is_vision_model(models[model]):  # the processor travels with the export (a next stage starts from it)
+        theirs, ours = load_processor(models[model]), load_processor(results / f"{case}.hf")
+        assert type(ours) is type(theirs) and ours.image_processor.to_dict() == theirs.image_processor.to_dict()
 
 
 @pytest.mark.parametrize("case", ["big_tp2", "big_pp2"])

@@ -1,14 +1,17 @@
 """MegatronPolicy under torchrun with gloo: one optimizer step at TP=2, PP=2 and DP=2 equals the unsharded
 step (transformers + torch AdamW, computed here), including the entropy metric, with the LM head run only from each
 micro-batch's first loss position (its input lengths recorded); dist checkpoints reload across layouts; the reference
-model stays the initial model after an optimizer step; a vision-language model's (Idefics3) vision tower gets the same
-gradients on every TP rank, those of transformers, and its checkpoint saved at TP=2 loads at PP=2.
+model stays the initial model after an optimizer step; a vision-language model's (Idefics3, Qwen2.5-VL) vision tower
+gets the same gradients on every TP rank, those of transformers, and its checkpoint saved at TP=2 loads at PP=2; samples
+with images through the trainer's path (processor re-run, rows with pixels, collated micro-batches) get
+transformers' log-probs at TP=2 and PP=2, and train.
 
 One 2-process launch (_worker_policy.py) runs every case and writes exported weights and metrics.
 """
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -18,7 +21,7 @@ from safetensors.torch import load_file
 
 from megatron_bridge import schedule
 from rft.models.tiny import make_tiny_model
-from rft.models.tiny_vlm import make_tiny_idefics3
+from rft.models.tiny_vlm import make_tiny_idefics3, make_tiny_qwen2_5_vl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _worker_policy as cases  # noqa: E402  (the worker's data and loss function)
@@ -34,7 +37,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("policy-models")
     return {"qwen": make_tiny_model(root / "qwen", arch="qwen2", vocab_size=101, seed=4),
             "llama": make_tiny_model(root / "llama", arch="llama", tie_word_embeddings=False, seed=5),
-            "idefics3": make_tiny_idefics3(root / "idefics3", seed=6)}
+            "idefics3": make_tiny_idefics3(root / "idefics3", seed=6),
+            "qwen2_5_vl": make_tiny_qwen2_5_vl(root / "qwen2_5_vl", seed=7)}
 
 
 @pytest.fixture(scope="module")
@@ -190,26 +194,34 @@ def test_resumed_optimizer_state_gives_the_same_second_step(results, reference):
     assert_weights_close(exported(results, "qwen_tp2.step2.hf"), expected_weights, steps=2)
 
 
-def test_vision_tower_gradients_are_the_same_on_every_tp_rank_and_those_of_transformers(results, models):
-    """vlm_tp2 (no clipping): the replicated vision tower and connector's gradients after the step's backward are
-    bit-identical on both TP ranks (computed identically: megatron_bridge.vision), and equal transformers' for the
-    same loss up to float32 rounding, relative to the largest gradient (a key bias's true gradient is 0: softmax
+# (case prefix, model, HF names of its vision tower's parameters, of its encoder layers' in the checkpoint, why
+# prompts are not shared)
+VLM_CASES = [("vlm", "idefics3", ("model.vision_model.", "model.connector."), "model.vision_model.encoder",
+              "a vision-language model"),
+             ("qvlm", "qwen2_5_vl", ("model.visual.",), "visual.blocks", "a position embedding other than rotary")]
+
+
+@pytest.mark.parametrize("case,model,tower,unshared", [(c[0], c[1], c[2], c[4]) for c in VLM_CASES])
+def test_vision_tower_gradients_are_the_same_on_every_tp_rank_and_those_of_transformers(results, models, case, model,
+                                                                                       tower, unshared):
+    """<case>_tp2 (no clipping): the replicated vision tower (and connector)'s gradients after the step's backward
+    are bit-identical on both TP ranks (computed identically: megatron_bridge.vision), and equal transformers' for
+    the same loss up to float32 rounding, relative to the largest gradient (a key bias's true gradient is 0: softmax
     ignores it, so its ~1e-11 noise is compared on that scale too)."""
     from transformers import AutoModelForImageTextToText
 
-    ranks = [load_file(results / f"vlm_tp2.grads.rank{r}.safetensors") for r in (0, 1)]
-    hf = AutoModelForImageTextToText.from_pretrained(models["idefics3"], dtype=torch.float32)
+    ranks = [load_file(results / f"{case}_tp2.grads.rank{r}.safetensors") for r in (0, 1)]
+    hf = AutoModelForImageTextToText.from_pretrained(models[model], dtype=torch.float32)
     total = 0.0
-    for mb in cases.vlm_micro_batches(str(models["idefics3"])):
-        logits = hf(**{k: mb[k] for k in ("input_ids", "pixel_values", "pixel_attention_mask")}).logits
+    for mb in cases.vlm_micro_batches(str(models[model]), model):
+        logits = hf(**{k: mb[k] for k in cases.VLM_HF_KEYS[model]}).logits
         logprobs = torch.log_softmax(logits, -1).gather(-1, mb["target_ids"][..., None])[..., 0]
         loss, _ = cases.token_mean_nll(logprobs, mb)
         loss.backward()
         total += loss.item()
-    metrics = json.loads((results / "vlm_tp2.metrics.json").read_text())
+    metrics = json.loads((results / f"{case}_tp2.metrics.json").read_text())
     assert metrics["loss"] == pytest.approx(total, rel=1e-6)
-    assert metrics["describe"].endswith("prompts not shared (a vision-language model)")
-    tower = ("model.vision_model.", "model.connector.")
+    assert metrics["describe"].endswith(f"prompts not shared ({unshared})")
     expected = {n: p.grad for n, p in hf.named_parameters() if n.startswith(tower)}
     assert sorted(ranks[0]) == sorted(ranks[1]) == sorted(expected)
     scale = max(g.abs().max().item() for g in expected.values())
@@ -219,11 +231,53 @@ def test_vision_tower_gradients_are_the_same_on_every_tp_rank_and_those_of_trans
         assert (ranks[0][name] - grad).abs().max().item() <= 1e-5 * scale, name
 
 
-def test_vision_language_checkpoint_saved_at_tp2_loads_at_pp2_with_identical_weights(results, models):
-    saved = exported(results, "vlm_tp2.step1.hf")
-    loaded = exported(results, "vlm_pp2.loaded.hf")
-    initial = load_file(models["idefics3"] / "model.safetensors")
+@pytest.mark.parametrize("case,model", [("vlm_tp2", "idefics3"), ("vlm_pp2", "idefics3"),
+                                        ("qvlm_tp2", "qwen2_5_vl"), ("qvlm_pp2", "qwen2_5_vl")])
+def test_trainer_path_log_probs_of_samples_with_images_are_transformers(results, models, case, model):
+    """Samples with images through the trainer's path (the processor re-run per prompt, rows with pixels, the family's
+    collate: Idefics3's padding images, Qwen2.5-VL's concatenated patches; a text row among image rows) into the
+    bridge at TP=2 and at PP=2 give, on every real row, transformers' float32 log-probs of that sample alone (its
+    tokens, the processor's pixels of its own images); and a step on them ran (TP=2)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from megatron_bridge.models import bridge_for
+    from rft.models.vision import image_token, load_processor, process_prompt
+
+    hf_dir = models[model]
+    batches = cases.trainer_micro_batches(str(hf_dir), bridge_for(AutoConfig.from_pretrained(hf_dir)).collate_images)
+    if model == "idefics3":  # [rows, most images of a row]
+        assert [tuple(mb["pixel_values"].shape[:2]) for mb in batches] == [(3, 2), (3, 2)]
+    else:  # every image of the micro-batch
+        assert [len(mb["image_grid_thw"]) for mb in batches] == [3, 3]
+    processor = load_processor(hf_dir)
+    token = processor.tokenizer.convert_tokens_to_ids(image_token(processor))
+    samples = [s for g in cases.trainer_groups(processor) for s in g.samples]
+    hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    saved = load_file(results / f"{case}.trainer_logprobs.safetensors")
+    assert sorted(saved) == [f"mb{i}" for i in range(len(batches))]
+    with torch.no_grad():
+        for k, sample in enumerate(samples):  # micro-batches of 3 rows, in order
+            tokens = torch.tensor([*sample.prompt_tokens.tolist(), *sample.response_tokens.tolist()])[None]
+            pixels = (process_prompt(processor, sample.prompt_text, [(i.data, i.media_type) for i in sample.images])
+                      .pixels if sample.images else {})
+            if model == "qwen2_5_vl":  # transformers computes its MRoPE positions from the placeholders
+                pixels["mm_token_type_ids"] = (tokens[:, :-1] == token).int()
+            logits = hf(input_ids=tokens[:, :-1], **pixels).logits
+            expected = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, 1:, None])[0, :, 0]
+            got = saved[f"mb{k // 3}"][k % 3, :len(expected)]
+            assert (got - expected).abs().max().item() < 1e-5, f"sample {k}"
+    if case.endswith("tp2"):
+        step = json.loads((results / f"{case}.metrics.json").read_text())["trainer_step"]
+        assert step["step_skipped"] == 0.0 and step["grad_norm"] > 0 and math.isfinite(step["loss"])
+
+
+@pytest.mark.parametrize("case,model,layers", [(c[0], c[1], c[3]) for c in VLM_CASES])
+def test_vision_language_checkpoint_saved_at_tp2_loads_at_pp2_with_identical_weights(results, models, case, model,
+                                                                                     layers):
+    saved = exported(results, f"{case}_tp2.step1.hf")
+    loaded = exported(results, f"{case}_pp2.loaded.hf")
+    initial = load_file(models[model] / "model.safetensors")
     assert sorted(saved) == sorted(loaded) == sorted(initial)
-    assert all(not torch.equal(saved[k], initial[k]) for k in initial if k.startswith("model.vision_model.encoder"))
+    assert all(not torch.equal(saved[k], initial[k]) for k in initial if k.startswith(layers))
     for name in saved:
         assert torch.equal(saved[name], loaded[name]), name

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import time
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -29,13 +30,13 @@ def vlm(tmp_path_factory):
     return make_tiny_idefics3(tmp_path_factory.mktemp("vlm") / "idefics3", longest_edge=64)
 
 
-@pytest.fixture(scope="module")
-def served(broker, vlm, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve-images")
+@contextmanager
+def serving(broker, model_dir, tmp):
+    """`rft serve` of `model_dir` on the transformers engine with the chat template: (config, url, service)."""
     cfg = config_from_dict({
         "run": {"name": f"serve-img-{int(time.time() * 1000) % 10**8}", "mode": "serve",
                 "output_dir": str(tmp / "runs")},
-        "model": {"path": str(vlm), "max_prompt_len": 96, "max_response_len": 8, "chat_template": True},
+        "model": {"path": str(model_dir), "max_prompt_len": 96, "max_response_len": 8, "chat_template": True},
         "kafka": {"bootstrap_servers": broker.bootstrap_servers, "partitions": 1},
         "explorer": {"engine": "transformers"},
         "serve": {"max_images": 2, "max_image_pixels": 64 * 64},
@@ -43,9 +44,17 @@ def served(broker, vlm, tmp_path_factory):
     })
     service = build_service(cfg)
     thread = ServerThread(service).start()
-    yield cfg, thread.url, service
-    thread.stop()
-    service.close()
+    try:
+        yield cfg, thread.url, service
+    finally:
+        thread.stop()
+        service.close()
+
+
+@pytest.fixture(scope="module")
+def served(broker, vlm, tmp_path_factory):
+    with serving(broker, vlm, tmp_path_factory.mktemp("serve-images")) as running:
+        yield running
 
 
 def test_an_image_part_is_answered_as_the_engine_generates(served, vlm):
@@ -82,3 +91,24 @@ def test_refusals_are_openai_400_bodies(served):
     reply = httpx.post(url + "/v1/chat/completions", json={"messages": [
         {"role": "user", "content": two}, {"role": "user", "content": [{"type": "text", "text": "x" * 40}]}]})
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_an_image_part_on_qwen2_5_vl(broker, tmp_path_factory):
+    """The same request to a tiny Qwen2.5-VL: its chat template writes the image as
+    <|vision_start|><|image_pad|><|vision_end|>, expanded by rft's torchvision-free processor."""
+    from rft.models.tiny_vlm import make_tiny_qwen2_5_vl
+
+    tmp = tmp_path_factory.mktemp("serve-qwen-vl")
+    qwen = make_tiny_qwen2_5_vl(tmp / "qwen2_5_vl")
+    with serving(broker, qwen, tmp) as (cfg, url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        answer = client.chat.completions.create(model=cfg.run.name, max_tokens=8, temperature=0.0, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": URI}},
+                                         {"type": "text", "text": "what colour?"}]}])
+    text = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>what colour?<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    expected = process_prompt(load_processor(qwen), text, [(PNG, "image/png")])
+    assert answer.usage.prompt_tokens == len(expected.token_ids) and expected.image_tokens == 12  # 48x64: 6x8 patches
+    reference = TransformersEngine(qwen).generate_images([ImagePrompt(text, ((PNG, "image/png"),))],
+                                                         SamplingSettings(n=1, temperature=0.0, max_tokens=8))
+    assert answer.choices[0].message.content == reference[0].completions[0].text

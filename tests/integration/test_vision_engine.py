@@ -14,7 +14,7 @@ import pytest
 
 from rft.engine import SamplingSettings, TransformersEngine
 from rft.models.vision import image_token_ids, load_processor, process_prompt, prompt_mismatch
-from tests.vision_prompts import image_prompts
+from tests.vision_prompts import PROMPTS, encoded_image, image_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 GREEDY = SamplingSettings(n=1, temperature=0.0, max_tokens=8)
@@ -69,7 +69,21 @@ def test_vllm_greedy_equals_transformers_across_a_reload(probe, reference):
         assert probe[f"{key}_prompt_ids"] == [g.prompt_token_ids for g in reference[key]], key
         assert probe[key] == [g.completions[0].token_ids for g in reference[key]], key
     assert probe["before_version"] == [0, 0, 0] and probe["after_version"] == [3, 3, 3]
+    assert probe["before_prompt_text"] == [text for text, _ in PROMPTS]  # Generation.prompt_text: what vLLM took
     assert "1 image placeholders (<image>) for 0 images" in probe["unpaired"]
     assert "inflight_kv: recompute" in probe["kept_in_flight"]
     versions = probe["in_flight_versions"]  # generated across an in-flight reload, its images' embeddings recomputed
     assert versions is not None and versions[0] == 3 and versions[-1] == 4
+
+
+@pytest.mark.vllm
+def test_vllm_continuous_explorer_samples_carry_their_images(probe, models):
+    """single_turn through the continuous scheduler on vLLM: each sample's prompt ids are the processor contract's
+    expansion of its prompt text and the task's image (what the trainer re-checks), the chat template's user turn."""
+    out = probe["continuous"]
+    assert out["error"] is None and len(out["prompt_ids"]) == 2
+    processor = load_processor(models[0])
+    image = encoded_image(64, 48, seed=7)
+    for text, ids, images in zip(out["prompt_text"], out["prompt_ids"], out["images"], strict=True):
+        assert text == "User:<image>what colour?<end_of_utterance>\nAssistant:" and images == out["task_images"]
+        assert ids == process_prompt(processor, text, [image]).token_ids
