@@ -66,6 +66,10 @@ def test_the_vlms_text_path_is_the_language_model_and_an_image_is_16_tokens(lang
     assert torch.equal(got[..., :vocab], expected)  # copied exactly, the image tokens appended
     new_rows = vlm.get_input_embeddings().weight[vocab:]
     assert torch.allclose(new_rows, lm.get_input_embeddings().weight.mean(dim=0).expand_as(new_rows))
+    # the new connector is drawn so an image token's embedding has about a text token's norm
+    projection = vlm.model.connector.modality_projection.proj.weight
+    text_norm = lm.get_input_embeddings().weight.norm(dim=1).mean()
+    assert abs(projection.std() * projection.numel() ** 0.5 / text_norm - 1) < 0.05
     # the template renders text as the language model's does, and an image part as <image>
     assert render_chat(processor, messages) == lm_template(language, messages)
     parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]}]
