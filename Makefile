@@ -7,7 +7,7 @@ STAMP := $(VENV)/.rft-installed
 CONSTRAINTS := requirements/constraints.txt
 EXTRAS := envs,web,ray,browser
 
-.PHONY: venv quickstart flagship tiny-run tiny-moe-run lint typecheck bytecode test test-deps test-fast system-deps clean-venv assets smollm2 smolvlm easy-vqa gpu-check-wheels moto openenv verifiers hub-envs
+.PHONY: venv quickstart flagship tiny-run tiny-moe-run tiny-vlm-run lint typecheck bytecode test test-deps test-fast system-deps clean-venv assets smollm2 smolvlm easy-vqa gpu-check-wheels moto openenv verifiers hub-envs
 
 venv: $(STAMP)
 
@@ -139,6 +139,13 @@ assets/tiny-qwen3-moe/config.json: | $(STAMP)
 
 tiny-moe-run: venv assets/tiny-qwen3-moe/config.json
 	$(BIN)/rft run configs/tiny-qwen3-moe.yaml
+
+# A tiny random Idefics3 (SmolVLM's architecture) on easy-VQA image tasks, trainer at TP2 (configs/tiny-vlm.yaml)
+assets/tiny-idefics3/config.json: | $(STAMP)
+	$(BIN)/python -c "from rft.models.tiny_vlm import make_tiny_idefics3; make_tiny_idefics3('assets/tiny-idefics3')"
+
+tiny-vlm-run: venv assets/tiny-idefics3/config.json $(EASY_VQA_WHEEL)
+	$(BIN)/rft run configs/tiny-vlm.yaml
 
 # pyflakes, import order, pycodestyle, bugbear and pyupgrade, at 0 findings (ruff.toml)
 lint: venv

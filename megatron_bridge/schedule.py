@@ -9,8 +9,9 @@ refuses anything else. Micro-batches may differ in shape [b_i, T_i] with one pip
 as one packed sequence (megatron_bridge.packing) and `on_logits` still sees the padded [b, T, V/tp] layout.
 With sequence parallelism (turned on for MoE at TP > 1) each micro-batch is right-padded to a multiple of TP and the
 logits cut back to T before `on_logits`. A vision-language model's forward gets the micro-batch's image tensors (the
-keys of its bridge's `image_keys` the micro-batch has, collated by the bridge's `collate_images`); a text model's
-ignores them; packing and shared prompts refuse them.
+keys of its bridge's `image_keys` the micro-batch has, collated by the bridge's `collate_images`) and its
+`prompt_lens` [b] when it has them (the model reads image placeholders only inside each row's prompt:
+megatron_bridge.vision); a text model's gets neither; packing and shared prompts refuse images.
 
 With `head_from_loss`, the output layer runs only from each micro-batch's first position with `loss_mask` > 0 to its
 end (earlier positions still feed later ones through attention, so the logits produced are the full forward's):
@@ -101,7 +102,8 @@ def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tenso
         mb = to_compute_device(next(data_iterator))
         if before_forward is not None:
             before_forward(model, mb)
-        images = {k: mb[k] for k in unwrap(model).bridge_info.bridge.image_keys if mb.get(k) is not None}
+        image_keys = unwrap(model).bridge_info.bridge.image_keys
+        images = {k: mb[k] for k in image_keys if mb.get(k) is not None}
         if (packed or costs is not None) and images:
             raise ValueError(f"packed sequences and shared prompts do not take images (this vision-language model's "
                              f"micro-batch has {sorted(images)})")
@@ -114,7 +116,8 @@ def run(models: list[torch.nn.Module], micro_batches: list[dict[str, torch.Tenso
                 start["at"] = 0  # the shared forward picks the output layer's positions itself
                 return shared_prompts.forward(model, mb, plan, first), partial(loss_func, mb, first)
         ids, positions = _right_pad(mb["input_ids"], multiple), _right_pad(mb["position_ids"], multiple, positions=True)
-        logits = model(input_ids=ids, position_ids=positions, attention_mask=None, **images)
+        prompts = {"prompt_lens": mb["prompt_lens"]} if image_keys and "prompt_lens" in mb else {}
+        logits = model(input_ids=ids, position_ids=positions, attention_mask=None, **images, **prompts)
         return logits, partial(loss_func, mb, first)
 
     longest = max(mb["input_ids"].shape[1] for mb in micro_batches)

@@ -16,6 +16,12 @@ window- and full-attention blocks, patch merger) the same way, takes `pixel_valu
 computes the MRoPE positions [3, b, T] from `input_ids` and `image_grid_thw` with transformers' `get_rope_index`
 (`mrope_positions`), so positions never travel between stages.
 
+Placeholders are read only inside each row's prompt: both models' forwards take `prompt_lens` [b] (the batch
+contract's; None: every position is prompt), and a placeholder token at a position >= its row's prompt length (a
+response that sampled one) is an ordinary token, its embedding at text positions, as the engines treat one they
+generated (vLLM merges image features only at the prompt's placeholder ranges, transformers' generate passes the
+pixels only at the prefill step and gives decoded tokens text positions: Qwen2.5-VL's `rope_deltas`).
+
 Tensor parallelism: every TP rank holds the whole tower and runs it on the same pixels (the micro-batch is the
 same on every TP rank of a replica). The embedding's output is all-reduced over TP and, without sequence
 parallelism (refused here), every TP rank's decoder input and the gradient flowing back into it are the same
@@ -36,13 +42,24 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 
-def check_placeholders(input_ids: torch.Tensor, image_token_id: int, features: int, described: str) -> None:
-    """ValueError unless `input_ids` hold exactly one placeholder (`image_token_id`) per image feature."""
-    wanted = int((input_ids == image_token_id).sum())
+def prompt_placeholders(input_ids: torch.Tensor, token_id: int, prompt_lens: torch.Tensor | None) -> torch.Tensor:
+    """[b, T] bool: where `input_ids` [b, T] hold `token_id` inside their row's prompt (positions < `prompt_lens`
+    [b]; every position when None), the only placeholders the model reads (module docstring)."""
+    found = input_ids == token_id
+    if prompt_lens is None:
+        return found
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    return found & (positions[None, :] < prompt_lens.to(input_ids.device)[:, None])
+
+
+def check_placeholders(placeholders: torch.Tensor, image_token_id: int, features: int, described: str) -> None:
+    """ValueError unless `placeholders` [b, T] (`prompt_placeholders` of `image_token_id`) mark exactly one position
+    per image feature."""
+    wanted = int(placeholders.sum())
     if wanted != features:
-        raise ValueError(f"the micro-batch has {wanted} image placeholder tokens (id {image_token_id}) and its "
-                         f"images give {features} features ({described}): the placeholders must be expanded once "
-                         "per image feature, as the processor does")
+        raise ValueError(f"the micro-batch's prompts have {wanted} image placeholder tokens (id {image_token_id}) and "
+                         f"its images give {features} features ({described}): the placeholders must be expanded "
+                         "once per image feature, as the processor does")
 
 
 def place_features(embeddings: torch.Tensor, placeholders: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
@@ -90,37 +107,45 @@ class Idefics3GPTModel(GPTModel):
         return self.connector(hidden)
 
     def merged_embeddings(self, input_ids: torch.Tensor, position_ids: torch.Tensor, pixel_values: torch.Tensor,
-                          pixel_attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """The decoder input [T, b, h]: token embeddings with the image features at the placeholders."""
+                          pixel_attention_mask: torch.Tensor | None,
+                          prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder input [T, b, h]: token embeddings with the image features at the prompts' placeholders."""
         embeddings = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [T, b, h]
         features = self.image_features(pixel_values, pixel_attention_mask)
-        check_placeholders(input_ids, self.image_token_id, features.shape[0] * features.shape[1],
+        placeholders = prompt_placeholders(input_ids, self.image_token_id, prompt_lens)
+        check_placeholders(placeholders, self.image_token_id, features.shape[0] * features.shape[1],
                            f"{features.shape[0]} images x {features.shape[1]}")
-        return place_features(embeddings, input_ids == self.image_token_id, features.reshape(-1, features.shape[-1]))
+        return place_features(embeddings, placeholders, features.reshape(-1, features.shape[-1]))
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *,
                 pixel_values: torch.Tensor | None = None, pixel_attention_mask: torch.Tensor | None = None,
-                **kwargs):
+                prompt_lens: torch.Tensor | None = None, **kwargs):
         if self.pre_process and pixel_values is not None and decoder_input is None:
-            decoder_input = self.merged_embeddings(input_ids, position_ids, pixel_values, pixel_attention_mask)
+            decoder_input = self.merged_embeddings(input_ids, position_ids, pixel_values, pixel_attention_mask,
+                                                   prompt_lens)
         return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, **kwargs)
 
 
-def mrope_positions(vlm_config, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+def mrope_positions(vlm_config, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None,
+                    prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
     """Qwen2.5-VL's multimodal rotary positions [3, b, T] of `input_ids` [b, T] (right-padded rows: padding gets
     positions after the row's, which no real token attends to), computed by transformers' own
-    `Qwen2_5_VLModel.get_rope_index` with the processor's `mm_token_type_ids` (1 at image placeholders).
-    ValueError when the placeholders are not, image by image in (row, position) order, one run of
-    t*h*w / merge**2 tokens per `image_grid_thw` row, or when there are video placeholders (videos are not taken)."""
+    `Qwen2_5_VLModel.get_rope_index` with `mm_token_type_ids` 1 at the image placeholders inside each row's prompt
+    (`prompt_placeholders`): a placeholder past the prompt is text, so the response's positions continue the prompt's
+    one by one in all three sections, as the engines' decoding gives them (transformers' `rope_deltas`, vLLM's
+    `mrope_position_delta`). ValueError when the prompts' placeholders are not, image by image in (row, position)
+    order, one run of t*h*w / merge**2 tokens per `image_grid_thw` row, or when a prompt has video placeholders
+    (videos are not taken)."""
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 
     image, video = int(vlm_config.image_token_id), getattr(vlm_config, "video_token_id", None)
-    if video is not None and bool((input_ids == int(video)).any()):
-        raise ValueError(f"the micro-batch has video placeholder tokens (id {video}): videos are not supported")
-    placeholders = input_ids == image
+    if video is not None and bool(prompt_placeholders(input_ids, int(video), prompt_lens).any()):
+        raise ValueError(f"the micro-batch's prompts have video placeholder tokens (id {video}): videos are not "
+                         "supported")
+    placeholders = prompt_placeholders(input_ids, image, prompt_lens)
     merge = int(vlm_config.vision_config.spatial_merge_size)
     counts = [] if image_grid_thw is None else (image_grid_thw.prod(-1) // merge ** 2).tolist()
-    check_placeholders(input_ids, image, sum(counts), f"{len(counts)} images of grids "
+    check_placeholders(placeholders, image, sum(counts), f"{len(counts)} images of grids "
                        f"{[] if image_grid_thw is None else image_grid_thw.tolist()}, merged {merge}x{merge}")
     runs = [len(list(group)) for row in placeholders.tolist()
             for is_image, group in itertools.groupby(row) if is_image]
@@ -137,10 +162,10 @@ def mrope_positions(vlm_config, input_ids: torch.Tensor, image_grid_thw: torch.T
 class Qwen25VLGPTModel(GPTModel):
     """megatron's GPTModel (position_embedding_type "mrope") plus, on the first stage, transformers' Qwen2.5-VL
     vision tower with its patch merger (`visual`). Its forward takes `pixel_values` [patches, C*T*P*P] and
-    `image_grid_thw` [images, 3] (every image of the micro-batch, in (row, position) order) on every stage: each
-    stage computes the MRoPE positions (`mrope_positions`) from `input_ids` and the grids; the first stage puts the
-    merger's outputs at the image placeholders (`place_features`). The positions given are ignored (the batch
-    contract's 0..T-1); packed sequences are refused."""
+    `image_grid_thw` [images, 3] (every image of the micro-batch, in (row, position) order) and `prompt_lens` [b] on
+    every stage: each stage computes the MRoPE positions (`mrope_positions`) from `input_ids`, the grids and the
+    prompt lengths; the first stage puts the merger's outputs at the prompts' image placeholders (`place_features`).
+    The positions given are ignored (the batch contract's 0..T-1); packed sequences are refused."""
 
     def __init__(self, vlm_config, **gpt_kwargs):
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
@@ -166,8 +191,9 @@ class Qwen25VLGPTModel(GPTModel):
         return out
 
     def merged_embeddings(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
-                          image_grid_thw: torch.Tensor) -> torch.Tensor:
-        """The decoder input [T, b, h]: token embeddings with the merger's outputs at the image placeholders."""
+                          image_grid_thw: torch.Tensor, prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder input [T, b, h]: token embeddings with the merger's outputs at the prompts' image
+        placeholders."""
         patches = int(image_grid_thw.prod(-1).sum())
         if pixel_values is None or pixel_values.dim() != 2 or pixel_values.shape[0] != patches:
             got = None if pixel_values is None else tuple(pixel_values.shape)
@@ -176,16 +202,17 @@ class Qwen25VLGPTModel(GPTModel):
         embeddings = self.embedding(input_ids=input_ids, position_ids=None)  # [T, b, h]
         dtype = next(self.visual.parameters()).dtype
         features = self.visual(pixel_values.to(dtype), grid_thw=image_grid_thw).pooler_output  # [features, h]
-        return place_features(embeddings, input_ids == int(self.vlm_config.image_token_id), features)
+        placeholders = prompt_placeholders(input_ids, int(self.vlm_config.image_token_id), prompt_lens)
+        return place_features(embeddings, placeholders, features)
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
-                packed_seq_params=None, **kwargs):
+                prompt_lens: torch.Tensor | None = None, packed_seq_params=None, **kwargs):
         if packed_seq_params is not None:
             raise ValueError("packed sequences are not supported with MRoPE positions (Qwen2.5-VL)")
         if pixel_values is not None and image_grid_thw is None:
             raise ValueError("pixel_values without image_grid_thw")
-        positions = mrope_positions(self.vlm_config, input_ids, image_grid_thw)
+        positions = mrope_positions(self.vlm_config, input_ids, image_grid_thw, prompt_lens)
         if self.pre_process and image_grid_thw is not None and len(image_grid_thw) and decoder_input is None:
-            decoder_input = self.merged_embeddings(input_ids, pixel_values, image_grid_thw)
+            decoder_input = self.merged_embeddings(input_ids, pixel_values, image_grid_thw, prompt_lens)
         return super().forward(input_ids, positions, attention_mask, decoder_input=decoder_input, **kwargs)

@@ -1,5 +1,7 @@
 """Per-response rewards that misbehave, by import path (`tests.reward_plugins:<name>`), for the reward workers'
-tests (a worker process imports them with the parent's sys.path): `flaky` follows its task's metadata."""
+tests (a worker process imports them with the parent's sys.path): `flaky` follows its task's metadata; and
+`even_characters`, a reward a random model's samples almost never tie on (tests/e2e/test_vlm_run.py: its steps need
+a gradient, which exact_match's all-zero groups of a random model would not give)."""
 from __future__ import annotations
 
 import os
@@ -28,3 +30,9 @@ def flaky(response: str, task: TaskRecord) -> float | None:
     if meta.get("chatty"):
         print("a verifier that prints to stdout", flush=True)
     return 0.5
+
+
+def even_characters(response: str, task: TaskRecord) -> float:
+    """The share of the response's characters whose code point is even (0 for an empty response): random samples
+    of a few characters seldom all score alike, so GRPO's advantages are not all zero."""
+    return sum(ord(c) % 2 == 0 for c in response) / len(response) if response else 0.0

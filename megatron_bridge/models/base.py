@@ -96,7 +96,8 @@ class DecoderBridge:
     qk_layernorm: ClassVar[bool] = False  # RMSNorm over each head's query and key (Qwen3)
     mapping_table: ClassVar[tuple[ParamMapping, ...]] = ()
     # a vision-language model's image tensors: the micro-batch keys its first stage's forward takes as keyword
-    # arguments (megatron_bridge.schedule passes those a micro-batch has); () for a text model
+    # arguments (megatron_bridge.schedule passes those a micro-batch has, and then `prompt_lens` too: placeholders
+    # are read only inside each row's prompt, megatron_bridge.vision); () for a text model
     image_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, hf_config):
@@ -255,3 +256,20 @@ class DecoderBridge:
         """The per-layer mappings (`*` unresolved) of decoder layer `layer` (0-based): all of them here; a
         mixture of experts picks the dense MLP's or the experts' by layer."""
         return [m for m in self.mappings() if m.per_layer]
+
+
+class VisionLanguageBridge(DecoderBridge):
+    """A vision-language family: `self.vlm` is the whole HF config, `self.hf` its text model's (what the decoder's
+    table reads); embeddings tie as the outer config says; the image placeholder's id is the outer config's."""
+
+    def __init__(self, hf_config):
+        self.vlm = hf_config
+        super().__init__(hf_config.text_config)
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return bool(getattr(self.vlm, "tie_word_embeddings", False))  # transformers ties by the outer config's
+
+    @property
+    def image_token_id(self) -> int:
+        return int(self.vlm.image_token_id)

@@ -10,7 +10,7 @@ from dataclasses import fields, replace
 from typing import TYPE_CHECKING
 
 from megatron_bridge.mapping import ParamMapping, Replicated
-from megatron_bridge.models.base import DecoderBridge, register
+from megatron_bridge.models.base import VisionLanguageBridge, register
 from megatron_bridge.models.llama import LLAMA_TABLE, LlamaBridge
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ CONNECTOR_TABLE = (Replicated(hf=f"model.{CONNECTOR}modality_projection.proj.wei
 
 
 @register("Idefics3ForConditionalGeneration")
-class Idefics3Bridge(DecoderBridge):
+class Idefics3Bridge(VisionLanguageBridge):
     """Idefics3 and SmolVLM (SmolVLM's checkpoints name this class too): the text model must be a Llama (what
     SmolVLM and Idefics3 ship); `self.hf` is its text config, `self.vlm` the whole config. Refused: vision
     dropout (each TP rank runs the replicated tower with its own random stream, so their masks would differ), a
@@ -52,18 +52,6 @@ class Idefics3Bridge(DecoderBridge):
     first_stage_prefixes = (VISION, CONNECTOR)
     mapping_table = TEXT_TABLE
     image_keys = ("pixel_values", "pixel_attention_mask")
-
-    def __init__(self, hf_config):
-        self.vlm = hf_config
-        super().__init__(hf_config.text_config)
-
-    @property
-    def tied_embeddings(self) -> bool:
-        return bool(getattr(self.vlm, "tie_word_embeddings", False))  # transformers ties by the outer config's
-
-    @property
-    def image_token_id(self) -> int:
-        return int(self.vlm.image_token_id)
 
     @property
     def image_size(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from megatron_bridge.mapping import ParamMapping, Replicated
-from megatron_bridge.models.base import DecoderBridge, register
+from megatron_bridge.models.base import VisionLanguageBridge, register
 from megatron_bridge.models.qwen2 import QWEN2_TABLE, window_refusals
 from rft.lazy import lazy
 
@@ -37,7 +37,7 @@ IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 
 
 @register("Qwen2_5_VLForConditionalGeneration")
-class Qwen25VLBridge(DecoderBridge):
+class Qwen25VLBridge(VisionLanguageBridge):
     """Qwen2.5-VL; `self.hf` is its text config, `self.vlm` the whole config. Refused: sliding-window attention in
     the text model, a rope other than the default MRoPE, an `mrope_section` that does not cover half the head
     dimension, a merger whose output is not the text model's width, a vision window smaller than one merged patch,
@@ -48,18 +48,6 @@ class Qwen25VLBridge(DecoderBridge):
     qkv_bias = True
     mapping_table = QWEN2_TABLE
     image_keys = IMAGE_KEYS
-
-    def __init__(self, hf_config):
-        self.vlm = hf_config
-        super().__init__(hf_config.text_config)
-
-    @property
-    def tied_embeddings(self) -> bool:
-        return bool(getattr(self.vlm, "tie_word_embeddings", False))  # transformers ties by the outer config's
-
-    @property
-    def image_token_id(self) -> int:
-        return int(self.vlm.image_token_id)
 
     @property
     def mrope_section(self) -> list[int]:

@@ -11,7 +11,7 @@ import argparse
 import json
 import string
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]
 CHARACTERS = list(string.digits + string.ascii_letters + string.punctuation + " \n")
@@ -127,13 +127,19 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", hidden_size: in
         raise ValueError(f"unknown tiny-model architecture {arch!r} ({', '.join(ARCHITECTURES)})")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out, safe_serialization=True)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
                                    bos_token="<bos>", unk_token="<pad>")
     fast.chat_template = None
-    fast.save_pretrained(out)
-    # Keep transformers' AutoTokenizer on this exact tokenizer (for a qwen2 config it would otherwise pick
-    # Qwen2Tokenizer, whose byte-level pre-tokenizer drops spaces and newlines of a character vocabulary).
+    return save_tiny(out, model, [fast], arch, seed)
+
+
+def save_tiny(out: Path, model: Any, parts: list[Any], arch: str, seed: int) -> Path:
+    """Write a tiny model, its tokenizer / processor `parts`, the tokenizer class every loader knows (for a qwen2
+    config transformers' AutoTokenizer would otherwise pick Qwen2Tokenizer, whose byte-level pre-tokenizer drops
+    spaces and newlines of a character vocabulary) and the maker's marker (`rft_tiny_model.json`); `out`."""
+    model.save_pretrained(out, safe_serialization=True)
+    for part in parts:
+        part.save_pretrained(out)
     tok_config = out / "tokenizer_config.json"
     tok_config.write_text(json.dumps({**json.loads(tok_config.read_text()),
                                       "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")

@@ -17,11 +17,10 @@ patches, 16 placeholders). Its vision tower has one window-attention block and o
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from rft.models.tiny import build_tokenizer
+from rft.models.tiny import build_tokenizer, save_tiny
 
 IMAGE_TOKENS = (["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
                 + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)])
@@ -73,18 +72,6 @@ def character_tokenizer(special_tokens: list[str], **roles: str) -> Any:
     tokenizer.add_special_tokens(special_tokens)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **{
         "pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<pad>", **roles})
-
-
-def _save(out: Path, model: Any, processor_parts: list[Any], arch: str, seed: int) -> Path:
-    """Write the model, the processor's parts, the tokenizer class every loader knows and the maker's marker."""
-    model.save_pretrained(out, safe_serialization=True)
-    for part in processor_parts:
-        part.save_pretrained(out)
-    tok_config = out / "tokenizer_config.json"
-    tok_config.write_text(json.dumps({**json.loads(tok_config.read_text()),
-                                      "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
-    (out / "rft_tiny_model.json").write_text(json.dumps({"arch": arch, "seed": seed}) + "\n")
-    return out
 
 
 def image_seq_len(image_size: int, patch_size: int, scale_factor: int) -> int:
@@ -149,7 +136,7 @@ def make_tiny_idefics3(out_dir: str | Path, *, image_size: int = 32, patch_size:
         tie_word_embeddings=tie_word_embeddings, architectures=["Idefics3ForConditionalGeneration"])
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).eval()  # float32: torch's default dtype
-    return _save(out, model, [processor], "idefics3", seed)
+    return save_tiny(out, model, [processor], "idefics3", seed)
 
 
 def tiny_qwen2_5_vl_parts(*, patch_size: int = 8, merge_size: int = 2, temporal_patch_size: int = 2,
@@ -205,4 +192,4 @@ def make_tiny_qwen2_5_vl(out_dir: str | Path, *, patch_size: int = 8, merge_size
         **ids, tie_word_embeddings=tie_word_embeddings, architectures=["Qwen2_5_VLForConditionalGeneration"])
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config).eval()  # float32: torch's default dtype
-    return _save(out, model, [fast, image_processor], "qwen2_5_vl", seed)
+    return save_tiny(out, model, [fast, image_processor], "qwen2_5_vl", seed)

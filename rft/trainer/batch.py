@@ -389,7 +389,8 @@ def _pack(rows: list[Row], batch_size: int, seq_len: int, pad_id: int, global_to
     """One micro-batch of `rows` as tensors [batch_size, seq_len] (padding rows past the rows): the tokens, targets,
     positions, `loss_mask`, `old_logprobs`, `advantages`, the step's normalisers, and
     - `row_lens` [b] (input positions of each row, 0 for padding rows), read by sequence packing
-      (megatron_bridge.packing), and `prompt_lens` [b] (each row's prompt tokens), read by shared prompts;
+      (megatron_bridge.packing), and `prompt_lens` [b] (each row's prompt tokens), read by shared prompts and by a
+      vision-language model (image placeholders only before it: megatron_bridge.vision);
     - `demo_mask` [b] (1.0 on demonstration rows, `Row.demo`); the trainer adds the step's `global_demo_tokens` /
       `global_demo_sequences` (0 without demonstrations), so a loss normalises demonstrations and policy rows apart;
     - with `pairwise`: `pair_index` (the pair's number in the step, -1 on padding rows) and `pair_chosen`;

@@ -2,9 +2,11 @@
 encoded images and its `prompt_text` (the prompt as its engine's processor took it); the trainer re-runs the model's
 processor on them (rft.models.vision: the one place a processor runs on a prompt) and
 - `ImagePrompts.problem(sample)`: None when the sample's images are within the run's image limits and the processor
-  expands its prompt to exactly the prompt ids the engine recorded (`engine_prompt_problem`'s check), and no image
-  placeholder stands where no image is (a response, a text prompt) nor any video placeholder, else the reason; the
-  feed dead-letters the group with it (rft.trainer.batch.TrainableLimits);
+  expands its prompt to exactly the prompt ids the engine recorded (`engine_prompt_problem`'s check), and no
+  placeholder stands in a prompt where no image is (a text prompt) nor any video placeholder in a prompt, else the
+  reason; the feed dead-letters the group with it (rft.trainer.batch.TrainableLimits). A placeholder in a response
+  (an engine may sample one) is trained as the engine ran it: an ordinary token (megatron_bridge.vision reads
+  placeholders only inside each row's prompt);
 - `ImagePrompts.pixels(sample)`: the processor's image tensors for the sample's row, which the model family collates
   into each micro-batch (megatron_bridge's `collate_images`) when the rank that trains the row packs it.
 The processor runs once per distinct (prompt_text, images) a process sees: a group's samples share their prompt, and
@@ -17,8 +19,6 @@ from __future__ import annotations
 import collections
 import os
 from typing import Any
-
-import numpy as np
 
 from rft.models.vision import (
     ProcessedPrompt,
@@ -56,14 +56,11 @@ class ImagePrompts:
 
     def problem(self, sample: Sample) -> str | None:
         """None when `sample` can be trained on as its engine saw it, else why not: besides the processor's check of
-        a sample with images, no image placeholder (`<image>`, `<|image_pad|>`) may stand where no image is, in a
-        response (an engine may sample one) or a text sample's prompt, since the model puts an image feature at
-        every placeholder; nor a video placeholder (`<|video_pad|>`) anywhere: videos are not taken."""
+        a sample with images, no image placeholder (`<image>`, `<|image_pad|>`) may stand in a text sample's prompt,
+        since the model puts an image feature at every placeholder of a prompt; nor a video placeholder
+        (`<|video_pad|>`) in any prompt: videos are not taken. Placeholders in a response are ordinary tokens, to
+        the engine as to the model."""
         for token, text in self.placeholders.items():
-            if token in sample.response_tokens:
-                position = int(np.flatnonzero(sample.response_tokens == token)[0])
-                return (f"response token {position} is the placeholder {text!r} (id {token}), which the model would "
-                        "read as an image's")
             if token in sample.prompt_tokens and (token != self.image_id or not sample.images):
                 return (f"the prompt holds the placeholder {text!r} (id {token}) with "
                         f"{'no image' if token == self.image_id else 'no video: videos are not taken'}")

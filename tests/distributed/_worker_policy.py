@@ -143,21 +143,35 @@ TRAINER_PROMPTS = [("User:{image}and{image}?\nAssistant:", ((40, 64), (32, 32)),
                    ("{image}{image}which?", ((24, 40), (64, 64)), 1)]
 
 
+# (group, sample, response positions) where a response sampled the image placeholder (and, for a model with one,
+# the video placeholder at the next position): an ordinary token to the engine and the trainer
+SAMPLED_PLACEHOLDERS = [(1, 0, (1,)), (2, 1, (0, 3))]
+
+
 def trainer_groups(processor) -> list:
     """Groups of TRAINER_PROMPTS as an explorer records them: prompt ids the processor's expansion (random text ids
-    for the text group), `images`, `prompt_text`, random responses."""
-    from rft.models.vision import placeholder, process_prompt
+    for the text group), `images`, `prompt_text`, random responses, some holding placeholders
+    (SAMPLED_PLACEHOLDERS: after a text prompt and after an image prompt)."""
+    from rft.models.vision import image_token, placeholder, process_prompt
     from rft.schema import ExperienceGroup, Image, Sample, group_id_for
     from tests.vision_prompts import encoded_image
 
     rng = np.random.default_rng(0)
+    sampled = [int(processor.tokenizer.convert_tokens_to_ids(image_token(processor)))]
+    if isinstance(getattr(processor, "video_token", None), str):
+        sampled.append(int(processor.tokenizer.convert_tokens_to_ids(processor.video_token)))
     groups = []
     for task, (template, sizes, n) in enumerate(TRAINER_PROMPTS):
         text = template.format(image=placeholder(processor))
         pictures = [Image.of(*encoded_image(w, h, seed=10 * task + j)) for j, (w, h) in enumerate(sizes)]
         prompt = (process_prompt(processor, text, [(i.data, i.media_type) for i in pictures]).token_ids
                   if pictures else rng.integers(3, 90, 9).tolist())
-        samples = [Sample(sample_index=j, prompt_tokens=np.asarray(prompt), response_tokens=rng.integers(3, 90, 5),
+        responses = [rng.integers(3, 90, 5) for _ in range(n)]
+        for group, sample, positions in SAMPLED_PLACEHOLDERS:
+            if group == task:
+                for position in positions:
+                    responses[sample][position:position + len(sampled)] = sampled[:5 - position]
+        samples = [Sample(sample_index=j, prompt_tokens=np.asarray(prompt), response_tokens=responses[j],
                           logprobs=np.zeros(5, np.float32), loss_mask=np.ones(5, np.uint8), reward=float(j),
                           images=pictures, prompt_text=text) for j in range(n)]
         groups.append(ExperienceGroup(run_id="run", task_id=f"t{task}", group_id=group_id_for("run", f"t{task}", 0),
@@ -175,6 +189,7 @@ def trainer_micro_batches(hf_dir: str, collate_images) -> list[dict[str, torch.T
     images = image_prompts(hf_dir)
     assert images is not None
     groups = trainer_groups(images.processor)
+    assert [images.problem(s) for g in groups for s in g.samples] == [None] * 5  # the trainer's check takes them
     rows = rows_from_groups(groups, [np.linspace(-1.0, 1.0, len(g.samples)) for g in groups], images=images)
     return plan_micro_batches(rows, dp_size=1, micro_batch_size=3).for_rank(0, collate_images=collate_images)
 

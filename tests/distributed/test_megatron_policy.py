@@ -3,8 +3,8 @@ step (transformers + torch AdamW, computed here), including the entropy metric, 
 micro-batch's first loss position (its input lengths recorded); dist checkpoints reload across layouts; the reference
 model stays the initial model after an optimizer step; a vision-language model's (Idefics3, Qwen2.5-VL) vision tower
 gets the same gradients on every TP rank, those of transformers, and its checkpoint saved at TP=2 loads at PP=2; samples
-with images through the trainer's path (processor re-run, rows with pixels, collated micro-batches) get
-transformers' log-probs at TP=2 and PP=2, and train.
+with images through the trainer's path (processor re-run, rows with pixels, collated micro-batches; responses holding
+placeholders) get the log-probs transformers decodes them with, at TP=2 and PP=2, and train.
 
 One 2-process launch (_worker_policy.py) runs every case and writes exported weights and metrics.
 """
@@ -231,13 +231,35 @@ def test_vision_tower_gradients_are_the_same_on_every_tp_rank_and_those_of_trans
         assert (ranks[0][name] - grad).abs().max().item() <= 1e-5 * scale, name
 
 
+def engine_logprobs(hf, sample, pixels: dict, image_id: int | None) -> torch.Tensor:
+    """[prompt + response - 1] float32 log-probs of `sample`'s tokens as an engine computes them: transformers
+    prefills the prompt with its pixels (`image_id`: Qwen2.5-VL's placeholder, whose positions give
+    `mm_token_type_ids`; None for Idefics3), then decodes the response one token at a time on the cache, without
+    pixels: a placeholder the response holds is an ordinary token at the next text position (generate's
+    prepare_inputs_for_generation drops pixels after the prefill; Qwen2.5-VL continues with its `rope_deltas`)."""
+    prompt = torch.from_numpy(sample.prompt_tokens)[None]
+    tokens = torch.cat([prompt, torch.from_numpy(sample.response_tokens)[None]], dim=1)
+    extra = dict(pixels)
+    if image_id is not None:
+        hf.model.rope_deltas = None  # the previous sample's
+        extra["mm_token_type_ids"] = (prompt == image_id).int()
+    out = hf(input_ids=prompt, use_cache=True, **extra)
+    logits = [out.logits[0]]
+    for j in range(prompt.shape[1], tokens.shape[1] - 1):
+        out = hf(input_ids=tokens[:, j:j + 1], past_key_values=out.past_key_values, use_cache=True)
+        logits.append(out.logits[0])
+    return torch.log_softmax(torch.cat(logits).float(), -1).gather(-1, tokens[0, 1:, None])[:, 0]
+
+
 @pytest.mark.parametrize("case,model", [("vlm_tp2", "idefics3"), ("vlm_pp2", "idefics3"),
                                         ("qvlm_tp2", "qwen2_5_vl"), ("qvlm_pp2", "qwen2_5_vl")])
 def test_trainer_path_log_probs_of_samples_with_images_are_transformers(results, models, case, model):
     """Samples with images through the trainer's path (the processor re-run per prompt, rows with pixels, the family's
-    collate: Idefics3's padding images, Qwen2.5-VL's concatenated patches; a text row among image rows) into the
-    bridge at TP=2 and at PP=2 give, on every real row, transformers' float32 log-probs of that sample alone (its
-    tokens, the processor's pixels of its own images); and a step on them ran (TP=2)."""
+    collate: Idefics3's padding images, Qwen2.5-VL's concatenated patches; a text row among image rows; responses
+    that sampled the image (and video) placeholder, after a text prompt and after an image prompt) into the bridge
+    at TP=2 and at PP=2 give, on every real row, the float32 log-probs transformers computes for that sample alone as
+    an engine does (`engine_logprobs`: the prompt with its own images' pixels, the response decoded on the cache, a
+    placeholder there an ordinary token); and a step on them ran (TP=2)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from megatron_bridge.models import bridge_for
@@ -255,15 +277,13 @@ def test_trainer_path_log_probs_of_samples_with_images_are_transformers(results,
     hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
     saved = load_file(results / f"{case}.trainer_logprobs.safetensors")
     assert sorted(saved) == [f"mb{i}" for i in range(len(batches))]
+    # the responses of SAMPLED_PLACEHOLDERS hold the image placeholder
+    assert [int((s.response_tokens == token).sum()) for s in samples] == [0, 1, 0, 2, 0]
     with torch.no_grad():
         for k, sample in enumerate(samples):  # micro-batches of 3 rows, in order
-            tokens = torch.tensor([*sample.prompt_tokens.tolist(), *sample.response_tokens.tolist()])[None]
             pixels = (process_prompt(processor, sample.prompt_text, [(i.data, i.media_type) for i in sample.images])
                       .pixels if sample.images else {})
-            if model == "qwen2_5_vl":  # transformers computes its MRoPE positions from the placeholders
-                pixels["mm_token_type_ids"] = (tokens[:, :-1] == token).int()
-            logits = hf(input_ids=tokens[:, :-1], **pixels).logits
-            expected = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, 1:, None])[0, :, 0]
+            expected = engine_logprobs(hf, sample, pixels, token if model == "qwen2_5_vl" else None)
             got = saved[f"mb{k // 3}"][k % 3, :len(expected)]
             assert (got - expected).abs().max().item() < 1e-5, f"sample {k}"
     if case.endswith("tp2"):

@@ -25,12 +25,11 @@ from rft.rewards import build_reward, resolve
 from rft.run.loading import run_config_from_dict
 from rft.schema import HEADER_ERROR, RewardRange, TaskRecord
 from rft.trainer.batch import TrainableLimits
-from rft.trainer.main import Trainer, open_trainer_io
 from rft.transport.memory import MemoryTransport
 from rft.workflows import build_workflow
 from tests.records import make_group, read_topic
 from tests.unit.test_algorithms import random_batch, torch_loss_and_grad
-from tests.unit.test_trainer_loop import StandInPolicy, fill, make_config
+from tests.unit.test_trainer_loop import StandInPolicy, build, fill, make_config
 
 # ------------------------------------------------------------------------------------------------ the formula
 
@@ -121,10 +120,7 @@ def test_the_trainer_trains_on_reward_minus_greedy_and_dead_letters_a_group_with
     transport = MemoryTransport(partitions=1)
     fill(transport, cfg, groups)
     policy = RecordingPolicy([])
-    trainer = Trainer(cfg.trainer, run=cfg.run, model=cfg.model, algorithm=cfg.algorithm, sync=cfg.sync,
-                      run_dir=cfg.run_dir, temperature=1.0, progress=False, policy=policy,
-                      open_io=lambda feed_state, replay_state: open_trainer_io(
-                          cfg, feed_state=feed_state, replay_state=replay_state, transport=transport))
+    trainer = build(cfg, transport, [], policy)
     try:
         trainer.run()
     finally:

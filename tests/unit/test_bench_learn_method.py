@@ -229,7 +229,8 @@ def test_trl_gets_the_chat_prompt_text_whose_tokens_are_rfts(hf_dir):
 
 def test_trl_gets_a_vlms_image_tasks_as_chats_with_images_whose_tokens_are_rfts(tmp_path):
     """A VLM config (easy_vqa on the tiny Idefics3): TRL's rows are the chat with the task's images, its processor's
-    ids of them are rft's (`image_messages` rendered and processed), and its policy is the image-text model."""
+    ids of them are rft's (`ChatPrompt.image_messages` rendered and processed), and its policy is the image-text
+    model."""
     from rft.data.easy_vqa import WHEEL
     from rft.models.tiny_vlm import make_tiny_idefics3
     from rft.models.vision import load_processor

@@ -132,6 +132,46 @@ def test_mrope_positions_are_transformers_own():
     assert torch.equal(mrope_positions(config, text, None), torch.arange(3).expand(3, 1, 3))
 
 
+def test_placeholders_past_the_prompt_are_text_at_the_positions_transformers_decodes_them():
+    """With `prompt_lens`, a response's image and video placeholders are ordinary tokens: no image feature is
+    expected for them, and every response position equals the one transformers gives the token when it decodes it
+    after the prompt's prefill (compute_3d_position_ids with a cache: the text position plus `rope_deltas`), row by
+    row of a right-padded batch; a video placeholder inside a prompt is still refused."""
+    from types import SimpleNamespace
+
+    from megatron_bridge.vision import mrope_positions
+
+    config = qwen_vl()
+    prompts = [[5, ("img", 4), 7], [("img", 12), 9, ("img", 4), 10]]
+    responses = [[IMAGE, 8, VIDEO, IMAGE], [11, IMAGE]]
+    grids = [torch.tensor([[1, 4, 4]]), torch.tensor([[1, 8, 6], [1, 4, 4]])]
+    ids = rows(*[p + r for p, r in zip(prompts, responses, strict=True)])
+    lens = torch.tensor([len(rows(p)[0]) for p in prompts])
+    got = mrope_positions(config, ids, torch.cat(grids), lens)
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config).model
+    for row, grid in enumerate(grids):
+        n = int(lens[row])
+        prefill = ids[row:row + 1, :n]
+        model.rope_deltas = None
+        expected = [model.compute_3d_position_ids(
+            input_ids=prefill, image_grid_thw=grid, video_grid_thw=None, inputs_embeds=None, attention_mask=None,
+            past_key_values=None, mm_token_type_ids=(prefill == IMAGE).int())[:, 0]]
+        for j in range(n, n + len(responses[row])):  # one decoded token at a time, after j cached ones
+            expected.append(model.compute_3d_position_ids(
+                input_ids=ids[row:row + 1, j:j + 1], image_grid_thw=None, video_grid_thw=None,
+                inputs_embeds=torch.zeros(1, 1, 64), attention_mask=None,
+                past_key_values=SimpleNamespace(get_seq_length=lambda j=j: j), mm_token_type_ids=None)[:, 0])
+        expected_row = torch.cat(expected, dim=1)
+        assert torch.equal(got[:, row, :expected_row.shape[1]], expected_row), row
+        assert bool((expected_row[:, n:] > expected_row[:, :n].max()).all())  # text positions after the image's
+    with pytest.raises(ValueError, match="prompts have 17 image placeholder tokens"):  # the whole row as prompt
+        mrope_positions(config, ids[1:], grids[1])
+    video = rows([5, VIDEO, ("img", 4), 7])
+    with pytest.raises(ValueError, match=re.escape("video placeholder tokens (id 101): videos are not supported")):
+        mrope_positions(config, video, grids[0], torch.tensor([8]))
+
+
 @pytest.mark.parametrize("ids,grids,message", [
     (rows([5, ("img", 3), 6]), [[1, 4, 4]], "3 image placeholder tokens (id 100) and its images give 4 features (1 "
                                             "images of grids [[1, 4, 4]], merged 2x2)"),

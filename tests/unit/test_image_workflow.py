@@ -24,6 +24,7 @@ from rft.models.vision import engine_prompt_problem, process_prompt, render_chat
 from rft.rewards import build_reward
 from rft.run.loading import run_config_from_dict
 from rft.schema import HEADER_ERROR, TaskRecord, decode_group
+from rft.text.chat import ChatPrompt
 from rft.transport.memory import MemoryTransport
 from rft.transport.run_topics import create_run_topics
 from rft.weights.store import WeightStore
@@ -67,6 +68,25 @@ def vqa_tasks(n: int, split: str = "train") -> list[TaskRecord]:
     return rows_to_tasks(load_rows(source), source, run_id="run")
 
 
+def explore_batch(cfg, engine, tasks: list[TaskRecord], tmp_path, explorer_id: str) -> MemoryTransport:
+    """One explorer batch of `tasks` on the in-memory transport (it explores all of them); the transport."""
+    transport = MemoryTransport(partitions=1)
+    create_run_topics(TOPICS, cfg.kafka, transport)
+    sink = transport.sink()
+    for task in tasks:
+        sink.send_record(TOPICS.tasks, task, key=task.task_id)
+    workflow = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer))
+    explorer = Explorer(cfg.explorer, kafka=cfg.kafka, sync=cfg.sync, topics=TOPICS,
+                        store=WeightStore(tmp_path / "store"), explorer_id=explorer_id, engine=engine,
+                        workflow=workflow, transport=transport)
+    try:
+        explorer.join()
+        assert explorer.run_batch() == len(tasks)
+    finally:
+        explorer.close("test over")
+    return transport
+
+
 @needs_wheel
 def test_an_image_task_becomes_samples_with_its_images_on_the_experience_topic(vlm, engine, tmp_path):
     cfg = make_cfg(vlm, tasks_per_batch=8, greedy_baseline=True)
@@ -74,20 +94,7 @@ def test_an_image_task_becomes_samples_with_its_images_on_the_experience_topic(v
     text = TaskRecord(run_id="run", task_id="text", epoch=0, prompt="3+4=", answer="7")
     # 242 tokens as text: over model.max_prompt_len 256 only with the image's 31 tokens
     too_long = dataclasses.replace(pictured[0], task_id="long", prompt="x" * 200)
-    transport = MemoryTransport(partitions=1)
-    create_run_topics(TOPICS, cfg.kafka, transport)
-    sink = transport.sink()
-    for task in [*pictured, text, too_long]:
-        sink.send_record(TOPICS.tasks, task, key=task.task_id)
-    workflow = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer))
-    explorer = Explorer(cfg.explorer, kafka=cfg.kafka, sync=cfg.sync, topics=TOPICS,
-                        store=WeightStore(tmp_path / "store"), explorer_id="e1", engine=engine, workflow=workflow,
-                        transport=transport)
-    try:
-        explorer.join()
-        assert explorer.run_batch() == 4
-    finally:
-        explorer.close("test over")
+    transport = explore_batch(cfg, engine, [*pictured, text, too_long], tmp_path, "e1")
 
     groups = {g.task_id: g for g in (decode_group(m.value) for m in read_topic(transport, TOPICS.experiences))}
     assert sorted(groups) == sorted([t.task_id for t in pictured] + ["text"])
@@ -109,7 +116,7 @@ def test_an_image_task_becomes_samples_with_its_images_on_the_experience_topic(v
     # a text task on the vision-language model: explored as text
     [*text_samples] = groups["text"].samples
     assert all(s.images == [] and s.prompt_text == "" for s in text_samples)
-    assert text_samples[0].prompt_tokens.tolist() == engine.encode_chat("3+4=", workflow.chat)
+    assert text_samples[0].prompt_tokens.tolist() == engine.encode_chat("3+4=", ChatPrompt.of(cfg.model))
 
     [dead] = read_topic(transport, TOPICS.dead_letter)
     reason = dict(dead.headers)[HEADER_ERROR].decode()
@@ -154,19 +161,8 @@ def test_image_sets_are_refused_a_workflow_or_model_that_takes_no_images_when_th
 
 def test_an_explorer_dead_letters_image_tasks_its_workflow_cannot_take(vlm, engine, tmp_path):
     cfg = make_cfg(vlm, workflow="multi_turn", environment="retry", tasks_per_batch=4)
-    transport = MemoryTransport(partitions=1)
-    create_run_topics(TOPICS, cfg.kafka, transport)
     pictured = TaskRecord(run_id="run", task_id="i", epoch=0, prompt="which colour?", images=[make_image()])
-    transport.sink().send_record(TOPICS.tasks, pictured, key=pictured.task_id)
-    workflow = build_workflow(cfg.explorer, cfg.model, build_reward(cfg.explorer))
-    explorer = Explorer(cfg.explorer, kafka=cfg.kafka, sync=cfg.sync, topics=TOPICS,
-                        store=WeightStore(tmp_path / "store"), explorer_id="e2", engine=engine, workflow=workflow,
-                        transport=transport)
-    try:
-        explorer.join()
-        assert explorer.run_batch() == 1
-    finally:
-        explorer.close("test over")
+    transport = explore_batch(cfg, engine, [pictured], tmp_path, "e2")
     assert read_topic(transport, TOPICS.experiences) == []
     [dead] = read_topic(transport, TOPICS.dead_letter)
     assert dict(dead.headers)[HEADER_ERROR].decode() == (

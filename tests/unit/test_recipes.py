@@ -1,7 +1,7 @@
 """The configs/ recipes: each validates against the shape of the model it names (heads, KV heads, layers and experts
 from the published config.json, so TP/PP/EP divisibility is checked), and `rft run`'s GPU plan fits the hardware each
 recipe's header promises. The tiny Qwen3-MoE config passes `rft validate` against the model its Makefile target
-writes."""
+writes, and the tiny VLM config against the one its target writes."""
 from __future__ import annotations
 
 import json
@@ -146,3 +146,31 @@ def test_the_tiny_moe_config_validates_against_its_model_with_expert_parallelism
     assert cfg.trainer.expert_parallel == 2 and cfg.run.routing_replay
     assert cfg.explorer.engine == "transformers"  # the engine that records routing on a CPU
     assert cfg.model.max_prompt_len + cfg.model.max_response_len <= hf["max_position_embeddings"]
+
+
+def test_the_tiny_vlm_config_validates_against_its_model_and_fits_every_easy_vqa_prompt(tmp_path, capsys):
+    """configs/tiny-vlm.yaml against the model `make tiny-vlm-run` writes (its Makefile line's call, into tmp_path):
+    `rft validate` passes, the trainer's TP divides the key/value heads, and the longest easy-VQA question of either
+    split, its image's tokens counted, fits model.max_prompt_len (so the run refuses no task as too long)."""
+    from rft.cli import main
+    from rft.data import easy_vqa
+    from rft.models.tiny_vlm import make_tiny_idefics3
+    from rft.models.vision import load_processor, placeholder, process_prompt
+
+    line = next(line for line in (REPO / "Makefile").read_text().splitlines() if "make_tiny_idefics3(" in line)
+    assert "make_tiny_idefics3('assets/tiny-idefics3')" in line  # no other arguments: the call below
+    model = make_tiny_idefics3(tmp_path / "tiny-idefics3")
+    config = CONFIGS / "tiny-vlm.yaml"
+    assert main(["validate", str(config), "--set", f"model.path={model}"]) == 0
+    assert "valid" in capsys.readouterr().out
+    cfg = load_run_config(config, [f"model.path={model}"], need_model=True)
+    hf = json.loads((model / "config.json").read_text())
+    assert hf["text_config"]["num_key_value_heads"] % cfg.trainer.tensor_parallel == 0
+    assert cfg.explorer.workflow == "single_turn" and cfg.data.format == "easy_vqa"
+    assert [(s.format, s.path) for s in cfg.eval.sets] == [("easy_vqa", "test")]  # the held-out split
+
+    processor = load_processor(model)
+    image = easy_vqa.easy_vqa_rows("train", seed=0, size=1)[0]["images"][0]
+    longest = max((q for split in easy_vqa.SPLITS for q, _, _ in easy_vqa._questions(easy_vqa.WHEEL, split)), key=len)
+    tokens = process_prompt(processor, placeholder(processor) + longest, [(image.data, image.media_type)]).token_ids
+    assert len(tokens) <= cfg.model.max_prompt_len, (longest, len(tokens))

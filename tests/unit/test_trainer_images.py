@@ -21,10 +21,9 @@ from rft.models.vision import process_prompt
 from rft.schema import HEADER_ERROR, ExperienceGroup, Image, ImageLimits, RewardRange, Sample, group_id_for
 from rft.trainer.batch import TrainableLimits, plan_micro_batches, rows_from_groups
 from rft.trainer.images import ImagePrompts
-from rft.trainer.main import Trainer, open_trainer_io
 from rft.transport.memory import MemoryTransport
 from tests.records import make_group, read_topic
-from tests.unit.test_trainer_loop import StandInPolicy, fill, make_config
+from tests.unit.test_trainer_loop import StandInPolicy, build, fill, make_config
 from tests.vision_prompts import encoded_image
 
 SPLIT = "User:<image>what colour?<end_of_utterance>\nAssistant:"  # 64x48: 2x2 tiles and a global view: 5 images
@@ -140,30 +139,29 @@ def test_the_check_reruns_the_processor_once_per_prompt_and_refuses_a_mismatch(p
     one = ImagePrompts(processor, limits=ImageLimits(max_images=1, origin="data"))
     assert limits(one, vocab).problem(image_group(processor, 2, TWO, images_of((32, 32), (20, 20)))) == \
         "samples[0]: images: 2 images, over data.max_images = 1"
-    # an image placeholder where no image is: sampled into a response, or in a text prompt
+    # an image placeholder sampled into a response is an ordinary token (the engine's, and the model's: it reads
+    # placeholders only inside prompts), after an image prompt or a text prompt alike
     image_id = processor.image_token_id
     sampled = dataclasses.replace(good, samples=[dataclasses.replace(
-        good.samples[0], response_tokens=np.array([5, image_id, 6, 7]))])
-    assert limits(images, vocab).problem(sampled) == (
-        f"samples[0]: images: response token 1 is the placeholder '<image>' (id {image_id}), which the model would "
-        "read as an image's")
-    text = make_group("run", 3, n_samples=1)
+        good.samples[0], response_tokens=np.array([5, image_id, 6, image_id]))])
+    assert limits(images, vocab).problem(sampled) is None
+    text = make_group("run", 3, n_samples=1, responses=[[image_id, 5, image_id]])
     assert limits(images, vocab).problem(text) is None
+    # ... but one in a text prompt, where no image is, is refused
     text.samples[0].prompt_tokens[2] = image_id
     assert limits(images, vocab).problem(text) == (
         f"samples[0]: images: the prompt holds the placeholder '<image>' (id {image_id}) with no image")
-    # a video placeholder anywhere (Qwen2.5-VL's processor has one; the model takes no video)
+    # a video placeholder (Qwen2.5-VL's processor has one; the model takes no video): in a response an ordinary
+    # token, in a prompt refused, with images or without
     from rft.models.qwen_vl import QwenVLImageProcessor
     from rft.models.tiny_vlm import tiny_qwen2_5_vl_parts
 
     fast, image_processor = tiny_qwen2_5_vl_parts()
     qwen = ImagePrompts(QwenVLImageProcessor(image_processor=image_processor, tokenizer=fast))
-    video_id = fast.convert_tokens_to_ids("<|video_pad|>")
-    video = make_group("run", 4, n_samples=1, responses=[[5, 6, video_id]])
-    assert limits(qwen, len(fast)).problem(video) == (
-        f"samples[0]: images: response token 2 is the placeholder '<|video_pad|>' (id {video_id}), which the model "
-        "would read as an image's")
-    video.samples[0].response_tokens[2], video.samples[0].prompt_tokens[0] = 7, video_id
+    video_id, pad_id = fast.convert_tokens_to_ids("<|video_pad|>"), fast.convert_tokens_to_ids("<|image_pad|>")
+    video = make_group("run", 4, n_samples=1, responses=[[5, pad_id, video_id]])
+    assert limits(qwen, len(fast)).problem(video) is None
+    video.samples[0].prompt_tokens[0] = video_id
     assert limits(qwen, len(fast)).problem(video) == (
         f"samples[0]: images: the prompt holds the placeholder '<|video_pad|>' (id {video_id}) with no video: "
         "videos are not taken")
@@ -221,33 +219,42 @@ class ImagePolicy(StandInPolicy):
     def __init__(self, trained, bridge):
         super().__init__(trained)
         self.collate_images = bridge.collate_images
+        self.image_id = bridge.image_token_id
         self.pixels: list[list[tuple[int, ...]]] = []
+        self.placeholders: list[tuple[int, int, int]] = []
 
     def train_step(self, micro_batches, loss_fn):
         self.pixels.append([tuple(mb["pixel_values"].shape) for mb in micro_batches if "pixel_values" in mb])
+        # where each micro-batch's image placeholders stand: (row, position, the row's prompt length)
+        self.placeholders = [(int(i), int(t), int(mb["prompt_lens"][i])) for mb in micro_batches
+                             for i, t in (mb["input_ids"] == self.image_id).nonzero().tolist()]
         return super().train_step(micro_batches, loss_fn)
 
 
 def test_the_trainer_dead_letters_a_mismatching_group_and_trains_the_matching_one(tmp_path, processor, bridge):
+    """The matching group has a response that sampled the placeholder: trained, the micro-batch's `prompt_lens`
+    (which the model reads placeholders within) ending before it."""
     cfg = make_config(tmp_path, groups_per_step=1).with_values({"run.max_steps": 1})
     processor.save_pretrained(cfg.model.path)  # the model directory of a vision-language model (no weights needed)
     idefics3_config(processor).save_pretrained(cfg.model.path)
     good = image_group(processor, 0, SPLIT, images_of((64, 48)))
+    good.samples[1].response_tokens[2] = processor.image_token_id
     ids = good.samples[0].prompt_tokens.tolist()
     bad = image_group(processor, 1, SPLIT, images_of((64, 48), seed=3), engine_ids=ids[:8] + ids[12:])
     transport = MemoryTransport(partitions=1)
     fill(transport, cfg, [bad, good])
     policy = ImagePolicy([], bridge)
-    trainer = Trainer(cfg.trainer, run=cfg.run, model=cfg.model, algorithm=cfg.algorithm, sync=cfg.sync,
-                      run_dir=cfg.run_dir, temperature=1.0, progress=False, policy=policy,
-                      open_io=lambda feed_state, replay_state: open_trainer_io(
-                          cfg, feed_state=feed_state, replay_state=replay_state, transport=transport))
+    trainer = build(cfg, transport, [], policy)
     try:
         trainer.run()
         assert trainer.images is not None and trainer.images.runs == 2  # one per group: the rows reused the check's
     finally:
         trainer.close()
     assert policy.pixels == [[(4, 5, 3, 32, 32)]]  # the good group's 3 rows and a padding row, 5 tiles each
+    prompt = len(good.samples[0].prompt_tokens)
+    past = [(row, t) for row, t, n in policy.placeholders if t >= n]
+    assert past == [(1, prompt + 2)] and len(policy.placeholders) == 3 * 20 + 1  # 20 in each prompt (5 x 4)
+    assert {n for _, _, n in policy.placeholders} == {prompt}
     [dead] = read_topic(transport, cfg.topic("dead_letter"))
     assert dict(dead.headers)[HEADER_ERROR].decode().startswith(
         "cannot be trained: samples[0]: images: the engine's prompt is ")

@@ -98,9 +98,11 @@ def make_config(tmp_path: Path, *, groups_per_step: int = 2, **trainer):
     })
 
 
-def build(cfg, transport: MemoryTransport, trained: list) -> Trainer:
+def build(cfg, transport: MemoryTransport, trained: list, policy=None) -> Trainer:
+    """A trainer of `cfg` on the in-memory `transport`, training `policy` (default: a StandInPolicy that appends
+    what it trains to `trained`)."""
     return Trainer(cfg.trainer, run=cfg.run, model=cfg.model, algorithm=cfg.algorithm, sync=cfg.sync,
-                   run_dir=cfg.run_dir, temperature=1.0, progress=False, policy=StandInPolicy(trained),
+                   run_dir=cfg.run_dir, temperature=1.0, progress=False, policy=policy or StandInPolicy(trained),
                    open_io=lambda feed_state, replay_state: open_trainer_io(
                        cfg, feed_state=feed_state, replay_state=replay_state, transport=transport))
 
