@@ -26,9 +26,9 @@ rft config describes:
   `algorithm.name: grpo` has a TRL counterpart here.
 - a vision-language model (`rft.models.vision.is_vision_model`; image tasks such as easy_vqa): TRL's processor is
   the model's (`processing_class`), the policy its image-text-to-text class, and each dataset row the task's chat
-  (`model.system_prompt`, then the prompt) with the task's images, which TRL puts before the user's text as
-  rft's `image_messages` does; the child checks, off the clock, that the processor's ids of TRL's rendering equal
-  rft's (`process_prompt` of the rendered `image_messages`) for every task. Snapshots save the processor.
+  (`model.system_prompt`, then the prompt) with the task's images, which TRL puts before the user's text as rft's
+  `ChatPrompt.image_messages` does; the child checks, off the clock, that the processor's ids of TRL's rendering
+  equal rft's (`process_prompt` of the rendered `image_messages`) for every task. Snapshots save the processor.
 Not reproduced: `trainer.operators` (TRL trains on every group; a group whose samples all scored the same gets
 zero advantages), replay buffers, and `model.max_prompt_len` (TRL does not drop long prompts). Generation is
 Hugging Face `generate`, on the GPU when there is one, else on the CPU.
@@ -56,7 +56,6 @@ from pathlib import Path
 from typing import Any
 
 from rft.algorithms import build_options
-from rft.data.demonstrations import image_messages
 from rft.data.tasks import build_picker
 from rft.models.vision import as_pil, is_vision_model, load_processor, process_prompt, render_chat
 from rft.rewards import RewardContext, build_reward
@@ -165,14 +164,15 @@ def image_rows(cfg: Config, processor: Any, tasks: list[TaskRecord]) -> list[dic
 
 def check_same_image_tokens(cfg: Config, processor: Any, tasks: list[TaskRecord], rows: list[dict]) -> None:
     """TRLReferenceError unless the processor's ids of each row as TRL renders it (its multimodal messages through
-    `apply_chat_template`) equal rft's (`process_prompt` of `image_messages` rendered)."""
+    `apply_chat_template`) equal rft's (`process_prompt` of `ChatPrompt.image_messages` rendered)."""
     from trl.data_utils import prepare_multimodal_messages  # heavy: trl
 
     for task, row in zip(tasks, rows, strict=True):
         messages = prepare_multimodal_messages(row["prompt"], images=row["images"])
         ids = processor.apply_chat_template([messages], add_generation_prompt=True, tokenize=True,
                                             return_dict=True)["input_ids"][0]
-        text = render_chat(processor, image_messages(cfg.model, task.prompt, len(task.images)))
+        text = render_chat(processor, ChatPrompt(cfg.model.system_prompt).image_messages(task.prompt,
+                                                                                         len(task.images)))
         expected = process_prompt(processor, text, row["images"]).token_ids
         if [int(t) for t in ids] != expected:
             raise TRLReferenceError(f"TRL would give the prompt of task {task.task_id} other token ids than rft's "

@@ -15,8 +15,8 @@ each task becomes one ExperienceGroup (`<run>/<task id>/e<epoch>`) with one Samp
 - behaviour log-probs 0 (no behaviour policy: for `sft`, not policy-gradient algorithms), reward 1, version 0;
 - a task with images (an image source's, e.g. easy_vqa) on a vision-language model (`processor`): the sample carries
   the task's images and `prompt_text`, the prompt as explorers give it to the engine (with `model.chat_template`, the
-  chat rendered by the processor's template, `image_messages`: the system prompt, then a user turn of one image part
-  per image and the prompt's text; else one placeholder per image, then the prompt), and `prompt_tokens` are
+  chat rendered by the processor's template, `ChatPrompt.image_messages`: the system prompt, then a user turn of one
+  image part per image and the prompt's text; else one placeholder per image, then the prompt), and `prompt_tokens` are
   `process_prompt(processor, prompt_text, images).token_ids` (placeholders expanded), the contract the trainer
   checks (rft.models.vision.engine_prompt_problem); on a text model such a task is an error.
 A row with no answer, or over `model.max_prompt_len` / `model.max_response_len` tokens, is an error naming the row;
@@ -60,13 +60,6 @@ def prompt_tools(explorer: ExplorerConfig) -> tuple[dict[str, Any], ...]:
         return tuple(ToolBox(explorer.tools, ToolLimits(sandbox=explorer.python_sandbox)).schemas)
     except ToolError as e:
         raise DatasetError(str(e)) from None
-
-
-def image_messages(model: ModelConfig, prompt: str, images: int) -> list[dict[str, Any]]:
-    """The chat of an image task's prompt: `model.system_prompt` (when set) as the system turn, then one user turn of
-    `images` image parts followed by the prompt's text."""
-    system = [{"role": "system", "content": model.system_prompt}] if model.system_prompt else []
-    return system + [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": prompt}]}]
 
 
 def demonstration_groups(data: DataConfig, model: ModelConfig, tokenizer, *, run_id: str,
@@ -127,8 +120,9 @@ def _image_prompt(task: TaskRecord, processor: Any, model: ModelConfig, *, where
     if processor is None:
         raise DatasetError(f"{where}: the task has {len(task.images)} image(s) but model.path {model.path!r} is not "
                            "a vision-language model")
-    if model.chat_template:
-        text = render_chat(processor, image_messages(model, task.prompt, len(task.images)))
+    chat = ChatPrompt.of(model)
+    if chat is not None:
+        text = render_chat(processor, chat.image_messages(task.prompt, len(task.images)))
     else:  # as explorers prompt without a chat template: one placeholder per image, then the prompt
         text = placeholder(processor) * len(task.images) + task.prompt
     try:

@@ -91,7 +91,7 @@ def build_vlm(language: str | Path, out: str | Path, tower: Tower = Tower(), *, 
         vision_config=vision_config(hidden_size=tower.hidden_size, layers=tower.layers, heads=tower.heads,
                                     image_size=tower.image_size, patch_size=tower.patch_size),
         text_config=text_config, scale_factor=tower.scale_factor,
-        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), pad_token_id=text_config.get("pad_token_id"),
+        image_token_id=int(processor.image_token_id), pad_token_id=text_config.get("pad_token_id"),
         tie_word_embeddings=tied, architectures=["Idefics3ForConditionalGeneration"])
     torch.manual_seed(tower.seed)
     model = Idefics3ForConditionalGeneration(config).eval()  # the tower and connector keep this random init

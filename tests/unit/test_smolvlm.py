@@ -10,7 +10,7 @@ import zipfile
 import pytest
 
 from rft.data.config import DataConfig
-from rft.data.demonstrations import demonstration_groups, image_messages
+from rft.data.demonstrations import demonstration_groups
 from rft.data.easy_vqa import WHEEL
 from rft.data.tasks import DatasetError, build_picker
 from rft.models.config import ModelConfig
@@ -19,7 +19,7 @@ from rft.models.tiny import make_tiny_model
 from rft.models.tiny_vlm import make_tiny_idefics3, with_image_parts
 from rft.models.vision import engine_prompt_problem, load_processor, process_prompt, render_chat
 from rft.schema import decode_group, encode
-from rft.text.chat import end_of_turn_id
+from rft.text.chat import ChatPrompt, end_of_turn_id
 from tests.vision_prompts import encoded_image
 
 # SmolLM2's template shape (ChatML with a default system turn): the stand-in language model gets it
@@ -114,7 +114,7 @@ def test_image_demonstrations_carry_images_prompt_text_and_the_processors_ids(tm
     for group, task in zip(groups, tasks, strict=True):
         [sample] = group.samples
         assert sample.images == task.images and len(sample.images) == 1
-        assert sample.prompt_text == render_chat(processor, image_messages(model, task.prompt, 1))
+        assert sample.prompt_text == render_chat(processor, ChatPrompt.of(model).image_messages(task.prompt, 1))
         assert sample.prompt_text.startswith("System:S.<end_of_utterance>\nUser:<image>")
         images = [(i.data, i.media_type) for i in sample.images]
         assert engine_prompt_problem(processor, sample.prompt_text, images, sample.prompt_tokens.tolist()) is None
