@@ -302,10 +302,11 @@ def test_seed_and_held_out_tasks_make_a_copy_of_the_config(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"run": {"seed": 0}, "model": {"path": "m"}, "eval": {"sets": [
         {"name": "a", "format": "reasoning_gym", "path": "basic_arithmetic", "generated_tasks": 100},
-        {"name": "b", "format": "generated", "path": "copy_char"}]}}))
+        {"name": "b", "format": "generated", "path": "copy_char"},
+        {"name": "c", "format": "easy_vqa", "path": "test"}]}}))  # image sets are drawn by generated_tasks too
     assert derived_config(str(config), tmp_path, seed=None, eval_tasks=None) == str(config)
     copy = yaml.safe_load(open(derived_config(str(config), tmp_path, seed=3, eval_tasks=300)))
-    assert copy["run"]["seed"] == 3 and [s["generated_tasks"] for s in copy["eval"]["sets"]] == [300, 300]
+    assert copy["run"]["seed"] == 3 and [s["generated_tasks"] for s in copy["eval"]["sets"]] == [300, 300, 300]
     copy = yaml.safe_load(open(derived_config(str(config), tmp_path, seed=None, eval_tasks=None,
                                               overrides=["model.dtype=bfloat16", "trainer.lr=6.0e-5"])))
     assert copy["model"] == {"path": "m", "dtype": "bfloat16"} and copy["trainer"]["lr"] == 6e-5
