@@ -7,7 +7,7 @@ STAMP := $(VENV)/.rft-installed
 CONSTRAINTS := requirements/constraints.txt
 EXTRAS := envs,web,ray,browser
 
-.PHONY: venv quickstart flagship tiny-run tiny-moe-run tiny-vlm-run lint typecheck bytecode test test-deps test-fast system-deps clean-venv assets smollm2 easy-vqa gpu-check-wheels moto openenv verifiers hub-envs
+.PHONY: venv quickstart flagship tiny-run tiny-moe-run tiny-vlm-run lint typecheck bytecode test test-deps test-fast system-deps clean-venv assets smollm2 smolvlm easy-vqa gpu-check-wheels moto openenv verifiers hub-envs
 
 venv: $(STAMP)
 
@@ -110,6 +110,15 @@ $(EASY_VQA_WHEEL): | $(STAMP)
 easy-vqa: $(EASY_VQA_WHEEL)
 
 assets: assets/tiny-qwen2/config.json $(SMOLLM2)/config.json $(EASY_VQA_WHEEL)
+
+# The VLM of configs/smolvlm-easyvqa.yaml: SmolLM2-135M-Instruct's weights under SmolVLM's architecture (Idefics3)
+# with a new seeded SigLIP tower and connector for 64x64 images (`rft model build-vlm`, rft/models/smolvlm.py; ~10 s).
+# Not needed by the tests.
+SMOLVLM := assets/smolvlm-135m
+$(SMOLVLM)/config.json: | $(SMOLLM2)/config.json $(STAMP)
+	$(BIN)/rft model build-vlm --language $(SMOLLM2) --out $(SMOLVLM)
+
+smolvlm: $(SMOLVLM)/config.json
 
 # The main job: the real model (SmolLM2-135M-Instruct) learns reasoning-gym arithmetic, the first 20 steps of the
 # flagship run (about 10 minutes on 2 cores; README: what it prints)

@@ -95,6 +95,7 @@ from benchmarks.trl_reference import TRLReferenceError, check_trl_config, run_tr
 from rft.algorithms import option_keys
 from rft.config import ConfigError, load_yaml
 from rft.config.loader import apply_override
+from rft.data.tasks import IMAGE_FORMATS
 from rft.processes import signal_group
 from rft.run.config import Config
 from rft.run.loading import load_run_config
@@ -113,7 +114,7 @@ RACE_BASELINE = "rft:grpo"  # what every other `rft:<algorithm>` system is compa
 VARIANT = "@"  # `<system>@<label>`: the rft system `<system>` under its own name (`base_system`)
 LABEL = re.compile(r"[A-Za-z0-9._-]+")
 UNLIMITED_STEPS = 1_000_000
-GENERATED_FORMATS = ("generated", "reasoning_gym")  # task sets whose size is `generated_tasks`
+GENERATED_FORMATS = ("generated", "reasoning_gym", *IMAGE_FORMATS)  # task sets whose size is `generated_tasks`
 POLL_S = 0.5
 STOP_GRACE_S = 120.0  # `rft run` gives its parts 15 s, then kills them; the broker stops after
 PREFIX = "[bench learn]"

@@ -24,6 +24,11 @@ rft config describes:
   `model.dtype` decides bf16 / fp16 autocast over float32 parameters, or fp32 (`trl_model`); no gradient
   checkpointing (TRL's default recomputes activations to save memory, which rft's trainer does not do). Only
   `algorithm.name: grpo` has a TRL counterpart here.
+- a vision-language model (`rft.models.vision.is_vision_model`; image tasks such as easy_vqa): TRL's processor is
+  the model's (`processing_class`), the policy its image-text-to-text class, and each dataset row the task's chat
+  (`model.system_prompt`, then the prompt) with the task's images, which TRL puts before the user's text as rft's
+  `ChatPrompt.image_messages` does; the child checks, off the clock, that the processor's ids of TRL's rendering
+  equal rft's (`process_prompt` of the rendered `image_messages`) for every task. Snapshots save the processor.
 Not reproduced: `trainer.operators` (TRL trains on every group; a group whose samples all scored the same gets
 zero advantages), replay buffers, and `model.max_prompt_len` (TRL does not drop long prompts). Generation is
 Hugging Face `generate`, on the GPU when there is one, else on the CPU.
@@ -52,6 +57,7 @@ from typing import Any
 
 from rft.algorithms import build_options
 from rft.data.tasks import build_picker
+from rft.models.vision import as_pil, is_vision_model, load_processor, process_prompt, render_chat
 from rft.rewards import RewardContext, build_reward
 from rft.rewards.registry import TaskError
 from rft.run.config import Config
@@ -145,15 +151,50 @@ def check_same_tokens(cfg: Config, tokenizer: Any, tasks: list[TaskRecord], text
                                     f"explorers (the tokenizer adds special tokens to {text[:60]!r}...)")
 
 
+def image_rows(cfg: Config, processor: Any, tasks: list[TaskRecord]) -> list[dict[str, Any]]:
+    """The dataset rows of image tasks for a VLM: `prompt` the chat as messages with string contents (TRL inserts
+    the images' parts before the user's text), `images` the task's images (PIL), `task_index`."""
+    rows = []
+    for i, task in enumerate(tasks):
+        system = [{"role": "system", "content": cfg.model.system_prompt}] if cfg.model.system_prompt else []
+        rows.append({"prompt": system + [{"role": "user", "content": task.prompt}],
+                     "images": [as_pil((image.data, image.media_type)) for image in task.images], "task_index": i})
+    return rows
+
+
+def check_same_image_tokens(cfg: Config, processor: Any, tasks: list[TaskRecord], rows: list[dict]) -> None:
+    """TRLReferenceError unless the processor's ids of each row as TRL renders it (its multimodal messages through
+    `apply_chat_template`) equal rft's (`process_prompt` of `ChatPrompt.image_messages` rendered)."""
+    from trl.data_utils import prepare_multimodal_messages  # heavy: trl
+
+    for task, row in zip(tasks, rows, strict=True):
+        messages = prepare_multimodal_messages(row["prompt"], images=row["images"])
+        ids = processor.apply_chat_template([messages], add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"][0]
+        text = render_chat(processor, ChatPrompt(cfg.model.system_prompt).image_messages(task.prompt,
+                                                                                         len(task.images)))
+        expected = process_prompt(processor, text, row["images"]).token_ids
+        if [int(t) for t in ids] != expected:
+            raise TRLReferenceError(f"TRL would give the prompt of task {task.task_id} other token ids than rft's "
+                                    f"explorers ({len(ids)} against {len(expected)} tokens)")
+
+
+def completion_text(completion: Any) -> str:
+    """A TRL completion's text: the string itself, or a conversational prompt's assistant message's content."""
+    if isinstance(completion, list):
+        return "".join(str(m.get("content") or "") for m in completion if isinstance(m, dict))
+    return str(completion)
+
+
 def trl_reward(cfg: Config, tasks: list[TaskRecord]) -> Callable[..., list[float]]:
     """A TRL reward function (completions + the dataset's `task_index` column) scoring with `explorer.reward`."""
     reward = build_reward(cfg.explorer, RewardContext.for_run(cfg))
 
-    def score(completions: list[str], task_index: list[int], **_: Any) -> list[float]:
+    def score(completions: list[Any], task_index: list[int], **_: Any) -> list[float]:
         scores = []
-        for text, index in zip(completions, task_index, strict=True):
+        for completion, index in zip(completions, task_index, strict=True):
             try:
-                scores.append(reward.score([text], tasks[index])[0].score)
+                scores.append(reward.score([completion_text(completion)], tasks[index])[0].score)
             except TaskError:
                 scores.append(0.0)
         return scores
@@ -176,9 +217,10 @@ def trl_model(cfg: Config):
     weights). Parameters held in bfloat16 would round most AdamW updates of a small learning rate away (3e-5 against
     a bfloat16 spacing of ~1e-4 at a weight of 0.03), a TRL that could not learn."""
     import torch  # heavy: torch
-    from transformers import AutoModelForCausalLM  # heavy: transformers
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # heavy: transformers
 
-    return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if is_vision_model(cfg.model.path) else AutoModelForCausalLM
+    return auto.from_pretrained(cfg.model.path, dtype=torch.float32)
 
 
 def grpo_config(cfg: Config, *, out: Path, steps: int | None, use_cpu: bool):
@@ -328,20 +370,28 @@ def train(spec: dict) -> dict:
     cfg = load_run_config(spec["config"], spec["overrides"])
     out = Path(spec["out"])
     tasks = list(build_picker(cfg.data, run_id=cfg.run.name).drain())
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+    processor = load_processor(cfg.model.path) if is_vision_model(cfg.model.path) else None
+    tokenizer = processor.tokenizer if processor else AutoTokenizer.from_pretrained(cfg.model.tokenizer or
+                                                                                    cfg.model.path)
     model = trl_model(cfg)
-    if cfg.model.chat_template:
+    if cfg.model.chat_template or processor:
         model.generation_config.eos_token_id = stop_token_ids(tokenizer)
-    texts = trl_prompts(cfg, tokenizer, tasks)
-    clock.off_clock(lambda: check_same_tokens(cfg, tokenizer, tasks, texts))
-    dataset = Dataset.from_list([{"prompt": text, "task_index": i} for i, text in enumerate(texts)])
-    marks = Marks(model, tokenizer, out=out, budget_s=spec["budget_s"], count=spec["marks"],
+    if processor is not None:  # image tasks: TRL renders the chat and runs the processor itself
+        rows = image_rows(cfg, processor, tasks)
+        clock.off_clock(lambda: check_same_image_tokens(cfg, processor, tasks, rows))
+    else:
+        texts = trl_prompts(cfg, tokenizer, tasks)
+        clock.off_clock(lambda: check_same_tokens(cfg, tokenizer, tasks, texts))
+        rows = [{"prompt": text, "task_index": i} for i, text in enumerate(texts)]
+    dataset = Dataset.from_list(rows)
+    processing_class = processor or tokenizer
+    marks = Marks(model, processing_class, out=out, budget_s=spec["budget_s"], count=spec["marks"],
                   clock=clock) if spec["marks"] else None
     stepping = stepping_callback(clock, budget_s=spec["budget_s"], marks=marks, progress=spec["progress"],
                                  metrics=out / "metrics.jsonl")
     trainer = GRPOTrainer(model=model, reward_funcs=trl_reward(cfg, tasks), train_dataset=dataset,
                           args=grpo_config(cfg, out=out, steps=spec["steps"], use_cpu=not torch.cuda.is_available()),
-                          processing_class=tokenizer, callbacks=[stepping])
+                          processing_class=processing_class, callbacks=[stepping])
     trainer.train()
     ends = stepping.ends
     return {"steps": len(ends), "step_end_s": ends, "first_step_s": ends[0] if ends else None,

@@ -49,7 +49,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "acknowledged, trained, lost, twice"),
     "gpu-check": ("rft.ops.gpu_check:main", "prove a GPU machine runs rft's GPU paths (--cpu: the CPU paths): a table"),
     "tiny-model": ("rft.models.tiny:main", "write a tiny seeded HF model (tests, quickstart)"),
-    "model": ("rft.models.gguf:main", "model files: import-gguf FILE OUT_DIR (a GGUF into a safetensors HF directory)"),
+    "model": ("rft.models.gguf:main", "model files: import-gguf FILE OUT_DIR (a GGUF into a safetensors HF directory), "
+              "build-vlm --language DIR --out DIR (a SmolVLM-shaped VLM from a Llama)"),
     "bridge-check": ("megatron_bridge.check:main",
                      "check HF <-> Megatron on a model: logits vs transformers, round trip"),
 }

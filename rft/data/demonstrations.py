@@ -12,7 +12,13 @@ each task becomes one ExperienceGroup (`<run>/<task id>/e<epoch>`) with one Samp
 - a conversation answer (`model.chat_template: true`): messages `{"role": "assistant" | "tool" | "user", "content"}`
   starting and ending with an assistant turn, laid out as the multi-turn workflows lay out an episode: assistant
   turns with loss mask 1, tool runs (`tool_turn_text`) and user turns (`observation_text`) with loss mask 0;
-- behaviour log-probs 0 (no behaviour policy: for `sft`, not policy-gradient algorithms), reward 1, version 0.
+- behaviour log-probs 0 (no behaviour policy: for `sft`, not policy-gradient algorithms), reward 1, version 0;
+- a task with images (an image source's, e.g. easy_vqa) on a vision-language model (`processor`): the sample carries
+  the task's images and `prompt_text`, the prompt as explorers give it to the engine (with `model.chat_template`, the
+  chat rendered by the processor's template, `ChatPrompt.image_messages`: the system prompt, then a user turn of one
+  image part per image and the prompt's text; else one placeholder per image, then the prompt), and `prompt_tokens` are
+  `process_prompt(processor, prompt_text, images).token_ids` (placeholders expanded), the contract the trainer
+  checks (rft.models.vision.engine_prompt_problem); on a text model such a task is an error.
 A row with no answer, or over `model.max_prompt_len` / `model.max_response_len` tokens, is an error naming the row;
 nothing is published then.
 """
@@ -28,6 +34,15 @@ from rft.data.config import DataConfig
 from rft.data.tasks import DatasetError, build_picker, load_task_sets
 from rft.explorer.config import ExplorerConfig
 from rft.models.config import ModelConfig
+from rft.models.vision import (
+    VisionError,
+    is_vision_model,
+    load_processor,
+    placeholder,
+    process_prompt,
+    prompt_length_problem,
+    render_chat,
+)
 from rft.schema import ExperienceGroup, Sample, TaskRecord
 from rft.text.chat import ChatError, ChatPrompt, encode_chat, end_of_turn_id, observation_text, tool_turn_text
 from rft.transport import ClaimStore, connect
@@ -48,12 +63,14 @@ def prompt_tools(explorer: ExplorerConfig) -> tuple[dict[str, Any], ...]:
 
 
 def demonstration_groups(data: DataConfig, model: ModelConfig, tokenizer, *, run_id: str,
-                         tools: tuple[dict[str, Any], ...] = ()) -> Iterator[ExperienceGroup]:
+                         tools: tuple[dict[str, Any], ...] = (), processor: Any = None) -> Iterator[ExperienceGroup]:
     """Every epoch's demonstrations in the order `data.selector` publishes tasks (all rows are checked first);
-    `tools`: the function schemas the prompts show (`prompt_tools`)."""
+    `tools`: the function schemas the prompts show (`prompt_tools`); `processor`: the model's processor when it
+    is a vision-language model (`tokenizer` is then its tokenizer), else None."""
     chat = ChatPrompt.of(model, tools)
     end = tokenizer.eos_token_id if chat is None else end_of_turn_id(tokenizer)  # what ends the model's turn
-    samples = {task.task_id: _sample(task, tokenizer, model, chat=chat, end=end, where=f"{task_set.path} row {i}")
+    samples = {task.task_id: _sample(task, tokenizer, model, chat=chat, end=end, where=f"{task_set.path} row {i}",
+                                     processor=processor)
                for task_set, tasks in load_task_sets(data, run_id=run_id) for i, task in enumerate(tasks)}
     for task in build_picker(data, run_id=run_id).drain():
         yield ExperienceGroup(run_id=task.run_id, task_id=task.task_id, group_id=task.group_id, attempt=0,
@@ -62,12 +79,15 @@ def demonstration_groups(data: DataConfig, model: ModelConfig, tokenizer, *, run
 
 
 def _sample(task: TaskRecord, tokenizer, model: ModelConfig, *, chat: ChatPrompt | None, end: int | None,
-            where: str) -> Sample:
-    """One demonstration: the prompt as explorers encode it (`chat`: ChatPrompt.of(model)), the answer then `end`
-    (the token that ends the model's turn, or None)."""
+            where: str, processor: Any = None) -> Sample:
+    """One demonstration: the prompt as explorers encode it (`chat`: ChatPrompt.of(model); with images, as
+    `processor` expands it), the answer then `end` (the token that ends the model's turn, or None)."""
     if task.answer is None:
         raise DatasetError(f"{where}: a demonstration needs an answer (data.answer_key is empty)")
-    if chat is None:
+    prompt_text = ""
+    if task.images:
+        prompt, prompt_text = _image_prompt(task, processor, model, where=where)
+    elif chat is None:
         prompt = tokenizer(task.prompt, add_special_tokens=True)["input_ids"]
     else:
         try:
@@ -90,7 +110,29 @@ def _sample(task: TaskRecord, tokenizer, model: ModelConfig, *, chat: ChatPrompt
     return Sample(sample_index=0, prompt_tokens=np.asarray(prompt, dtype=np.int32),
                   response_tokens=np.asarray(response, dtype=np.int32),
                   logprobs=np.zeros(len(response), dtype=np.float32),
-                  loss_mask=np.asarray(mask, dtype=np.uint8), reward=1.0)
+                  loss_mask=np.asarray(mask, dtype=np.uint8), reward=1.0, images=list(task.images),
+                  prompt_text=prompt_text)
+
+
+def _image_prompt(task: TaskRecord, processor: Any, model: ModelConfig, *, where: str) -> tuple[list[int], str]:
+    """An image task's prompt ids (placeholders expanded) and prompt text (module docstring); DatasetError naming
+    the row when the model is not a VLM, or the processor refuses the prompt or it is too long."""
+    if processor is None:
+        raise DatasetError(f"{where}: the task has {len(task.images)} image(s) but model.path {model.path!r} is not "
+                           "a vision-language model")
+    chat = ChatPrompt.of(model)
+    if chat is not None:
+        text = render_chat(processor, chat.image_messages(task.prompt, len(task.images)))
+    else:  # as explorers prompt without a chat template: one placeholder per image, then the prompt
+        text = placeholder(processor) * len(task.images) + task.prompt
+    try:
+        processed = process_prompt(processor, text, [(image.data, image.media_type) for image in task.images])
+    except VisionError as e:
+        raise DatasetError(f"{where}: {e}") from None
+    problem = prompt_length_problem(processed, model.max_prompt_len)
+    if problem:
+        raise DatasetError(f"{where}: {problem}")
+    return processed.token_ids, text
 
 
 def _conversation(turns: list, tokenizer, chat: ChatPrompt | None, *, end: int | None, where: str,
@@ -159,8 +201,9 @@ def publish_demonstrations(data: DataConfig, model: ModelConfig, kafka: KafkaCon
             return 0
     finally:
         source.close()
-    tokenizer = AutoTokenizer.from_pretrained(model.tokenizer or model.path)
-    groups = list(demonstration_groups(data, model, tokenizer, run_id=run_id, tools=tools))
+    processor = load_processor(model.path) if is_vision_model(model.path) else None
+    tokenizer = processor.tokenizer if processor else AutoTokenizer.from_pretrained(model.tokenizer or model.path)
+    groups = list(demonstration_groups(data, model, tokenizer, run_id=run_id, tools=tools, processor=processor))
     sink = transport.sink(client_id=f"{run_id}-demonstrations")
     try:
         futures = [sink.send_record(topic, group, key=group.group_id) for group in groups]

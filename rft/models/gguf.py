@@ -23,6 +23,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from rft.models import smolvlm
 
 # general.architecture values this command converts and is tested on (transformers' GGUF loader reads more, but
 # only these are checked here against transformers' own logits).
@@ -222,16 +225,17 @@ def _import_gguf(path: Path, out: Path, *, force: bool, say) -> Path:
     return out
 
 
-def main(argv: list[str]) -> int:
-    """`rft model import-gguf FILE OUT_DIR [--force]`: exit 0 with the directory written, 2 on a bad input."""
-    parser = argparse.ArgumentParser(prog="rft model", description="Model files: import a GGUF as an HF directory.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def add_command(commands: Any) -> None:
+    """`import-gguf` under `rft model`."""
     gguf = commands.add_parser("import-gguf", help="a GGUF file (llama, qwen2) into a safetensors HF directory",
                                description=__doc__.split("\n\n")[0])
     gguf.add_argument("file", help="the .gguf file")
     gguf.add_argument("out_dir", help="the HF directory to write (written as OUT_DIR.partial, then renamed)")
     gguf.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
-    args = parser.parse_args(argv)
+    gguf.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         out = import_gguf(args.file, args.out_dir, force=args.force, say=lambda line: print(line, flush=True))
     except GGUFImportError as e:
@@ -239,3 +243,15 @@ def main(argv: list[str]) -> int:
         return 2
     print(out)
     return 0
+
+
+def main(argv: list[str]) -> int:
+    """`rft model COMMAND`: import-gguf FILE OUT_DIR [--force] (this module), build-vlm --language DIR --out DIR
+    (rft.models.smolvlm); exit 0 with the directory written, 2 on a bad input."""
+    parser = argparse.ArgumentParser(prog="rft model", description="Model files: import a GGUF as an HF directory; "
+                                     "build a VLM from a language model.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_command(commands)
+    smolvlm.add_command(commands)
+    args = parser.parse_args(argv)
+    return int(args.run(args))

@@ -45,6 +45,22 @@ QWEN_VL_CHAT_TEMPLATE = chat_template("<|im_start|>{{ message['role'] }}\n",
                                       "<|im_start|>assistant\n")
 
 
+# a jinja macro rendering a message's content as `chat_template` does with `<image>` for image parts, for a text
+# model's own template (`with_image_parts`)
+IMAGE_PARTS = ("{% macro image_parts(content) %}{% if content is string %}{{ content }}{% else %}"
+               "{% for part in content %}{% if part['type'] == 'image' %}<image>"
+               "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{% endmacro %}")
+
+
+def with_image_parts(template: str) -> str:
+    """A text model's chat template that also renders list contents (image parts as `<image>`, IMAGE_PARTS): every
+    `message['content']` it writes goes through the macro; a string content renders exactly as before. ValueError
+    when the template writes no `message['content']`."""
+    if "message['content']" not in template:
+        raise ValueError("the chat template writes no message['content'], so image parts cannot be added to it")
+    return IMAGE_PARTS + template.replace("message['content']", "image_parts(message['content'])")
+
+
 def character_tokenizer(special_tokens: list[str], **roles: str) -> Any:
     """rft.models.tiny's character tokenizer (newlines are pieces too) plus `special_tokens`, as a transformers
     fast tokenizer; `roles` overrides the pad/eos/bos/unk tokens."""
@@ -67,16 +83,30 @@ def tiny_idefics3_processor(*, image_size: int = 32, patch_size: int = 8, scale_
                             longest_edge: int | None = None) -> Any:
     """The tiny model's processor alone (in memory; module docstring): no image splitting, or with `longest_edge`
     images resized to it and split into `image_size` tiles."""
+    return idefics3_processor(character_tokenizer(IMAGE_TOKENS), CHAT_TEMPLATE, image_size=image_size,
+                              patch_size=patch_size, scale_factor=scale_factor, longest_edge=longest_edge)
+
+
+def idefics3_processor(tokenizer: Any, chat_template: str, *, image_size: int, patch_size: int, scale_factor: int,
+                       longest_edge: int | None = None) -> Any:
+    """transformers' `Idefics3Processor` over `tokenizer` (which has IMAGE_TOKENS) with the PIL image processor
+    (SigLIP's normalisation): images resized to `image_size` square, `image_seq_len(...)` placeholders each; with
+    `longest_edge`, resized to that and split into `image_size` tiles plus a global view."""
     from transformers import Idefics3ImageProcessorPil, Idefics3Processor
 
-    fast = character_tokenizer(IMAGE_TOKENS)
     tile = {"longest_edge": image_size}
     image_processor = Idefics3ImageProcessorPil(
         do_resize=True, size={"longest_edge": longest_edge or image_size}, do_image_splitting=longest_edge is not None,
         max_image_size=tile, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
-    return Idefics3Processor(image_processor=image_processor, tokenizer=fast,
+    return Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
                              image_seq_len=image_seq_len(image_size, patch_size, scale_factor),
-                             chat_template=CHAT_TEMPLATE)
+                             chat_template=chat_template)
+
+
+def vision_config(*, hidden_size: int, layers: int, heads: int, image_size: int, patch_size: int) -> dict[str, Any]:
+    """An Idefics3 (SigLIP) vision tower's config: MLP width twice the hidden size."""
+    return dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+                num_attention_heads=heads, image_size=image_size, patch_size=patch_size)
 
 
 def make_tiny_idefics3(out_dir: str | Path, *, image_size: int = 32, patch_size: int = 8, scale_factor: int = 2,
@@ -95,9 +125,8 @@ def make_tiny_idefics3(out_dir: str | Path, *, image_size: int = 32, patch_size:
                                         longest_edge=longest_edge)
     fast = processor.tokenizer
     config = Idefics3Config(
-        vision_config=dict(hidden_size=vision_hidden_size, intermediate_size=2 * vision_hidden_size,
-                           num_hidden_layers=vision_layers, num_attention_heads=vision_heads, image_size=image_size,
-                           patch_size=patch_size),
+        vision_config=vision_config(hidden_size=vision_hidden_size, layers=vision_layers, heads=vision_heads,
+                                    image_size=image_size, patch_size=patch_size),
         text_config=dict(model_type="llama", vocab_size=len(fast), hidden_size=hidden_size,
                          intermediate_size=intermediate_size, num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, rms_norm_eps=1e-6, max_position_embeddings=512,

@@ -40,8 +40,11 @@ from benchmarks.trl_reference import (
     Clock,
     Marks,
     TRLReferenceError,
+    check_same_image_tokens,
     check_same_tokens,
+    completion_text,
     grpo_config,
+    image_rows,
     log_record,
     step_note,
     trl_model,
@@ -49,6 +52,7 @@ from benchmarks.trl_reference import (
     within_budget,
 )
 from rft.config import ConfigError
+from rft.data.tasks import build_picker
 from rft.models.tiny import build_tokenizer
 from rft.run.loading import load_run_config, run_config_from_dict
 from rft.schema import TaskRecord
@@ -223,6 +227,31 @@ def test_trl_gets_the_chat_prompt_text_whose_tokens_are_rfts(hf_dir):
 
 
 
+def test_trl_gets_a_vlms_image_tasks_as_chats_with_images_whose_tokens_are_rfts(tmp_path):
+    """A VLM config (easy_vqa on the tiny Idefics3): TRL's rows are the chat with the task's images, its processor's
+    ids of them are rft's (`ChatPrompt.image_messages` rendered and processed), and its policy is the image-text
+    model."""
+    from rft.data.easy_vqa import WHEEL
+    from rft.models.tiny_vlm import make_tiny_idefics3
+    from rft.models.vision import load_processor
+
+    vlm = make_tiny_idefics3(tmp_path / "vlm", image_size=64)
+    cfg = run_config_from_dict({"model": {"path": str(vlm), "chat_template": True, "system_prompt": "S."},
+                                "data": {"format": "easy_vqa", "path": f"{WHEEL}:train", "generated_tasks": 2}})
+    tasks = list(build_picker(cfg.data, run_id="r").drain())
+    processor = load_processor(vlm)
+    rows = image_rows(cfg, processor, tasks)
+    assert rows[0]["prompt"] == [{"role": "system", "content": "S."}, {"role": "user", "content": tasks[0].prompt}]
+    assert [len(r["images"]) for r in rows] == [1, 1] and rows[1]["task_index"] == 1
+    check_same_image_tokens(cfg, processor, tasks, rows)
+    other = run_config_from_dict({"model": {"path": str(vlm), "chat_template": True, "system_prompt": "T."},
+                                  "data": cfg.to_dict()["data"]})
+    with pytest.raises(TRLReferenceError, match="other token ids than rft's"):
+        check_same_image_tokens(other, processor, tasks, rows)
+    assert type(trl_model(cfg)).__name__ == "Idefics3ForConditionalGeneration"
+    assert completion_text([{"role": "assistant", "content": "red"}]) == completion_text("red") == "red"
+
+
 def test_trl_trains_float32_parameters_under_bfloat16_autocast(tmp_path, tiny_model):
     """model.dtype bfloat16 is mixed precision on both sides of a race: TRL's parameters stay float32 (as megatron's
     main weights) and its config turns on bf16 autocast; bfloat16 parameters would round small AdamW steps away."""
@@ -273,10 +302,11 @@ def test_seed_and_held_out_tasks_make_a_copy_of_the_config(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"run": {"seed": 0}, "model": {"path": "m"}, "eval": {"sets": [
         {"name": "a", "format": "reasoning_gym", "path": "basic_arithmetic", "generated_tasks": 100},
-        {"name": "b", "format": "generated", "path": "copy_char"}]}}))
+        {"name": "b", "format": "generated", "path": "copy_char"},
+        {"name": "c", "format": "easy_vqa", "path": "test"}]}}))  # image sets are drawn by generated_tasks too
     assert derived_config(str(config), tmp_path, seed=None, eval_tasks=None) == str(config)
     copy = yaml.safe_load(open(derived_config(str(config), tmp_path, seed=3, eval_tasks=300)))
-    assert copy["run"]["seed"] == 3 and [s["generated_tasks"] for s in copy["eval"]["sets"]] == [300, 300]
+    assert copy["run"]["seed"] == 3 and [s["generated_tasks"] for s in copy["eval"]["sets"]] == [300, 300, 300]
     copy = yaml.safe_load(open(derived_config(str(config), tmp_path, seed=None, eval_tasks=None,
                                               overrides=["model.dtype=bfloat16", "trainer.lr=6.0e-5"])))
     assert copy["model"] == {"path": "m", "dtype": "bfloat16"} and copy["trainer"]["lr"] == 6e-5
