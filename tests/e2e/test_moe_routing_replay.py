@@ -9,12 +9,11 @@ import json
 import math
 
 import pytest
-import yaml
 
-from benchmarks.runs import log_tail, read_topic, rft_run, steps_done, write_config
+from benchmarks.runs import read_topic, steps_done, write_config
 from rft.models.tiny import make_tiny_model
 from rft.schema import decode_group
-from tests.support.runs import finish
+from tests.support.runs import run_to_the_end
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 STEPS = 3
@@ -32,16 +31,10 @@ def test_moe_run_with_expert_parallelism_replays_the_explorers_routing(tmp_path,
         eval={"sets": [{"name": "copy", "format": "generated", "path": "copy_char", "generated_tasks": 4, "seed": 7}],
               "n_samples": 2, "k": 1, "every_steps": STEPS},
         monitor={"progress": False})
-    body = yaml.safe_load(config.read_text())
-    body["model"]["max_response_len"] = 4  # (write_config's `model` argument is the model's path)
-    config.write_text(yaml.safe_dump(body))
     run_dir = tmp_path / "runs" / "moe-replay"
     log = tmp_path / "run.log"
-    assert finish(rft_run(config, log), log, timeout_s=300) == 0, log_tail(log)
-
+    steps = run_to_the_end(config, run_dir, log, STEPS, model={"max_response_len": 4})
     records = steps_done(run_dir)
-    steps = [r for r in records if "loss" in r]
-    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     for r in steps:
         assert r["routing_replayed"] == 1.0  # every loss token's forward pass was routed as the explorer's
         mismatch_mean, mismatch_max = r["logprob_mismatch_mean"], r["logprob_mismatch_max"]

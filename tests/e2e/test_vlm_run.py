@@ -15,11 +15,10 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
 
-from benchmarks.runs import consumed, log_tail, read_topic, rft_run, steps_done, write_config
+from benchmarks.runs import consumed, read_topic, steps_done, write_config
 from rft.schema import HEADER_ERROR, decode_group
-from tests.support.runs import finish
+from tests.support.runs import run_to_the_end
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 STEPS, GROUPS, BOUND, EVAL_TASKS = 3, 2, 1, 8
@@ -52,16 +51,10 @@ def test_a_tiny_vlm_trains_on_image_tasks_through_the_whole_loop(tmp_path, tiny_
         data={"format": "easy_vqa", "path": "train", "generated_tasks": 64, "epochs": 1},
         eval={"sets": [held_out], "n_samples": 2, "k": 1, "every_steps": STEPS, "max_tokens": 4},
         monitor={"progress": False})
-    body = yaml.safe_load(config.read_text())
-    body["model"].update(max_prompt_len=PROMPT_LIMIT, max_response_len=4)  # (write_config's `model` is the path)
-    config.write_text(yaml.safe_dump(body))
     run_dir = tmp_path / "runs" / "vlm"
     log = tmp_path / "run.log"
-    assert finish(rft_run(config, log), log, timeout_s=300) == 0, log_tail(log)
-
+    steps = run_to_the_end(config, run_dir, log, STEPS, model={"max_prompt_len": PROMPT_LIMIT, "max_response_len": 4})
     records = steps_done(run_dir)
-    steps = [r for r in records if "loss" in r]
-    assert [r["step"] for r in steps] == list(range(1, STEPS + 1)), log_tail(log)
     for r in steps:
         assert r["staleness_max"] <= BOUND and math.isfinite(r["loss"])
         assert 0 <= r["logprob_mismatch_mean"] <= r["logprob_mismatch_max"] < math.inf

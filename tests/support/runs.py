@@ -52,3 +52,21 @@ def assert_trained_exactly_once(run_dir: Path, bootstrap: str, topic: str, steps
                for m in read_topic(bootstrap, topic, end=state["feed"]["offsets"])}
     assert covered == set(trained), f"lost: {sorted(covered - set(trained))[:5]}"
     return trained
+
+
+def run_to_the_end(config: Path, run_dir: Path, log: Path, steps: int, *, model: dict,
+                   timeout_s: float = 300) -> list[dict]:
+    """`rft run` of `config` (a write_config file) with its `model` section updated by `model` (write_config's
+    `model` argument is only the path), to a 0 exit; the training steps' metrics records, asserted to be steps
+    1..`steps`."""
+    import yaml
+
+    from benchmarks.runs import rft_run, steps_done
+
+    body = yaml.safe_load(config.read_text())
+    body["model"].update(model)
+    config.write_text(yaml.safe_dump(body))
+    assert finish(rft_run(config, log), log, timeout_s=timeout_s) == 0, log_tail(log)
+    records = [r for r in steps_done(run_dir) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), log_tail(log)
+    return records
