@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rft.text.chat import ChatPrompt, encode_chat, observation_text, stop_token_ids
@@ -72,9 +72,13 @@ class ImagePrompt:
     """A prompt with images for a vision-language model: `text` holds the processor's placeholder
     (rft.models.vision.placeholder) once per image, in order, already formatted (rft.models.vision.render_chat for
     chat messages); `images` are PIL images or `(bytes, media_type)` pairs. The engine expands the placeholders
-    with the model's processor and records the ids it ran on (`Generation.prompt_token_ids`)."""
+    with the model's processor and records the ids it ran on (`Generation.prompt_token_ids`). `processed`: the
+    processor's output for exactly this text and these images with the engine's own processor
+    (rft.models.vision.process_prompt), when the caller already ran it for its length check; the transformers engine
+    then does not run it again (vLLM runs its own)."""
     text: str
     images: tuple[Any, ...] = ()
+    processed: Any = field(default=None, compare=False, repr=False)
 
 
 class Engine(Protocol):

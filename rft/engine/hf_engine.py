@@ -80,15 +80,16 @@ class TransformersEngine(TokenizerMixin):
         return [self._generate_one(list(p), sampling) for p in prompts]
 
     def generate_images(self, prompts: Sequence[ImagePrompt], sampling: SamplingSettings) -> list[Generation]:
-        """Each prompt's placeholders expanded by the processor (rft.models.vision.process_prompt), generated with
-        its pixel tensors (each Generation's `prompt_text` the prompt's text); EngineError for a text-only model or a
-        prompt the processor refuses."""
+        """Each prompt's placeholders expanded by the processor (rft.models.vision.process_prompt, or the prompt's
+        `processed` when its maker already ran it), generated with its pixel tensors (each Generation's
+        `prompt_text` the prompt's text); EngineError for a text-only model or a prompt the processor refuses."""
         if self.processor is None:
             raise EngineError("generate_images needs a vision-language model; this one has no vision_config")
         generations = []
         for p in prompts:
             try:
-                processed = process_prompt(self.processor, p.text, p.images)
+                processed = p.processed if p.processed is not None else process_prompt(self.processor, p.text,
+                                                                                        p.images)
             except VisionError as e:
                 raise EngineError(str(e)) from None
             pixels = {k: v.to(self.device) for k, v in processed.pixels.items()}

@@ -235,5 +235,5 @@ def image_renderer(model: ModelConfig, processor: Any, max_pixels: int) -> Calla
         problem = prompt_length_problem(processed, model.max_prompt_len)
         if problem is not None:
             raise ApiError(400, f"messages: {problem}", param="messages", code="context_length_exceeded")
-        return ImagePrompt(text, pils)
+        return ImagePrompt(text, pils, processed)
     return render

@@ -141,7 +141,7 @@ def image_prompt(engine: Engine, task: TaskRecord, max_prompt_len: int,
         return f"the task's prompt and images: {e}"
     if problem := prompt_length_problem(processed, max_prompt_len):
         return problem
-    return ImagePrompt(text, images)
+    return ImagePrompt(text, images, processed)
 
 
 def generate_prompts(engine: Engine, prompts: dict[int, list[int] | ImagePrompt],

@@ -88,7 +88,11 @@ def explore_batch(cfg, engine, tasks: list[TaskRecord], tmp_path, explorer_id: s
 
 
 @needs_wheel
-def test_an_image_task_becomes_samples_with_its_images_on_the_experience_topic(vlm, engine, tmp_path):
+def test_an_image_task_becomes_samples_with_its_images_on_the_experience_topic(vlm, engine, tmp_path, monkeypatch):
+    import rft.engine.hf_engine as hf_engine
+
+    engine_runs: list[str] = []  # the engine reuses the processor's output the workflow's length check made
+    monkeypatch.setattr(hf_engine, "process_prompt", lambda *a, **k: engine_runs.append("run") or process_prompt(*a))
     cfg = make_cfg(vlm, tasks_per_batch=8, greedy_baseline=True)
     pictured = vqa_tasks(2)
     text = TaskRecord(run_id="run", task_id="text", epoch=0, prompt="3+4=", answer="7")
@@ -98,6 +102,7 @@ def test_an_image_task_becomes_samples_with_its_images_on_the_experience_topic(v
 
     groups = {g.task_id: g for g in (decode_group(m.value) for m in read_topic(transport, TOPICS.experiences))}
     assert sorted(groups) == sorted([t.task_id for t in pictured] + ["text"])
+    assert engine_runs == []  # sampling and the greedy baseline alike
     processor = engine.processor
     for task in pictured:
         group = groups[task.task_id]
