@@ -132,16 +132,20 @@ def tiny_moe_as_the_makefile_writes_it(out: Path) -> Path:
     return out
 
 
-def test_the_tiny_moe_config_validates_against_its_model_with_expert_parallelism_and_routing_replay(tmp_path,
-                                                                                                  capsys):
+def validated_against(config: Path, model: Path, capsys) -> tuple:
+    """`rft validate CONFIG --set model.path=MODEL` passes; the loaded config and the model's config.json."""
     from rft.cli import main
 
-    model = tiny_moe_as_the_makefile_writes_it(tmp_path / "tiny-qwen3-moe")
-    config = CONFIGS / "tiny-qwen3-moe.yaml"
     assert main(["validate", str(config), "--set", f"model.path={model}"]) == 0
     assert "valid" in capsys.readouterr().out
     cfg = load_run_config(config, [f"model.path={model}"], need_model=True)
-    hf = json.loads((model / "config.json").read_text())
+    return cfg, json.loads((model / "config.json").read_text())
+
+
+def test_the_tiny_moe_config_validates_against_its_model_with_expert_parallelism_and_routing_replay(tmp_path,
+                                                                                                  capsys):
+    model = tiny_moe_as_the_makefile_writes_it(tmp_path / "tiny-qwen3-moe")
+    cfg, hf = validated_against(CONFIGS / "tiny-qwen3-moe.yaml", model, capsys)
     assert hf["architectures"] == ["Qwen3MoeForCausalLM"] and hf["num_local_experts"] % cfg.trainer.expert_parallel == 0
     assert cfg.trainer.expert_parallel == 2 and cfg.run.routing_replay
     assert cfg.explorer.engine == "transformers"  # the engine that records routing on a CPU
@@ -152,7 +156,6 @@ def test_the_tiny_vlm_config_validates_against_its_model_and_fits_every_easy_vqa
     """configs/tiny-vlm.yaml against the model `make tiny-vlm-run` writes (its Makefile line's call, into tmp_path):
     `rft validate` passes, the trainer's TP divides the key/value heads, and the longest easy-VQA question of either
     split, its image's tokens counted, fits model.max_prompt_len (so the run refuses no task as too long)."""
-    from rft.cli import main
     from rft.data import easy_vqa
     from rft.models.tiny_vlm import make_tiny_idefics3
     from rft.models.vision import load_processor, placeholder, process_prompt
@@ -160,11 +163,7 @@ def test_the_tiny_vlm_config_validates_against_its_model_and_fits_every_easy_vqa
     line = next(line for line in (REPO / "Makefile").read_text().splitlines() if "make_tiny_idefics3(" in line)
     assert "make_tiny_idefics3('assets/tiny-idefics3')" in line  # no other arguments: the call below
     model = make_tiny_idefics3(tmp_path / "tiny-idefics3")
-    config = CONFIGS / "tiny-vlm.yaml"
-    assert main(["validate", str(config), "--set", f"model.path={model}"]) == 0
-    assert "valid" in capsys.readouterr().out
-    cfg = load_run_config(config, [f"model.path={model}"], need_model=True)
-    hf = json.loads((model / "config.json").read_text())
+    cfg, hf = validated_against(CONFIGS / "tiny-vlm.yaml", model, capsys)
     assert hf["text_config"]["num_key_value_heads"] % cfg.trainer.tensor_parallel == 0
     assert cfg.explorer.workflow == "single_turn" and cfg.data.format == "easy_vqa"
     assert [(s.format, s.path) for s in cfg.eval.sets] == [("easy_vqa", "test")]  # the held-out split
