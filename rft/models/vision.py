@@ -6,7 +6,8 @@ engine that generated a sample and the trainer that trains on it must agree on t
 peers' most reported VLM bug is that they do not (double expansion, truncation inside an image). So:
 - `process_prompt` is the one place rft runs a processor on a prompt: the expanded prompt ids and the pixel tensors.
 - `prompt_mismatch` compares an engine's prompt ids (as the engine expanded them) with `process_prompt`'s: None, or
-  the reason; `engine_prompt_problem` runs both for one sample (for the trainer to dead-letter the group).
+  the reason; `engine_prompt_problem` runs both for one sample (for the trainer to dead-letter the group;
+  `reprocessed` is its first half, the processor's output or why it refuses).
 - `prompt_length_problem`: a prompt over `model.max_prompt_len` is refused whole, never cut (a cut could fall inside
   an image's tokens).
 - `decode_image`: encoded images (PNG, JPEG, WebP) are checked against their declared media type and a pixel limit
@@ -194,15 +195,24 @@ def prompt_mismatch(engine_ids: Sequence[int], expected: Sequence[int], *,
     return f"the engine's prompt is {len(engine)} tokens, the processor's {len(mine)}{counts}; {at}"
 
 
-def engine_prompt_problem(processor: Any, prompt: str | list[dict], images: Sequence[Any],
-                          engine_ids: Sequence[int]) -> str | None:
-    """What the trainer checks for every sample: None when re-running the processor on the sample's prompt and
-    images gives exactly the prompt ids the engine recorded; else the reason (a processor that refuses them, or
-    `prompt_mismatch`'s), for the group's dead letter."""
+def reprocessed(processor: Any, prompt: str | list[dict], images: Sequence[Any], *,
+                max_pixels: int = MAX_PIXELS) -> ProcessedPrompt | str:
+    """`process_prompt` of a recorded sample's prompt and images, or why the processor refuses them (for the group's
+    dead letter)."""
     try:
-        expected = process_prompt(processor, prompt, images)
+        return process_prompt(processor, prompt, images, max_pixels=max_pixels)
     except VisionError as e:
         return f"the processor refuses the sample's prompt: {e}"
+
+
+def engine_prompt_problem(processor: Any, prompt: str | list[dict], images: Sequence[Any],
+                          engine_ids: Sequence[int]) -> str | None:
+    """What the trainer checks for every sample (rft/trainer/images.py, which keeps `reprocessed`'s result for the
+    sample's pixels): None when re-running the processor on the sample's prompt and images gives exactly the prompt
+    ids the engine recorded; else the reason (a processor that refuses them, or `prompt_mismatch`'s)."""
+    expected = reprocessed(processor, prompt, images)
+    if isinstance(expected, str):
+        return expected
     return prompt_mismatch(engine_ids, expected.token_ids, image_ids=image_token_ids(processor))
 
 

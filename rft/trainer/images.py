@@ -27,8 +27,8 @@ from rft.models.vision import (
     image_token_ids,
     is_vision_model,
     load_processor,
-    process_prompt,
     prompt_mismatch,
+    reprocessed,
 )
 from rft.schema import ImageLimits, Sample
 
@@ -87,13 +87,9 @@ class ImagePrompts:
             self._cache.move_to_end(key)
             return known
         self.runs += 1
-        result: ProcessedPrompt | str
-        try:
-            result = process_prompt(self.processor, sample.prompt_text,
-                                    [(image.data, image.media_type) for image in sample.images],
-                                    max_pixels=self.limits.max_image_pixels)
-        except VisionError as e:
-            result = f"the processor refuses the sample's prompt: {e}"
+        result = reprocessed(self.processor, sample.prompt_text,
+                             [(image.data, image.media_type) for image in sample.images],
+                             max_pixels=self.limits.max_image_pixels)
         self._cache[key] = result
         self._held += _nbytes(result)
         while len(self._cache) > 1 and (self._held > self.cache_bytes or len(self._cache) > CACHE_ENTRIES):
