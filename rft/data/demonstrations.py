@@ -38,10 +38,9 @@ from rft.models.vision import (
     VisionError,
     is_vision_model,
     load_processor,
-    placeholder,
     process_prompt,
     prompt_length_problem,
-    render_chat,
+    task_prompt_text,
 )
 from rft.schema import ExperienceGroup, Sample, TaskRecord
 from rft.text.chat import ChatError, ChatPrompt, encode_chat, end_of_turn_id, observation_text, tool_turn_text
@@ -120,12 +119,8 @@ def _image_prompt(task: TaskRecord, processor: Any, model: ModelConfig, *, where
     if processor is None:
         raise DatasetError(f"{where}: the task has {len(task.images)} image(s) but model.path {model.path!r} is not "
                            "a vision-language model")
-    chat = ChatPrompt.of(model)
-    if chat is not None:
-        text = render_chat(processor, chat.image_messages(task.prompt, len(task.images)))
-    else:  # as explorers prompt without a chat template: one placeholder per image, then the prompt
-        text = placeholder(processor) * len(task.images) + task.prompt
     try:
+        text = task_prompt_text(processor, task.prompt, len(task.images), ChatPrompt.of(model))
         processed = process_prompt(processor, text, [(image.data, image.media_type) for image in task.images])
     except VisionError as e:
         raise DatasetError(f"{where}: {e}") from None

@@ -147,6 +147,15 @@ def render_chat(processor: Any, messages: list[dict]) -> str:
     return str(text)
 
 
+def task_prompt_text(processor: Any, prompt: str, images: int, chat: Any = None) -> str:
+    """The text an image task's prompt reaches the engine as (what explorers send, and what demonstrations train on):
+    with `chat` (rft.text.chat's `ChatPrompt.of(model)`), its `image_messages` rendered by the processor's template;
+    else one placeholder per image, then the prompt. VisionError when the template fails."""
+    if chat is None:
+        return placeholder(processor) * images + prompt
+    return render_chat(processor, chat.image_messages(prompt, images))
+
+
 @dataclass(frozen=True)
 class ProcessedPrompt:
     """A prompt as the model sees it: `token_ids` with every image placeholder expanded, `pixels` the processor's

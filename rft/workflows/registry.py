@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import numpy as np
 
 from rft.engine.base import ImagePrompt
-from rft.models.vision import VisionError, as_pil, placeholder, process_prompt, prompt_length_problem, render_chat
+from rft.models.vision import VisionError, as_pil, placeholder, process_prompt, prompt_length_problem, task_prompt_text
 from rft.registry import Registry
 from rft.rewards.registry import RewardError, RewardResult, TaskError
 from rft.schema import Image, RoutedExperts, Sample, TaskRecord, Turn
@@ -124,17 +124,14 @@ def image_prompt(engine: Engine, task: TaskRecord, max_prompt_len: int,
         return (f"the task has {len(task.images)} image(s) and the engine's model takes none (model.path has no "
                 "vision_config: a text-only model); image tasks need a vision-language model")
     try:
-        mark = placeholder(processor)
+        placeholder(processor)  # VisionError for a processor without an image token
         images = tuple(as_pil((image.data, image.media_type)) for image in task.images)
     except VisionError as e:
         return f"the task's images: {e}"
-    if chat is None:
-        text = mark * len(images) + task.prompt
-    else:
-        try:
-            text = render_chat(processor, chat.image_messages(task.prompt, len(images)))
-        except VisionError as e:
-            raise WorkflowError(f"model.chat_template: {e}") from None
+    try:
+        text = task_prompt_text(processor, task.prompt, len(images), chat)
+    except VisionError as e:
+        raise WorkflowError(f"model.chat_template: {e}") from None
     try:
         processed = process_prompt(processor, text, images)
     except VisionError as e:
